@@ -1,0 +1,40 @@
+"""The exceptions asyncside raises. Every message names the file, field or value at fault."""
+
+from __future__ import annotations
+
+
+class AsyncsideError(Exception):
+    """Base class of every error asyncside raises on purpose."""
+
+
+class StoreError(AsyncsideError, ValueError):
+    """An expert store is missing, malformed or hostile.
+
+    ``path`` is the file at fault and ``field`` the manifest field (dotted, e.g.
+    ``layers[3].segments[1].nbytes``) when one is to blame.
+    """
+
+    def __init__(self, path: object, message: str, field: str | None = None) -> None:
+        self.path = str(path)
+        self.field = field
+        where = f"{self.path}" + (f" [{field}]" if field else "")
+        super().__init__(f"{where}: {message}")
+
+
+class LedgerError(AsyncsideError, ValueError):
+    """Bad input to a ledger (an id out of range, a wrong dtype) or an illegal transition."""
+
+
+class CapacityError(AsyncsideError):
+    """A demand needs more side-region rows than the layer has."""
+
+
+class FillError(AsyncsideError):
+    """Reading one expert record into its pool row failed; the row went back to the free list."""
+
+    def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None) -> None:
+        self.layer = layer
+        self.expert = expert
+        self.row = row
+        self.errno = errno
+        super().__init__(f"layer {layer} expert {expert} (row {row}): {message}")
