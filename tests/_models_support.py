@@ -1,16 +1,16 @@
 """Shared helpers of the model tests: tiny configs, random models, and ShuffledSource.
 
-ShuffledSource is a streaming stand-in without the runtime: it keeps every layer's experts in a
-random row permutation with *fewer rows than experts*, copies rows in on ensure (evicting by a
-simple policy, never a leased row), honours prefetch hints at the next ensure, and releases leases
-only after the leasing computation completed. Running the model over it exercises everything the
+ShuffledSource is a streaming stand-in without the runtime: per layer a real asyncside Ledger
+(resident set + side rows, the chosen eviction policy) decides rows, behind a random physical row
+permutation, with *fewer rows than experts*; ensure() copies records into rows synchronously,
+prefetch hints are reserved (demand=False) at the next ensure, and leases are released only
+after the leasing computation completed. Running the model over it exercises everything the
 forward must get right with a real streaming source: arbitrary rows, misses, evictions between
 steps, capacity splits, predictions.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Awaitable, Callable, Mapping
 
 import mlx.core as mx
@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from asyncside.errors import CapacityError, LedgerError
+from asyncside.errors import CapacityError
 
 BASE = {
     "qwen3_moe": dict(
@@ -85,141 +85,99 @@ def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | Non
 
 
 class ShuffledSource:
-    """Test source: shuffled rows, fewer rows than experts, demand copies, policy eviction."""
+    """Test source: a real Ledger per layer, rows behind a random physical permutation, copies on ensure."""
 
     def __init__(self, pools: Mapping[int, Mapping[str, mx.array]], *, resident_fraction: float,
-                 side_rows: int, completed: Callable[[mx.array], Awaitable[None]], policy: str = "lru",
-                 seed: int = 0) -> None:
-        if policy not in ("lru", "random", "fifo"):
-            raise ValueError(policy)
+                 side_rows: int, completed: Callable[[mx.array], Awaitable[None]], policy: str = "lfu",
+                 seed: int = 0, resident: Mapping[int, list[int]] | None = None) -> None:
+        from asyncside.ledger import Ledger
+
         self.completed = completed
-        self.policy = policy
         self.rng = np.random.default_rng(seed)
         self.full = {l: dict(p) for l, p in pools.items()}
-        self.layers: dict[int, dict[str, Any]] = {}
-        self._lease_ids = itertools.count(1)
+        self.ledgers: dict[int, Any] = {}
+        self.perm: dict[int, np.ndarray] = {}
+        self.pool: dict[int, dict[str, mx.array]] = {}
         self._pending_release: list[tuple[mx.array, list[tuple[int, int]]]] = []
         self._predicted: dict[int, list[Any]] = {}
-        self.stats = {"hits": 0, "misses": 0, "prefetch_fills": 0, "evictions": 0, "capacity_errors": 0}
-        self._tick = itertools.count()
+        self.stats = {"demand_fills": 0, "prefetch_fills": 0, "capacity_errors": 0, "blocked_waits": 0}
         for l, arrays in self.full.items():
             n = next(iter(arrays.values())).shape[0]
-            cap = int(round(resident_fraction * n))
-            rows = cap + side_rows
-            if rows >= n:
-                raise ValueError(f"layer {l}: {rows} rows would hold every one of {n} experts")
-            resident = self.rng.choice(n, size=cap, replace=False)
-            row_perm = self.rng.permutation(rows)  # resident experts land on random rows
-            pool = {k: mx.zeros((rows, *a.shape[1:]), dtype=a.dtype) for k, a in arrays.items()}
-            mx.eval(list(pool.values()))
-            st = {
-                "n": n, "rows": rows, "pool": pool, "row_of": np.full(n, -1, np.int64),
-                "expert_at": np.full(rows, -1, np.int64), "pinned": np.zeros(rows, bool),
-                "leases": np.zeros(rows, np.int64), "used": np.zeros(rows, np.int64), "open": {},
-            }
-            self.layers[l] = st
-            for i, e in enumerate(resident):
-                self._copy(l, int(e), int(row_perm[i]))
-                st["pinned"][row_perm[i]] = True
+            if resident is not None:
+                res = list(resident[l])
+            else:
+                res = self.rng.choice(n, size=int(round(resident_fraction * n)), replace=False).tolist()
+            led = Ledger(n, res, side_rows, policy=policy)
+            if led.rows >= n:
+                raise ValueError(f"layer {l}: {led.rows} rows would hold every one of {n} experts")
+            self.ledgers[l] = led
+            self.perm[l] = self.rng.permutation(led.rows)  # ledger row -> physical pool row
+            self.pool[l] = {k: mx.zeros((led.rows, *a.shape[1:]), dtype=a.dtype) for k, a in arrays.items()}
+            mx.eval(list(self.pool[l].values()))
+            for row, e in enumerate(res):
+                self._copy(l, e, row)
 
-    # -- row management --------------------------------------------------------------------------
-
-    def _copy(self, l: int, e: int, r: int) -> None:
-        st = self.layers[l]
-        assert st["leases"][r] == 0, "overwriting a leased row"
-        old = st["expert_at"][r]
-        if old >= 0:
-            st["row_of"][old] = -1
-            self.stats["evictions"] += 1
-        for k, pool in st["pool"].items():
+    def _copy(self, l: int, e: int, ledger_row: int) -> None:
+        r = int(self.perm[l][ledger_row])
+        for k, pool in self.pool[l].items():
             src = memoryview(self.full[l][k][e]).cast("B")
-            dst = memoryview(pool).cast("B")
             n = src.nbytes
-            dst[r * n:(r + 1) * n] = src
-        st["expert_at"][r] = e
-        st["row_of"][e] = r
-        st["used"][r] = next(self._tick)
+            memoryview(pool).cast("B")[r * n:(r + 1) * n] = src
 
-    def _victim(self, l: int, keep: set[int]) -> int | None:
-        st = self.layers[l]
-        free = [r for r in range(st["rows"]) if not st["pinned"][r] and st["expert_at"][r] < 0]
-        if free:
-            return free[0]
-        cand = [r for r in range(st["rows"]) if not st["pinned"][r] and st["leases"][r] == 0
-                and st["expert_at"][r] not in keep]
-        if not cand:
-            return None
-        if self.policy == "random":
-            return int(self.rng.choice(cand))
-        return min(cand, key=lambda r: st["used"][r])  # lru (used is bumped on hits) / fifo (not bumped)
+    def _fill(self, l: int, fills: list[Any]) -> None:
+        led = self.ledgers[l]
+        for f in fills:
+            assert f.row not in led.pinned_rows(), "ledger handed out a leased row"
+            self._copy(l, f.expert, f.row)
+            led.publish(f)
 
     async def _drain_releases(self) -> None:
         pending, self._pending_release = self._pending_release, []
         for x, leases in pending:
             await self.completed(x)
             for l, lid in leases:
-                for r in self.layers[l]["open"].pop(lid):
-                    self.layers[l]["leases"][r] -= 1
+                self.ledgers[l].release(lid)
 
     # -- ExpertSource ----------------------------------------------------------------------------
 
     def pools(self, layer: int) -> dict[str, mx.array]:
-        return self.layers[layer]["pool"]
+        return self.pool[layer]
 
     def lookup(self, layer: int) -> mx.array:
-        return mx.array(self.layers[layer]["row_of"].astype(np.int32))
+        t = self.ledgers[layer].lookup()
+        return mx.array(np.where(t >= 0, self.perm[layer][np.maximum(t, 0)], -1).astype(np.int32))
 
     def prefetch(self, layer: int, ids: Any) -> None:
         self._predicted.setdefault(layer, []).append(ids)
 
     async def ensure(self, layer: int, ids: Any) -> None:
-        st = self.layers[layer]
-        want = [int(e) for e in np.unique(np.asarray(ids))]
-        if any(e < 0 or e >= st["n"] for e in want):
-            raise LedgerError(f"layer {layer}: id out of range in {want}")
-        side = st["rows"] - int(st["pinned"].sum())
-        if sum(1 for e in want if not self._is_resident(layer, e)) > side:
-            self.stats["capacity_errors"] += 1
-            raise CapacityError(f"layer {layer}: {len(want)} experts cannot fit {side} side rows")
+        led = self.ledgers[layer]
+        await self._drain_releases()
         for p in self._predicted.pop(layer, []):
             if isinstance(p, mx.array):
                 await self.completed(p)
-            for e in np.unique(np.asarray(p)).tolist():
-                if st["row_of"][e] < 0:
-                    r = self._victim(layer, set(want))
-                    if r is not None:
-                        self._copy(layer, int(e), r)
-                        self.stats["prefetch_fills"] += 1
-        keep = set(want)
-        for e in want:
-            r = st["row_of"][e]
-            if r >= 0:
-                self.stats["hits"] += 1
-                if self.policy == "lru":
-                    st["used"][r] = next(self._tick)
-                continue
-            self.stats["misses"] += 1
-            r = self._victim(layer, keep)
-            while r is None:
-                if not self._pending_release:
-                    raise AssertionError(f"layer {layer}: no row for expert {e} and nothing to release")
-                await self._drain_releases()
-                r = self._victim(layer, keep)
-            self._copy(layer, e, r)
-
-    def _is_resident(self, layer: int, e: int) -> bool:
-        r = self.layers[layer]["row_of"][e]
-        return bool(r >= 0 and self.layers[layer]["pinned"][r])
+            fills = led.reserve(np.asarray(p), demand=False)
+            self._fill(layer, fills)
+            self.stats["prefetch_fills"] += len(fills)
+        want = np.asarray(ids)
+        while True:
+            try:
+                fills = led.reserve(want, demand=True)
+            except CapacityError:
+                self.stats["capacity_errors"] += 1
+                raise
+            self._fill(layer, fills)
+            self.stats["demand_fills"] += len(fills)
+            if not led.blocked:
+                return
+            if not self._pending_release:
+                raise AssertionError(f"layer {layer}: experts {led.blocked} blocked and nothing to release")
+            self.stats["blocked_waits"] += 1
+            await self._drain_releases()
+            want = np.asarray(led.blocked)
 
     def lease(self, layer: int, experts: Any) -> int:
-        st = self.layers[layer]
-        rows = [int(st["row_of"][e]) for e in np.unique(np.asarray(experts))]
-        assert all(r >= 0 for r in rows), "lease of an absent expert"
-        lid = next(self._lease_ids)
-        for r in rows:
-            st["leases"][r] += 1
-        st["open"][lid] = rows
-        return lid
+        return self.ledgers[layer].lease(np.asarray(experts))
 
     def release_after(self, x: mx.array, leases: list[tuple[int, int]]) -> None:
         self._pending_release.append((x, list(leases)))
@@ -228,4 +186,7 @@ class ShuffledSource:
         await self._drain_releases()
 
     def open_leases(self) -> int:
-        return sum(len(st["open"]) for st in self.layers.values())
+        return sum(led.stats["leases"] - led.stats["releases"] for led in self.ledgers.values())
+
+    def audit(self) -> list[str]:
+        return [f"layer {l}: {p}" for l, led in self.ledgers.items() for p in led.audit().problems]
