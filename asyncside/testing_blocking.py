@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import anyio.lowlevel
+
 __all__ = [
     "BlockingCallError",
     "BlockingDetector",
@@ -141,6 +143,7 @@ class BlockingDetector:
     raise_on_exit: bool = True
     incidents: list[Incident] = field(default_factory=list)
     max_ping_s: float = 0.0  # the slowest answered ping: how responsive the loop was
+    pings_answered: int = 0  # how many times the loop answered (proof the watchdog watched)
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -164,6 +167,10 @@ class BlockingDetector:
     async def __aexit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if et is None:
+            # Let the loop answer a ping that a block just before exit left waiting, so the
+            # incident gets its real duration.
+            await anyio.lowlevel.checkpoint()
         self.stop()
         if et is None and self.raise_on_exit:
             self.check()
@@ -213,6 +220,7 @@ class BlockingDetector:
             if ping is not None and ping.answered is not None:
                 waited = ping.answered - ping.sent
                 self.max_ping_s = max(self.max_ping_s, waited)
+                self.pings_answered += 1
                 if ping.incident is not None:
                     ping.incident.blocked_s = waited
                     ping.incident.answered = True
@@ -235,8 +243,12 @@ class BlockingDetector:
                     self._record(ping.incident)
                 else:
                     ping.incident.blocked_s = waited
-        if ping is not None and ping.incident is not None and ping.answered is None:
-            ping.incident.blocked_s = time.monotonic() - ping.sent
+        if ping is not None and ping.incident is not None:
+            if ping.answered is not None:
+                ping.incident.blocked_s = ping.answered - ping.sent
+                ping.incident.answered = True
+            else:
+                ping.incident.blocked_s = time.monotonic() - ping.sent
 
     def _record(self, incident: Incident) -> None:
         with self._lock:
