@@ -267,3 +267,20 @@ def test_source_errors() -> None:
         assert not tiny.open_leases
 
     anyio.run(main)
+
+
+@pytest.fixture
+def deepseek_stream():
+    """Built outside the loop: building models and sources evaluates arrays synchronously."""
+    model, config, sm, pools, prompt, ref = setup("deepseek_v3", "q4g64")
+    src = ShuffledSource(pools, resident_fraction=0.25, side_rows=2, completed=completed)
+    return sm, src, prompt, ref
+
+
+@pytest.mark.anyio
+@pytest.mark.no_blocking(strict=True)
+async def test_generation_never_blocks_the_loop(anyio_backend: object, no_blocking: object, deepseek_stream) -> None:
+    """Every wait in the forward goes through the completion bridge: no mx.eval on the loop thread."""
+    sm, src, prompt, ref = deepseek_stream
+    assert await collect(sm, prompt, src, "lookahead") == ref
+    await src.close()

@@ -145,6 +145,28 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
     return make_profile(config["model_type"], counts, tokens, source)
 
 
+def profile_model_dir(model_dir: str | os.PathLike[str], prompts: Sequence[str], *, max_tokens: int = 16,
+                      out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Profile an mlx-lm model directory on text ``prompts`` (its own tokenizer); optionally save JSON.
+
+    Loads the whole model (all experts) once: for models that do not fit in memory, profile a
+    streaming run instead (:func:`profile_from_trace` on its RoutingTrace).
+    """
+    from mlx_lm.utils import load_model
+
+    from .tokenizer import load_tokenizer
+
+    model, config = load_model(pathlib.Path(model_dir))
+    tok = load_tokenizer(model_dir, config)
+    if tok is None:
+        raise StoreError(model_dir, "no tokenizer files to encode the profiling prompts with")
+    prof = profile_routing(model, config, [tok.encode(p) for p in prompts], max_tokens=max_tokens,
+                           source=f"{len(prompts)} prompts")
+    if out is not None:
+        pathlib.Path(out).write_text(json.dumps(prof) + "\n", encoding="utf-8")
+    return prof
+
+
 def profile_from_trace(trace: Any, model_type: str, n_experts: Mapping[int, int], source: str = "trace") -> dict[str, Any]:
     """A routing profile from a :class:`RoutingTrace` (e.g. of a streaming run)."""
     counts = {l: np.bincount(trace.token_ids(l).reshape(-1), minlength=n_experts[l]).tolist() for l in trace.layers}
