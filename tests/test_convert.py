@@ -261,3 +261,17 @@ def test_profile_model_dir_and_from_trace(tmp_path: pathlib.Path) -> None:
     with pytest.raises(StoreError, match="no tokenizer"):
         (tmp_path / "m" / "asyncside_tokenizer.json").unlink()
         profile_model_dir(tmp_path / "m", ["x"])
+
+
+def test_report_on_a_small_embedded_store(tmp_path: pathlib.Path) -> None:
+    from asyncside.models.report import format_table, main, measure
+
+    _, store_dir = ensure_embedded_default(tmp_path, spec=SMALL_EMBEDDED, progress=False)
+    res = measure(store_dir, max_tokens=6, fractions=(0.25,), side_rows=(2,), policies=("lfu",))
+    assert res["tokens_equal"] and res["generated"] == 6
+    assert res["decode_tok_s"]["async_resident"] > 0 and res["decode_tok_s"]["mlx_lm_reference"] > 0
+    (row,) = res["hit_rates"]
+    assert 0.0 <= row["belady"] <= 1.0 and row["lfu"] <= row["belady"] + 1e-12  # MIN bounds demand-only LFU
+    assert "lfu" in format_table(res)
+    assert main([str(store_dir), "--max-tokens", "4", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["tokens_equal"] is True
