@@ -171,7 +171,7 @@ SMALL_EMBEDDED = EmbeddedSpec(
     config={
         **EmbeddedSpec().config,
         "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
     },
     profile_tokens=2,
 )
@@ -190,7 +190,13 @@ def test_embedded_builds_once_and_is_exact(tmp_path: pathlib.Path) -> None:
     assert cfg["quantization"]["group_size"] == 64 and cfg["quantization"]["bits"] == 4
     assert cfg["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8  # router at 8 bits
 
+    summary = json.loads((store_dir / "asyncside_summary.json").read_text())
+    assert summary["expert_share"] > 0.9
+    before = mx.get_active_memory()
     sm = load_streaming_model(store_dir, completed=completed)
+    grew = mx.get_active_memory() - before
+    # Loading allocates the non-expert weights only, never an expert tensor.
+    assert grew <= summary["non_expert_bytes"] * 1.05 + 4096, (grew, summary)
     assert isinstance(sm.tokenizer, ByteTokenizer)
     prompt = sm.tokenizer.encode("Hello, experts!")
     model, _ = load_reference_model(model_dir)
@@ -255,7 +261,7 @@ def test_profile_model_dir_and_from_trace(tmp_path: pathlib.Path) -> None:
         return tr
 
     tr = anyio.run(main)
-    from_trace = profile_from_trace(tr, "qwen3_moe", {0: 8, 1: 8})
+    from_trace = profile_from_trace(tr, "qwen3_moe", {0: 32, 1: 32})
     # generate_step also runs the last generated token through the model; the async path does not.
     assert from_trace["tokens"] == prof["tokens"] - 2
     with pytest.raises(StoreError, match="no tokenizer"):

@@ -41,7 +41,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import StoreError
 from .arch import arch_for, moe_layers, segment_keys, switch_meta
-from .loading import META_KEY, NON_EXPERT_FILE
+from .loading import META_KEY, NON_EXPERT_FILE, _module_path
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
 
@@ -340,13 +340,6 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def _module_path(root: nn.Module, target: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is target:
-            return name
-    raise ValueError("module not found in the model")
 
 
 def _n_experts(switch: nn.Module) -> int:
