@@ -47,7 +47,7 @@ struct Chunk {
   uint64_t need = 0;      // bytes from file_off that must land
   uint64_t req = 0;       // bytes requested in total (>= need; aligned when direct)
   uint64_t done = 0;      // bytes landed so far
-  uint64_t op_len = 0;    // bytes the op in flight asked for
+  uint64_t op_len = 0;    // bytes the op in flight asked for (the rest of the chunk)
   std::vector<iovec> iov;  // rows mode: destinations covering req bytes
   std::vector<iovec> cur;  // the window of the op in flight (must outlive it)
   std::vector<ScatterPiece> pieces;  // staged mode

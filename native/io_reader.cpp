@@ -402,18 +402,22 @@ void Reader::dispatch(std::vector<Chunk*>& chunks) {
 // Reader: per-op logic shared by the backends
 
 uint64_t Reader::build_window(Chunk* c) {
-  uint64_t want = c->req - c->done;
+  // The op asks for the rest of the chunk (op_len). The max_read_bytes hook then trims what is
+  // actually handed to the kernel, so the op returns fewer bytes than it asked for: exactly what
+  // a real short read looks like to after_op().
+  const uint64_t want = c->req - c->done;
+  uint64_t give = want;
   if (faults_on_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lk(faults_mu_);
     uint64_t cap = faults_.max_read_bytes;
     if (cap && c->direct) cap = std::max(round_down(cap, kDirectAlign), kDirectAlign);
-    if (cap && want > cap) want = cap;
+    if (cap && give > cap) give = cap;
   }
   c->cur.clear();
   if (c->staged) {
-    c->cur.push_back({slot_ptr(c->slot) + c->done, want});
+    c->cur.push_back({slot_ptr(c->slot) + c->done, give});
   } else {
-    uint64_t skip = c->done, left = want;
+    uint64_t skip = c->done, left = give;
     for (const iovec& v : c->iov) {
       if (left == 0) break;
       if (skip >= v.iov_len) {
@@ -427,7 +431,7 @@ uint64_t Reader::build_window(Chunk* c) {
     }
   }
   c->op_len = want;
-  return want;
+  return give;
 }
 
 int Reader::injected_fault(const Chunk* c, uint64_t len) {

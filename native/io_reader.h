@@ -176,7 +176,8 @@ class Reader {
 
   // Shared per-op logic.
   enum class Step { Continue, Done };
-  // Fills c->cur_iov with the next window; returns its byte length.
+  // Fills c->cur with the next window (the rest of the chunk, trimmed by the max_read_bytes
+  // hook); returns the bytes handed to the kernel.
   uint64_t build_window(Chunk* c);
   // 0, or the errno an injected fault gives this op (counts the injection).
   int injected_fault(const Chunk* c, uint64_t len);
