@@ -161,7 +161,8 @@ class Scheduler:
     async def __aenter__(self) -> Scheduler:
         if self.reader is not None or self._closed:
             raise RuntimeError("a Scheduler can be entered once")
-        self.reader = make_reader(self.name, self.options)
+        # Building a native reader sets up a ring and allocates/registers staging: off the loop.
+        self.reader = await anyio.to_thread.run_sync(make_reader, self.name, self.options)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:

@@ -166,7 +166,16 @@ void bind_read_path(nb::module_& m) {
   nb::class_<PyReader>(m, "Reader",
                        "A native reader (io_uring or preadv thread pool) completing whole fills onto one "
                        "completion list + eventfd.")
-      .def(nb::init<const std::string&, int, int, uint64_t, uint64_t, bool, uint64_t, uint64_t, bool, bool>(),
+      .def(
+          "__init__",
+          [](PyReader* self, const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
+             uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes, bool register_files,
+             bool register_buffers) {
+            // Ring setup, staging allocation and buffer registration take milliseconds: GIL released.
+            nb::gil_scoped_release g;
+            new (self) PyReader(backend, queue_depth, workers, chunk_bytes, async_threshold, direct, staging_bytes,
+                                slot_bytes, register_files, register_buffers);
+          },
            nb::arg("backend"), nb::arg("queue_depth") = 64, nb::arg("workers") = 4,
            nb::arg("chunk_bytes") = 1ull << 20, nb::arg("async_threshold") = 64ull << 10,
            nb::arg("direct") = false, nb::arg("staging_bytes") = 64ull << 20, nb::arg("slot_bytes") = 4ull << 20,

@@ -174,7 +174,6 @@ Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
     slab_bytes_ = static_cast<uint64_t>(n_slots_) * opts_.slot_bytes;
     slab_ = static_cast<uint8_t*>(aligned_alloc_or_throw(slab_bytes_, "the O_DIRECT staging slab"));
     counters_.slab_allocs++;
-    std::memset(slab_, 0, slab_bytes_);  // fault the pages in now, not under the first reads
     for (int i = n_slots_ - 1; i >= 0; --i) free_slots_.push_back(i);
   }
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 
 from asyncside.pools import PoolSet
@@ -17,12 +19,28 @@ READERS = [
 
 
 def rows_equal_store(store: ExpertStore, spec_index: int, pools: PoolSet, expert: int, row: int) -> None:
+    """Every pool row of ``expert`` holds exactly ``store.read_expert``'s bytes (synchronous: call it
+    off the loop, through :func:`check_rows`, when records are big)."""
     truth = store.read_expert(spec_index, expert)
     for key, want in truth.items():
-        got = pools.arrays[key][row]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
+        pool = pools.arrays[key]
+        assert pool.dtype == want.dtype and tuple(pool.shape[1:]) == tuple(want.shape), key
         assert bytes(pools.row_view(key, row)) == bytes(memoryview(want).cast("B")), (
             f"layer {spec_index} expert {expert} row {row} key {key}: bytes differ")
+
+
+async def check_rows(store: ExpertStore, spec_index: int, pools: PoolSet, pairs: Iterable[tuple[int, int]]) -> None:
+    """rows_equal_store for each (expert, row) in ``pairs``, in a worker thread (reading the ground
+    truth is synchronous file I/O and must not block the loop the tests watch)."""
+    import anyio
+
+    pairs = list(pairs)
+
+    def check() -> None:
+        for e, r in pairs:
+            rows_equal_store(store, spec_index, pools, e, r)
+
+    await anyio.to_thread.run_sync(check)
 
 
 def assert_balanced(c: dict[str, int]) -> None:

@@ -17,7 +17,7 @@ from asyncside.readers import choose_reader
 from asyncside.scheduler import Scheduler
 from asyncside.store import ExpertStore
 
-from _read_helpers import HAVE_URING, READERS, assert_balanced, rows_equal_store
+from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows
 
 pytestmark = pytest.mark.anyio
 
@@ -108,7 +108,7 @@ def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("reader", READERS)
-async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore]) -> None:
+async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore], no_blocking: object) -> None:
     """Random layouts: every expert of every layer read into rows (more experts than rows, in
     rounds, rows reused) equals read_expert; chunking is tiny so records span several ops."""
     rng = random.Random(11)
@@ -125,8 +125,7 @@ async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[Ex
                     handles = sched.submit(spec, pools, fills)
                     for h in handles:
                         await h.wait()
-                    for f in fills:
-                        rows_equal_store(store, index, pools, f.expert, f.row)
+                    await check_rows(store, index, pools, [(f.expert, f.row) for f in fills])
     counters = sched.stats()["native"]  # after close: the slab is freed too
     assert_balanced(counters)
     assert counters["fills_failed"] == 0
@@ -140,7 +139,7 @@ class _F:
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore) -> None:
+async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore, no_blocking: object) -> None:
     """With 4096-multiple segments and aligned pools, native O_DIRECT reads go straight into the
     rows (no staging); the bytes are still exactly read_expert's."""
     spec = aligned_store.layer(5)
@@ -151,8 +150,7 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
         for h in hs:
             await h.wait()
     c = sched.stats()["native"]
-    for e in range(6):
-        rows_equal_store(aligned_store, 5, pools, e, 5 - e)
+    await check_rows(aligned_store, 5, pools, [(e, 5 - e) for e in range(6)])
     assert_balanced(c)
     if reader != "aiofiles":
         assert c["fills_direct_rows"] == 6 and c["fills_staged"] == 0, c
@@ -160,7 +158,7 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
 
 @pytest.mark.parametrize("anyio_backend", ALL_BACKENDS)
 @pytest.mark.parametrize("reader", READERS)
-async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore]) -> None:
+async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore], no_blocking: object) -> None:
     """The runtime's wiring in miniature: ledger.reserve -> submit -> done callbacks publish/fail on
     the loop thread, on asyncio, uvloop and trio; the ledger audits clean and lookup() maps to rows
     holding the right bytes."""
@@ -176,15 +174,13 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
             await sched.join()
             assert not ledger.pending()
             lut = ledger.lookup()
-            for e in ids:
-                if lut[e] >= ledger.cap:
-                    rows_equal_store(store, spec.index, pools, e, int(lut[e]))
+            await check_rows(store, spec.index, pools, [(e, int(lut[e])) for e in ids if lut[e] >= ledger.cap])
     assert_balanced(sched.stats()["native"])
     assert ledger.audit().ok, ledger.audit().problems
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore]) -> None:
+async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore], no_blocking: object) -> None:
     """queue_depth=2 with 12 fills: never more than 2 at the reader, the rest wait in the backlog."""
     store = stores[1]
     spec = next(iter(store.layers.values()))
@@ -199,8 +195,7 @@ async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertSto
         await sched.join()
         assert sched.stats()["max_backlog"] >= 8
     assert max(seen) <= 2
-    for f in fills:
-        rows_equal_store(store, spec.index, pools, f.expert, f.row)
+    await check_rows(store, spec.index, pools, [(f.expert, f.row) for f in fills])
 
 
 def test_reader_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +213,7 @@ def test_reader_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         choose_reader("uring")
 
 
-async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore]) -> None:
+async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore], no_blocking: object) -> None:
     store = stores[0]
     specs = list(store.layers.values())
     pools = PoolSet(specs[0], rows=2)

@@ -20,7 +20,7 @@ from asyncside.pools import PoolSet
 from asyncside.scheduler import FillHandle, Scheduler
 from asyncside.store import ExpertStore, LayerSpec
 
-from _read_helpers import HAVE_URING, READERS, assert_balanced, rows_equal_store
+from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows, rows_equal_store
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +66,7 @@ def assert_no_leak(ledger: Ledger) -> None:
     assert len(ledger.free_rows()) + len(ledger.live()) == ledger.side_rows  # every row FREE or LIVE
 
 
-async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStore) -> None:
+async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=spec.n_experts)
     pools = PoolSet(spec, rows=ledger.rows)
@@ -77,8 +77,7 @@ async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStor
         await sched.join()
     c = sched.stats()["native"]
     assert all(h.result_error() is None for h in hs)
-    for e, r in ledger.live().items():
-        rows_equal_store(store, 2, pools, e, r)
+    await check_rows(store, 2, pools, ledger.live().items())
     assert c["short_reads"] > spec.n_experts, c
     assert_balanced(c)
     assert_no_leak(ledger)
@@ -90,7 +89,7 @@ test_short_reads_continue = pytest.mark.parametrize("direct", DIRECT)(
 
 @pytest.mark.parametrize("err", [errno.EAGAIN, errno.EINTR], ids=["EAGAIN", "EINTR"])
 @pytest.mark.parametrize("reader", READERS)
-async def test_transient_errors_are_retried(reader: str, err: int, store: ExpertStore) -> None:
+async def test_transient_errors_are_retried(reader: str, err: int, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
     pools = PoolSet(spec, rows=ledger.rows)
@@ -102,15 +101,14 @@ async def test_transient_errors_are_retried(reader: str, err: int, store: Expert
             await h.wait()  # none raises
     c = sched.stats()["native"]
     assert c["retries"] > 0 and c["retries"] == c["faults_injected"], c
-    for e, r in ledger.live().items():
-        rows_equal_store(store, 2, pools, e, r)
+    await check_rows(store, 2, pools, ledger.live().items())
     assert_balanced(c)
     assert_no_leak(ledger)
 
 
 @pytest.mark.parametrize("direct", DIRECT)
 @pytest.mark.parametrize("reader", READERS)
-async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: ExpertStore) -> None:
+async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: ExpertStore, no_blocking: object) -> None:
     """An injected EIO inside expert 3's record: its awaiter gets FillError(errno=EIO) naming the
     file; the ledger returns its row; every other fill lands."""
     spec = store.layer(2)
@@ -134,8 +132,7 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
     c = sched.stats()["native"]
     assert c["fills_failed"] == 1, c
     assert ledger.row_of(bad) is None and not ledger.is_filling(bad)
-    for e, r in ledger.live().items():
-        rows_equal_store(store, 2, pools, e, r)
+    await check_rows(store, 2, pools, ledger.live().items())
     assert sorted(ledger.live()) == [0, 1, 4, 6]
     assert_balanced(c)
     assert_no_leak(ledger)
@@ -144,7 +141,7 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
 @pytest.mark.parametrize("direct", DIRECT)
 @pytest.mark.parametrize("reader", READERS)
 async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, store: ExpertStore,
-                                                     tmp_path: os.PathLike[str]) -> None:
+                                                     tmp_path: os.PathLike[str], no_blocking: object) -> None:
     """A real EOF: the blob is cut inside the last record (after the store was opened). Reading that
     record fails with FillError(errno=ENODATA, 'end of file'); earlier records still land."""
     copy = ExpertStore.open(shutil.copytree(store.path, os.path.join(tmp_path, "s")))
@@ -162,14 +159,13 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
         await hs[1].wait()
         await hs[2].wait()
     assert sorted(ledger.live()) == [0, 2]
-    for e, r in ledger.live().items():
-        rows_equal_store(store, 2, pools, e, r)
+    await check_rows(store, 2, pools, ledger.live().items())
     assert_balanced(sched.stats()["native"])
     assert_no_leak(ledger)
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: str, big_store: ExpertStore) -> None:
+async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: str, big_store: ExpertStore, no_blocking: object) -> None:
     """Cancel the awaiter mid-read: the handle is not done, the native read is still in flight and
     the ledger still has the row FILLING (a second reserve does not re-read it). The read then
     completes, the callback publishes, the bytes are right."""
@@ -190,13 +186,13 @@ async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: st
         await sched.join()
         assert h.done() and h.result_error() is None
     assert ledger.row_of(1) == h.fill.row
-    rows_equal_store(big_store, 0, pools, 1, h.fill.row)
+    await check_rows(big_store, 0, pools, [(1, h.fill.row)])
     assert_balanced(sched.stats()["native"])
     assert_no_leak(ledger)
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_store: ExpertStore) -> None:
+async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_store: ExpertStore, no_blocking: object) -> None:
     """Cancel the whole scope around the scheduler while reads are in flight: leaving the context
     still waits (shielded) for every read, runs every callback, and closes with counters balanced."""
     spec = big_store.layer(0)
@@ -211,8 +207,7 @@ async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_st
             await anyio.sleep(1)  # cancelled right here
     assert outer.cancelled_caught
     assert all(h.done() and h.result_error() is None for h in hs)
-    for e in (0, 1):
-        rows_equal_store(big_store, 0, pools, e, ledger.row_of(e))
+    await check_rows(big_store, 0, pools, [(e, ledger.row_of(e)) for e in (0, 1)])
     assert_balanced(sched.stats()["native"])
     assert_no_leak(ledger)
 
