@@ -70,6 +70,14 @@ class PoolSet:
         for seg in spec.segments:
             self.arrays[seg.key] = _aligned_pool(rows * seg.nbytes, seg.dtype, (rows, *seg.shape), align)
 
+    @classmethod
+    async def allocate(cls, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT) -> PoolSet:
+        """Build the pools in a worker thread: allocating and zeroing large pools takes long enough
+        (tens to hundreds of ms) to stall the event loop. The arrays are evaluated when this returns."""
+        import anyio
+
+        return await anyio.to_thread.run_sync(lambda: cls(spec, rows, align=align))
+
     def __repr__(self) -> str:
         return f"PoolSet(layer={self.spec.index}, rows={self.rows}, keys={list(self.arrays)})"
 

@@ -116,7 +116,7 @@ async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[Ex
                          staging_bytes=3 * 8192) as sched:
         for store in stores:
             for index, spec in store.layers.items():
-                pools = PoolSet(spec, rows=3)
+                pools = await PoolSet.allocate(spec, rows=3)
                 experts = list(range(spec.n_experts))
                 rng.shuffle(experts)
                 for start in range(0, len(experts), 3):
@@ -143,7 +143,7 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
     """With 4096-multiple segments and aligned pools, native O_DIRECT reads go straight into the
     rows (no staging); the bytes are still exactly read_expert's."""
     spec = aligned_store.layer(5)
-    pools = PoolSet(spec, rows=6)
+    pools = await PoolSet.allocate(spec, rows=6)
     assert pools.aligned
     async with Scheduler(reader, direct=True, chunk_bytes=64 << 10) as sched:
         hs = sched.submit(spec, pools, [_F(e, e, 5 - e) for e in range(6)])
@@ -165,7 +165,7 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
     store = stores[0]
     spec = next(iter(store.layers.values()))
     ledger = Ledger(spec.n_experts, resident=[0], side_rows=3)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader, queue_depth=2) as sched:
         for ids in ([1, 2, 3], [2, 4], [4, 1, spec.n_experts - 1]):
             fills = ledger.reserve(ids)
@@ -184,7 +184,7 @@ async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertSto
     """queue_depth=2 with 12 fills: never more than 2 at the reader, the rest wait in the backlog."""
     store = stores[1]
     spec = next(iter(store.layers.values()))
-    pools = PoolSet(spec, rows=12)
+    pools = await PoolSet.allocate(spec, rows=12)
     seen: list[int] = []
     async with Scheduler(reader, queue_depth=2) as sched:
         fills = [_F(i, i % spec.n_experts, i) for i in range(12)]
@@ -216,7 +216,7 @@ def test_reader_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore], no_blocking: object) -> None:
     store = stores[0]
     specs = list(store.layers.values())
-    pools = PoolSet(specs[0], rows=2)
+    pools = await PoolSet.allocate(specs[0], rows=2)
     async with Scheduler("threads") as sched:
         with pytest.raises(ValueError, match="row 2 out of range"):
             sched.submit(specs[0], pools, [_F(0, 0, 2)])

@@ -69,7 +69,7 @@ def assert_no_leak(ledger: Ledger) -> None:
 async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=spec.n_experts)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader, direct=direct, queue_depth=3, chunk_bytes=32 << 10) as sched:
         sched.set_faults(max_read_bytes=1000)  # every op returns <= 1000 bytes (4096 for O_DIRECT)
         hs = sched.submit(spec, pools, ledger.reserve(range(spec.n_experts)))
@@ -92,7 +92,7 @@ test_short_reads_continue = pytest.mark.parametrize("direct", DIRECT)(
 async def test_transient_errors_are_retried(reader: str, err: int, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader, queue_depth=4, chunk_bytes=16 << 10) as sched:
         sched.set_faults(transient_every=3, transient_err=err)
         hs = sched.submit(spec, pools, ledger.reserve([0, 3, 5, 7]))
@@ -113,7 +113,7 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
     file; the ledger returns its row; every other fill lands."""
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=5)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     bad = 3
     lo = bad * spec.stride + spec.segments[0].nbytes // 2
     async with Scheduler(reader, direct=direct, queue_depth=2, chunk_bytes=16 << 10) as sched:
@@ -149,7 +149,7 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
     last = spec.n_experts - 1
     os.truncate(spec.path, last * spec.stride + spec.segments[0].nbytes + 10)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=3)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader, direct=direct, chunk_bytes=16 << 10) as sched:
         hs = sched.submit(spec, pools, ledger.reserve([last, 0, 2]))
         wire(ledger, hs)
@@ -171,7 +171,7 @@ async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: st
     completes, the callback publishes, the bytes are right."""
     spec = big_store.layer(0)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=2)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader) as sched:
         sched.set_faults(max_read_bytes=4096)  # ~4100 ops for this 16 MiB record
         (h,) = hs = sched.submit(spec, pools, ledger.reserve([1]))
@@ -197,7 +197,7 @@ async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_st
     still waits (shielded) for every read, runs every callback, and closes with counters balanced."""
     spec = big_store.layer(0)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=2)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     with anyio.CancelScope() as outer:
         async with Scheduler(reader) as sched:
             sched.set_faults(max_read_bytes=16384)
