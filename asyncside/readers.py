@@ -109,6 +109,7 @@ class ReaderOptions:
     slot_bytes: int = 4 << 20  # one staging slot
     register_files: bool = True
     register_buffers: bool = True
+    iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
 
 
 class ReaderBackend(ABC):
@@ -175,6 +176,7 @@ class NativeReader(ReaderBackend):
             slot_bytes=options.slot_bytes,
             register_files=options.register_files,
             register_buffers=options.register_buffers,
+            iowq_max_workers=ncpu if options.iowq_max_workers is None else options.iowq_max_workers,
         )
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:

@@ -127,6 +127,7 @@ class Scheduler:
         slot_bytes: int = 4 << 20,
         register_files: bool = True,
         register_buffers: bool = True,
+        iowq_max_workers: int | None = None,
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
@@ -136,7 +137,7 @@ class Scheduler:
         self.options = ReaderOptions(
             queue_depth=queue_depth, direct=self.direct, workers=workers, chunk_bytes=chunk_bytes,
             async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
-            register_files=register_files, register_buffers=register_buffers,
+            register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
         )
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)

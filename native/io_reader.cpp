@@ -62,6 +62,7 @@ std::map<std::string, uint64_t> Counters::snapshot() const {
       {"staging_released", staging_released.load()}, {"staging_waits", staging_waits.load()},
       {"slab_allocs", slab_allocs.load()},           {"slab_frees", slab_frees.load()},
       {"enter_calls", enter_calls.load()},           {"wakeups_written", wakeups_written.load()},
+      {"iowq_max_workers", iowq_max_workers.load()},
   };
 }
 

@@ -42,6 +42,7 @@ struct ReaderOptions {
   uint64_t slot_bytes = 4ull << 20;           // one staging slot: the largest staged read op
   bool register_files = true;                 // io_uring: IORING_REGISTER_FILES
   bool register_buffers = true;               // io_uring: staging slots as fixed buffers
+  int iowq_max_workers = 0;                   // io_uring: cap on io-wq workers copying (0: kernel default)
 };
 
 // Test hooks, off by default, checked once per read op (a branch on a flag when off).
@@ -114,6 +115,7 @@ struct Counters {
   std::atomic<uint64_t> staging_acquired{0}, staging_released{0}, staging_waits{0};
   std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
+  std::atomic<uint64_t> iowq_max_workers{0};  // what the kernel accepted (0: default/unsupported)
   std::map<std::string, uint64_t> snapshot() const;
 };
 

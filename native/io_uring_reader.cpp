@@ -108,6 +108,14 @@ class UringReader final : public Reader {
       for (int i = 0; i < n_slots_; ++i) v.push_back({slot_ptr(i), opts_.slot_bytes});
       buffers_registered_ = sys_register(ring_fd_, kRegisterBuffers, v.data(), static_cast<unsigned>(v.size())) == 0;
     }
+    if (opts_.iowq_max_workers > 0) {
+      // Buffered reads punted with IOSQE_ASYNC are bounded io-wq work: more copy threads than
+      // CPUs only thrash (measured: see BENCHMARKS.md). Linux >= 5.15; ignored where refused.
+      uint32_t vals[2] = {static_cast<uint32_t>(opts_.iowq_max_workers), 0};
+      if (sys_register(ring_fd_, kRegisterIowqMaxWorkers, vals, 2) == 0) {
+        counters_.iowq_max_workers = static_cast<uint64_t>(opts_.iowq_max_workers);
+      }
+    }
     copy_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) {
       do_scatter(c);
       chunk_done(c, 0);
