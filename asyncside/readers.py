@@ -110,6 +110,7 @@ class ReaderOptions:
     register_files: bool = True
     register_buffers: bool = True
     iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
+    worker_nice: int = 0  # native worker threads run this much nicer than the loop thread (Linux)
 
 
 class ReaderBackend(ABC):
@@ -177,6 +178,7 @@ class NativeReader(ReaderBackend):
             register_files=options.register_files,
             register_buffers=options.register_buffers,
             iowq_max_workers=ncpu if options.iowq_max_workers is None else options.iowq_max_workers,
+            worker_nice=options.worker_nice,
         )
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:

@@ -43,6 +43,7 @@ struct ReaderOptions {
   bool register_files = true;                 // io_uring: IORING_REGISTER_FILES
   bool register_buffers = true;               // io_uring: staging slots as fixed buffers
   int iowq_max_workers = 0;                   // io_uring: cap on io-wq workers copying (0: kernel default)
+  int worker_nice = 0;                        // native worker threads run this much nicer than the caller
 };
 
 // Test hooks, off by default, checked once per read op (a branch on a flag when off).
@@ -115,14 +116,16 @@ struct Counters {
   std::atomic<uint64_t> staging_acquired{0}, staging_released{0}, staging_waits{0};
   std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
-  std::atomic<uint64_t> iowq_max_workers{0};  // what the kernel accepted (0: default/unsupported)
+  std::atomic<uint64_t> iowq_max_workers{0};
+  std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)  // what the kernel accepted (0: default/unsupported)
   std::map<std::string, uint64_t> snapshot() const;
 };
 
 // A fixed set of threads draining a FIFO of chunks through one function.
 class ChunkWorkers {
  public:
-  ChunkWorkers(int n, std::function<void(Chunk*)> fn);
+  // nice: added to each worker thread's nice value (Linux; 0 leaves it alone).
+  ChunkWorkers(int n, std::function<void(Chunk*)> fn, int nice = 0);
   ~ChunkWorkers();
   void push(Chunk* c);
   void stop();  // joins; pending chunks must have been drained by the caller's protocol

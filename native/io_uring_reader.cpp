@@ -116,10 +116,13 @@ class UringReader final : public Reader {
         counters_.iowq_max_workers = static_cast<uint64_t>(opts_.iowq_max_workers);
       }
     }
-    copy_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) {
-      do_scatter(c);
-      chunk_done(c, 0);
-    });
+    copy_ = std::make_unique<ChunkWorkers>(
+        opts_.workers,
+        [this](Chunk* c) {
+          do_scatter(c);
+          chunk_done(c, 0);
+        },
+        opts_.worker_nice);
   }
 
   ~UringReader() override { close(); }
@@ -179,7 +182,7 @@ class UringReader final : public Reader {
         }
         sqe->off = c->file_off + c->done;
         sqe->user_data = reinterpret_cast<uint64_t>(c);
-        if (!c->direct && len >= opts_.async_threshold) {
+        if (len >= opts_.async_threshold) {
           sqe->flags |= kSqeAsync;  // copy in io-wq, never inside io_uring_enter
           counters_.ops_async++;
         }

@@ -99,6 +99,8 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-kib", type=int, default=1024, help="largest single read op in KiB (default 1024)")
     parser.add_argument("--iowq-workers", type=int, default=None,
                         help="io_uring: io-wq copy threads (default: number of CPUs; 0: kernel default)")
+    parser.add_argument("--worker-nice", type=int, default=0,
+                        help="native worker threads run this much nicer than the loop thread (default 0)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="as root, also echo 3 > /proc/sys/vm/drop_caches before cold buffered passes")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
@@ -263,13 +265,15 @@ async def _drive(sched: Any, spec: Any, pools: Any, experts: Sequence[int], rows
 
 
 async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: Any, experts: list[int],
-                       chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None) -> dict[str, float]:
+                       chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None,
+                       worker_nice: int = 0) -> dict[str, float]:
     import anyio
 
     from ..scheduler import Scheduler
 
     async with Scheduler(reader, queue_depth=depth, direct=direct, chunk_bytes=chunk_bytes,
-                         async_threshold=async_threshold, iowq_max_workers=iowq_max_workers) as sched:
+                         async_threshold=async_threshold, iowq_max_workers=iowq_max_workers,
+                         worker_nice=worker_nice) as sched:
         gaps: list[float] = []
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -279,13 +283,17 @@ async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: 
             await _drive(sched, spec, pools, experts, depth)
             t1 = time.perf_counter()
             stop.set()
-        counters = sched.stats().get("native", {})
+        st = sched.stats()
+        counters = st.get("native", {})
     nbytes = len(experts) * sum(s.nbytes for s in spec.segments)
     return {
         "seconds": t1 - t0,
         "bytes": nbytes,
         "GBps": nbytes / (t1 - t0) / GB,
         "loop_stall_ms": max(0.0, (max(gaps) - 0.001) * 1e3) if gaps else 0.0,
+        "submit_ms_max": st["submit_s_max"] * 1e3,
+        "native_submit_ms_max": counters.get("submit_ns_max", 0) / 1e6,
+        "native_reap_ms_max": counters.get("reap_ns_max", 0) / 1e6,
         "ops": counters.get("ops_submitted", 0),
         "fills_direct_rows": counters.get("fills_direct_rows", 0),
         "fills_staged": counters.get("fills_staged", 0),
@@ -355,6 +363,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": max(1, int(getattr(args, "repeat", 3))),
         "chunk_bytes": int(getattr(args, "chunk_kib", 1024)) * 1024,
         "iowq_max_workers": getattr(args, "iowq_workers", None),
+        "worker_nice": int(getattr(args, "worker_nice", 0)),
         "drop_caches": bool(getattr(args, "drop_caches", False)),
         "fio": not bool(getattr(args, "no_fio", False)),
     }
@@ -490,7 +499,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     passes.setdefault(label, []).append(
                         anyio.run(_reader_pass, reader, direct, depth, spec, pools, sample(), s["chunk_bytes"],
-                                  threshold, s["iowq_max_workers"]))
+                                  threshold, s["iowq_max_workers"], s["worker_nice"]))
                 if have_fio:
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     r = _fio_pass(path, spec.stride, depth, per_pass * spec.stride, mode)
@@ -513,6 +522,9 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "GBps": _median([p["GBps"] for p in passes]),
         "passes_GBps": [round(p["GBps"], 3) for p in passes],
         "loop_stall_ms": max(p["loop_stall_ms"] for p in passes),
+        "submit_ms_max": round(max(p["submit_ms_max"] for p in passes), 3),
+        "native_submit_ms_max": round(max(p["native_submit_ms_max"] for p in passes), 3),
+        "native_reap_ms_max": round(max(p["native_reap_ms_max"] for p in passes), 3),
         "ops_per_pass": passes[0]["ops"],
         "fills_direct_rows": passes[0]["fills_direct_rows"],
         "fills_staged": passes[0]["fills_staged"],
