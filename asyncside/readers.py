@@ -7,9 +7,10 @@ fills. Choice: an explicit name wins; ``"auto"`` takes ``$ASYNCSIDE_READER`` whe
 io_uring when the kernel allows rings, else the thread pool.
 
 - ``io_uring``: native, Linux. Rings set up through the syscalls (no liburing); vectored reads
-  straight into the rows; IOSQE_ASYNC on large buffered reads so page-cache copies run in io-wq,
-  not on the loop; O_DIRECT through registered staging slots + a native GIL-free scatter (or into
-  the rows themselves when every piece is block aligned); registered files.
+  straight into the rows; IOSQE_ASYNC on large reads so page-cache copies (and O_DIRECT page
+  pinning) run in io-wq workers (capped at the CPU count), not on the loop; O_DIRECT into the rows
+  themselves when every piece is block aligned, else through registered staging slots + a native
+  GIL-free scatter; registered files.
 - ``threads``: native, portable (the macOS path): N workers doing preadv, same completion list
   and eventfd (a pipe off Linux).
 - ``aiofiles``: pure Python, no native code: ``os.preadv`` into the rows' memoryviews, run through
@@ -104,13 +105,14 @@ class ReaderOptions:
     direct: bool = False
     workers: int | None = None  # threads: preadv workers (default min(4, 2 * ncpu)); io_uring: scatter workers (ncpu)
     chunk_bytes: int = 1 << 20  # largest single read op; bigger records are split over several ops
-    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on buffered reads at least this long
+    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on reads at least this long
     staging_bytes: int = 64 << 20  # O_DIRECT staging slab (bounded: backpressure)
     slot_bytes: int = 4 << 20  # one staging slot
     register_files: bool = True
     register_buffers: bool = True
     iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
     worker_nice: int = 0  # native worker threads run this much nicer than the loop thread (Linux)
+    direct_rows: bool = True  # O_DIRECT straight into block-aligned rows; False: always via staging
 
 
 class ReaderBackend(ABC):
@@ -179,6 +181,7 @@ class NativeReader(ReaderBackend):
             register_buffers=options.register_buffers,
             iowq_max_workers=ncpu if options.iowq_max_workers is None else options.iowq_max_workers,
             worker_nice=options.worker_nice,
+            direct_rows=options.direct_rows,
         )
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:

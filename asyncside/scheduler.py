@@ -130,6 +130,7 @@ class Scheduler:
         register_buffers: bool = True,
         iowq_max_workers: int | None = None,
         worker_nice: int = 0,
+        direct_rows: bool = True,
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
@@ -140,7 +141,7 @@ class Scheduler:
             queue_depth=queue_depth, direct=self.direct, workers=workers, chunk_bytes=chunk_bytes,
             async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
             register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
-            worker_nice=worker_nice,
+            worker_nice=worker_nice, direct_rows=direct_rows,
         )
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)

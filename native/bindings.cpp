@@ -121,7 +121,7 @@ class PyReader {
  public:
   PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
            uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes,
-           bool register_files, bool register_buffers, int iowq_max_workers, int worker_nice) {
+           bool register_files, bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
     io::ReaderOptions o;
     if (backend == "io_uring") {
       o.backend = io::Backend::IoUring;
@@ -141,6 +141,7 @@ class PyReader {
     o.register_buffers = register_buffers;
     o.iowq_max_workers = iowq_max_workers;
     o.worker_nice = worker_nice;
+    o.direct_rows = direct_rows;
     r_ = io::Reader::create(o);
   }
   ~PyReader() {
@@ -172,17 +173,18 @@ void bind_read_path(nb::module_& m) {
           "__init__",
           [](PyReader* self, const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
              uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes, bool register_files,
-             bool register_buffers, int iowq_max_workers, int worker_nice) {
+             bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
             // Ring setup, staging allocation and buffer registration take milliseconds: GIL released.
             nb::gil_scoped_release g;
             new (self) PyReader(backend, queue_depth, workers, chunk_bytes, async_threshold, direct, staging_bytes,
-                                slot_bytes, register_files, register_buffers, iowq_max_workers, worker_nice);
+                                slot_bytes, register_files, register_buffers, iowq_max_workers, worker_nice,
+                                direct_rows);
           },
            nb::arg("backend"), nb::arg("queue_depth") = 64, nb::arg("workers") = 4,
            nb::arg("chunk_bytes") = 1ull << 20, nb::arg("async_threshold") = 64ull << 10,
            nb::arg("direct") = false, nb::arg("staging_bytes") = 64ull << 20, nb::arg("slot_bytes") = 4ull << 20,
            nb::arg("register_files") = true, nb::arg("register_buffers") = true, nb::arg("iowq_max_workers") = 0,
-           nb::arg("worker_nice") = 0)
+           nb::arg("worker_nice") = 0, nb::arg("direct_rows") = true)
       .def_prop_ro("backend", [](PyReader& p) { return std::string(p.r().backend_name()); })
       .def_prop_ro("event_fd", [](PyReader& p) { return p.r().event_fd(); },
                    "Readable when completions are waiting: watch it, then call reap().")

@@ -300,8 +300,8 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
       const bool direct = opts_.direct && L.fd_direct >= 0;
 
       // Can the O_DIRECT read land in the rows themselves (every piece block aligned)?
-      bool rows_ok = true;
-      if (direct) {
+      bool rows_ok = !direct || opts_.direct_rows;
+      if (direct && rows_ok) {
         for (size_t i = 0; i < L.segs.size() && rows_ok; ++i) {
           uint8_t* p = L.dest->host_row(i, r.row);
           rows_ok = p != nullptr && reinterpret_cast<uintptr_t>(p) % kDirectAlign == 0 &&

@@ -36,7 +36,7 @@ struct ReaderOptions {
   int queue_depth = 64;                       // sizes the ring; fills in flight are bounded above
   int workers = 4;                            // threads: preadv workers; io_uring: scatter workers
   uint64_t chunk_bytes = 1ull << 20;          // largest single read op; bigger records are split
-  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on buffered reads >= this
+  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on reads >= this
   bool direct = false;                        // O_DIRECT (staging + scatter unless rows align)
   uint64_t staging_bytes = 64ull << 20;       // bounded staging slab for O_DIRECT reads
   uint64_t slot_bytes = 4ull << 20;           // one staging slot: the largest staged read op
@@ -44,6 +44,7 @@ struct ReaderOptions {
   bool register_buffers = true;               // io_uring: staging slots as fixed buffers
   int iowq_max_workers = 0;                   // io_uring: cap on io-wq workers copying (0: kernel default)
   int worker_nice = 0;                        // native worker threads run this much nicer than the caller
+  bool direct_rows = true;                    // O_DIRECT straight into aligned rows (false: always stage)
 };
 
 // Test hooks, off by default, checked once per read op (a branch on a flag when off).

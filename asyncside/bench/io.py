@@ -266,14 +266,14 @@ async def _drive(sched: Any, spec: Any, pools: Any, experts: Sequence[int], rows
 
 async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: Any, experts: list[int],
                        chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None,
-                       worker_nice: int = 0) -> dict[str, float]:
+                       worker_nice: int = 0, direct_rows: bool = True) -> dict[str, float]:
     import anyio
 
     from ..scheduler import Scheduler
 
     async with Scheduler(reader, queue_depth=depth, direct=direct, chunk_bytes=chunk_bytes,
                          async_threshold=async_threshold, iowq_max_workers=iowq_max_workers,
-                         worker_nice=worker_nice) as sched:
+                         worker_nice=worker_nice, direct_rows=direct_rows) as sched:
         gaps: list[float] = []
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -485,21 +485,24 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             pools = pools_for(depth)
             # Cells of one (mode, depth) run interleaved, round-robin, so that the noise of a shared
             # machine lands on every method alike.
-            methods: list[tuple[str, int]] = [(r, 64 << 10) for r in readers]
-            if mode == "warm" and "io_uring" in readers and depth == max(depths):
-                # Ablation: the same reads without IOSQE_ASYNC, where page-cache copies run inside
-                # io_uring_enter on the loop thread (the loop stall column shows it).
-                methods.append(("io_uring", 1 << 62))
+            # (label, reader, async_threshold, direct_rows)
+            methods: list[tuple[str, str, int, bool]] = [(r, r, 64 << 10, True) for r in readers]
+            if "io_uring" in readers and depth == max(depths) and mode != "cold_buffered":
+                # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
+                # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
+                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True))
+            if mode == "cold_direct" and "io_uring" in readers and depth == max(depths):
+                # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
+                methods.append(("io_uring staged", "io_uring", 64 << 10, False))
             passes: dict[str, list[dict[str, float]]] = {}
             fio_vals: list[float] = []
             fio_cmd = ""
             for _ in range(s["repeat"]):
-                for reader, threshold in methods:
-                    label = reader if threshold < (1 << 62) else "io_uring (no IOSQE_ASYNC)"
+                for label, reader, threshold, direct_rows in methods:
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     passes.setdefault(label, []).append(
                         anyio.run(_reader_pass, reader, direct, depth, spec, pools, sample(), s["chunk_bytes"],
-                                  threshold, s["iowq_max_workers"], s["worker_nice"]))
+                                  threshold, s["iowq_max_workers"], s["worker_nice"], direct_rows))
                 if have_fio:
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     r = _fio_pass(path, spec.stride, depth, per_pass * spec.stride, mode)
