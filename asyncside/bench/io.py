@@ -92,7 +92,7 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", default=None,
                         help="comma list of queue depths (default per layout: qwen 1,4,16,64; deepseek 1,2,4,8)")
     parser.add_argument("--store-gib", type=float, default=1.0, help="blob size per layout in GiB (default 1)")
-    parser.add_argument("--pass-mib", type=float, default=384.0, help="bytes read per measured pass, MiB (default 384)")
+    parser.add_argument("--pass-mib", type=float, default=256.0, help="bytes read per measured pass, MiB (default 256)")
     parser.add_argument("--repeat", type=int, default=3, help="passes per cell; the median is reported (default 3)")
     parser.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir, removed after)")
     parser.add_argument("--keep", action="store_true", help="keep the stores (reuse them with --dir next time)")
@@ -264,6 +264,19 @@ async def _drive(sched: Any, spec: Any, pools: Any, experts: Sequence[int], rows
         raise state["error"]
 
 
+async def _idle_pass(seconds: float) -> float:
+    """The loop stall floor: the largest ticker gap with no reads at all (CPU contention, timer slack)."""
+    import anyio
+
+    gaps: list[float] = []
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_ticker, stop, gaps)
+        await anyio.sleep(seconds)
+        stop.set()
+    return max(0.0, (max(gaps) - 0.001) * 1e3) if gaps else 0.0
+
+
 async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: Any, experts: list[int],
                        chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None,
                        worker_nice: int = 0, direct_rows: bool = True) -> dict[str, float]:
@@ -359,7 +372,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "modes": modes,
         "depths": depths,
         "store_gib": float(getattr(args, "store_gib", 1.0)),
-        "pass_mib": float(getattr(args, "pass_mib", 384.0)),
+        "pass_mib": float(getattr(args, "pass_mib", 256.0)),
         "repeat": max(1, int(getattr(args, "repeat", 3))),
         "chunk_bytes": int(getattr(args, "chunk_kib", 1024)) * 1024,
         "iowq_max_workers": getattr(args, "iowq_workers", None),
@@ -447,6 +460,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
         "records_per_pass": per_pass,
         "runs": [],
         "fio": [],
+        "idle_stall": [],
     }
     pools_by_rows: dict[int, Any] = {}
 
@@ -510,6 +524,10 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
                     fio_cmd = r["command"]
             for label, ps in passes.items():
                 out["runs"].append(_cell(label, mode, depth, ps))
+            # Same-duration windows with no reads: what the ticker sees from the machine alone.
+            window = _median([p["seconds"] for ps in passes.values() for p in ps])
+            idle = max(anyio.run(_idle_pass, window) for _ in range(s["repeat"]))
+            out["idle_stall"].append({"mode": mode, "depth": depth, "loop_stall_ms": round(idle, 2)})
             if have_fio:
                 out["fio"].append({"mode": mode, "depth": depth, "GBps": _median(fio_vals),
                                    "passes_GBps": [round(v, 3) for v in fio_vals], "command": fio_cmd})
@@ -586,13 +604,15 @@ def render_io_table(result: dict[str, Any]) -> None:
                   caption=f"original design: warm {orig.get('warm', float('nan')):.2f}, "
                           f"cold {orig.get('cold_buffered', float('nan')):.2f} GB/s; "
                           f"memcpy 1 thread {lay['memcpy_1t_GBps']:.2f} GB/s, {m['nproc']} threads {mem_all:.2f} GB/s; "
-                          "stall: largest gap of a 1 ms ticker on the loop, per reader")
+                          "stall: largest gap of a 1 ms ticker on the loop, per reader (idle: same windows, no reads)")
         t.add_column("mode")
         t.add_column("depth", justify="right")
         for n in names:
             t.add_column(n, justify="right")
         t.add_column("fio io_uring", justify="right")
-        t.add_column("stall ms " + "/".join(n.split(" ")[0] for n in names), justify="right")
+        short = {"io_uring": "uring", "threads": "thr", "aiofiles": "aio", "io_uring no-ASYNC": "no-async",
+                 "io_uring staged": "staged"}
+        t.add_column("loop stall ms " + "/".join(short.get(n, n) for n in names), justify="right")
         keys = list(dict.fromkeys((r["mode"], r["depth"]) for r in lay["runs"]))
         for mode, depth in keys:
             row = [mode, str(depth)]
@@ -603,7 +623,8 @@ def render_io_table(result: dict[str, Any]) -> None:
                 stalls.append(f"{cell['loop_stall_ms']:.1f}" if cell else "-")
             f = fio.get((mode, depth))
             row.append(f"{f:.2f}" if f is not None else "-")
-            row.append("/".join(stalls))
+            idle = next((x["loop_stall_ms"] for x in lay.get("idle_stall", []) if (x["mode"], x["depth"]) == (mode, depth)), None)
+            row.append("/".join(stalls) + (f" (idle {idle:.1f})" if idle is not None else ""))
             t.add_row(*row)
         console.print(t)
     console.print(json.dumps(result["targets"], indent=1))
