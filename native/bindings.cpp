@@ -289,6 +289,15 @@ void bind_read_path(nb::module_& m) {
       "Benchmark baseline: one thread, pread each whole record into a temp buffer, memcpy each segment.");
 
   m.def(
+      "pread_seconds",
+      [](const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads) {
+        nb::gil_scoped_release g;
+        return io::pread_seconds(path, stride, experts, threads);
+      },
+      nb::arg("path"), nb::arg("stride"), nb::arg("experts"), nb::arg("threads") = 1,
+      "Seconds for `threads` threads to pread the given whole records into private buffers (page-cache limit).");
+
+  m.def(
       "memcpy_seconds",
       [](uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {
         nb::gil_scoped_release g;

@@ -759,6 +759,45 @@ uint64_t original_design_read(const std::string& path, uint64_t stride, const st
   return total;
 }
 
+double pread_seconds(const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads) {
+  if (threads < 1) throw std::invalid_argument("pread_seconds: threads: expected >= 1");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  std::vector<uint8_t*> bufs;
+  for (int t = 0; t < threads; ++t) {
+    auto* b = static_cast<uint8_t*>(aligned_alloc_or_throw(stride * 4, "pread buffer"));
+    std::memset(b, 0, stride * 4);
+    bufs.push_back(b);
+  }
+  std::atomic<int> failed{0};
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      int k = 0;
+      for (size_t i = t; i < experts.size(); i += threads, ++k) {
+        uint8_t* dst = bufs[t] + (k % 4) * stride;
+        uint64_t got = 0;
+        while (got < stride) {
+          ssize_t n = ::pread(fd, dst + got, stride - got, static_cast<off_t>(experts[i] * stride + got));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) {
+            failed = 1;
+            return;
+          }
+          got += static_cast<uint64_t>(n);
+        }
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  auto t1 = std::chrono::steady_clock::now();
+  for (auto* b : bufs) std::free(b);
+  ::close(fd);
+  if (failed) throw std::runtime_error(path + ": pread_seconds: a read failed or hit end of file");
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
 double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {
   if (block_bytes == 0 || working_bytes < block_bytes || threads < 1) {
     throw std::invalid_argument("memcpy_seconds: expected block_bytes > 0, working_bytes >= block_bytes, threads >= 1");

@@ -240,6 +240,10 @@ uint64_t original_design_read(const std::string& path, uint64_t stride,
 // `working_bytes` to another, on `threads` threads. Returns seconds.
 double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads);
 
+// Page-cache read limit: `threads` threads pread whole records (`experts`, split round-robin) into
+// prefaulted private buffers, no second copy. Returns seconds; throws on error.
+double pread_seconds(const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads);
+
 // Whether io_uring can be set up here; reason filled when not.
 bool io_uring_available(std::string* reason);
 
