@@ -105,7 +105,8 @@ class ReaderOptions:
     queue_depth: int = 64
     direct: bool = False
     workers: int | None = None  # threads: preadv workers (default min(4, 2 * ncpu)); io_uring: scatter workers (ncpu)
-    chunk_bytes: int = 1 << 20  # largest single read op; bigger records are split over several ops
+    chunk_bytes: int = 1 << 20  # largest O_DIRECT read op (more ops in flight help the disk)
+    buffered_chunk_bytes: int = 16 << 20  # largest buffered read op (whole records: readahead, low overhead)
     async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on reads at least this long
     staging_bytes: int = 64 << 20  # O_DIRECT staging slab (bounded: backpressure)
     slot_bytes: int = 4 << 20  # one staging slot
@@ -174,6 +175,7 @@ class NativeReader(ReaderBackend):
             queue_depth=options.queue_depth,
             workers=workers,
             chunk_bytes=options.chunk_bytes,
+            buffered_chunk_bytes=options.buffered_chunk_bytes,
             async_threshold=options.async_threshold,
             direct=options.direct,
             staging_bytes=options.staging_bytes,

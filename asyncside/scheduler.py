@@ -123,6 +123,7 @@ class Scheduler:
         direct: bool | None = None,
         workers: int | None = None,
         chunk_bytes: int = 1 << 20,
+        buffered_chunk_bytes: int = 16 << 20,
         async_threshold: int = 64 << 10,
         staging_bytes: int = 64 << 20,
         slot_bytes: int = 4 << 20,
@@ -139,6 +140,7 @@ class Scheduler:
         self.direct = resolve_direct(direct)
         self.options = ReaderOptions(
             queue_depth=queue_depth, direct=self.direct, workers=workers, chunk_bytes=chunk_bytes,
+            buffered_chunk_bytes=buffered_chunk_bytes,
             async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
             register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
             worker_nice=worker_nice, direct_rows=direct_rows,

@@ -119,7 +119,7 @@ namespace mx = mlx::core;
 // released; native threads never see a Python object.
 class PyReader {
  public:
-  PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
+  PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes, uint64_t buffered_chunk_bytes,
            uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes,
            bool register_files, bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
     io::ReaderOptions o;
@@ -133,6 +133,7 @@ class PyReader {
     o.queue_depth = queue_depth;
     o.workers = workers;
     o.chunk_bytes = chunk_bytes;
+    o.buffered_chunk_bytes = buffered_chunk_bytes;
     o.async_threshold = async_threshold;
     o.direct = direct;
     o.staging_bytes = staging_bytes;
@@ -172,16 +173,18 @@ void bind_read_path(nb::module_& m) {
       .def(
           "__init__",
           [](PyReader* self, const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
+             uint64_t buffered_chunk_bytes,
              uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes, bool register_files,
              bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
             // Ring setup, staging allocation and buffer registration take milliseconds: GIL released.
             nb::gil_scoped_release g;
-            new (self) PyReader(backend, queue_depth, workers, chunk_bytes, async_threshold, direct, staging_bytes,
+            new (self) PyReader(backend, queue_depth, workers, chunk_bytes, buffered_chunk_bytes, async_threshold, direct, staging_bytes,
                                 slot_bytes, register_files, register_buffers, iowq_max_workers, worker_nice,
                                 direct_rows);
           },
            nb::arg("backend"), nb::arg("queue_depth") = 64, nb::arg("workers") = 4,
-           nb::arg("chunk_bytes") = 1ull << 20, nb::arg("async_threshold") = 64ull << 10,
+           nb::arg("chunk_bytes") = 1ull << 20, nb::arg("buffered_chunk_bytes") = 16ull << 20,
+           nb::arg("async_threshold") = 64ull << 10,
            nb::arg("direct") = false, nb::arg("staging_bytes") = 64ull << 20, nb::arg("slot_bytes") = 4ull << 20,
            nb::arg("register_files") = true, nb::arg("register_buffers") = true, nb::arg("iowq_max_workers") = 0,
            nb::arg("worker_nice") = 0, nb::arg("direct_rows") = true)

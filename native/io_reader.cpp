@@ -166,6 +166,7 @@ Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
   }
   // Direct reads split at chunk boundaries, which must stay block aligned.
   opts_.chunk_bytes = round_up(opts_.chunk_bytes, kDirectAlign);
+  if (opts_.buffered_chunk_bytes < 1) throw std::invalid_argument("buffered_chunk_bytes: expected >= 1");
   opts_.slot_bytes = round_up(std::max<uint64_t>(opts_.slot_bytes, kDirectAlign), kDirectAlign);
 #if defined(__linux__)
   int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -340,20 +341,21 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
           g.len += s.nbytes;
         }
         for (Group& g : groups) {
-          // Split into chunks of at most chunk_bytes and kMaxIov iovecs.
+          // Split into chunks of at most `limit` bytes and kMaxIov iovecs.
+          const uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
           Chunk* c = nullptr;
           uint64_t pos = 0;
           for (const iovec& v : g.iov) {
             uint64_t vo = 0;
             while (vo < v.iov_len) {
-              if (c == nullptr || c->req == opts_.chunk_bytes || c->iov.size() == kMaxIov) {
+              if (c == nullptr || c->req == limit || c->iov.size() == kMaxIov) {
                 c = new Chunk;
                 c->fill = f;
                 c->direct = direct;
                 c->file_off = g.off + pos;
                 mine.push_back(c);
               }
-              uint64_t take = std::min<uint64_t>(v.iov_len - vo, opts_.chunk_bytes - c->req);
+              uint64_t take = std::min<uint64_t>(v.iov_len - vo, limit - c->req);
               c->iov.push_back({static_cast<uint8_t*>(v.iov_base) + vo, take});
               c->req += take;
               c->need = c->req;

@@ -35,7 +35,9 @@ struct ReaderOptions {
   Backend backend = Backend::Threads;
   int queue_depth = 64;                       // sizes the ring; fills in flight are bounded above
   int workers = 4;                            // threads: preadv workers; io_uring: scatter workers
-  uint64_t chunk_bytes = 1ull << 20;          // largest single read op; bigger records are split
+  uint64_t chunk_bytes = 1ull << 20;          // largest O_DIRECT read op: more ops in flight help the disk
+  uint64_t buffered_chunk_bytes = 16ull << 20;  // largest buffered read op: whole records keep readahead
+                                                // sequential (cold) and per-op overhead low (warm)
   uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on reads >= this
   bool direct = false;                        // O_DIRECT (staging + scatter unless rows align)
   uint64_t staging_bytes = 64ull << 20;       // bounded staging slab for O_DIRECT reads

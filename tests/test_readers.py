@@ -112,7 +112,7 @@ async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[Ex
     """Random layouts: every expert of every layer read into rows (more experts than rows, in
     rounds, rows reused) equals read_expert; chunking is tiny so records span several ops."""
     rng = random.Random(11)
-    async with Scheduler(reader, queue_depth=4, direct=direct, chunk_bytes=4096, slot_bytes=8192,
+    async with Scheduler(reader, queue_depth=4, direct=direct, chunk_bytes=4096, buffered_chunk_bytes=4096, slot_bytes=8192,
                          staging_bytes=3 * 8192) as sched:
         for store in stores:
             for index, spec in store.layers.items():
@@ -145,7 +145,7 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
     spec = aligned_store.layer(5)
     pools = await PoolSet.allocate(spec, rows=6)
     assert pools.aligned
-    async with Scheduler(reader, direct=True, chunk_bytes=64 << 10) as sched:
+    async with Scheduler(reader, direct=True, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10) as sched:
         hs = sched.submit(spec, pools, [_F(e, e, 5 - e) for e in range(6)])
         for h in hs:
             await h.wait()

@@ -96,7 +96,9 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="passes per cell; the median is reported (default 3)")
     parser.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir, removed after)")
     parser.add_argument("--keep", action="store_true", help="keep the stores (reuse them with --dir next time)")
-    parser.add_argument("--chunk-kib", type=int, default=1024, help="largest single read op in KiB (default 1024)")
+    parser.add_argument("--chunk-kib", type=int, default=1024, help="largest O_DIRECT read op in KiB (default 1024)")
+    parser.add_argument("--buffered-chunk-kib", type=int, default=16384,
+                        help="largest buffered read op in KiB (default 16384)")
     parser.add_argument("--iowq-workers", type=int, default=None,
                         help="io_uring: io-wq copy threads (default: number of CPUs; 0: kernel default)")
     parser.add_argument("--worker-nice", type=int, default=0,
@@ -279,12 +281,14 @@ async def _idle_pass(seconds: float) -> float:
 
 async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: Any, experts: list[int],
                        chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None,
-                       worker_nice: int = 0, direct_rows: bool = True) -> dict[str, float]:
+                       worker_nice: int = 0, direct_rows: bool = True,
+                       buffered_chunk_bytes: int = 16 << 20) -> dict[str, float]:
     import anyio
 
     from ..scheduler import Scheduler
 
     async with Scheduler(reader, queue_depth=depth, direct=direct, chunk_bytes=chunk_bytes,
+                         buffered_chunk_bytes=buffered_chunk_bytes,
                          async_threshold=async_threshold, iowq_max_workers=iowq_max_workers,
                          worker_nice=worker_nice, direct_rows=direct_rows) as sched:
         gaps: list[float] = []
@@ -375,6 +379,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "pass_mib": float(getattr(args, "pass_mib", 256.0)),
         "repeat": max(1, int(getattr(args, "repeat", 3))),
         "chunk_bytes": int(getattr(args, "chunk_kib", 1024)) * 1024,
+        "buffered_chunk_bytes": int(getattr(args, "buffered_chunk_kib", 16384)) * 1024,
         "iowq_max_workers": getattr(args, "iowq_workers", None),
         "worker_nice": int(getattr(args, "worker_nice", 0)),
         "drop_caches": bool(getattr(args, "drop_caches", False)),
@@ -526,7 +531,8 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     passes.setdefault(label, []).append(
                         anyio.run(_reader_pass, reader, direct, depth, spec, pools, sample(), s["chunk_bytes"],
-                                  threshold, s["iowq_max_workers"], s["worker_nice"], direct_rows))
+                                  threshold, s["iowq_max_workers"], s["worker_nice"], direct_rows,
+                                  s["buffered_chunk_bytes"]))
                 if have_fio:
                     cache.warm(path) if mode == "warm" else cache.evict(path)
                     r = _fio_pass(path, spec.stride, depth, per_pass * spec.stride, mode)
