@@ -107,6 +107,7 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as root, also echo 3 > /proc/sys/vm/drop_caches before cold buffered passes")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
 
 
 # ---- machine ---------------------------------------------------------------------------------
@@ -431,7 +432,9 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     if out:
         with open(out, "w") as fh:
             json.dump(result, fh, indent=2)
-    if not getattr(args, "json", False):
+    if getattr(args, "markdown", False):
+        print(render_io_markdown(result))
+    elif not getattr(args, "json", False):
         render_io_table(result)
     return result
 
@@ -652,6 +655,54 @@ def render_io_table(result: dict[str, Any]) -> None:
     console.print(json.dumps(result["targets"], indent=1))
     console.print(f"{m['nproc']} CPUs, kernel {m['kernel']}, disk {m['disk']}; cold buffered: "
                   f"{result['cold_methods']['cold_buffered']}; fio: {result['fio']}; {result['seconds']} s")
+
+
+def render_io_markdown(result: dict[str, Any]) -> str:
+    """The result as Markdown tables (what BENCHMARKS.md shows)."""
+    m = result["machine"]
+    lines: list[str] = []
+    for lay in result["layouts"]:
+        fio = {(f["mode"], f["depth"]): f["GBps"] for f in lay["fio"]}
+        idle = {(x["mode"], x["depth"]): x["loop_stall_ms"] for x in lay.get("idle_stall", [])}
+        names = list(dict.fromkeys(r["reader"] for r in lay["runs"]))
+        lines.append(f"**{lay['layout']}**: {lay['record_bytes']:,}-byte records of {lay['segments']} segments, "
+                     f"{lay['experts_in_store']} records ({lay['store_bytes'] / 2**30:.2f} GiB) in the store, "
+                     f"{lay['records_per_pass']} random records per pass, median of {result['settings']['repeat']} passes. GB/s "
+                     "(loop stall, ms: largest gap of a 1 ms ticker on the loop during the passes).")
+        lines.append("")
+        lines.append("| mode | depth | " + " | ".join(names) + " | fio io_uring | idle stall |")
+        lines.append("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: |")
+        for mode, depth in dict.fromkeys((r["mode"], r["depth"]) for r in lay["runs"]):
+            row = [mode, str(depth)]
+            for n in names:
+                c = next((r for r in lay["runs"] if (r["reader"], r["mode"], r["depth"]) == (n, mode, depth)), None)
+                row.append(f"{c['GBps']:.2f} ({c['loop_stall_ms']:.0f})" if c else "")
+            f = fio.get((mode, depth))
+            row.append(f"{f:.2f}" if f is not None else "-")
+            i = idle.get((mode, depth))
+            row.append(f"{i:.0f}" if i is not None else "-")
+            lines.append("| " + " | ".join(row) + " |")
+        o = lay["original_design_GBps"]
+        nproc = m["nproc"]
+        lines.append("")
+        lines.append(f"Beside it: original design (1 thread, pread whole record + memcpy per segment) warm "
+                     f"{o.get('warm', float('nan')):.2f}, cold {o.get('cold_buffered', float('nan')):.2f} GB/s; "
+                     f"memcpy of records 1 thread {lay['memcpy_1t_GBps']:.2f}, {nproc} threads "
+                     f"{lay[f'memcpy_{nproc}t_GBps']:.2f} GB/s; warm pread of whole records (kernel copy, no Python) "
+                     f"1 thread {lay.get('pread_1t_GBps', float('nan')):.2f}, {nproc} threads "
+                     f"{lay.get(f'pread_{nproc}t_GBps', float('nan')):.2f} GB/s.")
+        lines.append("")
+    lines.append("Targets on this run (ratios):")
+    lines.append("")
+    lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / original | warm best / memcpy 1t | warm best / kernel pread limit |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: |")
+    for layout, readers in result["targets"].items():
+        for reader, c in readers.items():
+            per = ", ".join(f"{d}: {x:.2f}" for d, x in c.get("cold_direct_vs_fio", {}).items())
+            lines.append(f"| {layout} | {reader} | {per} | {c.get('cold_best_vs_original', float('nan')):.2f} | "
+                         f"{c.get('warm_best_vs_memcpy_1t', float('nan')):.2f} | "
+                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
