@@ -51,5 +51,7 @@ def test_bench_io_quick_json(entry: list[str], tmp_path: Path) -> None:
     if lay["fio"]:
         assert {f["mode"] for f in lay["fio"]} == {"warm", "cold_direct", "cold_buffered"}
         assert all("--ioengine=io_uring" in f["command"] for f in lay["fio"])
+    small = {x["reader"]: x["reads_per_s"] for x in r["small_reads_4k_warm"]}
+    assert small["threads"] > 0 and (r["skipped"] or small["io_uring registered"] > 0)
     t = r["targets"]["qwen3-30b-a3b"]["threads"]
     assert "warm_best_vs_memcpy_1t" in t and "cold_best_vs_original" in t

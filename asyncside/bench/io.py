@@ -330,6 +330,38 @@ def _original_pass(spec: Any, pools: Any, experts: list[int], rows: int) -> dict
     return {"seconds": t1 - t0, "bytes": nbytes, "GBps": nbytes / (t1 - t0) / GB}
 
 
+def _small_reads(path: str, stride: int, n_experts: int, repeat: int, batches: int) -> list[dict[str, Any]]:
+    """Warm 4 KiB reads, 64 in flight, native readers driven without an event loop: the per-op cost,
+    and what registered files/buffers buy (io_uring with and without registration)."""
+    import mlx.core as mx
+
+    from .. import _native
+    from ..readers import io_uring_status
+
+    pool = mx.zeros((64, 4096), dtype=mx.uint8)
+    mx.eval(pool)
+    configs = [("threads", "threads", False)]
+    if io_uring_status()[0]:
+        configs = [("io_uring registered", "io_uring", True), ("io_uring plain", "io_uring", False)] + configs
+    rng = random.Random(7)
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+    for _ in range(repeat):
+        for label, backend, reg in configs:  # interleaved
+            r = _native.Reader(backend, queue_depth=64, register_files=reg, register_buffers=reg)
+            lid = r.add_layout(path, stride, n_experts, [0], [4096], [pool])
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                r.submit(lid, list(range(64)), rng.choices(range(n_experts), k=64), list(range(64)))
+                got = len(r.reap())
+                while got < 64:
+                    r.wait(100)
+                    got += len(r.reap())
+            rates[label].append(64 * batches / (time.perf_counter() - t0))
+            r.close()
+    return [{"reader": label, "reads_per_s": round(_median(v)), "passes": [round(x) for x in v]}
+            for label, v in rates.items()]
+
+
 def _fio_pass(path: str, bs: int, depth: int, io_bytes: int, mode: str) -> dict[str, Any]:
     direct = 1 if mode == "cold_direct" else 0
     invalidate = 0 if mode == "warm" else 1
@@ -423,6 +455,11 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for name in s["layouts"]:
             result["layouts"].append(_bench_layout(LAYOUTS[name], s, root, readers, cache, have_fio, PoolSet, anyio))
+        first = result["layouts"][0]
+        path0 = os.path.join(root, f"{first['layout']}-{first['experts_in_store']}", "layer-00000.bin")
+        CacheControl.warm(path0)
+        result["small_reads_4k_warm"] = _small_reads(path0, first["stride"], first["experts_in_store"], s["repeat"],
+                                                      20 if s["quick"] else 200)
     finally:
         if made_root and not getattr(args, "keep", False):
             shutil.rmtree(root, ignore_errors=True)
@@ -652,6 +689,8 @@ def render_io_table(result: dict[str, Any]) -> None:
             row.append("/".join(stalls) + (f" (idle {idle:.1f})" if idle is not None else ""))
             t.add_row(*row)
         console.print(t)
+    console.print("warm 4 KiB reads/s (64 in flight, no event loop): " + ", ".join(
+        f"{x['reader']} {x['reads_per_s']:,}" for x in result.get("small_reads_4k_warm", [])))
     console.print(json.dumps(result["targets"], indent=1))
     console.print(f"{m['nproc']} CPUs, kernel {m['kernel']}, disk {m['disk']}; cold buffered: "
                   f"{result['cold_methods']['cold_buffered']}; fio: {result['fio']}; {result['seconds']} s")
@@ -691,6 +730,11 @@ def render_io_markdown(result: dict[str, Any]) -> str:
                      f"{lay[f'memcpy_{nproc}t_GBps']:.2f} GB/s; warm pread of whole records (kernel copy, no Python) "
                      f"1 thread {lay.get('pread_1t_GBps', float('nan')):.2f}, {nproc} threads "
                      f"{lay.get(f'pread_{nproc}t_GBps', float('nan')):.2f} GB/s.")
+        lines.append("")
+    sm = result.get("small_reads_4k_warm", [])
+    if sm:
+        lines.append("Warm 4 KiB reads, 64 in flight, native readers without an event loop (reads/s): "
+                     + ", ".join(f"{x['reader']} {x['reads_per_s']:,}" for x in sm) + ".")
         lines.append("")
     lines.append("Targets on this run (ratios):")
     lines.append("")
