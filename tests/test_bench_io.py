@@ -49,7 +49,7 @@ def test_bench_io_quick_json(entry: list[str], tmp_path: Path) -> None:
         assert c["GBps"] > 0 and math.isfinite(c["GBps"]) and c["loop_stall_ms"] >= 0
         assert c["depth"] == 4 and len(c["passes_GBps"]) == 1
     if lay["fio"]:
-        assert {f["mode"] for f in lay["fio"]} == {"warm", "cold_direct", "cold_buffered"}
+        assert {f["mode"] for f in lay["fio"]} == {"cold_direct", "cold_buffered"}
         assert all("--ioengine=io_uring" in f["command"] for f in lay["fio"])
     small = {x["reader"]: x["reads_per_s"] for x in r["small_reads_4k_warm"]}
     assert small["threads"] > 0 and (r["skipped"] or small["io_uring registered"] > 0)

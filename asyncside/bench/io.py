@@ -11,14 +11,15 @@ Per layout, for each reader (io_uring, threads, aiofiles) through the real async
 (:class:`~asyncside.scheduler.Scheduler` on an asyncio loop, random records into ``depth`` pool
 rows kept full), in three cache states:
 
-- ``warm``: the blob is in the page cache (read once before), buffered reads;
+- ``warm``: the pass's records are in the page cache (read just before the pass: these VMs run
+  DAMON proactive reclaim, which pages out cache left idle for about a second), buffered reads;
 - ``cold_direct``: O_DIRECT reads (the page cache is bypassed);
 - ``cold_buffered``: buffered reads after evicting the blob from the page cache
   (``posix_fadvise(DONTNEED)`` on the blob; with ``--drop-caches`` as root, also
   ``echo 3 > /proc/sys/vm/drop_caches``) before every pass.
 
-Beside them, in the same run: fio with io_uring at the same depth and block size (= the stride;
-the disk's limit for this access pattern) when fio is installed; the original design (one thread,
+Beside them, in the same run: for the cold states, fio with io_uring at the same depth and block
+size (= the stride; the disk's limit for this access pattern) when fio is installed; the original design (one thread,
 ``pread`` of each whole record into a temp buffer, then one ``memcpy`` per segment; native);
 single-thread ``memcpy`` of record-sized blocks (the warm limit) and the same on every CPU. The
 loop stall is the largest gap seen by a 1 ms ticker task on the loop while reading.
@@ -212,6 +213,31 @@ class CacheControl:
             while fh.readinto(buf):
                 pass
 
+    @staticmethod
+    def warm_records(path: str, stride: int, experts: Sequence[int]) -> None:
+        """Read exactly these records right before a warm pass: machines with proactive reclaim
+        (DAMON pageout, as on this project's VMs) evict page cache left idle for about a second."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            buf = bytearray(min(stride, 8 << 20))
+            for e in experts:
+                off = 0
+                while off < stride:
+                    n = os.preadv(fd, [memoryview(buf)[: min(len(buf), stride - off)]], e * stride + off)
+                    if n <= 0:
+                        break
+                    off += n
+        finally:
+            os.close(fd)
+
+    def prepare(self, mode: str, path: str, stride: int, experts: Sequence[int]) -> list[int]:
+        """Put the blob in the state a pass of ``mode`` needs; returns ``experts``."""
+        if mode == "warm":
+            self.warm_records(path, stride, experts)
+        else:
+            self.evict(path)
+        return list(experts)
+
 
 # ---- measured passes -------------------------------------------------------------------------
 
@@ -368,7 +394,7 @@ def _small_reads(path: str, stride: int, n_experts: int, repeat: int, batches: i
 
 def _fio_pass(path: str, bs: int, depth: int, io_bytes: int, mode: str) -> dict[str, Any]:
     direct = 1 if mode == "cold_direct" else 0
-    invalidate = 0 if mode == "warm" else 1
+    invalidate = 1  # cold: fio drops the file's cached pages before reading (as we evict them)
     cmd = ["fio", "--name=asyncside", f"--filename={path}", "--rw=randread", f"--bs={bs}", f"--iodepth={depth}",
            "--ioengine=io_uring", f"--direct={direct}", f"--invalidate={invalidate}", f"--io_size={io_bytes}",
            "--numjobs=1", "--norandommap", "--randrepeat=0", "--output-format=json"]
@@ -541,8 +567,8 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
         for th in sorted({1, ncpu}):
             vals = []
             for _ in range(s["repeat"]):
-                cache.warm(path)
-                vals.append(total / _native.pread_seconds(path, spec.stride, sample(), th) / GB)
+                ex = cache.prepare("warm", path, spec.stride, sample())
+                vals.append(total / _native.pread_seconds(path, spec.stride, ex, th) / GB)
             out[f"pread_{th}t_GBps"] = _median(vals)
 
     # The original design: warm and cold buffered (it never used O_DIRECT).
@@ -552,8 +578,8 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             continue
         vals = []
         for _ in range(s["repeat"]):
-            cache.warm(path) if mode == "warm" else cache.evict(path)
-            vals.append(_original_pass(spec, pools_for(n_rows), sample(), n_rows)["GBps"])
+            ex = cache.prepare(mode, path, spec.stride, sample())
+            vals.append(_original_pass(spec, pools_for(n_rows), ex, n_rows)["GBps"])
         orig[mode] = _median(vals)
     out["original_design_GBps"] = orig
 
@@ -577,13 +603,13 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             fio_cmd = ""
             for _ in range(s["repeat"]):
                 for label, reader, threshold, direct_rows in methods:
-                    cache.warm(path) if mode == "warm" else cache.evict(path)
+                    ex = cache.prepare(mode, path, spec.stride, sample())
                     passes.setdefault(label, []).append(
-                        anyio.run(_reader_pass, reader, direct, depth, spec, pools, sample(), s["chunk_bytes"],
+                        anyio.run(_reader_pass, reader, direct, depth, spec, pools, ex, s["chunk_bytes"],
                                   threshold, s["iowq_max_workers"], s["worker_nice"], direct_rows,
                                   s["buffered_chunk_bytes"]))
-                if have_fio:
-                    cache.warm(path) if mode == "warm" else cache.evict(path)
+                if have_fio and mode != "warm":
+                    cache.evict(path)
                     r = _fio_pass(path, spec.stride, depth, per_pass * spec.stride, mode)
                     fio_vals.append(r["GBps"])
                     fio_cmd = r["command"]
@@ -593,7 +619,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             window = _median([p["seconds"] for ps in passes.values() for p in ps])
             idle = max(anyio.run(_idle_pass, window) for _ in range(s["repeat"]))
             out["idle_stall"].append({"mode": mode, "depth": depth, "loop_stall_ms": round(idle, 2)})
-            if have_fio:
+            if have_fio and mode != "warm":
                 out["fio"].append({"mode": mode, "depth": depth, "GBps": _median(fio_vals),
                                    "passes_GBps": [round(v, 3) for v in fio_vals], "command": fio_cmd})
     pools_by_rows.clear()
