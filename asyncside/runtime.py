@@ -17,6 +17,7 @@ synchronous state machine.
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,9 @@ class _Layer:
     ledger: Ledger
     pools: PoolSet
     inflight: dict[int, FillHandle] = field(default_factory=dict)  # expert -> its fill in flight
-    outstanding: set[int] = field(default_factory=set)  # op ids (prefetch tasks and fills)
+    # op id -> holders. A prefetch's fills hold the prefetch's own op id, so a drain that began
+    # before a lazy prefetch resolved still waits for the reads that prefetch starts later.
+    outstanding: Counter[int] = field(default_factory=Counter)
     errors: list[FillError] = field(default_factory=list)  # failed fills since the last drain
     table: mx.array | None = None
     table_version: int = -1
@@ -261,33 +264,55 @@ class Runtime:
         assert self._changed is not None
         await self._changed.wait()
 
-    def _op(self, st: _Layer) -> int:
-        op = self._next_op
-        self._next_op += 1
-        st.outstanding.add(op)
+    def _op(self, st: _Layer, op: int | None = None) -> int:
+        """Hold ``op`` (a new one when None) outstanding until ``_finish_op``."""
+        if op is None:
+            op = self._next_op
+            self._next_op += 1
+        st.outstanding[op] += 1
         return op
 
     def _finish_op(self, st: _Layer, op: int) -> None:
-        st.outstanding.discard(op)
+        st.outstanding[op] -= 1
+        if st.outstanding[op] <= 0:
+            del st.outstanding[op]
         self._notify()
 
-    def _submit(self, layer: int, st: _Layer, fills: Sequence[Fill]) -> list[FillHandle]:
-        """Hand reserved fills to the scheduler; their callbacks publish or fail them."""
+    def _submit(
+        self,
+        layer: int,
+        st: _Layer,
+        fills: Sequence[Fill],
+        on_done: Callable[[FillHandle], None] | None = None,
+        parent_op: int | None = None,
+    ) -> list[FillHandle]:
+        """Hand reserved fills to the scheduler; their callbacks publish or fail them.
+
+        ``on_done`` runs after the ledger saw the outcome and before drain waiters are woken,
+        so whoever is woken sees a consistent picture.
+        """
         if not fills:
             return []
         handles = self._scheduler.submit(st.spec, st.pools, fills)
         started = time.perf_counter()
         for fill, handle in zip(fills, handles):
-            op = self._op(st)
+            op = self._op(st, parent_op)
             st.inflight[fill.expert] = handle
             handle.add_done_callback(
-                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started)
+                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started, on_done)
             )
         self._stats["fills"] += len(fills)
         return handles
 
     def _on_fill_done(
-        self, layer: int, st: _Layer, fill: Fill, op: int, handle: FillHandle, started: float
+        self,
+        layer: int,
+        st: _Layer,
+        fill: Fill,
+        op: int,
+        handle: FillHandle,
+        started: float,
+        on_done: Callable[[FillHandle], None] | None,
     ) -> None:
         # Runs on the loop thread: the only place a fill's row changes state after reserve.
         st.inflight.pop(fill.expert, None)
@@ -301,6 +326,8 @@ class Runtime:
             self._stats["failed_fills"] += 1
         self._stats["read_time_s"] += time.perf_counter() - started
         st.version += 1
+        if on_done is not None:
+            on_done(handle)
         self._finish_op(st, op)
 
     def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
@@ -338,7 +365,7 @@ class Runtime:
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
         else:
             try:
-                self._prefetch_now(layer, st, self._host_ids(ids), handle)
+                self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
             finally:
                 self._finish_op(st, op)
         return handle
@@ -349,19 +376,20 @@ class Runtime:
         try:
             assert self._completed is not None
             await self._completed(ids)
-            self._prefetch_now(layer, st, self._host_ids(ids), handle)
+            self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
         finally:
             self._finish_op(st, op)
 
-    def _prefetch_now(self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle) -> None:
+    def _prefetch_now(
+        self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int
+    ) -> None:
         fills = self._reserve(layer, st, ids, demand=False)
         handle.fills = fills
-        handles = self._submit(layer, st, fills)
         self._stats["prefetched"] += len(fills)
-        if not handles:
+        if not fills:
             handle._done.set()
             return
-        remaining = [len(handles)]
+        remaining = [len(fills)]
 
         def one_done(h: FillHandle) -> None:
             err = h.result_error()
@@ -371,8 +399,7 @@ class Runtime:
             if remaining[0] == 0:
                 handle._done.set()
 
-        for h in handles:
-            h.add_done_callback(one_done)
+        self._submit(layer, st, fills, one_done, parent_op=op)
 
     async def drain(self, layer: int | None = None) -> None:
         """Wait for every fill (and pending prefetch) submitted so far for ``layer`` (or all).
@@ -415,12 +442,18 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             while True:
-                missing = missing[st.ledger.lookup()[missing] < 0]
+                # Re-check every wanted expert, not only the ones missing before: while this
+                # task awaited, a prefetch may have evicted one that was present.
+                missing = wanted[st.ledger.lookup()[wanted] < 0]
                 if missing.size == 0:
                     return
-                fills = self._reserve(layer, st, missing, demand=True)
-                self._submit(layer, st, fills)
-                waiting = [st.inflight[e] for e in missing.tolist() if e in st.inflight]
+                # The whole wanted set goes in: the ledger never evicts a member of the batch.
+                fills = self._reserve(layer, st, wanted, demand=True)
+                handles = self._submit(layer, st, fills)
+                # Reads that finished inside submit already ran their callbacks: await them
+                # anyway, so a failure among them reaches this awaiter.
+                waiting = [h for h in handles if h.done()]
+                waiting += [st.inflight[e] for e in missing.tolist() if e in st.inflight]
                 if waiting:
                     for h in waiting:
                         await h.wait()  # raises FillError: the awaiter hears of it
