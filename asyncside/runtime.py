@@ -33,7 +33,7 @@ from .pools import PoolSet
 from .scheduler import FillHandle, Scheduler
 from .store import ExpertStore, LayerSpec
 
-__all__ = ["Runtime", "PrefetchHandle", "choose_resident"]
+__all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer"]
 
 Completed = Callable[[mx.array], Awaitable[None]]
 
@@ -41,13 +41,22 @@ Completed = Callable[[mx.array], Awaitable[None]]
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
 
-    The hottest experts of the store's routing profile when it has one (``metadata["profile"]``:
-    per-layer routed counts, written by ``asyncside convert --profile``), else the experts named
-    in ``metadata["resident"]`` in order, else experts ``0..count-1``.
+    The hottest experts first: from the converter's hottest-first ranking
+    (``metadata["asyncside_model"]["expert_rank"]``, written by ``asyncside convert``, ranked by a
+    routing profile when it had one), else a top-level routing profile (``metadata["profile"]``:
+    per-layer routed counts), else the experts named in ``metadata["resident"]`` in order, else
+    experts ``0..count-1``.
     """
     spec = store.layer(layer)
     count = max(0, min(count, spec.n_experts))
     meta = store.metadata or {}
+    model_meta = meta.get("asyncside_model")
+    ranking = (model_meta.get("expert_rank") or {}).get(str(layer)) if isinstance(model_meta, Mapping) else None
+    if ranking is not None:
+        ranked = [int(e) for e in ranking if 0 <= int(e) < spec.n_experts]
+        seen = set(ranked)
+        ranked += [e for e in range(spec.n_experts) if e not in seen]
+        return ranked[:count]
     profile = (meta.get("profile") or {}).get(str(layer))
     if profile is not None:
         counts = np.asarray(profile, dtype=np.float64)
@@ -60,6 +69,32 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
         rest = [e for e in range(spec.n_experts) if e not in set(chosen)]
         return chosen + rest[: count - len(chosen)]
     return list(range(count))
+
+
+def plan_layer(store: ExpertStore, index: int, resident: float | Mapping[int, Sequence[int]] = 0.25,
+               side_rows: int | None = None, min_side_rows: int = 8) -> tuple[list[int], int]:
+    """(resident experts, side rows) of one layer, as ``Runtime(resident=..., side_rows=...)`` sizes it.
+
+    A fraction is the pool budget: ``ceil(fraction * n_experts)`` rows in all, of which
+    ``side_rows`` (default: half the budget, at least ``min_side_rows``) rotate and the rest hold
+    the hottest experts (:func:`choose_resident`). Exposed so other expert sources (benchmark
+    baselines) can size their pools exactly like the runtime.
+    """
+    spec = store.layer(index)
+    if isinstance(resident, Mapping):
+        chosen = [int(e) for e in resident.get(index, ())]
+        side = side_rows if side_rows is not None else min_side_rows
+    else:
+        if not 0.0 <= float(resident) <= 1.0:
+            raise ValueError(f"resident fraction must be in [0, 1], got {resident!r}")
+        budget = max(1, math.ceil(float(resident) * spec.n_experts))
+        side = int(side_rows) if side_rows is not None else max(min_side_rows, budget // 2)
+        side = min(side, spec.n_experts)
+        chosen = choose_resident(store, index, max(0, budget - side))
+    if side < 0:
+        raise ValueError(f"side_rows must be >= 0, got {side}")
+    side = min(side, spec.n_experts - len(chosen))
+    return chosen, side
 
 
 def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
@@ -205,23 +240,8 @@ class Runtime:
         resident_sets: dict[int, list[int]] = {}
         for index in self._layer_ids:
             spec = self.store.layer(index)
-            arg = self._resident_arg
-            if isinstance(arg, Mapping):
-                resident = [int(e) for e in arg.get(index, ())]
-                side = self._side_rows_arg if self._side_rows_arg is not None else self._min_side_rows
-            else:
-                if not 0.0 <= float(arg) <= 1.0:
-                    raise ValueError(f"resident fraction must be in [0, 1], got {arg!r}")
-                budget = max(1, math.ceil(float(arg) * spec.n_experts))
-                if self._side_rows_arg is not None:
-                    side = int(self._side_rows_arg)
-                else:
-                    side = max(self._min_side_rows, budget // 2)
-                side = min(side, spec.n_experts)
-                resident = choose_resident(self.store, index, max(0, budget - side))
-            if side < 0:
-                raise ValueError(f"side_rows must be >= 0, got {side}")
-            side = min(side, spec.n_experts - len(resident))
+            resident, side = plan_layer(self.store, index, self._resident_arg, self._side_rows_arg,
+                                        self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
             pools = PoolSet(spec, ledger.rows)
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
