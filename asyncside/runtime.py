@@ -115,7 +115,7 @@ class _Layer:
     spec: LayerSpec
     ledger: Ledger
     pools: PoolSet
-    inflight: dict[int, FillHandle] = field(default_factory=dict)  # expert -> its fill in flight
+    inflight: dict[int, _Pending] = field(default_factory=dict)  # expert -> its fill in flight
     # op id -> holders. A prefetch's fills hold the prefetch's own op id, so a drain that began
     # before a lazy prefetch resolved still waits for the reads that prefetch starts later.
     outstanding: Counter[int] = field(default_factory=Counter)
@@ -145,6 +145,31 @@ class PrefetchHandle:
 
     def __await__(self):  # type: ignore[no-untyped-def]
         return self.wait().__await__()
+
+
+class _Pending:
+    """One fill from reserve until its bytes are usable in the pool (read, and uploaded for device
+    pools). Settled exactly once, on the loop thread, right after the ledger saw the outcome."""
+
+    __slots__ = ("fill", "_event", "error")
+
+    def __init__(self, fill: Fill) -> None:
+        self.fill = fill
+        self._event = anyio.Event()
+        self.error: FillError | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def settle(self, error: FillError | None) -> None:
+        self.error = error
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Wait for the bytes; raise the fill's FillError if it failed."""
+        await self._event.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class Runtime:
@@ -259,6 +284,12 @@ class Runtime:
                 await h.wait()
             except FillError as err:
                 errors.append(err)
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            if st.pools.device and resident and not errors:
+                # Device pools: the mirror holds the bytes; copy them over on MLX's stream.
+                assert self._completed is not None
+                await self._completed(st.pools.upload(range(len(resident))))
         self._stats["resident_bytes"] = sum(
             len(r) * self._layers[i].spec.stride for i, r in resident_sets.items()
         )
@@ -303,40 +334,80 @@ class Runtime:
         layer: int,
         st: _Layer,
         fills: Sequence[Fill],
-        on_done: Callable[[FillHandle], None] | None = None,
+        on_done: Callable[[_Pending], None] | None = None,
         parent_op: int | None = None,
-    ) -> list[FillHandle]:
-        """Hand reserved fills to the scheduler; their callbacks publish or fail them.
+    ) -> list[_Pending]:
+        """Hand reserved fills to the scheduler; returns one _Pending per fill.
 
+        Each fill holds an op (``parent_op`` when a prefetch started it) until it settles.
         ``on_done`` runs after the ledger saw the outcome and before drain waiters are woken,
         so whoever is woken sees a consistent picture.
         """
         if not fills:
             return []
-        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        pendings = [_Pending(fill) for fill in fills]
+        for p in pendings:
+            st.inflight[p.fill.expert] = p
+        ops = [self._op(st, parent_op) for _ in fills]
         started = time.perf_counter()
-        for fill, handle in zip(fills, handles):
-            op = self._op(st, parent_op)
-            st.inflight[fill.expert] = handle
+        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        for p, op, handle in zip(pendings, ops, handles):
             handle.add_done_callback(
-                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started, on_done)
+                lambda h, p=p, op=op: self._on_read_done(st, p, op, h, started, on_done)
             )
         self._stats["fills"] += len(fills)
-        return handles
+        return pendings
 
-    def _on_fill_done(
+    def _on_read_done(
         self,
-        layer: int,
         st: _Layer,
-        fill: Fill,
+        p: _Pending,
         op: int,
         handle: FillHandle,
         started: float,
-        on_done: Callable[[FillHandle], None] | None,
+        on_done: Callable[[_Pending], None] | None,
     ) -> None:
-        # Runs on the loop thread: the only place a fill's row changes state after reserve.
-        st.inflight.pop(fill.expert, None)
+        # Runs on the loop thread. Host pools: the bytes are in the row now. Device pools: they
+        # are in the host mirror; the row is published once the upload on the stream completed.
         err = handle.result_error()
+        if err is None and st.pools.device:
+            if not self._closed:
+                self._spawn(self._upload_then_settle, st, p, op, started, on_done)
+                return
+            err = FillError(st.spec.index, p.fill.expert, p.fill.row, "the runtime closed before the upload")
+        self._settle(st, p, op, err, started, on_done)
+
+    async def _upload_then_settle(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
+    ) -> None:
+        err: FillError | None = None
+        try:
+            assert self._completed is not None
+            with anyio.CancelScope(shield=True):
+                # Shielded: once the copy is on the stream the row must not be reused before it ran.
+                await self._completed(st.pools.upload([p.fill.row]))
+        except Exception as exc:  # the upload failed on the device: the fill failed
+            err = FillError(st.spec.index, p.fill.expert, p.fill.row, f"upload to the device pool failed: {exc}")
+        self._settle(st, p, op, err, started, on_done)
+
+    def _settle(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        err: FillError | None,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
+    ) -> None:
+        """The one place a fill's row leaves FILLING: publish on success, fail (row freed) otherwise."""
+        fill = p.fill
+        if st.inflight.get(fill.expert) is p:
+            del st.inflight[fill.expert]
         if err is None:
             st.ledger.publish(fill)
             self._stats["bytes_read"] += st.spec.stride
@@ -346,8 +417,9 @@ class Runtime:
             self._stats["failed_fills"] += 1
         self._stats["read_time_s"] += time.perf_counter() - started
         st.version += 1
+        p.settle(err)
         if on_done is not None:
-            on_done(handle)
+            on_done(p)
         self._finish_op(st, op)
 
     def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
@@ -411,10 +483,9 @@ class Runtime:
             return
         remaining = [len(fills)]
 
-        def one_done(h: FillHandle) -> None:
-            err = h.result_error()
-            if err is not None:
-                handle.errors.append(err)
+        def one_done(p: _Pending) -> None:
+            if p.error is not None:
+                handle.errors.append(p.error)
             remaining[0] -= 1
             if remaining[0] == 0:
                 handle._done.set()
@@ -469,10 +540,10 @@ class Runtime:
                     return
                 # The whole wanted set goes in: the ledger never evicts a member of the batch.
                 fills = self._reserve(layer, st, wanted, demand=True)
-                handles = self._submit(layer, st, fills)
-                # Reads that finished inside submit already ran their callbacks: await them
-                # anyway, so a failure among them reaches this awaiter.
-                waiting = [h for h in handles if h.done()]
+                ours = self._submit(layer, st, fills)
+                # Fills that settled inside submit are awaited too, so a failure among them
+                # reaches this awaiter.
+                waiting = [p for p in ours if p.done()]
                 waiting += [st.inflight[e] for e in missing.tolist() if e in st.inflight]
                 if waiting:
                     for h in waiting:
