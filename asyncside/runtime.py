@@ -527,6 +527,8 @@ class Runtime:
         self._stats["hits"] += int(present.sum())
         missing = wanted[~present]
         if missing.size == 0:
+            # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
+            self._reserve(layer, st, wanted, demand=True)
             return
         self._stats["misses"] += int(missing.size)
         self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
