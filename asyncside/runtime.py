@@ -120,6 +120,8 @@ class _Layer:
     # before a lazy prefetch resolved still waits for the reads that prefetch starts later.
     outstanding: Counter[int] = field(default_factory=Counter)
     errors: list[FillError] = field(default_factory=list)  # failed fills since the last drain
+    # Device pools: reads that landed in the mirror, waiting for one batched upload.
+    uploads: list[tuple[_Pending, int, float, Any]] = field(default_factory=list)
     table: mx.array | None = None
     table_version: int = -1
     version: int = 0  # bumped on every row-state change that alters lookup()
@@ -372,28 +374,28 @@ class Runtime:
         err = handle.result_error()
         if err is None and st.pools.device:
             if not self._closed:
-                self._spawn(self._upload_then_settle, st, p, op, started, on_done)
+                # Batch: every read that completes before the flush task runs shares one upload.
+                st.uploads.append((p, op, started, on_done))
+                if len(st.uploads) == 1:
+                    self._spawn(self._flush_uploads, st)
                 return
             err = FillError(st.spec.index, p.fill.expert, p.fill.row, "the runtime closed before the upload")
         self._settle(st, p, op, err, started, on_done)
 
-    async def _upload_then_settle(
-        self,
-        st: _Layer,
-        p: _Pending,
-        op: int,
-        started: float,
-        on_done: Callable[[_Pending], None] | None,
-    ) -> None:
-        err: FillError | None = None
+    async def _flush_uploads(self, st: _Layer) -> None:
+        await anyio.lowlevel.checkpoint()  # let the rest of this wakeup's completions join
+        batch, st.uploads = st.uploads, []
+        err_text: str | None = None
         try:
             assert self._completed is not None
             with anyio.CancelScope(shield=True):
-                # Shielded: once the copy is on the stream the row must not be reused before it ran.
-                await self._completed(st.pools.upload([p.fill.row]))
-        except Exception as exc:  # the upload failed on the device: the fill failed
-            err = FillError(st.spec.index, p.fill.expert, p.fill.row, f"upload to the device pool failed: {exc}")
-        self._settle(st, p, op, err, started, on_done)
+                # Shielded: once the copy is on the stream the rows must not be reused before it ran.
+                await self._completed(st.pools.upload([p.fill.row for p, *_ in batch]))
+        except Exception as exc:  # the upload failed on the device: these fills failed
+            err_text = f"upload to the device pool failed: {exc}"
+        for p, op, started, on_done in batch:
+            err = None if err_text is None else FillError(st.spec.index, p.fill.expert, p.fill.row, err_text)
+            self._settle(st, p, op, err, started, on_done)
 
     def _settle(
         self,

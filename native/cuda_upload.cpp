@@ -7,6 +7,7 @@
 
 #if defined(ASYNCSIDE_CUDA)
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -52,15 +53,24 @@ class UploadRows : public mx::Primitive {
     cudaGraph_t graph;
     check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
     try {
+      // Rows sorted into runs of consecutive rows: one memcpy node per segment per run (the
+      // mirror and the pools share a layout, so a run is contiguous on both sides).
+      std::vector<int64_t> rows = rows_;
+      std::sort(rows.begin(), rows.end());
+      rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
       for (size_t i = 0; i < inputs.size(); ++i) {
         enc.set_input_array(inputs[i]);
         uint8_t* dst = device_ptr(inputs[i]);
         const uint64_t nb = mirror_->row_nbytes(i);
-        for (int64_t r : rows_) {
+        for (size_t a = 0; a < rows.size();) {
+          size_t b = a + 1;
+          while (b < rows.size() && rows[b] == rows[b - 1] + 1) ++b;
+          const uint64_t first = static_cast<uint64_t>(rows[a]);
           cudaGraphNode_t node;
-          check(cudaGraphAddMemcpyNode1D(&node, graph, nullptr, 0, dst + static_cast<uint64_t>(r) * nb,
-                                         mirror_->host_row(i, r), nb, cudaMemcpyHostToDevice),
+          check(cudaGraphAddMemcpyNode1D(&node, graph, nullptr, 0, dst + first * nb, mirror_->host_row(i, rows[a]),
+                                         nb * (b - a), cudaMemcpyHostToDevice),
                 "cudaGraphAddMemcpyNode1D");
+          a = b;
         }
       }
       enc.set_output_array(out);

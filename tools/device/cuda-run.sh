@@ -24,10 +24,11 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
   --config-settings=build-dir=/tmp/asyncside-build . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
-python3 -c "import asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available())"
+python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available())"
 
 log "GPU tests"
-timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS:-tests/test_device_pools.py tests/test_bridge.py tests/test_runtime.py tests/test_models.py} 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider -p pytest_timeout --timeout=60 \
+  ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 log "device bench"
 timeout 300 python3 -m asyncside.bench.device --json > "$OUT/bench-device.json" 2> "$OUT/bench-device.err"; tail -5 "$OUT/bench-device.err"; cat "$OUT/bench-device.json"
