@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import _native
 from ..errors import AsyncsideError, CapacityError
 from .arch import Arch, decoder_layers
-from .pooled import SwitchSpec, combine, pooled_switch_apply, route
+from .pooled import SORT_THRESHOLD, SwitchSpec, combine, pooled_switch_apply, pooled_switch_pairs, route
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
@@ -81,7 +81,7 @@ class AsyncForward:
         for i in range(len(decoder_layers(model))):
             later = [m for m in order if m > i]
             self.next_moe[i] = later[0] if later else None
-        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0}
+        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0}
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
@@ -179,6 +179,12 @@ class AsyncForward:
         pending = [np.unique(inds).astype(np.int64)]
         y: mx.array | None = None
         split = False
+        # Split groups on the sorted path: each group computes only its own pairs (parts), put
+        # back in pair order at the end. Every pair of an expert is in one group, so each expert's
+        # block of rows is the same as in the unsplit sorted gather, and results stay bitwise equal.
+        subset = inds.size >= SORT_THRESHOLD
+        parts: list[mx.array] = []
+        positions: list[np.ndarray] = []
         while pending:
             ids = pending.pop(0)
             try:
@@ -208,6 +214,16 @@ class AsyncForward:
                 if not split:
                     y_g = pooled_switch_apply(spec, activation, x_sw, table[inds], pools)
                     y = y_g
+                elif subset:
+                    flat = inds.reshape(-1)
+                    pos = np.nonzero(np.isin(flat, ids))[0]
+                    rows_g = table[flat[pos]]
+                    order = np.argsort(rows_g, kind="stable")
+                    pos = pos[order]
+                    y_g = pooled_switch_pairs(spec, activation, x_sw, pos // inds.shape[-1], rows_g[order], pools)
+                    parts.append(y_g)
+                    positions.append(pos)
+                    self.counters["subset_groups"] += 1
                 else:
                     member = np.isin(inds, ids)
                     # Pairs of other groups point at a row this group leased; their results are discarded.
@@ -227,6 +243,12 @@ class AsyncForward:
             if pending:
                 # The next group may need these rows: its reads must wait until this group is computed.
                 await self.completed(y_g)
+        if parts:
+            where = np.concatenate(positions)
+            inv = np.empty_like(where)
+            inv[where] = np.arange(where.size)
+            y = mx.concatenate(parts, axis=0)[mx.array(inv)]
+            y = mx.unflatten(y, 0, inds.shape).squeeze(-2)
         assert y is not None
         return y
 
