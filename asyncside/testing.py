@@ -1,0 +1,161 @@
+"""pytest plugin: fixtures for testing code that uses asyncside, under pytest-asyncio.
+
+Installed with asyncside and registered through the ``pytest11`` entry point, so the fixtures are
+available in any pytest run once ``asyncside`` is installed (disable with ``-p no:asyncside``):
+
+``make_expert_store(...)``
+    factory: writes a small expert store with random contents into a temporary directory and
+    returns it opened (:class:`asyncside.ExpertStore`).
+``expert_store``
+    ``make_expert_store()`` with the default layout (2 layers x 8 experts, 3 float16 segments).
+``asyncside_runtime``
+    async fixture: a :class:`asyncside.runtime.Runtime` over ``expert_store``, entered on the
+    test's running event loop; at teardown it is closed and every layer's ledger must audit
+    clean (the test fails otherwise). Options come from the
+    ``@pytest.mark.asyncside_runtime(resident=..., reader=..., ...)`` marker.
+``faulty_reader``
+    a reader configuration that injects I/O errors and short reads into chosen records, for
+    tests of error paths; see :class:`FaultyReader`.
+
+The module is imported by every pytest run in an environment where asyncside is installed, so it
+imports nothing heavy at import time: MLX, numpy and the runtime are imported inside fixtures.
+The async fixture is declared with ``pytest_asyncio.fixture``, so it works in pytest-asyncio's
+strict mode; it runs on the test's own loop (function scope).
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+    from .store import ExpertStore
+
+try:
+    import pytest_asyncio
+
+    _async_fixture: Callable[..., Any] = pytest_asyncio.fixture
+    _HAVE_PYTEST_ASYNCIO = True
+except ImportError:  # the async fixtures then explain what is missing instead of breaking pytest
+    _async_fixture = pytest.fixture
+    _HAVE_PYTEST_ASYNCIO = False
+
+#: segment key -> (row shape, dtype) of the default store: the shape of a small SwitchGLU.
+DEFAULT_SEGMENTS: dict[str, tuple[tuple[int, ...], str]] = {
+    "gate_proj.weight": ((32, 16), "float16"),
+    "up_proj.weight": ((32, 16), "float16"),
+    "down_proj.weight": ((16, 32), "float16"),
+}
+
+RUNTIME_MARKER = "asyncside_runtime"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{RUNTIME_MARKER}(**kwargs): keyword arguments for the Runtime built by the asyncside_runtime fixture "
+        "(resident=, side_rows=, policy=, reader=, queue_depth=, ...)",
+    )
+
+
+def random_layers(
+    layers: Sequence[int] | int = 2,
+    n_experts: int = 8,
+    segments: Mapping[str, tuple[Sequence[int], str]] | None = None,
+    seed: int = 0,
+) -> dict[int, dict[str, Any]]:
+    """Random expert weights: layer -> {key: numpy array (n_experts, *shape)}; deterministic per seed."""
+    import numpy as np
+
+    if isinstance(layers, int):
+        layers = list(range(layers))
+    if n_experts < 1:
+        raise ValueError(f"n_experts must be at least 1, got {n_experts}")
+    segments = DEFAULT_SEGMENTS if segments is None else segments
+    rng = np.random.default_rng(seed)
+    out: dict[int, dict[str, Any]] = {}
+    for layer in layers:
+        arrays = {}
+        for key, (shape, dtype) in segments.items():
+            full = (n_experts, *shape)
+            if np.dtype(dtype).kind in "iu":
+                info = np.iinfo(dtype)
+                arrays[key] = rng.integers(info.min, info.max, size=full, dtype=dtype, endpoint=True)
+            else:
+                arrays[key] = rng.standard_normal(full).astype(dtype)
+        out[int(layer)] = arrays
+    return out
+
+
+@pytest.fixture
+def make_expert_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ExpertStore]:
+    """Factory fixture: ``make_expert_store(layers=2, n_experts=8, segments=None, seed=0, **create_kwargs)``.
+
+    ``layers`` is a count or a list of layer indices; ``segments`` maps key -> (row shape, dtype);
+    further keywords (``alignment``, ``checksum``, ``metadata``) go to ``ExpertStore.create``.
+    Each call writes a new store in its own temporary directory.
+    """
+    from .store import ExpertStore
+
+    counter = itertools.count()
+
+    def make(
+        layers: Sequence[int] | int = 2,
+        n_experts: int = 8,
+        segments: Mapping[str, tuple[Sequence[int], str]] | None = None,
+        seed: int = 0,
+        **create_kwargs: Any,
+    ) -> ExpertStore:
+        root = tmp_path_factory.mktemp("asyncside-store")
+        data = random_layers(layers, n_experts, segments, seed)
+        return ExpertStore.create(root / f"store{next(counter)}", data, **create_kwargs)
+
+    return make
+
+
+@pytest.fixture
+def expert_store(make_expert_store: Callable[..., ExpertStore]) -> ExpertStore:
+    """A small expert store with random contents (2 layers x 8 experts, checksummed)."""
+    return make_expert_store()
+
+
+def audit_problems(runtime: Any) -> list[str]:
+    """Every problem the runtime's ledgers report, prefixed by layer; empty when all are clean."""
+    problems: list[str] = []
+    for layer, report in runtime.audit().items():
+        if not report.ok:
+            problems.extend(f"layer {layer}: {p}" for p in report.problems)
+    return problems
+
+
+@_async_fixture
+async def asyncside_runtime(request: pytest.FixtureRequest, expert_store: ExpertStore) -> AsyncIterator[Runtime]:
+    """A Runtime over ``expert_store`` on the test's loop; closed and audited clean at teardown.
+
+    Fills that failed on purpose (see ``faulty_reader``) do not fail the teardown; a ledger left
+    inconsistent (a leaked or half-published row) does.
+    """
+    if not _HAVE_PYTEST_ASYNCIO:
+        pytest.fail("the asyncside_runtime fixture needs pytest-asyncio (pip install pytest-asyncio)")
+    from .runtime import Runtime
+
+    kwargs: dict[str, Any] = {}
+    for marker in reversed(list(request.node.iter_markers(RUNTIME_MARKER))):
+        kwargs.update(marker.kwargs)  # the closest marker wins
+    if "faulty_reader" in request.fixturenames:
+        kwargs.setdefault("reader", request.getfixturevalue("faulty_reader").reader)
+    runtime = Runtime(expert_store, **kwargs)
+    async with runtime:
+        yield runtime
+        try:
+            await runtime.drain()
+        except BaseExceptionGroup:
+            pass  # failed fills are the test's business; the audit below is the plugin's
+    problems = audit_problems(runtime)
+    if problems:
+        pytest.fail("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
