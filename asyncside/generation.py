@@ -72,6 +72,15 @@ class GenerationService:
         finally:
             self._turn.release()
 
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the turn: no generation takes a step until the block exits (maintenance, tests).
+
+        Requests keep arriving and queue up fairly behind the holder.
+        """
+        async with self._my_turn():
+            yield
+
     async def tokens(self, prompt_ids: Sequence[int], max_tokens: int) -> AsyncIterator[int]:
         """Yield the generated token ids of one request; close it (``aclosing``) when done early.
 

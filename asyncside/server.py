@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import openai_protocol as oai
+from .errors import AsyncsideError
 from .generation import GenerationService, StreamingModel, TextAssembler
 from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .prometheus import Counter, Gauge, Registry
@@ -47,6 +48,10 @@ log = logging.getLogger("asyncside.server")
 
 DISCONNECTED_STATUS = 499  # nginx's "client closed request": the request ended because the client left
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServeError(AsyncsideError):
+    """The server could not start (its startup failed; the cause was logged)."""
 
 
 @dataclass
@@ -573,3 +578,173 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# --- the real engine and the `asyncside serve` command -----------------------------------------
+
+
+def runtime_audit(runtime: Any) -> tuple[bool, list[str]]:
+    """(ok, problems) over every layer ledger of ``runtime``."""
+    problems: list[str] = []
+    for layer, report in runtime.audit().items():
+        if not report.ok:
+            problems.extend(f"layer {layer}: {p}" for p in report.problems)
+    return (not problems, problems)
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    model_dir: str | None = None,
+    store_dir: str | None = None,
+    *,
+    resident: float = 0.25,
+    reader: str = "auto",
+    policy: str = "lfu",
+    cache_dir: str | None = None,
+) -> AsyncIterator[Engine]:
+    """Load the model (the embedded default when ``model_dir`` is None) and open its Runtime.
+
+    Runs on the serving loop: the Runtime's reap task and completion bridge belong to that loop.
+    Loading is synchronous and happens before the server accepts connections, so it blocks
+    nothing that is waiting.
+    """
+    from .models import ensure_embedded_default, load_streaming_model
+    from .runtime import Runtime
+    from .store import ExpertStore
+
+    if model_dir is None:
+        if store_dir is not None:
+            raise ValueError("--store needs --model (the embedded default has its own store)")
+        model_dir, store_dir = ensure_embedded_default(cache_dir)
+    model = load_streaming_model(model_dir, store_dir)
+    store = ExpertStore.open(store_dir if store_dir is not None else model.store_path)
+    async with Runtime(store, resident=resident, reader=reader, policy=policy) as runtime:
+        yield Engine(
+            model=model,
+            source=runtime,
+            stats=runtime.stats,
+            audit=lambda: runtime_audit(runtime),
+            description={
+                "model_dir": str(model_dir),
+                "store": str(store.path),
+                "layers": len(store.layers),
+                "resident": resident,
+                "reader": runtime.reader,
+                "policy": policy,
+            },
+        )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model to serve and how its runtime streams experts (shared with `bench serve`)."""
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="mlx-lm model directory converted with `asyncside convert` "
+                             "(default: the embedded model, built on first run)")
+    parser.add_argument("--store", metavar="DIR", default=None,
+                        help="its expert store (default: the one `asyncside convert` wrote for --model)")
+    parser.add_argument("--resident", type=float, default=0.25,
+                        help="fraction of each layer's experts kept in the pools (default 0.25)")
+    parser.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
+                        help="expert read backend (default auto)")
+    parser.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
+    parser.add_argument("--predictor", default="lookahead", help="expert predictor (default lookahead)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where the embedded model is built (default: ASYNCSIDE_CACHE or the user cache)")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `asyncside serve`."""
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--max-tokens-limit", type=int, default=ServeSettings.max_tokens_limit,
+                        help="largest max_tokens a request may ask for")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0.0 <= args.resident <= 1.0:
+        raise SystemExit(f"--resident must be a fraction in [0, 1], got {args.resident}")
+    port = getattr(args, "port", 0)
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"--port must be in [0, 65535], got {port}")
+    if getattr(args, "max_tokens_limit", 1) < 1:
+        raise SystemExit(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
+
+
+def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
+    _check_args(args)
+    return lambda: open_engine(args.model, args.store, resident=args.resident, reader=args.reader,
+                               policy=args.policy, cache_dir=args.cache_dir)
+
+
+def app_from_args(args: argparse.Namespace) -> Starlette:
+    settings = ServeSettings(max_tokens_limit=args.max_tokens_limit, predictor=args.predictor)
+    return create_app(engine_factory_from_args(args), settings)
+
+
+async def serve(
+    app: Starlette,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "warning",
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``app`` with uvicorn on the running loop until SIGINT/SIGTERM (or cancellation).
+
+    ``on_ready(url)`` is called once startup (model load, runtime) is done and the socket
+    accepts connections; with ``port=0`` the URL carries the port the system picked.
+    """
+    import asyncio
+
+    sock = bind_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{shown}:{bound_port}"
+    server = _uvicorn_server(app, log_level)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        if on_ready is not None:
+            on_ready(url)
+
+    announcer = asyncio.ensure_future(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        sock.close()
+    if not server.started:
+        raise ServeError("asyncside serve: startup failed (see the log above)")
+
+
+async def run_serve(args: argparse.Namespace) -> None:
+    """`asyncside serve` on the running loop; prints one line with the URL once the model is loaded."""
+    app = app_from_args(args)
+
+    def ready(url: str) -> None:
+        st = app.state.asyncside
+        print(f"asyncside serve: {url} model={st.service.model_id} reader={st.engine.description.get('reader')}",
+              flush=True)
+
+    await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`asyncside serve`: run the server on a uvloop event loop; 0 on a clean shutdown."""
+    import uvloop
+
+    try:
+        uvloop.run(run_serve(args))
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown
+        pass
+    except (ServeError, OSError) as exc:
+        print(f"asyncside serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

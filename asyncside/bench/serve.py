@@ -161,7 +161,7 @@ async def run_direct_phase(service: Any, seconds: float, max_tokens: int, prompt
     with anyio.move_on_after(seconds):
         while True:
             t0 = time.perf_counter()
-            first = True
+            first, complete = True, False
             gen = service.tokens(ids, max_tokens)
             try:
                 async for _ in gen:
@@ -172,8 +172,12 @@ async def run_direct_phase(service: Any, seconds: float, max_tokens: int, prompt
                         first = False
                     result.tokens += 1
                 else:
-                    result.requests_done += 1
+                    complete = True
             finally:
+                if complete:
+                    result.requests_done += 1
+                else:
+                    result.requests_cut += 1
                 with anyio.CancelScope(shield=True):
                     await gen.aclose()
     result.seconds = max(time.perf_counter() - start, seconds)
@@ -278,11 +282,11 @@ def print_table(out: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col != "phase" else "left")
     for p in out["phases"]:
         table.add_row(
-            p["name"], str(p["clients"]), f"{p['requests_done']} (+{p['requests_cut']} cut)", str(p["tokens"]),
+            p["name"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut", str(p["tokens"]),
             f"{p['tokens_per_s']:.1f}", "-" if p["vs_direct"] is None else f"{p['vs_direct']:.2f}x",
             ms(p["ttft_p50_s"]), ms(p["ttft_p99_s"]), str(p["error_count"]),
         )
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     console.print(table)
     rss = out["rss_bytes"]
 
