@@ -1,0 +1,483 @@
+"""The side-region ledger: which expert owns which pool row of one layer. Sans-I/O.
+
+This module is the ONLY code that mutates row state. It does no I/O, imports no anyio, no MLX and
+no native code (numpy only), so a hypothesis state machine can drive it alone.
+
+Rows ``[0, cap)`` hold the resident experts (``resident[i]`` in row ``i``); rows
+``[cap, cap + side_rows)`` form the side region, where each row is in exactly one state:
+
+    FREE --reserve--> FILLING(expert, fill) --publish(fill)--> LIVE(expert) --evict/drop--> FREE
+                            \\--fail(fill)--> FREE
+
+Fixes over the original C++ side region (see docs/ARCHITECTURE.md and shared/DESIGN.md):
+
+- an expert whose fill is in flight counts as present: it is never reserved a second time (the
+  original reserved a second row and leaked one) and it is not evictable while FILLING;
+- ``publish``/``fail`` act only on the exact pending :class:`Fill` they are given;
+- a failed fill returns its row to the free stack;
+- rows under a lease (a forward may still read them) are never evicted or dropped.
+
+The free rows form a stack (the original ``free_rows.back()``): initialised ``cap, cap+1, ...``
+so the first reservation takes the last side row; failed fills and one-shot drops push rows back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import CapacityError, LedgerError
+from .policies import Policy, make_policy
+
+FREE, FILLING, LIVE = 0, 1, 2
+_STATE_NAMES = {FREE: "FREE", FILLING: "FILLING", LIVE: "LIVE"}
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Fill:
+    """One read the ledger asks for: the record of ``expert`` into pool row ``row``."""
+
+    fill_id: int
+    expert: int
+    row: int
+
+
+@dataclass
+class AuditReport:
+    """Result of :meth:`Ledger.audit`: ``ok`` is True iff ``problems`` is empty."""
+
+    ok: bool
+    problems: list[str]
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _int_or_raise(v: Any, n_experts: int, what: str) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise LedgerError(f"{what} must be integers in [0, {n_experts}), got {v!r} ({type(v).__name__})")
+    if not 0 <= v < n_experts:
+        raise LedgerError(f"{what} {int(v)} out of range [0, {n_experts})")
+    return int(v)
+
+
+def validate_ids(ids: Any, n_experts: int, what: str = "expert id") -> list[int]:
+    """Flatten ``ids`` into a list of Python ints in ``[0, n_experts)``.
+
+    Accepts an int, a (nested) list/tuple/range/iterable of ints, or an integer numpy array of
+    any shape (anything with ``__array__``, e.g. an evaluated mx.array, goes through numpy).
+    Rejects floats and bools (also as array dtypes) and out-of-range values with a LedgerError
+    naming the value and the valid range.
+    """
+    if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
+        return [_int_or_raise(ids, n_experts, what)]
+    if not isinstance(ids, np.ndarray) and hasattr(ids, "__array__") and not isinstance(ids, (list, tuple)):
+        ids = np.asarray(ids)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise LedgerError(f"{what}s must be an integer array, got dtype {ids.dtype} (values {ids.ravel()[:8]!r})")
+        flat = ids.ravel()
+        if flat.size:
+            lo, hi = flat.min(), flat.max()
+            if lo < 0 or hi >= n_experts:
+                bad = lo if lo < 0 else hi
+                raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
+        return flat.tolist()
+    if isinstance(ids, (str, bytes)) or isinstance(ids, (float, bool, np.bool_, np.floating)):
+        raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {ids!r} ({type(ids).__name__})")
+    try:
+        items = iter(ids)
+    except TypeError:
+        raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {ids!r} ({type(ids).__name__})") from None
+    out: list[int] = []
+    for v in items:
+        if isinstance(v, (list, tuple, np.ndarray)):
+            out.extend(validate_ids(v, n_experts, what))
+        else:
+            out.append(_int_or_raise(v, n_experts, what))
+    return out
+
+
+class Ledger:
+    """Row ownership of one layer's pools (see module docstring)."""
+
+    def __init__(
+        self, n_experts: int, resident: Sequence[int], side_rows: int, policy: Policy | str = "lfu"
+    ) -> None:
+        if not isinstance(n_experts, int) or isinstance(n_experts, bool) or not 1 <= n_experts <= _INT32_MAX:
+            raise LedgerError(f"n_experts must be an int in [1, {_INT32_MAX}], got {n_experts!r}")
+        if not isinstance(side_rows, int) or isinstance(side_rows, bool) or side_rows < 0:
+            raise LedgerError(f"side_rows must be a non-negative int, got {side_rows!r}")
+        res = validate_ids(resident, n_experts, "resident expert")
+        if len(set(res)) != len(res):
+            dup = next(e for i, e in enumerate(res) if e in res[:i])
+            raise LedgerError(f"resident expert {dup} is listed twice")
+        self.n_experts = n_experts
+        self.resident: tuple[int, ...] = tuple(res)
+        self.cap = len(res)
+        self.side_rows = side_rows
+        self.rows = self.cap + side_rows
+        if self.rows > _INT32_MAX:
+            raise LedgerError(f"cap + side_rows = {self.rows} does not fit int32 row indices")
+
+        self._resident_row = {e: i for i, e in enumerate(res)}
+        self._free: list[int] = list(range(self.cap, self.rows))  # a stack: pop() takes the last
+        self._row_state = [FREE] * side_rows  # indexed by row - cap
+        self._row_owner = [-1] * side_rows
+        self._live: dict[int, int] = {}  # expert -> row
+        self._filling: dict[int, Fill] = {}  # expert -> its pending fill
+        self._pending: dict[int, Fill] = {}  # fill_id -> fill
+        self._pins: dict[int, int] = {}  # row -> number of leases pinning it
+        self._leases: dict[int, tuple[int, ...]] = {}  # lease id -> rows
+        self._fill_ids = itertools.count()
+        self._lease_ids = itertools.count(1)
+        self._table = np.full(n_experts, -1, dtype=np.int32)
+        for e, r in self._resident_row.items():
+            self._table[e] = r
+        self._snapshot: np.ndarray | None = None
+        self.blocked: list[int] = []
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "reserves",
+                "hits",
+                "resident_hits",
+                "filling_hits",
+                "misses",
+                "reserved",
+                "published",
+                "failed",
+                "evictions",
+                "skipped",
+                "blocked",
+                "leases",
+                "releases",
+            ),
+            0,
+        )
+        self.policy = make_policy(policy)
+        self.policy.attach(self, ())
+
+    def __repr__(self) -> str:
+        return (
+            f"Ledger(n_experts={self.n_experts}, cap={self.cap}, side_rows={self.side_rows}, "
+            f"policy={self.policy.name!r}, live={len(self._live)}, filling={len(self._filling)}, free={len(self._free)})"
+        )
+
+    # ---- policy ---------------------------------------------------------------------------
+
+    def set_policy(self, policy: Policy | str) -> None:
+        """Switch policy; the new one starts from the LIVE experts (ascending id) as just published."""
+        new = make_policy(policy)
+        new.attach(self, sorted(self._live))
+        self.policy = new
+
+    # ---- transitions ----------------------------------------------------------------------
+
+    def _unique_side_ids(self, ids: Any) -> tuple[list[int], int]:
+        """(distinct non-resident ids in first-seen order, number of resident ids)."""
+        seen: dict[int, None] = {}
+        resident = self._resident_row
+        n_resident = 0
+        for e in validate_ids(ids, self.n_experts):
+            if e in resident:
+                n_resident += 1
+            elif e not in seen:
+                seen[e] = None
+        return list(seen), n_resident
+
+    def _evict(self, victim: int) -> int:
+        """LIVE(victim) -> FREE; returns its row (the caller reuses it or pushes it on the free stack)."""
+        row = self._live.pop(victim)
+        i = row - self.cap
+        assert self._row_state[i] == LIVE and self._row_owner[i] == victim and not self._pins.get(row)
+        self._row_state[i] = FREE
+        self._row_owner[i] = -1
+        self._table[victim] = -1
+        self._snapshot = None
+        self.policy.on_remove(victim)
+        self.stats["evictions"] += 1
+        return row
+
+    def reserve(self, ids: Any, *, demand: bool = False) -> list[Fill]:
+        """Reserve rows for the predicted (or, with ``demand``, needed) experts; returns the reads to do.
+
+        Skips resident and duplicate ids and experts already LIVE or FILLING (LIVE ones count as a
+        hit for the policy). Each missing expert takes the top free row, else the policy's victim
+        (never an expert of this batch, never a leased row). With ``demand=False`` an expert that
+        gets no row is skipped (counted in ``stats["skipped"]``); with ``demand=True`` it is listed
+        in ``self.blocked`` for the caller to retry after leases are released or fills finish, and
+        CapacityError is raised up front if the batch can never fit (more distinct non-resident
+        experts than side rows). ``self.blocked`` is reset by every call.
+        """
+        batch, n_resident = self._unique_side_ids(ids)
+        if demand and len(batch) > self.side_rows:
+            raise CapacityError(
+                f"demand needs {len(batch)} distinct non-resident experts at once but the side region "
+                f"has {self.side_rows} rows (experts {batch[:16]}{'...' if len(batch) > 16 else ''})"
+            )
+        self.blocked = []
+        self.stats["reserves"] += 1
+        self.stats["resident_hits"] += n_resident
+        policy = self.policy
+        policy.begin(batch)
+        live = self._live
+        in_batch = set(batch)
+
+        if policy.drops_unpredicted:
+            # Legacy one-shot: drop every unpredicted LIVE expert, rows pushed in ascending expert
+            # order (the original iterated a std::map) -- except rows a forward still holds.
+            for e in sorted(live):
+                if e not in in_batch and not self._pins.get(live[e]):
+                    self._free.append(self._evict(e))
+
+        for e in batch:  # the original bumps every predicted present expert before filling
+            if e in live:
+                policy.on_hit(e)
+                self.stats["hits"] += 1
+
+        pins = self._pins
+
+        def evictable(v: int) -> bool:
+            return v not in in_batch and not pins.get(live[v], 0)
+
+        fills: list[Fill] = []
+        for e in batch:
+            if e in live:
+                continue
+            if e in self._filling:
+                self.stats["filling_hits"] += 1
+                continue
+            self.stats["misses"] += 1
+            if self._free:
+                row = self._free.pop()
+            else:
+                victim = policy.choose_victim(evictable)
+                if victim is None:
+                    if demand:
+                        self.blocked.append(e)
+                        self.stats["blocked"] += 1
+                    else:
+                        self.stats["skipped"] += 1
+                    continue
+                if victim not in live or not evictable(victim):
+                    raise LedgerError(f"policy {policy.name!r} chose expert {victim}, which is not evictable")
+                row = self._evict(victim)
+            fill = Fill(next(self._fill_ids), e, row)
+            i = row - self.cap
+            self._row_state[i] = FILLING
+            self._row_owner[i] = e
+            self._filling[e] = fill
+            self._pending[fill.fill_id] = fill
+            fills.append(fill)
+        self.stats["reserved"] += len(fills)
+        return fills
+
+    def _take_pending(self, fill: Fill, verb: str) -> Fill:
+        if not isinstance(fill, Fill):
+            raise LedgerError(f"{verb} needs a Fill, got {fill!r}")
+        mine = self._pending.get(fill.fill_id)
+        if mine is None:
+            raise LedgerError(f"cannot {verb} {fill}: it is not a pending fill of this ledger (already published or failed?)")
+        if mine != fill:
+            raise LedgerError(f"cannot {verb} {fill}: pending fill {fill.fill_id} is {mine}")
+        del self._pending[fill.fill_id]
+        del self._filling[fill.expert]
+        return mine
+
+    def publish(self, fill: Fill) -> None:
+        """FILLING -> LIVE for exactly this pending fill (its bytes have all landed)."""
+        f = self._take_pending(fill, "publish")
+        i = f.row - self.cap
+        self._row_state[i] = LIVE
+        self._live[f.expert] = f.row
+        self._table[f.expert] = f.row
+        self._snapshot = None
+        self.policy.on_publish(f.expert)
+        self.stats["published"] += 1
+
+    def fail(self, fill: Fill) -> None:
+        """FILLING -> FREE for exactly this pending fill (its read failed or was abandoned)."""
+        f = self._take_pending(fill, "fail")
+        i = f.row - self.cap
+        self._row_state[i] = FREE
+        self._row_owner[i] = -1
+        self._free.append(f.row)
+        self.stats["failed"] += 1
+
+    def lease(self, experts: Any) -> int:
+        """Pin the rows of ``experts`` (each resident or LIVE) until :meth:`release`; returns the lease id.
+
+        A pinned row is never evicted or dropped. Several leases may pin the same row.
+        """
+        ids = validate_ids(experts, self.n_experts)
+        rows: dict[int, None] = {}
+        for e in ids:
+            row = self._resident_row.get(e)
+            if row is None:
+                row = self._live.get(e)
+            if row is None:
+                state = "FILLING (its read is in flight)" if e in self._filling else "absent"
+                raise LedgerError(f"cannot lease expert {e}: it is {state}, not resident or LIVE")
+            rows[row] = None
+        for row in rows:
+            self._pins[row] = self._pins.get(row, 0) + 1
+        for e in dict.fromkeys(ids):
+            self.policy.on_lease(e)
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = tuple(rows)
+        self.stats["leases"] += 1
+        return lease_id
+
+    def release(self, lease_id: int) -> None:
+        """Unpin the rows of a lease (LedgerError if the id is unknown or already released)."""
+        rows = self._leases.pop(lease_id, None) if isinstance(lease_id, int) else None
+        if rows is None:
+            raise LedgerError(f"unknown or already released lease {lease_id!r}")
+        for row in rows:
+            n = self._pins[row] - 1
+            if n:
+                self._pins[row] = n
+            else:
+                del self._pins[row]
+        self.stats["releases"] += 1
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def lookup(self) -> np.ndarray:
+        """int32 (n_experts,): the row of each resident or LIVE expert, -1 otherwise.
+
+        Read-only; a snapshot that later transitions never change (rebuilt only after a change).
+        """
+        snap = self._snapshot
+        if snap is None:
+            snap = self._table.copy()
+            snap.flags.writeable = False
+            self._snapshot = snap
+        return snap
+
+    def row_of(self, expert: int) -> int | None:
+        """The row of a resident or LIVE expert, else None."""
+        e = _int_or_raise(expert, self.n_experts, "expert id")
+        row = self._resident_row.get(e)
+        return row if row is not None else self._live.get(e)
+
+    def is_filling(self, expert: int) -> bool:
+        """True while ``expert`` has a fill in flight."""
+        return _int_or_raise(expert, self.n_experts, "expert id") in self._filling
+
+    def fill_of(self, expert: int) -> Fill | None:
+        """The pending fill of ``expert``, if one is in flight."""
+        return self._filling.get(_int_or_raise(expert, self.n_experts, "expert id"))
+
+    def state_of(self, expert: int) -> str:
+        """``"resident"``, ``"live"``, ``"filling"`` or ``"absent"``."""
+        e = _int_or_raise(expert, self.n_experts, "expert id")
+        if e in self._resident_row:
+            return "resident"
+        if e in self._live:
+            return "live"
+        return "filling" if e in self._filling else "absent"
+
+    def pending(self) -> list[Fill]:
+        """Fills in flight, oldest first."""
+        return sorted(self._pending.values(), key=lambda f: f.fill_id)
+
+    def live(self) -> dict[int, int]:
+        """LIVE side-region experts: expert -> row (a copy)."""
+        return dict(self._live)
+
+    def free_rows(self) -> list[int]:
+        """The free stack, bottom first (the next reservation takes the last)."""
+        return list(self._free)
+
+    def pinned_rows(self) -> dict[int, int]:
+        """row -> number of leases pinning it (a copy)."""
+        return dict(self._pins)
+
+    # ---- invariants -----------------------------------------------------------------------
+
+    def audit(self) -> AuditReport:
+        """Check every invariant; never raises. O(rows + n_experts)."""
+        problems: list[str] = []
+        p = problems.append
+        try:
+            cap, side = self.cap, self.side_rows
+            free_set = set(self._free)
+            if len(free_set) != len(self._free):
+                p(f"free stack holds duplicate rows: {sorted(self._free)}")
+            for r in self._free:
+                if not cap <= r < self.rows:
+                    p(f"free row {r} is outside the side region [{cap}, {self.rows})")
+                elif self._row_state[r - cap] != FREE:
+                    p(f"row {r} is on the free stack but {_STATE_NAMES[self._row_state[r - cap]]}({self._row_owner[r - cap]})")
+            owner_of_row: dict[int, int] = {}
+            for e, r in self._live.items():
+                if r in owner_of_row:
+                    p(f"row {r} owned twice: experts {owner_of_row[r]} and {e}")
+                owner_of_row[r] = e
+                if e in self._resident_row:
+                    p(f"expert {e} is both resident and LIVE (row {r})")
+                if e in self._filling:
+                    p(f"expert {e} is both LIVE (row {r}) and FILLING ({self._filling[e]})")
+            for e, f in self._filling.items():
+                if f.expert != e:
+                    p(f"filling[{e}] holds {f}")
+                if f.row in owner_of_row:
+                    p(f"row {f.row} owned twice: experts {owner_of_row[f.row]} and {e} (filling)")
+                owner_of_row[f.row] = e
+                if self._pending.get(f.fill_id) != f:
+                    p(f"FILLING expert {e} row {f.row} has no matching pending fill ({f})")
+            for fid, f in self._pending.items():
+                if fid != f.fill_id or self._filling.get(f.expert) != f:
+                    p(f"pending fill {fid} = {f} is not the fill of a FILLING row")
+            for r in owner_of_row:
+                if r in free_set:
+                    p(f"row {r} is both free and owned by expert {owner_of_row[r]}")
+                if not cap <= r < self.rows:
+                    p(f"expert {owner_of_row[r]} owns row {r} outside the side region")
+            for i in range(side):
+                r, st, own = cap + i, self._row_state[i], self._row_owner[i]
+                if st == FREE and (own != -1 or r not in free_set):
+                    p(f"row {r} is FREE but owner={own}, on free stack={r in free_set}")
+                elif st == LIVE and self._live.get(own) != r:
+                    p(f"row {r} is LIVE({own}) but live[{own}]={self._live.get(own)}")
+                elif st == FILLING and (own not in self._filling or self._filling[own].row != r):
+                    p(f"row {r} is FILLING({own}) without exactly one pending fill for it")
+            n_free, n_fill, n_live = len(self._free), len(self._filling), len(self._live)
+            if n_free + n_fill + n_live != side:
+                p(f"counts do not balance: free {n_free} + filling {n_fill} + live {n_live} != side_rows {side}")
+            expected = np.full(self.n_experts, -1, dtype=np.int32)
+            for e, r in self._resident_row.items():
+                expected[e] = r
+            for e, r in self._live.items():
+                expected[e] = r
+            if not np.array_equal(expected, self._table):
+                bad = np.flatnonzero(expected != self._table)[:8].tolist()
+                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, expected {expected[bad].tolist()}")
+            if self._snapshot is not None and not np.array_equal(self._snapshot, self._table):
+                p("cached lookup snapshot is stale")
+            pins: dict[int, int] = {}
+            for rows in self._leases.values():
+                for r in rows:
+                    pins[r] = pins.get(r, 0) + 1
+            if pins != self._pins:
+                p(f"pin counts {self._pins} do not match the open leases {pins}")
+            held_rows = set(self._resident_row.values()) | set(self._live.values())
+            for r in self._pins:
+                if r not in held_rows:
+                    p(f"pinned row {r} is not resident or LIVE")
+            s = self.stats
+            if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
+                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} + pending {len(self._pending)}")
+            problems.extend(self.policy.audit(set(self._live)))
+            counts = {"free": n_free, "filling": n_fill, "live": n_live, "pinned_rows": len(self._pins), "leases": len(self._leases)}
+        except Exception as exc:  # audit must report, never raise
+            p(f"audit crashed: {type(exc).__name__}: {exc}")
+            counts = {}
+        return AuditReport(not problems, problems, counts)

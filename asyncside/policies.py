@@ -1,0 +1,225 @@
+"""Eviction policies for the side-region ledger.
+
+A policy only *decides*: it keeps its own scores and answers "which LIVE expert should give up its
+row?". It never touches row state; :class:`asyncside.ledger.Ledger` owns every transition and tells
+the policy what happened through the ``on_*`` hooks. Pure Python, no I/O.
+
+Policies:
+
+- :class:`LFU` (default, ``"lfu"``): the original rules. A published expert starts at frequency 1;
+  each reserve that predicts an expert already LIVE bumps it by 1 (once per reserve, duplicates
+  ignored); the victim is the LIVE expert with the lowest frequency (ties: smallest id) that the
+  ledger allows (not predicted in this batch, not under lease); its frequency is forgotten.
+- :class:`OneShot` (legacy, ``"oneshot"``): every reserve first drops every LIVE expert not predicted
+  now (unless leased), then fills from free rows only; it never evicts.
+- :class:`LRU` (``"lru"``): the victim is the least recently used LIVE expert, where "used" means
+  published, predicted while LIVE, or leased (ties: smallest id).
+- :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
+  ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
+
+The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion,
+instead of scanning every LIVE expert as the original did.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .errors import LedgerError
+
+
+class Policy:
+    """Base class of eviction policies. Subclasses override the hooks they need.
+
+    A policy instance belongs to one ledger (``attach`` refuses a second owner).
+    """
+
+    name: str = "policy"
+    #: True for the legacy one-shot policy: each reserve drops every unpredicted LIVE expert first.
+    drops_unpredicted: bool = False
+
+    def __init__(self) -> None:
+        self._owner: object | None = None
+
+    def attach(self, owner: object, live: Iterable[int]) -> None:
+        """Bind to ``owner`` and start from the experts already LIVE (each as if just published)."""
+        if self._owner is not None and self._owner is not owner:
+            raise LedgerError(f"policy {self.name!r} instance is already attached to another ledger")
+        self._owner = owner
+        self.reset()
+        for e in live:
+            self.on_publish(e)
+
+    def reset(self) -> None:
+        """Forget every score."""
+
+    def begin(self, batch: Sequence[int]) -> None:
+        """A reserve starts for ``batch`` (unique, non-resident ids in order)."""
+
+    def on_hit(self, expert: int) -> None:
+        """``expert`` is LIVE and was predicted again (called once per reserve)."""
+
+    def on_publish(self, expert: int) -> None:
+        """``expert`` became LIVE."""
+
+    def on_remove(self, expert: int) -> None:
+        """``expert`` stopped being LIVE (evicted or dropped)."""
+
+    def on_lease(self, expert: int) -> None:
+        """A lease pinned ``expert`` (it is about to be read by a forward)."""
+
+    def choose_victim(self, evictable: Callable[[int], bool]) -> int | None:
+        """The LIVE expert to evict among those for which ``evictable`` is true, or None."""
+        return None
+
+    def audit(self, live: set[int]) -> list[str]:
+        """Problems in the policy's own bookkeeping, given the set of LIVE experts."""
+        return []
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-friendly view of the policy's state (for stats and debugging)."""
+        return {"name": self.name}
+
+
+class _HeapPolicy(Policy):
+    """Victim = LIVE expert with the smallest (score, expert id); a lazy-deletion min-heap."""
+
+    def reset(self) -> None:
+        self.score: dict[int, int] = {}
+        self._heap: list[tuple[int, int]] = []
+
+    def _set(self, expert: int, value: int) -> None:
+        self.score[expert] = value
+        heapq.heappush(self._heap, (value, expert))
+        if len(self._heap) > 2 * len(self.score) + 64:  # too many stale entries: rebuild
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(v, e) for e, v in self.score.items()]
+        heapq.heapify(self._heap)
+
+    def on_remove(self, expert: int) -> None:
+        self.score.pop(expert, None)  # its heap entries become stale
+
+    def choose_victim(self, evictable: Callable[[int], bool]) -> int | None:
+        heap, score = self._heap, self.score
+        kept: list[tuple[int, int]] = []
+        victim = None
+        while heap:
+            value, e = heap[0]
+            if score.get(e) != value:  # stale: the expert was removed or rescored
+                heapq.heappop(heap)
+                continue
+            if evictable(e):
+                victim = e
+                break
+            kept.append(heapq.heappop(heap))  # valid but protected now: put back afterwards
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return victim
+
+    def audit(self, live: set[int]) -> list[str]:
+        problems = []
+        if set(self.score) != live:
+            problems.append(
+                f"{self.name}: scored experts {sorted(set(self.score) ^ live)} differ from LIVE experts"
+            )
+        current = {(v, e) for e, v in self.score.items()}
+        missing = current - set(self._heap)
+        if missing:
+            problems.append(f"{self.name}: heap lacks current entries {sorted(missing)}")
+        return problems
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"name": self.name, "score": dict(sorted(self.score.items()))}
+
+
+class LFU(_HeapPolicy):
+    """Least frequently predicted (the original default; see module docstring)."""
+
+    name = "lfu"
+
+    def on_hit(self, expert: int) -> None:
+        self._set(expert, self.score.get(expert, 0) + 1)
+
+    def on_publish(self, expert: int) -> None:
+        if expert not in self.score:  # the original: freq starts at 1 unless already known
+            self._set(expert, 1)
+
+
+class AgingLFU(LFU):
+    """LFU whose frequencies halve every ``period`` reserves."""
+
+    name = "aging-lfu"
+
+    def __init__(self, period: int = 64) -> None:
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise LedgerError(f"aging-lfu period must be a positive int, got {period!r}")
+        super().__init__()
+        self.period = period
+        self._reserves = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._reserves = 0
+
+    def begin(self, batch: Sequence[int]) -> None:
+        self._reserves += 1
+        if self._reserves % self.period == 0:
+            self.score = {e: v // 2 for e, v in self.score.items()}
+            self._rebuild()  # halving can create new ties, so order needs a fresh heap
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "period": self.period, "reserves": self._reserves}
+
+
+class LRU(_HeapPolicy):
+    """Least recently used: publish, predicted-while-LIVE and lease all count as a use."""
+
+    name = "lru"
+
+    def reset(self) -> None:
+        super().reset()
+        self._clock = 0
+
+    def _touch(self, expert: int) -> None:
+        self._clock += 1
+        self._set(expert, self._clock)
+
+    def on_hit(self, expert: int) -> None:
+        self._touch(expert)
+
+    def on_publish(self, expert: int) -> None:
+        self._touch(expert)
+
+    def on_lease(self, expert: int) -> None:
+        if expert in self.score:  # resident experts are leased too, but never scored
+            self._touch(expert)
+
+
+class OneShot(Policy):
+    """Legacy: drop every unpredicted LIVE expert at each reserve, fill from free rows, never evict."""
+
+    name = "oneshot"
+    drops_unpredicted = True
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lfu": LFU,
+    "oneshot": OneShot,
+    "one-shot": OneShot,
+    "lru": LRU,
+    "aging-lfu": AgingLFU,
+    "lfu-aging": AgingLFU,
+}
+
+
+def make_policy(policy: Policy | str) -> Policy:
+    """A policy instance from a name (``lfu``, ``oneshot``, ``lru``, ``aging-lfu``) or an instance."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return POLICIES[policy.lower()]()
+    raise LedgerError(f"unknown policy {policy!r}; known: {sorted(POLICIES)} or a Policy instance")

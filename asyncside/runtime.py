@@ -1,0 +1,490 @@
+"""The runtime: one object that owns the pools, the ledgers, the read scheduler and the bridge.
+
+``Runtime`` is the public face of asyncside. A model forward talks to it through five calls:
+
+* ``prefetch(layer, ids)`` — predicted experts; reserves rows and starts reads, returns at once.
+* ``await ensure(layer, ids)`` — the demand path; returns once every id has bytes in a row.
+* ``lookup(layer)`` — the expert -> row table as an ``mx.array`` for the gather.
+* ``lease(layer, experts)`` / ``release_after(x, leases)`` — rows a forward reads stay pinned
+  until the computation that reads them has completed on its stream.
+* ``await drain(layer)`` — wait for every fill submitted so far, and hear about the ones that failed.
+
+All ledger transitions happen on the event loop thread: the scheduler runs fill callbacks there,
+and the runtime never touches a ledger from anywhere else. That is what keeps the ledger a plain
+synchronous state machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Awaitable
+
+import anyio
+import mlx.core as mx
+import numpy as np
+
+from .errors import AsyncsideError, CapacityError, FillError, LedgerError
+from .ledger import Fill, Ledger
+from .pools import PoolSet
+from .scheduler import FillHandle, Scheduler
+from .store import ExpertStore, LayerSpec
+
+__all__ = ["Runtime", "PrefetchHandle", "choose_resident"]
+
+Completed = Callable[[mx.array], Awaitable[None]]
+
+
+def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
+    """Pick ``count`` resident experts for ``layer``.
+
+    The hottest experts of the store's routing profile when it has one (``metadata["profile"]``:
+    per-layer routed counts, written by ``asyncside convert --profile``), else the experts named
+    in ``metadata["resident"]`` in order, else experts ``0..count-1``.
+    """
+    spec = store.layer(layer)
+    count = max(0, min(count, spec.n_experts))
+    meta = store.metadata or {}
+    profile = (meta.get("profile") or {}).get(str(layer))
+    if profile is not None:
+        counts = np.asarray(profile, dtype=np.float64)
+        # Stable sort on -count: ties keep the smaller expert id first.
+        order = np.argsort(-counts, kind="stable")
+        return [int(e) for e in order[:count]]
+    listed = (meta.get("resident") or {}).get(str(layer))
+    if listed is not None:
+        chosen = [int(e) for e in listed[:count]]
+        rest = [e for e in range(spec.n_experts) if e not in set(chosen)]
+        return chosen + rest[: count - len(chosen)]
+    return list(range(count))
+
+
+def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
+    """Unique expert ids as int64, or LedgerError naming the first bad value."""
+    if ids.dtype.kind not in "iu":
+        raise LedgerError(f"layer {layer}: expert ids must be integers, got dtype {ids.dtype}")
+    ids = np.unique(ids.astype(np.int64, copy=False))
+    if ids.size and (ids[0] < 0 or ids[-1] >= n_experts):
+        bad = int(ids[0] if ids[0] < 0 else ids[-1])
+        raise LedgerError(f"layer {layer}: expert id {bad} is out of range [0, {n_experts})")
+    return ids
+
+
+@dataclass
+class _Layer:
+    """Everything the runtime keeps for one layer. Mutated on the loop thread only."""
+
+    spec: LayerSpec
+    ledger: Ledger
+    pools: PoolSet
+    inflight: dict[int, FillHandle] = field(default_factory=dict)  # expert -> its fill in flight
+    outstanding: set[int] = field(default_factory=set)  # op ids (prefetch tasks and fills)
+    errors: list[FillError] = field(default_factory=list)  # failed fills since the last drain
+    table: mx.array | None = None
+    table_version: int = -1
+    version: int = 0  # bumped on every row-state change that alters lookup()
+
+
+@dataclass
+class PrefetchHandle:
+    """What ``Runtime.prefetch`` returns: await it to wait for the prefetch's own fills."""
+
+    layer: int
+    _done: anyio.Event
+    fills: list[Fill] = field(default_factory=list)
+    errors: list[FillError] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        """Wait for this prefetch's reads; raise an ExceptionGroup of its FillErrors, if any."""
+        await self._done.wait()
+        if self.errors:
+            raise ExceptionGroup(f"prefetch of layer {self.layer} failed", list(self.errors))
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.wait().__await__()
+
+
+class Runtime:
+    """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
+
+    ``resident`` is the fraction of each layer's experts the pools hold in total (the memory
+    budget), or an explicit mapping layer -> resident expert ids. ``side_rows`` is how many of
+    those rows rotate (the side region); the rest hold a fixed resident set. By default half the
+    budget rotates, at least ``min_side_rows``.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        *,
+        resident: float | Mapping[int, Sequence[int]] = 0.25,
+        side_rows: int | None = None,
+        min_side_rows: int = 8,
+        policy: str = "lfu",
+        reader: str = "auto",
+        queue_depth: int = 64,
+        direct: bool | None = None,
+        layers: Iterable[int] | None = None,
+        completed: Completed | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self._resident_arg = resident
+        self._side_rows_arg = side_rows
+        self._min_side_rows = min_side_rows
+        self._layer_ids = list(layers) if layers is not None else list(store.layers)
+        self._scheduler = Scheduler(reader, queue_depth=queue_depth, direct=direct)
+        self._completed = completed
+        self._layers: dict[int, _Layer] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._changed: anyio.Event | None = None
+        self._next_op = 0
+        self._closed = False
+        self._stats: dict[str, float] = {
+            "hits": 0,
+            "misses": 0,
+            "late": 0,  # demanded while its prefetch was still in flight
+            "fills": 0,
+            "failed_fills": 0,
+            "bytes_read": 0,
+            "evictions": 0,
+            "prefetched": 0,
+            "read_time_s": 0.0,
+            "stall_time_s": 0.0,
+            "ensure_calls": 0,
+            "resident_bytes": 0,
+        }
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def reader(self) -> str:
+        """The reader backend actually in use."""
+        return self._scheduler.name
+
+    async def __aenter__(self) -> Runtime:
+        if self._completed is None:
+            from .bridge import completed
+
+            self._completed = completed
+        self._changed = anyio.Event()
+        await self._scheduler.__aenter__()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self._setup_layers()
+        except BaseException as exc:
+            await self._close(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._close(*exc_info)
+
+    async def _close(self, *exc_info: Any) -> bool | None:
+        self._closed = True
+        assert self._tg is not None
+        # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
+        # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
+        self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(*exc_info)
+        finally:
+            await self._scheduler.__aexit__(*exc_info)
+        return None
+
+    async def _setup_layers(self) -> None:
+        resident_sets: dict[int, list[int]] = {}
+        for index in self._layer_ids:
+            spec = self.store.layer(index)
+            arg = self._resident_arg
+            if isinstance(arg, Mapping):
+                resident = [int(e) for e in arg.get(index, ())]
+                side = self._side_rows_arg if self._side_rows_arg is not None else self._min_side_rows
+            else:
+                if not 0.0 <= float(arg) <= 1.0:
+                    raise ValueError(f"resident fraction must be in [0, 1], got {arg!r}")
+                budget = max(1, math.ceil(float(arg) * spec.n_experts))
+                if self._side_rows_arg is not None:
+                    side = int(self._side_rows_arg)
+                else:
+                    side = max(self._min_side_rows, budget // 2)
+                side = min(side, spec.n_experts)
+                resident = choose_resident(self.store, index, max(0, budget - side))
+            if side < 0:
+                raise ValueError(f"side_rows must be >= 0, got {side}")
+            side = min(side, spec.n_experts - len(resident))
+            ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
+            pools = PoolSet(spec, ledger.rows)
+            self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
+            resident_sets[index] = resident
+        # Resident rows are read once, through the same reader as everything else.
+        handles: list[FillHandle] = []
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            fills = [Fill(fill_id=-1 - row, expert=e, row=row) for row, e in enumerate(resident)]
+            if fills:
+                handles.extend(self._scheduler.submit(st.spec, st.pools, fills))
+        errors: list[FillError] = []
+        for h in handles:
+            try:
+                await h.wait()
+            except FillError as err:
+                errors.append(err)
+        self._stats["resident_bytes"] = sum(
+            len(r) * self._layers[i].spec.stride for i, r in resident_sets.items()
+        )
+        if errors:
+            raise ExceptionGroup("loading resident experts failed", errors)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _layer(self, layer: int) -> _Layer:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise AsyncsideError(
+                f"layer {layer} is not streamed by this runtime (layers: {sorted(self._layers)})"
+            ) from None
+
+    def _notify(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait_change(self) -> None:
+        assert self._changed is not None
+        await self._changed.wait()
+
+    def _op(self, st: _Layer) -> int:
+        op = self._next_op
+        self._next_op += 1
+        st.outstanding.add(op)
+        return op
+
+    def _finish_op(self, st: _Layer, op: int) -> None:
+        st.outstanding.discard(op)
+        self._notify()
+
+    def _submit(self, layer: int, st: _Layer, fills: Sequence[Fill]) -> list[FillHandle]:
+        """Hand reserved fills to the scheduler; their callbacks publish or fail them."""
+        if not fills:
+            return []
+        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        started = time.perf_counter()
+        for fill, handle in zip(fills, handles):
+            op = self._op(st)
+            st.inflight[fill.expert] = handle
+            handle.add_done_callback(
+                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started)
+            )
+        self._stats["fills"] += len(fills)
+        return handles
+
+    def _on_fill_done(
+        self, layer: int, st: _Layer, fill: Fill, op: int, handle: FillHandle, started: float
+    ) -> None:
+        # Runs on the loop thread: the only place a fill's row changes state after reserve.
+        st.inflight.pop(fill.expert, None)
+        err = handle.result_error()
+        if err is None:
+            st.ledger.publish(fill)
+            self._stats["bytes_read"] += st.spec.stride
+        else:
+            st.ledger.fail(fill)
+            st.errors.append(err)
+            self._stats["failed_fills"] += 1
+        self._stats["read_time_s"] += time.perf_counter() - started
+        st.version += 1
+        self._finish_op(st, op)
+
+    def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
+        before = st.ledger.stats.get("evictions", 0)
+        fills = st.ledger.reserve(ids, demand=demand)
+        self._stats["evictions"] += st.ledger.stats.get("evictions", 0) - before
+        if fills:
+            # An eviction changes lookup(): the evicted expert no longer has a row.
+            st.version += 1
+        return fills
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        if self._tg is None or self._closed:
+            raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
+        self._tg.start_soon(fn, *args)
+
+    @staticmethod
+    def _host_ids(ids: Any) -> np.ndarray:
+        if isinstance(ids, mx.array):
+            return np.array(ids, copy=True).reshape(-1)
+        return np.asarray(ids).reshape(-1)
+
+    # ---------------------------------------------------------------- public API
+
+    def prefetch(self, layer: int, ids: mx.array | Sequence[int] | np.ndarray) -> PrefetchHandle:
+        """Start reading the predicted experts ``ids`` of ``layer``; returns at once.
+
+        ``ids`` may be a lazy ``mx.array``: the runtime awaits its computation through the
+        completion bridge, then reserves rows and submits the reads.
+        """
+        st = self._layer(layer)
+        handle = PrefetchHandle(layer=layer, _done=anyio.Event())
+        op = self._op(st)
+        if isinstance(ids, mx.array):
+            self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
+        else:
+            try:
+                self._prefetch_now(layer, st, self._host_ids(ids), handle)
+            finally:
+                self._finish_op(st, op)
+        return handle
+
+    async def _prefetch_lazy(
+        self, layer: int, st: _Layer, ids: mx.array, handle: PrefetchHandle, op: int
+    ) -> None:
+        try:
+            assert self._completed is not None
+            await self._completed(ids)
+            self._prefetch_now(layer, st, self._host_ids(ids), handle)
+        finally:
+            self._finish_op(st, op)
+
+    def _prefetch_now(self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle) -> None:
+        fills = self._reserve(layer, st, ids, demand=False)
+        handle.fills = fills
+        handles = self._submit(layer, st, fills)
+        self._stats["prefetched"] += len(fills)
+        if not handles:
+            handle._done.set()
+            return
+        remaining = [len(handles)]
+
+        def one_done(h: FillHandle) -> None:
+            err = h.result_error()
+            if err is not None:
+                handle.errors.append(err)
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                handle._done.set()
+
+        for h in handles:
+            h.add_done_callback(one_done)
+
+    async def drain(self, layer: int | None = None) -> None:
+        """Wait for every fill (and pending prefetch) submitted so far for ``layer`` (or all).
+
+        Raises an ExceptionGroup of the FillErrors of fills that failed since the last drain.
+        """
+        layers = [self._layer(layer)] if layer is not None else list(self._layers.values())
+        horizon = self._next_op
+        while any(op < horizon for st in layers for op in st.outstanding):
+            await self._wait_change()
+        errors: list[FillError] = []
+        for st in layers:
+            errors.extend(st.errors)
+            st.errors.clear()
+        if errors:
+            where = f"layer {layer}" if layer is not None else "all layers"
+            raise ExceptionGroup(f"{len(errors)} fill(s) failed ({where})", errors)
+
+    async def ensure(self, layer: int, ids: mx.array | Sequence[int] | np.ndarray) -> None:
+        """Return once every expert in ``ids`` has its bytes in a row of ``layer``'s pools.
+
+        Experts already present are hits; absent ones are reserved on demand (a demand is never
+        skipped like a prediction is) and read; ones whose prefetch is in flight are waited for.
+        A fill that fails raises its FillError here.
+        """
+        st = self._layer(layer)
+        if isinstance(ids, mx.array):
+            assert self._completed is not None
+            await self._completed(ids)
+        wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
+        self._stats["ensure_calls"] += 1
+        lookup = st.ledger.lookup()
+        present = lookup[wanted] >= 0
+        self._stats["hits"] += int(present.sum())
+        missing = wanted[~present]
+        if missing.size == 0:
+            return
+        self._stats["misses"] += int(missing.size)
+        self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
+        t0 = time.perf_counter()
+        try:
+            while True:
+                missing = missing[st.ledger.lookup()[missing] < 0]
+                if missing.size == 0:
+                    return
+                fills = self._reserve(layer, st, missing, demand=True)
+                self._submit(layer, st, fills)
+                waiting = [st.inflight[e] for e in missing.tolist() if e in st.inflight]
+                if waiting:
+                    for h in waiting:
+                        await h.wait()  # raises FillError: the awaiter hears of it
+                elif st.ledger.blocked:
+                    # Every usable row is pinned by a lease or filling: wait for a change.
+                    await self._wait_change()
+                else:
+                    raise CapacityError(
+                        f"layer {layer}: experts {missing.tolist()} could not be placed "
+                        f"(side region of {st.ledger.side_rows} rows)"
+                    )
+        finally:
+            self._stats["stall_time_s"] += time.perf_counter() - t0
+
+    def lookup(self, layer: int) -> mx.array:
+        """The expert -> row table of ``layer`` (int32, -1 for absent) as an ``mx.array``."""
+        st = self._layer(layer)
+        if st.table is None or st.table_version != st.version:
+            st.table = mx.array(st.ledger.lookup())
+            st.table_version = st.version
+        return st.table
+
+    def pools(self, layer: int) -> dict[str, mx.array]:
+        """The pool arrays of ``layer``, one per segment key, shape ``(rows, *row_shape)``."""
+        return self._layer(layer).pools.arrays
+
+    def ledger(self, layer: int) -> Ledger:
+        """The ledger of ``layer`` (read it; only the runtime changes it)."""
+        return self._layer(layer).ledger
+
+    def lease(self, layer: int, experts: Iterable[int] | np.ndarray) -> int:
+        """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id."""
+        return self._layer(layer).ledger.lease(experts)
+
+    def release(self, layer: int, lease_id: int) -> None:
+        """Release a lease now (the caller knows the rows are no longer read)."""
+        self._layer(layer).ledger.release(lease_id)
+        self._notify()
+
+    def release_after(self, x: mx.array, leases: Iterable[tuple[int, int]]) -> None:
+        """Release ``leases`` ((layer, lease id) pairs) once ``x`` has been computed."""
+        leases = list(leases)
+        if not leases:
+            return
+        self._spawn(self._release_after, x, leases)
+
+    async def _release_after(self, x: mx.array, leases: list[tuple[int, int]]) -> None:
+        try:
+            assert self._completed is not None
+            await self._completed(x)
+        finally:
+            # Even when cancelled (runtime closing) the leases go: nothing reads them after.
+            for layer, lease_id in leases:
+                self._layers[layer].ledger.release(lease_id)
+            self._notify()
+
+    def audit(self) -> dict[int, Any]:
+        """Audit every ledger; returns layer -> AuditReport."""
+        return {i: st.ledger.audit() for i, st in self._layers.items()}
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start: hits, misses, bytes read, fills, evictions, read/stall time."""
+        out = dict(self._stats)
+        total = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / total if total else 1.0
+        out["reader"] = self.reader  # type: ignore[assignment]
+        return out

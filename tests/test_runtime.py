@@ -1,0 +1,177 @@
+"""The runtime end to end: lazy predictions drive fills, demand fills, errors, leases, cancellation.
+
+Every test ends by auditing every ledger: no row owned twice, no fill left pending, no leak.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from asyncside import ExpertStore
+from asyncside.errors import FillError, LedgerError
+from asyncside.runtime import Runtime
+
+READERS = ["io_uring", "threads", "aiofiles"]
+
+
+def _make_store(path: Path, *, n_layers: int = 2, n_experts: int = 16, seed: int = 0) -> ExpertStore:
+    rng = np.random.default_rng(seed)
+    layers = {}
+    for layer in range(n_layers):
+        layers[layer] = {
+            # Odd shapes on purpose: rows that are not multiples of 8 bytes.
+            "w.weight": rng.integers(0, 2**32, size=(n_experts, 5, 7), dtype=np.uint32),
+            "w.scales": rng.standard_normal((n_experts, 3)).astype(np.float16),
+            "tag": rng.integers(0, 255, size=(n_experts, 1), dtype=np.uint8),
+        }
+    return ExpertStore.create(path, layers)
+
+
+def _row_bytes(rt: Runtime, layer: int, row: int) -> dict[str, bytes]:
+    pools = rt._layer(layer).pools  # noqa: SLF001 - the tests check the bytes themselves
+    return {key: bytes(pools.row_view(key, row)) for key in pools.arrays}
+
+
+def _expected(store: ExpertStore, layer: int, expert: int) -> dict[str, bytes]:
+    record = store.read_record(layer, expert)
+    return {s.key: bytes(record[s.offset : s.offset + s.nbytes]) for s in store.layer(layer).segments}
+
+
+def _assert_rows_match(rt: Runtime, store: ExpertStore) -> int:
+    """Every resident or LIVE row holds exactly its expert's bytes; returns rows checked."""
+    checked = 0
+    for layer in store.layers:
+        table = np.array(rt.lookup(layer))
+        for expert, row in enumerate(table.tolist()):
+            if row >= 0:
+                assert _row_bytes(rt, layer, row) == _expected(store, layer, expert), (layer, expert, row)
+                checked += 1
+    return checked
+
+
+def _assert_clean(rt: Runtime) -> None:
+    for layer, report in rt.audit().items():
+        assert report.ok, (layer, report.problems)
+        assert not rt.ledger(layer).pending(), (layer, rt.ledger(layer).pending())
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ExpertStore:
+    return _make_store(tmp_path / "store")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", READERS)
+async def test_lazy_prediction_drives_fills(store: ExpertStore, reader: str, no_blocking) -> None:
+    async with Runtime(store, resident=0.5, side_rows=4, reader=reader) as rt:
+        assert rt.reader == reader
+        # The ids come out of a computation the loop never waits for synchronously.
+        logits = mx.array(np.arange(16, dtype=np.float32)[::-1].copy()) * mx.ones((16,))
+        ids = mx.argsort(logits)[:3]  # experts 15, 14, 13: not resident (resident are hot-first 0..3)
+        handle = rt.prefetch(0, ids)
+        await rt.drain(0)
+        assert handle.done()
+        table = np.array(rt.lookup(0))
+        assert all(table[e] >= 0 for e in (13, 14, 15))
+        assert _assert_rows_match(rt, store) >= 3 + 4 + 4
+        _assert_clean(rt)
+        assert rt.stats()["bytes_read"] == 3 * store.layer(0).stride
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", READERS)
+async def test_ensure_random_sequences(store: ExpertStore, reader: str, no_blocking) -> None:
+    rng = np.random.default_rng(1)
+    async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:
+        for _ in range(40):
+            layer = int(rng.integers(0, 2))
+            ids = rng.choice(16, size=int(rng.integers(1, 4)), replace=False)
+            if rng.random() < 0.5:
+                rt.prefetch(layer, rng.choice(16, size=2, replace=False).tolist())
+            await rt.ensure(layer, ids.tolist())
+            table = np.array(rt.lookup(layer))
+            assert (table[ids] >= 0).all()
+            lease = rt.lease(layer, ids.tolist())
+            for e in ids.tolist():
+                assert _row_bytes(rt, layer, int(table[e])) == _expected(store, layer, e)
+            rt.release(layer, lease)
+        await rt.drain()
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+        stats = rt.stats()
+        assert stats["hits"] + stats["misses"] > 0
+        assert stats["fills"] >= stats["misses"] - stats["late"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", READERS)
+async def test_failed_fill_reaches_awaiters_and_returns_row(tmp_path: Path, reader: str) -> None:
+    store = _make_store(tmp_path / "store", n_layers=1)
+    # Truncate the blob after a valid open: experts in the last records now read past EOF.
+    spec = store.layer(0)
+    async with Runtime(store, resident=0.25, side_rows=4, reader=reader) as rt:
+        os.truncate(spec.path, spec.stride * 10)
+        with pytest.raises(FillError) as info:
+            await rt.ensure(0, [12])
+        assert info.value.expert == 12
+        rt.prefetch(0, [13, 14])
+        with pytest.raises(ExceptionGroup) as group:
+            await rt.drain(0)
+        assert sorted(e.expert for e in group.value.exceptions) == [12, 13, 14]
+        # The rows came back: three fresh experts still fit in the 4-row side region.
+        await rt.ensure(0, [5, 6, 7])
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+        assert rt.ledger(0).lookup()[[12, 13, 14]].tolist() == [-1, -1, -1]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", READERS)
+async def test_cancelled_ensure_leaves_ledger_consistent(store: ExpertStore, reader: str) -> None:
+    async with Runtime(store, resident=0.25, side_rows=4, reader=reader) as rt:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await rt.ensure(0, [9, 10, 11])
+        await rt.drain()
+        _assert_clean(rt)
+        _assert_rows_match(rt, store)
+        # The reads ran to completion: their rows are LIVE, not leaked, not half-written.
+        assert (np.array(rt.lookup(0))[[9, 10, 11]] >= 0).sum() in (0, 3)
+        await rt.ensure(0, [9, 10, 11])
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_leased_rows_are_not_evicted_until_computation_completes(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=2, policy="lru") as rt:
+        await rt.ensure(0, [10, 11])
+        rows = np.array(rt.lookup(0))[[10, 11]].tolist()
+        lease = rt.lease(0, [10, 11])
+        # A lazy computation "reads" the rows; the lease goes when it has been computed.
+        x = mx.matmul(mx.ones((256, 256)), mx.ones((256, 256))).sum()
+        rt.release_after(x, [(0, lease)])
+        # Demand for two other experts must wait for the release, then take those rows.
+        await rt.ensure(0, [12, 13])
+        table = np.array(rt.lookup(0))
+        assert sorted(table[[12, 13]].tolist()) == sorted(rows)
+        assert (table[[10, 11]] == -1).all()
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_bad_ids_are_rejected_with_the_value(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        with pytest.raises(LedgerError, match="16"):
+            await rt.ensure(0, [16])
+        with pytest.raises(LedgerError, match="-1"):
+            await rt.ensure(0, [-1])
+        with pytest.raises(LedgerError, match="float"):
+            await rt.ensure(0, np.array([1.5]))
+        _assert_clean(rt)
