@@ -1,0 +1,170 @@
+"""Per-architecture adapters: how to walk an mlx-lm MoE model layer by layer.
+
+The async forward cannot call an mlx-lm model's ``__call__`` (it must stop inside every MoE block
+to learn the routed experts on the host before the expert gather is built). So it re-walks the
+model's *own modules* in the same order with the same ops: embedding, per decoder layer
+``h = x + self_attn(input_layernorm(x), mask, cache)``, ``out = h + mlp(post_attention_layernorm(h))``,
+final norm, LM head. Every supported architecture follows this decoder pattern; what differs is
+kept here: where the MoE block lives, how attention masks are built, whether embeddings are tied.
+
+The MoE blocks themselves are not re-implemented: the forward calls each block's own ``__call__``
+(see :mod:`asyncside.models.pooled`), so routing, score normalisation, shared experts and biases are
+exactly mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+
+from ..errors import AsyncsideError
+
+
+class UnsupportedModelError(AsyncsideError, ValueError):
+    """The model's architecture (config ``model_type``) is not one asyncside can stream."""
+
+
+def _masks_shared(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    mask = create_attention_mask(h, cache[0])
+    return [mask] * len(cache)
+
+
+def _masks_array(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # deepseek_v3 adds the mask to its rope scores, so it asks for an array mask.
+    mask = create_attention_mask(h, cache[0], return_array=True)
+    return [mask] * len(cache)
+
+
+def _masks_gpt_oss(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    inner = model.model
+    full = create_attention_mask(h, cache[inner.ga_idx])
+    swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+    return [full if t == "full_attention" else swa for t in inner.layer_types]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the generic decoder walk needs to know about one mlx-lm architecture."""
+
+    model_type: str
+    #: attribute of a decoder layer holding its MLP / MoE block
+    block_attr: str
+    #: builds one attention mask per layer exactly as the model's ``__call__`` does
+    masks: Callable[[nn.Module, mx.array, list[Any]], list[Any]]
+
+
+ARCHS: dict[str, Arch] = {
+    "qwen3_moe": Arch("qwen3_moe", "mlp", _masks_shared),
+    "mixtral": Arch("mixtral", "block_sparse_moe", _masks_shared),
+    "olmoe": Arch("olmoe", "mlp", _masks_shared),
+    "deepseek_v3": Arch("deepseek_v3", "mlp", _masks_array),
+    "gpt_oss": Arch("gpt_oss", "mlp", _masks_gpt_oss),
+}
+
+SWITCH_TYPES = (SwitchGLU, SwitchMLP)
+
+
+def arch_for(model_type: str) -> Arch:
+    """The adapter of ``model_type`` (UnsupportedModelError listing the supported ones otherwise)."""
+    try:
+        return ARCHS[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {sorted(ARCHS)}"
+        ) from None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers in order (``model.layers`` is mlx-lm's convention)."""
+    return list(model.layers)
+
+
+def find_switch(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """The (attribute name, module) of the switch layer (stacked experts) inside an MoE block.
+
+    Recognises mlx-lm's ``SwitchGLU``/``SwitchMLP`` and asyncside's pooled replacement. Returns
+    None for a dense MLP.
+    """
+    from .pooled import PooledSwitch  # circular: pooled imports this module
+
+    found = [
+        (name, child)
+        for name, child in block.children().items()
+        if isinstance(child, (*SWITCH_TYPES, PooledSwitch))
+    ]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise UnsupportedModelError(
+            f"{type(block).__name__} has {len(found)} switch layers ({[n for n, _ in found]}); expected one"
+        )
+    return found[0]
+
+
+def moe_layers(model: nn.Module, arch: Arch) -> dict[int, tuple[nn.Module, str]]:
+    """layer index -> (MoE block, attribute name of its switch layer), for layers that route experts."""
+    out: dict[int, tuple[nn.Module, str]] = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        block = getattr(layer, arch.block_attr, None)
+        if block is None:
+            raise UnsupportedModelError(
+                f"{arch.model_type}: decoder layer {i} ({type(layer).__name__}) has no attribute {arch.block_attr!r}"
+            )
+        sw = find_switch(block)
+        if sw is not None:
+            out[i] = (block, sw[0])
+    if not out:
+        raise UnsupportedModelError(f"{arch.model_type}: the model has no MoE layer (no SwitchGLU/SwitchMLP found)")
+    return out
+
+
+def linear_meta(name: str, lin: nn.Module) -> dict[str, Any]:
+    """JSON description of one switch linear (quantisation, bias) the pooled path reproduces."""
+    if isinstance(lin, QuantizedSwitchLinear):
+        if getattr(lin, "global_scale", None) is not None:
+            raise UnsupportedModelError(
+                f"switch linear {name!r} uses a per-expert global scale (nvfp4 global_scale); not supported"
+            )
+        return {
+            "quantized": True,
+            "group_size": int(lin.group_size),
+            "bits": int(lin.bits),
+            "mode": str(lin.mode),
+            "affine_biases": lin.get("biases") is not None,
+            "bias": "bias" in lin,
+        }
+    if isinstance(lin, SwitchLinear):
+        return {"quantized": False, "bias": "bias" in lin}
+    raise UnsupportedModelError(f"switch child {name!r} is a {type(lin).__name__}, expected SwitchLinear/QuantizedSwitchLinear")
+
+
+def switch_meta(switch: nn.Module) -> dict[str, Any]:
+    """JSON description of a switch layer: kind and its linears in call order."""
+    if isinstance(switch, SwitchGLU):
+        names = ["gate_proj", "up_proj", "down_proj"]
+        kind = "glu"
+    elif isinstance(switch, SwitchMLP):
+        names = ["fc1", "fc2"]
+        kind = "mlp"
+    else:
+        raise UnsupportedModelError(f"{type(switch).__name__} is not a SwitchGLU/SwitchMLP")
+    return {"kind": kind, "linears": {n: linear_meta(n, getattr(switch, n)) for n in names}}
+
+
+def segment_keys(meta: dict[str, Any]) -> list[str]:
+    """Pool/segment keys of a switch layer, e.g. ``gate_proj.weight``, ``gate_proj.scales``, ..."""
+    keys = []
+    for name, lm in meta["linears"].items():
+        keys.append(f"{name}.weight")
+        if lm["quantized"]:
+            keys.append(f"{name}.scales")
+            if lm["affine_biases"]:
+                keys.append(f"{name}.biases")
+        if lm["bias"]:
+            keys.append(f"{name}.bias")
+    return keys

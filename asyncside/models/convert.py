@@ -1,0 +1,345 @@
+"""``asyncside convert``: an mlx-lm model directory -> an expert store directory.
+
+The model is opened with mlx-lm's own loader (lazily: safetensors are read when a tensor is
+needed), so every checkpoint layout mlx-lm understands (its ``sanitize`` stacks per-expert keys,
+handles gpt-oss/deepseek layouts, legacy quantization configs) converts the same way. Then:
+
+- each MoE layer's stacked switch tensors (``gate_proj.weight``/``.scales``/``.biases``, ... as the
+  model holds them) become that layer's records in an :class:`~asyncside.store.ExpertStore`,
+  one layer in memory at a time (the layer is detached from the model once written);
+- every other weight goes to ``model.safetensors`` beside the blobs, with ``config.json`` (the
+  mlx-lm config, quantization included) and the tokenizer files, so loading the streaming model
+  never touches an expert tensor;
+- the manifest metadata (key ``asyncside_model``) records the architecture, each switch layer's
+  layout (quantization, biases), its module path, and per layer the experts ranked hottest-first.
+
+**Resident set.** With a routing profile (counts of routed experts per layer, from
+:func:`profile_routing` or a run's :class:`RoutingTrace`), experts are ranked by count (ties by
+id); without one the documented default ranking is by expert id (0, 1, 2, ...): with no evidence
+every choice is as good as another, and a fixed one is reproducible. The resident set of a layer
+is the first ``round(resident_fraction * n_experts)`` of its ranking; any other fraction can be
+taken later from the stored ranking with :func:`resident_sets`.
+
+The whole store directory is built beside the destination and renamed into place, so an
+interrupted conversion never leaves a directory that opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import StoreError
+from .arch import arch_for, moe_layers, segment_keys, switch_meta
+from .loading import META_KEY, NON_EXPERT_FILE
+from .pooled import PooledSwitch, SwitchSpec
+from .tokenizer import TOKENIZER_FILES
+
+#: resident fraction used when the caller gives none
+DEFAULT_RESIDENT_FRACTION = 0.25
+PROFILE_FORMAT = "asyncside-routing-profile"
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing profiles
+
+
+def make_profile(model_type: str, counts: Mapping[int, Sequence[int]], tokens: int, source: str = "") -> dict[str, Any]:
+    """A routing profile document: per MoE layer, how often each expert was routed."""
+    return {
+        "format": PROFILE_FORMAT,
+        "version": 1,
+        "model_type": model_type,
+        "tokens": int(tokens),
+        "source": source,
+        "layers": {str(int(l)): [int(c) for c in v] for l, v in sorted(counts.items())},
+    }
+
+
+def load_profile(profile: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Read and validate a routing profile (a path to its JSON, or the parsed document)."""
+    where = "<profile>"
+    if not isinstance(profile, Mapping):
+        where = str(profile)
+        try:
+            with open(profile, encoding="utf-8") as fh:
+                profile = json.load(fh)
+        except FileNotFoundError:
+            raise StoreError(where, "routing profile file does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise StoreError(where, f"routing profile is not valid JSON: {exc}") from None
+    if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:
+        raise StoreError(where, f"not a routing profile (expected format {PROFILE_FORMAT!r})", "format")
+    if profile.get("version") != 1:
+        raise StoreError(where, f"unsupported profile version {profile.get('version')!r}; expected 1", "version")
+    layers = profile.get("layers")
+    if not isinstance(layers, Mapping):
+        raise StoreError(where, "expected an object layer -> counts", "layers")
+    for l, counts in layers.items():
+        if not str(l).isdigit():
+            raise StoreError(where, f"layer key {l!r} is not a layer index", "layers")
+        if not isinstance(counts, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise StoreError(where, "counts must be a list of non-negative integers", f"layers.{l}")
+    return dict(profile)
+
+
+def rank_experts(counts: Sequence[int] | None, n_experts: int) -> list[int]:
+    """Experts hottest first (count descending, id ascending); by id when there are no counts."""
+    if counts is None:
+        return list(range(n_experts))
+    return sorted(range(n_experts), key=lambda e: (-counts[e], e))
+
+
+def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequence[Sequence[int]], *,
+                    max_tokens: int = 16, source: str = "") -> dict[str, Any]:
+    """Run the plain mlx-lm ``model`` greedily on token-id ``prompts`` and count routed experts.
+
+    Synchronous (a tool, not for an event loop). Counts every routed (token, expert) pair of
+    prefill and decode. The model is restored afterwards.
+    """
+    from .loading import reference_generate
+
+    arch = arch_for(config["model_type"])
+    moe = moe_layers(model, arch)
+    seen: dict[int, list[mx.array]] = {l: [] for l in moe}
+    originals = {}
+
+    class _Counting(nn.Module):
+        def __init__(self, inner: nn.Module, layer: int) -> None:
+            super().__init__()
+            self.inner = inner
+            object.__setattr__(self, "_layer", layer)
+
+        def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+            seen[self._layer].append(indices)
+            return self.inner(x, indices)
+
+    for l, (block, attr) in moe.items():
+        originals[l] = getattr(block, attr)
+        setattr(block, attr, _Counting(originals[l], l))
+    tokens = 0
+    try:
+        for p in prompts:
+            out = reference_generate(model, list(p), max_tokens=max_tokens)
+            tokens += len(p) + len(out)
+    finally:
+        for l, (block, attr) in moe.items():
+            setattr(block, attr, originals[l])
+    counts: dict[int, list[int]] = {}
+    for l, arrays in seen.items():
+        n = _n_experts(originals[l])
+        c = np.zeros(n, dtype=np.int64)
+        for a in arrays:
+            c += np.bincount(np.asarray(a).reshape(-1), minlength=n)
+        counts[l] = c.tolist()
+    return make_profile(config["model_type"], counts, tokens, source)
+
+
+def profile_from_trace(trace: Any, model_type: str, n_experts: Mapping[int, int], source: str = "trace") -> dict[str, Any]:
+    """A routing profile from a :class:`RoutingTrace` (e.g. of a streaming run)."""
+    counts = {l: np.bincount(trace.token_ids(l).reshape(-1), minlength=n_experts[l]).tolist() for l in trace.layers}
+    tokens = len(trace.token_ids(trace.layers[0])) if trace.layers else 0
+    return make_profile(model_type, counts, tokens, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+class _LayerFeed(Mapping[int, Mapping[str, mx.array]]):
+    """Lazy layer -> {segment key: stacked tensor} for ExpertStore.create, one layer at a time.
+
+    Handing a layer over detaches its switch module from the model, so once the store has
+    written it nothing keeps its tensors alive.
+    """
+
+    def __init__(self, moe: dict[int, tuple[nn.Module, str]], specs: dict[int, dict[str, Any]], progress: Any) -> None:
+        self._moe = moe
+        self._specs = specs
+        self._progress = progress
+        self.expert_bytes = 0
+
+    def __getitem__(self, layer: int) -> Mapping[str, mx.array]:
+        block, attr = self._moe[layer]
+        sw = getattr(block, attr)
+        if isinstance(sw, PooledSwitch):
+            raise RuntimeError(f"layer {layer} was already handed to the store")
+        params = dict(tree_flatten(sw.parameters()))
+        keys = segment_keys(self._specs[layer])
+        if sorted(params) != sorted(keys):
+            raise StoreError(f"layer {layer}", f"switch tensors {sorted(params)} != expected segments {keys}")
+        setattr(block, attr, PooledSwitch(SwitchSpec.from_meta(self._specs[layer]), sw.activation))
+        self.expert_bytes += sum(a.nbytes for a in params.values())
+        if self._progress is not None:
+            self._progress(layer)
+        return {k: params[k] for k in keys}
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._moe))
+
+    def __len__(self) -> int:
+        return len(self._moe)
+
+
+def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLike[str], *,
+                  profile: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+                  resident_fraction: float = DEFAULT_RESIDENT_FRACTION, progress: bool = True,
+                  overwrite: bool = False, alignment: int = 4096, checksum: str | None = "crc32",
+                  model_id: str | None = None) -> Any:
+    """Convert an mlx-lm model directory into an expert store directory; returns the ExpertStore.
+
+    See the module docstring for what is written. Raises StoreError naming the file/field on bad
+    input (missing config.json, no safetensors, a profile that does not fit the model) and
+    UnsupportedModelError for architectures without supported MoE layers.
+    """
+    from mlx_lm.utils import load_model, save_config
+
+    from ..store import ExpertStore
+
+    src = pathlib.Path(model_dir).absolute()
+    dest = pathlib.Path(store_dir).absolute()
+    if not (src / "config.json").is_file():
+        raise StoreError(src / "config.json", "not an mlx-lm model directory: config.json is missing")
+    if not any(src.glob("model*.safetensors")):
+        raise StoreError(src, "no model*.safetensors weight files in the model directory")
+    if not 0.0 <= float(resident_fraction) <= 1.0:
+        raise ValueError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
+    if dest.exists() and not overwrite:
+        raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
+    if dest == src:
+        raise StoreError(dest, "the store directory must differ from the model directory")
+    prof = load_profile(profile) if profile is not None else None
+
+    model, config = load_model(src, lazy=True)
+    arch = arch_for(config.get("model_type", ""))
+    moe = moe_layers(model, arch)
+    specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
+    paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}
+    n_experts = {l: _n_experts(getattr(block, attr)) for l, (block, attr) in moe.items()}
+    if prof is not None:
+        if prof.get("model_type") not in (None, config["model_type"]):
+            raise StoreError("<profile>", f"profile is for {prof['model_type']!r}, model is {config['model_type']!r}", "model_type")
+        for l, c in prof["layers"].items():
+            if int(l) not in moe:
+                raise StoreError("<profile>", f"layer {l} is not an MoE layer of the model (MoE layers: {sorted(moe)})", "layers")
+            if len(c) != n_experts[int(l)]:
+                raise StoreError("<profile>", f"layer {l} has {len(c)} counts, the model has {n_experts[int(l)]} experts", f"layers.{l}")
+    ranks = {l: rank_experts(prof["layers"].get(str(l)) if prof else None, n) for l, n in n_experts.items()}
+    resident = {l: r[: int(round(resident_fraction * len(r)))] for l, r in ranks.items()}
+    meta = {
+        "version": 1,
+        "model_type": config["model_type"],
+        "model_id": model_id or src.name,
+        "source": str(src),
+        "switch": {str(l): s for l, s in specs.items()},
+        "switch_paths": {str(l): p for l, p in paths.items()},
+        "expert_rank": {str(l): r for l, r in ranks.items()},
+        "resident_fraction": float(resident_fraction),
+        "resident": {str(l): r for l, r in resident.items()},
+        "profile": None if prof is None else {"tokens": prof.get("tokens"), "source": prof.get("source", "")},
+        "resident_default": "profile: hottest first" if prof else "no profile: expert id order",
+        "non_expert_file": NON_EXPERT_FILE,
+    }
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
+    try:
+        with _progress(progress, len(moe), src.name) as advance:
+            feed = _LayerFeed(moe, specs, advance)
+            tmp_store = staging / "store"
+            ExpertStore.create(tmp_store, feed, alignment=alignment, checksum=checksum, metadata={META_KEY: meta})
+            advance(None)
+        non_expert = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(tmp_store / NON_EXPERT_FILE), non_expert, metadata={"format": "mlx"})
+        save_config(dict(config), tmp_store / "config.json")
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp_store / name)
+        _write_summary(tmp_store, feed.expert_bytes, sum(a.nbytes for a in non_expert.values()))
+        if dest.exists():
+            trash = staging / "old"
+            os.rename(dest, trash)
+        os.rename(tmp_store, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExpertStore.open(dest)
+
+
+def _write_summary(directory: pathlib.Path, expert_bytes: int, non_expert_bytes: int) -> None:
+    total = expert_bytes + non_expert_bytes
+    summary = {
+        "expert_bytes": expert_bytes,
+        "non_expert_bytes": non_expert_bytes,
+        "expert_share": expert_bytes / total if total else 0.0,
+    }
+    (directory / "asyncside_summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+
+
+class _progress:
+    """Context manager yielding ``advance(layer | None)``; a rich progress bar when enabled."""
+
+    def __init__(self, enabled: bool, total: int, name: str) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.name = name
+        self._bar = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return lambda layer: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("[bold]convert[/] {task.description}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+        self._bar.start()
+        task = self._bar.add_task(f"{self.name}: experts", total=self.total)
+        started = [0]
+
+        def advance(layer: int | None) -> None:
+            assert self._bar is not None
+            if layer is None:
+                self._bar.update(task, completed=self.total, description=f"{self.name}: experts written")
+                return
+            self._bar.update(task, completed=started[0], description=f"{self.name}: layer {layer}")
+            started[0] += 1
+
+        return advance
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _module_path(root: nn.Module, target: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is target:
+            return name
+    raise ValueError("module not found in the model")
+
+
+def _n_experts(switch: nn.Module) -> int:
+    lin = switch.gate_proj if hasattr(switch, "gate_proj") else switch.fc1
+    return int(lin["weight"].shape[0])
+
+
+def resident_sets(store: Any, fraction: float | None = None) -> dict[int, list[int]]:
+    """Per layer, the resident experts of a converted store: the recorded set, or the first
+    ``round(fraction * n_experts)`` of the stored hottest-first ranking."""
+    meta = store.metadata.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise StoreError(store.path, "store was not written by the asyncside converter", f"metadata.{META_KEY}")
+    if fraction is None:
+        return {int(l): list(v) for l, v in meta["resident"].items()}
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    return {int(l): list(r[: int(round(fraction * len(r)))]) for l, r in meta["expert_rank"].items()}

@@ -1,0 +1,301 @@
+"""The async forward pass over an ExpertSource, and greedy generation.
+
+Per MoE layer the forward: builds the block's routing lazily (:func:`pooled.route`), hands the
+next MoE layer's *prediction* to ``source.prefetch`` (so reads overlap this layer's compute),
+awaits the routed ids with the injected ``completed`` coroutine (never ``mx.eval`` on the loop),
+``await source.ensure(layer, unique_ids)``, leases those rows, reads the expert->row table, builds
+the gather over ``source.pools(layer)`` with physical rows, and calls ``source.release_after`` with
+that layer's expert output so the rows are freed once it is computed. Results equal the plain
+mlx-lm model's bit for bit (tests), whatever rows the source chose.
+
+When the routed experts of one step cannot all be resident at once (``ensure`` raises
+CapacityError, e.g. a long prefill over a small side region), they are served in groups: each
+group is ensured, leased, computed over *all* routed pairs with its rows, awaited and released
+before the next; the layer output takes each pair from the group that held its expert
+(``mx.where``), which keeps the result bitwise exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import AsyncsideError, CapacityError
+from .arch import Arch, decoder_layers
+from .pooled import SwitchSpec, combine, pooled_switch_apply, route
+from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
+from .source import ExpertSource
+from .trace import RoutingTrace
+
+Completed = Callable[[mx.array], Awaitable[None]]
+
+#: mlx-lm's generate_step default; the async path chunks prefill identically so numerics match.
+PREFILL_STEP_SIZE = 2048
+
+
+class RowLookupError(AsyncsideError, RuntimeError):
+    """The source returned from ensure() but an ensured expert has no valid row."""
+
+
+async def eval_completed(x: mx.array) -> None:
+    """Blocking stand-in for ``asyncside.bridge.completed``: evaluates ``x`` on the calling thread.
+
+    Only for tests and synchronous tools; it blocks the event loop for the whole computation.
+    """
+    mx.eval(x)
+
+
+def default_completed() -> Completed:
+    """``asyncside.bridge.completed`` (the native completion bridge), or a clear error if absent."""
+    try:
+        from ..bridge import completed
+    except ImportError as exc:  # pragma: no cover - depends on the bridge module being present
+        raise AsyncsideError(
+            "asyncside.bridge is not available; pass completed=... (eval_completed blocks the loop)"
+        ) from exc
+    return completed
+
+
+class AsyncForward:
+    """One forward pass of an mlx-lm MoE model whose switch layers are PooledSwitch modules."""
+
+    def __init__(self, model: nn.Module, arch: Arch, moe: dict[int, tuple[nn.Module, str]],
+                 specs: dict[int, SwitchSpec], completed: Completed) -> None:
+        self.model = model
+        self.arch = arch
+        self.moe = dict(sorted(moe.items()))
+        self.specs = specs
+        self.completed = completed
+        order = list(self.moe)
+        self.first_moe = order[0]
+        #: decoder layer index -> the next MoE layer after it (None after the last)
+        self.next_moe: dict[int, int | None] = {}
+        for i in range(len(decoder_layers(model))):
+            later = [m for m in order if m > i]
+            self.next_moe[i] = later[0] if later else None
+        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0}
+
+    # -- predictor plumbing ---------------------------------------------------------------------
+
+    def route_ids(self, layer: int, x: mx.array) -> mx.array:
+        """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router."""
+        block, attr = self.moe[layer]
+        return route(block, attr, x)[1]
+
+    def first_norm(self, layer: int, embeddings: mx.array) -> mx.array:
+        return decoder_layers(self.model)[layer].post_attention_layernorm(embeddings)
+
+    def make_predictor(self, name: str) -> Predictor:
+        check_predictor(name)
+        if name == "lookahead":
+            return LookaheadPredictor(self.route_ids, self.first_norm)
+        if name == "temporal":
+            return TemporalPredictor()
+        return Predictor()
+
+    # -- the forward --------------------------------------------------------------------------
+
+    async def __call__(self, inputs: mx.array, cache: list[Any], source: ExpertSource, predictor: Predictor,
+                       *, trace: RoutingTrace | None = None, logits: bool = True) -> mx.array:
+        """Run ``inputs`` (1, L) through the model, updating ``cache``.
+
+        Returns the logits (1, L, vocab), lazy, or with ``logits=False`` the final hidden state
+        (already computed; used for prefill chunks, whose logits nobody reads).
+        """
+        model = self.model
+        inner = model.model
+        h = inner.embed_tokens(inputs)
+        masks = self.arch.masks(model, h, cache)
+        predicted: dict[int, Any] = {}
+        step = trace.begin(predictor.name) if trace is not None else None
+
+        p = predictor.first(self.first_moe, h)
+        if p is not None:
+            source.prefetch(self.first_moe, p)
+            predicted[self.first_moe] = p
+
+        for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
+            block = getattr(layer, self.arch.block_attr)
+            h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+            xn = layer.post_attention_layernorm(h)
+            if i not in self.moe:
+                h = h + block(xn)
+                continue
+            attr = self.moe[i][1]
+            x_sw, inds = route(block, attr, xn)
+            nxt = self.next_moe[i]
+            if nxt is not None:
+                p = predictor.next(nxt, xn)
+                if p is not None:
+                    source.prefetch(nxt, p)
+                    predicted[nxt] = p
+            await self.completed(inds)
+            inds_np = np.array(inds, copy=True)
+            predictor.observe(i, inds_np)
+            if step is not None:
+                pred = predicted.get(i)
+                if isinstance(pred, mx.array):
+                    await self.completed(pred)
+                step.record(i, inds_np, None if pred is None else np.asarray(pred))
+            y = await self._serve(i, source, x_sw, inds_np)
+            h = h + combine(block, attr, xn, y)
+
+        self.counters["forwards"] += 1
+        if not logits:
+            await self.completed(h)
+            return h
+        h = inner.norm(h)
+        if "lm_head" in model:
+            return model.lm_head(h)
+        return inner.embed_tokens.as_linear(h)
+
+    async def _serve(self, layer: int, source: ExpertSource, x_sw: mx.array, inds: np.ndarray) -> mx.array:
+        """Expert outputs of one MoE layer, every pair served from a leased, present row."""
+        block, attr = self.moe[layer]
+        spec = self.specs[layer]
+        activation = getattr(block, attr).activation
+        pending = [np.unique(inds).astype(np.int64)]
+        y: mx.array | None = None
+        split = False
+        while pending:
+            ids = pending.pop(0)
+            try:
+                await source.ensure(layer, ids)
+            except CapacityError:
+                if len(ids) <= 1:
+                    raise
+                half = len(ids) // 2
+                pending[:0] = [ids[:half], ids[half:]]
+                if not split:
+                    split = True
+                    self.counters["capacity_splits"] += 1
+                continue
+            # No await between ensure() returning and lease(): nothing can evict in between.
+            lease_id = source.lease(layer, ids)
+            try:
+                pools = source.pools(layer)
+                table = np.asarray(source.lookup(layer))
+                n_rows = next(iter(pools.values())).shape[0]
+                own = table[ids]
+                bad = (own < 0) | (own >= n_rows)
+                if bad.any():
+                    raise RowLookupError(
+                        f"layer {layer}: ensure() returned but expert(s) {ids[bad].tolist()} map to rows "
+                        f"{own[bad].tolist()} (pool has {n_rows} rows)"
+                    )
+                if not split:
+                    y_g = pooled_switch_apply(spec, activation, x_sw, table[inds], pools)
+                    y = y_g
+                else:
+                    member = np.isin(inds, ids)
+                    # Pairs of other groups point at a row this group leased; their results are discarded.
+                    rows = np.where(member, table[inds], own[0])
+                    y_g = pooled_switch_apply(spec, activation, x_sw, rows, pools)
+                    y = y_g if y is None else mx.where(mx.array(member)[..., None], y_g, y)
+                self.counters["groups"] += 1
+            except BaseException:
+                source.release_after(mx.array(0), [(layer, lease_id)])
+                raise
+            source.release_after(y_g, [(layer, lease_id)])
+            if pending:
+                # The next group may need these rows: its reads must wait until this group is computed.
+                await self.completed(y_g)
+        assert y is not None
+        return y
+
+
+class StreamingModel:
+    """An mlx-lm MoE model whose experts come from an ExpertSource; greedy async generation.
+
+    ``model`` is the mlx-lm module with every switch layer replaced by a PooledSwitch (no expert
+    weights). Concurrent :meth:`generate` calls are safe: each decode step (and each prefill
+    chunk) runs under one fair lock, so requests interleave token by token.
+    """
+
+    def __init__(self, model: nn.Module, *, arch: Arch, moe: dict[int, tuple[nn.Module, str]],
+                 specs: dict[int, SwitchSpec], tokenizer: Any, config: dict[str, Any], model_id: str,
+                 store: Any = None, completed: Completed | None = None,
+                 prefill_step_size: int = PREFILL_STEP_SIZE) -> None:
+        self.model = model
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_id = model_id
+        self.store = store
+        self.prefill_step_size = prefill_step_size
+        self._completed = completed
+        self._forward: AsyncForward | None = None
+        self._moe = moe
+        self._specs = specs
+        self._lock: anyio.Lock | None = None
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Decoder layer indices that route experts (the store's layer indices)."""
+        return sorted(self._moe)
+
+    @property
+    def forward(self) -> AsyncForward:
+        if self._forward is None:
+            completed = self._completed or default_completed()
+            self._forward = AsyncForward(self.model, self.arch, self._moe, self._specs, completed)
+        return self._forward
+
+    def make_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model)
+
+    def resident_source(self) -> Any:
+        """All-resident baseline source: every expert of the store read into pools."""
+        from .source import ResidentSource
+
+        if self.store is None:
+            raise AsyncsideError("this StreamingModel has no expert store to read the experts from")
+        return ResidentSource.from_store(self.store)
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, source: ExpertSource,
+                       predictor: str = "lookahead", trace: RoutingTrace | None = None,
+                       stop_at_eos: bool = True) -> AsyncIterator[int]:
+        """Greedy generation; yields token ids (an EOS token ends the stream and is not yielded).
+
+        Mirrors mlx-lm's ``generate_step`` (prefill ``prompt[:-1]`` in chunks of
+        ``prefill_step_size``, then the last prompt token, then one token per step; argmax of
+        log-probabilities), so tokens equal :func:`reference_generate` on the full model.
+        """
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        check_predictor(predictor)
+        fwd = self.forward
+        pred = fwd.make_predictor(predictor)
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        lock = self._lock
+        eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) if stop_at_eos else set()
+        cache = self.make_cache()
+        prompt = mx.array(ids)
+        while prompt.size > 1:
+            n = min(self.prefill_step_size, prompt.size - 1)
+            async with lock:
+                await fwd(prompt[:n][None], cache, source, pred, trace=trace, logits=False)
+            prompt = prompt[n:]
+        inputs = prompt
+        for _ in range(max_tokens):
+            async with lock:
+                logits = await fwd(inputs[None], cache, source, pred, trace=trace)
+                logits = logits[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, keepdims=True)
+                y = mx.argmax(logprobs, axis=-1)
+                await fwd.completed(y)
+            tok = int(y.item())
+            if tok in eos:
+                return
+            yield tok
+            inputs = mx.array([tok])

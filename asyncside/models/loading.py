@@ -1,0 +1,219 @@
+"""Building models: the streaming model (no expert weights) and the plain mlx-lm reference.
+
+A converted store directory holds, beside the expert blobs, ``config.json`` (mlx-lm config with
+its ``quantization``), ``model.safetensors`` (every non-expert weight) and the tokenizer files.
+:func:`load_streaming_model` builds the mlx-lm model class from that config with each switch
+layer replaced by a :class:`PooledSwitch` *before* any weight is materialised (mlx-lm initialises
+expert weights lazily, so the dropped ones are never allocated), then loads the non-expert weights
+through mlx-lm's own ``load_model`` (same sanitize/quantization path as ``mlx_lm.load``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model
+
+from ..errors import StoreError
+from .arch import arch_for, moe_layers, switch_meta
+from .forward import Completed, StreamingModel
+from .pooled import PooledSwitch, SwitchSpec, replace_switches
+from .tokenizer import load_tokenizer
+
+#: key of the asyncside model description inside the store manifest's metadata
+META_KEY = "asyncside_model"
+NON_EXPERT_FILE = "model.safetensors"
+
+
+def _stripped_classes(specs: Mapping[int, SwitchSpec]) -> Callable[[dict], tuple[type, type]]:
+    """A ``get_model_classes`` hook for mlx-lm's load_model: the model class, switch layers pooled."""
+
+    def get_classes(config: dict) -> tuple[type, type]:
+        model_class, args_class = _get_classes(config)
+        arch = arch_for(config["model_type"])
+
+        class Pooled(model_class):  # type: ignore[misc, valid-type]
+            def __init__(self, args: Any) -> None:
+                super().__init__(args)
+                moe = moe_layers(self, arch)
+                missing = sorted(set(moe) - set(specs))
+                extra = sorted(set(specs) - set(moe))
+                if missing or extra:
+                    raise StoreError(
+                        "config.json",
+                        f"the store's MoE layers {sorted(specs)} do not match the model's {sorted(moe)}",
+                        "metadata.asyncside_model.switch",
+                    )
+                replace_switches(self, moe, specs)
+
+        Pooled.__name__ = model_class.__name__
+        Pooled.__qualname__ = model_class.__qualname__
+        return Pooled, args_class
+
+    return get_classes
+
+
+def is_store_dir(path: str | pathlib.Path) -> bool:
+    return (pathlib.Path(path) / "manifest.json").is_file()
+
+
+def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: Completed | None = None,
+                         model_id: str | None = None) -> StreamingModel:
+    """The streaming model of a converted store directory (see :func:`convert_model`).
+
+    ``completed`` defaults to ``asyncside.bridge.completed``. A plain mlx-lm model directory is
+    refused with a message saying how to convert it.
+    """
+    from ..store import ExpertStore
+
+    path = pathlib.Path(model_dir_or_store).absolute()
+    if not is_store_dir(path):
+        if (path / "config.json").is_file():
+            raise StoreError(
+                path,
+                "this is an mlx-lm model directory, not an expert store; convert it first with "
+                f"`asyncside convert {path} STORE_DIR` (or asyncside.models.convert_model)",
+            )
+        raise StoreError(path, "not an expert store (no manifest.json) nor a model directory (no config.json)")
+    store = ExpertStore.open(path)
+    meta = store.metadata.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
+    try:
+        specs = {int(l): SwitchSpec.from_meta(m) for l, m in meta["switch"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(path / "manifest.json", f"bad switch description: {exc}", f"metadata.{META_KEY}.switch") from None
+    if sorted(specs) != sorted(store.layers):
+        raise StoreError(path / "manifest.json", f"switch layers {sorted(specs)} != store layers {list(store.layers)}",
+                         f"metadata.{META_KEY}.switch")
+    if not (path / NON_EXPERT_FILE).is_file():
+        raise StoreError(path / NON_EXPERT_FILE, "non-expert weights are missing")
+    model, config = load_model(path, lazy=False, strict=True, get_model_classes=_stripped_classes(specs))
+    arch = arch_for(config["model_type"])
+    moe = moe_layers(model, arch)
+    return StreamingModel(
+        model, arch=arch, moe=moe, specs=specs, tokenizer=load_tokenizer(path, config), config=config,
+        model_id=model_id or meta.get("model_id") or path.name, store=store, completed=completed,
+    )
+
+
+def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer: Any = None,
+                         model_id: str = "in-memory", completed: Completed | None = None
+                         ) -> tuple[StreamingModel, dict[int, dict[str, mx.array]]]:
+    """A StreamingModel sharing a loaded mlx-lm model's non-expert weights, plus its expert pools.
+
+    The plain ``model`` is left untouched (it stays the reference). The returned pools
+    (layer -> key -> stacked expert tensor) feed a ResidentSource or a test source.
+    """
+    arch = arch_for(config["model_type"])
+    src_moe = moe_layers(model, arch)
+    pools: dict[int, dict[str, mx.array]] = {}
+    switch_prefixes = []
+    specs = {}
+    for layer, (block, attr) in src_moe.items():
+        sw = getattr(block, attr)
+        if isinstance(sw, PooledSwitch):
+            raise ValueError("streaming_from_model needs a plain mlx-lm model (its switch layers hold the experts)")
+        pools[layer] = dict(tree_flatten(sw.parameters()))
+        specs[layer] = SwitchSpec.from_meta(switch_meta(sw))
+    model_class, args_class = _stripped_classes(specs)(config)
+    new = model_class(args_class.from_dict(config))
+    # Quantize exactly the modules that are quantized in the source model.
+    src_modules = dict(model.named_modules())
+
+    def predicate(path: str, m: nn.Module) -> bool | dict[str, Any]:
+        src = src_modules.get(path)
+        if src is None or not hasattr(src, "group_size") or not hasattr(m, "to_quantized"):
+            return False
+        return {"group_size": src.group_size, "bits": src.bits, "mode": getattr(src, "mode", "affine")}
+
+    nn.quantize(new, class_predicate=predicate)
+    for layer, (block, attr) in src_moe.items():
+        prefix = _module_path(model, getattr(block, attr))
+        switch_prefixes.append(prefix + ".")
+    weights = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(tuple(switch_prefixes))]
+    new.load_weights(weights, strict=True)
+    new.eval()
+    moe = moe_layers(new, arch)
+    sm = StreamingModel(new, arch=arch, moe=moe, specs=specs, tokenizer=tokenizer, config=config,
+                        model_id=model_id, completed=completed)
+    return sm, pools
+
+
+def _module_path(root: nn.Module, target: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is target:
+            return name
+    raise ValueError("module not found in the model")
+
+
+def reference_generate(model: nn.Module, prompt_ids: list[int], *, max_tokens: int,
+                       eos_token_ids: set[int] | None = None,
+                       prefill_step_size: int = 2048) -> list[int]:
+    """Greedy tokens of the plain mlx-lm model through mlx-lm's own ``generate_step`` (synchronous).
+
+    The all-resident reference every streaming run is compared with. Stops before an EOS token.
+    """
+    eos = eos_token_ids or set()
+    out: list[int] = []
+    if max_tokens <= 0:
+        return out
+    for tok, _ in generate_step(mx.array([int(t) for t in prompt_ids]), model, max_tokens=max_tokens,
+                                prefill_step_size=prefill_step_size):
+        tok = int(tok)
+        if tok in eos:
+            break
+        out.append(tok)
+    return out
+
+
+def _build_plain(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    """The plain mlx-lm model of ``config`` holding ``weights`` (mlx-lm's quantization rules)."""
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    q = config.get("quantization")
+    if q is not None:
+        def class_predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
+            if p in q:
+                return q[p]
+            if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+                return False
+            return infer_quant_config(p, m, weights)
+
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=class_predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_reference_model(path: str | pathlib.Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The plain mlx-lm model with all its experts: from a model directory (``mlx_lm.utils.load_model``)
+    or rebuilt from a converted store (non-expert weights + every expert record)."""
+    path = pathlib.Path(path).absolute()
+    if not is_store_dir(path):
+        return load_model(path)
+    from ..store import ExpertStore
+
+    store = ExpertStore.open(path)
+    meta = store.metadata.get(META_KEY) or {}
+    paths = meta.get("switch_paths", {})
+    config = load_config(path)
+    weights = dict(mx.load(str(path / NON_EXPERT_FILE)))
+    for layer, spec in store.layers.items():
+        prefix = paths.get(str(layer))
+        if prefix is None:
+            raise StoreError(path / "manifest.json", f"no switch path for layer {layer}", f"metadata.{META_KEY}.switch_paths")
+        per_key: dict[str, list[mx.array]] = {s.key: [] for s in spec.segments}
+        for e in range(spec.n_experts):
+            for k, a in store.read_expert(layer, e).items():
+                per_key[k].append(a)
+        for k, v in per_key.items():
+            weights[f"{prefix}.{k}"] = mx.stack(v)
+    return _build_plain(config, weights), config

@@ -1,0 +1,195 @@
+"""Pooled switch layers: mlx-lm's SwitchGLU/SwitchMLP computed over pool arrays.
+
+A :class:`PooledSwitch` replaces each MoE block's switch layer. It holds no expert weights; the
+async forward drives it through two phases of the block's *own* ``__call__``:
+
+1. **route** (:func:`route`): the block is called with the switch in capture mode; the switch raises
+   :class:`_Captured` with the (input, expert ids) the block handed it, so the block's router code
+   (softmax/sigmoid, top-k, group selection) produced the ids, nothing re-implemented.
+2. **combine** (:func:`combine`): after the ids are on the host and their rows are resident, the
+   expert outputs are computed by :func:`pooled_switch_apply` (a gather over the pools with physical
+   rows) and the block is called again with the switch returning that output, so the block's own
+   code applies scores, normalisation and shared experts.
+
+:func:`pooled_switch_apply` reproduces ``SwitchGLU.__call__`` op for op, except that ``rhs_indices``
+are physical pool rows instead of expert ids. For many tokens (>= 64 routed pairs) mlx-lm sorts the
+pairs by expert id and passes ``sorted_indices=True``; here the pairs are sorted by *row* (stable),
+which makes the same groups (rows are a bijection of the experts in use) and keeps the indices
+monotone as ``sorted_indices`` promises. Each (token, expert) product is computed independently of
+its group's position, so outputs are bitwise equal to mlx-lm's (asserted by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .arch import UnsupportedModelError, switch_meta
+
+#: mlx-lm's SwitchGLU sorts the routed pairs when there are at least this many.
+SORT_THRESHOLD = 64
+
+
+@dataclass(frozen=True)
+class SwitchSpec:
+    """How to compute one switch layer from pools: kind ("glu"/"mlp") and per-linear metadata."""
+
+    kind: str
+    linears: tuple[tuple[str, dict[str, Any]], ...]
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SwitchSpec:
+        kind = meta.get("kind")
+        linears = meta.get("linears")
+        if kind not in ("glu", "mlp") or not isinstance(linears, Mapping):
+            raise UnsupportedModelError(f"bad switch metadata {meta!r:.200}")
+        expected = ["gate_proj", "up_proj", "down_proj"] if kind == "glu" else ["fc1", "fc2"]
+        if sorted(linears) != sorted(expected):
+            raise UnsupportedModelError(f"switch kind {kind!r} needs linears {expected}, got {sorted(linears)}")
+        return cls(kind, tuple((n, dict(linears[n])) for n in expected))
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"kind": self.kind, "linears": {n: dict(m) for n, m in self.linears}}
+
+
+class _Captured(Exception):
+    """Raised by a PooledSwitch in capture mode to stop the block right after routing."""
+
+    def __init__(self, x: mx.array, indices: mx.array) -> None:
+        super().__init__("routing captured")
+        self.x = x
+        self.indices = indices
+
+
+_CAPTURE = object()
+
+
+class PooledSwitch(nn.Module):
+    """Stand-in for a switch layer; computes nothing by itself (see the module docstring)."""
+
+    def __init__(self, spec: SwitchSpec, activation: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_spec", spec)  # plain attribute, not a parameter container
+        object.__setattr__(self, "_plan", None)
+        self.activation = activation
+
+    @property
+    def spec(self) -> SwitchSpec:
+        return self._spec
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        plan = self._plan
+        if plan is _CAPTURE:
+            raise _Captured(x, indices)
+        if isinstance(plan, mx.array):
+            if tuple(plan.shape[:-1]) != tuple(indices.shape):
+                raise RuntimeError(f"planned switch output {plan.shape} does not fit the routed ids {indices.shape}")
+            return plan
+        raise RuntimeError(
+            "a PooledSwitch holds no expert weights: run the model through asyncside's async forward "
+            "(StreamingModel.generate), not its synchronous __call__"
+        )
+
+
+def replace_switches(model: nn.Module, moe: Mapping[int, tuple[nn.Module, str]],
+                     specs: Mapping[int, SwitchSpec] | None = None) -> dict[int, SwitchSpec]:
+    """Swap every MoE block's switch layer for a :class:`PooledSwitch`; returns layer -> spec.
+
+    ``specs`` (e.g. from a store's metadata) overrides the spec read off the module, which matters
+    when the model was built unquantized from a config and the experts are quantized in the store.
+    The original switch modules (and their lazily-initialised weights) are dropped unevaluated.
+    """
+    out: dict[int, SwitchSpec] = {}
+    for layer, (block, attr) in moe.items():
+        sw = getattr(block, attr)
+        if isinstance(sw, PooledSwitch):
+            out[layer] = sw.spec
+            continue
+        spec = specs[layer] if specs is not None else SwitchSpec.from_meta(switch_meta(sw))
+        setattr(block, attr, PooledSwitch(spec, sw.activation))
+        out[layer] = spec
+    return out
+
+
+def route(block: nn.Module, attr: str, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Run the block's own router on ``x``; returns (switch input, expert ids), both lazy."""
+    sw = getattr(block, attr)
+    object.__setattr__(sw, "_plan", _CAPTURE)
+    try:
+        block(x)
+    except _Captured as cap:
+        return cap.x, cap.indices
+    finally:
+        object.__setattr__(sw, "_plan", None)
+    raise UnsupportedModelError(f"{type(block).__name__}.__call__ returned without calling its switch layer")
+
+
+def combine(block: nn.Module, attr: str, x: mx.array, switch_out: mx.array) -> mx.array:
+    """Run the block's own ``__call__`` with its switch layer returning ``switch_out``."""
+    sw = getattr(block, attr)
+    object.__setattr__(sw, "_plan", switch_out)
+    try:
+        return block(x)
+    finally:
+        object.__setattr__(sw, "_plan", None)
+
+
+def _linear(meta: Mapping[str, Any], name: str, pools: Mapping[str, mx.array], x: mx.array,
+            idx: mx.array, sorted_indices: bool) -> mx.array:
+    # Same calls as mlx-lm's QuantizedSwitchLinear / SwitchLinear, over pool arrays.
+    if meta["quantized"]:
+        x = mx.gather_qmm(
+            x,
+            pools[f"{name}.weight"],
+            pools[f"{name}.scales"],
+            pools.get(f"{name}.biases"),
+            rhs_indices=idx,
+            transpose=True,
+            group_size=meta["group_size"],
+            bits=meta["bits"],
+            mode=meta["mode"],
+            sorted_indices=sorted_indices,
+        )
+    else:
+        x = mx.gather_mm(x, pools[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+    if meta["bias"]:
+        x = x + mx.expand_dims(pools[f"{name}.bias"][idx], -2)
+    return x
+
+
+def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, rows: np.ndarray,
+                        pools: Mapping[str, mx.array]) -> mx.array:
+    """The switch layer's output for input ``x`` with each routed pair served from pool row ``rows``.
+
+    ``rows`` has the shape of the routed expert ids (host array, int). Mirrors ``SwitchGLU.__call__``.
+    """
+    lin = dict(spec.linears)
+    x = mx.expand_dims(x, (-2, -3))
+    do_sort = rows.size >= SORT_THRESHOLD
+    inv_order = None
+    if do_sort:
+        m = rows.shape[-1]
+        flat = rows.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        inv = np.empty_like(order)
+        inv[order] = np.arange(order.size)
+        x = x.flatten(0, -3)[mx.array(order // m)]
+        idx = mx.array(flat[order].astype(np.uint32))
+        inv_order = mx.array(inv)
+    else:
+        idx = mx.array(rows.astype(np.uint32))
+    if spec.kind == "glu":
+        x_up = _linear(lin["up_proj"], "up_proj", pools, x, idx, do_sort)
+        x_gate = _linear(lin["gate_proj"], "gate_proj", pools, x, idx, do_sort)
+        x = _linear(lin["down_proj"], "down_proj", pools, activation(x_up, x_gate), idx, do_sort)
+    else:
+        x = _linear(lin["fc1"], "fc1", pools, x, idx, do_sort)
+        x = activation(x)
+        x = _linear(lin["fc2"], "fc2", pools, x, idx, do_sort)
+    if do_sort:
+        x = mx.unflatten(x[inv_order], 0, rows.shape)
+    return x.squeeze(-2)

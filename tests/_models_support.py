@@ -1,0 +1,192 @@
+"""Shared helpers of the model tests: tiny configs, random models, and ShuffledSource.
+
+ShuffledSource is a streaming stand-in without the runtime: per layer a real asyncside Ledger
+(resident set + side rows, the chosen eviction policy) decides rows, behind a random physical row
+permutation, with *fewer rows than experts*; ensure() copies records into rows synchronously,
+prefetch hints are reserved (demand=False) at the next ensure, and leases are released only
+after the leasing computation completed. Running the model over it exercises everything the
+forward must get right with a real streaming source: arbitrary rows, misses, evictions between
+steps, capacity splits, predictions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from asyncside.errors import CapacityError
+
+BASE = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[1], moe_intermediate_size=64,
+        rms_norm_eps=1e-6, vocab_size=128, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=512, norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=128, rope_theta=10000.0,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=128,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=64,
+        q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2,
+        topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=512,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=128, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, rope_theta=10000,
+    ),
+}
+
+
+def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,
+               dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, dict[str, Any]]:
+    """A tiny randomly-initialised mlx-lm model of ``model_type`` (optionally quantized)."""
+    from mlx_lm.utils import _get_classes, quantize_model
+
+    config = dict(BASE[model_type])
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Replace every parameter: norm weights near 1, the rest small random (biases included, so
+    # expert biases and e_score_correction_bias are exercised).
+    rng = np.random.default_rng(seed)
+    new = []
+    for k, v in tree_flatten(model.parameters()):
+        if "norm" in k and k.endswith("weight"):
+            a = 1.0 + 0.1 * rng.standard_normal(v.shape)
+        elif v.ndim >= 2:
+            a = rng.standard_normal(v.shape) / np.sqrt(v.shape[-1])
+        else:
+            a = 0.1 * rng.standard_normal(v.shape)
+        new.append((k, mx.array(a.astype(np.float32)).astype(dtype)))
+    model.update(tree_unflatten(new))
+    if quantize is not None:
+        model, config = quantize_model(model, config, quantize.get("group_size"), quantize.get("bits"),
+                                       mode=quantize.get("mode", "affine"))
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+class ShuffledSource:
+    """Test source: a real Ledger per layer, rows behind a random physical permutation, copies on ensure."""
+
+    def __init__(self, pools: Mapping[int, Mapping[str, mx.array]], *, resident_fraction: float,
+                 side_rows: int, completed: Callable[[mx.array], Awaitable[None]], policy: str = "lfu",
+                 seed: int = 0, resident: Mapping[int, list[int]] | None = None) -> None:
+        from asyncside.ledger import Ledger
+
+        self.completed = completed
+        self.rng = np.random.default_rng(seed)
+        self.full = {l: dict(p) for l, p in pools.items()}
+        self.ledgers: dict[int, Any] = {}
+        self.perm: dict[int, np.ndarray] = {}
+        self.pool: dict[int, dict[str, mx.array]] = {}
+        self._pending_release: list[tuple[mx.array, list[tuple[int, int]]]] = []
+        self._predicted: dict[int, list[Any]] = {}
+        self.stats = {"demand_fills": 0, "prefetch_fills": 0, "capacity_errors": 0, "blocked_waits": 0}
+        for l, arrays in self.full.items():
+            n = next(iter(arrays.values())).shape[0]
+            if resident is not None:
+                res = list(resident[l])
+            else:
+                res = self.rng.choice(n, size=int(round(resident_fraction * n)), replace=False).tolist()
+            led = Ledger(n, res, side_rows, policy=policy)
+            if led.rows >= n:
+                raise ValueError(f"layer {l}: {led.rows} rows would hold every one of {n} experts")
+            self.ledgers[l] = led
+            self.perm[l] = self.rng.permutation(led.rows)  # ledger row -> physical pool row
+            self.pool[l] = {k: mx.zeros((led.rows, *a.shape[1:]), dtype=a.dtype) for k, a in arrays.items()}
+            mx.eval(list(self.pool[l].values()))
+            for row, e in enumerate(res):
+                self._copy(l, e, row)
+
+    def _copy(self, l: int, e: int, ledger_row: int) -> None:
+        r = int(self.perm[l][ledger_row])
+        for k, pool in self.pool[l].items():
+            src = memoryview(self.full[l][k][e]).cast("B")
+            n = src.nbytes
+            memoryview(pool).cast("B")[r * n:(r + 1) * n] = src
+
+    def _fill(self, l: int, fills: list[Any]) -> None:
+        led = self.ledgers[l]
+        for f in fills:
+            assert f.row not in led.pinned_rows(), "ledger handed out a leased row"
+            self._copy(l, f.expert, f.row)
+            led.publish(f)
+
+    async def _drain_releases(self) -> None:
+        pending, self._pending_release = self._pending_release, []
+        for x, leases in pending:
+            await self.completed(x)
+            for l, lid in leases:
+                self.ledgers[l].release(lid)
+
+    # -- ExpertSource ----------------------------------------------------------------------------
+
+    def pools(self, layer: int) -> dict[str, mx.array]:
+        return self.pool[layer]
+
+    def lookup(self, layer: int) -> mx.array:
+        t = self.ledgers[layer].lookup()
+        return mx.array(np.where(t >= 0, self.perm[layer][np.maximum(t, 0)], -1).astype(np.int32))
+
+    def prefetch(self, layer: int, ids: Any) -> None:
+        self._predicted.setdefault(layer, []).append(ids)
+
+    async def ensure(self, layer: int, ids: Any) -> None:
+        led = self.ledgers[layer]
+        await self._drain_releases()
+        for p in self._predicted.pop(layer, []):
+            if isinstance(p, mx.array):
+                await self.completed(p)
+            fills = led.reserve(np.asarray(p), demand=False)
+            self._fill(layer, fills)
+            self.stats["prefetch_fills"] += len(fills)
+        want = np.asarray(ids)
+        while True:
+            try:
+                fills = led.reserve(want, demand=True)
+            except CapacityError:
+                self.stats["capacity_errors"] += 1
+                raise
+            self._fill(layer, fills)
+            self.stats["demand_fills"] += len(fills)
+            if not led.blocked:
+                return
+            if not self._pending_release:
+                raise AssertionError(f"layer {layer}: experts {led.blocked} blocked and nothing to release")
+            self.stats["blocked_waits"] += 1
+            await self._drain_releases()
+            want = np.asarray(led.blocked)
+
+    def lease(self, layer: int, experts: Any) -> int:
+        return self.ledgers[layer].lease(np.asarray(experts))
+
+    def release_after(self, x: mx.array, leases: list[tuple[int, int]]) -> None:
+        self._pending_release.append((x, list(leases)))
+
+    async def close(self) -> None:
+        await self._drain_releases()
+
+    def open_leases(self) -> int:
+        return sum(led.stats["leases"] - led.stats["releases"] for led in self.ledgers.values())
+
+    def audit(self) -> list[str]:
+        return [f"layer {l}: {p}" for l, led in self.ledgers.items() for p in led.audit().problems]
