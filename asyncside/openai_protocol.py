@@ -274,12 +274,13 @@ def simple_chat_template(messages: Sequence[ChatMessage]) -> str:
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
     """Token ids of a chat: the tokenizer's own template when it has one, else the simple one."""
     apply = getattr(tokenizer, "apply_chat_template", None)
-    has_template = apply is not None and getattr(tokenizer, "chat_template", None)
-    if has_template:
-        ids = apply([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
-        if isinstance(ids, str):  # some tokenizers return text unless tokenize=True is honoured
-            return list(tokenizer.encode(ids))
-        return [int(t) for t in ids]
+    if apply is not None and getattr(tokenizer, "chat_template", None):
+        text = apply([{"role": m.role, "content": m.content} for m in messages],
+                     add_generation_prompt=True, tokenize=False)
+        try:  # the template already carries the special tokens (BOS): do not add them twice
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        except TypeError:
+            return list(tokenizer.encode(text))
     return list(tokenizer.encode(simple_chat_template(messages)))
 
 

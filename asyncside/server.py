@@ -592,41 +592,44 @@ def runtime_audit(runtime: Any) -> tuple[bool, list[str]]:
     return (not problems, problems)
 
 
+def _embedded_store_dir(cache_dir: str | None) -> str:
+    from .models import ensure_embedded_default
+
+    built = ensure_embedded_default(cache_dir)
+    # (model_dir, store_dir): the store directory is what the streaming model loads from
+    return str(built[1] if isinstance(built, tuple) else built)
+
+
 @contextlib.asynccontextmanager
 async def open_engine(
-    model_dir: str | None = None,
-    store_dir: str | None = None,
+    model: str | None = None,
     *,
     resident: float = 0.25,
     reader: str = "auto",
     policy: str = "lfu",
     cache_dir: str | None = None,
 ) -> AsyncIterator[Engine]:
-    """Load the model (the embedded default when ``model_dir`` is None) and open its Runtime.
+    """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
 
-    Runs on the serving loop: the Runtime's reap task and completion bridge belong to that loop.
-    Loading is synchronous and happens before the server accepts connections, so it blocks
-    nothing that is waiting.
+    ``model`` is a directory written by ``asyncside convert`` (expert store + non-expert weights
+    + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
+    bridge belong to that loop. Loading is synchronous and happens before the server accepts
+    connections, so it blocks nothing that is waiting.
     """
-    from .models import ensure_embedded_default, load_streaming_model
+    from .models import load_streaming_model
     from .runtime import Runtime
-    from .store import ExpertStore
 
-    if model_dir is None:
-        if store_dir is not None:
-            raise ValueError("--store needs --model (the embedded default has its own store)")
-        model_dir, store_dir = ensure_embedded_default(cache_dir)
-    model = load_streaming_model(model_dir, store_dir)
-    store = ExpertStore.open(store_dir if store_dir is not None else model.store_path)
+    store_dir = model if model is not None else _embedded_store_dir(cache_dir)
+    streaming = load_streaming_model(store_dir)
+    store = streaming.store
     async with Runtime(store, resident=resident, reader=reader, policy=policy) as runtime:
         yield Engine(
-            model=model,
+            model=streaming,
             source=runtime,
             stats=runtime.stats,
             audit=lambda: runtime_audit(runtime),
             description={
-                "model_dir": str(model_dir),
-                "store": str(store.path),
+                "model": str(store_dir),
                 "layers": len(store.layers),
                 "resident": resident,
                 "reader": runtime.reader,
@@ -638,10 +641,8 @@ async def open_engine(
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Which model to serve and how its runtime streams experts (shared with `bench serve`)."""
     parser.add_argument("--model", metavar="DIR", default=None,
-                        help="mlx-lm model directory converted with `asyncside convert` "
+                        help="a model directory written by `asyncside convert` "
                              "(default: the embedded model, built on first run)")
-    parser.add_argument("--store", metavar="DIR", default=None,
-                        help="its expert store (default: the one `asyncside convert` wrote for --model)")
     parser.add_argument("--resident", type=float, default=0.25,
                         help="fraction of each layer's experts kept in the pools (default 0.25)")
     parser.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
@@ -676,8 +677,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
     _check_args(args)
-    return lambda: open_engine(args.model, args.store, resident=args.resident, reader=args.reader,
-                               policy=args.policy, cache_dir=args.cache_dir)
+    return lambda: open_engine(args.model, resident=args.resident, reader=args.reader, policy=args.policy,
+                               cache_dir=args.cache_dir)
 
 
 def app_from_args(args: argparse.Namespace) -> Starlette:
@@ -740,6 +741,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """`asyncside serve`: run the server on a uvloop event loop; 0 on a clean shutdown."""
     import uvloop
 
+    _check_args(args)
     try:
         uvloop.run(run_serve(args))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown

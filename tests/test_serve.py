@@ -27,11 +27,18 @@ MAX_LIMIT = 64
 
 
 @pytest.fixture(scope="module")
-def srv(embedded_model: tuple[str, str]) -> Iterator[BackgroundServer]:
-    model_dir, store_dir = embedded_model
+def served_model() -> str:
+    """The embedded default model, built on first use (shared with every test through its cache)."""
+    from asyncside.server import _embedded_store_dir
+
+    return _embedded_store_dir(None)
+
+
+@pytest.fixture(scope="module")
+def srv(served_model: str) -> Iterator[BackgroundServer]:
     # resident=0.25: most experts are streamed from the store, so requests really exercise the
     # read path and the ledgers while they share the runtime.
-    app = create_app(lambda: open_engine(model_dir, store_dir, resident=0.25),
+    app = create_app(lambda: open_engine(served_model, resident=0.25),
                      ServeSettings(max_tokens_limit=MAX_LIMIT, max_body_bytes=64 * 1024))
     with BackgroundServer(app) as server:
         yield server
