@@ -217,9 +217,11 @@ class _Generation:
         self.prompt_ids = ids
         self.text = TextAssembler(tok, req.stop)
         self.first_token_at: float | None = None
+        self.tail = ""
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas as they become final; ``self.text.finish_reason`` is set at the end."""
+        """One text delta per generated token; at the end ``self.tail`` holds what was held back
+        (sent with the final chunk) and ``self.text.finish_reason`` is set."""
         m = self.state.metrics
         m.prompt_tokens.inc(len(self.prompt_ids), endpoint=self.endpoint)
         async with contextlib.aclosing(self.service.tokens(self.prompt_ids, self.req.max_tokens)) as tokens:
@@ -229,13 +231,14 @@ class _Generation:
                     m.ttft.observe(self.first_token_at - self.started)
                 m.generated.inc(endpoint=self.endpoint)
                 delta = self.text.push(token)
-                if delta:
-                    yield delta
+                if self.text.finished and not delta:
+                    return  # the token completed a stop sequence: nothing of it is sent
+                # One delta per token, possibly "" (a token that ends inside a multi-byte
+                # character or a possible stop sequence), so streams show every decode step.
+                yield delta
                 if self.text.finished:
                     return
-        tail = self.text.flush("length" if self.text.completion_tokens >= self.req.max_tokens else "stop")
-        if tail:
-            yield tail
+        self.tail = self.text.flush("length" if self.text.completion_tokens >= self.req.max_tokens else "stop")
 
     def usage(self) -> dict[str, int]:
         return oai.usage(len(self.prompt_ids), self.text.completion_tokens)
@@ -280,8 +283,8 @@ class _EventStream:
                 await frame(err.body())
                 await frame("[DONE]")
                 return
-            last = oai.chunk(req, gen.rid, gen.created, text="" if req.kind == "completion" else None,
-                             finish_reason=gen.text.finish_reason)
+            tail = gen.tail if (gen.tail or req.kind == "completion") else None
+            last = oai.chunk(req, gen.rid, gen.created, text=tail, finish_reason=gen.text.finish_reason)
             await frame(last)
             if req.include_usage:
                 await frame(oai.chunk(req, gen.rid, gen.created, usage_=gen.usage(), no_choices=True))
@@ -396,7 +399,7 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
         finish(200)
         return JSONResponse(
             oai.full_response(
-                req, gen.rid, gen.created, "".join(pieces), gen.text.finish_reason or "stop",
+                req, gen.rid, gen.created, "".join(pieces) + gen.tail, gen.text.finish_reason or "stop",
                 len(gen.prompt_ids), gen.text.completion_tokens,
             )
         )

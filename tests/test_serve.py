@@ -314,3 +314,25 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
     for key in ("hits", "misses", "bytes_read", "stall_time_s"):
         assert f"asyncside_runtime_{key}" in s, key
     assert s["asyncside_runtime_bytes_read"] > 0  # resident=0.25: experts were streamed
+
+
+def test_bench_serve_runs_all_phases(served_model: str) -> None:
+    """`asyncside bench serve` end to end at a tiny size: structure and sanity, no timing claims."""
+    import argparse
+
+    from asyncside.bench.serve import add_serve_bench_arguments, run_serve_bench
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    add_serve_bench_arguments(parser)
+    args = parser.parse_args(["--model", served_model, "--clients", "2", "--duration", "0.5",
+                              "--max-tokens", "4", "--json"])
+    out = run_serve_bench(args)
+    assert [p["name"] for p in out["phases"]] == ["direct", "http x1", "http x2"]
+    for phase in out["phases"]:
+        assert phase["tokens"] > 0 and phase["error_count"] == 0, phase
+        assert phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"]
+    assert out["audit_ok_after"] and out["audit_problems"] == []
+    rss = out["rss_bytes"]
+    assert rss["before_load"] > 0 and rss["after_load"] > 0 and rss["peak"] >= rss["after_load"]
+    json.dumps(out)  # the --json output is serialisable

@@ -85,7 +85,7 @@ class PhaseResult:
 
 
 async def _stream_once(client: Any, url: str, body: dict[str, Any], result: PhaseResult, t0: float) -> None:
-    """One streaming completion; counts content chunks (one per token for the byte tokenizer)."""
+    """One streaming completion; the server sends one chunk per generated token."""
     first = True
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
