@@ -14,8 +14,8 @@ available in any pytest run once ``asyncside`` is installed (disable with ``-p n
     clean (the test fails otherwise). Options come from the
     ``@pytest.mark.asyncside_runtime(resident=..., reader=..., ...)`` marker.
 ``faulty_reader``
-    a reader configuration that injects I/O errors and short reads into chosen records, for
-    tests of error paths; see :class:`FaultyReader`.
+    injects read faults into ``asyncside_runtime``'s reader: an errno for one expert's record,
+    short reads, transient EAGAIN/EINTR; see :class:`FaultyReader`.
 
 The module is imported by every pytest run in an environment where asyncside is installed, so it
 imports nothing heavy at import time: MLX, numpy and the runtime are imported inside fixtures.
@@ -147,8 +147,6 @@ async def asyncside_runtime(request: pytest.FixtureRequest, expert_store: Expert
     kwargs: dict[str, Any] = {}
     for marker in reversed(list(request.node.iter_markers(RUNTIME_MARKER))):
         kwargs.update(marker.kwargs)  # the closest marker wins
-    if "faulty_reader" in request.fixturenames:
-        kwargs.setdefault("reader", request.getfixturevalue("faulty_reader").reader)
     runtime = Runtime(expert_store, **kwargs)
     async with runtime:
         yield runtime
@@ -159,3 +157,67 @@ async def asyncside_runtime(request: pytest.FixtureRequest, expert_store: Expert
     problems = audit_problems(runtime)
     if problems:
         pytest.fail("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
+
+
+def _scheduler_of(runtime: Any) -> Any:
+    scheduler = getattr(runtime, "scheduler", None) or getattr(runtime, "_scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "set_faults"):
+        raise RuntimeError("this Runtime exposes no scheduler with fault hooks (Scheduler.set_faults)")
+    return scheduler
+
+
+class FaultyReader:
+    """Fault injection into a running Runtime's reader (the read backends' test hooks).
+
+    The hooks act below the scheduler, in the reader itself (native io_uring / thread pool, or
+    aiofiles), so everything above -- scheduler, ledger, runtime, model -- sees a real failure.
+    One failing range is active at a time: :meth:`fail` replaces the previous one. Settings
+    combine: ``fail`` + ``short_reads`` + ``transient`` may all be on together.
+    """
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._settings: dict[str, Any] = {}
+
+    def _apply(self) -> None:
+        _scheduler_of(self.runtime).set_faults(**self._settings)
+
+    def fail(self, layer: int, expert: int, errno: int = 5) -> None:
+        """Every read of ``expert``'s record in ``layer`` fails with ``errno`` (default EIO)."""
+        spec = self.runtime.store.layer(layer)
+        if not 0 <= expert < spec.n_experts:
+            raise ValueError(f"layer {layer}: expert {expert} is out of range [0, {spec.n_experts})")
+        lo = spec.record_offset(expert)
+        self._settings.update(path=str(spec.path), lo=lo, hi=lo + spec.stride, err=int(errno))
+        self._apply()
+
+    def short_reads(self, max_bytes: int = 512) -> None:
+        """Cap every read operation at ``max_bytes`` (the reader must loop to complete records)."""
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+        self._settings["max_read_bytes"] = int(max_bytes)
+        self._apply()
+
+    def transient(self, every: int = 3, errno: int = 11) -> None:
+        """Every ``every``-th read fails once with ``errno`` (EAGAIN by default) and is retried."""
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self._settings.update(transient_every=int(every), transient_err=int(errno))
+        self._apply()
+
+    def clear(self) -> None:
+        """Turn every fault off."""
+        self._settings = {}
+        self._apply()
+
+    def counters(self) -> dict[str, int]:
+        """The reader's counters (``faults_injected``, ``short_reads``, ``retries``, ...)."""
+        return dict(_scheduler_of(self.runtime).reader.counters())
+
+
+@pytest.fixture
+def faulty_reader(asyncside_runtime: Runtime) -> Iterator[FaultyReader]:
+    """Fault injection into ``asyncside_runtime``'s reader; faults are cleared at teardown."""
+    faults = FaultyReader(asyncside_runtime)
+    yield faults
+    faults.clear()
