@@ -1,0 +1,421 @@
+"""Await MLX computations on the event loop through the native completion bridge.
+
+``await completed(x)`` resolves once ``x`` has been computed on its stream. It never blocks the
+event loop and never evaluates on another thread (MLX streams are thread-local): on the calling
+(loop) thread it schedules ``x`` with ``async_eval`` plus a native *completion signal* right after
+it on the same stream. When the stream reaches the signal, a native thread posts a ticket to a
+:class:`CompletionQueue` and makes its eventfd readable; the loop reaps the ticket and wakes the
+awaiter. When the awaiter resumes, ``x`` is marked available: reading it never waits.
+
+One :class:`CompletionQueue` serves each event loop (an asyncio/uvloop loop, or a trio run). It is
+created on the first ``completed()`` that has to wait and closed as soon as no ticket is
+outstanding, so nothing needs opening or closing by the caller and no descriptor outlives its use.
+The eventfd is watched with the backend's own primitive instead of a reaper task in a task group:
+``loop.add_reader`` on asyncio (a plain callback, no task to own or cancel) and a trio *system
+task* on trio (cancelled by trio itself when the run ends). Both let a cancelled awaiter walk away
+at once while its ticket is still reaped, and discarded, when the stream gets there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Union
+
+import anyio.lowlevel
+import mlx.core as mx
+
+from . import _native
+from .errors import AsyncsideError
+
+__all__ = [
+    "ComputationError",
+    "CompletionQueue",
+    "StreamLike",
+    "completed",
+    "completed_at",
+    "counters",
+    "current_queue",
+]
+
+StreamLike = Union[mx.Stream, mx.Device, mx.DeviceType, None]
+
+
+class ComputationError(AsyncsideError, RuntimeError):
+    """The MLX computation a ``completed()`` awaited failed on its stream (MLX's message attached)."""
+
+
+# Process-wide Python-side counters (the native ones come from _native.bridge_counters()).
+_stats: dict[str, int] = {
+    "issued": 0,  # tickets whose signal was scheduled
+    "resolved": 0,  # tickets that woke their awaiter
+    "discarded": 0,  # tickets reaped after their awaiter was cancelled
+    "failed_to_issue": 0,  # signal()/async_eval raised; no ticket outstanding
+    "fast_path": 0,  # x was already available: no ticket at all
+}
+_live_queues: "weakref.WeakSet[CompletionQueue]" = weakref.WeakSet()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One outstanding ticket. Holds x and the signal so the graph lives until the ticket lands."""
+
+    x: mx.array
+    signal: mx.array | None  # None: the post was queued directly on a backlogged stream
+    wake: Any  # asyncio.Future (asyncio) or trio.Event (trio)
+    posted_ns: int = 0
+    done: bool = False  # trio: the ticket landed
+    abandoned: bool = False  # the awaiter was cancelled: discard the ticket when it lands
+
+
+class CompletionQueue:
+    """The completion queue of one event loop: issues tickets, reaps them, wakes their awaiters.
+
+    Obtain it with :func:`current_queue`; ``completed()`` does that itself. Not thread-safe: it
+    belongs to its loop's thread (the native queue underneath is what other threads post to).
+    """
+
+    backend: str = "?"
+
+    def __init__(self) -> None:
+        self.native = _native.CompletionQueue()
+        self.fd: int = self.native.fileno()
+        self.outstanding = 0  # tickets issued and not yet reaped (cancelled ones included)
+        self.closed = False
+        self._tickets = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}
+        _live_queues.add(self)
+
+    # -- issuing -------------------------------------------------------------------------------
+
+    def _issue(self, x: mx.array, stream: mx.Stream | None, wake: Any) -> _Waiter:
+        ticket = next(self._tickets)
+        try:
+            signal = _native.signal(x, self.native, ticket, stream)
+        except BaseException as exc:
+            # Nothing waits for this ticket; if MLX queued the signal before raising, its late
+            # post is reaped (or dropped once the queue closes) and counted, never delivered.
+            self.native.abandon(ticket)
+            _stats["failed_to_issue"] += 1
+            if self.outstanding == 0:
+                self._reaped_all()
+            if isinstance(exc, RuntimeError) and not isinstance(exc, ComputationError):
+                raise ComputationError(f"scheduling the computation failed: {exc}") from exc
+            raise
+        waiter = _Waiter(x, signal, wake)
+        self._waiters[ticket] = waiter
+        self.outstanding += 1
+        _stats["issued"] += 1
+        return waiter
+
+    # -- reaping (runs on the loop thread) -----------------------------------------------------
+
+    def _reap(self) -> None:
+        for ticket, posted_ns in self.native.drain():
+            self.outstanding -= 1
+            waiter = self._waiters.pop(ticket, None)
+            if waiter is None:  # a ticket whose issuing failed after MLX had queued it
+                continue
+            if waiter.abandoned or not self._wake(waiter, posted_ns):
+                _stats["discarded"] += 1
+            else:
+                _stats["resolved"] += 1
+        if self.outstanding == 0:
+            self._reaped_all()
+
+    def _wake(self, waiter: _Waiter, posted_ns: int) -> bool:
+        raise NotImplementedError
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _close_if_idle(self) -> None:
+        if self.outstanding == 0 and not self.closed:
+            self.close()
+
+    def _reaped_all(self) -> None:
+        """Every ticket is reaped: close, or (per backend) linger for the next one."""
+        self._close_if_idle()
+
+    def close(self) -> None:
+        """Stop watching the fd and close the native queue. Idempotent.
+
+        Called automatically when no ticket is outstanding. Closing with tickets outstanding (a
+        loop that is shutting down) drops them: their late posts are counted as dropped natively.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._unwatch()
+        self.native.close()
+        self._forget()
+        for waiter in self._waiters.values():
+            waiter.abandoned = True
+        self._waiters.clear()
+
+    def _unwatch(self) -> None:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        raise NotImplementedError
+
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
+        """Issue a ticket for x and wait for it; returns the native post time (monotonic ns)."""
+        raise NotImplementedError
+
+
+class _AsyncioQueue(CompletionQueue):
+    backend = "asyncio"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        # Weak: the loop owns the queue (through the reader below), not the other way round.
+        self._loop_ref = weakref.ref(loop)
+        loop.add_reader(self.fd, self._reap)
+
+    def _reaped_all(self) -> None:
+        # Close one loop iteration later, and only if still idle: the awaiters just woken run
+        # first (their wakeups were scheduled before this), so a task that awaits completions
+        # back to back keeps one queue instead of opening and closing one per completion.
+        loop = self._loop_ref()
+        if loop is None or loop.is_closed():
+            self.close()
+        else:
+            loop.call_soon(self._close_if_idle)
+
+    def _wake(self, waiter: _Waiter, posted_ns: int) -> bool:
+        fut: asyncio.Future[int] = waiter.wake
+        if fut.done():  # cancelled while waiting
+            return False
+        fut.set_result(posted_ns)
+        return True
+
+    def _unwatch(self) -> None:
+        loop = self._loop_ref()
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.fd)
+
+    def _forget(self) -> None:
+        loop = self._loop_ref()
+        if loop is not None and _asyncio_queues.get(id(loop)) is self:
+            del _asyncio_queues[id(loop)]
+
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
+        fut = asyncio.get_running_loop().create_future()
+        waiter = self._issue(x, stream, fut)
+        # Cancellation cancels fut; the waiter stays registered until its ticket is reaped.
+        posted_ns: int = await fut
+        _raise_if_failed(waiter.x)
+        return posted_ns
+
+
+class _TrioQueue(CompletionQueue):
+    """trio: the awaiters take turns watching the fd, so a completion wakes its awaiter directly.
+
+    At most one task waits on the fd at a time (trio raises BusyResourceError otherwise): the
+    *leader*. A waiter that finds no leader becomes it; it reaps every completion that lands,
+    wakes their awaiters, and when its own ticket is done (or it is cancelled) hands the role to
+    another live waiter. If no live waiter is left while tickets are still outstanding (their
+    awaiters were cancelled), a system task (the *keeper*) leads until they are reaped. The keeper
+    otherwise sleeps; trio cancels it when the run ends, and that closes the queue.
+    """
+
+    backend = "trio"
+    _KEEPER = object()
+
+    def __init__(self) -> None:
+        import trio
+
+        super().__init__()
+        self._trio = trio
+        self._leader: object | None = None  # a _Waiter, _KEEPER, or None
+        self._orphans = trio.Event()  # set when the keeper must lead
+        trio.lowlevel.spawn_system_task(self._keeper, name="asyncside.bridge keeper")
+
+    async def _lead(self, me: object, until: Any) -> None:
+        """Wait on the fd and reap until until() is true; then hand the role on."""
+        trio = self._trio
+        self._leader = me
+        try:
+            while not until() and not self.closed:
+                try:
+                    await trio.lowlevel.wait_readable(self.fd)
+                except trio.ClosedResourceError:  # the queue was closed under us
+                    return
+                self._reap()
+        finally:
+            self._leader = None
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self.closed or self._leader is not None:
+            return
+        for waiter in self._waiters.values():
+            if not waiter.done and not waiter.abandoned:
+                waiter.wake.set()  # not done: it wakes up to lead
+                return
+        if self.outstanding > 0:
+            self._orphans.set()
+
+    async def _keeper(self) -> None:
+        try:
+            while not self.closed:
+                await self._orphans.wait()
+                self._orphans = self._trio.Event()
+                if self._leader is None:
+                    await self._lead(self._KEEPER, lambda: self.outstanding == 0)
+        finally:
+            self.close()  # the run is ending (or the queue was closed)
+
+    def _reaped_all(self) -> None:
+        pass  # the queue lives as long as the run: the keeper closes it
+
+    def _wake(self, waiter: _Waiter, posted_ns: int) -> bool:
+        waiter.done = True
+        waiter.posted_ns = posted_ns
+        waiter.wake.set()
+        return True
+
+    def _unwatch(self) -> None:
+        # Wake whoever is parked on the fd (it then stops leading); harmless if nobody is.
+        try:
+            self._trio.lowlevel.notify_closing(self.fd)
+        except RuntimeError:  # outside the run (interpreter shutdown)
+            pass
+        self._orphans.set()
+
+    def _forget(self) -> None:
+        try:
+            if _trio_queue_var().get(None) is self:
+                _trio_queue_var().set(None)
+        except RuntimeError:  # outside the run (shutdown)
+            pass
+
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
+        waiter = self._issue(x, stream, self._trio.Event())
+        try:
+            while not waiter.done:
+                if self.closed:
+                    raise RuntimeError("the completion queue closed while awaiting (trio run ending)")
+                if self._leader is None:
+                    await self._lead(waiter, lambda: waiter.done)
+                else:
+                    await waiter.wake.wait()
+                    if not waiter.done:  # woken to lead: re-arm for the next wait
+                        waiter.wake = self._trio.Event()
+        except BaseException:
+            if not waiter.done:
+                waiter.abandoned = True
+                self._hand_over()
+            raise
+        _raise_if_failed(waiter.x)
+        return waiter.posted_ns
+
+
+# -- registry: one queue per event loop ----------------------------------------------------------
+
+# Keyed by id(loop), holding queues weakly: a queue is kept alive by its loop (the reader it
+# registered) and by its awaiters, never by this registry. A strong value would pin the loop
+# through the awaiters' futures, and a loop that closed with a ticket in flight would never be
+# collected, nor its eventfd closed.
+_asyncio_queues: "weakref.WeakValueDictionary[int, _AsyncioQueue]" = weakref.WeakValueDictionary()
+_trio_var: Any = None
+
+
+def _trio_queue_var() -> Any:
+    global _trio_var
+    if _trio_var is None:
+        import trio
+
+        _trio_var = trio.lowlevel.RunVar("asyncside_bridge_queue")
+    return _trio_var
+
+
+def current_queue() -> CompletionQueue:
+    """The completion queue of the running event loop, created if it has none (or closed it).
+
+    Raises RuntimeError outside an asyncio/uvloop loop or a trio run.
+    """
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        q = _asyncio_queues.get(id(loop))
+        if q is None or q.closed or q._loop_ref() is not loop:
+            q = _asyncio_queues[id(loop)] = _AsyncioQueue(loop)
+        return q
+    if "trio" in sys.modules:
+        var = _trio_queue_var()
+        try:
+            tq = var.get(None)
+        except RuntimeError:  # not inside a trio run
+            pass
+        else:
+            if tq is None or tq.closed:
+                tq = _TrioQueue()
+                var.set(tq)
+            return tq
+    raise RuntimeError("asyncside.completed() must be awaited inside an asyncio or trio event loop")
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+
+def _as_stream(stream: StreamLike) -> mx.Stream | None:
+    if stream is None or isinstance(stream, mx.Stream):
+        return stream
+    if isinstance(stream, mx.Device):
+        return mx.default_stream(stream)
+    if isinstance(stream, mx.DeviceType):
+        return mx.default_stream(mx.Device(stream))
+    raise TypeError(
+        f"stream must be an mlx.core.Stream, Device or DeviceType (or None), got {type(stream).__name__}"
+    )
+
+
+def _raise_if_failed(x: mx.array) -> bool:
+    try:
+        return bool(_native.is_available(x))
+    except RuntimeError as exc:
+        raise ComputationError(f"the computation failed on its stream: {exc}") from exc
+
+
+async def completed_at(x: mx.array, *, stream: StreamLike = None) -> int | None:
+    """Like :func:`completed`, and return when the stream reached x.
+
+    Returns the ``time.monotonic_ns()`` clock reading taken by the native thread that posted the
+    ticket, or None when x was already available (no ticket was needed).
+    """
+    if not isinstance(x, mx.array):
+        raise TypeError(f"completed() expects an mlx.core.array, got {type(x).__name__}")
+    s = _as_stream(stream)
+    if _raise_if_failed(x):
+        _stats["fast_path"] += 1
+        await anyio.lowlevel.checkpoint()
+        return None
+    return await current_queue().wait(x, s)
+
+
+async def completed(x: mx.array, *, stream: StreamLike = None) -> None:
+    """Resolve once x has been computed on its stream; never blocks the loop.
+
+    x is scheduled (``async_eval``) if it was not yet. ``stream`` picks the stream the completion
+    signal runs on (default: x's own stream; with no native GPU path compiled, a GPU x is signalled
+    from the CPU stream, which MLX makes wait for x). On return, x is available: reading it does
+    not wait. Raises :class:`ComputationError` if x's computation failed on its stream.
+    Cancellable: a cancelled await leaves nothing behind but a ticket that is reaped and discarded.
+    """
+    await completed_at(x, stream=stream)
+
+
+def counters() -> dict[str, int]:
+    """Native and Python-side bridge counters, plus the tickets outstanding right now.
+
+    Balance (once nothing is in flight): ``tickets_posted == tickets_reaped + tickets_dropped``,
+    ``queues_created == queues_closed``, ``issued == resolved + discarded`` and ``outstanding == 0``.
+    """
+    c: dict[str, int] = dict(_native.bridge_counters())
+    c.update(_stats)
+    c["outstanding"] = sum(q.outstanding for q in list(_live_queues) if not q.closed)
+    c["open_queues"] = sum(1 for q in list(_live_queues) if not q.closed)
+    return c

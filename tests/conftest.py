@@ -1,0 +1,32 @@
+"""Shared test configuration: the event-loop backends and the blocking-call fixture.
+
+- ``anyio_backend``: every ``@pytest.mark.anyio`` test runs on asyncio, asyncio+uvloop and trio.
+  A module that needs fewer backends overrides this fixture locally.
+- ``no_blocking``: fails an async test whose event loop thread blocks (see
+  asyncside/testing_blocking.py); configure with ``@pytest.mark.no_blocking(threshold=...,
+  strict=...)``. Works with pytest-asyncio (``@pytest.mark.asyncio``) and anyio tests alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncside.testing_blocking import no_blocking  # noqa: F401  (the fixture)
+
+BACKENDS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "no_blocking(threshold=0.05, strict=False, interval=None): configure the no_blocking fixture",
+    )
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict]:
+    return request.param
