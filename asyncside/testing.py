@@ -16,6 +16,9 @@ available in any pytest run once ``asyncside`` is installed (disable with ``-p n
 ``faulty_reader``
     injects read faults into ``asyncside_runtime``'s reader: an errno for one expert's record,
     short reads, transient EAGAIN/EINTR; see :class:`FaultyReader`.
+``no_blocking``
+    fails an async test whose event loop thread blocks longer than a threshold (a watchdog; see
+    :mod:`asyncside.testing_blocking`); ``@pytest.mark.no_blocking(threshold=..., strict=...)``.
 
 The module is imported by every pytest run in an environment where asyncside is installed, so it
 imports nothing heavy at import time: MLX, numpy and the runtime are imported inside fixtures.
@@ -52,6 +55,8 @@ DEFAULT_SEGMENTS: dict[str, tuple[tuple[int, ...], str]] = {
     "down_proj.weight": ((16, 32), "float16"),
 }
 
+from .testing_blocking import no_blocking  # noqa: E402,F401  (re-exported fixture; imports no MLX)
+
 RUNTIME_MARKER = "asyncside_runtime"
 
 
@@ -60,6 +65,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{RUNTIME_MARKER}(**kwargs): keyword arguments for the Runtime built by the asyncside_runtime fixture "
         "(resident=, side_rows=, policy=, reader=, queue_depth=, ...)",
+    )
+    config.addinivalue_line(
+        "markers", "no_blocking(threshold=0.05, strict=False, interval=None): configure the no_blocking fixture"
     )
 
 

@@ -6,7 +6,8 @@ The plugin is registered when asyncside is installed; nothing to import or confi
 
 Fixtures used here: ``expert_store`` (a small random store in a temporary directory),
 ``asyncside_runtime`` (a Runtime on the test's event loop, audited clean at teardown) and
-``faulty_reader`` (inject read faults into that runtime's reader).
+``faulty_reader`` (inject read faults into that runtime's reader) and ``no_blocking`` (fail a
+test whose event loop thread blocks).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def bytes_of_row(runtime, layer: int, expert: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.asyncio
-async def test_ensure_loads_the_experts_bytes(asyncside_runtime, expert_store) -> None:
+@pytest.mark.no_blocking(threshold=0.25)  # fail if the event loop thread is blocked > 250 ms
+async def test_ensure_loads_the_experts_bytes(asyncside_runtime, expert_store, no_blocking) -> None:
     layer = next(iter(expert_store.layers))
     await asyncside_runtime.ensure(layer, [5, 6, 7])
     for expert in (5, 6, 7):
