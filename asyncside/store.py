@@ -158,7 +158,9 @@ def _as_numpy_bytes_view(arr: Any, where: str) -> tuple[np.ndarray, str]:
     if not isinstance(arr, np.ndarray):
         raise StoreError(where, f"expected a numpy or mlx array, got {type(arr).__name__}")
     name = "bool" if arr.dtype == np.bool_ else arr.dtype.name
-    if name not in DTYPE_SIZES or name == "bfloat16":
+    if name == "bfloat16" and arr.dtype.itemsize == 2:  # e.g. ml_dtypes.bfloat16: keep the raw bits
+        return np.ascontiguousarray(arr).view(np.uint16), name
+    if name not in DTYPE_SIZES or arr.dtype.kind not in "biufc":
         raise StoreError(where, f"unsupported numpy dtype {arr.dtype}; supported: {sorted(DTYPE_SIZES)}")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -375,11 +377,12 @@ class ExpertStore:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             manifest_layers = []
-            for index in sorted(layers):
-                if not _is_int(index) or not 0 <= index < 2**31:
-                    raise StoreError(dest, f"layer index must be an int in [0, 2**31), got {index!r}", "layers")
+            for key in layers:
+                if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2**31:
+                    raise StoreError(dest, f"layer index must be an int in [0, 2**31), got {key!r}", "layers")
+            for key in sorted(layers, key=int):  # one layer at a time: a lazy Mapping loads one at a time
                 manifest_layers.append(
-                    _write_layer(tmp, dest, index, layers[index], alignment, checksum, chunk_bytes)
+                    _write_layer(tmp, dest, int(key), layers[key], alignment, checksum, chunk_bytes)
                 )
             manifest = {
                 "format": FORMAT_NAME,

@@ -519,3 +519,17 @@ def test_audit_reports_corruption_without_raising() -> None:
     led._pending = None  # type: ignore[assignment]
     report = led.audit()
     assert not report.ok and any("audit crashed" in p for p in report.problems)
+
+
+def test_ledger_imports_no_io_runtime_mlx_or_native_code() -> None:
+    """The ledger stays sans-I/O: importing it (and the package) pulls in no MLX, anyio or native code."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, asyncside, asyncside.ledger, asyncside.policies\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'anyio', 'trio', 'aiofiles')"
+        " or m == 'asyncside._native')\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -334,3 +334,17 @@ def test_padding_changes_do_not_affect_checksum(store: Any) -> None:
         fh.seek(pad)
         fh.write(b"\x55")
     st.read_expert(3, 0)
+
+
+def test_blob_truncated_after_open_gives_a_short_read_error(store: Any) -> None:
+    st, _ = store
+    spec = st.layer(0)
+    os.truncate(spec.path, spec.blob_bytes - 100)
+    st.read_expert(0, spec.n_experts - 2)
+    with pytest.raises(StoreError, match=f"short read of expert {spec.n_experts - 1}"):
+        st.read_expert(0, spec.n_experts - 1)
+
+
+def test_numpy_integer_layer_indices_are_accepted(tmp_path: pathlib.Path) -> None:
+    st = ExpertStore.create(tmp_path / "s", {np.int64(4): {"w": np.ones((2, 3), np.float16)}})
+    assert list(st.layers) == [4] and type(st.layer(4).index) is int
