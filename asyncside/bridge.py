@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Union
@@ -55,8 +56,15 @@ _stats: dict[str, int] = {
     "discarded": 0,  # tickets reaped after their awaiter was cancelled
     "failed_to_issue": 0,  # signal()/async_eval raised; no ticket outstanding
     "fast_path": 0,  # x was already available: no ticket at all
+    "stray": 0,  # reaped tickets nobody issued successfully (issuing raised after MLX queued them)
 }
+_stats_lock = threading.Lock()  # loops in several threads may complete concurrently
 _live_queues: "weakref.WeakSet[CompletionQueue]" = weakref.WeakSet()
+
+
+def _bump(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
 
 
 @dataclass(eq=False)
@@ -87,7 +95,8 @@ class CompletionQueue:
         self.closed = False
         self._tickets = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        _live_queues.add(self)
+        with _stats_lock:
+            _live_queues.add(self)
 
     # -- issuing -------------------------------------------------------------------------------
 
@@ -99,7 +108,7 @@ class CompletionQueue:
             # Nothing waits for this ticket; if MLX queued the signal before raising, its late
             # post is reaped (or dropped once the queue closes) and counted, never delivered.
             self.native.abandon(ticket)
-            _stats["failed_to_issue"] += 1
+            _bump("failed_to_issue")
             if self.outstanding == 0:
                 self._reaped_all()
             if isinstance(exc, RuntimeError) and not isinstance(exc, ComputationError):
@@ -108,21 +117,22 @@ class CompletionQueue:
         waiter = _Waiter(x, signal, wake)
         self._waiters[ticket] = waiter
         self.outstanding += 1
-        _stats["issued"] += 1
+        _bump("issued")
         return waiter
 
     # -- reaping (runs on the loop thread) -----------------------------------------------------
 
     def _reap(self) -> None:
         for ticket, posted_ns in self.native.drain():
-            self.outstanding -= 1
             waiter = self._waiters.pop(ticket, None)
             if waiter is None:  # a ticket whose issuing failed after MLX had queued it
+                _bump("stray")
                 continue
+            self.outstanding -= 1
             if waiter.abandoned or not self._wake(waiter, posted_ns):
-                _stats["discarded"] += 1
+                _bump("discarded")
             else:
-                _stats["resolved"] += 1
+                _bump("resolved")
         if self.outstanding == 0:
             self._reaped_all()
 
@@ -142,8 +152,9 @@ class CompletionQueue:
     def close(self) -> None:
         """Stop watching the fd and close the native queue. Idempotent.
 
-        Called automatically when no ticket is outstanding. Closing with tickets outstanding (a
-        loop that is shutting down) drops them: their late posts are counted as dropped natively.
+        Called automatically when no ticket is outstanding (asyncio) or when the run ends (trio).
+        Closing with tickets outstanding drops them (their late posts are counted as dropped
+        natively) and wakes any awaiter still waiting with RuntimeError.
         """
         if self.closed:
             return
@@ -152,8 +163,13 @@ class CompletionQueue:
         self.native.close()
         self._forget()
         for waiter in self._waiters.values():
+            if not waiter.abandoned and not waiter.done:
+                self._fail(waiter, RuntimeError("the completion queue was closed with this completion in flight"))
             waiter.abandoned = True
         self._waiters.clear()
+
+    def _fail(self, waiter: _Waiter, exc: BaseException) -> None:
+        raise NotImplementedError
 
     def _unwatch(self) -> None:
         raise NotImplementedError
@@ -191,6 +207,14 @@ class _AsyncioQueue(CompletionQueue):
             return False
         fut.set_result(posted_ns)
         return True
+
+    def _fail(self, waiter: _Waiter, exc: BaseException) -> None:
+        fut: asyncio.Future[int] = waiter.wake
+        if not fut.done():
+            try:
+                fut.set_exception(exc)
+            except RuntimeError:  # its loop is closed: nobody is waiting any more
+                pass
 
     def _unwatch(self) -> None:
         loop = self._loop_ref()
@@ -272,6 +296,9 @@ class _TrioQueue(CompletionQueue):
     def _reaped_all(self) -> None:
         pass  # the queue lives as long as the run: the keeper closes it
 
+    def _fail(self, waiter: _Waiter, exc: BaseException) -> None:
+        waiter.wake.set()  # not done: wait() sees the queue closed and raises
+
     def _wake(self, waiter: _Waiter, posted_ns: int) -> bool:
         waiter.done = True
         waiter.posted_ns = posted_ns
@@ -298,7 +325,7 @@ class _TrioQueue(CompletionQueue):
         try:
             while not waiter.done:
                 if self.closed:
-                    raise RuntimeError("the completion queue closed while awaiting (trio run ending)")
+                    raise RuntimeError("the completion queue was closed with this completion in flight")
                 if self._leader is None:
                     await self._lead(waiter, lambda: waiter.done)
                 else:
@@ -390,7 +417,7 @@ async def completed_at(x: mx.array, *, stream: StreamLike = None) -> int | None:
         raise TypeError(f"completed() expects an mlx.core.array, got {type(x).__name__}")
     s = _as_stream(stream)
     if _raise_if_failed(x):
-        _stats["fast_path"] += 1
+        _bump("fast_path")
         await anyio.lowlevel.checkpoint()
         return None
     return await current_queue().wait(x, s)
@@ -415,7 +442,10 @@ def counters() -> dict[str, int]:
     ``queues_created == queues_closed``, ``issued == resolved + discarded`` and ``outstanding == 0``.
     """
     c: dict[str, int] = dict(_native.bridge_counters())
-    c.update(_stats)
-    c["outstanding"] = sum(q.outstanding for q in list(_live_queues) if not q.closed)
-    c["open_queues"] = sum(1 for q in list(_live_queues) if not q.closed)
+    with _stats_lock:
+        c.update(_stats)
+    with _stats_lock:
+        live = [q for q in _live_queues if not q.closed]
+    c["outstanding"] = sum(q.outstanding for q in live)
+    c["open_queues"] = len(live)
     return c

@@ -77,12 +77,13 @@ class CompletionQueue {
  private:
   void close_locked() noexcept;
 
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // ready_, closed_, armed_, counts; never held across a syscall by post()
+  std::mutex fd_mu_;       // held by post() around its wakeup write and by close(): fd lifetime
   std::vector<Completion> ready_;
   int read_fd_ = -1;
   int write_fd_ = -1;  // == read_fd_ for an eventfd
   bool closed_ = false;
-  bool armed_ = false;  // a wakeup was written and not yet drained
+  bool armed_ = false;  // a wakeup is written (or being written) and not yet drained
   uint64_t posted_ = 0;
   uint64_t reaped_ = 0;
 };

@@ -275,6 +275,33 @@ async def test_backlogged_stream_does_not_block_the_loop(
     _assert_balanced(before)
 
 
+async def test_closing_the_queue_wakes_awaiters_with_an_error(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    before = bridge.counters()
+    gate = native.TestingGate()
+    x = gate.hold(mx.array(a_np)) + 1.0
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await completed(x)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.01)
+        bridge.current_queue().close()
+    assert len(errors) == 1 and "closed with this completion in flight" in str(errors[0])
+    gate.open()
+    y = mx.array(a_np) + 2.0
+    await completed(y)  # a fresh queue serves the loop; x's late post went to the closed one
+    d = _delta(before)
+    assert d["tickets_dropped"] == 1 and d["tickets_posted"] == 2
+    assert bridge.counters()["outstanding"] == 0
+
+
 async def test_available_array_takes_the_fast_path(anyio_backend: object, no_blocking: object) -> None:
     before = bridge.counters()
     x = mx.array([1.0, 2.0, 3.0])

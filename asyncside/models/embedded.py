@@ -1,0 +1,272 @@
+"""The embedded default model: a small qwen3_moe built from a fixed seed on first run.
+
+It is a real mlx-lm model directory (``config.json`` + ``model.safetensors``, 4-bit group-64
+affine quantization with the router at 8 bits, like community MLX conversions of
+Qwen3-MoE), converted to an expert store beside it. Experts are ~97% of its ~290 MB.
+Scales and unquantized weights are float32, not the community's bfloat16: MLX's CPU backend runs
+half-precision quantized matmuls 10-40x slower (measured: 100-token prefill 25 s in bf16 vs
+1.8 s in float32), and the CPU is where this model mostly runs. ``EmbeddedSpec(dtype=...)``
+changes it.
+
+Random weights route almost uniformly, which would make residency meaningless. The weights are
+therefore structured (all from one seed) so routing looks like a trained MoE's:
+
+- *hot experts*: every token embedding shares a common direction ``u``; each layer's router row
+  ``e`` has a component ``hot[l, e] * u`` with ``hot`` drawn log-normally and shuffled per layer,
+  so a minority of experts takes most of the traffic (a different minority per layer);
+- *token specialisation*: bytes fall into classes (lowercase, uppercase, digits, space and
+  punctuation, other) with one direction each in the embeddings; every expert has an affinity
+  to one class, so which experts a token routes to depends on what kind of token it is;
+- *slowly changing residual stream*: attention and expert outputs are scaled down (x0.6), so a
+  token's hidden state drifts little between layers; this is what makes next-layer lookahead
+  prediction work in real models, and it does here.
+
+The LM head only scores printable ASCII and newline (other rows are zero), so greedy output is
+printable text (gibberish: the model is untrained). The tokenizer is :class:`ByteTokenizer`.
+
+:func:`ensure_embedded_default` builds the model and its store into a cache directory (keyed by a
+hash of the spec) under a file lock, atomically, and returns the paths; later calls reuse them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from .tokenizer import ByteTokenizer
+
+SPEC_VERSION = 1
+READY_FILE = "READY"
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 64,
+    "num_experts_per_tok": 4,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 384,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "norm_topk_prob": True,
+    "bos_token_id": ByteTokenizer.BOS,
+    "eos_token_id": ByteTokenizer.EOS,
+    "torch_dtype": "float32",
+}
+
+#: prompts profiled to pick the resident (hottest) experts of the embedded store
+PROFILE_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "In 1969, 3 astronauts flew to the Moon and back; the trip took about 8 days.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 40))\n",
+    "Mixture-of-Experts models route every token to a few experts out of many.",
+)
+
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    """Everything that determines the embedded model's bytes (its hash keys the cache)."""
+
+    config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONFIG))
+    seed: int = 20240607
+    group_size: int = 64
+    bits: int = 4
+    dtype: str = "float32"        # MLX CPU runs bf16/fp16 quantized matmuls 10-40x slower
+    hot_sigma: float = 1.0       # log-normal spread of per-expert hotness
+    emb_shared: float = 0.3      # weight of the shared direction u in every token embedding
+    emb_class: float = 0.3       # weight of the token-class direction in embeddings
+    hot_scale: float = 0.03      # router weight of the shared "hot" direction
+    class_scale: float = 0.03    # router weight of the token-class direction
+    router_temp: float = 1.0     # router logit scale (softmax sharpness; top-k is unaffected)
+    attn_scale: float = 0.6      # scale of attention output projections
+    expert_scale: float = 0.6    # scale of expert down projections
+    resident_fraction: float = 0.25
+    profile_tokens: int = 8
+
+    def key(self) -> str:
+        blob = json.dumps({"v": SPEC_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _token_classes(vocab: int) -> np.ndarray:
+    cls = np.full(vocab, 4, dtype=np.int64)
+    for t in range(min(vocab, 256)):
+        c = chr(t)
+        if c.islower() and c.isascii():
+            cls[t] = 0
+        elif c.isupper() and c.isascii():
+            cls[t] = 1
+        elif c.isdigit() and c.isascii():
+            cls[t] = 2
+        elif c.isascii() and (c.isspace() or (32 <= t < 127)):
+            cls[t] = 3
+    return cls
+
+
+def _printable(vocab: int) -> np.ndarray:
+    ok = np.zeros(vocab, dtype=bool)
+    ok[32:127] = True
+    ok[10] = True
+    return ok
+
+
+def build_model(spec: EmbeddedSpec) -> tuple[Any, dict[str, Any]]:
+    """The embedded mlx-lm model (quantized, evaluated) and its config."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes, quantize_model
+
+    cfg = dict(spec.config)
+    if cfg.get("model_type") != "qwen3_moe":
+        raise ValueError(f"the embedded model is a qwen3_moe, got model_type {cfg.get('model_type')!r}")
+    D, E, F, V = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["vocab_size"]
+    L = cfg["num_hidden_layers"]
+    dtype = getattr(mx, spec.dtype)
+    rng = np.random.default_rng(spec.seed)
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+
+    def normal(*shape: int, std: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+
+    n_classes = 5
+    u = normal(D)
+    class_dirs = normal(n_classes, D)
+    tok_cls = _token_classes(V)
+    emb = normal(V, D) + spec.emb_class * class_dirs[tok_cls] + spec.emb_shared * u
+    expert_cls = rng.integers(0, n_classes, size=(L, E))
+    u_hat = u / np.linalg.norm(u)
+    cls_hat = class_dirs / np.linalg.norm(class_dirs, axis=1, keepdims=True)
+
+    params: dict[str, np.ndarray] = {"model.embed_tokens.weight": emb}
+    head = normal(V, D, std=D**-0.5)
+    head[~_printable(V)] = 0.0
+    params["lm_head.weight"] = head
+    for k, v in tree_flatten(model.parameters()):
+        if k in params:
+            continue
+        if k.endswith("norm.weight"):
+            params[k] = np.ones(v.shape, np.float32)
+        elif ".mlp.gate." in k + ".":
+            pass  # router: below
+        elif ".switch_mlp." in k:
+            pass  # experts: below, per layer (large)
+        elif k.endswith("o_proj.weight"):
+            params[k] = normal(*v.shape, std=spec.attn_scale * v.shape[-1] ** -0.5)
+        elif v.ndim == 2:
+            params[k] = normal(*v.shape, std=v.shape[-1] ** -0.5)
+        else:
+            raise AssertionError(f"unexpected parameter {k} {v.shape}")
+    for l in range(L):
+        hot = rng.lognormal(0.0, spec.hot_sigma, size=E)
+        hot = (hot - hot.mean()) / hot.std()
+        router = normal(E, D, std=D**-0.5)
+        router += spec.hot_scale * hot[:, None] * u_hat[None, :]
+        router += spec.class_scale * cls_hat[expert_cls[l]]
+        params[f"model.layers.{l}.mlp.gate.weight"] = spec.router_temp * router
+    model.update(tree_unflatten([(k, mx.array(v).astype(dtype)) for k, v in params.items()]))
+    # Experts, one layer at a time: generate on the MLX side (fast), cast, evaluate.
+    mx.random.seed(spec.seed)
+    for l in range(L):
+        sw = model.model.layers[l].mlp.switch_mlp
+        key = mx.random.key(spec.seed * 1000 + l)
+        k1, k2, k3 = mx.random.split(key, 3)
+        sw.gate_proj.weight = (mx.random.normal((E, F, D), key=k1) * D**-0.5).astype(dtype)
+        sw.up_proj.weight = (mx.random.normal((E, F, D), key=k2) * D**-0.5).astype(dtype)
+        sw.down_proj.weight = (mx.random.normal((E, D, F), key=k3) * (spec.expert_scale * F**-0.5)).astype(dtype)
+        mx.eval(sw.parameters())
+    cfg.pop("quantization", None)
+    with contextlib.redirect_stdout(open(os.devnull, "w")):  # quantize_model prints bits/weight
+        model, cfg = quantize_model(model, cfg, spec.group_size, spec.bits)
+    for layer in model.model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    model.eval()
+    return model, cfg
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """``cache_dir``, else $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside."""
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir)
+    if os.environ.get("ASYNCSIDE_CACHE"):
+        return pathlib.Path(os.environ["ASYNCSIDE_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
+    return base / "asyncside"
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
+                            spec: EmbeddedSpec | None = None, progress: bool = True
+                            ) -> tuple[pathlib.Path, pathlib.Path]:
+    """Paths (model_dir, store_dir) of the embedded default model, building them on first use.
+
+    Built under ``cache_root(cache_dir)/embedded-<spec hash>/``: ``model/`` (mlx-lm model
+    directory) and ``store/`` (its expert store, resident set from a routing profile of
+    :data:`PROFILE_PROMPTS`). Concurrent callers wait on a file lock; a half-built directory is
+    never visible (built in a temporary directory, renamed into place).
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    from .convert import convert_model, profile_routing
+
+    spec = spec or EmbeddedSpec()
+    root = cache_root(cache_dir)
+    final = root / f"embedded-{spec.key()}"
+    if (final / READY_FILE).is_file():
+        return final / "model", final / "store"
+    with _file_lock(root / f".embedded-{spec.key()}.lock"):
+        if (final / READY_FILE).is_file():
+            return final / "model", final / "store"
+        if final.exists():  # a leftover without READY: never trust it
+            shutil.rmtree(final)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".embedded-{spec.key()}.tmp-", dir=root))
+        try:
+            model, cfg = build_model(spec)
+            model_dir = tmp / "model"
+            save_model(model_dir, model)
+            save_config(dict(cfg), model_dir / "config.json")
+            tok = ByteTokenizer(cfg["vocab_size"])
+            tok.save(model_dir)
+            (model_dir / "asyncside_spec.json").write_text(json.dumps(asdict(spec), indent=1) + "\n")
+            prompts = [tok.encode(p) for p in PROFILE_PROMPTS]
+            prof = profile_routing(model, cfg, prompts, max_tokens=spec.profile_tokens, source="embedded prompts")
+            del model
+            convert_model(model_dir, tmp / "store", profile=prof, resident_fraction=spec.resident_fraction,
+                          progress=progress, model_id=f"asyncside-embedded-qwen3moe-{spec.key()[:8]}")
+            (tmp / READY_FILE).write_text(spec.key() + "\n")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final / "model", final / "store"
