@@ -148,6 +148,13 @@ class _State:
         return metrics
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an error, looking through task-group wrappers of a single error."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _error(exc: oai.RequestError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -278,7 +285,7 @@ class _EventStream:
             except Exception as exc:  # a failed fill or model error: tell the client in-band
                 log.exception("generation failed")
                 gen.state.metrics.errors.inc(endpoint=gen.endpoint)
-                err = oai.RequestError(f"generation failed: {type(exc).__name__}: {exc}", status=500,
+                err = oai.RequestError(f"generation failed: {_describe(exc)}", status=500,
                                        type="server_error")
                 await frame(err.body())
                 await frame("[DONE]")
@@ -391,7 +398,7 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
             log.exception("generation failed")
             metrics.errors.inc(endpoint=endpoint)
             finish(500)
-            err = oai.RequestError(f"generation failed: {type(exc).__name__}: {exc}", status=500, type="server_error")
+            err = oai.RequestError(f"generation failed: {_describe(exc)}", status=500, type="server_error")
             return _error(err)
         if disconnected:
             finish(DISCONNECTED_STATUS)
@@ -596,7 +603,7 @@ def runtime_audit(runtime: Any) -> tuple[bool, list[str]]:
 
 
 def _embedded_store_dir(cache_dir: str | None) -> str:
-    from .models import ensure_embedded_default
+    from .models.embedded import ensure_embedded_default
 
     built = ensure_embedded_default(cache_dir)
     # (model_dir, store_dir): the store directory is what the streaming model loads from

@@ -14,7 +14,8 @@ import time
 
 import uvloop
 
-from asyncside.models import ensure_embedded_default, load_streaming_model
+from asyncside.models import load_streaming_model
+from asyncside.models.embedded import ensure_embedded_default
 from asyncside.runtime import Runtime
 
 
