@@ -171,7 +171,7 @@ class ShuffledSource:
             if not led.blocked:
                 return
             if not self._pending_release:
-                raise AssertionError(f"layer {layer}: experts {led.blocked} blocked and nothing to release")
+                raise AssertionError(f"layer {layer}: experts {led.blocked} blocked and nothing to release: {led!r} pins={led.pinned_rows()} live={led.live()} want={want}")
             self.stats["blocked_waits"] += 1
             await self._drain_releases()
             want = np.asarray(led.blocked)

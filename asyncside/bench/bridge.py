@@ -73,8 +73,8 @@ def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> dict[str, int]:
     quick = bool(getattr(args, "quick", False))
     s = {
-        "n": args.n if args.n is not None else (40 if quick else 1000),
-        "rounds": args.rounds if args.rounds is not None else (1 if quick else 3),
+        "n": args.n if args.n is not None else (40 if quick else 400),
+        "rounds": args.rounds if args.rounds is not None else (1 if quick else 5),
         "concurrency": args.concurrency if args.concurrency is not None else (4 if quick else 32),
         "throughput_n": args.throughput_n if args.throughput_n is not None else (40 if quick else 2000),
         "warmup": 5 if quick else 50,

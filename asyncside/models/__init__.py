@@ -1,14 +1,43 @@
-"""mlx-lm integration: pooled switch layers, async forward/generation, prediction, converter, embedded model."""
+"""mlx-lm integration: pooled switch layers, async forward/generation, prediction, converter, embedded model.
+
+Public API (see docs/models.md):
+
+- :class:`StreamingModel` (``generate``: greedy async token stream over an :class:`ExpertSource`),
+  :func:`load_streaming_model` (from a converted store), :func:`streaming_from_model` (in memory);
+- :class:`ExpertSource` (protocol), :class:`ResidentSource` (all-resident baseline);
+- :func:`convert_model`, :func:`profile_routing`, :func:`resident_sets` (converter);
+- :func:`ensure_embedded_default` (the embedded default model, built on first use);
+- :func:`reference_generate`, :func:`load_reference_model` (plain mlx-lm baseline);
+- :class:`RoutingTrace`, :func:`belady`, :func:`replay_policy` (offline cache analysis).
+"""
 
 from __future__ import annotations
 
-from .forward import AsyncForward, StreamingModel, eval_completed
+from .arch import ARCHS, UnsupportedModelError
+from .convert import (
+    DEFAULT_RESIDENT_FRACTION,
+    convert_model,
+    load_profile,
+    profile_from_trace,
+    profile_model_dir,
+    profile_routing,
+    resident_sets,
+)
+from .embedded import EmbeddedSpec, ensure_embedded_default
+from .forward import AsyncForward, RowLookupError, StreamingModel, eval_completed
 from .loading import load_reference_model, load_streaming_model, reference_generate, streaming_from_model
+from .predict import PREDICTORS
 from .source import ExpertSource, ResidentSource
-from .trace import RoutingTrace, belady, replay_policy
+from .tokenizer import ByteTokenizer, load_tokenizer
+from .trace import CacheResult, RoutingTrace, belady, replay_policy
+
+SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHS))
 
 __all__ = [
-    "AsyncForward", "ExpertSource", "ResidentSource", "RoutingTrace", "StreamingModel", "belady",
-    "eval_completed", "load_reference_model", "load_streaming_model", "reference_generate",
-    "replay_policy", "streaming_from_model",
+    "DEFAULT_RESIDENT_FRACTION", "PREDICTORS", "SUPPORTED_MODEL_TYPES", "AsyncForward", "ByteTokenizer",
+    "CacheResult", "EmbeddedSpec", "ExpertSource", "ResidentSource", "RoutingTrace", "RowLookupError",
+    "StreamingModel", "UnsupportedModelError", "belady", "convert_model", "ensure_embedded_default",
+    "eval_completed", "load_profile", "load_reference_model", "load_streaming_model", "load_tokenizer",
+    "profile_from_trace", "profile_model_dir", "profile_routing", "reference_generate", "replay_policy", "resident_sets",
+    "streaming_from_model",
 ]

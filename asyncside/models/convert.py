@@ -41,7 +41,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import StoreError
 from .arch import arch_for, moe_layers, segment_keys, switch_meta
-from .loading import META_KEY, NON_EXPERT_FILE
+from .loading import META_KEY, NON_EXPERT_FILE, _module_path
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
 
@@ -143,6 +143,28 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
             c += np.bincount(np.asarray(a).reshape(-1), minlength=n)
         counts[l] = c.tolist()
     return make_profile(config["model_type"], counts, tokens, source)
+
+
+def profile_model_dir(model_dir: str | os.PathLike[str], prompts: Sequence[str], *, max_tokens: int = 16,
+                      out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Profile an mlx-lm model directory on text ``prompts`` (its own tokenizer); optionally save JSON.
+
+    Loads the whole model (all experts) once: for models that do not fit in memory, profile a
+    streaming run instead (:func:`profile_from_trace` on its RoutingTrace).
+    """
+    from mlx_lm.utils import load_model
+
+    from .tokenizer import load_tokenizer
+
+    model, config = load_model(pathlib.Path(model_dir))
+    tok = load_tokenizer(model_dir, config)
+    if tok is None:
+        raise StoreError(model_dir, "no tokenizer files to encode the profiling prompts with")
+    prof = profile_routing(model, config, [tok.encode(p) for p in prompts], max_tokens=max_tokens,
+                           source=f"{len(prompts)} prompts")
+    if out is not None:
+        pathlib.Path(out).write_text(json.dumps(prof) + "\n", encoding="utf-8")
+    return prof
 
 
 def profile_from_trace(trace: Any, model_type: str, n_experts: Mapping[int, int], source: str = "trace") -> dict[str, Any]:
@@ -318,13 +340,6 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def _module_path(root: nn.Module, target: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is target:
-            return name
-    raise ValueError("module not found in the model")
 
 
 def _n_experts(switch: nn.Module) -> int:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -233,7 +234,7 @@ class StreamingModel:
         self._forward: AsyncForward | None = None
         self._moe = moe
         self._specs = specs
-        self._lock: anyio.Lock | None = None
+        self._lock: tuple[object, anyio.Lock] | None = None
 
     @property
     def moe_layers(self) -> list[int]:
@@ -258,6 +259,13 @@ class StreamingModel:
             raise AsyncsideError("this StreamingModel has no expert store to read the experts from")
         return ResidentSource.from_store(self.store)
 
+    def _step_lock(self) -> anyio.Lock:
+        """The fair per-step lock of the current event loop (a new loop gets a new lock)."""
+        token = anyio.lowlevel.current_token()
+        if self._lock is None or self._lock[0] != token:
+            self._lock = (token, anyio.Lock())
+        return self._lock[1]
+
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, source: ExpertSource,
                        predictor: str = "lookahead", trace: RoutingTrace | None = None,
                        stop_at_eos: bool = True) -> AsyncIterator[int]:
@@ -275,9 +283,7 @@ class StreamingModel:
         check_predictor(predictor)
         fwd = self.forward
         pred = fwd.make_predictor(predictor)
-        if self._lock is None:
-            self._lock = anyio.Lock()
-        lock = self._lock
+        lock = self._step_lock()
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) if stop_at_eos else set()
         cache = self.make_cache()
         prompt = mx.array(ids)

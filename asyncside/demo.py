@@ -1,0 +1,248 @@
+"""``asyncside demo``: streaming generation with part of the experts resident, beside all-resident.
+
+The demo runs the same greedy generation twice, in one process, one after the other:
+
+1. all-resident: the plain mlx-lm model with every expert in memory (mlx-lm's own
+   ``generate_step``): the reference for tokens and for speed;
+2. streaming: the same model through asyncside, its pools holding ``--resident`` of each
+   layer's experts, the rest read from the expert store while the model computes.
+
+It prints the streamed tokens as they come, then a table of both runs, and exits non-zero when
+the tokens differ (they must not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policies import POLICIES as POLICY_NAMES
+
+DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``asyncside demo``."""
+    p.add_argument("--model", metavar="STORE_DIR", default=None,
+                   help="a converted expert store (default: the embedded Qwen3-MoE model)")
+    p.add_argument("--resident", metavar="FRACTION", type=float, default=0.25,
+                   help="share of each layer's experts the pools hold (default 0.25)")
+    p.add_argument("--tokens", metavar="N", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
+                   help="read backend (default: io_uring where the kernel allows it)")
+    p.add_argument("--policy", default="lfu", choices=sorted(POLICY_NAMES),
+                   help="side-region eviction policy (default lfu)")
+    p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
+                   help="expert prediction for prefetch (default lookahead)")
+    p.add_argument("--side-rows", type=int, default=None,
+                   help="rows of the rotating side region per layer (default: half the budget)")
+    p.add_argument("--direct", action="store_true",
+                   help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
+    p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
+    p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+
+
+@dataclass
+class RunResult:
+    """Tokens and timings of one generation run."""
+
+    tokens: list[int] = field(default_factory=list)
+    start: float = 0.0
+    first: float = 0.0
+    end: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        total = self.end - self.start
+        decode = self.end - self.first
+        n = len(self.tokens)
+        return {
+            "tokens": n,
+            "seconds": total,
+            "tokens_per_s": n / total if total > 0 else 0.0,
+            "ttft_s": self.first - self.start,
+            # Decode speed excludes the prompt: it is what residency changes most.
+            "decode_tokens_per_s": (n - 1) / decode if n > 1 and decode > 0 else 0.0,
+        }
+
+
+def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> RunResult:
+    """Greedy tokens of the plain mlx-lm model through its own ``generate_step``, timed."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    run = RunResult(start=time.perf_counter())
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tok = int(tok)
+        if not run.tokens:
+            run.first = time.perf_counter()
+        if tok in eos:
+            break
+        run.tokens.append(tok)
+    run.end = time.perf_counter()
+    return run
+
+
+async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
+                         echo: Any) -> tuple[RunResult, dict[str, Any], bool]:
+    from .runtime import Runtime
+
+    async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
+                       reader=args.reader, direct=True if args.direct else None) as rt:
+        run = RunResult(start=time.perf_counter())
+        async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor):
+            if not run.tokens:
+                run.first = time.perf_counter()
+            run.tokens.append(tok)
+            echo(run.tokens)
+        run.end = time.perf_counter()
+        await rt.drain()
+        audit_ok = all(report.ok for report in rt.audit().values())
+        stats = rt.stats()
+        layers = list(store.layers)
+        stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
+        stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
+    return run, stats, audit_ok
+
+
+def _echo_to(stream: Any, tokenizer: Any, enabled: bool) -> Any:
+    """A callback printing the text of new tokens as they arrive."""
+    shown = [""]
+
+    def echo(tokens: list[int]) -> None:
+        if not enabled:
+            return
+        text = tokenizer.decode(tokens)
+        if text.startswith(shown[0]):
+            stream.write(text[len(shown[0]):])
+        else:  # a multi-byte character completed differently: reprint the tail
+            stream.write("\r" + text)
+        stream.flush()
+        shown[0] = text
+
+    return echo
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Both runs; returns every figure as a dict (what ``--json`` prints)."""
+    import anyio
+    import mlx.core as mx
+
+    from .models import load_reference_model, load_streaming_model
+    from .models.embedded import ensure_embedded_default
+    from .store import ExpertStore
+
+    if not 0.0 < args.resident <= 1.0:
+        raise SystemExit(f"asyncside demo: --resident must be in (0, 1], got {args.resident}")
+    if args.tokens < 1:
+        raise SystemExit(f"asyncside demo: --tokens must be >= 1, got {args.tokens}")
+    if args.model is None:
+        _model_dir, store_dir = ensure_embedded_default(args.cache_dir, progress=not args.json)
+    else:
+        store_dir = args.model
+    store = ExpertStore.open(store_dir)
+    sm = load_streaming_model(store_dir)
+    prompt_ids = list(sm.tokenizer.encode(args.prompt))
+    eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
+
+    # All-resident reference first (it also warms MLX's kernels for both runs alike).
+    ref_model, _config = load_reference_model(store_dir)
+    _reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
+    ref = _reference_run(ref_model, prompt_ids, args.tokens, eos)
+    del ref_model
+    mx.clear_cache()
+
+    echo = _echo_to(sys.stdout, sm.tokenizer, enabled=not (args.quiet or args.json))
+    if not (args.quiet or args.json):
+        print(f"{args.prompt}", end="", flush=True)
+    run, stats, audit_ok = anyio.run(
+        _streaming_run, sm, store, prompt_ids, args, echo,
+        backend="asyncio", backend_options={"use_uvloop": sys.platform != "win32"},
+    )
+    if not (args.quiet or args.json):
+        print(flush=True)
+
+    ref_f, run_f = ref.figures(), run.figures()
+    identical = run.tokens == ref.tokens
+    result: dict[str, Any] = {
+        "model": sm.model_id,
+        "store": str(store_dir),
+        "prompt_tokens": len(prompt_ids),
+        "resident_fraction": args.resident,
+        "pool_rows_per_layer": stats.pop("pool_rows_per_layer"),
+        "experts_per_layer": stats.pop("experts_per_layer"),
+        "reader": stats.get("reader"),
+        "policy": args.policy,
+        "predictor": args.predictor,
+        "direct": bool(args.direct),
+        "tokens_identical": identical,
+        "audit_clean": audit_ok,
+        "streaming": run_f,
+        "all_resident": ref_f,
+        "speed_ratio": run_f["tokens_per_s"] / ref_f["tokens_per_s"] if ref_f["tokens_per_s"] else 0.0,
+        "decode_speed_ratio": (run_f["decode_tokens_per_s"] / ref_f["decode_tokens_per_s"]
+                               if ref_f["decode_tokens_per_s"] else 0.0),
+        "hit_rate": stats["hit_rate"],
+        "bytes_read": int(stats["bytes_read"]),
+        "resident_bytes": int(stats.get("resident_bytes", 0)),
+        "stall_time_s": stats["stall_time_s"],
+        "runtime": {k: v for k, v in stats.items()},
+        "text": sm.tokenizer.decode(run.tokens),
+        "reference_text": sm.tokenizer.decode(ref.tokens),
+    }
+    return result
+
+
+def _table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s, r = result["streaming"], result["all_resident"]
+    table = Table(title=(f"asyncside demo — {result['model']}, {result['resident_fraction']:.0%} of experts "
+                         f"in pools ({result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer)"))
+    table.add_column("")
+    table.add_column("streaming (asyncside)", justify="right")
+    table.add_column("all-resident (mlx-lm)", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row("tokens/s (whole run)", f"{s['tokens_per_s']:.2f}", f"{r['tokens_per_s']:.2f}",
+                  f"{result['speed_ratio']:.3f}x")
+    table.add_row("decode tokens/s", f"{s['decode_tokens_per_s']:.2f}", f"{r['decode_tokens_per_s']:.2f}",
+                  f"{result['decode_speed_ratio']:.3f}x")
+    table.add_row("time to first token", f"{s['ttft_s'] * 1e3:.0f} ms", f"{r['ttft_s'] * 1e3:.0f} ms", "")
+    table.add_row("tokens", str(s["tokens"]), str(r["tokens"]), "")
+    rt = result["runtime"]
+    table.add_row("hit rate (demand)", f"{result['hit_rate']:.1%}", "100%", "")
+    table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
+    table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
+    table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
+    table.add_row("reader / policy / predictor",
+                  f"{result['reader']} / {result['policy']} / {result['predictor']}"
+                  + (" / O_DIRECT" if result["direct"] else ""), "", "")
+    table.add_row("tokens identical", "yes" if result["tokens_identical"] else "NO", "", "")
+    table.add_row("ledger audit", "clean" if result["audit_clean"] else "FAILED", "", "")
+    Console(stderr=False).print(table)
+
+
+def demo_main(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
+    result = run_demo(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _table(result)
+        if not result["tokens_identical"]:
+            print("asyncside demo: tokens differ from the all-resident run:\n"
+                  f"  streaming:    {result['text']!r}\n  all-resident: {result['reference_text']!r}",
+                  file=sys.stderr)
+    return 0 if result["tokens_identical"] and result["audit_clean"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m asyncside.demo`
+    from .cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

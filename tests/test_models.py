@@ -1,0 +1,286 @@
+"""Exactness of the async forward over expert sources, for every supported architecture.
+
+The reference is the plain mlx-lm model (original weights, mlx-lm's own ``generate_step``, greedy).
+The streaming side is :class:`StreamingModel` over a ResidentSource (all experts, identity rows)
+and over ShuffledSource (a real Ledger per layer, random physical rows, fewer rows than experts,
+demand copies, prefetch hints, capacity splits). Tokens must be identical; logits bitwise equal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+from _models_support import BASE, ShuffledSource, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+
+from asyncside.bridge import completed
+from asyncside.errors import CapacityError
+from asyncside.models import ResidentSource, RoutingTrace, reference_generate, streaming_from_model
+from asyncside.models.arch import UnsupportedModelError, arch_for
+from asyncside.models.forward import RowLookupError
+from asyncside.models.pooled import SORT_THRESHOLD
+
+Q4 = {"group_size": 64, "bits": 4}
+PROMPT_LEN = 40  # 40 tokens x top-k >= 64 routed pairs: prefill takes mlx-lm's sorted gather path
+NEW_TOKENS = 10
+
+
+@functools.lru_cache(maxsize=None)
+def setup(model_type: str, quant: str):
+    """(plain model, config, StreamingModel, expert pools, prompt, reference tokens), cached."""
+    q = {"float": None, "q4g64": Q4, "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}[quant]
+    model, config = tiny_model(model_type, quantize=q)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, config["vocab_size"], PROMPT_LEN)]
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    sm, pools = streaming_from_model(model, config, completed=completed)
+    return model, config, sm, pools, prompt, ref
+
+
+async def collect(sm, prompt, source, predictor="lookahead", max_tokens=NEW_TOKENS, trace=None):
+    return [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=source, predictor=predictor, trace=trace)]
+
+
+# (resident fraction, side rows, ledger policy, predictor)
+STREAMING_CASES = [
+    (0.25, 2, "lfu", "temporal"),
+    (0.5, 2, "lru", "lookahead"),
+    (0.0, 4, "oneshot", "none"),
+    (0.25, 3, "aging-lfu", "lookahead"),
+]
+
+
+@pytest.mark.parametrize("quant", ["float", "q4g64"])
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_exact_tokens(model_type: str, quant: str) -> None:
+    model, config, sm, pools, prompt, ref = setup(model_type, quant)
+    assert len(ref) == NEW_TOKENS
+
+    async def main() -> None:
+        resident = ResidentSource(pools)
+        assert await collect(sm, prompt, resident) == ref
+        assert not resident.open_leases
+        split_seen = False
+        for i, (frac, side, policy, predictor) in enumerate(STREAMING_CASES):
+            src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
+                                 policy=policy, seed=i)
+            got = await collect(sm, prompt, src, predictor)
+            await src.close()
+            assert got == ref, (frac, side, policy, predictor)
+            assert src.open_leases() == 0
+            assert src.audit() == []
+            assert src.stats["demand_fills"] > 0  # rows really moved
+            split_seen |= src.stats["capacity_errors"] > 0
+        assert split_seen, "no case exercised the capacity-split path"
+
+    anyio.run(main)
+
+
+def test_mxfp4_experts_exact() -> None:
+    """gpt-oss community checkpoints use mxfp4 experts (no affine biases segment)."""
+    model, config, sm, pools, prompt, ref = setup("gpt_oss", "mxfp4")
+    assert not any(k.endswith(".biases") for k in pools[0])
+
+    async def main() -> None:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=2, completed=completed)
+        assert await collect(sm, prompt, src, "temporal") == ref
+        await src.close()
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_bitwise_logits(model_type: str) -> None:
+    """Prefill (sorted gather path) and decode logits equal mlx-lm's bit for bit over shuffled rows."""
+    model, config, sm, pools, prompt, _ = setup(model_type, "q4g64")
+    assert PROMPT_LEN * config["num_experts_per_tok"] >= SORT_THRESHOLD
+    steps = [prompt, [5], [17], [99]]
+    ref_cache = make_prompt_cache(model)
+    ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
+    mx.eval(ref_logits)
+
+    async def main() -> list[mx.array]:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=3)
+        fwd = sm.forward
+        pred = fwd.make_predictor("lookahead")
+        cache = sm.make_cache()
+        out = []
+        for s in steps:
+            logits = await fwd(mx.array(s)[None], cache, src, pred)
+            await completed(logits)
+            out.append(logits)
+        await src.close()
+        return out
+
+    got = anyio.run(main)
+    for i, (a, b) in enumerate(zip(ref_logits, got)):
+        assert a.shape == b.shape
+        assert mx.array_equal(a, b).item(), f"step {i}: max |diff| {mx.max(mx.abs(a - b)).item()}"
+
+
+def test_concurrent_generate_interleaves() -> None:
+    """Two requests on one model and one source: each gets its solo tokens, token by token."""
+    model, config, sm, pools, prompt, ref = setup("qwen3_moe", "q4g64")
+    prompt2 = prompt[::-1][:25]
+    ref2 = reference_generate(model, prompt2, max_tokens=NEW_TOKENS)
+    order: list[str] = []
+    results: dict[str, list[int]] = {}
+
+    async def one(name: str, p: list[int], src) -> None:
+        out = []
+        async for t in sm.generate(p, max_tokens=NEW_TOKENS, source=src, predictor="lookahead"):
+            out.append(t)
+            order.append(name)
+        results[name] = out
+
+    async def main() -> None:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=4, completed=completed)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "a", prompt, src)
+            tg.start_soon(one, "b", prompt2, src)
+        await src.close()
+        assert src.open_leases() == 0
+
+    anyio.run(main)
+    assert results["a"] == ref and results["b"] == ref2
+    # Fair per-step lock: neither request ran all its steps before the other started decoding.
+    first_done = min(order.index(n) + NEW_TOKENS - 1 for n in "ab")
+    assert order[: NEW_TOKENS] != ["a"] * NEW_TOKENS and order[:NEW_TOKENS] != ["b"] * NEW_TOKENS, order
+    assert len(set(order[: first_done + 1])) == 2
+
+
+def test_generate_under_trio() -> None:
+    model, config, sm, pools, prompt, ref = setup("mixtral", "q4g64")
+
+    async def main() -> list[int]:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=2, completed=completed)
+        out = await collect(sm, prompt, src, "lookahead")
+        await src.close()
+        return out
+
+    assert anyio.run(main, backend="trio") == ref
+
+
+def test_cancelled_generation_releases_leases() -> None:
+    model, config, sm, pools, prompt, ref = setup("qwen3_moe", "q4g64")
+
+    async def main() -> None:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=2, completed=completed)
+        got: list[int] = []
+        with anyio.CancelScope() as scope:
+            async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=src):
+                got.append(t)
+                if len(got) == 3:
+                    scope.cancel()
+                    await anyio.sleep(0)  # the cancellation lands here, mid-generation
+        assert got == ref[:3]
+        await src.close()
+        assert src.open_leases() == 0
+        assert src.audit() == []
+        # The source is still usable and exact after the cancelled request.
+        assert await collect(sm, prompt, src, "temporal") == ref
+        await src.close()
+
+    anyio.run(main)
+
+
+def test_predictors_and_trace() -> None:
+    model, config, sm, pools, prompt, ref = setup("qwen3_moe", "q4g64")
+    moe = sm.moe_layers
+    assert moe == [0, 2]  # layer 1 is a dense MLP (mlp_only_layers)
+
+    async def main() -> None:
+        counts = {}
+        traces = {}
+        for pred in ("none", "lookahead", "temporal"):
+            src = ResidentSource(pools)
+            tr = RoutingTrace()
+            assert await collect(sm, prompt, src, pred, trace=tr) == ref
+            counts[pred] = src.counts["prefetch"]
+            traces[pred] = tr
+        steps = len(traces["none"].steps)
+        assert steps == NEW_TOKENS + 1  # prompt[:-1], then one forward per generated token
+        assert counts["none"] == 0
+        assert counts["lookahead"] == steps * len(moe)  # every MoE layer of every step
+        assert counts["temporal"] == (steps - 1) * len(moe)  # nothing to go on in the first step
+        tr = traces["temporal"]
+        for s in range(1, steps):
+            for l in moe:
+                last = tr.steps[s - 1].layers[l].ids[-1]
+                assert np.array_equal(tr.steps[s].layers[l].predicted, np.unique(last))
+        q = traces["lookahead"].prediction_quality()
+        assert set(q) == set(moe) and all(0.0 <= v["recall"] <= 1.0 for v in q.values())
+        # Routing is identical whatever the predictor (predictions never change results).
+        for l in moe:
+            assert np.array_equal(traces["none"].token_ids(l), traces["lookahead"].token_ids(l))
+
+    anyio.run(main)
+
+
+def test_bad_inputs_are_refused_clearly() -> None:
+    model, config, sm, pools, prompt, ref = setup("olmoe", "float")
+
+    async def main() -> None:
+        src = ResidentSource(pools)
+        with pytest.raises(ValueError, match="unknown predictor 'psychic'"):
+            await collect(sm, prompt, src, "psychic")
+        with pytest.raises(ValueError, match="prompt_ids is empty"):
+            await collect(sm, [], src)
+        assert await collect(sm, prompt, src, max_tokens=0) == []
+
+    anyio.run(main)
+    with pytest.raises(RuntimeError, match="holds no expert weights"):
+        sm.model(mx.array([[1, 2, 3]]))
+    with pytest.raises(UnsupportedModelError, match="'llama' is not supported"):
+        arch_for("llama")
+
+
+class _BrokenSource(ResidentSource):
+    """ensure() succeeds but the lookup table says the experts are absent."""
+
+    def lookup(self, layer: int) -> mx.array:
+        return mx.full((self.n_experts(layer),), -1, dtype=mx.int32)
+
+
+class _TinySource(ResidentSource):
+    """Refuses any demand of more than one expert: every MoE layer is served expert by expert."""
+
+    async def ensure(self, layer: int, ids) -> None:
+        if len(np.unique(np.asarray(ids))) > 1:
+            raise CapacityError(f"layer {layer}: only one row")
+        await super().ensure(layer, ids)
+
+
+def test_source_errors() -> None:
+    model, config, sm, pools, prompt, ref = setup("mixtral", "q4g64")
+
+    async def main() -> None:
+        broken = _BrokenSource(pools)
+        with pytest.raises(RowLookupError, match="map to rows"):
+            await collect(sm, prompt, broken)
+        assert not broken.open_leases  # the lease taken before the check was released
+        tiny = _TinySource(pools)
+        assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]  # one expert per group, still exact
+        assert not tiny.open_leases
+
+    anyio.run(main)
+
+
+@pytest.fixture
+def deepseek_stream():
+    """Built outside the loop: building models and sources evaluates arrays synchronously."""
+    model, config, sm, pools, prompt, ref = setup("deepseek_v3", "q4g64")
+    src = ShuffledSource(pools, resident_fraction=0.25, side_rows=2, completed=completed)
+    return sm, src, prompt, ref
+
+
+@pytest.mark.anyio
+@pytest.mark.no_blocking(strict=True)
+async def test_generation_never_blocks_the_loop(anyio_backend: object, no_blocking: object, deepseek_stream) -> None:
+    """Every wait in the forward goes through the completion bridge: no mx.eval on the loop thread."""
+    sm, src, prompt, ref = deepseek_stream
+    assert await collect(sm, prompt, src, "lookahead") == ref
+    await src.close()
