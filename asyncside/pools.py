@@ -1,0 +1,106 @@
+"""Pool arrays: per layer, one evaluated MLX array per segment key, shape ``(rows, *segment.shape)``.
+
+Reads land in these arrays directly (native readers hold references to them and write through
+raw row addresses; the aiofiles reader writes through :meth:`PoolSet.row_view`). So a pool is
+created once, evaluated, and never written through MLX operations: an MLX op may give the result
+a new buffer, and the readers would keep writing into the old one.
+
+MLX CPU buffers are not 4096-aligned. Each pool is carved out of an over-allocated ``uint8``
+buffer at a 4096-aligned offset (a slice and a dtype view alias the buffer, they do not copy), so
+that with the usual power-of-two row sizes every row is block aligned and an ``O_DIRECT`` read can
+land in the rows themselves instead of going through a staging buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .store import DTYPE_SIZES, LayerSpec
+
+#: Pools start at a multiple of this (the O_DIRECT block size the native readers use).
+POOL_ALIGNMENT = 4096
+
+_MX_DTYPE_ATTR = {name: name for name in DTYPE_SIZES}
+_MX_DTYPE_ATTR["bool"] = "bool_"
+
+
+def buffer_address(arr: object) -> int:
+    """Address of the first byte of an evaluated MLX array's data (through the buffer protocol)."""
+    view = memoryview(arr).cast("B")  # type: ignore[arg-type]
+    if view.nbytes == 0:
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: int):  # -> mx.array
+    import mlx.core as mx
+
+    dtype = getattr(mx, _MX_DTYPE_ATTR[dtype_name])
+    raw = mx.zeros((nbytes + align,), dtype=mx.uint8)
+    mx.eval(raw)
+    base = buffer_address(raw)
+    skip = (-base) % align
+    pool = raw[skip : skip + nbytes]
+    if dtype != mx.uint8:
+        pool = pool.view(dtype)
+    pool = pool.reshape(shape)
+    mx.eval(pool)
+    if buffer_address(pool) != base + skip:
+        # MLX copied instead of aliasing: fall back to an unaligned pool (reads then stage).
+        pool = mx.zeros(shape, dtype=dtype)
+        mx.eval(pool)
+    return pool
+
+
+class PoolSet:
+    """For one layer: one evaluated MLX array per segment key, ``(rows, *segment.shape)``.
+
+    ``arrays`` is ordered as ``spec.segments``. Rows are ``[0, rows)``; which row holds which
+    expert is the ledger's business, not this class's.
+    """
+
+    def __init__(self, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"layer {spec.index}: rows must be an int >= 1, got {rows!r}")
+        if align < 1 or align & (align - 1):
+            raise ValueError(f"align must be a power of two, got {align!r}")
+        self.spec = spec
+        self.rows = rows
+        self.arrays: dict = {}
+        for seg in spec.segments:
+            self.arrays[seg.key] = _aligned_pool(rows * seg.nbytes, seg.dtype, (rows, *seg.shape), align)
+
+    def __repr__(self) -> str:
+        return f"PoolSet(layer={self.spec.index}, rows={self.rows}, keys={list(self.arrays)})"
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all pools of the layer."""
+        return self.rows * sum(seg.nbytes for seg in self.spec.segments)
+
+    def _check(self, key: str, row: int) -> int:
+        if key not in self.arrays:
+            raise KeyError(f"layer {self.spec.index} has no pool {key!r}; keys: {list(self.arrays)}")
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= int(row) < self.rows:
+            raise IndexError(f"layer {self.spec.index} pool {key!r}: row {row!r} out of range [0, {self.rows})")
+        return self.spec.segment(key).nbytes
+
+    def row_view(self, key: str, row: int) -> memoryview:
+        """Writable bytes of one row of pool ``key`` (zero-copy: writes land in the MLX array)."""
+        nb = self._check(key, row)
+        flat = memoryview(self.arrays[key]).cast("B")
+        return flat[int(row) * nb : (int(row) + 1) * nb]
+
+    def row_address(self, key: str, row: int) -> int:
+        """Address of the first byte of one row (what native readers write to)."""
+        nb = self._check(key, row)
+        return buffer_address(self.arrays[key]) + int(row) * nb
+
+    def row_bytes(self, key: str, row: int) -> bytes:
+        """A copy of one row's bytes (tests, diagnostics)."""
+        return bytes(self.row_view(key, row))
+
+    @property
+    def aligned(self) -> bool:
+        """True when every pool starts on a POOL_ALIGNMENT boundary."""
+        return all(buffer_address(a) % POOL_ALIGNMENT == 0 for a in self.arrays.values())

@@ -1,0 +1,453 @@
+"""Reader backends behind one interface: native io_uring, native thread pool, pure-Python aiofiles.
+
+A backend reads expert records into pool rows and reports each finished fill as ``(token,
+result)`` with ``result`` 0 or ``-errno`` (``-ENODATA``: the blob ended before the record did).
+It knows nothing of ledgers or handles; :class:`asyncside.scheduler.Scheduler` maps tokens to
+fills. Choice: an explicit name wins; ``"auto"`` takes ``$ASYNCSIDE_READER`` when set, else
+io_uring when the kernel allows rings, else the thread pool.
+
+- ``io_uring``: native, Linux. Rings set up through the syscalls (no liburing); vectored reads
+  straight into the rows; IOSQE_ASYNC on large buffered reads so page-cache copies run in io-wq,
+  not on the loop; O_DIRECT through registered staging slots + a native GIL-free scatter (or into
+  the rows themselves when every piece is block aligned); registered files.
+- ``threads``: native, portable (the macOS path): N workers doing preadv, same completion list
+  and eventfd (a pipe off Linux).
+- ``aiofiles``: pure Python, no native code: ``os.preadv`` into the rows' memoryviews, run through
+  ``aiofiles.os.wrap`` on asyncio (aiofiles is asyncio-only; on trio the same call goes through
+  ``anyio.to_thread``). The fallback and a baseline.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import mmap
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .errors import AsyncsideError
+from .pools import PoolSet
+from .store import LayerSpec
+
+log = logging.getLogger(__name__)
+
+READERS = ("io_uring", "threads", "aiofiles")
+ENV_READER = "ASYNCSIDE_READER"
+ENV_DIRECT = "ASYNCSIDE_DIRECT"
+#: Gaps between segments up to this are read into a sink (one vectored read); larger ones split it.
+JUNK_BYTES = 64 * 1024
+DIRECT_ALIGN = 4096
+
+Deliver = Callable[[list[tuple[int, int]]], None]
+
+
+class ReaderUnavailable(AsyncsideError, RuntimeError):
+    """The requested reader cannot run here (e.g. io_uring disabled by the kernel)."""
+
+
+def io_uring_status() -> tuple[bool, str]:
+    """(True, "") when io_uring rings can be set up here, else (False, reason)."""
+    from . import _native
+
+    ok, why = _native.io_uring_available()
+    if not ok and os.path.exists("/proc/sys/kernel/io_uring_disabled"):
+        try:
+            with open("/proc/sys/kernel/io_uring_disabled") as fh:
+                why += f"; /proc/sys/kernel/io_uring_disabled={fh.read().strip()}"
+        except OSError:
+            pass
+    return ok, why
+
+
+def choose_reader(requested: str = "auto") -> str:
+    """The backend name to use: an explicit name wins over $ASYNCSIDE_READER, which wins over auto."""
+    if requested not in (*READERS, "auto"):
+        raise ValueError(f"reader: expected one of {['auto', *READERS]}, got {requested!r}")
+    if requested == "auto":
+        env = os.environ.get(ENV_READER, "").strip()
+        if env:
+            if env not in READERS:
+                raise ValueError(f"${ENV_READER}: expected one of {list(READERS)}, got {env!r}")
+            requested = env
+        else:
+            return "io_uring" if io_uring_status()[0] else "threads"
+    if requested == "io_uring":
+        ok, why = io_uring_status()
+        if not ok:
+            raise ReaderUnavailable(f"reader 'io_uring' is not available here: {why}")
+    return requested
+
+
+def resolve_direct(direct: bool | None) -> bool:
+    """``direct=None`` means $ASYNCSIDE_DIRECT (1/0) when set, else buffered reads (the page cache helps)."""
+    if direct is not None:
+        return bool(direct)
+    env = os.environ.get(ENV_DIRECT, "").strip().lower()
+    if env in ("", "0", "false", "no"):
+        return False
+    if env in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"${ENV_DIRECT}: expected 0 or 1, got {env!r}")
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Tuning shared by the backends (the native ones use all of it)."""
+
+    queue_depth: int = 64
+    direct: bool = False
+    workers: int | None = None  # threads: preadv workers (default min(4, 2 * ncpu)); io_uring: scatter workers (ncpu)
+    chunk_bytes: int = 1 << 20  # largest single read op; bigger records are split over several ops
+    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on buffered reads at least this long
+    staging_bytes: int = 64 << 20  # O_DIRECT staging slab (bounded: backpressure)
+    slot_bytes: int = 4 << 20  # one staging slot
+    register_files: bool = True
+    register_buffers: bool = True
+
+
+class ReaderBackend(ABC):
+    """What the scheduler needs from a reader."""
+
+    name: str
+    direct: bool
+
+    @abstractmethod
+    def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
+        """Open the layer blob for reads into ``pools``; returns a layout id for :meth:`submit`."""
+
+    @abstractmethod
+    def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
+        """Start reading ``experts[i]`` into ``rows[i]``; never blocks on I/O."""
+
+    @abstractmethod
+    async def serve(self, deliver: Deliver, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Deliver completions (on the loop thread) until cancelled; ``task_status.started()`` once
+        submit() may be called. The scheduler runs this shielded."""
+
+    def kick(self, deliver: Deliver) -> None:
+        """Deliver whatever completed already (io_uring reads may finish inside submit)."""
+
+    @abstractmethod
+    def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
+                   transient_every: int = 0, transient_err: int = 0) -> None:
+        """Test hooks (off by default): fail reads of ``path`` touching [lo, hi) with ``err``; cap
+        every read op at ``max_read_bytes``; every ``transient_every``-th op fails once with
+        ``transient_err`` (EAGAIN/EINTR) and is retried."""
+
+    @abstractmethod
+    def counters(self) -> dict[str, int]:
+        """Monotonic counters; balanced (submitted == completed, staging returned) when idle."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release threads, rings, staging and files. Only called with nothing in flight."""
+
+
+# --------------------------------------------------------------------------------------------
+# Native (io_uring, threads)
+
+
+class NativeReader(ReaderBackend):
+    """asyncside._native.Reader: completions on one native list, announced through one eventfd."""
+
+    def __init__(self, name: str, options: ReaderOptions) -> None:
+        from . import _native
+
+        ncpu = os.cpu_count() or 1
+        workers = options.workers or (min(4, 2 * ncpu) if name == "threads" else ncpu)
+        self.name = name
+        self.direct = options.direct
+        self.options = options
+        self._r = _native.Reader(
+            name,
+            queue_depth=options.queue_depth,
+            workers=workers,
+            chunk_bytes=options.chunk_bytes,
+            async_threshold=options.async_threshold,
+            direct=options.direct,
+            staging_bytes=options.staging_bytes,
+            slot_bytes=options.slot_bytes,
+            register_files=options.register_files,
+            register_buffers=options.register_buffers,
+        )
+
+    def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
+        segs = spec.segments
+        return self._r.add_layout(
+            str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
+            [pools.arrays[s.key] for s in segs],
+        )
+
+    def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
+        self._r.submit(layout, list(tokens), list(experts), list(rows))
+
+    async def serve(self, deliver: Deliver, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        fd = self._r.event_fd
+        task_status.started()
+        while True:
+            await anyio.wait_readable(fd)
+            done = self._r.reap()
+            if done:
+                deliver(done)
+
+    def kick(self, deliver: Deliver) -> None:
+        done = self._r.reap()
+        if done:
+            deliver(done)
+
+    def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
+                   transient_every: int = 0, transient_err: int = 0) -> None:
+        self._r.set_faults(path=path, lo=lo, hi=hi, err=err, max_read_bytes=max_read_bytes,
+                           transient_every=transient_every, transient_err=transient_err)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._r.counters())
+
+    async def aclose(self) -> None:
+        # Nothing is in flight, but joining threads and unmapping rings is still blocking work.
+        await anyio.to_thread.run_sync(self._r.close)
+
+
+# --------------------------------------------------------------------------------------------
+# aiofiles (pure Python)
+
+
+@dataclass
+class _PyLayout:
+    spec: LayerSpec
+    pools: PoolSet
+    fd: int
+    fd_direct: int
+
+
+class _EndOfFile(Exception):
+    pass
+
+
+class AiofilesReader(ReaderBackend):
+    """Pure Python: one ``os.preadv`` per op into the rows' writable memoryviews (zero-copy),
+    through aiofiles' executor wrapper; O_DIRECT via a page-aligned mmap staging buffer."""
+
+    name = "aiofiles"
+
+    def __init__(self, options: ReaderOptions) -> None:
+        self.direct = options.direct
+        self.options = options
+        self._layouts: list[_PyLayout] = []
+        self._tg: Any = None
+        self._deliver: Deliver | None = None
+        self._faults: dict[str, Any] = {}
+        self._op_seq = 0
+        self._junk = bytearray(JUNK_BYTES)
+        self._c = {k: 0 for k in ("fills_submitted", "fills_completed", "fills_failed", "ops_submitted",
+                                  "ops_completed", "short_reads", "retries", "faults_injected", "bytes_read",
+                                  "staging_acquired", "staging_released")}
+        self._preadv: Callable[..., Any] | None = None
+
+    def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
+        fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd_direct = -1
+        if self.direct:
+            flag = getattr(os, "O_DIRECT", 0)
+            try:
+                fd_direct = os.open(spec.path, os.O_RDONLY | flag)
+            except OSError as exc:
+                os.close(fd)
+                raise OSError(exc.errno, f"{spec.path}: cannot open with O_DIRECT: {exc.strerror}") from None
+        self._layouts.append(_PyLayout(spec, pools, fd, fd_direct))
+        return len(self._layouts) - 1
+
+    def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
+        if self._tg is None:
+            raise RuntimeError("aiofiles reader: submit before serve() started (use the Scheduler as a context)")
+        L = self._layouts[layout]
+        for tok, e, r in zip(tokens, experts, rows):
+            self._c["fills_submitted"] += 1
+            self._tg.start_soon(self._fill, tok, L, int(e), int(r))
+
+    async def serve(self, deliver: Deliver, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._deliver = deliver
+        try:
+            import sniffio
+
+            on_asyncio = sniffio.current_async_library() == "asyncio"
+        except Exception:  # pragma: no cover - sniffio ships with anyio
+            on_asyncio = False
+        if on_asyncio:
+            import aiofiles.os
+
+            self._preadv = aiofiles.os.wrap(os.preadv)
+        else:
+            # aiofiles supports asyncio only; the same preadv runs through anyio's thread pool.
+            async def preadv(fd: int, bufs: list[Any], off: int) -> int:
+                return await anyio.to_thread.run_sync(os.preadv, fd, bufs, off)
+
+            self._preadv = preadv
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._tg = None
+
+    async def _fill(self, token: int, L: _PyLayout, expert: int, row: int) -> None:
+        # Shielded: a read that started must land (or fail) before anyone reuses its row.
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.direct:
+                    await self._read_staged(L, expert, row)
+                else:
+                    await self._read_rows(L, expert, row)
+                res = 0
+            except _EndOfFile:
+                res = -_errno.ENODATA
+            except OSError as exc:
+                res = -(exc.errno or _errno.EIO)
+            except Exception:  # a bug here must still settle the fill, or its row leaks
+                log.exception("aiofiles reader: fill of %s expert %d failed", L.spec.path, expert)
+                res = -_errno.EIO
+        self._c["fills_completed"] += 1
+        if res:
+            self._c["fills_failed"] += 1
+        assert self._deliver is not None
+        self._deliver([(token, res)])
+
+    def _fault(self, path: str, off: int, length: int) -> int:
+        f = self._faults
+        if not f:
+            return 0
+        if f.get("transient_every") and f.get("transient_err"):
+            self._op_seq += 1
+            if self._op_seq % f["transient_every"] == 0:
+                self._c["faults_injected"] += 1
+                return f["transient_err"]
+        if f.get("err") and f.get("path") == path and off < f["hi"] and off + length > f["lo"]:
+            self._c["faults_injected"] += 1
+            return f["err"]
+        return 0
+
+    async def _read_range(self, fd: int, path: str, off: int, bufs: list[memoryview], need: int,
+                          direct: bool) -> None:
+        """Read ``sum(len(bufs))`` bytes at ``off`` into ``bufs``; short reads continue, EINTR/EAGAIN retry."""
+        total = sum(b.nbytes for b in bufs)
+        done = 0
+        cap = self._faults.get("max_read_bytes", 0)
+        if cap and direct:
+            cap = max(cap - cap % DIRECT_ALIGN, DIRECT_ALIGN)
+        while done < need:
+            # The op asks for the rest (want); the max_read_bytes hook trims what is handed to
+            # preadv (give), which then returns fewer bytes than asked: a short read.
+            want = total - done
+            give = min(want, cap) if cap else want
+            window: list[memoryview] = []
+            skip, left = done, give
+            for b in bufs:
+                if left == 0:
+                    break
+                if skip >= b.nbytes:
+                    skip -= b.nbytes
+                    continue
+                take = min(b.nbytes - skip, left)
+                window.append(b[skip : skip + take])
+                left -= take
+                skip = 0
+            self._c["ops_submitted"] += 1
+            err = self._fault(path, off + done, give)
+            try:
+                if err:
+                    raise OSError(err, os.strerror(err))
+                assert self._preadv is not None
+                n = await self._preadv(fd, window, off + done)
+            except (BlockingIOError, InterruptedError):
+                self._c["ops_completed"] += 1
+                self._c["retries"] += 1
+                continue
+            except OSError as exc:
+                self._c["ops_completed"] += 1
+                if exc.errno in (_errno.EAGAIN, _errno.EINTR):
+                    self._c["retries"] += 1
+                    continue
+                raise
+            self._c["ops_completed"] += 1
+            if n == 0:
+                raise _EndOfFile()
+            self._c["bytes_read"] += n
+            done += n
+            if done < need and n < want:
+                self._c["short_reads"] += 1
+                if direct and done % DIRECT_ALIGN:
+                    raise _EndOfFile()
+
+    async def _read_rows(self, L: _PyLayout, expert: int, row: int) -> None:
+        spec, rec = L.spec, expert * L.spec.stride
+        groups: list[tuple[int, list[memoryview]]] = []
+        end = -1
+        for seg in sorted(spec.segments, key=lambda s: s.offset):
+            off = rec + seg.offset
+            gap = off - end
+            if groups and 0 < gap <= JUNK_BYTES:
+                groups[-1][1].append(memoryview(self._junk)[:gap])
+            elif not groups or gap > 0:
+                groups.append((off, []))
+            groups[-1][1].append(L.pools.row_view(seg.key, row))
+            end = off + seg.nbytes
+        for off, bufs in groups:
+            await self._read_range(L.fd, str(spec.path), off, bufs, sum(b.nbytes for b in bufs), False)
+
+    async def _read_staged(self, L: _PyLayout, expert: int, row: int) -> None:
+        spec, rec = L.spec, expert * L.spec.stride
+        first = min(s.offset for s in spec.segments)
+        last = max(s.end for s in spec.segments)
+        a = (rec + first) // DIRECT_ALIGN * DIRECT_ALIGN
+        need_end = rec + last
+        b = -(-need_end // DIRECT_ALIGN) * DIRECT_ALIGN
+        # Page aligned, as O_DIRECT wants. Not closed explicitly: the executor thread may still
+        # hold a slice of it for an instant after the read returns; the last reference frees it.
+        staging = mmap.mmap(-1, b - a)
+        self._c["staging_acquired"] += 1
+        try:
+            view = memoryview(staging)
+            await self._read_range(L.fd_direct, str(spec.path), a, [view], need_end - a, True)
+            for seg in spec.segments:
+                s = rec + seg.offset - a
+                L.pools.row_view(seg.key, row)[:] = view[s : s + seg.nbytes]
+        finally:
+            self._c["staging_released"] += 1
+
+    def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
+                   transient_every: int = 0, transient_err: int = 0) -> None:
+        if transient_every == 1:
+            raise ValueError("transient_every: 1 would fail every retry too; expected 0 or >= 2")
+        if transient_every and transient_err not in (_errno.EAGAIN, _errno.EINTR):
+            raise ValueError(f"transient_err: expected EAGAIN or EINTR, got {transient_err}")
+        on = bool(err or max_read_bytes or transient_every)
+        self._faults = dict(path=path, lo=lo, hi=hi, err=err, max_read_bytes=max_read_bytes,
+                            transient_every=transient_every, transient_err=transient_err) if on else {}
+
+    def counters(self) -> dict[str, int]:
+        c = dict(self._c)
+        c["in_flight"] = c["fills_submitted"] - c["fills_completed"]
+        return c
+
+    async def aclose(self) -> None:
+        for L in self._layouts:
+            os.close(L.fd)
+            if L.fd_direct >= 0:
+                os.close(L.fd_direct)
+        self._layouts.clear()
+
+
+def make_reader(name: str, options: ReaderOptions) -> ReaderBackend:
+    """Build the backend ``name`` (already chosen by :func:`choose_reader`)."""
+    if name in ("io_uring", "threads"):
+        return NativeReader(name, options)
+    if name == "aiofiles":
+        return AiofilesReader(options)
+    raise ValueError(f"reader: expected one of {list(READERS)}, got {name!r}")

@@ -1,0 +1,56 @@
+// Internal state of the read path shared by the backends (not part of the Reader interface).
+#pragma once
+
+#include "io_reader.h"
+
+namespace asyncside::io {
+
+// One layer blob opened for reading, plus where its segments land.
+struct Layout {
+  uint32_t id = 0;
+  std::string path;
+  int fd = -1;         // buffered
+  int fd_direct = -1;  // O_DIRECT (or F_NOCACHE off Linux), when the reader is direct
+  int fixed = -1;      // io_uring registered-file index of fd, or -1
+  int fixed_direct = -1;
+  uint64_t stride = 0;
+  int64_t n_experts = 0;
+  std::vector<SegmentSpan> segs;  // in pool order
+  std::vector<uint32_t> order;    // segment indices sorted by offset
+  uint64_t span_begin = 0;        // first byte of any segment inside the record
+  uint64_t span_end = 0;          // one past the last byte of any segment
+  std::shared_ptr<Destination> dest;
+};
+
+// One (expert -> row) read: completes as one Completion when all of its chunks have.
+struct Fill {
+  uint64_t token = 0;
+  Layout* layout = nullptr;
+  int64_t expert = 0, row = 0;
+  std::atomic<int> chunks_left{0};
+  std::atomic<int> result{0};  // first error wins
+};
+
+struct ScatterPiece {
+  uint64_t slot_off;
+  uint8_t* dst;
+  uint64_t n;
+};
+
+// One contiguous file range of a fill, read by one op at a time (short reads continue).
+struct Chunk {
+  Fill* fill = nullptr;
+  bool direct = false;  // through the O_DIRECT fd
+  bool staged = false;  // into a staging slot, scattered afterwards
+  int slot = -1;
+  uint64_t file_off = 0;  // file offset of the chunk's byte 0
+  uint64_t need = 0;      // bytes from file_off that must land
+  uint64_t req = 0;       // bytes requested in total (>= need; aligned when direct)
+  uint64_t done = 0;      // bytes landed so far
+  uint64_t op_len = 0;    // bytes the op in flight asked for (the rest of the chunk)
+  std::vector<iovec> iov;  // rows mode: destinations covering req bytes
+  std::vector<iovec> cur;  // the window of the op in flight (must outlive it)
+  std::vector<ScatterPiece> pieces;  // staged mode
+};
+
+}  // namespace asyncside::io

@@ -1,0 +1,763 @@
+// Backend-independent half of the read path: planning fills into chunks, the per-op short-read /
+// retry / EOF logic, staging slots, scatter, completion list + eventfd, and the thread-pool backend.
+#include "io_internal.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/eventfd.h>
+#endif
+
+namespace asyncside::io {
+
+namespace {
+
+constexpr uint64_t kJunkBytes = 64ull << 10;  // gaps up to this are read into a sink, not split
+#if defined(IOV_MAX)
+constexpr size_t kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
+#else
+constexpr size_t kMaxIov = 1024;
+#endif
+
+uint64_t round_down(uint64_t x, uint64_t a) { return x - x % a; }
+uint64_t round_up(uint64_t x, uint64_t a) { return round_down(x + a - 1, a); }
+
+void* aligned_alloc_or_throw(uint64_t bytes, const char* what) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kDirectAlign, bytes) != 0 || p == nullptr) {
+    throw std::runtime_error(std::string("cannot allocate ") + std::to_string(bytes) +
+                             " aligned bytes for " + what);
+  }
+  return p;
+}
+
+std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Counters
+
+std::map<std::string, uint64_t> Counters::snapshot() const {
+  return {
+      {"fills_submitted", fills_submitted.load()},   {"fills_completed", fills_completed.load()},
+      {"fills_failed", fills_failed.load()},         {"fills_direct_rows", fills_direct_rows.load()},
+      {"fills_staged", fills_staged.load()},         {"ops_submitted", ops_submitted.load()},
+      {"ops_completed", ops_completed.load()},       {"ops_async", ops_async.load()},
+      {"ops_fixed_file", ops_fixed_file.load()},     {"ops_fixed_buffer", ops_fixed_buffer.load()},
+      {"chunks_created", chunks_created.load()},     {"chunks_destroyed", chunks_destroyed.load()},
+      {"short_reads", short_reads.load()},           {"retries", retries.load()},
+      {"faults_injected", faults_injected.load()},   {"bytes_read", bytes_read.load()},
+      {"bytes_scattered", bytes_scattered.load()},   {"staging_acquired", staging_acquired.load()},
+      {"staging_released", staging_released.load()}, {"staging_waits", staging_waits.load()},
+      {"slab_allocs", slab_allocs.load()},           {"slab_frees", slab_frees.load()},
+      {"enter_calls", enter_calls.load()},           {"wakeups_written", wakeups_written.load()},
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// MlxPoolDestination
+
+MlxPoolDestination::MlxPoolDestination(std::vector<mx::array> pools,
+                                       const std::vector<uint64_t>& segment_nbytes)
+    : pools_(std::move(pools)) {
+  if (pools_.size() != segment_nbytes.size()) {
+    throw std::invalid_argument("pools: expected one pool per segment (" +
+                                std::to_string(segment_nbytes.size()) + "), got " +
+                                std::to_string(pools_.size()));
+  }
+  for (size_t i = 0; i < pools_.size(); ++i) {
+    mx::array& a = pools_[i];
+    const std::string who = "pools[" + std::to_string(i) + "]";
+    if (a.ndim() < 1) throw std::invalid_argument(who + ": expected at least one axis (rows), got a scalar");
+    if (a.status() == mx::array::Status::unscheduled || !a.is_available()) {
+      throw std::invalid_argument(who + ": must be evaluated (mx.eval) before reads target it");
+    }
+    if (!a.flags().row_contiguous) throw std::invalid_argument(who + ": must be row-contiguous");
+    const int64_t rows = a.shape(0);
+    if (i == 0) rows_ = rows;
+    if (rows != rows_) {
+      throw std::invalid_argument(who + ": has " + std::to_string(rows) + " rows, pools[0] has " +
+                                  std::to_string(rows_));
+    }
+    if (a.nbytes() != static_cast<size_t>(rows) * segment_nbytes[i]) {
+      throw std::invalid_argument(who + ": holds " + std::to_string(a.nbytes()) + " bytes, expected rows (" +
+                                  std::to_string(rows) + ") x segment nbytes (" +
+                                  std::to_string(segment_nbytes[i]) + ")");
+    }
+    base_.push_back(a.data<uint8_t>());
+    row_nbytes_.push_back(segment_nbytes[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ChunkWorkers
+
+ChunkWorkers::ChunkWorkers(int n, std::function<void(Chunk*)> fn) : fn_(std::move(fn)) {
+  for (int i = 0; i < std::max(1, n); ++i) threads_.emplace_back([this] { loop(); });
+}
+
+ChunkWorkers::~ChunkWorkers() { stop(); }
+
+void ChunkWorkers::push(Chunk* c) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.push_back(c);
+  }
+  cv_.notify_one();
+}
+
+void ChunkWorkers::stop() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_ && threads_.empty()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+void ChunkWorkers::loop() {
+  for (;;) {
+    Chunk* c = nullptr;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stopping_ || !q_.empty(); });
+      if (q_.empty()) return;  // stopping and drained
+      c = q_.front();
+      q_.pop_front();
+    }
+    fn_(c);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader: construction, layouts, submission
+
+Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
+  if (opts_.queue_depth < 1) throw std::invalid_argument("queue_depth: expected >= 1, got " + std::to_string(opts_.queue_depth));
+  if (opts_.workers < 1) throw std::invalid_argument("workers: expected >= 1, got " + std::to_string(opts_.workers));
+  if (opts_.chunk_bytes < kDirectAlign) {
+    throw std::invalid_argument("chunk_bytes: expected >= 4096, got " + std::to_string(opts_.chunk_bytes));
+  }
+  // Direct reads split at chunk boundaries, which must stay block aligned.
+  opts_.chunk_bytes = round_up(opts_.chunk_bytes, kDirectAlign);
+  opts_.slot_bytes = round_up(std::max<uint64_t>(opts_.slot_bytes, kDirectAlign), kDirectAlign);
+#if defined(__linux__)
+  int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (efd < 0) throw std::runtime_error("eventfd: " + errno_text(errno));
+  notify_read_fd_ = notify_write_fd_ = efd;
+#else
+  int p[2];
+  if (pipe(p) != 0) throw std::runtime_error("pipe: " + errno_text(errno));
+  for (int fd : p) {
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+  }
+  notify_read_fd_ = p[0];
+  notify_write_fd_ = p[1];
+#endif
+  junk_ = static_cast<uint8_t*>(aligned_alloc_or_throw(kJunkBytes, "the padding sink"));
+  if (opts_.direct) {
+    n_slots_ = static_cast<int>(std::max<uint64_t>(1, opts_.staging_bytes / opts_.slot_bytes));
+    slab_bytes_ = static_cast<uint64_t>(n_slots_) * opts_.slot_bytes;
+    slab_ = static_cast<uint8_t*>(aligned_alloc_or_throw(slab_bytes_, "the O_DIRECT staging slab"));
+    counters_.slab_allocs++;
+    std::memset(slab_, 0, slab_bytes_);  // fault the pages in now, not under the first reads
+    for (int i = n_slots_ - 1; i >= 0; --i) free_slots_.push_back(i);
+  }
+}
+
+Reader::~Reader() {
+  // Subclasses call close() in their destructors (while their backend still exists); this only
+  // cleans up after a constructor that threw.
+  if (slab_) {
+    std::free(slab_);
+    counters_.slab_frees++;
+  }
+  std::free(junk_);
+  if (notify_read_fd_ >= 0) ::close(notify_read_fd_);
+  if (notify_write_fd_ >= 0 && notify_write_fd_ != notify_read_fd_) ::close(notify_write_fd_);
+}
+
+uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
+                            std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest) {
+  std::lock_guard<std::mutex> lk(api_mu_);
+  if (closed_) throw std::runtime_error("reader is closed");
+  if (stride == 0) throw std::invalid_argument(path + ": stride: expected > 0");
+  if (n_experts < 1) throw std::invalid_argument(path + ": n_experts: expected >= 1, got " + std::to_string(n_experts));
+  if (segments.empty()) throw std::invalid_argument(path + ": segments: expected at least one");
+  if (!dest) throw std::invalid_argument(path + ": destination missing");
+  auto L = std::make_unique<Layout>();
+  L->path = path;
+  L->stride = stride;
+  L->n_experts = n_experts;
+  L->segs = std::move(segments);
+  L->dest = std::move(dest);
+  L->order.resize(L->segs.size());
+  for (uint32_t i = 0; i < L->order.size(); ++i) L->order[i] = i;
+  std::sort(L->order.begin(), L->order.end(),
+            [&](uint32_t a, uint32_t b) { return L->segs[a].offset < L->segs[b].offset; });
+  uint64_t prev_end = 0;
+  for (size_t k = 0; k < L->order.size(); ++k) {
+    const uint32_t i = L->order[k];
+    const SegmentSpan& s = L->segs[i];
+    const std::string who = path + ": segments[" + std::to_string(i) + "]";
+    if (s.nbytes == 0) throw std::invalid_argument(who + ".nbytes: expected > 0");
+    if (s.offset + s.nbytes > stride) {
+      throw std::invalid_argument(who + ": ends at " + std::to_string(s.offset + s.nbytes) +
+                                  ", past the record stride " + std::to_string(stride));
+    }
+    if (k > 0 && s.offset < prev_end) {
+      throw std::invalid_argument(who + ".offset: " + std::to_string(s.offset) + " overlaps the previous segment (ends at " +
+                                  std::to_string(prev_end) + ")");
+    }
+    prev_end = s.offset + s.nbytes;
+  }
+  L->span_begin = L->segs[L->order.front()].offset;
+  L->span_end = prev_end;
+
+  L->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (L->fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  if (opts_.direct) {
+#if defined(O_DIRECT)
+    L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (L->fd_direct < 0) {
+      int e = errno;
+      ::close(L->fd);
+      throw std::runtime_error(path + ": cannot open with O_DIRECT (filesystem without direct I/O?): " + errno_text(e));
+    }
+#else
+    L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (L->fd_direct >= 0) fcntl(L->fd_direct, F_NOCACHE, 1);
+#endif
+  }
+  L->id = static_cast<uint32_t>(layouts_.size());
+  on_layout_added(*L);
+  layouts_.push_back(std::move(L));
+  return layouts_.back()->id;
+}
+
+void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
+  std::vector<Chunk*> chunks;
+  {
+    std::lock_guard<std::mutex> lk(api_mu_);
+    if (closed_) throw std::runtime_error("reader is closed");
+    if (layout >= layouts_.size()) throw std::out_of_range("layout: no layout " + std::to_string(layout));
+    Layout& L = *layouts_[layout];
+    const int64_t rows = L.dest->rows();
+    for (const FillRequest& r : fills) {
+      if (r.expert < 0 || r.expert >= L.n_experts) {
+        throw std::out_of_range(L.path + ": expert " + std::to_string(r.expert) + " out of range [0, " +
+                                std::to_string(L.n_experts) + ")");
+      }
+      if (r.row < 0 || r.row >= rows) {
+        throw std::out_of_range(L.path + ": row " + std::to_string(r.row) + " out of range [0, " + std::to_string(rows) + ")");
+      }
+    }
+    for (const FillRequest& r : fills) {
+      Fill* f = new Fill;
+      f->token = r.token;
+      f->layout = &L;
+      f->expert = r.expert;
+      f->row = r.row;
+      const uint64_t rec = static_cast<uint64_t>(r.expert) * L.stride;
+      std::vector<Chunk*> mine;
+      const bool direct = opts_.direct && L.fd_direct >= 0;
+
+      // Can the O_DIRECT read land in the rows themselves (every piece block aligned)?
+      bool rows_ok = true;
+      if (direct) {
+        for (size_t i = 0; i < L.segs.size() && rows_ok; ++i) {
+          uint8_t* p = L.dest->host_row(i, r.row);
+          rows_ok = p != nullptr && reinterpret_cast<uintptr_t>(p) % kDirectAlign == 0 &&
+                    L.segs[i].nbytes % kDirectAlign == 0 && (rec + L.segs[i].offset) % kDirectAlign == 0;
+        }
+      } else {
+        for (size_t i = 0; i < L.segs.size() && rows_ok; ++i) rows_ok = L.dest->host_row(i, r.row) != nullptr;
+      }
+
+      if (rows_ok) {
+        // Rows mode: one vectored read per chunk whose iovecs are the rows themselves (and the
+        // junk sink for small gaps); big gaps start a new group.
+        struct Group {
+          uint64_t off;
+          std::vector<iovec> iov;
+          uint64_t len = 0;
+        };
+        std::vector<Group> groups;
+        for (uint32_t i : L.order) {
+          const SegmentSpan& s = L.segs[i];
+          const uint64_t off = rec + s.offset;
+          if (!groups.empty()) {
+            Group& g = groups.back();
+            const uint64_t gap = off - (g.off + g.len);
+            if (gap > 0 && gap <= kJunkBytes) {
+              g.iov.push_back({junk_, gap});
+              g.len += gap;
+            } else if (gap > 0) {
+              groups.push_back({off, {}, 0});
+            }
+          } else {
+            groups.push_back({off, {}, 0});
+          }
+          Group& g = groups.back();
+          g.iov.push_back({L.dest->host_row(i, r.row), s.nbytes});
+          g.len += s.nbytes;
+        }
+        for (Group& g : groups) {
+          // Split into chunks of at most chunk_bytes and kMaxIov iovecs.
+          Chunk* c = nullptr;
+          uint64_t pos = 0;
+          for (const iovec& v : g.iov) {
+            uint64_t vo = 0;
+            while (vo < v.iov_len) {
+              if (c == nullptr || c->req == opts_.chunk_bytes || c->iov.size() == kMaxIov) {
+                c = new Chunk;
+                c->fill = f;
+                c->direct = direct;
+                c->file_off = g.off + pos;
+                mine.push_back(c);
+              }
+              uint64_t take = std::min<uint64_t>(v.iov_len - vo, opts_.chunk_bytes - c->req);
+              c->iov.push_back({static_cast<uint8_t*>(v.iov_base) + vo, take});
+              c->req += take;
+              c->need = c->req;
+              vo += take;
+              pos += take;
+            }
+          }
+        }
+        if (direct) counters_.fills_direct_rows++;
+      } else {
+        // Staged mode: block-aligned reads of the record's span into staging slots, then scatter.
+        const uint64_t a = round_down(rec + L.span_begin, kDirectAlign);
+        const uint64_t need_end = rec + L.span_end;
+        const uint64_t b = round_up(need_end, kDirectAlign);
+        for (uint64_t s = a; s < b; s += opts_.slot_bytes) {
+          Chunk* c = new Chunk;
+          c->fill = f;
+          c->direct = direct;
+          c->staged = true;
+          c->file_off = s;
+          c->req = std::min<uint64_t>(opts_.slot_bytes, b - s);
+          c->need = std::min<uint64_t>(s + c->req, need_end) - s;
+          for (uint32_t i : L.order) {
+            const uint64_t lo = rec + L.segs[i].offset, hi = lo + L.segs[i].nbytes;
+            const uint64_t x = std::max(lo, s), y = std::min(hi, s + c->req);
+            if (x < y) c->pieces.push_back({x - s, L.dest->host_row(i, r.row) + (x - lo), y - x});
+          }
+          if (c->pieces.empty()) {  // a slot-sized hole inside the span: nothing to read there
+            delete c;
+            continue;
+          }
+          mine.push_back(c);
+        }
+        counters_.fills_staged++;
+      }
+      counters_.chunks_created += mine.size();
+      f->chunks_left.store(static_cast<int>(mine.size()));
+      counters_.fills_submitted++;
+      in_flight_++;
+      chunks.insert(chunks.end(), mine.begin(), mine.end());
+    }
+  }
+  dispatch(chunks);
+}
+
+void Reader::dispatch(std::vector<Chunk*>& chunks) {
+  std::vector<Chunk*> go;
+  go.reserve(chunks.size());
+  {
+    std::lock_guard<std::mutex> lk(slot_mu_);
+    for (Chunk* c : chunks) {
+      if (!c->staged) {
+        go.push_back(c);
+      } else if (!free_slots_.empty()) {
+        c->slot = free_slots_.back();
+        free_slots_.pop_back();
+        counters_.staging_acquired++;
+        go.push_back(c);
+      } else {
+        counters_.staging_waits++;
+        slot_waiters_.push_back(c);  // backpressure: starts when a slot comes back
+      }
+    }
+  }
+  if (!go.empty()) start_reads(go);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader: per-op logic shared by the backends
+
+uint64_t Reader::build_window(Chunk* c) {
+  // The op asks for the rest of the chunk (op_len). The max_read_bytes hook then trims what is
+  // actually handed to the kernel, so the op returns fewer bytes than it asked for: exactly what
+  // a real short read looks like to after_op().
+  const uint64_t want = c->req - c->done;
+  uint64_t give = want;
+  if (faults_on_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lk(faults_mu_);
+    uint64_t cap = faults_.max_read_bytes;
+    if (cap && c->direct) cap = std::max(round_down(cap, kDirectAlign), kDirectAlign);
+    if (cap && give > cap) give = cap;
+  }
+  c->cur.clear();
+  if (c->staged) {
+    c->cur.push_back({slot_ptr(c->slot) + c->done, give});
+  } else {
+    uint64_t skip = c->done, left = give;
+    for (const iovec& v : c->iov) {
+      if (left == 0) break;
+      if (skip >= v.iov_len) {
+        skip -= v.iov_len;
+        continue;
+      }
+      const uint64_t take = std::min<uint64_t>(v.iov_len - skip, left);
+      c->cur.push_back({static_cast<uint8_t*>(v.iov_base) + skip, take});
+      left -= take;
+      skip = 0;
+    }
+  }
+  c->op_len = want;
+  return give;
+}
+
+int Reader::injected_fault(const Chunk* c, uint64_t len) {
+  if (!faults_on_.load(std::memory_order_relaxed)) return 0;
+  std::lock_guard<std::mutex> lk(faults_mu_);
+  if (faults_.transient_every && faults_.transient_err) {
+    if (++op_seq_ % faults_.transient_every == 0) {
+      counters_.faults_injected++;
+      return faults_.transient_err;
+    }
+  }
+  if (faults_.err && faults_.path == c->fill->layout->path) {
+    const uint64_t off = c->file_off + c->done;
+    if (off < faults_.hi && off + len > faults_.lo) {
+      counters_.faults_injected++;
+      return faults_.err;
+    }
+  }
+  return 0;
+}
+
+Reader::Step Reader::after_op(Chunk* c, int64_t res, int* final_result) {
+  counters_.ops_completed++;
+  if (res < 0) {
+    if (res == -EAGAIN || res == -EINTR) {
+      counters_.retries++;
+      return Step::Continue;
+    }
+    *final_result = static_cast<int>(res);
+    return Step::Done;
+  }
+  if (res == 0) {  // end of file
+    *final_result = c->done >= c->need ? 0 : -ENODATA;
+    return Step::Done;
+  }
+  counters_.bytes_read += static_cast<uint64_t>(res);
+  c->done += static_cast<uint64_t>(res);
+  if (c->done >= c->need) {
+    *final_result = 0;
+    return Step::Done;
+  }
+  if (static_cast<uint64_t>(res) < c->op_len) {
+    counters_.short_reads++;
+    // A short O_DIRECT read ends at end of file; continuing at an unaligned offset cannot work.
+    if (c->direct && c->done % kDirectAlign != 0) {
+      *final_result = -ENODATA;
+      return Step::Done;
+    }
+  }
+  return Step::Continue;
+}
+
+void Reader::chunk_read_finished(Chunk* c, int result) {
+  if (result == 0 && c->staged) {
+    scatter_staged(c);
+  } else {
+    chunk_done(c, result);
+  }
+}
+
+void Reader::do_scatter(Chunk* c) {
+  const uint8_t* src = slot_ptr(c->slot);
+  uint64_t n = 0;
+  for (const ScatterPiece& p : c->pieces) {
+    std::memcpy(p.dst, src + p.slot_off, p.n);
+    n += p.n;
+  }
+  counters_.bytes_scattered += n;
+}
+
+void Reader::chunk_done(Chunk* c, int result) {
+  const int slot = c->slot;
+  Fill* f = c->fill;
+  delete c;
+  counters_.chunks_destroyed++;
+  if (slot >= 0) {
+    Chunk* next = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(slot_mu_);
+      if (!slot_waiters_.empty()) {
+        next = slot_waiters_.front();
+        slot_waiters_.pop_front();
+        next->slot = slot;
+      } else {
+        free_slots_.push_back(slot);
+      }
+    }
+    counters_.staging_released++;
+    if (next) {
+      counters_.staging_acquired++;
+      std::vector<Chunk*> v{next};
+      start_reads(v);
+    }
+  }
+  if (result < 0) {
+    int expected = 0;
+    f->result.compare_exchange_strong(expected, result);
+  }
+  if (f->chunks_left.fetch_sub(1) == 1) {
+    const int r = f->result.load();
+    if (r < 0) counters_.fills_failed++;
+    post_completion(f->token, r);
+    delete f;
+    counters_.fills_completed++;
+    in_flight_--;
+  }
+}
+
+void Reader::post_completion(uint64_t token, int result) {
+  {
+    std::lock_guard<std::mutex> lk(done_mu_);
+    done_.push_back({token, result});
+  }
+  notify();
+}
+
+void Reader::notify() {
+  counters_.wakeups_written++;
+#if defined(__linux__)
+  const uint64_t one = 1;
+  while (::write(notify_write_fd_, &one, sizeof one) < 0 && errno == EINTR) {
+  }
+#else
+  const char b = 1;
+  while (::write(notify_write_fd_, &b, 1) < 0 && errno == EINTR) {
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader: reaping, waiting, closing
+
+std::vector<Completion> Reader::reap() {
+  std::lock_guard<std::mutex> lk(api_mu_);
+  // Reset the wakeup first: anything completing after this re-arms it.
+  uint64_t buf[8];
+  while (::read(notify_read_fd_, buf, sizeof buf) > 0) {
+  }
+  if (!closed_) reap_backend();
+  std::vector<Completion> out;
+  {
+    std::lock_guard<std::mutex> dl(done_mu_);
+    out.swap(done_);
+  }
+  return out;
+}
+
+bool Reader::wait(int timeout_ms) {
+  pollfd p{notify_read_fd_, POLLIN, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, timeout_ms);
+  } while (r < 0 && errno == EINTR);
+  return r > 0;
+}
+
+void Reader::close() {
+  std::lock_guard<std::mutex> lk(api_mu_);
+  if (closed_) return;
+  // Reads in flight write into pool rows and staging: they must finish before anything goes.
+  while (in_flight_.load() > 0) {
+    reap_backend();
+    if (in_flight_.load() == 0) break;
+    pollfd p{notify_read_fd_, POLLIN, 0};
+    ::poll(&p, 1, 20);
+    uint64_t buf[8];
+    while (::read(notify_read_fd_, buf, sizeof buf) > 0) {
+    }
+  }
+  shutdown_backend();
+  for (auto& L : layouts_) {
+    if (L->fd >= 0) ::close(L->fd);
+    if (L->fd_direct >= 0) ::close(L->fd_direct);
+    L->fd = L->fd_direct = -1;
+    L->dest.reset();  // drops the pool references
+  }
+  if (slab_) {
+    std::free(slab_);
+    slab_ = nullptr;
+    counters_.slab_frees++;
+  }
+  std::free(junk_);
+  junk_ = nullptr;
+  closed_ = true;
+}
+
+void Reader::set_faults(const Faults& f) {
+  if (f.transient_every == 1) {
+    throw std::invalid_argument("transient_every: 1 would fail every retry too; expected 0 or >= 2");
+  }
+  if (f.transient_every && f.transient_err != EAGAIN && f.transient_err != EINTR) {
+    throw std::invalid_argument("transient_err: expected EAGAIN or EINTR, got " + std::to_string(f.transient_err));
+  }
+  std::lock_guard<std::mutex> lk(faults_mu_);
+  faults_ = f;
+  faults_on_.store(f.err != 0 || f.max_read_bytes != 0 || f.transient_every != 0);
+}
+
+std::map<std::string, uint64_t> Reader::counters() const {
+  auto m = counters_.snapshot();
+  m["in_flight"] = in_flight_.load();
+  m["staging_slots"] = static_cast<uint64_t>(n_slots_);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-pool backend: N workers each preadv a chunk to completion (short reads continue,
+// EINTR/EAGAIN retry), scatter staged chunks themselves, and complete onto the shared list.
+
+namespace {
+
+class ThreadReader final : public Reader {
+ public:
+  explicit ThreadReader(const ReaderOptions& opts) : Reader(opts) {
+    workers_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) { work(c); });
+  }
+  ~ThreadReader() override { close(); }
+
+ protected:
+  void start_reads(std::vector<Chunk*>& chunks) override {
+    for (Chunk* c : chunks) workers_->push(c);
+  }
+  void scatter_staged(Chunk* c) override {
+    do_scatter(c);
+    chunk_done(c, 0);
+  }
+  void shutdown_backend() override { workers_->stop(); }
+
+ private:
+  void work(Chunk* c) {
+    const Layout& L = *c->fill->layout;
+    const int fd = c->direct ? L.fd_direct : L.fd;
+    int final = 0;
+    for (;;) {
+      const uint64_t len = build_window(c);
+      counters_.ops_submitted++;
+      int64_t res;
+      if (int e = injected_fault(c, len)) {
+        res = -e;
+      } else {
+        res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
+        if (res < 0) res = -errno;
+      }
+      if (after_op(c, res, &final) == Step::Done) break;
+    }
+    chunk_read_finished(c, final);
+  }
+
+  std::unique_ptr<ChunkWorkers> workers_;
+};
+
+}  // namespace
+
+#if defined(__linux__)
+std::unique_ptr<Reader> make_uring_reader(const ReaderOptions& opts);  // io_uring_reader.cpp
+#endif
+
+std::unique_ptr<Reader> Reader::create(const ReaderOptions& opts) {
+  if (opts.backend == Backend::Threads) return std::make_unique<ThreadReader>(opts);
+#if defined(__linux__)
+  return make_uring_reader(opts);
+#else
+  throw std::runtime_error("io_uring: only available on Linux");
+#endif
+}
+
+const char* Reader::backend_name() const { return opts_.backend == Backend::IoUring ? "io_uring" : "threads"; }
+
+// ---------------------------------------------------------------------------------------------
+// Benchmark baselines
+
+uint64_t original_design_read(const std::string& path, uint64_t stride, const std::vector<SegmentSpan>& segments,
+                              Destination& dest, const std::vector<int64_t>& experts,
+                              const std::vector<int64_t>& rows) {
+  if (experts.size() != rows.size()) throw std::invalid_argument("experts and rows: expected equal lengths");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  std::vector<uint8_t> tmp(stride);
+  uint64_t total = 0;
+  for (size_t k = 0; k < experts.size(); ++k) {
+    uint64_t got = 0;
+    const uint64_t off = static_cast<uint64_t>(experts[k]) * stride;
+    while (got < stride) {
+      ssize_t n = ::pread(fd, tmp.data() + got, stride - got, static_cast<off_t>(off + got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        int e = n < 0 ? errno : ENODATA;
+        ::close(fd);
+        throw std::runtime_error(path + ": read of expert " + std::to_string(experts[k]) + " failed: " + errno_text(e));
+      }
+      got += static_cast<uint64_t>(n);
+    }
+    for (size_t i = 0; i < segments.size(); ++i) {
+      std::memcpy(dest.host_row(i, rows[k]), tmp.data() + segments[i].offset, segments[i].nbytes);
+    }
+    total += stride;
+  }
+  ::close(fd);
+  return total;
+}
+
+double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {
+  if (block_bytes == 0 || working_bytes < block_bytes || threads < 1) {
+    throw std::invalid_argument("memcpy_seconds: expected block_bytes > 0, working_bytes >= block_bytes, threads >= 1");
+  }
+  const uint64_t nblocks = working_bytes / block_bytes;
+  uint8_t* src = static_cast<uint8_t*>(aligned_alloc_or_throw(nblocks * block_bytes, "memcpy source"));
+  uint8_t* dst = static_cast<uint8_t*>(aligned_alloc_or_throw(nblocks * block_bytes, "memcpy destination"));
+  std::memset(src, 1, nblocks * block_bytes);
+  std::memset(dst, 0, nblocks * block_bytes);
+  const uint64_t copies = std::max<uint64_t>(1, total_bytes / block_bytes);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([=] {
+      for (uint64_t i = t; i < copies; i += threads) {
+        const uint64_t b = (i * 7919) % nblocks;  // scattered blocks, like rows of a pool
+        std::memcpy(dst + b * block_bytes, src + ((i + 1) % nblocks) * block_bytes, block_bytes);
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  auto t1 = std::chrono::steady_clock::now();
+  std::free(src);
+  std::free(dst);
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+}  // namespace asyncside::io

@@ -1,0 +1,240 @@
+// The read path: expert records from a layer blob into pool rows, behind one Reader interface
+// with two native backends (io_uring on Linux, a preadv thread pool everywhere). Both complete
+// whole fills onto one native completion list and one eventfd (a pipe off Linux) that the Python
+// event loop watches, so the scheduler above does not care which backend runs.
+//
+// Plain C++: nothing here knows Python. Native threads touch only state owned here.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/uio.h>
+
+#include <mlx/array.h>
+
+namespace asyncside::io {
+
+namespace mx = mlx::core;
+
+// O_DIRECT buffers, lengths and offsets are kept multiples of this (the safe block size).
+constexpr uint64_t kDirectAlign = 4096;
+
+enum class Backend { IoUring, Threads };
+
+struct ReaderOptions {
+  Backend backend = Backend::Threads;
+  int queue_depth = 64;                       // sizes the ring; fills in flight are bounded above
+  int workers = 4;                            // threads: preadv workers; io_uring: scatter workers
+  uint64_t chunk_bytes = 1ull << 20;          // largest single read op; bigger records are split
+  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on buffered reads >= this
+  bool direct = false;                        // O_DIRECT (staging + scatter unless rows align)
+  uint64_t staging_bytes = 64ull << 20;       // bounded staging slab for O_DIRECT reads
+  uint64_t slot_bytes = 4ull << 20;           // one staging slot: the largest staged read op
+  bool register_files = true;                 // io_uring: IORING_REGISTER_FILES
+  bool register_buffers = true;               // io_uring: staging slots as fixed buffers
+};
+
+// Test hooks, off by default, checked once per read op (a branch on a flag when off).
+struct Faults {
+  std::string path;          // reads of this file ...
+  uint64_t lo = 0, hi = 0;   // ... touching file bytes [lo, hi) ...
+  int err = 0;               // ... fail with this errno (0: no fault)
+  uint64_t max_read_bytes = 0;   // cap every read op at this many bytes (forces short reads)
+  uint64_t transient_every = 0;  // every Nth read op first returns -transient_err (then retried)
+  int transient_err = 0;         // EAGAIN or EINTR
+};
+
+// Where the segments of a record land. A host-addressable destination gives the address of a
+// segment's row; a device destination (CUDA, later) would return nullptr and be fed from staging
+// through a copy hook instead.
+class Destination {
+ public:
+  virtual ~Destination() = default;
+  virtual int64_t rows() const = 0;
+  virtual uint8_t* host_row(size_t segment, int64_t row) = 0;
+};
+
+// Pools that are evaluated, row-contiguous MLX CPU arrays, one per segment. Holding the arrays
+// (shared references) keeps their buffers alive for as long as any read into them is in flight.
+class MlxPoolDestination final : public Destination {
+ public:
+  // Throws std::invalid_argument naming the pool and what was expected.
+  MlxPoolDestination(std::vector<mx::array> pools, const std::vector<uint64_t>& segment_nbytes);
+  int64_t rows() const override { return rows_; }
+  uint8_t* host_row(size_t segment, int64_t row) override {
+    return base_[segment] + static_cast<uint64_t>(row) * row_nbytes_[segment];
+  }
+
+ private:
+  std::vector<mx::array> pools_;
+  std::vector<uint8_t*> base_;
+  std::vector<uint64_t> row_nbytes_;
+  int64_t rows_ = 0;
+};
+
+struct SegmentSpan {
+  uint64_t offset;  // inside the record
+  uint64_t nbytes;
+};
+
+struct FillRequest {
+  uint64_t token;
+  int64_t expert;
+  int64_t row;
+};
+
+struct Completion {
+  uint64_t token;
+  int result;  // 0, or -errno (-ENODATA: the file ended before the record did)
+};
+
+struct Layout;
+struct Fill;
+struct Chunk;
+
+// Monotonic counters. Balanced after close(): ops_submitted == ops_completed,
+// fills_submitted == fills_completed, staging_acquired == staging_released, slab allocs == frees.
+struct Counters {
+  std::atomic<uint64_t> fills_submitted{0}, fills_completed{0}, fills_failed{0};
+  std::atomic<uint64_t> fills_direct_rows{0}, fills_staged{0};
+  std::atomic<uint64_t> ops_submitted{0}, ops_completed{0}, ops_async{0}, ops_fixed_file{0}, ops_fixed_buffer{0};
+  std::atomic<uint64_t> chunks_created{0}, chunks_destroyed{0};
+  std::atomic<uint64_t> short_reads{0}, retries{0}, faults_injected{0};
+  std::atomic<uint64_t> bytes_read{0}, bytes_scattered{0};
+  std::atomic<uint64_t> staging_acquired{0}, staging_released{0}, staging_waits{0};
+  std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
+  std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
+  std::map<std::string, uint64_t> snapshot() const;
+};
+
+// A fixed set of threads draining a FIFO of chunks through one function.
+class ChunkWorkers {
+ public:
+  ChunkWorkers(int n, std::function<void(Chunk*)> fn);
+  ~ChunkWorkers();
+  void push(Chunk* c);
+  void stop();  // joins; pending chunks must have been drained by the caller's protocol
+
+ private:
+  void loop();
+  std::function<void(Chunk*)> fn_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk*> q_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+class Reader {
+ public:
+  // Builds the backend; throws std::runtime_error (io_uring unavailable, bad options).
+  static std::unique_ptr<Reader> create(const ReaderOptions& opts);
+  virtual ~Reader();
+
+  const char* backend_name() const;
+  const ReaderOptions& options() const { return opts_; }
+  int event_fd() const { return notify_read_fd_; }
+
+  // Opens the blob (and its O_DIRECT twin when direct) once; throws std::invalid_argument /
+  // std::runtime_error naming the path and field on bad input.
+  uint32_t add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
+                      std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest);
+  // Starts every fill now (never blocks on I/O; staging exhaustion queues natively). Validates all
+  // requests before starting any; throws std::out_of_range naming the bad value.
+  void submit(uint32_t layout, const std::vector<FillRequest>& fills);
+  // Resets the eventfd, advances the backend (io_uring: drains the ring), returns finished fills.
+  std::vector<Completion> reap();
+  // Blocks up to timeout_ms for the eventfd; true when readable. For synchronous callers only.
+  bool wait(int timeout_ms);
+  // Waits for every in-flight fill, stops threads, frees staging and files. Idempotent.
+  void close();
+  void set_faults(const Faults& f);
+  uint64_t in_flight() const { return in_flight_.load(); }
+  std::map<std::string, uint64_t> counters() const;
+
+ protected:
+  explicit Reader(const ReaderOptions& opts);
+
+  // Issue one read op for each chunk (its next window). Called from any thread.
+  virtual void start_reads(std::vector<Chunk*>& chunks) = 0;
+  // Backend work that must happen on reap (io_uring: drain the ring's CQ).
+  virtual void reap_backend() {}
+  virtual void shutdown_backend() {}
+  virtual void on_layout_added(Layout& layout) {}
+  // Scatter a finished staged chunk (io_uring: hand to copy workers; threads: inline).
+  virtual void scatter_staged(Chunk* c) = 0;
+
+  // Shared per-op logic.
+  enum class Step { Continue, Done };
+  // Fills c->cur with the next window (the rest of the chunk, trimmed by the max_read_bytes
+  // hook); returns the bytes handed to the kernel.
+  uint64_t build_window(Chunk* c);
+  // 0, or the errno an injected fault gives this op (counts the injection).
+  int injected_fault(const Chunk* c, uint64_t len);
+  // Accounts one op result; Done sets *final to 0 or -errno.
+  Step after_op(Chunk* c, int64_t res, int* final_result);
+  // The chunk's bytes have landed (or failed): scatter if staged, else finish.
+  void chunk_read_finished(Chunk* c, int result);
+  // Copies a staged chunk's pieces into rows (any thread, no locks held).
+  void do_scatter(Chunk* c);
+  // Returns the staging slot, settles the fill, frees the chunk.
+  void chunk_done(Chunk* c, int result);
+  void post_completion(uint64_t token, int result);
+  void notify();
+
+  ReaderOptions opts_;
+  Counters counters_;
+  std::mutex api_mu_;  // serialises add_layout / submit / reap / close
+
+  // Layouts live until close.
+  std::vector<std::unique_ptr<Layout>> layouts_;
+
+  // Staging slab (O_DIRECT): fixed slots, bounded; chunks wait for a slot FIFO.
+  uint8_t* slab_ = nullptr;
+  uint64_t slab_bytes_ = 0;
+  int n_slots_ = 0;
+  uint8_t* junk_ = nullptr;  // aligned sink for padding between segments
+  std::mutex slot_mu_;
+  std::vector<int> free_slots_;
+  std::deque<Chunk*> slot_waiters_;
+  uint8_t* slot_ptr(int slot) const { return slab_ + static_cast<uint64_t>(slot) * opts_.slot_bytes; }
+  void dispatch(std::vector<Chunk*>& chunks);  // acquires slots, then start_reads
+
+  // Completions.
+  std::mutex done_mu_;
+  std::vector<Completion> done_;
+  int notify_read_fd_ = -1, notify_write_fd_ = -1;  // same fd for eventfd
+  std::atomic<uint64_t> in_flight_{0};
+  bool closed_ = false;
+
+  // Faults (copied under a mutex; the hot path reads an atomic flag first).
+  std::atomic<bool> faults_on_{false};
+  std::mutex faults_mu_;
+  Faults faults_;
+  std::atomic<uint64_t> op_seq_{0};
+};
+
+// Single-thread original design, for the benchmark baseline: one pread of the whole record into a
+// temp buffer, then one memcpy per segment into its row. Returns bytes read; throws on error.
+uint64_t original_design_read(const std::string& path, uint64_t stride,
+                              const std::vector<SegmentSpan>& segments, Destination& dest,
+                              const std::vector<int64_t>& experts, const std::vector<int64_t>& rows);
+
+// memcpy throughput limit: copies `total_bytes` in `block_bytes` blocks from a buffer of
+// `working_bytes` to another, on `threads` threads. Returns seconds.
+double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads);
+
+// Whether io_uring can be set up here; reason filled when not.
+bool io_uring_available(std::string* reason);
+
+}  // namespace asyncside::io
