@@ -150,22 +150,50 @@ async def asyncside_runtime(request: pytest.FixtureRequest, expert_store: Expert
     """
     if not _HAVE_PYTEST_ASYNCIO:
         pytest.fail("the asyncside_runtime fixture needs pytest-asyncio (pip install pytest-asyncio)")
+    import asyncio
+
     from .runtime import Runtime
 
     kwargs: dict[str, Any] = {}
     for marker in reversed(list(request.node.iter_markers(RUNTIME_MARKER))):
         kwargs.update(marker.kwargs)  # the closest marker wins
-    runtime = Runtime(expert_store, **kwargs)
-    async with runtime:
-        yield runtime
+
+    # pytest-asyncio runs a fixture's setup and teardown in different tasks, but the Runtime's
+    # task group must be entered and exited by one task: an owner task holds the context open
+    # for the duration of the test. The runtime is still used from the test's own task.
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[Runtime] = loop.create_future()
+    stop = asyncio.Event()
+
+    async def own() -> None:
         try:
-            await runtime.drain()
-        except BaseExceptionGroup:
-            pass  # failed fills are the test's business; the audit below is the plugin's
+            async with Runtime(expert_store, **kwargs) as runtime:
+                ready.set_result(runtime)
+                await stop.wait()
+                try:
+                    await runtime.drain()
+                except BaseExceptionGroup:
+                    pass  # failed fills are the test's business; the audit is the plugin's
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+                return
+            raise
+
+    owner = asyncio.create_task(own(), name="asyncside_runtime owner")
+    try:
+        runtime = await ready
+    except BaseException:
+        await asyncio.gather(owner, return_exceptions=True)
+        raise
+    try:
+        yield runtime
+    finally:
+        stop.set()
+        await owner
     problems = audit_problems(runtime)
     if problems:
         pytest.fail("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
-
 
 def _scheduler_of(runtime: Any) -> Any:
     scheduler = getattr(runtime, "scheduler", None) or getattr(runtime, "_scheduler", None)
