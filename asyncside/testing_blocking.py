@@ -79,6 +79,7 @@ class Incident:
     stack: str  # the loop thread's Python stack, sampled while it was blocked
     answered: bool = False  # the loop answered the ping (the stretch ended) before stop
     call: str | None = None  # strict mode: the blocking call that was refused
+    watchdog_lag_s: float = 0.0  # how late the watchdog itself woke meanwhile (see describe())
 
     def describe(self) -> str:
         head = (
@@ -87,7 +88,11 @@ class Incident:
             else f"event loop thread blocked for {'' if self.answered else 'at least '}"
             f"{self.blocked_s * 1000:.1f} ms"
         )
-        return f"{head}; loop thread stack:\n{self.stack}"
+        note = ""
+        if self.watchdog_lag_s > 0.5 * self.blocked_s > 0:
+            note = (f" (the watchdog thread itself woke {self.watchdog_lag_s * 1000:.1f} ms late: the loop "
+                    f"thread held the GIL, or the whole process was descheduled on a busy machine)")
+        return f"{head}{note}; loop thread stack:\n{self.stack}"
 
 
 @dataclass
@@ -95,12 +100,23 @@ class _Ping:
     sent: float
     answered: float | None = None
     incident: Incident | None = None
+    watchdog_lag_s: float = 0.0
 
 
 @dataclass
 class _LoopHandle:
     thread_id: int
     post: Callable[[Callable[[], None]], None]  # thread-safe "run this on the loop soon"
+
+
+def _thread_cpu_clock(thread_id: int) -> Callable[[], float] | None:
+    """A reader of the CPU time the given thread has used (None where unsupported)."""
+    try:
+        clock = time.pthread_getcpuclockid(thread_id)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return None
+    return lambda: time.clock_gettime(clock)
 
 
 def _current_loop_handle() -> _LoopHandle:
@@ -215,8 +231,28 @@ class BlockingDetector:
         assert self._loop is not None and self.interval is not None
         loop = self._loop
         ping: _Ping | None = None
+        last = time.monotonic()
+        loop_cpu = _thread_cpu_clock(loop.thread_id)
+        cpu_last = loop_cpu() if loop_cpu else 0.0
         while not self._stop.wait(self.interval):
             now = time.monotonic()
+            # How late this thread woke: the whole process being descheduled (a noisy machine) or
+            # the loop thread holding the GIL. Reported with an incident, never used to excuse it.
+            lag = max(0.0, now - last - self.interval)
+            last = now
+            cpu_now = loop_cpu() if loop_cpu else 0.0
+            cpu_used, cpu_last = cpu_now - cpu_last, cpu_now
+            if ping is not None:
+                ping.watchdog_lag_s = max(ping.watchdog_lag_s, lag)
+            # A ping still waiting, or answered late, reports this stretch itself (below).
+            covered = ping is not None and (ping.answered is None or ping.answered - ping.sent > self.threshold)
+            if not covered and lag > self.threshold and cpu_used > 0.5 * lag:
+                # No ping was in flight, and we could not run to send one: the loop thread was
+                # busy (it burnt the CPU time) and kept the GIL the whole while.
+                self._record(
+                    Incident(lag, f"  (not sampled: the loop thread kept the GIL, busy for "
+                                  f"{cpu_used * 1000:.1f} ms of CPU)\n", True, watchdog_lag_s=lag)
+                )
             if ping is not None and ping.answered is not None:
                 waited = ping.answered - ping.sent
                 self.max_ping_s = max(self.max_ping_s, waited)
@@ -225,8 +261,11 @@ class BlockingDetector:
                     ping.incident.blocked_s = waited
                     ping.incident.answered = True
                 elif waited > self.threshold:
-                    # Blocked while holding the GIL (so we could not sample in time).
-                    self._record(Incident(waited, "  (not sampled: the loop thread held the GIL while blocked)\n", True))
+                    # Blocked while this thread could not run (GIL held, or process descheduled).
+                    self._record(
+                        Incident(waited, "  (not sampled: the watchdog could not run while the loop was blocked)\n",
+                                 True, watchdog_lag_s=ping.watchdog_lag_s)
+                    )
                 ping = None
             if ping is None:
                 ping = _Ping(now)
@@ -243,6 +282,7 @@ class BlockingDetector:
                     self._record(ping.incident)
                 else:
                     ping.incident.blocked_s = waited
+                ping.incident.watchdog_lag_s = ping.watchdog_lag_s
         if ping is not None and ping.incident is not None:
             if ping.answered is not None:
                 ping.incident.blocked_s = ping.answered - ping.sent

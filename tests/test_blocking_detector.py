@@ -55,6 +55,37 @@ async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None
         det.check()
 
 
+async def test_catches_mx_synchronize_on_a_stuck_stream(anyio_backend: object) -> None:
+    # The gate times out by itself after 0.2 s, failing the stream; synchronize then raises.
+    gate = native.TestingGate(timeout_s=0.2)
+    x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
+    mx.async_eval(x)
+    async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
+        with pytest.raises(RuntimeError, match="never opened"):
+            mx.synchronize()
+    assert any("mx.synchronize()" in inc.stack for inc in det.incidents), det.incidents
+
+
+async def test_reports_a_block_the_watchdog_could_not_watch(anyio_backend: object) -> None:
+    # The loop thread keeps the GIL for the whole block (a long switch interval and pure Python
+    # work), so the watchdog cannot run, let alone sample, until it ends: still reported.
+    previous = sys.getswitchinterval()
+    async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
+        await anyio.sleep(0.02)  # the watchdog has a ping in flight
+        sys.setswitchinterval(1.0)
+        try:
+            end = time.monotonic() + 0.2
+            while time.monotonic() < end:
+                pass
+        finally:
+            sys.setswitchinterval(previous)
+        await anyio.sleep(0.05)  # let the loop answer and the watchdog look again
+    assert det.incidents, "a 200 ms block went unreported"
+    inc = det.incidents[0]
+    assert inc.blocked_s > det.threshold
+    assert "not sampled" in inc.stack or "test_reports_a_block" in inc.stack
+
+
 @pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_catches_mx_eval_of_a_big_computation(anyio_backend: object) -> None:
     rng = np.random.default_rng(0)

@@ -13,18 +13,14 @@ import pytest
 
 from asyncside.ledger import Ledger
 from asyncside.pools import POOL_ALIGNMENT, PoolSet
-from asyncside.readers import choose_reader, io_uring_status
+from asyncside.readers import choose_reader
 from asyncside.scheduler import Scheduler
 from asyncside.store import ExpertStore
 
+from _read_helpers import HAVE_URING, READERS, assert_balanced, rows_equal_store
+
 pytestmark = pytest.mark.anyio
 
-HAVE_URING = io_uring_status()[0]
-READERS = [
-    pytest.param("io_uring", marks=pytest.mark.skipif(not HAVE_URING, reason="io_uring unavailable here")),
-    "threads",
-    "aiofiles",
-]
 ALL_BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
@@ -92,25 +88,6 @@ def aligned_store(tmp_path_factory: pytest.TempPathFactory) -> ExpertStore:
         "down.weight": g.integers(0, 2**32, size=(n, 1024, 80), dtype=np.uint32),  # 327680 B
     }
     return ExpertStore.create(tmp_path_factory.mktemp("aligned") / "s", {5: layer})
-
-
-def rows_equal_store(store: ExpertStore, spec_index: int, pools: PoolSet, expert: int, row: int) -> None:
-    truth = store.read_expert(spec_index, expert)
-    for key, want in truth.items():
-        got = pools.arrays[key][row]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
-        assert bytes(pools.row_view(key, row)) == bytes(memoryview(want).cast("B")), (
-            f"layer {spec_index} expert {expert} row {row} key {key}: bytes differ")
-
-
-def assert_balanced(c: dict[str, int]) -> None:
-    """Every submitted op completed, every staging buffer came back, nothing leaked."""
-    assert c["fills_submitted"] == c["fills_completed"], c
-    assert c["ops_submitted"] == c["ops_completed"], c
-    assert c["staging_acquired"] == c["staging_released"], c
-    assert c.get("chunks_created", 0) == c.get("chunks_destroyed", 0), c
-    assert c.get("slab_allocs", 0) == c.get("slab_frees", 0), c
-    assert c["in_flight"] == 0, c
 
 
 def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:

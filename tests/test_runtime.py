@@ -35,7 +35,7 @@ def _make_store(path: Path, *, n_layers: int = 2, n_experts: int = 16, seed: int
 
 def _row_bytes(rt: Runtime, layer: int, row: int) -> dict[str, bytes]:
     pools = rt._layer(layer).pools  # noqa: SLF001 - the tests check the bytes themselves
-    return {key: bytes(pools.row_view(key, row)) for key in pools.arrays}
+    return {key: pools.row_bytes(key, row) for key in pools.arrays}
 
 
 def _expected(store: ExpertStore, layer: int, expert: int) -> dict[str, bytes]:
