@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-DEFAULT_PROMPT = "The expert store streams weights while the model computes. "
+DEFAULT_PROMPT = "Once upon a time"
 
 
 def read_rss_bytes(pid: int | str = "self") -> dict[str, int]:
