@@ -210,6 +210,8 @@ class _Generation:
         elif req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             vocab = getattr(tok, "vocab_size", None)
+            if not isinstance(vocab, int):
+                vocab = (getattr(self.service.model, "config", None) or {}).get("vocab_size")
             if isinstance(vocab, int) and max(ids) >= vocab:
                 raise oai.RequestError(
                     f"'prompt' holds token id {max(ids)}; the vocabulary has {vocab} ids", param="prompt"
