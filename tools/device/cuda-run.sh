@@ -27,7 +27,7 @@ cp /tmp/asyncside/asyncside/_native*.so asyncside/
 python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available())"
 
 log "GPU tests"
-timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider -p pytest_timeout --timeout=60 \
+timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
   ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
