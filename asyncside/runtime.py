@@ -134,7 +134,7 @@ class PrefetchHandle:
     layer: int
     _done: anyio.Event
     fills: list[Fill] = field(default_factory=list)
-    errors: list[FillError] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -223,6 +223,7 @@ class Runtime:
             "stall_time_s": 0.0,
             "ensure_calls": 0,
             "resident_bytes": 0,
+            "failed_predictions": 0,
         }
 
     # ---------------------------------------------------------------- lifecycle
@@ -471,6 +472,12 @@ class Runtime:
             assert self._completed is not None
             await self._completed(ids)
             self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+        except Exception as exc:
+            # A prediction is a hint: bad ids or a failed computation fail its handle (and are
+            # counted), never the runtime's task group.
+            handle.errors.append(exc)
+            handle._done.set()
+            self._stats["failed_predictions"] += 1
         finally:
             self._finish_op(st, op)
 

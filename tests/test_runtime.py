@@ -175,3 +175,17 @@ async def test_bad_ids_are_rejected_with_the_value(store: ExpertStore) -> None:
         with pytest.raises(LedgerError, match="float"):
             await rt.ensure(0, np.array([1.5]))
         _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_a_bad_prediction_fails_its_handle_not_the_runtime(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        bad = rt.prefetch(0, mx.array([3, 99]))  # 99 is out of range: computed lazily, then rejected
+        with pytest.raises(ExceptionGroup) as group:
+            await bad.wait()
+        assert any("99" in str(e) for e in group.value.exceptions)
+        assert rt.stats()["failed_predictions"] == 1
+        # The runtime goes on serving.
+        await rt.ensure(0, [12])
+        await rt.drain()
+        _assert_clean(rt)
