@@ -189,6 +189,11 @@ class NativeReader(ReaderBackend):
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
+        if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
+            return self._r.add_layout_mirror(
+                str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
+                pools.mirror,
+            )
         return self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],

@@ -17,6 +17,7 @@ synchronous state machine.
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from .pools import PoolSet
 from .scheduler import FillHandle, Scheduler
 from .store import ExpertStore, LayerSpec
 
-__all__ = ["Runtime", "PrefetchHandle", "choose_resident"]
+__all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer"]
 
 Completed = Callable[[mx.array], Awaitable[None]]
 
@@ -40,13 +41,22 @@ Completed = Callable[[mx.array], Awaitable[None]]
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
 
-    The hottest experts of the store's routing profile when it has one (``metadata["profile"]``:
-    per-layer routed counts, written by ``asyncside convert --profile``), else the experts named
-    in ``metadata["resident"]`` in order, else experts ``0..count-1``.
+    The hottest experts first: from the converter's hottest-first ranking
+    (``metadata["asyncside_model"]["expert_rank"]``, written by ``asyncside convert``, ranked by a
+    routing profile when it had one), else a top-level routing profile (``metadata["profile"]``:
+    per-layer routed counts), else the experts named in ``metadata["resident"]`` in order, else
+    experts ``0..count-1``.
     """
     spec = store.layer(layer)
     count = max(0, min(count, spec.n_experts))
     meta = store.metadata or {}
+    model_meta = meta.get("asyncside_model")
+    ranking = (model_meta.get("expert_rank") or {}).get(str(layer)) if isinstance(model_meta, Mapping) else None
+    if ranking is not None:
+        ranked = [int(e) for e in ranking if 0 <= int(e) < spec.n_experts]
+        seen = set(ranked)
+        ranked += [e for e in range(spec.n_experts) if e not in seen]
+        return ranked[:count]
     profile = (meta.get("profile") or {}).get(str(layer))
     if profile is not None:
         counts = np.asarray(profile, dtype=np.float64)
@@ -59,6 +69,32 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
         rest = [e for e in range(spec.n_experts) if e not in set(chosen)]
         return chosen + rest[: count - len(chosen)]
     return list(range(count))
+
+
+def plan_layer(store: ExpertStore, index: int, resident: float | Mapping[int, Sequence[int]] = 0.25,
+               side_rows: int | None = None, min_side_rows: int = 8) -> tuple[list[int], int]:
+    """(resident experts, side rows) of one layer, as ``Runtime(resident=..., side_rows=...)`` sizes it.
+
+    A fraction is the pool budget: ``ceil(fraction * n_experts)`` rows in all, of which
+    ``side_rows`` (default: half the budget, at least ``min_side_rows``) rotate and the rest hold
+    the hottest experts (:func:`choose_resident`). Exposed so other expert sources (benchmark
+    baselines) can size their pools exactly like the runtime.
+    """
+    spec = store.layer(index)
+    if isinstance(resident, Mapping):
+        chosen = [int(e) for e in resident.get(index, ())]
+        side = side_rows if side_rows is not None else min_side_rows
+    else:
+        if not 0.0 <= float(resident) <= 1.0:
+            raise ValueError(f"resident fraction must be in [0, 1], got {resident!r}")
+        budget = max(1, math.ceil(float(resident) * spec.n_experts))
+        side = int(side_rows) if side_rows is not None else max(min_side_rows, budget // 2)
+        side = min(side, spec.n_experts)
+        chosen = choose_resident(store, index, max(0, budget - side))
+    if side < 0:
+        raise ValueError(f"side_rows must be >= 0, got {side}")
+    side = min(side, spec.n_experts - len(chosen))
+    return chosen, side
 
 
 def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
@@ -79,9 +115,13 @@ class _Layer:
     spec: LayerSpec
     ledger: Ledger
     pools: PoolSet
-    inflight: dict[int, FillHandle] = field(default_factory=dict)  # expert -> its fill in flight
-    outstanding: set[int] = field(default_factory=set)  # op ids (prefetch tasks and fills)
+    inflight: dict[int, _Pending] = field(default_factory=dict)  # expert -> its fill in flight
+    # op id -> holders. A prefetch's fills hold the prefetch's own op id, so a drain that began
+    # before a lazy prefetch resolved still waits for the reads that prefetch starts later.
+    outstanding: Counter[int] = field(default_factory=Counter)
     errors: list[FillError] = field(default_factory=list)  # failed fills since the last drain
+    # Device pools: reads that landed in the mirror, waiting for one batched upload.
+    uploads: list[tuple[_Pending, int, float, Any]] = field(default_factory=list)
     table: mx.array | None = None
     table_version: int = -1
     version: int = 0  # bumped on every row-state change that alters lookup()
@@ -94,7 +134,7 @@ class PrefetchHandle:
     layer: int
     _done: anyio.Event
     fills: list[Fill] = field(default_factory=list)
-    errors: list[FillError] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -107,6 +147,31 @@ class PrefetchHandle:
 
     def __await__(self):  # type: ignore[no-untyped-def]
         return self.wait().__await__()
+
+
+class _Pending:
+    """One fill from reserve until its bytes are usable in the pool (read, and uploaded for device
+    pools). Settled exactly once, on the loop thread, right after the ledger saw the outcome."""
+
+    __slots__ = ("fill", "_event", "error")
+
+    def __init__(self, fill: Fill) -> None:
+        self.fill = fill
+        self._event = anyio.Event()
+        self.error: FillError | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def settle(self, error: FillError | None) -> None:
+        self.error = error
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Wait for the bytes; raise the fill's FillError if it failed."""
+        await self._event.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class Runtime:
@@ -158,6 +223,7 @@ class Runtime:
             "stall_time_s": 0.0,
             "ensure_calls": 0,
             "resident_bytes": 0,
+            "failed_predictions": 0,
         }
 
     # ---------------------------------------------------------------- lifecycle
@@ -202,23 +268,8 @@ class Runtime:
         resident_sets: dict[int, list[int]] = {}
         for index in self._layer_ids:
             spec = self.store.layer(index)
-            arg = self._resident_arg
-            if isinstance(arg, Mapping):
-                resident = [int(e) for e in arg.get(index, ())]
-                side = self._side_rows_arg if self._side_rows_arg is not None else self._min_side_rows
-            else:
-                if not 0.0 <= float(arg) <= 1.0:
-                    raise ValueError(f"resident fraction must be in [0, 1], got {arg!r}")
-                budget = max(1, math.ceil(float(arg) * spec.n_experts))
-                if self._side_rows_arg is not None:
-                    side = int(self._side_rows_arg)
-                else:
-                    side = max(self._min_side_rows, budget // 2)
-                side = min(side, spec.n_experts)
-                resident = choose_resident(self.store, index, max(0, budget - side))
-            if side < 0:
-                raise ValueError(f"side_rows must be >= 0, got {side}")
-            side = min(side, spec.n_experts - len(resident))
+            resident, side = plan_layer(self.store, index, self._resident_arg, self._side_rows_arg,
+                                        self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
             pools = PoolSet(spec, ledger.rows)
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
@@ -236,6 +287,12 @@ class Runtime:
                 await h.wait()
             except FillError as err:
                 errors.append(err)
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            if st.pools.device and resident and not errors:
+                # Device pools: the mirror holds the bytes; copy them over on MLX's stream.
+                assert self._completed is not None
+                await self._completed(st.pools.upload(range(len(resident))))
         self._stats["resident_bytes"] = sum(
             len(r) * self._layers[i].spec.stride for i, r in resident_sets.items()
         )
@@ -261,37 +318,99 @@ class Runtime:
         assert self._changed is not None
         await self._changed.wait()
 
-    def _op(self, st: _Layer) -> int:
-        op = self._next_op
-        self._next_op += 1
-        st.outstanding.add(op)
+    def _op(self, st: _Layer, op: int | None = None) -> int:
+        """Hold ``op`` (a new one when None) outstanding until ``_finish_op``."""
+        if op is None:
+            op = self._next_op
+            self._next_op += 1
+        st.outstanding[op] += 1
         return op
 
     def _finish_op(self, st: _Layer, op: int) -> None:
-        st.outstanding.discard(op)
+        st.outstanding[op] -= 1
+        if st.outstanding[op] <= 0:
+            del st.outstanding[op]
         self._notify()
 
-    def _submit(self, layer: int, st: _Layer, fills: Sequence[Fill]) -> list[FillHandle]:
-        """Hand reserved fills to the scheduler; their callbacks publish or fail them."""
+    def _submit(
+        self,
+        layer: int,
+        st: _Layer,
+        fills: Sequence[Fill],
+        on_done: Callable[[_Pending], None] | None = None,
+        parent_op: int | None = None,
+    ) -> list[_Pending]:
+        """Hand reserved fills to the scheduler; returns one _Pending per fill.
+
+        Each fill holds an op (``parent_op`` when a prefetch started it) until it settles.
+        ``on_done`` runs after the ledger saw the outcome and before drain waiters are woken,
+        so whoever is woken sees a consistent picture.
+        """
         if not fills:
             return []
-        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        pendings = [_Pending(fill) for fill in fills]
+        for p in pendings:
+            st.inflight[p.fill.expert] = p
+        ops = [self._op(st, parent_op) for _ in fills]
         started = time.perf_counter()
-        for fill, handle in zip(fills, handles):
-            op = self._op(st)
-            st.inflight[fill.expert] = handle
+        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        for p, op, handle in zip(pendings, ops, handles):
             handle.add_done_callback(
-                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started)
+                lambda h, p=p, op=op: self._on_read_done(st, p, op, h, started, on_done)
             )
         self._stats["fills"] += len(fills)
-        return handles
+        return pendings
 
-    def _on_fill_done(
-        self, layer: int, st: _Layer, fill: Fill, op: int, handle: FillHandle, started: float
+    def _on_read_done(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        handle: FillHandle,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
     ) -> None:
-        # Runs on the loop thread: the only place a fill's row changes state after reserve.
-        st.inflight.pop(fill.expert, None)
+        # Runs on the loop thread. Host pools: the bytes are in the row now. Device pools: they
+        # are in the host mirror; the row is published once the upload on the stream completed.
         err = handle.result_error()
+        if err is None and st.pools.device:
+            if not self._closed:
+                # Batch: every read that completes before the flush task runs shares one upload.
+                st.uploads.append((p, op, started, on_done))
+                if len(st.uploads) == 1:
+                    self._spawn(self._flush_uploads, st)
+                return
+            err = FillError(st.spec.index, p.fill.expert, p.fill.row, "the runtime closed before the upload")
+        self._settle(st, p, op, err, started, on_done)
+
+    async def _flush_uploads(self, st: _Layer) -> None:
+        await anyio.lowlevel.checkpoint()  # let the rest of this wakeup's completions join
+        batch, st.uploads = st.uploads, []
+        err_text: str | None = None
+        try:
+            assert self._completed is not None
+            with anyio.CancelScope(shield=True):
+                # Shielded: once the copy is on the stream the rows must not be reused before it ran.
+                await self._completed(st.pools.upload([p.fill.row for p, *_ in batch]))
+        except Exception as exc:  # the upload failed on the device: these fills failed
+            err_text = f"upload to the device pool failed: {exc}"
+        for p, op, started, on_done in batch:
+            err = None if err_text is None else FillError(st.spec.index, p.fill.expert, p.fill.row, err_text)
+            self._settle(st, p, op, err, started, on_done)
+
+    def _settle(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        err: FillError | None,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
+    ) -> None:
+        """The one place a fill's row leaves FILLING: publish on success, fail (row freed) otherwise."""
+        fill = p.fill
+        if st.inflight.get(fill.expert) is p:
+            del st.inflight[fill.expert]
         if err is None:
             st.ledger.publish(fill)
             self._stats["bytes_read"] += st.spec.stride
@@ -301,6 +420,9 @@ class Runtime:
             self._stats["failed_fills"] += 1
         self._stats["read_time_s"] += time.perf_counter() - started
         st.version += 1
+        p.settle(err)
+        if on_done is not None:
+            on_done(p)
         self._finish_op(st, op)
 
     def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
@@ -338,7 +460,7 @@ class Runtime:
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
         else:
             try:
-                self._prefetch_now(layer, st, self._host_ids(ids), handle)
+                self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
             finally:
                 self._finish_op(st, op)
         return handle
@@ -349,30 +471,35 @@ class Runtime:
         try:
             assert self._completed is not None
             await self._completed(ids)
-            self._prefetch_now(layer, st, self._host_ids(ids), handle)
+            self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+        except Exception as exc:
+            # A prediction is a hint: bad ids or a failed computation fail its handle (and are
+            # counted), never the runtime's task group.
+            handle.errors.append(exc)
+            handle._done.set()
+            self._stats["failed_predictions"] += 1
         finally:
             self._finish_op(st, op)
 
-    def _prefetch_now(self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle) -> None:
+    def _prefetch_now(
+        self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int
+    ) -> None:
         fills = self._reserve(layer, st, ids, demand=False)
         handle.fills = fills
-        handles = self._submit(layer, st, fills)
         self._stats["prefetched"] += len(fills)
-        if not handles:
+        if not fills:
             handle._done.set()
             return
-        remaining = [len(handles)]
+        remaining = [len(fills)]
 
-        def one_done(h: FillHandle) -> None:
-            err = h.result_error()
-            if err is not None:
-                handle.errors.append(err)
+        def one_done(p: _Pending) -> None:
+            if p.error is not None:
+                handle.errors.append(p.error)
             remaining[0] -= 1
             if remaining[0] == 0:
                 handle._done.set()
 
-        for h in handles:
-            h.add_done_callback(one_done)
+        self._submit(layer, st, fills, one_done, parent_op=op)
 
     async def drain(self, layer: int | None = None) -> None:
         """Wait for every fill (and pending prefetch) submitted so far for ``layer`` (or all).
@@ -409,18 +536,26 @@ class Runtime:
         self._stats["hits"] += int(present.sum())
         missing = wanted[~present]
         if missing.size == 0:
+            # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
+            self._reserve(layer, st, wanted, demand=True)
             return
         self._stats["misses"] += int(missing.size)
         self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
         t0 = time.perf_counter()
         try:
             while True:
-                missing = missing[st.ledger.lookup()[missing] < 0]
+                # Re-check every wanted expert, not only the ones missing before: while this
+                # task awaited, a prefetch may have evicted one that was present.
+                missing = wanted[st.ledger.lookup()[wanted] < 0]
                 if missing.size == 0:
                     return
-                fills = self._reserve(layer, st, missing, demand=True)
-                self._submit(layer, st, fills)
-                waiting = [st.inflight[e] for e in missing.tolist() if e in st.inflight]
+                # The whole wanted set goes in: the ledger never evicts a member of the batch.
+                fills = self._reserve(layer, st, wanted, demand=True)
+                ours = self._submit(layer, st, fills)
+                # Fills that settled inside submit are awaited too, so a failure among them
+                # reaches this awaiter.
+                waiting = [p for p in ours if p.done()]
+                waiting += [st.inflight[e] for e in missing.tolist() if e in st.inflight]
                 if waiting:
                     for h in waiting:
                         await h.wait()  # raises FillError: the awaiter hears of it

@@ -4,12 +4,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <mlx/array.h>
 
 #include "io_reader.h"
+#include "host_mirror.h"
 #include "version.h"
 
 namespace nb = nanobind;
@@ -207,6 +209,28 @@ void bind_read_path(nb::module_& m) {
           nb::arg("pools"),
           "Open a layer blob; pools[i] (evaluated, rows x nbytes[i] bytes) receives segment i. Returns its id.")
       .def(
+          "add_layout_mirror",
+          [](PyReader& p, const std::string& path, uint64_t stride, int64_t n_experts,
+             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes,
+             std::shared_ptr<io::HostMirror> mirror) {
+            if (mirror->segments() != nbytes.size()) {
+              throw std::invalid_argument("mirror: expected " + std::to_string(nbytes.size()) +
+                                          " segments, got " + std::to_string(mirror->segments()));
+            }
+            for (size_t i = 0; i < nbytes.size(); ++i) {
+              if (mirror->row_nbytes(i) != nbytes[i]) {
+                throw std::invalid_argument("mirror segment " + std::to_string(i) + ": rows of " +
+                                            std::to_string(mirror->row_nbytes(i)) + " bytes, expected " +
+                                            std::to_string(nbytes[i]));
+              }
+            }
+            auto s = spans(offsets, nbytes);
+            nb::gil_scoped_release g;
+            return p.r().add_layout(path, stride, n_experts, std::move(s), std::move(mirror));
+          },
+          nb::arg("path"), nb::arg("stride"), nb::arg("n_experts"), nb::arg("offsets"), nb::arg("nbytes"),
+          nb::arg("mirror"), "Like add_layout, but reads land in a HostMirror (device pools are fed from it).")
+      .def(
           "submit",
           [](PyReader& p, uint32_t layout, const std::vector<uint64_t>& tokens, const std::vector<int64_t>& experts,
              const std::vector<int64_t>& rows) {
@@ -313,10 +337,72 @@ void bind_read_path(nb::module_& m) {
 }  // namespace
 // ---- end read path --------------------------------------------------------------------------------
 
+// ===== device pools (issue 7): host mirror, mirror reads, uploads to device pools ===============
+#include <nanobind/ndarray.h>
+
+#include "cuda_upload.h"
+#include "host_mirror.h"
+
+namespace {
+
+void bind_device_pools(nb::module_& m) {
+  namespace io = asyncside::io;
+  nb::class_<io::HostMirror>(m, "HostMirror",
+                             "Page-aligned (pinned on CUDA) host memory laid out like one layer's pools: "
+                             "readers fill it, upload_rows copies rows to device pools.")
+      .def(nb::new_([](int64_t rows, std::vector<uint64_t> nbytes) {
+             return std::make_shared<io::HostMirror>(rows, std::move(nbytes));
+           }),
+           nb::arg("rows"), nb::arg("segment_nbytes"))
+      .def_prop_ro("rows", &io::HostMirror::rows)
+      .def_prop_ro("pinned", &io::HostMirror::pinned)
+      .def(
+          "row_view",
+          [](nb::handle self, size_t segment, int64_t row) {
+            auto& m = nb::cast<io::HostMirror&>(self);
+            if (segment >= m.segments()) {
+              throw std::out_of_range("segment " + std::to_string(segment) + " outside [0, " +
+                                      std::to_string(m.segments()) + ")");
+            }
+            if (row < 0 || row >= m.rows()) {
+              throw std::out_of_range("row " + std::to_string(row) + " outside [0, " + std::to_string(m.rows()) + ")");
+            }
+            size_t shape[1] = {static_cast<size_t>(m.row_nbytes(segment))};
+            // A writable numpy view of the row; it keeps the mirror object alive.
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(m.host_row(segment, row), 1, shape, self);
+          },
+          nb::arg("segment"), nb::arg("row"), "A writable uint8 numpy view of one row of one segment.");
+  m.def(
+      "upload_rows",
+      [](std::shared_ptr<io::HostMirror> mirror, std::vector<mlx::core::array> pools, std::vector<int64_t> rows,
+         mlx::core::Stream stream) {
+        return asyncside::cuda::upload_rows(std::move(mirror), std::move(pools), std::move(rows), stream);
+      },
+      nb::arg("mirror"), nb::arg("pools"), nb::arg("rows"), nb::arg("stream"),
+      "A lazy array whose evaluation on a GPU stream copies mirror rows into device pool rows.");
+  m.def("cuda_upload_available", &asyncside::cuda::available, "True when the CUDA upload path is compiled in.");
+  m.def("cuda_h2d_bandwidth", &asyncside::cuda::h2d_bandwidth, nb::arg("nbytes"), nb::arg("iters"),
+        nb::call_guard<nb::gil_scoped_release>(), "Pinned host->device cudaMemcpy bytes/s (the copy limit).");
+  m.def("mirror_counters", [] {
+    auto& c = io::mirror_counters();
+    return std::map<std::string, uint64_t>{{"created", c.created.load()},
+                                           {"destroyed", c.destroyed.load()},
+                                           {"bytes_allocated", c.bytes_allocated.load()},
+                                           {"bytes_freed", c.bytes_freed.load()},
+                                           {"pinned", c.pinned.load()},
+                                           {"unpinned", c.unpinned.load()}};
+  });
+  asyncside::cuda::install_pin_hooks();
+}
+
+}  // namespace
+// ===== end device pools ===========================================================================
+
 NB_MODULE(_native, m) {
   m.doc() = "asyncside native core: readers, scatter, completion bridge";
   m.def("build_info", [] { return std::string(asyncside::build_info()); },
         "Which optional native paths (io_uring, CUDA, Metal) this build compiled in.");
   bind_bridge(m);
   bind_read_path(m);  // read path (h2)
+  bind_device_pools(m);
 }

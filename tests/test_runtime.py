@@ -35,7 +35,7 @@ def _make_store(path: Path, *, n_layers: int = 2, n_experts: int = 16, seed: int
 
 def _row_bytes(rt: Runtime, layer: int, row: int) -> dict[str, bytes]:
     pools = rt._layer(layer).pools  # noqa: SLF001 - the tests check the bytes themselves
-    return {key: bytes(pools.row_view(key, row)) for key in pools.arrays}
+    return {key: pools.row_bytes(key, row) for key in pools.arrays}
 
 
 def _expected(store: ExpertStore, layer: int, expert: int) -> dict[str, bytes]:
@@ -174,4 +174,18 @@ async def test_bad_ids_are_rejected_with_the_value(store: ExpertStore) -> None:
             await rt.ensure(0, [-1])
         with pytest.raises(LedgerError, match="float"):
             await rt.ensure(0, np.array([1.5]))
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_a_bad_prediction_fails_its_handle_not_the_runtime(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        bad = rt.prefetch(0, mx.array([3, 99]))  # 99 is out of range: computed lazily, then rejected
+        with pytest.raises(ExceptionGroup) as group:
+            await bad.wait()
+        assert any("99" in str(e) for e in group.value.exceptions)
+        assert rt.stats()["failed_predictions"] == 1
+        # The runtime goes on serving.
+        await rt.ensure(0, [12])
+        await rt.drain()
         _assert_clean(rt)
