@@ -102,12 +102,17 @@ class PoolSet:
             self.arrays[seg.key] = _aligned_pool(rows * seg.nbytes, seg.dtype, (rows, *seg.shape), align)
 
     @classmethod
-    async def allocate(cls, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT) -> PoolSet:
-        """Build the pools in a worker thread: allocating and zeroing large pools takes long enough
-        (tens to hundreds of ms) to stall the event loop. The arrays are evaluated when this returns."""
+    async def allocate(cls, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT,
+                       device: bool | None = None) -> PoolSet:
+        """Build the pools without stalling the event loop: allocating and zeroing large host
+        pools takes tens to hundreds of ms, so host pools are built in a worker thread. Device
+        pools (MLX CUDA) are built on the calling thread: MLX streams are thread-local and the
+        GPU stream that later reads the pools is this thread's. Evaluated when this returns."""
         import anyio
 
-        return await anyio.to_thread.run_sync(lambda: cls(spec, rows, align=align))
+        if device_pools_default() if device is None else device:
+            return cls(spec, rows, align=align, device=True)
+        return await anyio.to_thread.run_sync(lambda: cls(spec, rows, align=align, device=False))
 
     def __repr__(self) -> str:
         return f"PoolSet(layer={self.spec.index}, rows={self.rows}, keys={list(self.arrays)})"

@@ -271,7 +271,7 @@ class Runtime:
             resident, side = plan_layer(self.store, index, self._resident_arg, self._side_rows_arg,
                                         self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
-            pools = PoolSet(spec, ledger.rows)
+            pools = await PoolSet.allocate(spec, ledger.rows)
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
             resident_sets[index] = resident
         # Resident rows are read once, through the same reader as everything else.
