@@ -354,7 +354,11 @@ def test_state_machine_catches_a_broken_ledger(
     monkeypatch: pytest.MonkeyPatch, target: Any, attr: str, make: Any
 ) -> None:
     monkeypatch.setattr(target, attr, make(getattr(target, attr)))
+    # A wrong tie-break needs two equal-frequency evictable experts at the moment of eviction,
+    # which is rarer than the other mutants' triggers: give it a larger budget so the self-check
+    # does not depend on luck (the table-driven tests in test_ledger.py pin the rule exactly).
+    budget = settings(QUICK, max_examples=2000) if attr == "choose_victim" else QUICK
     with pytest.raises(Exception) as info:
-        run_state_machine_as_test(LedgerMachine, settings=QUICK)
+        run_state_machine_as_test(LedgerMachine, settings=budget)
     # Caught by an audit/oracle assertion, not by some unrelated crash.
     assert isinstance(info.value, AssertionError), repr(info.value)
