@@ -358,9 +358,11 @@ class Runtime:
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
         else:
             try:
-                self._prefetch_now(layer, st, self._host_ids(ids), handle)
-            finally:
+                self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+            except BaseException:
+                handle._done.set()
                 self._finish_op(st, op)
+                raise
         return handle
 
     async def _prefetch_lazy(
@@ -369,17 +371,24 @@ class Runtime:
         try:
             assert self._completed is not None
             await self._completed(ids)
-            self._prefetch_now(layer, st, self._host_ids(ids), handle)
-        finally:
+            self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+        except BaseException:
+            handle._done.set()
             self._finish_op(st, op)
+            raise
 
-    def _prefetch_now(self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle) -> None:
+    def _prefetch_now(
+        self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int
+    ) -> None:
+        # The prefetch's own op stays outstanding until its reads are done, so a drain() issued
+        # while the prediction was still being computed also waits for the reads it leads to.
         fills = self._reserve(layer, st, ids, demand=False)
         handle.fills = fills
         handles = self._submit(layer, st, fills)
         self._stats["prefetched"] += len(fills)
         if not handles:
             handle._done.set()
+            self._finish_op(st, op)
             return
         remaining = [len(handles)]
 
@@ -390,6 +399,7 @@ class Runtime:
             remaining[0] -= 1
             if remaining[0] == 0:
                 handle._done.set()
+                self._finish_op(st, op)
 
         for h in handles:
             h.add_done_callback(one_done)
@@ -429,18 +439,25 @@ class Runtime:
         self._stats["hits"] += int(present.sum())
         missing = wanted[~present]
         if missing.size == 0:
+            # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
+            self._reserve(layer, st, wanted, demand=True)
             return
         self._stats["misses"] += int(missing.size)
         self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
         t0 = time.perf_counter()
         try:
             while True:
-                missing = missing[st.ledger.lookup()[missing] < 0]
+                missing = wanted[st.ledger.lookup()[wanted] < 0]
                 if missing.size == 0:
                     return
-                fills = self._reserve(layer, st, missing, demand=True)
-                self._submit(layer, st, fills)
-                waiting = [st.inflight[e] for e in missing.tolist() if e in st.inflight]
+                # Reserve the whole batch every round, not only the ids still missing: the ledger
+                # never evicts a member of the batch, so an expert present at the start (or
+                # published in an earlier round) cannot be evicted to make room for another.
+                fills = self._reserve(layer, st, wanted, demand=True)
+                # A read may finish (or fail) inside submit() (a warm io_uring read can complete
+                # before submit returns), so keep this round's handles, not only st.inflight.
+                mine = dict(zip((f.expert for f in fills), self._submit(layer, st, fills)))
+                waiting = [h for e in missing.tolist() if (h := mine.get(e) or st.inflight.get(e)) is not None]
                 if waiting:
                     for h in waiting:
                         await h.wait()  # raises FillError: the awaiter hears of it
