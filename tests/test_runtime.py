@@ -175,3 +175,62 @@ async def test_bad_ids_are_rejected_with_the_value(store: ExpertStore) -> None:
         with pytest.raises(LedgerError, match="float"):
             await rt.ensure(0, np.array([1.5]))
         _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_ensure_never_evicts_a_member_of_its_own_batch(store: ExpertStore) -> None:
+    # LRU with two side rows: 10 then 11 are LIVE, 10 the least recent. A demand for {10, 12}
+    # must evict 11 (not 10, which it also needs) and return with both present.
+    async with Runtime(store, resident=0.25, side_rows=2, policy="lru") as rt:
+        await rt.ensure(0, [10])
+        await rt.ensure(0, [11])
+        await rt.ensure(0, [10, 12])
+        table = np.array(rt.lookup(0))
+        assert (table[[10, 12]] >= 0).all() and table[11] == -1
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_lazy_prediction_reads_start_without_further_calls(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=4) as rt:
+        ids = mx.array([13, 14], dtype=mx.int32) + mx.zeros((2,), dtype=mx.int32)  # lazy
+        handle = rt.prefetch(0, ids)
+        with anyio.fail_after(10):
+            while not handle.done():  # only the runtime's own worker can get the reads going
+                await anyio.sleep(0.001)
+        assert (rt.ledger(0).lookup()[[13, 14]] >= 0).all()
+        # Awaiting a handle drives its own prediction too.
+        handle = rt.prefetch(1, mx.array([9], dtype=mx.int32) * 1)
+        await handle
+        assert rt.ledger(1).lookup()[9] >= 0
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_bad_predicted_ids_fail_their_handle_not_the_runtime(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=4) as rt:
+        handle = rt.prefetch(0, mx.array([3, 99], dtype=mx.int32) + 0)
+        with pytest.raises(ExceptionGroup) as info:
+            await handle
+        assert isinstance(info.value.exceptions[0], LedgerError) and "99" in str(info.value.exceptions[0])
+        assert rt.stats()["failed_predictions"] == 1
+        await rt.drain()
+        await rt.ensure(0, [12])  # still serving
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_release_after_an_array_nobody_evaluates(store: ExpertStore) -> None:
+    # The forward normally evaluates what it hands to release_after; if nothing does, the rows
+    # must still come back (the runtime schedules the array) rather than stay pinned forever.
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        await rt.ensure(0, [10, 11])
+        lease = rt.lease(0, [10, 11])
+        rt.release_after(mx.ones((64, 64)).sum() * 2, [(0, lease)])
+        with anyio.fail_after(10):
+            await rt.ensure(0, [12, 13])  # needs both leased rows
+        assert rt.ledger(0).pinned_rows() == {} or not rt.ledger(0).pinned_rows()
+        await rt.drain()
+        _assert_clean(rt)
