@@ -587,15 +587,15 @@ class Runtime:
         self._sweep()  # computed predictions start their reads; computed arrays free their rows
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
-        self._stats["hits"] += int(present.sum())
+        n_hits = int(present.sum())
         missing = wanted[~present]
         if missing.size == 0:
             # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
             self._reserve(layer, st, wanted, demand=True)
+            self._stats["hits"] += n_hits
             return
-        self._stats["misses"] += int(missing.size)
-        self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
         t0 = time.perf_counter()
+        counted = False
         try:
             while True:
                 missing = wanted[st.ledger.lookup()[wanted] < 0]
@@ -605,6 +605,13 @@ class Runtime:
                 # never evicts a member of the batch, so an expert present at the start (or
                 # published in an earlier round) cannot be evicted to make room for another.
                 fills = self._reserve(layer, st, wanted, demand=True)
+                if not counted:
+                    # Counted once the batch fits (a CapacityError is retried in smaller groups,
+                    # whose ensures count their own hits and misses).
+                    counted = True
+                    self._stats["hits"] += n_hits
+                    self._stats["misses"] += int(missing.size)
+                    self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
                 # A read may finish (or fail) inside submit() (a warm io_uring read can complete
                 # before submit returns), so keep this round's handles, not only st.inflight.
                 mine = dict(zip((f.expert for f in fills), self._submit(layer, st, fills)))

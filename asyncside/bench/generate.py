@@ -220,13 +220,16 @@ class SyncDemandSource:
         wanted = np.unique(np.asarray(ids).reshape(-1).astype(np.int64))
         self.counts["ensure_calls"] += 1
         present = led.lookup()[wanted] >= 0
-        self.counts["hits"] += int(present.sum())
-        self.counts["misses"] += int((~present).sum())
+        counted = False
         while True:
             # The whole batch every round (as the runtime does): the ledger never evicts a member
             # of the batch, so present experts are not evicted to make room for missing ones.
             before = led.stats.get("evictions", 0)
             fills = led.reserve(wanted, demand=True)  # CapacityError: the forward splits the ids
+            if not counted:  # counted once the batch fits, as the runtime counts
+                counted = True
+                self.counts["hits"] += int(present.sum())
+                self.counts["misses"] += int((~present).sum())
             self.counts["evictions"] += led.stats.get("evictions", 0) - before
             for f in fills:
                 try:
