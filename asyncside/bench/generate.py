@@ -50,8 +50,9 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_PROMPT = ("Mixture-of-Experts models route every token to a few experts out of many. "
-                  "Only the experts a token needs are read from the disk.")
+#: a short prompt: decode speed is what residency changes; a long prefill at low residency splits
+#: into many capacity groups and would dominate the run time (its cost shows in ``ttft_s``)
+DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: streaming modes: predictor name, or "sync" for the synchronous demand-loading baseline
 MODES = ("lookahead", "temporal", "none", "sync")
@@ -75,7 +76,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", metavar="N", type=int, default=None,
                    help="rounds of every warm configuration; medians are reported (default 3)")
     p.add_argument("--cold-repeats", metavar="N", type=int, default=None,
-                   help="rounds of every cold configuration (default 1; 0 skips cold runs)")
+                   help="rounds of every cold configuration (default 2; 0 skips cold runs)")
     p.add_argument("--residency", metavar="F", type=float, nargs="+", default=None,
                    help="pool budgets as fractions of each layer's experts (default 0.25 0.5 0.75)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None,
@@ -425,7 +426,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     quick = bool(getattr(args, "quick", False))
     tokens = args.tokens if args.tokens is not None else (6 if quick else 32)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
-    cold_repeats = args.cold_repeats if args.cold_repeats is not None else 1
+    cold_repeats = args.cold_repeats if args.cold_repeats is not None else (1 if quick else 2)
     if args.no_cold:
         cold_repeats = 0
     residencies = tuple(args.residency) if args.residency else ((0.5,) if quick else DEFAULT_RESIDENCIES)
@@ -773,7 +774,7 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     caches = [c for c in ("warm", "cold") if any(r["cache"] == c for r in result["rows"])]
-    fig, axes = plt.subplots(1, len(caches) + 1, figsize=(5.2 * (len(caches) + 1), 4.2), dpi=90)
+    fig, axes = plt.subplots(1, len(caches) + 1, figsize=(5.2 * (len(caches) + 1), 4.8), dpi=90)
     axes = list(np.atleast_1d(axes))
     colors = {"lookahead": "tab:blue", "temporal": "tab:green", "none": "tab:orange", "sync": "tab:red"}
     ref = result["all_resident"]["mlx_lm"]["decode_tokens_per_s"]
@@ -797,20 +798,26 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     axes[0].legend(fontsize=7, loc="lower right")
     ax = axes[-1]
     pol_rows = result["policies_vs_belady"]
-    names = ["belady"] + list(pol_rows[0]["policies"]) if pol_rows else []
+    base = list(dict.fromkeys(n.split("+")[0] for n in (pol_rows[0]["policies"] if pol_rows else {})))
+    names = ["belady"] + [n + sfx for n in base for sfx in ("", "+lookahead")]
     width = 0.8 / max(len(names), 1)
     cmap = plt.get_cmap("tab20")
     for i, name in enumerate(names):
         ys = [p["belady"] if name == "belady" else p["policies"][name]["hit_rate"] for p in pol_rows]
         xs = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
-        ax.bar(xs, ys, width, label=name, color="black" if name == "belady" else cmap(i))
+        if name == "belady":
+            color = "black"
+        else:  # one hue per policy: light = demand only, dark = with lookahead prefetch
+            j = base.index(name.split("+")[0])
+            color = cmap(2 * j + (0 if name.endswith("+lookahead") else 1))
+        ax.bar(xs, ys, width, label=name, color=color)
     ax.set_xticks(np.arange(len(pol_rows)))
     ax.set_xticklabels([f"{p['residency']:.0%}" for p in pol_rows])
-    ax.set_ylim(max(0.0, min([p["belady"] for p in pol_rows] + [v["hit_rate"] for p in pol_rows
-                                                               for v in p["policies"].values()]) - 0.1), 1.0)
-    ax.set_title("hit rate over the recorded trace")
+    lows = [p["belady"] for p in pol_rows] + [v["hit_rate"] for p in pol_rows for v in p["policies"].values()]
+    ax.set_ylim(max(0.0, min(lows) - 0.05) if lows else 0.0, 1.0)
+    ax.set_title("hit rate over one recorded routing trace")
     ax.set_xlabel("experts in pools per layer")
-    ax.legend(fontsize=6, ncol=2, loc="lower right")
+    ax.legend(fontsize=6.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"asyncside bench generate — {result['model']}, {result['settings']['tokens']} tokens, "
                  f"{result['machine']['nproc']} CPUs", fontsize=10)
