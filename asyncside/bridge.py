@@ -7,13 +7,20 @@ it on the same stream. When the stream reaches the signal, a native thread posts
 :class:`CompletionQueue` and makes its eventfd readable; the loop reaps the ticket and wakes the
 awaiter. When the awaiter resumes, ``x`` is marked available: reading it never waits.
 
-One :class:`CompletionQueue` serves each event loop (an asyncio/uvloop loop, or a trio run). It is
-created on the first ``completed()`` that has to wait and closed as soon as no ticket is
-outstanding, so nothing needs opening or closing by the caller and no descriptor outlives its use.
-The eventfd is watched with the backend's own primitive instead of a reaper task in a task group:
-``loop.add_reader`` on asyncio (a plain callback, no task to own or cancel) and a trio *system
-task* on trio (cancelled by trio itself when the run ends). Both let a cancelled awaiter walk away
-at once while its ticket is still reaped, and discarded, when the stream gets there.
+One :class:`CompletionQueue` serves each event loop (an asyncio/uvloop loop, or a trio run),
+created on the first ``completed()`` that has to wait: nothing needs opening or closing by the
+caller. The eventfd is watched with the backend's own primitive rather than a reaper task in a
+task group the caller would have to own:
+
+* asyncio/uvloop: ``loop.add_reader`` (a plain callback). The queue closes, fd included, one loop
+  iteration after its last outstanding ticket is reaped, so back-to-back awaits share one queue
+  and an idle loop holds no descriptor.
+* trio: the awaiters take turns waiting on the fd (``trio.lowlevel.wait_readable``; one at a time),
+  so a completion wakes its own awaiter directly; a system task reaps tickets whose awaiters were
+  all cancelled and closes the queue when the run ends.
+
+A cancelled awaiter walks away at once; its ticket is still reaped, and discarded, when the stream
+gets there. :func:`counters` exposes the native and Python counters that tests balance.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections.abc import Iterable
+
 from .store import DTYPE_SIZES, LayerSpec
 
 #: Pools start at a multiple of this (the O_DIRECT block size the native readers use).
@@ -52,6 +54,19 @@ def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: i
     return pool
 
 
+def device_pools_default() -> bool:
+    """True when pools must live in device memory: MLX's default device is a CUDA GPU.
+
+    On Metal, memory is unified and a host pointer to a pool is cheap, so the host path is used.
+    """
+    import mlx.core as mx
+
+    try:
+        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
+    except AttributeError:  # an MLX without the cuda module
+        return False
+
+
 class PoolSet:
     """For one layer: one evaluated MLX array per segment key, ``(rows, *segment.shape)``.
 
@@ -59,7 +74,8 @@ class PoolSet:
     expert is the ledger's business, not this class's.
     """
 
-    def __init__(self, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT) -> None:
+    def __init__(self, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT,
+                 device: bool | None = None) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"layer {spec.index}: rows must be an int >= 1, got {rows!r}")
         if align < 1 or align & (align - 1):
@@ -67,8 +83,36 @@ class PoolSet:
         self.spec = spec
         self.rows = rows
         self.arrays: dict = {}
+        #: Device pools (MLX CUDA): reads land in ``mirror`` (pinned host memory laid out like the
+        #: pools) and :meth:`upload` copies rows over on MLX's stream. None for host pools.
+        self.device = device_pools_default() if device is None else bool(device)
+        self.mirror = None
+        if self.device:
+            import mlx.core as mx
+
+            from . import _native
+
+            for seg in spec.segments:
+                dtype = getattr(mx, _MX_DTYPE_ATTR[seg.dtype])
+                self.arrays[seg.key] = mx.zeros((rows, *seg.shape), dtype=dtype)
+            mx.eval(*self.arrays.values())
+            self.mirror = _native.HostMirror(rows, [seg.nbytes for seg in spec.segments])
+            return
         for seg in spec.segments:
             self.arrays[seg.key] = _aligned_pool(rows * seg.nbytes, seg.dtype, (rows, *seg.shape), align)
+
+    @classmethod
+    async def allocate(cls, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT,
+                       device: bool | None = None) -> PoolSet:
+        """Build the pools without stalling the event loop: allocating and zeroing large host
+        pools takes tens to hundreds of ms, so host pools are built in a worker thread. Device
+        pools (MLX CUDA) are built on the calling thread: MLX streams are thread-local and the
+        GPU stream that later reads the pools is this thread's. Evaluated when this returns."""
+        import anyio
+
+        if device_pools_default() if device is None else device:
+            return cls(spec, rows, align=align, device=True)
+        return await anyio.to_thread.run_sync(lambda: cls(spec, rows, align=align, device=False))
 
     def __repr__(self) -> str:
         return f"PoolSet(layer={self.spec.index}, rows={self.rows}, keys={list(self.arrays)})"
@@ -85,9 +129,29 @@ class PoolSet:
             raise IndexError(f"layer {self.spec.index} pool {key!r}: row {row!r} out of range [0, {self.rows})")
         return self.spec.segment(key).nbytes
 
+    def upload(self, rows: Iterable[int]):  # -> mx.array
+        """Device pools: a lazy array whose evaluation copies ``rows`` from the mirror to the pools.
+
+        Await ``asyncside.completed`` on it before publishing the rows.
+        """
+        import mlx.core as mx
+
+        from . import _native
+
+        if not self.device:
+            raise ValueError(f"layer {self.spec.index}: host pools need no upload")
+        arrays = [self.arrays[seg.key] for seg in self.spec.segments]
+        return _native.upload_rows(self.mirror, arrays, [int(r) for r in rows], mx.default_stream(mx.gpu))
+
     def row_view(self, key: str, row: int) -> memoryview:
-        """Writable bytes of one row of pool ``key`` (zero-copy: writes land in the MLX array)."""
+        """Writable bytes of one row of pool ``key`` (zero-copy: writes land in the MLX array).
+
+        For device pools this is the row of the host mirror, which is where reads land.
+        """
         nb = self._check(key, row)
+        if self.device:
+            index = [seg.key for seg in self.spec.segments].index(key)
+            return memoryview(self.mirror.row_view(index, int(row)))
         flat = memoryview(self.arrays[key]).cast("B")
         return flat[int(row) * nb : (int(row) + 1) * nb]
 
@@ -97,7 +161,10 @@ class PoolSet:
         return buffer_address(self.arrays[key]) + int(row) * nb
 
     def row_bytes(self, key: str, row: int) -> bytes:
-        """A copy of one row's bytes (tests, diagnostics)."""
+        """A copy of one row's bytes as the pool holds them (for device pools: copied back)."""
+        if self.device:
+            self._check(key, row)
+            return np.array(self.arrays[key][int(row)]).tobytes()
         return bytes(self.row_view(key, row))
 
     @property

@@ -7,9 +7,10 @@ fills. Choice: an explicit name wins; ``"auto"`` takes ``$ASYNCSIDE_READER`` whe
 io_uring when the kernel allows rings, else the thread pool.
 
 - ``io_uring``: native, Linux. Rings set up through the syscalls (no liburing); vectored reads
-  straight into the rows; IOSQE_ASYNC on large buffered reads so page-cache copies run in io-wq,
-  not on the loop; O_DIRECT through registered staging slots + a native GIL-free scatter (or into
-  the rows themselves when every piece is block aligned); registered files.
+  straight into the rows; IOSQE_ASYNC on large reads so page-cache copies (and O_DIRECT page
+  pinning) run in io-wq workers (capped at the CPU count), not on the loop; O_DIRECT into the rows
+  themselves when every piece is block aligned, else through registered staging slots + a native
+  GIL-free scatter; registered files.
 - ``threads``: native, portable (the macOS path): N workers doing preadv, same completion list
   and eventfd (a pipe off Linux).
 - ``aiofiles``: pure Python, no native code: ``os.preadv`` into the rows' memoryviews, run through
@@ -23,6 +24,7 @@ import errno as _errno
 import logging
 import mmap
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,12 +105,16 @@ class ReaderOptions:
     queue_depth: int = 64
     direct: bool = False
     workers: int | None = None  # threads: preadv workers (default min(4, 2 * ncpu)); io_uring: scatter workers (ncpu)
-    chunk_bytes: int = 1 << 20  # largest single read op; bigger records are split over several ops
-    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on buffered reads at least this long
+    chunk_bytes: int = 1 << 20  # largest O_DIRECT read op (more ops in flight help the disk)
+    buffered_chunk_bytes: int = 16 << 20  # largest buffered read op (whole records: readahead, low overhead)
+    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on reads at least this long
     staging_bytes: int = 64 << 20  # O_DIRECT staging slab (bounded: backpressure)
     slot_bytes: int = 4 << 20  # one staging slot
     register_files: bool = True
     register_buffers: bool = True
+    iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
+    worker_nice: int = 0  # native worker threads run this much nicer than the loop thread (Linux)
+    direct_rows: bool = True  # O_DIRECT straight into block-aligned rows; False: always via staging
 
 
 class ReaderBackend(ABC):
@@ -169,16 +175,25 @@ class NativeReader(ReaderBackend):
             queue_depth=options.queue_depth,
             workers=workers,
             chunk_bytes=options.chunk_bytes,
+            buffered_chunk_bytes=options.buffered_chunk_bytes,
             async_threshold=options.async_threshold,
             direct=options.direct,
             staging_bytes=options.staging_bytes,
             slot_bytes=options.slot_bytes,
             register_files=options.register_files,
             register_buffers=options.register_buffers,
+            iowq_max_workers=ncpu if options.iowq_max_workers is None else options.iowq_max_workers,
+            worker_nice=options.worker_nice,
+            direct_rows=options.direct_rows,
         )
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
+        if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
+            return self._r.add_layout_mirror(
+                str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
+                pools.mirror,
+            )
         return self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],
@@ -231,8 +246,10 @@ class _EndOfFile(Exception):
 
 
 class AiofilesReader(ReaderBackend):
-    """Pure Python: one ``os.preadv`` per op into the rows' writable memoryviews (zero-copy),
-    through aiofiles' executor wrapper; O_DIRECT via a page-aligned mmap staging buffer."""
+    """Pure Python: each fill is one hop to aiofiles' executor (asyncio) or anyio's thread pool
+    (trio), where ``os.preadv`` reads into the rows' writable memoryviews (zero-copy; short reads
+    continue, EINTR/EAGAIN retry). O_DIRECT reads go into a page-aligned mmap staging buffer and are
+    scattered with memoryview copies in that same worker thread: the loop thread never copies."""
 
     name = "aiofiles"
 
@@ -245,10 +262,15 @@ class AiofilesReader(ReaderBackend):
         self._faults: dict[str, Any] = {}
         self._op_seq = 0
         self._junk = bytearray(JUNK_BYTES)
+        self._lock = threading.Lock()  # counters and the fault sequence are touched from worker threads
         self._c = {k: 0 for k in ("fills_submitted", "fills_completed", "fills_failed", "ops_submitted",
                                   "ops_completed", "short_reads", "retries", "faults_injected", "bytes_read",
                                   "staging_acquired", "staging_released")}
-        self._preadv: Callable[..., Any] | None = None
+        self._offload: Callable[..., Any] | None = None
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[key] += n
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -268,7 +290,7 @@ class AiofilesReader(ReaderBackend):
             raise RuntimeError("aiofiles reader: submit before serve() started (use the Scheduler as a context)")
         L = self._layouts[layout]
         for tok, e, r in zip(tokens, experts, rows):
-            self._c["fills_submitted"] += 1
+            self._count("fills_submitted")
             self._tg.start_soon(self._fill, tok, L, int(e), int(r))
 
     async def serve(self, deliver: Deliver, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -282,13 +304,13 @@ class AiofilesReader(ReaderBackend):
         if on_asyncio:
             import aiofiles.os
 
-            self._preadv = aiofiles.os.wrap(os.preadv)
+            self._offload = aiofiles.os.wrap(_call)
         else:
-            # aiofiles supports asyncio only; the same preadv runs through anyio's thread pool.
-            async def preadv(fd: int, bufs: list[Any], off: int) -> int:
-                return await anyio.to_thread.run_sync(os.preadv, fd, bufs, off)
+            # aiofiles supports asyncio only; the same work runs through anyio's thread pool.
+            async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+                return await anyio.to_thread.run_sync(fn, *args)
 
-            self._preadv = preadv
+            self._offload = offload
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
@@ -301,10 +323,8 @@ class AiofilesReader(ReaderBackend):
         # Shielded: a read that started must land (or fail) before anyone reuses its row.
         with anyio.CancelScope(shield=True):
             try:
-                if self.direct:
-                    await self._read_staged(L, expert, row)
-                else:
-                    await self._read_rows(L, expert, row)
+                assert self._offload is not None
+                await self._offload(self._read_staged if self.direct else self._read_rows, L, expert, row)
                 res = 0
             except _EndOfFile:
                 res = -_errno.ENODATA
@@ -313,28 +333,30 @@ class AiofilesReader(ReaderBackend):
             except Exception:  # a bug here must still settle the fill, or its row leaks
                 log.exception("aiofiles reader: fill of %s expert %d failed", L.spec.path, expert)
                 res = -_errno.EIO
-        self._c["fills_completed"] += 1
+        self._count("fills_completed")
         if res:
-            self._c["fills_failed"] += 1
+            self._count("fills_failed")
         assert self._deliver is not None
         self._deliver([(token, res)])
+
+    # ---- worker-thread side -------------------------------------------------------------
 
     def _fault(self, path: str, off: int, length: int) -> int:
         f = self._faults
         if not f:
             return 0
-        if f.get("transient_every") and f.get("transient_err"):
-            self._op_seq += 1
-            if self._op_seq % f["transient_every"] == 0:
+        with self._lock:
+            if f.get("transient_every") and f.get("transient_err"):
+                self._op_seq += 1
+                if self._op_seq % f["transient_every"] == 0:
+                    self._c["faults_injected"] += 1
+                    return f["transient_err"]
+            if f.get("err") and f.get("path") == path and off < f["hi"] and off + length > f["lo"]:
                 self._c["faults_injected"] += 1
-                return f["transient_err"]
-        if f.get("err") and f.get("path") == path and off < f["hi"] and off + length > f["lo"]:
-            self._c["faults_injected"] += 1
-            return f["err"]
+                return f["err"]
         return 0
 
-    async def _read_range(self, fd: int, path: str, off: int, bufs: list[memoryview], need: int,
-                          direct: bool) -> None:
+    def _read_range(self, fd: int, path: str, off: int, bufs: list[memoryview], need: int, direct: bool) -> None:
         """Read ``sum(len(bufs))`` bytes at ``off`` into ``bufs``; short reads continue, EINTR/EAGAIN retry."""
         total = sum(b.nbytes for b in bufs)
         done = 0
@@ -358,34 +380,29 @@ class AiofilesReader(ReaderBackend):
                 window.append(b[skip : skip + take])
                 left -= take
                 skip = 0
-            self._c["ops_submitted"] += 1
+            self._count("ops_submitted")
             err = self._fault(path, off + done, give)
             try:
                 if err:
                     raise OSError(err, os.strerror(err))
-                assert self._preadv is not None
-                n = await self._preadv(fd, window, off + done)
-            except (BlockingIOError, InterruptedError):
-                self._c["ops_completed"] += 1
-                self._c["retries"] += 1
-                continue
+                n = os.preadv(fd, window, off + done)
             except OSError as exc:
-                self._c["ops_completed"] += 1
+                self._count("ops_completed")
                 if exc.errno in (_errno.EAGAIN, _errno.EINTR):
-                    self._c["retries"] += 1
+                    self._count("retries")
                     continue
                 raise
-            self._c["ops_completed"] += 1
+            self._count("ops_completed")
             if n == 0:
                 raise _EndOfFile()
-            self._c["bytes_read"] += n
+            self._count("bytes_read", n)
             done += n
             if done < need and n < want:
-                self._c["short_reads"] += 1
+                self._count("short_reads")
                 if direct and done % DIRECT_ALIGN:
                     raise _EndOfFile()
 
-    async def _read_rows(self, L: _PyLayout, expert: int, row: int) -> None:
+    def _read_rows(self, L: _PyLayout, expert: int, row: int) -> None:
         spec, rec = L.spec, expert * L.spec.stride
         groups: list[tuple[int, list[memoryview]]] = []
         end = -1
@@ -399,27 +416,27 @@ class AiofilesReader(ReaderBackend):
             groups[-1][1].append(L.pools.row_view(seg.key, row))
             end = off + seg.nbytes
         for off, bufs in groups:
-            await self._read_range(L.fd, str(spec.path), off, bufs, sum(b.nbytes for b in bufs), False)
+            self._read_range(L.fd, str(spec.path), off, bufs, sum(b.nbytes for b in bufs), False)
 
-    async def _read_staged(self, L: _PyLayout, expert: int, row: int) -> None:
+    def _read_staged(self, L: _PyLayout, expert: int, row: int) -> None:
         spec, rec = L.spec, expert * L.spec.stride
         first = min(s.offset for s in spec.segments)
         last = max(s.end for s in spec.segments)
         a = (rec + first) // DIRECT_ALIGN * DIRECT_ALIGN
         need_end = rec + last
         b = -(-need_end // DIRECT_ALIGN) * DIRECT_ALIGN
-        # Page aligned, as O_DIRECT wants. Not closed explicitly: the executor thread may still
-        # hold a slice of it for an instant after the read returns; the last reference frees it.
+        # Page aligned, as O_DIRECT wants. Not closed explicitly: an exception's traceback may still
+        # hold slices of it; dropping the last reference unmaps it.
         staging = mmap.mmap(-1, b - a)
-        self._c["staging_acquired"] += 1
+        self._count("staging_acquired")
         try:
             view = memoryview(staging)
-            await self._read_range(L.fd_direct, str(spec.path), a, [view], need_end - a, True)
+            self._read_range(L.fd_direct, str(spec.path), a, [view], need_end - a, True)
             for seg in spec.segments:
                 s = rec + seg.offset - a
                 L.pools.row_view(seg.key, row)[:] = view[s : s + seg.nbytes]
         finally:
-            self._c["staging_released"] += 1
+            self._count("staging_released")
 
     def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
                    transient_every: int = 0, transient_err: int = 0) -> None:
@@ -432,7 +449,8 @@ class AiofilesReader(ReaderBackend):
                             transient_every=transient_every, transient_err=transient_err) if on else {}
 
     def counters(self) -> dict[str, int]:
-        c = dict(self._c)
+        with self._lock:
+            c = dict(self._c)
         c["in_flight"] = c["fills_submitted"] - c["fills_completed"]
         return c
 
@@ -442,6 +460,10 @@ class AiofilesReader(ReaderBackend):
             if L.fd_direct >= 0:
                 os.close(L.fd_direct)
         self._layouts.clear()
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def make_reader(name: str, options: ReaderOptions) -> ReaderBackend:

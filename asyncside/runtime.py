@@ -12,27 +12,13 @@
 All ledger transitions happen on the event loop thread: the scheduler runs fill callbacks there,
 and the runtime never touches a ledger from anywhere else. That is what keeps the ledger a plain
 synchronous state machine.
-
-Lazy predictions and lease releases cost no task and no completion ticket in the common case:
-``prefetch`` schedules the prediction (``mx.async_eval``) and queues it; ``release_after`` queues
-the array. Every later runtime call (``prefetch``, ``ensure``, ``drain``) first *sweeps* both
-queues with a non-blocking "is it computed yet?" check: computed predictions get their rows
-reserved and their reads submitted, computed arrays release their leases. In a forward this
-is as early as a background task would be (the next layer's prediction is computed together with
-this layer's routing, which the forward awaits right before ``ensure``), without a task and a
-completion round trip per call (measured on the 2-core CI VM: about 0.1 ms less loop-thread CPU
-per MoE layer and step, replaying a forward's runtime calls without the model).
-One worker task also awaits queued predictions in order, so reads start as soon as a prediction
-is computed even when no other runtime call comes (the sweep usually beats it). Releases are only
-awaited when something needs them: ``ensure`` blocked on leased rows awaits the oldest queued
-release, and ``drain`` awaits queued predictions and releases.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Awaitable
@@ -129,9 +115,13 @@ class _Layer:
     spec: LayerSpec
     ledger: Ledger
     pools: PoolSet
-    inflight: dict[int, FillHandle] = field(default_factory=dict)  # expert -> its fill in flight
-    outstanding: set[int] = field(default_factory=set)  # op ids (prefetch tasks and fills)
+    inflight: dict[int, _Pending] = field(default_factory=dict)  # expert -> its fill in flight
+    # op id -> holders. A prefetch's fills hold the prefetch's own op id, so a drain that began
+    # before a lazy prefetch resolved still waits for the reads that prefetch starts later.
+    outstanding: Counter[int] = field(default_factory=Counter)
     errors: list[FillError] = field(default_factory=list)  # failed fills since the last drain
+    # Device pools: reads that landed in the mirror, waiting for one batched upload.
+    uploads: list[tuple[_Pending, int, float, Any]] = field(default_factory=list)
     table: mx.array | None = None
     table_version: int = -1
     version: int = 0  # bumped on every row-state change that alters lookup()
@@ -145,15 +135,12 @@ class PrefetchHandle:
     _done: anyio.Event
     fills: list[Fill] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
-    _drive: Callable[[], Awaitable[None]] | None = None  # computes a queued lazy prediction
 
     def done(self) -> bool:
         return self._done.is_set()
 
     async def wait(self) -> None:
         """Wait for this prefetch's reads; raise an ExceptionGroup of its FillErrors, if any."""
-        if not self._done.is_set() and self._drive is not None:
-            await self._drive()
         await self._done.wait()
         if self.errors:
             raise ExceptionGroup(f"prefetch of layer {self.layer} failed", list(self.errors))
@@ -162,22 +149,29 @@ class PrefetchHandle:
         return self.wait().__await__()
 
 
-@dataclass(eq=False)  # identity: queue membership must never compare mx arrays
-class _Prediction:
-    """A lazy prefetch waiting for its ids to be computed."""
+class _Pending:
+    """One fill from reserve until its bytes are usable in the pool (read, and uploaded for device
+    pools). Settled exactly once, on the loop thread, right after the ledger saw the outcome."""
 
-    layer: int
-    st: _Layer
-    ids: mx.array
-    handle: PrefetchHandle
-    op: int
+    __slots__ = ("fill", "_event", "error")
 
+    def __init__(self, fill: Fill) -> None:
+        self.fill = fill
+        self._event = anyio.Event()
+        self.error: FillError | None = None
 
-def _computed(x: mx.array) -> bool:
-    """Whether ``x`` has been computed (never waits). A failed computation raises RuntimeError."""
-    from . import _native
+    def done(self) -> bool:
+        return self._event.is_set()
 
-    return bool(_native.is_available(x))
+    def settle(self, error: FillError | None) -> None:
+        self.error = error
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Wait for the bytes; raise the fill's FillError if it failed."""
+        await self._event.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class Runtime:
@@ -216,9 +210,6 @@ class Runtime:
         self._changed: anyio.Event | None = None
         self._next_op = 0
         self._closed = False
-        self._predictions: deque[_Prediction] = deque()  # lazy prefetches, oldest first
-        self._releases: deque[tuple[mx.array, list[tuple[int, int]]]] = deque()
-        self._predicted: anyio.Event | None = None  # set when a prediction is queued
         self._stats: dict[str, float] = {
             "hits": 0,
             "misses": 0,
@@ -251,7 +242,6 @@ class Runtime:
         await self._scheduler.__aenter__()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._prediction_worker)
         try:
             await self._setup_layers()
         except BaseException as exc:
@@ -265,14 +255,6 @@ class Runtime:
     async def _close(self, *exc_info: Any) -> bool | None:
         self._closed = True
         assert self._tg is not None
-        # Queued predictions are dropped (their handles finish without reads); queued releases
-        # go now: the runtime and its pools are going away, nothing reads the rows after.
-        while self._predictions:
-            p = self._predictions.popleft()
-            p.handle._done.set()
-            self._finish_op(p.st, p.op)
-        while self._releases:
-            self._release_now(self._releases.popleft()[1])
         # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
         # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
         self._tg.cancel_scope.cancel()
@@ -289,7 +271,7 @@ class Runtime:
             resident, side = plan_layer(self.store, index, self._resident_arg, self._side_rows_arg,
                                         self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
-            pools = PoolSet(spec, ledger.rows)
+            pools = await PoolSet.allocate(spec, ledger.rows)
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
             resident_sets[index] = resident
         # Resident rows are read once, through the same reader as everything else.
@@ -305,6 +287,12 @@ class Runtime:
                 await h.wait()
             except FillError as err:
                 errors.append(err)
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            if st.pools.device and resident and not errors:
+                # Device pools: the mirror holds the bytes; copy them over on MLX's stream.
+                assert self._completed is not None
+                await self._completed(st.pools.upload(range(len(resident))))
         self._stats["resident_bytes"] = sum(
             len(r) * self._layers[i].spec.stride for i, r in resident_sets.items()
         )
@@ -330,37 +318,99 @@ class Runtime:
         assert self._changed is not None
         await self._changed.wait()
 
-    def _op(self, st: _Layer) -> int:
-        op = self._next_op
-        self._next_op += 1
-        st.outstanding.add(op)
+    def _op(self, st: _Layer, op: int | None = None) -> int:
+        """Hold ``op`` (a new one when None) outstanding until ``_finish_op``."""
+        if op is None:
+            op = self._next_op
+            self._next_op += 1
+        st.outstanding[op] += 1
         return op
 
     def _finish_op(self, st: _Layer, op: int) -> None:
-        st.outstanding.discard(op)
+        st.outstanding[op] -= 1
+        if st.outstanding[op] <= 0:
+            del st.outstanding[op]
         self._notify()
 
-    def _submit(self, layer: int, st: _Layer, fills: Sequence[Fill]) -> list[FillHandle]:
-        """Hand reserved fills to the scheduler; their callbacks publish or fail them."""
+    def _submit(
+        self,
+        layer: int,
+        st: _Layer,
+        fills: Sequence[Fill],
+        on_done: Callable[[_Pending], None] | None = None,
+        parent_op: int | None = None,
+    ) -> list[_Pending]:
+        """Hand reserved fills to the scheduler; returns one _Pending per fill.
+
+        Each fill holds an op (``parent_op`` when a prefetch started it) until it settles.
+        ``on_done`` runs after the ledger saw the outcome and before drain waiters are woken,
+        so whoever is woken sees a consistent picture.
+        """
         if not fills:
             return []
-        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        pendings = [_Pending(fill) for fill in fills]
+        for p in pendings:
+            st.inflight[p.fill.expert] = p
+        ops = [self._op(st, parent_op) for _ in fills]
         started = time.perf_counter()
-        for fill, handle in zip(fills, handles):
-            op = self._op(st)
-            st.inflight[fill.expert] = handle
+        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        for p, op, handle in zip(pendings, ops, handles):
             handle.add_done_callback(
-                lambda h, fill=fill, op=op: self._on_fill_done(layer, st, fill, op, h, started)
+                lambda h, p=p, op=op: self._on_read_done(st, p, op, h, started, on_done)
             )
         self._stats["fills"] += len(fills)
-        return handles
+        return pendings
 
-    def _on_fill_done(
-        self, layer: int, st: _Layer, fill: Fill, op: int, handle: FillHandle, started: float
+    def _on_read_done(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        handle: FillHandle,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
     ) -> None:
-        # Runs on the loop thread: the only place a fill's row changes state after reserve.
-        st.inflight.pop(fill.expert, None)
+        # Runs on the loop thread. Host pools: the bytes are in the row now. Device pools: they
+        # are in the host mirror; the row is published once the upload on the stream completed.
         err = handle.result_error()
+        if err is None and st.pools.device:
+            if not self._closed:
+                # Batch: every read that completes before the flush task runs shares one upload.
+                st.uploads.append((p, op, started, on_done))
+                if len(st.uploads) == 1:
+                    self._spawn(self._flush_uploads, st)
+                return
+            err = FillError(st.spec.index, p.fill.expert, p.fill.row, "the runtime closed before the upload")
+        self._settle(st, p, op, err, started, on_done)
+
+    async def _flush_uploads(self, st: _Layer) -> None:
+        await anyio.lowlevel.checkpoint()  # let the rest of this wakeup's completions join
+        batch, st.uploads = st.uploads, []
+        err_text: str | None = None
+        try:
+            assert self._completed is not None
+            with anyio.CancelScope(shield=True):
+                # Shielded: once the copy is on the stream the rows must not be reused before it ran.
+                await self._completed(st.pools.upload([p.fill.row for p, *_ in batch]))
+        except Exception as exc:  # the upload failed on the device: these fills failed
+            err_text = f"upload to the device pool failed: {exc}"
+        for p, op, started, on_done in batch:
+            err = None if err_text is None else FillError(st.spec.index, p.fill.expert, p.fill.row, err_text)
+            self._settle(st, p, op, err, started, on_done)
+
+    def _settle(
+        self,
+        st: _Layer,
+        p: _Pending,
+        op: int,
+        err: FillError | None,
+        started: float,
+        on_done: Callable[[_Pending], None] | None,
+    ) -> None:
+        """The one place a fill's row leaves FILLING: publish on success, fail (row freed) otherwise."""
+        fill = p.fill
+        if st.inflight.get(fill.expert) is p:
+            del st.inflight[fill.expert]
         if err is None:
             st.ledger.publish(fill)
             self._stats["bytes_read"] += st.spec.stride
@@ -370,6 +420,9 @@ class Runtime:
             self._stats["failed_fills"] += 1
         self._stats["read_time_s"] += time.perf_counter() - started
         st.version += 1
+        p.settle(err)
+        if on_done is not None:
+            on_done(p)
         self._finish_op(st, op)
 
     def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
@@ -381,102 +434,10 @@ class Runtime:
             st.version += 1
         return fills
 
-    def _check_running(self) -> None:
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         if self._tg is None or self._closed:
             raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
-
-    def _release_now(self, leases: Iterable[tuple[int, int]]) -> None:
-        for layer, lease_id in leases:
-            self._layers[layer].ledger.release(lease_id)
-        self._notify()
-
-    def _sweep(self) -> None:
-        """Act on queued releases and predictions whose arrays are computed (never waits)."""
-        if self._releases:
-            waiting: deque[tuple[mx.array, list[tuple[int, int]]]] = deque()
-            for x, leases in self._releases:
-                try:
-                    done = _computed(x)
-                except RuntimeError:
-                    done = True  # a failed computation reads nothing any more
-                if done:
-                    self._release_now(leases)
-                else:
-                    waiting.append((x, leases))
-            self._releases = waiting
-        if self._predictions:
-            pending: deque[_Prediction] = deque()
-            for p in self._predictions:
-                try:
-                    ready = _computed(p.ids)
-                except RuntimeError as exc:
-                    self._prediction_failed(p, exc)
-                    continue
-                if ready:
-                    self._run_prediction(p)
-                else:
-                    pending.append(p)
-            self._predictions = pending
-
-    def _run_prediction(self, p: _Prediction) -> None:
-        try:
-            self._prefetch_now(p.layer, p.st, self._host_ids(p.ids), p.handle, p.op)
-        except BaseException as exc:
-            self._prediction_failed(p, exc)
-            if not isinstance(exc, Exception):
-                raise
-
-    def _prediction_failed(self, p: _Prediction, exc: BaseException) -> None:
-        # A prediction whose computation failed, or whose ids are invalid, reads nothing; the
-        # error reaches whoever awaits its handle.
-        self._stats["failed_predictions"] += 1
-        p.handle.errors.append(exc)
-        p.handle._done.set()
-        self._finish_op(p.st, p.op)
-
-    async def _await_prediction(self, p: _Prediction) -> None:
-        """Wait for one queued prediction's ids to be computed, then act on it (and the rest)."""
-        try:
-            assert self._completed is not None
-            await self._completed(p.ids)
-        except Exception as exc:  # noqa: BLE001 - a failed computation: recorded on the handle
-            if p in self._predictions:
-                self._predictions.remove(p)
-                self._prediction_failed(p, exc)
-            return
-        self._sweep()
-        if p in self._predictions:  # computed, yet not seen as available: act on it anyway
-            self._predictions.remove(p)
-            self._run_prediction(p)
-
-    async def _prediction_worker(self) -> None:
-        """Start the reads of each queued prediction as soon as its ids are computed.
-
-        One task for all predictions (no task per prefetch). In a forward, the ``ensure`` sweep
-        usually gets there first and this task's wait returns at once; it matters when nothing
-        else calls the runtime meanwhile, e.g. the first MoE layer's prediction (computed from the
-        embeddings) starts its reads while that layer's attention is still computing.
-        """
-        while True:
-            if not self._predictions:
-                self._predicted = anyio.Event()
-                await self._predicted.wait()
-                continue
-            await self._await_prediction(self._predictions[0])
-
-    async def _await_release(self) -> None:
-        """Wait for the oldest queued release's array, then release what is computed."""
-        x = self._releases[0][0]
-        try:
-            assert self._completed is not None
-            await self._completed(x)
-        except Exception:  # noqa: BLE001 - failed: it reads nothing, its leases may go
-            for i, (y, leases) in enumerate(self._releases):
-                if y is x:
-                    del self._releases[i]
-                    self._release_now(leases)
-                    break
-        self._sweep()
+        self._tg.start_soon(fn, *args)
 
     @staticmethod
     def _host_ids(ids: Any) -> np.ndarray:
@@ -493,57 +454,52 @@ class Runtime:
         completion bridge, then reserves rows and submits the reads.
         """
         st = self._layer(layer)
-        self._check_running()
         handle = PrefetchHandle(layer=layer, _done=anyio.Event())
-        self._sweep()
         op = self._op(st)
         if isinstance(ids, mx.array):
-            try:
-                mx.async_eval(ids)  # schedule it now: the next sweep finds it computed
-            except BaseException:
-                handle._done.set()
-                self._finish_op(st, op)
-                raise
-            pred = _Prediction(layer=layer, st=st, ids=ids, handle=handle, op=op)
-            self._predictions.append(pred)
-            if self._predicted is not None:
-                self._predicted.set()
-            handle._drive = lambda: self._await_prediction(pred)
+            self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
         else:
             try:
                 self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
-            except BaseException:
-                handle._done.set()
+            finally:
                 self._finish_op(st, op)
-                raise
         return handle
+
+    async def _prefetch_lazy(
+        self, layer: int, st: _Layer, ids: mx.array, handle: PrefetchHandle, op: int
+    ) -> None:
+        try:
+            assert self._completed is not None
+            await self._completed(ids)
+            self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+        except Exception as exc:
+            # A prediction is a hint: bad ids or a failed computation fail its handle (and are
+            # counted), never the runtime's task group.
+            handle.errors.append(exc)
+            handle._done.set()
+            self._stats["failed_predictions"] += 1
+        finally:
+            self._finish_op(st, op)
 
     def _prefetch_now(
         self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int
     ) -> None:
-        # The prefetch's own op stays outstanding until its reads are done, so a drain() issued
-        # while the prediction was still being computed also waits for the reads it leads to.
         fills = self._reserve(layer, st, ids, demand=False)
         handle.fills = fills
-        handles = self._submit(layer, st, fills)
         self._stats["prefetched"] += len(fills)
-        if not handles:
+        if not fills:
             handle._done.set()
-            self._finish_op(st, op)
             return
-        remaining = [len(handles)]
+        remaining = [len(fills)]
 
-        def one_done(h: FillHandle) -> None:
-            err = h.result_error()
-            if err is not None:
-                handle.errors.append(err)
+        def one_done(p: _Pending) -> None:
+            if p.error is not None:
+                handle.errors.append(p.error)
             remaining[0] -= 1
             if remaining[0] == 0:
                 handle._done.set()
-                self._finish_op(st, op)
 
-        for h in handles:
-            h.add_done_callback(one_done)
+        self._submit(layer, st, fills, one_done, parent_op=op)
 
     async def drain(self, layer: int | None = None) -> None:
         """Wait for every fill (and pending prefetch) submitted so far for ``layer`` (or all).
@@ -552,17 +508,8 @@ class Runtime:
         """
         layers = [self._layer(layer)] if layer is not None else list(self._layers.values())
         horizon = self._next_op
-        while True:
-            self._sweep()
-            queued = [p for p in self._predictions if p.op < horizon and any(p.st is st for st in layers)]
-            if queued:
-                await self._await_prediction(queued[0])
-            elif any(op < horizon for st in layers for op in st.outstanding):
-                await self._wait_change()
-            elif self._releases:
-                await self._await_release()
-            else:
-                break
+        while any(op < horizon for st in layers for op in st.outstanding):
+            await self._wait_change()
         errors: list[FillError] = []
         for st in layers:
             errors.extend(st.errors)
@@ -584,7 +531,6 @@ class Runtime:
             await self._completed(ids)
         wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
         self._stats["ensure_calls"] += 1
-        self._sweep()  # computed predictions start their reads; computed arrays free their rows
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
         n_hits = int(present.sum())
@@ -598,33 +544,31 @@ class Runtime:
         counted = False
         try:
             while True:
+                # Re-check every wanted expert, not only the ones missing before: while this
+                # task awaited, a prefetch may have evicted one that was present.
                 missing = wanted[st.ledger.lookup()[wanted] < 0]
                 if missing.size == 0:
                     return
-                # Reserve the whole batch every round, not only the ids still missing: the ledger
-                # never evicts a member of the batch, so an expert present at the start (or
-                # published in an earlier round) cannot be evicted to make room for another.
+                # The whole wanted set goes in: the ledger never evicts a member of the batch.
                 fills = self._reserve(layer, st, wanted, demand=True)
                 if not counted:
-                    # Counted once the batch fits (a CapacityError is retried in smaller groups,
-                    # whose ensures count their own hits and misses).
+                    # Counted once the batch fits: a CapacityError is retried by the forward in
+                    # smaller groups, whose ensures count their own hits and misses.
                     counted = True
                     self._stats["hits"] += n_hits
                     self._stats["misses"] += int(missing.size)
                     self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
-                # A read may finish (or fail) inside submit() (a warm io_uring read can complete
-                # before submit returns), so keep this round's handles, not only st.inflight.
-                mine = dict(zip((f.expert for f in fills), self._submit(layer, st, fills)))
-                waiting = [h for e in missing.tolist() if (h := mine.get(e) or st.inflight.get(e)) is not None]
+                ours = self._submit(layer, st, fills)
+                # Fills that settled inside submit are awaited too, so a failure among them
+                # reaches this awaiter.
+                waiting = [p for p in ours if p.done()]
+                waiting += [st.inflight[e] for e in missing.tolist() if e in st.inflight]
                 if waiting:
                     for h in waiting:
                         await h.wait()  # raises FillError: the awaiter hears of it
                 elif st.ledger.blocked:
                     # Every usable row is pinned by a lease or filling: wait for a change.
-                    if self._releases:
-                        await self._await_release()
-                    else:
-                        await self._wait_change()
+                    await self._wait_change()
                 else:
                     raise CapacityError(
                         f"layer {layer}: experts {missing.tolist()} could not be placed "
@@ -659,19 +603,21 @@ class Runtime:
         self._notify()
 
     def release_after(self, x: mx.array, leases: Iterable[tuple[int, int]]) -> None:
-        """Release ``leases`` ((layer, lease id) pairs) once ``x`` has been computed.
-
-        Queued, not awaited by a task: the next runtime call that finds ``x`` computed releases
-        them (see the module docstring); ``ensure`` waits for them when it needs the rows.
-        """
+        """Release ``leases`` ((layer, lease id) pairs) once ``x`` has been computed."""
         leases = list(leases)
         if not leases:
             return
-        self._check_running()
-        # Not scheduled here (mx.async_eval costs ~0.1 ms on the loop thread): a forward
-        # evaluates x anyway, and whoever needs the rows first (a blocked ensure, drain)
-        # awaits x, which schedules it if nobody did.
-        self._releases.append((x, leases))
+        self._spawn(self._release_after, x, leases)
+
+    async def _release_after(self, x: mx.array, leases: list[tuple[int, int]]) -> None:
+        try:
+            assert self._completed is not None
+            await self._completed(x)
+        finally:
+            # Even when cancelled (runtime closing) the leases go: nothing reads them after.
+            for layer, lease_id in leases:
+                self._layers[layer].ledger.release(lease_id)
+            self._notify()
 
     def audit(self) -> dict[int, Any]:
         """Audit every ledger; returns layer -> AuditReport."""

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -122,11 +123,15 @@ class Scheduler:
         direct: bool | None = None,
         workers: int | None = None,
         chunk_bytes: int = 1 << 20,
+        buffered_chunk_bytes: int = 16 << 20,
         async_threshold: int = 64 << 10,
         staging_bytes: int = 64 << 20,
         slot_bytes: int = 4 << 20,
         register_files: bool = True,
         register_buffers: bool = True,
+        iowq_max_workers: int | None = None,
+        worker_nice: int = 0,
+        direct_rows: bool = True,
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
@@ -135,8 +140,10 @@ class Scheduler:
         self.direct = resolve_direct(direct)
         self.options = ReaderOptions(
             queue_depth=queue_depth, direct=self.direct, workers=workers, chunk_bytes=chunk_bytes,
+            buffered_chunk_bytes=buffered_chunk_bytes,
             async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
-            register_files=register_files, register_buffers=register_buffers,
+            register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
+            worker_nice=worker_nice, direct_rows=direct_rows,
         )
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)
@@ -150,7 +157,8 @@ class Scheduler:
         self._closed = False
         self._pumping = False
         self._repump = False
-        self._stats = {"submitted": 0, "completed": 0, "failed": 0, "backlogged": 0, "max_backlog": 0}
+        self._stats: dict[str, Any] = {"submitted": 0, "completed": 0, "failed": 0, "backlogged": 0, "max_backlog": 0,
+                                       "submit_calls": 0, "submit_s_total": 0.0, "submit_s_max": 0.0}
 
     def __repr__(self) -> str:
         return (f"Scheduler(reader={self.name!r}, queue_depth={self.queue_depth}, direct={self.direct}, "
@@ -161,7 +169,8 @@ class Scheduler:
     async def __aenter__(self) -> Scheduler:
         if self.reader is not None or self._closed:
             raise RuntimeError("a Scheduler can be entered once")
-        self.reader = make_reader(self.name, self.options)
+        # Building a native reader sets up a ring and allocates/registers staging: off the loop.
+        self.reader = await anyio.to_thread.run_sync(make_reader, self.name, self.options)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -272,10 +281,17 @@ class Scheduler:
                 if self._backlog:
                     self._stats["backlogged"] += 1
                     self._stats["max_backlog"] = max(self._stats["max_backlog"], len(self._backlog))
+                t0 = time.perf_counter()
                 for lay, toks, experts, rows in batches.values():
                     self.reader.submit(lay.id, toks, experts, rows)
+                t1 = time.perf_counter()
                 # Reads that completed inside submit posted their completions already.
                 self.reader.kick(self._deliver)
+                if batches:
+                    # Time the loop thread spent inside the reader's submit (syscalls included).
+                    self._stats["submit_calls"] += 1
+                    self._stats["submit_s_total"] += t1 - t0
+                    self._stats["submit_s_max"] = max(self._stats["submit_s_max"], t1 - t0)
                 if not (self._repump and self._backlog):
                     break
         finally:

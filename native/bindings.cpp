@@ -4,12 +4,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <mlx/array.h>
 
 #include "io_reader.h"
+#include "host_mirror.h"
 #include "version.h"
 
 namespace nb = nanobind;
@@ -119,9 +121,9 @@ namespace mx = mlx::core;
 // released; native threads never see a Python object.
 class PyReader {
  public:
-  PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
+  PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes, uint64_t buffered_chunk_bytes,
            uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes,
-           bool register_files, bool register_buffers) {
+           bool register_files, bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
     io::ReaderOptions o;
     if (backend == "io_uring") {
       o.backend = io::Backend::IoUring;
@@ -133,12 +135,16 @@ class PyReader {
     o.queue_depth = queue_depth;
     o.workers = workers;
     o.chunk_bytes = chunk_bytes;
+    o.buffered_chunk_bytes = buffered_chunk_bytes;
     o.async_threshold = async_threshold;
     o.direct = direct;
     o.staging_bytes = staging_bytes;
     o.slot_bytes = slot_bytes;
     o.register_files = register_files;
     o.register_buffers = register_buffers;
+    o.iowq_max_workers = iowq_max_workers;
+    o.worker_nice = worker_nice;
+    o.direct_rows = direct_rows;
     r_ = io::Reader::create(o);
   }
   ~PyReader() {
@@ -166,11 +172,24 @@ void bind_read_path(nb::module_& m) {
   nb::class_<PyReader>(m, "Reader",
                        "A native reader (io_uring or preadv thread pool) completing whole fills onto one "
                        "completion list + eventfd.")
-      .def(nb::init<const std::string&, int, int, uint64_t, uint64_t, bool, uint64_t, uint64_t, bool, bool>(),
+      .def(
+          "__init__",
+          [](PyReader* self, const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
+             uint64_t buffered_chunk_bytes,
+             uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes, bool register_files,
+             bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
+            // Ring setup, staging allocation and buffer registration take milliseconds: GIL released.
+            nb::gil_scoped_release g;
+            new (self) PyReader(backend, queue_depth, workers, chunk_bytes, buffered_chunk_bytes, async_threshold, direct, staging_bytes,
+                                slot_bytes, register_files, register_buffers, iowq_max_workers, worker_nice,
+                                direct_rows);
+          },
            nb::arg("backend"), nb::arg("queue_depth") = 64, nb::arg("workers") = 4,
-           nb::arg("chunk_bytes") = 1ull << 20, nb::arg("async_threshold") = 64ull << 10,
+           nb::arg("chunk_bytes") = 1ull << 20, nb::arg("buffered_chunk_bytes") = 16ull << 20,
+           nb::arg("async_threshold") = 64ull << 10,
            nb::arg("direct") = false, nb::arg("staging_bytes") = 64ull << 20, nb::arg("slot_bytes") = 4ull << 20,
-           nb::arg("register_files") = true, nb::arg("register_buffers") = true)
+           nb::arg("register_files") = true, nb::arg("register_buffers") = true, nb::arg("iowq_max_workers") = 0,
+           nb::arg("worker_nice") = 0, nb::arg("direct_rows") = true)
       .def_prop_ro("backend", [](PyReader& p) { return std::string(p.r().backend_name()); })
       .def_prop_ro("event_fd", [](PyReader& p) { return p.r().event_fd(); },
                    "Readable when completions are waiting: watch it, then call reap().")
@@ -189,6 +208,28 @@ void bind_read_path(nb::module_& m) {
           nb::arg("path"), nb::arg("stride"), nb::arg("n_experts"), nb::arg("offsets"), nb::arg("nbytes"),
           nb::arg("pools"),
           "Open a layer blob; pools[i] (evaluated, rows x nbytes[i] bytes) receives segment i. Returns its id.")
+      .def(
+          "add_layout_mirror",
+          [](PyReader& p, const std::string& path, uint64_t stride, int64_t n_experts,
+             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes,
+             std::shared_ptr<io::HostMirror> mirror) {
+            if (mirror->segments() != nbytes.size()) {
+              throw std::invalid_argument("mirror: expected " + std::to_string(nbytes.size()) +
+                                          " segments, got " + std::to_string(mirror->segments()));
+            }
+            for (size_t i = 0; i < nbytes.size(); ++i) {
+              if (mirror->row_nbytes(i) != nbytes[i]) {
+                throw std::invalid_argument("mirror segment " + std::to_string(i) + ": rows of " +
+                                            std::to_string(mirror->row_nbytes(i)) + " bytes, expected " +
+                                            std::to_string(nbytes[i]));
+              }
+            }
+            auto s = spans(offsets, nbytes);
+            nb::gil_scoped_release g;
+            return p.r().add_layout(path, stride, n_experts, std::move(s), std::move(mirror));
+          },
+          nb::arg("path"), nb::arg("stride"), nb::arg("n_experts"), nb::arg("offsets"), nb::arg("nbytes"),
+          nb::arg("mirror"), "Like add_layout, but reads land in a HostMirror (device pools are fed from it).")
       .def(
           "submit",
           [](PyReader& p, uint32_t layout, const std::vector<uint64_t>& tokens, const std::vector<int64_t>& experts,
@@ -275,6 +316,15 @@ void bind_read_path(nb::module_& m) {
       "Benchmark baseline: one thread, pread each whole record into a temp buffer, memcpy each segment.");
 
   m.def(
+      "pread_seconds",
+      [](const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads) {
+        nb::gil_scoped_release g;
+        return io::pread_seconds(path, stride, experts, threads);
+      },
+      nb::arg("path"), nb::arg("stride"), nb::arg("experts"), nb::arg("threads") = 1,
+      "Seconds for `threads` threads to pread the given whole records into private buffers (page-cache limit).");
+
+  m.def(
       "memcpy_seconds",
       [](uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {
         nb::gil_scoped_release g;
@@ -287,10 +337,72 @@ void bind_read_path(nb::module_& m) {
 }  // namespace
 // ---- end read path --------------------------------------------------------------------------------
 
+// ===== device pools (issue 7): host mirror, mirror reads, uploads to device pools ===============
+#include <nanobind/ndarray.h>
+
+#include "cuda_upload.h"
+#include "host_mirror.h"
+
+namespace {
+
+void bind_device_pools(nb::module_& m) {
+  namespace io = asyncside::io;
+  nb::class_<io::HostMirror>(m, "HostMirror",
+                             "Page-aligned (pinned on CUDA) host memory laid out like one layer's pools: "
+                             "readers fill it, upload_rows copies rows to device pools.")
+      .def(nb::new_([](int64_t rows, std::vector<uint64_t> nbytes) {
+             return std::make_shared<io::HostMirror>(rows, std::move(nbytes));
+           }),
+           nb::arg("rows"), nb::arg("segment_nbytes"))
+      .def_prop_ro("rows", &io::HostMirror::rows)
+      .def_prop_ro("pinned", &io::HostMirror::pinned)
+      .def(
+          "row_view",
+          [](nb::handle self, size_t segment, int64_t row) {
+            auto& m = nb::cast<io::HostMirror&>(self);
+            if (segment >= m.segments()) {
+              throw std::out_of_range("segment " + std::to_string(segment) + " outside [0, " +
+                                      std::to_string(m.segments()) + ")");
+            }
+            if (row < 0 || row >= m.rows()) {
+              throw std::out_of_range("row " + std::to_string(row) + " outside [0, " + std::to_string(m.rows()) + ")");
+            }
+            size_t shape[1] = {static_cast<size_t>(m.row_nbytes(segment))};
+            // A writable numpy view of the row; it keeps the mirror object alive.
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(m.host_row(segment, row), 1, shape, self);
+          },
+          nb::arg("segment"), nb::arg("row"), "A writable uint8 numpy view of one row of one segment.");
+  m.def(
+      "upload_rows",
+      [](std::shared_ptr<io::HostMirror> mirror, std::vector<mlx::core::array> pools, std::vector<int64_t> rows,
+         mlx::core::Stream stream) {
+        return asyncside::cuda::upload_rows(std::move(mirror), std::move(pools), std::move(rows), stream);
+      },
+      nb::arg("mirror"), nb::arg("pools"), nb::arg("rows"), nb::arg("stream"),
+      "A lazy array whose evaluation on a GPU stream copies mirror rows into device pool rows.");
+  m.def("cuda_upload_available", &asyncside::cuda::available, "True when the CUDA upload path is compiled in.");
+  m.def("cuda_h2d_bandwidth", &asyncside::cuda::h2d_bandwidth, nb::arg("nbytes"), nb::arg("iters"),
+        nb::call_guard<nb::gil_scoped_release>(), "Pinned host->device cudaMemcpy bytes/s (the copy limit).");
+  m.def("mirror_counters", [] {
+    auto& c = io::mirror_counters();
+    return std::map<std::string, uint64_t>{{"created", c.created.load()},
+                                           {"destroyed", c.destroyed.load()},
+                                           {"bytes_allocated", c.bytes_allocated.load()},
+                                           {"bytes_freed", c.bytes_freed.load()},
+                                           {"pinned", c.pinned.load()},
+                                           {"unpinned", c.unpinned.load()}};
+  });
+  asyncside::cuda::install_pin_hooks();
+}
+
+}  // namespace
+// ===== end device pools ===========================================================================
+
 NB_MODULE(_native, m) {
   m.doc() = "asyncside native core: readers, scatter, completion bridge";
   m.def("build_info", [] { return std::string(asyncside::build_info()); },
         "Which optional native paths (io_uring, CUDA, Metal) this build compiled in.");
   bind_bridge(m);
   bind_read_path(m);  // read path (h2)
+  bind_device_pools(m);
 }

@@ -12,7 +12,9 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #if defined(__linux__)
 #include <sys/eventfd.h>
@@ -62,6 +64,8 @@ std::map<std::string, uint64_t> Counters::snapshot() const {
       {"staging_released", staging_released.load()}, {"staging_waits", staging_waits.load()},
       {"slab_allocs", slab_allocs.load()},           {"slab_frees", slab_frees.load()},
       {"enter_calls", enter_calls.load()},           {"wakeups_written", wakeups_written.load()},
+      {"iowq_max_workers", iowq_max_workers.load()},
+      {"submit_ns_max", submit_ns_max.load()},       {"reap_ns_max", reap_ns_max.load()},
   };
 }
 
@@ -103,8 +107,17 @@ MlxPoolDestination::MlxPoolDestination(std::vector<mx::array> pools,
 // ---------------------------------------------------------------------------------------------
 // ChunkWorkers
 
-ChunkWorkers::ChunkWorkers(int n, std::function<void(Chunk*)> fn) : fn_(std::move(fn)) {
-  for (int i = 0; i < std::max(1, n); ++i) threads_.emplace_back([this] { loop(); });
+ChunkWorkers::ChunkWorkers(int n, std::function<void(Chunk*)> fn, int nice) : fn_(std::move(fn)) {
+  for (int i = 0; i < std::max(1, n); ++i) {
+    threads_.emplace_back([this, nice] {
+#if defined(__linux__)
+      // Linux nice is per thread: a worker above the loop thread's nice never delays the loop
+      // when both want the same CPU (memcpy-bound warm reads keep workers runnable).
+      if (nice != 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), getpriority(PRIO_PROCESS, 0) + nice);
+#endif
+      loop();
+    });
+  }
 }
 
 ChunkWorkers::~ChunkWorkers() { stop(); }
@@ -153,6 +166,7 @@ Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
   }
   // Direct reads split at chunk boundaries, which must stay block aligned.
   opts_.chunk_bytes = round_up(opts_.chunk_bytes, kDirectAlign);
+  if (opts_.buffered_chunk_bytes < 1) throw std::invalid_argument("buffered_chunk_bytes: expected >= 1");
   opts_.slot_bytes = round_up(std::max<uint64_t>(opts_.slot_bytes, kDirectAlign), kDirectAlign);
 #if defined(__linux__)
   int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -174,7 +188,6 @@ Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
     slab_bytes_ = static_cast<uint64_t>(n_slots_) * opts_.slot_bytes;
     slab_ = static_cast<uint8_t*>(aligned_alloc_or_throw(slab_bytes_, "the O_DIRECT staging slab"));
     counters_.slab_allocs++;
-    std::memset(slab_, 0, slab_bytes_);  // fault the pages in now, not under the first reads
     for (int i = n_slots_ - 1; i >= 0; --i) free_slots_.push_back(i);
   }
 }
@@ -249,7 +262,18 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
   return layouts_.back()->id;
 }
 
+namespace {
+void note_max(std::atomic<uint64_t>& slot, std::chrono::steady_clock::time_point t0) {
+  const uint64_t ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  uint64_t cur = slot.load();
+  while (ns > cur && !slot.compare_exchange_weak(cur, ns)) {
+  }
+}
+}  // namespace
+
 void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Chunk*> chunks;
   {
     std::lock_guard<std::mutex> lk(api_mu_);
@@ -277,8 +301,8 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
       const bool direct = opts_.direct && L.fd_direct >= 0;
 
       // Can the O_DIRECT read land in the rows themselves (every piece block aligned)?
-      bool rows_ok = true;
-      if (direct) {
+      bool rows_ok = !direct || opts_.direct_rows;
+      if (direct && rows_ok) {
         for (size_t i = 0; i < L.segs.size() && rows_ok; ++i) {
           uint8_t* p = L.dest->host_row(i, r.row);
           rows_ok = p != nullptr && reinterpret_cast<uintptr_t>(p) % kDirectAlign == 0 &&
@@ -317,20 +341,21 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
           g.len += s.nbytes;
         }
         for (Group& g : groups) {
-          // Split into chunks of at most chunk_bytes and kMaxIov iovecs.
+          // Split into chunks of at most `limit` bytes and kMaxIov iovecs.
+          const uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
           Chunk* c = nullptr;
           uint64_t pos = 0;
           for (const iovec& v : g.iov) {
             uint64_t vo = 0;
             while (vo < v.iov_len) {
-              if (c == nullptr || c->req == opts_.chunk_bytes || c->iov.size() == kMaxIov) {
+              if (c == nullptr || c->req == limit || c->iov.size() == kMaxIov) {
                 c = new Chunk;
                 c->fill = f;
                 c->direct = direct;
                 c->file_off = g.off + pos;
                 mine.push_back(c);
               }
-              uint64_t take = std::min<uint64_t>(v.iov_len - vo, opts_.chunk_bytes - c->req);
+              uint64_t take = std::min<uint64_t>(v.iov_len - vo, limit - c->req);
               c->iov.push_back({static_cast<uint8_t*>(v.iov_base) + vo, take});
               c->req += take;
               c->need = c->req;
@@ -374,6 +399,7 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
     }
   }
   dispatch(chunks);
+  note_max(counters_.submit_ns_max, t0);
 }
 
 void Reader::dispatch(std::vector<Chunk*>& chunks) {
@@ -565,6 +591,7 @@ void Reader::notify() {
 // Reader: reaping, waiting, closing
 
 std::vector<Completion> Reader::reap() {
+  const auto t0 = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lk(api_mu_);
   // Reset the wakeup first: anything completing after this re-arms it.
   uint64_t buf[8];
@@ -576,6 +603,7 @@ std::vector<Completion> Reader::reap() {
     std::lock_guard<std::mutex> dl(done_mu_);
     out.swap(done_);
   }
+  note_max(counters_.reap_ns_max, t0);
   return out;
 }
 
@@ -646,7 +674,7 @@ namespace {
 class ThreadReader final : public Reader {
  public:
   explicit ThreadReader(const ReaderOptions& opts) : Reader(opts) {
-    workers_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) { work(c); });
+    workers_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) { work(c); }, opts_.worker_nice);
   }
   ~ThreadReader() override { close(); }
 
@@ -731,6 +759,48 @@ uint64_t original_design_read(const std::string& path, uint64_t stride, const st
   }
   ::close(fd);
   return total;
+}
+
+double pread_seconds(const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads) {
+  if (threads < 1) throw std::invalid_argument("pread_seconds: threads: expected >= 1");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  // Each thread cycles through its share of at least 128 MiB of destination (more than the
+  // last-level cache), like rows of a pool.
+  const uint64_t per_thread = std::max<uint64_t>(2, ((128ull << 20) / stride + threads) / threads);
+  std::vector<uint8_t*> bufs;
+  for (int t = 0; t < threads; ++t) {
+    auto* b = static_cast<uint8_t*>(aligned_alloc_or_throw(stride * per_thread, "pread buffer"));
+    std::memset(b, 0, stride * per_thread);
+    bufs.push_back(b);
+  }
+  std::atomic<int> failed{0};
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      int k = 0;
+      for (size_t i = t; i < experts.size(); i += threads, ++k) {
+        uint8_t* dst = bufs[t] + (k % per_thread) * stride;
+        uint64_t got = 0;
+        while (got < stride) {
+          ssize_t n = ::pread(fd, dst + got, stride - got, static_cast<off_t>(experts[i] * stride + got));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) {
+            failed = 1;
+            return;
+          }
+          got += static_cast<uint64_t>(n);
+        }
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  auto t1 = std::chrono::steady_clock::now();
+  for (auto* b : bufs) std::free(b);
+  ::close(fd);
+  if (failed) throw std::runtime_error(path + ": pread_seconds: a read failed or hit end of file");
+  return std::chrono::duration<double>(t1 - t0).count();
 }
 
 double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {

@@ -35,13 +35,18 @@ struct ReaderOptions {
   Backend backend = Backend::Threads;
   int queue_depth = 64;                       // sizes the ring; fills in flight are bounded above
   int workers = 4;                            // threads: preadv workers; io_uring: scatter workers
-  uint64_t chunk_bytes = 1ull << 20;          // largest single read op; bigger records are split
-  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on buffered reads >= this
+  uint64_t chunk_bytes = 1ull << 20;          // largest O_DIRECT read op: more ops in flight help the disk
+  uint64_t buffered_chunk_bytes = 16ull << 20;  // largest buffered read op: whole records keep readahead
+                                                // sequential (cold) and per-op overhead low (warm)
+  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on reads >= this
   bool direct = false;                        // O_DIRECT (staging + scatter unless rows align)
   uint64_t staging_bytes = 64ull << 20;       // bounded staging slab for O_DIRECT reads
   uint64_t slot_bytes = 4ull << 20;           // one staging slot: the largest staged read op
   bool register_files = true;                 // io_uring: IORING_REGISTER_FILES
   bool register_buffers = true;               // io_uring: staging slots as fixed buffers
+  int iowq_max_workers = 0;                   // io_uring: cap on io-wq workers copying (0: kernel default)
+  int worker_nice = 0;                        // native worker threads run this much nicer than the caller
+  bool direct_rows = true;                    // O_DIRECT straight into aligned rows (false: always stage)
 };
 
 // Test hooks, off by default, checked once per read op (a branch on a flag when off).
@@ -114,13 +119,16 @@ struct Counters {
   std::atomic<uint64_t> staging_acquired{0}, staging_released{0}, staging_waits{0};
   std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
+  std::atomic<uint64_t> iowq_max_workers{0};
+  std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)  // what the kernel accepted (0: default/unsupported)
   std::map<std::string, uint64_t> snapshot() const;
 };
 
 // A fixed set of threads draining a FIFO of chunks through one function.
 class ChunkWorkers {
  public:
-  ChunkWorkers(int n, std::function<void(Chunk*)> fn);
+  // nice: added to each worker thread's nice value (Linux; 0 leaves it alone).
+  ChunkWorkers(int n, std::function<void(Chunk*)> fn, int nice = 0);
   ~ChunkWorkers();
   void push(Chunk* c);
   void stop();  // joins; pending chunks must have been drained by the caller's protocol
@@ -233,6 +241,10 @@ uint64_t original_design_read(const std::string& path, uint64_t stride,
 // memcpy throughput limit: copies `total_bytes` in `block_bytes` blocks from a buffer of
 // `working_bytes` to another, on `threads` threads. Returns seconds.
 double memcpy_seconds(uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads);
+
+// Page-cache read limit: `threads` threads pread whole records (`experts`, split round-robin) into
+// prefaulted private buffers, no second copy. Returns seconds; throws on error.
+double pread_seconds(const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads);
 
 // Whether io_uring can be set up here; reason filled when not.
 bool io_uring_available(std::string* reason);

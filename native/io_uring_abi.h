@@ -82,6 +82,7 @@ constexpr unsigned kRegisterBuffers = 0;
 constexpr unsigned kRegisterFiles = 2;
 constexpr unsigned kRegisterEventfd = 4;
 constexpr unsigned kRegisterFilesUpdate = 6;
+constexpr unsigned kRegisterIowqMaxWorkers = 19;
 // mmap offsets
 constexpr long long kOffSqRing = 0;
 constexpr long long kOffCqRing = 0x8000000LL;
@@ -129,6 +130,7 @@ static_assert(IORING_SETUP_CQSIZE == kSetupCqSize && IORING_SETUP_CLAMP == kSetu
 static_assert(IORING_ENTER_GETEVENTS == kEnterGetEvents);
 static_assert(IORING_REGISTER_BUFFERS == kRegisterBuffers && IORING_REGISTER_FILES == kRegisterFiles);
 static_assert(IORING_REGISTER_EVENTFD == kRegisterEventfd && IORING_REGISTER_FILES_UPDATE == kRegisterFilesUpdate);
+static_assert(IORING_REGISTER_IOWQ_MAX_WORKERS == kRegisterIowqMaxWorkers);
 static_assert(IORING_OFF_CQ_RING == kOffCqRing && IORING_OFF_SQES == kOffSqes);
 static_assert(IORING_FEAT_SINGLE_MMAP == kFeatSingleMmap && IORING_FEAT_NODROP == kFeatNoDrop);
 }  // namespace asyncside::uring::abi_check

@@ -2,8 +2,10 @@
 //
 // Submission: any thread (the loop thread in submit/reap, scatter workers when a staging slot
 // frees) fills SQEs under sq_mu_ and calls io_uring_enter; the caller has released the GIL.
-// Buffered reads at least async_threshold long carry IOSQE_ASYNC so that a page-cache hit is
-// copied by an io-wq worker, not inside io_uring_enter on the submitting (loop) thread.
+// Reads at least async_threshold long carry IOSQE_ASYNC: a buffered page-cache hit is then copied
+// by an io-wq worker, not inside io_uring_enter on the submitting (loop) thread, and an O_DIRECT
+// read's page pinning and bio setup happen there too (measured on 2 CPUs: submitting 64 direct
+// fills of 2.65 MB took 13-18 ms inside io_uring_enter without it, 0.25 ms with it).
 // Completion: the ring's registered eventfd (shared with the completion list) wakes the loop,
 // which reaps the CQ in Reader::reap(): short reads and EAGAIN resubmit, staged chunks go to the
 // scatter workers, finished fills are posted to the completion list.
@@ -108,10 +110,21 @@ class UringReader final : public Reader {
       for (int i = 0; i < n_slots_; ++i) v.push_back({slot_ptr(i), opts_.slot_bytes});
       buffers_registered_ = sys_register(ring_fd_, kRegisterBuffers, v.data(), static_cast<unsigned>(v.size())) == 0;
     }
-    copy_ = std::make_unique<ChunkWorkers>(opts_.workers, [this](Chunk* c) {
-      do_scatter(c);
-      chunk_done(c, 0);
-    });
+    if (opts_.iowq_max_workers > 0) {
+      // Buffered reads punted with IOSQE_ASYNC are bounded io-wq work: more copy threads than
+      // CPUs only thrash (measured: see BENCHMARKS.md). Linux >= 5.15; ignored where refused.
+      uint32_t vals[2] = {static_cast<uint32_t>(opts_.iowq_max_workers), 0};
+      if (sys_register(ring_fd_, kRegisterIowqMaxWorkers, vals, 2) == 0) {
+        counters_.iowq_max_workers = static_cast<uint64_t>(opts_.iowq_max_workers);
+      }
+    }
+    copy_ = std::make_unique<ChunkWorkers>(
+        opts_.workers,
+        [this](Chunk* c) {
+          do_scatter(c);
+          chunk_done(c, 0);
+        },
+        opts_.worker_nice);
   }
 
   ~UringReader() override { close(); }
@@ -171,8 +184,8 @@ class UringReader final : public Reader {
         }
         sqe->off = c->file_off + c->done;
         sqe->user_data = reinterpret_cast<uint64_t>(c);
-        if (!c->direct && len >= opts_.async_threshold) {
-          sqe->flags |= kSqeAsync;  // copy in io-wq, never inside io_uring_enter
+        if (len >= opts_.async_threshold) {
+          sqe->flags |= kSqeAsync;  // the work runs in io-wq, never inside io_uring_enter
           counters_.ops_async++;
         }
         store_release(sq_tail_, tail + 1);

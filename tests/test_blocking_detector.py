@@ -55,6 +55,39 @@ async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None
         det.check()
 
 
+async def test_catches_mx_synchronize_on_a_stuck_stream(anyio_backend: object) -> None:
+    # The gate times out by itself after 0.2 s, failing the stream; synchronize then raises.
+    gate = native.TestingGate(timeout_s=0.2)
+    x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
+    mx.async_eval(x)
+    async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
+        with pytest.raises(RuntimeError, match="never opened"):
+            mx.synchronize()
+    assert any("mx.synchronize()" in inc.stack for inc in det.incidents), det.incidents
+
+
+async def test_reports_a_block_the_watchdog_could_not_watch(anyio_backend: object) -> None:
+    # The loop thread keeps the GIL for the whole block (a long switch interval and pure Python
+    # work), so the watchdog cannot run, let alone sample, until it ends: still reported.
+    previous = sys.getswitchinterval()
+    async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
+        await anyio.sleep(0.02)  # the watchdog has a ping in flight
+        sys.setswitchinterval(5.0)
+        try:
+            start = time.thread_time()  # 0.2 s of this thread's CPU, however loaded the machine
+            while time.thread_time() - start < 0.2:
+                pass
+        finally:
+            sys.setswitchinterval(previous)
+        await anyio.sleep(0.05)  # let the loop answer and the watchdog look again
+    assert det.incidents, "a 200 ms block went unreported"
+    inc = det.incidents[0]
+    assert inc.blocked_s > det.threshold
+    # Any stack is sampled late (the watchdog could not run): the report says why.
+    assert inc.watchdog_lag_s > det.threshold
+    assert "woke" in inc.describe() and "late" in inc.describe()
+
+
 @pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_catches_mx_eval_of_a_big_computation(anyio_backend: object) -> None:
     rng = np.random.default_rng(0)
@@ -100,6 +133,27 @@ async def test_strict_mode_refuses_known_blocking_calls(anyio_backend: object) -
     ]
     with pytest.raises(LoopBlockedError, match="strict mode refused"):
         det.check()
+
+
+async def test_tells_a_parked_loop_from_a_blocked_one(anyio_backend: object) -> None:
+    """Starvation (a ready loop parked in its selector) is told apart from a blocking call."""
+    from asyncside.testing_blocking import _current_loop_handle, _parked
+
+    handle = _current_loop_handle()
+
+    def sample_later() -> bool | None:
+        time.sleep(0.05)
+        return _parked(handle)
+
+    # The loop waits for this worker: it is parked in its selector (or uvloop's C loop).
+    assert await anyio.to_thread.run_sync(sample_later) is True
+    # The loop thread blocks in a call while the worker samples it.
+    box: list[bool | None] = []
+    worker = threading.Thread(target=lambda: box.append(sample_later()))
+    worker.start()
+    time.sleep(0.2)  # the deliberate blocking call
+    worker.join()
+    assert box == [False]
 
 
 def test_detector_needs_a_running_loop() -> None:

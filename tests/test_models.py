@@ -64,6 +64,7 @@ def test_exact_tokens(model_type: str, quant: str) -> None:
         assert await collect(sm, prompt, resident) == ref
         assert not resident.open_leases
         split_seen = False
+        subset_before = sm.forward.counters["subset_groups"]
         for i, (frac, side, policy, predictor) in enumerate(STREAMING_CASES):
             src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
                                  policy=policy, seed=i)
@@ -75,6 +76,8 @@ def test_exact_tokens(model_type: str, quant: str) -> None:
             assert src.stats["demand_fills"] > 0  # rows really moved
             split_seen |= src.stats["capacity_errors"] > 0
         assert split_seen, "no case exercised the capacity-split path"
+        # The prefill (>= 64 routed pairs) splits on the sorted path: groups compute only their pairs.
+        assert sm.forward.counters["subset_groups"] > subset_before
 
     anyio.run(main)
 

@@ -13,18 +13,14 @@ import pytest
 
 from asyncside.ledger import Ledger
 from asyncside.pools import POOL_ALIGNMENT, PoolSet
-from asyncside.readers import choose_reader, io_uring_status
+from asyncside.readers import choose_reader
 from asyncside.scheduler import Scheduler
 from asyncside.store import ExpertStore
 
+from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows
+
 pytestmark = pytest.mark.anyio
 
-HAVE_URING = io_uring_status()[0]
-READERS = [
-    pytest.param("io_uring", marks=pytest.mark.skipif(not HAVE_URING, reason="io_uring unavailable here")),
-    "threads",
-    "aiofiles",
-]
 ALL_BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
@@ -94,25 +90,6 @@ def aligned_store(tmp_path_factory: pytest.TempPathFactory) -> ExpertStore:
     return ExpertStore.create(tmp_path_factory.mktemp("aligned") / "s", {5: layer})
 
 
-def rows_equal_store(store: ExpertStore, spec_index: int, pools: PoolSet, expert: int, row: int) -> None:
-    truth = store.read_expert(spec_index, expert)
-    for key, want in truth.items():
-        got = pools.arrays[key][row]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
-        assert bytes(pools.row_view(key, row)) == bytes(memoryview(want).cast("B")), (
-            f"layer {spec_index} expert {expert} row {row} key {key}: bytes differ")
-
-
-def assert_balanced(c: dict[str, int]) -> None:
-    """Every submitted op completed, every staging buffer came back, nothing leaked."""
-    assert c["fills_submitted"] == c["fills_completed"], c
-    assert c["ops_submitted"] == c["ops_completed"], c
-    assert c["staging_acquired"] == c["staging_released"], c
-    assert c.get("chunks_created", 0) == c.get("chunks_destroyed", 0), c
-    assert c.get("slab_allocs", 0) == c.get("slab_frees", 0), c
-    assert c["in_flight"] == 0, c
-
-
 def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:
     spec = next(iter(stores[2].layers.values()))
     pools = PoolSet(spec, rows=3)
@@ -131,15 +108,15 @@ def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("reader", READERS)
-async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore]) -> None:
+async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore], no_blocking: object) -> None:
     """Random layouts: every expert of every layer read into rows (more experts than rows, in
     rounds, rows reused) equals read_expert; chunking is tiny so records span several ops."""
     rng = random.Random(11)
-    async with Scheduler(reader, queue_depth=4, direct=direct, chunk_bytes=4096, slot_bytes=8192,
+    async with Scheduler(reader, queue_depth=4, direct=direct, chunk_bytes=4096, buffered_chunk_bytes=4096, slot_bytes=8192,
                          staging_bytes=3 * 8192) as sched:
         for store in stores:
             for index, spec in store.layers.items():
-                pools = PoolSet(spec, rows=3)
+                pools = await PoolSet.allocate(spec, rows=3)
                 experts = list(range(spec.n_experts))
                 rng.shuffle(experts)
                 for start in range(0, len(experts), 3):
@@ -148,8 +125,7 @@ async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[Ex
                     handles = sched.submit(spec, pools, fills)
                     for h in handles:
                         await h.wait()
-                    for f in fills:
-                        rows_equal_store(store, index, pools, f.expert, f.row)
+                    await check_rows(store, index, pools, [(f.expert, f.row) for f in fills])
     counters = sched.stats()["native"]  # after close: the slab is freed too
     assert_balanced(counters)
     assert counters["fills_failed"] == 0
@@ -163,19 +139,18 @@ class _F:
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore) -> None:
+async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore, no_blocking: object) -> None:
     """With 4096-multiple segments and aligned pools, native O_DIRECT reads go straight into the
     rows (no staging); the bytes are still exactly read_expert's."""
     spec = aligned_store.layer(5)
-    pools = PoolSet(spec, rows=6)
+    pools = await PoolSet.allocate(spec, rows=6)
     assert pools.aligned
-    async with Scheduler(reader, direct=True, chunk_bytes=64 << 10) as sched:
+    async with Scheduler(reader, direct=True, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10) as sched:
         hs = sched.submit(spec, pools, [_F(e, e, 5 - e) for e in range(6)])
         for h in hs:
             await h.wait()
     c = sched.stats()["native"]
-    for e in range(6):
-        rows_equal_store(aligned_store, 5, pools, e, 5 - e)
+    await check_rows(aligned_store, 5, pools, [(e, 5 - e) for e in range(6)])
     assert_balanced(c)
     if reader != "aiofiles":
         assert c["fills_direct_rows"] == 6 and c["fills_staged"] == 0, c
@@ -183,14 +158,14 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
 
 @pytest.mark.parametrize("anyio_backend", ALL_BACKENDS)
 @pytest.mark.parametrize("reader", READERS)
-async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore]) -> None:
+async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore], no_blocking: object) -> None:
     """The runtime's wiring in miniature: ledger.reserve -> submit -> done callbacks publish/fail on
     the loop thread, on asyncio, uvloop and trio; the ledger audits clean and lookup() maps to rows
     holding the right bytes."""
     store = stores[0]
     spec = next(iter(store.layers.values()))
     ledger = Ledger(spec.n_experts, resident=[0], side_rows=3)
-    pools = PoolSet(spec, rows=ledger.rows)
+    pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader, queue_depth=2) as sched:
         for ids in ([1, 2, 3], [2, 4], [4, 1, spec.n_experts - 1]):
             fills = ledger.reserve(ids)
@@ -199,19 +174,17 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
             await sched.join()
             assert not ledger.pending()
             lut = ledger.lookup()
-            for e in ids:
-                if lut[e] >= ledger.cap:
-                    rows_equal_store(store, spec.index, pools, e, int(lut[e]))
+            await check_rows(store, spec.index, pools, [(e, int(lut[e])) for e in ids if lut[e] >= ledger.cap])
     assert_balanced(sched.stats()["native"])
     assert ledger.audit().ok, ledger.audit().problems
 
 
 @pytest.mark.parametrize("reader", READERS)
-async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore]) -> None:
+async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore], no_blocking: object) -> None:
     """queue_depth=2 with 12 fills: never more than 2 at the reader, the rest wait in the backlog."""
     store = stores[1]
     spec = next(iter(store.layers.values()))
-    pools = PoolSet(spec, rows=12)
+    pools = await PoolSet.allocate(spec, rows=12)
     seen: list[int] = []
     async with Scheduler(reader, queue_depth=2) as sched:
         fills = [_F(i, i % spec.n_experts, i) for i in range(12)]
@@ -222,8 +195,7 @@ async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertSto
         await sched.join()
         assert sched.stats()["max_backlog"] >= 8
     assert max(seen) <= 2
-    for f in fills:
-        rows_equal_store(store, spec.index, pools, f.expert, f.row)
+    await check_rows(store, spec.index, pools, [(f.expert, f.row) for f in fills])
 
 
 def test_reader_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,10 +213,10 @@ def test_reader_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         choose_reader("uring")
 
 
-async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore]) -> None:
+async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore], no_blocking: object) -> None:
     store = stores[0]
     specs = list(store.layers.values())
-    pools = PoolSet(specs[0], rows=2)
+    pools = await PoolSet.allocate(specs[0], rows=2)
     async with Scheduler("threads") as sched:
         with pytest.raises(ValueError, match="row 2 out of range"):
             sched.submit(specs[0], pools, [_F(0, 0, 2)])

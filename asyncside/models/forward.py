@@ -27,9 +27,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from .. import _native
 from ..errors import AsyncsideError, CapacityError
 from .arch import Arch, decoder_layers
-from .pooled import SwitchSpec, combine, pooled_switch_apply, route
+from .pooled import SORT_THRESHOLD, SwitchSpec, combine, pooled_switch_apply, pooled_switch_pairs, route
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
@@ -80,7 +81,7 @@ class AsyncForward:
         for i in range(len(decoder_layers(model))):
             later = [m for m in order if m > i]
             self.next_moe[i] = later[0] if later else None
-        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0}
+        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0}
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
@@ -121,42 +122,56 @@ class AsyncForward:
             source.prefetch(self.first_moe, p)
             predicted[self.first_moe] = p
 
-        for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
-            block = getattr(layer, self.arch.block_attr)
-            h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
-            xn = layer.post_attention_layernorm(h)
-            if i not in self.moe:
-                h = h + block(xn)
-                continue
-            attr = self.moe[i][1]
-            x_sw, inds = route(block, attr, xn)
-            nxt = self.next_moe[i]
-            if nxt is not None:
-                p = predictor.next(nxt, xn)
+        # Leases of this forward's rows, released together once its output has been computed.
+        leases: list[tuple[int, int]] = []
+        try:
+            for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
+                block = getattr(layer, self.arch.block_attr)
+                h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+                xn = layer.post_attention_layernorm(h)
+                if i not in self.moe:
+                    h = h + block(xn)
+                    continue
+                attr = self.moe[i][1]
+                x_sw, inds = route(block, attr, xn)
+                nxt = self.next_moe[i]
+                p = predictor.next(nxt, xn) if nxt is not None else None
+                if isinstance(p, mx.array):
+                    # Schedule the prediction before the routed ids: the stream computes it first, so
+                    # once the ids are in, the prediction is too and its prefetch needs no completion
+                    # signal of its own (one signal per layer, not two).
+                    mx.async_eval(p)
+                await self.completed(inds)
                 if p is not None:
+                    if isinstance(p, mx.array) and _native.is_available(p):
+                        p = np.array(p, copy=True)
                     source.prefetch(nxt, p)
                     predicted[nxt] = p
-            await self.completed(inds)
-            inds_np = np.array(inds, copy=True)
-            predictor.observe(i, inds_np)
-            if step is not None:
-                pred = predicted.get(i)
-                if isinstance(pred, mx.array):
-                    await self.completed(pred)
-                step.record(i, inds_np, None if pred is None else np.asarray(pred))
-            y = await self._serve(i, source, x_sw, inds_np)
-            h = h + combine(block, attr, xn, y)
-
+                inds_np = np.array(inds, copy=True)
+                predictor.observe(i, inds_np)
+                if step is not None:
+                    pred = predicted.get(i)
+                    if isinstance(pred, mx.array):
+                        await self.completed(pred)
+                    step.record(i, inds_np, None if pred is None else np.asarray(pred))
+                y = await self._serve(i, source, x_sw, inds_np, leases)
+                h = h + combine(block, attr, xn, y)
+        except BaseException:
+            # Nothing reads these rows any more once the forward is abandoned.
+            source.release_after(mx.array(0), leases)
+            raise
         self.counters["forwards"] += 1
         if not logits:
+            source.release_after(h, leases)
             await self.completed(h)
             return h
         h = inner.norm(h)
-        if "lm_head" in model:
-            return model.lm_head(h)
-        return inner.embed_tokens.as_linear(h)
+        out = model.lm_head(h) if "lm_head" in model else inner.embed_tokens.as_linear(h)
+        source.release_after(out, leases)
+        return out
 
-    async def _serve(self, layer: int, source: ExpertSource, x_sw: mx.array, inds: np.ndarray) -> mx.array:
+    async def _serve(self, layer: int, source: ExpertSource, x_sw: mx.array, inds: np.ndarray,
+                     leases: list[tuple[int, int]]) -> mx.array:
         """Expert outputs of one MoE layer, every pair served from a leased, present row."""
         block, attr = self.moe[layer]
         spec = self.specs[layer]
@@ -164,6 +179,12 @@ class AsyncForward:
         pending = [np.unique(inds).astype(np.int64)]
         y: mx.array | None = None
         split = False
+        # Split groups on the sorted path: each group computes only its own pairs (parts), put
+        # back in pair order at the end. Every pair of an expert is in one group, so each expert's
+        # block of rows is the same as in the unsplit sorted gather, and results stay bitwise equal.
+        subset = inds.size >= SORT_THRESHOLD
+        parts: list[mx.array] = []
+        positions: list[np.ndarray] = []
         while pending:
             ids = pending.pop(0)
             try:
@@ -193,6 +214,16 @@ class AsyncForward:
                 if not split:
                     y_g = pooled_switch_apply(spec, activation, x_sw, table[inds], pools)
                     y = y_g
+                elif subset:
+                    flat = inds.reshape(-1)
+                    pos = np.nonzero(np.isin(flat, ids))[0]
+                    rows_g = table[flat[pos]]
+                    order = np.argsort(rows_g, kind="stable")
+                    pos = pos[order]
+                    y_g = pooled_switch_pairs(spec, activation, x_sw, pos // inds.shape[-1], rows_g[order], pools)
+                    parts.append(y_g)
+                    positions.append(pos)
+                    self.counters["subset_groups"] += 1
                 else:
                     member = np.isin(inds, ids)
                     # Pairs of other groups point at a row this group leased; their results are discarded.
@@ -203,10 +234,21 @@ class AsyncForward:
             except BaseException:
                 source.release_after(mx.array(0), [(layer, lease_id)])
                 raise
-            source.release_after(y_g, [(layer, lease_id)])
+            if split:
+                source.release_after(y_g, [(layer, lease_id)])
+            else:
+                # Released with the whole forward's output (one completion per forward, not one per
+                # layer); the rows stay pinned until the token's logits have been computed.
+                leases.append((layer, lease_id))
             if pending:
                 # The next group may need these rows: its reads must wait until this group is computed.
                 await self.completed(y_g)
+        if parts:
+            where = np.concatenate(positions)
+            inv = np.empty_like(where)
+            inv[where] = np.arange(where.size)
+            y = mx.concatenate(parts, axis=0)[mx.array(inv)]
+            y = mx.unflatten(y, 0, inds.shape).squeeze(-2)
         assert y is not None
         return y
 

@@ -193,3 +193,22 @@ def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, ro
     if do_sort:
         x = mx.unflatten(x[inv_order], 0, rows.shape)
     return x.squeeze(-2)
+
+
+def pooled_switch_pairs(spec: SwitchSpec, activation: nn.Module, x: mx.array, tokens: np.ndarray,
+                        rows: np.ndarray, pools: Mapping[str, mx.array]) -> mx.array:
+    """Outputs of a subset of routed pairs on the sorted path: shape ``(len(rows), 1, out)``.
+
+    ``tokens[j]`` is the flat token index of pair j and ``rows[j]`` its pool row; rows must be
+    sorted (stable), as :func:`pooled_switch_apply` sorts them. Used when one layer's experts are
+    served in groups: a group computes only its own pairs.
+    """
+    lin = dict(spec.linears)
+    x = mx.expand_dims(x, (-2, -3)).flatten(0, -3)[mx.array(tokens)]
+    idx = mx.array(rows.astype(np.uint32))
+    if spec.kind == "glu":
+        x_up = _linear(lin["up_proj"], "up_proj", pools, x, idx, True)
+        x_gate = _linear(lin["gate_proj"], "gate_proj", pools, x, idx, True)
+        return _linear(lin["down_proj"], "down_proj", pools, activation(x_up, x_gate), idx, True)
+    x = _linear(lin["fc1"], "fc1", pools, x, idx, True)
+    return _linear(lin["fc2"], "fc2", pools, activation(x), idx, True)

@@ -1,0 +1,200 @@
+"""A small metrics registry that renders the Prometheus text exposition format, version 0.0.4.
+
+The server needs a handful of counters, gauges and one histogram; a dependency for that would
+weigh more than this module. Every metric is updated on the event-loop thread only, so there is
+no locking.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+LabelValues = tuple[str, ...]
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"metric name {name!r} is not a valid Prometheus name ([a-zA-Z_:][a-zA-Z0-9_:]*)")
+    return name
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """Render a sample value the way Prometheus parses it (+Inf, -Inf, NaN, integers without '.0')."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: Mapping[str, str] | None = None) -> str:
+    pairs = [(n, v) for n, v in zip(names, values)]
+    if extra:
+        pairs.extend(extra.items())
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{n}="{_escape_label(str(v))}"' for n, v in pairs) + "}"
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        self.name = _check_name(name)
+        self.help = help
+        for label in labelnames:
+            if not _LABEL.match(label) or label.startswith("__"):
+                raise ValueError(f"metric {name}: label name {label!r} is not valid")
+        self.labelnames = tuple(labelnames)
+
+    def _key(self, labels: Mapping[str, str]) -> LabelValues:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"metric {self.name}: labels {sorted(labels)} given, {list(self.labelnames)} expected")
+        return tuple(str(labels[n]) for n in self.labelnames)
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    """A monotonically increasing total, optionally split by labels."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labelnames)
+        self._values: dict[LabelValues, float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"counter {self.name} cannot decrease (inc by {amount})")
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: str) -> float:
+        return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        return self.header() + [
+            f"{self.name}{_labels(self.labelnames, key)} {format_value(v)}" for key, v in sorted(self._values.items())
+        ]
+
+
+class Gauge(_Metric):
+    """A value that goes up and down; either set directly or read from a callback at render time."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str, fn: Callable[[], float] | None = None) -> None:
+        super().__init__(name, help)
+        self._value = 0.0
+        self._fn = fn
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._value -= amount
+
+    def value(self) -> float:
+        return float(self._fn()) if self._fn is not None else self._value
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name} {format_value(self.value())}"]
+
+
+class Histogram(_Metric):
+    """Cumulative buckets plus _sum and _count, as Prometheus expects."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
+        super().__init__(name, help)
+        bounds = sorted(float(b) for b in buckets)
+        if not bounds or any(math.isinf(b) or math.isnan(b) for b in bounds):
+            raise ValueError(f"histogram {name}: buckets must be finite numbers, got {bounds}")
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # last bucket is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        while i < len(self.bounds) and value > self.bounds[i]:
+            i += 1
+        self._counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        running = 0
+        for bound, n in zip([*self.bounds, math.inf], self._counts):
+            running += n
+            lines.append(f'{self.name}_bucket{{le="{format_value(bound)}"}} {running}')
+        lines.append(f"{self.name}_sum {format_value(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+class Registry:
+    """An ordered set of metrics plus optional collectors that emit extra samples at render time."""
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, _Metric] = {}
+        self._collectors: list[Callable[[], Iterable[_Metric]]] = []
+
+    def register(self, metric: _Metric) -> _Metric:
+        if metric.name in self._metrics:
+            raise ValueError(f"metric {metric.name} registered twice")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
+        return self.register(Counter(name, help, labelnames))  # type: ignore[return-value]
+
+    def gauge(self, name: str, help: str, fn: Callable[[], float] | None = None) -> Gauge:
+        return self.register(Gauge(name, help, fn))  # type: ignore[return-value]
+
+    def histogram(self, name: str, help: str, buckets: Iterable[float]) -> Histogram:
+        return self.register(Histogram(name, help, buckets))  # type: ignore[return-value]
+
+    def add_collector(self, collect: Callable[[], Iterable[_Metric]]) -> None:
+        """``collect()`` returns freshly built metrics each render (e.g. a snapshot of runtime stats)."""
+        self._collectors.append(collect)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        seen = set(self._metrics)
+        for metric in self._metrics.values():
+            lines.extend(metric.render())
+        for collect in self._collectors:
+            for metric in collect():
+                if metric.name in seen:
+                    continue  # a collector never shadows a registered metric
+                seen.add(metric.name)
+                lines.extend(metric.render())
+        return "\n".join(lines) + "\n"

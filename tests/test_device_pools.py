@@ -1,0 +1,126 @@
+"""Device pools (MLX CUDA): reads land in a host mirror, uploads copy rows to the device pools.
+
+The mirror read path runs everywhere (it is plain host memory); the upload and the whole runtime
+on device pools need an MLX CUDA device and are marked ``gpu`` (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import asyncside._native as native
+from asyncside import ExpertStore
+from asyncside.pools import PoolSet, device_pools_default
+from asyncside.runtime import Runtime
+from asyncside.scheduler import Scheduler
+
+CUDA = bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and native.cuda_upload_available())
+gpu = pytest.mark.skipif(not CUDA, reason="needs MLX CUDA and a CUDA build of asyncside._native")
+
+
+def _store(path: Path, n_experts: int = 12) -> ExpertStore:
+    rng = np.random.default_rng(7)
+    return ExpertStore.create(path, {
+        0: {
+            "w": rng.integers(0, 2**32, size=(n_experts, 33, 5), dtype=np.uint32),
+            "s": rng.standard_normal((n_experts, 3)).astype(np.float16),
+            "b": rng.integers(0, 255, size=(n_experts, 1), dtype=np.uint8),
+        },
+        3: {
+            "w": rng.integers(0, 2**32, size=(n_experts, 7), dtype=np.uint32),
+            "s": rng.standard_normal((n_experts, 129)).astype(np.float32),
+            "b": rng.integers(0, 255, size=(n_experts, 3), dtype=np.uint8),
+        },
+    })
+
+
+def _expected(store: ExpertStore, layer: int, expert: int) -> dict[str, bytes]:
+    record = store.read_record(layer, expert)
+    return {s.key: bytes(record[s.offset : s.offset + s.nbytes]) for s in store.layer(layer).segments}
+
+
+def test_host_mirror_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="rows"):
+        native.HostMirror(0, [8])
+    with pytest.raises(ValueError, match=r"segment_nbytes\[1\]"):
+        native.HostMirror(4, [8, 0])
+    m = native.HostMirror(3, [5, 7])
+    with pytest.raises(IndexError, match="row 3"):
+        m.row_view(0, 3)
+    with pytest.raises(IndexError, match="segment 2"):
+        m.row_view(2, 0)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
+@pytest.mark.parametrize("direct", [False, True])
+async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct: bool) -> None:
+    if reader == "aiofiles" and direct:
+        pytest.skip("covered by the aiofiles reader's own O_DIRECT tests")
+    store = _store(tmp_path / "store")
+    before = native.mirror_counters()
+    for layer in store.layers:
+        spec = store.layer(layer)
+        # device=True needs MLX CUDA for the pools themselves; here the mirror alone is under
+        # test, so build a host PoolSet and give it a mirror exactly as a device PoolSet has.
+        pools = PoolSet(spec, 5, device=False)
+        pools.mirror = native.HostMirror(5, [s.nbytes for s in spec.segments])
+        pools.device = True  # row_view now answers from the mirror, like on a GPU
+        async with Scheduler(reader, direct=direct) as sched:
+            fills = [type("F", (), {"fill_id": i, "expert": e, "row": r})() for i, (e, r) in
+                     enumerate([(11, 0), (0, 4), (5, 2), (7, 1)])]
+            for h in sched.submit(spec, pools, fills):
+                await h.wait()
+        for f in fills:
+            got = {s.key: bytes(pools.row_view(s.key, f.row)) for s in spec.segments}
+            assert got == _expected(store, layer, f.expert), (layer, f.expert)
+        del pools, sched  # the closed reader held the mirror until it goes
+    import gc
+
+    gc.collect()
+    after = native.mirror_counters()
+    assert after["created"] - before["created"] == after["destroyed"] - before["destroyed"] == 2
+    assert after["bytes_allocated"] - before["bytes_allocated"] == after["bytes_freed"] - before["bytes_freed"]
+
+
+def test_upload_without_cuda_says_what_is_missing() -> None:
+    if CUDA:
+        pytest.skip("this build has the CUDA upload path")
+    m = native.HostMirror(2, [4])
+    with pytest.raises(RuntimeError, match="ASYNCSIDE_CUDA"):
+        native.upload_rows(m, [mx.zeros((2, 4), dtype=mx.uint8)], [0], mx.default_stream(mx.cpu))
+    assert device_pools_default() is False
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
+async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader: str) -> None:
+    store = _store(tmp_path / "store")
+    async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:
+        for layer in store.layers:
+            assert rt._layer(layer).pools.device  # noqa: SLF001
+        rng = np.random.default_rng(3)
+        for _ in range(12):
+            layer = int(rng.choice(list(store.layers)))
+            ids = rng.choice(12, size=2, replace=False).tolist()
+            rt.prefetch(layer, mx.array(rng.choice(12, size=2, replace=False)))
+            await rt.ensure(layer, ids)
+            table = np.array(rt.lookup(layer))
+            lease = rt.lease(layer, ids)
+            pools = rt._layer(layer).pools  # noqa: SLF001
+            for e in ids:
+                got = {k: pools.row_bytes(k, int(table[e])) for k in pools.arrays}
+                assert got == _expected(store, layer, e)
+            # A device computation reads the rows; the lease is released when it completed.
+            y = sum(pools.arrays[k][int(table[e])].astype(mx.float32).sum() for k in pools.arrays for e in ids)
+            rt.release_after(y, [(layer, lease)])
+        await rt.drain()
+        for report in rt.audit().values():
+            assert report.ok, report.problems
