@@ -91,6 +91,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH", default="bench-out/generate.png",
                    help="PNG plot path (default bench-out/generate.png; 'none' to skip)")
     p.add_argument("--cache-dir", default=None, help="where the embedded models are built")
+    p.add_argument("--markdown", action="store_true", help="print markdown tables (for BENCHMARKS.md) instead")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,7 +722,9 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError as exc:
             result["plot"] = f"not written: {exc}"
     result["seconds"] = round(time.time() - started, 1)
-    if verbose:
+    if getattr(args, "markdown", False):
+        print(render_markdown(result))
+    elif verbose:
         render_table(result)
     return result
 
@@ -873,6 +876,37 @@ def render_table(result: dict[str, Any]) -> None:
                   f"lfu vs belady {tg.get('lfu_vs_belady')}, met: {tg.get('policy_vs_belady_met')}")
     console.print(f"cold: {result['cold_method']}; plot: {result.get('plot')}; "
                   f"tokens identical everywhere: {result['tokens_identical']}; {result['seconds']} s")
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The result as markdown tables (what BENCHMARKS.md shows)."""
+    ar = result["all_resident"]
+    ref = ar["mlx_lm"]["decode_tokens_per_s"]
+    lines = [
+        "| cache | experts in pools | mode | decode tok/s | vs all-resident (mlx-lm) | vs sync demand | "
+        "whole-run tok/s | TTFT s | hit rate | MB read | stall ms | tokens identical |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, r in (("all-resident (mlx-lm generate_step)", ar["mlx_lm"]),
+                    ("all-resident (async forward, ResidentSource)", ar["async_resident"])):
+        lines.append(f"| - | 100% | {name} | {r['decode_tokens_per_s']:.2f} | "
+                     f"{r['decode_tokens_per_s'] / ref:.2f}x | | {r['tokens_per_s']:.2f} | {r['ttft_s']:.2f} | "
+                     f"| | | {'yes' if r['tokens_identical'] else 'NO'} |")
+    for r in result["rows"]:
+        sync = "" if r["vs_sync_demand"] is None else f"{r['vs_sync_demand']:.2f}x"
+        lines.append(f"| {r['cache']} | {r['residency']:.0%} | {r['label']} | {r['decode_tokens_per_s']:.2f} | "
+                     f"{r['vs_all_resident']:.2f}x | {sync} | {r['tokens_per_s']:.2f} | {r['ttft_s']:.2f} | "
+                     f"{r['hit_rate']:.1%} | {r['bytes_read'] / 1e6:.0f} | {r['stall_time_s'] * 1e3:.0f} | "
+                     f"{'yes' if r['tokens_identical'] else 'NO'} |")
+    pols = result["policies_vs_belady"]
+    names = list(pols[0]["policies"]) if pols else []
+    lines += ["", "| experts in pools (resident + side rows) | Belady (MIN) | "
+              + " | ".join(names) + " |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    for p in pols:
+        lines.append(f"| {p['residency']:.0%} ({p['resident_per_layer']} + {p['side_rows']}) | {p['belady']:.3f} | "
+                     + " | ".join(f"{p['policies'][n]['hit_rate']:.3f} ({p['policies'][n]['vs_belady']:.2f})"
+                                  for n in names) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
