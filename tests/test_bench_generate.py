@@ -33,7 +33,7 @@ def test_quick_bench_json(quick_store: pathlib.Path, tmp_path: pathlib.Path,
     plot = tmp_path / "gen.png"
     capsys.readouterr()
     assert main(["bench", "generate", "--quick", "--json", "--model", str(quick_store), "--plot", str(plot),
-                 "--tokens", "4", "--residency", "0.25", "0.5"]) == 0
+                 "--tokens", "4", "--residency", "0.25", "0.5", "--no-drop-caches"]) == 0  # no global side effect
     res = json.loads(capsys.readouterr().out)
     assert res["bench"] == "generate" and res["tokens_identical"] is True
     s = res["settings"]
