@@ -533,15 +533,15 @@ class Runtime:
         self._stats["ensure_calls"] += 1
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
-        self._stats["hits"] += int(present.sum())
+        n_hits = int(present.sum())
         missing = wanted[~present]
         if missing.size == 0:
             # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
             self._reserve(layer, st, wanted, demand=True)
+            self._stats["hits"] += n_hits
             return
-        self._stats["misses"] += int(missing.size)
-        self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
         t0 = time.perf_counter()
+        counted = False
         try:
             while True:
                 # Re-check every wanted expert, not only the ones missing before: while this
@@ -551,6 +551,13 @@ class Runtime:
                     return
                 # The whole wanted set goes in: the ledger never evicts a member of the batch.
                 fills = self._reserve(layer, st, wanted, demand=True)
+                if not counted:
+                    # Counted once the batch fits: a CapacityError is retried by the forward in
+                    # smaller groups, whose ensures count their own hits and misses.
+                    counted = True
+                    self._stats["hits"] += n_hits
+                    self._stats["misses"] += int(missing.size)
+                    self._stats["late"] += sum(1 for e in missing.tolist() if e in st.inflight)
                 ours = self._submit(layer, st, fills)
                 # Fills that settled inside submit are awaited too, so a failure among them
                 # reaches this awaiter.

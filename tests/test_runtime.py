@@ -178,6 +178,51 @@ async def test_bad_ids_are_rejected_with_the_value(store: ExpertStore) -> None:
 
 
 @pytest.mark.anyio
+async def test_ensure_never_evicts_a_member_of_its_own_batch(store: ExpertStore) -> None:
+    # LRU with two side rows: 10 then 11 are LIVE, 10 the least recent. A demand for {10, 12}
+    # must evict 11 (not 10, which it also needs) and return with both present.
+    async with Runtime(store, resident=0.25, side_rows=2, policy="lru") as rt:
+        await rt.ensure(0, [10])
+        await rt.ensure(0, [11])
+        await rt.ensure(0, [10, 12])
+        table = np.array(rt.lookup(0))
+        assert (table[[10, 12]] >= 0).all() and table[11] == -1
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_lazy_prediction_reads_start_without_further_calls(store: ExpertStore) -> None:
+    async with Runtime(store, resident=0.25, side_rows=4) as rt:
+        ids = mx.array([13, 14], dtype=mx.int32) + mx.zeros((2,), dtype=mx.int32)  # lazy
+        handle = rt.prefetch(0, ids)
+        with anyio.fail_after(10):
+            while not handle.done():  # nothing but the runtime itself gets the reads going
+                await anyio.sleep(0.001)
+        assert (rt.ledger(0).lookup()[[13, 14]] >= 0).all()
+        handle = rt.prefetch(1, mx.array([9], dtype=mx.int32) * 1)
+        await handle
+        assert rt.ledger(1).lookup()[9] >= 0
+        _assert_rows_match(rt, store)
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_release_after_an_array_nobody_evaluates(store: ExpertStore) -> None:
+    # The forward normally evaluates what it hands to release_after; if nothing does, the rows
+    # must still come back (the runtime awaits, hence schedules, the array) rather than stay pinned.
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        await rt.ensure(0, [10, 11])
+        lease = rt.lease(0, [10, 11])
+        rt.release_after(mx.ones((64, 64)).sum() * 2, [(0, lease)])
+        with anyio.fail_after(10):
+            await rt.ensure(0, [12, 13])  # needs both leased rows
+        assert not rt.ledger(0).pinned_rows()
+        await rt.drain()
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
 async def test_a_bad_prediction_fails_its_handle_not_the_runtime(store: ExpertStore) -> None:
     async with Runtime(store, resident=0.25, side_rows=2) as rt:
         bad = rt.prefetch(0, mx.array([3, 99]))  # 99 is out of range: computed lazily, then rejected
@@ -188,4 +233,19 @@ async def test_a_bad_prediction_fails_its_handle_not_the_runtime(store: ExpertSt
         # The runtime goes on serving.
         await rt.ensure(0, [12])
         await rt.drain()
+        _assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_a_demand_that_can_never_fit_counts_no_hits_or_misses(store: ExpertStore) -> None:
+    # The forward retries a CapacityError in smaller groups; counting the refused batch too would
+    # count its experts twice.
+    from asyncside.errors import CapacityError
+
+    async with Runtime(store, resident=0.25, side_rows=2) as rt:
+        with pytest.raises(CapacityError):
+            await rt.ensure(0, [9, 10, 11])
+        assert (rt.stats()["hits"], rt.stats()["misses"]) == (0, 0)
+        await rt.ensure(0, [0, 9, 10])  # expert 0 is resident
+        assert (rt.stats()["hits"], rt.stats()["misses"]) == (1, 2)
         _assert_clean(rt)
