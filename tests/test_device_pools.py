@@ -63,6 +63,9 @@ async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct
     if reader == "aiofiles" and direct:
         pytest.skip("covered by the aiofiles reader's own O_DIRECT tests")
     store = _store(tmp_path / "store")
+    import gc
+
+    gc.collect()  # mirrors of earlier tests that are garbage go now, not during this test
     before = native.mirror_counters()
     for layer in store.layers:
         spec = store.layer(layer)
@@ -84,8 +87,11 @@ async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct
 
     gc.collect()
     after = native.mirror_counters()
-    assert after["created"] - before["created"] == after["destroyed"] - before["destroyed"] == 2
-    assert after["bytes_allocated"] - before["bytes_allocated"] == after["bytes_freed"] - before["bytes_freed"]
+    assert after["created"] - before["created"] == 2
+    # No mirror of this test outlives it (earlier tests' mirrors may be freed meanwhile: <=).
+    live_before = before["created"] - before["destroyed"]
+    assert after["created"] - after["destroyed"] <= live_before
+    assert after["bytes_allocated"] - after["bytes_freed"] <= before["bytes_allocated"] - before["bytes_freed"]
 
 
 def test_upload_without_cuda_says_what_is_missing() -> None:
