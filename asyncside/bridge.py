@@ -25,6 +25,8 @@ gets there. :func:`counters` exposes the native and Python counters that tests b
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import asyncio
 import itertools
 import sys
@@ -86,7 +88,7 @@ class _Waiter:
     abandoned: bool = False  # the awaiter was cancelled: discard the ticket when it lands
 
 
-class CompletionQueue:
+class CompletionQueue(ABC):
     """The completion queue of one event loop: issues tickets, reaps them, wakes their awaiters.
 
     Obtain it with :func:`current_queue`; ``completed()`` does that itself. Not thread-safe: it
@@ -143,8 +145,9 @@ class CompletionQueue:
         if self.outstanding == 0:
             self._reaped_all()
 
+    @abstractmethod
     def _wake(self, waiter: _Waiter, posted_ns: int) -> bool:
-        raise NotImplementedError
+        """Backend-specific (asyncio/uvloop or trio)."""
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -175,18 +178,21 @@ class CompletionQueue:
             waiter.abandoned = True
         self._waiters.clear()
 
+    @abstractmethod
     def _fail(self, waiter: _Waiter, exc: BaseException) -> None:
-        raise NotImplementedError
+        """Backend-specific (asyncio/uvloop or trio)."""
 
+    @abstractmethod
     def _unwatch(self) -> None:
-        raise NotImplementedError
+        """Backend-specific (asyncio/uvloop or trio)."""
 
+    @abstractmethod
     def _forget(self) -> None:
-        raise NotImplementedError
+        """Backend-specific (asyncio/uvloop or trio)."""
 
+    @abstractmethod
     async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
         """Issue a ticket for x and wait for it; returns the native post time (monotonic ns)."""
-        raise NotImplementedError
 
 
 class _AsyncioQueue(CompletionQueue):

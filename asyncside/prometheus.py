@@ -73,7 +73,8 @@ class _Metric:
         return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
 
     def render(self) -> list[str]:  # pragma: no cover - overridden
-        raise NotImplementedError
+        """The metric's sample lines; each kind (counter, gauge, histogram) renders its own."""
+        raise NotImplementedError(f"{type(self).__name__} must render its samples")
 
 
 class Counter(_Metric):
