@@ -49,38 +49,55 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class RunResult:
-    """Tokens and timings of one generation run."""
+class Run:
+    """Tokens and timings of one generation run (the demo's and ``bench generate``'s)."""
 
     tokens: list[int] = field(default_factory=list)
     start: float = 0.0
     first: float = 0.0
     end: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    audit_ok: bool = True
+
+    def first_token(self) -> None:
+        """Call as each token arrives, before appending it: stamps the first one."""
+        if not self.tokens:
+            self.first = time.perf_counter()
+
+    @property
+    def tokens_per_s(self) -> float:
+        dt = self.end - self.start
+        return len(self.tokens) / dt if dt > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # Decode speed excludes the prompt: it is what residency changes most.
+        dt = self.end - self.first
+        return (len(self.tokens) - 1) / dt if len(self.tokens) > 1 and dt > 0 else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first - self.start
 
     def figures(self) -> dict[str, float]:
-        total = self.end - self.start
-        decode = self.end - self.first
-        n = len(self.tokens)
         return {
-            "tokens": n,
-            "seconds": total,
-            "tokens_per_s": n / total if total > 0 else 0.0,
-            "ttft_s": self.first - self.start,
-            # Decode speed excludes the prompt: it is what residency changes most.
-            "decode_tokens_per_s": (n - 1) / decode if n > 1 and decode > 0 else 0.0,
+            "tokens": len(self.tokens),
+            "seconds": self.end - self.start,
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_s": self.ttft_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
 
-def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> RunResult:
+def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> Run:
     """Greedy tokens of the plain mlx-lm model through its own ``generate_step``, timed."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    run = RunResult(start=time.perf_counter())
+    run = Run(start=time.perf_counter())
     for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         tok = int(tok)
-        if not run.tokens:
-            run.first = time.perf_counter()
+        run.first_token()
         if tok in eos:
             break
         run.tokens.append(tok)
@@ -89,15 +106,14 @@ def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[
 
 
 async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
-                         echo: Any) -> tuple[RunResult, dict[str, Any], bool]:
+                         echo: Any) -> tuple[Run, dict[str, Any], bool]:
     from .runtime import Runtime
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None) as rt:
-        run = RunResult(start=time.perf_counter())
+        run = Run(start=time.perf_counter())
         async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor):
-            if not run.tokens:
-                run.first = time.perf_counter()
+            run.first_token()
             run.tokens.append(tok)
             echo(run.tokens)
         run.end = time.perf_counter()
@@ -152,8 +168,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     # All-resident reference first (it also warms MLX's kernels for both runs alike).
     ref_model, _config = load_reference_model(store_dir)
-    _reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
-    ref = _reference_run(ref_model, prompt_ids, args.tokens, eos)
+    reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
+    ref = reference_run(ref_model, prompt_ids, args.tokens, eos)
     del ref_model
     mx.clear_cache()
 

@@ -8,6 +8,7 @@ no locking.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -53,7 +54,7 @@ def _labels(names: Sequence[str], values: Sequence[str], extra: Mapping[str, str
     return "{" + ",".join(f'{n}="{_escape_label(str(v))}"' for n, v in pairs) + "}"
 
 
-class _Metric:
+class _Metric(ABC):
     kind = "untyped"
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
@@ -72,9 +73,9 @@ class _Metric:
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
 
-    def render(self) -> list[str]:  # pragma: no cover - overridden
+    @abstractmethod
+    def render(self) -> list[str]:
         """The metric's sample lines; each kind (counter, gauge, histogram) renders its own."""
-        raise NotImplementedError(f"{type(self).__name__} must render its samples")
 
 
 class Counter(_Metric):

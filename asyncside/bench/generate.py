@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -324,50 +324,7 @@ def _can_drop_caches() -> bool:
 # Runs
 
 
-@dataclass
-class Run:
-    """Tokens and timings of one generation."""
-
-    tokens: list[int] = field(default_factory=list)
-    start: float = 0.0
-    first: float = 0.0
-    end: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
-    audit_ok: bool = True
-
-    def first_token(self) -> None:
-        if not self.tokens:
-            self.first = time.perf_counter()
-
-    @property
-    def tokens_per_s(self) -> float:
-        dt = self.end - self.start
-        return len(self.tokens) / dt if dt > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        dt = self.end - self.first
-        return (len(self.tokens) - 1) / dt if len(self.tokens) > 1 and dt > 0 else 0.0
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first - self.start
-
-
-def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> Run:
-    """The plain mlx-lm model through its own ``generate_step``."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    run = Run(start=time.perf_counter())
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        tok = int(tok)
-        run.first_token()
-        if tok in eos:
-            break
-        run.tokens.append(tok)
-    run.end = time.perf_counter()
-    return run
+from ..demo import Run, reference_run as _reference_run  # noqa: E402 - one definition of a timed run
 
 
 def _anyio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
