@@ -151,6 +151,10 @@ async def test_many_completions_resolve_in_stream_order(
     assert _delta(before)["resolved"] == len(xs)
 
 
+# 200 completions issued at once cross MLX's throttle (async_eval waits while ~100 dispatches are
+# in flight), which can hold the issuing loop thread for a while when the suite has left the stream
+# busy: a known limit (see BENCHMARKS.md, completion bridge), allowed here up to 0.5 s.
+@pytest.mark.no_blocking(threshold=0.5)
 async def test_many_concurrent_independent_completions(anyio_backend: object, no_blocking: object) -> None:
     # Earlier tests' loops may leave queues and signals to the collector and the stream: let them
     # settle first, so the counter deltas below are this test's alone (seen flaky in full runs).
