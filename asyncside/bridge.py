@@ -32,6 +32,7 @@ import itertools
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -109,7 +110,8 @@ class CompletionQueue(ABC):
 
     # -- issuing -------------------------------------------------------------------------------
 
-    def _issue(self, x: mx.array, stream: mx.Stream | None, wake: Any) -> _Waiter:
+    def _issue(self, x: mx.array, stream: mx.Stream | None, wake: Any,
+               then: Sequence[mx.array] = ()) -> _Waiter:
         ticket = next(self._tickets)
         try:
             signal = _native.signal(x, self.native, ticket, stream)
@@ -127,6 +129,13 @@ class CompletionQueue(ABC):
         self._waiters[ticket] = waiter
         self.outstanding += 1
         _bump("issued")
+        if then:
+            # Queued behind the signal: the stream goes on computing them while the awaiter wakes.
+            try:
+                mx.async_eval(list(then))
+            except BaseException:
+                waiter.abandoned = True  # its ticket is reaped and discarded; nobody awaits it
+                raise
         return waiter
 
     # -- reaping (runs on the loop thread) -----------------------------------------------------
@@ -191,8 +200,9 @@ class CompletionQueue(ABC):
         """Backend-specific (asyncio/uvloop or trio)."""
 
     @abstractmethod
-    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
-        """Issue a ticket for x and wait for it; returns the native post time (monotonic ns)."""
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
+        """Issue a ticket for x, schedule ``then`` behind it, and wait for x; returns the native
+        post time (monotonic ns)."""
 
 
 class _AsyncioQueue(CompletionQueue):
@@ -239,9 +249,9 @@ class _AsyncioQueue(CompletionQueue):
         if loop is not None and _asyncio_queues.get(id(loop)) is self:
             del _asyncio_queues[id(loop)]
 
-    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
         fut = asyncio.get_running_loop().create_future()
-        waiter = self._issue(x, stream, fut)
+        waiter = self._issue(x, stream, fut, then)
         # Cancellation cancels fut; the waiter stays registered until its ticket is reaped.
         posted_ns: int = await fut
         _raise_if_failed(waiter.x)
@@ -333,8 +343,8 @@ class _TrioQueue(CompletionQueue):
         except RuntimeError:  # outside the run (shutdown)
             pass
 
-    async def wait(self, x: mx.array, stream: mx.Stream | None = None) -> int:
-        waiter = self._issue(x, stream, self._trio.Event())
+    async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
+        waiter = self._issue(x, stream, self._trio.Event(), then)
         try:
             while not waiter.done:
                 if self.closed:
@@ -420,7 +430,7 @@ def _raise_if_failed(x: mx.array) -> bool:
         raise ComputationError(f"the computation failed on its stream: {exc}") from exc
 
 
-async def completed_at(x: mx.array, *, stream: StreamLike = None) -> int | None:
+async def completed_at(x: mx.array, *, stream: StreamLike = None, then: Sequence[mx.array] = ()) -> int | None:
     """Like :func:`completed`, and return when the stream reached x.
 
     Returns the ``time.monotonic_ns()`` clock reading taken by the native thread that posted the
@@ -428,15 +438,20 @@ async def completed_at(x: mx.array, *, stream: StreamLike = None) -> int | None:
     """
     if not isinstance(x, mx.array):
         raise TypeError(f"completed() expects an mlx.core.array, got {type(x).__name__}")
+    then = list(then)
+    if not all(isinstance(t, mx.array) for t in then):
+        raise TypeError("completed(then=...) expects a sequence of mlx.core.array")
     s = _as_stream(stream)
     if _raise_if_failed(x):
         _bump("fast_path")
+        if then:
+            mx.async_eval(then)
         await anyio.lowlevel.checkpoint()
         return None
-    return await current_queue().wait(x, s)
+    return await current_queue().wait(x, s, then)
 
 
-async def completed(x: mx.array, *, stream: StreamLike = None) -> None:
+async def completed(x: mx.array, *, stream: StreamLike = None, then: Sequence[mx.array] = ()) -> None:
     """Resolve once x has been computed on its stream; never blocks the loop.
 
     x is scheduled (``async_eval``) if it was not yet. ``stream`` picks the stream the completion
@@ -444,8 +459,13 @@ async def completed(x: mx.array, *, stream: StreamLike = None) -> None:
     from the CPU stream, which MLX makes wait for x). On return, x is available: reading it does
     not wait. Raises :class:`ComputationError` if x's computation failed on its stream.
     Cancellable: a cancelled await leaves nothing behind but a ticket that is reaped and discarded.
+
+    ``then``: arrays to schedule right *behind* x's completion signal, so the stream keeps
+    computing them while the awaiter wakes and reads x (the forward passes its speculative expert
+    outputs here). They are only scheduled, never awaited; scheduling x after them instead would
+    delay x's signal until they are done.
     """
-    await completed_at(x, stream=stream)
+    await completed_at(x, stream=stream, then=then)
 
 
 def counters() -> dict[str, int]:

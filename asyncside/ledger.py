@@ -141,6 +141,11 @@ class Ledger:
         for e, r in self._resident_row.items():
             self._table[e] = r
         self._snapshot: np.ndarray | None = None
+        # Per row: how many fills it has been handed. A row whose count is unchanged since some
+        # moment has not been written since then (writes happen only to FILLING rows), which is
+        # what lets a forward that gathered rows speculatively prove its rows were stable.
+        self._gen = np.zeros(self.rows, dtype=np.int64)
+        self._gen_snapshot: np.ndarray | None = None
         self.blocked: list[int] = []
         self.stats: dict[str, int] = dict.fromkeys(
             (
@@ -269,6 +274,8 @@ class Ledger:
                     raise LedgerError(f"policy {policy.name!r} chose expert {victim}, which is not evictable")
                 row = self._evict(victim)
             fill = Fill(next(self._fill_ids), e, row)
+            self._gen[row] += 1
+            self._gen_snapshot = None
             i = row - self.cap
             self._row_state[i] = FILLING
             self._row_owner[i] = e
@@ -360,6 +367,27 @@ class Ledger:
             snap.flags.writeable = False
             self._snapshot = snap
         return snap
+
+    def generations(self) -> np.ndarray:
+        """int64 (rows,): how many fills each row has been handed so far. Read-only snapshot.
+
+        If a row's count and :meth:`lookup` entry are both unchanged between two moments, the row
+        held the same expert throughout and nothing wrote to it in between.
+        """
+        snap = self._gen_snapshot
+        if snap is None:
+            snap = self._gen.copy()
+            snap.flags.writeable = False
+            self._gen_snapshot = snap
+        return snap
+
+    def unchanged_since(self, table: np.ndarray, generations: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """For each of ``experts``: True iff it had a row in ``table`` (an earlier :meth:`lookup`,
+        with ``generations`` taken at the same moment) and still has that row, never refilled since."""
+        experts = np.asarray(experts, dtype=np.int64)
+        then = table[experts]
+        rows = np.maximum(then, 0)
+        return (then >= 0) & (self._table[experts] == then) & (self._gen[rows] == generations[rows])
 
     def row_of(self, expert: int) -> int | None:
         """The row of a resident or LIVE expert, else None."""

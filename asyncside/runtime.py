@@ -31,6 +31,7 @@ from .errors import AsyncsideError, CapacityError, FillError, LedgerError
 from .ledger import Fill, Ledger
 from .pools import PoolSet
 from .scheduler import FillHandle, Scheduler
+from .snapshot import RowSnapshot, make_snapshot
 from .store import ExpertStore, LayerSpec
 
 __all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer"]
@@ -124,6 +125,8 @@ class _Layer:
     uploads: list[tuple[_Pending, int, float, Any]] = field(default_factory=list)
     table: mx.array | None = None
     table_version: int = -1
+    snap: RowSnapshot | None = None
+    snap_version: int = -1
     version: int = 0  # bumped on every row-state change that alters lookup()
 
 
@@ -584,6 +587,23 @@ class Runtime:
             st.table = mx.array(st.ledger.lookup())
             st.table_version = st.version
         return st.table
+
+    def snapshot(self, layer: int) -> RowSnapshot:
+        """Where ``layer``'s experts are now, for an in-graph gather (see :mod:`asyncside.snapshot`)."""
+        st = self._layer(layer)
+        if st.snap is None or st.snap_version != st.version:
+            # Every reserve that hands out a row bumps st.version, so generations cannot change
+            # under a cached snapshot either.
+            st.snap = make_snapshot(st.ledger.lookup(), st.ledger.generations())
+            st.snap_version = st.version
+        return st.snap
+
+    def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
+        """Bool per expert: present in ``snap`` and in the same row since, never refilled."""
+        st = self._layer(layer)
+        ids = self._host_ids(experts)
+        _checked_ids(layer, st.spec.n_experts, ids)  # validates; the answer keeps the caller's order
+        return st.ledger.unchanged_since(snap.table, snap.generations, ids)
 
     def pools(self, layer: int) -> dict[str, mx.array]:
         """The pool arrays of ``layer``, one per segment key, shape ``(rows, *row_shape)``."""

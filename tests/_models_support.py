@@ -89,9 +89,15 @@ class ShuffledSource:
 
     def __init__(self, pools: Mapping[int, Mapping[str, mx.array]], *, resident_fraction: float,
                  side_rows: int, completed: Callable[[mx.array], Awaitable[None]], policy: str = "lfu",
-                 seed: int = 0, resident: Mapping[int, list[int]] | None = None) -> None:
+                 seed: int = 0, resident: Mapping[int, list[int]] | None = None,
+                 speculative: bool = True, churn: bool = False) -> None:
         from asyncside.ledger import Ledger
 
+        if not speculative:
+            # Hide the SpeculativeSource methods: the forward then looks rows up on the host.
+            self.snapshot = None  # type: ignore[assignment]
+            self.unchanged = None  # type: ignore[assignment]
+        self.churn = churn
         self.completed = completed
         self.rng = np.random.default_rng(seed)
         self.full = {l: dict(p) for l, p in pools.items()}
@@ -100,7 +106,8 @@ class ShuffledSource:
         self.pool: dict[int, dict[str, mx.array]] = {}
         self._pending_release: list[tuple[mx.array, list[tuple[int, int]]]] = []
         self._predicted: dict[int, list[Any]] = {}
-        self.stats = {"demand_fills": 0, "prefetch_fills": 0, "capacity_errors": 0, "blocked_waits": 0}
+        self.stats = {"demand_fills": 0, "prefetch_fills": 0, "capacity_errors": 0, "blocked_waits": 0,
+                      "snapshots": 0, "unsound": 0, "churn_fills": 0}
         for l, arrays in self.full.items():
             n = next(iter(arrays.values())).shape[0]
             if resident is not None:
@@ -146,6 +153,30 @@ class ShuffledSource:
     def lookup(self, layer: int) -> mx.array:
         t = self.ledgers[layer].lookup()
         return mx.array(np.where(t >= 0, self.perm[layer][np.maximum(t, 0)], -1).astype(np.int32))
+
+    def snapshot(self, layer: int) -> Any:
+        from asyncside.snapshot import RowSnapshot
+
+        led = self.ledgers[layer]
+        t = led.lookup()
+        physical = self.perm[layer][np.maximum(t, 0)].astype(np.int32)
+        self.stats["snapshots"] += 1
+        # table/generations in ledger rows (what unchanged() checks); rows in physical pool rows.
+        return RowSnapshot(t, led.generations(), mx.array(physical))
+
+    def unchanged(self, layer: int, snap: Any, experts: Any) -> np.ndarray:
+        led = self.ledgers[layer]
+        if self.churn:
+            # Adversary: between the snapshot and the check, move experts around: evict unleased
+            # rows (possibly of the very experts just routed) and refill them with other experts.
+            absent = np.flatnonzero(led.lookup() < 0)
+            take = self.rng.choice(absent, size=min(2, absent.size), replace=False)
+            fills = led.reserve(take, demand=False)
+            self._fill(layer, fills)
+            self.stats["churn_fills"] += len(fills)
+        ok = led.unchanged_since(snap.table, snap.generations, np.asarray(experts))
+        self.stats["unsound"] += int((~ok).sum())
+        return ok
 
     def prefetch(self, layer: int, ids: Any) -> None:
         self._predicted.setdefault(layer, []).append(ids)

@@ -66,11 +66,14 @@ def test_exact_tokens(model_type: str, quant: str) -> None:
         split_seen = False
         subset_before = sm.forward.counters["subset_groups"]
         for i, (frac, side, policy, predictor) in enumerate(STREAMING_CASES):
+            # Even cases gather rows speculatively in the graph (decode), odd ones on the host.
             src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
-                                 policy=policy, seed=i)
+                                 policy=policy, seed=i, speculative=i % 2 == 0)
             got = await collect(sm, prompt, src, predictor)
             await src.close()
-            assert got == ref, (frac, side, policy, predictor)
+            assert got == ref, (frac, side, policy, predictor, i % 2 == 0)
+            if i % 2 == 0:
+                assert src.stats["snapshots"] > 0 and src.stats["unsound"] > 0  # misses were recomputed
             assert src.open_leases() == 0
             assert src.audit() == []
             assert src.stats["demand_fills"] > 0  # rows really moved
@@ -78,6 +81,27 @@ def test_exact_tokens(model_type: str, quant: str) -> None:
         assert split_seen, "no case exercised the capacity-split path"
         # The prefill (>= 64 routed pairs) splits on the sorted path: groups compute only their pairs.
         assert sm.forward.counters["subset_groups"] > subset_before
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_speculative_rows_moved_under_the_gather(model_type: str) -> None:
+    """Rows evicted and refilled between the in-graph gather and the check are never trusted.
+
+    The churning source rewrites pool rows (with other experts' bytes) right before it answers
+    ``unchanged``; a forward that kept a speculative pair whose row moved would change the tokens.
+    """
+    model, config, sm, pools, prompt, ref = setup(model_type, "q4g64")
+
+    async def main() -> None:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=4, completed=completed, seed=11, churn=True)
+        before = dict(sm.forward.counters)
+        assert await collect(sm, prompt, src, "lookahead") == ref
+        await src.close()
+        assert src.stats["churn_fills"] > 0 and src.stats["unsound"] > 0
+        assert sm.forward.counters["speculation_misses"] > before["speculation_misses"]
+        assert src.open_leases() == 0 and src.audit() == []
 
     anyio.run(main)
 
@@ -266,7 +290,15 @@ def test_source_errors() -> None:
             await collect(sm, prompt, broken)
         assert not broken.open_leases  # the lease taken before the check was released
         tiny = _TinySource(pools)
-        assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]  # one expert per group, still exact
+        sm.forward.speculate = False  # host-side lookup: the grouped path
+        try:
+            assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]  # one expert per group, still exact
+        finally:
+            sm.forward.speculate = True
+        assert sm.forward.counters["capacity_splits"] > 0
+        assert not tiny.open_leases
+        # Speculative gathers: every row is sound, so ensure() is only asked to count the hits.
+        assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]
         assert not tiny.open_leases
 
     anyio.run(main)

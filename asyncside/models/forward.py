@@ -17,6 +17,7 @@ before the next; the layer output takes each pair from the group that held its e
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import _native
 from ..errors import AsyncsideError, CapacityError
 from .arch import Arch, decoder_layers
-from .pooled import SORT_THRESHOLD, SwitchSpec, combine, pooled_switch_apply, pooled_switch_pairs, route
+from ..snapshot import RowSnapshot
+from .pooled import (
+    SORT_THRESHOLD,
+    SwitchSpec,
+    combine,
+    pooled_switch_apply,
+    pooled_switch_pairs,
+    pooled_switch_unsorted_pairs,
+    route,
+)
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
@@ -81,7 +91,14 @@ class AsyncForward:
         for i in range(len(decoder_layers(model))):
             later = [m for m in order if m > i]
             self.next_moe[i] = later[0] if later else None
-        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0}
+        self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
+                         "speculated": 0, "speculation_misses": 0}
+        #: gather rows in the graph from a RowSnapshot when the source offers one (decode steps)
+        self.speculate = True
+        try:
+            self._then_ok = "then" in inspect.signature(completed).parameters
+        except (TypeError, ValueError):  # a callable without a signature
+            self._then_ok = False
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
@@ -141,7 +158,15 @@ class AsyncForward:
                     # once the ids are in, the prediction is too and its prefetch needs no completion
                     # signal of its own (one signal per layer, not two).
                     mx.async_eval(p)
-                await self.completed(inds)
+                snap = self._snapshot(source, i, inds)
+                if snap is not None:
+                    # Gather rows in the graph from where the experts are now: the stream computes
+                    # the expert outputs right after the router, while the host checks the ids.
+                    y_spec = pooled_switch_apply(self.specs[i], getattr(block, attr).activation, x_sw,
+                                                 mx.take(snap.rows, inds), source.pools(i))
+                    await self._completed_then(inds, y_spec)
+                else:
+                    await self.completed(inds)
                 if p is not None:
                     if isinstance(p, mx.array) and _native.is_available(p):
                         p = np.array(p, copy=True)
@@ -154,7 +179,10 @@ class AsyncForward:
                     if isinstance(pred, mx.array):
                         await self.completed(pred)
                     step.record(i, inds_np, None if pred is None else np.asarray(pred))
-                y = await self._serve(i, source, x_sw, inds_np, leases)
+                if snap is not None:
+                    y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
+                else:
+                    y = await self._serve(i, source, x_sw, inds_np, leases)
                 h = h + combine(block, attr, xn, y)
         except BaseException:
             # Nothing reads these rows any more once the forward is abandoned.
@@ -169,6 +197,86 @@ class AsyncForward:
         out = model.lm_head(h) if "lm_head" in model else inner.embed_tokens.as_linear(h)
         source.release_after(out, leases)
         return out
+
+    def _snapshot(self, source: ExpertSource, layer: int, inds: mx.array) -> RowSnapshot | None:
+        """The layer's row snapshot when this step can gather speculatively, else None."""
+        if not self.speculate or inds.size >= SORT_THRESHOLD:
+            # Many pairs take the sorted path, whose order is decided on the host.
+            return None
+        take = getattr(source, "snapshot", None)  # SpeculativeSource; None opts a source out
+        if take is None or not callable(getattr(source, "unchanged", None)):
+            return None
+        return take(layer)
+
+    async def _completed_then(self, x: mx.array, then: mx.array) -> None:
+        """Await x with ``then`` queued behind its completion signal (where the bridge allows)."""
+        if self._then_ok:
+            await self.completed(x, then=[then])  # type: ignore[call-arg]
+            return
+        # An injected completion without `then`: schedule x first so the stream still computes the
+        # ids before the speculative outputs; the wake-up may then come after both.
+        mx.async_eval(x)
+        mx.async_eval(then)
+        await self.completed(x)
+
+    async def _serve_speculated(self, layer: int, source: Any, x_sw: mx.array, inds: np.ndarray,
+                                y_spec: mx.array, snap: RowSnapshot, leases: list[tuple[int, int]]) -> mx.array:
+        """Keep the speculative outputs of pairs whose rows were sound; recompute the others.
+
+        Sound: the expert was in its snapshot row and the row was not refilled since, so whatever
+        the stream read from it was that expert's bytes. Those rows are leased at once, before any
+        await. The other experts are ensured, leased, and only their pairs recomputed; each pair's
+        product is independent of the others, so the merged output is bitwise the unsorted gather.
+        """
+        uniq = np.unique(inds).astype(np.int64)
+        sound = np.asarray(source.unchanged(layer, snap, uniq), dtype=bool)
+        self.counters["speculated"] += 1
+        held: list[tuple[int, int]] = []
+        if sound.any():
+            held.append((layer, source.lease(layer, uniq[sound])))
+        if sound.all():
+            leases.extend(held)
+            try:
+                await source.ensure(layer, uniq)  # all present: counts the hits for the policy, no wait
+            except CapacityError:
+                pass  # more experts than the side region at once: nothing to place, all are here
+            return y_spec
+        self.counters["speculation_misses"] += 1
+        redo = uniq[~sound]
+        try:
+            await source.ensure(layer, uniq)
+        except CapacityError:
+            # The whole set does not fit at once: serve it in groups, dropping the speculative
+            # result. Its rows are released once the stream is done reading them, so the groups
+            # can reuse them (keeping them leased to the end of the forward could block forever).
+            source.release_after(y_spec, held)
+            return await self._serve(layer, source, x_sw, inds, leases)
+        except BaseException:
+            source.release_after(y_spec, held)
+            raise
+        leases.extend(held)
+        leases.append((layer, source.lease(layer, redo)))
+        table = np.asarray(source.lookup(layer))
+        n_rows = next(iter(source.pools(layer).values())).shape[0]
+        own = table[redo]
+        bad = (own < 0) | (own >= n_rows)
+        if bad.any():
+            raise RowLookupError(
+                f"layer {layer}: ensure() returned but expert(s) {redo[bad].tolist()} map to rows "
+                f"{own[bad].tolist()} (pool has {n_rows} rows)"
+            )
+        flat = inds.reshape(-1)
+        pos = np.flatnonzero(np.isin(flat, redo))
+        block, attr = self.moe[layer]
+        y_new = pooled_switch_unsorted_pairs(self.specs[layer], getattr(block, attr).activation, x_sw,
+                                             pos // inds.shape[-1], table[flat[pos]], source.pools(layer))
+        # Pair j of the result: y_spec's own, or the recomputed one where its expert was unsound.
+        n = flat.size
+        pick = np.arange(n)
+        pick[pos] = n + np.arange(pos.size)
+        out_shape = y_spec.shape
+        both = mx.concatenate([y_spec.reshape(n, -1), y_new], axis=0)
+        return both[mx.array(pick)].reshape(out_shape)
 
     async def _serve(self, layer: int, source: ExpertSource, x_sw: mx.array, inds: np.ndarray,
                      leases: list[tuple[int, int]]) -> mx.array:

@@ -161,17 +161,23 @@ def _linear(meta: Mapping[str, Any], name: str, pools: Mapping[str, mx.array], x
     return x
 
 
-def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, rows: np.ndarray,
+def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, rows: np.ndarray | mx.array,
                         pools: Mapping[str, mx.array]) -> mx.array:
     """The switch layer's output for input ``x`` with each routed pair served from pool row ``rows``.
 
-    ``rows`` has the shape of the routed expert ids (host array, int). Mirrors ``SwitchGLU.__call__``.
+    ``rows`` has the shape of the routed expert ids: a host array, or (fewer than
+    :data:`SORT_THRESHOLD` pairs only: the unsorted path) an ``mx.array`` computed in the graph.
+    Mirrors ``SwitchGLU.__call__``.
     """
     lin = dict(spec.linears)
     x = mx.expand_dims(x, (-2, -3))
     do_sort = rows.size >= SORT_THRESHOLD
     inv_order = None
-    if do_sort:
+    if isinstance(rows, mx.array):
+        if do_sort:
+            raise ValueError(f"in-graph rows need fewer than {SORT_THRESHOLD} routed pairs, got {rows.size}")
+        idx = rows.astype(mx.uint32)
+    elif do_sort:
         m = rows.shape[-1]
         flat = rows.reshape(-1)
         order = np.argsort(flat, kind="stable")
@@ -193,6 +199,17 @@ def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, ro
     if do_sort:
         x = mx.unflatten(x[inv_order], 0, rows.shape)
     return x.squeeze(-2)
+
+
+def pooled_switch_unsorted_pairs(spec: SwitchSpec, activation: nn.Module, x: mx.array, tokens: np.ndarray,
+                                 rows: np.ndarray, pools: Mapping[str, mx.array]) -> mx.array:
+    """Outputs of a few routed pairs on the unsorted path (fewer than :data:`SORT_THRESHOLD`
+    pairs in all): shape ``(len(rows), out)``, pair j being token ``tokens[j]`` (flat index into
+    ``x``'s leading dims) times pool row ``rows[j]``. Each pair is the same vector-matrix product
+    as in the full unsorted gather, so results are bitwise those of :func:`pooled_switch_apply`.
+    """
+    xt = x.reshape(-1, x.shape[-1])[mx.array(tokens)]
+    return pooled_switch_apply(spec, activation, xt, np.asarray(rows).reshape(-1, 1), pools).squeeze(-2)
 
 
 def pooled_switch_pairs(spec: SwitchSpec, activation: nn.Module, x: mx.array, tokens: np.ndarray,

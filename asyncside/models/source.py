@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import LedgerError
+from ..snapshot import RowSnapshot, SpeculativeSource, make_snapshot
 
 
 @runtime_checkable
@@ -68,7 +69,11 @@ class ResidentSource:
             self._pools[layer] = dict(arrays)
             self._n[layer] = n
             self._lookup[layer] = mx.arange(n, dtype=mx.int32)
-        mx.eval(list(self._lookup.values()), [list(p.values()) for p in self._pools.values()])
+        self._snapshots = {
+            layer: make_snapshot(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64)) for layer, n in self._n.items()
+        }
+        mx.eval(list(self._lookup.values()), [s.rows for s in self._snapshots.values()],
+                [list(p.values()) for p in self._pools.values()])
         self._lease_ids = itertools.count(1)
         self.open_leases: dict[int, tuple[int, np.ndarray]] = {}
         self.counts = {"ensure": 0, "prefetch": 0, "lease": 0, "release": 0}
@@ -110,6 +115,14 @@ class ResidentSource:
     async def ensure(self, layer: int, ids: Any) -> None:
         _ids_array(ids, self.n_experts(layer), layer)
         self.counts["ensure"] += 1
+
+    def snapshot(self, layer: int) -> RowSnapshot:
+        return self._snapshots[self._check_layer(layer)]
+
+    def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
+        # Rows never move here: every valid expert is where any snapshot put it.
+        arr = _ids_array(experts, self.n_experts(layer), layer)
+        return snap.table[arr] == arr
 
     def prefetch(self, layer: int, ids: Any) -> None:
         self._check_layer(layer)
