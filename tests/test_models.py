@@ -35,7 +35,14 @@ def setup(model_type: str, quant: str):
     q = {"float": None, "q4g64": Q4, "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}[quant]
     model, config = tiny_model(model_type, quantize=q)
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, config["vocab_size"], PROMPT_LEN)]
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    try:
+        ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    except RuntimeError as exc:
+        # MLX CUDA (0.32) has quantized kernels only for real model shapes; the tiny test shapes
+        # fail in plain mlx-lm already, before asyncside is involved.
+        if "No implementation for problem shape" in str(exc):
+            pytest.skip(f"plain mlx-lm cannot run this tiny quantized {model_type} here: {exc}")
+        raise
     sm, pools = streaming_from_model(model, config, completed=completed)
     return model, config, sm, pools, prompt, ref
 
