@@ -109,13 +109,16 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
                          echo: Any) -> tuple[Run, dict[str, Any], bool]:
     from .runtime import Runtime
 
+    from .looplag import measure_loop_lag
+
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None) as rt:
         run = Run(start=time.perf_counter())
-        async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor):
-            run.first_token()
-            run.tokens.append(tok)
-            echo(run.tokens)
+        async with measure_loop_lag() as lag:
+            async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor):
+                run.first_token()
+                run.tokens.append(tok)
+                echo(run.tokens)
         run.end = time.perf_counter()
         await rt.drain()
         audit_ok = all(report.ok for report in rt.audit().values())
@@ -123,6 +126,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         layers = list(store.layers)
         stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
+        stats["loop_lag"] = lag.summary()
     return run, stats, audit_ok
 
 
@@ -207,6 +211,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_read": int(stats["bytes_read"]),
         "resident_bytes": int(stats.get("resident_bytes", 0)),
         "stall_time_s": stats["stall_time_s"],
+        "loop_lag": stats.pop("loop_lag"),
         "runtime": {k: v for k, v in stats.items()},
         "text": sm.tokenizer.decode(run.tokens),
         "reference_text": sm.tokenizer.decode(ref.tokens),
@@ -236,6 +241,8 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
     table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
     table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
+    lag = result["loop_lag"]
+    table.add_row("event-loop lag, max / p99 (5 ms ticker)", f"{lag['max_ms']:.1f} / {lag['p99_ms']:.1f} ms", "", "")
     table.add_row("reader / policy / predictor",
                   f"{result['reader']} / {result['policy']} / {result['predictor']}"
                   + (" / O_DIRECT" if result["direct"] else ""), "", "")

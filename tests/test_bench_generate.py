@@ -112,3 +112,22 @@ def test_bad_settings_are_refused(quick_store: pathlib.Path) -> None:
         main(["bench", "generate", "--quick", "--model", str(quick_store), "--residency", "1.5"])
     with pytest.raises(ValueError, match="--policy must be one of"):
         main(["bench", "generate", "--quick", "--model", str(quick_store), "--policy", "fifo"])
+
+
+def test_demo_command_json_and_table(quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`asyncside demo --json` on a converted store: identical tokens, every figure, a clean audit;
+    the table form prints the same run's rows. (The embedded default is the same model, larger.)"""
+    capsys.readouterr()
+    assert main(["demo", "--model", str(quick_store), "--tokens", "6", "--resident", "0.25", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens_identical"] is True and res["audit_clean"] is True
+    assert res["streaming"]["tokens"] == res["all_resident"]["tokens"] == 6
+    assert res["text"] == res["reference_text"]
+    assert 0.0 < res["hit_rate"] <= 1.0 and res["bytes_read"] > 0 and res["stall_time_s"] >= 0.0
+    lag = res["loop_lag"]
+    assert lag["ticks"] > 0 and 0.0 <= lag["median_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+    assert res["runtime"]["fills"] >= 1 and res["pool_rows_per_layer"] < res["experts_per_layer"]
+    assert main(["demo", "--model", str(quick_store), "--tokens", "3", "--resident", "0.5"]) == 0
+    out = capsys.readouterr().out
+    for row in ("decode tokens/s", "hit rate", "stall time", "event-loop lag", "tokens identical"):
+        assert row in out, row

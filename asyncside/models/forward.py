@@ -51,6 +51,10 @@ Completed = Callable[[mx.array], Awaitable[None]]
 PREFILL_STEP_SIZE = 2048
 
 
+#: steps of at least this many tokens are scheduled block by block (keeps the loop responsive)
+LONG_STEP_TOKENS = 16
+
+
 class RowLookupError(AsyncsideError, RuntimeError):
     """The source returned from ensure() but an ensured expert has no valid row."""
 
@@ -134,6 +138,8 @@ class AsyncForward:
         predicted: dict[int, Any] = {}
         step = trace.begin(predictor.name) if trace is not None else None
 
+        #: many tokens at once (prefill): schedule the graph block by block, see below
+        long_step = inputs.shape[-1] >= LONG_STEP_TOKENS
         p = predictor.first(self.first_moe, h)
         if p is not None:
             source.prefetch(self.first_moe, p)
@@ -145,6 +151,8 @@ class AsyncForward:
             for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
                 block = getattr(layer, self.arch.block_attr)
                 h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+                if long_step:
+                    await self.completed(h)  # see the await after the MoE output below
                 xn = layer.post_attention_layernorm(h)
                 if i not in self.moe:
                     h = h + block(xn)
@@ -184,6 +192,13 @@ class AsyncForward:
                 else:
                     y = await self._serve(i, source, x_sw, inds_np, leases)
                 h = h + combine(block, attr, xn, y)
+                if long_step:
+                    # A prefill chunk: let the stream finish each block before scheduling the next.
+                    # MLX's async_eval blocks its caller while more than ~100 ops are queued, and
+                    # prefill ops run long, so scheduling a layer on top of the previous one held
+                    # the event loop for a whole op group (150-190 ms a layer measured on the
+                    # embedded model). The stream idles only for the host's graph building.
+                    await self.completed(h)
         except BaseException:
             # Nothing reads these rows any more once the forward is abandoned.
             source.release_after(mx.array(0), leases)
