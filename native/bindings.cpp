@@ -66,6 +66,10 @@ void bind_bridge(nb::module_& m) {
         "GIL released); returns the (1,) uint64 signal array, or None when the post was queued "
         "directly on a backlogged CPU stream. When the stream reaches it, `ticket` is posted to "
         "`queue`.");
+  m.def("schedule_step", &br::schedule_step, nb::arg("roots"),
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Schedule as much of the unscheduled graph of `roots` as fits under MLX's eval throttle. "
+        "Returns (True, None) once all is scheduled, else (False, y): await y, then call again.");
   m.def("mlx_active_tasks", &br::mlx_active_tasks,
         "MLX's count of CPU task groups in flight (its eval throttle blocks callers above 10).");
   m.def("is_available", &br::is_available, nb::arg("x"),
@@ -87,6 +91,9 @@ void bind_bridge(nb::module_& m) {
           d["signals_destroyed"] = c.signals_destroyed.load();
           d["signals_dispatched"] = c.signals_dispatched.load();
           d["signals_direct"] = c.signals_direct.load();
+          d["schedule_whole"] = c.schedule_whole.load();
+          d["schedule_chunks"] = c.schedule_chunks.load();
+          d["schedule_waits"] = c.schedule_waits.load();
           d["tickets_posted"] = c.tickets_posted.load();
           d["tickets_reaped"] = c.tickets_reaped.load();
           d["tickets_dropped"] = c.tickets_dropped.load();

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,9 @@ struct Counters {
   std::atomic<uint64_t> signals_destroyed{0};
   std::atomic<uint64_t> signals_dispatched{0};  // eval_cpu/eval_gpu scheduled the post
   std::atomic<uint64_t> signals_direct{0};  // posts queued straight on a backlogged CPU stream
+  std::atomic<uint64_t> schedule_whole{0};   // schedule_step calls that scheduled everything
+  std::atomic<uint64_t> schedule_chunks{0};  // ... that scheduled a part (throttle would engage)
+  std::atomic<uint64_t> schedule_waits{0};   // ... that scheduled nothing: await the frontier
   std::atomic<uint64_t> tickets_posted{0};    // post() called by a stream/callback thread
   std::atomic<uint64_t> tickets_reaped{0};    // handed to the loop by drain()
   std::atomic<uint64_t> tickets_dropped{0};   // posted after close(): nobody is listening
@@ -106,6 +110,14 @@ std::optional<mlx::core::array> signal(const mlx::core::array& x,
 
 // MLX's count of CPU task groups in flight (what its eval throttle compares with 10).
 int mlx_active_tasks();
+
+// Schedule the unscheduled part of the graphs of `roots` without letting MLX's eval throttle block
+// the caller (MLX's async_eval waits while more than 10 task groups of ~10 dispatches are in
+// flight). Schedules as much as fits now, inputs before users. Returns {true, nullopt} once every
+// root is scheduled; otherwise {false, y}: await y (scheduled, not yet computed) and call again.
+// When nothing fits and no scheduled input of the graph is pending, one node is scheduled anyway
+// (MLX then waits for at most one task group).
+std::pair<bool, std::optional<mlx::core::array>> schedule_step(const std::vector<mlx::core::array>& roots);
 
 // Whether x is safe to read without waiting (never blocks). Throws the MLX error if the
 // computation that produced x failed (and clears it, as MLX does).

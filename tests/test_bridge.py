@@ -404,3 +404,71 @@ async def test_gpu_stream_completion(anyio_backend: object, no_blocking: object,
         x = _chain(mx.array(a_np), 8)
     await completed(x)
     assert native.is_available(x)
+
+
+@pytest.mark.no_blocking(strict=True)
+async def test_a_graph_larger_than_mlx_throttle_is_scheduled_without_blocking(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    """1500 dispatches behind a held stream: MLX's async_eval would block its caller until the gate
+    opened (it waits while ~100 dispatches are queued); ``completed`` schedules in pieces instead,
+    awaiting the stream in between, and the loop keeps running meanwhile."""
+    before = bridge.counters()
+    gate = native.TestingGate()
+    x = gate.hold(mx.array(a_np))
+    for i in range(1500):
+        x = x + float(i % 3)  # one dispatch each
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.002)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        waiter_done = anyio.Event()
+
+        async def waiter() -> None:
+            await completed(x)
+            waiter_done.set()
+
+        tg.start_soon(waiter)
+        await anyio.sleep(0.05)
+        assert not waiter_done.is_set() and ticks >= 5  # the loop ran while the stream was held
+        assert native.array_status(x) == "unscheduled"  # not all of it fits: the rest waits
+        gate.open()
+        await waiter_done.wait()
+        tg.cancel_scope.cancel()
+    expected = a_np + sum(float(i % 3) for i in range(1500))
+    np.testing.assert_allclose(np.array(x), expected, rtol=1e-5)
+    d = _delta(before)
+    assert d["schedule_chunks"] >= 1 and d["schedule_whole"] >= 1, d
+    _assert_balanced(before)
+
+
+async def test_then_is_scheduled_behind_the_signal(anyio_backend: object, no_blocking: object,
+                                                   a_np: np.ndarray) -> None:
+    """``completed(x, then=[y])`` returns when x is done and leaves y queued, not awaited."""
+    gate = native.TestingGate()
+    x = gate.hold(mx.array(a_np)) + 1.0
+    y = _chain(x, 3)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completed, x)  # x alone first: y is not scheduled by it
+        await anyio.sleep(0.01)
+        assert native.array_status(y) == "unscheduled"
+        gate.open()
+    done = anyio.Event()
+
+    async def with_then() -> None:
+        await completed(x + 2.0, then=[y])
+        done.set()
+
+    await with_then()
+    assert done.is_set() and native.array_status(y) in ("evaluated", "available")
+    await completed(y)
+    with pytest.raises(TypeError, match="then"):
+        await completed(x, then=[np.zeros(2)])
+    with pytest.raises(TypeError):
+        await bridge.schedule(np.zeros(2))

@@ -67,6 +67,11 @@ async def eval_completed(x: mx.array) -> None:
     mx.eval(x)
 
 
+async def _async_eval(x: mx.array) -> None:
+    """``mx.async_eval`` for injected completions that are not the bridge's."""
+    mx.async_eval(x)
+
+
 def default_completed() -> Completed:
     """``asyncside.bridge.completed`` (the native completion bridge), or a clear error if absent."""
     try:
@@ -103,6 +108,13 @@ class AsyncForward:
             self._then_ok = "then" in inspect.signature(completed).parameters
         except (TypeError, ValueError):  # a callable without a signature
             self._then_ok = False
+        if getattr(completed, "__module__", None) == "asyncside.bridge":
+            from ..bridge import schedule
+
+            #: queue work without blocking the loop (MLX's async_eval may wait on its caller)
+            self._schedule: Callable[[mx.array], Awaitable[None]] = schedule
+        else:
+            self._schedule = _async_eval
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
@@ -165,7 +177,7 @@ class AsyncForward:
                     # Schedule the prediction before the routed ids: the stream computes it first, so
                     # once the ids are in, the prediction is too and its prefetch needs no completion
                     # signal of its own (one signal per layer, not two).
-                    mx.async_eval(p)
+                    await self._schedule(p)
                 snap = self._snapshot(source, i, inds)
                 if snap is not None:
                     # Gather rows in the graph from where the experts are now: the stream computes
