@@ -38,6 +38,13 @@ _STATE_NAMES = {FREE: "FREE", FILLING: "FILLING", LIVE: "LIVE"}
 _INT32_MAX = 2**31 - 1
 
 
+def _frozen_copy(a: np.ndarray) -> np.ndarray:
+    """A read-only copy (the snapshots handed out must not change under their holders)."""
+    out = a.copy()
+    out.flags.writeable = False
+    return out
+
+
 @dataclass(frozen=True)
 class Fill:
     """One read the ledger asks for: the record of ``expert`` into pool row ``row``."""
@@ -361,12 +368,9 @@ class Ledger:
 
         Read-only; a snapshot that later transitions never change (rebuilt only after a change).
         """
-        snap = self._snapshot
-        if snap is None:
-            snap = self._table.copy()
-            snap.flags.writeable = False
-            self._snapshot = snap
-        return snap
+        if self._snapshot is None:
+            self._snapshot = _frozen_copy(self._table)
+        return self._snapshot
 
     def generations(self) -> np.ndarray:
         """int64 (rows,): how many fills each row has been handed so far. Read-only snapshot.
@@ -374,12 +378,9 @@ class Ledger:
         If a row's count and :meth:`lookup` entry are both unchanged between two moments, the row
         held the same expert throughout and nothing wrote to it in between.
         """
-        snap = self._gen_snapshot
-        if snap is None:
-            snap = self._gen.copy()
-            snap.flags.writeable = False
-            self._gen_snapshot = snap
-        return snap
+        if self._gen_snapshot is None:
+            self._gen_snapshot = _frozen_copy(self._gen)
+        return self._gen_snapshot
 
     def unchanged_since(self, table: np.ndarray, generations: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """For each of ``experts``: True iff it had a row in ``table`` (an earlier :meth:`lookup`,

@@ -67,6 +67,20 @@ async def eval_completed(x: mx.array) -> None:
     mx.eval(x)
 
 
+def _checked_table(source: ExpertSource, layer: int, ids: np.ndarray) -> np.ndarray:
+    """The layer's expert -> row table (host copy), or RowLookupError if an ensured id has no row."""
+    table = np.asarray(source.lookup(layer))
+    n_rows = next(iter(source.pools(layer).values())).shape[0]
+    own = table[ids]
+    bad = (own < 0) | (own >= n_rows)
+    if bad.any():
+        raise RowLookupError(
+            f"layer {layer}: ensure() returned but expert(s) {ids[bad].tolist()} map to rows "
+            f"{own[bad].tolist()} (pool has {n_rows} rows)"
+        )
+    return table
+
+
 async def _async_eval(x: mx.array) -> None:
     """``mx.async_eval`` for injected completions that are not the bridge's."""
     mx.async_eval(x)
@@ -283,15 +297,7 @@ class AsyncForward:
             raise
         leases.extend(held)
         leases.append((layer, source.lease(layer, redo)))
-        table = np.asarray(source.lookup(layer))
-        n_rows = next(iter(source.pools(layer).values())).shape[0]
-        own = table[redo]
-        bad = (own < 0) | (own >= n_rows)
-        if bad.any():
-            raise RowLookupError(
-                f"layer {layer}: ensure() returned but expert(s) {redo[bad].tolist()} map to rows "
-                f"{own[bad].tolist()} (pool has {n_rows} rows)"
-            )
+        table = _checked_table(source, layer, redo)
         flat = inds.reshape(-1)
         pos = np.flatnonzero(np.isin(flat, redo))
         block, attr = self.moe[layer]
@@ -337,15 +343,8 @@ class AsyncForward:
             lease_id = source.lease(layer, ids)
             try:
                 pools = source.pools(layer)
-                table = np.asarray(source.lookup(layer))
-                n_rows = next(iter(pools.values())).shape[0]
+                table = _checked_table(source, layer, ids)
                 own = table[ids]
-                bad = (own < 0) | (own >= n_rows)
-                if bad.any():
-                    raise RowLookupError(
-                        f"layer {layer}: ensure() returned but expert(s) {ids[bad].tolist()} map to rows "
-                        f"{own[bad].tolist()} (pool has {n_rows} rows)"
-                    )
                 if not split:
                     y_g = pooled_switch_apply(spec, activation, x_sw, table[inds], pools)
                     y = y_g
