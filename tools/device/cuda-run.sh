@@ -28,7 +28,7 @@ python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bri
 
 log "GPU tests"
 timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
-  ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
+  ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
 log "device bench"
