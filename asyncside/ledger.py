@@ -24,7 +24,7 @@ so the first reservation takes the last side row; failed fills and one-shot drop
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -5,6 +5,7 @@ Public API (see docs/models.md):
 - :class:`StreamingModel` (``generate``: greedy async token stream over an :class:`ExpertSource`),
   :func:`load_streaming_model` (from a converted store), :func:`streaming_from_model` (in memory);
 - :class:`ExpertSource` (protocol), :class:`ResidentSource` (all-resident baseline);
+  :class:`SpeculativeSource` / :class:`RowSnapshot` (optional: in-graph row gathers, see snapshot.py);
 - :func:`convert_model`, :func:`profile_routing`, :func:`resident_sets` (converter);
 - :func:`ensure_embedded_default` (the embedded default model, built on first use);
 - :func:`reference_generate`, :func:`load_reference_model` (plain mlx-lm baseline);
@@ -27,6 +28,7 @@ from .embedded import EmbeddedSpec, ensure_embedded_default
 from .forward import AsyncForward, RowLookupError, StreamingModel, eval_completed
 from .loading import load_reference_model, load_streaming_model, reference_generate, streaming_from_model
 from .predict import PREDICTORS
+from ..snapshot import RowSnapshot, SpeculativeSource
 from .source import ExpertSource, ResidentSource
 from .tokenizer import ByteTokenizer, load_tokenizer
 from .trace import CacheResult, RoutingTrace, belady, replay_policy
@@ -35,7 +37,8 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHS))
 
 __all__ = [
     "DEFAULT_RESIDENT_FRACTION", "PREDICTORS", "SUPPORTED_MODEL_TYPES", "AsyncForward", "ByteTokenizer",
-    "CacheResult", "EmbeddedSpec", "ExpertSource", "ResidentSource", "RoutingTrace", "RowLookupError",
+    "CacheResult", "EmbeddedSpec", "ExpertSource", "ResidentSource", "RoutingTrace", "RowLookupError", "RowSnapshot",
+    "SpeculativeSource",
     "StreamingModel", "UnsupportedModelError", "belady", "convert_model", "ensure_embedded_default",
     "eval_completed", "load_profile", "load_reference_model", "load_streaming_model", "load_tokenizer",
     "profile_from_trace", "profile_model_dir", "profile_routing", "reference_generate", "replay_policy", "resident_sets",

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import LedgerError
-from ..snapshot import RowSnapshot, SpeculativeSource, make_snapshot
+from ..snapshot import RowSnapshot, make_snapshot
 
 
 @runtime_checkable
