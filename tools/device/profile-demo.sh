@@ -6,7 +6,7 @@ TESTS_ONLY=1 TESTS="tests/test_build.py -q" bash tools/device/cuda-run.sh > "$OU
 export PYTHONPATH=/tmp/site:$PWD
 python3 -m asyncside.cli demo --resident 0.5 --tokens 8 --json > /dev/null 2>&1  # builds the embedded model
 chmod +x .venv/bin/py-spy
-.venv/bin/py-spy record --subprocesses -r 2000 -f raw -o /tmp/spy.txt -- sh -c "python3 -m asyncside.cli demo --resident 0.5 --tokens 160 --json > $OUT/demo.json" 2> "$OUT/spy.err"
+.venv/bin/py-spy record --subprocesses -r 1000 -f raw -o /tmp/spy.txt -- sh -c "python3 -m asyncside.cli demo --resident 0.5 --tokens 160 --json > $OUT/demo.json" 2> "$OUT/spy.err"
 python3 - /tmp/spy.txt <<'PY'
 import collections, sys
 self_c, incl = collections.Counter(), collections.Counter()
