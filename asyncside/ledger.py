@@ -152,7 +152,6 @@ class Ledger:
         # moment has not been written since then (writes happen only to FILLING rows), which is
         # what lets a forward that gathered rows speculatively prove its rows were stable.
         self._gen = np.zeros(self.rows, dtype=np.int64)
-        self._gen_snapshot: np.ndarray | None = None
         self.blocked: list[int] = []
         self.stats: dict[str, int] = dict.fromkeys(
             (
@@ -282,7 +281,6 @@ class Ledger:
                 row = self._evict(victim)
             fill = Fill(next(self._fill_ids), e, row)
             self._gen[row] += 1
-            self._gen_snapshot = None
             i = row - self.cap
             self._row_state[i] = FILLING
             self._row_owner[i] = e
@@ -373,14 +371,12 @@ class Ledger:
         return self._snapshot
 
     def generations(self) -> np.ndarray:
-        """int64 (rows,): how many fills each row has been handed so far. Read-only snapshot.
+        """int64 (rows,): how many fills each row has been handed so far, as a read-only copy.
 
         If a row's count and :meth:`lookup` entry are both unchanged between two moments, the row
         held the same expert throughout and nothing wrote to it in between.
         """
-        if self._gen_snapshot is None:
-            self._gen_snapshot = _frozen_copy(self._gen)
-        return self._gen_snapshot
+        return _frozen_copy(self._gen)  # callers cache it (Runtime.snapshot, per row-state version)
 
     def unchanged_since(self, table: np.ndarray, generations: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """For each of ``experts``: True iff it had a row in ``table`` (an earlier :meth:`lookup`,

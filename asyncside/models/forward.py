@@ -118,17 +118,17 @@ class AsyncForward:
                          "speculated": 0, "speculation_misses": 0}
         #: gather rows in the graph from a RowSnapshot when the source offers one (decode steps)
         self.speculate = True
+        # A completion that takes `then` is the bridge's (or wraps it): queue work through the
+        # bridge too, which never lets MLX's async_eval throttle block the loop.
         try:
             self._then_ok = "then" in inspect.signature(completed).parameters
         except (TypeError, ValueError):  # a callable without a signature
             self._then_ok = False
-        if getattr(completed, "__module__", None) == "asyncside.bridge":
+        self._schedule: Callable[[mx.array], Awaitable[None]] = _async_eval
+        if self._then_ok:
             from ..bridge import schedule
 
-            #: queue work without blocking the loop (MLX's async_eval may wait on its caller)
-            self._schedule: Callable[[mx.array], Awaitable[None]] = schedule
-        else:
-            self._schedule = _async_eval
+            self._schedule = schedule
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
@@ -220,10 +220,10 @@ class AsyncForward:
                 h = h + combine(block, attr, xn, y)
                 if long_step:
                     # A prefill chunk: let the stream finish each block before scheduling the next.
-                    # MLX's async_eval blocks its caller while more than ~100 ops are queued, and
-                    # prefill ops run long, so scheduling a layer on top of the previous one held
-                    # the event loop for a whole op group (150-190 ms a layer measured on the
-                    # embedded model). The stream idles only for the host's graph building.
+                    # The bridge queues graphs in groups of nodes under MLX's eval throttle, but a
+                    # long prefill's nodes can each be many dispatches, so a group on top of a
+                    # queued layer could still cross it and hold the loop (up to 125 ms measured
+                    # on the embedded model without these awaits, 19-44 ms with them, same TTFT).
                     await self.completed(h)
         except BaseException:
             # Nothing reads these rows any more once the forward is abandoned.
