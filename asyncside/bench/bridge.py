@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ import mlx.core as mx
 
 from .. import _native
 from ..bridge import completed_at
+from .machine import machine_info
 
 TARGET_MEDIAN_US = 30.0
 TARGET_P99_US = 100.0
@@ -238,18 +238,7 @@ def _stats_us(samples_ns: Sequence[int]) -> dict[str, float]:
 
 
 def _machine() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "mlx": getattr(mx, "__version__", "?"),
-        "native_paths": list(_native.bridge_paths()),
-        "loadavg_at_start": load,
-    }
+    return {**machine_info(), "native_paths": list(_native.bridge_paths())}
 
 
 def _available_backends() -> tuple[list[tuple[str, str, dict[str, Any]]], list[str]]:
@@ -330,7 +319,6 @@ def render_bridge_table(result: dict[str, Any]) -> None:
     )
     for col in ("backend", "method", "median", "p90", "p99", "max", "compl/s", "target"):
         t.add_column(col, justify="right" if col not in ("backend", "method") else "left")
-    tgt = result["targets_us"]
     for r in result["results"]:
         st = r["latency_us"]
         target = ""
@@ -354,7 +342,7 @@ def render_bridge_table(result: dict[str, Any]) -> None:
     console.print(t)
     console.print(
         f"loop-thread cost to issue one completion (build x, async_eval x + signal): median {ic['median']:.1f} µs, "
-        f"p99 {ic['p99']:.1f} µs; {result['machine']['cpus']} CPUs, load at start "
+        f"p99 {ic['p99']:.1f} µs; {result['machine']['nproc']} CPUs, load at start "
         f"{result['machine']['loadavg_at_start']}; {result['seconds']} s"
     )
 

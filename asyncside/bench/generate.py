@@ -39,9 +39,7 @@ import json
 import mmap
 import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .machine import machine_info
 
 #: a short prompt: decode speed is what residency changes; a long prefill at low residency splits
 #: into many capacity groups and would dominate the run time (its cost shows in ``ttft_s``)
@@ -496,33 +496,6 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
 # Machine
 
 
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    import mlx.core as mx
-
-    def cmd(*argv: str) -> str:
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "nproc": os.cpu_count(),
-        "kernel": platform.release(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "mlx": getattr(mx, "__version__", "?"),
-        "disk": cmd("lsblk", "-d", "-o", "NAME,SIZE,ROTA,TYPE,MODEL"),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "root": os.geteuid() == 0,
-        "loadavg_at_start": load,
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # The bench
 
@@ -543,7 +516,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     s = _settings(args)
     verbose = not getattr(args, "json", False)
     started = time.time()
-    mach = machine()
+    mach = machine_info()
     if args.model is not None:
         store_dir = pathlib.Path(args.model)
     else:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -44,6 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .machine import machine_info
 
 GB = 1e9
 MODES = ("warm", "cold_direct", "cold_buffered")
@@ -115,33 +116,9 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _machine(store_dir: str) -> dict[str, Any]:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dev = run(["findmnt", "-n", "-o", "SOURCE", "-T", store_dir])
-    disk = ""
-    if dev:
-        parent = run(["lsblk", "-n", "-d", "-o", "PKNAME", dev]) or os.path.basename(dev)
-        disk = run(["lsblk", "-n", "-d", "-o", "NAME,MODEL,SIZE,ROTA,TRAN", "/dev/" + parent.strip()])
-    import mlx.core as mx
-
     from ..readers import io_uring_status
 
-    return {
-        "nproc": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "disk": disk or "unknown",
-        "filesystem": run(["findmnt", "-n", "-o", "FSTYPE", "-T", store_dir]),
-        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "root": os.geteuid() == 0,
-        "io_uring": io_uring_status()[1] or "available",
-    }
+    return {**machine_info(store_dir), "io_uring": io_uring_status()[1] or "available"}
 
 
 # ---- store -----------------------------------------------------------------------------------

@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from .machine import machine_info
 
 DEFAULT_PROMPT = "Once upon a time"
 
@@ -246,7 +244,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "audit_ok_after": health[0],
         "audit_problems": health[1],
         "runtime_stats": runtime_stats,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": machine_info(),
     }
     if not getattr(args, "json", False):  # with --json the CLI prints the returned dict
         print_table(out)
