@@ -81,9 +81,9 @@ def _checked_table(source: ExpertSource, layer: int, ids: np.ndarray) -> np.ndar
     return table
 
 
-async def _async_eval(x: mx.array) -> None:
+async def _async_eval(*arrays: mx.array) -> None:
     """``mx.async_eval`` for injected completions that are not the bridge's."""
-    mx.async_eval(x)
+    mx.async_eval(*arrays)
 
 
 def default_completed() -> Completed:
@@ -124,7 +124,7 @@ class AsyncForward:
             self._then_ok = "then" in inspect.signature(completed).parameters
         except (TypeError, ValueError):  # a callable without a signature
             self._then_ok = False
-        self._schedule: Callable[[mx.array], Awaitable[None]] = _async_eval
+        self._schedule: Callable[..., Awaitable[None]] = _async_eval
         if self._then_ok:
             from ..bridge import schedule
 
@@ -190,8 +190,9 @@ class AsyncForward:
                 if isinstance(p, mx.array):
                     # Schedule the prediction before the routed ids: the stream computes it first, so
                     # once the ids are in, the prediction is too and its prefetch needs no completion
-                    # signal of its own (one signal per layer, not two).
-                    await self._schedule(p)
+                    # signal of its own (one signal per layer, not two). Both in one call: on a GPU
+                    # each scheduling call commits a command buffer.
+                    await self._schedule(p, inds)
                 snap = self._snapshot(source, i, inds)
                 if snap is not None:
                     # Gather rows in the graph from where the experts are now: the stream computes
