@@ -40,6 +40,7 @@ from .pooled import (
     pooled_switch_pairs,
     pooled_switch_unsorted_pairs,
     route,
+    route_and_apply,
 )
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
 from .source import ExpertSource
@@ -184,7 +185,23 @@ class AsyncForward:
                     h = h + block(xn)
                     continue
                 attr = self.moe[i][1]
-                x_sw, inds = route(block, attr, xn)
+                taken: list[RowSnapshot] = []
+
+                def gather(x_sw: mx.array, inds: mx.array, i: int = i, attr: str = attr,
+                           taken: list[RowSnapshot] = taken) -> mx.array | None:
+                    # Gather rows in the graph from where the experts are now: the stream computes
+                    # the expert outputs right after the router, while the host checks the ids.
+                    snap = self._snapshot(source, i, inds)
+                    if snap is None:
+                        return None
+                    taken.append(snap)
+                    return pooled_switch_apply(self.specs[i], getattr(block, attr).activation, x_sw,
+                                               mx.take(snap.rows, inds), source.pools(i))
+
+                # One call of the block routes and, when a snapshot allows, combines the speculative
+                # outputs too (out_spec): its router is built and computed once.
+                out_spec, x_sw, inds, y_spec = route_and_apply(block, attr, xn, gather)
+                snap = taken[0] if taken else None
                 nxt = self.next_moe[i]
                 p = predictor.next(nxt, xn) if nxt is not None else None
                 if isinstance(p, mx.array):
@@ -193,13 +210,9 @@ class AsyncForward:
                     # signal of its own (one signal per layer, not two). Both in one call: on a GPU
                     # each scheduling call commits a command buffer.
                     await self._schedule(p, inds)
-                snap = self._snapshot(source, i, inds)
                 if snap is not None:
-                    # Gather rows in the graph from where the experts are now: the stream computes
-                    # the expert outputs right after the router, while the host checks the ids.
-                    y_spec = pooled_switch_apply(self.specs[i], getattr(block, attr).activation, x_sw,
-                                                 mx.take(snap.rows, inds), source.pools(i))
-                    await self._completed_then(inds, y_spec)
+                    assert out_spec is not None and y_spec is not None
+                    await self._completed_then(inds, out_spec)
                 else:
                     await self.completed(inds)
                 if p is not None:
@@ -215,10 +228,13 @@ class AsyncForward:
                         await self.completed(pred)
                     step.record(i, inds_np, None if pred is None else np.asarray(pred))
                 if snap is not None:
+                    assert y_spec is not None
                     y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
+                    # Every pair sound: the block output built with the speculative outputs stands.
+                    h = h + (out_spec if y is y_spec else combine(block, attr, xn, y))
                 else:
                     y = await self._serve(i, source, x_sw, inds_np, leases)
-                h = h + combine(block, attr, xn, y)
+                    h = h + combine(block, attr, xn, y)
                 if long_step:
                     # A prefill chunk: let the stream finish each block before scheduling the next.
                     # The bridge queues graphs in groups of nodes under MLX's eval throttle, but a

@@ -11,6 +11,10 @@ async forward drives it through two phases of the block's *own* ``__call__``:
    rows) and the block is called again with the switch returning that output, so the block's own
    code applies scores, normalisation and shared experts.
 
+When the expert outputs can be built before the ids are known (a gather from a row snapshot, in
+the graph), :func:`route_and_apply` does both in one call of the block: its router is built and
+computed once, and the second call is only needed if the host later replaces the output.
+
 :func:`pooled_switch_apply` reproduces ``SwitchGLU.__call__`` op for op, except that ``rhs_indices``
 are physical pool rows instead of expert ids. For many tokens (>= 64 routed pairs) mlx-lm sorts the
 pairs by expert id and passes ``sorted_indices=True``; here the pairs are sorted by *row* (stable),
@@ -22,7 +26,7 @@ its group's position, so outputs are bitwise equal to mlx-lm's (asserted by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,6 +72,21 @@ class _Captured(Exception):
 _CAPTURE = object()
 
 
+class _Apply:
+    """Switch plan of :func:`route_and_apply`: computes the output from the routed ids, or declines."""
+
+    def __init__(self, fn: Callable[[mx.array, mx.array], mx.array | None]) -> None:
+        self.fn = fn
+        self.seen: tuple[mx.array, mx.array, mx.array] | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        y = self.fn(x, indices)
+        if y is None:
+            raise _Captured(x, indices)
+        self.seen = (x, indices, y)
+        return y
+
+
 class PooledSwitch(nn.Module):
     """Stand-in for a switch layer; computes nothing by itself (see the module docstring)."""
 
@@ -85,6 +104,8 @@ class PooledSwitch(nn.Module):
         plan = self._plan
         if plan is _CAPTURE:
             raise _Captured(x, indices)
+        if isinstance(plan, _Apply):
+            return plan(x, indices)
         if isinstance(plan, mx.array):
             if tuple(plan.shape[:-1]) != tuple(indices.shape):
                 raise RuntimeError(f"planned switch output {plan.shape} does not fit the routed ids {indices.shape}")
@@ -126,6 +147,32 @@ def route(block: nn.Module, attr: str, x: mx.array) -> tuple[mx.array, mx.array]
     finally:
         object.__setattr__(sw, "_plan", None)
     raise UnsupportedModelError(f"{type(block).__name__}.__call__ returned without calling its switch layer")
+
+
+def route_and_apply(block: nn.Module, attr: str, x: mx.array,
+                    apply: Callable[[mx.array, mx.array], mx.array | None]
+                    ) -> tuple[mx.array | None, mx.array, mx.array, mx.array | None]:
+    """Route and combine in one call of the block, its switch computing ``apply(x_sw, ids)``.
+
+    Returns ``(block output, switch input, ids, switch output)``, all lazy. When ``apply`` returns
+    None the block stops right after routing, like :func:`route`, and the result is
+    ``(None, switch input, ids, None)``. One call instead of :func:`route` then :func:`combine`
+    builds (and computes) the block's router once when the switch output can be built before the
+    ids are known (the forward's speculative row gather).
+    """
+    sw = getattr(block, attr)
+    plan = _Apply(apply)
+    object.__setattr__(sw, "_plan", plan)
+    try:
+        out = block(x)
+    except _Captured as cap:
+        return None, cap.x, cap.indices, None
+    finally:
+        object.__setattr__(sw, "_plan", None)
+    if plan.seen is None:
+        raise UnsupportedModelError(f"{type(block).__name__}.__call__ returned without calling its switch layer")
+    x_sw, indices, y = plan.seen
+    return out, x_sw, indices, y
 
 
 def combine(block: nn.Module, attr: str, x: mx.array, switch_out: mx.array) -> mx.array:

@@ -1,0 +1,192 @@
+"""Where a streamed decode step's time goes, on the CPU: a diagnostic, not a benchmark.
+
+    python tools/decode_profile.py --resident 0.25 --tokens 48 [--json]
+
+Runs mlx-lm's own generation (all experts resident) and then asyncside's streamed generation of
+the embedded model in one process, and reports for the decode part of each:
+
+* CPU time of each busy thread over the wall time (from /proc: the event-loop thread, MLX's
+  stream thread, io_uring workers), i.e. how much of the time the stream computed;
+* per MoE layer of the streamed run, from native completion timestamps: how long the stream spent
+  on the speculative expert outputs after the routed ids, and how long it then sat idle before the
+  host queued more work (the next layer, a recompute, or the token's logits);
+* the routed experts the host found sound in the row snapshot, and of the others, whether they
+  had been in the snapshot at all (a miss the prediction did not cover) or were refilled since.
+
+The instrumentation wraps the forward's own methods (an extra completion signal after each
+speculative gather), so the streamed figures are a little slower than an uninstrumented run.
+Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    out: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _busy(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float) -> list[dict[str, Any]]:
+    main = threading.get_native_id()
+    rows = []
+    for tid, (name, cpu) in after.items():
+        d = cpu - before.get(tid, (name, 0.0))[1]
+        if d >= 0.02:
+            role = "event loop" if tid == main else ("io_uring worker" if name.startswith("iou-") else name)
+            rows.append({"thread": role, "tid": tid, "cpu_s": round(d, 3), "busy": round(d / wall, 3)})
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--resident", type=float, default=0.25)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from asyncside import _native, bridge
+    from asyncside.demo import DEFAULT_PROMPT, reference_run
+    from asyncside.models import load_reference_model, load_streaming_model
+    from asyncside.models.embedded import ensure_embedded_default
+    from asyncside.runtime import Runtime
+    from asyncside.store import ExpertStore
+
+    _model_dir, store_dir = ensure_embedded_default(None, progress=False)
+    store = ExpertStore.open(store_dir)
+    sm = load_streaming_model(store_dir)
+    prompt = list(sm.tokenizer.encode(DEFAULT_PROMPT))
+    ref_model, _ = load_reference_model(store_dir)
+    reference_run(ref_model, prompt, 2, set())  # warm-up
+    t0, w0 = _thread_cpu(), time.perf_counter()
+    ref = reference_run(ref_model, prompt, args.tokens, set())
+    ref_threads = _busy(t0, _thread_cpu(), time.perf_counter() - w0)
+    del ref_model
+
+    fwd = sm.forward
+    recorder = _native.CompletionQueue()  # nobody watches it: it only timestamps the stream
+    events: list[tuple[str, int, int]] = []  # (kind, host ns, ticket or posted ns)
+    spec = collections.Counter()
+    ticket = [0]
+
+    async def completed_then(x: mx.array, then: mx.array) -> None:
+        events.append(("queue", time.monotonic_ns(), 0))
+        posted = await bridge.completed_at(x, then=[then])
+        ticket[0] += 1
+        sig = _native.signal(then, recorder, ticket[0], None)  # posts when the outputs are done
+        if sig is not None:
+            mx.async_eval(sig)
+        events.append(("ids", posted or 0, ticket[0]))
+
+    completed = fwd.completed
+
+    async def completed_any(x: mx.array, **kw: Any) -> None:
+        events.append(("queue", time.monotonic_ns(), 0))  # x may be new work (the token's logits)
+        await completed(x, **kw)
+
+    schedule = fwd._schedule
+
+    async def scheduled(*arrays: mx.array) -> None:
+        events.append(("queue", time.monotonic_ns(), 0))
+        await schedule(*arrays)
+
+    serve = fwd._serve_speculated
+
+    async def serve_speculated(layer: int, source: Any, x_sw: mx.array, inds: np.ndarray, y_spec: mx.array,
+                               snap: Any, leases: list[tuple[int, int]]) -> mx.array:
+        uniq = np.unique(inds).astype(np.int64)
+        sound = np.asarray(source.unchanged(layer, snap, uniq), dtype=bool)
+        spec["sound"] += int(sound.sum())
+        for e in uniq[~sound]:
+            spec["unsound, was in the snapshot (refilled since)" if snap.table[e] >= 0
+                 else "unsound, not in the snapshot (prediction missed)"] += 1
+        return await serve(layer, source, x_sw, inds, y_spec, snap, leases)
+
+    fwd._completed_then = completed_then  # type: ignore[method-assign]
+    fwd._schedule = scheduled
+    fwd.completed = completed_any
+    fwd._serve_speculated = serve_speculated  # type: ignore[method-assign]
+
+    async def streamed() -> dict[str, Any]:
+        async with Runtime(store, resident=args.resident, policy="lfu") as rt:
+            gen = sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor="lookahead")
+            toks = [await gen.__anext__()]
+            events.clear()
+            spec.clear()
+            before, w = _thread_cpu(), time.perf_counter()
+            async for tok in gen:
+                toks.append(tok)
+            wall = time.perf_counter() - w
+            threads = _busy(before, _thread_cpu(), wall)
+            await anyio.sleep(0.1)
+            stats = rt.stats()
+        return {"tokens": toks, "wall": wall, "threads": threads, "stall_s": stats["stall_time_s"]}
+
+    run = anyio.run(streamed, backend="asyncio", backend_options={"use_uvloop": True})
+    posted = dict(recorder.drain())
+    recorder.close()
+    experts_ms, idle_ms = [], []
+    for k, (kind, t, tk) in enumerate(events):
+        if kind != "ids" or not t or tk not in posted:
+            continue
+        experts_ms.append((posted[tk] - t) / 1e6)
+        nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
+        if nxt is not None:
+            idle_ms.append(max(0, nxt[1] - posted[tk]) / 1e6)
+    n_dec = len(run["tokens"]) - 1
+    result = {
+        "resident": args.resident,
+        "tokens_identical": run["tokens"] == ref.tokens[: len(run["tokens"])],
+        "mlx_lm": {"decode_tok_s": round(ref.decode_tokens_per_s, 2), "threads": ref_threads},
+        "asyncside": {
+            "decode_tok_s": round(n_dec / run["wall"], 2),
+            "threads": run["threads"],
+            "stall_ms_per_token": round(run["stall_s"] * 1e3 / max(1, len(run["tokens"])), 2),
+            "speculative_experts_ms_per_layer_median": round(float(np.median(experts_ms)), 3) if experts_ms else None,
+            "stream_idle_after_experts_ms_per_token": round(sum(idle_ms) / max(1, n_dec), 3),
+            "routed_experts": dict(spec),
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for name in ("mlx_lm", "asyncside"):
+            r = result[name]
+            print(f"{name}: decode {r['decode_tok_s']} tok/s")
+            for t in r["threads"]:
+                print(f"    {t['thread']:<16} cpu {t['cpu_s']:7.2f} s   busy {t['busy'] * 100:5.1f}% of the wall time")
+        a = result["asyncside"]
+        print(f"tokens identical: {result['tokens_identical']}")
+        print(f"speculative expert outputs on the stream: {a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
+        print(f"stream idle between them and the next layer: {a['stream_idle_after_experts_ms_per_token']} ms per token")
+        print(f"host waiting for fills (stall): {a['stall_ms_per_token']} ms per token")
+        for k, v in sorted(a["routed_experts"].items()):
+            print(f"    {v:6d}  {k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
