@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ from . import openai_protocol as oai
 from .errors import AsyncsideError
 from .generation import GenerationService, StreamingModel, TextAssembler
 from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
-from .prometheus import Counter, Gauge, Registry
+from .prometheus import Gauge, Registry
 
 log = logging.getLogger("asyncside.server")
 

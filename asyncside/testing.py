@@ -29,7 +29,6 @@ strict mode; it runs on the test's own loop (function scope).
 from __future__ import annotations
 
 import itertools
-import pathlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -20,7 +20,7 @@ from asyncside.pools import PoolSet
 from asyncside.scheduler import FillHandle, Scheduler
 from asyncside.store import ExpertStore, LayerSpec
 
-from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows, rows_equal_store
+from _read_helpers import READERS, assert_balanced, check_rows, rows_equal_store
 
 pytestmark = pytest.mark.anyio
 

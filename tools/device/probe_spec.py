@@ -1,7 +1,7 @@
 """Device probe: tokens of tiny gpt_oss (float) over ResidentSource, speculation on/off, repeated."""
 import sys
 sys.path.insert(0, "tests")
-import anyio, numpy as np, mlx.core as mx
+import anyio, numpy as np
 from _models_support import tiny_model
 from asyncside.models import ResidentSource, reference_generate, streaming_from_model
 from asyncside.models.forward import eval_completed
