@@ -115,7 +115,7 @@ class CompletionQueue(ABC):
                then: Sequence[mx.array] = ()) -> _Waiter:
         ticket = next(self._tickets)
         try:
-            signal = _native.signal(x, self.native, ticket, stream)
+            signal, then_done = _native.signal(x, self.native, ticket, stream, list(then))
         except BaseException as exc:
             # Nothing waits for this ticket; if MLX queued the signal before raising, its late
             # post is reaped (or dropped once the queue closes) and counted, never delivered.
@@ -130,8 +130,9 @@ class CompletionQueue(ABC):
         self._waiters[ticket] = waiter
         self.outstanding += 1
         _bump("issued")
-        if then:
+        if then and not then_done:
             # Queued behind the signal: the stream goes on computing them while the awaiter wakes.
+            # (On a GPU stream the signal's own async_eval took them: one command buffer, not two.)
             # One non-blocking step: what does not fit under MLX's throttle now is computed later,
             # when something that needs it is evaluated.
             try:

@@ -57,15 +57,18 @@ void bind_bridge(nb::module_& m) {
 
   m.def("signal",
         [](const mlx::core::array& x, BridgeQueue& queue, uint64_t ticket,
-           std::optional<mlx::core::Stream> stream) {
-          return br::signal(x, queue.q, ticket, stream);
+           std::optional<mlx::core::Stream> stream, const std::vector<mlx::core::array>& then) {
+          auto r = br::signal(x, queue.q, ticket, stream, then);
+          return std::make_pair(r.signal, r.then_scheduled);
         },
         nb::arg("x"), nb::arg("queue"), nb::arg("ticket"), nb::arg("stream") = nb::none(),
+        nb::arg("then") = std::vector<mlx::core::array>{},
         nb::call_guard<nb::gil_scoped_release>(),
         "Schedule x (if needed) and a completion signal after it on its stream (async_eval, "
-        "GIL released); returns the (1,) uint64 signal array, or None when the post was queued "
-        "directly on a backlogged CPU stream. When the stream reaches it, `ticket` is posted to "
-        "`queue`.");
+        "GIL released). When the stream reaches it, `ticket` is posted to `queue`. Returns "
+        "(signal, then_scheduled): the (1,) uint64 signal array, or None when the post was queued "
+        "directly on a backlogged CPU stream; and whether `then` was scheduled behind the signal "
+        "in the same async_eval (GPU streams only: the caller schedules it otherwise).");
   m.def("schedule_step", &br::schedule_step, nb::arg("roots"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Schedule as much of the unscheduled graph of `roots` as fits under MLX's eval throttle. "

@@ -348,8 +348,8 @@ std::optional<mx::Stream> stream_of(const mx::array& x) {
   return std::nullopt;
 }
 
-std::optional<mx::array> signal(const mx::array& x, std::shared_ptr<CompletionQueue> queue,
-                                uint64_t ticket, std::optional<mx::Stream> stream) {
+SignalResult signal(const mx::array& x, std::shared_ptr<CompletionQueue> queue, uint64_t ticket,
+                    std::optional<mx::Stream> stream, const std::vector<mx::array>& then) {
   if (!queue) {
     throw std::invalid_argument("[asyncside] signal: queue is None");
   }
@@ -385,12 +385,18 @@ std::optional<mx::array> signal(const mx::array& x, std::shared_ptr<CompletionQu
     // stream drained below MLX's limit. Queue the post behind everything on the stream instead.
     mx::scheduler::enqueue(s, [queue = std::move(queue), ticket]() { queue->post(ticket); });
     counters().signals_direct.fetch_add(1, std::memory_order_relaxed);
-    return std::nullopt;
+    return {std::nullopt, false};
   }
   mx::array y(mx::Shape{1}, mx::uint64,
               std::make_shared<CompletionSignal>(s, std::move(queue), ticket), {xs});
+  if (s.device.type == mx::Device::gpu && !then.empty()) {
+    std::vector<mx::array> all{y};
+    all.insert(all.end(), then.begin(), then.end());
+    mx::async_eval(std::move(all));
+    return {y, true};
+  }
   mx::async_eval({y});
-  return y;
+  return {y, false};
 }
 
 int mlx_active_tasks() {

@@ -104,9 +104,17 @@ class CompletionQueue {
 // new work, so when the CPU stream it goes on is that backlogged, signal() does not async_eval
 // it: it queues the post directly behind everything already on x's stream (same ordering, no
 // array) and returns nullopt. Scheduling x itself (if unscheduled) is subject to the throttle.
-std::optional<mlx::core::array> signal(const mlx::core::array& x,
-                                       std::shared_ptr<CompletionQueue> queue, uint64_t ticket,
-                                       std::optional<mlx::core::Stream> stream);
+//
+// `then`: arrays to schedule right behind the signal. On a GPU stream they go in the signal's own
+// async_eval (each async_eval commits a command buffer there, so this saves one per completion)
+// and the result says so; on a CPU stream they are left to the caller, which queues them without
+// ever meeting the throttle.
+struct SignalResult {
+  std::optional<mlx::core::array> signal;
+  bool then_scheduled = false;
+};
+SignalResult signal(const mlx::core::array& x, std::shared_ptr<CompletionQueue> queue, uint64_t ticket,
+                    std::optional<mlx::core::Stream> stream, const std::vector<mlx::core::array>& then = {});
 
 // MLX's count of CPU task groups in flight (what its eval throttle compares with 10).
 int mlx_active_tasks();

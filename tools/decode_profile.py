@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         events.append(("queue", time.monotonic_ns(), 0))
         posted = await bridge.completed_at(x, then=[then])
         ticket[0] += 1
-        sig = _native.signal(then, recorder, ticket[0], None)  # posts when the outputs are done
+        sig, _ = _native.signal(then, recorder, ticket[0], None)  # posts when the outputs are done
         if sig is not None:
             mx.async_eval(sig)
         events.append(("ids", posted or 0, ticket[0]))

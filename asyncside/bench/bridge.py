@@ -101,7 +101,7 @@ class _Recorder:
 
     def signal(self, x: mx.array) -> tuple[int, mx.array | None]:
         self.ticket += 1
-        return self.ticket, _native.signal(x, self.q, self.ticket, None)
+        return self.ticket, _native.signal(x, self.q, self.ticket, None)[0]
 
     def post_time(self, ticket: int) -> int:
         for t, ns in self.q.drain():

@@ -3,7 +3,8 @@
 # Runs in the repository root on the GPU machine. Expects /root/stage to hold both halves of the
 # MLX CUDA wheel (../shared/device/stage-mlx-cuda.sh here; carried as .devwheels/a and /b), the
 # fmt headers in .devwheels/fmt, and the missing pure-Python wheels in .whl. Writes logs and JSON
-# to $OUT (or ./device-out).
+# to $OUT (or ./device-out). Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop
+# after the tests), BENCH=0 (skip the device bench).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -31,8 +32,10 @@ timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --time
   ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
+if [ "${BENCH:-1}" = 1 ]; then
 log "device bench"
 timeout 300 python3 -m asyncside.bench.device --json > "$OUT/bench-device.json" 2> "$OUT/bench-device.err"; tail -5 "$OUT/bench-device.err"; cat "$OUT/bench-device.json"
+fi
 
 log "demo on the GPU (50% and 25% resident)"
 for r in 0.5 0.25; do
