@@ -257,6 +257,17 @@ def _available_backends() -> tuple[list[tuple[str, str, dict[str, Any]]], list[s
 def run_bridge_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (backend, method) cell, interleaved over rounds; print a table unless --json."""
     s = _settings(args)
+    # This bench measures the CPU stream's bridge (on a GPU build MLX would default to the GPU;
+    # `python -m asyncside.bench.device` measures the GPU stream's).
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        return _run_cells(args, s)
+    finally:
+        mx.set_default_device(device)
+
+
+def _run_cells(args: argparse.Namespace, s: dict[str, int]) -> dict[str, Any]:
     backends, skipped = _available_backends()
     samples: dict[tuple[str, str], list[int]] = {(b, m): [] for b, _, _ in backends for m in METHODS}
     tput: dict[tuple[str, str], list[tuple[int, float]]] = {k: [] for k in samples}
