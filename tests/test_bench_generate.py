@@ -49,6 +49,11 @@ def test_quick_bench_json(quick_store: pathlib.Path, tmp_path: pathlib.Path,
         assert r["decode_tokens_per_s"] > 0 and r["tokens_per_s"] > 0 and r["tokens"] == 4
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["bytes_read"] >= 0
         assert r["vs_all_resident"] > 0 and r["vs_sync_demand"] > 0
+        # Paired ratios: one per round, the row's figure their median.
+        per = r["vs_all_resident_per_round"]
+        assert len(per) == r["repeats"] and all(x > 0 for x in per)
+        assert min(per) <= r["vs_all_resident"] <= max(per)
+        assert r["vs_all_resident_of_medians"] > 0
         assert r["reader"] == ("sync pread+memcpy" + (" (O_DIRECT)" if r["cache"] == "cold" and "O_DIRECT" in
                                                      res["cold_method"] else "")
                                if r["mode"] == "sync" else r["reader"])

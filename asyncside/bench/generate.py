@@ -23,6 +23,11 @@ The method used is in the JSON (``cold_method``).
 
 Every configuration's tokens are compared with the mlx-lm reference (``tokens_identical``).
 
+Ratios are paired: the mlx-lm reference runs again right before each residency's group in every
+round, and a row's ``vs_all_resident`` is the median over rounds of its run's decode speed over
+that reference run's (``vs_sync_demand`` likewise over the same round's sync run). The ratio of
+the two medians is kept as ``vs_all_resident_of_medians``.
+
 Hit rates: one :class:`RoutingTrace` is recorded (lookahead predictor, all-resident), then every
 ledger policy is replayed over it at each residency (same resident set and side rows as the
 runtime), demand only and with the recorded lookahead predictions as prefetches, beside Belady's
@@ -559,11 +564,16 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     res_runs: list[Run] = []
     warm: dict[tuple[float, str], list[Run]] = {(r, m): [] for r in s.residencies for m in s.modes}
     cold: dict[tuple[float, str], list[Run]] = {(r, m): [] for r in s.residencies for m in s.modes}
+    # The mlx-lm reference runs again right before each residency's group in every round, and each
+    # row's ratio is the median of its per-round ratios to that run: this VM's speed drifts by
+    # 10-20% within minutes, and a ratio of medians taken a minute apart carries that drift.
+    ref_at: dict[tuple[str, int, float], Run] = {}
     for rep in range(s.repeats):
         _log(verbose, f"warm round {rep + 1}/{s.repeats}")
-        ref_runs.append(_reference_run(ref_model, prompt_ids, s.tokens, eos))
         res_runs.append(_anyio_run(_resident_run, sm, resident_src, prompt_ids, s.tokens))
         for frac in s.residencies:
+            ref_at[("warm", rep, frac)] = _reference_run(ref_model, prompt_ids, s.tokens, eos)
+            ref_runs.append(ref_at[("warm", rep, frac)])
             for mode in s.modes:
                 warm[(frac, mode)].append(
                     _anyio_run(_streaming_run, sm, store, prompt_ids, s.tokens, mode, frac, False, s))
@@ -571,6 +581,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(s.cold_repeats):
         _log(verbose, f"cold round {rep + 1}/{s.cold_repeats} ({cold_method})")
         for frac in s.residencies:
+            ref_at[("cold", rep, frac)] = _reference_run(ref_model, prompt_ids, s.tokens, eos)
             for mode in s.modes:
                 if s.drop:
                     drop_caches()
@@ -599,14 +610,23 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not n:
             continue
         for frac in s.residencies:
-            sync = _summarise(table[(frac, "sync")], ref_tokens) if "sync" in s.modes else None
             for mode in s.modes:
+                runs = table[(frac, mode)]
                 row = {"cache": cache_state, "residency": frac, "mode": mode, "label": MODE_LABELS[mode],
-                       **_summarise(table[(frac, mode)], ref_tokens)}
-                row["vs_all_resident"] = row["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+                       **_summarise(runs, ref_tokens)}
+                # Paired: each round's run over the mlx-lm run just before its group (and over the
+                # same round's sync run), then the median over rounds.
+                refs = [ref_at[(cache_state, i, frac)].decode_tokens_per_s for i in range(len(runs))]
+                row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b if b else 0.0
+                                                    for r, b in zip(runs, refs)]
+                row["vs_all_resident"] = _median(row["vs_all_resident_per_round"])
+                row["vs_all_resident_of_medians"] = row["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
                 row["vs_async_resident"] = row["decode_tokens_per_s"] / res["decode_tokens_per_s"]
-                row["vs_sync_demand"] = (row["decode_tokens_per_s"] / sync["decode_tokens_per_s"]
-                                         if sync and sync["decode_tokens_per_s"] else None)
+                row["vs_sync_demand"] = None
+                if "sync" in s.modes:
+                    syncs = [r.decode_tokens_per_s for r in table[(frac, "sync")]]
+                    per = [r.decode_tokens_per_s / b for r, b in zip(runs, syncs) if b]
+                    row["vs_sync_demand"] = _median(per) if per else None
                 rows.append(row)
 
     plan = {str(frac): dict(zip(("resident_per_layer", "side_rows"),
@@ -631,7 +651,10 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
             "repeats; each configuration one greedy generation with the same prompt. residency = "
             "pool rows per layer / experts per layer (half of them a rotating side region, at "
             "least 8 rows; the rest the hottest experts by the store's ranking). vs_* ratios are of "
-            "decode tokens/s, measured side by side in one process."),
+            "decode tokens/s, measured side by side in one process and paired by round: "
+            "vs_all_resident is the median over rounds of each run over the mlx-lm run made right "
+            "before its residency's group (vs_all_resident_per_round lists them), vs_sync_demand "
+            "over the same round's sync run; vs_all_resident_of_medians is the ratio of medians."),
         "warm_method": f"the whole store read once before the runs ({warm_bytes} bytes)",
         "cold_method": cold_method,
         "machine": mach,
