@@ -114,8 +114,9 @@ class CompletionQueue(ABC):
     def _issue(self, x: mx.array, stream: mx.Stream | None, wake: Any,
                then: Sequence[mx.array] = ()) -> _Waiter:
         ticket = next(self._tickets)
+        then = list(then)
         try:
-            signal, then_done = _native.signal(x, self.native, ticket, stream, list(then))
+            signal, then_done = _native.signal(x, self.native, ticket, stream, then)
         except BaseException as exc:
             # Nothing waits for this ticket; if MLX queued the signal before raising, its late
             # post is reaped (or dropped once the queue closes) and counted, never delivered.
@@ -136,7 +137,7 @@ class CompletionQueue(ABC):
             # One non-blocking step: what does not fit under MLX's throttle now is computed later,
             # when something that needs it is evaluated.
             try:
-                _native.schedule_step(list(then))
+                _native.schedule_step(then)
             except BaseException:
                 waiter.abandoned = True  # its ticket is reaped and discarded; nobody awaits it
                 raise

@@ -17,6 +17,7 @@ before the next; the layer output takes each pair from the group that held its e
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -186,21 +187,10 @@ class AsyncForward:
                     continue
                 attr = self.moe[i][1]
                 taken: list[RowSnapshot] = []
-
-                def gather(x_sw: mx.array, inds: mx.array, i: int = i, attr: str = attr,
-                           taken: list[RowSnapshot] = taken) -> mx.array | None:
-                    # Gather rows in the graph from where the experts are now: the stream computes
-                    # the expert outputs right after the router, while the host checks the ids.
-                    snap = self._snapshot(source, i, inds)
-                    if snap is None:
-                        return None
-                    taken.append(snap)
-                    return pooled_switch_apply(self.specs[i], getattr(block, attr).activation, x_sw,
-                                               mx.take(snap.rows, inds), source.pools(i))
-
                 # One call of the block routes and, when a snapshot allows, combines the speculative
                 # outputs too (out_spec): its router is built and computed once.
-                out_spec, x_sw, inds, y_spec = route_and_apply(block, attr, xn, gather)
+                out_spec, x_sw, inds, y_spec = route_and_apply(
+                    block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
                 snap = taken[0] if taken else None
                 nxt = self.next_moe[i]
                 p = predictor.next(nxt, xn) if nxt is not None else None
@@ -255,6 +245,19 @@ class AsyncForward:
         out = model.lm_head(h) if "lm_head" in model else inner.embed_tokens.as_linear(h)
         source.release_after(out, leases)
         return out
+
+    def _gather_from_snapshot(self, source: ExpertSource, layer: int, taken: list[RowSnapshot],
+                              x_sw: mx.array, inds: mx.array) -> mx.array | None:
+        """The layer's expert outputs gathered in the graph from where the experts are now (the
+        stream computes them right after the router, while the host checks the ids); None when this
+        step cannot gather speculatively. The snapshot used is appended to ``taken``."""
+        snap = self._snapshot(source, layer, inds)
+        if snap is None:
+            return None
+        taken.append(snap)
+        block, attr = self.moe[layer]
+        return pooled_switch_apply(self.specs[layer], getattr(block, attr).activation, x_sw,
+                                   mx.take(snap.rows, inds), source.pools(layer))
 
     def _snapshot(self, source: ExpertSource, layer: int, inds: mx.array) -> RowSnapshot | None:
         """The layer's row snapshot when this step can gather speculatively, else None."""

@@ -69,9 +69,6 @@ class _Captured(Exception):
         self.indices = indices
 
 
-_CAPTURE = object()
-
-
 class _Apply:
     """Switch plan of :func:`route_and_apply`: computes the output from the routed ids, or declines."""
 
@@ -102,8 +99,6 @@ class PooledSwitch(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         plan = self._plan
-        if plan is _CAPTURE:
-            raise _Captured(x, indices)
         if isinstance(plan, _Apply):
             return plan(x, indices)
         if isinstance(plan, mx.array):
@@ -138,15 +133,12 @@ def replace_switches(model: nn.Module, moe: Mapping[int, tuple[nn.Module, str]],
 
 def route(block: nn.Module, attr: str, x: mx.array) -> tuple[mx.array, mx.array]:
     """Run the block's own router on ``x``; returns (switch input, expert ids), both lazy."""
-    sw = getattr(block, attr)
-    object.__setattr__(sw, "_plan", _CAPTURE)
-    try:
-        block(x)
-    except _Captured as cap:
-        return cap.x, cap.indices
-    finally:
-        object.__setattr__(sw, "_plan", None)
-    raise UnsupportedModelError(f"{type(block).__name__}.__call__ returned without calling its switch layer")
+    _out, x_sw, indices, _y = route_and_apply(block, attr, x, _decline)
+    return x_sw, indices
+
+
+def _decline(x: mx.array, indices: mx.array) -> None:
+    return None
 
 
 def route_and_apply(block: nn.Module, attr: str, x: mx.array,
