@@ -34,8 +34,10 @@ import mlx.core as mx
 import numpy as np
 
 
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    out: dict[int, tuple[str, float]] = {}
+def _thread_cpu() -> dict[int, tuple[str, float, int, float]]:
+    """Per thread: name, CPU seconds, voluntary context switches (times it went to sleep), and
+    seconds it waited runnable for a CPU (schedstat: preempted or not yet placed after a wake)."""
+    out: dict[int, tuple[str, float, int, float]] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -43,21 +45,28 @@ def _thread_cpu() -> dict[int, tuple[str, float]]:
                 stat = f.read()
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                sleeps = next(int(ln.split()[1]) for ln in f if ln.startswith("voluntary_ctxt_switches"))
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                waited = int(f.read().split()[1]) / 1e9
+        except (OSError, StopIteration, IndexError, ValueError):
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick, sleeps, waited)
     return out
 
 
-def _busy(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float) -> list[dict[str, Any]]:
+def _busy(before: dict[int, tuple[str, float, int, float]], after: dict[int, tuple[str, float, int, float]],
+          wall: float) -> list[dict[str, Any]]:
     main = threading.get_native_id()
     rows = []
-    for tid, (name, cpu) in after.items():
-        d = cpu - before.get(tid, (name, 0.0))[1]
+    for tid, (name, cpu, sleeps, waited) in after.items():
+        was = before.get(tid, (name, 0.0, 0, 0.0))
+        d = cpu - was[1]
         if d >= 0.02:
             role = "event loop" if tid == main else ("io_uring worker" if name.startswith("iou-") else name)
-            rows.append({"thread": role, "tid": tid, "cpu_s": round(d, 3), "busy": round(d / wall, 3)})
+            rows.append({"thread": role, "tid": tid, "cpu_s": round(d, 3), "busy": round(d / wall, 3),
+                         "sleeps": sleeps - was[2], "runnable_waiting": round((waited - was[3]) / wall, 3)})
     return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
@@ -92,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = collections.Counter()
     ticket = [0]
 
-    async def completed_then(x: mx.array, then: mx.array) -> None:
+    async def completed_then(x: mx.array, *then: mx.array) -> None:
         events.append(("queue", time.monotonic_ns(), 0))
-        posted = await bridge.completed_at(x, then=[then])
+        posted = await bridge.completed_at(x, then=list(then))
         ticket[0] += 1
-        sig, _ = _native.signal(then, recorder, ticket[0], None)  # posts when the outputs are done
+        sig, _ = _native.signal(then[0], recorder, ticket[0], None)  # posts when the outputs are done
         if sig is not None:
             mx.async_eval(sig)
         events.append(("ids", posted or 0, ticket[0]))
@@ -105,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
 
     async def completed_any(x: mx.array, **kw: Any) -> None:
         events.append(("queue", time.monotonic_ns(), 0))  # x may be new work (the token's logits)
-        await completed(x, **kw)
+        if completed is bridge.completed:
+            posted = await bridge.completed_at(x, **kw)
+            if posted:
+                events.append(("done", posted, 0))  # e.g. the token: the host reads it from here
+        else:
+            await completed(x, **kw)
 
     schedule = fwd._schedule
 
@@ -130,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     fwd.completed = completed_any
     fwd._serve_speculated = serve_speculated  # type: ignore[method-assign]
 
+    window: list[int] = []  # the streamed decode, CLOCK_MONOTONIC ns (for `perf record -k CLOCK_MONOTONIC`)
+
     async def streamed() -> dict[str, Any]:
         async with Runtime(store, resident=args.resident, policy="lfu") as rt:
             gen = sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor="lookahead")
             toks = [await gen.__anext__()]
             events.clear()
             spec.clear()
-            before, w = _thread_cpu(), time.perf_counter()
+            before, w, m0 = _thread_cpu(), time.perf_counter(), time.monotonic_ns()
             async for tok in gen:
                 toks.append(tok)
             wall = time.perf_counter() - w
+            window[:] = [m0, time.monotonic_ns()]
             threads = _busy(before, _thread_cpu(), wall)
             await anyio.sleep(0.1)
             stats = rt.stats()
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     run = anyio.run(streamed, backend="asyncio", backend_options={"use_uvloop": True})
     posted = dict(recorder.drain())
     recorder.close()
-    experts_ms, idle_ms = [], []
+    experts_ms, idle_ms, boundary_ms = [], [], []
     for k, (kind, t, tk) in enumerate(events):
         if kind != "ids" or not t or tk not in posted:
             continue
@@ -156,10 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
         if nxt is not None:
             idle_ms.append(max(0, nxt[1] - posted[tk]) / 1e6)
+    for k, (kind, t, _tk) in enumerate(events):
+        # The stream finished something the host awaited plainly (the token's argmax, a recompute):
+        # it idles until the host queues the next work.
+        if kind == "done":
+            nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
+            if nxt is not None:
+                boundary_ms.append(max(0, nxt[1] - t) / 1e6)
     n_dec = len(run["tokens"]) - 1
     result = {
         "resident": args.resident,
         "tokens_identical": run["tokens"] == ref.tokens[: len(run["tokens"])],
+        "streamed_window_monotonic_ns": window,
         "mlx_lm": {"decode_tok_s": round(ref.decode_tokens_per_s, 2), "threads": ref_threads},
         "asyncside": {
             "decode_tok_s": round(n_dec / run["wall"], 2),
@@ -167,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "stall_ms_per_token": round(run["stall_s"] * 1e3 / max(1, len(run["tokens"])), 2),
             "speculative_experts_ms_per_layer_median": round(float(np.median(experts_ms)), 3) if experts_ms else None,
             "stream_idle_after_experts_ms_per_token": round(sum(idle_ms) / max(1, n_dec), 3),
+            "stream_idle_after_plain_awaits_ms_per_token": round(sum(boundary_ms) / max(1, n_dec), 3),
             "routed_experts": dict(spec),
         },
     }
@@ -177,11 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             r = result[name]
             print(f"{name}: decode {r['decode_tok_s']} tok/s")
             for t in r["threads"]:
-                print(f"    {t['thread']:<16} cpu {t['cpu_s']:7.2f} s   busy {t['busy'] * 100:5.1f}% of the wall time")
+                print(f"    {t['thread']:<16} cpu {t['cpu_s']:7.2f} s   busy {t['busy'] * 100:5.1f}% of the wall time"
+                      f"   went to sleep {t['sleeps']} times   runnable, waiting for a CPU "
+                      f"{t['runnable_waiting'] * 100:4.1f}%")
         a = result["asyncside"]
         print(f"tokens identical: {result['tokens_identical']}")
         print(f"speculative expert outputs on the stream: {a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
         print(f"stream idle between them and the next layer: {a['stream_idle_after_experts_ms_per_token']} ms per token")
+        print(f"stream idle after a plain await (the token, a recompute) until the host queued more: "
+              f"{a['stream_idle_after_plain_awaits_ms_per_token']} ms per token")
         print(f"host waiting for fills (stall): {a['stall_ms_per_token']} ms per token")
         for k, v in sorted(a["routed_experts"].items()):
             print(f"    {v:6d}  {k}")
