@@ -39,6 +39,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="side-region eviction policy (default lfu)")
     p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
                    help="expert prediction for prefetch (default lookahead)")
+    p.add_argument("--lookahead-extra", metavar="N", type=int, default=0,
+                   help="lookahead names N experts beyond the router's k per token (default 0; "
+                        "fewer misses, more reads: see BENCHMARKS.md)")
     p.add_argument("--side-rows", type=int, default=None,
                    help="rows of the rotating side region per layer (default: half the budget)")
     p.add_argument("--direct", action="store_true",
@@ -161,12 +164,15 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"asyncside demo: --resident must be in (0, 1], got {args.resident}")
     if args.tokens < 1:
         raise SystemExit(f"asyncside demo: --tokens must be >= 1, got {args.tokens}")
+    if args.lookahead_extra < 0:
+        raise SystemExit(f"asyncside demo: --lookahead-extra must be >= 0, got {args.lookahead_extra}")
     if args.model is None:
         _model_dir, store_dir = ensure_embedded_default(args.cache_dir, progress=not args.json)
     else:
         store_dir = args.model
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
+    sm.forward.lookahead_extra = args.lookahead_extra
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
@@ -199,6 +205,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "reader": stats.get("reader"),
         "policy": args.policy,
         "predictor": args.predictor,
+        "lookahead_extra": args.lookahead_extra,
         "direct": bool(args.direct),
         "tokens_identical": identical,
         "audit_clean": audit_ok,
@@ -245,6 +252,7 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("event-loop lag, max / p99 (5 ms ticker)", f"{lag['max_ms']:.1f} / {lag['p99_ms']:.1f} ms", "", "")
     table.add_row("reader / policy / predictor",
                   f"{result['reader']} / {result['policy']} / {result['predictor']}"
+                  + (f"+{result['lookahead_extra']}" if result["lookahead_extra"] else "")
                   + (" / O_DIRECT" if result["direct"] else ""), "", "")
     table.add_row("tokens identical", "yes" if result["tokens_identical"] else "NO", "", "")
     table.add_row("ledger audit", "clean" if result["audit_clean"] else "FAILED", "", "")

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from asyncside.bridge import completed
 from asyncside.errors import CapacityError
 from asyncside.models import ResidentSource, RoutingTrace, reference_generate, streaming_from_model
-from asyncside.models.arch import UnsupportedModelError, arch_for
+from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribute
 from asyncside.models.forward import RowLookupError
 from asyncside.models.pooled import SORT_THRESHOLD
 
@@ -117,6 +117,43 @@ def test_speculative_rows_moved_under_the_gather(model_type: str) -> None:
         assert src.open_leases() == 0 and src.audit() == []
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_wider_lookahead(model_type: str) -> None:
+    """``lookahead_extra`` widens the predictions only: k + extra ids per token, the router's own k
+    restored right after (routing and tokens unchanged), more prefetched experts."""
+    model, config, sm, pools, prompt, ref = setup(model_type, "float")
+    fwd = sm.forward
+    layer = sm.moe_layers[0]
+    block, _attr = fwd.moe[layer]
+    obj, name = top_k_attribute(block)
+    k = getattr(obj, name)
+    x = mx.random.normal((1, 3, config["hidden_size"]), key=mx.random.key(0))
+    narrow, wide = fwd.route_ids(layer, x), fwd.route_ids(layer, x, 2)
+    assert getattr(obj, name) == k  # restored
+    assert narrow.shape[-1] == k and wide.shape[-1] == k + 2
+    narrow_np = np.asarray(narrow).reshape(-1, k)
+    wide_np = np.asarray(wide).reshape(-1, k + 2)
+    assert narrow_np.shape[0] == 3  # one row per token (olmoe flattens the batch)
+    for a, b in zip(narrow_np, wide_np):  # the router's own k experts are among the wider guess
+        assert set(a.tolist()) <= set(b.tolist())
+
+    async def main() -> dict[int, int]:
+        prefetched = {}
+        for extra in (0, 2):
+            fwd.lookahead_extra = extra
+            try:
+                src = ResidentSource(pools)
+                tr = RoutingTrace()
+                assert await collect(sm, prompt, src, "lookahead", trace=tr) == ref
+                prefetched[extra] = sum(len(np.unique(s.layers[layer].predicted)) for s in tr.steps)
+            finally:
+                fwd.lookahead_extra = 0
+        return prefetched
+
+    prefetched = anyio.run(main)
+    assert prefetched[2] > prefetched[0]
 
 
 def test_mxfp4_experts_exact() -> None:

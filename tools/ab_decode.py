@@ -1,6 +1,7 @@
 """A/B of one forward switch in one process: decode speed with a switch on and off, mlx-lm beside.
 
     python tools/ab_decode.py --switch speculate --resident 0.25 --rounds 6 --tokens 32 [--json]
+    python tools/ab_decode.py --switch lookahead_extra --values 2 0 ...
 
 This VM's speed drifts 10-20% within minutes, so two separate runs cannot compare a change of a
 few percent. Here every round runs mlx-lm's ``generate_step`` (all experts resident), then the
@@ -14,6 +15,7 @@ generate``.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -24,7 +26,9 @@ import anyio
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--switch", default="speculate", help="boolean attribute of AsyncForward to flip")
+    p.add_argument("--switch", default="speculate", help="attribute of AsyncForward to set")
+    p.add_argument("--values", nargs=2, default=["True", "False"], metavar=("ON", "OFF"),
+                   help="the two values to compare (Python literals; default True False)")
     p.add_argument("--resident", type=float, default=0.25)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tokens", type=int, default=32)
@@ -43,17 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
     fwd = sm.forward
-    if not isinstance(getattr(fwd, args.switch, None), bool):
-        p.error(f"AsyncForward has no boolean attribute {args.switch!r}")
+    values = {True: ast.literal_eval(args.values[0]), False: ast.literal_eval(args.values[1])}
+    if not hasattr(fwd, args.switch) or type(getattr(fwd, args.switch)) is not type(values[True]):
+        p.error(f"AsyncForward has no attribute {args.switch!r} of type {type(values[True]).__name__}")
     prompt = list(sm.tokenizer.encode(DEFAULT_PROMPT))
     ref_model, _ = load_reference_model(store_dir)
 
     async def streamed() -> Any:
         async with Runtime(store, resident=args.resident, policy="lfu") as rt:
-            return await _generate(sm, rt, prompt, args.tokens, args.predictor)
+            misses = fwd.counters["speculation_misses"]
+            run = await _generate(sm, rt, prompt, args.tokens, args.predictor)
+            await rt.drain()
+            run.stats = {"mb_read": round(rt.stats()["bytes_read"] / 1e6, 1),
+                         "layers_with_unsound_pairs": fwd.counters["speculation_misses"] - misses}
+            return run
 
     def run_variant(on: bool) -> Any:
-        setattr(fwd, args.switch, on)
+        setattr(fwd, args.switch, values[on])
         return anyio.run(streamed, backend="asyncio", backend_options={"use_uvloop": True})
 
     reference_run(ref_model, prompt, 2, set())  # warm-up of both paths
@@ -69,23 +79,32 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{key}_tok_s"] = round(run.decode_tokens_per_s, 2)
             row[f"{key}_ratio"] = round(run.decode_tokens_per_s / ref.decode_tokens_per_s, 3)
             row[f"{key}_tokens_identical"] = run.tokens == ref.tokens
+            row.update({f"{key}_{k}": v for k, v in run.stats.items()})
         rounds.append(row)
         if not args.json:
-            print(f"round {r}: mlx-lm {row['mlx_lm_tok_s']} tok/s; {args.switch} on {row['on_ratio']}x, "
-                  f"off {row['off_ratio']}x", flush=True)
+            print(f"round {r}: mlx-lm {row['mlx_lm_tok_s']} tok/s; {args.switch}={values[True]!r} {row['on_ratio']}x, "
+                  f"{values[False]!r} {row['off_ratio']}x", flush=True)
     summary = {
-        "switch": args.switch, "resident": args.resident, "tokens": args.tokens, "rounds": rounds,
+        "switch": args.switch, "on": values[True], "off": values[False], "resident": args.resident, "tokens": args.tokens, "rounds": rounds,
         "on_ratio_median": round(statistics.median(r["on_ratio"] for r in rounds), 3),
         "off_ratio_median": round(statistics.median(r["off_ratio"] for r in rounds), 3),
         "on_over_off_per_round_median": round(statistics.median(r["on_ratio"] / r["off_ratio"] for r in rounds), 3),
+        "on_mb_read_median": statistics.median(r["on_mb_read"] for r in rounds),
+        "off_mb_read_median": statistics.median(r["off_mb_read"] for r in rounds),
+        "on_layers_with_unsound_pairs_median": statistics.median(r["on_layers_with_unsound_pairs"] for r in rounds),
+        "off_layers_with_unsound_pairs_median": statistics.median(r["off_layers_with_unsound_pairs"] for r in rounds),
         "tokens_identical": all(r["on_tokens_identical"] and r["off_tokens_identical"] for r in rounds),
     }
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(f"{args.switch} on: {summary['on_ratio_median']}x of mlx-lm, off: {summary['off_ratio_median']}x "
+        print(f"{args.switch}={values[True]!r}: {summary['on_ratio_median']}x of mlx-lm, {values[False]!r}: "
+              f"{summary['off_ratio_median']}x "
               f"(on/off per round, median {summary['on_over_off_per_round_median']}); "
               f"tokens identical: {summary['tokens_identical']}")
+        print(f"MB read (median): {summary['on_mb_read_median']} vs {summary['off_mb_read_median']}; layers with "
+              f"unsound pairs: {summary['on_layers_with_unsound_pairs_median']} vs "
+              f"{summary['off_layers_with_unsound_pairs_median']}")
     return 0 if summary["tokens_identical"] else 1
 
 

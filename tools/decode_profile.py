@@ -134,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         uniq = np.unique(inds).astype(np.int64)
         sound = np.asarray(source.unchanged(layer, snap, uniq), dtype=bool)
         spec["sound"] += int(sound.sum())
+        pred = last_prediction.get(layer)
+        predicted = set(np.asarray(pred).reshape(-1).tolist()) if pred is not None else set()
         for e in uniq[~sound]:
-            spec["unsound, was in the snapshot (refilled since)" if snap.table[e] >= 0
-                 else "unsound, not in the snapshot (prediction missed)"] += 1
+            if snap.table[e] >= 0:
+                spec["unsound, was in the snapshot (refilled since)"] += 1
+            elif int(e) in predicted:
+                spec["unsound, not in the snapshot: predicted, its read had not landed"] += 1
+            else:
+                spec["unsound, not in the snapshot: not predicted"] += 1
         return await serve(layer, source, x_sw, inds, y_spec, snap, leases)
 
     fwd._completed_then = completed_then  # type: ignore[method-assign]
@@ -144,10 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     fwd.completed = completed_any
     fwd._serve_speculated = serve_speculated  # type: ignore[method-assign]
 
+    last_prediction: dict[int, Any] = {}  # layer -> the ids last handed to prefetch for it
+
     window: list[int] = []  # the streamed decode, CLOCK_MONOTONIC ns (for `perf record -k CLOCK_MONOTONIC`)
 
     async def streamed() -> dict[str, Any]:
         async with Runtime(store, resident=args.resident, policy="lfu") as rt:
+            prefetch = rt.prefetch
+
+            def recording_prefetch(layer: int, ids: Any) -> Any:
+                last_prediction[layer] = ids
+                return prefetch(layer, ids)
+
+            rt.prefetch = recording_prefetch  # type: ignore[method-assign]
             gen = sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor="lookahead")
             toks = [await gen.__anext__()]
             events.clear()

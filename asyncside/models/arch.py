@@ -106,6 +106,19 @@ def find_switch(block: nn.Module) -> tuple[str, nn.Module] | None:
     return found[0]
 
 
+def top_k_attribute(block: nn.Module) -> tuple[Any, str] | None:
+    """Where an MoE block keeps how many experts its router picks, as (object, attribute name).
+
+    deepseek_v3 routes in its gate module (``gate.top_k``); qwen3_moe and olmoe keep ``top_k`` on
+    the block, mixtral and gpt_oss ``num_experts_per_tok``. None if the block has no such int.
+    """
+    gate = getattr(block, "gate", None)
+    for obj, name in ((gate, "top_k"), (block, "top_k"), (block, "num_experts_per_tok")):
+        if obj is not None and isinstance(getattr(obj, name, None), int) and not isinstance(getattr(obj, name), bool):
+            return obj, name
+    return None
+
+
 def moe_layers(model: nn.Module, arch: Arch) -> dict[int, tuple[nn.Module, str]]:
     """layer index -> (MoE block, attribute name of its switch layer), for layers that route experts."""
     out: dict[int, tuple[nn.Module, str]] = {}

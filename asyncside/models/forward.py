@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .. import _native
 from ..errors import AsyncsideError, CapacityError
-from .arch import Arch, decoder_layers
+from .arch import Arch, decoder_layers, top_k_attribute
 from ..snapshot import RowSnapshot
 from .pooled import (
     SORT_THRESHOLD,
@@ -120,6 +120,8 @@ class AsyncForward:
                          "speculated": 0, "speculation_misses": 0}
         #: gather rows in the graph from a RowSnapshot when the source offers one (decode steps)
         self.speculate = True
+        #: the lookahead predictor names this many experts beyond the router's k (0: exactly k)
+        self.lookahead_extra = 0
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
         # bridge too, which never lets MLX's async_eval throttle block the loop.
         try:
@@ -134,10 +136,23 @@ class AsyncForward:
 
     # -- predictor plumbing ---------------------------------------------------------------------
 
-    def route_ids(self, layer: int, x: mx.array) -> mx.array:
-        """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router."""
+    def route_ids(self, layer: int, x: mx.array, extra: int = 0) -> mx.array:
+        """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router.
+
+        ``extra`` > 0 asks the router for that many more experts than it routes to (a wider
+        prediction); blocks without a known top-k attribute give their usual k.
+        """
         block, attr = self.moe[layer]
-        return route(block, attr, x)[1]
+        where = top_k_attribute(block) if extra > 0 else None
+        if where is None:
+            return route(block, attr, x)[1]
+        obj, name = where
+        k = getattr(obj, name)
+        setattr(obj, name, k + extra)  # read while the graph is built, restored right after
+        try:
+            return route(block, attr, x)[1]
+        finally:
+            setattr(obj, name, k)
 
     def first_norm(self, layer: int, embeddings: mx.array) -> mx.array:
         return decoder_layers(self.model)[layer].post_attention_layernorm(embeddings)
@@ -145,7 +160,8 @@ class AsyncForward:
     def make_predictor(self, name: str) -> Predictor:
         check_predictor(name)
         if name == "lookahead":
-            return LookaheadPredictor(self.route_ids, self.first_norm)
+            extra = self.lookahead_extra
+            return LookaheadPredictor(lambda layer, x: self.route_ids(layer, x, extra), self.first_norm)
         if name == "temporal":
             return TemporalPredictor()
         return Predictor()
