@@ -120,6 +120,40 @@ def test_speculative_rows_moved_under_the_gather(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(BASE))
+def test_optimistic_steps_exact(model_type: str) -> None:
+    """Decode steps queued whole and checked afterwards (the GPU default) give the same tokens:
+    layers after the first unsound one are redone with their caches trimmed, and rows that moved
+    under the step (churn) are never trusted."""
+    model, config, sm, pools, prompt, ref = setup(model_type, "float")
+    fwd = sm.forward
+    assert fwd.optimistic is (mx.default_device() == mx.gpu)
+
+    async def main() -> None:
+        fwd.optimistic = True
+        try:
+            before = dict(fwd.counters)
+            resident = ResidentSource(pools)
+            assert await collect(sm, prompt, resident) == ref
+            # gpt_oss's sliding window (8 tokens here) is shorter than the prompt: a rotated cache
+            # cannot be trimmed, so its steps run per layer.
+            whole = 0 if model_type == "gpt_oss" else NEW_TOKENS
+            assert fwd.counters["optimistic"] - before["optimistic"] == whole
+            assert fwd.counters["optimistic_redone"] == before["optimistic_redone"]  # nothing ever moves
+            for i, (frac, side, churn) in enumerate([(0.25, 2, False), (0.5, 3, False), (0.25, 4, True)]):
+                src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
+                                     seed=20 + i, churn=churn)
+                got = await collect(sm, prompt, src, "lookahead" if i % 2 == 0 else "temporal")
+                await src.close()
+                assert got == ref, (frac, side, churn)
+                assert src.open_leases() == 0 and src.audit() == []
+            assert (fwd.counters["optimistic_redone"] > before["optimistic_redone"]) == (whole > 0)
+        finally:
+            fwd.optimistic = mx.default_device() == mx.gpu
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("model_type", sorted(BASE))
 def test_wider_lookahead(model_type: str) -> None:
     """``lookahead_extra`` widens the predictions only: k + extra ids per token, the router's own k
     restored right after (routing and tokens unchanged), more prefetched experts."""
@@ -143,6 +177,7 @@ def test_wider_lookahead(model_type: str) -> None:
         prefetched = {}
         for extra in (0, 2):
             fwd.lookahead_extra = extra
+            fwd.optimistic = False  # predictions are made per layer (the CPU default)
             try:
                 src = ResidentSource(pools)
                 tr = RoutingTrace()
@@ -150,6 +185,7 @@ def test_wider_lookahead(model_type: str) -> None:
                 prefetched[extra] = sum(len(np.unique(s.layers[layer].predicted)) for s in tr.steps)
             finally:
                 fwd.lookahead_extra = 0
+                fwd.optimistic = mx.default_device() == mx.gpu
         return prefetched
 
     prefetched = anyio.run(main)
@@ -170,8 +206,10 @@ def test_mxfp4_experts_exact() -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(BASE))
-def test_bitwise_logits(model_type: str) -> None:
-    """Prefill (sorted gather path) and decode logits equal mlx-lm's bit for bit over shuffled rows."""
+@pytest.mark.parametrize("optimistic", [False, True], ids=["per-layer", "optimistic"])
+def test_bitwise_logits(model_type: str, optimistic: bool) -> None:
+    """Prefill (sorted gather path) and decode logits equal mlx-lm's bit for bit over shuffled rows,
+    decode steps checked per layer or queued whole and checked after."""
     model, config, sm, pools, prompt, _ = setup(model_type, "q4g64")
     assert PROMPT_LEN * config["num_experts_per_tok"] >= SORT_THRESHOLD
     steps = [prompt, [5], [17], [99]]
@@ -185,10 +223,15 @@ def test_bitwise_logits(model_type: str) -> None:
         pred = fwd.make_predictor("lookahead")
         cache = sm.make_cache()
         out = []
-        for s in steps:
-            logits = await fwd(mx.array(s)[None], cache, src, pred)
-            await completed(logits)
-            out.append(logits)
+        was = fwd.optimistic
+        fwd.optimistic = optimistic
+        try:
+            for s in steps:
+                logits = await fwd(mx.array(s)[None], cache, src, pred)
+                await completed(logits)
+                out.append(logits)
+        finally:
+            fwd.optimistic = was
         await src.close()
         return out
 

@@ -117,11 +117,14 @@ class AsyncForward:
             later = [m for m in order if m > i]
             self.next_moe[i] = later[0] if later else None
         self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
-                         "speculated": 0, "speculation_misses": 0}
+                         "speculated": 0, "speculation_misses": 0, "optimistic": 0, "optimistic_redone": 0}
         #: gather rows in the graph from a RowSnapshot when the source offers one (decode steps)
         self.speculate = True
         #: the lookahead predictor names this many experts beyond the router's k (0: exactly k)
         self.lookahead_extra = 0
+        #: decode steps queued whole and checked after (see _optimistic); on by default on a GPU,
+        #: where a layer computes faster than the host's round trip per layer
+        self.optimistic = mx.default_device() == mx.gpu
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
         # bridge too, which never lets MLX's async_eval throttle block the loop.
         try:
@@ -181,6 +184,15 @@ class AsyncForward:
         masks = self.arch.masks(model, h, cache)
         predicted: dict[int, Any] = {}
         step = trace.begin(predictor.name) if trace is not None else None
+        # Leases of this forward's rows, released together once its output has been computed.
+        leases: list[tuple[int, int]] = []
+
+        if self._optimistic_ok(inputs, cache, source):
+            try:
+                return await self._optimistic(h, masks, cache, source, predictor, step, leases, logits)
+            except BaseException:
+                source.release_after(mx.array(0), leases)
+                raise
 
         #: many tokens at once (prefill): schedule the graph block by block, see below
         long_step = inputs.shape[-1] >= LONG_STEP_TOKENS
@@ -188,79 +200,162 @@ class AsyncForward:
         if p is not None:
             source.prefetch(self.first_moe, p)
             predicted[self.first_moe] = p
-
-        # Leases of this forward's rows, released together once its output has been computed.
-        leases: list[tuple[int, int]] = []
         try:
-            for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
-                block = getattr(layer, self.arch.block_attr)
-                h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
-                if long_step:
-                    await self.completed(h)  # see the await after the MoE output below
-                xn = layer.post_attention_layernorm(h)
-                if i not in self.moe:
-                    h = h + block(xn)
-                    continue
-                attr = self.moe[i][1]
-                taken: list[RowSnapshot] = []
-                # One call of the block routes and, when a snapshot allows, combines the speculative
-                # outputs too (out_spec): its router is built and computed once.
-                out_spec, x_sw, inds, y_spec = route_and_apply(
-                    block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
-                snap = taken[0] if taken else None
-                nxt = self.next_moe[i]
-                p = predictor.next(nxt, xn) if nxt is not None else None
-                if isinstance(p, mx.array):
-                    # Schedule the prediction before the routed ids: the stream computes it first, so
-                    # once the ids are in, the prediction is too and its prefetch needs no completion
-                    # signal of its own (one signal per layer, not two). Both in one call: on a GPU
-                    # each scheduling call commits a command buffer.
-                    await self._schedule(p, inds)
-                if snap is not None:
-                    assert out_spec is not None and y_spec is not None
-                    await self._completed_then(inds, out_spec)
-                else:
-                    await self.completed(inds)
-                if p is not None:
-                    if isinstance(p, mx.array) and _native.is_available(p):
-                        p = np.array(p, copy=True)
-                    source.prefetch(nxt, p)
-                    predicted[nxt] = p
-                inds_np = np.array(inds, copy=True)
-                predictor.observe(i, inds_np)
-                if step is not None:
-                    pred = predicted.get(i)
-                    if isinstance(pred, mx.array):
-                        await self.completed(pred)
-                    step.record(i, inds_np, None if pred is None else np.asarray(pred))
-                if snap is not None:
-                    assert y_spec is not None
-                    y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
-                    # Every pair sound: the block output built with the speculative outputs stands.
-                    h = h + (out_spec if y is y_spec else combine(block, attr, xn, y))
-                else:
-                    y = await self._serve(i, source, x_sw, inds_np, leases)
-                    h = h + combine(block, attr, xn, y)
-                if long_step:
-                    # A prefill chunk: let the stream finish each block before scheduling the next.
-                    # The bridge queues graphs in groups of nodes under MLX's eval throttle, but a
-                    # long prefill's nodes can each be many dispatches, so a group on top of a
-                    # queued layer could still cross it and hold the loop (up to 125 ms measured
-                    # on the embedded model without these awaits, 19-44 ms with them, same TTFT).
-                    await self.completed(h)
+            h = await self._layers(0, h, masks, cache, source, predictor, step, predicted, leases, long_step)
         except BaseException:
             # Nothing reads these rows any more once the forward is abandoned.
             source.release_after(mx.array(0), leases)
             raise
+        return await self._head(h, source, leases, logits)
+
+    def _optimistic_ok(self, inputs: mx.array, cache: list[Any], source: ExpertSource) -> bool:
+        """Whether this step may run as one optimistic graph (see :meth:`_optimistic`)."""
+        return (self.optimistic and self.speculate and inputs.shape[-1] == 1
+                and callable(getattr(source, "snapshot", None)) and callable(getattr(source, "unchanged", None))
+                and all(c.is_trimmable() for c in cache))
+
+    async def _optimistic(self, h: mx.array, masks: list[Any], cache: list[Any], source: ExpertSource,
+                          predictor: Predictor, step: Any, leases: list[tuple[int, int]],
+                          logits: bool) -> mx.array:
+        """A decode step queued whole, every MoE layer gathering from its row snapshot; checked after.
+
+        The host builds every layer at once (no round trip per layer: on a GPU a layer computes
+        in a fraction of the time one takes) and awaits only the step's output. Then it checks
+        the layers in order, as the per-layer path would: the first layer with an unsound pair
+        (an expert absent from its snapshot, or its row refilled since) is served again on the
+        host, the caches of the layers after it are trimmed by this step's entry, and those
+        layers run again the per-layer way. Layers before it were computed from sound rows by
+        the same ops, so the result is bitwise the per-layer one.
+        """
+        layers = decoder_layers(self.model)
+        built: list[tuple[int, mx.array, mx.array, mx.array, mx.array, mx.array, mx.array, RowSnapshot]] = []
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            block = getattr(layer, self.arch.block_attr)
+            h_attn = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+            xn = layer.post_attention_layernorm(h_attn)
+            if i not in self.moe:
+                h = h_attn + block(xn)
+                continue
+            attr = self.moe[i][1]
+            taken: list[RowSnapshot] = []
+            out_spec, x_sw, inds, y_spec = route_and_apply(
+                block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
+            assert out_spec is not None and y_spec is not None and taken, "decode steps always gather"
+            built.append((i, h_attn, xn, x_sw, inds, y_spec, out_spec, taken[0]))
+            h = h_attn + out_spec
+        out = await self._head(h, source, leases, logits)
+        await self.completed(out)
+        self.counters["optimistic"] += 1
+        for n, (i, h_attn, xn, x_sw, inds, y_spec, out_spec, snap) in enumerate(built):
+            inds_np = np.array(inds, copy=True)
+            predictor.observe(i, inds_np)
+            if step is not None:
+                step.record(i, inds_np, None)
+            uniq = np.unique(inds_np).astype(np.int64)
+            if np.asarray(source.unchanged(i, snap, uniq), dtype=bool).all():
+                try:
+                    await source.ensure(i, uniq)  # all present: counts the hits for the policy
+                except CapacityError:
+                    pass
+                continue
+            # Layer i read a row it should not have: everything after it computed from a wrong
+            # hidden state. Its attention (and those before) stand; redo from its experts on.
+            self.counters["optimistic_redone"] += 1
+            for c in cache[i + 1:]:
+                c.trim(1)
+            block, attr = self.moe[i]
+            nxt = self.next_moe[i]
+            predicted: dict[int, Any] = {}
+            p = predictor.next(nxt, xn) if nxt is not None else None
+            if p is not None:
+                source.prefetch(nxt, p)
+                predicted[nxt] = p
+            y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
+            h = h_attn + (out_spec if y is y_spec else combine(block, attr, xn, y))
+            h = await self._layers(i + 1, h, masks, cache, source, predictor, step, predicted, leases, False)
+            self.counters["forwards"] -= 1  # _head counts the forward once more
+            return await self._head(h, source, leases, logits)
+        return out
+
+    async def _head(self, h: mx.array, source: ExpertSource, leases: list[tuple[int, int]],
+                    logits: bool) -> mx.array:
+        """The forward's end: the logits (lazy), or the computed final hidden state."""
         self.counters["forwards"] += 1
         if not logits:
             source.release_after(h, leases)
             await self.completed(h)
             return h
-        h = inner.norm(h)
-        out = model.lm_head(h) if "lm_head" in model else inner.embed_tokens.as_linear(h)
+        model = self.model
+        h = model.model.norm(h)
+        out = model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
         source.release_after(out, leases)
         return out
+
+    async def _layers(self, start: int, h: mx.array, masks: list[Any], cache: list[Any], source: ExpertSource,
+                      predictor: Predictor, step: Any, predicted: dict[int, Any],
+                      leases: list[tuple[int, int]], long_step: bool) -> mx.array:
+        """Decoder layers ``start``.. over hidden state ``h``, one MoE layer at a time: each awaits its
+        routed ids, then serves its experts. Returns the last layer's output (lazy)."""
+        model = self.model
+        for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
+            if i < start:
+                continue
+            block = getattr(layer, self.arch.block_attr)
+            h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+            if long_step:
+                await self.completed(h)  # see the await after the MoE output below
+            xn = layer.post_attention_layernorm(h)
+            if i not in self.moe:
+                h = h + block(xn)
+                continue
+            attr = self.moe[i][1]
+            taken: list[RowSnapshot] = []
+            # One call of the block routes and, when a snapshot allows, combines the speculative
+            # outputs too (out_spec): its router is built and computed once.
+            out_spec, x_sw, inds, y_spec = route_and_apply(
+                block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
+            snap = taken[0] if taken else None
+            nxt = self.next_moe[i]
+            p = predictor.next(nxt, xn) if nxt is not None else None
+            if isinstance(p, mx.array):
+                # Schedule the prediction before the routed ids: the stream computes it first, so
+                # once the ids are in, the prediction is too and its prefetch needs no completion
+                # signal of its own (one signal per layer, not two). Both in one call: on a GPU
+                # each scheduling call commits a command buffer.
+                await self._schedule(p, inds)
+            if snap is not None:
+                assert out_spec is not None and y_spec is not None
+                await self._completed_then(inds, out_spec)
+            else:
+                await self.completed(inds)
+            if p is not None:
+                if isinstance(p, mx.array) and _native.is_available(p):
+                    p = np.array(p, copy=True)
+                source.prefetch(nxt, p)
+                predicted[nxt] = p
+            inds_np = np.array(inds, copy=True)
+            predictor.observe(i, inds_np)
+            if step is not None:
+                pred = predicted.get(i)
+                if isinstance(pred, mx.array):
+                    await self.completed(pred)
+                step.record(i, inds_np, None if pred is None else np.asarray(pred))
+            if snap is not None:
+                assert y_spec is not None
+                y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
+                # Every pair sound: the block output built with the speculative outputs stands.
+                h = h + (out_spec if y is y_spec else combine(block, attr, xn, y))
+            else:
+                y = await self._serve(i, source, x_sw, inds_np, leases)
+                h = h + combine(block, attr, xn, y)
+            if long_step:
+                # A prefill chunk: let the stream finish each block before scheduling the next.
+                # The bridge queues graphs in groups of nodes under MLX's eval throttle, but a
+                # long prefill's nodes can each be many dispatches, so a group on top of a
+                # queued layer could still cross it and hold the loop (up to 125 ms measured
+                # on the embedded model without these awaits, 19-44 ms with them, same TTFT).
+                await self.completed(h)
+        return h
 
     def _gather_from_snapshot(self, source: ExpertSource, layer: int, taken: list[RowSnapshot],
                               x_sw: mx.array, inds: mx.array) -> mx.array | None:

@@ -4,7 +4,8 @@
 # MLX CUDA wheel (../shared/device/stage-mlx-cuda.sh here; carried as .devwheels/a and /b), the
 # fmt headers in .devwheels/fmt, and the missing pure-Python wheels in .whl. Writes logs and JSON
 # to $OUT (or ./device-out). Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop
-# after the tests), BENCH=0 (skip the device bench).
+# after the tests), BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), AB="switch v1 v2"
+# (after the demo: tools/ab_decode.py of that AsyncForward switch at 50% and 25%, AB_ROUNDS rounds).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -37,9 +38,21 @@ log "device bench"
 timeout 300 python3 -m asyncside.bench.device --json > "$OUT/bench-device.json" 2> "$OUT/bench-device.err"; tail -5 "$OUT/bench-device.err"; cat "$OUT/bench-device.json"
 fi
 
+if [ "${DEMO:-1}" = 1 ]; then
 log "demo on the GPU (50% and 25% resident)"
 for r in 0.5 0.25; do
   timeout 300 python3 -m asyncside.cli demo --resident $r --tokens 48 --json > "$OUT/demo-$r.json" 2> "$OUT/demo-$r.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('resident_fraction','tokens_identical','speed_ratio','decode_speed_ratio','hit_rate','bytes_read','stall_time_s','reader')}, d['streaming'], d['all_resident'])" "$OUT/demo-$r.json" || tail -20 "$OUT/demo-$r.err"
 done
+fi
+if [ -n "${AB:-}" ]; then
+export PYTHONPATH=/tmp/site:$PWD
+set -- $AB
+for r in 0.5 0.25; do
+  log "A/B of $1 ($2 vs $3) at $r resident"
+  timeout 300 python3 tools/ab_decode.py --switch "$1" --values "$2" "$3" --resident $r --rounds ${AB_ROUNDS:-3} \
+    --tokens 48 --json > "$OUT/ab-$1-$r.json" 2> "$OUT/ab-$1-$r.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'rounds'}); [print(r) for r in d['rounds']]" "$OUT/ab-$1-$r.json" || tail -20 "$OUT/ab-$1-$r.err"
+done
+fi
 log done
