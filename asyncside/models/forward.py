@@ -220,62 +220,71 @@ class AsyncForward:
         """A decode step queued whole, every MoE layer gathering from its row snapshot; checked after.
 
         The host builds every layer at once (no round trip per layer: on a GPU a layer computes
-        in a fraction of the time one takes) and awaits only the step's output. Then it checks
-        the layers in order, as the per-layer path would: the first layer with an unsound pair
-        (an expert absent from its snapshot, or its row refilled since) is served again on the
-        host, the caches of the layers after it are trimmed by this step's entry, and those
-        layers run again the per-layer way. Layers before it were computed from sound rows by
-        the same ops, so the result is bitwise the per-layer one.
+        in a fraction of the time the host takes to see its routed ids) and awaits only the
+        step's output. Then it checks the layers in order, as the per-layer path would. At the
+        first layer with an unsound pair (an expert absent from its snapshot, or its row refilled
+        since) the layers after it computed from a wrong hidden state: their caches are trimmed
+        by this step's entry, the layer's unsound pairs are served again (demand reads, then
+        recomputed), and the layers after it are queued whole again, from fresh snapshots, until
+        a round checks sound to the end. Layers before the unsound one were computed from sound
+        rows by the same ops, so the result is bitwise the per-layer one. The routed ids the wrong
+        round saw after the unsound layer are prefetched for the next round: the hidden state
+        differs only by that layer's unsound pairs, so they mostly route the same.
         """
         layers = decoder_layers(self.model)
-        built: list[tuple[int, mx.array, mx.array, mx.array, mx.array, mx.array, mx.array, RowSnapshot]] = []
-        for i, (layer, c) in enumerate(zip(layers, cache)):
-            block = getattr(layer, self.arch.block_attr)
-            h_attn = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
-            xn = layer.post_attention_layernorm(h_attn)
-            if i not in self.moe:
-                h = h_attn + block(xn)
-                continue
-            attr = self.moe[i][1]
-            taken: list[RowSnapshot] = []
-            out_spec, x_sw, inds, y_spec = route_and_apply(
-                block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
-            assert out_spec is not None and y_spec is not None and taken, "decode steps always gather"
-            built.append((i, h_attn, xn, x_sw, inds, y_spec, out_spec, taken[0]))
-            h = h_attn + out_spec
-        out = await self._head(h, source, leases, logits)
-        await self.completed(out)
+        start = 0
         self.counters["optimistic"] += 1
-        for n, (i, h_attn, xn, x_sw, inds, y_spec, out_spec, snap) in enumerate(built):
-            inds_np = np.array(inds, copy=True)
-            predictor.observe(i, inds_np)
-            if step is not None:
-                step.record(i, inds_np, None)
-            uniq = np.unique(inds_np).astype(np.int64)
-            if np.asarray(source.unchanged(i, snap, uniq), dtype=bool).all():
+        while True:
+            built: list[tuple[int, mx.array, mx.array, mx.array, mx.array, mx.array, mx.array, RowSnapshot]] = []
+            for i in range(start, len(layers)):
+                layer, c = layers[i], cache[i]
+                block = getattr(layer, self.arch.block_attr)
+                h_attn = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+                xn = layer.post_attention_layernorm(h_attn)
+                if i not in self.moe:
+                    h = h_attn + block(xn)
+                    continue
+                attr = self.moe[i][1]
+                taken: list[RowSnapshot] = []
+                out_spec, x_sw, inds, y_spec = route_and_apply(
+                    block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
+                assert out_spec is not None and y_spec is not None and taken, "decode steps always gather"
+                built.append((i, h_attn, xn, x_sw, inds, y_spec, out_spec, taken[0]))
+                h = h_attn + out_spec
+            # The rows leased by earlier rounds' recomputes are released once, with the final output.
+            out = await self._head(h, source, [], logits)
+            await self.completed(out)
+            routed = [np.array(b[4], copy=True) for b in built]
+            bad = None
+            for n, (i, h_attn, xn, x_sw, inds, y_spec, out_spec, snap) in enumerate(built):
+                uniq = np.unique(routed[n]).astype(np.int64)
+                if not np.asarray(source.unchanged(i, snap, uniq), dtype=bool).all():
+                    bad = n
+                    break
+                predictor.observe(i, routed[n])
+                if step is not None:
+                    step.record(i, routed[n], None)
                 try:
                     await source.ensure(i, uniq)  # all present: counts the hits for the policy
                 except CapacityError:
                     pass
-                continue
-            # Layer i read a row it should not have: everything after it computed from a wrong
-            # hidden state. Its attention (and those before) stand; redo from its experts on.
+            if bad is None:
+                source.release_after(out, leases)
+                return out
+            self.counters["forwards"] -= 1  # _head counts the forward once; this round's is dropped
             self.counters["optimistic_redone"] += 1
+            i, h_attn, xn, x_sw, inds, y_spec, out_spec, snap = built[bad]
+            for later in range(bad + 1, len(built)):  # what the next round will most likely route
+                source.prefetch(built[later][0], np.unique(routed[later]))
             for c in cache[i + 1:]:
                 c.trim(1)
+            predictor.observe(i, routed[bad])
+            if step is not None:
+                step.record(i, routed[bad], None)
             block, attr = self.moe[i]
-            nxt = self.next_moe[i]
-            predicted: dict[int, Any] = {}
-            p = predictor.next(nxt, xn) if nxt is not None else None
-            if p is not None:
-                source.prefetch(nxt, p)
-                predicted[nxt] = p
-            y = await self._serve_speculated(i, source, x_sw, inds_np, y_spec, snap, leases)
+            y = await self._serve_speculated(i, source, x_sw, routed[bad], y_spec, snap, leases)
             h = h_attn + (out_spec if y is y_spec else combine(block, attr, xn, y))
-            h = await self._layers(i + 1, h, masks, cache, source, predictor, step, predicted, leases, False)
-            self.counters["forwards"] -= 1  # _head counts the forward once more
-            return await self._head(h, source, leases, logits)
-        return out
+            start = i + 1
 
     async def _head(self, h: mx.array, source: ExpertSource, leases: list[tuple[int, int]],
                     logits: bool) -> mx.array:
