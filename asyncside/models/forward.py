@@ -102,16 +102,16 @@ def default_completed() -> Completed:
 
 @dataclass(eq=False)
 class _Built:
-    """One MoE layer of a step built whole: what its check and a redo from it need."""
+    """One MoE layer built up to its routing: what the host's check and serving of it need."""
 
     layer: int
     h_attn: mx.array  # the hidden state after the layer's attention
     xn: mx.array  # the block's input
     x_sw: mx.array  # the switch layer's input
     inds: mx.array  # routed ids
-    y_spec: mx.array  # expert outputs gathered from the snapshot
-    out_spec: mx.array  # the block's output with them
-    snap: RowSnapshot
+    y_spec: mx.array | None  # expert outputs gathered from the snapshot (None: no snapshot)
+    out_spec: mx.array | None  # the block's output with them
+    snap: RowSnapshot | None
 
 
 @dataclass(eq=False)
@@ -238,26 +238,37 @@ class AsyncForward:
                 and all(c.is_trimmable() and (getattr(c, "max_size", None) is None or c.offset + 2 < c.max_size)
                         for c in cache))
 
+    def _attend_and_route(self, i: int, h: mx.array, masks: list[Any], cache: list[Any],
+                          source: ExpertSource) -> tuple["_Built | None", mx.array]:
+        """Layer ``i`` built over ``h`` (lazy): its attention, then a dense block's output, or an MoE
+        block's routing and, where a snapshot allows, its speculative outputs. Returns (None, the
+        layer's output) for a dense layer, else (the MoE layer built so far, the hidden state after
+        attention)."""
+        layer = decoder_layers(self.model)[i]
+        block = getattr(layer, self.arch.block_attr)
+        h = h + layer.self_attn(layer.input_layernorm(h), masks[i], cache[i])
+        xn = layer.post_attention_layernorm(h)
+        if i not in self.moe:
+            return None, h + block(xn)
+        attr = self.moe[i][1]
+        taken: list[RowSnapshot] = []
+        # One call of the block routes and, when a snapshot allows, combines the speculative
+        # outputs too (out_spec): its router is built and computed once.
+        out_spec, x_sw, inds, y_spec = route_and_apply(
+            block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
+        return _Built(i, h, xn, x_sw, inds, y_spec, out_spec, taken[0] if taken else None), h
+
     def _build_whole(self, h: mx.array, masks: list[Any], cache: list[Any], source: ExpertSource,
                      start: int) -> "_Whole":
         """Layers ``start``.. built at once over ``h``, every MoE layer gathering from its snapshot."""
         layers = decoder_layers(self.model)
         built: list[_Built] = []
         for i in range(start, len(layers)):
-            layer, c = layers[i], cache[i]
-            block = getattr(layer, self.arch.block_attr)
-            h_attn = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
-            xn = layer.post_attention_layernorm(h_attn)
-            if i not in self.moe:
-                h = h_attn + block(xn)
-                continue
-            attr = self.moe[i][1]
-            taken: list[RowSnapshot] = []
-            out_spec, x_sw, inds, y_spec = route_and_apply(
-                block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
-            assert out_spec is not None and y_spec is not None and taken, "decode steps always gather"
-            built.append(_Built(i, h_attn, xn, x_sw, inds, y_spec, out_spec, taken[0]))
-            h = h_attn + out_spec
+            b, h = self._attend_and_route(i, h, masks, cache, source)
+            if b is not None:
+                assert b.out_spec is not None and b.snap is not None, "decode steps always gather"
+                built.append(b)
+                h = b.h_attn + b.out_spec
         model = self.model
         hn = model.model.norm(h)
         out = model.lm_head(hn) if "lm_head" in model else model.model.embed_tokens.as_linear(hn)
@@ -353,25 +364,14 @@ class AsyncForward:
                       leases: list[tuple[int, int]], long_step: bool) -> mx.array:
         """Decoder layers ``start``.. over hidden state ``h``, one MoE layer at a time: each awaits its
         routed ids, then serves its experts. Returns the last layer's output (lazy)."""
-        model = self.model
-        for i, (layer, c) in enumerate(zip(decoder_layers(model), cache)):
-            if i < start:
-                continue
-            block = getattr(layer, self.arch.block_attr)
-            h = h + layer.self_attn(layer.input_layernorm(h), masks[i], c)
+        for i in range(start, len(decoder_layers(self.model))):
+            b, h = self._attend_and_route(i, h, masks, cache, source)
             if long_step:
                 await self.completed(h)  # see the await after the MoE output below
-            xn = layer.post_attention_layernorm(h)
-            if i not in self.moe:
-                h = h + block(xn)
+            if b is None:
                 continue
-            attr = self.moe[i][1]
-            taken: list[RowSnapshot] = []
-            # One call of the block routes and, when a snapshot allows, combines the speculative
-            # outputs too (out_spec): its router is built and computed once.
-            out_spec, x_sw, inds, y_spec = route_and_apply(
-                block, attr, xn, functools.partial(self._gather_from_snapshot, source, i, taken))
-            snap = taken[0] if taken else None
+            block, attr = self.moe[i]
+            xn, x_sw, inds, y_spec, out_spec, snap = b.xn, b.x_sw, b.inds, b.y_spec, b.out_spec, b.snap
             nxt = self.next_moe[i]
             p = predictor.next(nxt, xn) if nxt is not None else None
             if isinstance(p, mx.array):
