@@ -27,6 +27,7 @@ from asyncside.models.convert import (
 )
 from asyncside.models.embedded import EmbeddedSpec, cache_root, ensure_embedded_default
 from asyncside.models.tokenizer import ByteTokenizer
+from asyncside.runtime import Runtime
 from asyncside.store import ExpertStore
 
 Q4 = {"group_size": 64, "bits": 4}
@@ -42,6 +43,17 @@ def write_model_dir(path: pathlib.Path, model_type: str, quantize=None) -> tuple
 
 async def stream_tokens(store_dir: pathlib.Path, prompt: list[int], source_kind: str) -> list[int]:
     sm = load_streaming_model(store_dir, completed=completed)
+    if source_kind.startswith("runtime"):
+        # The real runtime at 25%: reads, prefetch handles; "runtime-whole" queues decode steps
+        # whole and checks them after (the GPU default), redoing from the first unsound layer.
+        sm.forward.optimistic = source_kind == "runtime-whole"
+        async with Runtime(sm.store, resident=0.25, side_rows=1, policy="lfu") as rt:
+            out = [t async for t in sm.generate(prompt, max_tokens=8, source=rt, predictor="lookahead")]
+            await rt.drain()
+            assert all(r.ok for r in rt.audit().values())
+        if source_kind == "runtime-whole":
+            assert sm.forward.counters["optimistic"] == 8 and sm.forward.counters["optimistic_redone"] > 0
+        return out
     if source_kind == "resident":
         src = sm.resident_source()
     else:
@@ -93,6 +105,8 @@ def test_convert_quantized_with_profile(tmp_path: pathlib.Path) -> None:
 
     assert anyio.run(stream_tokens, store.path, prompt, "resident") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "shuffled") == ref
+    assert anyio.run(stream_tokens, store.path, prompt, "runtime") == ref
+    assert anyio.run(stream_tokens, store.path, prompt, "runtime-whole") == ref
     rebuilt, _ = load_reference_model(store.path)
     assert reference_generate(rebuilt, prompt, max_tokens=8) == ref
 
