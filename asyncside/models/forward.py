@@ -299,7 +299,8 @@ class AsyncForward:
         before the unsound one were computed from sound rows by the same ops, so the result is
         bitwise the per-layer one. The ids the wrong round routed after the unsound layer are
         prefetched for the next round: the hidden state differs only by that layer's unsound
-        pairs, so they mostly route the same, and the next round is queued once those reads are in.
+        pairs, so they mostly route the same (they land beside the unsound layer's own reads, which
+        the redo awaits).
         """
         step = trace.begin(predictor.name) if trace is not None else None
         leases: list[tuple[int, int]] = []  # released once, with the final output
@@ -329,8 +330,8 @@ class AsyncForward:
                 self.counters["optimistic_redone"] += 1
                 stands = False
                 b = whole.built[bad]
-                handles = [source.prefetch(whole.built[later].layer, np.unique(routed[later]))
-                           for later in range(bad + 1, len(whole.built))]  # what the next round will most likely route
+                for later in range(bad + 1, len(whole.built)):  # what the next round will most likely route
+                    source.prefetch(whole.built[later].layer, np.unique(routed[later]))
                 for c in cache[b.layer + 1:]:
                     c.trim(1)
                 predictor.observe(b.layer, routed[bad])
@@ -339,13 +340,6 @@ class AsyncForward:
                 block, attr = self.moe[b.layer]
                 y = await self._serve_speculated(b.layer, source, b.x_sw, routed[bad], b.y_spec, b.snap, leases)
                 h = b.h_attn + (b.out_spec if y is b.y_spec else combine(block, attr, b.xn, y))
-                # Those reads ran beside this layer's own; the next round's snapshots should see them.
-                for handle in handles:
-                    if callable(getattr(handle, "wait", None)):
-                        try:
-                            await handle.wait()
-                        except Exception:
-                            pass  # a prefetch is a hint: the next round's check serves what is missing
                 whole = self._build_whole(h, whole.masks, cache, source, b.layer + 1)
                 await self._schedule(whole.out)
         except BaseException:
