@@ -13,6 +13,10 @@ CapacityError, e.g. a long prefill over a small side region), they are served in
 group is ensured, leased, computed over *all* routed pairs with its rows, awaited and released
 before the next; the layer output takes each pair from the group that held its expert
 (``mx.where``), which keeps the result bitwise exact.
+
+On a GPU (``AsyncForward.optimistic``) a decode step is instead queued whole, every MoE layer
+gathering rows from a snapshot, and checked after it computed; from its first unsound layer the
+rest of the step is redone with the later layers' caches trimmed back (:meth:`AsyncForward._finish_whole`).
 """
 
 from __future__ import annotations
@@ -204,8 +208,7 @@ class AsyncForward:
         """
         if logits and self._optimistic_ok(inputs, cache, source):
             begun = await self._begin_whole(inputs, cache, source)
-            out, _ = await self._finish_whole(begun, cache, source, predictor, trace=trace)
-            return out
+            return await self._finish_whole(begun, cache, source, predictor, trace=trace)
         model = self.model
         inner = model.model
         h = inner.embed_tokens(inputs)
@@ -277,9 +280,8 @@ class AsyncForward:
     async def _begin_whole(self, inputs: mx.array, cache: list[Any], source: ExpertSource) -> "_Whole":
         """Queue a decode step whole (no host round trip per layer); :meth:`_finish_whole` checks it.
 
-        ``inputs`` may be lazy (the previous step's token, not yet computed): the step is queued
-        behind it. Nothing is leased; the caches get this step's entry. The caller checks
-        ``_optimistic_ok`` (or goes through ``__call__``).
+        Nothing is leased; the caches get this step's entry. Only for steps that pass
+        :meth:`_optimistic_ok`.
         """
         h = self.model.model.embed_tokens(inputs)
         whole = self._build_whole(h, self.arch.masks(self.model, h, cache), cache, source, 0)
@@ -287,10 +289,10 @@ class AsyncForward:
         return whole
 
     async def _finish_whole(self, whole: "_Whole", cache: list[Any], source: ExpertSource, predictor: Predictor,
-                           *, trace: RoutingTrace | None = None) -> tuple[mx.array, bool]:
+                           *, trace: RoutingTrace | None = None) -> mx.array:
         """Check a step begun whole and redo it from its first unsound layer until it is sound.
 
-        Returns (logits, computed, and whether ``whole.out`` stands). The layers are checked in
+        Returns the logits, computed. The layers are checked in
         order, as the per-layer path would. At the first layer with an unsound pair (an expert
         absent from its snapshot, or its row refilled since) the layers after it computed from a
         wrong hidden state: their caches are trimmed by this step's entry, the layer's unsound
@@ -305,7 +307,6 @@ class AsyncForward:
         step = trace.begin(predictor.name) if trace is not None else None
         leases: list[tuple[int, int]] = []  # released once, with the final output
         self.counters["optimistic"] += 1
-        stands = True
         try:
             while True:
                 await self.completed(whole.out)
@@ -326,9 +327,8 @@ class AsyncForward:
                 if bad is None:
                     self.counters["forwards"] += 1
                     source.release_after(whole.out, leases)
-                    return whole.out, stands
+                    return whole.out
                 self.counters["optimistic_redone"] += 1
-                stands = False
                 b = whole.built[bad]
                 for later in range(bad + 1, len(whole.built)):  # what the next round will most likely route
                     source.prefetch(whole.built[later].layer, np.unique(routed[later]))
