@@ -206,6 +206,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "predictor": args.predictor,
         "lookahead_extra": args.lookahead_extra,
+        # "whole": decode steps queued whole and checked after (the GPU default); "per-layer": each
+        # MoE layer's routed ids checked before the next layer is queued (the CPU default)
+        "decode_steps": "whole" if sm.forward.optimistic else "per-layer",
+        "forward": {k: sm.forward.counters[k] for k in
+                    ("forwards", "speculated", "speculation_misses", "optimistic", "optimistic_redone")},
         "direct": bool(args.direct),
         "tokens_identical": identical,
         "audit_clean": audit_ok,
@@ -253,6 +258,7 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("reader / policy / predictor",
                   f"{result['reader']} / {result['policy']} / {result['predictor']}"
                   + (f"+{result['lookahead_extra']}" if result["lookahead_extra"] else "")
+                  + f" / {result['decode_steps']} steps"
                   + (" / O_DIRECT" if result["direct"] else ""), "", "")
     table.add_row("tokens identical", "yes" if result["tokens_identical"] else "NO", "", "")
     table.add_row("ledger audit", "clean" if result["audit_clean"] else "FAILED", "", "")
