@@ -272,10 +272,7 @@ class AsyncForward:
                 assert b.out_spec is not None and b.snap is not None, "decode steps always gather"
                 built.append(b)
                 h = b.h_attn + b.out_spec
-        model = self.model
-        hn = model.model.norm(h)
-        out = model.lm_head(hn) if "lm_head" in model else model.model.embed_tokens.as_linear(hn)
-        return _Whole(masks, built, out)
+        return _Whole(masks, built, self._logits(h))
 
     async def _begin_whole(self, inputs: mx.array, cache: list[Any], source: ExpertSource) -> "_Whole":
         """Queue a decode step whole (no host round trip per layer); :meth:`_finish_whole` checks it.
@@ -354,11 +351,15 @@ class AsyncForward:
             source.release_after(h, leases)
             await self.completed(h)
             return h
-        model = self.model
-        h = model.model.norm(h)
-        out = model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
+        out = self._logits(h)
         source.release_after(out, leases)
         return out
+
+    def _logits(self, h: mx.array) -> mx.array:
+        """The model's final norm and output head over the last hidden state (lazy)."""
+        model = self.model
+        h = model.model.norm(h)
+        return model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
 
     async def _layers(self, start: int, h: mx.array, masks: list[Any], cache: list[Any], source: ExpertSource,
                       predictor: Predictor, step: Any, predicted: dict[int, Any],
