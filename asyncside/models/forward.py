@@ -289,10 +289,9 @@ class AsyncForward:
                            *, trace: RoutingTrace | None = None) -> mx.array:
         """Check a step begun whole and redo it from its first unsound layer until it is sound.
 
-        Returns the logits, computed. The layers are checked in
-        order, as the per-layer path would. At the first layer with an unsound pair (an expert
-        absent from its snapshot, or its row refilled since) the layers after it computed from a
-        wrong hidden state: their caches are trimmed by this step's entry, the layer's unsound
+        Returns the logits, computed. The layers are checked in order, as the per-layer path
+        would. At the first layer with an unsound pair (an expert absent from its snapshot, or
+        its row refilled since) the layers after it computed from a wrong hidden state: their caches are trimmed by this step's entry, the layer's unsound
         pairs are served again (demand reads, then recomputed), and the layers after it are
         queued whole again, from fresh snapshots, until a round checks sound to the end. Layers
         before the unsound one were computed from sound rows by the same ops, so the result is
