@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
 DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
@@ -35,13 +36,15 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend (default: io_uring where the kernel allows it)")
-    p.add_argument("--policy", default="lfu", choices=sorted(POLICY_NAMES),
-                   help="side-region eviction policy (default lfu)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICY_NAMES),
+                   help=f"eviction policy of the dynamic rows (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
                    help="expert prediction for prefetch (default lookahead)")
     p.add_argument("--lookahead-extra", metavar="N", type=int, default=0,
                    help="lookahead names N experts beyond the router's k per token (default 0; "
                         "fewer misses, more reads: see BENCHMARKS.md)")
+    p.add_argument("--mode", default="auto", choices=["auto", "queued", "per-layer", "whole"],
+                   help="how decode steps run (default auto: queued, misses served inside the stream)")
     p.add_argument("--side-rows", type=int, default=None,
                    help="rows of the rotating side region per layer (default: half the budget)")
     p.add_argument("--direct", action="store_true",
@@ -109,7 +112,7 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
 
 
 async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
-                         echo: Any) -> tuple[Run, dict[str, Any], bool]:
+                         echo: Any, options: Any) -> tuple[Run, dict[str, Any], bool]:
     from .runtime import Runtime
 
     from .looplag import measure_loop_lag
@@ -118,7 +121,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
                        reader=args.reader, direct=True if args.direct else None) as rt:
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
-            async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor):
+            async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,
+                                         options=options):
                 run.first_token()
                 run.tokens.append(tok)
                 echo(run.tokens)
@@ -130,6 +134,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
         stats["loop_lag"] = lag.summary()
+        stats["fault_latency"] = rt.fault_latency()
     return run, stats, audit_ok
 
 
@@ -156,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import mlx.core as mx
 
-    from .models import load_reference_model, load_streaming_model
+    from .models import ForwardOptions, load_reference_model, load_streaming_model
     from .models.embedded import ensure_embedded_default
     from .store import ExpertStore
 
@@ -172,7 +177,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         store_dir = args.model
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
-    sm.forward.lookahead_extra = args.lookahead_extra
+    options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra)
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
@@ -187,7 +192,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.quiet or args.json):
         print(f"{args.prompt}", end="", flush=True)
     run, stats, audit_ok = anyio.run(
-        _streaming_run, sm, store, prompt_ids, args, echo,
+        _streaming_run, sm, store, prompt_ids, args, echo, options,
         backend="asyncio", backend_options={"use_uvloop": sys.platform != "win32"},
     )
     if not (args.quiet or args.json):
@@ -195,6 +200,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     ref_f, run_f = ref.figures(), run.figures()
     identical = run.tokens == ref.tokens
+    counters = sm.forward_with(options).counters
+    kinds = {"queued": counters["queued"], "whole": counters["optimistic"],
+             "per-layer": counters["per_layer"]}
+    # Decode steps are every step but the prefill chunks (per layer, logits unread).
+    decode_steps = max(1, len(run.tokens))
+    fault_latency = stats.pop("fault_latency")
     result: dict[str, Any] = {
         "model": sm.model_id,
         "store": str(store_dir),
@@ -206,11 +217,17 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "predictor": args.predictor,
         "lookahead_extra": args.lookahead_extra,
-        # "whole": decode steps queued whole and checked after (the GPU default); "per-layer": each
-        # MoE layer's routed ids checked before the next layer is queued (the CPU default)
-        "decode_steps": "whole" if sm.forward.optimistic else "per-layer",
-        "forward": {k: sm.forward.counters[k] for k in
-                    ("forwards", "speculated", "speculation_misses", "optimistic", "optimistic_redone")},
+        # "queued": one step queued per token, misses served inside the stream (the default);
+        # "whole": queued from row snapshots and checked after; "per-layer": each MoE layer's
+        # routed ids back on the host before its experts are served
+        "mode": args.mode,
+        "decode_steps": max(kinds, key=lambda k: kinds[k]) if counters["forwards"] else "none",
+        "forward": {k: counters[k] for k in
+                    ("forwards", "queued", "per_layer", "fallbacks", "speculated", "speculation_misses",
+                     "optimistic", "optimistic_redone")},
+        "faults_per_step": stats.get("faults", 0) / decode_steps,
+        "fault_latency_p50_ms": fault_latency["p50_s"] * 1e3,
+        "fault_latency_p99_ms": fault_latency["p99_s"] * 1e3,
         "direct": bool(args.direct),
         "tokens_identical": identical,
         "audit_clean": audit_ok,
@@ -253,6 +270,9 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
     table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
     table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
+    table.add_row("faults per token, p50 / p99 fault time",
+                  f"{result['faults_per_step']:.2f}, {result['fault_latency_p50_ms']:.2f} / "
+                  f"{result['fault_latency_p99_ms']:.2f} ms", "", "")
     lag = result["loop_lag"]
     table.add_row("event-loop lag, max / p99 (5 ms ticker)", f"{lag['max_ms']:.1f} / {lag['p99_ms']:.1f} ms", "", "")
     table.add_row("reader / policy / predictor",

@@ -9,6 +9,15 @@ Rows ``[0, cap)`` hold the resident experts (``resident[i]`` in row ``i``); rows
     FREE --reserve--> FILLING(expert, fill) --publish(fill)--> LIVE(expert) --evict/drop--> FREE
                             \\--fail(fill)--> FREE
 
+Rows can also be *lent* to a native fault handler (queued decode steps, see
+:mod:`asyncside.runtime`): a lent row is either LIVE(expert) (its expert stays readable until the
+handler reuses the row) or LENT (it was free). The ledger never evicts, refills or leases a lent
+row; the handler may fill it with a faulted expert, which the ledger learns afterwards
+(:meth:`Ledger.settle_fault`), or the row comes back unused (:meth:`Ledger.reclaim`):
+
+    FREE --lend--> LENT --settle_fault(ok)--> LIVE(new), lent ; --settle_fault(failed)--> LENT ; --reclaim--> FREE
+    LIVE(e) --lend--> LIVE(e), lent --settle_fault(ok)--> LIVE(new), lent (e evicted) ; --reclaim--> LIVE(e)
+
 Fixes over the original C++ side region (see docs/ARCHITECTURE.md and shared/DESIGN.md):
 
 - an expert whose fill is in flight counts as present: it is never reserved a second time (the
@@ -33,8 +42,8 @@ import numpy as np
 from .errors import CapacityError, LedgerError
 from .policies import Policy, make_policy
 
-FREE, FILLING, LIVE = 0, 1, 2
-_STATE_NAMES = {FREE: "FREE", FILLING: "FILLING", LIVE: "LIVE"}
+FREE, FILLING, LIVE, LENT = 0, 1, 2, 3
+_STATE_NAMES = {FREE: "FREE", FILLING: "FILLING", LIVE: "LIVE", LENT: "LENT"}
 _INT32_MAX = 2**31 - 1
 
 
@@ -142,6 +151,7 @@ class Ledger:
         self._pending: dict[int, Fill] = {}  # fill_id -> fill
         self._pins: dict[int, int] = {}  # row -> number of leases pinning it
         self._leases: dict[int, tuple[int, ...]] = {}  # lease id -> rows
+        self._lent: dict[int, None] = {}  # rows lent to a fault handler, in lend order
         self._fill_ids = itertools.count()
         self._lease_ids = itertools.count(1)
         self._table = np.full(n_experts, -1, dtype=np.int32)
@@ -168,6 +178,10 @@ class Ledger:
                 "blocked",
                 "leases",
                 "releases",
+                "lent",
+                "faulted",
+                "fault_failures",
+                "reclaimed",
             ),
             0,
         )
@@ -244,7 +258,7 @@ class Ledger:
             # Legacy one-shot: drop every unpredicted LIVE expert, rows pushed in ascending expert
             # order (the original iterated a std::map) -- except rows a forward still holds.
             for e in sorted(live):
-                if e not in in_batch and not self._pins.get(live[e]):
+                if e not in in_batch and not self._pins.get(live[e]) and live[e] not in self._lent:
                     self._free.append(self._evict(e))
 
         for e in batch:  # the original bumps every predicted present expert before filling
@@ -254,8 +268,10 @@ class Ledger:
 
         pins = self._pins
 
+        lent = self._lent
+
         def evictable(v: int) -> bool:
-            return v not in in_batch and not pins.get(live[v], 0)
+            return v not in in_batch and not pins.get(live[v], 0) and live[v] not in lent
 
         fills: list[Fill] = []
         for e in batch:
@@ -336,6 +352,8 @@ class Ledger:
             if row is None:
                 state = "FILLING (its read is in flight)" if e in self._filling else "absent"
                 raise LedgerError(f"cannot lease expert {e}: it is {state}, not resident or LIVE")
+            if row in self._lent:
+                raise LedgerError(f"cannot lease expert {e}: its row {row} is lent to a fault handler (reclaim it first)")
             rows[row] = None
         for row in rows:
             self._pins[row] = self._pins.get(row, 0) + 1
@@ -358,6 +376,111 @@ class Ledger:
             else:
                 del self._pins[row]
         self.stats["releases"] += 1
+
+
+    # ---- rows lent to a fault handler -------------------------------------------------------
+
+    def lend(self, count: int) -> list[int]:
+        """Lend up to ``count`` more rows to a fault handler; returns the rows, best victims first.
+
+        Free rows go first (FREE -> LENT), then LIVE rows in the policy's eviction order (a lent
+        LIVE row keeps its expert readable until the handler reuses it). Pinned, FILLING and
+        already lent rows are never lent. May return fewer rows than asked for.
+        """
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise LedgerError(f"count must be a non-negative int, got {count!r}")
+        out: list[int] = []
+        while len(out) < count and self._free:
+            row = self._free.pop()
+            self._row_state[row - self.cap] = LENT
+            out.append(row)
+        if len(out) < count:
+            live, pins, lent = self._live, self._pins, self._lent
+            chosen: set[int] = set()
+
+            def evictable(v: int) -> bool:
+                return v not in chosen and not pins.get(live[v], 0) and live[v] not in lent
+
+            if not self.policy.drops_unpredicted:
+                while len(out) < count:
+                    victim = self.policy.choose_victim(evictable)
+                    if victim is None:
+                        break
+                    chosen.add(victim)
+                    out.append(live[victim])
+            else:
+                # One-shot keeps no scores: lend the LIVE rows in ascending expert order.
+                for v in sorted(live):
+                    if len(out) >= count:
+                        break
+                    if evictable(v):
+                        chosen.add(v)
+                        out.append(live[v])
+        for row in out:
+            self._lent[row] = None
+        self.stats["lent"] += len(out)
+        return out
+
+    def lent_rows(self) -> list[int]:
+        """Rows lent to a fault handler and not settled or reclaimed, in lend order."""
+        return list(self._lent)
+
+    def settle_fault(self, row: int, victim: int, expert: int, ok: bool) -> None:
+        """The fault handler reused lent ``row``: ``victim`` (-1: none) is gone, and ``expert`` is
+        LIVE there (``ok``), or the read failed and the row is empty. The row stays lent (the
+        handler may reuse it) until :meth:`reclaim`."""
+        if row not in self._lent:
+            raise LedgerError(f"settle_fault: row {row} is not lent")
+        i = row - self.cap
+        state, owner = self._row_state[i], self._row_owner[i]
+        expected = owner if state == LIVE else -1
+        if victim != expected:
+            raise LedgerError(f"settle_fault: row {row} holds {_STATE_NAMES[state]}({owner}), the handler evicted {victim}")
+        e = _int_or_raise(expert, self.n_experts, "expert id")
+        if ok and (e in self._live or e in self._resident_row or e in self._filling):
+            raise LedgerError(f"settle_fault: expert {e} filled into row {row} but it is already {self.state_of(e)}")
+        if state == LIVE:
+            self._evict(victim)
+        self._gen[row] += 1
+        del self._lent[row]
+        self._lent[row] = None  # to the back: the handler filled it last
+        if ok:
+            self._row_state[i] = LIVE
+            self._row_owner[i] = e
+            self._live[e] = row
+            self._table[e] = row
+            self._snapshot = None
+            self.policy.on_publish(e)
+            self.stats["faulted"] += 1
+        else:
+            self._row_state[i] = LENT
+            self._row_owner[i] = -1
+            self.stats["fault_failures"] += 1
+
+    def reclaim(self, rows: Sequence[int] | None = None) -> None:
+        """Lent rows come back (all of them when ``rows`` is None): LENT ones are FREE again,
+        LIVE ones stay LIVE, and the ledger may evict, refill and lease them again."""
+        for row in list(self._lent) if rows is None else rows:
+            if row not in self._lent:
+                raise LedgerError(f"reclaim: row {row} is not lent")
+            del self._lent[row]
+            i = row - self.cap
+            if self._row_state[i] == LENT:
+                self._row_state[i] = FREE
+                self._free.append(row)
+            self.stats["reclaimed"] += 1
+
+    def record_use(self, ids: Any) -> None:
+        """A forward routed ``ids`` (one reserve's worth): LIVE ones count as hits for the policy."""
+        batch, n_resident = self._unique_side_ids(ids)
+        self.stats["resident_hits"] += n_resident
+        policy = self.policy
+        policy.begin(batch)
+        live = self._live
+        for e in batch:
+            if e in live:
+                policy.on_hit(e)
+                self.stats["hits"] += 1
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -474,9 +597,20 @@ class Ledger:
                     p(f"row {r} is LIVE({own}) but live[{own}]={self._live.get(own)}")
                 elif st == FILLING and (own not in self._filling or self._filling[own].row != r):
                     p(f"row {r} is FILLING({own}) without exactly one pending fill for it")
+                elif st == LENT and (own != -1 or r not in self._lent or r in free_set):
+                    p(f"row {r} is LENT but owner={own}, lent={r in self._lent}, on free stack={r in free_set}")
+            for r in self._lent:
+                if not cap <= r < self.rows:
+                    p(f"lent row {r} is outside the side region")
+                elif self._row_state[r - cap] not in (LIVE, LENT):
+                    p(f"lent row {r} is {_STATE_NAMES[self._row_state[r - cap]]}")
+                if self._pins.get(r):
+                    p(f"lent row {r} is pinned by a lease")
             n_free, n_fill, n_live = len(self._free), len(self._filling), len(self._live)
-            if n_free + n_fill + n_live != side:
-                p(f"counts do not balance: free {n_free} + filling {n_fill} + live {n_live} != side_rows {side}")
+            n_lent_free = sum(1 for st in self._row_state if st == LENT)
+            if n_free + n_fill + n_live + n_lent_free != side:
+                p(f"counts do not balance: free {n_free} + filling {n_fill} + live {n_live} + lent free "
+                  f"{n_lent_free} != side_rows {side}")
             expected = np.full(self.n_experts, -1, dtype=np.int32)
             for e, r in self._resident_row.items():
                 expected[e] = r
@@ -501,7 +635,8 @@ class Ledger:
             if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
                 p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} + pending {len(self._pending)}")
             problems.extend(self.policy.audit(set(self._live)))
-            counts = {"free": n_free, "filling": n_fill, "live": n_live, "pinned_rows": len(self._pins), "leases": len(self._leases)}
+            counts = {"free": n_free, "filling": n_fill, "live": n_live, "lent": len(self._lent),
+                      "pinned_rows": len(self._pins), "leases": len(self._leases)}
         except Exception as exc:  # audit must report, never raise
             p(f"audit crashed: {type(exc).__name__}: {exc}")
             counts = {}

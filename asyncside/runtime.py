@@ -16,7 +16,10 @@ synchronous state machine.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import math
+import os
 from collections import Counter
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,12 +32,24 @@ import numpy as np
 
 from .errors import AsyncsideError, CapacityError, FillError, LedgerError
 from .ledger import Fill, Ledger
+from .policies import DEFAULT_POLICY
 from .pools import PoolSet
 from .scheduler import FillHandle, Scheduler
 from .snapshot import RowSnapshot, make_snapshot
 from .store import ExpertStore, LayerSpec
 
-__all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer"]
+__all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer", "warm_experts"]
+
+
+def _native_available(x: mx.array) -> bool:
+    """True when x's computation finished. A queued step's failed faults are learned from the
+    fault log, not from MLX's error, so checking (and consuming) it here loses nothing."""
+    from . import _native
+
+    try:
+        return bool(_native.is_available(x))
+    except Exception:
+        return True
 
 Completed = Callable[[mx.array], Awaitable[None]]
 
@@ -74,12 +89,15 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
 
 def plan_layer(store: ExpertStore, index: int, resident: float | Mapping[int, Sequence[int]] = 0.25,
                side_rows: int | None = None, min_side_rows: int = 8) -> tuple[list[int], int]:
-    """(resident experts, side rows) of one layer, as ``Runtime(resident=..., side_rows=...)`` sizes it.
+    """(pinned resident experts, dynamic rows) of one layer, as ``Runtime(resident=..., side_rows=...)``
+    sizes it. Exposed so other expert sources (benchmark baselines) can size their pools alike.
 
-    A fraction is the pool budget: ``ceil(fraction * n_experts)`` rows in all, of which
-    ``side_rows`` (default: half the budget, at least ``min_side_rows``) rotate and the rest hold
-    the hottest experts (:func:`choose_resident`). Exposed so other expert sources (benchmark
-    baselines) can size their pools exactly like the runtime.
+    A fraction is the pool budget: ``ceil(fraction * n_experts)`` rows in all, at least
+    ``min_side_rows``. By default every row is dynamic (managed online by the policy; a store's
+    routing ranking only warms them up, see :func:`warm_experts`). ``side_rows`` pins
+    ``budget - side_rows`` of the hottest experts (:func:`choose_resident`) and leaves
+    ``side_rows`` dynamic. A mapping names the pinned
+    experts per layer; then ``side_rows`` (default ``min_side_rows``) rows are dynamic.
     """
     spec = store.layer(index)
     if isinstance(resident, Mapping):
@@ -89,13 +107,27 @@ def plan_layer(store: ExpertStore, index: int, resident: float | Mapping[int, Se
         if not 0.0 <= float(resident) <= 1.0:
             raise ValueError(f"resident fraction must be in [0, 1], got {resident!r}")
         budget = max(1, math.ceil(float(resident) * spec.n_experts))
-        side = int(side_rows) if side_rows is not None else max(min_side_rows, budget // 2)
+        side = max(min_side_rows, budget) if side_rows is None else int(side_rows)
         side = min(side, spec.n_experts)
         chosen = choose_resident(store, index, max(0, budget - side))
     if side < 0:
         raise ValueError(f"side_rows must be >= 0, got {side}")
     side = min(side, spec.n_experts - len(chosen))
     return chosen, side
+
+
+def warm_experts(store: ExpertStore, index: int, count: int, exclude: Sequence[int] = ()) -> list[int]:
+    """The experts to load into ``count`` dynamic rows before the first step: the hottest by the
+    store's routing ranking (``asyncside convert`` writes one from a profile), or none when the
+    store has no ranking (no arbitrary set: the rows then fill as the model routes)."""
+    meta = store.metadata or {}
+    model_meta = meta.get("asyncside_model")
+    has_rank = isinstance(model_meta, Mapping) and str(index) in (model_meta.get("expert_rank") or {})
+    if not has_rank and str(index) not in (meta.get("profile") or {}):
+        return []
+    skip = set(int(e) for e in exclude)
+    ranked = [e for e in choose_resident(store, index, store.layer(index).n_experts) if e not in skip]
+    return ranked[: max(0, count)]
 
 
 def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
@@ -128,6 +160,11 @@ class _Layer:
     snap: RowSnapshot | None = None
     snap_version: int = -1
     version: int = 0  # bumped on every row-state change that alters lookup()
+    # Queued steps: the native fault table of this layer (host pools only), and whether the
+    # ledger's table changed by other means since the native one was last synced.
+    faults: Any = None
+    native_dirty: bool = True
+    native_order: str = ""
 
 
 @dataclass
@@ -181,9 +218,10 @@ class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
     ``resident`` is the fraction of each layer's experts the pools hold in total (the memory
-    budget), or an explicit mapping layer -> resident expert ids. ``side_rows`` is how many of
-    those rows rotate (the side region); the rest hold a fixed resident set. By default half the
-    budget rotates, at least ``min_side_rows``.
+    budget), or an explicit mapping layer -> pinned resident expert ids. By default every row is
+    dynamic, managed online by ``policy`` (warmed up from the store's routing ranking when it has
+    one); ``side_rows`` pins the hottest ``budget - side_rows`` experts and leaves ``side_rows``
+    rows dynamic (see :func:`plan_layer`).
     """
 
     def __init__(
@@ -193,7 +231,7 @@ class Runtime:
         resident: float | Mapping[int, Sequence[int]] = 0.25,
         side_rows: int | None = None,
         min_side_rows: int = 8,
-        policy: str = "lfu",
+        policy: str = DEFAULT_POLICY,
         reader: str = "auto",
         queue_depth: int = 64,
         direct: bool | None = None,
@@ -227,7 +265,21 @@ class Runtime:
             "ensure_calls": 0,
             "resident_bytes": 0,
             "failed_predictions": 0,
+            "queued_steps": 0,
+            "faults": 0,
+            "fault_time_s": 0.0,
+            "skipped_prefetches": 0,
+            "warm_bytes": 0,
         }
+        #: the latest queued steps' outputs not known to be computed (see begin_step / quiesce)
+        self._queued_outs: list[mx.array] = []
+        #: nanoseconds of the latest faults (bounded), for latency percentiles
+        self._fault_ns: list[int] = []
+        #: failed faults learned from the logs, raised by the next begin_step / after_step / quiesce
+        self._fault_errors: list[FillError] = []
+        #: release_after() calls whose computation is awaited by a task: key -> (x, leases)
+        self._pending_releases: dict[int, tuple[mx.array, list[tuple[int, int]]]] = {}
+        self._release_keys = itertools.count()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -256,6 +308,14 @@ class Runtime:
         return await self._close(*exc_info)
 
     async def _close(self, *exc_info: Any) -> bool | None:
+        if self._queued_outs or any(st.ledger.lent_rows() for st in self._layers.values()):
+            # Queued steps may still fault rows in on the stream: let them finish, then take the
+            # lent rows back, so the ledgers end consistent (and the pools outlive the reads).
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.quiesce()
+                except Exception:
+                    pass  # failed faults were reported to (or are lost with) their steps
         self._closed = True
         assert self._tg is not None
         # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
@@ -301,6 +361,65 @@ class Runtime:
         )
         if errors:
             raise ExceptionGroup("loading resident experts failed", errors)
+        await self._warm_up(resident_sets)
+        await self._setup_fault_tables()
+
+    async def _warm_up(self, resident_sets: Mapping[int, list[int]]) -> None:
+        """Fill the dynamic rows with the store's hottest experts (when it ranks them) before the
+        first step, as ordinary LIVE rows the policy may evict; the hottest count as most recent."""
+        waits: list[_Pending] = []
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            warm = warm_experts(self.store, index, st.ledger.side_rows, exclude=resident)
+            if not warm:
+                continue
+            fills = self._reserve(index, st, np.asarray(warm, dtype=np.int64), demand=False)
+            waits.extend(self._submit(index, st, fills))
+        for p in waits:
+            await p.wait()
+        self._stats["fills"] = 0  # warm-up reads are setup, not misses of the generation
+        for index, resident in resident_sets.items():
+            st = self._layers[index]
+            warm = warm_experts(self.store, index, st.ledger.side_rows, exclude=resident)
+            for e in reversed(warm):
+                st.ledger.record_use([e])
+        self._stats["warm_bytes"] = self._stats["bytes_read"]
+        self._stats["bytes_read"] = 0
+
+    async def _setup_fault_tables(self) -> None:
+        """One native fault table per layer with host pools (queued steps fault experts in there).
+
+        The blobs are opened in a worker thread: an open() can block (a FIFO, a stale mount).
+        """
+        from . import _native
+
+        host = [(i, st) for i, st in self._layers.items() if not st.pools.device]
+        if not host:
+            return
+
+        def open_all() -> list[int]:
+            fds: list[int] = []
+            try:
+                for _, st in host:
+                    fds.append(os.open(st.spec.path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                raise AsyncsideError(f"{exc.filename}: cannot open the layer blob for queued steps: {exc.strerror}") from exc
+            return fds
+
+        fds = await anyio.to_thread.run_sync(open_all)
+        for k, (index, st) in enumerate(host):
+            spec = st.spec
+            try:
+                st.faults = _native.FaultTable(
+                    index, spec.n_experts, [st.pools.arrays[seg.key] for seg in spec.segments],
+                    [seg.offset for seg in spec.segments], [seg.nbytes for seg in spec.segments],
+                    fds[k], str(spec.path), spec.stride)
+            except BaseException:
+                for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
+                    os.close(fd)
+                raise
 
     # ---------------------------------------------------------------- helpers
 
@@ -423,6 +542,7 @@ class Runtime:
             self._stats["failed_fills"] += 1
         self._stats["read_time_s"] += time.perf_counter() - started
         st.version += 1
+        st.native_dirty = True
         p.settle(err)
         if on_done is not None:
             on_done(p)
@@ -435,6 +555,7 @@ class Runtime:
         if fills:
             # An eviction changes lookup(): the evicted expert no longer has a row.
             st.version += 1
+            st.native_dirty = True
         return fills
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -448,6 +569,159 @@ class Runtime:
             return np.array(ids, copy=True).reshape(-1)
         return np.asarray(ids).reshape(-1)
 
+
+    # ---------------------------------------------------------------- queued steps
+
+    def queued_ready(self, pairs: int) -> bool:
+        """Whether a queued step routing up to ``pairs`` (token, expert) pairs per MoE layer can run:
+        every layer has a fault table and enough rows to lend for that many distinct experts."""
+        self.release_computed()
+        for st in self._layers.values():
+            if st.faults is None:
+                return False
+            lendable = st.ledger.side_rows - len(st.ledger.pinned_rows())
+            if lendable < min(pairs, st.spec.n_experts):
+                return False
+        return True
+
+    def begin_step(self, pairs: int) -> None:
+        """Before queuing a step (never blocks): learn what the stream did so far, then make sure
+        every layer has enough lent rows for a step routing up to ``pairs`` pairs per layer.
+
+        Steps queued earlier and still running may use lent rows too, so their need is added.
+        Raises the FillError of a fault that failed in an earlier step.
+        """
+        self._check_open()
+        self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
+        in_flight = len(self._queued_outs)
+        self.after_step()
+        for st in self._layers.values():
+            faults = st.faults
+            if faults is None:
+                raise AsyncsideError(f"layer {st.spec.index}: queued steps need host pools with a fault table")
+            if st.native_dirty:
+                if st.ledger.lent_rows() or in_flight:
+                    raise AsyncsideError(f"layer {st.spec.index}: the ledger changed while rows were lent")
+                faults.sync(np.ascontiguousarray(st.ledger.lookup(), dtype=np.int32))
+                st.native_dirty = False
+            policy = st.ledger.policy
+            if policy.native_order != st.native_order:
+                faults.set_order(policy.native_order, policy.half_life)
+                st.native_order = policy.native_order
+            # Every dynamic row is lent (lent rows stay lent after a fault): the stream, which sees
+            # each use first, picks victims among all of them in the policy's native order.
+            short = st.ledger.side_rows - len(st.ledger.lent_rows())
+            if short > 0:
+                rows = st.ledger.lend(short)
+                if rows:
+                    faults.lend(rows)
+        self._stats["queued_steps"] += 1
+
+    def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 pool rows of the routed ``ids`` of ``layer`` for a queued step: the stream
+        maps each expert to its row when it gets there, reading absent ones into lent rows."""
+        from . import _native
+
+        st = self._layer(layer)
+        if st.faults is None:
+            raise AsyncsideError(f"layer {layer}: queued steps need host pools with a fault table")
+        return _native.expert_rows(ids, st.faults)
+
+    def end_step(self, out: mx.array) -> None:
+        """A queued step whose last output is ``out`` has been scheduled (see :meth:`quiesce`)."""
+        self._queued_outs.append(out)
+
+    async def quiesce(self) -> None:
+        """Wait for every queued step, learn what it did, and take every lent row back, so that
+        the per-layer paths (ensure, prefetch, leases) own the rows again."""
+        assert self._completed is not None
+        while self._queued_outs:
+            out = self._queued_outs[-1]
+            try:
+                await self._completed(out)
+            except Exception:
+                pass  # the step's own awaiter hears of its failure; the fault log says what happened
+            self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
+        for st in self._layers.values():
+            self._reconcile(st)
+            if st.faults is not None:
+                st.ledger.reclaim(st.faults.reclaim())
+        self._raise_fault_errors()
+
+    def after_step(self) -> None:
+        """Learn what the queued steps computed so far did (faults, uses): the ledger catches up
+        and the policy sees the uses. Raises the FillError of a failed fault (FillErrors in an
+        ExceptionGroup when several failed)."""
+        for st in self._layers.values():
+            self._reconcile(st)
+        self._raise_fault_errors()
+
+    def _raise_fault_errors(self) -> None:
+        errors, self._fault_errors = self._fault_errors, []
+        if errors:
+            raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed", errors)
+
+    @property
+    def queued_active(self) -> bool:
+        """True while queued steps may be running or rows are lent."""
+        return bool(self._queued_outs) or any(st.ledger.lent_rows() for st in self._layers.values())
+
+    def _reconcile(self, st: _Layer) -> None:
+        """Apply a layer's fault log to its ledger; failed faults are kept for the next raise."""
+        faults = st.faults
+        if faults is None:
+            return
+        raw_events, raw_used, raw_sizes = faults.drain()
+        errors = self._fault_errors
+        if raw_events:
+            events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 5)
+            for row, victim, expert, ns, err in events.tolist():
+                if row >= 0:
+                    st.ledger.settle_fault(row, victim, expert, err == 0)
+                    st.version += 1
+                if err == 0:
+                    self._stats["faults"] += 1
+                    self._stats["misses"] += 1
+                    self._stats["fills"] += 1
+                    self._stats["bytes_read"] += st.spec.stride
+                    self._stats["fault_time_s"] += ns * 1e-9
+                    if victim >= 0:
+                        self._stats["evictions"] += 1
+                    self._fault_ns.append(ns)
+                else:
+                    self._stats["failed_fills"] += 1
+                    if err == -2:
+                        why = "no lent row was left for it (the step needed more rows than were lent)"
+                    elif err == -1:
+                        why = "its bytes did not match the store's checksum"
+                    else:
+                        why = f"the read failed: {os.strerror(err)} (errno {err})" if err != errno.ENODATA else \
+                            "the blob ended before the record did"
+                    errors.append(FillError(st.spec.index, expert, row, f"fault in a queued step: {why}",
+                                            errno=err if err > 0 else None))
+            if len(self._fault_ns) > 4096:
+                del self._fault_ns[:-2048]
+        if raw_used:
+            used = np.frombuffer(raw_used, dtype=np.int32)
+            sizes = np.frombuffer(raw_sizes, dtype=np.int32)
+            start = 0
+            for n in sizes.tolist():
+                ids = used[start:start + n]
+                start += n
+                st.ledger.record_use(ids)
+            self._stats["hits"] += int(used.size) - int(events.shape[0] if raw_events else 0)
+
+    def fault_latency(self) -> dict[str, float]:
+        """Median and p99 of the latest faults' time on the stream (seconds; 0 when none)."""
+        if not self._fault_ns:
+            return {"p50_s": 0.0, "p99_s": 0.0, "count": 0}
+        a = np.asarray(self._fault_ns, dtype=np.float64) * 1e-9
+        return {"p50_s": float(np.percentile(a, 50)), "p99_s": float(np.percentile(a, 99)), "count": int(a.size)}
+
+    def _check_open(self) -> None:
+        if self._tg is None or self._closed:
+            raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
+
     # ---------------------------------------------------------------- public API
 
     def prefetch(self, layer: int, ids: mx.array | Sequence[int] | np.ndarray) -> PrefetchHandle:
@@ -458,6 +732,11 @@ class Runtime:
         """
         st = self._layer(layer)
         handle = PrefetchHandle(layer=layer, _done=anyio.Event())
+        if self.queued_active:
+            # Queued steps own the rows' placement until quiesce(): a prediction is only a hint.
+            self._stats["skipped_prefetches"] += 1
+            handle._done.set()
+            return handle
         op = self._op(st)
         if isinstance(ids, mx.array):
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
@@ -529,6 +808,9 @@ class Runtime:
         A fill that fails raises its FillError here.
         """
         st = self._layer(layer)
+        if self.queued_active:
+            # Reads outside the stream must not race queued steps that read rows in it.
+            await self.quiesce()
         if isinstance(ids, mx.array):
             assert self._completed is not None
             await self._completed(ids)
@@ -627,21 +909,65 @@ class Runtime:
         leases = list(leases)
         if not leases:
             return
-        self._spawn(self._release_after, x, leases)
+        if _native_available(x):
+            # Already computed (e.g. a prefill chunk's awaited output): nothing reads the rows.
+            for layer, lease_id in leases:
+                self._layer(layer).ledger.release(lease_id)
+            self._notify()
+            return
+        key = next(self._release_keys)
+        self._pending_releases[key] = (x, leases)
+        self._spawn(self._release_after, key)
 
-    async def _release_after(self, x: mx.array, leases: list[tuple[int, int]]) -> None:
+    async def _release_after(self, key: int) -> None:
+        x, _leases = self._pending_releases[key]
         try:
             assert self._completed is not None
             await self._completed(x)
         finally:
             # Even when cancelled (runtime closing) the leases go: nothing reads them after.
+            # (release_computed() may have released them already.)
+            held = self._pending_releases.pop(key, None)
+            if held is not None:
+                for layer, lease_id in held[1]:
+                    self._layers[layer].ledger.release(lease_id)
+                self._notify()
+
+    def release_computed(self) -> None:
+        """Release now the leases whose computation already finished but whose release task has
+        not run yet (a step about to be queued needs those rows lendable)."""
+        done = [k for k, (x, _) in self._pending_releases.items() if _native_available(x)]
+        for key in done:
+            _x, leases = self._pending_releases.pop(key)
             for layer, lease_id in leases:
                 self._layers[layer].ledger.release(lease_id)
+        if done:
             self._notify()
 
     def audit(self) -> dict[int, Any]:
-        """Audit every ledger; returns layer -> AuditReport."""
-        return {i: st.ledger.audit() for i, st in self._layers.items()}
+        """Audit every ledger; returns layer -> AuditReport.
+
+        Queued steps' faults are applied first; with no queued step in flight, each layer's native
+        fault table must equal its ledger's lookup table.
+        """
+        out = {}
+        idle = not [o for o in self._queued_outs if not _native_available(o)]
+        for i, st in self._layers.items():
+            self._reconcile(st)
+            report = st.ledger.audit()
+            if st.faults is not None and idle and not st.native_dirty:
+                native = np.asarray(st.faults.table(), dtype=np.int32)
+                if not np.array_equal(native, st.ledger.lookup()):
+                    bad = np.flatnonzero(native != st.ledger.lookup())[:8].tolist()
+                    report.problems.append(f"native fault table differs from the ledger for experts {bad}")
+                    report.ok = False
+                lent_native = sorted(st.faults.lent())
+                if lent_native != sorted(st.ledger.lent_rows()):
+                    report.problems.append(f"rows lent natively {lent_native} != lent by the ledger "
+                                           f"{sorted(st.ledger.lent_rows())}")
+                    report.ok = False
+            out[i] = report
+        return out
 
     def stats(self) -> dict[str, float]:
         """Counters since start: hits, misses, bytes read, fills, evictions, read/stall time."""

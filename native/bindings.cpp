@@ -408,6 +408,112 @@ void bind_device_pools(nb::module_& m) {
 }  // namespace
 // ===== end device pools ===========================================================================
 
+
+// ===== expert faults: the fault table and the expert_rows node (queued decode steps) ==============
+#include <unistd.h>
+
+#include "expert_faults.h"
+
+namespace {
+
+namespace fa = asyncside::faults;
+
+// Python holds the table through this handle (not a shared_ptr nanobind ties to a Python object),
+// so the stream thread's copies are pure C++ and dropping them there never touches Python.
+struct PyFaultTable {
+  std::shared_ptr<fa::FaultTable> t;
+};
+
+nb::bytes as_bytes(const void* p, size_t n) { return nb::bytes(static_cast<const char*>(p), n); }
+
+void bind_faults(nb::module_& m) {
+  nb::class_<PyFaultTable>(m, "FaultTable",
+                           "One MoE layer's expert -> row table for queued steps: the stream maps routed "
+                           "experts to pool rows and reads absent ones into rows lent by the ledger.")
+      .def(
+          "__init__",
+          [](PyFaultTable* self, int layer, int64_t n_experts, std::vector<mx::array> pools,
+             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes, int fd,
+             const std::string& path, uint64_t stride) {
+            // The table owns fd from here on, also when building it fails.
+            try {
+              auto dest = std::make_shared<io::MlxPoolDestination>(std::move(pools), nbytes);
+              auto sink = std::make_unique<fa::HostRecordSink>(dest, stride, spans(offsets, nbytes));
+              new (self) PyFaultTable{std::make_shared<fa::FaultTable>(layer, n_experts, std::move(sink), fd, path, stride)};
+            } catch (...) {
+              if (fd >= 0) ::close(fd);
+              throw;
+            }
+          },
+          nb::arg("layer"), nb::arg("n_experts"), nb::arg("pools"), nb::arg("offsets"), nb::arg("nbytes"),
+          nb::arg("fd"), nb::arg("path"), nb::arg("stride"),
+          "Host pools (evaluated, pools[i] receives segment i); takes ownership of `fd` (the layer blob).")
+      .def_prop_ro("layer", [](PyFaultTable& p) { return p.t->layer(); })
+      .def_prop_ro("rows", [](PyFaultTable& p) { return p.t->rows(); })
+      .def(
+          "sync",
+          [](PyFaultTable& p, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table) {
+            std::vector<int32_t> v(table.data(), table.data() + table.shape(0));
+            p.t->sync(v);
+          },
+          nb::arg("table"), "Replace the expert -> row table (int32, -1 absent); nothing may be lent.")
+      .def("lend", [](PyFaultTable& p, const std::vector<int64_t>& rows) { p.t->lend(rows); }, nb::arg("rows"),
+           "Rows the stream may fill with faulted experts (evicting what they hold).")
+      .def("reclaim", [](PyFaultTable& p) { return p.t->reclaim(); },
+           "Take back every lent row not used yet; returns them.")
+      .def(
+          "drain",
+          [](PyFaultTable& p) {
+            fa::Drained d = p.t->drain();
+            return nb::make_tuple(as_bytes(d.events.data(), d.events.size() * sizeof(fa::FaultEvent)),
+                                  as_bytes(d.used.data(), d.used.size() * sizeof(int32_t)),
+                                  as_bytes(d.used_sizes.data(), d.used_sizes.size() * sizeof(int32_t)));
+          },
+          "(events, used, used_sizes) since the last drain, as raw bytes: events are int64 rows of "
+          "(row, victim, expert, ns, error); used the distinct experts of each resolve (int32) and "
+          "used_sizes how many each resolve added (int32).")
+      .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
+      .def("lent", [](PyFaultTable& p) { return p.t->lent(); }, "Lent rows not used yet, in lend order.")
+      .def("counters", [](PyFaultTable& p) { return p.t->counters(); })
+      .def(
+          "set_order",
+          [](PyFaultTable& p, const std::string& order, double half_life) {
+            fa::VictimOrder o;
+            if (order == "lend") {
+              o = fa::VictimOrder::LendOrder;
+            } else if (order == "recency") {
+              o = fa::VictimOrder::Recency;
+            } else if (order == "decayed") {
+              o = fa::VictimOrder::Decayed;
+            } else {
+              throw std::invalid_argument("order: expected 'lend', 'recency' or 'decayed', got '" + order + "'");
+            }
+            p.t->set_order(o, half_life);
+          },
+          nb::arg("order"), nb::arg("half_life") = 8.0,
+          "Which lent row a fault takes: the first lent ('lend'), the least recently used "
+          "('recency'), or the lowest use count decayed by `half_life` steps ('decayed').");
+
+  m.def(
+      "expert_rows",
+      [](const mx::array& ids, PyFaultTable& table, std::optional<mx::Stream> stream) {
+        return fa::expert_rows(ids, table.t, stream ? *stream : mx::default_stream(mx::default_device()));
+      },
+      nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
+      "Lazy uint32 pool rows of `ids` (any integer shape): when the stream reaches it, each routed "
+      "expert is looked up in `table`, and one without a row is read into a lent row first.");
+  m.def("fault_counters", [] {
+    auto& c = fa::global_counters();
+    return std::map<std::string, uint64_t>{{"tables_created", c.tables_created.load()},
+                                           {"tables_destroyed", c.tables_destroyed.load()},
+                                           {"nodes_created", c.nodes_created.load()},
+                                           {"nodes_destroyed", c.nodes_destroyed.load()}};
+  });
+}
+
+}  // namespace
+// ===== end expert faults ==========================================================================
+
 NB_MODULE(_native, m) {
   m.doc() = "asyncside native core: readers, scatter, completion bridge";
   m.def("build_info", [] { return std::string(asyncside::build_info()); },
@@ -415,4 +521,5 @@ NB_MODULE(_native, m) {
   bind_bridge(m);
   bind_read_path(m);  // read path (h2)
   bind_device_pools(m);
+  bind_faults(m);
 }

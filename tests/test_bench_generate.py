@@ -132,13 +132,20 @@ def test_demo_command_json_and_table(quick_store: pathlib.Path, capsys: pytest.C
     lag = res["loop_lag"]
     assert lag["ticks"] > 0 and 0.0 <= lag["median_ms"] <= lag["p99_ms"] <= lag["max_ms"]
     assert res["runtime"]["fills"] >= 1 and res["pool_rows_per_layer"] < res["experts_per_layer"]
-    # The step kind is the device's default; the forward's counters show it did what it says.
+    # Queued steps by default: every decode step queued once, misses faulted in on the stream.
     fwd = res["forward"]
-    if res["decode_steps"] == "whole":
-        assert fwd["optimistic"] >= 5 and fwd["forwards"] >= fwd["optimistic"]
-    else:
-        assert res["decode_steps"] == "per-layer" and fwd["optimistic"] == 0 and fwd["speculated"] > 0
+    assert res["mode"] == "auto" and res["decode_steps"] == "queued"
+    assert fwd["queued"] == 6 and fwd["per_layer"] == 0 and fwd["optimistic"] == 0
+    assert res["faults_per_step"] > 0 and res["runtime"]["faults"] >= 1
+    assert 0.0 < res["fault_latency_p50_ms"] <= res["fault_latency_p99_ms"]
+    # Every mode gives the same tokens; the counters show each ran as asked.
+    for mode, counter in (("per-layer", "per_layer"), ("whole", "optimistic")):
+        assert main(["demo", "--model", str(quick_store), "--tokens", "4", "--resident", "0.25", "--json",
+                     "--mode", mode]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["tokens_identical"] is True and res["audit_clean"] is True
+        assert res["decode_steps"] == mode and res["forward"][counter] == 4, (mode, res["forward"])
     assert main(["demo", "--model", str(quick_store), "--tokens", "3", "--resident", "0.5", "--lookahead-extra", "2"]) == 0
     out = capsys.readouterr().out
-    for row in ("decode tokens/s", "hit rate", "stall time", "event-loop lag", "tokens identical"):
+    for row in ("decode tokens/s", "hit rate", "stall time", "event-loop lag", "tokens identical", "faults per token"):
         assert row in out, row

@@ -25,6 +25,7 @@ from asyncside.models.convert import (
     profile_routing,
     resident_sets,
 )
+from asyncside.models import ForwardOptions
 from asyncside.models.embedded import EmbeddedSpec, cache_root, ensure_embedded_default
 from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.runtime import Runtime
@@ -44,15 +45,26 @@ def write_model_dir(path: pathlib.Path, model_type: str, quantize=None) -> tuple
 async def stream_tokens(store_dir: pathlib.Path, prompt: list[int], source_kind: str) -> list[int]:
     sm = load_streaming_model(store_dir, completed=completed)
     if source_kind.startswith("runtime"):
-        # The real runtime at 25%: reads, prefetch handles; "runtime-whole" queues decode steps
-        # whole and checks them after (the GPU default), redoing from the first unsound layer.
-        sm.forward.optimistic = source_kind == "runtime-whole"
-        async with Runtime(sm.store, resident=0.25, side_rows=1, policy="lfu") as rt:
-            out = [t async for t in sm.generate(prompt, max_tokens=8, source=rt, predictor="lookahead")]
+        # The real runtime at 25%: "runtime" queues each decode step once, misses faulted in on
+        # the stream; "runtime-per-layer" serves each MoE layer from the host (three pinned
+        # experts, one dynamic row); "runtime-whole" queues decode steps whole from row snapshots
+        # and checks them after, redoing from the first unsound layer.
+        mode = {"runtime": "queued", "runtime-per-layer": "per-layer", "runtime-whole": "whole"}[source_kind]
+        options = ForwardOptions(mode=mode)
+        side_rows = None if mode == "queued" else 1
+        async with Runtime(sm.store, resident=0.25, side_rows=side_rows, policy="lfu") as rt:
+            out = [t async for t in sm.generate(prompt, max_tokens=8, source=rt, predictor="lookahead",
+                                                options=options)]
             await rt.drain()
             assert all(r.ok for r in rt.audit().values())
-        if source_kind == "runtime-whole":
-            assert sm.forward.counters["optimistic"] == 8 and sm.forward.counters["optimistic_redone"] > 0
+            stats = rt.stats()
+        counters = sm.forward_with(options).counters
+        if mode == "whole":
+            assert counters["optimistic"] == 8 and counters["optimistic_redone"] > 0
+        elif mode == "queued":
+            assert counters["queued"] == 8 and counters["fallbacks"] == 0 and stats["faults"] > 0
+        else:
+            assert counters["per_layer"] == 8
         return out
     if source_kind == "resident":
         src = sm.resident_source()
@@ -106,6 +118,7 @@ def test_convert_quantized_with_profile(tmp_path: pathlib.Path) -> None:
     assert anyio.run(stream_tokens, store.path, prompt, "resident") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "shuffled") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "runtime") == ref
+    assert anyio.run(stream_tokens, store.path, prompt, "runtime-per-layer") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "runtime-whole") == ref
     rebuilt, _ = load_reference_model(store.path)
     assert reference_generate(rebuilt, prompt, max_tokens=8) == ref

@@ -19,9 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from asyncside.bridge import completed
 from asyncside.errors import CapacityError
-from asyncside.models import ResidentSource, RoutingTrace, reference_generate, streaming_from_model
+from asyncside.models import ForwardOptions, ResidentSource, RoutingTrace, reference_generate, streaming_from_model
 from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribute
-from asyncside.models.forward import RowLookupError
+from asyncside.models import RowLookupError
 from asyncside.models.pooled import SORT_THRESHOLD
 
 Q4 = {"group_size": 64, "bits": 4}
@@ -53,8 +53,13 @@ def setup(model_type: str, quant: str):
     return model, config, sm, pools, prompt, ref
 
 
-async def collect(sm, prompt, source, predictor="lookahead", max_tokens=NEW_TOKENS, trace=None):
-    return [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=source, predictor=predictor, trace=trace)]
+async def collect(sm, prompt, source, predictor="lookahead", max_tokens=NEW_TOKENS, trace=None, options=None):
+    return [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=source, predictor=predictor, trace=trace,
+                                         options=options)]
+
+
+WHOLE = ForwardOptions(mode="whole")
+PER_LAYER = ForwardOptions(mode="per-layer")
 
 
 # (resident fraction, side rows, ledger policy, predictor)
@@ -125,30 +130,25 @@ def test_optimistic_steps_exact(model_type: str) -> None:
     layers after the first unsound one are redone with their caches trimmed, and rows that moved
     under the step (churn) are never trusted."""
     model, config, sm, pools, prompt, ref = setup(model_type, "float")
-    fwd = sm.forward
-    assert fwd.optimistic is (mx.default_device() == mx.gpu)
+    fwd = sm.forward_with(WHOLE)
 
     async def main() -> None:
-        fwd.optimistic = True
-        try:
-            before = dict(fwd.counters)
-            resident = ResidentSource(pools)
-            assert await collect(sm, prompt, resident) == ref
-            # gpt_oss's sliding window (8 tokens here) is shorter than the prompt: a rotated cache
-            # cannot be trimmed, so its steps run per layer.
-            whole = 0 if model_type == "gpt_oss" else NEW_TOKENS
-            assert fwd.counters["optimistic"] - before["optimistic"] == whole
-            assert fwd.counters["optimistic_redone"] == before["optimistic_redone"]  # nothing ever moves
-            for i, (frac, side, churn) in enumerate([(0.25, 2, False), (0.5, 3, False), (0.25, 4, True)]):
-                src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
-                                     seed=20 + i, churn=churn)
-                got = await collect(sm, prompt, src, "lookahead" if i % 2 == 0 else "temporal")
-                await src.close()
-                assert got == ref, (frac, side, churn)
-                assert src.open_leases() == 0 and src.audit() == []
-            assert (fwd.counters["optimistic_redone"] > before["optimistic_redone"]) == (whole > 0)
-        finally:
-            fwd.optimistic = mx.default_device() == mx.gpu
+        before = dict(fwd.counters)
+        resident = ResidentSource(pools)
+        assert await collect(sm, prompt, resident, options=WHOLE) == ref
+        # gpt_oss's sliding window (8 tokens here) is shorter than the prompt: a rotated cache
+        # cannot be trimmed, so its steps run per layer.
+        whole = 0 if model_type == "gpt_oss" else NEW_TOKENS
+        assert fwd.counters["optimistic"] - before["optimistic"] == whole
+        assert fwd.counters["optimistic_redone"] == before["optimistic_redone"]  # nothing ever moves
+        for i, (frac, side, churn) in enumerate([(0.25, 2, False), (0.5, 3, False), (0.25, 4, True)]):
+            src = ShuffledSource(pools, resident_fraction=frac, side_rows=side, completed=completed,
+                                 seed=20 + i, churn=churn)
+            got = await collect(sm, prompt, src, "lookahead" if i % 2 == 0 else "temporal", options=WHOLE)
+            await src.close()
+            assert got == ref, (frac, side, churn)
+            assert src.open_leases() == 0 and src.audit() == []
+        assert (fwd.counters["optimistic_redone"] > before["optimistic_redone"]) == (whole > 0)
 
     anyio.run(main)
 
@@ -158,13 +158,13 @@ def test_wider_lookahead(model_type: str) -> None:
     """``lookahead_extra`` widens the predictions only: k + extra ids per token, the router's own k
     restored right after (routing and tokens unchanged), more prefetched experts."""
     model, config, sm, pools, prompt, ref = setup(model_type, "float")
-    fwd = sm.forward
+    walk = sm.forward.walk
     layer = sm.moe_layers[0]
-    block, _attr = fwd.moe[layer]
+    block, _attr = walk.moe[layer]
     obj, name = top_k_attribute(block)
     k = getattr(obj, name)
     x = mx.random.normal((1, 3, config["hidden_size"]), key=mx.random.key(0))
-    narrow, wide = fwd.route_ids(layer, x), fwd.route_ids(layer, x, 2)
+    narrow, wide = walk.route_ids(layer, x), walk.route_ids(layer, x, 2)
     assert getattr(obj, name) == k  # restored
     assert narrow.shape[-1] == k and wide.shape[-1] == k + 2
     narrow_np = np.asarray(narrow).reshape(-1, k)
@@ -176,16 +176,12 @@ def test_wider_lookahead(model_type: str) -> None:
     async def main() -> dict[int, int]:
         prefetched = {}
         for extra in (0, 2):
-            fwd.lookahead_extra = extra
-            fwd.optimistic = False  # predictions are made per layer (the CPU default)
-            try:
-                src = ResidentSource(pools)
-                tr = RoutingTrace()
-                assert await collect(sm, prompt, src, "lookahead", trace=tr) == ref
-                prefetched[extra] = sum(len(np.unique(s.layers[layer].predicted)) for s in tr.steps)
-            finally:
-                fwd.lookahead_extra = 0
-                fwd.optimistic = mx.default_device() == mx.gpu
+            # Predictions are made in per-layer steps only.
+            options = ForwardOptions(mode="per-layer", lookahead_extra=extra)
+            src = ResidentSource(pools)
+            tr = RoutingTrace()
+            assert await collect(sm, prompt, src, "lookahead", trace=tr, options=options) == ref
+            prefetched[extra] = sum(len(np.unique(s.layers[layer].predicted)) for s in tr.steps)
         return prefetched
 
     prefetched = anyio.run(main)
@@ -206,8 +202,8 @@ def test_mxfp4_experts_exact() -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(BASE))
-@pytest.mark.parametrize("optimistic", [False, True], ids=["per-layer", "optimistic"])
-def test_bitwise_logits(model_type: str, optimistic: bool) -> None:
+@pytest.mark.parametrize("mode", ["per-layer", "whole"])
+def test_bitwise_logits(model_type: str, mode: str) -> None:
     """Prefill (sorted gather path) and decode logits equal mlx-lm's bit for bit over shuffled rows,
     decode steps checked per layer or queued whole and checked after."""
     model, config, sm, pools, prompt, _ = setup(model_type, "q4g64")
@@ -219,19 +215,14 @@ def test_bitwise_logits(model_type: str, optimistic: bool) -> None:
 
     async def main() -> list[mx.array]:
         src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=3)
-        fwd = sm.forward
+        fwd = sm.forward_with(ForwardOptions(mode=mode))
         pred = fwd.make_predictor("lookahead")
         cache = sm.make_cache()
         out = []
-        was = fwd.optimistic
-        fwd.optimistic = optimistic
-        try:
-            for s in steps:
-                logits = await fwd(mx.array(s)[None], cache, src, pred)
-                await completed(logits)
-                out.append(logits)
-        finally:
-            fwd.optimistic = was
+        for s in steps:
+            logits = await fwd(mx.array(s)[None], cache, src, pred)
+            await completed(logits)
+            out.append(logits)
         await src.close()
         return out
 
@@ -318,7 +309,8 @@ def test_predictors_and_trace() -> None:
         for pred in ("none", "lookahead", "temporal"):
             src = ResidentSource(pools)
             tr = RoutingTrace()
-            assert await collect(sm, prompt, src, pred, trace=tr) == ref
+            # Predictions drive prefetches in per-layer steps (queued steps need none).
+            assert await collect(sm, prompt, src, pred, trace=tr, options=PER_LAYER) == ref
             counts[pred] = src.counts["prefetch"]
             traces[pred] = tr
         steps = len(traces["none"].steps)
@@ -333,9 +325,14 @@ def test_predictors_and_trace() -> None:
                 assert np.array_equal(tr.steps[s].layers[l].predicted, np.unique(last))
         q = traces["lookahead"].prediction_quality()
         assert set(q) == set(moe) and all(0.0 <= v["recall"] <= 1.0 for v in q.values())
-        # Routing is identical whatever the predictor (predictions never change results).
+        # Routing is identical whatever the predictor (predictions never change results), and
+        # queued steps trace the same routing.
+        queued = RoutingTrace()
+        assert await collect(sm, prompt, ResidentSource(pools), "none", trace=queued) == ref
+        assert len(queued.steps) == steps
         for l in moe:
             assert np.array_equal(traces["none"].token_ids(l), traces["lookahead"].token_ids(l))
+            assert np.array_equal(traces["none"].token_ids(l), queued.token_ids(l))
 
     anyio.run(main)
 
@@ -383,15 +380,12 @@ def test_source_errors() -> None:
             await collect(sm, prompt, broken)
         assert not broken.open_leases  # the lease taken before the check was released
         tiny = _TinySource(pools)
-        sm.forward.speculate = False  # host-side lookup: the grouped path
-        try:
-            assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]  # one expert per group, still exact
-        finally:
-            sm.forward.speculate = True
-        assert sm.forward.counters["capacity_splits"] > 0
+        host_lookup = ForwardOptions(mode="per-layer", speculate=False)  # the grouped path
+        assert await collect(sm, prompt, tiny, max_tokens=3, options=host_lookup) == ref[:3]  # one expert per group
+        assert sm.forward_with(host_lookup).counters["capacity_splits"] > 0
         assert not tiny.open_leases
         # Speculative gathers: every row is sound, so ensure() is only asked to count the hits.
-        assert await collect(sm, prompt, tiny, max_tokens=3) == ref[:3]
+        assert await collect(sm, prompt, tiny, max_tokens=3, options=PER_LAYER) == ref[:3]
         assert not tiny.open_leases
 
     anyio.run(main)

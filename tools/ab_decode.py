@@ -1,11 +1,11 @@
-"""A/B of one forward switch in one process: decode speed with a switch on and off, mlx-lm beside.
+"""A/B of one forward option in one process: decode speed with two values of it, mlx-lm beside.
 
-    python tools/ab_decode.py --switch speculate --resident 0.25 --rounds 6 --tokens 32 [--json]
+    python tools/ab_decode.py --switch mode --values "'queued'" "'per-layer'" --resident 0.25 --rounds 6
     python tools/ab_decode.py --switch lookahead_extra --values 2 0 ...
 
 This VM's speed drifts 10-20% within minutes, so two separate runs cannot compare a change of a
 few percent. Here every round runs mlx-lm's ``generate_step`` (all experts resident), then the
-streamed generation with ``AsyncForward.<switch>`` on and off (the order alternates by round),
+streamed generation with ``ForwardOptions.<switch>`` at either value (the order alternates by round),
 each from a fresh :class:`Runtime` at the same residency, and reports each variant's decode speed
 as the median of its per-round ratios to that round's mlx-lm run. Tokens are checked against
 mlx-lm's every time. A diagnostic for choosing defaults; the benchmark is ``asyncside bench
@@ -19,6 +19,7 @@ import ast
 import json
 import statistics
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -26,9 +27,9 @@ import anyio
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--switch", default="speculate", help="attribute of AsyncForward to set")
-    p.add_argument("--values", nargs=2, default=["True", "False"], metavar=("ON", "OFF"),
-                   help="the two values to compare (Python literals; default True False)")
+    p.add_argument("--switch", default="mode", help="field of ForwardOptions to set")
+    p.add_argument("--values", nargs=2, default=["'queued'", "'per-layer'"], metavar=("ON", "OFF"),
+                   help="the two values to compare (Python literals; default 'queued' 'per-layer')")
     p.add_argument("--resident", type=float, default=0.25)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tokens", type=int, default=32)
@@ -36,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from asyncside.bench.generate import _generate
-    from asyncside.demo import DEFAULT_PROMPT, reference_run
-    from asyncside.models import load_reference_model, load_streaming_model
+    from asyncside.demo import DEFAULT_PROMPT, Run, reference_run
+    import dataclasses
+
+    from asyncside.models import ForwardOptions, load_reference_model, load_streaming_model
     from asyncside.models.embedded import ensure_embedded_default
     from asyncside.runtime import Runtime
     from asyncside.store import ExpertStore
@@ -46,25 +48,32 @@ def main(argv: list[str] | None = None) -> int:
     _model_dir, store_dir = ensure_embedded_default(None, progress=False)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
-    fwd = sm.forward
     values = {True: ast.literal_eval(args.values[0]), False: ast.literal_eval(args.values[1])}
-    if not hasattr(fwd, args.switch) or type(getattr(fwd, args.switch)) is not type(values[True]):
-        p.error(f"AsyncForward has no attribute {args.switch!r} of type {type(values[True]).__name__}")
+    fields = {f.name for f in dataclasses.fields(ForwardOptions)}
+    if args.switch not in fields:
+        p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)}")
+    options = {on: ForwardOptions(**{args.switch: values[on]}) for on in (True, False)}
+    forwards = {on: sm.forward_with(options[on]) for on in (True, False)}
     prompt = list(sm.tokenizer.encode(DEFAULT_PROMPT))
     ref_model, _ = load_reference_model(store_dir)
 
-    async def streamed() -> Any:
-        async with Runtime(store, resident=args.resident, policy="lfu") as rt:
+    async def streamed(on: bool) -> Any:
+        fwd = forwards[on]
+        async with Runtime(store, resident=args.resident) as rt:
             misses = fwd.counters["speculation_misses"]
-            run = await _generate(sm, rt, prompt, args.tokens, args.predictor)
+            run = Run(start=time.perf_counter())
+            async for tok in sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor=args.predictor,
+                                         options=options[on]):
+                run.first_token()
+                run.tokens.append(tok)
+            run.end = time.perf_counter()
             await rt.drain()
             run.stats = {"mb_read": round(rt.stats()["bytes_read"] / 1e6, 1),
                          "layers_with_unsound_pairs": fwd.counters["speculation_misses"] - misses}
             return run
 
     def run_variant(on: bool) -> Any:
-        setattr(fwd, args.switch, values[on])
-        return anyio.run(streamed, backend="asyncio", backend_options={"use_uvloop": True})
+        return anyio.run(streamed, on, backend="asyncio", backend_options={"use_uvloop": True})
 
     reference_run(ref_model, prompt, 2, set())  # warm-up of both paths
     run_variant(True)

@@ -1,13 +1,14 @@
 """Where a streamed decode step's time goes, on the CPU: a diagnostic, not a benchmark.
 
-    python tools/decode_profile.py --resident 0.25 --tokens 48 [--json]
+    python tools/decode_profile.py --resident 0.25 --tokens 48 [--mode per-layer] [--json]
 
 Runs mlx-lm's own generation (all experts resident) and then asyncside's streamed generation of
 the embedded model in one process, and reports for the decode part of each:
 
 * CPU time of each busy thread over the wall time (from /proc: the event-loop thread, MLX's
   stream thread, io_uring workers), i.e. how much of the time the stream computed;
-* per MoE layer of the streamed run, from native completion timestamps: how long the stream spent
+* per MoE layer of a per-layer streamed run (``--mode per-layer``; queued steps have no host
+  round trip per layer to time), from native completion timestamps: how long the stream spent
   on the speculative expert outputs after the routed ids, and how long it then sat idle before the
   host queued more work (the next layer, a recompute, or the token's logits);
 * the routed experts the host found sound in the row snapshot, and of the others, whether they
@@ -74,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--resident", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--mode", default="queued", choices=["queued", "per-layer", "whole"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
     from asyncside import _native, bridge
     from asyncside.demo import DEFAULT_PROMPT, reference_run
-    from asyncside.models import load_reference_model, load_streaming_model
+    from asyncside.models import ForwardOptions, load_reference_model, load_streaming_model
     from asyncside.models.embedded import ensure_embedded_default
     from asyncside.runtime import Runtime
     from asyncside.store import ExpertStore
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_threads = _busy(t0, _thread_cpu(), time.perf_counter() - w0)
     del ref_model
 
-    fwd = sm.forward
+    options = ForwardOptions(mode=args.mode)
+    pl = sm.forward_with(options).per_layer
     recorder = _native.CompletionQueue()  # nobody watches it: it only timestamps the stream
     events: list[tuple[str, int, int]] = []  # (kind, host ns, ticket or posted ns)
     spec = collections.Counter()
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             mx.async_eval(sig)
         events.append(("ids", posted or 0, ticket[0]))
 
-    completed = fwd.completed
+    completed = pl.completed
 
     async def completed_any(x: mx.array, **kw: Any) -> None:
         events.append(("queue", time.monotonic_ns(), 0))  # x may be new work (the token's logits)
@@ -121,16 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             await completed(x, **kw)
 
-    schedule = fwd._schedule
+    schedule = pl.schedule
 
     async def scheduled(*arrays: mx.array) -> None:
         events.append(("queue", time.monotonic_ns(), 0))
         await schedule(*arrays)
 
-    serve = fwd._serve_speculated
+    serve = pl.serve_speculated
 
-    async def serve_speculated(layer: int, source: Any, x_sw: mx.array, inds: np.ndarray, y_spec: mx.array,
-                               snap: Any, leases: list[tuple[int, int]]) -> mx.array:
+    async def serve_speculated(ctx: Any, layer: int, x_sw: mx.array, inds: np.ndarray, y_spec: mx.array,
+                               snap: Any) -> mx.array:
+        source = ctx.source
         uniq = np.unique(inds).astype(np.int64)
         sound = np.asarray(source.unchanged(layer, snap, uniq), dtype=bool)
         spec["sound"] += int(sound.sum())
@@ -143,19 +147,19 @@ def main(argv: list[str] | None = None) -> int:
                 spec["unsound, not in the snapshot: predicted, its read had not landed"] += 1
             else:
                 spec["unsound, not in the snapshot: not predicted"] += 1
-        return await serve(layer, source, x_sw, inds, y_spec, snap, leases)
+        return await serve(ctx, layer, x_sw, inds, y_spec, snap)
 
-    fwd._completed_then = completed_then  # type: ignore[method-assign]
-    fwd._schedule = scheduled
-    fwd.completed = completed_any
-    fwd._serve_speculated = serve_speculated  # type: ignore[method-assign]
+    pl._completed_then = completed_then  # type: ignore[method-assign]
+    pl.schedule = scheduled
+    pl.completed = completed_any
+    pl.serve_speculated = serve_speculated  # type: ignore[method-assign]
 
     last_prediction: dict[int, Any] = {}  # layer -> the ids last handed to prefetch for it
 
     window: list[int] = []  # the streamed decode, CLOCK_MONOTONIC ns (for `perf record -k CLOCK_MONOTONIC`)
 
     async def streamed() -> dict[str, Any]:
-        async with Runtime(store, resident=args.resident, policy="lfu") as rt:
+        async with Runtime(store, resident=args.resident) as rt:
             prefetch = rt.prefetch
 
             def recording_prefetch(layer: int, ids: Any) -> Any:
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 return prefetch(layer, ids)
 
             rt.prefetch = recording_prefetch  # type: ignore[method-assign]
-            gen = sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor="lookahead")
+            gen = sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor="lookahead", options=options)
             toks = [await gen.__anext__()]
             events.clear()
             spec.clear()
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     n_dec = len(run["tokens"]) - 1
     result = {
         "resident": args.resident,
+        "mode": args.mode,
         "tokens_identical": run["tokens"] == ref.tokens[: len(run["tokens"])],
         "streamed_window_monotonic_ns": window,
         "mlx_lm": {"decode_tok_s": round(ref.decode_tokens_per_s, 2), "threads": ref_threads},

@@ -21,7 +21,9 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_mod
 
 from ..errors import StoreError
 from .arch import arch_for, moe_layers, switch_meta
-from .forward import Completed, StreamingModel
+from .forward import ForwardOptions
+from .streaming import StreamingModel
+from .walk import Completed
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
 from .tokenizer import load_tokenizer
 
@@ -63,7 +65,7 @@ def is_store_dir(path: str | pathlib.Path) -> bool:
 
 
 def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: Completed | None = None,
-                         model_id: str | None = None) -> StreamingModel:
+                         model_id: str | None = None, options: ForwardOptions | None = None) -> StreamingModel:
     """The streaming model of a converted store directory (see :func:`convert_model`).
 
     ``completed`` defaults to ``asyncside.bridge.completed``. A plain mlx-lm model directory is
@@ -99,11 +101,13 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     return StreamingModel(
         model, arch=arch, moe=moe, specs=specs, tokenizer=load_tokenizer(path, config), config=config,
         model_id=model_id or meta.get("model_id") or path.name, store=store, completed=completed,
+        options=options,
     )
 
 
 def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer: Any = None,
-                         model_id: str = "in-memory", completed: Completed | None = None
+                         model_id: str = "in-memory", completed: Completed | None = None,
+                         options: ForwardOptions | None = None,
                          ) -> tuple[StreamingModel, dict[int, dict[str, mx.array]]]:
     """A StreamingModel sharing a loaded mlx-lm model's non-expert weights, plus its expert pools.
 
@@ -141,7 +145,7 @@ def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer:
     new.eval()
     moe = moe_layers(new, arch)
     sm = StreamingModel(new, arch=arch, moe=moe, specs=specs, tokenizer=tokenizer, config=config,
-                        model_id=model_id, completed=completed)
+                        model_id=model_id, completed=completed, options=options)
     return sm, pools
 
 

@@ -204,8 +204,8 @@ def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, ro
                         pools: Mapping[str, mx.array]) -> mx.array:
     """The switch layer's output for input ``x`` with each routed pair served from pool row ``rows``.
 
-    ``rows`` has the shape of the routed expert ids: a host array, or (fewer than
-    :data:`SORT_THRESHOLD` pairs only: the unsorted path) an ``mx.array`` computed in the graph.
+    ``rows`` has the shape of the routed expert ids: a host array, or an ``mx.array`` computed in
+    the graph (sorted in the graph too when there are :data:`SORT_THRESHOLD` pairs or more).
     Mirrors ``SwitchGLU.__call__``.
     """
     lin = dict(spec.linears)
@@ -213,9 +213,17 @@ def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, ro
     do_sort = rows.size >= SORT_THRESHOLD
     inv_order = None
     if isinstance(rows, mx.array):
-        if do_sort:
-            raise ValueError(f"in-graph rows need fewer than {SORT_THRESHOLD} routed pairs, got {rows.size}")
         idx = rows.astype(mx.uint32)
+        if do_sort:
+            # mlx-lm's own sort, by row instead of expert id: the same groups (rows are a
+            # bijection of the experts in use), and each pair's product does not depend on where
+            # its group lands, so the outputs are bitwise the same.
+            m = rows.shape[-1]
+            flat = idx.flatten()
+            order = mx.argsort(flat)
+            inv_order = mx.argsort(order)
+            x = x.flatten(0, -3)[order // m]
+            idx = flat[order]
     elif do_sort:
         m = rows.shape[-1]
         flat = rows.reshape(-1)

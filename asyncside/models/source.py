@@ -144,5 +144,26 @@ class ResidentSource:
                 raise LedgerError(f"lease {lid} of layer {layer} is not held")
             self.counts["release"] += 1
 
+    # -- queued steps: row e holds expert e, so the rows are the routed ids themselves -----------
+
+    def queued_ready(self, pairs: int) -> bool:
+        return True
+
+    def begin_step(self, pairs: int) -> None:
+        self.counts["steps"] = self.counts.get("steps", 0) + 1
+
+    def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
+        self._check_layer(layer)
+        return ids
+
+    def end_step(self, out: mx.array) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    async def quiesce(self) -> None:
+        pass
+
     def stats(self) -> dict[str, Any]:
         return {"source": "resident", **self.counts, "open_leases": len(self.open_leases)}

@@ -1,0 +1,109 @@
+"""Queued steps: one step queued per token, expert misses served inside the stream.
+
+The step is built like mlx-lm's own forward, op for op, except that each MoE block gathers from
+the pools through the source's ``expert_rows(layer, ids)`` node: when the stream reaches it, the
+routed experts are mapped to pool rows, and an expert without a row is read into a row the ledger
+lent for it right there, before the gather that depends on it runs (see
+``native/expert_faults.h``). The host queues the whole step once and awaits only its token: no
+host round trip between layers, no recomputation, no speculation to check.
+
+The host's work per step besides building the graph: ``source.begin_step`` (learn what earlier
+steps did, top up the lent rows) before the step is built, ``source.end_step`` after it is
+scheduled, and ``source.after_step`` once its token was awaited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+import numpy as np
+
+from .pooled import pooled_switch_apply, route_and_apply
+from .walk import DecoderWalk, StepContext
+
+#: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer,
+#: where experts can be served in groups when their union does not fit the pools
+MAX_QUEUED_TOKENS = 64
+
+
+@runtime_checkable
+class QueuedSource(Protocol):
+    """What an expert source offers for queued steps (``Runtime`` and ``ResidentSource`` do).
+
+    - ``queued_ready(pairs)``: whether a step routing up to ``pairs`` pairs per layer can be queued.
+    - ``begin_step(pairs)``: called before the step is built (never blocks).
+    - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
+    - ``end_step(out)``: the step whose last output is ``out`` was scheduled.
+    - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
+    - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
+    """
+
+    def queued_ready(self, pairs: int) -> bool: ...
+    def begin_step(self, pairs: int) -> None: ...
+    def expert_rows(self, layer: int, ids: mx.array) -> mx.array: ...
+    def end_step(self, out: mx.array) -> None: ...
+    def after_step(self) -> None: ...
+    async def quiesce(self) -> None: ...
+
+
+class QueuedSteps:
+    """Decode steps queued whole, misses served by the source inside the stream."""
+
+    def __init__(self, walk: DecoderWalk, schedule: Callable[..., Awaitable[None]], counters: dict[str, int]) -> None:
+        self.walk = walk
+        self.schedule = schedule
+        self.counters = counters
+
+    def pairs(self, inputs: mx.array) -> int:
+        """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
+        return int(inputs.size) * self.walk.top_k
+
+    def can_run(self, ctx: StepContext, inputs: mx.array) -> bool:
+        source = ctx.source
+        return (isinstance(source, QueuedSource) and inputs.size <= MAX_QUEUED_TOKENS
+                and source.queued_ready(self.pairs(inputs)))
+
+    async def forward(self, ctx: StepContext, inputs: mx.array) -> mx.array:
+        """Queue one step over ``inputs`` (B, L); returns its logits, scheduled, not awaited.
+
+        The routing of every MoE layer is kept in ``ctx.routed``: read it only after the logits
+        were awaited.
+        """
+        walk, source = self.walk, ctx.source
+        assert isinstance(source, QueuedSource)
+        source.begin_step(self.pairs(inputs))
+        h = walk.embed(inputs)
+        masks = walk.masks(h, ctx.cache)
+        routed = ctx.routed
+        for i in range(len(walk.layers)):
+            h_attn, xn = walk.attend(i, h, masks, ctx.cache)
+            if i not in walk.moe:
+                h = h_attn + walk.block(i)(xn)
+                continue
+            block, attr = walk.moe[i]
+            spec, activation, pools = walk.specs[i], walk.activation(i), source.pools(i)
+
+            def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
+                      pools: Any = pools) -> mx.array:
+                return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
+
+            out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply)
+            assert out is not None
+            routed.append((i, inds))
+            h = h_attn + out
+        logits = walk.logits(h)
+        await self.schedule(logits)
+        source.end_step(logits)
+        self.counters["queued"] += 1
+        self.counters["forwards"] += 1
+        return logits
+
+    @staticmethod
+    def record_routes(ctx: StepContext) -> None:
+        """Trace the routing of a queued step whose logits were awaited (only when tracing)."""
+        if ctx.record is None:
+            return
+        for layer, inds in ctx.routed:
+            ctx.record.record(layer, np.array(inds, copy=True), None)

@@ -1,0 +1,176 @@
+"""The streaming model: an mlx-lm MoE model whose experts come from an ExpertSource.
+
+:class:`StreamingModel` is what users hold: ``await sm(tokens, cache)`` gives logits like an
+mlx-lm model's ``model(tokens, cache)`` (awaited instead of lazy), ``sm.make_cache()`` makes its
+KV cache, and ``sm.generate(...)`` streams greedy tokens exactly as mlx-lm's ``generate_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import AsyncsideError
+from .arch import Arch
+from .forward import AsyncForward, ForwardOptions, StepMode, default_completed
+from .pooled import SwitchSpec
+from .predict import check_predictor
+from .source import ExpertSource
+from .trace import RoutingTrace
+from .walk import Completed
+
+#: mlx-lm's generate_step default; prefill is chunked identically so numerics match.
+PREFILL_STEP_SIZE = 2048
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """The greedy token of the last position (lazy), as mlx-lm's generate_step computes it."""
+    logits = logits[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return mx.argmax(logprobs, axis=-1)
+
+
+class StreamingModel:
+    """An mlx-lm MoE model whose experts come from an ExpertSource; greedy async generation.
+
+    ``model`` is the mlx-lm module with every switch layer replaced by a PooledSwitch (no expert
+    weights). ``options`` sets how decode steps run (:class:`ForwardOptions`; by default queued
+    steps where the source allows). Concurrent :meth:`generate` calls are safe: each step runs
+    under one fair lock, so requests interleave token by token.
+    """
+
+    def __init__(self, model: nn.Module, *, arch: Arch, moe: dict[int, tuple[nn.Module, str]],
+                 specs: dict[int, SwitchSpec], tokenizer: Any, config: dict[str, Any], model_id: str,
+                 store: Any = None, completed: Completed | None = None,
+                 prefill_step_size: int = PREFILL_STEP_SIZE, options: ForwardOptions | None = None) -> None:
+        self.model = model
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_id = model_id
+        self.store = store
+        self.prefill_step_size = prefill_step_size
+        self.options = options or ForwardOptions()
+        #: the source ``await sm(tokens, cache)`` reads experts from when none is passed
+        self.source: ExpertSource | None = None
+        self._completed = completed
+        self._forwards: dict[ForwardOptions, AsyncForward] = {}
+        self._moe = moe
+        self._specs = specs
+        self._lock: tuple[object, anyio.Lock] | None = None
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Decoder layer indices that route experts (the store's layer indices)."""
+        return sorted(self._moe)
+
+    def forward_with(self, options: ForwardOptions | None = None) -> AsyncForward:
+        """The forward for ``options`` (this model's own by default); one per distinct options."""
+        options = options or self.options
+        fwd = self._forwards.get(options)
+        if fwd is None:
+            completed = self._completed or default_completed()
+            fwd = self._forwards[options] = AsyncForward(self.model, self.arch, self._moe, self._specs, completed,
+                                                         options)
+        return fwd
+
+    @property
+    def forward(self) -> AsyncForward:
+        """The forward with this model's own options."""
+        return self.forward_with(self.options)
+
+    def make_cache(self) -> list[Any]:
+        """A fresh KV cache for one sequence, as mlx-lm's ``make_prompt_cache`` builds it."""
+        return make_prompt_cache(self.model)
+
+    def resident_source(self) -> Any:
+        """All-resident baseline source: every expert of the store read into pools."""
+        from .source import ResidentSource
+
+        if self.store is None:
+            raise AsyncsideError("this StreamingModel has no expert store to read the experts from")
+        return ResidentSource.from_store(self.store)
+
+    async def __call__(self, inputs: mx.array, cache: list[Any] | None = None, *,
+                       source: ExpertSource | None = None) -> mx.array:
+        """The logits (B, L, vocab) of ``inputs`` (B, L), computed, updating ``cache`` — what an
+        mlx-lm model's ``model(inputs, cache)`` returns, awaited. Experts come from ``source``
+        (default: :attr:`source`). Without a cache the step sees no earlier tokens."""
+        src = source if source is not None else self.source
+        if src is None:
+            raise AsyncsideError("no expert source: pass source=... or set StreamingModel.source")
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs: expected shape (batch, tokens), got {tuple(inputs.shape)}")
+        async with self._step_lock():
+            return await self.forward(inputs, self.make_cache() if cache is None else cache, src)
+
+    def _step_lock(self) -> anyio.Lock:
+        """The fair per-step lock of the current event loop (a new loop gets a new lock)."""
+        token = anyio.lowlevel.current_token()
+        if self._lock is None or self._lock[0] != token:
+            self._lock = (token, anyio.Lock())
+        return self._lock[1]
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, source: ExpertSource,
+                       predictor: str = "lookahead", trace: RoutingTrace | None = None,
+                       stop_at_eos: bool = True, options: ForwardOptions | None = None) -> AsyncIterator[int]:
+        """Greedy generation; yields token ids (an EOS token ends the stream and is not yielded).
+
+        Mirrors mlx-lm's ``generate_step`` (prefill ``prompt[:-1]`` in chunks of
+        ``prefill_step_size``, then the last prompt token, then one token per step; argmax of
+        log-probabilities), so tokens equal :func:`reference_generate` on the full model. Queued
+        steps run one step ahead like mlx-lm does: the next step is queued on the previous step's
+        lazy token before that token is awaited.
+        """
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        check_predictor(predictor)
+        fwd = self.forward_with(options)
+        pred = fwd.make_predictor(predictor)
+        lock = self._step_lock()
+        eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) if stop_at_eos else set()
+        cache = self.make_cache()
+        prompt = mx.array(ids)
+        while prompt.size > 1:
+            n = min(self.prefill_step_size, prompt.size - 1)
+            async with lock:
+                await fwd.step(fwd.context(cache, source, pred, trace), prompt[:n][None], logits=False)
+            prompt = prompt[n:]
+        if max_tokens == 0:
+            return
+        inputs = prompt[None]
+        async with lock:
+            ctx = fwd.context(cache, source, pred, trace)
+            y = greedy(await fwd.step(ctx, inputs))
+        for n in range(max_tokens):
+            ahead = None
+            if n + 1 < max_tokens and ctx.routed:
+                # A queued step: queue the next one on this step's lazy token before awaiting it,
+                # so the stream goes on while the host hands this token out.
+                async with lock:
+                    nctx = fwd.context(cache, source, pred, trace)
+                    if fwd.kind(nctx, y[None]) is StepMode.QUEUED:
+                        ahead = (nctx, greedy(await fwd.step(nctx, y[None])))
+            async with lock:
+                await fwd.finish(ctx, y)
+            tok = int(y.item())
+            if tok in eos:
+                return
+            yield tok
+            if n + 1 == max_tokens:
+                return
+            if ahead is None:
+                async with lock:
+                    ctx = fwd.context(cache, source, pred, trace)
+                    y = greedy(await fwd.step(ctx, mx.array([[tok]])))
+            else:
+                ctx, y = ahead

@@ -1,0 +1,140 @@
+"""The decoder walk every step strategy shares, and the per-step context they pass around.
+
+A step strategy (:mod:`.queued`, :mod:`.per_layer`, :mod:`.whole`) cannot call an mlx-lm model's
+``__call__``: it has to reach inside every MoE block. So it walks the model's own modules in the
+same order with the same ops, through :class:`DecoderWalk`: the embedding, per decoder layer
+``h = x + self_attn(input_layernorm(x), mask, cache)`` then ``h + mlp(post_attention_layernorm(h))``,
+and the final norm and head. What differs between architectures lives in :mod:`.arch`; what
+differs between strategies is only how an MoE block gets its expert rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .arch import Arch, decoder_layers, top_k_attribute
+from .pooled import SwitchSpec, route
+from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
+from .source import ExpertSource
+from .trace import RoutingTrace
+
+#: Awaits an MLX computation without blocking the loop (``asyncside.bridge.completed``).
+Completed = Callable[[mx.array], Awaitable[None]]
+
+
+class DecoderWalk:
+    """An mlx-lm MoE model seen as the sequence of operations a forward walks through."""
+
+    def __init__(self, model: nn.Module, arch: Arch, moe: dict[int, tuple[nn.Module, str]],
+                 specs: dict[int, SwitchSpec]) -> None:
+        self.model = model
+        self.arch = arch
+        self.moe = dict(sorted(moe.items()))
+        self.specs = specs
+        self.layers = decoder_layers(model)
+        order = list(self.moe)
+        self.first_moe = order[0]
+        #: decoder layer index -> the next MoE layer after it (None after the last)
+        self.next_moe: dict[int, int | None] = {}
+        for i in range(len(self.layers)):
+            later = [m for m in order if m > i]
+            self.next_moe[i] = later[0] if later else None
+        #: the most experts any MoE block routes one token to (sizes a queued step's lent rows)
+        self.top_k = max((self._top_k(block) for block, _ in self.moe.values()), default=1)
+
+    @staticmethod
+    def _top_k(block: nn.Module) -> int:
+        where = top_k_attribute(block)
+        if where is None:  # unknown router: assume the worst, every expert of the block
+            return 1 << 30
+        obj, name = where
+        return int(getattr(obj, name))
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.model.model.embed_tokens(inputs)
+
+    def masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
+        """One attention mask per decoder layer, built as the model's own ``__call__`` builds them."""
+        return self.arch.masks(self.model, h, cache)
+
+    def attend(self, i: int, h: mx.array, masks: list[Any], cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Layer ``i``'s attention sub-layer over ``h``: (hidden state after it, the MLP block's input)."""
+        layer = self.layers[i]
+        h = h + layer.self_attn(layer.input_layernorm(h), masks[i], cache[i])
+        return h, layer.post_attention_layernorm(h)
+
+    def block(self, i: int) -> nn.Module:
+        """Layer ``i``'s MLP or MoE block."""
+        return getattr(self.layers[i], self.arch.block_attr)
+
+    def activation(self, i: int) -> nn.Module:
+        """The switch layer's activation of MoE layer ``i``."""
+        block, attr = self.moe[i]
+        return getattr(block, attr).activation
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The final norm and output head over the last hidden state (lazy)."""
+        model = self.model
+        h = model.model.norm(h)
+        return model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
+
+    # -- what the lookahead predictor needs -------------------------------------------------------
+
+    def route_ids(self, layer: int, x: mx.array, extra: int = 0) -> mx.array:
+        """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router.
+
+        ``extra`` > 0 asks the router for that many more experts than it routes to (a wider
+        prediction); blocks without a known top-k attribute give their usual k.
+        """
+        block, attr = self.moe[layer]
+        where = top_k_attribute(block) if extra > 0 else None
+        if where is None:
+            return route(block, attr, x)[1]
+        obj, name = where
+        k = getattr(obj, name)
+        setattr(obj, name, k + extra)  # read while the graph is built, restored right after
+        try:
+            return route(block, attr, x)[1]
+        finally:
+            setattr(obj, name, k)
+
+    def first_norm(self, layer: int, embeddings: mx.array) -> mx.array:
+        return self.layers[layer].post_attention_layernorm(embeddings)
+
+    def make_predictor(self, name: str, lookahead_extra: int = 0) -> Predictor:
+        """The predictor called ``name`` (see :mod:`.predict`) for one generation."""
+        check_predictor(name)
+        if name == "lookahead":
+            return LookaheadPredictor(lambda layer, x: self.route_ids(layer, x, lookahead_extra), self.first_norm)
+        if name == "temporal":
+            return TemporalPredictor()
+        return Predictor()
+
+
+@dataclass(eq=False)
+class StepContext:
+    """What one forward step carries between the layers it walks.
+
+    ``leases`` are the rows this step pinned, released together once its output is computed;
+    ``predicted`` the predictions handed to the source, by MoE layer; ``record`` the routing
+    trace's entry of this step (None when not tracing); ``routed`` a queued step's routed ids by
+    MoE layer (lazy: read them only once the step computed).
+    """
+
+    cache: list[Any]
+    source: ExpertSource
+    predictor: Predictor
+    trace: RoutingTrace | None = None
+    leases: list[tuple[int, int]] = field(default_factory=list)
+    predicted: dict[int, Any] = field(default_factory=dict)
+    record: Any = None
+    routed: list[tuple[int, mx.array]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.trace is not None:
+            self.record = self.trace.begin(self.predictor.name)

@@ -1,0 +1,448 @@
+// Expert faults served inside the stream: the fault table and the `expert_rows` graph node.
+#include "expert_faults.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace asyncside::faults {
+
+GlobalCounters& global_counters() {
+  static GlobalCounters c;
+  return c;
+}
+
+namespace {
+
+// Gaps between segments up to this are read into a sink; a larger one ends the vector.
+constexpr uint64_t kMaxSink = 64ull << 10;
+
+std::string errno_text(int e) {
+  return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")";
+}
+
+// preadv until every byte of `iov` landed; 0 or an errno (ENODATA: end of file first).
+int preadv_full(int fd, std::vector<iovec> iov, uint64_t offset) {
+  size_t first = 0;
+  while (first < iov.size()) {
+    const int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = ::preadv(fd, iov.data() + first, cnt, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return errno;
+    }
+    if (n == 0) return ENODATA;
+    offset += static_cast<uint64_t>(n);
+    // Advance past what landed (a short read resumes mid-vector).
+    uint64_t left = static_cast<uint64_t>(n);
+    while (first < iov.size() && left >= iov[first].iov_len) {
+      left -= iov[first].iov_len;
+      ++first;
+    }
+    if (left) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// ---- HostRecordSink --------------------------------------------------------------------------
+
+HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t stride,
+                               std::vector<io::SegmentSpan> segments)
+    : dest_(std::move(dest)), stride_(stride) {
+  if (!dest_) throw std::invalid_argument("destination: expected pools, got none");
+  if (segments.empty()) throw std::invalid_argument("segments: a record needs at least one segment");
+  order_.resize(segments.size());
+  std::iota(order_.begin(), order_.end(), size_t{0});
+  std::sort(order_.begin(), order_.end(),
+            [&](size_t a, size_t b) { return segments[a].offset < segments[b].offset; });
+  uint64_t end = 0;
+  for (size_t k : order_) {
+    const auto& s = segments[k];
+    if (s.offset < end || s.offset + s.nbytes > stride) {
+      throw std::invalid_argument("segments: segment " + std::to_string(k) + " [" + std::to_string(s.offset) + ", " +
+                                  std::to_string(s.offset + s.nbytes) + ") overlaps another or leaves the record (stride " +
+                                  std::to_string(stride) + ")");
+    }
+    if (end && s.offset > end) junk_bytes_ = std::max(junk_bytes_, std::min(s.offset - end, kMaxSink));
+    end = s.offset + s.nbytes;
+    segments_.push_back(s);
+  }
+  if (junk_bytes_) {
+    junk_ = static_cast<uint8_t*>(std::malloc(junk_bytes_));
+    if (!junk_) throw std::runtime_error("cannot allocate the padding sink");
+  }
+}
+
+HostRecordSink::~HostRecordSink() { std::free(junk_); }
+
+int HostRecordSink::read(int fd, uint64_t offset, int64_t row) {
+  // Segments in file order, each straight into its pool row; small gaps into the sink, large
+  // gaps split the read in two.
+  std::vector<iovec> iov;
+  uint64_t start = segments_.front().offset;
+  uint64_t end = start;
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const auto& s = segments_[k];
+    if (s.offset > end) {
+      if (s.offset - end > kMaxSink) {
+        if (int err = preadv_full(fd, iov, offset + start)) return err;
+        iov.clear();
+        start = s.offset;
+      } else {
+        iov.push_back({junk_, s.offset - end});
+      }
+    }
+    iov.push_back({dest_->host_row(order_[k], row), s.nbytes});
+    end = s.offset + s.nbytes;
+  }
+  return preadv_full(fd, iov, offset + start);
+}
+
+// ---- FaultTable ------------------------------------------------------------------------------
+
+FaultTable::FaultTable(int layer, int64_t n_experts, std::unique_ptr<RecordSink> sink, int fd, std::string path,
+                       uint64_t stride)
+    : layer_(layer),
+      n_experts_(n_experts),
+      sink_(std::move(sink)),
+      fd_(fd),
+      path_(std::move(path)),
+      stride_(stride),
+      rows_(sink_ ? sink_->rows() : 0) {
+  if (fd_ < 0) throw std::invalid_argument("fd: expected an open descriptor of the layer blob");
+  if (n_experts_ < 1) throw std::invalid_argument("n_experts: expected >= 1");
+  if (rows_ < 1) throw std::invalid_argument("pools: expected at least one row");
+  table_.assign(static_cast<size_t>(n_experts_), -1);
+  owner_.assign(static_cast<size_t>(rows_), -1);
+  lent_flag_.assign(static_cast<size_t>(rows_), 0);
+  last_use_.assign(static_cast<size_t>(n_experts_), 0);
+  score_.assign(static_cast<size_t>(n_experts_), 0.0);
+  seen_.assign(static_cast<size_t>(n_experts_), 0);
+  global_counters().tables_created.fetch_add(1, std::memory_order_relaxed);
+}
+
+FaultTable::~FaultTable() {
+  ::close(fd_);
+  global_counters().tables_destroyed.fetch_add(1, std::memory_order_relaxed);
+}
+
+void FaultTable::sync(const std::vector<int32_t>& table) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!lent_.empty()) {
+    throw std::invalid_argument("layer " + std::to_string(layer_) + ": sync() with " + std::to_string(lent_.size()) +
+                                " rows still lent; reclaim() them first");
+  }
+  if (static_cast<int64_t>(table.size()) != n_experts_) {
+    throw std::invalid_argument("table: expected " + std::to_string(n_experts_) + " entries, got " +
+                                std::to_string(table.size()));
+  }
+  std::vector<int64_t> owner(static_cast<size_t>(rows_), -1);
+  for (int64_t e = 0; e < n_experts_; ++e) {
+    const int32_t r = table[static_cast<size_t>(e)];
+    if (r < 0) continue;
+    if (r >= rows_) {
+      throw std::invalid_argument("table: expert " + std::to_string(e) + " maps to row " + std::to_string(r) +
+                                  ", outside [0, " + std::to_string(rows_) + ")");
+    }
+    if (owner[static_cast<size_t>(r)] >= 0) {
+      throw std::invalid_argument("table: row " + std::to_string(r) + " holds experts " +
+                                  std::to_string(owner[static_cast<size_t>(r)]) + " and " + std::to_string(e));
+    }
+    owner[static_cast<size_t>(r)] = e;
+  }
+  table_ = table;
+  owner_ = std::move(owner);
+}
+
+void FaultTable::lend(const std::vector<int64_t>& rows) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t r = rows[i];
+    if (r < 0 || r >= rows_) {
+      throw std::invalid_argument("rows: " + std::to_string(r) + " is outside [0, " + std::to_string(rows_) + ")");
+    }
+    if (lent_flag_[static_cast<size_t>(r)] || std::find(rows.begin(), rows.begin() + i, r) != rows.begin() + i) {
+      throw std::invalid_argument("rows: " + std::to_string(r) + " is already lent");
+    }
+  }
+  for (int64_t r : rows) {
+    lent_flag_[static_cast<size_t>(r)] = 1;
+    lent_.push_back(r);
+  }
+}
+
+std::vector<int64_t> FaultTable::reclaim() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<int64_t> out;
+  out.swap(lent_);
+  for (int64_t r : out) lent_flag_[static_cast<size_t>(r)] = 0;
+  return out;
+}
+
+Drained FaultTable::drain() {
+  std::lock_guard<std::mutex> lk(mu_);
+  Drained out;
+  std::swap(out, log_);
+  return out;
+}
+
+std::vector<int32_t> FaultTable::table() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return table_;
+}
+
+std::vector<int64_t> FaultTable::lent() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return lent_;
+}
+
+std::map<std::string, uint64_t> FaultTable::counters() const {
+  return {{"resolves", resolves_.load()},         {"pairs", pairs_.load()},
+          {"hits", hits_.load()},                 {"faults", faults_.load()},
+          {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
+          {"fault_ns", fault_ns_.load()}};
+}
+
+void FaultTable::set_order(VictimOrder order, double half_life) {
+  if (!(half_life > 0.0)) throw std::invalid_argument("half_life: expected > 0");
+  std::lock_guard<std::mutex> lk(mu_);
+  order_ = order;
+  half_life_ = half_life;
+}
+
+void FaultTable::touch_locked(int64_t expert, uint64_t stamp) {
+  const auto e = static_cast<size_t>(expert);
+  if (order_ == VictimOrder::Decayed) {
+    const double age = static_cast<double>(stamp - last_use_[e]);
+    score_[e] = (last_use_[e] ? score_[e] * std::exp2(-age / half_life_) : 0.0) + 1.0;
+  }
+  last_use_[e] = stamp;
+}
+
+double FaultTable::rank_locked(int64_t expert, uint64_t stamp) const {
+  // Lower ranks are evicted first.
+  const auto e = static_cast<size_t>(expert);
+  switch (order_) {
+    case VictimOrder::LendOrder:
+      return 0.0;
+    case VictimOrder::Recency:
+      return static_cast<double>(last_use_[e]);
+    case VictimOrder::Decayed:
+      return last_use_[e] ? score_[e] * std::exp2(-static_cast<double>(stamp - last_use_[e]) / half_life_) : 0.0;
+  }
+  return 0.0;
+}
+
+int64_t FaultTable::pick_row_locked(uint64_t stamp) {
+  // A free lent row first; else the lent row whose expert ranks lowest (ties: lend order, i.e.
+  // the ledger's policy order). Never a row whose expert this very resolve routes.
+  size_t best = lent_.size();
+  double best_rank = 0.0;
+  for (size_t i = 0; i < lent_.size(); ++i) {
+    const int64_t owner = owner_[static_cast<size_t>(lent_[i])];
+    if (owner < 0) {
+      best = i;
+      break;
+    }
+    if (seen_[static_cast<size_t>(owner)] == stamp) continue;
+    const double r = rank_locked(owner, stamp);
+    if (best == lent_.size() || r < best_rank) {
+      best = i;
+      best_rank = r;
+    }
+  }
+  if (best == lent_.size()) return -1;
+  const int64_t row = lent_[best];
+  lent_.erase(lent_.begin() + static_cast<std::ptrdiff_t>(best));
+  lent_flag_[static_cast<size_t>(row)] = 0;
+  return row;
+}
+
+void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
+  resolves_.fetch_add(1, std::memory_order_relaxed);
+  pairs_.fetch_add(ids.size(), std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> uniq;
+  for (int64_t e : ids) {
+    if (e < 0 || e >= n_experts_) {
+      throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) + ": routed expert id " +
+                               std::to_string(e) + " is outside [0, " + std::to_string(n_experts_) + ")");
+    }
+    if (seen_[static_cast<size_t>(e)] != stamp) {
+      seen_[static_cast<size_t>(e)] = stamp;
+      uniq.push_back(e);
+    }
+  }
+  for (int64_t e : uniq) log_.used.push_back(static_cast<int32_t>(e));
+  log_.used_sizes.push_back(static_cast<int32_t>(uniq.size()));
+  std::vector<int64_t> missing;
+  for (int64_t e : uniq) {
+    if (table_[static_cast<size_t>(e)] >= 0) {
+      touch_locked(e, stamp);
+      hits_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      missing.push_back(e);
+    }
+  }
+  std::string error;
+  for (int64_t e : missing) {
+    const int64_t row = pick_row_locked(stamp);
+    if (row < 0) {
+      log_.events.push_back({-1, -1, e, 0, -2});
+      fault_errors_.fetch_add(1, std::memory_order_relaxed);
+      if (error.empty()) {
+        error = "[asyncside] layer " + std::to_string(layer_) + ": expert " + std::to_string(e) +
+                " has no row and no lent row is left for it (the step needs more rows than were lent)";
+      }
+      continue;
+    }
+    const int64_t victim = owner_[static_cast<size_t>(row)];
+    if (victim >= 0) table_[static_cast<size_t>(victim)] = -1;
+    owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
+    lk.unlock();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int err = sink_->read(fd_, static_cast<uint64_t>(e) * stride_, row);
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    lk.lock();
+    fault_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+    log_.events.push_back({row, victim, e, ns, err});
+    // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
+    // run), at the back of the lend order: it was just filled.
+    lent_flag_[static_cast<size_t>(row)] = 1;
+    lent_.push_back(row);
+    if (err == 0) {
+      owner_[static_cast<size_t>(row)] = e;
+      table_[static_cast<size_t>(e)] = static_cast<int32_t>(row);
+      touch_locked(e, stamp);
+      faults_.fetch_add(1, std::memory_order_relaxed);
+      bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
+    } else {
+      fault_errors_.fetch_add(1, std::memory_order_relaxed);
+      if (error.empty()) {
+        error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(e) +
+                " into row " + std::to_string(row) + " from " + path_ + " failed: " +
+                (err == ENODATA ? std::string("the file ended before the record did") : errno_text(err));
+      }
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t r = table_[static_cast<size_t>(ids[i])];
+    out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
+  }
+  lk.unlock();
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+// ---- the graph node ----------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+void read_ids(const mx::array& a, std::vector<int64_t>& out) {
+  const T* base = a.data<T>();
+  const size_t n = a.size();
+  out.resize(n);
+  if (a.flags().row_contiguous) {
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(base[i]);
+    return;
+  }
+  // Strided (e.g. the first k of an argpartition): walk the index in row-major order.
+  const int nd = a.ndim();
+  std::vector<int64_t> idx(static_cast<size_t>(nd), 0);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[static_cast<size_t>(d)] * a.strides()[static_cast<size_t>(d)];
+    out[i] = static_cast<int64_t>(base[off]);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[static_cast<size_t>(d)] < a.shape(d)) break;
+      idx[static_cast<size_t>(d)] = 0;
+    }
+  }
+}
+
+void read_any_ids(const mx::array& a, std::vector<int64_t>& out) {
+  switch (a.dtype()) {
+    case mx::uint32: return read_ids<uint32_t>(a, out);
+    case mx::int32: return read_ids<int32_t>(a, out);
+    case mx::int64: return read_ids<int64_t>(a, out);
+    case mx::uint64: return read_ids<uint64_t>(a, out);
+    case mx::int16: return read_ids<int16_t>(a, out);
+    case mx::uint16: return read_ids<uint16_t>(a, out);
+    case mx::int8: return read_ids<int8_t>(a, out);
+    case mx::uint8: return read_ids<uint8_t>(a, out);
+    default: throw std::runtime_error("[asyncside] expert_rows: ids must be an integer array");
+  }
+}
+
+class ExpertRows : public mx::Primitive {
+ public:
+  ExpertRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
+    global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~ExpertRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_output_array(out);
+    // The task holds the ids array (its buffer) and the table; both are plain C++ objects.
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>()]() {
+      std::vector<int64_t> v;
+      read_any_ids(ids, v);
+      table->resolve(v, out_ptr);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "AsyncsideExpertRows"; }
+  // Every node resolves (and may fault) on its own: never merged by compile's CSE.
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  std::shared_ptr<FaultTable> table_;
+};
+
+void ExpertRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[asyncside] expert_rows on a GPU stream needs the device fault path, which this build of "
+      "asyncside._native lacks; run queued steps on a CPU stream or use per-layer steps");
+}
+
+}  // namespace
+
+mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
+  if (!table) throw std::invalid_argument("table: expected a FaultTable, got None");
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) {
+    throw std::invalid_argument("ids: expected an integer array of expert ids");
+  }
+  return mx::array(ids.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table)), {ids});
+}
+
+}  // namespace asyncside::faults

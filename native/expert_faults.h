@@ -1,0 +1,171 @@
+// Expert faults served inside the stream: the one-queued-step decode path.
+//
+// A decode step is queued whole. Each MoE layer's gather reads its pool rows through an
+// `expert_rows(ids, table)` node: when the stream reaches it, the node maps every routed expert
+// to its pool row from a per-layer table kept here, and an expert without a row is brought in
+// right there, on the stream, into a row the ledger lent for that purpose. The gather after it
+// (which depends on the node's output) then reads bytes that are in place. No host round trip
+// per layer, no recomputation of the step.
+//
+// Ownership: the Python ledger owns row state. It *lends* rows to a FaultTable (rows it promises
+// not to touch until it takes them back) and *reconciles* afterwards from the table's event log:
+// each fault says "row R: expert V evicted, expert E filled" (or failed). A lent row stays lent
+// after a fault (a later step may reuse it) until the ledger reclaims it. The table never writes a
+// row it was not lent.
+//
+// Threads: the stream thread runs resolve(); the loop thread runs everything else. A mutex guards
+// the state; resolve() drops it while it reads a record, so the loop thread never waits for I/O.
+// Plain C++: nothing here knows Python.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "io_reader.h"
+
+namespace asyncside::faults {
+
+namespace io = asyncside::io;
+
+// One fault, as the ledger needs it to reconcile.
+struct FaultEvent {
+  int64_t row;     // the lent row that was (re)filled
+  int64_t victim;  // the expert the row held before (-1: it was free)
+  int64_t expert;  // the expert now in the row (on error: the expert that was being read)
+  int64_t ns;      // time the fault took on the stream thread (read + checksum)
+  int64_t error;   // 0, or errno of the failed read (-1: checksum mismatch, -2: no lent row left)
+};
+
+// Everything recorded since the last drain().
+struct Drained {
+  std::vector<FaultEvent> events;
+  std::vector<int32_t> used;        // each resolve's distinct experts, in call order, concatenated
+  std::vector<int32_t> used_sizes;  // how many of `used` each resolve contributed
+};
+
+// Where the bytes of a faulted record come from and go to. The host implementation reads the
+// record straight into the pool rows (preadv, one vector per record); a device implementation
+// stages in host memory and copies to the device (compiled with the GPU backend).
+class RecordSink {
+ public:
+  virtual ~RecordSink() = default;
+  virtual int64_t rows() const = 0;
+  // Read `expert`'s record into `row`; returns 0 or an errno (ENODATA: the blob ended early).
+  virtual int read(int fd, uint64_t offset, int64_t row) = 0;
+};
+
+// Host pools (MLX CPU, or unified memory): segments scattered into the rows by one preadv.
+class HostRecordSink final : public RecordSink {
+ public:
+  HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t stride, std::vector<io::SegmentSpan> segments);
+  ~HostRecordSink() override;
+  int64_t rows() const override { return dest_->rows(); }
+  int read(int fd, uint64_t offset, int64_t row) override;
+
+ private:
+  std::shared_ptr<io::Destination> dest_;
+  uint64_t stride_;
+  std::vector<io::SegmentSpan> segments_;  // sorted by offset
+  std::vector<size_t> order_;              // segments_[k] is segment order_[k] of the destination
+  uint8_t* junk_ = nullptr;                // sink for the padding between segments
+  uint64_t junk_bytes_ = 0;
+};
+
+// How the stream picks which lent row a faulted expert takes (the ledger's policy chooses which
+// rows are lent; the stream, which sees every use first, ranks them):
+// - LendOrder: the first lent row (the policy's own ranking at lend time);
+// - Recency: the row whose expert was used longest ago (LRU);
+// - Decayed: the row whose expert has the lowest use count decayed by age, each use weighing
+//   half as much every `half_life` steps of this layer (recency and frequency together, LRFU).
+// Free lent rows always go first; a row whose expert the current step routes is never taken.
+enum class VictimOrder { LendOrder = 0, Recency = 1, Decayed = 2 };
+
+class FaultTable {
+ public:
+  // Takes ownership of `fd` (closed by the destructor). `path` and `layer` only name errors.
+  FaultTable(int layer, int64_t n_experts, std::unique_ptr<RecordSink> sink, int fd, std::string path,
+             uint64_t stride);
+  ~FaultTable();
+  FaultTable(const FaultTable&) = delete;
+  FaultTable& operator=(const FaultTable&) = delete;
+
+  int layer() const { return layer_; }
+  int64_t n_experts() const { return n_experts_; }
+  int64_t rows() const { return rows_; }
+
+  // ---- loop thread ----
+  // Replace the expert -> row table (-1: absent). Only while nothing is lent and no queued step
+  // that reads this table is in flight. Throws std::invalid_argument on a bad table.
+  void sync(const std::vector<int32_t>& table);
+  // Lend rows: the stream may fill them with faulted experts, evicting what they hold.
+  void lend(const std::vector<int64_t>& rows);
+  // Take back every lent row; returns them in lend order. Only once no queued step is in flight.
+  std::vector<int64_t> reclaim();
+  // Events and usage since the last drain.
+  Drained drain();
+  std::vector<int32_t> table() const;
+  std::vector<int64_t> lent() const;
+  std::map<std::string, uint64_t> counters() const;
+  void set_order(VictimOrder order, double half_life);
+
+  // ---- stream thread ----
+  // Map ids[i] to rows in out[i], faulting absent experts in. Throws std::runtime_error naming
+  // the layer, expert and row when a fault fails (the step fails; the event log says which row
+  // the ledger must free).
+  void resolve(const std::vector<int64_t>& ids, uint32_t* out);
+
+ private:
+  int64_t pick_row_locked(uint64_t stamp);
+  void touch_locked(int64_t expert, uint64_t stamp);
+  double rank_locked(int64_t expert, uint64_t stamp) const;
+
+  const int layer_;
+  const int64_t n_experts_;
+  std::unique_ptr<RecordSink> sink_;
+  const int fd_;
+  const std::string path_;
+  const uint64_t stride_;
+  const int64_t rows_;
+
+  mutable std::mutex mu_;
+  std::vector<int32_t> table_;      // expert -> row
+  std::vector<int64_t> owner_;      // row -> expert (-1: none, or a fill in progress)
+  std::vector<uint8_t> lent_flag_;  // row -> lent (and not being filled right now)
+  std::vector<int64_t> lent_;       // lent rows, lend order (a filled row goes to the back)
+  std::vector<uint64_t> last_use_;  // expert -> stamp of the last resolve that routed it
+  std::vector<double> score_;       // expert -> decayed use count as of last_use_ (Decayed order)
+  VictimOrder order_ = VictimOrder::Recency;
+  double half_life_ = 8.0;
+  std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)
+  uint64_t clock_ = 0;
+  Drained log_;
+
+  std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, fault_errors_{0}, bytes_read_{0},
+      fault_ns_{0};
+};
+
+// Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
+struct GlobalCounters {
+  std::atomic<uint64_t> tables_created{0}, tables_destroyed{0}, nodes_created{0}, nodes_destroyed{0};
+};
+GlobalCounters& global_counters();
+
+}  // namespace asyncside::faults
+
+namespace mlx::core {
+class array;
+struct Stream;
+}  // namespace mlx::core
+
+namespace asyncside::faults {
+// The graph node: rows (uint32, ids' shape) of `ids` in `table`'s layer, faulting misses in when
+// the stream reaches it. Integer ids of any shape and strides.
+mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
+                             mlx::core::Stream stream);
+}  // namespace asyncside::faults
+static_assert(sizeof(asyncside::faults::FaultEvent) == 5 * sizeof(int64_t), "FaultEvent is read as int64 rows");

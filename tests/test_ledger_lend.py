@@ -1,0 +1,173 @@
+"""Rows lent to a fault handler: the ledger's lend / settle_fault / reclaim transitions.
+
+Unit tests of each transition and its errors, the LRFU policy's ranking, and a hypothesis state
+machine that mixes lending and faults with reserve / publish / fail / lease / release, auditing
+every invariant after every step (a lent row is never pinned, refilled by a reserve or evicted by
+one; the lookup table always names exactly the LIVE and resident experts).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from asyncside import Ledger, LedgerError
+from asyncside.policies import LRFU, make_policy
+
+
+def test_lend_free_rows_first_then_victims_in_policy_order() -> None:
+    led = Ledger(8, [0], 4, policy="lru")
+    for e in (1, 2):
+        (f,) = led.reserve([e])
+        led.publish(f)
+    led.record_use([1])  # 2 is now the least recently used
+    free = set(led.free_rows())
+    rows = led.lend(3)
+    assert set(rows[:2]) == free and led.free_rows() == []  # free rows come first
+    assert rows[2] == led.row_of(2)  # then the LRU victim
+    assert led.lent_rows() == rows
+    assert led.audit().ok
+    # A lent row is never leased, evicted by a reserve, or lent twice.
+    with pytest.raises(LedgerError, match="lent to a fault handler"):
+        led.lease([2])
+    assert led.lend(5) == [led.row_of(1)]
+    assert led.reserve([3], demand=False) == []  # nothing left to take: every row is lent
+    assert led.audit().ok
+
+
+def test_settle_fault_and_reclaim() -> None:
+    led = Ledger(8, [], 2, policy="lru")
+    (f,) = led.reserve([4])
+    led.publish(f)
+    rows = led.lend(2)
+    free_row = next(r for r in rows if r != led.row_of(4))
+    led.settle_fault(free_row, -1, 6, ok=True)
+    assert led.row_of(6) == free_row and led.lent_rows()[-1] == free_row  # still lent, at the back
+    row4 = led.row_of(4)
+    led.settle_fault(row4, 4, 7, ok=False)  # 4 evicted, the read of 7 failed: the row is empty
+    assert led.state_of(4) == "absent" and led.state_of(7) == "absent"
+    assert led.lookup().tolist() == [-1] * 6 + [free_row, -1]
+    assert led.audit().ok
+    with pytest.raises(LedgerError, match="the handler evicted 3"):
+        led.settle_fault(free_row, 3, 5, ok=True)
+    with pytest.raises(LedgerError, match="already live"):
+        led.settle_fault(row4, -1, 6, ok=True)
+    led.reclaim()
+    assert led.lent_rows() == [] and led.state_of(6) == "live" and len(led.free_rows()) == 1
+    with pytest.raises(LedgerError, match="not lent"):
+        led.settle_fault(free_row, 6, 5, ok=True)
+    with pytest.raises(LedgerError, match="not lent"):
+        led.reclaim([free_row])
+    assert led.stats["faulted"] == 1 and led.stats["fault_failures"] == 1
+    assert led.audit().ok
+
+
+def test_pinned_rows_are_not_lent() -> None:
+    led = Ledger(8, [], 2, policy="lrfu")
+    for e in (1, 2):
+        (f,) = led.reserve([e])
+        led.publish(f)
+    lease = led.lease([1])
+    assert led.lend(2) == [led.row_of(2)]
+    led.release(lease)
+    assert led.lend(2) == [led.row_of(1)]
+
+
+def test_lrfu_ranks_by_decayed_frequency() -> None:
+    """Four early uses outweigh one later use (half-life 8 reserves); with a half-life of one
+    reserve, recency wins instead."""
+    for half_life, victim in ((8.0, 2), (0.5, 1)):
+        led = Ledger(8, [], 3, policy=LRFU(half_life))
+        for ids in ([1], [1], [1], [1], [2], [0]):
+            for f in led.reserve(ids):
+                led.publish(f)
+        assert led.lend(1) == [led.row_of(victim)], half_life
+    with pytest.raises(LedgerError, match="half_life"):
+        LRFU(0)
+    assert make_policy("lrfu").native_order == "decayed" and make_policy("lru").native_order == "recency"
+
+
+class LendMachine(RuleBasedStateMachine):
+    """Random lends, faults, reclaims mixed with the ledger's other transitions."""
+
+    @initialize(n=st.integers(2, 10), side=st.integers(1, 6), n_res=st.integers(0, 3),
+                policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot"]))
+    def setup(self, n: int, side: int, n_res: int, policy: str) -> None:
+        self.led = Ledger(n, list(range(min(n_res, n - 1))), side, policy=policy)
+        self.pending: list = []
+        self.leases: list[int] = []
+
+    @rule(ids=st.lists(st.integers(0, 9), max_size=4), demand=st.booleans())
+    def reserve(self, ids: list[int], demand: bool) -> None:
+        ids = [e % self.led.n_experts for e in ids]
+        try:
+            fills = self.led.reserve(ids, demand=demand)
+        except Exception:  # CapacityError on an impossible demand
+            return
+        for f in fills:
+            assert f.row not in self.led.lent_rows()
+        self.pending.extend(fills)
+
+    @precondition(lambda self: self.pending)
+    @rule(ok=st.booleans(), i=st.integers(0, 100))
+    def finish_fill(self, ok: bool, i: int) -> None:
+        f = self.pending.pop(i % len(self.pending))
+        (self.led.publish if ok else self.led.fail)(f)
+
+    @rule(count=st.integers(0, 4))
+    def lend(self, count: int) -> None:
+        before = set(self.led.lent_rows())
+        rows = self.led.lend(count)
+        assert len(rows) <= count and not set(rows) & before
+        for r in rows:
+            assert r not in self.led.pinned_rows()
+
+    @precondition(lambda self: self.led.lent_rows())
+    @rule(i=st.integers(0, 100), e=st.integers(0, 9), ok=st.booleans())
+    def fault(self, i: int, e: int, ok: bool) -> None:
+        led = self.led
+        rows = led.lent_rows()
+        row = rows[i % len(rows)]
+        e %= led.n_experts
+        if led.state_of(e) != "absent":
+            return
+        owner = next((x for x, r in led.live().items() if r == row), -1)
+        led.settle_fault(row, owner, e, ok)
+        assert (led.row_of(e) == row) == ok and row in led.lent_rows()
+
+    @rule()
+    def reclaim(self) -> None:
+        self.led.reclaim()
+        assert self.led.lent_rows() == []
+
+    @rule(ids=st.lists(st.integers(0, 9), min_size=1, max_size=3))
+    def lease(self, ids: list[int]) -> None:
+        ids = [e % self.led.n_experts for e in ids]
+        try:
+            self.leases.append(self.led.lease(ids))
+        except LedgerError:
+            return
+
+    @precondition(lambda self: self.leases)
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        self.led.release(self.leases.pop(i % len(self.leases)))
+
+    @rule(ids=st.lists(st.integers(0, 9), max_size=4))
+    def use(self, ids: list[int]) -> None:
+        self.led.record_use([e % self.led.n_experts for e in ids])
+
+    @invariant()
+    def audit_clean(self) -> None:
+        report = self.led.audit()
+        assert report.ok, report.problems
+
+
+def test_lend_state_machine() -> None:
+    run_state_machine_as_test(
+        LendMachine,
+        settings=settings(max_examples=150, stateful_step_count=60, deadline=None, derandomize=True,
+                          database=None, suppress_health_check=list(HealthCheck)),
+    )

@@ -1,0 +1,219 @@
+"""Queued steps: one step queued per token, expert misses served inside the stream.
+
+Over a real Runtime on converted stores of every architecture, with pools far smaller than the
+experts (so every MoE layer faults): tokens equal mlx-lm's, decode logits bitwise equal, every
+MoE layer faulted, no step fell back, and the ledgers audit clean with the native tables. Then the
+failure paths: a read that fails inside the stream fails the step with FillError and frees its
+row; the native table refuses bad input with clear errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+from _models_support import BASE, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import save_config, save_model
+
+from asyncside import ExpertStore, _native
+from asyncside.bridge import completed
+from asyncside.errors import FillError
+from asyncside.models import ForwardOptions, convert_model, load_streaming_model, reference_generate
+from asyncside.pools import PoolSet
+from asyncside.runtime import Runtime
+
+QUEUED = ForwardOptions(mode="queued")
+NEW_TOKENS = 8
+
+
+def _store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tuple[pathlib.Path, object, list[int]]:
+    model, config = tiny_model(model_type, quantize=quantize)
+    model_dir = tmp / "model"
+    save_model(model_dir, model)
+    save_config(dict(config), model_dir / "config.json")
+    convert_model(model_dir, tmp / "store", resident_fraction=0.25, progress=False)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config["vocab_size"], 12)]
+    return tmp / "store", model, prompt
+
+
+def _top_k(config: dict) -> int:
+    return int(config.get("num_experts_per_tok", 2))
+
+
+@pytest.mark.parametrize("quant", ["float", "q4"])
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str) -> None:
+    if quant == "q4" and model_type == "gpt_oss":
+        pytest.skip("tiny gpt_oss shapes do not quantize with group size 64")
+    store_dir, model, prompt = _store(tmp_path, model_type, {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    steps = [prompt, [5], [17], [99], [3]]
+    ref_cache = make_prompt_cache(model)
+    ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
+    mx.eval(ref_logits)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+
+    async def main() -> tuple[list[int], list[mx.array], dict, dict]:
+        # Rows for k experts per layer only: every step that routes elsewhere faults.
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+            tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
+            cache = sm.make_cache()
+            logits = [await sm(mx.array(s)[None], cache, source=rt) for s in steps]
+            await rt.quiesce()
+            reports = rt.audit()
+            assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+            faulted = {layer: rt.ledger(layer).stats["faulted"] for layer in sm.moe_layers}
+            return tokens, logits, faulted, rt.stats()
+
+    tokens, logits, faulted, stats = anyio.run(main)
+    assert tokens == ref
+    for i, (a, b) in enumerate(zip(ref_logits, logits)):
+        assert a.shape == b.shape
+        assert mx.array_equal(a, b).item(), f"step {i}: logits differ (max {mx.abs(a - b).max().item()})"
+    counters = sm.forward_with(QUEUED).counters
+    # The 12-token prompt step needs more rows than the pools have: it alone ran per layer.
+    assert counters["queued"] == NEW_TOKENS + len(steps) - 1 and counters["fallbacks"] == 1
+    assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
+    assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
+    assert stats["bytes_read"] >= stats["faults"] * ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
+
+
+def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path) -> None:
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+
+    async def main() -> None:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+            cache = sm.make_cache()
+            await sm(mx.array(prompt)[None], cache, source=rt)  # prefill, per layer (too many experts)
+            # Every record now lies past the end of the blobs (same files, so the runtime's open
+            # descriptors see it): the next fault fails on the stream.
+            saved = {}
+            for layer in sm.moe_layers:
+                path = sm.store.layer(layer).path
+                saved[path] = path.read_bytes()
+                os.truncate(path, 0)
+            try:
+                with pytest.raises((FillError, ExceptionGroup)) as info:
+                    for tok in range(sm.config["vocab_size"]):  # until a step routes to an absent expert
+                        await sm(mx.array([[tok]]), cache, source=rt)
+                errors = info.value.exceptions if isinstance(info.value, ExceptionGroup) else [info.value]
+                assert all(isinstance(e, FillError) for e in errors), errors
+                assert all("fault in a queued step" in str(e) for e in errors), errors
+                assert all(e.errno == errno.ENODATA for e in errors), [e.errno for e in errors]
+            finally:
+                for path, data in saved.items():
+                    with open(path, "r+b") as fh:
+                        fh.write(data)
+            await rt.quiesce()
+            reports = rt.audit()
+            assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+            assert rt.stats()["failed_fills"] > 0
+            failed = sum(rt.ledger(layer).stats["fault_failures"] for layer in sm.moe_layers)
+            assert failed == rt.stats()["failed_fills"]
+            for layer in sm.moe_layers:  # nothing stays lent, failed rows are FREE again
+                assert rt.ledger(layer).lent_rows() == []
+            # The runtime carries on: the blobs are whole again, the next generation is exact.
+            assert [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)] == ref
+
+    anyio.run(main)
+
+
+def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet, object]:
+    rng = np.random.default_rng(0)
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "w.weight": rng.integers(0, 2**32, size=(16, 5, 7), dtype=np.uint32),
+        "w.scales": rng.standard_normal((16, 3)).astype(np.float16),
+        "tag": rng.integers(0, 255, size=(16, 1), dtype=np.uint8),
+    }})
+    spec = store.layer(0)
+    pools = PoolSet(spec, rows)
+    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
+                               os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride)
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    return store, pools, table
+
+
+def _events(table: object) -> np.ndarray:
+    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 5)
+
+
+def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> None:
+    store, pools, table = _table(tmp_path)
+    table.lend([3, 1, 0, 2])
+    # Strided ids of several dtypes (an argpartition's first k is a strided view).
+    ids = mx.array([[9, 4, 9, 12]], dtype=mx.int32)[:, ::2]
+    rows = _native.expert_rows(ids, table) + 0
+    assert np.array(rows).tolist() == [[3, 3]]  # one fault, into the first free lent row
+    rows = _native.expert_rows(mx.array([4, 12, 9], dtype=mx.uint64), table) + 0
+    assert np.array(rows).tolist() == [1, 0, 3]
+    for e in (4, 9, 12):
+        r = int(np.array(table.table())[e])
+        for key, want in store.read_expert(0, e).items():
+            assert bytes(pools.row_view(key, r)) == bytes(memoryview(want).cast("B")), (e, key)
+    ev = _events(table)
+    assert ev[:, [0, 1, 2, 4]].tolist() == [[3, -1, 9, 0], [1, -1, 4, 0], [0, -1, 12, 0]]
+    assert table.lent() == [2, 3, 1, 0]  # filled rows stay lent, at the back
+    # More distinct experts in one step than rows: the last one has nowhere to go (every row holds
+    # an expert this very step routes), so the step fails and says why.
+    bad = _native.expert_rows(mx.array([5, 6, 7, 8, 10], dtype=mx.uint32), table) + 0
+    with pytest.raises(RuntimeError, match="no lent row is left"):
+        mx.eval(bad)
+    assert sorted(_events(table)[:, 4].tolist()) == [-2, 0, 0, 0, 0]
+    counters = table.counters()
+    assert counters["faults"] == 7 and counters["fault_errors"] == 1
+
+
+def test_fault_table_refuses_bad_input(tmp_path: pathlib.Path) -> None:
+    store, pools, table = _table(tmp_path)
+    with pytest.raises(ValueError, match="outside"):
+        table.lend([4])
+    table.lend([0])
+    with pytest.raises(ValueError, match="already lent"):
+        table.lend([0])
+    with pytest.raises(ValueError, match="rows still lent"):
+        table.sync(np.full(16, -1, dtype=np.int32))
+    assert table.reclaim() == [0]
+    with pytest.raises(ValueError, match="expected 16 entries"):
+        table.sync(np.full(3, -1, dtype=np.int32))
+    twice = np.full(16, -1, dtype=np.int32)
+    twice[[2, 5]] = 1
+    with pytest.raises(ValueError, match="holds experts 2 and 5"):
+        table.sync(twice)
+    with pytest.raises(ValueError, match="integer"):
+        _native.expert_rows(mx.array([1.0]), table)
+    out_of_range = _native.expert_rows(mx.array([16], dtype=mx.uint32), table) + 0
+    with pytest.raises(RuntimeError, match="outside"):
+        mx.eval(out_of_range)
+    with pytest.raises(ValueError, match="expected 'lend', 'recency' or 'decayed'"):
+        table.set_order("bogus")
+
+
+def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
+    """Lent rows holding experts: the stream evicts by recency, by decayed frequency, or in lend
+    order, and never an expert the same step routes."""
+    # Expert 1 is used four times early, expert 2 once later, expert 0 last; the next step routes
+    # a new expert 7 together with 0. LRU evicts 1 (used longest ago); decayed frequency with a
+    # long half-life evicts 2 (its one use outweighed by 1's four); lend order takes the first
+    # lent row not routed now (filled rows went to the back in fill order: 1's, 2's, 0's).
+    for order, victim in (("recency", 1), ("decayed", 2), ("lend", 1)):
+        store, pools, table = _table(tmp_path / order, rows=3)
+        table.set_order(order, 8.0)
+        table.lend([0, 1, 2])
+        for ids in ([1], [1], [1], [1], [2], [0]):
+            mx.eval(_native.expert_rows(mx.array(ids, dtype=mx.uint32), table) + 0)
+        assert np.array(table.table())[[1, 2, 0]].tolist() == [0, 1, 2]
+        table.drain()
+        mx.eval(_native.expert_rows(mx.array([7, 0], dtype=mx.uint32), table) + 0)
+        ev = _events(table)
+        assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == victim, (order, ev)
