@@ -30,6 +30,7 @@ import numpy as np
 from .errors import AsyncsideError, CapacityError, FillError, LedgerError
 from .ledger import Fill, Ledger
 from .pools import PoolSet
+from .readers import ReaderOptions
 from .scheduler import FillHandle, Scheduler
 from .snapshot import RowSnapshot, make_snapshot
 from .store import ExpertStore, LayerSpec
@@ -183,7 +184,8 @@ class Runtime:
     ``resident`` is the fraction of each layer's experts the pools hold in total (the memory
     budget), or an explicit mapping layer -> resident expert ids. ``side_rows`` is how many of
     those rows rotate (the side region); the rest hold a fixed resident set. By default half the
-    budget rotates, at least ``min_side_rows``.
+    budget rotates, at least ``min_side_rows``. ``reader``, ``reader_options`` and ``direct`` go to
+    the :class:`~asyncside.scheduler.Scheduler`.
     """
 
     def __init__(
@@ -195,7 +197,7 @@ class Runtime:
         min_side_rows: int = 8,
         policy: str = "lfu",
         reader: str = "auto",
-        queue_depth: int = 64,
+        reader_options: ReaderOptions | None = None,
         direct: bool | None = None,
         layers: Iterable[int] | None = None,
         completed: Completed | None = None,
@@ -206,7 +208,7 @@ class Runtime:
         self._side_rows_arg = side_rows
         self._min_side_rows = min_side_rows
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
-        self._scheduler = Scheduler(reader, queue_depth=queue_depth, direct=direct)
+        self._scheduler = Scheduler(reader, reader_options, direct=direct)
         self._completed = completed
         self._layers: dict[int, _Layer] = {}
         self._tg: anyio.abc.TaskGroup | None = None

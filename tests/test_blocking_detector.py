@@ -23,7 +23,7 @@ import pytest
 
 import mlx.core as mx
 
-import asyncside._native as native
+import asyncside._native.testing as native_testing
 from asyncside.bridge import completed
 from asyncside.testing_blocking import BlockingCallError, BlockingDetector, LoopBlockedError
 
@@ -41,7 +41,7 @@ async def test_catches_time_sleep_on_the_loop(anyio_backend: object) -> None:
 
 
 async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None:
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(np.ones((64, 64), np.float32))) @ mx.array(np.ones((64, 64), np.float32))
     opener = threading.Timer(0.2, gate.open)  # the stream cannot finish x before this fires
     opener.start()
@@ -57,7 +57,7 @@ async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None
 
 async def test_catches_mx_synchronize_on_a_stuck_stream(anyio_backend: object) -> None:
     # The gate times out by itself after 0.2 s, failing the stream; synchronize then raises.
-    gate = native.TestingGate(timeout_s=0.2)
+    gate = native_testing.StreamGate(timeout_s=0.2)
     x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
     mx.async_eval(x)
     async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:

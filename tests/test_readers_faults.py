@@ -17,6 +17,7 @@ import asyncside._native as native
 from asyncside.errors import FillError
 from asyncside.ledger import Ledger
 from asyncside.pools import PoolSet
+from asyncside.readers import ReaderOptions
 from asyncside.scheduler import FillHandle, Scheduler
 from asyncside.store import ExpertStore, LayerSpec
 
@@ -70,7 +71,8 @@ async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStor
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=spec.n_experts)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, direct=direct, queue_depth=3, chunk_bytes=32 << 10, buffered_chunk_bytes=32 << 10) as sched:
+    options = ReaderOptions(direct=direct, queue_depth=3, chunk_bytes=32 << 10, buffered_chunk_bytes=32 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(max_read_bytes=1000)  # every op returns <= 1000 bytes (4096 for O_DIRECT)
         hs = sched.submit(spec, pools, ledger.reserve(range(spec.n_experts)))
         wire(ledger, hs)
@@ -93,7 +95,8 @@ async def test_transient_errors_are_retried(reader: str, err: int, store: Expert
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, queue_depth=4, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(queue_depth=4, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(transient_every=3, transient_err=err)
         hs = sched.submit(spec, pools, ledger.reserve([0, 3, 5, 7]))
         wire(ledger, hs)
@@ -116,7 +119,8 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
     bad = 3
     lo = bad * spec.stride + spec.segments[0].nbytes // 2
-    async with Scheduler(reader, direct=direct, queue_depth=2, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(direct=direct, queue_depth=2, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(path=str(spec.path), lo=lo, hi=lo + 1, err=errno.EIO)
         fills = ledger.reserve([1, bad, 4, 6, 0])
         hs = sched.submit(spec, pools, fills)
@@ -150,7 +154,8 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
     os.truncate(spec.path, last * spec.stride + spec.segments[0].nbytes + 10)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=3)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, direct=direct, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(direct=direct, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         hs = sched.submit(spec, pools, ledger.reserve([last, 0, 2]))
         wire(ledger, hs)
         with pytest.raises(FillError, match="end of file") as info:
@@ -218,7 +223,8 @@ def test_native_close_waits_for_reads_and_staging(backend: str, store: ExpertSto
     them; staging (one slot for many staged fills: backpressure) all comes back; bytes are right."""
     spec: LayerSpec = store.layer(2)
     pools = PoolSet(spec, rows=spec.n_experts)
-    r = native.Reader(backend, direct=True, staging_bytes=64 << 10, slot_bytes=64 << 10, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10)
+    r = native.Reader(backend, ReaderOptions(direct=True, staging_bytes=64 << 10, slot_bytes=64 << 10,
+                                             chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10))
     lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in spec.segments],
                        [s.nbytes for s in spec.segments], [pools.arrays[s.key] for s in spec.segments])
     n = spec.n_experts

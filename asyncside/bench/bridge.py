@@ -275,7 +275,7 @@ def _run_cells(args: argparse.Namespace, s: dict[str, int]) -> dict[str, Any]:
     issue: list[int] = []
     started = time.time()
     for _ in range(s["rounds"]):
-        floor += _native.wakeup_floor_ns(s["floor_n"])
+        floor += _native.bench.wakeup_floor_ns(s["floor_n"])
         issue += _issue_cost(s)
         for name, library, options in backends:
             for method in METHODS:

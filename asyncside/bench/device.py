@@ -128,7 +128,7 @@ def run_device_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not result["cuda_upload"]:
         result["error"] = "this build has no CUDA upload path (needs MLX CUDA and -DASYNCSIDE_CUDA=ON)"
         return result
-    result["pinned_h2d_limit_gbps"] = _native.cuda_h2d_bandwidth(256 << 20, 10) / 1e9
+    result["pinned_h2d_limit_gbps"] = _native.bench.cuda_h2d_bandwidth(256 << 20, 10) / 1e9
     with tempfile.TemporaryDirectory(prefix="asyncside-bench-device-") as tmp:
         rng = np.random.default_rng(0)
         store = ExpertStore.create(Path(tmp) / "store", {0: _qwen3_30b_layer(args.experts, rng)}, checksum=None)
