@@ -32,7 +32,7 @@ import itertools
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -43,6 +43,7 @@ from . import _native
 from .errors import AsyncsideError
 
 __all__ = [
+    "Completed",
     "ComputationError",
     "CompletionQueue",
     "StreamLike",
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 StreamLike = Union[mx.Stream, mx.Device, mx.DeviceType, None]
+
+#: The type of :func:`completed` as its users take it (injected into the runtime and the forward,
+#: so tests can substitute a bridge).
+Completed = Callable[[mx.array], Awaitable[None]]
 
 
 class ComputationError(AsyncsideError, RuntimeError):

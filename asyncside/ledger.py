@@ -74,29 +74,41 @@ def _int_or_raise(v: Any, n_experts: int, what: str) -> int:
     return int(v)
 
 
-def validate_ids(ids: Any, n_experts: int, what: str = "expert id") -> list[int]:
-    """Flatten ``ids`` into a list of Python ints in ``[0, n_experts)``.
+def validate_ids(ids: Any, n_experts: int, what: str = "expert id", *, layer: int | None = None) -> list[int]:
+    """Flatten ``ids`` into a list of Python ints in ``[0, n_experts)``: the one check of expert ids
+    (the ledger, the runtime and the model's expert sources all use it).
 
     Accepts an int, a (nested) list/tuple/range/iterable of ints, or an integer numpy array of
-    any shape (anything with ``__array__``, e.g. an evaluated mx.array, goes through numpy).
-    Rejects floats and bools (also as array dtypes) and out-of-range values with a LedgerError
-    naming the value and the valid range.
+    any shape (anything with ``__array__``, e.g. an evaluated mx.array, goes through numpy; an
+    empty array of any dtype is no ids). Rejects floats and bools (also as array dtypes) and
+    out-of-range values with a LedgerError naming the value, the valid range and, when given,
+    the layer.
     """
+    try:
+        return _validate_ids(ids, n_experts, what)
+    except LedgerError as exc:
+        if layer is None:
+            raise
+        raise LedgerError(f"layer {layer}: {exc}") from None
+
+
+def _validate_ids(ids: Any, n_experts: int, what: str) -> list[int]:
     if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
         return [_int_or_raise(ids, n_experts, what)]
     if not isinstance(ids, np.ndarray) and hasattr(ids, "__array__") and not isinstance(ids, (list, tuple)):
         ids = np.asarray(ids)
     if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise LedgerError(f"{what}s must be an integer array, got dtype {ids.dtype} (values {ids.ravel()[:8]!r})")
         flat = ids.ravel()
-        if flat.size:
-            lo, hi = flat.min(), flat.max()
-            if lo < 0 or hi >= n_experts:
-                bad = lo if lo < 0 else hi
-                raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
-        return flat.tolist()
-    if isinstance(ids, (str, bytes)) or isinstance(ids, (float, bool, np.bool_, np.floating)):
+        if not flat.size:
+            return []
+        if ids.dtype.kind not in "iu":
+            raise LedgerError(f"{what}s must be an integer array, got dtype {ids.dtype} (values {flat[:8]!r})")
+        lo, hi = flat.min(), flat.max()
+        if lo < 0 or hi >= n_experts:
+            bad = lo if lo < 0 else hi
+            raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
+        return flat.tolist()  # type: ignore[no-any-return]
+    if isinstance(ids, (str, bytes, float, bool, np.bool_, np.floating)):
         raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {ids!r} ({type(ids).__name__})")
     try:
         items = iter(ids)
@@ -105,7 +117,7 @@ def validate_ids(ids: Any, n_experts: int, what: str = "expert id") -> list[int]
     out: list[int] = []
     for v in items:
         if isinstance(v, (list, tuple, np.ndarray)):
-            out.extend(validate_ids(v, n_experts, what))
+            out.extend(_validate_ids(v, n_experts, what))
         else:
             out.append(_int_or_raise(v, n_experts, what))
     return out

@@ -19,26 +19,26 @@ from __future__ import annotations
 import math
 from collections import Counter
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Awaitable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import mlx.core as mx
 import numpy as np
 
-from .errors import AsyncsideError, CapacityError, FillError, LedgerError
-from .ledger import Fill, Ledger
+from .errors import AsyncsideError, CapacityError, FillError
+from .ledger import Fill, Ledger, validate_ids
 from .pools import PoolSet
 from .readers import ReaderOptions
 from .scheduler import FillHandle, Scheduler
 from .snapshot import RowSnapshot, make_snapshot
 from .store import ExpertStore, LayerSpec
 
+if TYPE_CHECKING:
+    from .bridge import Completed
+
 __all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer"]
-
-Completed = Callable[[mx.array], Awaitable[None]]
-
 
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
@@ -97,17 +97,6 @@ def plan_layer(store: ExpertStore, index: int, resident: float | Mapping[int, Se
         raise ValueError(f"side_rows must be >= 0, got {side}")
     side = min(side, spec.n_experts - len(chosen))
     return chosen, side
-
-
-def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
-    """Unique expert ids as int64, or LedgerError naming the first bad value."""
-    if ids.dtype.kind not in "iu":
-        raise LedgerError(f"layer {layer}: expert ids must be integers, got dtype {ids.dtype}")
-    ids = np.unique(ids.astype(np.int64, copy=False))
-    if ids.size and (ids[0] < 0 or ids[-1] >= n_experts):
-        bad = int(ids[0] if ids[0] < 0 else ids[-1])
-        raise LedgerError(f"layer {layer}: expert id {bad} is out of range [0, {n_experts})")
-    return ids
 
 
 @dataclass
@@ -534,7 +523,8 @@ class Runtime:
         if isinstance(ids, mx.array):
             assert self._completed is not None
             await self._completed(ids)
-        wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
+        wanted = np.unique(np.asarray(validate_ids(self._host_ids(ids), st.spec.n_experts, layer=layer),
+                                      dtype=np.int64))
         self._stats["ensure_calls"] += 1
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
@@ -603,8 +593,7 @@ class Runtime:
     def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
         """Bool per expert: present in ``snap`` and in the same row since, never refilled."""
         st = self._layer(layer)
-        ids = self._host_ids(experts)
-        _checked_ids(layer, st.spec.n_experts, ids)  # validates; the answer keeps the caller's order
+        ids = np.asarray(validate_ids(self._host_ids(experts), st.spec.n_experts, layer=layer), dtype=np.int64)
         return st.ledger.unchanged_since(snap.table, snap.generations, ids)
 
     def pools(self, layer: int) -> dict[str, mx.array]:

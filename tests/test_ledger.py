@@ -476,6 +476,11 @@ def test_accepted_id_forms() -> None:
     assert validate_ids(range(3), 8) == [0, 1, 2]
     assert validate_ids(np.arange(6, dtype=np.uint32).reshape(2, 3), 8) == [0, 1, 2, 3, 4, 5]
     assert validate_ids(np.array([], dtype=np.int32), 8) == []
+    assert validate_ids(np.asarray([]), 8) == []  # no ids, whatever numpy's default dtype
+    with pytest.raises(LedgerError, match=r"^layer 5: expert id 9 out of range \[0, 8\)$"):
+        validate_ids(np.array([1, 9]), 8, layer=5)
+    with pytest.raises(LedgerError, match=r"^layer 2: expert ids must be an integer array, got dtype float64"):
+        validate_ids(np.array([1.5]), 8, layer=2)
     mx = pytest.importorskip("mlx.core")
     assert validate_ids(mx.array([[7, 1]], dtype=mx.uint32), 8) == [7, 1]
     with pytest.raises(LedgerError, match="float32"):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ import mlx.core as mx
 
 from .. import _native
 from ..bridge import completed_at
+from . import bench_main
 from .machine import machine_info
 
 TARGET_MEDIAN_US = 30.0
@@ -360,14 +360,7 @@ def render_bridge_table(result: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m asyncside.bench.bridge [--json] [--quick] ...``"""
-    parser = argparse.ArgumentParser(prog="python -m asyncside.bench.bridge", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    add_bridge_arguments(parser)
-    args = parser.parse_args(argv)
-    result = run_bridge_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return bench_main("bridge", argv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from . import bench_main, median
 from .machine import machine_info
 
 GB = 1e9
@@ -364,7 +364,7 @@ def _small_reads(path: str, stride: int, n_experts: int, repeat: int, batches: i
                     got += len(r.reap())
             rates[label].append(64 * batches / (time.perf_counter() - t0))
             r.close()
-    return [{"reader": label, "reads_per_s": round(_median(v)), "passes": [round(x) for x in v]}
+    return [{"reader": label, "reads_per_s": round(median(v)), "passes": [round(x) for x in v]}
             for label, v in rates.items()]
 
 
@@ -380,10 +380,6 @@ def _fio_pass(path: str, bs: int, depth: int, io_bytes: int, mode: str) -> dict[
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
     return {"GBps": job["bw_bytes"] / GB, "bytes": job["io_bytes"], "seconds": job["runtime"] / 1e3,
             "command": " ".join(cmd)}
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -535,10 +531,10 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
     # Limits first: memcpy of record-sized blocks, one thread and every CPU.
     work = min(512 << 20, max(4 * rec, 64 << 20))
     total = per_pass * rec
-    out["memcpy_1t_GBps"] = _median([total / native_bench.memcpy_seconds(total, rec, work, 1) / GB
+    out["memcpy_1t_GBps"] = median([total / native_bench.memcpy_seconds(total, rec, work, 1) / GB
                                      for _ in range(s["repeat"])])
     ncpu = os.cpu_count() or 1
-    out[f"memcpy_{ncpu}t_GBps"] = _median([total / native_bench.memcpy_seconds(total, rec, work, ncpu) / GB
+    out[f"memcpy_{ncpu}t_GBps"] = median([total / native_bench.memcpy_seconds(total, rec, work, ncpu) / GB
                                            for _ in range(s["repeat"])])
 
     # The kernel's own page-cache copy (pread of whole records, no second copy, no Python): what a
@@ -549,7 +545,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             for _ in range(s["repeat"]):
                 ex = cache.prepare("warm", path, spec.stride, sample())
                 vals.append(total / native_bench.pread_seconds(path, spec.stride, ex, th) / GB)
-            out[f"pread_{th}t_GBps"] = _median(vals)
+            out[f"pread_{th}t_GBps"] = median(vals)
 
     default_threshold = ReaderOptions().async_threshold
     # The side-region design's read: warm and cold buffered (it never used O_DIRECT).
@@ -561,7 +557,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
         for _ in range(s["repeat"]):
             ex = cache.prepare(mode, path, spec.stride, sample())
             vals.append(_side_region_pass(spec, pools_for(n_rows), ex, n_rows)["GBps"])
-        side[mode] = _median(vals)
+        side[mode] = median(vals)
     out["side_region_GBps"] = side
 
     for mode in s["modes"]:
@@ -598,11 +594,11 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             for label, ps in passes.items():
                 out["runs"].append(_cell(label, mode, depth, ps))
             # Same-duration windows with no reads: what the ticker sees from the machine alone.
-            window = _median([p["seconds"] for ps in passes.values() for p in ps])
+            window = median([p["seconds"] for ps in passes.values() for p in ps])
             idle = max(anyio.run(_idle_pass, window) for _ in range(s["repeat"]))
             out["idle_stall"].append({"mode": mode, "depth": depth, "loop_stall_ms": round(idle, 2)})
             if have_fio and mode != "warm":
-                out["fio"].append({"mode": mode, "depth": depth, "GBps": _median(fio_vals),
+                out["fio"].append({"mode": mode, "depth": depth, "GBps": median(fio_vals),
                                    "passes_GBps": [round(v, 3) for v in fio_vals], "command": fio_cmd})
     pools_by_rows.clear()
     return out
@@ -613,7 +609,7 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "reader": reader,
         "mode": mode,
         "depth": depth,
-        "GBps": _median([p["GBps"] for p in passes]),
+        "GBps": median([p["GBps"] for p in passes]),
         "passes_GBps": [round(p["GBps"], 3) for p in passes],
         "loop_stall_ms": max(p["loop_stall_ms"] for p in passes),
         "submit_ms_max": round(max(p["submit_ms_max"] for p in passes), 3),
@@ -768,14 +764,7 @@ def render_io_markdown(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m asyncside.bench.io [--json] [--quick] ...``"""
-    parser = argparse.ArgumentParser(prog="python -m asyncside.bench.io", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    add_io_arguments(parser)
-    args = parser.parse_args(argv)
-    result = run_io_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return bench_main("io", argv)
 
 
 if __name__ == "__main__":
