@@ -57,7 +57,6 @@ def test_host_mirror_rejects_bad_shapes() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
 @pytest.mark.parametrize("direct", [False, True])
 async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct: bool) -> None:
     if reader == "aiofiles" and direct:
@@ -106,7 +105,6 @@ def test_upload_without_cuda_says_what_is_missing() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
 async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader: str) -> None:
     store = _store(tmp_path / "store")
     async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:

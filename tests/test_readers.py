@@ -16,15 +16,11 @@ from asyncside.readers import ReaderOptions, choose_reader
 from asyncside.scheduler import Scheduler
 from asyncside.store import ExpertStore
 
-from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows
+from _read_helpers import assert_balanced, check_rows
+from conftest import HAVE_URING
 
 pytestmark = pytest.mark.anyio
 
-ALL_BACKENDS = [
-    pytest.param(("asyncio", {}), id="asyncio"),
-    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    pytest.param(("trio", {}), id="trio"),
-]
 
 _DTYPES = ["uint8", "int8", "uint16", "float16", "bfloat16", "uint32", "float32", "int64"]
 
@@ -106,7 +102,6 @@ def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
-@pytest.mark.parametrize("reader", READERS)
 async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore], no_blocking: object) -> None:
     """Random layouts: every expert of every layer read into rows (more experts than rows, in
     rounds, rows reused) equals read_expert; chunking is tiny so records span several ops."""
@@ -138,7 +133,6 @@ class _F:
         self.fill_id, self.expert, self.row = fill_id, expert, row
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore, no_blocking: object) -> None:
     """With 4096-multiple segments and aligned pools, native O_DIRECT reads go straight into the
     rows (no staging); the bytes are still exactly read_expert's."""
@@ -157,8 +151,6 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
         assert c["fills_direct_rows"] == 6 and c["fills_staged"] == 0, c
 
 
-@pytest.mark.parametrize("anyio_backend", ALL_BACKENDS)
-@pytest.mark.parametrize("reader", READERS)
 async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore], no_blocking: object) -> None:
     """The runtime's wiring in miniature: ledger.reserve -> submit -> done callbacks publish/fail on
     the loop thread, on asyncio, uvloop and trio; the ledger audits clean and lookup() maps to rows
@@ -180,7 +172,6 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
     assert ledger.audit().ok, ledger.audit().problems
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore], no_blocking: object) -> None:
     """queue_depth=2 with 12 fills: never more than 2 at the reader, the rest wait in the backlog."""
     store = stores[1]
