@@ -32,7 +32,26 @@ _EXPORTS = {
     "Segment": "store",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "LFU",
+    "LRU",
+    "AgingLFU",
+    "AsyncsideError",
+    "AuditReport",
+    "CapacityError",
+    "ExpertStore",
+    "Fill",
+    "FillError",
+    "LayerSpec",
+    "Ledger",
+    "LedgerError",
+    "OneShot",
+    "Policy",
+    "Segment",
+    "StoreError",
+    "__version__",
+    "make_policy",
+]
 
 if TYPE_CHECKING:
     from .errors import AsyncsideError, CapacityError, FillError, LedgerError, StoreError

@@ -25,16 +25,15 @@ gets there. :func:`counters` exposes the native and Python counters that tests b
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import asyncio
 import itertools
 import sys
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import anyio.lowlevel
 import mlx.core as mx
@@ -54,7 +53,7 @@ __all__ = [
     "schedule",
 ]
 
-StreamLike = Union[mx.Stream, mx.Device, mx.DeviceType, None]
+StreamLike = mx.Stream | mx.Device | mx.DeviceType | None
 
 #: The type of :func:`completed` as its users take it (injected into the runtime and the forward,
 #: so tests can substitute a bridge).
@@ -75,7 +74,7 @@ _stats: dict[str, int] = {
     "stray": 0,  # reaped tickets nobody issued successfully (issuing raised after MLX queued them)
 }
 _stats_lock = threading.Lock()  # loops in several threads may complete concurrently
-_live_queues: "weakref.WeakSet[CompletionQueue]" = weakref.WeakSet()
+_live_queues: weakref.WeakSet[CompletionQueue] = weakref.WeakSet()
 
 
 def _bump(key: str) -> None:
@@ -380,7 +379,7 @@ class _TrioQueue(CompletionQueue):
 # registered) and by its awaiters, never by this registry. A strong value would pin the loop
 # through the awaiters' futures, and a loop that closed with a ticket in flight would never be
 # collected, nor its eventfd closed.
-_asyncio_queues: "weakref.WeakValueDictionary[int, _AsyncioQueue]" = weakref.WeakValueDictionary()
+_asyncio_queues: weakref.WeakValueDictionary[int, _AsyncioQueue] = weakref.WeakValueDictionary()
 _trio_var: Any = None
 
 
@@ -407,7 +406,7 @@ def current_queue() -> CompletionQueue:
     if "trio" in sys.modules:
         var = _trio_queue_var()
         try:
-            tq = var.get(None)
+            tq: _TrioQueue | None = var.get(None)
         except RuntimeError:  # not inside a trio run
             pass
         else:

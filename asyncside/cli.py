@@ -8,6 +8,7 @@ cannot take the other subcommands down.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -30,11 +31,15 @@ def _attr(module: str, name: str) -> Callable[..., Any]:
     return fn
 
 
-def _add_options(parser: argparse.ArgumentParser, module: str, add: Callable[[], None]) -> None:
+def _add_options(parser: argparse.ArgumentParser, module: str, add: Callable[[argparse.ArgumentParser], None]) -> None:
     try:
-        add()
+        add(parser)
     except ImportError as exc:  # a missing optional dependency disables this subcommand only
         parser.set_defaults(_unavailable=f"{module}: {exc}")
+
+
+def _module_options(module: str, add: str, parser: argparse.ArgumentParser) -> None:
+    _attr(module, add)(parser)
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -52,7 +57,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for name, (help_text, module, add, _run) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if chosen is None or chosen[:1] == [name]:
-            _add_options(p, module, lambda p=p, module=module, add=add: _attr(module, add)(p))
+            _add_options(p, module, functools.partial(_module_options, module, add))
 
     bench = sub.add_parser("bench", help="measure the read path, the bridge, generation, serving")
     on_cli = [b for b in BENCHES.values() if b.on_cli]
@@ -60,7 +65,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for b in on_cli:
         p = kinds.add_parser(b.name, help=b.help)
         if chosen is None or chosen == ["bench", b.name]:
-            _add_options(p, b.module, lambda p=p, name=b.name: add_bench_arguments(name, p))
+            _add_options(p, b.module, functools.partial(add_bench_arguments, b.name))
     return parser
 
 

@@ -107,7 +107,7 @@ def _validate_ids(ids: Any, n_experts: int, what: str) -> list[int]:
         if lo < 0 or hi >= n_experts:
             bad = lo if lo < 0 else hi
             raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
-        return flat.tolist()  # type: ignore[no-any-return]
+        return flat.tolist()
     if isinstance(ids, (str, bytes, float, bool, np.bool_, np.floating)):
         raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {ids!r} ({type(ids).__name__})")
     try:
@@ -189,7 +189,8 @@ class Ledger:
     def __repr__(self) -> str:
         return (
             f"Ledger(n_experts={self.n_experts}, cap={self.cap}, side_rows={self.side_rows}, "
-            f"policy={self.policy.name!r}, live={len(self._live)}, filling={len(self._filling)}, free={len(self._free)})"
+            f"policy={self.policy.name!r}, live={len(self._live)}, filling={len(self._filling)}, "
+            f"free={len(self._free)})"
         )
 
     # ---- policy ---------------------------------------------------------------------------
@@ -307,7 +308,9 @@ class Ledger:
             raise LedgerError(f"{verb} needs a Fill, got {fill!r}")
         mine = self._pending.get(fill.fill_id)
         if mine is None:
-            raise LedgerError(f"cannot {verb} {fill}: it is not a pending fill of this ledger (already published or failed?)")
+            raise LedgerError(
+                f"cannot {verb} {fill}: it is not a pending fill of this ledger (already published or failed?)"
+            )
         if mine != fill:
             raise LedgerError(f"cannot {verb} {fill}: pending fill {fill.fill_id} is {mine}")
         del self._pending[fill.fill_id]
@@ -396,7 +399,8 @@ class Ledger:
         experts = np.asarray(experts, dtype=np.int64)
         then = table[experts]
         rows = np.maximum(then, 0)
-        return (then >= 0) & (self._table[experts] == then) & (self._gen[rows] == generations[rows])
+        out: np.ndarray = (then >= 0) & (self._table[experts] == then) & (self._gen[rows] == generations[rows])
+        return out
 
     def row_of(self, expert: int) -> int | None:
         """The row of a resident or LIVE expert, else None."""
@@ -452,7 +456,8 @@ class Ledger:
                 if not cap <= r < self.rows:
                     p(f"free row {r} is outside the side region [{cap}, {self.rows})")
                 elif self._row_state[r - cap] != FREE:
-                    p(f"row {r} is on the free stack but {_STATE_NAMES[self._row_state[r - cap]]}({self._row_owner[r - cap]})")
+                    state = _STATE_NAMES[self._row_state[r - cap]]
+                    p(f"row {r} is on the free stack but {state}({self._row_owner[r - cap]})")
             owner_of_row: dict[int, int] = {}
             for e, r in self._live.items():
                 if r in owner_of_row:
@@ -496,7 +501,8 @@ class Ledger:
                 expected[e] = r
             if not np.array_equal(expected, self._table):
                 bad = np.flatnonzero(expected != self._table)[:8].tolist()
-                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, expected {expected[bad].tolist()}")
+                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, "
+                  f"expected {expected[bad].tolist()}")
             if self._snapshot is not None and not np.array_equal(self._snapshot, self._table):
                 p("cached lookup snapshot is stale")
             pins: dict[int, int] = {}
@@ -511,9 +517,11 @@ class Ledger:
                     p(f"pinned row {r} is not resident or LIVE")
             s = self.stats
             if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
-                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} + pending {len(self._pending)}")
+                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} "
+                  f"+ pending {len(self._pending)}")
             problems.extend(self.policy.audit(set(self._live)))
-            counts = {"free": n_free, "filling": n_fill, "live": n_live, "pinned_rows": len(self._pins), "leases": len(self._leases)}
+            counts = {"free": n_free, "filling": n_fill, "live": n_live, "pinned_rows": len(self._pins),
+                      "leases": len(self._leases)}
         except Exception as exc:  # audit must report, never raise
             p(f"audit crashed: {type(exc).__name__}: {exc}")
             counts = {}

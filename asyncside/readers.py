@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from ._native import ReaderOptions
+from ._native import ReaderOptions as ReaderOptions  # re-exported: the one options struct
 from .errors import AsyncsideError
 from .pools import PoolSet
 from .store import LayerSpec
@@ -129,7 +129,7 @@ class ReaderBackend(ABC):
         """Deliver completions (on the loop thread) until cancelled; ``task_status.started()`` once
         submit() may be called. The scheduler runs this shielded."""
 
-    def kick(self, deliver: Deliver) -> None:
+    def kick(self, deliver: Deliver) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Deliver whatever completed already (io_uring reads may finish inside submit)."""
 
     @abstractmethod
@@ -166,14 +166,14 @@ class NativeReader(ReaderBackend):
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
         if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
-            return self._r.add_layout_mirror(
+            return int(self._r.add_layout_mirror(
                 str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
                 pools.mirror,
-            )
-        return self._r.add_layout(
+            ))
+        return int(self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],
-        )
+        ))
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         self._r.submit(layout, list(tokens), list(experts), list(rows))
@@ -326,10 +326,10 @@ class AiofilesReader(ReaderBackend):
                 self._op_seq += 1
                 if self._op_seq % f["transient_every"] == 0:
                     self._c["faults_injected"] += 1
-                    return f["transient_err"]
+                    return int(f["transient_err"])
             if f.get("err") and f.get("path") == path and off < f["hi"] and off + length > f["lo"]:
                 self._c["faults_injected"] += 1
-                return f["err"]
+                return int(f["err"])
         return 0
 
     def _read_range(self, fd: int, path: str, off: int, bufs: list[memoryview], need: int, direct: bool) -> None:

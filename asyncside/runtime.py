@@ -16,10 +16,11 @@ synchronous state machine.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import Counter
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -127,7 +128,7 @@ class PrefetchHandle:
     layer: int
     _done: anyio.Event
     fills: list[Fill] = field(default_factory=list)
-    errors: list[BaseException] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -349,9 +350,7 @@ class Runtime:
         started = time.perf_counter()
         handles = self._scheduler.submit(st.spec, st.pools, fills)
         for p, op, handle in zip(pendings, ops, handles):
-            handle.add_done_callback(
-                lambda h, p=p, op=op: self._on_read_done(st, p, op, h, started, on_done)
-            )
+            handle.add_done_callback(functools.partial(self._on_read_done, st, p, op, started=started, on_done=on_done))
         self._stats["fills"] += len(fills)
         return pendings
 
@@ -361,6 +360,7 @@ class Runtime:
         p: _Pending,
         op: int,
         handle: FillHandle,
+        *,
         started: float,
         on_done: Callable[[_Pending], None] | None,
     ) -> None:
@@ -428,7 +428,7 @@ class Runtime:
             st.version += 1
         return fills
 
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         if self._tg is None or self._closed:
             raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
         self._tg.start_soon(fn, *args)

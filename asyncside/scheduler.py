@@ -19,7 +19,6 @@ import errno as _errno
 import itertools
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,16 +32,18 @@ from .pools import PoolSet
 from .readers import ReaderBackend, ReaderOptions, choose_reader, make_reader, reader_options
 from .store import LayerSpec
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
-
 log = logging.getLogger(__name__)
 
 
 class FillLike(Protocol):
-    fill_id: int
-    expert: int
-    row: int
+    """What the scheduler reads from a fill (a ledger :class:`~asyncside.ledger.Fill` or any alike)."""
+
+    @property
+    def fill_id(self) -> int: ...
+    @property
+    def expert(self) -> int: ...
+    @property
+    def row(self) -> int: ...
 
 
 class FillHandle:

@@ -18,10 +18,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 
 import asyncside._native.testing as native_testing
 from asyncside.bridge import completed

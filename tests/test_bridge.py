@@ -13,10 +13,9 @@ import random
 import threading
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 
 import asyncside._native as native
 import asyncside._native.testing as native_testing

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-
 import json
 import pathlib
 
@@ -11,7 +10,6 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import ShuffledSource, tiny_model
 from mlx_lm.utils import load_model, save_config, save_model
 
 from asyncside.bridge import completed
@@ -29,6 +27,8 @@ from asyncside.models.embedded import EmbeddedSpec, cache_root, ensure_embedded_
 from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.runtime import Runtime
 from asyncside.store import ExpertStore
+
+from _models_support import ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 
@@ -258,7 +258,7 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> 
 
 
 def test_profile_model_dir_and_from_trace(tmp_path: pathlib.Path) -> None:
-    from asyncside.models import RoutingTrace, ResidentSource, profile_from_trace, profile_model_dir
+    from asyncside.models import ResidentSource, RoutingTrace, profile_from_trace, profile_model_dir
     from asyncside.models.embedded import build_model
 
     spec = SMALL_EMBEDDED

@@ -14,7 +14,6 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import BASE, ShuffledSource, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
 from asyncside.bridge import completed
@@ -24,12 +23,14 @@ from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribu
 from asyncside.models.forward import RowLookupError
 from asyncside.models.pooled import SORT_THRESHOLD
 
+from _models_support import BASE, ShuffledSource, tiny_model
+
 Q4 = {"group_size": 64, "bits": 4}
 PROMPT_LEN = 40  # 40 tokens x top-k >= 64 routed pairs: prefill takes mlx-lm's sorted gather path
 NEW_TOKENS = 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def setup(model_type: str, quant: str):
     """(plain model, config, StreamingModel, expert pools, prompt, reference tokens), cached."""
     q = {"float": None, "q4g64": Q4, "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}[quant]

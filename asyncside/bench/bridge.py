@@ -33,9 +33,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 from .. import _native
 from ..bridge import completed_at

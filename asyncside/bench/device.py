@@ -97,7 +97,7 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         # Bridge latency on the GPU stream.
         lat, rtt = [], []
         x = mx.zeros((1,))
-        for i in range(args.bridge_samples):
+        for _ in range(args.bridge_samples):
             x = x + 1.0
             t0 = time.monotonic_ns()
             posted = await completed_at(x)

@@ -63,7 +63,7 @@ class ModelLayout:
 
     def segments(self) -> list[tuple[str, str, tuple[int, ...]]]:
         per = 32 // self.bits
-        out = []
+        out: list[tuple[str, str, tuple[int, ...]]] = []
         for proj, (rows, cols) in (("gate_proj", (self.intermediate, self.hidden)),
                                    ("up_proj", (self.intermediate, self.hidden)),
                                    ("down_proj", (self.hidden, self.intermediate))):
@@ -113,7 +113,8 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as root, also echo 3 > /proc/sys/vm/drop_caches before cold buffered passes")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
-    parser.add_argument("--markdown", action="store_true", help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
 
 
 # ---- machine ---------------------------------------------------------------------------------
@@ -250,15 +251,16 @@ async def _drive(sched: Any, spec: Any, pools: Any, experts: Sequence[int], dept
     free = deque(range(pools.rows))
     inflight = [0]
     finished = anyio.Event()
-    state = {"left": len(experts), "error": None}
+    left = [len(experts)]
+    errors: list[BaseException] = []
 
     def done(h: Any) -> None:
-        if h.result_error() is not None and state["error"] is None:
-            state["error"] = h.result_error()
+        if h.result_error() is not None and not errors:
+            errors.append(h.result_error())
         free.append(h.fill.row)
         inflight[0] -= 1
-        state["left"] -= 1
-        if state["left"] == 0:
+        left[0] -= 1
+        if left[0] == 0:
             finished.set()
         else:
             launch()
@@ -274,8 +276,8 @@ async def _drive(sched: Any, spec: Any, pools: Any, experts: Sequence[int], dept
 
     launch()
     await finished.wait()
-    if state["error"] is not None:
-        raise state["error"]
+    if errors:
+        raise errors[0]
 
 
 async def _idle_pass(seconds: float) -> float:
@@ -437,10 +439,9 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..readers import io_uring_status
 
     s = _settings(args)
-    root = getattr(args, "dir", None)
-    made_root = root is None
-    if made_root:
-        root = tempfile.mkdtemp(prefix="asyncside-bench-io-")
+    given: str | None = getattr(args, "dir", None)
+    made_root = given is None
+    root = tempfile.mkdtemp(prefix="asyncside-bench-io-") if given is None else given
     os.makedirs(root, exist_ok=True)
     started = time.time()
     cache = CacheControl(s["drop_caches"])
@@ -651,7 +652,8 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                 c["warm_ge_90pct_memcpy"] = best / lay["memcpy_1t_GBps"] >= 0.9
                 ncpu = result["machine"]["nproc"]
                 if lay.get(f"pread_{ncpu}t_GBps"):
-                    c["warm_best_vs_kernel_pread_limit"] = round(best / max(lay["pread_1t_GBps"], lay[f"pread_{ncpu}t_GBps"]), 3)
+                    limit = max(lay["pread_1t_GBps"], lay[f"pread_{ncpu}t_GBps"])
+                    c["warm_best_vs_kernel_pread_limit"] = round(best / limit, 3)
                 side_warm = lay["side_region_GBps"].get("warm")
                 if side_warm:
                     c["warm_best_vs_side_region"] = round(best / side_warm, 2)
@@ -673,7 +675,8 @@ def render_io_table(result: dict[str, Any]) -> None:
         side = lay["side_region_GBps"]
         mem_all = lay[f"memcpy_{m['nproc']}t_GBps"]
         pread_all = lay.get(f"pread_{m['nproc']}t_GBps", float("nan"))
-        t = Table(title=f"bench io: {lay['layout']} ({lay['record_bytes']:,} B records, {lay['segments']} segments), GB/s",
+        t = Table(title=f"bench io: {lay['layout']} ({lay['record_bytes']:,} B records, "
+                        f"{lay['segments']} segments), GB/s",
                   caption=f"side-region design's read: warm {side.get('warm', float('nan')):.2f}, "
                           f"cold {side.get('cold_buffered', float('nan')):.2f} GB/s; "
                           f"memcpy 1 thread {lay['memcpy_1t_GBps']:.2f} GB/s, {m['nproc']} threads {mem_all:.2f} GB/s; "
@@ -698,7 +701,8 @@ def render_io_table(result: dict[str, Any]) -> None:
                 stalls.append(f"{cell['loop_stall_ms']:.1f}" if cell else "-")
             f = fio.get((mode, depth))
             row.append(f"{f:.2f}" if f is not None else "-")
-            idle = next((x["loop_stall_ms"] for x in lay.get("idle_stall", []) if (x["mode"], x["depth"]) == (mode, depth)), None)
+            idle = next((x["loop_stall_ms"] for x in lay.get("idle_stall", [])
+                         if (x["mode"], x["depth"]) == (mode, depth)), None)
             row.append("/".join(stalls) + (f" (idle {idle:.1f})" if idle is not None else ""))
             t.add_row(*row)
         console.print(t)
@@ -719,7 +723,8 @@ def render_io_markdown(result: dict[str, Any]) -> str:
         names = list(dict.fromkeys(r["reader"] for r in lay["runs"]))
         lines.append(f"**{lay['layout']}**: {lay['record_bytes']:,}-byte records of {lay['segments']} segments, "
                      f"{lay['experts_in_store']} records ({lay['store_bytes'] / 2**30:.2f} GiB) in the store, "
-                     f"{lay['records_per_pass']} random records per pass, median of {result['settings']['repeat']} passes. GB/s "
+                     f"{lay['records_per_pass']} random records per pass, "
+                     f"median of {result['settings']['repeat']} passes. GB/s "
                      "(loop stall, ms: largest gap of a 1 ms ticker on the loop during the passes).")
         lines.append("")
         lines.append("| mode | depth | " + " | ".join(names) + " | fio io_uring | idle stall |")
@@ -737,7 +742,8 @@ def render_io_markdown(result: dict[str, Any]) -> str:
         o = lay["side_region_GBps"]
         nproc = m["nproc"]
         lines.append("")
-        lines.append(f"Beside it: the side-region design's read (1 thread, pread whole record + memcpy per segment) warm "
+        lines.append("Beside it: the side-region design's read (1 thread, pread whole record + memcpy per segment) "
+                     f"warm "
                      f"{o.get('warm', float('nan')):.2f}, cold {o.get('cold_buffered', float('nan')):.2f} GB/s; "
                      f"memcpy of records 1 thread {lay['memcpy_1t_GBps']:.2f}, {nproc} threads "
                      f"{lay[f'memcpy_{nproc}t_GBps']:.2f} GB/s; warm pread of whole records (kernel copy, no Python) "
@@ -751,7 +757,8 @@ def render_io_markdown(result: dict[str, Any]) -> str:
         lines.append("")
     lines.append("Targets on this run (ratios):")
     lines.append("")
-    lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / side region | warm best / memcpy 1t | warm best / kernel pread limit |")
+    lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / side region "
+                 "| warm best / memcpy 1t | warm best / kernel pread limit |")
     lines.append("| --- | --- | --- | ---: | ---: | ---: |")
     for layout, readers in result["targets"].items():
         for reader, c in readers.items():

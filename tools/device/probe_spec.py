@@ -1,11 +1,22 @@
 """Device probe: tokens of tiny gpt_oss (float) over ResidentSource, speculation on/off, repeated."""
 import sys
+from typing import Any
+
 sys.path.insert(0, "tests")
-import anyio, numpy as np
-from _models_support import tiny_model
+import anyio
+import numpy as np
+
+from asyncside.bridge import completed
 from asyncside.models import ResidentSource, reference_generate, streaming_from_model
 from asyncside.models.forward import eval_completed
-from asyncside.bridge import completed
+
+from _models_support import tiny_model
+
+
+async def run(sm: Any, src: ResidentSource) -> list[int]:
+    return [t async for t in sm.generate(prompt, max_tokens=10, source=src, predictor="lookahead")]
+
+
 mt = sys.argv[1] if len(sys.argv) > 1 else "gpt_oss"
 model, config = tiny_model(mt)
 prompt = [int(t) for t in np.random.default_rng(7).integers(0, config["vocab_size"], 40)]
@@ -17,7 +28,5 @@ for comp_name, comp in (("bridge", completed), ("eval", eval_completed)):
     src = ResidentSource(pools)
     for spec in (True, False, True, False):
         sm.forward.speculate = spec
-        async def main():
-            return [t async for t in sm.generate(prompt, max_tokens=10, source=src, predictor="lookahead")]
-        got = anyio.run(main)
+        got = anyio.run(run, sm, src)
         print(mt, comp_name, "speculate", spec, "equal", got == ref, got if got != ref else "", flush=True)
