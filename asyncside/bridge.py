@@ -465,9 +465,10 @@ async def completed_at(x: mx.array, *, stream: StreamLike = None, then: Sequence
 async def _schedule(queue: CompletionQueue, roots: list[mx.array]) -> None:
     """Schedule ``roots`` piece by piece, awaiting the stream between pieces.
 
-    MLX's ``async_eval`` blocks its caller while more than ~100 dispatches are queued; a long
-    prefill layer queued at once held the event loop 60-190 ms. Each step schedules only what fits
-    (never blocking) and otherwise names an array already on the stream to await first.
+    MLX's ``async_eval`` blocks its caller while more than its limit of task groups is queued, and
+    a long prefill layer queued at once held the event loop for a long time (BENCHMARKS.md,
+    measurements behind code choices). Each step schedules only what fits (never blocking) and
+    otherwise names an array already on the stream to await first.
     """
     while True:
         done, wait_on = _native.schedule_step(roots)

@@ -9,16 +9,18 @@ Rows ``[0, cap)`` hold the resident experts (``resident[i]`` in row ``i``); rows
     FREE --reserve--> FILLING(expert, fill) --publish(fill)--> LIVE(expert) --evict/drop--> FREE
                             \\--fail(fill)--> FREE
 
-Fixes over the original C++ side region (see docs/ARCHITECTURE.md and shared/DESIGN.md):
+What it fixes in the side-region design this project grows from (docs/design.md):
 
-- an expert whose fill is in flight counts as present: it is never reserved a second time (the
-  original reserved a second row and leaked one) and it is not evictable while FILLING;
+- an expert whose fill is in flight counts as present: it is never reserved a second time (a
+  second reservation would take a second row, and the later publish would leak one of them) and
+  it is not evictable while FILLING;
 - ``publish``/``fail`` act only on the exact pending :class:`Fill` they are given;
 - a failed fill returns its row to the free stack;
 - rows under a lease (a forward may still read them) are never evicted or dropped.
 
-The free rows form a stack (the original ``free_rows.back()``): initialised ``cap, cap+1, ...``
-so the first reservation takes the last side row; failed fills and one-shot drops push rows back.
+The free rows form a stack, as in the side-region design (so the two make the same decisions on
+the same inputs, which tests/test_ledger.py checks): initialised ``cap, cap+1, ...`` so the first
+reservation takes the last side row; failed fills and one-shot drops push rows back.
 """
 
 from __future__ import annotations
@@ -255,12 +257,13 @@ class Ledger:
 
         if policy.drops_unpredicted:
             # Legacy one-shot: drop every unpredicted LIVE expert, rows pushed in ascending expert
-            # order (the original iterated a std::map) -- except rows a forward still holds.
+            # order (the side-region design's map iterates in key order) -- except rows a forward
+            # still holds.
             for e in sorted(live):
                 if e not in in_batch and not self._pins.get(live[e]):
                     self._free.append(self._evict(e))
 
-        for e in batch:  # the original bumps every predicted present expert before filling
+        for e in batch:  # every predicted present expert is bumped before any row is filled
             if e in live:
                 policy.on_hit(e)
                 self.stats["hits"] += 1

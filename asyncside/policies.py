@@ -6,19 +6,20 @@ the policy what happened through the ``on_*`` hooks. Pure Python, no I/O.
 
 Policies:
 
-- :class:`LFU` (default, ``"lfu"``): the original rules. A published expert starts at frequency 1;
-  each reserve that predicts an expert already LIVE bumps it by 1 (once per reserve, duplicates
-  ignored); the victim is the LIVE expert with the lowest frequency (ties: smallest id) that the
-  ledger allows (not predicted in this batch, not under lease); its frequency is forgotten.
-- :class:`OneShot` (legacy, ``"oneshot"``): every reserve first drops every LIVE expert not predicted
-  now (unless leased), then fills from free rows only; it never evicts.
+- :class:`LFU` (default, ``"lfu"``): the side-region design's rules. A published expert starts at
+  frequency 1; each reserve that predicts an expert already LIVE bumps it by 1 (once per reserve,
+  duplicates ignored); the victim is the LIVE expert with the lowest frequency (ties: smallest id)
+  that the ledger allows (not predicted in this batch, not under lease); its frequency is forgotten.
+- :class:`OneShot` (``"oneshot"``, the side-region design's legacy policy): every reserve first
+  drops every LIVE expert not predicted now (unless leased), then fills from free rows only; it
+  never evicts.
 - :class:`LRU` (``"lru"``): the victim is the least recently used LIVE expert, where "used" means
   published, predicted while LIVE, or leased (ties: smallest id).
 - :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
 
-The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion,
-instead of scanning every LIVE expert as the original did.
+The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
+instead of scanning every LIVE expert per eviction (docs/design.md).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class _HeapPolicy(Policy):
 
 
 class LFU(_HeapPolicy):
-    """Least frequently predicted (the original default; see module docstring)."""
+    """Least frequently predicted (the default; see module docstring)."""
 
     name = "lfu"
 
@@ -145,7 +146,7 @@ class LFU(_HeapPolicy):
         self._set(expert, self.score.get(expert, 0) + 1)
 
     def on_publish(self, expert: int) -> None:
-        if expert not in self.score:  # the original: freq starts at 1 unless already known
+        if expert not in self.score:  # freq starts at 1 unless already known (a re-publish keeps it)
             self._set(expert, 1)
 
 

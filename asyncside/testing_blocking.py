@@ -477,15 +477,15 @@ if pytest is not None:
         options = dict(marker.kwargs) if marker is not None else {}
         detector = BlockingDetector(**options)
         item = request.node
-        original = item.obj
-        if not inspect.iscoroutinefunction(original):
+        test_fn = item.obj
+        if not inspect.iscoroutinefunction(test_fn):
             raise pytest.UsageError(f"{item.nodeid}: the no_blocking fixture needs an async test function")
 
-        @functools.wraps(original)
+        @functools.wraps(test_fn)
         async def watched(*args: Any, **kwargs: Any) -> Any:
             try:
                 async with detector:
-                    return await original(*args, **kwargs)
+                    return await test_fn(*args, **kwargs)
             finally:
                 for inc in detector.starved:
                     warnings.warn(LoopStarvedWarning(inc.describe()), stacklevel=1)
@@ -494,4 +494,4 @@ if pytest is not None:
         try:
             yield detector
         finally:
-            item.obj = original
+            item.obj = test_fn

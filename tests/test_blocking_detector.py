@@ -112,7 +112,7 @@ async def test_quiet_on_a_responsive_loop(anyio_backend: object) -> None:
 
 
 async def test_strict_mode_refuses_known_blocking_calls(anyio_backend: object) -> None:
-    original_eval = mx.eval
+    plain_eval = mx.eval
     unscheduled = mx.array(np.ones(4, np.float32)) * 2.0
     async with BlockingDetector(threshold=1.0, strict=True, raise_on_exit=False) as det:
         with pytest.raises(BlockingCallError, match="mx.eval"):
@@ -124,7 +124,7 @@ async def test_strict_mode_refuses_known_blocking_calls(anyio_backend: object) -
             mx.synchronize()
         await anyio.to_thread.run_sync(time.sleep, 0.001)  # off the loop thread: allowed
         await completed(unscheduled)  # the non-blocking way is untouched by strict mode
-    assert mx.eval is original_eval  # patches undone
+    assert mx.eval is plain_eval  # patches undone
     assert [inc.call for inc in det.incidents if inc.call] == [
         "mx.eval() of arrays that are not yet available",
         "time.sleep(0.001)",

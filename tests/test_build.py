@@ -20,7 +20,7 @@ def test_typed_package_and_native_surface() -> None:
 
     assert files("asyncside").joinpath("py.typed").is_file()
     for name in ("StreamGate", "fail_on_stream", "TestingGate", "testing_fail", "wakeup_floor_ns",
-                 "original_design_read", "side_region_read", "pread_seconds", "memcpy_seconds", "cuda_h2d_bandwidth"):
+                 "side_region_read", "pread_seconds", "memcpy_seconds", "cuda_h2d_bandwidth"):
         assert not hasattr(native, name), name
     assert {"StreamGate", "fail_on_stream"} <= set(dir(native.testing))
     assert {"wakeup_floor_ns", "side_region_read", "pread_seconds", "memcpy_seconds", "cuda_h2d_bandwidth"} <= set(

@@ -1,6 +1,6 @@
 """Exactness of the async forward over expert sources, for every supported architecture.
 
-The reference is the plain mlx-lm model (original weights, mlx-lm's own ``generate_step``, greedy).
+The reference is the plain mlx-lm model (its own weights, mlx-lm's own ``generate_step``, greedy).
 The streaming side is :class:`StreamingModel` over a ResidentSource (all experts, identity rows)
 and over ShuffledSource (a real Ledger per layer, random physical rows, fewer rows than experts,
 demand copies, prefetch hints, capacity splits). Tokens must be identical; logits bitwise equal.

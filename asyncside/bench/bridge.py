@@ -64,8 +64,8 @@ def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1 << 18,
         help="float32 elements of the array each completion computes, x = a * i + 1 (default 2^18: "
-        "about 0.1-0.3 ms of single-threaded MLX work, so the loop is parked when the stream posts; "
-        "a tiny size measures the issue path instead, the stream finishing before the loop waits)",
+        "enough work that the loop is parked when the stream posts; a tiny size measures the issue "
+        "path instead, the stream finishing before the loop waits)",
     )
 
 
