@@ -25,16 +25,15 @@ gets there. :func:`counters` exposes the native and Python counters that tests b
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import asyncio
 import itertools
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import anyio.lowlevel
 import mlx.core as mx
@@ -43,6 +42,7 @@ from . import _native
 from .errors import AsyncsideError
 
 __all__ = [
+    "Completed",
     "ComputationError",
     "CompletionQueue",
     "StreamLike",
@@ -53,7 +53,11 @@ __all__ = [
     "schedule",
 ]
 
-StreamLike = Union[mx.Stream, mx.Device, mx.DeviceType, None]
+StreamLike = mx.Stream | mx.Device | mx.DeviceType | None
+
+#: The type of :func:`completed` as its users take it (injected into the runtime and the forward,
+#: so tests can substitute a bridge).
+Completed = Callable[[mx.array], Awaitable[None]]
 
 
 class ComputationError(AsyncsideError, RuntimeError):
@@ -70,7 +74,7 @@ _stats: dict[str, int] = {
     "stray": 0,  # reaped tickets nobody issued successfully (issuing raised after MLX queued them)
 }
 _stats_lock = threading.Lock()  # loops in several threads may complete concurrently
-_live_queues: "weakref.WeakSet[CompletionQueue]" = weakref.WeakSet()
+_live_queues: weakref.WeakSet[CompletionQueue] = weakref.WeakSet()
 
 
 def _bump(key: str) -> None:
@@ -375,7 +379,7 @@ class _TrioQueue(CompletionQueue):
 # registered) and by its awaiters, never by this registry. A strong value would pin the loop
 # through the awaiters' futures, and a loop that closed with a ticket in flight would never be
 # collected, nor its eventfd closed.
-_asyncio_queues: "weakref.WeakValueDictionary[int, _AsyncioQueue]" = weakref.WeakValueDictionary()
+_asyncio_queues: weakref.WeakValueDictionary[int, _AsyncioQueue] = weakref.WeakValueDictionary()
 _trio_var: Any = None
 
 
@@ -402,7 +406,7 @@ def current_queue() -> CompletionQueue:
     if "trio" in sys.modules:
         var = _trio_queue_var()
         try:
-            tq = var.get(None)
+            tq: _TrioQueue | None = var.get(None)
         except RuntimeError:  # not inside a trio run
             pass
         else:
@@ -461,9 +465,10 @@ async def completed_at(x: mx.array, *, stream: StreamLike = None, then: Sequence
 async def _schedule(queue: CompletionQueue, roots: list[mx.array]) -> None:
     """Schedule ``roots`` piece by piece, awaiting the stream between pieces.
 
-    MLX's ``async_eval`` blocks its caller while more than ~100 dispatches are queued; a long
-    prefill layer queued at once held the event loop 60-190 ms. Each step schedules only what fits
-    (never blocking) and otherwise names an array already on the stream to await first.
+    MLX's ``async_eval`` blocks its caller while more than its limit of task groups is queued, and
+    a long prefill layer queued at once held the event loop for a long time (BENCHMARKS.md,
+    measurements behind code choices). Each step schedules only what fits (never blocking) and
+    otherwise names an array already on the stream to await first.
     """
     while True:
         done, wait_on = _native.schedule_step(roots)

@@ -1,89 +1,86 @@
-"""The ``asyncside`` command: demo, convert, bench, serve.
+"""The ``asyncside`` command (also ``python -m asyncside``): demo, convert, serve, bench.
 
-Each subcommand lives in its own module and is imported only when it runs, so ``asyncside
---help`` stays fast and a broken optional piece cannot take the others down.
+Each subcommand lives in its own module, and only the subcommand being run is imported (its
+options included): ``asyncside --help`` imports no MLX and no mlx-lm, and a broken optional piece
+cannot take the other subcommands down.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# bench name -> (module, function adding arguments, function running it and returning a dict)
-_BENCHES: dict[str, tuple[str, str, str, str]] = {
-    "io": ("asyncside.bench.io", "add_io_arguments", "run_io_bench",
-           "read path GB/s per reader, cold and warm, beside fio, memcpy and the original design"),
-    "bridge": ("asyncside.bench.bridge", "add_bridge_arguments", "run_bridge_bench",
-               "completion latency on asyncio, uvloop and trio beside executor and polling"),
-    "generate": ("asyncside.bench.generate", "add_generate_arguments", "run_generate_bench",
-                 "tokens/s by residency, prefetch on/off, policies vs Belady"),
-    "serve": ("asyncside.bench.serve", "add_serve_bench_arguments", "run_serve_bench",
-              "concurrent streaming clients against `asyncside serve`"),
+from .bench import BENCHES, add_bench_arguments, run_bench
+
+# command -> (help, module, function adding its options, function running it -> exit status)
+_COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": ("streaming generation on the embedded default model", "asyncside.demo", "add_demo_arguments",
+             "demo_main"),
+    "convert": ("turn an mlx-lm model directory into an expert store", "asyncside.models.cli",
+                "add_convert_arguments", "convert_main"),
+    "serve": ("OpenAI-compatible streaming HTTP server", "asyncside.server", "add_serve_arguments", "serve_main"),
 }
 
 
 def _attr(module: str, name: str) -> Callable[..., Any]:
-    return getattr(importlib.import_module(module), name)
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="measure the read path, the bridge, generation, serving")
-    kinds = bench.add_subparsers(dest="bench", metavar="{" + ",".join(_BENCHES) + "}", required=True)
-    for name, (module, add, _run, help_text) in _BENCHES.items():
-        p = kinds.add_parser(name, help=help_text)
-        p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-        try:
-            _attr(module, add)(p)
-        except ImportError as exc:  # a missing optional dependency disables one bench only
-            p.set_defaults(_unavailable=f"{module}: {exc}")
+def _add_options(parser: argparse.ArgumentParser, module: str, add: Callable[[argparse.ArgumentParser], None]) -> None:
+    try:
+        add(parser)
+    except ImportError as exc:  # a missing optional dependency disables this subcommand only
+        parser.set_defaults(_unavailable=f"{module}: {exc}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``asyncside`` command."""
+def _module_options(module: str, add: str, parser: argparse.ArgumentParser) -> None:
+    _attr(module, add)(parser)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``asyncside`` command.
+
+    With ``argv``, only the subcommand it names gets its options (importing its module); without,
+    every subcommand does (tests, documentation).
+    """
+    chosen = [a for a in argv if not a.startswith("-")][:2] if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="asyncside",
         description="Stream MoE expert weights from an SSD expert store into MLX pools.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, module, add, _run) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if chosen is None or chosen[:1] == [name]:
+            _add_options(p, module, functools.partial(_module_options, module, add))
 
-    demo = sub.add_parser("demo", help="streaming generation on the embedded default model")
-    _attr("asyncside.demo", "add_demo_arguments")(demo)
-
-    convert = sub.add_parser("convert", help="turn an mlx-lm model directory into an expert store")
-    _attr("asyncside.models.cli", "add_convert_arguments")(convert)
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible streaming HTTP server")
-    try:
-        _attr("asyncside.server", "add_serve_arguments")(serve)
-    except ImportError as exc:
-        serve.set_defaults(_unavailable=f"asyncside.server: {exc}")
-
-    _add_bench(sub)
+    bench = sub.add_parser("bench", help="measure the read path, the bridge, generation, serving")
+    on_cli = [b for b in BENCHES.values() if b.on_cli]
+    kinds = bench.add_subparsers(dest="bench", metavar="{" + ",".join(b.name for b in on_cli) + "}", required=True)
+    for b in on_cli:
+        p = kinds.add_parser(b.name, help=b.help)
+        if chosen is None or chosen == ["bench", b.name]:
+            _add_options(p, b.module, functools.partial(add_bench_arguments, b.name))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     unavailable = getattr(args, "_unavailable", None)
     if unavailable:
         print(f"asyncside {args.command}: not available: {unavailable}", file=sys.stderr)
         return 2
-    if args.command == "demo":
-        return int(_attr("asyncside.demo", "demo_main")(args))
-    if args.command == "convert":
-        return int(_attr("asyncside.models.cli", "convert_main")(args))
-    if args.command == "serve":
-        return int(_attr("asyncside.server", "serve_main")(args))
-    module, _add, run, _help = _BENCHES[args.bench]
-    result = _attr(module, run)(args)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    return 0
+    if args.command == "bench":
+        return run_bench(args.bench, args)
+    _help, module, _add, run = _COMMANDS[args.command]
+    return int(_attr(module, run)(args))
 
 
 if __name__ == "__main__":

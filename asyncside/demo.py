@@ -113,9 +113,8 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
 
 async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
                          echo: Any, options: Any) -> tuple[Run, dict[str, Any], bool]:
-    from .runtime import Runtime
-
     from .looplag import measure_loop_lag
+    from .runtime import Runtime
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None) as rt:

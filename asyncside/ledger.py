@@ -18,16 +18,18 @@ row; the handler may fill it with a faulted expert, which the ledger learns afte
     FREE --lend--> LENT --settle_fault(ok)--> LIVE(new), lent ; --settle_fault(failed)--> LENT ; --reclaim--> FREE
     LIVE(e) --lend--> LIVE(e), lent --settle_fault(ok)--> LIVE(new), lent (e evicted) ; --reclaim--> LIVE(e)
 
-Fixes over the original C++ side region (see docs/ARCHITECTURE.md and shared/DESIGN.md):
+What it fixes in the side-region design this project grows from (docs/design.md):
 
-- an expert whose fill is in flight counts as present: it is never reserved a second time (the
-  original reserved a second row and leaked one) and it is not evictable while FILLING;
+- an expert whose fill is in flight counts as present: it is never reserved a second time (a
+  second reservation would take a second row, and the later publish would leak one of them) and
+  it is not evictable while FILLING;
 - ``publish``/``fail`` act only on the exact pending :class:`Fill` they are given;
 - a failed fill returns its row to the free stack;
 - rows under a lease (a forward may still read them) are never evicted or dropped.
 
-The free rows form a stack (the original ``free_rows.back()``): initialised ``cap, cap+1, ...``
-so the first reservation takes the last side row; failed fills and one-shot drops push rows back.
+The free rows form a stack, as in the side-region design (so the two make the same decisions on
+the same inputs, which tests/test_ledger.py checks): initialised ``cap, cap+1, ...`` so the first
+reservation takes the last side row; failed fills and one-shot drops push rows back.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CapacityError, LedgerError
-from .policies import Policy, make_policy
+from .policies import DEFAULT_POLICY, Policy, make_policy
 
 FREE, FILLING, LIVE, LENT = 0, 1, 2, 3
 _STATE_NAMES = {FREE: "FREE", FILLING: "FILLING", LIVE: "LIVE", LENT: "LENT"}
@@ -83,29 +85,41 @@ def _int_or_raise(v: Any, n_experts: int, what: str) -> int:
     return int(v)
 
 
-def validate_ids(ids: Any, n_experts: int, what: str = "expert id") -> list[int]:
-    """Flatten ``ids`` into a list of Python ints in ``[0, n_experts)``.
+def validate_ids(ids: Any, n_experts: int, what: str = "expert id", *, layer: int | None = None) -> list[int]:
+    """Flatten ``ids`` into a list of Python ints in ``[0, n_experts)``: the one check of expert ids
+    (the ledger, the runtime and the model's expert sources all use it).
 
     Accepts an int, a (nested) list/tuple/range/iterable of ints, or an integer numpy array of
-    any shape (anything with ``__array__``, e.g. an evaluated mx.array, goes through numpy).
-    Rejects floats and bools (also as array dtypes) and out-of-range values with a LedgerError
-    naming the value and the valid range.
+    any shape (anything with ``__array__``, e.g. an evaluated mx.array, goes through numpy; an
+    empty array of any dtype is no ids). Rejects floats and bools (also as array dtypes) and
+    out-of-range values with a LedgerError naming the value, the valid range and, when given,
+    the layer.
     """
+    try:
+        return _validate_ids(ids, n_experts, what)
+    except LedgerError as exc:
+        if layer is None:
+            raise
+        raise LedgerError(f"layer {layer}: {exc}") from None
+
+
+def _validate_ids(ids: Any, n_experts: int, what: str) -> list[int]:
     if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
         return [_int_or_raise(ids, n_experts, what)]
     if not isinstance(ids, np.ndarray) and hasattr(ids, "__array__") and not isinstance(ids, (list, tuple)):
         ids = np.asarray(ids)
     if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise LedgerError(f"{what}s must be an integer array, got dtype {ids.dtype} (values {ids.ravel()[:8]!r})")
         flat = ids.ravel()
-        if flat.size:
-            lo, hi = flat.min(), flat.max()
-            if lo < 0 or hi >= n_experts:
-                bad = lo if lo < 0 else hi
-                raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
+        if not flat.size:
+            return []
+        if ids.dtype.kind not in "iu":
+            raise LedgerError(f"{what}s must be an integer array, got dtype {ids.dtype} (values {flat[:8]!r})")
+        lo, hi = flat.min(), flat.max()
+        if lo < 0 or hi >= n_experts:
+            bad = lo if lo < 0 else hi
+            raise LedgerError(f"{what} {int(bad)} out of range [0, {n_experts})")
         return flat.tolist()
-    if isinstance(ids, (str, bytes)) or isinstance(ids, (float, bool, np.bool_, np.floating)):
+    if isinstance(ids, (str, bytes, float, bool, np.bool_, np.floating)):
         raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {ids!r} ({type(ids).__name__})")
     try:
         items = iter(ids)
@@ -114,7 +128,7 @@ def validate_ids(ids: Any, n_experts: int, what: str = "expert id") -> list[int]
     out: list[int] = []
     for v in items:
         if isinstance(v, (list, tuple, np.ndarray)):
-            out.extend(validate_ids(v, n_experts, what))
+            out.extend(_validate_ids(v, n_experts, what))
         else:
             out.append(_int_or_raise(v, n_experts, what))
     return out
@@ -124,7 +138,7 @@ class Ledger:
     """Row ownership of one layer's pools (see module docstring)."""
 
     def __init__(
-        self, n_experts: int, resident: Sequence[int], side_rows: int, policy: Policy | str = "lfu"
+        self, n_experts: int, resident: Sequence[int], side_rows: int, policy: Policy | str = DEFAULT_POLICY
     ) -> None:
         if not isinstance(n_experts, int) or isinstance(n_experts, bool) or not 1 <= n_experts <= _INT32_MAX:
             raise LedgerError(f"n_experts must be an int in [1, {_INT32_MAX}], got {n_experts!r}")
@@ -191,7 +205,8 @@ class Ledger:
     def __repr__(self) -> str:
         return (
             f"Ledger(n_experts={self.n_experts}, cap={self.cap}, side_rows={self.side_rows}, "
-            f"policy={self.policy.name!r}, live={len(self._live)}, filling={len(self._filling)}, free={len(self._free)})"
+            f"policy={self.policy.name!r}, live={len(self._live)}, filling={len(self._filling)}, "
+            f"free={len(self._free)})"
         )
 
     # ---- policy ---------------------------------------------------------------------------
@@ -256,12 +271,13 @@ class Ledger:
 
         if policy.drops_unpredicted:
             # Legacy one-shot: drop every unpredicted LIVE expert, rows pushed in ascending expert
-            # order (the original iterated a std::map) -- except rows a forward still holds.
+            # order (the side-region design's map iterates in key order) -- except rows a forward
+            # still holds.
             for e in sorted(live):
                 if e not in in_batch and not self._pins.get(live[e]) and live[e] not in self._lent:
                     self._free.append(self._evict(e))
 
-        for e in batch:  # the original bumps every predicted present expert before filling
+        for e in batch:  # every predicted present expert is bumped before any row is filled
             if e in live:
                 policy.on_hit(e)
                 self.stats["hits"] += 1
@@ -311,7 +327,9 @@ class Ledger:
             raise LedgerError(f"{verb} needs a Fill, got {fill!r}")
         mine = self._pending.get(fill.fill_id)
         if mine is None:
-            raise LedgerError(f"cannot {verb} {fill}: it is not a pending fill of this ledger (already published or failed?)")
+            raise LedgerError(
+                f"cannot {verb} {fill}: it is not a pending fill of this ledger (already published or failed?)"
+            )
         if mine != fill:
             raise LedgerError(f"cannot {verb} {fill}: pending fill {fill.fill_id} is {mine}")
         del self._pending[fill.fill_id]
@@ -353,7 +371,8 @@ class Ledger:
                 state = "FILLING (its read is in flight)" if e in self._filling else "absent"
                 raise LedgerError(f"cannot lease expert {e}: it is {state}, not resident or LIVE")
             if row in self._lent:
-                raise LedgerError(f"cannot lease expert {e}: its row {row} is lent to a fault handler (reclaim it first)")
+                raise LedgerError(f"cannot lease expert {e}: its row {row} is lent to a fault handler "
+                                  "(reclaim it first)")
             rows[row] = None
         for row in rows:
             self._pins[row] = self._pins.get(row, 0) + 1
@@ -435,7 +454,8 @@ class Ledger:
         state, owner = self._row_state[i], self._row_owner[i]
         expected = owner if state == LIVE else -1
         if victim != expected:
-            raise LedgerError(f"settle_fault: row {row} holds {_STATE_NAMES[state]}({owner}), the handler evicted {victim}")
+            raise LedgerError(f"settle_fault: row {row} holds {_STATE_NAMES[state]}({owner}), "
+                              f"the handler evicted {victim}")
         e = _int_or_raise(expert, self.n_experts, "expert id")
         if ok and (e in self._live or e in self._resident_row or e in self._filling):
             raise LedgerError(f"settle_fault: expert {e} filled into row {row} but it is already {self.state_of(e)}")
@@ -507,7 +527,8 @@ class Ledger:
         experts = np.asarray(experts, dtype=np.int64)
         then = table[experts]
         rows = np.maximum(then, 0)
-        return (then >= 0) & (self._table[experts] == then) & (self._gen[rows] == generations[rows])
+        out: np.ndarray = (then >= 0) & (self._table[experts] == then) & (self._gen[rows] == generations[rows])
+        return out
 
     def row_of(self, expert: int) -> int | None:
         """The row of a resident or LIVE expert, else None."""
@@ -563,7 +584,8 @@ class Ledger:
                 if not cap <= r < self.rows:
                     p(f"free row {r} is outside the side region [{cap}, {self.rows})")
                 elif self._row_state[r - cap] != FREE:
-                    p(f"row {r} is on the free stack but {_STATE_NAMES[self._row_state[r - cap]]}({self._row_owner[r - cap]})")
+                    state = _STATE_NAMES[self._row_state[r - cap]]
+                    p(f"row {r} is on the free stack but {state}({self._row_owner[r - cap]})")
             owner_of_row: dict[int, int] = {}
             for e, r in self._live.items():
                 if r in owner_of_row:
@@ -618,7 +640,8 @@ class Ledger:
                 expected[e] = r
             if not np.array_equal(expected, self._table):
                 bad = np.flatnonzero(expected != self._table)[:8].tolist()
-                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, expected {expected[bad].tolist()}")
+                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, "
+                  f"expected {expected[bad].tolist()}")
             if self._snapshot is not None and not np.array_equal(self._snapshot, self._table):
                 p("cached lookup snapshot is stale")
             pins: dict[int, int] = {}
@@ -633,7 +656,8 @@ class Ledger:
                     p(f"pinned row {r} is not resident or LIVE")
             s = self.stats
             if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
-                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} + pending {len(self._pending)}")
+                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} "
+                  f"+ pending {len(self._pending)}")
             problems.extend(self.policy.audit(set(self._live)))
             counts = {"free": n_free, "filling": n_fill, "live": n_live, "lent": len(self._lent),
                       "pinned_rows": len(self._pins), "leases": len(self._leases)}

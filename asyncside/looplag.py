@@ -47,7 +47,7 @@ async def _tick(lag: LoopLag) -> None:
 
 @contextlib.asynccontextmanager
 async def measure_loop_lag(interval: float = 0.005) -> AsyncIterator[LoopLag]:
-    """Measure loop lag while the body runs (one wake-up per ``interval``, ~20 µs each)."""
+    """Measure loop lag while the body runs (one short wake-up of the loop per ``interval``)."""
     if interval <= 0:
         raise ValueError(f"interval must be > 0, got {interval}")
     lag = LoopLag(interval)

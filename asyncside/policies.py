@@ -20,8 +20,8 @@ Policies:
 - :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
 
-The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion,
-instead of scanning every LIVE expert as the original did.
+The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
+instead of scanning every LIVE expert per eviction (docs/design.md).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class _HeapPolicy(Policy):
 
     def choose_victim(self, evictable: Callable[[int], bool]) -> int | None:
         heap, score = self._heap, self.score
-        kept: list[tuple[int, int]] = []
+        kept: list[tuple[float, int]] = []
         victim = None
         while heap:
             value, e = heap[0]
@@ -147,7 +147,7 @@ class _HeapPolicy(Policy):
 
 
 class LFU(_HeapPolicy):
-    """Least frequently predicted (the original default; see module docstring)."""
+    """Least frequently predicted (the default; see module docstring)."""
 
     name = "lfu"
 
@@ -155,7 +155,7 @@ class LFU(_HeapPolicy):
         self._set(expert, self.score.get(expert, 0) + 1)
 
     def on_publish(self, expert: int) -> None:
-        if expert not in self.score:  # the original: freq starts at 1 unless already known
+        if expert not in self.score:  # freq starts at 1 unless already known (a re-publish keeps it)
             self._set(expert, 1)
 
 

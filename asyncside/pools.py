@@ -13,11 +13,15 @@ land in the rows themselves instead of going through a staging buffer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
-from collections.abc import Iterable
-
 from .store import DTYPE_SIZES, LayerSpec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 #: Pools start at a multiple of this (the O_DIRECT block size the native readers use).
 POOL_ALIGNMENT = 4096
@@ -34,7 +38,7 @@ def buffer_address(arr: object) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: int):  # -> mx.array
+def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: int) -> mx.array:
     import mlx.core as mx
 
     dtype = getattr(mx, _MX_DTYPE_ATTR[dtype_name])
@@ -82,11 +86,11 @@ class PoolSet:
             raise ValueError(f"align must be a power of two, got {align!r}")
         self.spec = spec
         self.rows = rows
-        self.arrays: dict = {}
+        self.arrays: dict[str, mx.array] = {}
         #: Device pools (MLX CUDA): reads land in ``mirror`` (pinned host memory laid out like the
         #: pools) and :meth:`upload` copies rows over on MLX's stream. None for host pools.
         self.device = device_pools_default() if device is None else bool(device)
-        self.mirror = None
+        self.mirror: Any = None  # asyncside._native.HostMirror
         if self.device:
             import mlx.core as mx
 
@@ -129,7 +133,7 @@ class PoolSet:
             raise IndexError(f"layer {self.spec.index} pool {key!r}: row {row!r} out of range [0, {self.rows})")
         return self.spec.segment(key).nbytes
 
-    def upload(self, rows: Iterable[int]):  # -> mx.array
+    def upload(self, rows: Iterable[int]) -> mx.array:
         """Device pools: a lazy array whose evaluation copies ``rows`` from the mirror to the pools.
 
         Await ``asyncside.completed`` on it before publishing the rows.
@@ -141,7 +145,8 @@ class PoolSet:
         if not self.device:
             raise ValueError(f"layer {self.spec.index}: host pools need no upload")
         arrays = [self.arrays[seg.key] for seg in self.spec.segments]
-        return _native.upload_rows(self.mirror, arrays, [int(r) for r in rows], mx.default_stream(mx.gpu))
+        out: mx.array = _native.upload_rows(self.mirror, arrays, [int(r) for r in rows], mx.default_stream(mx.gpu))
+        return out
 
     def row_view(self, key: str, row: int) -> memoryview:
         """Writable bytes of one row of pool ``key`` (zero-copy: writes land in the MLX array).
@@ -152,7 +157,7 @@ class PoolSet:
         if self.device:
             index = [seg.key for seg in self.spec.segments].index(key)
             return memoryview(self.mirror.row_view(index, int(row)))
-        flat = memoryview(self.arrays[key]).cast("B")
+        flat = memoryview(self.arrays[key]).cast("B")  # type: ignore[arg-type]  # mx.array has the buffer protocol
         return flat[int(row) * nb : (int(row) + 1) * nb]
 
     def row_address(self, key: str, row: int) -> int:

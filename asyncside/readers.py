@@ -4,7 +4,8 @@ A backend reads expert records into pool rows and reports each finished fill as 
 result)`` with ``result`` 0 or ``-errno`` (``-ENODATA``: the blob ended before the record did).
 It knows nothing of ledgers or handles; :class:`asyncside.scheduler.Scheduler` maps tokens to
 fills. Choice: an explicit name wins; ``"auto"`` takes ``$ASYNCSIDE_READER`` when set, else
-io_uring when the kernel allows rings, else the thread pool.
+io_uring when the kernel allows rings, else the thread pool. Every backend is tuned by one
+:class:`ReaderOptions` (the native struct itself, bound: its defaults are the only ones).
 
 - ``io_uring``: native, Linux. Rings set up through the syscalls (no liburing); vectored reads
   straight into the rows; IOSQE_ASYNC on large reads so page-cache copies (and O_DIRECT page
@@ -20,6 +21,7 @@ io_uring when the kernel allows rings, else the thread pool.
 
 from __future__ import annotations
 
+import copy
 import errno as _errno
 import logging
 import mmap
@@ -33,6 +35,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from ._native import ReaderOptions as ReaderOptions  # re-exported: the one options struct
 from .errors import AsyncsideError
 from .pools import PoolSet
 from .store import LayerSpec
@@ -86,10 +89,7 @@ def choose_reader(requested: str = "auto") -> str:
     return requested
 
 
-def resolve_direct(direct: bool | None) -> bool:
-    """``direct=None`` means $ASYNCSIDE_DIRECT (1/0) when set, else buffered reads (the page cache helps)."""
-    if direct is not None:
-        return bool(direct)
+def _env_direct() -> bool:
     env = os.environ.get(ENV_DIRECT, "").strip().lower()
     if env in ("", "0", "false", "no"):
         return False
@@ -98,23 +98,16 @@ def resolve_direct(direct: bool | None) -> bool:
     raise ValueError(f"${ENV_DIRECT}: expected 0 or 1, got {env!r}")
 
 
-@dataclass(frozen=True)
-class ReaderOptions:
-    """Tuning shared by the backends (the native ones use all of it)."""
-
-    queue_depth: int = 64
-    direct: bool = False
-    workers: int | None = None  # threads: preadv workers (default min(4, 2 * ncpu)); io_uring: scatter workers (ncpu)
-    chunk_bytes: int = 1 << 20  # largest O_DIRECT read op (more ops in flight help the disk)
-    buffered_chunk_bytes: int = 16 << 20  # largest buffered read op (whole records: readahead, low overhead)
-    async_threshold: int = 64 << 10  # io_uring: IOSQE_ASYNC on reads at least this long
-    staging_bytes: int = 64 << 20  # O_DIRECT staging slab (bounded: backpressure)
-    slot_bytes: int = 4 << 20  # one staging slot
-    register_files: bool = True
-    register_buffers: bool = True
-    iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
-    worker_nice: int = 0  # native worker threads run this much nicer than the loop thread (Linux)
-    direct_rows: bool = True  # O_DIRECT straight into block-aligned rows; False: always via staging
+def reader_options(options: ReaderOptions | None = None, *, direct: bool | None = None) -> ReaderOptions:
+    """The options a reader runs with: a copy of ``options`` (defaults when None) whose ``direct``
+    is ``direct`` when given; else ``options.direct`` when options were given; else
+    $ASYNCSIDE_DIRECT (1/0) when set; else buffered reads (the page cache helps)."""
+    out = ReaderOptions() if options is None else copy.copy(options)
+    if direct is not None:
+        out.direct = bool(direct)
+    elif options is None:
+        out.direct = _env_direct()
+    return out
 
 
 class ReaderBackend(ABC):
@@ -136,7 +129,7 @@ class ReaderBackend(ABC):
         """Deliver completions (on the loop thread) until cancelled; ``task_status.started()`` once
         submit() may be called. The scheduler runs this shielded."""
 
-    def kick(self, deliver: Deliver) -> None:
+    def kick(self, deliver: Deliver) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Deliver whatever completed already (io_uring reads may finish inside submit)."""
 
     @abstractmethod
@@ -165,39 +158,22 @@ class NativeReader(ReaderBackend):
     def __init__(self, name: str, options: ReaderOptions) -> None:
         from . import _native
 
-        ncpu = os.cpu_count() or 1
-        workers = options.workers or (min(4, 2 * ncpu) if name == "threads" else ncpu)
         self.name = name
-        self.direct = options.direct
-        self.options = options
-        self._r = _native.Reader(
-            name,
-            queue_depth=options.queue_depth,
-            workers=workers,
-            chunk_bytes=options.chunk_bytes,
-            buffered_chunk_bytes=options.buffered_chunk_bytes,
-            async_threshold=options.async_threshold,
-            direct=options.direct,
-            staging_bytes=options.staging_bytes,
-            slot_bytes=options.slot_bytes,
-            register_files=options.register_files,
-            register_buffers=options.register_buffers,
-            iowq_max_workers=ncpu if options.iowq_max_workers is None else options.iowq_max_workers,
-            worker_nice=options.worker_nice,
-            direct_rows=options.direct_rows,
-        )
+        self._r = _native.Reader(name, options)
+        self.options: ReaderOptions = self._r.options  # machine-dependent defaults resolved
+        self.direct = bool(self.options.direct)
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
         if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
-            return self._r.add_layout_mirror(
+            return int(self._r.add_layout_mirror(
                 str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
                 pools.mirror,
-            )
-        return self._r.add_layout(
+            ))
+        return int(self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],
-        )
+        ))
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         self._r.submit(layout, list(tokens), list(experts), list(rows))
@@ -350,10 +326,10 @@ class AiofilesReader(ReaderBackend):
                 self._op_seq += 1
                 if self._op_seq % f["transient_every"] == 0:
                     self._c["faults_injected"] += 1
-                    return f["transient_err"]
+                    return int(f["transient_err"])
             if f.get("err") and f.get("path") == path and off < f["hi"] and off + length > f["lo"]:
                 self._c["faults_injected"] += 1
-                return f["err"]
+                return int(f["err"])
         return 0
 
     def _read_range(self, fd: int, path: str, off: int, bufs: list[memoryview], need: int, direct: bool) -> None:

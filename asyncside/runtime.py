@@ -17,26 +17,31 @@ synchronous state machine.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import math
 import os
-from collections import Counter
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Awaitable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import mlx.core as mx
 import numpy as np
 
-from .errors import AsyncsideError, CapacityError, FillError, LedgerError
-from .ledger import Fill, Ledger
+from .errors import AsyncsideError, CapacityError, FillError
+from .ledger import Fill, Ledger, validate_ids
 from .policies import DEFAULT_POLICY
 from .pools import PoolSet
+from .readers import ReaderOptions
 from .scheduler import FillHandle, Scheduler
 from .snapshot import RowSnapshot, make_snapshot
 from .store import ExpertStore, LayerSpec
+
+if TYPE_CHECKING:
+    from .bridge import Completed
 
 __all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer", "warm_experts"]
 
@@ -50,9 +55,6 @@ def _native_available(x: mx.array) -> bool:
         return bool(_native.is_available(x))
     except Exception:
         return True
-
-Completed = Callable[[mx.array], Awaitable[None]]
-
 
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
@@ -130,17 +132,6 @@ def warm_experts(store: ExpertStore, index: int, count: int, exclude: Sequence[i
     return ranked[: max(0, count)]
 
 
-def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
-    """Unique expert ids as int64, or LedgerError naming the first bad value."""
-    if ids.dtype.kind not in "iu":
-        raise LedgerError(f"layer {layer}: expert ids must be integers, got dtype {ids.dtype}")
-    ids = np.unique(ids.astype(np.int64, copy=False))
-    if ids.size and (ids[0] < 0 or ids[-1] >= n_experts):
-        bad = int(ids[0] if ids[0] < 0 else ids[-1])
-        raise LedgerError(f"layer {layer}: expert id {bad} is out of range [0, {n_experts})")
-    return ids
-
-
 @dataclass
 class _Layer:
     """Everything the runtime keeps for one layer. Mutated on the loop thread only."""
@@ -174,7 +165,7 @@ class PrefetchHandle:
     layer: int
     _done: anyio.Event
     fills: list[Fill] = field(default_factory=list)
-    errors: list[BaseException] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -221,7 +212,8 @@ class Runtime:
     budget), or an explicit mapping layer -> pinned resident expert ids. By default every row is
     dynamic, managed online by ``policy`` (warmed up from the store's routing ranking when it has
     one); ``side_rows`` pins the hottest ``budget - side_rows`` experts and leaves ``side_rows``
-    rows dynamic (see :func:`plan_layer`).
+    rows dynamic (see :func:`plan_layer`). ``reader``, ``reader_options`` and ``direct`` go to the
+    :class:`~asyncside.scheduler.Scheduler`.
     """
 
     def __init__(
@@ -233,7 +225,7 @@ class Runtime:
         min_side_rows: int = 8,
         policy: str = DEFAULT_POLICY,
         reader: str = "auto",
-        queue_depth: int = 64,
+        reader_options: ReaderOptions | None = None,
         direct: bool | None = None,
         layers: Iterable[int] | None = None,
         completed: Completed | None = None,
@@ -244,7 +236,7 @@ class Runtime:
         self._side_rows_arg = side_rows
         self._min_side_rows = min_side_rows
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
-        self._scheduler = Scheduler(reader, queue_depth=queue_depth, direct=direct)
+        self._scheduler = Scheduler(reader, reader_options, direct=direct)
         self._completed = completed
         self._layers: dict[int, _Layer] = {}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -405,7 +397,8 @@ class Runtime:
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
-                raise AsyncsideError(f"{exc.filename}: cannot open the layer blob for queued steps: {exc.strerror}") from exc
+                raise AsyncsideError(
+                    f"{exc.filename}: cannot open the layer blob for queued steps: {exc.strerror}") from exc
             return fds
 
         fds = await anyio.to_thread.run_sync(open_all)
@@ -477,9 +470,7 @@ class Runtime:
         started = time.perf_counter()
         handles = self._scheduler.submit(st.spec, st.pools, fills)
         for p, op, handle in zip(pendings, ops, handles):
-            handle.add_done_callback(
-                lambda h, p=p, op=op: self._on_read_done(st, p, op, h, started, on_done)
-            )
+            handle.add_done_callback(functools.partial(self._on_read_done, st, p, op, started=started, on_done=on_done))
         self._stats["fills"] += len(fills)
         return pendings
 
@@ -489,6 +480,7 @@ class Runtime:
         p: _Pending,
         op: int,
         handle: FillHandle,
+        *,
         started: float,
         on_done: Callable[[_Pending], None] | None,
     ) -> None:
@@ -558,7 +550,7 @@ class Runtime:
             st.native_dirty = True
         return fills
 
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         if self._tg is None or self._closed:
             raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
         self._tg.start_soon(fn, *args)
@@ -625,7 +617,8 @@ class Runtime:
         st = self._layer(layer)
         if st.faults is None:
             raise AsyncsideError(f"layer {layer}: queued steps need host pools with a fault table")
-        return _native.expert_rows(ids, st.faults)
+        rows: mx.array = _native.expert_rows(ids, st.faults)
+        return rows
 
     def end_step(self, out: mx.array) -> None:
         """A queued step whose last output is ``out`` has been scheduled (see :meth:`quiesce`)."""
@@ -814,7 +807,8 @@ class Runtime:
         if isinstance(ids, mx.array):
             assert self._completed is not None
             await self._completed(ids)
-        wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
+        wanted = np.unique(np.asarray(validate_ids(self._host_ids(ids), st.spec.n_experts, layer=layer),
+                                      dtype=np.int64))
         self._stats["ensure_calls"] += 1
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
@@ -883,8 +877,7 @@ class Runtime:
     def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
         """Bool per expert: present in ``snap`` and in the same row since, never refilled."""
         st = self._layer(layer)
-        ids = self._host_ids(experts)
-        _checked_ids(layer, st.spec.n_experts, ids)  # validates; the answer keeps the caller's order
+        ids = np.asarray(validate_ids(self._host_ids(experts), st.spec.n_experts, layer=layer), dtype=np.int64)
         return st.ledger.unchanged_since(snap.table, snap.generations, ids)
 
     def pools(self, layer: int) -> dict[str, mx.array]:

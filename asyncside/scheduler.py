@@ -19,7 +19,6 @@ import errno as _errno
 import itertools
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,19 +29,21 @@ from anyio.abc import TaskStatus
 
 from .errors import FillError
 from .pools import PoolSet
-from .readers import ReaderBackend, ReaderOptions, choose_reader, make_reader, resolve_direct
+from .readers import ReaderBackend, ReaderOptions, choose_reader, make_reader, reader_options
 from .store import LayerSpec
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
 
 class FillLike(Protocol):
-    fill_id: int
-    expert: int
-    row: int
+    """What the scheduler reads from a fill (a ledger :class:`~asyncside.ledger.Fill` or any alike)."""
+
+    @property
+    def fill_id(self) -> int: ...
+    @property
+    def expert(self) -> int: ...
+    @property
+    def row(self) -> int: ...
 
 
 class FillHandle:
@@ -115,36 +116,19 @@ class _Layout:
 class Scheduler:
     """Bounded submission queue over one reader backend; see the module docstring."""
 
-    def __init__(
-        self,
-        reader: str = "auto",
-        *,
-        queue_depth: int = 64,
-        direct: bool | None = None,
-        workers: int | None = None,
-        chunk_bytes: int = 1 << 20,
-        buffered_chunk_bytes: int = 16 << 20,
-        async_threshold: int = 64 << 10,
-        staging_bytes: int = 64 << 20,
-        slot_bytes: int = 4 << 20,
-        register_files: bool = True,
-        register_buffers: bool = True,
-        iowq_max_workers: int | None = None,
-        worker_nice: int = 0,
-        direct_rows: bool = True,
-    ) -> None:
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
+    def __init__(self, reader: str = "auto", options: ReaderOptions | None = None, *,
+                 direct: bool | None = None) -> None:
+        """``reader``: a backend name or ``"auto"`` (see :func:`asyncside.readers.choose_reader`).
+        ``options``: reader tuning, :class:`~asyncside.readers.ReaderOptions` defaults when None.
+        ``direct``: O_DIRECT reads; None keeps ``options.direct``, or, without options, takes
+        $ASYNCSIDE_DIRECT (see :func:`asyncside.readers.reader_options`)."""
+        self.options = reader_options(options, direct=direct)
+        queue_depth = self.options.queue_depth
+        if queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
         self.name = choose_reader(reader)
-        self.queue_depth = queue_depth
-        self.direct = resolve_direct(direct)
-        self.options = ReaderOptions(
-            queue_depth=queue_depth, direct=self.direct, workers=workers, chunk_bytes=chunk_bytes,
-            buffered_chunk_bytes=buffered_chunk_bytes,
-            async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
-            register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
-            worker_nice=worker_nice, direct_rows=direct_rows,
-        )
+        self.queue_depth: int = queue_depth
+        self.direct = bool(self.options.direct)
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)
         self._layouts: dict[int, _Layout] = {}

@@ -167,7 +167,7 @@ def _as_numpy_bytes_view(arr: Any, where: str) -> tuple[np.ndarray, str]:
     return np.ascontiguousarray(arr), name
 
 
-def _check_alignment(value: Any, where: str, field: str) -> int:
+def _check_alignment(value: Any, where: object, field: str) -> int:
     if not _is_int(value) or value <= 0 or value > MAX_ALIGNMENT or value & (value - 1):
         raise StoreError(where, f"alignment must be a power of two in [1, {MAX_ALIGNMENT}], got {value!r}", field)
     return int(value)
@@ -208,7 +208,7 @@ class _Validator:
             raise self.fail(field, f"expected an integer, got {value!r}")
         if not lo <= value <= hi:
             raise self.fail(field, f"value {value} out of range [{lo}, {hi}]")
-        return value
+        return int(value)
 
     def string(self, value: Any, field: str) -> str:
         if not isinstance(value, str) or not value:
@@ -295,7 +295,8 @@ def _parse_layer(
     checksums: tuple[int, ...] | None = None
     if checksum is not None:
         if checksum not in CHECKSUM_ALGORITHMS:
-            raise v.fail(f"{f}.checksum", f"unknown checksum algorithm {checksum!r}; known: {list(CHECKSUM_ALGORITHMS)}")
+            known = list(CHECKSUM_ALGORITHMS)
+            raise v.fail(f"{f}.checksum", f"unknown checksum algorithm {checksum!r}; known: {known}")
         values = v.get(raw, "checksums", f"{f}.checksums")
         if not isinstance(values, list) or len(values) != n_experts:
             got = len(values) if isinstance(values, list) else type(values).__name__
@@ -360,7 +361,8 @@ class ExpertStore:
         dest = pathlib.Path(path).absolute()
         alignment = _check_alignment(alignment, dest, "alignment")
         if checksum is not None and checksum not in CHECKSUM_ALGORITHMS:
-            raise StoreError(dest, f"unknown checksum algorithm {checksum!r}; known: {list(CHECKSUM_ALGORITHMS)}", "checksum")
+            known = list(CHECKSUM_ALGORITHMS)
+            raise StoreError(dest, f"unknown checksum algorithm {checksum!r}; known: {known}", "checksum")
         meta = {} if metadata is None else metadata
         if not isinstance(meta, dict):
             raise StoreError(dest, f"metadata must be a dict, got {type(meta).__name__}", "metadata")
@@ -454,7 +456,8 @@ class ExpertStore:
             if spec.index in specs:
                 raise v.fail(f"layers[{i}].index", f"duplicate layer index {spec.index}")
             if spec.path in files:
-                raise v.fail(f"layers[{i}].file", f"blob {spec.path.name!r} is already used by layer {files[spec.path]}")
+                raise v.fail(f"layers[{i}].file",
+                             f"blob {spec.path.name!r} is already used by layer {files[spec.path]}")
             files[spec.path] = spec.index
             specs[spec.index] = spec
         return cls(root, dict(sorted(specs.items())), metadata)
@@ -486,7 +489,8 @@ class ExpertStore:
         finally:
             os.close(fd)
         if len(data) != spec.stride:
-            raise StoreError(spec.path, f"short read of expert {e}: {len(data)} of {spec.stride} bytes (truncated blob?)")
+            raise StoreError(spec.path,
+                             f"short read of expert {e}: {len(data)} of {spec.stride} bytes (truncated blob?)")
         if verify and not self.verify_record(layer, e, data):
             raise StoreError(
                 spec.path,
@@ -590,12 +594,14 @@ def _write_layer(
             raise StoreError(dest, f"segment key must be a non-empty string, got {key!r}", f"layers[{index}]")
         np_arr, name = _as_numpy_bytes_view(arr, f"{where} key {key!r}")
         if np_arr.ndim < 1 or np_arr.shape[0] < 1 or any(d < 1 for d in np_arr.shape[1:]):
-            raise StoreError(dest, f"key {key!r}: expected shape (n_experts >= 1, *row_shape), got {np_arr.shape}", f"layers[{index}].{key}")
+            raise StoreError(dest, f"key {key!r}: expected shape (n_experts >= 1, *row_shape), got {np_arr.shape}",
+                             f"layers[{index}].{key}")
         if n_experts is None:
             n_experts = np_arr.shape[0]
         elif np_arr.shape[0] != n_experts:
             raise StoreError(
-                dest, f"key {key!r} has {np_arr.shape[0]} experts, other keys have {n_experts}", f"layers[{index}].{key}"
+                dest, f"key {key!r} has {np_arr.shape[0]} experts, other keys have {n_experts}",
+                f"layers[{index}].{key}",
             )
         converted.append((key, np_arr, name))
     assert n_experts is not None

@@ -63,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{RUNTIME_MARKER}(**kwargs): keyword arguments for the Runtime built by the asyncside_runtime fixture "
-        "(resident=, side_rows=, policy=, reader=, queue_depth=, ...)",
+        "(resident=, side_rows=, policy=, reader=, reader_options=, ...)",
     )
     config.addinivalue_line(
         "markers", "no_blocking(threshold=0.05, strict=False, interval=None): configure the no_blocking fixture"

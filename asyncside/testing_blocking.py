@@ -131,10 +131,15 @@ class _Ping:
 @dataclass
 class _LoopHandle:
     thread_id: int
-    post: Callable[[Callable[[], None]], None]  # thread-safe "run this on the loop soon"
+    post: Callable[[Callable[[], object]], object]  # thread-safe "run this on the loop soon"
     # Frames under the running task when the detector started (the loop runner's caller and,
     # for a loop written in C such as uvloop, nothing above it while the loop is parked).
     outer_frames: tuple[Any, ...] = ()
+
+
+def _answer(ping: _Ping) -> None:
+    """Runs on the loop: the ping the watchdog sent has been answered."""
+    ping.answered = time.monotonic()
 
 
 _TASK_FLAGS = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
@@ -360,9 +365,8 @@ class BlockingDetector:
                 ping = None
             if ping is None:
                 ping = _Ping(now, cpu_at_send=cpu_now)
-                current = ping
                 try:
-                    loop.post(lambda p=current: setattr(p, "answered", time.monotonic()))
+                    loop.post(functools.partial(_answer, ping))
                 except Exception:  # the loop closed under us: nothing left to watch
                     return
                 continue
@@ -423,7 +427,8 @@ def _install_strict(det: BlockingDetector) -> Callable[[], None]:
     @functools.wraps(orig_eval)
     def eval_guard(*args: Any) -> None:
         if on_loop():
-            arrays = [v for _, v in tree_flatten(list(args)) if isinstance(v, mx.array)]
+            leaves = tree_flatten(list(args))
+            arrays = [kv[1] for kv in leaves if isinstance(kv[1], mx.array)]  # list(args) flattens to pairs
             if not all(_native.is_available(a) for a in arrays):
                 det._refuse("mx.eval() of arrays that are not yet available")
         return orig_eval(*args)
@@ -440,7 +445,8 @@ def _install_strict(det: BlockingDetector) -> Callable[[], None]:
             det._refuse(f"time.sleep({seconds!r})")
         return orig_sleep(seconds)
 
-    mx.eval, mx.synchronize, time.sleep = eval_guard, sync_guard, sleep_guard
+    # The guards take what the patched functions take at runtime (the stubs spell it more widely).
+    mx.eval, mx.synchronize, time.sleep = eval_guard, sync_guard, sleep_guard  # type: ignore[assignment]
     _strict_owner = det
 
     def undo() -> None:
@@ -471,15 +477,15 @@ if pytest is not None:
         options = dict(marker.kwargs) if marker is not None else {}
         detector = BlockingDetector(**options)
         item = request.node
-        original = item.obj
-        if not inspect.iscoroutinefunction(original):
+        test_fn = item.obj
+        if not inspect.iscoroutinefunction(test_fn):
             raise pytest.UsageError(f"{item.nodeid}: the no_blocking fixture needs an async test function")
 
-        @functools.wraps(original)
+        @functools.wraps(test_fn)
         async def watched(*args: Any, **kwargs: Any) -> Any:
             try:
                 async with detector:
-                    return await original(*args, **kwargs)
+                    return await test_fn(*args, **kwargs)
             finally:
                 for inc in detector.starved:
                     warnings.warn(LoopStarvedWarning(inc.describe()), stacklevel=1)
@@ -488,4 +494,4 @@ if pytest is not None:
         try:
             yield detector
         finally:
-            item.obj = original
+            item.obj = test_fn

@@ -1,5 +1,14 @@
 // The one Python <-> native boundary. Every class and function Python sees is declared here;
 // the work lives in the plain C++ files beside it, which know nothing of Python.
+//
+// asyncside._native          what the runtime uses: completion bridge, Reader + ReaderOptions,
+//                            host mirror and uploads, counters
+// asyncside._native.testing  test hooks: a stream gate, a computation that fails on its stream
+// asyncside._native.bench    benchmark baselines and limits: the side-region design's read, pread
+//                            and memcpy timers, the eventfd wakeup floor, pinned H2D bandwidth
+//
+// The MLX headers (public and internal) this extension depends on, and the MLX version it is
+// pinned to, are listed in mlx_dependency.h.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/map.h>
@@ -12,11 +21,12 @@
 
 #include "io_reader.h"
 #include "host_mirror.h"
+#include "mlx_dependency.h"
 #include "version.h"
 
 namespace nb = nanobind;
 
-// ===== completion bridge (h3): asyncside/bridge.py is its only Python user ======================
+// ===== completion bridge: asyncside/bridge.py is its only Python user =============================
 #include "bridge.h"
 #include "mlx/array.h"
 #include "mlx/stream.h"
@@ -105,56 +115,90 @@ void bind_bridge(nb::module_& m) {
           return d;
         },
         "Process-wide counters of the native completion bridge.");
-  nb::class_<br::TestingGate>(m, "TestingGate",
-                              "Test helper: hold(x) blocks x's CPU stream until open().")
+}
+
+// Test hooks over the bridge's stream primitives (asyncside._native.testing).
+void bind_bridge_testing(nb::module_& t) {
+  nb::class_<br::TestingGate>(t, "StreamGate", "hold(x) blocks x's CPU stream until open().")
       .def(nb::init<double>(), nb::arg("timeout_s") = 60.0)
       .def("hold", &br::TestingGate::hold, nb::arg("x"), nb::arg("stream") = nb::none())
       .def("open", &br::TestingGate::open)
       .def_prop_ro("is_open", &br::TestingGate::is_open);
-  m.def("testing_fail", &br::testing_fail, nb::arg("x"), nb::arg("message"),
-        nb::arg("stream") = nb::none(),
-        "Test helper: an array equal to x whose evaluation raises `message` on the stream.");
-  m.def("wakeup_floor_ns", &br::wakeup_floor_ns, nb::arg("n"),
-        nb::call_guard<nb::gil_scoped_release>(),
-        "Bench helper: n latencies (ns) of a native eventfd wakeup across threads (the floor).");
+  t.def("fail_on_stream", &br::testing_fail, nb::arg("x"), nb::arg("message"), nb::arg("stream") = nb::none(),
+        "An array equal to x whose evaluation raises `message` on the stream.");
+}
+
+void bind_bridge_bench(nb::module_& b) {
+  b.def("wakeup_floor_ns", &br::wakeup_floor_ns, nb::arg("n"), nb::call_guard<nb::gil_scoped_release>(),
+        "n latencies (ns) of a native eventfd wakeup across threads (the floor under any bridge).");
 }
 
 }  // namespace
 // ===== end completion bridge =====================================================================
-// ---- read path (issue 3, h2): Reader, original-design baseline, memcpy limit --------------------
+// ===== read path: Reader and its options =========================================================
 namespace {
 
 namespace io = asyncside::io;
 namespace mx = mlx::core;
 
-// Python's handle on a native Reader. Arguments are converted to plain C++ before the GIL is
-// released; native threads never see a Python object.
+// ReaderOptions(**fields): starts from the C++ struct's defaults (the only ones) and sets the named
+// fields. Unknown names and values of the wrong type are refused, naming the field.
+template <typename T>
+void set_option(T& field, const char* name, nb::handle v) {
+  // bool is an int in Python: refuse it for number fields (queue_depth=True is a mistake), and
+  // refuse numbers for bool fields.
+  const bool is_bool = PyBool_Check(v.ptr());
+  const char* want = std::is_same_v<T, bool> ? "a bool" : std::is_signed_v<T> ? "an int" : "a non-negative int";
+  if (is_bool != std::is_same_v<T, bool> || !nb::try_cast(v, field)) {
+    throw nb::type_error((std::string("ReaderOptions.") + name + ": expected " + want + ", got " +
+                          nb::cast<std::string>(nb::repr(v)))
+                             .c_str());
+  }
+}
+
+using OptionSetter = void (*)(io::ReaderOptions&, nb::handle);
+const std::map<std::string, OptionSetter>& option_setters() {
+  static const std::map<std::string, OptionSetter> setters = {
+#define ASYNCSIDE_OPTION_SETTER(name, doc) \
+  {#name, [](io::ReaderOptions& o, nb::handle v) { set_option(o.name, #name, v); }},
+      ASYNCSIDE_READER_OPTION_FIELDS(ASYNCSIDE_OPTION_SETTER)
+#undef ASYNCSIDE_OPTION_SETTER
+  };
+  return setters;
+}
+
+std::string options_repr(const io::ReaderOptions& o) {
+  std::string r = "ReaderOptions(";
+  bool first = true;
+  auto add = [&](const char* name, const std::string& value) {
+    r += (first ? "" : ", ") + std::string(name) + "=" + value;
+    first = false;
+  };
+  auto text = [](auto v) {
+    if constexpr (std::is_same_v<decltype(v), bool>) {
+      return std::string(v ? "True" : "False");
+    } else {
+      return std::to_string(v);
+    }
+  };
+#define ASYNCSIDE_OPTION_REPR(name, doc) add(#name, text(o.name));
+  ASYNCSIDE_READER_OPTION_FIELDS(ASYNCSIDE_OPTION_REPR)
+#undef ASYNCSIDE_OPTION_REPR
+  return r + ")";
+}
+
+io::Backend backend_of(const std::string& backend) {
+  if (backend == "io_uring") return io::Backend::IoUring;
+  if (backend == "threads") return io::Backend::Threads;
+  throw std::invalid_argument("backend: expected 'io_uring' or 'threads', got '" + backend + "'");
+}
+
+// Python's handle on a native Reader. Options are plain C++ before the GIL is released; native
+// threads never see a Python object.
 class PyReader {
  public:
-  PyReader(const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes, uint64_t buffered_chunk_bytes,
-           uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes,
-           bool register_files, bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
-    io::ReaderOptions o;
-    if (backend == "io_uring") {
-      o.backend = io::Backend::IoUring;
-    } else if (backend == "threads") {
-      o.backend = io::Backend::Threads;
-    } else {
-      throw std::invalid_argument("backend: expected 'io_uring' or 'threads', got '" + backend + "'");
-    }
-    o.queue_depth = queue_depth;
-    o.workers = workers;
-    o.chunk_bytes = chunk_bytes;
-    o.buffered_chunk_bytes = buffered_chunk_bytes;
-    o.async_threshold = async_threshold;
-    o.direct = direct;
-    o.staging_bytes = staging_bytes;
-    o.slot_bytes = slot_bytes;
-    o.register_files = register_files;
-    o.register_buffers = register_buffers;
-    o.iowq_max_workers = iowq_max_workers;
-    o.worker_nice = worker_nice;
-    o.direct_rows = direct_rows;
+  PyReader(io::Backend backend, io::ReaderOptions o) {
+    o.backend = backend;
     r_ = io::Reader::create(o);
   }
   ~PyReader() {
@@ -167,6 +211,63 @@ class PyReader {
  private:
   std::unique_ptr<io::Reader> r_;
 };
+
+void bind_reader_options(nb::module_& m) {
+  auto cls = nb::class_<io::ReaderOptions>(
+      m, "ReaderOptions",
+      "Reader tuning, one struct for every layer (Scheduler, Runtime, the native readers). "
+      "ReaderOptions(**fields) starts from the defaults and sets the fields named; fields are "
+      "read/write attributes.");
+  cls.def(
+      "__init__",
+      [](io::ReaderOptions* self, nb::kwargs fields) {
+        io::ReaderOptions o;
+        const auto& setters = option_setters();
+        for (auto [key, value] : fields) {
+          const std::string name = nb::cast<std::string>(key);
+          auto it = setters.find(name);
+          if (it == setters.end()) {
+            std::string known;
+            for (const auto& kv : setters) known += (known.empty() ? "" : ", ") + kv.first;
+            throw nb::type_error(("ReaderOptions: unknown field '" + name + "'; fields: " + known).c_str());
+          }
+          it->second(o, value);
+        }
+        new (self) io::ReaderOptions(o);
+      },
+      "Defaults from the native struct; keyword arguments set fields by name.");
+#define ASYNCSIDE_OPTION_FIELD(name, doc)                                                            \
+  cls.def_prop_rw(                                                                                 \
+      #name, [](const io::ReaderOptions& o) { return o.name; },                                    \
+      [](io::ReaderOptions& o, nb::handle v) { set_option(o.name, #name, v); }, doc);
+  ASYNCSIDE_READER_OPTION_FIELDS(ASYNCSIDE_OPTION_FIELD)
+#undef ASYNCSIDE_OPTION_FIELD
+  cls.def("__repr__", &options_repr);
+  cls.def("__eq__", [](const io::ReaderOptions& a, const io::ReaderOptions& b) {
+    return options_repr(a) == options_repr(b);
+  });
+  cls.def("__copy__", [](const io::ReaderOptions& o) { return io::ReaderOptions(o); });
+  cls.def(
+      "as_dict",
+      [](const io::ReaderOptions& o) {
+        nb::dict d;
+#define ASYNCSIDE_OPTION_ITEM(name, doc) d[#name] = o.name;
+        ASYNCSIDE_READER_OPTION_FIELDS(ASYNCSIDE_OPTION_ITEM)
+#undef ASYNCSIDE_OPTION_ITEM
+        return d;
+      },
+      "The fields as a dict (for JSON).");
+  cls.def_static(
+      "field_names",
+      [] {
+        std::vector<std::string> names;
+#define ASYNCSIDE_OPTION_NAME(name, doc) names.push_back(#name);
+        ASYNCSIDE_READER_OPTION_FIELDS(ASYNCSIDE_OPTION_NAME)
+#undef ASYNCSIDE_OPTION_NAME
+        return names;
+      },
+      "The field names, in declaration order.");
+}
 
 std::vector<io::SegmentSpan> spans(const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes) {
   if (offsets.size() != nbytes.size()) {
@@ -184,26 +285,21 @@ void bind_read_path(nb::module_& m) {
                        "completion list + eventfd.")
       .def(
           "__init__",
-          [](PyReader* self, const std::string& backend, int queue_depth, int workers, uint64_t chunk_bytes,
-             uint64_t buffered_chunk_bytes,
-             uint64_t async_threshold, bool direct, uint64_t staging_bytes, uint64_t slot_bytes, bool register_files,
-             bool register_buffers, int iowq_max_workers, int worker_nice, bool direct_rows) {
+          [](PyReader* self, const std::string& backend, const io::ReaderOptions& options) {
+            const io::Backend which = backend_of(backend);
+            const io::ReaderOptions o = options;  // a C++ copy: nothing Python crosses the release
             // Ring setup, staging allocation and buffer registration take milliseconds: GIL released.
             nb::gil_scoped_release g;
-            new (self) PyReader(backend, queue_depth, workers, chunk_bytes, buffered_chunk_bytes, async_threshold, direct, staging_bytes,
-                                slot_bytes, register_files, register_buffers, iowq_max_workers, worker_nice,
-                                direct_rows);
+            new (self) PyReader(which, o);
           },
-           nb::arg("backend"), nb::arg("queue_depth") = 64, nb::arg("workers") = 4,
-           nb::arg("chunk_bytes") = 1ull << 20, nb::arg("buffered_chunk_bytes") = 16ull << 20,
-           nb::arg("async_threshold") = 64ull << 10,
-           nb::arg("direct") = false, nb::arg("staging_bytes") = 64ull << 20, nb::arg("slot_bytes") = 4ull << 20,
-           nb::arg("register_files") = true, nb::arg("register_buffers") = true, nb::arg("iowq_max_workers") = 0,
-           nb::arg("worker_nice") = 0, nb::arg("direct_rows") = true)
+          nb::arg("backend"), nb::arg("options") = io::ReaderOptions(),
+          "backend: 'io_uring' or 'threads'; options: ReaderOptions (defaults when omitted).")
       .def_prop_ro("backend", [](PyReader& p) { return std::string(p.r().backend_name()); })
       .def_prop_ro("event_fd", [](PyReader& p) { return p.r().event_fd(); },
                    "Readable when completions are waiting: watch it, then call reap().")
       .def_prop_ro("direct", [](PyReader& p) { return p.r().options().direct; })
+      .def_prop_ro("options", [](PyReader& p) { return p.r().options(); },
+                   "The options in force, machine-dependent defaults resolved (a copy).")
       .def_prop_ro("in_flight", [](PyReader& p) { return p.r().in_flight(); })
       .def(
           "add_layout",
@@ -311,21 +407,26 @@ void bind_read_path(nb::module_& m) {
       },
       "(True, '') when io_uring rings can be set up here, else (False, reason).");
 
-  m.def(
-      "original_design_read",
+}
+
+// Benchmark baselines and limits of the read path (asyncside._native.bench).
+void bind_read_path_bench(nb::module_& b) {
+  b.def(
+      "side_region_read",
       [](const std::string& path, uint64_t stride, const std::vector<uint64_t>& offsets,
          const std::vector<uint64_t>& nbytes, std::vector<mx::array> pools, const std::vector<int64_t>& experts,
          const std::vector<int64_t>& rows) {
         io::MlxPoolDestination dest(std::move(pools), nbytes);
         auto s = spans(offsets, nbytes);
         nb::gil_scoped_release g;
-        return io::original_design_read(path, stride, s, dest, experts, rows);
+        return io::side_region_read(path, stride, s, dest, experts, rows);
       },
       nb::arg("path"), nb::arg("stride"), nb::arg("offsets"), nb::arg("nbytes"), nb::arg("pools"),
       nb::arg("experts"), nb::arg("rows"),
-      "Benchmark baseline: one thread, pread each whole record into a temp buffer, memcpy each segment.");
+      "The side-region design's read: one thread, pread each whole record into a temp buffer, memcpy "
+      "each segment into its row. Returns the bytes read.");
 
-  m.def(
+  b.def(
       "pread_seconds",
       [](const std::string& path, uint64_t stride, const std::vector<int64_t>& experts, int threads) {
         nb::gil_scoped_release g;
@@ -334,7 +435,7 @@ void bind_read_path(nb::module_& m) {
       nb::arg("path"), nb::arg("stride"), nb::arg("experts"), nb::arg("threads") = 1,
       "Seconds for `threads` threads to pread the given whole records into private buffers (page-cache limit).");
 
-  m.def(
+  b.def(
       "memcpy_seconds",
       [](uint64_t total_bytes, uint64_t block_bytes, uint64_t working_bytes, int threads) {
         nb::gil_scoped_release g;
@@ -345,9 +446,9 @@ void bind_read_path(nb::module_& m) {
 }
 
 }  // namespace
-// ---- end read path --------------------------------------------------------------------------------
+// ===== end read path ==============================================================================
 
-// ===== device pools (issue 7): host mirror, mirror reads, uploads to device pools ===============
+// ===== device pools: host mirror, mirror reads, uploads to device pools ==========================
 #include <nanobind/ndarray.h>
 
 #include "cuda_upload.h"
@@ -391,8 +492,6 @@ void bind_device_pools(nb::module_& m) {
       nb::arg("mirror"), nb::arg("pools"), nb::arg("rows"), nb::arg("stream"),
       "A lazy array whose evaluation on a GPU stream copies mirror rows into device pool rows.");
   m.def("cuda_upload_available", &asyncside::cuda::available, "True when the CUDA upload path is compiled in.");
-  m.def("cuda_h2d_bandwidth", &asyncside::cuda::h2d_bandwidth, nb::arg("nbytes"), nb::arg("iters"),
-        nb::call_guard<nb::gil_scoped_release>(), "Pinned host->device cudaMemcpy bytes/s (the copy limit).");
   m.def("mirror_counters", [] {
     auto& c = io::mirror_counters();
     return std::map<std::string, uint64_t>{{"created", c.created.load()},
@@ -403,6 +502,11 @@ void bind_device_pools(nb::module_& m) {
                                            {"unpinned", c.unpinned.load()}};
   });
   asyncside::cuda::install_pin_hooks();
+}
+
+void bind_device_pools_bench(nb::module_& b) {
+  b.def("cuda_h2d_bandwidth", &asyncside::cuda::h2d_bandwidth, nb::arg("nbytes"), nb::arg("iters"),
+        nb::call_guard<nb::gil_scoped_release>(), "Pinned host->device cudaMemcpy bytes/s (the copy limit).");
 }
 
 }  // namespace
@@ -519,7 +623,16 @@ NB_MODULE(_native, m) {
   m.def("build_info", [] { return std::string(asyncside::build_info()); },
         "Which optional native paths (io_uring, CUDA, Metal) this build compiled in.");
   bind_bridge(m);
-  bind_read_path(m);  // read path (h2)
+  bind_reader_options(m);
+  bind_read_path(m);
   bind_device_pools(m);
   bind_faults(m);
+
+  nb::module_ testing = m.def_submodule("testing", "Test hooks; not part of the runtime.");
+  bind_bridge_testing(testing);
+
+  nb::module_ bench = m.def_submodule("bench", "Benchmark baselines and limits; not part of the runtime.");
+  bind_bridge_bench(bench);
+  bind_read_path_bench(bench);
+  bind_device_pools_bench(bench);
 }

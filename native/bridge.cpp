@@ -273,7 +273,7 @@ void CompletionQueue::post(uint64_t ticket) noexcept {
   }
   if (wake_loop) {
     // Written after releasing mu_: the woken loop thread often lands on this very CPU and goes
-    // straight for drain(); holding mu_ across the write made it block on us (measured ~9 us).
+    // straight for drain(); holding mu_ across the write made it block on us (BENCHMARKS.md).
     // fd_mu_ only keeps close() from closing the descriptor under this write.
     std::lock_guard<std::mutex> lk(fd_mu_);
     if (write_fd_ >= 0) {
@@ -448,8 +448,9 @@ std::pair<bool, std::optional<mx::array>> schedule_step(const std::vector<mx::ar
   }
   // MLX counts task groups of DISPATCHES_PER_TASK dispatches and blocks eval's caller above
   // kMlxMaxActiveTasks. Most nodes are one dispatch, but some are many (a long prefill's
-  // attention and sorted expert gathers measured 60 ms of blocking from 90 nodes on an idle
-  // stream), so nodes go in small groups and the count is checked between groups.
+  // attention and sorted expert gathers: a few dozen such nodes block eval's caller for tens of
+  // milliseconds, BENCHMARKS.md), so nodes go in small groups and the count is checked between
+  // groups.
   // Near the limit the groups shrink to two nodes, so a group never carries the count far past it.
   constexpr size_t kGroup = 24;
   constexpr size_t kGroupNearLimit = 2;

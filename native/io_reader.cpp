@@ -158,9 +158,25 @@ void ChunkWorkers::loop() {
 // ---------------------------------------------------------------------------------------------
 // Reader: construction, layouts, submission
 
-Reader::Reader(const ReaderOptions& opts) : opts_(opts) {
+ReaderOptions resolve_defaults(ReaderOptions o) {
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  const int ncpu = online > 0 ? static_cast<int>(online) : 1;
+  // threads: up to four preadv workers, at most two per CPU; io_uring: one scatter worker per CPU
+  // (they only copy staged O_DIRECT bytes). io-wq copy threads beyond the CPU count only thrash.
+  if (o.workers == 0) o.workers = o.backend == Backend::Threads ? std::min(4, 2 * ncpu) : ncpu;
+  if (o.iowq_max_workers == -1) o.iowq_max_workers = ncpu;
+  return o;
+}
+
+Reader::Reader(const ReaderOptions& opts) : opts_(resolve_defaults(opts)) {
   if (opts_.queue_depth < 1) throw std::invalid_argument("queue_depth: expected >= 1, got " + std::to_string(opts_.queue_depth));
-  if (opts_.workers < 1) throw std::invalid_argument("workers: expected >= 1, got " + std::to_string(opts_.workers));
+  if (opts_.workers < 1) {
+    throw std::invalid_argument("workers: expected >= 1 (or 0 for the default), got " + std::to_string(opts_.workers));
+  }
+  if (opts_.iowq_max_workers < 0) {
+    throw std::invalid_argument("iowq_max_workers: expected >= 0 (or -1 for the CPU count), got " +
+                                std::to_string(opts_.iowq_max_workers));
+  }
   if (opts_.chunk_bytes < kDirectAlign) {
     throw std::invalid_argument("chunk_bytes: expected >= 4096, got " + std::to_string(opts_.chunk_bytes));
   }
@@ -731,9 +747,8 @@ const char* Reader::backend_name() const { return opts_.backend == Backend::IoUr
 // ---------------------------------------------------------------------------------------------
 // Benchmark baselines
 
-uint64_t original_design_read(const std::string& path, uint64_t stride, const std::vector<SegmentSpan>& segments,
-                              Destination& dest, const std::vector<int64_t>& experts,
-                              const std::vector<int64_t>& rows) {
+uint64_t side_region_read(const std::string& path, uint64_t stride, const std::vector<SegmentSpan>& segments,
+                          Destination& dest, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows) {
   if (experts.size() != rows.size()) throw std::invalid_argument("experts and rows: expected equal lengths");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));

@@ -31,23 +31,55 @@ constexpr uint64_t kDirectAlign = 4096;
 
 enum class Backend { IoUring, Threads };
 
+// Reader tuning. Python binds this struct itself (asyncside._native.ReaderOptions, the fields named
+// in ASYNCSIDE_READER_OPTION_FIELDS below), so these initialisers are the only defaults there are.
+// Two defaults depend on the machine and the backend and are resolved when a Reader is built (see
+// resolve_defaults); Reader::options() returns the resolved values.
 struct ReaderOptions {
-  Backend backend = Backend::Threads;
-  int queue_depth = 64;                       // sizes the ring; fills in flight are bounded above
-  int workers = 4;                            // threads: preadv workers; io_uring: scatter workers
-  uint64_t chunk_bytes = 1ull << 20;          // largest O_DIRECT read op: more ops in flight help the disk
-  uint64_t buffered_chunk_bytes = 16ull << 20;  // largest buffered read op: whole records keep readahead
-                                                // sequential (cold) and per-op overhead low (warm)
-  uint64_t async_threshold = 64ull << 10;     // io_uring: IOSQE_ASYNC on reads >= this
-  bool direct = false;                        // O_DIRECT (staging + scatter unless rows align)
-  uint64_t staging_bytes = 64ull << 20;       // bounded staging slab for O_DIRECT reads
-  uint64_t slot_bytes = 4ull << 20;           // one staging slot: the largest staged read op
-  bool register_files = true;                 // io_uring: IORING_REGISTER_FILES
-  bool register_buffers = true;               // io_uring: staging slots as fixed buffers
-  int iowq_max_workers = 0;                   // io_uring: cap on io-wq workers copying (0: kernel default)
-  int worker_nice = 0;                        // native worker threads run this much nicer than the caller
-  bool direct_rows = true;                    // O_DIRECT straight into aligned rows (false: always stage)
+  Backend backend = Backend::Threads;  // chosen by the reader's name, not an option
+  int queue_depth = 64;
+  int workers = 0;
+  uint64_t chunk_bytes = 1ull << 20;
+  uint64_t buffered_chunk_bytes = 16ull << 20;
+  uint64_t async_threshold = 64ull << 10;
+  bool direct = false;
+  uint64_t staging_bytes = 64ull << 20;
+  uint64_t slot_bytes = 4ull << 20;
+  bool register_files = true;
+  bool register_buffers = true;
+  int iowq_max_workers = -1;
+  int worker_nice = 0;
+  bool direct_rows = true;
 };
+
+// Every ReaderOptions field Python reads and writes, with what it means: X(name, doc).
+#define ASYNCSIDE_READER_OPTION_FIELDS(X)                                                              \
+  X(queue_depth, "Fills in flight at the reader (the rest wait in the scheduler's backlog); sizes "     \
+                 "the io_uring ring.")                                                                  \
+  X(workers, "Native worker threads: preadv workers (threads backend) or scatter workers (io_uring). " \
+             "0: min(4, 2 x CPUs) for threads, the CPU count for io_uring.")                          \
+  X(chunk_bytes, "Largest O_DIRECT read op: more ops in flight keep the disk busy. Rounded up to "      \
+                 "4096.")                                                                               \
+  X(buffered_chunk_bytes, "Largest buffered read op: whole records keep readahead sequential (cold) "   \
+                          "and per-op overhead low (warm).")                                            \
+  X(async_threshold, "io_uring: reads at least this long carry IOSQE_ASYNC, so the page-cache copy "    \
+                     "runs in an io-wq worker instead of inside io_uring_enter on the loop thread.")   \
+  X(direct, "O_DIRECT reads (into block-aligned rows, else through staging slots and a native "         \
+            "scatter).")                                                                                \
+  X(staging_bytes, "Bounded O_DIRECT staging slab: when it is full, chunks wait for a slot.")           \
+  X(slot_bytes, "One staging slot: the largest staged read op.")                                        \
+  X(register_files, "io_uring: IORING_REGISTER_FILES (fixed files).")                                   \
+  X(register_buffers, "io_uring: staging slots as fixed buffers.")                                      \
+  X(iowq_max_workers, "io_uring: cap on io-wq workers copying for IOSQE_ASYNC reads; more copy "        \
+                      "threads than CPUs only thrash. -1: the CPU count; 0: the kernel's default.")    \
+  X(worker_nice, "Native worker threads run this much nicer than the thread that built the reader "     \
+                 "(Linux), so memcpy-bound workers never delay the event loop.")                        \
+  X(direct_rows, "O_DIRECT straight into rows whose pieces are all block aligned; false: always "       \
+                 "through staging.")
+
+// The options with the machine-dependent defaults filled in: workers 0 and iowq_max_workers -1
+// become numbers for this backend and this machine's CPU count.
+ReaderOptions resolve_defaults(ReaderOptions opts);
 
 // Test hooks, off by default, checked once per read op (a branch on a flag when off).
 struct Faults {
@@ -119,8 +151,8 @@ struct Counters {
   std::atomic<uint64_t> staging_acquired{0}, staging_released{0}, staging_waits{0};
   std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
-  std::atomic<uint64_t> iowq_max_workers{0};
-  std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)  // what the kernel accepted (0: default/unsupported)
+  std::atomic<uint64_t> iowq_max_workers{0};  // what the kernel accepted (0: default/unsupported)
+  std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)
   std::map<std::string, uint64_t> snapshot() const;
 };
 
@@ -232,11 +264,11 @@ class Reader {
   std::atomic<uint64_t> op_seq_{0};
 };
 
-// Single-thread original design, for the benchmark baseline: one pread of the whole record into a
-// temp buffer, then one memcpy per segment into its row. Returns bytes read; throws on error.
-uint64_t original_design_read(const std::string& path, uint64_t stride,
-                              const std::vector<SegmentSpan>& segments, Destination& dest,
-                              const std::vector<int64_t>& experts, const std::vector<int64_t>& rows);
+// The side-region design's read, for the benchmark baseline: one thread, one pread of the whole
+// record into a temp buffer, then one memcpy per segment into its row. Returns bytes read; throws
+// on error.
+uint64_t side_region_read(const std::string& path, uint64_t stride, const std::vector<SegmentSpan>& segments,
+                          Destination& dest, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows);
 
 // memcpy throughput limit: copies `total_bytes` in `block_bytes` blocks from a buffer of
 // `working_bytes` to another, on `threads` threads. Returns seconds.

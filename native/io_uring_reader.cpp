@@ -4,8 +4,8 @@
 // frees) fills SQEs under sq_mu_ and calls io_uring_enter; the caller has released the GIL.
 // Reads at least async_threshold long carry IOSQE_ASYNC: a buffered page-cache hit is then copied
 // by an io-wq worker, not inside io_uring_enter on the submitting (loop) thread, and an O_DIRECT
-// read's page pinning and bio setup happen there too (measured on 2 CPUs: submitting 64 direct
-// fills of 2.65 MB took 13-18 ms inside io_uring_enter without it, 0.25 ms with it).
+// read's page pinning and bio setup happen there too (without it, submitting a batch of large
+// fills holds the loop thread inside io_uring_enter: BENCHMARKS.md, read path).
 // Completion: the ring's registered eventfd (shared with the completion list) wakes the loop,
 // which reaps the CQ in Reader::reap(): short reads and EAGAIN resubmit, staged chunks go to the
 // scatter workers, finished fills are posted to the completion list.

@@ -11,7 +11,8 @@ steps, capacity splits, predictions.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import pytest
-
 from asyncside.pools import PoolSet
-from asyncside.readers import io_uring_status
 from asyncside.store import ExpertStore
-
-HAVE_URING = io_uring_status()[0]
-READERS = [
-    pytest.param("io_uring", marks=pytest.mark.skipif(not HAVE_URING, reason="io_uring unavailable here")),
-    "threads",
-    "aiofiles",
-]
 
 
 def rows_equal_store(store: ExpertStore, spec_index: int, pools: PoolSet, expert: int, row: int) -> None:

@@ -1,7 +1,10 @@
-"""Shared test configuration: the event-loop backends and the blocking-call fixture.
+"""Shared test configuration: the event loops, the readers, and the blocking-call fixture.
 
-- ``anyio_backend``: every ``@pytest.mark.anyio`` test runs on asyncio, asyncio+uvloop and trio.
-  A module that needs fewer backends overrides this fixture locally.
+- ``anyio_backend``: every ``@pytest.mark.anyio`` test runs on each of :data:`EVENT_LOOPS`
+  (asyncio, asyncio in debug mode, asyncio+uvloop, trio). A module that needs fewer overrides
+  this fixture locally.
+- ``reader``: a test that takes it runs once per reader backend (io_uring, threads, aiofiles;
+  io_uring skips where the kernel refuses rings); ``native_reader``: the two native ones.
 - ``no_blocking``: fails an async test whose event loop thread blocks (see
   asyncside/testing_blocking.py); configure with ``@pytest.mark.no_blocking(threshold=...,
   strict=...)``. Works with pytest-asyncio (``@pytest.mark.asyncio``) and anyio tests alike. The
@@ -11,20 +14,31 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
+from asyncside.readers import io_uring_status
 from asyncside.testing_blocking import no_blocking  # noqa: F401  (the fixture)
 
 # The fixture's own default is 50 ms; this suite runs on 2 shared vCPUs, where the whole process is
 # sometimes descheduled for tens of ms. 150 ms still catches every deliberate block (200 ms).
 os.environ.setdefault("ASYNCSIDE_BLOCKING_THRESHOLD_MS", "150")
 
-BACKENDS = [
+#: The event loops every anyio test runs on. asyncio's debug mode adds its own checks (a coroutine
+#: never awaited, a loop method called from another thread, a callback that holds the loop).
+EVENT_LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"debug": True}), id="asyncio-debug"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
     pytest.param(("trio", {}), id="trio"),
 ]
+
+HAVE_URING = io_uring_status()[0]
+_URING = pytest.param("io_uring", marks=pytest.mark.skipif(not HAVE_URING, reason="io_uring unavailable here"))
+#: The reader backends, as the ``reader`` fixture runs them.
+READERS = [_URING, "threads", "aiofiles"]
+NATIVE_READERS = [_URING, "threads"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,6 +48,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(params=BACKENDS)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict]:
-    return request.param
+@pytest.fixture(params=EVENT_LOOPS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=READERS)
+def reader(request: pytest.FixtureRequest) -> str:
+    """Each reader backend in turn."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=NATIVE_READERS)
+def native_reader(request: pytest.FixtureRequest) -> str:
+    """Each native reader backend in turn."""
+    return request.param  # type: ignore[no-any-return]

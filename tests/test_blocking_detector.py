@@ -18,12 +18,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx.core as mx
-
-import asyncside._native as native
+import asyncside._native.testing as native_testing
 from asyncside.bridge import completed
 from asyncside.testing_blocking import BlockingCallError, BlockingDetector, LoopBlockedError
 
@@ -41,7 +40,7 @@ async def test_catches_time_sleep_on_the_loop(anyio_backend: object) -> None:
 
 
 async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None:
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(np.ones((64, 64), np.float32))) @ mx.array(np.ones((64, 64), np.float32))
     opener = threading.Timer(0.2, gate.open)  # the stream cannot finish x before this fires
     opener.start()
@@ -57,7 +56,7 @@ async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None
 
 async def test_catches_mx_synchronize_on_a_stuck_stream(anyio_backend: object) -> None:
     # The gate times out by itself after 0.2 s, failing the stream; synchronize then raises.
-    gate = native.TestingGate(timeout_s=0.2)
+    gate = native_testing.StreamGate(timeout_s=0.2)
     x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
     mx.async_eval(x)
     async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
@@ -113,7 +112,7 @@ async def test_quiet_on_a_responsive_loop(anyio_backend: object) -> None:
 
 
 async def test_strict_mode_refuses_known_blocking_calls(anyio_backend: object) -> None:
-    original_eval = mx.eval
+    plain_eval = mx.eval
     unscheduled = mx.array(np.ones(4, np.float32)) * 2.0
     async with BlockingDetector(threshold=1.0, strict=True, raise_on_exit=False) as det:
         with pytest.raises(BlockingCallError, match="mx.eval"):
@@ -125,7 +124,7 @@ async def test_strict_mode_refuses_known_blocking_calls(anyio_backend: object) -
             mx.synchronize()
         await anyio.to_thread.run_sync(time.sleep, 0.001)  # off the loop thread: allowed
         await completed(unscheduled)  # the non-blocking way is untouched by strict mode
-    assert mx.eval is original_eval  # patches undone
+    assert mx.eval is plain_eval  # patches undone
     assert [inc.call for inc in det.incidents if inc.call] == [
         "mx.eval() of arrays that are not yet available",
         "time.sleep(0.001)",

@@ -1,7 +1,7 @@
 """The native completion bridge: ``await completed(x)`` on asyncio, uvloop and trio.
 
-Orderings are made deterministic with a native TestingGate that holds the MLX stream thread until
-the test opens it, so no test depends on how fast anything runs. Every async test also runs under
+Orderings are made deterministic with a native StreamGate (``asyncside._native.testing``) that
+holds the MLX stream thread until the test opens it, so no test depends on how fast anything runs. Every async test also runs under
 the ``no_blocking`` fixture: awaiting a completion must never block the event loop thread.
 """
 
@@ -13,12 +13,12 @@ import random
 import threading
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx.core as mx
-
 import asyncside._native as native
+import asyncside._native.testing as native_testing
 from asyncside import bridge
 from asyncside.bridge import ComputationError, completed, completed_at
 
@@ -86,7 +86,7 @@ async def test_resolves_only_after_a_long_matmul_chain(
 
 
 async def test_waits_for_the_stream_to_get_there(anyio_backend: object, no_blocking: object, a_np: np.ndarray) -> None:
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = _chain(gate.hold(mx.array(a_np)), 4)
     done = anyio.Event()
 
@@ -110,7 +110,7 @@ async def test_many_completions_resolve_in_stream_order(
     anyio_backend: object, no_blocking: object, a_np: np.ndarray
 ) -> None:
     before = bridge.counters()
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     base = gate.hold(mx.array(a_np))
     # Few enough that the work queued behind the gate stays under MLX's eval throttle (about
     # 100 dispatches in flight, about 10 per completion here): past it, scheduling x itself
@@ -183,7 +183,7 @@ async def test_cancelled_await_leaves_no_dangling_ticket(
     anyio_backend: object, no_blocking: object, a_np: np.ndarray
 ) -> None:
     before = bridge.counters()
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(a_np)) + 1.0
     outcome: list[str] = []
 
@@ -216,8 +216,8 @@ async def test_cancelled_await_leaves_no_dangling_ticket(
 async def test_error_in_the_graph_reaches_the_awaiter(
     anyio_backend: object, no_blocking: object, a_np: np.ndarray
 ) -> None:
-    gate = native.TestingGate()
-    x = native.testing_fail(gate.hold(mx.array(a_np)), "boom from the stream") + 1.0
+    gate = native_testing.StreamGate()
+    x = native_testing.fail_on_stream(gate.hold(mx.array(a_np)), "boom from the stream") + 1.0
     errors: list[BaseException] = []
 
     async def waiter() -> None:
@@ -249,7 +249,7 @@ async def test_backlogged_stream_does_not_block_the_loop(
     thread would now block the loop until that gate opens; the bridge queues the post directly.
     """
     before = bridge.counters()
-    gate_x, gate_backlog = native.TestingGate(), native.TestingGate()
+    gate_x, gate_backlog = native_testing.StreamGate(), native_testing.StreamGate()
     x = gate_x.hold(mx.array(a_np)) + 1.0
     mx.async_eval(x)  # scheduled by the caller (a few dispatches: no throttle yet)
 
@@ -288,7 +288,7 @@ async def test_closing_the_queue_wakes_awaiters_with_an_error(
     anyio_backend: object, no_blocking: object, a_np: np.ndarray
 ) -> None:
     before = bridge.counters()
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(a_np)) + 1.0
     errors: list[BaseException] = []
 
@@ -354,7 +354,7 @@ def _gated_abandon(run: str) -> dict[str, int]:
     mx.synchronize()
     gc.collect()
     before = bridge.counters()
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(a_np)) + 1.0
 
     async def main_asyncio() -> None:
@@ -414,7 +414,7 @@ async def test_a_graph_larger_than_mlx_throttle_is_scheduled_without_blocking(
     opened (it waits while ~100 dispatches are queued); ``completed`` schedules in pieces instead,
     awaiting the stream in between, and the loop keeps running meanwhile."""
     before = bridge.counters()
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(a_np))
     for i in range(1500):
         x = x + float(i % 3)  # one dispatch each
@@ -451,7 +451,7 @@ async def test_a_graph_larger_than_mlx_throttle_is_scheduled_without_blocking(
 async def test_then_is_scheduled_behind_the_signal(anyio_backend: object, no_blocking: object,
                                                    a_np: np.ndarray) -> None:
     """``completed(x, then=[y])`` returns when x is done and leaves y queued, not awaited."""
-    gate = native.TestingGate()
+    gate = native_testing.StreamGate()
     x = gate.hold(mx.array(a_np)) + 1.0
     y = _chain(x, 3)
     async with anyio.create_task_group() as tg:

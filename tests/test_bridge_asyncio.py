@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 
 import asyncside._native as native
 from asyncside import bridge

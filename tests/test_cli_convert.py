@@ -6,13 +6,14 @@ import json
 import pathlib
 
 import pytest
-from _models_support import tiny_model
 from mlx_lm.utils import save_config, save_model
 
 from asyncside.cli import main
 from asyncside.models.convert import make_profile
 from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.store import ExpertStore
+
+from _models_support import tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-
 import json
 import pathlib
 
@@ -11,12 +10,11 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import ShuffledSource, tiny_model
 from mlx_lm.utils import load_model, save_config, save_model
 
 from asyncside.bridge import completed
 from asyncside.errors import StoreError
-from asyncside.models import load_reference_model, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_reference_model, load_streaming_model, reference_generate
 from asyncside.models.arch import UnsupportedModelError
 from asyncside.models.convert import (
     convert_model,
@@ -25,11 +23,12 @@ from asyncside.models.convert import (
     profile_routing,
     resident_sets,
 )
-from asyncside.models import ForwardOptions
 from asyncside.models.embedded import EmbeddedSpec, cache_root, ensure_embedded_default
 from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.runtime import Runtime
 from asyncside.store import ExpertStore
+
+from _models_support import ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 
@@ -271,7 +270,7 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> 
 
 
 def test_profile_model_dir_and_from_trace(tmp_path: pathlib.Path) -> None:
-    from asyncside.models import RoutingTrace, ResidentSource, profile_from_trace, profile_model_dir
+    from asyncside.models import ResidentSource, RoutingTrace, profile_from_trace, profile_model_dir
     from asyncside.models.embedded import build_model
 
     spec = SMALL_EMBEDDED

@@ -15,6 +15,7 @@ import pytest
 import asyncside._native as native
 from asyncside import ExpertStore
 from asyncside.pools import PoolSet, device_pools_default
+from asyncside.readers import ReaderOptions
 from asyncside.runtime import Runtime
 from asyncside.scheduler import Scheduler
 
@@ -56,7 +57,6 @@ def test_host_mirror_rejects_bad_shapes() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
 @pytest.mark.parametrize("direct", [False, True])
 async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct: bool) -> None:
     if reader == "aiofiles" and direct:
@@ -73,7 +73,7 @@ async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct
         pools = PoolSet(spec, 5, device=False)
         pools.mirror = native.HostMirror(5, [s.nbytes for s in spec.segments])
         pools.device = True  # row_view now answers from the mirror, like on a GPU
-        async with Scheduler(reader, direct=direct) as sched:
+        async with Scheduler(reader, ReaderOptions(direct=direct)) as sched:
             fills = [type("F", (), {"fill_id": i, "expert": e, "row": r})() for i, (e, r) in
                      enumerate([(11, 0), (0, 4), (5, 2), (7, 1)])]
             for h in sched.submit(spec, pools, fills):
@@ -105,7 +105,6 @@ def test_upload_without_cuda_says_what_is_missing() -> None:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", ["io_uring", "threads", "aiofiles"])
 async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader: str) -> None:
     store = _store(tmp_path / "store")
     async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:

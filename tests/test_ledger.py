@@ -1,9 +1,9 @@
-"""The ledger against the original side region's rules, its fixes, and its input checks.
+"""The ledger against the side-region design's rules, its fixes, and its input checks.
 
-``OriginalSideRegion`` below is a line-for-line Python model of the original C++ ``reserve`` and
-``read_publish`` (shared/seed, ``SideLayer``): ``e2r`` is a std::map (iterated in key order),
-``free_rows`` a vector used as a stack (``back()``/``pop_back()``), ``freq`` the LFU scores. A fill
-that is reserved but not yet published is invisible to it -- which is the row leak.
+``SideRegionModel`` below is a line-for-line Python model of the side-region design's C++
+``reserve`` and ``read_publish`` (docs/design.md describes it): ``e2r`` is a std::map (iterated in
+key order), ``free_rows`` a vector used as a stack (``back()``/``pop_back()``), ``freq`` the LFU
+scores. A fill that is reserved but not yet published is invisible to it -- which is the row leak.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from asyncside.ledger import validate_ids
 from asyncside.policies import LFU, AgingLFU
 
 
-class OriginalSideRegion:
-    """Model of the original C++ side region of one layer (LFU or legacy one-shot)."""
+class SideRegionModel:
+    """Model of the side-region design's C++ cache of one layer (LFU or legacy one-shot)."""
 
     def __init__(self, resident: list[int], spec: int, base: int, lfu: bool = True) -> None:
         self.resident = set(resident)
@@ -152,8 +152,8 @@ TABLE: list[tuple[str, str, list[Any]]] = [
 ]
 
 
-def _run_original(policy: str, ops: list[Any]) -> list[list[tuple[int, int]]]:
-    orig = OriginalSideRegion(RESIDENT, SIDE, len(RESIDENT), lfu=(policy == "lfu"))
+def _run_side_region(policy: str, ops: list[Any]) -> list[list[tuple[int, int]]]:
+    orig = SideRegionModel(RESIDENT, SIDE, len(RESIDENT), lfu=(policy == "lfu"))
     out = []
     for op in ops:
         fills = orig.reserve(op[1])
@@ -178,16 +178,16 @@ def _run_ours(policy: str, ops: list[Any]) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize("name, policy, ops", TABLE, ids=[t[0].split(":")[0] + str(i) for i, t in enumerate(TABLE)])
-def test_decisions_match_the_original_rules(name: str, policy: str, ops: list[Any]) -> None:
+def test_decisions_match_the_side_region_rules(name: str, policy: str, ops: list[Any]) -> None:
     expected = [op[2] for op in ops]
-    assert _run_original(policy, ops) == expected, "the reference model of the original disagrees with the table"
+    assert _run_side_region(policy, ops) == expected, "the side-region model disagrees with the table"
     assert _run_ours(policy, ops) == expected
 
 
 @pytest.mark.parametrize("policy", ["lfu", "oneshot"])
-def test_double_reserve_leaked_a_row_in_the_original_not_in_ours(policy: str) -> None:
-    # The original: expert 5 is reserved, and predicted again before its read publishes.
-    orig = OriginalSideRegion(RESIDENT, SIDE, 2, lfu=(policy == "lfu"))
+def test_double_reserve_leaked_a_row_in_the_side_region_not_in_ours(policy: str) -> None:
+    # The side region: expert 5 is reserved, and predicted again before its read publishes.
+    orig = SideRegionModel(RESIDENT, SIDE, 2, lfu=(policy == "lfu"))
     first = orig.reserve([5])
     second = orig.reserve([5])  # 5 is not in e2r yet: a second row is reserved
     assert first == [(5, 4)] and second == [(5, 3)]
@@ -195,7 +195,7 @@ def test_double_reserve_leaked_a_row_in_the_original_not_in_ours(policy: str) ->
     orig.read_publish(second)  # e2r[5] = 3 overwrites e2r[5] = 4
     assert orig.e2r == {5: 3} and orig.free_rows == [2]
     assert orig.accounted_rows() == {2, 3}, "row 4 is neither free nor owned: leaked"
-    # ... forever: however the original is driven now, it never uses row 4 again.
+    # ... forever: however the side region is driven now, it never uses row 4 again.
     used = set()
     for batch in ([6, 7, 8], [9, 10], [11], [12, 13, 14], [5, 6]):
         fills = orig.reserve(batch)
@@ -230,12 +230,12 @@ def test_double_reserve_leaked_a_row_in_the_original_not_in_ours(policy: str) ->
         max_size=30,
     ),
 )
-def test_same_decisions_as_the_original_when_fills_finish_between_reserves(
+def test_same_decisions_as_the_side_region_when_fills_finish_between_reserves(
     policy: str, side: int, steps: list[tuple[list[int], set[int]]]
 ) -> None:
     """Differential: when every batch completes before the next reserve (no FILLING overlap, no
-    leases), ours and the original make the very same (expert, row) decisions."""
-    orig = OriginalSideRegion([0, 3], side, 2, lfu=(policy == "lfu"))
+    leases), ours and the side region make the very same (expert, row) decisions."""
+    orig = SideRegionModel([0, 3], side, 2, lfu=(policy == "lfu"))
     led = Ledger(12, [0, 3], side, policy)
     for ids, failed in steps:
         want = orig.reserve(ids)
@@ -476,6 +476,11 @@ def test_accepted_id_forms() -> None:
     assert validate_ids(range(3), 8) == [0, 1, 2]
     assert validate_ids(np.arange(6, dtype=np.uint32).reshape(2, 3), 8) == [0, 1, 2, 3, 4, 5]
     assert validate_ids(np.array([], dtype=np.int32), 8) == []
+    assert validate_ids(np.asarray([]), 8) == []  # no ids, whatever numpy's default dtype
+    with pytest.raises(LedgerError, match=r"^layer 5: expert id 9 out of range \[0, 8\)$"):
+        validate_ids(np.array([1, 9]), 8, layer=5)
+    with pytest.raises(LedgerError, match=r"^layer 2: expert ids must be an integer array, got dtype float64"):
+        validate_ids(np.array([1.5]), 8, layer=2)
     mx = pytest.importorskip("mlx.core")
     assert validate_ids(mx.array([[7, 1]], dtype=mx.uint32), 8) == [7, 1]
     with pytest.raises(LedgerError, match="float32"):

@@ -2,7 +2,7 @@
 policy switches, in lockstep with a naive oracle, auditing every invariant after every step.
 
 The oracle (``NaiveLedger``) restates the rules in the most direct way (linear scans, no heaps, no
-caches): the original LFU / one-shot rules plus the fixes (FILLING counts as present, leased rows
+caches): the side-region design's LFU / one-shot rules plus the fixes (FILLING counts as present, leased rows
 are never victims, demand blocks). Every reserve must return the very same (expert, row) list.
 
 ``test_state_machine_runs_100k_steps`` is the CI run: derandomized, no example database, and it
@@ -302,9 +302,9 @@ def _leaky_fail(self: Ledger, fill: Fill) -> None:
     self.stats["failed"] += 1
 
 
-def _make_original_double_reserve(real: Any) -> Any:
+def _make_side_region_double_reserve(real: Any) -> Any:
     def reserve(self: Ledger, ids: Any, *, demand: bool = False) -> list[Fill]:
-        hidden, self._filling = self._filling, {}  # like the original: in-flight experts are absent
+        hidden, self._filling = self._filling, {}  # like the side-region design: in-flight experts are absent
         try:
             return real(self, ids, demand=demand)
         finally:
@@ -343,12 +343,12 @@ def _stale_publish(self: Ledger, fill: Fill) -> None:
     "target, attr, make",
     [
         (Ledger, "fail", lambda real: _leaky_fail),
-        (Ledger, "reserve", _make_original_double_reserve),
+        (Ledger, "reserve", _make_side_region_double_reserve),
         (Ledger, "reserve", _make_pin_blind),
         (_HeapPolicy, "choose_victim", lambda real: _wrong_tie_break),
         (Ledger, "publish", lambda real: _stale_publish),
     ],
-    ids=["leaky-fail", "original-double-reserve", "evicts-leased-rows", "lfu-tie-break", "stale-lookup"],
+    ids=["leaky-fail", "side-region-double-reserve", "evicts-leased-rows", "lfu-tie-break", "stale-lookup"],
 )
 def test_state_machine_catches_a_broken_ledger(
     monkeypatch: pytest.MonkeyPatch, target: Any, attr: str, make: Any

@@ -1,6 +1,6 @@
 """Exactness of the async forward over expert sources, for every supported architecture.
 
-The reference is the plain mlx-lm model (original weights, mlx-lm's own ``generate_step``, greedy).
+The reference is the plain mlx-lm model (its own weights, mlx-lm's own ``generate_step``, greedy).
 The streaming side is :class:`StreamingModel` over a ResidentSource (all experts, identity rows)
 and over ShuffledSource (a real Ledger per layer, random physical rows, fewer rows than experts,
 demand copies, prefetch hints, capacity splits). Tokens must be identical; logits bitwise equal.
@@ -14,22 +14,29 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import BASE, ShuffledSource, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
 from asyncside.bridge import completed
 from asyncside.errors import CapacityError
-from asyncside.models import ForwardOptions, ResidentSource, RoutingTrace, reference_generate, streaming_from_model
+from asyncside.models import (
+    ForwardOptions,
+    ResidentSource,
+    RoutingTrace,
+    RowLookupError,
+    reference_generate,
+    streaming_from_model,
+)
 from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribute
-from asyncside.models import RowLookupError
 from asyncside.models.pooled import SORT_THRESHOLD
+
+from _models_support import BASE, ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 PROMPT_LEN = 40  # 40 tokens x top-k >= 64 routed pairs: prefill takes mlx-lm's sorted gather path
 NEW_TOKENS = 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def setup(model_type: str, quant: str):
     """(plain model, config, StreamingModel, expert pools, prompt, reference tokens), cached."""
     q = {"float": None, "q4g64": Q4, "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}[quant]

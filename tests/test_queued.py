@@ -17,7 +17,6 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import BASE, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
@@ -27,6 +26,8 @@ from asyncside.errors import FillError
 from asyncside.models import ForwardOptions, convert_model, load_streaming_model, reference_generate
 from asyncside.pools import PoolSet
 from asyncside.runtime import Runtime
+
+from _models_support import BASE, tiny_model
 
 QUEUED = ForwardOptions(mode="queued")
 NEW_TOKENS = 8

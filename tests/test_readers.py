@@ -12,19 +12,15 @@ import pytest
 
 from asyncside.ledger import Ledger
 from asyncside.pools import POOL_ALIGNMENT, PoolSet
-from asyncside.readers import choose_reader
+from asyncside.readers import ReaderOptions, choose_reader
 from asyncside.scheduler import Scheduler
 from asyncside.store import ExpertStore
 
-from _read_helpers import HAVE_URING, READERS, assert_balanced, check_rows
+from _read_helpers import assert_balanced, check_rows
+from conftest import HAVE_URING
 
 pytestmark = pytest.mark.anyio
 
-ALL_BACKENDS = [
-    pytest.param(("asyncio", {}), id="asyncio"),
-    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    pytest.param(("trio", {}), id="trio"),
-]
 
 _DTYPES = ["uint8", "int8", "uint16", "float16", "bfloat16", "uint32", "float32", "int64"]
 
@@ -106,13 +102,13 @@ def test_pools_are_aligned_views(stores: list[ExpertStore]) -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
-@pytest.mark.parametrize("reader", READERS)
 async def test_rows_equal_read_expert(reader: str, direct: bool, stores: list[ExpertStore], no_blocking: object) -> None:
     """Random layouts: every expert of every layer read into rows (more experts than rows, in
     rounds, rows reused) equals read_expert; chunking is tiny so records span several ops."""
     rng = random.Random(11)
-    async with Scheduler(reader, queue_depth=4, direct=direct, chunk_bytes=4096, buffered_chunk_bytes=4096, slot_bytes=8192,
-                         staging_bytes=3 * 8192) as sched:
+    options = ReaderOptions(queue_depth=4, direct=direct, chunk_bytes=4096, buffered_chunk_bytes=4096,
+                            slot_bytes=8192, staging_bytes=3 * 8192)
+    async with Scheduler(reader, options) as sched:
         for store in stores:
             for index, spec in store.layers.items():
                 pools = await PoolSet.allocate(spec, rows=3)
@@ -137,14 +133,14 @@ class _F:
         self.fill_id, self.expert, self.row = fill_id, expert, row
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: ExpertStore, no_blocking: object) -> None:
     """With 4096-multiple segments and aligned pools, native O_DIRECT reads go straight into the
     rows (no staging); the bytes are still exactly read_expert's."""
     spec = aligned_store.layer(5)
     pools = await PoolSet.allocate(spec, rows=6)
     assert pools.aligned
-    async with Scheduler(reader, direct=True, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10) as sched:
+    options = ReaderOptions(direct=True, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10)
+    async with Scheduler(reader, options) as sched:
         hs = sched.submit(spec, pools, [_F(e, e, 5 - e) for e in range(6)])
         for h in hs:
             await h.wait()
@@ -155,8 +151,6 @@ async def test_direct_reads_land_in_aligned_rows(reader: str, aligned_store: Exp
         assert c["fills_direct_rows"] == 6 and c["fills_staged"] == 0, c
 
 
-@pytest.mark.parametrize("anyio_backend", ALL_BACKENDS)
-@pytest.mark.parametrize("reader", READERS)
 async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, stores: list[ExpertStore], no_blocking: object) -> None:
     """The runtime's wiring in miniature: ledger.reserve -> submit -> done callbacks publish/fail on
     the loop thread, on asyncio, uvloop and trio; the ledger audits clean and lookup() maps to rows
@@ -165,7 +159,7 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
     spec = next(iter(store.layers.values()))
     ledger = Ledger(spec.n_experts, resident=[0], side_rows=3)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, queue_depth=2) as sched:
+    async with Scheduler(reader, ReaderOptions(queue_depth=2)) as sched:
         for ids in ([1, 2, 3], [2, 4], [4, 1, spec.n_experts - 1]):
             fills = ledger.reserve(ids)
             for h in sched.submit(spec, pools, fills):
@@ -178,14 +172,13 @@ async def test_with_ledger_on_every_loop(reader: str, anyio_backend: object, sto
     assert ledger.audit().ok, ledger.audit().problems
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_backpressure_bounds_in_flight(reader: str, stores: list[ExpertStore], no_blocking: object) -> None:
     """queue_depth=2 with 12 fills: never more than 2 at the reader, the rest wait in the backlog."""
     store = stores[1]
     spec = next(iter(store.layers.values()))
     pools = await PoolSet.allocate(spec, rows=12)
     seen: list[int] = []
-    async with Scheduler(reader, queue_depth=2) as sched:
+    async with Scheduler(reader, ReaderOptions(queue_depth=2)) as sched:
         fills = [_F(i, i % spec.n_experts, i) for i in range(12)]
         hs = sched.submit(spec, pools, fills)
         assert sched.in_flight <= 2 and sched.in_flight + sched.backlog == 12 - sum(h.done() for h in hs)
@@ -224,3 +217,48 @@ async def test_submit_rejects_bad_rows_and_pools(stores: list[ExpertStore], no_b
         with pytest.raises(ValueError, match="pools belong to layer"):
             sched.submit(specs[1], pools, [_F(0, 0, 0)])
         assert sched.in_flight == 0 and sched.backlog == 0
+
+
+def test_reader_options_are_defined_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One options struct for every layer: its defaults are the native struct's, the Scheduler and
+    the native Reader run with exactly what they were given (machine-dependent defaults resolved
+    natively), and bad fields are refused by name."""
+    import os
+
+    import asyncside._native as native
+    from asyncside.readers import reader_options
+
+    d = ReaderOptions()
+    assert ReaderOptions is native.ReaderOptions
+    assert d.workers == 0 and d.iowq_max_workers == -1  # resolved per backend and machine
+    assert set(d.as_dict()) == set(ReaderOptions.field_names())
+    o = ReaderOptions(queue_depth=7, chunk_bytes=8192)
+    assert (o.queue_depth, o.chunk_bytes, o.slot_bytes) == (7, 8192, d.slot_bytes)
+
+    monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
+    sched = Scheduler("threads", o)
+    assert sched.options == o and sched.options is not o and sched.queue_depth == 7 and not sched.direct
+    assert Scheduler("threads", o, direct=True).options.direct and not o.direct
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")
+    assert reader_options().direct  # the environment applies only when no options are given
+    assert not reader_options(o).direct and not reader_options(direct=False).direct
+
+    ncpu = os.cpu_count() or 1
+    threads = native.Reader("threads", d)
+    assert threads.options.workers == min(4, 2 * ncpu) and threads.options.iowq_max_workers == ncpu
+    threads.close()
+    if HAVE_URING:
+        uring = native.Reader("io_uring", ReaderOptions(workers=3, iowq_max_workers=0))
+        assert (uring.options.workers, uring.options.iowq_max_workers) == (3, 0)
+        uring.close()
+
+    with pytest.raises(TypeError, match="unknown field 'depth'"):
+        ReaderOptions(depth=4)
+    with pytest.raises(TypeError, match=r"queue_depth: expected an int, got True"):
+        ReaderOptions(queue_depth=True)
+    with pytest.raises(TypeError, match=r"chunk_bytes: expected a non-negative int, got -1"):
+        o.chunk_bytes = -1
+    with pytest.raises(ValueError, match="queue_depth: expected an int >= 1, got 0"):
+        Scheduler("threads", ReaderOptions(queue_depth=0))
+    with pytest.raises(ValueError, match="workers: expected >= 1"):
+        native.Reader("threads", ReaderOptions(workers=-2))

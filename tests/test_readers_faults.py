@@ -17,10 +17,11 @@ import asyncside._native as native
 from asyncside.errors import FillError
 from asyncside.ledger import Ledger
 from asyncside.pools import PoolSet
+from asyncside.readers import ReaderOptions
 from asyncside.scheduler import FillHandle, Scheduler
 from asyncside.store import ExpertStore, LayerSpec
 
-from _read_helpers import READERS, assert_balanced, check_rows, rows_equal_store
+from _read_helpers import assert_balanced, check_rows, rows_equal_store
 
 pytestmark = pytest.mark.anyio
 
@@ -66,11 +67,13 @@ def assert_no_leak(ledger: Ledger) -> None:
     assert len(ledger.free_rows()) + len(ledger.live()) == ledger.side_rows  # every row FREE or LIVE
 
 
+@pytest.mark.parametrize("direct", DIRECT)
 async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=spec.n_experts)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, direct=direct, queue_depth=3, chunk_bytes=32 << 10, buffered_chunk_bytes=32 << 10) as sched:
+    options = ReaderOptions(direct=direct, queue_depth=3, chunk_bytes=32 << 10, buffered_chunk_bytes=32 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(max_read_bytes=1000)  # every op returns <= 1000 bytes (4096 for O_DIRECT)
         hs = sched.submit(spec, pools, ledger.reserve(range(spec.n_experts)))
         wire(ledger, hs)
@@ -83,17 +86,14 @@ async def test_short_reads_continue(reader: str, direct: bool, store: ExpertStor
     assert_no_leak(ledger)
 
 
-test_short_reads_continue = pytest.mark.parametrize("direct", DIRECT)(
-    pytest.mark.parametrize("reader", READERS)(test_short_reads_continue))
-
 
 @pytest.mark.parametrize("err", [errno.EAGAIN, errno.EINTR], ids=["EAGAIN", "EINTR"])
-@pytest.mark.parametrize("reader", READERS)
 async def test_transient_errors_are_retried(reader: str, err: int, store: ExpertStore, no_blocking: object) -> None:
     spec = store.layer(2)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, queue_depth=4, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(queue_depth=4, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(transient_every=3, transient_err=err)
         hs = sched.submit(spec, pools, ledger.reserve([0, 3, 5, 7]))
         wire(ledger, hs)
@@ -107,7 +107,6 @@ async def test_transient_errors_are_retried(reader: str, err: int, store: Expert
 
 
 @pytest.mark.parametrize("direct", DIRECT)
-@pytest.mark.parametrize("reader", READERS)
 async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: ExpertStore, no_blocking: object) -> None:
     """An injected EIO inside expert 3's record: its awaiter gets FillError(errno=EIO) naming the
     file; the ledger returns its row; every other fill lands."""
@@ -116,7 +115,8 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
     bad = 3
     lo = bad * spec.stride + spec.segments[0].nbytes // 2
-    async with Scheduler(reader, direct=direct, queue_depth=2, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(direct=direct, queue_depth=2, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         sched.set_faults(path=str(spec.path), lo=lo, hi=lo + 1, err=errno.EIO)
         fills = ledger.reserve([1, bad, 4, 6, 0])
         hs = sched.submit(spec, pools, fills)
@@ -139,7 +139,6 @@ async def test_eio_fails_exactly_that_fill(reader: str, direct: bool, store: Exp
 
 
 @pytest.mark.parametrize("direct", DIRECT)
-@pytest.mark.parametrize("reader", READERS)
 async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, store: ExpertStore,
                                                      tmp_path: os.PathLike[str], no_blocking: object) -> None:
     """A real EOF: the blob is cut inside the last record (after the store was opened). Reading that
@@ -150,7 +149,8 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
     os.truncate(spec.path, last * spec.stride + spec.segments[0].nbytes + 10)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=3)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
-    async with Scheduler(reader, direct=direct, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10) as sched:
+    options = ReaderOptions(direct=direct, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
+    async with Scheduler(reader, options) as sched:
         hs = sched.submit(spec, pools, ledger.reserve([last, 0, 2]))
         wire(ledger, hs)
         with pytest.raises(FillError, match="end of file") as info:
@@ -164,7 +164,6 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
     assert_no_leak(ledger)
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: str, big_store: ExpertStore, no_blocking: object) -> None:
     """Cancel the awaiter mid-read: the handle is not done, the native read is still in flight and
     the ledger still has the row FILLING (a second reserve does not re-read it). The read then
@@ -191,7 +190,6 @@ async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: st
     assert_no_leak(ledger)
 
 
-@pytest.mark.parametrize("reader", READERS)
 async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_store: ExpertStore, no_blocking: object) -> None:
     """Cancel the whole scope around the scheduler while reads are in flight: leaving the context
     still waits (shielded) for every read, runs every callback, and closes with counters balanced."""
@@ -212,13 +210,13 @@ async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_st
     assert_no_leak(ledger)
 
 
-@pytest.mark.parametrize("backend", READERS[:2])
-def test_native_close_waits_for_reads_and_staging(backend: str, store: ExpertStore) -> None:
+def test_native_close_waits_for_reads_and_staging(native_reader: str, store: ExpertStore) -> None:
     """The native safety net, without Python's scheduler: close() with fills in flight waits for
     them; staging (one slot for many staged fills: backpressure) all comes back; bytes are right."""
     spec: LayerSpec = store.layer(2)
     pools = PoolSet(spec, rows=spec.n_experts)
-    r = native.Reader(backend, direct=True, staging_bytes=64 << 10, slot_bytes=64 << 10, chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10)
+    r = native.Reader(native_reader, ReaderOptions(direct=True, staging_bytes=64 << 10, slot_bytes=64 << 10,
+                                             chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10))
     lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in spec.segments],
                        [s.nbytes for s in spec.segments], [pools.arrays[s.key] for s in spec.segments])
     n = spec.n_experts

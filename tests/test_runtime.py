@@ -17,8 +17,6 @@ from asyncside import ExpertStore
 from asyncside.errors import FillError, LedgerError
 from asyncside.runtime import Runtime
 
-READERS = ["io_uring", "threads", "aiofiles"]
-
 
 def _make_store(path: Path, *, n_layers: int = 2, n_experts: int = 16, seed: int = 0) -> ExpertStore:
     rng = np.random.default_rng(seed)
@@ -67,7 +65,6 @@ def store(tmp_path: Path) -> ExpertStore:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", READERS)
 async def test_lazy_prediction_drives_fills(store: ExpertStore, reader: str, no_blocking) -> None:
     async with Runtime(store, resident=0.5, side_rows=4, reader=reader) as rt:
         assert rt.reader == reader
@@ -85,7 +82,6 @@ async def test_lazy_prediction_drives_fills(store: ExpertStore, reader: str, no_
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", READERS)
 async def test_ensure_random_sequences(store: ExpertStore, reader: str, no_blocking) -> None:
     rng = np.random.default_rng(1)
     async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:
@@ -110,7 +106,6 @@ async def test_ensure_random_sequences(store: ExpertStore, reader: str, no_block
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", READERS)
 async def test_failed_fill_reaches_awaiters_and_returns_row(tmp_path: Path, reader: str) -> None:
     store = _make_store(tmp_path / "store", n_layers=1)
     # Truncate the blob after a valid open: experts in the last records now read past EOF.
@@ -132,7 +127,6 @@ async def test_failed_fill_reaches_awaiters_and_returns_row(tmp_path: Path, read
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("reader", READERS)
 async def test_cancelled_ensure_leaves_ledger_consistent(store: ExpertStore, reader: str) -> None:
     async with Runtime(store, resident=0.25, side_rows=4, reader=reader) as rt:
         with anyio.CancelScope() as scope:

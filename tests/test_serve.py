@@ -167,7 +167,7 @@ class HeldTurn:
             while not self.release.is_set():
                 await asyncio.sleep(0.005)
 
-    def __enter__(self) -> "HeldTurn":
+    def __enter__(self) -> HeldTurn:
         self.future = asyncio.run_coroutine_threadsafe(self._hold(), self.srv.loop)
         assert self.held.wait(30), "could not take the generation turn"
         return self

@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from asyncside.demo import DEFAULT_PROMPT, Run, reference_run
     import dataclasses
 
+    from asyncside.demo import DEFAULT_PROMPT, Run, reference_run
     from asyncside.models import ForwardOptions, load_reference_model, load_streaming_model
     from asyncside.models.embedded import ensure_embedded_default
     from asyncside.runtime import Runtime
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r}: mlx-lm {row['mlx_lm_tok_s']} tok/s; {args.switch}={values[True]!r} {row['on_ratio']}x, "
                   f"{values[False]!r} {row['off_ratio']}x", flush=True)
     summary = {
-        "switch": args.switch, "on": values[True], "off": values[False], "resident": args.resident, "tokens": args.tokens, "rounds": rounds,
+        "switch": args.switch, "on": values[True], "off": values[False], "resident": args.resident,
+        "tokens": args.tokens, "rounds": rounds,
         "on_ratio_median": round(statistics.median(r["on_ratio"] for r in rounds), 3),
         "off_ratio_median": round(statistics.median(r["off_ratio"] for r in rounds), 3),
         "on_over_off_per_round_median": round(statistics.median(r["on_ratio"] / r["off_ratio"] for r in rounds), 3),

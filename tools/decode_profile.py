@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{t['runnable_waiting'] * 100:4.1f}%")
         a = result["asyncside"]
         print(f"tokens identical: {result['tokens_identical']}")
-        print(f"speculative expert outputs on the stream: {a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
-        print(f"stream idle between them and the next layer: {a['stream_idle_after_experts_ms_per_token']} ms per token")
+        print("speculative expert outputs on the stream: "
+              f"{a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
+        print("stream idle between them and the next layer: "
+              f"{a['stream_idle_after_experts_ms_per_token']} ms per token")
         print(f"stream idle after a plain await (the token, a recompute) until the host queued more: "
               f"{a['stream_idle_after_plain_awaits_ms_per_token']} ms per token")
         print(f"host waiting for fills (stall): {a['stall_ms_per_token']} ms per token")

@@ -1,1 +1,91 @@
-"""Benchmarks: one module per `asyncside bench <what>`."""
+"""Benchmarks: one module per ``asyncside bench <what>``, and what they share.
+
+Each module defines ``add_<what>_arguments(parser)`` and ``run_<what>_bench(args) -> dict`` (which
+prints its table unless ``args.json``). :data:`BENCHES` names them; :func:`bench_main` is the one
+entry point behind both ``asyncside bench <what>`` and ``python -m asyncside.bench.<what>``.
+Importing this package imports no benchmark (and no MLX): ``asyncside --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "median", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One ``asyncside bench <name>``: where its code lives and what its exit status means."""
+
+    name: str
+    help: str
+    add: str  #: the function adding the bench's options to a parser
+    run: str  #: the function running it (prints its table unless args.json) and returning a dict
+    #: False when the result says the run is wrong (tokens differ, the device path is missing).
+    ok: Callable[[dict[str, Any]], bool] = lambda result: True
+    #: Listed by ``asyncside bench`` (the device bench needs a GPU build and runs as a module).
+    on_cli: bool = True
+
+    @property
+    def module(self) -> str:
+        return f"asyncside.bench.{self.name}"
+
+    def function(self, attr: str) -> Callable[..., Any]:
+        """The module's function ``attr`` (imports the module)."""
+        fn: Callable[..., Any] = getattr(importlib.import_module(self.module), attr)
+        return fn
+
+
+BENCHES: dict[str, Bench] = {
+    b.name: b
+    for b in (
+        Bench("io", "read path GB/s per reader, cold and warm, beside fio, memcpy and the side-region design's read",
+              "add_io_arguments", "run_io_bench"),
+        Bench("bridge", "completion latency on asyncio, uvloop and trio beside executor and polling",
+              "add_bridge_arguments", "run_bridge_bench"),
+        Bench("generate", "tokens/s by residency, prefetch on/off, policies vs Belady",
+              "add_generate_arguments", "run_generate_bench",
+              ok=lambda result: bool(result.get("tokens_identical", False))),
+        Bench("serve", "concurrent streaming clients against `asyncside serve`",
+              "add_serve_bench_arguments", "run_serve_bench"),
+        Bench("device", "upload bandwidth into MLX CUDA device pools beside pinned cudaMemcpy",
+              "add_device_arguments", "run_device_bench", ok=lambda result: "error" not in result, on_cli=False),
+    )
+}
+
+
+def add_bench_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    """``--json`` plus the bench's own options."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench = BENCHES[name]
+    bench.function(bench.add)(parser)
+
+
+def run_bench(name: str, args: argparse.Namespace) -> int:
+    """Run bench ``name`` with parsed ``args``; print the JSON result with ``--json``; exit status."""
+    bench = BENCHES[name]
+    result: dict[str, Any] = bench.function(bench.run)(args)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    return 0 if bench.ok(result) else 1
+
+
+def bench_main(name: str, argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncside.bench.<name> [--json] ...``: parse, run, exit status."""
+    module = importlib.import_module(BENCHES[name].module)
+    doc = (module.__doc__ or "").strip().splitlines()
+    parser = argparse.ArgumentParser(prog=f"python -m {BENCHES[name].module}", description=doc[0] if doc else None)
+    add_bench_arguments(name, parser)
+    return run_bench(name, parser.parse_args(argv))
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, NaN for no values (a cell that did not run)."""
+    return float(statistics.median(values)) if values else math.nan

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -34,12 +33,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 from .. import _native
 from ..bridge import completed_at
+from . import bench_main
 from .machine import machine_info
 
 TARGET_MEDIAN_US = 30.0
@@ -65,8 +64,8 @@ def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1 << 18,
         help="float32 elements of the array each completion computes, x = a * i + 1 (default 2^18: "
-        "about 0.1-0.3 ms of single-threaded MLX work, so the loop is parked when the stream posts; "
-        "a tiny size measures the issue path instead, the stream finishing before the loop waits)",
+        "enough work that the loop is parked when the stream posts; a tiny size measures the issue "
+        "path instead, the stream finishing before the loop waits)",
     )
 
 
@@ -275,7 +274,7 @@ def _run_cells(args: argparse.Namespace, s: dict[str, int]) -> dict[str, Any]:
     issue: list[int] = []
     started = time.time()
     for _ in range(s["rounds"]):
-        floor += _native.wakeup_floor_ns(s["floor_n"])
+        floor += _native.bench.wakeup_floor_ns(s["floor_n"])
         issue += _issue_cost(s)
         for name, library, options in backends:
             for method in METHODS:
@@ -360,14 +359,7 @@ def render_bridge_table(result: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m asyncside.bench.bridge [--json] [--quick] ...``"""
-    parser = argparse.ArgumentParser(prog="python -m asyncside.bench.bridge", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    add_bridge_arguments(parser)
-    args = parser.parse_args(argv)
-    result = run_bridge_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return bench_main("bridge", argv)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,17 @@ Record layout: a Qwen3-30B-A3B-like expert (4-bit, group 64: 9 segments, about 2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import bench_main
 
 
 def _qwen3_30b_layer(n_experts: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -95,7 +97,7 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         # Bridge latency on the GPU stream.
         lat, rtt = [], []
         x = mx.zeros((1,))
-        for i in range(args.bridge_samples):
+        for _ in range(args.bridge_samples):
             x = x + 1.0
             t0 = time.monotonic_ns()
             posted = await completed_at(x)
@@ -115,6 +117,15 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
 
 
 def run_device_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the measurements; print them (one per line) unless ``args.json``; return the result."""
+    result = _run(args)
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            print(f"{k:24} {v}")
+    return result
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import mlx.core as mx
 
@@ -128,7 +139,7 @@ def run_device_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not result["cuda_upload"]:
         result["error"] = "this build has no CUDA upload path (needs MLX CUDA and -DASYNCSIDE_CUDA=ON)"
         return result
-    result["pinned_h2d_limit_gbps"] = _native.cuda_h2d_bandwidth(256 << 20, 10) / 1e9
+    result["pinned_h2d_limit_gbps"] = _native.bench.cuda_h2d_bandwidth(256 << 20, 10) / 1e9
     with tempfile.TemporaryDirectory(prefix="asyncside-bench-device-") as tmp:
         rng = np.random.default_rng(0)
         store = ExpertStore.create(Path(tmp) / "store", {0: _qwen3_30b_layer(args.experts, rng)}, checksum=None)
@@ -143,18 +154,9 @@ def run_device_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m asyncside.bench.device", description=__doc__)
-    p.add_argument("--json", action="store_true")
-    add_device_arguments(p)
-    args = p.parse_args(argv)
-    result = run_device_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        for k, v in result.items():
-            print(f"{k:24} {v}")
-    return 0 if "error" not in result else 1
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncside.bench.device [--json] ...``"""
+    return bench_main("device", argv)
 
 
 if __name__ == "__main__":

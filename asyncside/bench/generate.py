@@ -40,7 +40,6 @@ the all-resident lines, and the policies' hit rates beside Belady's.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import pathlib
@@ -864,14 +863,9 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m asyncside.bench.generate [--json] ...``"""
-    p = argparse.ArgumentParser(prog="asyncside bench generate", description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    add_generate_arguments(p)
-    args = p.parse_args(argv)
-    result = run_generate_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    return 0 if result["tokens_identical"] else 1
+    from . import bench_main
+
+    return bench_main("generate", argv)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
     seen: dict[int, list[mx.array]] = {l: [] for l in moe}
-    originals = {}
+    switches = {}
 
     class _Counting(nn.Module):
         def __init__(self, inner: nn.Module, layer: int) -> None:
@@ -125,8 +125,8 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
             return self.inner(x, indices)
 
     for l, (block, attr) in moe.items():
-        originals[l] = getattr(block, attr)
-        setattr(block, attr, _Counting(originals[l], l))
+        switches[l] = getattr(block, attr)
+        setattr(block, attr, _Counting(switches[l], l))
     tokens = 0
     try:
         for p in prompts:
@@ -134,10 +134,10 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
             tokens += len(p) + len(out)
     finally:
         for l, (block, attr) in moe.items():
-            setattr(block, attr, originals[l])
+            setattr(block, attr, switches[l])
     counts: dict[int, list[int]] = {}
     for l, arrays in seen.items():
-        n = _n_experts(originals[l])
+        n = _n_experts(switches[l])
         c = np.zeros(n, dtype=np.int64)
         for a in arrays:
             c += np.bincount(np.asarray(a).reshape(-1), minlength=n)

@@ -4,9 +4,8 @@ It is a real mlx-lm model directory (``config.json`` + ``model.safetensors``, 4-
 affine quantization with the router at 8 bits, like community MLX conversions of
 Qwen3-MoE), converted to an expert store beside it. Experts are ~97% of its ~290 MB.
 Scales and unquantized weights are float32, not the community's bfloat16: MLX's CPU backend runs
-half-precision quantized matmuls 10-40x slower (measured: 100-token prefill 25 s in bf16 vs
-1.8 s in float32), and the CPU is where this model mostly runs. ``EmbeddedSpec(dtype=...)``
-changes it.
+half-precision quantized matmuls many times slower (BENCHMARKS.md, measurements behind code
+choices), and the CPU is where this model mostly runs. ``EmbeddedSpec(dtype=...)`` changes it.
 
 Random weights route almost uniformly, which would make residency meaningless. The weights are
 therefore structured (all from one seed) so routing looks like a trained MoE's:
@@ -91,7 +90,7 @@ class EmbeddedSpec:
     seed: int = 20240607
     group_size: int = 64
     bits: int = 4
-    dtype: str = "float32"        # MLX CPU runs bf16/fp16 quantized matmuls 10-40x slower
+    dtype: str = "float32"        # MLX CPU runs bf16/fp16 quantized matmuls far slower (module docstring)
     hot_sigma: float = 1.0       # log-normal spread of per-expert hotness
     emb_shared: float = 0.3      # weight of the shared direction u in every token embedding
     emb_class: float = 0.3       # weight of the token-class direction in embeddings

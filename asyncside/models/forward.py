@@ -46,7 +46,7 @@ __all__ = ["AsyncForward", "Completed", "ForwardOptions", "RowLookupError", "Ste
            "eval_completed"]
 
 
-class StepMode(str, enum.Enum):
+class StepMode(enum.StrEnum):
     """How a forward runs a step (see the module docstring)."""
 
     AUTO = "auto"

@@ -117,7 +117,7 @@ def replace_switches(model: nn.Module, moe: Mapping[int, tuple[nn.Module, str]],
 
     ``specs`` (e.g. from a store's metadata) overrides the spec read off the module, which matters
     when the model was built unquantized from a config and the experts are quantized in the store.
-    The original switch modules (and their lazily-initialised weights) are dropped unevaluated.
+    mlx-lm's own switch modules (and their lazily-initialised weights) are dropped unevaluated.
     """
     out: dict[int, SwitchSpec] = {}
     for layer, (block, attr) in moe.items():

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import LedgerError
+from ..ledger import validate_ids
 from ..snapshot import RowSnapshot, make_snapshot
 
 
@@ -39,13 +40,7 @@ class ExpertSource(Protocol):
 
 
 def _ids_array(ids: Any, n_experts: int, layer: int) -> np.ndarray:
-    arr = np.asarray(ids).reshape(-1)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise LedgerError(f"layer {layer}: expert ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= n_experts):
-        bad = arr[(arr < 0) | (arr >= n_experts)][0]
-        raise LedgerError(f"layer {layer}: expert id {int(bad)} out of range [0, {n_experts})")
-    return arr.astype(np.int64)
+    return np.asarray(validate_ids(ids, n_experts, layer=layer), dtype=np.int64)
 
 
 class ResidentSource:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build, check and time asyncside on the lent NVIDIA H200 (MLX CUDA), in one go.
 # Runs in the repository root on the GPU machine. Expects /root/stage to hold both halves of the
-# MLX CUDA wheel (../shared/device/stage-mlx-cuda.sh here; carried as .devwheels/a and /b), the
+# MLX CUDA wheel (staged on the machine before the run; carried as .devwheels/a and /b), the
 # fmt headers in .devwheels/fmt, and the missing pure-Python wheels in .whl. Writes logs and JSON
-# to $OUT (or ./device-out). Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop
-# after the tests), BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), AB="switch v1 v2"
-# (after the demo: tools/ab_decode.py of that AsyncForward switch at 50% and 25%, AB_ROUNDS rounds).
+# to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
+# Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
+# BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), AB="switch v1 v2" (after the demo:
+# tools/ab_decode.py of that AsyncForward switch at 50% and 25%, AB_ROUNDS rounds).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
