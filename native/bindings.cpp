@@ -517,6 +517,7 @@ void bind_device_pools_bench(nb::module_& b) {
 #include <unistd.h>
 
 #include "expert_faults.h"
+#include "step_plan.h"
 
 namespace {
 
@@ -606,6 +607,16 @@ void bind_faults(nb::module_& m) {
       nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
       "Lazy uint32 pool rows of `ids` (any integer shape): when the stream reaches it, each routed "
       "expert is looked up in `table`, and one without a row is read into a lent row first.");
+  nb::class_<asyncside::plan::StepPlan>(
+      m, "StepPlan",
+      "One queued step's unscheduled graph, handed to MLX in chunks that fit under its eval throttle.")
+      .def(nb::init<const std::vector<mx::array>&>(), nb::arg("roots"), nb::call_guard<nb::gil_scoped_release>())
+      .def("advance", &asyncside::plan::StepPlan::advance, nb::arg("budget_ns") = 0,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Schedule the next chunk, letting MLX's throttle block for up to budget_ns more: (True, None) "
+           "when all is scheduled, else (False, y): await y, then call again.")
+      .def_prop_ro("size", &asyncside::plan::StepPlan::size)
+      .def_prop_ro("chunks", &asyncside::plan::StepPlan::chunks);
   m.def("fault_counters", [] {
     auto& c = fa::global_counters();
     return std::map<std::string, uint64_t>{{"tables_created", c.tables_created.load()},

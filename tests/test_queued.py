@@ -218,3 +218,27 @@ def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
         mx.eval(_native.expert_rows(mx.array([7, 0], dtype=mx.uint32), table) + 0)
         ev = _events(table)
         assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == victim, (order, ev)
+
+
+def test_step_plan_schedules_a_graph_in_chunks_without_blocking() -> None:
+    """A plan hands a long graph to MLX in chunks (each under its eval throttle): every node ends
+    up scheduled, the result is what one eval computes, and nothing is scheduled twice."""
+    x = mx.array(np.arange(16, dtype=np.float32))
+    y = x
+    for i in range(600):  # many small nodes, as a decode step has
+        y = y * 1.0001 + (i % 3)
+    want = np.arange(16, dtype=np.float64)
+    for i in range(600):
+        want = want * np.float32(1.0001) + (i % 3)
+    plan = _native.StepPlan([y])
+    assert plan.size >= 1200
+    waits = 0
+    while True:
+        done, wait_on = plan.advance()
+        if done:
+            break
+        waits += 1
+        mx.eval(wait_on)  # what the forward awaits through the bridge
+    assert plan.chunks >= 1 and waits == plan.chunks - 1
+    np.testing.assert_allclose(np.array(y), want, rtol=1e-4)
+    assert _native.StepPlan([y]).size == 0  # already scheduled: nothing left to plan

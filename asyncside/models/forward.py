@@ -39,7 +39,8 @@ from .predict import Predictor
 from .queued import QueuedSource, QueuedSteps
 from .source import ExpertSource
 from .trace import RoutingTrace
-from .walk import Completed, DecoderWalk, StepContext
+from ..bridge import Completed
+from .walk import DecoderWalk, StepContext
 from .whole import WholeSteps
 
 __all__ = ["AsyncForward", "Completed", "ForwardOptions", "RowLookupError", "StepMode", "default_completed",
@@ -128,7 +129,7 @@ class AsyncForward:
         self.per_layer = PerLayerSteps(self.walk, completed, schedule, self.counters,
                                        speculate=self.options.speculate, then_ok=then_ok)
         self.whole = WholeSteps(self.per_layer)
-        self.queued = QueuedSteps(self.walk, schedule, self.counters)
+        self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok)
 
     @property
     def mode(self) -> StepMode:

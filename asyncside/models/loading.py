@@ -23,7 +23,7 @@ from ..errors import StoreError
 from .arch import arch_for, moe_layers, switch_meta
 from .forward import ForwardOptions
 from .streaming import StreamingModel
-from .walk import Completed
+from ..bridge import Completed
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
 from .tokenizer import load_tokenizer
 

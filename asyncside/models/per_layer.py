@@ -40,7 +40,8 @@ from .pooled import (
     route_and_apply,
 )
 from .source import ExpertSource
-from .walk import Completed, DecoderWalk, StepContext
+from ..bridge import Completed
+from .walk import DecoderWalk, StepContext
 
 #: steps of at least this many tokens are scheduled block by block (keeps the loop responsive)
 LONG_STEP_TOKENS = 16

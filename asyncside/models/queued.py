@@ -14,13 +14,14 @@ scheduled, and ``source.after_step`` once its token was awaited.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
 
+from .. import _native
 from .pooled import pooled_switch_apply, route_and_apply
+from ..bridge import Completed
 from .walk import DecoderWalk, StepContext
 
 #: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer,
@@ -51,10 +52,11 @@ class QueuedSource(Protocol):
 class QueuedSteps:
     """Decode steps queued whole, misses served by the source inside the stream."""
 
-    def __init__(self, walk: DecoderWalk, schedule: Callable[..., Awaitable[None]], counters: dict[str, int]) -> None:
+    def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool) -> None:
         self.walk = walk
-        self.schedule = schedule
+        self.completed = completed
         self.counters = counters
+        self._bridged = bridged
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -94,11 +96,25 @@ class QueuedSteps:
             routed.append((i, inds))
             h = h_attn + out
         logits = walk.logits(h)
-        await self.schedule(logits)
+        await self._schedule(logits)
         source.end_step(logits)
         self.counters["queued"] += 1
         self.counters["forwards"] += 1
         return logits
+
+    async def _schedule(self, out: mx.array) -> None:
+        """Hand the step to MLX without blocking the loop: in chunks that fit under MLX's eval
+        throttle, awaiting a node in the middle of each chunk before the next (native StepPlan:
+        one walk of the graph per step)."""
+        if not self._bridged:
+            mx.async_eval(out)  # an injected completion (tests): MLX may block the caller
+            return
+        plan = _native.StepPlan([out])
+        while True:
+            done, wait_on = plan.advance()
+            if done:
+                return
+            await self.completed(wait_on)
 
     @staticmethod
     def record_routes(ctx: StepContext) -> None:

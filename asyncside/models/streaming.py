@@ -23,7 +23,7 @@ from .pooled import SwitchSpec
 from .predict import check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
-from .walk import Completed
+from ..bridge import Completed
 
 #: mlx-lm's generate_step default; prefill is chunked identically so numerics match.
 PREFILL_STEP_SIZE = 2048

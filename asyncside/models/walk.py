@@ -10,7 +10,6 @@ differs between strategies is only how an MoE block gets its expert rows.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +22,6 @@ from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_pre
 from .source import ExpertSource
 from .trace import RoutingTrace
 
-#: Awaits an MLX computation without blocking the loop (``asyncside.bridge.completed``).
-Completed = Callable[[mx.array], Awaitable[None]]
 
 
 class DecoderWalk:

@@ -1,0 +1,83 @@
+// Scheduling one queued step in chunks under MLX's eval throttle (see step_plan.h).
+#include "step_plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_set>
+
+#include "mlx/scheduler.h"
+#include "mlx/transforms.h"
+
+namespace mx = mlx::core;
+
+namespace asyncside::plan {
+
+namespace {
+
+// MLX's eval blocks its caller while more task groups than this are in flight (MLX 0.32).
+constexpr int kMaxActiveTasks = 10;
+// A task group is this many dispatches; most nodes of a decode step are one dispatch each.
+constexpr size_t kNodesPerTask = 8;
+constexpr size_t kMinGroup = 2;
+
+}  // namespace
+
+StepPlan::StepPlan(const std::vector<mx::array>& roots) {
+  // Iterative post-order walk (graphs are deep): every node after its inputs.
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<std::pair<mx::array, size_t>> stack;
+  for (const auto& r : roots) {
+    if (r.status() != mx::array::Status::unscheduled || !seen.insert(r.id()).second) continue;
+    stack.emplace_back(r, 0);
+    while (!stack.empty()) {
+      const size_t top = stack.size() - 1;
+      const auto& ins = stack[top].first.inputs();
+      if (stack[top].second < ins.size()) {
+        const mx::array& in = ins[stack[top].second++];
+        if (in.status() == mx::array::Status::unscheduled) {
+          if (seen.insert(in.id()).second) stack.emplace_back(in, 0);
+        } else if (!frontier_ && in.status() == mx::array::Status::evaluated && in.has_primitive()) {
+          frontier_ = in;  // queued by an earlier step, maybe still running
+        }
+      } else {
+        order_.push_back(std::move(stack[top].first));
+        stack.pop_back();
+      }
+    }
+  }
+}
+
+std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns) {
+  while (next_ < order_.size() && order_[next_].status() != mx::array::Status::unscheduled) ++next_;
+  if (next_ >= order_.size()) return {true, std::nullopt};
+  const auto t0 = std::chrono::steady_clock::now();
+  int active = mx::scheduler::n_active_tasks();
+  if (active >= kMaxActiveTasks && budget_ns <= 0) {
+    // The stream is full (an earlier step, or this one's last chunk): wait for what is queued.
+    if (last_mid_ && !last_mid_->is_available()) return {false, last_mid_};
+    if (frontier_ && !frontier_->is_available()) return {false, frontier_};
+    active = kMaxActiveTasks - 1;  // nothing of ours to wait for: MLX waits for one task group
+  }
+  const size_t first = next_;
+  while (next_ < order_.size()) {
+    const bool full = active >= kMaxActiveTasks;
+    if (full) {
+      // Past the throttle: go on only within the budget, a small group at a time (MLX blocks
+      // this thread until a task group completes, then takes the group).
+      const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+      if (spent.count() >= budget_ns) break;
+    }
+    const size_t room = full ? kMinGroup : static_cast<size_t>(kMaxActiveTasks - active) * kNodesPerTask;
+    const size_t end = std::min(order_.size(), next_ + std::max(kMinGroup, room));
+    mx::async_eval(std::vector<mx::array>(order_.begin() + static_cast<std::ptrdiff_t>(next_),
+                                          order_.begin() + static_cast<std::ptrdiff_t>(end)));
+    next_ = end;
+    active = mx::scheduler::n_active_tasks();
+  }
+  ++chunks_;
+  if (next_ >= order_.size()) return {true, std::nullopt};
+  last_mid_ = order_[first + (next_ - first - 1) / 2];
+  return {false, last_mid_};
+}
+
+}  // namespace asyncside::plan

@@ -1,0 +1,47 @@
+// Scheduling one queued step without blocking its caller.
+//
+// MLX's eval blocks its caller while more than a few task groups are in flight on the CPU (its
+// throttle), and a decode step is many times that many dispatches. So a step is scheduled in
+// chunks that fit under the throttle, the caller awaiting a node in the middle of each chunk (the
+// stream keeps busy with the second half while the caller wakes up) before the next. A StepPlan
+// walks the graph once, in dependency order, and hands out those chunks; the per-call graph walk
+// and small eval groups of a general-purpose scheduler cost the caller more than the step's own
+// dispatches do.
+//
+// Plain C++: nothing here knows Python. Only the thread that owns the stream may use a plan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace asyncside::plan {
+
+class StepPlan {
+ public:
+  // The unscheduled nodes of the graphs of `roots`, inputs before users.
+  explicit StepPlan(const std::vector<mlx::core::array>& roots);
+
+  // Schedule the next chunk: what fits under the throttle, then, for up to `budget_ns`, more,
+  // letting MLX's throttle block for a task group at a time (each a fraction of a millisecond:
+  // fewer, larger chunks cost the caller fewer wake-ups). Returns {true, nullopt} once every node
+  // is scheduled; otherwise {false, y}: await y (scheduled, not yet computed), then call again.
+  std::pair<bool, std::optional<mlx::core::array>> advance(int64_t budget_ns = 0);
+
+  size_t size() const { return order_.size(); }
+  size_t scheduled() const { return next_; }
+  size_t chunks() const { return chunks_; }
+
+ private:
+  std::vector<mlx::core::array> order_;
+  size_t next_ = 0;
+  size_t chunks_ = 0;
+  std::optional<mlx::core::array> frontier_;  // a scheduled input not computed yet (from the walk)
+  std::optional<mlx::core::array> last_mid_;  // the middle node of the last chunk
+};
+
+}  // namespace asyncside::plan
