@@ -379,13 +379,15 @@ class Runtime:
         self._stats["bytes_read"] = 0
 
     async def _setup_fault_tables(self) -> None:
-        """One native fault table per layer with host pools (queued steps fault experts in there).
+        """One native fault table per layer (queued steps fault experts in there): for host pools,
+        and for device pools where the CUDA fault path is compiled in.
 
         The blobs are opened in a worker thread: an open() can block (a FIFO, a stale mount).
         """
         from . import _native
 
-        host = [(i, st) for i, st in self._layers.items() if not st.pools.device]
+        device_ok = _native.device_faults_available()
+        host = [(i, st) for i, st in self._layers.items() if not st.pools.device or device_ok]
         if not host:
             return
 
@@ -404,11 +406,18 @@ class Runtime:
         fds = await anyio.to_thread.run_sync(open_all)
         for k, (index, st) in enumerate(host):
             spec = st.spec
+            pools = [st.pools.arrays[seg.key] for seg in spec.segments]
+            offsets = [seg.offset for seg in spec.segments]
+            nbytes = [seg.nbytes for seg in spec.segments]
             try:
-                st.faults = _native.FaultTable(
-                    index, spec.n_experts, [st.pools.arrays[seg.key] for seg in spec.segments],
-                    [seg.offset for seg in spec.segments], [seg.nbytes for seg in spec.segments],
-                    fds[k], str(spec.path), spec.stride)
+                if st.pools.device:
+                    # Device pools (MLX CUDA): faults read into the pinned host mirror and the
+                    # stream copies them to the pools.
+                    st.faults = _native.FaultTable.for_device(index, spec.n_experts, pools, st.pools.mirror,
+                                                              offsets, nbytes, fds[k], str(spec.path), spec.stride)
+                else:
+                    st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
+                                                   str(spec.path), spec.stride)
             except BaseException:
                 for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
                     os.close(fd)

@@ -553,6 +553,24 @@ void bind_faults(nb::module_& m) {
           nb::arg("layer"), nb::arg("n_experts"), nb::arg("pools"), nb::arg("offsets"), nb::arg("nbytes"),
           nb::arg("fd"), nb::arg("path"), nb::arg("stride"),
           "Host pools (evaluated, pools[i] receives segment i); takes ownership of `fd` (the layer blob).")
+      .def_static(
+          "for_device",
+          [](int layer, int64_t n_experts, std::vector<mx::array> pools, std::shared_ptr<io::HostMirror> mirror,
+             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes, int fd, const std::string& path,
+             uint64_t stride, uint32_t max_pairs) {
+            try {
+              auto sink = fa::make_device_sink(std::move(mirror), std::move(pools), stride, spans(offsets, nbytes),
+                                               max_pairs);
+              return PyFaultTable{std::make_shared<fa::FaultTable>(layer, n_experts, std::move(sink), fd, path, stride)};
+            } catch (...) {
+              if (fd >= 0) ::close(fd);
+              throw;
+            }
+          },
+          nb::arg("layer"), nb::arg("n_experts"), nb::arg("pools"), nb::arg("mirror"), nb::arg("offsets"),
+          nb::arg("nbytes"), nb::arg("fd"), nb::arg("path"), nb::arg("stride"), nb::arg("max_pairs") = 4096,
+          "Device pools (MLX CUDA): faults read into `mirror` (pinned) and are copied to the pools on "
+          "the device; takes ownership of `fd`.")
       .def_prop_ro("layer", [](PyFaultTable& p) { return p.t->layer(); })
       .def_prop_ro("rows", [](PyFaultTable& p) { return p.t->rows(); })
       .def(
@@ -617,6 +635,8 @@ void bind_faults(nb::module_& m) {
            "when all is scheduled, else (False, y): await y, then call again.")
       .def_prop_ro("size", &asyncside::plan::StepPlan::size)
       .def_prop_ro("chunks", &asyncside::plan::StepPlan::chunks);
+  m.def("device_faults_available", &fa::device_faults_available,
+        "True when fault tables for device pools (the CUDA fault path) are compiled in.");
   m.def("fault_counters", [] {
     auto& c = fa::global_counters();
     return std::map<std::string, uint64_t>{{"tables_created", c.tables_created.load()},

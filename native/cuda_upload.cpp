@@ -94,7 +94,8 @@ class UploadRows : public mx::Primitive {
 };
 
 bool pin(void* ptr, uint64_t nbytes) {
-  return cudaHostRegister(ptr, nbytes, cudaHostRegisterDefault) == cudaSuccess;
+  // Mapped: the fault path's kernels read mirror rows straight from host memory.
+  return cudaHostRegister(ptr, nbytes, cudaHostRegisterMapped | cudaHostRegisterPortable) == cudaSuccess;
 }
 void unpin(void* ptr) { cudaHostUnregister(ptr); }
 

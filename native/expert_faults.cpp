@@ -429,10 +429,17 @@ class ExpertRows : public mx::Primitive {
   std::shared_ptr<FaultTable> table_;
 };
 
-void ExpertRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+void ExpertRows::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+#if defined(ASYNCSIDE_CUDA)
+  eval_device_faults(table_, inputs[0], outputs[0], stream());
+#else
+  (void)inputs;
+  (void)outputs;
+  // Metal builds never get here (expert_rows() puts the node on the CPU stream).
   throw std::runtime_error(
       "[asyncside] expert_rows on a GPU stream needs the device fault path, which this build of "
-      "asyncside._native lacks; run queued steps on a CPU stream or use per-layer steps");
+      "asyncside._native lacks (build with -DASYNCSIDE_CUDA=ON)");
+#endif
 }
 
 }  // namespace
@@ -442,7 +449,16 @@ mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, m
   if (!mx::issubdtype(ids.dtype(), mx::integer)) {
     throw std::invalid_argument("ids: expected an integer array of expert ids");
   }
-  return mx::array(ids.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table)), {ids});
+  mx::array in = ids;
+  if (stream.device.type == mx::Device::gpu) {
+#if defined(ASYNCSIDE_CUDA)
+    in = prepare_device_ids(ids, stream);  // uint32, contiguous: what the device kernels read
+#elif defined(ASYNCSIDE_METAL)
+    // Unified memory: resolve on the CPU stream between the GPU work before and after it.
+    stream = mx::default_stream(mx::Device::cpu);
+#endif
+  }
+  return mx::array(in.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table)), {in});
 }
 
 }  // namespace asyncside::faults

@@ -95,6 +95,7 @@ class FaultTable {
   FaultTable& operator=(const FaultTable&) = delete;
 
   int layer() const { return layer_; }
+  RecordSink* sink() { return sink_.get(); }
   int64_t n_experts() const { return n_experts_; }
   int64_t rows() const { return rows_; }
 
@@ -157,15 +158,32 @@ GlobalCounters& global_counters();
 
 }  // namespace asyncside::faults
 
-namespace mlx::core {
-class array;
-struct Stream;
-}  // namespace mlx::core
+namespace asyncside::io {
+class HostMirror;
+}
 
 namespace asyncside::faults {
 // The graph node: rows (uint32, ids' shape) of `ids` in `table`'s layer, faulting misses in when
 // the stream reaches it. Integer ids of any shape and strides.
+//  - CPU stream: a task on the stream resolves the ids (HostRecordSink: reads into the rows).
+//  - CUDA: a child graph of MLX's encoder, kernel / host node / kernel (expert_faults_cuda.cpp;
+//    the table's sink is the device one, reading into the pinned host mirror).
+//  - Metal: memory is unified, so the node runs on the CPU stream: MLX makes that stream wait for
+//    the GPU's shared event before it, and the GPU's command buffer wait for the CPU's after it.
 mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
                              mlx::core::Stream stream);
+
+// A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
+// happen on the device. Throws where the CUDA path is not compiled in.
+std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mirror,
+                                             std::vector<mlx::core::array> pools, uint64_t stride,
+                                             std::vector<io::SegmentSpan> segments, uint32_t max_pairs);
+bool device_faults_available() noexcept;
+
+#if defined(ASYNCSIDE_CUDA)
+mlx::core::array prepare_device_ids(const mlx::core::array& ids, mlx::core::Stream stream);
+void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mlx::core::array& ids,
+                        mlx::core::array& out, mlx::core::Stream stream);
+#endif
 }  // namespace asyncside::faults
 static_assert(sizeof(asyncside::faults::FaultEvent) == 5 * sizeof(int64_t), "FaultEvent is read as int64 rows");

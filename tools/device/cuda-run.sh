@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build, check and time asyncside on the lent NVIDIA H200 (MLX CUDA), in one go.
 # Runs in the repository root on the GPU machine. Expects /root/stage to hold both halves of the
-# MLX CUDA wheel (staged on the machine before the run; carried as .devwheels/a and /b), the
-# fmt headers in .devwheels/fmt, and the missing pure-Python wheels in .whl. Writes logs and JSON
+# MLX CUDA wheel and the transformers wheel (staged on the machine before the run; carried as
+# .devwheels/a, .devwheels/w1 and .devwheels/b), the fmt headers in .devwheels/fmt, and the other
+# wheels the machine lacks in .whl. Writes logs and JSON
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
 # Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
-# BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), AB="switch v1 v2" (after the demo:
-# tools/ab_decode.py of that AsyncForward switch at 50% and 25%, AB_ROUNDS rounds).
+# BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
+# --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
+# field at 50% and 25%, AB_ROUNDS rounds).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -15,7 +17,8 @@ log() { echo "== $(date +%T) $*"; }
 
 log "install MLX CUDA and carried wheels"
 (cd /root/stage && cat part.aa part.ab > "$(cat NAME)" && sha256sum -c <(echo "$(cat SHA256)  $(cat NAME)")) || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl /root/stage/mlx_cuda_13-*.whl .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl \
+  /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -27,11 +30,11 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
   --config-settings=build-dir=/tmp/asyncside-build . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
-python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available())"
+python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
 
 log "GPU tests"
 timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
-  ${TESTS:-tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
+  ${TESTS:-tests/test_queued.py tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
 if [ "${BENCH:-1}" = 1 ]; then
@@ -40,10 +43,12 @@ timeout 300 python3 -m asyncside.bench.device --json > "$OUT/bench-device.json" 
 fi
 
 if [ "${DEMO:-1}" = 1 ]; then
-log "demo on the GPU (50% and 25% resident)"
+log "demo on the GPU (50% and 25% resident; modes: ${MODES:-auto})"
+for m in ${MODES:-auto}; do
 for r in 0.5 0.25; do
-  timeout 300 python3 -m asyncside.cli demo --resident $r --tokens 48 --json > "$OUT/demo-$r.json" 2> "$OUT/demo-$r.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('resident_fraction','tokens_identical','speed_ratio','decode_speed_ratio','hit_rate','bytes_read','stall_time_s','reader')}, d['streaming'], d['all_resident'])" "$OUT/demo-$r.json" || tail -20 "$OUT/demo-$r.err"
+  timeout 300 python3 -m asyncside.cli demo --resident $r --tokens 48 --mode $m --json > "$OUT/demo-$m-$r.json" 2> "$OUT/demo-$m-$r.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('mode','decode_steps','resident_fraction','tokens_identical','speed_ratio','decode_speed_ratio','hit_rate','faults_per_step','fault_latency_p50_ms','fault_latency_p99_ms','bytes_read','reader')}, d['streaming'], d['all_resident'], d['forward'])" "$OUT/demo-$m-$r.json" || tail -20 "$OUT/demo-$m-$r.err"
+done
 done
 fi
 if [ -n "${AB:-}" ]; then

@@ -1,0 +1,251 @@
+// Queued steps on MLX CUDA: the fault node as a child graph of MLX's command encoder.
+//
+//   kernel  ids -> pinned host memory
+//   host    resolve the ids in the fault table; a fault reads its record into the pinned host
+//           mirror row and appends one copy per segment to the plan
+//   kernel  the plan's copies, mirror -> pool rows on the device; the chosen rows -> the output
+//
+// A host node may not call the CUDA runtime, hence the kernels on both sides (memcpy nodes would
+// also keep MLX from updating its cached executable graphs in place). Host nodes run on the
+// driver's callback thread, one at a time in stream order; only C++ objects are touched there.
+// Compiled only with -DASYNCSIDE_CUDA=ON; verified on the CUDA host, not on this build machine.
+#include "expert_faults.h"
+
+#include <cerrno>
+#include <stdexcept>
+#include <string>
+
+#if defined(ASYNCSIDE_CUDA)
+
+#include <cuda_runtime.h>
+
+#include "fault_kernels.h"
+#include "host_mirror.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/ops.h"
+
+namespace mx = mlx::core;
+
+namespace asyncside::faults {
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("[asyncside] ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+uint8_t* device_ptr(const mx::array& a) {
+  // MLX's CUDA buffers carry the device pointer; array::data<T>() would migrate the buffer.
+  auto* buf = static_cast<mx::cu::CudaBuffer*>(const_cast<mx::array&>(a).buffer().ptr());
+  return static_cast<uint8_t*>(buf->data) + a.offset();
+}
+
+template <class T>
+T* mapped_alloc(size_t count, T** device) {
+  void* host = nullptr;
+  check(cudaHostAlloc(&host, count * sizeof(T), cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  void* dev = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(host);
+    check(err, "cudaHostGetDevicePointer");
+  }
+  *device = static_cast<T*>(dev);
+  return static_cast<T*>(host);
+}
+
+}  // namespace
+
+// Reads land in the host mirror (pinned, mapped); each fault adds the copies to the device pools
+// to the plan of the host node running it.
+class DeviceRecordSink final : public RecordSink {
+ public:
+  DeviceRecordSink(std::shared_ptr<io::HostMirror> mirror, std::vector<mx::array> pools, uint64_t stride,
+                   std::vector<io::SegmentSpan> segments, uint32_t max_pairs)
+      : mirror_(std::move(mirror)), pools_(std::move(pools)), host_(mirror_, stride, segments), max_pairs_(max_pairs) {
+    if (pools_.size() != mirror_->segments()) {
+      throw std::invalid_argument("pools: expected " + std::to_string(mirror_->segments()) + " (one per segment)");
+    }
+    for (size_t i = 0; i < pools_.size(); ++i) {
+      const auto& a = pools_[i];
+      if (a.ndim() < 1 || a.shape(0) != mirror_->rows() ||
+          a.nbytes() != static_cast<size_t>(mirror_->rows()) * mirror_->row_nbytes(i) || !a.is_available()) {
+        throw std::invalid_argument("pools[" + std::to_string(i) + "]: expected an evaluated pool of " +
+                                    std::to_string(mirror_->rows()) + " rows of " +
+                                    std::to_string(mirror_->row_nbytes(i)) + " bytes");
+      }
+      dev_base_.push_back(device_ptr(a));
+      void* m = nullptr;
+      check(cudaHostGetDevicePointer(&m, mirror_->host_row(i, 0), 0),
+            "cudaHostGetDevicePointer (the host mirror must be pinned and mapped)");
+      mirror_dev_.push_back(static_cast<uint8_t*>(m));
+    }
+    const uint32_t ops = static_cast<uint32_t>(mirror_->rows() * static_cast<int64_t>(pools_.size()));
+    plan_ = static_cast<cuda::Plan*>(static_cast<void*>(
+        mapped_alloc<uint8_t>(sizeof(cuda::Plan) + ops * sizeof(cuda::CopyOp), reinterpret_cast<uint8_t**>(&plan_dev_))));
+    plan_->count = 0;
+    plan_->capacity = ops;
+    ids_host_ = mapped_alloc<uint32_t>(max_pairs_, &ids_dev_);
+    rows_host_ = mapped_alloc<uint32_t>(max_pairs_, &rows_dev_);
+  }
+
+  ~DeviceRecordSink() override {
+    cudaFreeHost(plan_);
+    cudaFreeHost(ids_host_);
+    cudaFreeHost(rows_host_);
+  }
+
+  int64_t rows() const override { return mirror_->rows(); }
+
+  int read(int fd, uint64_t offset, int64_t row) override {
+    if (int err = host_.read(fd, offset, row)) return err;
+    for (size_t i = 0; i < pools_.size(); ++i) {
+      if (plan_->count >= plan_->capacity) return ENOBUFS;  // cannot happen: one fault per lent row
+      const uint64_t nb = mirror_->row_nbytes(i);
+      plan_->ops[plan_->count++] = {mirror_dev_[i] + static_cast<uint64_t>(row) * nb,
+                                    dev_base_[i] + static_cast<uint64_t>(row) * nb, nb};
+    }
+    return 0;
+  }
+
+  void begin_plan() { plan_->count = 0; }
+
+  uint32_t max_pairs() const { return max_pairs_; }
+  uint32_t* ids_host() { return ids_host_; }
+  uint32_t* ids_dev() { return ids_dev_; }
+  uint32_t* rows_host() { return rows_host_; }
+  uint32_t* rows_dev() { return rows_dev_; }
+  cuda::Plan* plan_dev() { return plan_dev_; }
+
+ private:
+  std::shared_ptr<io::HostMirror> mirror_;
+  std::vector<mx::array> pools_;
+  HostRecordSink host_;
+  uint32_t max_pairs_;
+  std::vector<uint8_t*> dev_base_;
+  std::vector<uint8_t*> mirror_dev_;
+  cuda::Plan* plan_ = nullptr;
+  cuda::Plan* plan_dev_ = nullptr;
+  uint32_t* ids_host_ = nullptr;
+  uint32_t* ids_dev_ = nullptr;
+  uint32_t* rows_host_ = nullptr;
+  uint32_t* rows_dev_ = nullptr;
+};
+
+namespace {
+
+struct HostCall {
+  std::shared_ptr<FaultTable> table;
+  DeviceRecordSink* sink;
+  uint32_t n;
+};
+
+void CUDART_CB host_fault(void* data) {
+  auto* call = static_cast<HostCall*>(data);
+  DeviceRecordSink* sink = call->sink;
+  sink->begin_plan();
+  std::vector<int64_t> ids(call->n);
+  for (uint32_t i = 0; i < call->n; ++i) ids[i] = sink->ids_host()[i];
+  try {
+    call->table->resolve(ids, sink->rows_host());
+  } catch (...) {
+    // The fault log holds the failure; the host raises it as FillError when it learns of the
+    // step (a host node cannot fail its graph). Rows the step could not get read row 0.
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mirror, std::vector<mx::array> pools,
+                                             uint64_t stride, std::vector<io::SegmentSpan> segments,
+                                             uint32_t max_pairs) {
+  return std::make_unique<DeviceRecordSink>(std::move(mirror), std::move(pools), stride, std::move(segments),
+                                            max_pairs);
+}
+
+bool device_faults_available() noexcept { return true; }
+
+mx::array prepare_device_ids(const mx::array& ids, mx::Stream stream) {
+  return mx::contiguous(mx::astype(ids, mx::uint32, stream), false, stream);
+}
+
+void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::array& ids, mx::array& out,
+                        mx::Stream stream) {
+  auto* sink = dynamic_cast<DeviceRecordSink*>(table->sink());
+  if (sink == nullptr) {
+    throw std::runtime_error("[asyncside] expert_rows on a GPU stream needs a fault table built for device pools");
+  }
+  const uint32_t n = static_cast<uint32_t>(ids.size());
+  if (n > sink->max_pairs()) {
+    throw std::runtime_error("[asyncside] layer " + std::to_string(table->layer()) + ": a queued step routes " +
+                             std::to_string(n) + " pairs, more than the " + std::to_string(sink->max_pairs()) +
+                             " its fault table was built for");
+  }
+  auto& enc = mx::cu::get_command_encoder(stream);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  enc.set_input_array(ids);
+  enc.set_output_array(out);
+  auto call = std::make_shared<HostCall>(HostCall{table, sink, n});
+
+  cudaGraph_t graph;
+  check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+  try {
+    const uint32_t* ids_dev = reinterpret_cast<const uint32_t*>(device_ptr(ids));
+    uint32_t* ids_host_dev = sink->ids_dev();
+    uint32_t count = n;
+    void* args1[] = {&ids_dev, &ids_host_dev, &count};
+    cudaKernelNodeParams k1{};
+    k1.func = cuda::ids_to_host_kernel();
+    k1.gridDim = dim3(1);
+    k1.blockDim = dim3(256);
+    k1.kernelParams = args1;
+    cudaGraphNode_t n1, n2, n3;
+    check(cudaGraphAddKernelNode(&n1, graph, nullptr, 0, &k1), "cudaGraphAddKernelNode (ids)");
+
+    cudaHostNodeParams h{};
+    h.fn = host_fault;
+    h.userData = call.get();
+    check(cudaGraphAddHostNode(&n2, graph, &n1, 1, &h), "cudaGraphAddHostNode");
+
+    const cuda::Plan* plan = sink->plan_dev();
+    const uint32_t* rows_host_dev = sink->rows_dev();
+    uint32_t* out_dev = reinterpret_cast<uint32_t*>(device_ptr(out));
+    void* args3[] = {&plan, &rows_host_dev, &out_dev, &count};
+    cudaKernelNodeParams k3{};
+    k3.func = cuda::apply_plan_kernel();
+    k3.gridDim = dim3(128);
+    k3.blockDim = dim3(256);
+    k3.kernelParams = args3;
+    check(cudaGraphAddKernelNode(&n3, graph, &n2, 1, &k3), "cudaGraphAddKernelNode (plan)");
+    enc.add_graph_node(graph);
+  } catch (...) {
+    cudaGraphDestroy(graph);
+    throw;
+  }
+  cudaGraphDestroy(graph);  // the encoder's child-graph node holds its own copy
+  // The host node's state lives until the device is past it.
+  enc.add_completed_handler([call]() {});
+}
+
+}  // namespace asyncside::faults
+
+#else  // no CUDA in this build
+
+namespace asyncside::faults {
+
+std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, std::vector<mlx::core::array>,
+                                             uint64_t, std::vector<io::SegmentSpan>, uint32_t) {
+  throw std::runtime_error(
+      "[asyncside] fault tables for device pools need the CUDA fault path, which this build lacks "
+      "(build with -DASYNCSIDE_CUDA=ON against the MLX CUDA wheel)");
+}
+
+bool device_faults_available() noexcept { return false; }
+
+}  // namespace asyncside::faults
+
+#endif  // ASYNCSIDE_CUDA
