@@ -82,11 +82,13 @@ def shape_spec(name: str, *, layers: int | None = None, vocab: int | None = None
     config = dict(SHAPES[name])
     if layers is not None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= config["num_hidden_layers"]:
-            raise ValueError(f"--layers must be an integer in [1, {config['num_hidden_layers']}] for {name}, got {layers!r}")
+            raise ValueError(f"--layers must be an integer in [1, {config['num_hidden_layers']}] for {name}, "
+                             f"got {layers!r}")
         config["num_hidden_layers"] = layers
     if vocab is not None:
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 258:
-            raise ValueError(f"--vocab must be an integer >= 258 (the byte tokenizer's tokens), 'small' or 'full', got {vocab!r}")
+            raise ValueError(f"--vocab must be an integer >= 258 (the byte tokenizer's tokens), 'small' or 'full', "
+                             f"got {vocab!r}")
         config["vocab_size"] = vocab
     return EmbeddedSpec(config=config, resident_fraction=0.25)
 
