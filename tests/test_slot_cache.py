@@ -8,8 +8,8 @@ import pathlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from _models_support import BASE
-from test_convert import Q4, write_model_dir
+from _models_support import BASE, tiny_model
+from mlx_lm.utils import save_config, save_model
 
 from asyncside.bench import generate as bench
 from asyncside.bench.slot_cache import SlotCache, slot_generate
@@ -19,6 +19,18 @@ from asyncside.models.convert import convert_model
 from asyncside.models.embedded import ensure_embedded_default
 from asyncside.runtime import plan_layer
 from asyncside.store import ExpertStore
+
+
+Q4 = {"group_size": 64, "bits": 4}
+
+
+def write_model_dir(path: pathlib.Path, model_type: str) -> tuple[pathlib.Path, list[int]]:
+    """A tiny 4-bit mlx-lm model directory of ``model_type`` and a 30-token prompt."""
+    model, config = tiny_model(model_type, quantize=Q4)
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config["vocab_size"], 30)]
+    return path, prompt
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +82,7 @@ def test_architectures_tokens_equal_mlx_lm(model_type: str, tmp_path: pathlib.Pa
     equal mlx-lm's with fewer slots than experts, misses in every MoE layer."""
     if mx.default_device() == mx.gpu:
         pytest.skip("MLX CUDA: quantized prefill depends on evaluation boundaries (see test_models.py)")
-    model_dir, prompt = write_model_dir(tmp_path / "model", model_type, Q4)
+    model_dir, prompt = write_model_dir(tmp_path / "model", model_type)
     store_dir = tmp_path / "store"
     convert_model(model_dir, store_dir, progress=False)
     sm = load_streaming_model(store_dir)
