@@ -975,6 +975,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['cache']} | {r['residency']:.0%} | {r['label']} | "
                      + " | ".join(fn(r) for _, fn in _COLUMNS) + " |")
+    ar = result["all_resident"]
+    lines += ["", f"asyncside's forward over all experts (ResidentSource): "
+                  f"{_fmt(ar['async_resident']['decode_tokens_per_s'], '.2f')} tok/s, "
+                  f"{_fmt(ar['async_overhead_ratio'], '.2f', 'x')} of mlx-lm's median "
+                  f"{_fmt(ar['mlx_lm']['decode_tokens_per_s'], '.2f')} tok/s."]
     pols = result["policies_vs_belady"]
     names = list(pols[0]["policies"]) if pols else []
     lines += ["", "| experts in pools (resident + side rows) | Belady (MIN) | "
