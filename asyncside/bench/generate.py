@@ -1,7 +1,8 @@
 """``asyncside bench generate``: decode speed of asyncside beside mlx-lm all-resident and a plain slot cache.
 
 Everything runs in one process, in **paired rounds**, after a warm-up. In every round, for every
-residency, one greedy generation (same prompt, same token count) of each system, interleaved:
+residency, one greedy generation (same prompt, same token count) of each system, interleaved (odd
+rounds in reverse order):
 
 - **mlx-lm all-resident**: the plain mlx-lm model through mlx-lm's own ``generate_step`` (the
   reference for tokens and for speed);
@@ -646,7 +647,9 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
                 if cache_state == "warm":
                     res_runs.append(_anyio_run(_resident_run, sm, resident_src, prompt_ids, s.tokens))
                 for frac in s.residencies:
-                    for cfg in configs:
+                    # Odd rounds run the group in reverse: a drift within a group (this VM's speed
+                    # moves by 10-20% within minutes) then favours no system over the rounds.
+                    for cfg in (configs if rep % 2 == 0 else configs[::-1]):
                         table.setdefault((cache_state, frac, cfg.key), []).append(
                             one(cfg, frac, cache_state == "cold", s.tokens))
         load_info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
