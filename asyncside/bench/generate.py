@@ -76,7 +76,8 @@ PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lfu", "lru", "oneshot", "aging-lfu")
 MLX_LM = "mlx-lm"
 SLOT_CACHE = "slot-cache"
-#: the issue's targets: (device kind, residency) -> minimum decode ratio to all-resident / to the slot cache
+#: the decode targets checked against each run: (device kind, residency) -> minimum decode ratio to
+#: all-resident / to the slot cache; loop CPU and bytes read as maxima; the loaded ratio as a minimum
 TARGETS: dict[str, Any] = {
     "vs_all_resident": {("cpu", 0.25): 0.97, ("gpu", 0.25): 0.6, ("gpu", 0.5): 0.75},
     "vs_slot_cache": {("cpu", 0.25): 1.3, ("gpu", 0.25): 2.0, ("gpu", 0.5): 2.0},
@@ -776,7 +777,7 @@ def _plan(store: Any, frac: float) -> tuple[list[int], int]:
 
 
 def _targets(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, checked against this run's headline asyncside configuration (the first
+    """The decode targets (:data:`TARGETS`), checked against this run's headline asyncside configuration (the first
     one run); a check's value and ``met`` are None where this run lacks the figure."""
     device = result["device"]
     head = result["configs"][1]["config"] if len(result["configs"]) > 2 else None

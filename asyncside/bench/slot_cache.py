@@ -1,6 +1,6 @@
 """The plain synchronous slot-cache baseline of ``asyncside bench generate``.
 
-Written the simple way, as a reader of the issue would write it without asyncside: per MoE layer,
+Written the simple way, as one would write it without asyncside: per MoE layer,
 S slots (rows of pool arrays, one array per segment of the store's records) with LRU
 replacement, and a synchronous model forward that, at every MoE block,
 
