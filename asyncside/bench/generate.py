@@ -1,281 +1,173 @@
-"""``asyncside bench generate``: end-to-end generation speed by residency, prefetch on and off.
+"""``asyncside bench generate``: decode speed of asyncside beside mlx-lm all-resident and a plain slot cache.
 
-Everything runs in one process, side by side, in a fixed order, after a warm-up; each figure is
-the median over ``--repeats`` rounds. One greedy generation (same prompt, same token count) per
-configuration:
+Everything runs in one process, in **paired rounds**, after a warm-up. In every round, for every
+residency, one greedy generation (same prompt, same token count) of each system, interleaved (odd
+rounds in reverse order):
 
-- **all-resident**: the plain mlx-lm model through mlx-lm's own ``generate_step`` (the reference
-  for tokens and speed), and our async forward over a :class:`ResidentSource` (every expert in
-  the pools, lookup = identity; the difference is our forward's own overhead);
-- **streaming**: :class:`asyncside.Runtime` with the pools holding 25/50/75% of each layer's
-  experts and the predictor ``lookahead`` or ``temporal`` (prefetch on) or ``none`` (prefetch
-  off: every miss is a demand read through ``ensure``, still asynchronous, io_uring/threads);
-- **sync demand**: the original design's loading (:class:`SyncDemandSource`): no prefetch, and
-  a miss is read on the calling thread, one ``pread`` of the whole record into a temporary buffer
-  then one ``memcpy`` per segment into its pool row, blocking the event loop. Same Ledger, same
-  PoolSet, same resident set and side region as the runtime: only the loading strategy differs.
+- **mlx-lm all-resident**: the plain mlx-lm model through mlx-lm's own ``generate_step`` (the
+  reference for tokens and for speed);
+- **asyncside**: :class:`asyncside.Runtime` with its pools holding that share of each layer's
+  experts, once per step mode (``--modes``: how the forward runs a decode step, see
+  :func:`set_step_mode`) and predictor (``--predictors``);
+- **slot cache**: the plain synchronous baseline (:mod:`asyncside.bench.slot_cache`): per MoE layer
+  as many LRU slots as the runtime has rows, the routed ids evaluated per layer, misses read with
+  ``preadv`` on the calling thread, then the gather from the slots.
+
+Each round also runs asyncside's forward over all experts (:class:`ResidentSource`) once: the
+forward's own overhead. A row's ratios are taken **per round** (its run over the mlx-lm run and
+over the slot-cache run of the same round and residency) and the row reports their median.
+
+Per run, over the decode steps only (from the first generated token to the last): decode
+tokens/s; the **loop-thread CPU time per step** (``time.thread_time`` on the thread driving the
+generation: the event-loop thread for asyncside, the caller's for mlx-lm's generate loop and the
+slot cache; compute threads are not counted) and the process CPU time per step; for asyncside and
+the slot cache the hit rate (distinct routed experts per layer visit found in a row), the bytes
+read per token and the misses' bytes per token (misses x record stride).
 
 Page cache: **warm** runs read the whole store once first. **cold** runs read every expert from
-the disk: the runtime with ``direct=True`` (O_DIRECT), and, when running as root, the page cache
-dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``) before each cold run; the sync baseline
-then reads with O_DIRECT too (aligned temporary buffer), so neither path gets a page-cache hit.
-The method used is in the JSON (``cold_method``).
+the disk: asyncside with ``direct=True`` (O_DIRECT), the slot cache with O_DIRECT whole-record
+reads, and, when running as root, the page cache dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``)
+before each cold run. The method used is in the JSON (``cold_method``).
 
-Every configuration's tokens are compared with the mlx-lm reference (``tokens_identical``).
+``--load N`` starts N CPU-bound busy processes beside the runs (stopped at the end): every
+system then runs as loaded as the mlx-lm run it is compared with.
 
-Ratios are paired: the mlx-lm reference runs again right before each residency's group in every
-round, and a row's ``vs_all_resident`` is the median over rounds of its run's decode speed over
-that reference run's (``vs_sync_demand`` likewise over the same round's sync run). The ratio of
-the two medians is kept as ``vs_all_resident_of_medians``.
+Hit rates of the policies: one :class:`RoutingTrace` is recorded (lookahead predictor,
+all-resident), then every ledger policy is replayed over it at each residency (the runtime's
+resident set and side rows), demand only and with the recorded lookahead predictions as
+prefetches, beside Belady's MIN; and with every row dynamic, starting empty (close to the slot
+cache's arrangement, which starts holding the resident set), LRU beside Belady's MIN.
 
-Hit rates: one :class:`RoutingTrace` is recorded (lookahead predictor, all-resident), then every
-ledger policy is replayed over it at each residency (same resident set and side rows as the
-runtime), demand only and with the recorded lookahead predictions as prefetches, beside Belady's
-MIN (the fewest demand reads any policy can do with that side region).
-
-A PNG plot (``--plot``) shows decode tokens/s against residency per mode, warm and cold, with
-the all-resident lines, and the policies' hit rates beside Belady's.
+Models: the embedded model (default), a converted store (``--model``), or a realistic shape built
+once from seeded weights (``--shape qwen3-30b-a3b``, ``--layers N``, ``--vocab``; see
+:mod:`asyncside.bench.shapes`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import mmap
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..demo import Run
 from .machine import machine_info
+from .shapes import SHAPES, SMALL_VOCAB
 
 #: a short prompt: decode speed is what residency changes; a long prefill at low residency splits
 #: into many capacity groups and would dominate the run time (its cost shows in ``ttft_s``)
 DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
-#: streaming modes: predictor name, or "sync" for the synchronous demand-loading baseline
-MODES = ("lookahead", "temporal", "none", "sync")
-MODE_LABELS = {
-    "lookahead": "prefetch: lookahead",
-    "temporal": "prefetch: temporal",
-    "none": "no prefetch (async demand)",
-    "sync": "sync demand (original design)",
-}
+#: how asyncside's forward runs a decode step (:func:`set_step_mode`)
+STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec")
+PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lfu", "lru", "oneshot", "aging-lfu")
-TARGETS = {"residency": 0.5, "vs_all_resident": 0.8, "vs_sync_demand": 1.5, "policy_vs_belady": 0.9}
+MLX_LM = "mlx-lm"
+SLOT_CACHE = "slot-cache"
+#: the decode targets checked against each run: (device kind, residency) -> minimum decode ratio to
+#: all-resident / to the slot cache; loop CPU and bytes read as maxima; the loaded ratio as a minimum
+TARGETS: dict[str, Any] = {
+    "vs_all_resident": {("cpu", 0.25): 0.97, ("gpu", 0.25): 0.6, ("gpu", 0.5): 0.75},
+    "vs_slot_cache": {("cpu", 0.25): 1.3, ("gpu", 0.25): 2.0, ("gpu", 0.5): 2.0},
+    "loop_cpu_vs_mlx_lm": 1.2,
+    "bytes_read_vs_miss_bytes": 1.05,
+    "loaded_vs_all_resident": 0.9,
+}
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench generate`` (the caller adds ``--json``)."""
     p.add_argument("--model", metavar="STORE_DIR", default=None,
                    help="a converted expert store (default: the embedded Qwen3-MoE model)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a realistic model shape with seeded weights, built once and cached (see --layers, --vocab)")
+    p.add_argument("--layers", metavar="N", type=int, default=None,
+                   help="--shape with N decoder layers instead of all (the full qwen3-30b-a3b has ~18 GB of experts)")
+    p.add_argument("--vocab", metavar="V", default=None,
+                   help=f"--shape vocabulary: 'full' (default, the real size), 'small' ({SMALL_VOCAB}) or a number")
     p.add_argument("--quick", action="store_true",
                    help="tiny model and run for CI smoke tests (about a minute; numbers are noise)")
     p.add_argument("--tokens", metavar="N", type=int, default=None, help="tokens generated per run (default 32)")
     p.add_argument("--repeats", metavar="N", type=int, default=None,
-                   help="rounds of every warm configuration; medians are reported (default 3)")
+                   help="paired rounds of the warm runs; per-round ratios, medians reported (default 3)")
     p.add_argument("--cold-repeats", metavar="N", type=int, default=None,
-                   help="rounds of every cold configuration (default 2; 0 skips cold runs)")
+                   help="paired rounds of the cold runs (default 2; 0 skips cold runs)")
     p.add_argument("--residency", metavar="F", type=float, nargs="+", default=None,
                    help="pool budgets as fractions of each layer's experts (default 0.25 0.5 0.75)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
-                   help=f"streaming modes to run (default: all of {', '.join(MODES)})")
+    p.add_argument("--modes", nargs="+", choices=STEP_MODES, default=None,
+                   help="asyncside step modes to run, A/B in the same rounds (default: default, the forward's own)")
+    p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,
+                   help="asyncside predictors to run (default lookahead)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--policy", default="lfu", help="eviction policy of the streaming runs (default lfu)")
+    p.add_argument("--policy", default="lfu", help="eviction policy of asyncside's runs (default lfu)")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend of the runtime (default auto)")
+    p.add_argument("--load", metavar="N", type=int, default=0,
+                   help="run N CPU-bound busy processes beside the whole run (default 0)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="cold runs use O_DIRECT only, without dropping the page cache")
     p.add_argument("--plot", metavar="PATH", default="bench-out/generate.png",
                    help="PNG plot path (default bench-out/generate.png; 'none' to skip)")
-    p.add_argument("--cache-dir", default=None, help="where the embedded models are built")
+    p.add_argument("--cache-dir", default=None, help="where the embedded model and the shapes are built")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for BENCHMARKS.md) instead")
 
 
 # ---------------------------------------------------------------------------------------------
-# The synchronous demand-loading baseline
+# Step modes
 
 
-class SyncDemandSource:
-    """The original design's loading, as an ExpertSource over the runtime's Ledger and PoolSet.
+def step_options(mode: str) -> Any:
+    """The :class:`~asyncside.models.ForwardOptions` of a bench step mode (one of :data:`STEP_MODES`).
 
-    No prefetch (``prefetch`` only counts hints). ``ensure`` reads every missing expert *on the
-    calling thread*: one ``pread`` of the whole record into a temporary buffer, then a copy of each
-    segment into its pool row (:meth:`PoolSet.row_view`), then publish. It blocks the event loop
-    for the whole read, as the seed's consumer blocks on its drain. With ``direct=True`` the blob
-    files are opened with O_DIRECT and the temporary buffer is page-aligned.
-
-    Rows are sized exactly like :class:`asyncside.Runtime` (:func:`asyncside.runtime.plan_layer`).
-    Leases are released once the computation that read the rows has completed (awaited at the next
-    ``ensure``, when the rows might be needed).
+    - ``default``: the forward's own choice (queued steps where the source allows them);
+    - ``queued``: one step queued per token, misses served inside the stream;
+    - ``per-layer``: each MoE layer's routed ids awaited on the host, with the speculative
+      in-graph gather from a row snapshot;
+    - ``whole``: the step queued whole, every MoE layer gathering from a snapshot, checked after it
+      computed and redone from its first unsound layer;
+    - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host).
     """
+    from ..models import ForwardOptions
 
-    def __init__(self, store: Any, *, resident: float | Mapping[int, Sequence[int]] = 0.25,
-                 side_rows: int | None = None, min_side_rows: int = 8, policy: str = "lfu",
-                 direct: bool = False, completed: Callable[[Any], Awaitable[None]] | None = None) -> None:
-        from ..ledger import Ledger
-        from ..pools import PoolSet
-        from ..runtime import plan_layer
+    options = {
+        "default": ForwardOptions(),
+        "queued": ForwardOptions(mode="queued"),
+        "per-layer": ForwardOptions(mode="per-layer"),
+        "whole": ForwardOptions(mode="whole"),
+        "per-layer-nospec": ForwardOptions(mode="per-layer", speculate=False),
+    }
+    if mode not in options:
+        raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
+    return options[mode]
 
-        if completed is None:
-            from ..bridge import completed as bridge_completed
 
-            completed = bridge_completed
-        self.store = store
-        self.direct = direct
-        self._completed = completed
-        self._ledgers: dict[int, Any] = {}
-        self._pools: dict[int, Any] = {}
-        self._tables: dict[int, tuple[int, Any]] = {}
-        self._version: dict[int, int] = {}
-        self._fds: dict[int, int] = {}
-        self._pending: list[tuple[Any, list[tuple[int, int]]]] = []
-        self.counts = {"hits": 0, "misses": 0, "fills": 0, "bytes_read": 0, "read_time_s": 0.0,
-                       "prefetch_hints": 0, "ensure_calls": 0, "evictions": 0}
-        stride = max(s.stride for s in store.layers.values())
-        # One temporary record buffer, reused (the seed mallocs one per batch); page-aligned so
-        # O_DIRECT accepts it.
-        self._buf = mmap.mmap(-1, stride)
-        self._resident: dict[int, list[int]] = {}
-        try:
-            for index, spec in store.layers.items():
-                res, side = plan_layer(store, index, resident, side_rows, min_side_rows)
-                led = Ledger(spec.n_experts, res, side, policy=policy)
-                self._ledgers[index] = led
-                self._pools[index] = PoolSet(spec, led.rows)
-                self._version[index] = 0
-                self._resident[index] = res
-                flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-                self._fds[index] = os.open(spec.path, flags)
-            for index, res in self._resident.items():
-                for row, expert in enumerate(res):
-                    self._read_into(index, expert, row)
-        except BaseException:
-            self.close()
-            raise
+def set_step_mode(sm: Any, mode: str) -> None:
+    """Make ``sm`` run its next generations' decode steps in ``mode`` (its ``options``)."""
+    sm.options = step_options(mode)
 
-    # -- lifecycle -----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        if not self._buf.closed:
-            self._buf.close()
-
-    async def __aenter__(self) -> SyncDemandSource:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self._drain_releases()
-        self.close()
-
-    # -- loading -------------------------------------------------------------------------------
-
-    def _read_into(self, layer: int, expert: int, row: int) -> None:
-        """pread the whole record into the temporary buffer, then copy each segment to its row."""
-        spec = self.store.layer(layer)
-        t0 = time.perf_counter()
-        view = memoryview(self._buf)[: spec.stride]
-        try:
-            got = os.preadv(self._fds[layer], [view], expert * spec.stride)
-            if got != spec.stride:
-                from ..errors import FillError
-
-                raise FillError(layer, expert, row, f"short read: {got} of {spec.stride} bytes from {spec.path}")
-            pools = self._pools[layer]
-            for seg in spec.segments:
-                pools.row_view(seg.key, row)[:] = view[seg.offset: seg.offset + seg.nbytes]
-        finally:
-            view.release()
-        self.counts["read_time_s"] += time.perf_counter() - t0
-        self.counts["bytes_read"] += spec.stride
-
-    async def _drain_releases(self) -> None:
-        pending, self._pending = self._pending, []
-        for x, leases in pending:
-            await self._completed(x)
-            for layer, lease_id in leases:
-                self._ledgers[layer].release(lease_id)
-
-    # -- ExpertSource --------------------------------------------------------------------------
-
-    def pools(self, layer: int) -> dict[str, Any]:
-        return self._pools[layer].arrays
-
-    def lookup(self, layer: int) -> Any:
-        import mlx.core as mx
-
-        cached = self._tables.get(layer)
-        if cached is None or cached[0] != self._version[layer]:
-            cached = (self._version[layer], mx.array(self._ledgers[layer].lookup()))
-            self._tables[layer] = cached
-        return cached[1]
-
-    def prefetch(self, layer: int, ids: Any) -> None:
-        self.counts["prefetch_hints"] += 1  # the original design without a predictor: ignored
-
-    async def ensure(self, layer: int, ids: Any) -> None:
-        led = self._ledgers[layer]
-        wanted = np.unique(np.asarray(ids).reshape(-1).astype(np.int64))
-        self.counts["ensure_calls"] += 1
-        present = led.lookup()[wanted] >= 0
-        counted = False
-        while True:
-            # The whole batch every round (as the runtime does): the ledger never evicts a member
-            # of the batch, so present experts are not evicted to make room for missing ones.
-            before = led.stats.get("evictions", 0)
-            fills = led.reserve(wanted, demand=True)  # CapacityError: the forward splits the ids
-            if not counted:  # counted once the batch fits, as the runtime counts
-                counted = True
-                self.counts["hits"] += int(present.sum())
-                self.counts["misses"] += int((~present).sum())
-            self.counts["evictions"] += led.stats.get("evictions", 0) - before
-            for f in fills:
-                try:
-                    self._read_into(layer, f.expert, f.row)
-                except BaseException:
-                    led.fail(f)
-                    raise
-                led.publish(f)
-                self.counts["fills"] += 1
-            if fills:
-                self._version[layer] += 1
-            if not led.blocked:
-                return
-            # Rows pinned by leases of computations still running: wait for them, retry.
-            if not self._pending:
-                from ..errors import CapacityError
-
-                raise CapacityError(f"layer {layer}: experts {led.blocked} blocked with no lease to wait for")
-            await self._drain_releases()
-
-    def lease(self, layer: int, experts: Any) -> int:
-        return self._ledgers[layer].lease(np.asarray(experts))
-
-    def release_after(self, x: Any, leases: list[tuple[int, int]]) -> None:
-        self._pending.append((x, list(leases)))
-
-    def audit(self) -> dict[int, Any]:
-        return {layer: led.audit() for layer, led in self._ledgers.items()}
-
-    def stats(self) -> dict[str, Any]:
-        out = dict(self.counts)
-        total = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / total if total else 1.0
-        out["stall_time_s"] = out["read_time_s"]  # every read blocks the caller
-        out["reader"] = "sync pread+memcpy" + (" (O_DIRECT)" if self.direct else "")
-        return out
+def step_mode_of(sm: Any) -> str:
+    """The step mode ``sm``'s options name (``auto``: queued steps where the source allows them)."""
+    options = sm.options
+    if options.mode == "per-layer" and not options.speculate:
+        return "per-layer-nospec"
+    return str(options.mode.value)
 
 
 # ---------------------------------------------------------------------------------------------
-# Page cache control
+# Page cache control, load
 
 
 def warm_store(store: Any) -> int:
@@ -324,11 +216,86 @@ def _can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
+@contextlib.contextmanager
+def busy_load(n: int) -> Iterator[list[int]]:
+    """``n`` CPU-bound busy processes (a Python spin loop each) while the block runs; yields their pids.
+
+    They are killed and reaped on the way out, whatever happens in the block.
+    """
+    if n < 0:
+        raise ValueError(f"--load must be >= 0, got {n}")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs
 
 
-from ..demo import Run, reference_run as _reference_run  # noqa: E402 - one definition of a timed run
+@dataclass
+class BenchRun(Run):
+    """A :class:`Run` with the figures of its decode steps: loop-thread and process CPU time, and
+    the source's counters at the first token (``stats_first``) and at the end (``stats``)."""
+
+    cpu_first: float = 0.0
+    cpu_last: float = 0.0
+    proc_first: float = 0.0
+    proc_last: float = 0.0
+    stats_first: dict[str, Any] = field(default_factory=dict)
+    #: the forward's counters over the run (asyncside runs)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def arrived(self, tok: int, stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Record one generated token; on the first, also the source's counters (``stats()``)."""
+        if not self.tokens and stats is not None:
+            self.stats_first = dict(stats())
+        cpu, proc = time.thread_time(), time.process_time()
+        if not self.tokens:
+            self.cpu_first, self.proc_first = cpu, proc
+        self.cpu_last, self.proc_last = cpu, proc
+        self.first_token()
+        self.tokens.append(tok)
+
+    @property
+    def decode_steps(self) -> int:
+        return max(len(self.tokens) - 1, 0)
+
+    def decode_stats(self) -> dict[str, float]:
+        """The source's numeric counters over the decode steps (end minus first token)."""
+        out: dict[str, float] = {}
+        for k, v in self.stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = v - self.stats_first.get(k, 0)
+        return out
+
+    def decode_figures(self, record_bytes: int) -> dict[str, Any]:
+        """Decode speed, CPU per step, and (with a source) hit rate and bytes per token."""
+        steps = self.decode_steps
+        out: dict[str, Any] = {
+            "tokens": len(self.tokens),
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_s": self.ttft_s,
+            "loop_cpu_ms_per_token": (self.cpu_last - self.cpu_first) / steps * 1e3 if steps else None,
+            "process_cpu_ms_per_token": (self.proc_last - self.proc_first) / steps * 1e3 if steps else None,
+            "hit_rate": None, "bytes_read_per_token": None, "miss_bytes_per_token": None,
+        }
+        if self.stats and steps:
+            d = self.decode_stats()
+            hits, misses = d.get("hits", 0), d.get("misses", 0)
+            out["hit_rate"] = hits / (hits + misses) if hits + misses else 1.0
+            out["bytes_read_per_token"] = d.get("bytes_read", 0) / steps
+            out["miss_bytes_per_token"] = misses * record_bytes / steps
+        return out
 
 
 def _anyio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -337,38 +304,81 @@ def _anyio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     return anyio.run(fn, *args, backend="asyncio", backend_options={"use_uvloop": sys.platform != "win32"})
 
 
-async def _generate(sm: Any, source: Any, prompt_ids: list[int], tokens: int, predictor: str) -> Run:
-    run = Run(start=time.perf_counter())
-    async for tok in sm.generate(prompt_ids, max_tokens=tokens, source=source, predictor=predictor):
-        run.first_token()
-        run.tokens.append(tok)
+def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> BenchRun:
+    """Greedy tokens of the plain mlx-lm model through its own ``generate_step``, timed."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    run = BenchRun(start=time.perf_counter())
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tok = int(tok)
+        if tok in eos:
+            break
+        run.arrived(tok)
     run.end = time.perf_counter()
     return run
 
 
-async def _resident_run(sm: Any, source: Any, prompt_ids: list[int], tokens: int) -> Run:
+async def _generate(sm: Any, source: Any, prompt_ids: list[int], tokens: int, predictor: str) -> BenchRun:
+    """One asyncside generation over ``source``, timed (the source's counters when it has ``stats()``)."""
+    stats = getattr(source, "stats", None)
+    stats = stats if callable(stats) else None
+    before = dict(getattr(sm.forward, "counters", {}))
+    run = BenchRun(start=time.perf_counter())
+    async for tok in sm.generate(prompt_ids, max_tokens=tokens, source=source, predictor=predictor):
+        run.arrived(tok, stats)
+    run.end = time.perf_counter()
+    if stats is not None:
+        run.stats = dict(stats())
+    after = getattr(sm.forward, "counters", {})
+    run.counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+    return run
+
+
+async def _resident_run(sm: Any, source: Any, prompt_ids: list[int], tokens: int) -> BenchRun:
+    set_step_mode(sm, "default")
     return await _generate(sm, source, prompt_ids, tokens, "none")
 
 
-async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int, mode: str,
-                         residency: float, cold: bool, s: Settings) -> Run:
+async def _asyncside_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int, cfg: Config,
+                         residency: float, cold: bool, s: Settings) -> BenchRun:
     from ..runtime import Runtime
 
-    if mode == "sync":
-        src = SyncDemandSource(store, resident=residency, policy=s.policy, direct=cold and s.direct_ok)
-        async with src:
-            run = await _generate(sm, src, prompt_ids, tokens, "none")
-            run.stats = src.stats()
-            run.audit_ok = all(r.ok for r in src.audit().values())
-        return run
+    set_step_mode(sm, cfg.mode)
     direct = True if (cold and s.direct_ok) else None
     async with Runtime(store, resident=residency, policy=s.policy, reader=s.reader, direct=direct) as rt:
-        run = await _generate(sm, rt, prompt_ids, tokens, mode)
+        run = await _generate(sm, rt, prompt_ids, tokens, cfg.predictor)
         await rt.drain()
         run.stats = rt.stats()
         run.audit_ok = all(r.ok for r in rt.audit().values()) and not any(
             rt.ledger(layer).pending() for layer in store.layers)
     return run
+
+
+def _slot_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int, residency: float, cold: bool,
+              s: Settings, eos: set[int]) -> BenchRun:
+    from .slot_cache import SlotCache, slot_generate
+
+    with SlotCache(store, residency, direct=cold and s.direct_ok) as sc:
+        run = BenchRun(start=time.perf_counter())
+        for tok in slot_generate(sm, sc, prompt_ids, max_tokens=tokens, eos_token_ids=eos):
+            run.arrived(tok, sc.stats)
+        run.end = time.perf_counter()
+        run.stats = sc.stats()
+    return run
+
+
+@dataclass(frozen=True)
+class Config:
+    """One system of a round: mlx-lm, asyncside in one step mode with one predictor, the slot cache."""
+
+    system: str
+    mode: str = ""
+    predictor: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"asyncside/{self.mode}/{self.predictor}" if self.system == "asyncside" else self.system
 
 
 @dataclass
@@ -378,10 +388,18 @@ class Settings:
     cold_repeats: int
     residencies: tuple[float, ...]
     modes: tuple[str, ...]
+    predictors: tuple[str, ...]
     policy: str
     reader: str
+    load: int = 0
     direct_ok: bool = True
     drop: bool = True
+
+    @property
+    def configs(self) -> list[Config]:
+        """A round's systems in the order they run: mlx-lm, asyncside's, the slot cache."""
+        return ([Config(MLX_LM)] + [Config("asyncside", m, p) for m in self.modes for p in self.predictors]
+                + [Config(SLOT_CACHE)])
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -392,7 +410,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.no_cold:
         cold_repeats = 0
     residencies = tuple(args.residency) if args.residency else ((0.5,) if quick else DEFAULT_RESIDENCIES)
-    modes = tuple(args.modes) if args.modes else MODES
+    modes = tuple(dict.fromkeys(args.modes)) if args.modes else ("default",)
+    predictors = tuple(dict.fromkeys(args.predictors)) if args.predictors else ("lookahead",)
     if tokens < 2:
         raise ValueError(f"--tokens must be >= 2 (decode speed needs two tokens), got {tokens}")
     if repeats < 1:
@@ -402,12 +421,27 @@ def _settings(args: argparse.Namespace) -> Settings:
     for r in residencies:
         if not 0.0 < r <= 1.0:
             raise ValueError(f"--residency values must be in (0, 1], got {r}")
+    load = getattr(args, "load", 0) or 0
+    if load < 0:
+        raise ValueError(f"--load must be >= 0, got {load}")
     from ..policies import POLICIES as POLICY_NAMES
 
     if args.policy not in POLICY_NAMES:
         raise ValueError(f"--policy must be one of {sorted(POLICY_NAMES)}, got {args.policy!r}")
     return Settings(tokens=tokens, repeats=repeats, cold_repeats=cold_repeats, residencies=residencies,
-                    modes=modes, policy=args.policy, reader=args.reader)
+                    modes=modes, predictors=predictors, policy=args.policy, reader=args.reader, load=load)
+
+
+def _vocab(value: str | None) -> int | None:
+    """``--vocab``: None for the shape's own (``full`` or absent), :data:`SMALL_VOCAB` for ``small``."""
+    if value is None or value == "full":
+        return None
+    if value == "small":
+        return SMALL_VOCAB
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--vocab must be 'full', 'small' or an integer, got {value!r}") from None
 
 
 #: the quick model: the embedded architecture, shrunk (2 layers, 32 experts)
@@ -423,36 +457,69 @@ def _quick_spec() -> Any:
     )
 
 
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
+def _resolve_store(args: argparse.Namespace, verbose: bool) -> tuple[pathlib.Path, dict[str, Any]]:
+    """(store directory, what it is) from ``--model`` / ``--shape`` / the embedded model."""
+    from ..models.embedded import ensure_embedded_default
+    from .shapes import ensure_shape
+
+    shape = getattr(args, "shape", None)
+    layers, vocab = getattr(args, "layers", None), getattr(args, "vocab", None)
+    if shape is None and (layers is not None or vocab is not None):
+        raise ValueError("--layers and --vocab apply to --shape only")
+    if args.model is not None:
+        if shape is not None:
+            raise ValueError("--model and --shape are exclusive: a store, or a shape built for the bench")
+        return pathlib.Path(args.model), {"kind": "store"}
+    if shape is not None:
+        build = ensure_shape(shape, layers=layers, vocab=_vocab(vocab), cache_dir=args.cache_dir, progress=verbose)
+        info = {"kind": "shape", "shape": shape, "layers": build["layers"], "vocab": build["vocab"],
+                "built_now": build["built"], "build_seconds": build["build_seconds"],
+                "store_bytes": build["store_bytes"]}
+        return pathlib.Path(build["store"]), info
+    spec = _quick_spec() if args.quick else None
+    return ensure_embedded_default(args.cache_dir, spec=spec, progress=verbose)[1], {
+        "kind": "embedded-quick" if args.quick else "embedded"}
 
 
-def _summarise(runs: list[Run], ref_tokens: list[int]) -> dict[str, Any]:
-    """Medians over repeats, tokens check, and the runtime counters of the median run."""
-    dec = [r.decode_tokens_per_s for r in runs]
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(statistics.median(vals)) if vals else None
+
+
+def _label(cfg: Config, sm: Any) -> str:
+    if cfg.system == MLX_LM:
+        return "mlx-lm all-resident"
+    if cfg.system == SLOT_CACHE:
+        return "slot cache (sync, LRU)"
+    mode = cfg.mode
+    if mode == "default":
+        set_step_mode(sm, "default")
+        mode = f"default={step_mode_of(sm)}"
+    return f"asyncside ({mode}, {cfg.predictor})"
+
+
+def _summarise(runs: list[BenchRun], ref_tokens: list[int], record_bytes: int) -> dict[str, Any]:
+    """Medians over rounds of every figure, the tokens check, the counters of the median run."""
+    figs = [r.decode_figures(record_bytes) for r in runs]
+    dec = [f["decode_tokens_per_s"] for f in figs]
     order = sorted(range(len(runs)), key=lambda i: dec[i])
     mid = runs[order[len(order) // 2]]
-    out: dict[str, Any] = {
-        "repeats": len(runs),
-        "decode_tokens_per_s": _median(dec),
-        "decode_tokens_per_s_all": dec,
-        "tokens_per_s": _median([r.tokens_per_s for r in runs]),
-        "ttft_s": _median([r.ttft_s for r in runs]),
-        "tokens": len(mid.tokens),
-        "tokens_identical": all(r.tokens == ref_tokens for r in runs),
-        "audit_clean": all(r.audit_ok for r in runs),
-    }
+    out: dict[str, Any] = {"repeats": len(runs), "decode_tokens_per_s_all": dec}
+    for k in ("decode_tokens_per_s", "tokens_per_s", "ttft_s", "loop_cpu_ms_per_token", "process_cpu_ms_per_token",
+              "hit_rate", "bytes_read_per_token", "miss_bytes_per_token"):
+        out[k] = _median([f[k] for f in figs])
+    out["tokens"] = len(mid.tokens)
+    out["tokens_identical"] = all(r.tokens == ref_tokens for r in runs)
+    out["audit_clean"] = all(r.audit_ok for r in runs)
     if mid.stats:
-        st = mid.stats
-        out.update({
-            "hit_rate": float(st.get("hit_rate", float("nan"))),
-            "bytes_read": int(st.get("bytes_read", 0)),
-            "fills": int(st.get("fills", 0)),
-            "evictions": int(st.get("evictions", 0)),
-            "stall_time_s": float(st.get("stall_time_s", 0.0)),
-            "late": int(st.get("late", 0)),
-            "reader": st.get("reader"),
-        })
+        d = mid.decode_stats()
+        out["decode_counters"] = {k: d[k] for k in ("hits", "misses", "bytes_read", "fills", "reads", "evictions",
+                                                    "late", "prefetched", "stall_time_s") if k in d}
+        out["reader"] = mid.stats.get("reader")
+    if mid.counters:
+        out["forward_counters"] = mid.counters
+        if mid.counters.get("optimistic"):
+            out["redo_rounds_per_whole_step"] = mid.counters.get("optimistic_redone", 0) / mid.counters["optimistic"]
     return out
 
 
@@ -463,7 +530,8 @@ def _summarise(runs: list[Run], ref_tokens: list[int]) -> dict[str, Any]:
 def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
                      policies: Sequence[str] = POLICIES) -> list[dict[str, Any]]:
     """Per residency: each policy's hit rate (demand only, and with the trace's lookahead
-    predictions as prefetches) beside Belady's MIN, replayed over the same trace."""
+    predictions as prefetches) beside Belady's MIN, replayed over the same trace; and with every
+    row dynamic, starting empty, LRU beside Belady's MIN."""
     from ..models.trace import CacheResult, belady, replay_policy
     from ..runtime import plan_layer
 
@@ -492,12 +560,16 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
                     "demand_reads": r.misses,
                     "prefetch_reads": r.prefetch_reads,
                 }
+        rows_all = {l: len(plans[l][0]) + plans[l][1] for l in trace.layers}
+        ba = sum((belady(trace.demands(l), [], rows_all[l]) for l in trace.layers), start=CacheResult())
+        la = sum((replay_policy(trace.demands(l), n_exp[l], [], rows_all[l], "lru") for l in trace.layers),
+                 start=CacheResult())
+        # From empty rows (the replays pin a resident set or start empty; the slot cache starts
+        # holding the runtime's resident set, evictable: its measured hit rate is in the rows).
+        row["all_rows_dynamic"] = {"rows": next(iter(rows_all.values())), "start": "empty",
+                                   "belady": ba.hit_rate, "lru": la.hit_rate}
         rows.append(row)
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Machine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,37 +582,36 @@ def _log(enabled: bool, msg: str) -> None:
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every configuration side by side; print the table unless ``args.json``; return the result."""
+    """Run every configuration in paired rounds; print the tables unless ``args.json``; return the result."""
     import mlx.core as mx
 
     from ..models import RoutingTrace, load_reference_model, load_streaming_model
-    from ..models.embedded import ensure_embedded_default
     from ..store import ExpertStore
 
     s = _settings(args)
     verbose = not getattr(args, "json", False)
     started = time.time()
     mach = machine_info()
-    if args.model is not None:
-        store_dir = pathlib.Path(args.model)
-    else:
-        spec = _quick_spec() if args.quick else None
-        _model_dir, store_dir = ensure_embedded_default(args.cache_dir, spec=spec, progress=verbose)
+    store_dir, model_info = _resolve_store(args, verbose)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
-    ref_model, _config = load_reference_model(store_dir)
+    reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
     resident_src = sm.resident_source()
+    first = store.layer(next(iter(store.layers)))
+    record_bytes = first.stride
+    configs = s.configs
+    labels = {c.key: _label(c, sm) for c in configs}
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
 
     # Cold-run method.
-    first_blob = next(iter(store.layers.values())).path
-    s.direct_ok = o_direct_works(first_blob)
+    s.direct_ok = o_direct_works(first.path)
     s.drop = not args.no_drop_caches and _can_drop_caches()
     if s.cold_repeats:
         parts = []
         if s.direct_ok:
-            parts.append("O_DIRECT reads (runtime direct=True; sync baseline O_DIRECT pread)")
+            parts.append("O_DIRECT reads (runtime direct=True; slot cache O_DIRECT whole-record reads)")
         if s.drop:
             parts.append("page cache dropped before each cold run (sync; echo 3 > /proc/sys/vm/drop_caches)")
         cold_method = " + ".join(parts) if parts else "unavailable: no O_DIRECT on this filesystem and not root"
@@ -549,49 +620,51 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         cold_method = "skipped"
 
-    # Warm-up (not timed): compile every path once, fill the page cache.
-    _log(verbose, f"model {sm.model_id}: {len(store.layers)} MoE layers x {store.layer(next(iter(store.layers))).n_experts} "
-                  f"experts, prompt {len(prompt_ids)} tokens, {s.tokens} generated; warming up")
-    warm_bytes = warm_store(store)
-    _reference_run(ref_model, prompt_ids, 2, eos)
-    _anyio_run(_resident_run, sm, resident_src, prompt_ids, 2)
-    for mode in ("lookahead", "sync"):
-        if mode in s.modes:
-            _anyio_run(_streaming_run, sm, store, prompt_ids, 2, mode, s.residencies[0], False, s)
+    def one(cfg: Config, frac: float, cold: bool, tokens: int) -> BenchRun:
+        if cold and s.drop and cfg.system != MLX_LM:
+            drop_caches()
+        if cfg.system == MLX_LM:
+            return _reference_run(reference["model"], prompt_ids, tokens, eos)
+        if cfg.system == SLOT_CACHE:
+            return _slot_run(sm, store, prompt_ids, tokens, frac, cold, s, eos)
+        return _anyio_run(_asyncside_run, sm, store, prompt_ids, tokens, cfg, frac, cold, s)
 
-    ref_runs: list[Run] = []
-    res_runs: list[Run] = []
-    warm: dict[tuple[float, str], list[Run]] = {(r, m): [] for r in s.residencies for m in s.modes}
-    cold: dict[tuple[float, str], list[Run]] = {(r, m): [] for r in s.residencies for m in s.modes}
-    # The mlx-lm reference runs again right before each residency's group in every round, and each
-    # row's ratio is the median of its per-round ratios to that run: this VM's speed drifts by
-    # 10-20% within minutes, and a ratio of medians taken a minute apart carries that drift.
-    ref_at: dict[tuple[str, int, float], Run] = {}
-    for rep in range(s.repeats):
-        _log(verbose, f"warm round {rep + 1}/{s.repeats}")
-        res_runs.append(_anyio_run(_resident_run, sm, resident_src, prompt_ids, s.tokens))
-        for frac in s.residencies:
-            ref_at[("warm", rep, frac)] = _reference_run(ref_model, prompt_ids, s.tokens, eos)
-            ref_runs.append(ref_at[("warm", rep, frac)])
-            for mode in s.modes:
-                warm[(frac, mode)].append(
-                    _anyio_run(_streaming_run, sm, store, prompt_ids, s.tokens, mode, frac, False, s))
-    ref_tokens = ref_runs[0].tokens
-    for rep in range(s.cold_repeats):
-        _log(verbose, f"cold round {rep + 1}/{s.cold_repeats} ({cold_method})")
-        for frac in s.residencies:
-            ref_at[("cold", rep, frac)] = _reference_run(ref_model, prompt_ids, s.tokens, eos)
-            for mode in s.modes:
-                if s.drop:
-                    drop_caches()
-                cold[(frac, mode)].append(
-                    _anyio_run(_streaming_run, sm, store, prompt_ids, s.tokens, mode, frac, True, s))
+    _log(verbose, f"model {sm.model_id}: {len(store.layers)} MoE layers x {first.n_experts} experts "
+                  f"(record {record_bytes / 1e6:.2f} MB), prompt {len(prompt_ids)} tokens, {s.tokens} generated; "
+                  f"systems: {', '.join(labels.values())}" + (f"; {s.load} busy processes beside" if s.load else ""))
+    res_runs: list[BenchRun] = []
+    table: dict[tuple[str, float, str], list[BenchRun]] = {}
+    load_info: dict[str, Any] = {"processes": s.load}
+    with busy_load(s.load) as pids:
+        load_info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+        # Warm-up (not timed): compile every path once, fill the page cache.
+        _log(verbose, "warming up")
+        warm_bytes = warm_store(store)
+        _anyio_run(_resident_run, sm, resident_src, prompt_ids, 2)
+        for cfg in configs:
+            one(cfg, s.residencies[0], False, 2)
+        for cache_state, rounds in (("warm", s.repeats), ("cold", s.cold_repeats)):
+            for rep in range(rounds):
+                _log(verbose, f"{cache_state} round {rep + 1}/{rounds}"
+                              + (f" ({cold_method})" if cache_state == "cold" else ""))
+                if cache_state == "warm":
+                    res_runs.append(_anyio_run(_resident_run, sm, resident_src, prompt_ids, s.tokens))
+                for frac in s.residencies:
+                    # Odd rounds run the group in reverse: a drift within a group (this VM's speed
+                    # moves by 10-20% within minutes) then favours no system over the rounds.
+                    for cfg in (configs if rep % 2 == 0 else configs[::-1]):
+                        table.setdefault((cache_state, frac, cfg.key), []).append(
+                            one(cfg, frac, cache_state == "cold", s.tokens))
+        load_info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        load_info["pids"] = pids
     if s.cold_repeats and s.drop:
         warm_store(store)  # leave the machine as we found it, roughly
+    ref_tokens = table[("warm", s.residencies[0], MLX_LM)][0].tokens
 
     # One routing trace (lookahead predictions recorded), policies replayed over it.
     _log(verbose, "recording a routing trace; replaying policies vs Belady")
     trace = RoutingTrace()
+    set_step_mode(sm, "per-layer")  # per-layer steps record the lookahead predictions too
 
     async def record() -> list[int]:
         return [t async for t in sm.generate(prompt_ids, max_tokens=s.tokens, source=resident_src,
@@ -599,34 +672,41 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     trace_tokens = _anyio_run(record)
     policies = policy_hit_rates(trace, store, s.residencies)
-    del ref_model
+    reference.clear()
     mx.clear_cache()
 
-    ref = _summarise(ref_runs, ref_tokens)
-    res = _summarise(res_runs, ref_tokens)
+    ref_all = [r for (c, _f, k), runs in table.items() if c == "warm" and k == MLX_LM for r in runs]
+    ref = _summarise(ref_all, ref_tokens, record_bytes)
+    res = _summarise(res_runs, ref_tokens, record_bytes)
     rows = []
-    for cache_state, table, n in (("warm", warm, s.repeats), ("cold", cold, s.cold_repeats)):
+    for cache_state, n in (("warm", s.repeats), ("cold", s.cold_repeats)):
         if not n:
             continue
         for frac in s.residencies:
-            for mode in s.modes:
-                runs = table[(frac, mode)]
-                row = {"cache": cache_state, "residency": frac, "mode": mode, "label": MODE_LABELS[mode],
-                       **_summarise(runs, ref_tokens)}
-                # Paired: each round's run over the mlx-lm run just before its group (and over the
-                # same round's sync run), then the median over rounds.
-                refs = [ref_at[(cache_state, i, frac)].decode_tokens_per_s for i in range(len(runs))]
-                row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b if b else 0.0
-                                                    for r, b in zip(runs, refs)]
-                row["vs_all_resident"] = _median(row["vs_all_resident_per_round"])
-                row["vs_all_resident_of_medians"] = row["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
-                row["vs_async_resident"] = row["decode_tokens_per_s"] / res["decode_tokens_per_s"]
-                row["vs_sync_demand"] = None
-                if "sync" in s.modes:
-                    syncs = [r.decode_tokens_per_s for r in table[(frac, "sync")]]
-                    per = [r.decode_tokens_per_s / b for r, b in zip(runs, syncs) if b]
-                    row["vs_sync_demand"] = _median(per) if per else None
+            refs = table[(cache_state, frac, MLX_LM)]
+            slots = table[(cache_state, frac, SLOT_CACHE)]
+            for cfg in configs:
+                runs = table[(cache_state, frac, cfg.key)]
+                row: dict[str, Any] = {"cache": cache_state, "residency": frac, "system": cfg.system,
+                                       "config": cfg.key, "label": labels[cfg.key],
+                                       **_summarise(runs, ref_tokens, record_bytes)}
+                if cfg.system == "asyncside":
+                    row["step_mode"] = cfg.mode
+                    set_step_mode(sm, cfg.mode)
+                    row["step_mode_resolved"] = step_mode_of(sm)
+                    row["predictor"] = cfg.predictor
+                # Paired: each round's run over the same round's mlx-lm and slot-cache runs.
+                row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
+                                                    if b.decode_tokens_per_s else None for r, b in zip(runs, refs)]
+                row["vs_slot_cache_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
+                                                  if b.decode_tokens_per_s else None for r, b in zip(runs, slots)]
+                cpu = [(r.decode_figures(record_bytes)["loop_cpu_ms_per_token"],
+                        b.decode_figures(record_bytes)["loop_cpu_ms_per_token"]) for r, b in zip(runs, refs)]
+                row["loop_cpu_vs_mlx_lm_per_round"] = [a / b if a is not None and b else None for a, b in cpu]
+                for k in ("vs_all_resident", "vs_slot_cache", "loop_cpu_vs_mlx_lm"):
+                    row[k] = _median(row[k + "_per_round"])
                 rows.append(row)
+    set_step_mode(sm, "default")
 
     plan = {str(frac): dict(zip(("resident_per_layer", "side_rows"),
                                 (lambda p: (len(p[0]), p[1]))(_plan(store, frac))))
@@ -634,31 +714,42 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "generate",
         "model": sm.model_id,
+        "model_info": model_info,
         "store": str(store_dir),
-        "experts_per_layer": store.layer(next(iter(store.layers))).n_experts,
+        "device": device,
+        "experts_per_layer": first.n_experts,
         "moe_layers": len(store.layers),
-        "record_bytes": store.layer(next(iter(store.layers))).stride,
+        "record_bytes": record_bytes,
         "store_blob_bytes": sum(sp.blob_bytes for sp in store.layers.values()),
         "prompt_tokens": len(prompt_ids),
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
-                     "residencies": list(s.residencies), "modes": list(s.modes), "policy": s.policy,
-                     "reader": s.reader, "quick": bool(args.quick)},
+                     "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
+                     "policy": s.policy, "reader": s.reader, "load": s.load, "quick": bool(args.quick),
+                     "shape": getattr(args, "shape", None), "layers": getattr(args, "layers", None),
+                     "vocab": getattr(args, "vocab", None)},
+        "configs": [{"config": c.key, "system": c.system, "label": labels[c.key]} for c in configs],
         "pool_plan": plan,
         "definition": (
-            "decode_tokens_per_s = (tokens - 1) / (time of last token - time of first token): the "
-            "prompt excluded; tokens_per_s = tokens / whole run (prefill included). Medians over "
-            "repeats; each configuration one greedy generation with the same prompt. residency = "
-            "pool rows per layer / experts per layer (half of them a rotating side region, at "
-            "least 8 rows; the rest the hottest experts by the store's ranking). vs_* ratios are of "
-            "decode tokens/s, measured side by side in one process and paired by round: "
-            "vs_all_resident is the median over rounds of each run over the mlx-lm run made right "
-            "before its residency's group (vs_all_resident_per_round lists them), vs_sync_demand "
-            "over the same round's sync run; vs_all_resident_of_medians is the ratio of medians."),
+            "Decode figures cover the decode steps only (first generated token to the last): "
+            "decode_tokens_per_s = (tokens - 1) / that time; loop_cpu_ms_per_token = time.thread_time of the "
+            "thread driving the generation (asyncside: the event loop's; mlx-lm generate_step and the slot "
+            "cache: the caller's) over those steps, per step; process_cpu_ms_per_token likewise for the whole "
+            "process; hit_rate = hits / (hits + misses), each distinct routed expert of a layer visit counted "
+            "once; bytes_read_per_token = bytes the source read (demand and prefetch) per step; "
+            "miss_bytes_per_token = misses x record_bytes per step. tokens_per_s = tokens / whole run "
+            "(prefill included). Medians over rounds. residency = pool rows per layer / experts per layer "
+            "(the runtime's plan: a resident set and side rows; the slot cache has as many slots, starting "
+            "with the same resident set). Ratios are paired by round: vs_all_resident = the run's decode "
+            "tokens/s over the mlx-lm run of the same round and residency, vs_slot_cache over the slot "
+            "cache's, loop_cpu_vs_mlx_lm = loop CPU per step over mlx-lm's; the row reports the median of "
+            "its per-round ratios (*_per_round)."),
         "warm_method": f"the whole store read once before the runs ({warm_bytes} bytes)",
         "cold_method": cold_method,
+        "load": load_info,
         "machine": mach,
         "all_resident": {"mlx_lm": ref, "async_resident": res,
-                         "async_overhead_ratio": res["decode_tokens_per_s"] / ref["decode_tokens_per_s"]},
+                         "async_overhead_ratio": ((res["decode_tokens_per_s"] or 0.0) / ref["decode_tokens_per_s"]
+                                                  if ref["decode_tokens_per_s"] else None)},
         "rows": rows,
         "policies_vs_belady": policies,
         "trace": {"tokens": len(trace_tokens), "steps": len(trace.steps),
@@ -688,39 +779,62 @@ def _plan(store: Any, frac: float) -> tuple[list[int], int]:
 
 
 def _targets(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, checked against this run (None where this run lacks the figure)."""
-    frac = TARGETS["residency"]
+    """The decode targets (:data:`TARGETS`), checked against this run's headline asyncside configuration (the first
+    one run); a check's value and ``met`` are None where this run lacks the figure."""
+    device = result["device"]
+    head = result["configs"][1]["config"] if len(result["configs"]) > 2 else None
+    loaded = result["settings"]["load"] > 0
+    checks: list[dict[str, Any]] = []
 
-    def row(mode: str) -> dict[str, Any] | None:
+    def row(frac: float, config: str | None) -> dict[str, Any] | None:
         for r in result["rows"]:
-            if r["cache"] == "warm" and r["residency"] == frac and r["mode"] == mode:
+            if r["cache"] == "warm" and r["residency"] == frac and r["config"] == config:
                 return r
         return None
 
-    out: dict[str, Any] = {"definition": (
-        f"at {frac:.0%} residency, warm, default predictor (lookahead): decode tok/s >= "
-        f"{TARGETS['vs_all_resident']}x all-resident (mlx-lm) and >= {TARGETS['vs_sync_demand']}x sync "
-        f"demand loading; default policy (lfu) hit rate >= {TARGETS['policy_vs_belady']:.0%} of Belady's")}
-    la = row("lookahead")
-    out["vs_all_resident"] = None if la is None else la["vs_all_resident"]
-    out["vs_all_resident_met"] = None if la is None else la["vs_all_resident"] >= TARGETS["vs_all_resident"]
-    out["vs_sync_demand"] = None if la is None else la["vs_sync_demand"]
-    out["vs_sync_demand_met"] = (None if la is None or la["vs_sync_demand"] is None
-                                 else la["vs_sync_demand"] >= TARGETS["vs_sync_demand"])
-    pol = next((p for p in result["policies_vs_belady"] if p["residency"] == frac), None)
-    if pol is not None:
-        out["lfu_vs_belady"] = pol["policies"]["lfu"]["vs_belady"]
-        out["lfu+lookahead_vs_belady"] = pol["policies"]["lfu+lookahead"]["vs_belady"]
-        out["policy_vs_belady_met"] = out["lfu_vs_belady"] >= TARGETS["policy_vs_belady"]
-    return out
+    def check(target: str, value: float | None, bound: float, at_most: bool = False) -> None:
+        met = None if value is None else (value <= bound if at_most else value >= bound)
+        checks.append({"target": f"{target} {'<=' if at_most else '>='} {bound}", "value": value, "met": met})
+
+    for (dev, frac), bound in TARGETS["vs_all_resident"].items():
+        if dev != device:
+            continue
+        r = row(frac, head)
+        if loaded:
+            check(f"loaded_vs_all_resident at {frac:.0%} warm", r and r["vs_all_resident"],
+                  TARGETS["loaded_vs_all_resident"])
+        else:
+            check(f"vs_all_resident at {frac:.0%} warm", r and r["vs_all_resident"], bound)
+            check(f"vs_slot_cache at {frac:.0%} warm", r and r["vs_slot_cache"], TARGETS["vs_slot_cache"][(dev, frac)])
+    frac = 0.25 if any(r["residency"] == 0.25 for r in result["rows"]) else result["settings"]["residencies"][0]
+    r, slot = row(frac, head), row(frac, SLOT_CACHE)
+    check(f"loop CPU per step vs mlx-lm at {frac:.0%} warm", r and r["loop_cpu_vs_mlx_lm"],
+          TARGETS["loop_cpu_vs_mlx_lm"], at_most=True)
+    ratio = None
+    if r is not None and r["bytes_read_per_token"] is not None and r["miss_bytes_per_token"]:
+        ratio = r["bytes_read_per_token"] / r["miss_bytes_per_token"]
+    check(f"bytes read vs misses' bytes at {frac:.0%} warm", ratio, TARGETS["bytes_read_vs_miss_bytes"], at_most=True)
+    diff = None
+    if r is not None and slot is not None and r["hit_rate"] is not None and slot["hit_rate"] is not None:
+        diff = r["hit_rate"] - slot["hit_rate"]
+    check(f"hit rate - slot cache's (LRU, same rows) at {frac:.0%} warm", diff, 0.0)
+    return {"device": device, "config": head, "loaded": loaded, "checks": checks}
 
 
 # ---------------------------------------------------------------------------------------------
 # Output
 
 
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def _mb(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e6:.2f}"
+
+
 def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Path:
-    """Decode tokens/s vs residency per mode (warm, cold) beside all-resident; hit rates vs Belady."""
+    """Decode tokens/s vs residency per system (warm, cold) beside mlx-lm; hit rates vs Belady."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -731,20 +845,24 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     caches = [c for c in ("warm", "cold") if any(r["cache"] == c for r in result["rows"])]
     fig, axes = plt.subplots(1, len(caches) + 1, figsize=(5.2 * (len(caches) + 1), 4.8), dpi=90)
     axes = list(np.atleast_1d(axes))
-    colors = {"lookahead": "tab:blue", "temporal": "tab:green", "none": "tab:orange", "sync": "tab:red"}
-    ref = result["all_resident"]["mlx_lm"]["decode_tokens_per_s"]
-    res = result["all_resident"]["async_resident"]["decode_tokens_per_s"]
-    top = max([ref, res] + [r["decode_tokens_per_s"] for r in result["rows"]]) * 1.15
+    cmap = plt.get_cmap("tab10")
+    configs = [c for c in result["configs"] if c["system"] != MLX_LM]
+    top = max([r["decode_tokens_per_s"] or 0.0 for r in result["rows"]] + [1e-9]) * 1.15
     for ax, cache in zip(axes, caches):
-        for mode in result["settings"]["modes"]:
+        for i, c in enumerate(configs):
             pts = sorted((r["residency"], r["decode_tokens_per_s"]) for r in result["rows"]
-                         if r["cache"] == cache and r["mode"] == mode)
+                         if r["cache"] == cache and r["config"] == c["config"])
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot([100 * x for x in xs], ys, marker="o", color=colors[mode], label=MODE_LABELS[mode])
-        ax.axhline(ref, color="black", linestyle="--", linewidth=1.2, label="all-resident (mlx-lm)")
-        ax.axhline(res, color="grey", linestyle=":", linewidth=1.2, label="all-resident (async forward)")
-        ax.set_title(f"{cache} page cache")
+                ax.plot([100 * x for x in xs], ys, marker="o", color=cmap(i), label=c["label"])
+        pts = sorted((r["residency"], r["decode_tokens_per_s"]) for r in result["rows"]
+                     if r["cache"] == cache and r["system"] == MLX_LM)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot([100 * x for x in xs], ys, color="black", linestyle="--", linewidth=1.2,
+                    label="mlx-lm all-resident (same rounds)")
+        ax.set_title(f"{cache} page cache" + (f", {result['settings']['load']} busy processes"
+                                              if result["settings"]["load"] else ""))
         ax.set_xlabel("experts in pools per layer (%)")
         ax.set_ylabel("decode tokens/s (median)")
         ax.set_ylim(0, top)
@@ -754,32 +872,56 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     ax = axes[-1]
     pol_rows = result["policies_vs_belady"]
     base = list(dict.fromkeys(n.split("+")[0] for n in (pol_rows[0]["policies"] if pol_rows else {})))
-    names = ["belady"] + [n + sfx for n in base for sfx in ("", "+lookahead")]
+    names = ["belady"] + [n + sfx for n in base for sfx in ("", "+lookahead")] + ["lru, all rows dynamic (from empty)"]
     width = 0.8 / max(len(names), 1)
-    cmap = plt.get_cmap("tab20")
+    cmap20 = plt.get_cmap("tab20")
     for i, name in enumerate(names):
-        ys = [p["belady"] if name == "belady" else p["policies"][name]["hit_rate"] for p in pol_rows]
-        xs = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
         if name == "belady":
-            color = "black"
+            ys, color = [p["belady"] for p in pol_rows], "black"
+        elif name == "lru, all rows dynamic (from empty)":
+            ys, color = [p["all_rows_dynamic"]["lru"] for p in pol_rows], "grey"
         else:  # one hue per policy: light = demand only, dark = with lookahead prefetch
-            j = base.index(name.split("+")[0])
-            color = cmap(2 * j + (0 if name.endswith("+lookahead") else 1))
+            ys = [p["policies"][name]["hit_rate"] for p in pol_rows]
+            color = cmap20(2 * base.index(name.split("+")[0]) + (0 if name.endswith("+lookahead") else 1))
+        xs = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
         ax.bar(xs, ys, width, label=name, color=color)
     ax.set_xticks(np.arange(len(pol_rows)))
     ax.set_xticklabels([f"{p['residency']:.0%}" for p in pol_rows])
-    lows = [p["belady"] for p in pol_rows] + [v["hit_rate"] for p in pol_rows for v in p["policies"].values()]
+    lows = ([p["belady"] for p in pol_rows] + [v["hit_rate"] for p in pol_rows for v in p["policies"].values()]
+            + [p["all_rows_dynamic"]["lru"] for p in pol_rows])
     ax.set_ylim(max(0.0, min(lows) - 0.05) if lows else 0.0, 1.0)
     ax.set_title("hit rate over one recorded routing trace")
     ax.set_xlabel("experts in pools per layer")
     ax.legend(fontsize=6.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"asyncside bench generate — {result['model']}, {result['settings']['tokens']} tokens, "
-                 f"{result['machine']['nproc']} CPUs", fontsize=10)
+                 f"{result['machine']['nproc']} CPUs, {result['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+#: the headline table's columns: (title, row -> text)
+_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("decode tok/s", lambda r: _fmt(r["decode_tokens_per_s"], ".2f")),
+    ("vs all-resident", lambda r: _fmt(r["vs_all_resident"], ".2f", "x")),
+    ("vs slot cache", lambda r: _fmt(r["vs_slot_cache"], ".2f", "x")),
+    ("hit rate", lambda r: _fmt(None if r["hit_rate"] is None else 100 * r["hit_rate"], ".1f", "%")),
+    ("MB read/tok", lambda r: _mb(r["bytes_read_per_token"])),
+    ("miss MB/tok", lambda r: _mb(r["miss_bytes_per_token"])),
+    ("loop CPU ms/tok", lambda r: _fmt(r["loop_cpu_ms_per_token"], ".2f")),
+    ("CPU vs mlx-lm", lambda r: _fmt(r["loop_cpu_vs_mlx_lm"], ".2f", "x")),
+    ("tokens =", lambda r: "yes" if r["tokens_identical"] else "NO"),
+]
+
+
+def _title(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    load = f", {s['load']} busy processes beside" if s["load"] else ""
+    return (f"asyncside bench generate — {result['model']} ({result['moe_layers']} MoE layers x "
+            f"{result['experts_per_layer']} experts, record {result['record_bytes'] / 1e6:.2f} MB), "
+            f"{result['device']}, {s['tokens']} tokens, paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}")
 
 
 def render_table(result: dict[str, Any]) -> None:
@@ -788,27 +930,26 @@ def render_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    console.width = max(console.width, 160)  # the table is wide; piped output defaults to 80
-    ar = result["all_resident"]
-    t = Table(title=(f"asyncside bench generate — {result['model']} ({result['moe_layers']} MoE layers x "
-                     f"{result['experts_per_layer']} experts, record {result['record_bytes'] / 1024:.0f} KiB), "
-                     f"{result['settings']['tokens']} tokens, median of {result['settings']['repeats']} warm / "
-                     f"{result['settings']['cold_repeats']} cold"))
-    for col, just in (("cache", "left"), ("residency", "right"), ("mode", "left"), ("decode tok/s", "right"),
-                      ("tok/s (all)", "right"), ("vs mlx-lm", "right"), ("vs sync", "right"),
-                      ("hit rate", "right"), ("MB read", "right"), ("stall ms", "right"), ("tokens =", "left")):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for name, r in (("all-resident (mlx-lm)", ar["mlx_lm"]), ("all-resident (async fwd)", ar["async_resident"])):
-        t.add_row("-", "100%", name, f"{r['decode_tokens_per_s']:.2f}", f"{r['tokens_per_s']:.2f}",
-                  f"{r['decode_tokens_per_s'] / ar['mlx_lm']['decode_tokens_per_s']:.2f}x", "", "", "", "",
-                  "yes" if r["tokens_identical"] else "NO")
+    console.width = max(console.width, 200)  # the table is wide; piped output defaults to 80
+    t = Table(title=_title(result))
+    t.add_column("cache")
+    t.add_column("residency", justify="right")
+    t.add_column("system", no_wrap=True)
+    for name, _ in _COLUMNS:
+        t.add_column(name, justify="left" if name == "tokens =" else "right", no_wrap=True)
+    last = None
     for r in result["rows"]:
-        t.add_row(r["cache"], f"{r['residency']:.0%}", r["label"], f"{r['decode_tokens_per_s']:.2f}",
-                  f"{r['tokens_per_s']:.2f}", f"{r['vs_all_resident']:.2f}x",
-                  "" if r["vs_sync_demand"] is None else f"{r['vs_sync_demand']:.2f}x",
-                  f"{r.get('hit_rate', float('nan')):.1%}", f"{r.get('bytes_read', 0) / 1e6:.1f}",
-                  f"{r.get('stall_time_s', 0.0) * 1e3:.0f}", "yes" if r["tokens_identical"] else "NO")
+        group = (r["cache"], r["residency"])
+        if last is not None and group != last:
+            t.add_section()
+        last = group
+        t.add_row(r["cache"], f"{r['residency']:.0%}", r["label"], *[fn(r) for _, fn in _COLUMNS])
     console.print(t)
+    ar = result["all_resident"]
+    console.print(f"asyncside forward over all experts (ResidentSource): "
+                  f"{_fmt(ar['async_resident']['decode_tokens_per_s'], '.2f')} tok/s, "
+                  f"{_fmt(ar['async_overhead_ratio'], '.2f', 'x')} of mlx-lm's median "
+                  f"{_fmt(ar['mlx_lm']['decode_tokens_per_s'], '.2f')}")
     p = Table(title="hit rate over one recorded routing trace: ledger policies vs Belady's MIN")
     p.add_column("residency")
     p.add_column("resident+side rows", justify="right")
@@ -816,48 +957,45 @@ def render_table(result: dict[str, Any]) -> None:
     names = list(result["policies_vs_belady"][0]["policies"]) if result["policies_vs_belady"] else []
     for n in names:
         p.add_column(n, justify="right")
+    p.add_column("all rows dynamic, from empty: belady / lru", justify="right")
     for row in result["policies_vs_belady"]:
+        dyn = row["all_rows_dynamic"]
         p.add_row(f"{row['residency']:.0%}", f"{row['resident_per_layer']}+{row['side_rows']}",
                   f"{row['belady']:.3f}",
-                  *[f"{row['policies'][n]['hit_rate']:.3f} ({row['policies'][n]['vs_belady']:.2f})" for n in names])
+                  *[f"{row['policies'][n]['hit_rate']:.3f} ({row['policies'][n]['vs_belady']:.2f})" for n in names],
+                  f"{dyn['belady']:.3f} / {dyn['lru']:.3f}")
     console.print(p)
     tg = result["targets"]
-    console.print(f"targets: {tg['definition']}")
-    console.print(f"  vs all-resident {tg['vs_all_resident']}, met: {tg['vs_all_resident_met']}; "
-                  f"vs sync {tg['vs_sync_demand']}, met: {tg['vs_sync_demand_met']}; "
-                  f"lfu vs belady {tg.get('lfu_vs_belady')}, met: {tg.get('policy_vs_belady_met')}")
+    console.print(f"targets ({tg['device']}, {tg['config']}):")
+    for c in tg["checks"]:
+        console.print(f"  {c['target']}: {_fmt(c['value'], '.3f')}, met: {c['met']}")
     console.print(f"cold: {result['cold_method']}; plot: {result.get('plot')}; "
                   f"tokens identical everywhere: {result['tokens_identical']}; {result['seconds']} s")
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     """The result as markdown tables (what BENCHMARKS.md shows)."""
-    ar = result["all_resident"]
-    ref = ar["mlx_lm"]["decode_tokens_per_s"]
-    lines = [
-        "| cache | experts in pools | mode | decode tok/s | vs all-resident (mlx-lm) | vs sync demand | "
-        "whole-run tok/s | TTFT s | hit rate | MB read | stall ms | tokens identical |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for name, r in (("all-resident (mlx-lm generate_step)", ar["mlx_lm"]),
-                    ("all-resident (async forward, ResidentSource)", ar["async_resident"])):
-        lines.append(f"| - | 100% | {name} | {r['decode_tokens_per_s']:.2f} | "
-                     f"{r['decode_tokens_per_s'] / ref:.2f}x | | {r['tokens_per_s']:.2f} | {r['ttft_s']:.2f} | "
-                     f"| | | {'yes' if r['tokens_identical'] else 'NO'} |")
+    lines = [f"{_title(result)}", "",
+             "| cache | experts in pools | system | " + " | ".join(n for n, _ in _COLUMNS) + " |",
+             "| --- | ---: | --- | " + " | ".join("---" if n == "tokens =" else "---:" for n, _ in _COLUMNS) + " |"]
     for r in result["rows"]:
-        sync = "" if r["vs_sync_demand"] is None else f"{r['vs_sync_demand']:.2f}x"
-        lines.append(f"| {r['cache']} | {r['residency']:.0%} | {r['label']} | {r['decode_tokens_per_s']:.2f} | "
-                     f"{r['vs_all_resident']:.2f}x | {sync} | {r['tokens_per_s']:.2f} | {r['ttft_s']:.2f} | "
-                     f"{r['hit_rate']:.1%} | {r['bytes_read'] / 1e6:.0f} | {r['stall_time_s'] * 1e3:.0f} | "
-                     f"{'yes' if r['tokens_identical'] else 'NO'} |")
+        lines.append(f"| {r['cache']} | {r['residency']:.0%} | {r['label']} | "
+                     + " | ".join(fn(r) for _, fn in _COLUMNS) + " |")
+    ar = result["all_resident"]
+    lines += ["", f"asyncside's forward over all experts (ResidentSource): "
+                  f"{_fmt(ar['async_resident']['decode_tokens_per_s'], '.2f')} tok/s, "
+                  f"{_fmt(ar['async_overhead_ratio'], '.2f', 'x')} of mlx-lm's median "
+                  f"{_fmt(ar['mlx_lm']['decode_tokens_per_s'], '.2f')} tok/s."]
     pols = result["policies_vs_belady"]
     names = list(pols[0]["policies"]) if pols else []
     lines += ["", "| experts in pools (resident + side rows) | Belady (MIN) | "
-              + " | ".join(names) + " |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+              + " | ".join(names) + " | all rows dynamic, from empty: Belady / LRU |",
+              "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for p in pols:
+        dyn = p["all_rows_dynamic"]
         lines.append(f"| {p['residency']:.0%} ({p['resident_per_layer']} + {p['side_rows']}) | {p['belady']:.3f} | "
                      + " | ".join(f"{p['policies'][n]['hit_rate']:.3f} ({p['policies'][n]['vs_belady']:.2f})"
-                                  for n in names) + " |")
+                                  for n in names) + f" | {dyn['belady']:.3f} / {dyn['lru']:.3f} |")
     return "\n".join(lines)
 
 

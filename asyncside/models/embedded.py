@@ -192,6 +192,11 @@ def build_model(spec: EmbeddedSpec) -> tuple[Any, dict[str, Any]]:
         sw.gate_proj.weight = (mx.random.normal((E, F, D), key=k1) * D**-0.5).astype(dtype)
         sw.up_proj.weight = (mx.random.normal((E, F, D), key=k2) * D**-0.5).astype(dtype)
         sw.down_proj.weight = (mx.random.normal((E, D, F), key=k3) * (spec.expert_scale * F**-0.5)).astype(dtype)
+        # Quantized layer by layer as they are generated: the float experts of a large shape (the
+        # bench's qwen3-30b-a3b) do not fit in memory all at once. quantize_model below makes the
+        # same to_quantized call, so the bytes are the same either way.
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(sw, name, getattr(sw, name).to_quantized(group_size=spec.group_size, bits=spec.bits))
         mx.eval(sw.parameters())
     cfg.pop("quantization", None)
     with contextlib.redirect_stdout(open(os.devnull, "w")):  # quantize_model prints bits/weight

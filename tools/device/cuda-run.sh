@@ -20,6 +20,9 @@ log "install MLX CUDA and carried wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl \
   /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
+# The extension finds libmlx through its RPATH when installed beside mlx; copied into the checkout
+# (below) it needs the library path.
+export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
