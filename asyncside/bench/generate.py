@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from ..demo import Run
+from ..policies import DEFAULT_POLICY
 from .machine import machine_info
 from .shapes import SHAPES, SMALL_VOCAB
 
@@ -72,7 +73,7 @@ DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
 STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec")
 PREDICTORS = ("lookahead", "temporal", "none")
-POLICIES = ("lfu", "lru", "oneshot", "aging-lfu")
+POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
 SLOT_CACHE = "slot-cache"
 #: the decode targets checked against each run: (device kind, residency) -> minimum decode ratio to
@@ -110,7 +111,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,
                    help="asyncside predictors to run (default lookahead)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--policy", default="lfu", help="eviction policy of asyncside's runs (default lfu)")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend of the runtime (default auto)")
     p.add_argument("--load", metavar="N", type=int, default=0,
