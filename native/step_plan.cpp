@@ -5,6 +5,7 @@
 #include <chrono>
 #include <unordered_set>
 
+#include "mlx/primitives.h"
 #include "mlx/scheduler.h"
 #include "mlx/transforms.h"
 
@@ -45,11 +46,25 @@ StepPlan::StepPlan(const std::vector<mx::array>& roots) {
       }
     }
   }
+  for (const auto& n : order_) {
+    if (!n.has_primitive() || const_cast<mx::array&>(n).primitive().device() != mx::Device::gpu) {
+      all_gpu_ = false;
+      break;
+    }
+  }
 }
 
 std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns) {
   while (next_ < order_.size() && order_[next_].status() != mx::array::Status::unscheduled) ++next_;
   if (next_ >= order_.size()) return {true, std::nullopt};
+  if (all_gpu_) {
+    // A GPU stream counts one task per committed command buffer (on CUDA a graph launch), and
+    // every eval commits one: the whole step goes in one eval, which never waits here.
+    mx::async_eval(std::vector<mx::array>(order_.begin() + static_cast<std::ptrdiff_t>(next_), order_.end()));
+    next_ = order_.size();
+    ++chunks_;
+    return {true, std::nullopt};
+  }
   const auto t0 = std::chrono::steady_clock::now();
   int active = mx::scheduler::n_active_tasks();
   if (active >= kMaxActiveTasks && budget_ns <= 0) {

@@ -42,6 +42,7 @@ class StepPlan {
   size_t chunks_ = 0;
   std::optional<mlx::core::array> frontier_;  // a scheduled input not computed yet (from the walk)
   std::optional<mlx::core::array> last_mid_;  // the middle node of the last chunk
+  bool all_gpu_ = true;                        // every node on a GPU stream: one eval, no chunks
 };
 
 }  // namespace asyncside::plan
