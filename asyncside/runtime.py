@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer", "warm_experts"]
 
 
+#: queued steps apply the stream's fault logs to the ledgers at least this often (steps)
+RECONCILE_EVERY = 32
+
+
 def _native_available(x: mx.array) -> bool:
     """True when x's computation finished. A queued step's failed faults are learned from the
     fault log, not from MLX's error, so checking (and consuming) it here loses nothing."""
@@ -269,6 +273,11 @@ class Runtime:
         self._fault_ns: list[int] = []
         #: failed faults learned from the logs, raised by the next begin_step / after_step / quiesce
         self._fault_errors: list[FillError] = []
+        #: queued steps: every dynamic row of every layer is lent (begin_step has nothing to do)
+        self._lent_all = False
+        self._ready_pairs = 0  # queued_ready() answered yes for this many pairs since _lent_all
+        self._steps_since_reconcile = 0
+        self._fault_errors_seen = 0
         #: release_after() calls whose computation is awaited by a task: key -> (x, leases)
         self._pending_releases: dict[int, tuple[mx.array, list[tuple[int, int]]]] = {}
         self._release_keys = itertools.count()
@@ -576,30 +585,40 @@ class Runtime:
     def queued_ready(self, pairs: int) -> bool:
         """Whether a queued step routing up to ``pairs`` (token, expert) pairs per MoE layer can run:
         every layer has a fault table and enough rows to lend for that many distinct experts."""
+        if self._lent_all and pairs <= self._ready_pairs:
+            return True  # every dynamic row is lent already: nothing can have pinned one since
         self.release_computed()
-        for st in self._layers.values():
-            if st.faults is None:
-                return False
-            lendable = st.ledger.side_rows - len(st.ledger.pinned_rows())
-            if lendable < min(pairs, st.spec.n_experts):
-                return False
+        fewest = min((st.ledger.side_rows - len(st.ledger.pinned_rows()) if st.faults is not None else -1)
+                     for st in self._layers.values())
+        if any(fewest < min(pairs, st.spec.n_experts) for st in self._layers.values()):
+            return False
+        self._ready_pairs = max(self._ready_pairs, pairs) if self._lent_all else 0
         return True
 
     def begin_step(self, pairs: int) -> None:
-        """Before queuing a step (never blocks): learn what the stream did so far, then make sure
-        every layer has enough lent rows for a step routing up to ``pairs`` pairs per layer.
+        """Before queuing a step (never blocks): make sure every layer's dynamic rows are lent to
+        its fault table (they stay lent across steps), and raise the FillError of a fault that
+        failed in an earlier step.
 
-        Steps queued earlier and still running may use lent rows too, so their need is added.
-        Raises the FillError of a fault that failed in an earlier step.
+        Once every row is lent this costs the host next to nothing: what the stream did is applied
+        to the ledgers every :data:`RECONCILE_EVERY` steps (and before anything reads them:
+        quiesce, audit, stats), failures at once.
         """
         self._check_open()
+        if len(self._queued_outs) > 4:
+            self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
+        self._stats["queued_steps"] += 1
+        if self._lent_all:
+            self.after_step()
+            return
         self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
         in_flight = len(self._queued_outs)
-        self.after_step()
+        self._reconcile_all()
+        self._raise_fault_errors()
         for st in self._layers.values():
             faults = st.faults
             if faults is None:
-                raise AsyncsideError(f"layer {st.spec.index}: queued steps need host pools with a fault table")
+                raise AsyncsideError(f"layer {st.spec.index}: queued steps need a fault table")
             if st.native_dirty:
                 if st.ledger.lent_rows() or in_flight:
                     raise AsyncsideError(f"layer {st.spec.index}: the ledger changed while rows were lent")
@@ -616,7 +635,7 @@ class Runtime:
                 rows = st.ledger.lend(short)
                 if rows:
                     faults.lend(rows)
-        self._stats["queued_steps"] += 1
+        self._lent_all = all(len(st.ledger.lent_rows()) == st.ledger.side_rows for st in self._layers.values())
 
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
         """Lazy uint32 pool rows of the routed ``ids`` of ``layer`` for a queued step: the stream
@@ -644,19 +663,31 @@ class Runtime:
             except Exception:
                 pass  # the step's own awaiter hears of its failure; the fault log says what happened
             self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
+        self._reconcile_all()
         for st in self._layers.values():
-            self._reconcile(st)
             if st.faults is not None:
                 st.ledger.reclaim(st.faults.reclaim())
+        self._lent_all = False
+        self._ready_pairs = 0
         self._raise_fault_errors()
 
     def after_step(self) -> None:
-        """Learn what the queued steps computed so far did (faults, uses): the ledger catches up
-        and the policy sees the uses. Raises the FillError of a failed fault (FillErrors in an
-        ExceptionGroup when several failed)."""
+        """A queued step's output was awaited: raise the FillError of a failed fault (FillErrors in
+        an ExceptionGroup when several failed), and every :data:`RECONCILE_EVERY` steps apply the
+        stream's fault logs to the ledgers (the policy sees the uses)."""
+        from . import _native
+
+        self._steps_since_reconcile += 1
+        errors = _native.fault_errors_total()
+        if errors != self._fault_errors_seen or self._steps_since_reconcile >= RECONCILE_EVERY:
+            self._fault_errors_seen = errors
+            self._reconcile_all()
+        self._raise_fault_errors()
+
+    def _reconcile_all(self) -> None:
+        self._steps_since_reconcile = 0
         for st in self._layers.values():
             self._reconcile(st)
-        self._raise_fault_errors()
 
     def _raise_fault_errors(self) -> None:
         errors, self._fault_errors = self._fault_errors, []
@@ -715,6 +746,7 @@ class Runtime:
 
     def fault_latency(self) -> dict[str, float]:
         """Median and p99 of the latest faults' time on the stream (seconds; 0 when none)."""
+        self._reconcile_all()
         if not self._fault_ns:
             return {"p50_s": 0.0, "p99_s": 0.0, "count": 0}
         a = np.asarray(self._fault_ns, dtype=np.float64) * 1e-9
@@ -894,8 +926,11 @@ class Runtime:
         return self._layer(layer).pools.arrays
 
     def ledger(self, layer: int) -> Ledger:
-        """The ledger of ``layer`` (read it; only the runtime changes it)."""
-        return self._layer(layer).ledger
+        """The ledger of ``layer`` (read it; only the runtime changes it), caught up with what
+        queued steps did so far."""
+        st = self._layer(layer)
+        self._reconcile(st)
+        return st.ledger
 
     def lease(self, layer: int, experts: Iterable[int] | np.ndarray) -> int:
         """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id."""
@@ -973,6 +1008,7 @@ class Runtime:
 
     def stats(self) -> dict[str, float]:
         """Counters since start: hits, misses, bytes read, fills, evictions, read/stall time."""
+        self._reconcile_all()  # queued steps' faults and uses, up to now
         out = dict(self._stats)
         total = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / total if total else 1.0

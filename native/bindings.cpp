@@ -635,6 +635,8 @@ void bind_faults(nb::module_& m) {
            "when all is scheduled, else (False, y): await y, then call again.")
       .def_prop_ro("size", &asyncside::plan::StepPlan::size)
       .def_prop_ro("chunks", &asyncside::plan::StepPlan::chunks);
+  m.def("fault_errors_total", &fa::fault_errors_total,
+        "Failed faults in every fault table of the process so far (a step checks it, not the logs).");
   m.def("device_faults_available", &fa::device_faults_available,
         "True when fault tables for device pools (the CUDA fault path) are compiled in.");
   m.def("fault_counters", [] {
@@ -642,7 +644,8 @@ void bind_faults(nb::module_& m) {
     return std::map<std::string, uint64_t>{{"tables_created", c.tables_created.load()},
                                            {"tables_destroyed", c.tables_destroyed.load()},
                                            {"nodes_created", c.nodes_created.load()},
-                                           {"nodes_destroyed", c.nodes_destroyed.load()}};
+                                           {"nodes_destroyed", c.nodes_destroyed.load()},
+                                           {"fault_errors", c.fault_errors.load()}};
   });
 }
 

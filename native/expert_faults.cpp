@@ -27,6 +27,8 @@ GlobalCounters& global_counters() {
   return c;
 }
 
+uint64_t fault_errors_total() { return global_counters().fault_errors.load(std::memory_order_acquire); }
+
 namespace {
 
 // Gaps between segments up to this are read into a sink; a larger one ends the vector.
@@ -311,6 +313,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     if (row < 0) {
       log_.events.push_back({-1, -1, e, 0, -2});
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
+      global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
         error = "[asyncside] layer " + std::to_string(layer_) + ": expert " + std::to_string(e) +
                 " has no row and no lent row is left for it (the step needs more rows than were lent)";
@@ -339,6 +342,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
     } else {
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
+      global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
         error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(e) +
                 " into row " + std::to_string(row) + " from " + path_ + " failed: " +

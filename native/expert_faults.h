@@ -153,8 +153,10 @@ class FaultTable {
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
 struct GlobalCounters {
   std::atomic<uint64_t> tables_created{0}, tables_destroyed{0}, nodes_created{0}, nodes_destroyed{0};
+  std::atomic<uint64_t> fault_errors{0};  // failed faults in every table: a cheap "did any fail?"
 };
 GlobalCounters& global_counters();
+uint64_t fault_errors_total();
 
 }  // namespace asyncside::faults
 

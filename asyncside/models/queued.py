@@ -57,6 +57,7 @@ class QueuedSteps:
         self.completed = completed
         self.counters = counters
         self._bridged = bridged
+        self._is_queued: dict[type, bool] = {}
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -64,8 +65,11 @@ class QueuedSteps:
 
     def can_run(self, ctx: StepContext, inputs: mx.array) -> bool:
         source = ctx.source
-        return (isinstance(source, QueuedSource) and inputs.size <= MAX_QUEUED_TOKENS
-                and source.queued_ready(self.pairs(inputs)))
+        kind = type(source)
+        queued = self._is_queued.get(kind)
+        if queued is None:  # a Protocol isinstance walks every method: once per source type
+            queued = self._is_queued[kind] = isinstance(source, QueuedSource)
+        return queued and inputs.size <= MAX_QUEUED_TOKENS and source.queued_ready(self.pairs(inputs))
 
     async def forward(self, ctx: StepContext, inputs: mx.array) -> mx.array:
         """Queue one step over ``inputs`` (B, L); returns its logits, scheduled, not awaited.
