@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible streaming HTTP server")
     try:
-        _attr("asyncside.server", "add_serve_arguments")(serve)
+        _attr("asyncside.serving.cli", "add_serve_arguments")(serve)
     except ImportError as exc:
-        serve.set_defaults(_unavailable=f"asyncside.server: {exc}")
+        serve.set_defaults(_unavailable=f"asyncside.serving: {exc}")
 
     _add_bench(sub)
     return parser
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert":
         return int(_attr("asyncside.models.cli", "convert_main")(args))
     if args.command == "serve":
-        return int(_attr("asyncside.server", "serve_main")(args))
+        return int(_attr("asyncside.serving.cli", "serve_main")(args))
     module, _add, run, _help = _BENCHES[args.bench]
     result = _attr(module, run)(args)
     if args.json:

@@ -148,19 +148,19 @@ async def run_http_phase(base_url: str, model: str, clients: int, seconds: float
     return result
 
 
-async def run_direct_phase(service: Any, seconds: float, max_tokens: int, prompt: str) -> PhaseResult:
-    """One generation at a time through the generation service, no HTTP; runs on the server loop."""
+async def run_direct_phase(batcher: Any, seconds: float, max_tokens: int, prompt: str) -> PhaseResult:
+    """One generation at a time through the engine, no HTTP; runs on the server loop."""
     import anyio
 
     result = PhaseResult("direct", 1, seconds)
-    ids = list(service.tokenizer.encode(prompt))
+    ids = list(batcher.tokenizer.encode(prompt))
     start = time.perf_counter()
     deadline = start + seconds
     with anyio.move_on_after(seconds):
         while True:
             t0 = time.perf_counter()
             first, complete = True, False
-            gen = service.tokens(ids, max_tokens)
+            gen = batcher.submit(ids, max_tokens)
             try:
                 async for _ in gen:
                     if time.perf_counter() > deadline:
@@ -176,15 +176,14 @@ async def run_direct_phase(service: Any, seconds: float, max_tokens: int, prompt
                     result.requests_done += 1
                 else:
                     result.requests_cut += 1
-                with anyio.CancelScope(shield=True):
-                    await gen.aclose()
+                gen.cancel()
     result.seconds = max(time.perf_counter() - start, seconds)
     return result
 
 
 def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench serve`` (the model options are the server's)."""
-    from ..server import add_model_arguments
+    from ..serving.cli import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (default 4)")
@@ -199,7 +198,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run the three phases and return the results (printed as a table unless ``args.json``)."""
-    from ..server import BackgroundServer, ServeSettings, create_app, engine_factory_from_args
+    from ..serving import BackgroundServer, ServeSettings, create_app, engine_factory_from_args
 
     for name in ("clients", "max_tokens"):
         if getattr(args, name) < 1:
@@ -214,8 +213,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     with BackgroundServer(app) as srv:
         state = app.state.asyncside
         rss_idle = read_rss_bytes()
-        model_id = state.service.model_id
-        direct = srv.call(lambda: run_direct_phase(state.service, args.duration, args.max_tokens, args.prompt),
+        model_id = state.model_id
+        direct = srv.call(lambda: run_direct_phase(state.batcher, args.duration, args.max_tokens, args.prompt),
                           timeout=args.duration + 120)
         import uvloop
 
