@@ -290,6 +290,7 @@ class Batcher:
         self.prefill_tokens = 0   # prompt tokens computed (cached ones excluded)
         self.cached_tokens = 0    # prompt tokens taken from the prefix cache
         self.last_batch = 0       # requests in the last decode step
+        self.peak_batch = 0       # most requests in one decode step
 
     # -- views --------------------------------------------------------------------------------
 
@@ -439,6 +440,7 @@ class Batcher:
             return
         self.steps += 1
         self.last_batch = len(batch)
+        self.peak_batch = max(self.peak_batch, len(batch))
         for s, (token, lp, alts) in zip(batch, results):
             s.fed.append(s.todo[0])
             s.todo = [token]
