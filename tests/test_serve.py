@@ -316,7 +316,8 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
 
 
 def test_bench_serve_runs_all_phases(served_model: str) -> None:
-    """`asyncside bench serve` end to end at a tiny size: structure and sanity, no timing claims."""
+    """`asyncside bench serve` end to end at a tiny size, mlx_lm.server included (it loads the
+    embedded model's directory): structure and sanity, no timing claims."""
     import argparse
 
     from asyncside.bench.serve import add_serve_bench_arguments, run_serve_bench
@@ -324,13 +325,18 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     add_serve_bench_arguments(parser)
-    args = parser.parse_args(["--model", served_model, "--resident", "0.5", "--clients", "2",
-                              "--duration", "2", "--max-tokens", "4", "--prompt", "ab", "--json"])
+    # No --model: the embedded model (served_model), whose model directory mlx_lm.server loads.
+    args = parser.parse_args(["--clients", "1,2", "--duration", "3", "--max-tokens", "3",
+                              "--prompt-lengths", "4,6", "--long-prompt", "20", "--json"])
     out = run_serve_bench(args)
-    assert [p["name"] for p in out["phases"]] == ["direct", "http x1", "http x2"]
+    names = [(p["server"], p["clients"]) for p in out["phases"]]
+    assert names == [("asyncside", 1), ("asyncside", 2), ("mlx_lm.server", 1), ("mlx_lm.server", 2)]
     for phase in out["phases"]:
-        assert phase["tokens"] > 0 and phase["error_count"] == 0, phase
-        assert phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"]
+        assert phase["error_count"] == 0, phase
+        assert phase["tokens"] > 0 and phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"], phase
+        assert phase["vs_mlx_lm"] is not None
+        assert phase["long_prompt_sent"] == (phase["clients"] > 1)
+    assert out["engine"]["resident"] == 0.5 and out["mlx_lm"]["ran"]
     assert out["audit_ok_after"] and out["audit_problems"] == []
     rss = out["rss_bytes"]
     assert rss["before_load"] > 0 and rss["after_load"] > 0 and rss["peak"] >= rss["after_load"]

@@ -458,6 +458,30 @@ async def test_long_prefill_never_holds_a_stream_for_more_than_one_chunk(tokeniz
 
 
 @pytest.mark.anyio
+async def test_short_prompts_prefill_first_and_a_long_one_still_advances(tokenizer: Any) -> None:
+    model = make_model(tokenizer)
+    model.config["max_position_embeddings"] = 4096
+    b = Batcher(model, None, max_batch=8, prefill_chunk=16, prompt_cache_size=0)
+    long_ids = tokenizer.encode("z" * 300)
+    progress: list[int] = []  # the long prompt's tokens still to prefill, at each short request's first token
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        long = b.submit(long_ids, 1)
+        for i in range(6):  # short requests keep arriving while the long one prefills
+            short = b.submit(tokenizer.encode(f"count {i} " * 3), 2)
+            async for _ in short:
+                progress.append(len(b._active[0].todo) if b._active and b._active[0] is long._slot else 0)
+                break
+            short.cancel()
+        async for _ in long:
+            pass
+        tg.cancel_scope.cancel()
+    assert all(p > 0 for p in progress), progress  # each short one answered while the long one still prefilled
+    assert progress == sorted(progress, reverse=True) and progress[0] > progress[-1]  # and the long one advanced
+    assert long.finish_reason == "length"
+
+
+@pytest.mark.anyio
 async def test_engine_admission_cancel_and_failure_isolation(tokenizer: Any) -> None:
     model = make_model(tokenizer)
     b = Batcher(model, None, max_batch=1, max_queue=1, prefill_chunk=8, prompt_cache_size=0)

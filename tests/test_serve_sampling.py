@@ -19,7 +19,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from asyncside.models import load_reference_model
-from asyncside.serving import BackgroundServer, ServeSettings, create_app, embedded_store_dir, open_engine
+from asyncside.serving import (BackgroundServer, ServeSettings, create_app, default_prefill_chunk, embedded_store_dir,
+                               open_engine)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -64,7 +65,7 @@ def mlx_lm_text(srv: BackgroundServer, ref: Any, prompt_ids: list[int], max_toke
     procs = make_logits_processors(**processors) if processors else None
     out = []
     for token, _ in generate_step(mx.array(prompt_ids), ref, max_tokens=max_tokens, logits_processors=procs,
-                                  prefill_step_size=ServeSettings().prefill_chunk):
+                                  prefill_step_size=default_prefill_chunk()):
         if int(token) in t.eos_token_ids:
             break
         out.append(int(token))

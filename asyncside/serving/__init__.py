@@ -33,6 +33,7 @@ _EXPORTS = {
     "Generation": ".engine",
     "QueueFull": ".engine",
     "batch_step": ".engine",
+    "default_prefill_chunk": ".engine",
     "open_engine": ".engine",
     "embedded_store_dir": ".engine",
     "BackgroundServer": ".background",

@@ -113,7 +113,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=_at_least(0), default=d.max_queue,
                         help=f"requests waiting for a slot before new ones get 429 (default {d.max_queue})")
     parser.add_argument("--prefill-chunk", type=_at_least(1), default=d.prefill_chunk,
-                        help=f"prompt tokens prefilled per engine step (default {d.prefill_chunk})")
+                        help="prompt tokens prefilled per engine step (default: 16 on the CPU, 512 on a GPU)")
     parser.add_argument("--prompt-cache-size", type=_at_least(0), default=d.prompt_cache_size,
                         help=f"KV caches kept for prefix reuse, 0 to disable (default {d.prompt_cache_size})")
 

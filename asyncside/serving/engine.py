@@ -6,7 +6,8 @@ serializes steps (no lock on the model is needed beside it). Each engine step
 1. admits waiting requests into free slots (up to ``max_batch``), each with its own KV cache,
    started from a copy of a cached prefix where one matches (:mod:`.prompt_cache`);
 2. runs at most one prefill chunk's worth of prompt tokens (``prefill_chunk``): requests still
-   prefilling take their next chunk in arrival order while the budget lasts, so a long prompt
+   prefilling take their next chunk, the least remaining first (every other step the oldest
+   first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
    delays the other streams by at most one chunk per step;
 3. runs one decode step over every request that is decoding (:func:`batch_step`), samples each
    request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
@@ -123,6 +124,19 @@ async def open_engine(
 
 
 # --- the model calls -------------------------------------------------------------------------
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per engine step when none is configured: 512 on a GPU, 16 on the CPU.
+
+    On a GPU a chunk of many tokens costs little more than one token, so large chunks keep a long
+    prefill fast. On the CPU a prefilled token costs about as much as a decode step (each routed
+    pair is its own product), so a small chunk gives the same prefill speed while holding the
+    other streams for less time per step.
+    """
+    import mlx.core as mx
+
+    return 512 if mx.default_device() == mx.gpu else 16
 
 
 async def batch_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
@@ -258,8 +272,10 @@ class Batcher:
     """
 
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
-                 max_queue: int = 64, prefill_chunk: int = 256, prompt_cache_size: int = 8,
+                 max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
                  prompt_cache_min_tokens: int = 16) -> None:
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1 and max_queue >= 0, got "
                              f"{max_batch}, {prefill_chunk}, {max_queue}")
@@ -283,6 +299,7 @@ class Batcher:
         self._turn = anyio.Lock()
         self._wake = anyio.Event()
         self._running = False
+        self._prefill_turn = 0
         self._duration_ewma = 1.0
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
@@ -380,18 +397,31 @@ class Batcher:
         """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave."""
         self._leave()
         self._admit()
-        budget = self.prefill_chunk
         used = 0
-        for slot in [s for s in self._active if s.prefilling and not s.cancelled and not s.done]:
+        for slot in self._prefill_order():
             n = min(self.prefill_chunk, len(slot.todo) - 1)
-            if used and used + n > budget:
-                break
+            if used and used + n > self.prefill_chunk:
+                continue  # a smaller one may still fit this step
             await self._prefill(slot, n)
             used += n
         batch = [s for s in self._active if not s.prefilling and not s.cancelled and not s.done and s.todo]
         if batch:
             await self._decode(batch)
         self._leave()
+
+    def _prefill_order(self) -> list[_Slot]:
+        """Who prefills this step: the least remaining prompt first (short prompts reach their
+        first token soon), except that on every other step the oldest prefilling request goes
+        first, so a long prompt advances at least one chunk per two steps however many short ones
+        keep arriving."""
+        waiting = [s for s in self._active if s.prefilling and not s.cancelled and not s.done]
+        order = sorted(waiting, key=lambda s: len(s.todo))
+        self._prefill_turn += 1
+        if waiting and self._prefill_turn % 2 == 0:
+            oldest = waiting[0]  # _active keeps admission order
+            order.remove(oldest)
+            order.insert(0, oldest)
+        return order
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch:

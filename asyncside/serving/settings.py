@@ -16,8 +16,9 @@ class ServeSettings:
     the model's context (``max_context``, else the model config's ``max_position_embeddings``)
     is answered 400 before it queues.
 
-    Prefill runs in chunks of ``prefill_chunk`` tokens, one chunk's worth per engine step between
-    decode steps, so a long prompt delays other streams by at most one chunk per token.
+    Prefill runs in chunks of ``prefill_chunk`` tokens (None: by device, see
+    :func:`~asyncside.serving.engine.default_prefill_chunk`), one chunk's worth per engine step
+    between decode steps, so a long prompt delays other streams by at most one chunk per token.
     ``prompt_cache_size`` KV caches of finished requests are kept for prefix reuse (0: off); a
     prefix shorter than ``prompt_cache_min_tokens`` is recomputed rather than copied.
     """
@@ -32,15 +33,17 @@ class ServeSettings:
     max_batch: int = 32
     max_queue: int = 64
     request_timeout: float | None = 600.0
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None
     prompt_cache_size: int = 8
     prompt_cache_min_tokens: int = 16
     allow_origins: tuple[str, ...] = field(default_factory=tuple)
     access_log: bool = True
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"ServeSettings.prefill_chunk must be at least 1 or None, got {self.prefill_chunk}")
         for name in ("default_max_tokens", "default_chat_max_tokens", "max_tokens_limit", "max_body_bytes",
-                     "max_batch", "prefill_chunk"):
+                     "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeSettings.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue", "prompt_cache_size", "prompt_cache_min_tokens"):
