@@ -259,6 +259,7 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                               max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
                               prompt_cache_size=settings.prompt_cache_size,
                               prompt_cache_min_tokens=settings.prompt_cache_min_tokens)
+            engine.model.forward.make_predictor(settings.predictor)  # an unknown predictor fails startup, not requests
             async with anyio.create_task_group() as tg:
                 tg.start_soon(batcher.run, name="asyncside engine")
                 state.engine, state.batcher = engine, batcher
