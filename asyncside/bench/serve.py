@@ -3,8 +3,10 @@ run on the same model, against ``mlx_lm.server`` (every expert resident, its bat
 
 For each server and each client count (``--clients``, default 1, 8 and 32) one phase runs for
 ``--duration`` seconds: every client issues streaming completions back to back, its prompts
-cycling through ``--prompt-lengths`` (tokens); with more than one client, client 0 first sends one
-``--long-prompt``-token prompt, so the others share the server with a long prefill. Every prompt
+cycling through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of
+``--long-prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others
+share the server with a long prefill. The phases of mlx_lm.server run after asyncside's, in the
+same order (the long-prompt phase last, so no other phase shares a server still busy with it). Every prompt
 starts with the request's own number, so no two requests share a cacheable prefix. At the deadline
 the requests still running are cancelled (the servers see disconnects); tokens received before it
 count.
@@ -121,7 +123,8 @@ class PhaseResult:
 def prompt_of(tokenizer: Any, n_tokens: int, number: int) -> str:
     """A prompt of about ``n_tokens`` tokens starting with the request's own number."""
     head = f"#{number}: "
-    ids = list(tokenizer.encode(head + PASSAGE * (1 + n_tokens // 8)))
+    reps = 1 + n_tokens // max(1, len(tokenizer.encode(PASSAGE)))
+    ids = list(tokenizer.encode(head + PASSAGE * reps))
     return str(tokenizer.decode(ids[:n_tokens]))
 
 
@@ -214,8 +217,10 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
     parser.add_argument("--long-prompt", type=int, default=2000,
-                        help="tokens of the one long prompt sent in phases with several clients (default 2000; "
-                             "0: none)")
+                        help="tokens of the one long prompt client 0 sends first (default 2000; 0: none)")
+    parser.add_argument("--long-prompt-clients", type=_parse_counts, default=None, metavar="N,...",
+                        help="the phases (client counts) that include the long prompt (default: the largest "
+                             "client count, when it is more than 1)")
     parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false",
                         help="skip the mlx_lm.server phases")
     parser.add_argument("--mlx-lm-model", metavar="DIR", default=None,
@@ -287,12 +292,13 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--long-prompt must be >= 0, got {args.long_prompt}")
 
 
-def _prompts(tokenizer: Any, lengths: Sequence[int], long: int, clients: int) -> Callable[[int, int], tuple[str, bool]]:
+def _prompts(tokenizer: Any, lengths: Sequence[int], long: int) -> Callable[[int, int], tuple[str, bool]]:
+    """Client ``c``'s ``n``-th prompt (``long`` tokens for client 0's first when ``long`` > 0)."""
     counter = iter(range(1 << 62))
 
     def prompt(client: int, n: int) -> tuple[str, bool]:
         number = next(counter)
-        if client == 0 and n == 0 and clients > 1 and long > 0:
+        if client == 0 and n == 0 and long > 0:
             return prompt_of(tokenizer, long, number), True
         return prompt_of(tokenizer, lengths[(client + n) % len(lengths)], number), False
 
@@ -315,6 +321,12 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     settings = replace(settings, max_tokens_limit=max(settings.max_tokens_limit, args.max_tokens), access_log=False)
     app = create_app(factory, settings)
     phases: list[dict[str, Any]] = []
+    with_long = args.long_prompt_clients if args.long_prompt_clients is not None else (
+        [max(args.clients)] if max(args.clients) > 1 else [])
+
+    def long_at(clients: int) -> int:
+        return args.long_prompt if clients in with_long else 0
+
     with BackgroundServer(app) as srv:
         state = app.state.asyncside
         rss_idle = read_rss_bytes()
@@ -324,7 +336,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
         for clients in args.clients:
-            prompts = _prompts(tokenizer, args.prompt_lengths, args.long_prompt, clients)
+            prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
                                        prompts))
             phases.append(res.summary())
@@ -342,7 +354,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             with MlxLmServer(model_dir) as ml:
                 rss_ml_idle = ml.rss()
                 for clients in args.clients:
-                    prompts = _prompts(tokenizer, args.prompt_lengths, args.long_prompt, clients)
+                    prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
                     res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
                                                args.max_tokens, prompts))
                     phases.append(res.summary())
@@ -365,6 +377,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "max_tokens": args.max_tokens,
         "prompt_lengths": args.prompt_lengths,
         "long_prompt": args.long_prompt,
+        "long_prompt_clients": with_long,
         "phases": phases,
         "mlx_lm": mlx_lm,
         "rss_bytes": {"before_load": rss_before.get("VmRSS"), "server_idle": rss_idle.get("VmRSS"),
@@ -425,8 +438,9 @@ def print_table(out: dict[str, Any]) -> None:
 
     e = out["engine"]
     table = Table(title=f"asyncside bench serve: {out['model']}, resident {e.get('resident')}, "
-                        f"{out['max_tokens']} tokens/request, prompts {out['prompt_lengths']} + one "
-                        f"{out['long_prompt']}, {out['duration_s']:g}s per phase")
+                        f"{out['max_tokens']} tokens/request, prompts {out['prompt_lengths']} (+ one "
+                        f"{out['long_prompt']} with {out['long_prompt_clients']} clients), "
+                        f"{out['duration_s']:g}s per phase")
     cols = ("server", "clients", "requests", "tokens", "tok/s", "vs mlx_lm", "per-stream tok/s", "TTFT p50 ms",
             "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "long TTFT s", "errors")
     for col in cols:

@@ -298,7 +298,6 @@ class Batcher:
         self._active: list[_Slot] = []
         self._turn = anyio.Lock()
         self._wake = anyio.Event()
-        self._running = False
         self._prefill_turn = 0
         self._duration_ewma = 1.0
         #: counters (read by /health and /metrics)
@@ -375,7 +374,6 @@ class Batcher:
 
     async def run(self) -> None:
         """The engine loop; runs until cancelled, then fails every request still in it."""
-        self._running = True
         try:
             while True:
                 if not self._waiting and not self._active:
@@ -386,7 +384,6 @@ class Batcher:
                 # Let HTTP handlers and holders of paused() run between steps.
                 await anyio.lowlevel.checkpoint()
         finally:
-            self._running = False
             shutdown = AsyncsideError("the server is shutting down")
             for slot in [*self._active, *self._waiting]:
                 self._fail(slot, shutdown)
@@ -399,6 +396,8 @@ class Batcher:
         self._admit()
         used = 0
         for slot in self._prefill_order():
+            if slot.cancelled or slot.done:  # left while an earlier chunk ran
+                continue
             n = min(self.prefill_chunk, len(slot.todo) - 1)
             if used and used + n > self.prefill_chunk:
                 continue  # a smaller one may still fit this step
