@@ -54,6 +54,7 @@ DEFAULT_SEGMENTS: dict[str, tuple[tuple[int, ...], str]] = {
     "down_proj.weight": ((16, 32), "float16"),
 }
 
+from .audit import audit_problems  # noqa: E402,F401  (re-exported; the server's /health uses it too)
 from .testing_blocking import no_blocking  # noqa: E402,F401  (re-exported fixture; imports no MLX)
 
 RUNTIME_MARKER = "asyncside_runtime"
@@ -129,15 +130,6 @@ def make_expert_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
 def expert_store(make_expert_store: Callable[..., ExpertStore]) -> ExpertStore:
     """A small expert store with random contents (2 layers x 8 experts, checksummed)."""
     return make_expert_store()
-
-
-def audit_problems(runtime: Any) -> list[str]:
-    """Every problem the runtime's ledgers report, prefixed by layer; empty when all are clean."""
-    problems: list[str] = []
-    for layer, report in runtime.audit().items():
-        if not report.ok:
-            problems.extend(f"layer {layer}: {p}" for p in report.problems)
-    return problems
 
 
 @_async_fixture

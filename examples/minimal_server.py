@@ -13,7 +13,7 @@ import argparse
 
 import uvloop
 
-from asyncside.server import create_app, open_engine, serve
+from asyncside.serving import create_app, open_engine, serve
 
 
 def main() -> None:

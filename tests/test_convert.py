@@ -232,7 +232,9 @@ def test_embedded_builds_once_and_is_exact(tmp_path: pathlib.Path) -> None:
     grew = mx.get_active_memory() - before
     # Loading allocates the non-expert weights only, never an expert tensor.
     assert grew <= summary["non_expert_bytes"] * 1.05 + 4096, (grew, summary)
-    assert isinstance(sm.tokenizer, ByteTokenizer)
+    # A standard tokenizer.json (mlx-lm's TokenizerWrapper) with the byte tokenizer's ids.
+    assert (model_dir / "tokenizer.json").is_file() and not (model_dir / "asyncside_tokenizer.json").exists()
+    assert sm.tokenizer.encode("Hé") == ByteTokenizer().encode("Hé") and sm.tokenizer.eos_token_ids == {ByteTokenizer.EOS}
     prompt = sm.tokenizer.encode("Hello, experts!")
     model, _ = load_reference_model(model_dir)
     ref = reference_generate(model, prompt, max_tokens=8, eos_token_ids=sm.tokenizer.eos_token_ids)

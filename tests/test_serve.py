@@ -1,7 +1,7 @@
 """`asyncside serve` end to end: the real embedded model, the real Runtime, real HTTP clients.
 
 One server per module, on 127.0.0.1 with a free port, on a uvloop loop in a background thread
-(:class:`asyncside.server.BackgroundServer`). The tests talk to it with the ``openai`` client and
+(:class:`asyncside.serving.BackgroundServer`). The tests talk to it with the ``openai`` client and
 httpx from pytest-asyncio's loop, and look inside the server only through ``srv.call`` (which
 runs a coroutine on the server's loop, so nothing races the runtime).
 """
@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from asyncside.server import BackgroundServer, ServeSettings, create_app, open_engine
+from asyncside.serving import BackgroundServer, ServeSettings, create_app, embedded_store_dir, open_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -29,9 +29,7 @@ MAX_LIMIT = 64
 @pytest.fixture(scope="module")
 def served_model() -> str:
     """The embedded default model, built on first use (shared with every test through its cache)."""
-    from asyncside.server import _embedded_store_dir
-
-    return _embedded_store_dir(None)
+    return embedded_store_dir(None)
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +48,20 @@ def state(srv: BackgroundServer) -> Any:
 
 
 def model_id(srv: BackgroundServer) -> str:
-    return state(srv).service.model_id
+    return state(srv).model_id
 
 
 def direct_text(srv: BackgroundServer, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
-    """Greedy generation through the same service without HTTP: the reference for every answer."""
-    service = state(srv).service
+    """Greedy generation through the same engine without HTTP: the reference for every answer."""
+    batcher = state(srv).batcher
 
     async def run() -> list[int]:
-        return [t async for t in service.tokens(prompt_ids, max_tokens)]
+        return [ev.token async for ev in batcher.submit(prompt_ids, max_tokens)]
 
     ids = srv.call(run)
-    from asyncside.generation import TextAssembler
+    from asyncside.serving.text import TextAssembler
 
-    asm = TextAssembler(service.tokenizer)
+    asm = TextAssembler(batcher.tokenizer)
     for t in ids:
         asm.push(t)
         if asm.finished:
@@ -97,7 +95,7 @@ def test_models_and_health(srv: BackgroundServer) -> None:
 @pytest.mark.asyncio
 async def test_openai_completion_matches_direct_generation(srv: BackgroundServer) -> None:
     prompt = "The store"
-    ids = state(srv).service.tokenizer.encode(prompt)
+    ids = state(srv).batcher.tokenizer.encode(prompt)
     _, expected = direct_text(srv, ids, 6)
     async with client(srv) as c:
         full = await c.completions.create(model=model_id(srv), prompt=prompt, max_tokens=6)
@@ -127,16 +125,16 @@ async def test_openai_chat_streaming_and_not(srv: BackgroundServer) -> None:
     assert streamed == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     # The prompt is the chat template applied by the server.
-    from asyncside.openai_protocol import ChatMessage, chat_prompt_ids
+    from asyncside.serving.protocol import ChatMessage, chat_prompt_ids
 
-    ids = chat_prompt_ids(state(srv).service.tokenizer, [ChatMessage(m["role"], m["content"]) for m in messages])
+    ids = chat_prompt_ids(state(srv).batcher.tokenizer, [ChatMessage(m["role"], m["content"]) for m in messages])
     assert full.usage.prompt_tokens == len(ids)
 
 
 @pytest.mark.asyncio
 async def test_concurrent_streaming_clients_get_their_own_answers(srv: BackgroundServer) -> None:
     prompts = ["ab", "The fox", "0 1 2", "MoE"]
-    tok = state(srv).service.tokenizer
+    tok = state(srv).batcher.tokenizer
     expected = [direct_text(srv, tok.encode(p), 4)[1] for p in prompts]
     steps_before = httpx.get(srv.url + "/health").json()["decode_steps"]
 
@@ -153,7 +151,7 @@ async def test_concurrent_streaming_clients_get_their_own_answers(srv: Backgroun
 
 
 class HeldTurn:
-    """Holds the generation service's turn from the test, so a generation cannot finish early."""
+    """Holds the engine between two steps from the test, so a generation cannot finish early."""
 
     def __init__(self, srv: BackgroundServer) -> None:
         self.srv = srv
@@ -162,14 +160,14 @@ class HeldTurn:
         self.future: Any = None
 
     async def _hold(self) -> None:
-        async with state(self.srv).service.exclusive():
+        async with state(self.srv).batcher.paused():
             self.held.set()
             while not self.release.is_set():
                 await asyncio.sleep(0.005)
 
     def __enter__(self) -> HeldTurn:
         self.future = asyncio.run_coroutine_threadsafe(self._hold(), self.srv.loop)
-        assert self.held.wait(30), "could not take the generation turn"
+        assert self.held.wait(30), "could not pause the engine"
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -318,7 +316,8 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
 
 
 def test_bench_serve_runs_all_phases(served_model: str) -> None:
-    """`asyncside bench serve` end to end at a tiny size: structure and sanity, no timing claims."""
+    """`asyncside bench serve` end to end at a tiny size, mlx_lm.server included (it loads the
+    embedded model's directory): structure and sanity, no timing claims."""
     import argparse
 
     from asyncside.bench.serve import add_serve_bench_arguments, run_serve_bench
@@ -326,13 +325,18 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
     add_serve_bench_arguments(parser)
-    args = parser.parse_args(["--model", served_model, "--resident", "0.5", "--clients", "2",
-                              "--duration", "2", "--max-tokens", "4", "--prompt", "ab", "--json"])
+    # No --model: the embedded model (served_model), whose model directory mlx_lm.server loads.
+    args = parser.parse_args(["--clients", "1,2", "--duration", "3", "--max-tokens", "3",
+                              "--prompt-lengths", "4,6", "--long-prompt", "20", "--json"])
     out = run_serve_bench(args)
-    assert [p["name"] for p in out["phases"]] == ["direct", "http x1", "http x2"]
+    names = [(p["server"], p["clients"]) for p in out["phases"]]
+    assert names == [("asyncside", 1), ("asyncside", 2), ("mlx_lm.server", 1), ("mlx_lm.server", 2)]
     for phase in out["phases"]:
-        assert phase["tokens"] > 0 and phase["error_count"] == 0, phase
-        assert phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"]
+        assert phase["error_count"] == 0, phase
+        assert phase["tokens"] > 0 and phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"], phase
+        assert phase["vs_mlx_lm"] is not None
+        assert phase["long_prompt_sent"] == (phase["clients"] > 1)
+    assert out["engine"]["resident"] == 0.5 and out["mlx_lm"]["ran"]
     assert out["audit_ok_after"] and out["audit_problems"] == []
     rss = out["rss_bytes"]
     assert rss["before_load"] > 0 and rss["after_load"] > 0 and rss["peak"] >= rss["after_load"]

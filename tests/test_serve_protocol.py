@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from asyncside import openai_protocol as oai
-from asyncside.generation import TextAssembler
-from asyncside.prometheus import Registry, format_value
+from asyncside.serving import protocol as oai
+from asyncside.serving.metrics import Registry, format_value
+from asyncside.serving.text import TextAssembler
 
 MODELS = ["m"]
 
@@ -54,8 +54,8 @@ def test_completion_prompt_forms() -> None:
         ({"model": "m", "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
         ({"model": "m", "prompt": "x", "n": 2}, 400, "n", "must be 1"),
-        ({"model": "m", "prompt": "x", "temperature": 3}, 400, "temperature", "between"),
-        ({"model": "m", "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"model": "m", "prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
         ({"model": "m", "prompt": "x", "echo": True}, 400, "echo", "not supported"),
         ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
         ({"model": "m", "prompt": "x", "stop": [1]}, 400, "stop", "strings"),
@@ -90,7 +90,7 @@ def test_chat_parsing_and_template() -> None:
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}, "tools"),
     ],
 )
 def test_chat_rejects(body: object, param: str) -> None:

@@ -1,18 +1,23 @@
-"""`asyncside bench serve`: N concurrent streaming clients against the server, for a bounded time.
+"""`asyncside bench serve`: concurrent streaming clients against `asyncside serve` and, in the same
+run on the same model, against ``mlx_lm.server`` (every expert resident, its batching on).
 
-One run measures, side by side:
+For each server and each client count (``--clients``, default 1, 8 and 32) one phase runs for
+``--duration`` seconds: every client issues streaming completions back to back, its prompts
+cycling through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of
+``--long-prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others
+share the server with a long prefill. The phases of mlx_lm.server run after asyncside's, in the
+same order (the long-prompt phase last, so no other phase shares a server still busy with it). Every prompt
+starts with the request's own number, so no two requests share a cacheable prefix. At the deadline
+the requests still running are cancelled (the servers see disconnects); tokens received before it
+count.
 
-- ``direct``: the same model, runtime and generation service, driven without HTTP (one
-  generation at a time on the server's loop): the single-stream decode rate. With per-step turns
-  and no cross-request batching this is the physical ceiling of the server's aggregate rate.
-- ``http x1``: one streaming HTTP client (the cost of HTTP + SSE over ``direct``).
-- ``http xN``: N concurrent streaming clients (fair sharing; aggregate vs ``direct``).
-
-Each HTTP phase runs for ``--duration`` seconds: every client issues streaming completions back
-to back; at the deadline in-flight requests are cancelled (the server sees disconnects) and only
-tokens received before the deadline count. Time to first token is measured by the client, from
-sending the request to the first content chunk. RSS (VmRSS of this process, which hosts the
-server) is read before the model is loaded, once the server is idle, and after the load.
+Reported per phase: aggregate tokens/s (all tokens / phase time), per-stream tokens/s (median over
+requests of (tokens - 1) / (last - first token time)), time to first token and inter-token latency
+(p50 / p99, measured by the client, over the short-prompt requests; the long prompt's time to
+first token is reported alone), and each asyncside phase's aggregate over mlx_lm.server's with the
+same clients. Both servers decode greedily with ``max_tokens`` tokens per request. RSS of this
+process (which hosts the asyncside server) is read before the model is loaded, with the server
+idle, and at the end; the ledgers must audit clean at the end.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .machine import machine_info
 
-DEFAULT_PROMPT = "Once upon a time"
+PASSAGE = ("The quick brown fox jumps over the lazy dog while experts stream in from the disk; "
+           "a Mixture-of-Experts model routes every token to a few experts out of many. ")
 
 
 def read_rss_bytes(pid: int | str = "self") -> dict[str, int]:
@@ -45,7 +57,7 @@ def read_rss_bytes(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
     if not values:
         return None
@@ -55,182 +67,307 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 @dataclass
+class RequestRecord:
+    """One streamed request as the client saw it."""
+
+    long: bool
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    done: bool = False
+    error: str | None = None
+
+    def chunk(self, at: float, n: int = 1) -> None:
+        self.token_times.append(at)
+        self.tokens += n
+
+
+@dataclass
 class PhaseResult:
-    name: str
+    server: str
     clients: int
     seconds: float
-    requests_done: int = 0       # completed before the deadline
-    requests_cut: int = 0        # cancelled at the deadline
-    tokens: int = 0              # tokens received before the deadline
-    ttft: list[float] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
+        short = [r for r in self.records if not r.long]
+        long = [r for r in self.records if r.long]
+        ttft = [r.token_times[0] - r.sent for r in short if r.token_times]
+        gaps = [b - a for r in short for a, b in zip(r.token_times, r.token_times[1:])]
+        rates = [(len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0])
+                 for r in self.records if len(r.token_times) >= 2 and r.token_times[-1] > r.token_times[0]]
+        tokens = sum(r.tokens for r in self.records)
+        errors = self.errors + [r.error for r in self.records if r.error]
         return {
-            "name": self.name,
+            "server": self.server,
             "clients": self.clients,
             "seconds": round(self.seconds, 3),
-            "requests_done": self.requests_done,
-            "requests_cut": self.requests_cut,
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
-            "ttft_p50_s": percentile(self.ttft, 50),
-            "ttft_p99_s": percentile(self.ttft, 99),
-            "ttft_n": len(self.ttft),
-            "errors": self.errors[:5],
-            "error_count": len(self.errors),
+            "requests_done": sum(1 for r in self.records if r.done),
+            "requests_cut": sum(1 for r in self.records if not r.done and not r.error),
+            "tokens": tokens,
+            "tokens_per_s": tokens / self.seconds if self.seconds > 0 else 0.0,
+            "per_stream_tokens_per_s_p50": percentile(rates, 50),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
+            "ttft_n": len(ttft),
+            "itl_p50_s": percentile(gaps, 50),
+            "itl_p99_s": percentile(gaps, 99),
+            "long_prompt_ttft_s": (long[0].token_times[0] - long[0].sent) if long and long[0].token_times else None,
+            "long_prompt_sent": bool(long),
+            "errors": errors[:5],
+            "error_count": len(errors),
         }
 
 
-async def _stream_once(client: Any, url: str, body: dict[str, Any], result: PhaseResult, t0: float) -> None:
-    """One streaming completion; the server sends one chunk per generated token."""
-    first = True
+def prompt_of(tokenizer: Any, n_tokens: int, number: int) -> str:
+    """A prompt of about ``n_tokens`` tokens starting with the request's own number."""
+    head = f"#{number}: "
+    reps = 1 + n_tokens // max(1, len(tokenizer.encode(PASSAGE)))
+    ids = list(tokenizer.encode(head + PASSAGE * reps))
+    return str(tokenizer.decode(ids[:n_tokens]))
+
+
+async def _stream_once(client: Any, url: str, body: dict[str, Any], rec: RequestRecord) -> None:
+    """One streaming completion; content chunks are timed, the final usage gives the token count."""
+    rec.sent = time.perf_counter()
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            result.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
             data = line[6:]
             if data == "[DONE]":
-                result.requests_done += 1
+                rec.done = True
                 return
             payload = json.loads(data)
             if "error" in payload:
-                result.errors.append(str(payload["error"].get("message")))
+                rec.error = str(payload["error"].get("message") if isinstance(payload["error"], dict)
+                                else payload["error"])
                 return
-            if payload.get("usage"):
-                continue
-            choice = payload["choices"][0]
-            if choice.get("finish_reason") is not None:
-                continue
-            if first:
-                result.ttft.append(time.perf_counter() - t0)
-                first = False
-            result.tokens += 1
+            usage = payload.get("usage")
+            choices = payload.get("choices") or []
+            if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+                rec.chunk(time.perf_counter())
+            if usage and usage.get("completion_tokens") is not None:
+                # A server may send several tokens in one chunk: the usage has the true count.
+                rec.tokens = int(usage["completion_tokens"])
 
 
-async def run_http_phase(base_url: str, model: str, clients: int, seconds: float, max_tokens: int,
-                         prompt: str) -> PhaseResult:
-    """``clients`` concurrent streaming clients issuing requests back to back for ``seconds``."""
+async def run_phase(server: str, base_url: str, model: str, clients: int, seconds: float, max_tokens: int,
+                    prompts: Callable[[int, int], tuple[str, bool]]) -> PhaseResult:
+    """``clients`` streaming clients issuing requests back to back for ``seconds``.
+
+    ``prompts(client, n)`` gives client ``client``'s ``n``-th prompt and whether it is the long one.
+    """
     import httpx
 
-    result = PhaseResult(f"http x{clients}", clients, seconds)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    result = PhaseResult(server, clients, seconds)
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
 
-    async def client_loop(client: Any) -> None:
+    async def client_loop(http: Any, c: int) -> None:
+        n = 0
         while True:
-            t0 = time.perf_counter()
-            task = asyncio.ensure_future(_stream_once(client, url, body, result, t0))
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                task.cancel()
-                result.requests_cut += 1
-                raise
+            prompt, long = prompts(c, n)
+            n += 1
+            rec = RequestRecord(long)
+            result.records.append(rec)
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            await _stream_once(http, url, body, rec)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as http:
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(client_loop(client)) for _ in range(clients)]
+        tasks = [asyncio.ensure_future(client_loop(http, c)) for c in range(clients)]
         done, _ = await asyncio.wait(tasks, timeout=seconds)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        result.seconds = time.perf_counter() - start
+        result.seconds = max(time.perf_counter() - start, seconds)
         for t in done:  # a client loop only ends early by an exception
             if not t.cancelled() and t.exception() is not None:
                 result.errors.append(repr(t.exception()))
-    # Tokens that arrived after the deadline (while cancelling) are few; count by deadline anyway.
-    result.seconds = max(result.seconds, seconds)
     return result
 
 
-async def run_direct_phase(service: Any, seconds: float, max_tokens: int, prompt: str) -> PhaseResult:
-    """One generation at a time through the generation service, no HTTP; runs on the server loop."""
-    import anyio
-
-    result = PhaseResult("direct", 1, seconds)
-    ids = list(service.tokenizer.encode(prompt))
-    start = time.perf_counter()
-    deadline = start + seconds
-    with anyio.move_on_after(seconds):
-        while True:
-            t0 = time.perf_counter()
-            first, complete = True, False
-            gen = service.tokens(ids, max_tokens)
-            try:
-                async for _ in gen:
-                    if time.perf_counter() > deadline:
-                        break
-                    if first:
-                        result.ttft.append(time.perf_counter() - t0)
-                        first = False
-                    result.tokens += 1
-                else:
-                    complete = True
-            finally:
-                if complete:
-                    result.requests_done += 1
-                else:
-                    result.requests_cut += 1
-                with anyio.CancelScope(shield=True):
-                    await gen.aclose()
-    result.seconds = max(time.perf_counter() - start, seconds)
-    return result
+def _parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return counts
 
 
 def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``asyncside bench serve`` (the model options are the server's)."""
-    from ..server import add_model_arguments
+    """Options of ``asyncside bench serve`` (the model and engine options are the server's)."""
+    from ..serving.cli import add_engine_arguments, add_model_arguments
 
     add_model_arguments(parser)
-    parser.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (default 4)")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default 10)")
+    add_engine_arguments(parser)
+    parser.set_defaults(resident=0.5)
+    parser.add_argument("--clients", type=_parse_counts, default=[1, 8, 32],
+                        help="client counts, one phase each (default 1,8,32)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase (default 60)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of every request")
+    parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
+                        help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
+    parser.add_argument("--long-prompt", type=int, default=2000,
+                        help="tokens of the one long prompt client 0 sends first (default 2000; 0: none)")
+    parser.add_argument("--long-prompt-clients", type=_parse_counts, default=None, metavar="N,...",
+                        help="the phases (client counts) that include the long prompt (default: the largest "
+                             "client count, when it is more than 1)")
+    parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false",
+                        help="skip the mlx_lm.server phases")
+    parser.add_argument("--mlx-lm-model", metavar="DIR", default=None,
+                        help="the mlx-lm model directory for mlx_lm.server (default: the embedded model's)")
     try:
         parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     except argparse.ArgumentError:
         pass  # the CLI already gives every bench a --json
 
 
-def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Run the three phases and return the results (printed as a table unless ``args.json``)."""
-    from ..server import BackgroundServer, ServeSettings, create_app, engine_factory_from_args
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    for name in ("clients", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+class MlxLmServer:
+    """``python -m mlx_lm.server`` on a free port, as a child process."""
+
+    def __init__(self, model_dir: str, *, startup_timeout: float = 600.0) -> None:
+        self.model_dir = model_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncside-bench-mlx-lm-{self.port}.log"
+
+    def __enter__(self) -> MlxLmServer:
+        import httpx
+
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlx_lm.server", "--model", self.model_dir, "--host", "127.0.0.1",
+                 "--port", str(self.port), "--log-level", "WARNING", "--temp", "0.0"],
+                stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited with {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise TimeoutError(f"mlx_lm.server did not answer within {self.startup_timeout}s; see {self.log}")
+            time.sleep(0.5)
+
+    def rss(self) -> dict[str, int]:
+        return read_rss_bytes(self.proc.pid) if self.proc is not None else {}
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise SystemExit(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if not args.duration > 0:
         raise SystemExit(f"--duration must be positive, got {args.duration}")
+    if args.long_prompt < 0:
+        raise SystemExit(f"--long-prompt must be >= 0, got {args.long_prompt}")
 
+
+def _prompts(tokenizer: Any, lengths: Sequence[int], long: int) -> Callable[[int, int], tuple[str, bool]]:
+    """Client ``c``'s ``n``-th prompt (``long`` tokens for client 0's first when ``long`` > 0)."""
+    counter = iter(range(1 << 62))
+
+    def prompt(client: int, n: int) -> tuple[str, bool]:
+        number = next(counter)
+        if client == 0 and n == 0 and long > 0:
+            return prompt_of(tokenizer, long, number), True
+        return prompt_of(tokenizer, lengths[(client + n) % len(lengths)], number), False
+
+    return prompt
+
+
+def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Run every phase on both servers and return the results (printed as a table unless ``args.json``)."""
+    import uvloop
+
+    from ..serving import BackgroundServer, create_app, engine_factory_from_args
+    from ..serving.cli import settings_from_args
+
+    _check(args)
     rss_before = read_rss_bytes()
     factory = engine_factory or engine_factory_from_args(args)
-    settings = ServeSettings(max_tokens_limit=max(512, args.max_tokens))
+    settings = settings_from_args(args)
+    from dataclasses import replace
+
+    settings = replace(settings, max_tokens_limit=max(settings.max_tokens_limit, args.max_tokens), access_log=False)
     app = create_app(factory, settings)
+    phases: list[dict[str, Any]] = []
+    with_long = args.long_prompt_clients if args.long_prompt_clients is not None else (
+        [max(args.clients)] if max(args.clients) > 1 else [])
+
+    def long_at(clients: int) -> int:
+        return args.long_prompt if clients in with_long else 0
+
     with BackgroundServer(app) as srv:
         state = app.state.asyncside
         rss_idle = read_rss_bytes()
-        model_id = state.service.model_id
-        direct = srv.call(lambda: run_direct_phase(state.service, args.duration, args.max_tokens, args.prompt),
-                          timeout=args.duration + 120)
-        import uvloop
-
-        one = uvloop.run(run_http_phase(srv.url, model_id, 1, args.duration, args.max_tokens, args.prompt))
-        many = uvloop.run(run_http_phase(srv.url, model_id, args.clients, args.duration, args.max_tokens,
-                                         args.prompt))
+        model_id = state.model_id
+        tokenizer = state.batcher.tokenizer
+        engine = dict(state.engine.description)
+        engine["prefill_chunk"] = state.batcher.prefill_chunk
+        engine["max_batch"] = state.batcher.max_batch
+        for clients in args.clients:
+            prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
+            res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
+                                       prompts))
+            phases.append(res.summary())
+            srv.call(_idle_of(state), timeout=args.duration * 10 + 600)
         health = srv.call(_health_of(state))
         runtime_stats = srv.call(_stats_of(state))
-        engine = dict(state.engine.description)
     rss_after = read_rss_bytes()
 
-    phases = [direct.summary(), one.summary(), many.summary()]
-    base = phases[0]["tokens_per_s"] or float("nan")
+    mlx_lm: dict[str, Any] = {"ran": False}
+    if args.mlx_lm:
+        model_dir = args.mlx_lm_model or _embedded_model_dir(args)
+        if model_dir is None:
+            mlx_lm["skipped"] = "no mlx-lm model directory: pass --mlx-lm-model for a converted --model"
+        else:
+            with MlxLmServer(model_dir) as ml:
+                rss_ml_idle = ml.rss()
+                for clients in args.clients:
+                    prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
+                    res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
+                                               args.max_tokens, prompts))
+                    phases.append(res.summary())
+                    time.sleep(2.0)  # let it notice the cancelled requests
+                mlx_lm = {"ran": True, "model_dir": model_dir, "rss_idle": rss_ml_idle.get("VmRSS"),
+                          "rss_peak": ml.rss().get("VmHWM")}
+
+    base = {p["clients"]: p["tokens_per_s"] for p in phases if p["server"] == "mlx_lm.server"}
+    single = next((p["tokens_per_s"] for p in phases if p["server"] == "asyncside" and p["clients"] == 1), None)
     for p in phases:
-        p["vs_direct"] = p["tokens_per_s"] / base if base == base and base > 0 else None
+        b = base.get(p["clients"])
+        p["vs_mlx_lm"] = p["tokens_per_s"] / b if b else None
+        p["vs_own_single"] = p["tokens_per_s"] / single if single and p["server"] == "asyncside" else None
     out = {
         "bench": "serve",
         "model": model_id,
@@ -238,7 +375,11 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "clients": args.clients,
         "duration_s": args.duration,
         "max_tokens": args.max_tokens,
+        "prompt_lengths": args.prompt_lengths,
+        "long_prompt": args.long_prompt,
+        "long_prompt_clients": with_long,
         "phases": phases,
+        "mlx_lm": mlx_lm,
         "rss_bytes": {"before_load": rss_before.get("VmRSS"), "server_idle": rss_idle.get("VmRSS"),
                       "after_load": rss_after.get("VmRSS"), "peak": rss_after.get("VmHWM")},
         "audit_ok_after": health[0],
@@ -249,6 +390,24 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     if not getattr(args, "json", False):  # with --json the CLI prints the returned dict
         print_table(out)
     return out
+
+
+def _embedded_model_dir(args: argparse.Namespace) -> str | None:
+    if args.model is not None:
+        return None
+    from ..models.embedded import ensure_embedded_default
+
+    return str(ensure_embedded_default(args.cache_dir)[0])
+
+
+def _idle_of(state: Any) -> Callable[[], Any]:
+    async def wait() -> None:
+        import anyio
+
+        while state.batcher.active or state.batcher.waiting:
+            await anyio.sleep(0.05)
+
+    return wait
 
 
 def _health_of(state: Any) -> Callable[[], Any]:
@@ -272,27 +431,40 @@ def print_table(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:.1f}"
+        return "-" if v is None else f"{v * 1000:.0f}"
 
-    table = Table(title=f"asyncside bench serve: {out['model']}, {out['max_tokens']} tokens/request, "
+    def num(v: float | None, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    e = out["engine"]
+    table = Table(title=f"asyncside bench serve: {out['model']}, resident {e.get('resident')}, "
+                        f"{out['max_tokens']} tokens/request, prompts {out['prompt_lengths']} (+ one "
+                        f"{out['long_prompt']} with {out['long_prompt_clients']} clients), "
                         f"{out['duration_s']:g}s per phase")
-    for col in ("phase", "clients", "requests", "tokens", "tok/s", "vs direct", "TTFT p50 ms", "TTFT p99 ms", "errors"):
-        table.add_column(col, justify="right" if col != "phase" else "left")
+    cols = ("server", "clients", "requests", "tokens", "tok/s", "vs mlx_lm", "per-stream tok/s", "TTFT p50 ms",
+            "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "long TTFT s", "errors")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "server" else "right")
     for p in out["phases"]:
+        long = "-" if not p["long_prompt_sent"] else (
+            "not reached" if p["long_prompt_ttft_s"] is None else f"{p['long_prompt_ttft_s']:.1f}")
         table.add_row(
-            p["name"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut", str(p["tokens"]),
-            f"{p['tokens_per_s']:.1f}", "-" if p["vs_direct"] is None else f"{p['vs_direct']:.2f}x",
-            ms(p["ttft_p50_s"]), ms(p["ttft_p99_s"]), str(p["error_count"]),
+            p["server"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut", str(p["tokens"]),
+            f"{p['tokens_per_s']:.2f}", num(p["vs_mlx_lm"], "{:.2f}x"), num(p["per_stream_tokens_per_s_p50"]),
+            ms(p["ttft_p50_s"]), ms(p["ttft_p99_s"]), ms(p["itl_p50_s"]), ms(p["itl_p99_s"]), long,
+            str(p["error_count"]),
         )
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 160))
     console.print(table)
     rss = out["rss_bytes"]
 
     def mib(v: int | None) -> str:
         return "-" if v is None else f"{v / 2**20:.0f} MiB"
 
+    ml = out["mlx_lm"]
     console.print(
         f"RSS: before load {mib(rss['before_load'])}, idle server {mib(rss['server_idle'])}, "
-        f"after load {mib(rss['after_load'])}, peak {mib(rss['peak'])}; "
-        f"ledger audit after: {'clean' if out['audit_ok_after'] else out['audit_problems']}"
+        f"after load {mib(rss['after_load'])}, peak {mib(rss['peak'])}"
+        + (f"; mlx_lm.server idle {mib(ml.get('rss_idle'))}, peak {mib(ml.get('rss_peak'))}" if ml.get("ran") else "")
+        + f"; ledger audit after: {'clean' if out['audit_ok_after'] else out['audit_problems']}"
     )

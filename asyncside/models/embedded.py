@@ -21,7 +21,9 @@ therefore structured (all from one seed) so routing looks like a trained MoE's:
   prediction work in real models, and it does here.
 
 The LM head only scores printable ASCII and newline (other rows are zero), so greedy output is
-printable text (gibberish: the model is untrained). The tokenizer is :class:`ByteTokenizer`.
+printable text (gibberish: the model is untrained). The tokenizer is byte-level (UTF-8 bytes as
+ids, :class:`ByteTokenizer`'s ids), written as a standard ``tokenizer.json`` with a chat template
+(:func:`~.tokenizer.save_byte_level_tokenizer`), so mlx-lm's own tools load the model directory.
 
 :func:`ensure_embedded_default` builds the model and its store into a cache directory (keyed by a
 hash of the spec) under a file lock, atomically, and returns the paths; later calls reuse them.
@@ -43,9 +45,10 @@ from typing import Any, Iterator
 import mlx.core as mx
 import numpy as np
 
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, load_tokenizer, save_byte_level_tokenizer
 
-SPEC_VERSION = 1
+#: 2: a standard tokenizer.json + tokenizer_config.json (chat template) instead of asyncside_tokenizer.json
+SPEC_VERSION = 2
 READY_FILE = "READY"
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -260,8 +263,8 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
             model_dir = tmp / "model"
             save_model(model_dir, model)
             save_config(dict(cfg), model_dir / "config.json")
-            tok = ByteTokenizer(cfg["vocab_size"])
-            tok.save(model_dir)
+            save_byte_level_tokenizer(model_dir, model_max_length=int(cfg["max_position_embeddings"]))
+            tok = load_tokenizer(model_dir, dict(cfg))
             (model_dir / "asyncside_spec.json").write_text(json.dumps(asdict(spec), indent=1) + "\n")
             prompts = [tok.encode(p) for p in PROFILE_PROMPTS]
             prof = profile_routing(model, cfg, prompts, max_tokens=spec.profile_tokens, source="embedded prompts")

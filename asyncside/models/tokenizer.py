@@ -1,7 +1,13 @@
-"""Tokenizers: a self-contained byte-level one (embedded model) and mlx-lm's for real model dirs.
+"""Tokenizers: mlx-lm's for model directories, a byte-level one written as standard files for the
+embedded model, and the older self-contained :class:`ByteTokenizer`.
 
-Both expose what generation and the server need: ``encode(str) -> list[int]``,
+All expose what generation and the server need: ``encode(str) -> list[int]``,
 ``decode(list[int]) -> str`` and ``eos_token_ids: set[int]``.
+
+:func:`save_byte_level_tokenizer` writes a ``tokenizers``-library ``tokenizer.json`` (UTF-8 bytes
+as ids 0..255, ``<|bos|>`` 256, ``<|endoftext|>`` 257: the same ids as :class:`ByteTokenizer`) and a
+``tokenizer_config.json`` with a chat template (:data:`BYTE_CHAT_TEMPLATE`), so mlx-lm's own tools
+(``mlx_lm.server``, ``mlx_lm.generate``) load the directory like any Hugging Face model.
 """
 
 from __future__ import annotations
@@ -45,6 +51,78 @@ class ByteTokenizer:
     def save(self, directory: str | pathlib.Path) -> None:
         path = pathlib.Path(directory) / BYTE_TOKENIZER_FILE
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+
+#: The embedded model's chat template. Plain chats render as ``<|role|>`` lines (one per message,
+#: then the assistant header); tools are offered and tool calls rendered in the ``<tool_call>``
+#: JSON format (mlx-lm's json_tools parser); ``enable_thinking`` opens a ``<think>`` block.
+BYTE_CHAT_TEMPLATE = (
+    # Hugging Face renders with trim_blocks: a newline right after a tag is written as {{ '\\n' }}.
+    "{% if tools %}<|system|>\n"
+    "You can call these tools. To call one, answer with <tool_call>\n"
+    "{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call>\n"
+    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message.role }}|>\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer and decoder use."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def save_byte_level_tokenizer(directory: str | pathlib.Path, *, model_max_length: int = 4096,
+                              chat_template: str = BYTE_CHAT_TEMPLATE) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` of a
+    byte-level tokenizer with :class:`ByteTokenizer`'s ids into ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    mapping = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={mapping[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    names = [ByteTokenizer.SPECIALS[ByteTokenizer.BOS], ByteTokenizer.SPECIALS[ByteTokenizer.EOS]]
+    tok.add_special_tokens(names)
+    if [tok.token_to_id(n) for n in names] != [ByteTokenizer.BOS, ByteTokenizer.EOS]:
+        raise AssertionError("special tokens did not get the byte tokenizer's ids")
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    bos, eos = names
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": eos,
+        "add_bos_token": False,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    (d / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=1) + "\n", encoding="utf-8")
 
 
 def load_tokenizer(directory: str | pathlib.Path, config: dict[str, Any] | None = None) -> Any | None:

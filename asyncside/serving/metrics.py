@@ -1,16 +1,19 @@
-"""A small metrics registry that renders the Prometheus text exposition format, version 0.0.4.
+"""Metrics of the server: a small Prometheus registry (text exposition format 0.0.4) and the
+server's own metrics on it (:class:`ServerMetrics`), with the runtime's statistics as gauges.
 
-The server needs a handful of counters, gauges and one histogram; a dependency for that would
-weigh more than this module. Every metric is updated on the event-loop thread only, so there is
-no locking.
+The server needs a handful of counters, gauges and histograms; a dependency for that would weigh
+more than this module. Every metric is updated on the event-loop thread only, so there is no
+locking.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from abc import ABC, abstractmethod
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -200,3 +203,90 @@ class Registry:
                 seen.add(metric.name)
                 lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+
+# --- the server's metrics ----------------------------------------------------------------------
+
+log = logging.getLogger("asyncside.serving")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def runtime_samples(stats: Mapping[str, Any], prefix: str = "asyncside_runtime") -> dict[str, float]:
+    """Flatten the numeric leaves of ``Runtime.stats()`` into metric names."""
+    out: dict[str, float] = {}
+    for key, value in stats.items():
+        name = f"{prefix}_{re.sub(r'[^a-zA-Z0-9_]', '_', str(key))}"
+        if isinstance(value, bool):
+            out[name] = float(value)
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            out[name] = float(value)
+        elif isinstance(value, Mapping) and not any(str(k).isdigit() for k in value):
+            out.update(runtime_samples(value, name))
+        # per-layer maps (digit keys) and non-numbers are left to /health and the stats API
+    return out
+
+
+class ServerMetrics:
+    """The server's metrics. ``engine()`` returns the running Batcher (None before startup) and
+    ``runtime_stats()`` the runtime's statistics (None when there are none)."""
+
+    def __init__(self, engine: Callable[[], Any], runtime_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._runtime_stats = runtime_stats
+        r = self.registry = Registry()
+        self.requests = r.counter(
+            "asyncside_http_requests_total", "HTTP requests answered, by endpoint and status", ("endpoint", "status")
+        )
+        self.prompt_tokens = r.counter("asyncside_prompt_tokens_total", "Prompt tokens of admitted requests",
+                                       ("endpoint",))
+        self.cached_tokens = r.counter("asyncside_cached_prompt_tokens_total",
+                                       "Prompt tokens taken from the prefix cache", ("endpoint",))
+        self.generated = r.counter("asyncside_generated_tokens_total", "Tokens generated", ("endpoint",))
+        self.disconnects = r.counter(
+            "asyncside_client_disconnects_total", "Requests ended because the client went away", ("endpoint",)
+        )
+        self.errors = r.counter(
+            "asyncside_generation_errors_total", "Generations that failed with an error", ("endpoint",)
+        )
+        self.rejected = r.counter("asyncside_rejected_requests_total",
+                                  "Requests refused because the queue was full (429)", ("endpoint",))
+        self.timeouts = r.counter("asyncside_request_timeouts_total", "Requests that ran past the request timeout",
+                                  ("endpoint",))
+        self.ttft = r.histogram(
+            "asyncside_time_to_first_token_seconds", "Time from request to first generated token", TTFT_BUCKETS
+        )
+        self.duration = r.histogram(
+            "asyncside_request_duration_seconds", "Time from request to last byte of generation", DURATION_BUCKETS
+        )
+        self.batch = r.histogram("asyncside_decode_batch_size", "Requests in each decode step", BATCH_BUCKETS)
+        self.active = r.gauge("asyncside_active_requests", "Generating requests in flight (HTTP)")
+
+        def of(attr: str) -> Callable[[], float]:
+            return lambda: float(getattr(engine(), attr, 0) or 0) if engine() is not None else 0.0
+
+        r.gauge("asyncside_engine_requests", "Requests in the engine (prefilling or decoding)", of("active"))
+        r.gauge("asyncside_waiting_requests", "Requests queued for an engine slot", of("waiting"))
+        r.gauge("asyncside_decode_steps", "Decode steps taken by the engine", of("steps"))
+        r.gauge("asyncside_prefill_tokens", "Prompt tokens computed by the engine", of("prefill_tokens"))
+        r.add_collector(self._runtime_metrics)
+
+    def _runtime_metrics(self) -> list[Gauge]:
+        try:
+            stats = self._runtime_stats()
+            if stats is None:
+                return []
+            samples = runtime_samples(stats)
+        except Exception as exc:  # a metrics scrape must not take the server down
+            log.warning("runtime stats failed: %s", exc)
+            return []
+        metrics = []
+        for name, value in sorted(samples.items()):
+            g = Gauge(name, "Runtime statistic (Runtime.stats())")
+            g.set(value)
+            metrics.append(g)
+        return metrics
+
+    def render(self) -> str:
+        return self.registry.render()

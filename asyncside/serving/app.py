@@ -1,0 +1,512 @@
+"""The ASGI application of `asyncside serve` (Starlette): routes, the life of one request, metrics.
+
+Endpoints:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (also without the ``/v1`` prefix;
+  ``stream: true`` answers with server-sent events ending in ``data: [DONE]``),
+- ``GET /v1/models``, ``GET /v1/models/{id}``,
+- ``GET /health`` (200 while the runtime's ledgers audit clean, 503 otherwise),
+- ``GET /metrics`` (Prometheus text format 0.0.4).
+
+Every generating request is parsed (:mod:`.protocol`), turned into prompt ids, checked against
+the model's context, and submitted to the one :class:`~.engine.Batcher`, which steps all requests
+together; its tokens become text (:mod:`.text`) sent as one JSON answer or as SSE chunks
+(:mod:`.streaming`). A client that disconnects cancels its request; a request past the timeout
+is ended with 504. One access-log line per request goes to the ``asyncside.access`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import protocol as oai
+from .engine import Batcher, Engine, Generation, GenerationFailed, QueueFull
+from .metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from .metrics import ServerMetrics
+from .settings import ServeSettings
+from .streaming import DISCONNECTED_STATUS, ClientGone, EventStream, Frame, read_json, run_unless_disconnected
+from .text import TextAssembler, ToolCallSplitter, parse_tool_calls
+
+log = logging.getLogger("asyncside.serving")
+access_log = logging.getLogger("asyncside.access")
+
+EngineFactory = Callable[[], contextlib.AbstractAsyncContextManager[Engine]]
+
+TIMEOUT_STATUS = 504
+
+
+class ServerState:
+    """What the application holds while it runs: the engine (after startup) and the metrics."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.batcher: Batcher | None = None
+        self.started = time.time()
+
+        def stats() -> Any:
+            return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
+
+        self.metrics = ServerMetrics(lambda: self.batcher, stats)
+
+    @property
+    def model_id(self) -> str:
+        assert self.batcher is not None, "the server has not started"
+        return self.batcher.model_id
+
+    @property
+    def context_length(self) -> int | None:
+        assert self.batcher is not None
+        return self.settings.max_context or self.batcher.context_length
+
+
+def _error(exc: oai.RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+
+@dataclass
+class Piece:
+    """What one generated token adds to the answer."""
+
+    text: str
+    logprobs: list[oai.TokenLogprob] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Completion:
+    """One request's generation: its prompt ids, its engine handle, and the answer built from the tokens."""
+
+    def __init__(self, state: ServerState, req: oai.CompletionRequest, endpoint: str, started: float) -> None:
+        assert state.batcher is not None
+        self.state = state
+        self.batcher = state.batcher
+        self.req = req
+        self.endpoint = endpoint
+        self.started = started
+        self.rid = oai.new_id(req.kind)
+        self.created = oai.now()
+        tok = self.batcher.tokenizer
+        self.tokenizer = tok
+        if req.kind == "chat":
+            ids = oai.chat_prompt_ids(tok, req.messages, tools=req.tools, template_kwargs=req.chat_template_kwargs)
+        elif req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+        else:
+            ids = list(tok.encode(req.prompt or ""))
+        if not ids:
+            raise oai.RequestError("the prompt encodes to no tokens", param="prompt")
+        context = state.context_length
+        if context is not None and len(ids) + req.max_tokens > context:
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise oai.RequestError(
+                f"the prompt is {len(ids)} tokens and max_tokens is {req.max_tokens}: {len(ids) + req.max_tokens} "
+                f"tokens in all, past the model's context of {context}", param=param, code="context_length_exceeded")
+        self.prompt_ids = ids
+        self.text = TextAssembler(tok, req.stop)
+        self.splitter: ToolCallSplitter | None = None
+        self.tool_parser = None
+        if req.tools:
+            start, end = getattr(tok, "tool_call_start", None), getattr(tok, "tool_call_end", None)
+            parser = getattr(tok, "tool_parser", None)
+            if not (start and end and parser):
+                raise oai.RequestError("'tools' is not supported by this model: its tokenizer has no tool-call "
+                                       "format (mlx-lm infers one from the chat template)", param="tools")
+            self.splitter = ToolCallSplitter(start, end)
+            self.tool_parser = parser
+        self.tool_calls: list[dict[str, Any]] = []
+        self.gen: Generation | None = None
+        self.first_token_at: float | None = None
+        self.finish_reason: str | None = None
+
+    def start(self) -> None:
+        """Queue the request in the engine (QueueFull when it is at capacity)."""
+        self.gen = self.batcher.submit(self.prompt_ids, self.req.max_tokens, self.req.sampling)
+        m = self.state.metrics
+        m.prompt_tokens.inc(len(self.prompt_ids), endpoint=self.endpoint)
+
+    def cancel(self) -> None:
+        if self.gen is not None:
+            self.gen.cancel()
+
+    def _entry(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> oai.TokenLogprob:
+        dec = self.tokenizer.decode
+        return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top))
+
+    def _content(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """Content and newly closed tool calls of released text."""
+        if self.splitter is None:
+            return text, []
+        content = self.splitter.push(text)
+        if final:
+            content += self.splitter.flush()
+        bodies, self.splitter.calls = self.splitter.calls, []
+        if not bodies:
+            return content, []
+        assert self.tool_parser is not None
+        calls, failed = parse_tool_calls(bodies, self.tool_parser, self.req.tools, first_index=len(self.tool_calls),
+                                         streaming=self.req.stream)
+        if calls and not self.req.parallel_tool_calls:
+            calls = calls[: max(0, 1 - len(self.tool_calls))]
+        self.tool_calls.extend(calls)
+        # A call that does not parse is not lost: it stays in the content, markers included.
+        for body in failed:
+            content += f"{self.splitter.start}{body}{self.splitter.end}"
+        return content, calls
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """One piece per generated token, then (possibly) a last one with what was held back;
+        ``finish_reason`` is set at the end."""
+        assert self.gen is not None
+        m = self.state.metrics
+        want_logprobs = self.req.sampling.logprobs
+        async for ev in self.gen:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                m.ttft.observe(self.first_token_at - self.started)
+            m.generated.inc(endpoint=self.endpoint)
+            delta = self.text.push(ev.token)
+            entries = []
+            if want_logprobs and not ev.eos and ev.logprob is not None:
+                entries.append(self._entry(ev.token, ev.logprob, ev.top))
+            content, calls = self._content(delta)
+            if self.text.finished and not delta:
+                break  # the token completed a stop sequence (or is EOS): nothing of it is sent
+            # One piece per token, possibly "" (a token that ends inside a multi-byte character or
+            # a possible stop sequence), so streams show every decode step.
+            yield Piece(content, entries, calls)
+            if self.text.finished:
+                break
+        reason = self.text.finish_reason or self.gen.finish_reason or "stop"
+        tail = self.text.flush(reason)
+        content, calls = self._content(tail, final=True)
+        if content or calls:
+            yield Piece(content, [], calls)
+        if self.tool_calls and reason == "stop":
+            reason = "tool_calls"
+        self.finish_reason = reason
+
+    def usage(self) -> dict[str, Any]:
+        cached = self.gen.cached_tokens if self.gen is not None else 0
+        return oai.usage(len(self.prompt_ids), self.text.completion_tokens, cached)
+
+    def access(self) -> dict[str, Any]:
+        """What the access-log line says about the generation."""
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started
+        return {"prompt": len(self.prompt_ids), "cached": self.gen.cached_tokens if self.gen else 0,
+                "completion": self.text.completion_tokens, "ttft": ttft}
+
+
+class AccessLog:
+    """ASGI middleware: one ``asyncside.access`` log line per HTTP request (status, tokens, timing)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if access_log.isEnabledFor(logging.INFO):
+                st = scope.get("state", {})
+                final = st.get("asyncside_status", status)
+                extra = st.get("asyncside_access")
+                client = scope.get("client")
+                who = f"{client[0]}:{client[1]}" if client else "-"
+                line = f'{who} "{scope["method"]} {scope["path"]}" {final} {time.perf_counter() - t0:.3f}s'
+                if extra:
+                    ttft = extra["ttft"]
+                    line += (f" prompt={extra['prompt']} cached={extra['cached']} completion={extra['completion']}"
+                             f" ttft={'-' if ttft is None else f'{ttft:.3f}s'}")
+                access_log.info(line)
+
+
+def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = None) -> Starlette:
+    """The ASGI application. ``engine_factory`` is entered at startup, on the serving loop."""
+    settings = settings or ServeSettings()
+    state = ServerState(settings)
+    handlers = _Handlers(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with engine_factory() as engine:
+            batcher = Batcher(engine.model, engine.source, predictor=settings.predictor, max_batch=settings.max_batch,
+                              max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
+                              prompt_cache_size=settings.prompt_cache_size,
+                              prompt_cache_min_tokens=settings.prompt_cache_min_tokens)
+            engine.model.forward.make_predictor(settings.predictor)  # an unknown predictor fails startup, not requests
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(batcher.run, name="asyncside engine")
+                state.engine, state.batcher = engine, batcher
+                try:
+                    yield
+                finally:
+                    state.engine = state.batcher = None
+                    tg.cancel_scope.cancel()
+
+    routes = [
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/chat/completions", handlers.chat, methods=["POST"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/metrics", handlers.metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(AccessLog)] if settings.access_log else []
+    if settings.allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allow_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={HTTPException: handlers.http_error, Exception: handlers.server_error},
+    )
+    app.state.asyncside = state
+    return app
+
+
+_CANONICAL = {"/completions": "/v1/completions", "/chat/completions": "/v1/chat/completions"}
+
+
+class _Handlers:
+    """The route handlers of one application."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.settings = state.settings
+        self.m = state.metrics
+
+    def record(self, endpoint: str, status: int) -> None:
+        self.m.requests.inc(endpoint=endpoint, status=str(status))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "/v1/completions", oai.parse_completion, self.settings.default_max_tokens)
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "/v1/chat/completions", oai.parse_chat,
+                                   self.settings.default_chat_max_tokens)
+
+    async def generate(self, request: Request, endpoint: str, parse: oai.Parser, default_max: int) -> Response:
+        started = time.perf_counter()
+        state, settings, m = self.state, self.settings, self.m
+        assert state.batcher is not None
+        try:
+            body = await read_json(request, settings.max_body_bytes)
+            oai.check_strings(body)
+            req = parse(body, served_models=[state.model_id], default_max_tokens=default_max,
+                        max_tokens_limit=settings.max_tokens_limit, default_temperature=settings.default_temperature,
+                        vocab_size=state.batcher.vocab_size)
+            run = Completion(state, req, endpoint, started)
+            run.start()
+        except ClientGone:
+            self.record(endpoint, DISCONNECTED_STATUS)
+            m.disconnects.inc(endpoint=endpoint)
+            return Response(status_code=DISCONNECTED_STATUS)  # nobody is listening
+        except oai.RequestError as exc:
+            self.record(endpoint, exc.status)
+            return _error(exc)
+        except QueueFull as exc:
+            self.record(endpoint, 429)
+            m.rejected.inc(endpoint=endpoint)
+            return _error(oai.RequestError(str(exc), status=429, type="rate_limit_error", code="server_busy",
+                                           headers={"Retry-After": str(exc.retry_after)}))
+        request.state.asyncside_access = run.access()
+        m.active.inc()
+        finished = False
+
+        def finish(status: int) -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            run.cancel()
+            m.active.dec()
+            self.record(endpoint, status)
+            if status == DISCONNECTED_STATUS:
+                m.disconnects.inc(endpoint=endpoint)
+            elif status == TIMEOUT_STATUS:
+                m.timeouts.inc(endpoint=endpoint)
+            elif status >= 500:
+                m.errors.inc(endpoint=endpoint)
+            m.duration.observe(time.perf_counter() - started)
+            request.state.asyncside_access = run.access()
+            request.state.asyncside_status = status
+
+        deadline = None if settings.request_timeout is None else started + settings.request_timeout
+        if req.stream:
+            return _StreamedAnswer(self, run, deadline, finish)  # type: ignore[return-value]
+        try:
+            return await self._whole_answer(request, run, deadline, finish)
+        finally:
+            finish(DISCONNECTED_STATUS)  # no-op unless the answer was abandoned (cancelled)
+
+    async def _whole_answer(self, request: Request, run: Completion, deadline: float | None,
+                            finish: Callable[[int], None]) -> Response:
+        pieces: list[Piece] = []
+        timed_out = False
+        failed: GenerationFailed | None = None
+
+        async def work() -> None:
+            nonlocal timed_out, failed
+            with anyio.move_on_after(None if deadline is None else deadline - time.perf_counter()) as scope:
+                try:
+                    async for piece in run.pieces():
+                        pieces.append(piece)
+                except GenerationFailed as exc:
+                    failed = exc
+            timed_out = scope.cancelled_caught
+
+        gone = await run_unless_disconnected(request.receive, work)
+        if failed is not None:
+            finish(500)
+            log.error("%s", failed)
+            return _error(oai.RequestError(str(failed), status=500, type="server_error"))
+        if gone:
+            finish(DISCONNECTED_STATUS)
+            return Response(status_code=DISCONNECTED_STATUS)  # nobody is listening
+        if timed_out:
+            finish(TIMEOUT_STATUS)
+            return _error(self._timeout_error())
+        finish(200)
+        req = run.req
+        text = "".join(p.text for p in pieces)
+        logprobs = None
+        if req.sampling.logprobs:
+            logprobs = oai.logprobs_body(req, [e for p in pieces for e in p.logprobs])
+        content: str | None = text
+        if req.kind == "chat" and run.tool_calls and not text.strip():
+            content = None
+        return JSONResponse(oai.full_response(req, run.rid, run.created, content, run.finish_reason or "stop",
+                                              run.usage(), logprobs=logprobs, tool_calls=run.tool_calls or None))
+
+    def _timeout_error(self) -> oai.RequestError:
+        return oai.RequestError(f"the request ran past the server's timeout of {self.settings.request_timeout:g} s",
+                                status=TIMEOUT_STATUS, type="timeout_error", code="timeout")
+
+    async def models(self, request: Request) -> Response:
+        self.record("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.state.model_id, "object": "model", "created": int(self.state.started),
+                "owned_by": "asyncside"}
+
+    async def model(self, request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        if wanted != self.state.model_id:
+            self.record("/v1/models/{id}", 404)
+            return _error(oai.RequestError(f"model {wanted!r:.100} does not exist", status=404, param="model",
+                                           code="model_not_found"))
+        self.record("/v1/models/{id}", 200)
+        return JSONResponse(self._card())
+
+    async def health(self, request: Request) -> Response:
+        state = self.state
+        assert state.engine is not None and state.batcher is not None
+        ok, problems = state.engine.audit() if state.engine.audit else (True, [])
+        status = 200 if ok else 503
+        self.record("/health", status)
+        b = state.batcher
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "degraded",
+                "model": b.model_id,
+                "active_requests": b.active,
+                "waiting_requests": b.waiting,
+                "decode_steps": b.steps,
+                "prompt_cache": {"entries": len(b.prefix_cache), "hits": b.prefix_cache.hits,
+                                 "reused_tokens": b.prefix_cache.reused_tokens},
+                "audit": {"ok": ok, "problems": problems},
+                "engine": state.engine.description,
+            },
+            status_code=status,
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        self.record("/metrics", 200)
+        return Response(self.m.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: f"no route {request.url.path}",
+                   405: f"method {request.method} not allowed on {request.url.path}"}
+        path = _CANONICAL.get(request.url.path, request.url.path)
+        self.record("unmatched" if exc.status_code == 404 else path, exc.status_code)
+        return _error(oai.RequestError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code))
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this answer, so uvicorn logs the traceback once.
+        path = _CANONICAL.get(request.url.path, request.url.path)
+        self.record(path if request.scope.get("route") is not None or path.startswith("/v1/") else "unmatched", 500)
+        return _error(oai.RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                       type="server_error"))
+
+
+class _StreamedAnswer:
+    """The SSE answer of a streaming request (an ASGI app Starlette returns as the response)."""
+
+    def __init__(self, handlers: _Handlers, run: Completion, deadline: float | None,
+                 finish: Callable[[int], None]) -> None:
+        self.handlers = handlers
+        self.run = run
+        self.deadline = deadline
+        self.stream = EventStream(self._produce, finish)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.stream(scope, receive, send)
+
+    async def _produce(self, frame: Frame) -> int:
+        run, req = self.run, self.run.req
+        if req.kind == "chat":
+            await frame(oai.chunk(req, run.rid, run.created, text="", role=True))
+        try:
+            with anyio.fail_after(None if self.deadline is None else self.deadline - time.perf_counter()):
+                async for piece in run.pieces():
+                    lp = oai.logprobs_body(req, piece.logprobs) if req.sampling.logprobs else None
+                    await frame(oai.chunk(req, run.rid, run.created, text=piece.text, logprobs=lp,
+                                          tool_calls=piece.tool_calls or None))
+        except TimeoutError:
+            await frame(self.handlers._timeout_error().body())
+            await frame("[DONE]")
+            return TIMEOUT_STATUS
+        except GenerationFailed as exc:  # a failed fill or model error: tell the client in-band
+            log.error("%s", exc)
+            await frame(oai.RequestError(str(exc), status=500, type="server_error").body())
+            await frame("[DONE]")
+            return 500
+        tail = "" if req.kind == "completion" else None
+        await frame(oai.chunk(req, run.rid, run.created, text=tail, finish_reason=run.finish_reason))
+        if req.include_usage:
+            await frame(oai.chunk(req, run.rid, run.created, usage_=run.usage(), no_choices=True))
+        await frame("[DONE]")
+        return 200

@@ -1,0 +1,158 @@
+"""Running the application: a listening socket, ``serve()`` on the running loop, and
+:class:`BackgroundServer` (a uvloop loop in a daemon thread, for tests, benchmarks and embedding)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+
+from ..errors import AsyncsideError
+
+
+class ServeError(AsyncsideError):
+    """The server could not start (its startup failed; the cause was logged)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free port (read it back with ``getsockname``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _uvicorn_server(app: Starlette, log_level: str) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def _new_uvloop() -> Any:
+    import uvloop
+
+    return uvloop.new_event_loop()
+
+
+T = TypeVar("T")
+
+
+class BackgroundServer:
+    """Serve ``app`` on a uvloop loop in a daemon thread (tests, benchmarks, embedding).
+
+    ``with BackgroundServer(app) as srv: srv.url`` -- startup (the engine factory) runs on the
+    server's loop; ``srv.call(fn)`` runs ``await fn()`` on that loop and returns its result, for
+    inspecting the runtime from outside without racing it.
+    """
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 startup_timeout: float = 600.0) -> None:
+        self.app = app
+        self.sock = bind_socket(host, port)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        self.server = _uvicorn_server(app, log_level)
+        self.startup_timeout = startup_timeout
+        self.loop: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        import asyncio
+
+        try:
+            with asyncio.Runner(loop_factory=_new_uvloop) as runner:
+                self.loop = runner.get_loop()
+                runner.run(self.server.serve(sockets=[self.sock]))
+        except BaseException as exc:  # surfaced by start()/stop()
+            self._error = exc
+
+    def start(self) -> BackgroundServer:
+        self._thread = threading.Thread(target=self._run, name="asyncside-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or self.server.should_exit:
+                self._thread.join(timeout=5)
+                raise RuntimeError(f"asyncside server failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"asyncside server did not start within {self.startup_timeout}s")
+            time.sleep(0.01)
+        return self
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]], timeout: float = 60.0) -> T:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                raise RuntimeError("asyncside server thread did not stop within 30s")
+        self.sock.close()
+        if self._error is not None and not isinstance(self._error, (KeyboardInterrupt, SystemExit)):
+            raise RuntimeError("asyncside server thread failed") from self._error
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def serve(
+    app: Starlette,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "warning",
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``app`` with uvicorn on the running loop until SIGINT/SIGTERM (or cancellation).
+
+    ``on_ready(url)`` is called once startup (model load, runtime) is done and the socket
+    accepts connections; with ``port=0`` the URL carries the port the system picked.
+    """
+    import asyncio
+
+    sock = bind_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{shown}:{bound_port}"
+    server = _uvicorn_server(app, log_level)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        if on_ready is not None:
+            on_ready(url)
+
+    announcer = asyncio.ensure_future(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        sock.close()
+    if not server.started:
+        raise ServeError("asyncside serve: startup failed (see the log above)")

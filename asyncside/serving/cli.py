@@ -1,0 +1,215 @@
+"""`asyncside serve`: its arguments (checked when parsed) and its entry point.
+
+Importing this module imports nothing heavy, so ``asyncside --help`` stays fast: the model, MLX,
+Starlette and uvicorn are imported when the command runs. Names the parser cannot know without
+importing them (predictors, policies) are checked by argument types that import them only when
+the option is parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from .settings import ServeSettings
+
+READERS = ("auto", "io_uring", "threads", "aiofiles")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value:g}")
+    return value
+
+
+def _at_least(lo: int) -> Any:
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+        return value
+
+    check.__name__ = f"integer >= {lo}"
+    return check
+
+
+def _port(text: str) -> int:
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float | None:
+    if text.lower() in ("none", "0", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (or 'none'), got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value:g}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a temperature in [0, 2], got {text!r}") from None
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"expected a temperature in [0, 2], got {value:g}")
+    return value
+
+
+def predictor_name(text: str) -> str:
+    """An expert predictor name (``asyncside.models.PREDICTORS``)."""
+    from ..models.predict import PREDICTORS
+
+    if text not in PREDICTORS:
+        raise argparse.ArgumentTypeError(f"unknown predictor {text!r}; choose from {', '.join(PREDICTORS)}")
+    return text
+
+
+def policy_name(text: str) -> str:
+    """A side-region eviction policy name (``asyncside.policies.POLICIES``)."""
+    from ..policies import POLICIES
+
+    if text.lower() not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose from {', '.join(sorted(POLICIES))}")
+    return text
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model to serve and how its runtime streams experts (shared with `bench serve`)."""
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="a model directory written by `asyncside convert` "
+                             "(default: the embedded model, built on first run)")
+    parser.add_argument("--resident", type=_fraction, default=0.25,
+                        help="fraction of each layer's experts kept in the pools (default 0.25)")
+    parser.add_argument("--reader", default="auto", choices=READERS, help="expert read backend (default auto)")
+    parser.add_argument("--policy", type=policy_name, default="lfu",
+                        help="side-region eviction policy: lfu, lru, aging-lfu, oneshot (default lfu)")
+    parser.add_argument("--predictor", type=predictor_name, default="lookahead",
+                        help="expert predictor: lookahead, temporal, none (default lookahead)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where the embedded model is built (default: ASYNCSIDE_CACHE or the user cache)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine batches and admits requests (shared with `bench serve`)."""
+    d = ServeSettings()
+    parser.add_argument("--max-batch", type=_at_least(1), default=d.max_batch,
+                        help=f"requests generating together (default {d.max_batch})")
+    parser.add_argument("--max-queue", type=_at_least(0), default=d.max_queue,
+                        help=f"requests waiting for a slot before new ones get 429 (default {d.max_queue})")
+    parser.add_argument("--prefill-chunk", type=_at_least(1), default=d.prefill_chunk,
+                        help="prompt tokens prefilled per engine step (default: 16 on the CPU, 512 on a GPU)")
+    parser.add_argument("--prompt-cache-size", type=_at_least(0), default=d.prompt_cache_size,
+                        help=f"KV caches kept for prefix reuse, 0 to disable (default {d.prompt_cache_size})")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `asyncside serve`."""
+    d = ServeSettings()
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--max-tokens-limit", type=_at_least(1), default=d.max_tokens_limit,
+                        help=f"largest max_tokens a request may ask for (default {d.max_tokens_limit})")
+    parser.add_argument("--request-timeout", type=_positive_seconds, default=d.request_timeout, metavar="SECONDS",
+                        help=f"end a request this long after it arrived, queueing included, with 504 "
+                             f"('none': never; default {d.request_timeout:g})")
+    parser.add_argument("--temp", type=_temperature, default=d.default_temperature,
+                        help="sampling temperature of requests that do not give one (default 0: greedy)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow cross-origin requests from ORIGIN (repeatable; '*' for any); CORS is off "
+                             "without it")
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false",
+                        help="do not log one line per request")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """The server settings an argument namespace asks for."""
+    d = ServeSettings()
+    return ServeSettings(
+        max_tokens_limit=getattr(args, "max_tokens_limit", d.max_tokens_limit),
+        predictor=args.predictor,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+        prompt_cache_size=args.prompt_cache_size,
+        request_timeout=getattr(args, "request_timeout", d.request_timeout),
+        default_temperature=getattr(args, "temp", d.default_temperature),
+        allow_origins=tuple(getattr(args, "allow_origin", ()) or ()),
+        access_log=getattr(args, "access_log", d.access_log),
+    )
+
+
+def engine_factory_from_args(args: argparse.Namespace) -> Any:
+    """``open_engine`` bound to the model options of ``args``."""
+    from .engine import open_engine
+
+    return lambda: open_engine(args.model, resident=args.resident, reader=args.reader, policy=args.policy,
+                               cache_dir=args.cache_dir)
+
+
+def app_from_args(args: argparse.Namespace) -> Any:
+    from .app import create_app
+
+    return create_app(engine_factory_from_args(args), settings_from_args(args))
+
+
+async def run_serve(args: argparse.Namespace) -> None:
+    """`asyncside serve` on the running loop; prints one line with the URL once the model is loaded."""
+    from .background import serve
+
+    app = app_from_args(args)
+
+    def ready(url: str) -> None:
+        st = app.state.asyncside
+        print(f"asyncside serve: {url} model={st.model_id} reader={st.engine.description.get('reader')}",
+              flush=True)
+
+    await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    base = logging.getLogger("asyncside")
+    base.addHandler(handler)
+    base.setLevel(level if isinstance(level, int) else logging.WARNING)
+    if args.access_log:
+        logging.getLogger("asyncside.access").setLevel(logging.INFO)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`asyncside serve`: run the server on a uvloop event loop; 0 on a clean shutdown."""
+    import uvloop
+
+    from .background import ServeError
+
+    _configure_logging(args)
+    try:
+        uvloop.run(run_serve(args))
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown
+        pass
+    except (ServeError, OSError) as exc:
+        print(f"asyncside serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

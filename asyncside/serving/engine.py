@@ -1,0 +1,535 @@
+"""The serving engine: one loop that steps every admitted request of one model together.
+
+:class:`Batcher` owns the model's forward: it is the only caller of it, from one task, so it alone
+serializes steps (no lock on the model is needed beside it). Each engine step
+
+1. admits waiting requests into free slots (up to ``max_batch``), each with its own KV cache,
+   started from a copy of a cached prefix where one matches (:mod:`.prompt_cache`);
+2. runs at most one prefill chunk's worth of prompt tokens (``prefill_chunk``): requests still
+   prefilling take their next chunk, the least remaining first (every other step the oldest
+   first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
+   delays the other streams by at most one chunk per step;
+3. runs one decode step over every request that is decoding (:func:`batch_step`), samples each
+   request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
+   consumer;
+4. lets requests leave: finished (EOS or ``max_tokens``), cancelled by their consumer (a client
+   that left, a stop sequence) or failed.
+
+Requests join and leave only between steps. A request's prefill chunks have fixed boundaries
+(multiples of ``prefill_chunk`` from where its prefill starts) whatever else is running, so what
+it computes never depends on its neighbours.
+
+:func:`batch_step` and :func:`prefill_step` are the only places the model is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import AsyncsideError
+from .prompt_cache import PrefixCache
+from .protocol import SamplingParams
+
+log = logging.getLogger("asyncside.serving")
+
+
+class ServedModel(Protocol):
+    """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
+
+    ``forward`` is awaited as ``await forward(inputs (1, L), cache, source, predictor, logits=...)``
+    and has ``completed`` (await an array's computation) and ``make_predictor(name)``.
+    """
+
+    model_id: str
+    tokenizer: Any
+    config: dict[str, Any]
+
+    @property
+    def forward(self) -> Any: ...
+
+    def make_cache(self) -> list[Any]: ...
+
+
+@dataclass
+class Engine:
+    """What the server serves: a model, the expert source it streams from, and runtime views."""
+
+    model: ServedModel
+    source: Any
+    stats: Callable[[], Mapping[str, Any]] | None = None
+    audit: Callable[[], tuple[bool, list[str]]] | None = None
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+def embedded_store_dir(cache_dir: str | None = None) -> str:
+    """The embedded default model's expert store directory, built on first use."""
+    from ..models.embedded import ensure_embedded_default
+
+    return str(ensure_embedded_default(cache_dir)[1])
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    model: str | None = None,
+    *,
+    resident: float = 0.25,
+    reader: str = "auto",
+    policy: str = "lfu",
+    cache_dir: str | None = None,
+) -> AsyncIterator[Engine]:
+    """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
+
+    ``model`` is a directory written by ``asyncside convert`` (expert store + non-expert weights
+    + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
+    bridge belong to that loop. Loading is synchronous and happens before the server accepts
+    connections, so it blocks nothing that is waiting.
+    """
+    from ..audit import audit_problems
+    from ..models import load_streaming_model
+    from ..runtime import Runtime
+
+    store_dir = model if model is not None else embedded_store_dir(cache_dir)
+    streaming = load_streaming_model(store_dir)
+    store = streaming.store
+
+    def audit() -> tuple[bool, list[str]]:
+        problems = audit_problems(runtime)
+        return not problems, problems
+
+    async with Runtime(store, resident=resident, reader=reader, policy=policy) as runtime:
+        yield Engine(
+            model=streaming,
+            source=runtime,
+            stats=runtime.stats,
+            audit=audit,
+            description={
+                "model": str(store_dir),
+                "layers": len(store.layers),
+                "resident": resident,
+                "reader": runtime.reader,
+                "policy": policy,
+            },
+        )
+
+
+# --- the model calls -------------------------------------------------------------------------
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per engine step when none is configured: 512 on a GPU, 16 on the CPU.
+
+    On a GPU a chunk of many tokens costs little more than one token, so large chunks keep a long
+    prefill fast. On the CPU a prefilled token costs about as much as a decode step (each routed
+    pair is its own product), so a small chunk gives the same prefill speed while holding the
+    other streams for less time per step.
+    """
+    import mlx.core as mx
+
+    return 512 if mx.default_device() == mx.gpu else 16
+
+
+async def batch_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
+                     predictors: Sequence[Any]) -> Any:
+    """One decode step of ``B`` requests: ``tokens`` (B, 1) -> the last position's logits (B, vocab), computed.
+
+    Request ``i`` feeds ``tokens[i]`` through its own KV cache ``caches[i]``. The requests' caches
+    are merged into mlx-lm's batch caches (left-padded, with the masks mlx-lm's own batched
+    generation uses), the batch goes through one forward (a queued step when the pools can hold
+    every expert the batch may route at once, else per layer, with experts served in groups), and
+    each request's cache is extracted back. A batch of one is the single-stream step itself.
+    """
+    import mlx.core as mx
+
+    fwd = sm.forward
+    if tokens.shape[0] == 1 or not all(hasattr(c, "merge") for c in caches[0]):
+        # One request, or caches without a batched form: the rows one after the other.
+        rows = []
+        for i in range(tokens.shape[0]):
+            logits = await fwd(tokens[i:i + 1], caches[i], source, predictors[i])
+            last = logits[:, -1, :]
+            await fwd.completed(last)
+            rows.append(last)
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+    n_layers = len(caches[0])
+    merged = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(n_layers)]
+    logits = await fwd(tokens, merged, source)
+    last = logits[:, -1, :]
+    await fwd.completed(last)
+    for i, cache in enumerate(caches):
+        for layer in range(n_layers):
+            cache[layer] = merged[layer].extract(i)
+    return last
+
+
+async def prefill_step(sm: ServedModel, tokens: Any, cache: list[Any], source: Any, predictor: Any) -> None:
+    """Feed prompt tokens (1, n) through ``cache`` without computing logits (nobody reads them)."""
+    await sm.forward(tokens, cache, source, predictor, logits=False)
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class QueueFull(AsyncsideError):
+    """The engine's slots and its queue are full; ``retry_after`` is a hint in whole seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class GenerationFailed(AsyncsideError):
+    """A request's generation failed inside the engine (the model or the expert source raised)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; ``logprob`` and ``top`` are set when the request asked for log-probabilities."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    eos: bool = False
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One request inside the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    send: MemoryObjectSendStream[Any]
+    submitted: float
+    cache: list[Any] | None = None
+    sampler: Any = None
+    predictor: Any = None
+    todo: list[int] = field(default_factory=list)  # tokens to feed: the prompt's rest, then the last token
+    fed: list[int] = field(default_factory=list)   # tokens whose keys and values are in the cache
+    generated: int = 0
+    cached_tokens: int = 0
+    cancelled: bool = False
+    done: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.todo) > 1
+
+
+class Generation:
+    """A caller's handle on one request: iterate it for :class:`TokenEvent` (``async for``), then
+    read ``finish_reason``; ``cancel()`` leaves the engine at the next step boundary.
+
+    Iteration raises :class:`GenerationFailed` if the engine failed the request.
+    """
+
+    def __init__(self, batcher: Batcher, slot: _Slot, receive: MemoryObjectReceiveStream[Any]) -> None:
+        self._batcher = batcher
+        self._slot = slot
+        self._receive = receive
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._slot.prompt)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._slot.cached_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._slot.finish_reason
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        async for item in self._receive:
+            if isinstance(item, BaseException):
+                raise GenerationFailed(f"generation failed: {_describe(item)}") from item
+            yield item
+
+    def cancel(self) -> None:
+        """Leave the engine (no-op once finished); safe to call more than once."""
+        self._batcher._cancel(self._slot)
+        self._receive.close()
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an error, looking through task-group wrappers of a single error."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+
+class Batcher:
+    """Continuous batching over one model and one expert source (see the module docstring).
+
+    Start :meth:`run` in a task group on the serving loop; :meth:`submit` requests from any task of
+    that loop.
+    """
+
+    def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
+                 max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
+                 prompt_cache_min_tokens: int = 16) -> None:
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk()
+        if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1 and max_queue >= 0, got "
+                             f"{max_batch}, {prefill_chunk}, {max_queue}")
+        self.model = model
+        self.source = source
+        self.predictor = predictor
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens)
+        config = getattr(model, "config", None) or {}
+        vocab = config.get("vocab_size", getattr(model.tokenizer, "vocab_size", None))
+        self.vocab_size: int | None = vocab if isinstance(vocab, int) else None
+        if self.vocab_size is not None and self.vocab_size >= 1 << 24:
+            raise ValueError(f"vocabulary of {self.vocab_size} ids: token ids above 2**24 are not supported")
+        ctx = config.get("max_position_embeddings")
+        self.context_length: int | None = ctx if isinstance(ctx, int) and ctx > 0 else None
+        self.eos: set[int] = set(getattr(model.tokenizer, "eos_token_ids", ()) or ())
+        self._waiting: deque[_Slot] = deque()
+        self._active: list[_Slot] = []
+        self._turn = anyio.Lock()
+        self._wake = anyio.Event()
+        self._prefill_turn = 0
+        self._duration_ewma = 1.0
+        #: counters (read by /health and /metrics)
+        self.steps = 0            # decode steps (one token for each request in the batch)
+        self.tokens = 0           # tokens generated
+        self.prefill_tokens = 0   # prompt tokens computed (cached ones excluded)
+        self.cached_tokens = 0    # prompt tokens taken from the prefix cache
+        self.last_batch = 0       # requests in the last decode step
+        self.peak_batch = 0       # most requests in one decode step
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def active(self) -> int:
+        """Requests in the engine (prefilling or decoding); a cancelled one leaves at the next step."""
+        return sum(1 for s in self._active if not (s.cancelled or s.done))
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None) -> Generation:
+        """Queue one request; QueueFull when every slot is taken and the queue is full."""
+        from .sampling import RequestSampler
+
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        free = self.max_batch - len(self._active)
+        if len(self._waiting) >= self.max_queue + max(0, free):
+            ahead = len(self._waiting) - max(0, free) + 1
+            retry = max(1, math.ceil(self._duration_ewma * ahead / self.max_batch))
+            raise QueueFull(f"the server is at capacity ({self.max_batch} requests generating, "
+                            f"{len(self._waiting)} waiting); retry after {retry} s", retry)
+        sampling = sampling or SamplingParams()
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        slot = _Slot(ids, max_tokens, sampling, send, time.monotonic())
+        slot.sampler = RequestSampler(sampling, ids, self.vocab_size)
+        self._waiting.append(slot)
+        self._wake.set()
+        return Generation(self, slot, receive)
+
+    def _cancel(self, slot: _Slot) -> None:
+        if slot.done or slot.cancelled:
+            return
+        slot.cancelled = True
+        if slot in self._waiting:
+            self._waiting.remove(slot)
+            self._finish(slot, None, keep_cache=False)
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the engine between two steps until the block exits (maintenance, tests).
+
+        Requests keep arriving and queue up; the engine resumes in order behind the holder.
+        """
+        async with self._turn:
+            yield
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled, then fails every request still in it."""
+        try:
+            while True:
+                if not self._waiting and not self._active:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                async with self._turn:
+                    await self.step()
+                # Let HTTP handlers and holders of paused() run between steps.
+                await anyio.lowlevel.checkpoint()
+        finally:
+            shutdown = AsyncsideError("the server is shutting down")
+            for slot in [*self._active, *self._waiting]:
+                self._fail(slot, shutdown)
+            self._active.clear()
+            self._waiting.clear()
+
+    async def step(self) -> None:
+        """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave."""
+        self._leave()
+        self._admit()
+        used = 0
+        for slot in self._prefill_order():
+            if slot.cancelled or slot.done:  # left while an earlier chunk ran
+                continue
+            n = min(self.prefill_chunk, len(slot.todo) - 1)
+            if used and used + n > self.prefill_chunk:
+                continue  # a smaller one may still fit this step
+            await self._prefill(slot, n)
+            used += n
+        batch = [s for s in self._active if not s.prefilling and not s.cancelled and not s.done and s.todo]
+        if batch:
+            await self._decode(batch)
+        self._leave()
+
+    def _prefill_order(self) -> list[_Slot]:
+        """Who prefills this step: the least remaining prompt first (short prompts reach their
+        first token soon), except that on every other step the oldest prefilling request goes
+        first, so a long prompt advances at least one chunk per two steps however many short ones
+        keep arriving."""
+        waiting = [s for s in self._active if s.prefilling and not s.cancelled and not s.done]
+        order = sorted(waiting, key=lambda s: len(s.todo))
+        self._prefill_turn += 1
+        if waiting and self._prefill_turn % 2 == 0:
+            oldest = waiting[0]  # _active keeps admission order
+            order.remove(oldest)
+            order.insert(0, oldest)
+        return order
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch:
+            slot = self._waiting.popleft()
+            cache, reused = self.prefix_cache.fetch(slot.prompt)
+            slot.cache = cache if cache is not None else self.model.make_cache()
+            slot.cached_tokens = reused
+            self.cached_tokens += reused
+            slot.fed = slot.prompt[:reused]
+            slot.todo = slot.prompt[reused:]
+            slot.predictor = self.model.forward.make_predictor(self.predictor)
+            self._active.append(slot)
+
+    async def _prefill(self, slot: _Slot, n: int) -> None:
+        import mlx.core as mx
+
+        chunk = slot.todo[:n]
+        try:
+            await prefill_step(self.model, mx.array(chunk)[None], slot.cache, self.source, slot.predictor)  # type: ignore[arg-type]
+        except Exception as exc:
+            log.exception("prefill failed")
+            self._fail(slot, exc)
+            return
+        slot.fed.extend(chunk)
+        del slot.todo[:n]
+        self.prefill_tokens += n
+
+    async def _decode(self, batch: list[_Slot]) -> None:
+        import mlx.core as mx
+
+        from .sampling import pack, unpack
+
+        fwd = self.model.forward
+        tokens = mx.array([[s.todo[0]] for s in batch])
+        try:
+            caches = [s.cache for s in batch]
+            assert all(c is not None for c in caches), "a decoding slot always has its cache"
+            logits = await batch_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
+                                      [s.predictor for s in batch])
+            draws = [s.sampler.draw(logits[i:i + 1]) for i, s in enumerate(batch)]
+            values, layout = pack(draws)
+            await fwd.completed(values)
+            results = unpack(values.tolist(), layout)  # type: ignore[arg-type]  # a 1-D float array
+        except Exception as exc:
+            log.exception("decode step failed")
+            for s in batch:
+                self._fail(s, exc)
+            return
+        self.steps += 1
+        self.last_batch = len(batch)
+        self.peak_batch = max(self.peak_batch, len(batch))
+        for s, (token, lp, alts) in zip(batch, results):
+            s.fed.append(s.todo[0])
+            s.todo = [token]
+            s.generated += 1
+            s.sampler.accept(token)
+            self.tokens += 1
+            eos = token in self.eos
+            if not s.cancelled:
+                with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    s.send.send_nowait(TokenEvent(token, lp, tuple(alts), eos))
+            if eos:
+                self._finish(s, "stop")
+            elif s.generated >= s.max_tokens:
+                self._finish(s, "length")
+
+    def _leave(self) -> None:
+        still = []
+        for s in self._active:
+            if s.done:
+                continue
+            if s.cancelled:
+                self._finish(s, None)
+                continue
+            still.append(s)
+        self._active = still
+
+    def _finish(self, slot: _Slot, reason: str | None, *, keep_cache: bool = True) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        slot.finish_reason = reason
+        slot.todo = []
+        duration = time.monotonic() - slot.submitted
+        self._duration_ewma = 0.8 * self._duration_ewma + 0.2 * duration
+        if keep_cache and slot.cache is not None and slot.fed:
+            self.prefix_cache.insert(slot.fed, slot.cache)
+        slot.cache = None
+        slot.send.close()
+
+    def _fail(self, slot: _Slot, exc: BaseException) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        slot.finish_reason = "error"
+        slot.todo = []
+        slot.cache = None
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            slot.send.send_nowait(exc)
+        slot.send.close()

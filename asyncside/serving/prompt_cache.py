@@ -1,0 +1,83 @@
+"""Reuse of finished requests' KV caches for prompts that share a prefix.
+
+:class:`PrefixCache` keeps the KV caches of the last few finished requests with the tokens they
+hold (prompt + generated). A new prompt takes a copy of the entry with the longest common prefix,
+trimmed back to that prefix with mlx-lm's ``trim_prompt_cache``, and only the rest of the prompt
+is prefilled; the number of tokens reused is reported as
+``usage.prompt_tokens_details.cached_tokens``. At least one prompt token is always left to run,
+since its logits give the first generated token.
+
+Entries are few (a handful of conversations) and prompts short next to a linear scan, so the
+lookup compares token lists directly rather than keeping a trie.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Up to ``max_entries`` (tokens, KV cache) pairs, least recently used dropped first."""
+
+    def __init__(self, max_entries: int = 8, min_tokens: int = 16) -> None:
+        self.max_entries = max_entries
+        self.min_tokens = max(1, min_tokens)
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Any]]] = OrderedDict()
+        self._next = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def fetch(self, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the best cache for ``prompt`` and how many of its tokens it holds
+        (None, 0 when no entry shares at least ``min_tokens``)."""
+        best, best_n = None, 0
+        for key, (tokens, _cache) in self._entries.items():
+            n = _common_prefix(tokens, prompt)
+            if n > best_n:
+                best, best_n = key, n
+        best_n = min(best_n, len(prompt) - 1)  # one prompt token always runs: its logits start the answer
+        if best is None or best_n < self.min_tokens:
+            return None, 0
+        tokens, cache = self._entries[best]
+        if best_n < len(tokens) and not can_trim_prompt_cache(cache):
+            return None, 0
+        self._entries.move_to_end(best)
+        mine = copy.deepcopy(cache)
+        if best_n < len(tokens):
+            trim_prompt_cache(mine, len(tokens) - best_n)
+        self.hits += 1
+        self.reused_tokens += best_n
+        return mine, best_n
+
+    def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Keep ``cache`` (holding exactly ``tokens``); the caller gives it up."""
+        if self.max_entries <= 0 or not tokens:
+            return
+        tokens = tuple(tokens)
+        for key, (held, _c) in list(self._entries.items()):
+            # An entry that is a prefix of the new one adds nothing a trim cannot give back.
+            if len(held) <= len(tokens) and tokens[: len(held)] == held and can_trim_prompt_cache(cache):
+                del self._entries[key]
+        self._entries[self._next] = (tokens, cache)
+        self._next += 1
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,57 @@
+"""The limits and defaults of one server (:class:`ServeSettings`); no heavy imports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Limits and defaults of one server.
+
+    Admission: at most ``max_batch`` requests are in the engine at once (prefilling or decoding
+    together); up to ``max_queue`` more wait for a slot; beyond that a request is answered 429
+    with ``Retry-After``. ``request_timeout`` (seconds, None for none) bounds a request from
+    arrival to its last token, queueing included. A prompt whose length plus ``max_tokens`` exceeds
+    the model's context (``max_context``, else the model config's ``max_position_embeddings``)
+    is answered 400 before it queues.
+
+    Prefill runs in chunks of ``prefill_chunk`` tokens (None: by device, see
+    :func:`~asyncside.serving.engine.default_prefill_chunk`), one chunk's worth per engine step
+    between decode steps, so a long prompt delays other streams by at most one chunk per token.
+    ``prompt_cache_size`` KV caches of finished requests are kept for prefix reuse (0: off); a
+    prefix shorter than ``prompt_cache_min_tokens`` is recomputed rather than copied.
+    """
+
+    default_max_tokens: int = 16          # /v1/completions default, as OpenAI's
+    default_chat_max_tokens: int = 128
+    max_tokens_limit: int = 512
+    max_context: int | None = None
+    max_body_bytes: int = 1 << 20
+    predictor: str = "lookahead"
+    default_temperature: float = 0.0      # greedy unless a request asks otherwise (as mlx_lm.server)
+    max_batch: int = 32
+    max_queue: int = 64
+    request_timeout: float | None = 600.0
+    prefill_chunk: int | None = None
+    prompt_cache_size: int = 8
+    prompt_cache_min_tokens: int = 16
+    allow_origins: tuple[str, ...] = field(default_factory=tuple)
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"ServeSettings.prefill_chunk must be at least 1 or None, got {self.prefill_chunk}")
+        for name in ("default_max_tokens", "default_chat_max_tokens", "max_tokens_limit", "max_body_bytes",
+                     "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeSettings.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_queue", "prompt_cache_size", "prompt_cache_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ServeSettings.{name} must be at least 0, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"ServeSettings.max_context must be at least 2, got {self.max_context}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"ServeSettings.request_timeout must be positive or None, got {self.request_timeout}")
+        if not 0.0 <= self.default_temperature <= 2.0:
+            raise ValueError(f"ServeSettings.default_temperature must be in [0, 2], got {self.default_temperature}")

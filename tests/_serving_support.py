@@ -1,0 +1,107 @@
+"""A scripted model for server tests that need exact control over what the model says.
+
+:class:`ScriptedModel` answers every prompt with a fixed reply (chosen by a substring of the
+prompt), one token per decode step, then EOS. It speaks the engine's model interface (``forward``
+awaited per step with a KV cache of its own, ``make_cache``, ``tokenizer``) with the embedded
+model's real byte-level tokenizer (chat template, tool-call format), so everything between the
+HTTP request and the model runs for real: parsing, admission, the engine loop, sampling, text
+assembly, tool-call parsing, SSE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from asyncside.models.tokenizer import load_tokenizer, save_byte_level_tokenizer
+from asyncside.serving import Engine
+
+VOCAB = 512
+EOS = 257
+
+
+def byte_tokenizer(directory: pathlib.Path) -> Any:
+    """The embedded model's tokenizer (mlx-lm's TokenizerWrapper over tokenizer.json), written to ``directory``."""
+    save_byte_level_tokenizer(directory)
+    return load_tokenizer(directory, {"eos_token_id": EOS})
+
+
+@dataclass
+class _Cache:
+    tokens: list[int] = field(default_factory=list)
+    replied: int = 0
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class _Forward:
+    def __init__(self, model: ScriptedModel) -> None:
+        self.model = model
+
+    async def completed(self, x: mx.array) -> None:
+        mx.eval(x)
+
+    def make_predictor(self, name: str) -> None:
+        return None
+
+    async def __call__(self, inputs: mx.array, cache: list[_Cache], source: Any, predictor: Any, *,
+                       logits: bool = True) -> Any:
+        m = self.model
+        c = cache[0]
+        c.tokens.extend(int(t) for t in inputs.reshape(-1).tolist())
+        m.forwards += 1
+        prompt = m.tokenizer.decode(c.tokens)
+        if m.fail_when and m.fail_when in prompt:
+            raise RuntimeError(f"scripted failure ({m.fail_when!r} in the prompt)")
+        if not logits:
+            return None
+        reply = m.reply_for(prompt)
+        token = reply[c.replied] if c.replied < len(reply) else EOS
+        c.replied += 1
+        out = mx.full((1, inputs.shape[-1], VOCAB), -1e9)
+        out[..., token] = 0.0
+        return out
+
+
+class ScriptedModel:
+    """Replies ``replies[key]`` to a prompt containing ``key`` (the first that matches), else ``default``."""
+
+    def __init__(self, tokenizer: Any, default: str = "ok", replies: Mapping[str, str] | None = None, *,
+                 context: int = 1024, fail_when: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_id = "scripted"
+        self.config: dict[str, Any] = {"vocab_size": VOCAB, "max_position_embeddings": context}
+        self.default = default
+        self.replies = dict(replies or {})
+        self.fail_when = fail_when
+        self.forwards = 0
+        self.forward = _Forward(self)
+
+    def reply_for(self, prompt: str) -> list[int]:
+        for key, text in self.replies.items():
+            if key in prompt:
+                return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(self.default))
+
+    def make_cache(self) -> list[_Cache]:
+        return [_Cache()]
+
+
+def scripted_engine(model: ScriptedModel) -> Any:
+    """An engine factory serving ``model`` (no expert source, a clean audit)."""
+
+    @contextlib.asynccontextmanager
+    async def factory() -> AsyncIterator[Engine]:
+        yield Engine(model=model, source=None, audit=lambda: (True, []), description={"model": "scripted"})
+
+    return factory

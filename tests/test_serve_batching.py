@@ -1,0 +1,131 @@
+"""The engine on the real embedded model and Runtime: exact against mlx-lm, seeded sampling
+reproducible inside a batch, prefix-cache reuse.
+
+No HTTP here: requests go straight to a :class:`~asyncside.serving.Batcher` over a Runtime that keeps
+half of each layer's experts (the rest are streamed while the batch decodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncside.audit import audit_problems
+from asyncside.models import load_reference_model, load_streaming_model, reference_generate
+from asyncside.runtime import Runtime
+from asyncside.serving import Batcher, embedded_store_dir
+from asyncside.serving.protocol import SamplingParams
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CHUNK = 32
+LONG = ("Mixture-of-Experts models route every token to a few experts out of many; "
+        "the rest of the weights wait on the disk until a token asks for them. ")
+
+
+@pytest.fixture(scope="module")
+def store_dir() -> str:
+    return embedded_store_dir()
+
+
+@pytest.fixture(scope="module")
+def sm(store_dir: str) -> Any:
+    return load_streaming_model(store_dir)
+
+
+@pytest.fixture(scope="module")
+def ref(store_dir: str) -> Any:
+    return load_reference_model(store_dir)[0]
+
+
+@contextlib.asynccontextmanager
+async def half_resident(sm: Any) -> AsyncIterator[Runtime]:
+    """A Runtime keeping half of each layer's experts; its ledgers must audit clean after."""
+    async with Runtime(sm.store, resident=0.5) as rt:
+        yield rt
+    assert audit_problems(rt) == []
+
+
+async def run_all(b: Batcher, requests: list[tuple[list[int], int, SamplingParams | None]]
+                  ) -> tuple[list[list[int]], list[Any]]:
+    """Submit every request at once, collect each one's tokens (EOS excluded)."""
+    out: list[list[int]] = [[] for _ in requests]
+    gens = [b.submit(p, n, s) for p, n, s in requests]
+
+    async def read(i: int) -> None:
+        async for ev in gens[i]:
+            if not ev.eos:
+                out[i].append(ev.token)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        async with anyio.create_task_group() as readers:
+            for i in range(len(gens)):
+                readers.start_soon(read, i)
+        tg.cancel_scope.cancel()
+    return out, gens
+
+
+@pytest.mark.asyncio
+async def test_batched_greedy_equals_mlx_lm_all_resident(sm: Any, ref: Any) -> None:
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        prompts = [tok.encode(p) for p in ("The quick brown fox", "0 1 2 3 4", "MoE", LONG)]
+        assert len(prompts[-1]) > 4 * CHUNK  # prefilled in several chunks, interleaved with the others' decode
+        n = 6
+        expected = [reference_generate(ref, p, max_tokens=n, eos_token_ids=tok.eos_token_ids, prefill_step_size=CHUNK)
+                    for p in prompts]
+        b = Batcher(sm, runtime, prefill_chunk=CHUNK, prompt_cache_size=0)
+        got, gens = await run_all(b, [(p, n, None) for p in prompts])
+        assert got == expected
+        assert b.peak_batch == len(prompts)  # they really decoded together
+        assert all(g.finish_reason in ("length", "stop") for g in gens)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_of_one_equals_the_single_stream(sm: Any) -> None:
+    async with half_resident(sm) as runtime:
+        prompt = sm.tokenizer.encode("Streaming experts from the SSD")
+        single = [t async for t in sm.generate(prompt, max_tokens=10, source=runtime)]
+        b = Batcher(sm, runtime, prompt_cache_size=0)
+        (got,), _ = await run_all(b, [(prompt, 10, None)])
+        assert got == single and b.peak_batch == 1
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_is_the_same_alone_and_in_a_batch(sm: Any) -> None:
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        mine = (tok.encode("Once upon a time"), 12, SamplingParams(temperature=1.0, top_p=0.95, seed=1234))
+        b = Batcher(sm, runtime, prompt_cache_size=0)
+        (alone,), _ = await run_all(b, [mine])
+        others = [(tok.encode(p), 12, SamplingParams(temperature=1.2, seed=s))
+                  for s, p in enumerate(["Hello", "abc def", "1969"])]
+        b2 = Batcher(sm, runtime, prompt_cache_size=0)
+        together, _ = await run_all(b2, [others[0], mine, *others[1:]])
+        assert together[1] == alone and b2.peak_batch == 4
+        b3 = Batcher(sm, runtime, prompt_cache_size=0)
+        (other_seed,), _ = await run_all(b3, [(mine[0], 12, SamplingParams(temperature=1.0, top_p=0.95, seed=1235))])
+        assert other_seed != alone  # the seed decides the draw
+
+
+@pytest.mark.asyncio
+async def test_prefix_cache_reuses_a_shared_prefix(sm: Any, ref: Any) -> None:
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        system = "<|system|>\nYou are a terse assistant that answers in one line.\n"
+        first = tok.encode(system + "<|user|>\nhi\n<|assistant|>\n")
+        second = tok.encode(system + "<|user|>\nwhat is an expert?\n<|assistant|>\n")
+        b = Batcher(sm, runtime, prefill_chunk=CHUNK, prompt_cache_size=4, prompt_cache_min_tokens=16)
+        (a,), (ga,) = await run_all(b, [(first, 6, None)])
+        (c,), (gc,) = await run_all(b, [(second, 6, None)])
+        shared = len(tok.encode(system + "<|user|>\n"))
+        assert ga.cached_tokens == 0 and gc.cached_tokens == shared
+        assert b.prefill_tokens == (len(first) - 1) + (len(second) - 1 - shared)
+        expected = reference_generate(ref, second, max_tokens=6, eos_token_ids=tok.eos_token_ids,
+                                      prefill_step_size=CHUNK)
+        assert c == expected

@@ -1,0 +1,54 @@
+"""`asyncside serve` arguments are checked when parsed: a bad value is an argparse error (exit 2,
+one line naming the option and the choices), never a traceback or a server that starts and fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncside.cli import build_parser
+from asyncside.serving.cli import settings_from_args
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--predictor", "bogus"], ["--predictor", "unknown predictor 'bogus'", "lookahead"]),
+    (["--policy", "bogus"], ["--policy", "unknown policy 'bogus'", "lfu"]),
+    (["--resident", "1.5"], ["--resident", "[0, 1]"]),
+    (["--port", "70000"], ["--port", "65535"]),
+    (["--max-batch", "0"], ["--max-batch", ">= 1"]),
+    (["--request-timeout", "-3"], ["--request-timeout", "positive"]),
+    (["--temp", "9"], ["--temp", "[0, 2]"]),
+    (["--reader", "nope"], ["--reader", "invalid choice"]),
+])
+def test_bad_serve_arguments_are_parse_errors(argv: list[str], words: list[str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize("option", ["--predictor", "--policy"])
+def test_bogus_names_fail_before_anything_starts(option: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "asyncside.cli", "serve", option, "bogus"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and f"argument {option}: unknown" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 12  # usage + one error line
+
+
+def test_serve_options_become_settings() -> None:
+    args = build_parser().parse_args(["serve", "--predictor", "temporal", "--policy", "LRU", "--max-batch", "8",
+                                      "--max-queue", "0", "--prefill-chunk", "64", "--prompt-cache-size", "0",
+                                      "--request-timeout", "none", "--temp", "0.7", "--allow-origin", "*",
+                                      "--no-access-log", "--max-tokens-limit", "100"])
+    s = settings_from_args(args)
+    assert (s.predictor, s.max_batch, s.max_queue, s.prefill_chunk, s.prompt_cache_size) == ("temporal", 8, 0, 64, 0)
+    assert (s.request_timeout, s.default_temperature, s.allow_origins, s.access_log, s.max_tokens_limit) == (
+        None, 0.7, ("*",), False, 100)
+    assert args.policy == "LRU"
