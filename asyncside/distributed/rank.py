@@ -1,0 +1,206 @@
+"""One rank of a generation job: ``python -m asyncside.distributed STORE [options]``.
+
+Run by the loopback launcher (demo, bench, tests) or by ``mlx.launch``. Every rank forms the
+group, loads its stage and opens its Runtime; rank 0 then runs the job (``--requests`` concurrent
+greedy generations of ``--tokens`` tokens) and every rank writes what it measured to
+``--out DIR/rank<r>.json`` (rank 0 adds the tokens; the last rank with ``--keep-logits`` writes
+every logits array to ``DIR/logits.npz``).
+
+Exit status: 0 done; 1 the job failed; 3 a peer was lost or never came up (the message on stderr
+names it). After a lost peer the process ends at once (``os._exit``): a transfer with the dead
+peer can never complete, and MLX would wait for it at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from .errors import DistributedError, PeerLostError, PeerTimeoutError
+
+EXIT_PEER = 3
+
+
+def exit_after_peer_loss(exc: BaseException, *, prefix: str = "asyncside") -> NoReturn:
+    """Report a lost (or missing) peer on stderr and end the process with status 3, skipping teardown."""
+    sys.stdout.flush()
+    print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER)
+
+
+def find_error(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` inside ``exc`` (exception groups searched depth-first)."""
+    if isinstance(exc, kinds):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = find_error(sub, kinds)
+            if found is not None:
+                return found
+    return None
+
+
+def add_stage_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every rank of a pipeline job takes (shared with serve --pipeline)."""
+    p.add_argument("--split", default=None, help="decoder layers per rank, e.g. 2,1 (default: even)")
+    p.add_argument("--backend", default=None, choices=["ring", "nccl", "jaccl", "jaccl-ring", "mpi"],
+                   help="MLX distributed backend (default: from the launch environment)")
+    p.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts in the pools")
+    p.add_argument("--side-rows", type=int, default=None, help="rows of the rotating side region per layer")
+    p.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
+    p.add_argument("--reader", default="auto", help="read backend (default auto)")
+    p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
+    p.add_argument("--join-timeout", type=float, default=60.0,
+                   help="seconds to wait for the other ranks to come up (default 60)")
+    p.add_argument("--peer-timeout", type=float, default=4.0,
+                   help="seconds of silence after which a peer counts as hung (default 4)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m asyncside.distributed",
+                                description="one rank of a pipelined generation job")
+    p.add_argument("store", help="converted expert store directory")
+    add_stage_arguments(p)
+    p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
+    p.add_argument("--prompt", default=None, help="prompt text (when --prompt-ids is not given)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    p.add_argument("--requests", type=int, default=1, help="concurrent requests (prompt rotated by i tokens)")
+    p.add_argument("--warmup", type=int, default=0, help="tokens of one untimed request first")
+    p.add_argument("--keep-logits", action="store_true", help="last rank: write every logits array")
+    p.add_argument("--echo", action="store_true", help="rank 0: print each token id on stdout as it comes")
+    p.add_argument("--ping", type=int, default=0, metavar="N",
+                   help="rank 0: N boundary round trips of one decode step's messages, no compute")
+    p.add_argument("--out", default=None, help="directory for rank<r>.json")
+    return p
+
+
+def _prompts(args: argparse.Namespace, sm: Any) -> list[list[int]]:
+    if args.prompt_ids:
+        base = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    else:
+        base = list(sm.tokenizer.encode(args.prompt or "Mixture-of-Experts models route every token."))
+    if not base:
+        raise SystemExit("the prompt is empty")
+    return [base[i % len(base):] + base[:i % len(base)] for i in range(args.requests)]
+
+
+def pool_bytes(source: Any) -> int:
+    """Bytes of every pool array of a Runtime (0 for None)."""
+    if source is None:
+        return 0
+    return int(sum(a.nbytes for layer in source.store.layers for a in source.pools(layer).values()))
+
+
+async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict[str, Any]:
+    import anyio
+    import mlx.core as mx
+
+    from ..runtime import Runtime
+    from .pipeline import Pipeline
+
+    stage = plan.stage(group.rank)
+    result: dict[str, Any] = {"rank": group.rank, "stage": stage.to_json(), "backend": group.env.backend}
+    rt_cm: Any = (Runtime(sm.store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
+                          reader=args.reader) if stage.moe_layers else contextlib.nullcontext(None))
+    async with rt_cm as rt:
+        pipe = Pipeline(group, plan, sm, rt, predictor=args.predictor, keep_logits=args.keep_logits,
+                        peer_timeout_s=args.peer_timeout, start_timeout_s=max(args.join_timeout, 10.0))
+        async with pipe.running():
+            if group.rank == 0:
+                prompts = _prompts(args, sm)
+                if args.ping:
+                    hidden = mx.zeros((1, 1, int(sm.config.get("hidden_size", 64))),
+                                      dtype=sm.model.model.embed_tokens.weight.dtype
+                                      if hasattr(sm.model.model.embed_tokens, "weight") else mx.float32)
+                    pred = mx.zeros((1, 1, 8), dtype=mx.int32)
+                    mx.eval(hidden, pred)
+                    for _ in range(max(5, args.ping // 10)):
+                        await pipe.ping(hidden, predicted=pred)
+                    times = sorted([await pipe.ping(hidden, predicted=pred) for _ in range(args.ping)])
+                    result["ping_s"] = {"median": times[len(times) // 2], "p10": times[len(times) // 10],
+                                        "p90": times[(9 * len(times)) // 10], "n": len(times),
+                                        "hidden_bytes": hidden.nbytes}
+                if args.warmup:
+                    async for _ in pipe.generate(prompts[0], args.warmup):
+                        pass
+                tokens: list[list[int]] = [[] for _ in prompts]
+                firsts: list[float] = [0.0] * len(prompts)
+                t0 = time.perf_counter()
+
+                async def one(i: int) -> None:
+                    async for tok in pipe.generate(prompts[i], args.tokens):
+                        if not tokens[i]:
+                            firsts[i] = time.perf_counter() - t0
+                        tokens[i].append(tok)
+                        if args.echo:
+                            print(f"token {i} {tok}", flush=True)
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+                elapsed = time.perf_counter() - t0
+                n = sum(len(t) for t in tokens)
+                result.update({"prompts": prompts, "tokens": tokens, "seconds": elapsed,
+                               "tokens_per_s": n / elapsed if elapsed > 0 else 0.0,
+                               "ttft_s": firsts})
+            else:
+                await pipe.serve()
+        result["stats"] = pipe.stats()
+        result["pool_bytes"] = pool_bytes(rt)
+        if pipe.kept_logits:
+            import numpy as np
+
+            assert args.out is not None
+            np.savez(pathlib.Path(args.out) / "logits.npz",
+                     **{f"r{rid}_{i}": a for rid, arrs in pipe.kept_logits.items() for i, a in enumerate(arrs)})
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import anyio
+
+    from .group import LaunchEnv, join
+    from .plan import parse_split
+    from .stage import load_stage_model, plan_for_store
+
+    if args.keep_logits and not args.out:
+        raise SystemExit("--keep-logits needs --out")
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        env = LaunchEnv.from_environ(args.backend)
+        plan = plan_for_store(args.store, env.size, parse_split(args.split))
+        group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
+    except (PeerTimeoutError, PeerLostError) as exc:
+        exit_after_peer_loss(exc, prefix=f"asyncside rank {os.environ.get('MLX_RANK', '?')}")
+    except (DistributedError, ValueError) as exc:
+        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    joined = time.perf_counter()
+    sm = load_stage_model(args.store, plan, group.rank)
+    try:
+        result = anyio.run(_job, args, group, plan, sm)
+    except BaseException as exc:  # noqa: BLE001 - sorted below
+        found = find_error(exc, (PeerLostError, PeerTimeoutError))
+        if found is not None:
+            exit_after_peer_loss(found, prefix=f"asyncside rank {group.rank}")
+        raise
+    result["join_s"] = joined - started
+    result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.out:
+        (pathlib.Path(args.out) / f"rank{group.rank}.json").write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
