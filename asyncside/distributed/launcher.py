@@ -1,4 +1,7 @@
-"""Start N ranks on this machine over loopback (the ring backend), each a subprocess with a deadline.
+"""Start N ranks on this machine over loopback, each a subprocess with a deadline.
+
+The ring backend by default (a hostfile of 127.0.0.1 ports); ``backend="nccl"`` sets what
+``mlx.launch --backend nccl`` sets instead (one GPU per rank through CUDA_VISIBLE_DEVICES).
 
 What ``asyncside demo --ranks N``, ``asyncside bench pipeline`` and the tests use. Unlike
 ``mlx.launch`` its outcome reflects a failed rank: when one rank exits non-zero the others get a
@@ -63,10 +66,9 @@ class LaunchResult:
     def returncode(self) -> int:
         if self.deadline_passed:
             return DEADLINE_RC
-        for r in self.ranks:
-            if r.returncode != 0:
-                return r.returncode if r.returncode and r.returncode > 0 else 1
-        return 0
+        codes = [r.returncode for r in self.ranks if r.returncode != 0]
+        positive = [c for c in codes if c is not None and c > 0]
+        return positive[0] if positive else (1 if codes else 0)
 
     @property
     def ok(self) -> bool:
@@ -75,7 +77,7 @@ class LaunchResult:
 
 @dataclass
 class LocalLaunch:
-    """``argv(rank)`` on ``size`` ranks over 127.0.0.1 with MLX_RANK / MLX_HOSTFILE set.
+    """``argv[r]`` on ``len(argv)`` ranks over 127.0.0.1, with the launch environment of ``backend``.
 
     ``cpus`` pins rank r to ``cpus[r]`` (sched_setaffinity), ``env`` adds variables to every rank.
     """
@@ -83,9 +85,12 @@ class LocalLaunch:
     argv: Sequence[Sequence[str]]
     cpus: Sequence[Sequence[int]] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    backend: str = "ring"
+    #: ranks not to start (tests: a peer that never comes up); they count as exited with status 0
+    skip: Sequence[int] = ()
     host: str = "127.0.0.1"
     workdir: pathlib.Path | None = None
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -98,11 +103,22 @@ class LocalLaunch:
         self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-ranks-")) if own else self.workdir
         self._own_workdir = own
         ports = free_ports(self.size + 1, self.host)
-        hostfile = self.workdir / "hostfile.json"
-        hostfile.write_text(json.dumps([[f"{self.host}:{p}"] for p in ports[:-1]]))
-        base = {**os.environ, **self.env, "MLX_HOSTFILE": str(hostfile),
-                COORDINATOR_VAR: f"{self.host}:{ports[-1]}", "PYTHONUNBUFFERED": "1"}
+        base = {**os.environ, **self.env, COORDINATOR_VAR: f"{self.host}:{ports[-1]}", "PYTHONUNBUFFERED": "1"}
+        per_rank: list[dict[str, str]] = [{"MLX_RANK": str(r)} for r in range(self.size)]
+        if self.backend == "ring":
+            hostfile = self.workdir / "hostfile.json"
+            hostfile.write_text(json.dumps([[f"{self.host}:{p}"] for p in ports[:-1]]))
+            base["MLX_HOSTFILE"] = str(hostfile)
+        elif self.backend == "nccl":
+            base.update({"MLX_WORLD_SIZE": str(self.size), "NCCL_HOST_IP": self.host, "NCCL_PORT": str(ports[0])})
+            for r, e in enumerate(per_rank):
+                e["CUDA_VISIBLE_DEVICES"] = str(r)
+        else:
+            raise ValueError(f"LocalLaunch runs the ring or nccl backend, not {self.backend!r}")
         for rank, argv in enumerate(self.argv):
+            if rank in self.skip:
+                self.procs.append(None)
+                continue
             cpus = None if self.cpus is None else list(self.cpus[rank])
             out = open(self.workdir / f"rank{rank}.out", "wb")
             err = open(self.workdir / f"rank{rank}.err", "wb")
@@ -111,7 +127,7 @@ class LocalLaunch:
                 if cpus:
                     os.sched_setaffinity(0, cpus)
 
-            self.procs.append(subprocess.Popen(list(argv), env={**base, "MLX_RANK": str(rank)}, stdout=out, stderr=err,
+            self.procs.append(subprocess.Popen(list(argv), env={**base, **per_rank[rank]}, stdout=out, stderr=err,
                                                stdin=subprocess.DEVNULL, preexec_fn=pin if cpus else None))
             out.close()
             err.close()
@@ -123,10 +139,18 @@ class LocalLaunch:
         path = self.workdir / f"rank{rank}.{stream}"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def _started(self) -> list[tuple[int, subprocess.Popen[bytes]]]:
+        return [(r, p) for r, p in enumerate(self.procs) if p is not None]
+
+    def running(self, rank: int) -> bool:
+        p = self.procs[rank]
+        return p is not None and p.poll() is None
+
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to rank ``rank`` (tests: a crash, a hang)."""
-        if self.procs[rank].poll() is None:
-            self.procs[rank].send_signal(sig)
+        p = self.procs[rank]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
 
     def wait(self, deadline_s: float, *, grace_s: float = 10.0) -> LaunchResult:
         """Wait for every rank; stop the rest once one fails (after ``grace_s``) or at the deadline."""
@@ -136,7 +160,7 @@ class LocalLaunch:
         killed: set[int] = set()
         deadline = False
         while True:
-            codes = [p.poll() for p in self.procs]
+            codes = [0 if p is None else p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 break
             now = time.monotonic()
@@ -148,23 +172,23 @@ class LocalLaunch:
                 if now >= end and failed_at is None:
                     deadline = True
                     reason = f"the ranks were still running at the {deadline_s:g} s deadline"
-                for r, p in enumerate(self.procs):
+                for r, p in self._started():
                     if p.poll() is None:
                         p.kill()
                         killed.add(r)
-                for p in self.procs:
+                for _r, p in self._started():
                     p.wait()
                 break
             time.sleep(0.05)
-        results = [RankResult(r, p.returncode, self.output(r, "out"), self.output(r, "err"), r in killed)
-                   for r, p in enumerate(self.procs)]
-        if reason is None and any(r.returncode != 0 for r in results):
-            first = next(r for r in results if r.returncode != 0)
-            reason = f"rank {first.rank} exited with status {first.returncode}"
+        results = [RankResult(r, 0 if p is None else p.returncode, self.output(r, "out"), self.output(r, "err"),
+                              r in killed) for r, p in enumerate(self.procs)]
+        failures = [_status(r) for r in results if r.returncode != 0]
+        if failures and not deadline:
+            reason = "; ".join(failures)
         return LaunchResult(results, reason, deadline, time.monotonic() - self._t0)
 
     def close(self) -> None:
-        for p in self.procs:
+        for _r, p in self._started():
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -176,6 +200,14 @@ class LocalLaunch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _status(r: RankResult) -> str:
+    if r.killed:
+        return f"rank {r.rank} was stopped by the launcher"
+    if r.returncode is not None and r.returncode < 0:
+        return f"rank {r.rank} was killed by signal {-r.returncode}"
+    return f"rank {r.rank} exited with status {r.returncode}"
 
 
 def python_argv(*args: str) -> list[str]:

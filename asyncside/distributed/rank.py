@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = plan_for_store(args.store, env.size, parse_split(args.split))
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
-        exit_after_peer_loss(exc, prefix=f"asyncside rank {os.environ.get('MLX_RANK', '?')}")
+        exit_after_peer_loss(exc)
     except (DistributedError, ValueError) as exc:
         print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - sorted below
         found = find_error(exc, (PeerLostError, PeerTimeoutError))
         if found is not None:
-            exit_after_peer_loss(found, prefix=f"asyncside rank {group.rank}")
+            exit_after_peer_loss(found)
         raise
     result["join_s"] = joined - started
     result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
