@@ -23,6 +23,8 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
                  "tokens/s by residency, prefetch on/off, policies vs Belady"),
     "serve": ("asyncside.bench.serve", "add_serve_bench_arguments", "run_serve_bench",
               "concurrent streaming clients against `asyncside serve`"),
+    "pipeline": ("asyncside.distributed.bench", "add_pipeline_arguments", "run_pipeline_bench",
+                 "pipeline ranks on this machine vs one process: tok/s, boundary cost, memory"),
 }
 
 

@@ -24,8 +24,12 @@ from asyncside.distributed.boundary import (
     LOGITS,
     MAGIC,
     PRED,
+    INLINE,
+    NONE,
     SHUTDOWN,
+    TRANSPORT,
     Message,
+    _inline_array,
     decode_header,
     encode_header,
 )
@@ -113,14 +117,22 @@ def test_more_ranks_than_layers_is_refused() -> None:
 def test_header_round_trip() -> None:
     msg = Message(HIDDEN, req=7, payload=mx.zeros((1, 5, 64), dtype=mx.bfloat16), flags=LOGITS, layer=-1, step=3, seq=12)
     data = encode_header(msg)
-    assert len(data) == HEADER.size == 48
-    got, dtype, shape = decode_header(data)
+    assert len(data) == HEADER.size == 49
+    got, dtype, shape, where = decode_header(data)
     assert (got.kind, got.req, got.flags, got.layer, got.step, got.seq) == (HIDDEN, 7, LOGITS, -1, 3, 12)
-    assert dtype == mx.bfloat16 and shape == (1, 5, 64)
-    got, dtype, shape = decode_header(encode_header(Message(SHUTDOWN, seq=1)))
-    assert got.kind == SHUTDOWN and dtype is None and shape == ()
-    got, dtype, shape = decode_header(encode_header(Message(PRED, 2, mx.zeros((1, 1, 4), dtype=mx.int32), layer=9)))
-    assert got.layer == 9 and dtype == mx.int32
+    assert dtype == mx.bfloat16 and shape == (1, 5, 64) and where == TRANSPORT
+    got, dtype, shape, where = decode_header(encode_header(Message(SHUTDOWN, seq=1)))
+    assert got.kind == SHUTDOWN and dtype is None and shape == () and where == NONE
+    ids = mx.array([[[3, 1, 4, 1]]], dtype=mx.int32)
+    frame = encode_header(Message(PRED, 2, ids, layer=9), INLINE) + memoryview(ids).tobytes()
+    got, dtype, shape, where = decode_header(frame)
+    assert got.layer == 9 and dtype == mx.int32 and shape == (1, 1, 4) and where == INLINE
+    assert _inline_array(frame[HEADER.size:], dtype, shape).tolist() == [[[3, 1, 4, 1]]]
+    bf = mx.array([1.5, -2.0], dtype=mx.bfloat16)
+    frame = encode_header(Message(PRED, payload=bf), INLINE) + memoryview(bf).tobytes()
+    _msg, dtype, shape, _where = decode_header(frame)
+    back = _inline_array(frame[HEADER.size:], dtype, shape)
+    assert back.dtype == mx.bfloat16 and back.tolist() == [1.5, -2.0]
 
 
 def test_malformed_headers_are_refused() -> None:
@@ -131,11 +143,16 @@ def test_malformed_headers_are_refused() -> None:
     bad_kind[4] = 99
     with pytest.raises(ProtocolError, match="unknown kind 99"):
         decode_header(bytes(bad_kind))
-    huge = HEADER.pack(MAGIC, HIDDEN, 11, 3, 0, 1, 0, 0, 0, 1 << 20, 1 << 20, 64, 0)
+    huge = HEADER.pack(MAGIC, HIDDEN, 11, 3, 0, TRANSPORT, 1, 0, 0, 0, 1 << 20, 1 << 20, 64, 0)
     with pytest.raises(ProtocolError, match="exceeds"):
         decode_header(huge)
-    with pytest.raises(ProtocolError, match="47 bytes"):
+    with pytest.raises(ProtocolError, match="48 bytes"):
         decode_header(bytes(good[:-1]))
+    with pytest.raises(ProtocolError, match="3 payload bytes for a transport payload"):
+        decode_header(bytes(good) + b"abc")
+    short_inline = encode_header(Message(PRED, payload=mx.zeros((4,), dtype=mx.int32)), INLINE) + b"\0" * 15
+    with pytest.raises(ProtocolError, match="15 payload bytes for an inline payload"):
+        decode_header(short_inline)
     with pytest.raises(ValueError, match="at most 4"):
         encode_header(Message(HIDDEN, payload=mx.zeros((1, 1, 1, 1, 1))))
 

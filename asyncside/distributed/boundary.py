@@ -1,18 +1,24 @@
 """The boundary between two stages: framed messages, tensors over MLX's distributed engine.
 
 A message is a small fixed header (sequence number, kind, request id, layer, flags, dtype and
-shape) and an optional tensor payload (a hidden state, predicted expert ids, a token). The
-payload travels with ``mx.distributed.send``/``recv`` on streams of the boundary's own (one for
-sends, one for receives, on the backend's device), each transfer awaited through the completion
+shape) and an optional tensor payload (a hidden state, predicted expert ids, a token). Payloads
+travel with ``mx.distributed.send``/``recv`` on streams of the boundary's own (one for sends,
+one for receives, on the backend's device), each transfer awaited through the completion
 bridge, so the event loop never blocks and the model's stream is never held by a transfer.
 
 The header goes first, on the control link to the next rank (:mod:`.control`); the receiver
-posts its ``recv`` only once the header has told it a payload is coming and of what shape. Two
+posts its ``recv`` only once the header has told it a payload is coming and of what shape (the
+sender queues the transfer before it sends the header, so the bytes are usually there). Two
 reasons: a pending MLX ``recv`` busy-polls a core for as long as it waits (a rank waiting for
 its next message would burn the core its own compute needs), and two receives scheduled
 together can complete swapped. So per direction exactly one message is in flight: the sender
 sends the next header only after the previous payload's send has completed, and the receiver
 posts one ``recv`` at a time, in header order; sequence numbers check the order.
+
+Hidden states always take the transport. The small payloads (a token, a few predicted expert
+ids, an error message: at most :data:`INLINE_BYTES`, in host memory) ride inside the header's
+frame instead: an MLX transfer of a few bytes costs a round trip through two MLX threads and a
+completion signal on each side, and the frame is going anyway.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from typing import Any
 
 import anyio
 import mlx.core as mx
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..bridge import completed
+from .. import _native
+from ..bridge import completed, schedule
 from .control import ControlPlane
 from .errors import ProtocolError
 from .group import DistGroup
@@ -39,21 +47,32 @@ TOKEN = 3     # the sampled token, last stage -> rank 0
 END = 4       # a request is over: free its state
 ERROR = 5     # a request failed on some stage (payload: the message, utf-8)
 SHUTDOWN = 6  # no more requests: each rank passes it on after its earlier messages
-PING = 7      # boundary benchmark: echo it
+PING = 7      # boundary benchmark: a hidden-state-sized payload round the ring
+PONG = 8      # boundary benchmark: the last rank's token-sized answer to a PING
 KIND_NAMES = {HIDDEN: "hidden", PRED: "pred", TOKEN: "token", END: "end", ERROR: "error", SHUTDOWN: "shutdown",
-              PING: "ping"}
+              PING: "ping", PONG: "pong"}
 
 #: flag of a HIDDEN message: the last stage computes the logits and sends the token back
 LOGITS = 1
 
-MAGIC = b"ASP1"
-HEADER = struct.Struct("!4sBBBBQQiI4I")  # magic kind dtype ndim flags seq req layer step shape[4]
+MAGIC = b"ASP2"
+#: magic kind dtype ndim flags where seq req layer step shape[4]
+HEADER = struct.Struct("!4sBBBBBQQiI4I")
 MAX_NDIM = 4
 MAX_PAYLOAD_BYTES = 1 << 31
+#: payloads up to this size (host memory only, not hidden states) travel inside the header's frame
+INLINE_BYTES = 4096
+#: kinds whose payload is a hidden state: always over the transport
+HIDDEN_KINDS = frozenset({HIDDEN, PING})
 DTYPES: tuple[mx.Dtype, ...] = (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
                                 mx.int64, mx.float16, mx.bfloat16, mx.float32)
 _CODE = {d: i for i, d in enumerate(DTYPES)}
+#: numpy dtype holding each MLX dtype's bytes (bfloat16 has none: raw uint16, viewed back)
+_NUMPY = ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "uint16",
+          "float32")
 NO_PAYLOAD = 255
+# where the payload travels
+NONE, TRANSPORT, INLINE = 0, 1, 2
 
 
 @dataclass(eq=False)
@@ -73,40 +92,57 @@ class Message:
         return f"{KIND_NAMES.get(self.kind, self.kind)}(req={self.req}, step={self.step}, seq={self.seq}, shape={shape})"
 
 
-def encode_header(msg: Message) -> bytes:
-    """The 48-byte header of ``msg`` (its seq already assigned)."""
+def encode_header(msg: Message, where: int | None = None) -> bytes:
+    """The header of ``msg`` (its seq already assigned); ``where`` the payload travels (default: the transport)."""
     p = msg.payload
     if p is None:
-        code, shape = NO_PAYLOAD, ()
+        code, shape, where = NO_PAYLOAD, (), NONE
     else:
         if p.dtype not in _CODE:
             raise ValueError(f"cannot send a payload of dtype {p.dtype}; supported: {list(DTYPES)}")
         if p.ndim > MAX_NDIM:
             raise ValueError(f"cannot send a payload of {p.ndim} dimensions (at most {MAX_NDIM})")
         code, shape = _CODE[p.dtype], tuple(p.shape)
+        where = TRANSPORT if where is None else where
     dims = list(shape) + [0] * (MAX_NDIM - len(shape))
-    return HEADER.pack(MAGIC, msg.kind, code, len(shape), msg.flags, msg.seq, msg.req, msg.layer, msg.step, *dims)
+    return HEADER.pack(MAGIC, msg.kind, code, len(shape), msg.flags, where, msg.seq, msg.req, msg.layer, msg.step,
+                       *dims)
 
 
-def decode_header(data: bytes) -> tuple[Message, mx.Dtype | None, tuple[int, ...]]:
-    """(message without payload, payload dtype or None, payload shape); ProtocolError if malformed."""
-    if len(data) != HEADER.size:
-        raise ProtocolError(f"a message header of {len(data)} bytes (expected {HEADER.size})")
-    magic, kind, code, ndim, flags, seq, req, layer, step, *dims = HEADER.unpack(data)
+def decode_header(data: bytes) -> tuple[Message, mx.Dtype | None, tuple[int, ...], int]:
+    """(message without payload, payload dtype or None, payload shape, where it travels).
+
+    ``data`` is a whole frame: the header, then an inline payload's bytes. ProtocolError if malformed.
+    """
+    if len(data) < HEADER.size:
+        raise ProtocolError(f"a message frame of {len(data)} bytes (a header is {HEADER.size})")
+    magic, kind, code, ndim, flags, where, seq, req, layer, step, *dims = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"a message header with magic {magic!r} (expected {MAGIC!r})")
     if kind not in KIND_NAMES:
         raise ProtocolError(f"a message of unknown kind {kind}")
     msg = Message(kind, req, None, flags, layer, step, seq)
+    extra = len(data) - HEADER.size
     if code == NO_PAYLOAD:
-        return msg, None, ()
-    if code >= len(DTYPES) or ndim > MAX_NDIM:
-        raise ProtocolError(f"a message header with dtype code {code} and {ndim} dimensions")
+        if where != NONE or extra:
+            raise ProtocolError(f"a message without payload that carries {extra} bytes (where={where})")
+        return msg, None, (), NONE
+    if code >= len(DTYPES) or ndim > MAX_NDIM or where not in (TRANSPORT, INLINE):
+        raise ProtocolError(f"a message header with dtype code {code}, {ndim} dimensions, where={where}")
     dtype = DTYPES[code]
     shape = tuple(dims[:ndim])
-    if math.prod(shape) * dtype.size > MAX_PAYLOAD_BYTES:
+    nbytes = math.prod(shape) * dtype.size
+    if nbytes > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"a payload of shape {shape} {dtype} exceeds {MAX_PAYLOAD_BYTES} bytes")
-    return msg, dtype, shape
+    if (where == INLINE and extra != nbytes) or (where == TRANSPORT and extra):
+        raise ProtocolError(f"a frame with {extra} payload bytes for {'an inline' if where == INLINE else 'a transport'} "
+                            f"payload of shape {shape} {dtype} ({nbytes} bytes)")
+    return msg, dtype, shape, where
+
+
+def _inline_array(data: bytes, dtype: mx.Dtype, shape: tuple[int, ...]) -> mx.array:
+    arr = mx.array(np.frombuffer(data, dtype=_NUMPY[_CODE[dtype]]).reshape(shape))
+    return arr.view(mx.bfloat16) if dtype == mx.bfloat16 else arr
 
 
 class _Flush:
@@ -123,6 +159,7 @@ class Boundary:
         self.group = group
         self.control = control
         device = group.device
+        self._host = device == mx.Device(mx.cpu)  # payloads live in host memory (not NCCL's GPU)
         self.send_stream = mx.new_stream(device)
         self.recv_stream = mx.new_stream(device)
         self._out: MemoryObjectSendStream[Any]
@@ -131,7 +168,7 @@ class Boundary:
         self._seq_out = 0
         self._seq_in = 0
         self.counters: dict[str, float] = {"sent": 0, "received": 0, "bytes_sent": 0, "bytes_received": 0,
-                                           "send_s": 0.0, "recv_s": 0.0}
+                                           "inline_sent": 0, "inline_received": 0, "send_s": 0.0, "recv_s": 0.0}
 
     def post(self, msg: Message) -> None:
         """Queue ``msg`` for the next rank; never blocks. Messages leave in posting order."""
@@ -150,18 +187,31 @@ class Boundary:
                 msg.done.set()
                 continue
             payload = msg.payload
+            inline = b""
             if payload is not None:
-                # The transport sends the bytes as they lie: make them contiguous (a routed-ids
-                # slice is a strided view), on this stream so it never queues behind the model.
-                payload = mx.contiguous(payload, stream=self.send_stream)
-                await completed(payload)
-                msg.payload = payload
+                if not _native.is_available(payload):
+                    await completed(payload)  # the header goes out once the payload exists
+                if self._host and payload.nbytes <= INLINE_BYTES and msg.kind not in HIDDEN_KINDS:
+                    inline = memoryview(payload).tobytes()  # C order, whatever the strides
+                elif not self._host or not memoryview(payload).c_contiguous:
+                    # The transport sends the bytes as they lie: a strided view (a routed-ids
+                    # slice) is copied first, on this stream, so it never queues behind the model.
+                    payload = mx.contiguous(payload, stream=self.send_stream)
             self._seq_out += 1
             msg.seq = self._seq_out
             t0 = time.perf_counter()
-            await self.control.send_header(encode_header(msg))
-            if payload is not None:
+            where = None if payload is None else (INLINE if inline else TRANSPORT)
+            sent = None
+            if payload is not None and not inline:
+                # The transfer is queued before the header leaves, so its bytes are usually there
+                # by the time the receiver posts its recv (which then waits, and polls, the least).
+                # Sends on one stream go out in order; the receiver reads them in header order.
                 sent = mx.distributed.send(payload, self.group.next, group=self.group.group, stream=self.send_stream)
+                await schedule(sent)
+            await self.control.send_header(encode_header(msg, where) + inline)
+            if inline:
+                self.counters["inline_sent"] += 1
+            elif sent is not None:
                 await completed(sent)
                 self.counters["bytes_sent"] += payload.nbytes
             self.counters["send_s"] += time.perf_counter() - t0
@@ -169,13 +219,17 @@ class Boundary:
 
     async def receive(self) -> Message:
         """The next message from the previous rank, its payload computed. One caller at a time."""
-        msg, dtype, shape = decode_header(await self.control.recv_header())
+        frame = await self.control.recv_header()
+        msg, dtype, shape, where = decode_header(frame)
         self._seq_in += 1
         if msg.seq != self._seq_in:
             raise ProtocolError(f"{self.group.describe(self.group.rank)}: message {msg.describe()} arrived out of "
                                 f"order (expected sequence number {self._seq_in})")
         t0 = time.perf_counter()
-        if dtype is not None:
+        if dtype is not None and where == INLINE:
+            msg.payload = _inline_array(frame[HEADER.size:], dtype, shape)
+            self.counters["inline_received"] += 1
+        elif dtype is not None:
             x = mx.distributed.recv(shape, dtype, self.group.prev, group=self.group.group, stream=self.recv_stream)
             await completed(x)
             msg.payload = x

@@ -38,7 +38,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..bridge import completed
 from ..models.forward import StreamingModel
 from ..models.predict import Predictor, check_predictor
-from .boundary import END, ERROR, HIDDEN, LOGITS, PING, PRED, SHUTDOWN, TOKEN, Boundary, Message
+from .boundary import END, ERROR, HIDDEN, LOGITS, PING, PONG, PRED, SHUTDOWN, TOKEN, Boundary, Message
 from .control import ControlPlane
 from .errors import DistributedError, ProtocolError, StageError
 from .group import DistGroup
@@ -334,7 +334,7 @@ class Pipeline:
                 elif msg.kind == SHUTDOWN:
                     self._drained.set()
                     return
-                elif msg.kind == PING:
+                elif msg.kind == PONG:
                     self._pings_send.send_nowait(msg)
                 elif msg.kind == PRED:
                     pass  # a PING's companion come back round
@@ -368,7 +368,7 @@ class Pipeline:
                 self.boundary.post(msg)  # on to rank 0 (the last rank's next)
             elif msg.kind == PING:
                 if self.last:
-                    self.boundary.post(Message(PING, msg.req, mx.array([0], dtype=mx.uint32)))
+                    self.boundary.post(Message(PONG, msg.req, mx.array([0], dtype=mx.uint32)))
                 else:
                     self.boundary.post(msg)
             elif msg.kind == SHUTDOWN:

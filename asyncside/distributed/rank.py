@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ping", type=int, default=0, metavar="N",
                    help="rank 0: N boundary round trips of one decode step's messages, no compute")
     p.add_argument("--out", default=None, help="directory for rank<r>.json")
+    p.add_argument("--single", action="store_true",
+                   help="no pipeline: run the job in this one process over the whole store (writes single.json)")
     return p
 
 
@@ -99,10 +101,64 @@ def pool_bytes(source: Any) -> int:
     return int(sum(a.nbytes for layer in source.store.layers for a in source.pools(layer).values()))
 
 
-async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict[str, Any]:
-    import anyio
+async def _ping(pipe: Any, sm: Any, n: int) -> dict[str, Any]:
+    """``n`` boundary round trips of one decode step's messages (predicted ids, a hidden state, a token)."""
     import mlx.core as mx
 
+    dtype = getattr(getattr(sm.model.model.embed_tokens, "weight", None), "dtype", mx.float32)
+    if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # a quantized embedding's packed weight
+        dtype = mx.bfloat16
+    hidden = mx.zeros((1, 1, int(sm.config.get("hidden_size", 64))), dtype=dtype)
+    pred = mx.zeros((1, 1, 8), dtype=mx.int32)
+    mx.eval(hidden, pred)
+    for _ in range(max(5, n // 10)):
+        await pipe.ping(hidden, predicted=pred)
+    times = sorted([await pipe.ping(hidden, predicted=pred) for _ in range(n)])
+    return {"median": times[len(times) // 2], "p10": times[len(times) // 10], "p90": times[(9 * len(times)) // 10],
+            "n": len(times), "hidden_bytes": hidden.nbytes}
+
+
+async def _generate_all(gen: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """An untimed warm-up request, then every prompt at once; tokens and aggregate speed."""
+    import anyio
+
+    if args.warmup:
+        async for _ in gen(prompts[0], args.warmup):
+            pass
+    tokens: list[list[int]] = [[] for _ in prompts]
+    firsts: list[float] = [0.0] * len(prompts)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        async for tok in gen(prompts[i], args.tokens):
+            if not tokens[i]:
+                firsts[i] = time.perf_counter() - t0
+            tokens[i].append(tok)
+            if args.echo:
+                print(f"token {i} {tok}", flush=True)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    elapsed = time.perf_counter() - t0
+    n = sum(len(t) for t in tokens)
+    return {"prompts": prompts, "tokens": tokens, "seconds": elapsed,
+            "tokens_per_s": n / elapsed if elapsed > 0 else 0.0, "ttft_s": firsts}
+
+
+async def _single_job(args: argparse.Namespace, sm: Any) -> dict[str, Any]:
+    """The same job in this one process, one Runtime over the whole store (the baseline)."""
+    from ..runtime import Runtime
+
+    async with Runtime(sm.store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
+                       reader=args.reader) as rt:
+        result = await _generate_all(
+            lambda p, n: sm.generate(p, max_tokens=n, source=rt, predictor=args.predictor), _prompts(args, sm), args)
+        result.update({"rank": None, "stats": {"runtime": rt.stats()}, "pool_bytes": pool_bytes(rt)})
+    return result
+
+
+async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict[str, Any]:
     from ..runtime import Runtime
     from .pipeline import Pipeline
 
@@ -117,40 +173,8 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
             if group.rank == 0:
                 prompts = _prompts(args, sm)
                 if args.ping:
-                    hidden = mx.zeros((1, 1, int(sm.config.get("hidden_size", 64))),
-                                      dtype=sm.model.model.embed_tokens.weight.dtype
-                                      if hasattr(sm.model.model.embed_tokens, "weight") else mx.float32)
-                    pred = mx.zeros((1, 1, 8), dtype=mx.int32)
-                    mx.eval(hidden, pred)
-                    for _ in range(max(5, args.ping // 10)):
-                        await pipe.ping(hidden, predicted=pred)
-                    times = sorted([await pipe.ping(hidden, predicted=pred) for _ in range(args.ping)])
-                    result["ping_s"] = {"median": times[len(times) // 2], "p10": times[len(times) // 10],
-                                        "p90": times[(9 * len(times)) // 10], "n": len(times),
-                                        "hidden_bytes": hidden.nbytes}
-                if args.warmup:
-                    async for _ in pipe.generate(prompts[0], args.warmup):
-                        pass
-                tokens: list[list[int]] = [[] for _ in prompts]
-                firsts: list[float] = [0.0] * len(prompts)
-                t0 = time.perf_counter()
-
-                async def one(i: int) -> None:
-                    async for tok in pipe.generate(prompts[i], args.tokens):
-                        if not tokens[i]:
-                            firsts[i] = time.perf_counter() - t0
-                        tokens[i].append(tok)
-                        if args.echo:
-                            print(f"token {i} {tok}", flush=True)
-
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, i)
-                elapsed = time.perf_counter() - t0
-                n = sum(len(t) for t in tokens)
-                result.update({"prompts": prompts, "tokens": tokens, "seconds": elapsed,
-                               "tokens_per_s": n / elapsed if elapsed > 0 else 0.0,
-                               "ttft_s": firsts})
+                    result["ping_s"] = await _ping(pipe, sm, args.ping)
+                result.update(await _generate_all(lambda p, n: pipe.generate(p, n), prompts, args))
             else:
                 await pipe.serve()
         result["stats"] = pipe.stats()
@@ -176,6 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--keep-logits needs --out")
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.single:
+        from ..models import load_streaming_model
+
+        result = anyio.run(_single_job, args, load_streaming_model(args.store))
+        result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if args.out:
+            (pathlib.Path(args.out) / "single.json").write_text(json.dumps(result, default=str))
+        return 0
     started = time.perf_counter()
     try:
         env = LaunchEnv.from_environ(args.backend)
