@@ -11,9 +11,11 @@ posts its ``recv`` only once the header has told it a payload is coming and of w
 sender queues the transfer before it sends the header, so the bytes are usually there). Two
 reasons: a pending MLX ``recv`` busy-polls a core for as long as it waits (a rank waiting for
 its next message would burn the core its own compute needs), and two receives scheduled
-together can complete swapped. So per direction exactly one message is in flight: the sender
-sends the next header only after the previous payload's send has completed, and the receiver
-posts one ``recv`` at a time, in header order; sequence numbers check the order.
+together can complete swapped. So per direction exactly one receive is in flight: the receiver
+posts one ``recv`` at a time, in header order, and sequence numbers check the order. Sends need
+no such wait: they are queued on the one send stream, which runs them one after the other, so
+their bytes leave in posting order; the sender awaits their completion (through the bridge) only
+when more than :data:`MAX_QUEUED_SENDS` are queued, and in :meth:`Boundary.flush`.
 
 Hidden states always take the transport. The small payloads (a token, a few predicted expert
 ids, an error message: at most :data:`INLINE_BYTES`, in host memory) ride inside the header's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +52,9 @@ ERROR = 5     # a request failed on some stage (payload: the message, utf-8)
 SHUTDOWN = 6  # no more requests: each rank passes it on after its earlier messages
 PING = 7      # boundary benchmark: a hidden-state-sized payload round the ring
 PONG = 8      # boundary benchmark: the last rank's token-sized answer to a PING
+RAW = 9       # boundary benchmark: the next ``step`` exchanges are bare transfers (payload: their shape)
 KIND_NAMES = {HIDDEN: "hidden", PRED: "pred", TOKEN: "token", END: "end", ERROR: "error", SHUTDOWN: "shutdown",
-              PING: "ping", PONG: "pong"}
+              PING: "ping", PONG: "pong", RAW: "raw"}
 
 #: flag of a HIDDEN message: the last stage computes the logits and sends the token back
 LOGITS = 1
@@ -62,6 +66,8 @@ MAX_NDIM = 4
 MAX_PAYLOAD_BYTES = 1 << 31
 #: payloads up to this size (host memory only, not hidden states) travel inside the header's frame
 INLINE_BYTES = 4096
+#: transfers queued on the send stream before the sender waits for the oldest to complete
+MAX_QUEUED_SENDS = 4
 #: kinds whose payload is a hidden state: always over the transport
 HIDDEN_KINDS = frozenset({HIDDEN, PING})
 DTYPES: tuple[mx.Dtype, ...] = (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
@@ -152,12 +158,25 @@ class _Flush:
         self.done = anyio.Event()
 
 
-class Boundary:
-    """This rank's side of both boundaries: sends go to the next rank, receives come from the previous."""
+class _Drain:
+    """Sender marker: a frame sent without waiting left a part behind; send it."""
 
-    def __init__(self, group: DistGroup, control: ControlPlane) -> None:
+
+Deliver = Callable[[Message], Awaitable[None]]
+
+
+class Boundary:
+    """This rank's side of both boundaries: sends go to the next rank, receives come from the previous.
+
+    Received messages are handed, in order, to ``deliver`` (awaited before the next is read: it
+    must only route the message, never compute).
+    """
+
+    def __init__(self, group: DistGroup, control: ControlPlane, deliver: Deliver) -> None:
         self.group = group
         self.control = control
+        self.deliver = deliver
+        control.on_header = self._on_frame
         device = group.device
         self._host = device == mx.Device(mx.cpu)  # payloads live in host memory (not NCCL's GPU)
         self.send_stream = mx.new_stream(device)
@@ -165,61 +184,122 @@ class Boundary:
         self._out: MemoryObjectSendStream[Any]
         self._queue: MemoryObjectReceiveStream[Any]
         self._out, self._queue = anyio.create_memory_object_stream(math.inf)
+        self._queued = 0      # messages posted and not yet taken by the sender
+        self._sending = False  # the sender is in the middle of a message
         self._seq_out = 0
         self._seq_in = 0
+        #: transfers queued on the send stream and not yet seen complete, oldest first
+        self._unsent: list[mx.array] = []
         self.counters: dict[str, float] = {"sent": 0, "received": 0, "bytes_sent": 0, "bytes_received": 0,
-                                           "inline_sent": 0, "inline_received": 0, "send_s": 0.0, "recv_s": 0.0}
+                                           "inline_sent": 0, "inline_received": 0, "sent_at_once": 0,
+                                           "send_s": 0.0, "recv_s": 0.0}
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def _inline_bytes(self, msg: Message) -> bytes | None:
+        """The payload bytes when ``msg`` can travel in its frame (b"" without payload), else None."""
+        p = msg.payload
+        if p is None:
+            return b""
+        if (self._host and p.nbytes <= INLINE_BYTES and msg.kind not in HIDDEN_KINDS
+                and _native.is_available(p)):
+            return memoryview(p).tobytes()  # C order, whatever the strides
+        return None
+
+    def _frame(self, msg: Message, where: int | None, inline: bytes) -> bytes:
+        self._seq_out += 1
+        msg.seq = self._seq_out
+        return encode_header(msg, where) + inline
 
     def post(self, msg: Message) -> None:
-        """Queue ``msg`` for the next rank; never blocks. Messages leave in posting order."""
+        """Send ``msg`` to the next rank; never blocks. Messages leave in posting order.
+
+        A message that fits in its frame goes out at once when nothing is queued before it and
+        the link takes it; anything else is queued for the sender task.
+        """
+        if not self._queued and not self._sending:
+            inline = self._inline_bytes(msg)
+            if inline is not None:
+                where = None if msg.payload is None else INLINE
+                seq = self._seq_out
+                if self.control.try_send_header(self._frame(msg, where, inline)):
+                    self.counters["sent"] += 1
+                    self.counters["sent_at_once"] += 1
+                    self.counters["inline_sent"] += msg.payload is not None
+                    if self.control.send_pending:
+                        self._queued += 1
+                        self._out.send_nowait(_Drain())
+                    return
+                self._seq_out = seq  # not sent: the sender numbers it
+        self._queued += 1
         self._out.send_nowait(msg)
 
     async def flush(self) -> None:
         """Return once every message posted so far has been sent (its payload handed to the transport)."""
         marker = _Flush()
+        self._queued += 1
         self._out.send_nowait(marker)
         await marker.done.wait()
 
     async def run_sender(self) -> None:
-        """Send posted messages one at a time, forever (run it in the pipeline's task group)."""
+        """Send queued messages one at a time, forever (run it in the pipeline's task group)."""
         async for msg in self._queue:
-            if isinstance(msg, _Flush):
-                msg.done.set()
-                continue
-            payload = msg.payload
-            inline = b""
-            if payload is not None:
-                if not _native.is_available(payload):
-                    await completed(payload)  # the header goes out once the payload exists
-                if self._host and payload.nbytes <= INLINE_BYTES and msg.kind not in HIDDEN_KINDS:
-                    inline = memoryview(payload).tobytes()  # C order, whatever the strides
-                elif not self._host or not memoryview(payload).c_contiguous:
-                    # The transport sends the bytes as they lie: a strided view (a routed-ids
-                    # slice) is copied first, on this stream, so it never queues behind the model.
-                    payload = mx.contiguous(payload, stream=self.send_stream)
-            self._seq_out += 1
-            msg.seq = self._seq_out
-            t0 = time.perf_counter()
-            where = None if payload is None else (INLINE if inline else TRANSPORT)
-            sent = None
-            if payload is not None and not inline:
-                # The transfer is queued before the header leaves, so its bytes are usually there
-                # by the time the receiver posts its recv (which then waits, and polls, the least).
-                # Sends on one stream go out in order; the receiver reads them in header order.
-                sent = mx.distributed.send(payload, self.group.next, group=self.group.group, stream=self.send_stream)
-                await schedule(sent)
-            await self.control.send_header(encode_header(msg, where) + inline)
-            if inline:
-                self.counters["inline_sent"] += 1
-            elif sent is not None:
-                await completed(sent)
-                self.counters["bytes_sent"] += payload.nbytes
-            self.counters["send_s"] += time.perf_counter() - t0
-            self.counters["sent"] += 1
+            self._queued -= 1
+            self._sending = True
+            try:
+                await self._send(msg)
+            finally:
+                self._sending = False
 
-    async def receive(self) -> Message:
-        """The next message from the previous rank, its payload computed. One caller at a time."""
-        frame = await self.control.recv_header()
+    async def _send(self, msg: Any) -> None:
+        if isinstance(msg, _Drain):
+            await self.control.drain()
+            return
+        if isinstance(msg, _Flush):
+            await self.control.drain()
+            for sent in self._unsent:
+                await completed(sent)
+            self._unsent.clear()
+            msg.done.set()
+            return
+        t0 = time.perf_counter()
+        payload = msg.payload
+        if payload is not None and not _native.is_available(payload):
+            await completed(payload)  # the header goes out once the payload exists
+        inline = self._inline_bytes(msg)
+        sent = None
+        if inline is None:
+            assert payload is not None
+            if not self._host or not memoryview(payload).c_contiguous:
+                # The transport sends the bytes as they lie: a strided view (a routed-ids slice)
+                # is copied first, on this stream, so it never queues behind the model.
+                payload = mx.contiguous(payload, stream=self.send_stream)
+            # The transfer is queued before the header leaves, so its bytes are usually there by
+            # the time the receiver posts its recv (which then waits, and polls, the least). Sends
+            # on one stream go out in order; the receiver reads them in header order.
+            sent = mx.distributed.send(payload, self.group.next, group=self.group.group, stream=self.send_stream)
+            await schedule(sent)
+            frame = self._frame(msg, TRANSPORT, b"")
+        else:
+            frame = self._frame(msg, None if payload is None else INLINE, inline)
+        await self.control.send_header(frame)
+        if sent is None:
+            self.counters["inline_sent"] += payload is not None
+        else:
+            assert payload is not None
+            self._unsent.append(sent)
+            self.counters["bytes_sent"] += payload.nbytes
+            if len(self._unsent) > MAX_QUEUED_SENDS:
+                await completed(self._unsent[0])
+        while self._unsent and _native.is_available(self._unsent[0]):
+            self._unsent.pop(0)
+        self.counters["send_s"] += time.perf_counter() - t0
+        self.counters["sent"] += 1
+
+    # -- receiving ----------------------------------------------------------------------------------
+
+    async def _on_frame(self, frame: bytes) -> None:
+        """One message frame from the previous rank (in order): its payload received, then delivered."""
         msg, dtype, shape, where = decode_header(frame)
         self._seq_in += 1
         if msg.seq != self._seq_in:
@@ -236,4 +316,4 @@ class Boundary:
             self.counters["bytes_received"] += x.nbytes
         self.counters["recv_s"] += time.perf_counter() - t0
         self.counters["received"] += 1
-        return msg
+        await self.deliver(msg)

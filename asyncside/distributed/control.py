@@ -13,19 +13,20 @@ neighbours on the control links it opened when the group formed (:func:`.group.r
   are not neighbours of the failed one learn of it too.
 
 Any of these raises :class:`PeerLostError` naming the rank, which cancels the rank's pipeline.
-The links also carry the boundary's message headers (next-rank link only, in order).
+The links also carry the boundary's message frames (to the next rank only, in order); the reader
+of the link from the previous rank hands each to the boundary (:attr:`ControlPlane.on_header`).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .errors import PeerLostError, PeerTimeoutError, ProtocolError
 from .group import ABORT, BYE, FRAME, HEADER, HEARTBEAT, MAX_FRAME, DistGroup
@@ -33,19 +34,70 @@ from .group import ABORT, BYE, FRAME, HEADER, HEARTBEAT, MAX_FRAME, DistGroup
 
 @dataclass(eq=False)
 class _Link:
+    """One control link: a non-blocking TCP socket. Frames go out whole and in order."""
+
     name: str
     peer: int
-    stream: anyio.abc.SocketStream
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    sock: socket.socket
     last: float = 0.0          # when a frame last arrived
     heard: bool = False        # the peer's control plane has spoken at least once
     bye: bool = False          # the peer said goodbye: its end-of-file is expected
     closed: bool = False       # we closed it
     said_bye: anyio.Event = field(default_factory=anyio.Event)
+    _pending: bytearray = field(default_factory=bytearray)
+    _drain: anyio.Lock = field(default_factory=anyio.Lock)
 
     async def send(self, kind: int, body: bytes = b"") -> None:
-        async with self.lock:
-            await self.stream.send(FRAME.pack(len(body), kind) + body)
+        """Send one frame. Written at once when the socket takes it (the usual case: no await);
+        otherwise queued behind what is pending and drained as the socket allows."""
+        frame = FRAME.pack(len(body), kind) + body
+        if not self._pending:
+            try:
+                n = self.sock.send(frame)
+            except BlockingIOError:
+                n = 0
+            if n == len(frame):
+                return
+            frame = frame[n:]
+        self._pending += frame
+        await self.drain()
+
+    def try_send(self, frame: bytes) -> bool:
+        """Send ``frame`` now if nothing is pending and the socket takes all of it; else leave it."""
+        if self._pending:
+            return False
+        try:
+            n = self.sock.send(frame)
+        except (BlockingIOError, OSError):
+            return False  # the async path sends it (and meets the error, if any)
+        if n < len(frame):
+            self._pending += frame[n:]  # the rest goes out with the next async send or drain
+        return True
+
+    async def drain(self) -> None:
+        """Send whatever is pending."""
+        async with self._drain:
+            while self._pending:
+                await anyio.wait_writable(self.sock)
+                try:
+                    n = self.sock.send(self._pending)
+                except BlockingIOError:
+                    continue
+                del self._pending[:n]
+
+    async def receive(self) -> bytes:
+        """What has arrived (b"" at end-of-file)."""
+        while True:
+            try:
+                return self.sock.recv(65536)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            anyio.notify_closing(self.sock)
+            self.sock.close()
 
 
 class ControlPlane:
@@ -60,9 +112,9 @@ class ControlPlane:
         self.peer_timeout_s = peer_timeout_s
         self.start_timeout_s = start_timeout_s
         self.me = group.describe(group.rank)
-        self._headers_in: MemoryObjectSendStream[bytes]
-        self._headers_out: MemoryObjectReceiveStream[bytes]
-        self._headers_in, self._headers_out = anyio.create_memory_object_stream(math.inf)
+        #: called, in order, with every message frame from the previous rank (set by the boundary);
+        #: it runs in the link's reader task, so the next frame is read once it returns
+        self.on_header: Callable[[bytes], Awaitable[None]] | None = None
         self._out: _Link | None = None
         self._in: _Link | None = None
         self._closing = False
@@ -83,8 +135,10 @@ class ControlPlane:
         """Read both links, send heartbeats, watch for silence; returns after :meth:`goodbye`."""
         socks = self.group.links
         now = anyio.current_time()
-        self._out = _Link("to-next", self.group.next, await anyio.abc.SocketStream.from_socket(socks.to_next), last=now)
-        self._in = _Link("from-prev", self.group.prev, await anyio.abc.SocketStream.from_socket(socks.from_prev), last=now)
+        for sock in (socks.to_next, socks.from_prev):
+            sock.setblocking(False)
+        self._out = _Link("to-next", self.group.next, socks.to_next, last=now)
+        self._in = _Link("from-prev", self.group.prev, socks.from_prev, last=now)
         self._started.set()
         try:
             async with anyio.create_task_group() as tg:
@@ -99,8 +153,9 @@ class ControlPlane:
     # -- headers ---------------------------------------------------------------------------------
 
     async def send_header(self, body: bytes) -> None:
-        """One message header to the next rank (in order; the boundary's sender is the only caller)."""
-        await self._started.wait()
+        """One message frame to the next rank (in order; only the boundary sends them)."""
+        if self._out is None:
+            await self._started.wait()  # (only before the links are up: a set Event still yields)
         assert self._out is not None
         try:
             await self._out.send(HEADER, body)
@@ -108,11 +163,25 @@ class ControlPlane:
             await self._lost(self._gone(self._out))
         self.counters["headers_sent"] += 1
 
-    async def recv_header(self) -> bytes:
-        """The next message header from the previous rank."""
-        body = await self._headers_out.receive()
-        self.counters["headers_received"] += 1
-        return body
+    def try_send_header(self, body: bytes) -> bool:
+        """Send a message frame now, without waiting, if the link is idle and takes it (else False)."""
+        if self._out is None or not self._out.try_send(FRAME.pack(len(body), HEADER) + body):
+            return False
+        self.counters["headers_sent"] += 1
+        return True
+
+    @property
+    def send_pending(self) -> bool:
+        """Part of a frame to the next rank waits for :meth:`drain`."""
+        return self._out is not None and bool(self._out._pending)
+
+    async def drain(self) -> None:
+        """Send what :meth:`try_send_header` left pending."""
+        if self._out is not None:
+            try:
+                await self._out.drain()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await self._lost(self._gone(self._out))
 
     # -- failure -----------------------------------------------------------------------------------
 
@@ -151,11 +220,13 @@ class ControlPlane:
         buf = bytearray()
         while True:
             try:
-                chunk = await link.stream.receive(65536)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError, OSError):
-                chunk = b""
+                chunk = await link.receive()
             except anyio.ClosedResourceError:
                 return  # we closed it (goodbye)
+            except OSError:
+                if link.closed:
+                    return
+                chunk = b""
             if not chunk:
                 if link.bye or link.closed:
                     return
@@ -180,7 +251,10 @@ class ControlPlane:
         elif kind == HEADER:
             if link is not self._in:
                 raise ProtocolError(f"{self.me}: a message header arrived on the link to the next rank")
-            self._headers_in.send_nowait(body)
+            if self.on_header is None:
+                raise ProtocolError(f"{self.me}: a message arrived before the boundary was ready")
+            self.counters["headers_received"] += 1
+            await self.on_header(body)
         elif kind == BYE:
             link.bye = True
             link.said_bye.set()
@@ -241,5 +315,4 @@ class ControlPlane:
             for link in self.links:
                 await link.said_bye.wait()
         for link in self.links:
-            link.closed = True
-            await link.stream.aclose()
+            link.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..bridge import completed
 from ..models.forward import StreamingModel
 from ..models.predict import Predictor, check_predictor
-from .boundary import END, ERROR, HIDDEN, LOGITS, PING, PONG, PRED, SHUTDOWN, TOKEN, Boundary, Message
+from .boundary import END, ERROR, HIDDEN, LOGITS, PING, PONG, PRED, RAW, SHUTDOWN, TOKEN, Boundary, Message
 from .control import ControlPlane
 from .errors import DistributedError, ProtocolError, StageError
 from .group import DistGroup
@@ -144,7 +145,7 @@ class Pipeline:
         self.me = group.describe(group.rank)
         self.control = ControlPlane(group, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
                                     start_timeout_s=start_timeout_s)
-        self.boundary = Boundary(group, self.control)
+        self.boundary = Boundary(group, self.control, self._deliver)
         self._next_moe = plan.next_moe(group.rank)
         self._requests: dict[int, _Request] = {}
         self._failed: set[int] = set()
@@ -173,7 +174,6 @@ class Pipeline:
             self._tg = tg
             await tg.start(self.control.run)
             tg.start_soon(self.boundary.run_sender)
-            tg.start_soon(self._receive)
             if self.rank != 0:
                 tg.start_soon(self._work)
             try:
@@ -314,43 +314,70 @@ class Pipeline:
         """
         if self.rank != 0:
             raise DistributedError("ping() runs on rank 0")
-        t0 = anyio.current_time()
+        t0 = time.perf_counter()  # (uvloop's clock counts whole milliseconds)
         if predicted is not None:
             self.boundary.post(Message(PRED, 0, predicted, layer=-1))
         self.boundary.post(Message(PING, 0, payload))
         await self._pings.receive()
-        return anyio.current_time() - t0
+        return time.perf_counter() - t0
+
+    async def ping_raw(self, payload: mx.array, n: int) -> list[float]:
+        """The transport's floor (rank 0 of 2): ``n`` bare exchanges of ``payload`` and a token.
+
+        ``mx.distributed`` send and recv awaited through the bridge, nothing else: no header, and
+        rank 1 posts each recv as soon as the previous exchange is done (so its transport thread
+        is already polling when the bytes arrive, which the boundary never does). Seconds each.
+        """
+        if self.rank != 0 or self.group.size != 2:
+            raise DistributedError("ping_raw() runs on rank 0 of a pipeline of 2")
+        await self.boundary.flush()
+        self.boundary.post(Message(RAW, 0, mx.zeros(payload.shape, dtype=payload.dtype), step=n))
+        await self.boundary.flush()
+        g, b = self.group.group, self.boundary
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await completed(mx.distributed.send(payload, 1, group=g, stream=b.send_stream))
+            await completed(mx.distributed.recv((1,), mx.uint32, 1, group=g, stream=b.recv_stream))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    async def _answer_raw(self, template: mx.array, n: int) -> None:
+        g, b = self.group.group, self.boundary
+        token = mx.array([0], dtype=mx.uint32)
+        mx.eval(token)
+        for _ in range(n):
+            await completed(mx.distributed.recv(template.shape, template.dtype, 0, group=g, stream=b.recv_stream))
+            await completed(mx.distributed.send(token, 0, group=g, stream=b.send_stream))
 
     # -- every rank: the receiving side ------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        while True:
-            msg = await self.boundary.receive()
-            if self.rank == 0:
-                if msg.kind in (TOKEN, ERROR):
-                    req = self._requests.get(msg.req)
-                    if req is not None and req.inbox_send is not None:
-                        req.inbox_send.send_nowait(msg)  # a finished request's late token is dropped
-                elif msg.kind == SHUTDOWN:
-                    self._drained.set()
-                    return
-                elif msg.kind == PONG:
-                    self._pings_send.send_nowait(msg)
-                elif msg.kind == PRED:
-                    pass  # a PING's companion come back round
-                else:
-                    raise ProtocolError(f"{self.me}: unexpected {msg.describe()} from the last rank")
+    async def _deliver(self, msg: Message) -> None:
+        """Route one message from the previous rank (called in order, by the boundary)."""
+        if self.rank == 0:
+            if msg.kind in (TOKEN, ERROR):
+                req = self._requests.get(msg.req)
+                if req is not None and req.inbox_send is not None:
+                    req.inbox_send.send_nowait(msg)  # a finished request's late token is dropped
+            elif msg.kind == SHUTDOWN:
+                self._drained.set()
+            elif msg.kind == PONG:
+                self._pings_send.send_nowait(msg)
             elif msg.kind == PRED:
-                # Prefetch at once, even while this rank is busy with another step.
-                self.counters["predictions_received"] += 1
-                if msg.layer in self.stage.moe_layers and self.source is not None and msg.payload is not None:
-                    self.source.prefetch(msg.layer, msg.payload)
-                elif msg.layer == -1 and not self.last:
-                    self.boundary.post(msg)  # a PING's companion: pass it on
+                pass  # a PING's companion come back round
             else:
-                self._inbox_send.send_nowait(msg)
-                if msg.kind == SHUTDOWN:
-                    return
+                raise ProtocolError(f"{self.me}: unexpected {msg.describe()} from the last rank")
+        elif msg.kind == RAW and msg.payload is not None and self.group.size == 2:
+            await self._answer_raw(msg.payload, msg.step)
+        elif msg.kind == PRED:
+            # Prefetch at once, even while this rank is busy with another step.
+            self.counters["predictions_received"] += 1
+            if msg.layer in self.stage.moe_layers and self.source is not None and msg.payload is not None:
+                self.source.prefetch(msg.layer, msg.payload)
+            elif msg.layer == -1 and not self.last:
+                self.boundary.post(msg)  # a PING's companion: pass it on
+        else:
+            self._inbox_send.send_nowait(msg)
 
     async def _work(self) -> None:
         """Ranks after 0: process HIDDEN/END/ERROR/SHUTDOWN messages in arrival order."""

@@ -114,8 +114,12 @@ async def _ping(pipe: Any, sm: Any, n: int) -> dict[str, Any]:
     for _ in range(max(5, n // 10)):
         await pipe.ping(hidden, predicted=pred)
     times = sorted([await pipe.ping(hidden, predicted=pred) for _ in range(n)])
-    return {"median": times[len(times) // 2], "p10": times[len(times) // 10], "p90": times[(9 * len(times)) // 10],
-            "n": len(times), "hidden_bytes": hidden.nbytes}
+    out = {"median": times[len(times) // 2], "p10": times[len(times) // 10], "p90": times[(9 * len(times)) // 10],
+           "n": len(times), "hidden_bytes": hidden.nbytes}
+    if pipe.group.size == 2:
+        raw = sorted(await pipe.ping_raw(hidden, n))
+        out.update({"raw_median": raw[len(raw) // 2], "raw_p10": raw[len(raw) // 10], "raw_p90": raw[(9 * len(raw)) // 10]})
+    return out
 
 
 async def _generate_all(gen: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -203,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.single:
         from ..models import load_streaming_model
 
-        result = anyio.run(_single_job, args, load_streaming_model(args.store))
+        result = anyio.run(_single_job, args, load_streaming_model(args.store), backend="asyncio",
+                           backend_options={"use_uvloop": True})
         result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if args.out:
             (pathlib.Path(args.out) / "single.json").write_text(json.dumps(result, default=str))
@@ -221,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     joined = time.perf_counter()
     sm = load_stage_model(args.store, plan, group.rank)
     try:
-        result = anyio.run(_job, args, group, plan, sm)
+        result = anyio.run(_job, args, group, plan, sm, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:  # noqa: BLE001 - sorted below
         found = find_error(exc, (PeerLostError, PeerTimeoutError))
         if found is not None:
