@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible streaming HTTP server")
     try:
         _attr("asyncside.server", "add_serve_arguments")(serve)
+        _attr("asyncside.distributed.serve", "add_pipeline_serve_arguments")(serve)
     except ImportError as exc:
         serve.set_defaults(_unavailable=f"asyncside.server: {exc}")
 
@@ -80,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert":
         return int(_attr("asyncside.models.cli", "convert_main")(args))
     if args.command == "serve":
+        if args.store is not None and args.model is None:
+            args.model = args.store
+        if args.pipeline:
+            return int(_attr("asyncside.distributed.serve", "serve_pipeline_main")(args))
         return int(_attr("asyncside.server", "serve_main")(args))
     module, _add, run, _help = _BENCHES[args.bench]
     result = _attr(module, run)(args)

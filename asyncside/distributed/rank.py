@@ -48,16 +48,18 @@ def find_error(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> Ba
     return None
 
 
-def add_stage_arguments(p: argparse.ArgumentParser) -> None:
-    """Options every rank of a pipeline job takes (shared with serve --pipeline)."""
+def add_stage_arguments(p: Any, *, model_options: bool = True) -> None:
+    """Options every rank of a pipeline job takes (shared with ``serve --pipeline``, whose own
+    options already cover the Runtime's: ``model_options=False`` leaves those out)."""
     p.add_argument("--split", default=None, help="decoder layers per rank, e.g. 2,1 (default: even)")
     p.add_argument("--backend", default=None, choices=["ring", "nccl", "jaccl", "jaccl-ring", "mpi"],
                    help="MLX distributed backend (default: from the launch environment)")
-    p.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts in the pools")
+    if model_options:
+        p.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts in the pools")
+        p.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
+        p.add_argument("--reader", default="auto", help="read backend (default auto)")
+        p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
     p.add_argument("--side-rows", type=int, default=None, help="rows of the rotating side region per layer")
-    p.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
-    p.add_argument("--reader", default="auto", help="read backend (default auto)")
-    p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="seconds to wait for the other ranks to come up (default 60)")
     p.add_argument("--peer-timeout", type=float, default=4.0,

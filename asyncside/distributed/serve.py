@@ -1,0 +1,149 @@
+"""``asyncside serve STORE --pipeline [--split a,b]``: the HTTP server over a pipeline of ranks.
+
+Run it on every rank, e.g. ``mlx.launch --hostfile hosts.json -- asyncside serve STORE --pipeline``.
+Rank 0 serves HTTP (the usual endpoints) and feeds every request into the pipeline; the other
+ranks run their stages until rank 0 shuts down (Ctrl-C / SIGTERM on rank 0 drains the steps in
+flight through every rank, then every rank exits 0). A rank that dies or hangs stops the others
+with an error naming it (exit status 3).
+
+What the server needs from the pipeline is small: :class:`PipelineModel` gives it ``model_id``,
+``tokenizer``, ``config`` and ``generate(prompt_ids, max_tokens=...)``, an async iterator of
+token ids per request. Each request runs ahead in the pipeline's own tasks, so requests overlap
+across the stages whatever order the server reads their tokens in (the server's per-step turn
+only orders deliveries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from .rank import EXIT_PEER, add_stage_arguments, exit_after_peer_loss, find_error
+
+
+def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``--pipeline`` and its options, added to ``asyncside serve``; STORE may be given positionally."""
+    p.add_argument("store", nargs="?", default=None, metavar="STORE",
+                   help="the converted model directory (same as --model)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="run as one rank of a pipeline (under mlx.launch); rank 0 serves HTTP")
+    add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
+
+
+class PipelineModel:
+    """The served model of rank 0: every request a chain of steps through the pipeline."""
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
+        sm = pipeline.sm
+        self.model_id: str = sm.model_id
+        self.tokenizer = sm.tokenizer
+        self.config = sm.config
+
+    def generate(self, prompt_ids: Sequence[int], *, max_tokens: int, source: Any = None,
+                 predictor: str = "lookahead") -> AsyncIterator[int]:
+        """Greedy tokens of one request (``source`` and ``predictor`` are the pipeline's own)."""
+        return self.pipeline.generate(list(prompt_ids), max_tokens)
+
+
+def _store_dir(args: argparse.Namespace) -> str:
+    if args.store or args.model:
+        return str(pathlib.Path(args.store or args.model).absolute())
+    from ..models.embedded import ensure_embedded_default
+
+    return str(ensure_embedded_default(args.cache_dir, progress=False)[1])
+
+
+@contextlib.asynccontextmanager
+async def _stage(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> AsyncIterator[Any]:
+    """This rank's Runtime and running pipeline; a lost peer ends the process (status 3)."""
+    from ..runtime import Runtime
+    from .pipeline import Pipeline
+
+    stage = plan.stage(group.rank)
+    rt_cm: Any = (Runtime(sm.store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
+                          reader=args.reader) if stage.moe_layers else contextlib.nullcontext(None))
+    try:
+        async with rt_cm as rt:
+            pipe = Pipeline(group, plan, sm, rt, predictor=args.predictor, peer_timeout_s=args.peer_timeout,
+                            start_timeout_s=max(args.join_timeout, 10.0))
+            async with pipe.running():
+                yield pipe
+    except BaseException as exc:
+        from .errors import PeerLostError, PeerTimeoutError
+
+        found = find_error(exc, (PeerLostError, PeerTimeoutError))
+        if found is not None:
+            exit_after_peer_loss(found)
+        raise
+
+
+def serve_pipeline_main(args: argparse.Namespace) -> int:
+    """One rank of ``asyncside serve --pipeline``: 0 after a clean shutdown, 3 after a lost peer."""
+    import anyio
+    import uvloop
+
+    from .errors import DistributedError, PeerLostError, PeerTimeoutError
+    from .group import LaunchEnv, join
+    from .plan import parse_split
+    from .stage import load_stage_model, plan_for_store
+
+    if not 0.0 <= args.resident <= 1.0:
+        raise SystemExit(f"--resident must be a fraction in [0, 1], got {args.resident}")
+    store = _store_dir(args)
+    try:
+        env = LaunchEnv.from_environ(args.backend)
+        plan = plan_for_store(store, env.size, parse_split(args.split))
+        group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
+    except (PeerTimeoutError, PeerLostError) as exc:
+        exit_after_peer_loss(exc)
+    except (DistributedError, ValueError) as exc:
+        print(f"asyncside serve: rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr)
+        return 1
+    sm = load_stage_model(store, plan, group.rank)
+    if group.rank != 0:
+        async def stage_only() -> None:
+            async with _stage(args, group, plan, sm) as pipe:
+                print(f"asyncside serve: {group.describe(group.rank)} runs layers "
+                      f"{pipe.stage.start}..{pipe.stage.stop - 1} of {sm.model_id}", flush=True)
+                await pipe.serve()
+
+        anyio.run(stage_only, backend="asyncio", backend_options={"use_uvloop": True})
+        return 0
+
+    from ..server import Engine, ServeError, ServeSettings, create_app, runtime_audit, serve
+
+    @contextlib.asynccontextmanager
+    async def engine() -> AsyncIterator[Engine]:
+        async with _stage(args, group, plan, sm) as pipe:
+            yield Engine(
+                model=PipelineModel(pipe),  # type: ignore[arg-type]
+                source=None,
+                stats=pipe.stats,
+                audit=(lambda: runtime_audit(pipe.source)) if pipe.source is not None else None,
+                description={"model": store, "pipeline": plan.to_json(), "backend": group.env.backend,
+                             "resident": args.resident, "reader": args.reader, "policy": args.policy},
+            )
+
+    app = create_app(engine, ServeSettings(max_tokens_limit=args.max_tokens_limit, predictor=args.predictor))
+
+    def ready(url: str) -> None:
+        print(f"asyncside serve: {url} model={sm.model_id} pipeline of {group.size} ranks, split "
+              f"{','.join(map(str, plan.split))} ({group.env.backend})", flush=True)
+
+    try:
+        uvloop.run(serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready))
+    except KeyboardInterrupt:
+        pass
+    except (ServeError, OSError) as exc:
+        print(f"asyncside serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["EXIT_PEER", "PipelineModel", "add_pipeline_serve_arguments", "serve_pipeline_main"]
