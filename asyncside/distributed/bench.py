@@ -70,7 +70,7 @@ def _pipeline(store: str, common: list[str], out: str, ranks: int, split: str | 
 def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..bench.machine import machine_info
     from ..models.embedded import ensure_embedded_default
-    from .plan import parse_split
+    from .plan import PlanError, parse_split
     from .stage import plan_for_store
 
     if args.quick:
@@ -79,8 +79,11 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("asyncside bench pipeline: --ranks >= 2, --requests, --tokens and --rounds >= 1")
     store = args.model or str(ensure_embedded_default(args.cache_dir, progress=not args.json)[1])
     store = str(pathlib.Path(store).absolute())
-    plan = plan_for_store(store, args.ranks, parse_split(args.split))
-    ncpu = os.cpu_count() or 1
+    try:
+        plan = plan_for_store(store, args.ranks, parse_split(args.split))
+    except PlanError as exc:
+        raise SystemExit(f"asyncside bench pipeline: {exc}") from None
+    allowed = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin
     common = ["--requests", str(args.requests), "--tokens", str(args.tokens), "--warmup", str(args.warmup),
               "--resident", str(args.resident), "--reader", args.reader]
@@ -88,9 +91,9 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
     identical = True
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="asyncside-bench-pipeline-") as out:
-            single = _single(store, common, out, [0] if pin else None, args.deadline)
+            single = _single(store, common, out, [allowed[0]] if pin else None, args.deadline)
             ranks = _pipeline(store, common, out, args.ranks, ",".join(map(str, plan.split)), args.ping,
-                              [[r % ncpu] for r in range(args.ranks)] if pin else None, args.deadline)
+                              [[allowed[r % len(allowed)]] for r in range(args.ranks)] if pin else None, args.deadline)
         identical = identical and ranks[0]["tokens"] == single["tokens"]
         ping = ranks[0]["ping_s"]
         rounds.append({
@@ -111,7 +114,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(store),
         "store": store,
         "config": {"ranks": args.ranks, "split": list(plan.split), "requests": args.requests, "tokens": args.tokens,
-                   "resident": args.resident, "pinned": pin, "backend": "ring", "transport": "loopback"},
+                   "resident": args.resident, "pinned": pin, "cpus": allowed, "backend": "ring", "transport": "loopback"},
         "rounds": rounds,
         "summary": {
             "aggregate_ratio_median": statistics.median(r["ratio"] for r in rounds),

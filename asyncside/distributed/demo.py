@@ -52,7 +52,7 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm.utils import load_config
 
     from ..models.tokenizer import load_tokenizer
-    from .plan import parse_split
+    from .plan import PlanError, parse_split
     from .stage import plan_for_store
 
     if args.ranks < 2:
@@ -64,8 +64,10 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
     else:
         store_dir = args.model
     store_dir = str(pathlib.Path(store_dir).absolute())
-    split = parse_split(args.split)
-    plan = plan_for_store(store_dir, args.ranks, split)  # a bad split fails here, before anything starts
+    try:
+        plan = plan_for_store(store_dir, args.ranks, parse_split(args.split))  # before anything starts
+    except PlanError as exc:
+        raise SystemExit(f"asyncside demo: {exc}") from None
     tokenizer = load_tokenizer(pathlib.Path(store_dir), load_config(pathlib.Path(store_dir)))
     prompt_ids = list(tokenizer.encode(args.prompt))
 

@@ -1,7 +1,9 @@
-"""``asyncside serve STORE --pipeline``: two ranks over loopback, HTTP on rank 0.
+"""The pipeline's commands: ``serve STORE --pipeline``, ``demo --ranks 2``, ``bench pipeline``.
 
-Completions (one, then several streaming at once) equal one process's greedy text, and SIGINT on
-rank 0 shuts both ranks down cleanly (status 0: the steps in flight drained, then the barrier).
+Two ranks over loopback each time. Served completions (one, then several streaming at once)
+equal one process's greedy text, and SIGINT on rank 0 shuts both ranks down cleanly (status 0:
+the steps in flight drained, then the barrier). The demo reports identical tokens; the benchmark
+runs end to end (its numbers are not asserted).
 """
 
 from __future__ import annotations
@@ -89,3 +91,39 @@ def test_serve_pipeline_answers_like_one_process(store: pathlib.Path) -> None:
     assert all(expected) and len(set(expected)) > 1  # real text, not all alike
     assert single["choices"][0]["text"] == expected[0]
     assert [_streamed_text(s) for s in streamed] == expected[1:]
+
+
+def test_demo_ranks_json(store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    capsys.readouterr()
+    assert main(["demo", "--ranks", "2", "--model", str(store), "--tokens", "5", "--json", "--join-timeout", "30"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens_identical"] is True and res["launch"]["returncode"] == 0
+    assert res["split"] == [2, 1] and res["backend"] == "ring"
+    assert [r["layers"] for r in res["per_rank"]] == [[0, 2], [2, 3]]
+    pools = [r["pool_bytes"] for r in res["per_rank"]]
+    assert all(p > 0 for p in pools) and sum(pools) == res["single_process"]["pool_bytes"]
+    assert res["text"] == res["reference_text"] != ""
+    assert res["per_rank"][0]["predictions_sent"] > 0 and res["per_rank"][1]["predictions_received"] > 0
+
+
+def test_demo_ranks_refuses_a_bad_split(store: pathlib.Path) -> None:
+    from asyncside.cli import main
+
+    with pytest.raises(SystemExit, match="asyncside demo: --split 1,1: .* sum to the model's 3 decoder layers"):
+        main(["demo", "--ranks", "2", "--model", str(store), "--split", "1,1"])
+
+
+def test_bench_pipeline_quick(store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    capsys.readouterr()
+    assert main(["bench", "pipeline", "--quick", "--json", "--model", str(store), "--requests", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    s = res["summary"]
+    assert s["tokens_identical"] is True and len(res["rounds"]) == 1
+    assert s["aggregate_ratio_median"] > 0 and s["boundary_ms_per_step_median"] > 0
+    ping = res["rounds"][0]["pipeline"]["ping_ms"]
+    assert 0 < ping["raw_median"] and 0 < ping["p10"] <= ping["median"] <= ping["p90"]
+    assert s["pool_bytes"]["single"] == sum(s["pool_bytes"]["ranks"]) and all(s["max_rss_bytes"]["ranks"])
