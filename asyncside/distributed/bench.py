@@ -93,7 +93,8 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="asyncside-bench-pipeline-") as out:
             single = _single(store, common, out, [allowed[0]] if pin else None, args.deadline)
             ranks = _pipeline(store, common, out, args.ranks, ",".join(map(str, plan.split)), args.ping,
-                              [[allowed[r % len(allowed)]] for r in range(args.ranks)] if pin else None, args.deadline)
+                              [[allowed[r % len(allowed)]] for r in range(args.ranks)] if pin else None,
+                              args.deadline)
         identical = identical and ranks[0]["tokens"] == single["tokens"]
         ping = ranks[0]["ping_s"]
         rounds.append({
@@ -157,7 +158,8 @@ def _table(result: dict[str, Any]) -> None:
     mem.add_column("")
     mem.add_column("pools", justify="right")
     mem.add_column("peak RSS", justify="right")
-    mem.add_row("one process", f"{s['pool_bytes']['single'] / 2**20:.1f} MiB", f"{s['max_rss_bytes']['single'] / 2**20:.0f} MiB")
+    mem.add_row("one process", f"{s['pool_bytes']['single'] / 2**20:.1f} MiB",
+                f"{s['max_rss_bytes']['single'] / 2**20:.0f} MiB")
     for r, (pb, rss) in enumerate(zip(s["pool_bytes"]["ranks"], s["max_rss_bytes"]["ranks"])):
         mem.add_row(f"rank {r}", f"{pb / 2**20:.1f} MiB", f"{rss / 2**20:.0f} MiB")
     Console().print(mem)

@@ -18,9 +18,12 @@ their bytes leave in posting order; the sender awaits their completion (through 
 when more than :data:`MAX_QUEUED_SENDS` are queued, and in :meth:`Boundary.flush`.
 
 Hidden states always take the transport. The small payloads (a token, a few predicted expert
-ids, an error message: at most :data:`INLINE_BYTES`, in host memory) ride inside the header's
-frame instead: an MLX transfer of a few bytes costs a round trip through two MLX threads and a
-completion signal on each side, and the frame is going anyway.
+ids, an error message: at most :data:`INLINE_BYTES`) ride inside the header's frame instead: an
+MLX transfer of a few bytes costs a round trip through two MLX threads and a completion signal on
+each side, and the frame is going anyway. With NCCL this also keeps the transport one-way
+between two ranks (hidden states forward only): NCCL point-to-point operations in both
+directions at once, from two streams of one communicator, are not something NCCL promises to
+order.
 """
 
 from __future__ import annotations
@@ -201,9 +204,12 @@ class Boundary:
         p = msg.payload
         if p is None:
             return b""
-        if (self._host and p.nbytes <= INLINE_BYTES and msg.kind not in HIDDEN_KINDS
-                and _native.is_available(p)):
+        if p.nbytes > INLINE_BYTES or msg.kind in HIDDEN_KINDS or not _native.is_available(p):
+            return None
+        if self._host:
             return memoryview(p).tobytes()  # C order, whatever the strides
+        if p.dtype != mx.bfloat16:
+            return np.array(p).tobytes()  # a GPU payload: a few bytes copied to the host
         return None
 
     def _frame(self, msg: Message, where: int | None, inline: bytes) -> bytes:

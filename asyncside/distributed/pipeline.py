@@ -328,8 +328,9 @@ class Pipeline:
         rank 1 posts each recv as soon as the previous exchange is done (so its transport thread
         is already polling when the bytes arrive, which the boundary never does). Seconds each.
         """
-        if self.rank != 0 or self.group.size != 2:
-            raise DistributedError("ping_raw() runs on rank 0 of a pipeline of 2")
+        if self.rank != 0 or self.group.size != 2 or self.group.env.backend == "nccl":
+            raise DistributedError("ping_raw() runs on rank 0 of a pipeline of 2, not over NCCL (it sends both "
+                                   "ways at once)")
         await self.boundary.flush()
         self.boundary.post(Message(RAW, 0, mx.zeros(payload.shape, dtype=payload.dtype), step=n))
         await self.boundary.flush()
@@ -367,7 +368,8 @@ class Pipeline:
                 pass  # a PING's companion come back round
             else:
                 raise ProtocolError(f"{self.me}: unexpected {msg.describe()} from the last rank")
-        elif msg.kind == RAW and msg.payload is not None and self.group.size == 2:
+        elif (msg.kind == RAW and msg.payload is not None and self.group.size == 2
+              and self.group.env.backend != "nccl"):
             await self._answer_raw(msg.payload, msg.step)
         elif msg.kind == PRED:
             # Prefetch at once, even while this rank is busy with another step.

@@ -118,9 +118,10 @@ async def _ping(pipe: Any, sm: Any, n: int) -> dict[str, Any]:
     times = sorted([await pipe.ping(hidden, predicted=pred) for _ in range(n)])
     out = {"median": times[len(times) // 2], "p10": times[len(times) // 10], "p90": times[(9 * len(times)) // 10],
            "n": len(times), "hidden_bytes": hidden.nbytes}
-    if pipe.group.size == 2:
+    if pipe.group.size == 2 and pipe.group.env.backend != "nccl":
         raw = sorted(await pipe.ping_raw(hidden, n))
-        out.update({"raw_median": raw[len(raw) // 2], "raw_p10": raw[len(raw) // 10], "raw_p90": raw[(9 * len(raw)) // 10]})
+        out.update({"raw_median": raw[len(raw) // 2], "raw_p10": raw[len(raw) // 10],
+                    "raw_p90": raw[(9 * len(raw)) // 10]})
     return out
 
 
@@ -228,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     joined = time.perf_counter()
     sm = load_stage_model(args.store, plan, group.rank)
     try:
-        result = anyio.run(_job, args, group, plan, sm, backend="asyncio", backend_options={"use_uvloop": True})
+        result = anyio.run(_job, args, group, plan, sm, backend="asyncio",
+                           backend_options={"use_uvloop": True})
     except BaseException as exc:  # noqa: BLE001 - sorted below
         found = find_error(exc, (PeerLostError, PeerTimeoutError))
         if found is not None:
