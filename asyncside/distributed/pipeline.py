@@ -233,6 +233,8 @@ class Pipeline:
             raise DistributedError(f"generate() runs on rank 0; this is rank {self.rank}")
         if self._tg is None:
             raise DistributedError("the pipeline is not running: use `async with pipeline.running():`")
+        if self.control.failed is not None:
+            raise self.control.failed
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("prompt_ids is empty: generation needs at least one prompt token")

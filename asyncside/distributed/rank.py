@@ -21,7 +21,8 @@ import pathlib
 import resource
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from .errors import DistributedError, PeerLostError, PeerTimeoutError
@@ -34,6 +35,26 @@ def exit_after_peer_loss(exc: BaseException, *, prefix: str = "asyncside") -> No
     sys.stdout.flush()
     print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER)
+
+
+@contextlib.contextmanager
+def exits_on_failure(prefix: str) -> Iterator[None]:
+    """Once the group exists, a failure ends the process at once: status 3 for a lost or missing
+    peer, 1 otherwise (the traceback printed). A normal interpreter exit could wait forever on a
+    transfer that will never complete."""
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the process here
+        found = find_error(exc, (PeerLostError, PeerTimeoutError))
+        if found is not None:
+            exit_after_peer_loss(found)
+        sys.stdout.flush()
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"{prefix}: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
+        traceback.print_exception(exc)
+        print(f"{prefix}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def find_error(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
@@ -227,15 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
         return 1
     joined = time.perf_counter()
-    sm = load_stage_model(args.store, plan, group.rank)
-    try:
+    with exits_on_failure(f"asyncside rank {group.rank}"):
+        sm = load_stage_model(args.store, plan, group.rank)
         result = anyio.run(_job, args, group, plan, sm, backend="asyncio",
                            backend_options={"use_uvloop": True})
-    except BaseException as exc:  # noqa: BLE001 - sorted below
-        found = find_error(exc, (PeerLostError, PeerTimeoutError))
-        if found is not None:
-            exit_after_peer_loss(found)
-        raise
     result["join_s"] = joined - started
     result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if args.out:

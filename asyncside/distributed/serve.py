@@ -23,7 +23,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .rank import EXIT_PEER, add_stage_arguments, exit_after_peer_loss, find_error
+from .rank import EXIT_PEER, add_stage_arguments, exit_after_peer_loss, exits_on_failure, find_error
 
 
 def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,16 +105,17 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     except (DistributedError, ValueError) as exc:
         print(f"asyncside serve: rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr)
         return 1
-    sm = load_stage_model(store, plan, group.rank)
-    if group.rank != 0:
-        async def stage_only() -> None:
-            async with _stage(args, group, plan, sm) as pipe:
-                print(f"asyncside serve: {group.describe(group.rank)} runs layers "
-                      f"{pipe.stage.start}..{pipe.stage.stop - 1} of {sm.model_id}", flush=True)
-                await pipe.serve()
+    with exits_on_failure(f"asyncside serve: rank {group.rank}"):
+        sm = load_stage_model(store, plan, group.rank)
+        if group.rank != 0:
+            async def stage_only() -> None:
+                async with _stage(args, group, plan, sm) as pipe:
+                    print(f"asyncside serve: {group.describe(group.rank)} runs layers "
+                          f"{pipe.stage.start}..{pipe.stage.stop - 1} of {sm.model_id}", flush=True)
+                    await pipe.serve()
 
-        anyio.run(stage_only, backend="asyncio", backend_options={"use_uvloop": True})
-        return 0
+            anyio.run(stage_only, backend="asyncio", backend_options={"use_uvloop": True})
+            return 0
 
     from ..server import Engine, ServeError, ServeSettings, create_app, runtime_audit, serve
 
@@ -136,13 +137,14 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
         print(f"asyncside serve: {url} model={sm.model_id} pipeline of {group.size} ranks, split "
               f"{','.join(map(str, plan.split))} ({group.env.backend})", flush=True)
 
-    try:
-        uvloop.run(serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready))
-    except KeyboardInterrupt:
-        pass
-    except (ServeError, OSError) as exc:
-        print(f"asyncside serve: {exc}", file=sys.stderr)
-        return 1
+    with exits_on_failure("asyncside serve: rank 0"):
+        try:
+            uvloop.run(serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready))
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the shutdown
+            pass
+        except (ServeError, OSError) as exc:
+            print(f"asyncside serve: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)  # the other ranks see this rank go and stop
     return 0
 
 
