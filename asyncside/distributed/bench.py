@@ -10,6 +10,8 @@ Measured side by side, round after round (each run a fresh set of processes):
   times, through the same boundary code as a real step (header on the control link, payload via
   ``mx.distributed`` on its own stream, awaited through the completion bridge);
 - memory: each rank's pool bytes and peak RSS against the one process's, at equal residency;
+- how busy each process kept its core (CPU time and run-queue wait against wall time), which
+  tells pipeline bubbles from a machine shared with other work;
 - whether every request's tokens are identical to the one process's.
 """
 
@@ -67,6 +69,18 @@ def _pipeline(store: str, common: list[str], out: str, ranks: int, split: str | 
     return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+def _busy(report: dict[str, Any]) -> dict[str, Any]:
+    """CPU / wall while generating (the core's busy share) and the threads' run-queue wait (Linux).
+
+    cpu + wait close to wall: the process always had work (other processes or its own threads held
+    the core the rest of the time); cpu + wait well below wall: it waited for work (pipeline bubbles).
+    """
+    wall = report.get("pipeline_wall_s") or 0.0
+    return {"cpu_s": report.get("pipeline_cpu_s"), "wall_s": wall,
+            "busy": (report.get("pipeline_cpu_s") or 0.0) / wall if wall else None,
+            "runqueue_wait_s": report.get("pipeline_runqueue_wait_s")}
+
+
 def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..bench.machine import machine_info
     from ..models.embedded import ensure_embedded_default
@@ -100,13 +114,13 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
         rounds.append({
             "single": {"tokens_per_s": single["tokens_per_s"], "seconds": single["seconds"],
                        "pool_bytes": single["pool_bytes"], "max_rss_bytes": single["max_rss_bytes"],
-                       "hit_rate": single["stats"]["runtime"]["hit_rate"]},
+                       "hit_rate": single["stats"]["runtime"]["hit_rate"], **_busy(single)},
             "pipeline": {"tokens_per_s": ranks[0]["tokens_per_s"], "seconds": ranks[0]["seconds"],
                          "ping_ms": {k: v * 1e3 for k, v in ping.items() if k not in ("n", "hidden_bytes")},
                          "hidden_bytes": ping["hidden_bytes"],
                          "ranks": [{"rank": r["rank"], "layers": [r["stage"]["start"], r["stage"]["stop"]],
                                     "pool_bytes": r["pool_bytes"], "max_rss_bytes": r["max_rss_bytes"],
-                                    "hit_rate": r["stats"].get("runtime", {}).get("hit_rate"),
+                                    "hit_rate": r["stats"].get("runtime", {}).get("hit_rate"), **_busy(r),
                                     "boundary": r["stats"]["boundary"]} for r in ranks]},
             "ratio": ranks[0]["tokens_per_s"] / single["tokens_per_s"] if single["tokens_per_s"] else 0.0,
         })

@@ -117,6 +117,20 @@ def _prompts(args: argparse.Namespace, sm: Any) -> list[list[int]]:
     return [base[i % len(base):] + base[:i % len(base)] for i in range(args.requests)]
 
 
+def runqueue_wait_s() -> float | None:
+    """Seconds this process's threads have spent runnable but not running (Linux schedstat), or None.
+
+    Tells a busy machine (other processes on this core) from a rank waiting for work."""
+    total = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/schedstat") as fh:
+                total += int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
 def pool_bytes(source: Any) -> int:
     """Bytes of every pool array of a Runtime (0 for None)."""
     if source is None:
@@ -180,8 +194,12 @@ async def _single_job(args: argparse.Namespace, sm: Any) -> dict[str, Any]:
 
     async with Runtime(sm.store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader) as rt:
+        cpu0, wall0, wait0 = time.process_time(), time.perf_counter(), runqueue_wait_s()
         result = await _generate_all(
             lambda p, n: sm.generate(p, max_tokens=n, source=rt, predictor=args.predictor), _prompts(args, sm), args)
+        wait1 = runqueue_wait_s()
+        result["pipeline_cpu_s"], result["pipeline_wall_s"] = time.process_time() - cpu0, time.perf_counter() - wall0
+        result["pipeline_runqueue_wait_s"] = None if wait0 is None or wait1 is None else wait1 - wait0
         result.update({"rank": None, "stats": {"runtime": rt.stats()}, "pool_bytes": pool_bytes(rt)})
     return result
 
@@ -197,6 +215,7 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
     async with rt_cm as rt:
         pipe = Pipeline(group, plan, sm, rt, predictor=args.predictor, keep_logits=args.keep_logits,
                         peer_timeout_s=args.peer_timeout, start_timeout_s=max(args.join_timeout, 10.0))
+        cpu0, wall0, wait0 = time.process_time(), time.perf_counter(), runqueue_wait_s()
         async with pipe.running():
             if group.rank == 0:
                 prompts = _prompts(args, sm)
@@ -205,6 +224,10 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
                 result.update(await _generate_all(lambda p, n: pipe.generate(p, n), prompts, args))
             else:
                 await pipe.serve()
+        # CPU time against wall time while the pipeline ran: how busy this rank's core was
+        result["pipeline_cpu_s"], result["pipeline_wall_s"] = time.process_time() - cpu0, time.perf_counter() - wall0
+        wait1 = runqueue_wait_s()
+        result["pipeline_runqueue_wait_s"] = None if wait0 is None or wait1 is None else wait1 - wait0
         result["stats"] = pipe.stats()
         result["pool_bytes"] = pool_bytes(rt)
         if pipe.kept_logits:
