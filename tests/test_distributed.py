@@ -259,8 +259,15 @@ async def _stages(store: pathlib.Path, prompt: list[int], tokens: int, split: li
         rts = [await stack.enter_async_context(Runtime(sm.store, resident=0.25, side_rows=1))
                if plan.stage(r).moe_layers else None for r, sm in enumerate(models)]
         sent: list[list[tuple[int, Any]]] = [[] for _ in models]
+        forwarded = [0] * plan.size
+
+        def forward(r: int, layer: int, ids: Any) -> None:
+            assert layer == plan.next_moe(r)
+            sent[r].append((layer, ids))
+            forwarded[r] += 1
+
         srcs = [StageSource(rts[r], plan.stage(r).moe_layers, plan.next_moe(r),
-                            lambda layer, ids, r=r: sent[r].append((layer, ids))) for r in range(plan.size)]
+                            lambda layer, ids, r=r: forward(r, layer, ids)) for r in range(plan.size)]
         preds = [sm.forward.make_predictor("lookahead") for sm in models]
         caches = [sm.make_cache() for sm in models]
 
@@ -285,8 +292,10 @@ async def _stages(store: pathlib.Path, prompt: list[int], tokens: int, split: li
             logits.append(np.array(lg))
             out.append(int(greedy(lg).item()))
             inp = mx.array(out[-1:])
-        for r in range(1, plan.size):
-            assert not plan.stage(r).moe_layers or rts[r].stats()["prefetched"] > 0
+        # A stage with MoE layers predicts the next stage's first MoE layer, every step.
+        for r in range(plan.size):
+            predicts = bool(plan.stage(r).moe_layers) and plan.next_moe(r) is not None
+            assert forwarded[r] == (len(range(0, len(prompt) - 1, CHUNK)) + tokens if predicts else 0)
     return out, logits
 
 
