@@ -22,7 +22,8 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "demo_main"),
     "convert": ("turn an mlx-lm model directory into an expert store", "asyncside.models.cli",
                 "add_convert_arguments", "convert_main"),
-    "serve": ("OpenAI-compatible streaming HTTP server", "asyncside.serving.cli", "add_serve_arguments", "serve_main"),
+    "serve": ("OpenAI-compatible streaming HTTP server (--pipeline: one rank of a pipeline)", "asyncside.serving.cli",
+              "add_serve_arguments", "serve_main"),
 }
 
 

@@ -52,6 +52,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="N > 1: run the generation as a pipeline of N ranks on this machine (loopback, ring "
+                        "backend) beside the one-process run; see docs/distributed.md")
+    p.add_argument("--split", default=None, help="with --ranks: decoder layers per rank, e.g. 4,4 (default even)")
+    p.add_argument("--join-timeout", type=float, default=60.0, help="with --ranks: seconds for the ranks to meet")
+    p.add_argument("--deadline", type=float, default=600.0, help="with --ranks: seconds before every rank is stopped")
 
 
 @dataclass
@@ -286,6 +292,10 @@ def _table(result: dict[str, Any]) -> None:
 
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
+    if args.ranks != 1:
+        from .distributed.demo import ranks_demo_main
+
+        return ranks_demo_main(args)
     result = run_demo(args)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -20,7 +20,7 @@ import shutil
 import stat as _stat
 import tempfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,11 +414,15 @@ class ExpertStore:
     # ---- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> ExpertStore:
+    def open(cls, path: str | os.PathLike[str], *, layers: Iterable[int] | None = None) -> ExpertStore:
         """Open and validate the store at ``path``; reads the manifest and stats blobs (no blob reads).
 
         Raises StoreError naming the file and manifest field on anything malformed or hostile.
+        ``layers`` opens only those layer indices (a pipeline stage's): the other layers' entries
+        are skipped unparsed and their blobs need not exist here; asking for a layer the manifest
+        lacks is a StoreError. An empty ``layers`` opens the metadata alone.
         """
+        wanted = None if layers is None else {int(i) for i in layers}
         root = pathlib.Path(path).absolute()
         mpath = root / MANIFEST_NAME
         if not root.is_dir():
@@ -452,6 +456,9 @@ class ExpertStore:
         specs: dict[int, LayerSpec] = {}
         files: dict[pathlib.Path, int] = {}
         for i, raw in enumerate(raw_layers):
+            if wanted is not None and not (isinstance(raw, dict) and _is_int(raw.get("index"))
+                                           and raw["index"] in wanted):
+                continue
             spec = _parse_layer(root, raw, i, v)
             if spec.index in specs:
                 raise v.fail(f"layers[{i}].index", f"duplicate layer index {spec.index}")
@@ -460,6 +467,9 @@ class ExpertStore:
                              f"blob {spec.path.name!r} is already used by layer {files[spec.path]}")
             files[spec.path] = spec.index
             specs[spec.index] = spec
+        if wanted is not None and wanted - set(specs):
+            has = sorted(r["index"] for r in raw_layers if isinstance(r, dict) and _is_int(r.get("index")))
+            raise v.fail("layers", f"no layer(s) {sorted(wanted - set(specs))} in the manifest; it has {has}")
         return cls(root, dict(sorted(specs.items())), metadata)
 
     # ---- reading ---------------------------------------------------------------------------

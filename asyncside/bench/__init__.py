@@ -32,10 +32,12 @@ class Bench:
     ok: Callable[[dict[str, Any]], bool] = lambda result: True
     #: Listed by ``asyncside bench`` (the device bench needs a GPU build and runs as a module).
     on_cli: bool = True
+    #: The module, when it is not ``asyncside.bench.<name>``.
+    where: str = ""
 
     @property
     def module(self) -> str:
-        return f"asyncside.bench.{self.name}"
+        return self.where or f"asyncside.bench.{self.name}"
 
     def function(self, attr: str) -> Callable[..., Any]:
         """The module's function ``attr`` (imports the module)."""
@@ -55,6 +57,8 @@ BENCHES: dict[str, Bench] = {
               ok=lambda result: bool(result.get("tokens_identical", False))),
         Bench("serve", "concurrent streaming clients against `asyncside serve`",
               "add_serve_bench_arguments", "run_serve_bench"),
+        Bench("pipeline", "pipeline ranks on this machine vs one process: tok/s, boundary cost, memory",
+              "add_pipeline_arguments", "run_pipeline_bench", where="asyncside.distributed.bench"),
         Bench("device", "upload bandwidth into MLX CUDA device pools beside pinned cudaMemcpy",
               "add_device_arguments", "run_device_bench", ok=lambda result: "error" not in result, on_cli=False),
     )

@@ -255,11 +255,14 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with engine_factory() as engine:
-            batcher = Batcher(engine.model, engine.source, predictor=settings.predictor, max_batch=settings.max_batch,
-                              max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
-                              prompt_cache_size=settings.prompt_cache_size,
-                              prompt_cache_min_tokens=settings.prompt_cache_min_tokens)
-            engine.model.forward.make_predictor(settings.predictor)  # an unknown predictor fails startup, not requests
+            batcher = engine.batcher
+            if batcher is None:
+                batcher = Batcher(engine.model, engine.source, predictor=settings.predictor,
+                                  max_batch=settings.max_batch, max_queue=settings.max_queue,
+                                  prefill_chunk=settings.prefill_chunk, prompt_cache_size=settings.prompt_cache_size,
+                                  prompt_cache_min_tokens=settings.prompt_cache_min_tokens)
+                # An unknown predictor fails startup, not requests.
+                engine.model.forward.make_predictor(settings.predictor)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(batcher.run, name="asyncside engine")
                 state.engine, state.batcher = engine, batcher

@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from ..policies import DEFAULT_POLICY
 from .settings import ServeSettings
 
 READERS = ("auto", "io_uring", "threads", "aiofiles")
@@ -97,8 +98,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resident", type=_fraction, default=0.25,
                         help="fraction of each layer's experts kept in the pools (default 0.25)")
     parser.add_argument("--reader", default="auto", choices=READERS, help="expert read backend (default auto)")
-    parser.add_argument("--policy", type=policy_name, default="lfu",
-                        help="side-region eviction policy: lfu, lru, aging-lfu, oneshot (default lfu)")
+    parser.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
+                        help=f"eviction policy of the dynamic rows: lrfu, lru, lfu, aging-lfu, oneshot "
+                             f"(default {DEFAULT_POLICY})")
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
     parser.add_argument("--cache-dir", default=None,
@@ -140,6 +142,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not log one line per request")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from ..distributed.serve import add_pipeline_serve_arguments
+
+    add_pipeline_serve_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -204,6 +209,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from .background import ServeError
 
+    if getattr(args, "store", None) is not None and args.model is None:
+        args.model = args.store
+    if getattr(args, "pipeline", False):
+        from ..distributed.serve import serve_pipeline_main
+
+        return serve_pipeline_main(args)
     _configure_logging(args)
     try:
         uvloop.run(run_serve(args))

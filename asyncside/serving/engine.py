@@ -70,6 +70,8 @@ class Engine:
     stats: Callable[[], Mapping[str, Any]] | None = None
     audit: Callable[[], tuple[bool, list[str]]] | None = None
     description: dict[str, Any] = field(default_factory=dict)
+    #: an engine loop of its own (a :class:`Batcher` subclass); None: the app builds a Batcher
+    batcher: Any = None
 
 
 def embedded_store_dir(cache_dir: str | None = None) -> str:

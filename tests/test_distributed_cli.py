@@ -1,0 +1,130 @@
+"""The pipeline's commands: ``serve STORE --pipeline``, ``demo --ranks 2``, ``bench pipeline``.
+
+Two ranks over loopback each time. Served completions (one, then several streaming at once)
+equal one process's greedy text, and SIGINT on rank 0 shuts both ranks down cleanly (status 0:
+the steps in flight drained, then the barrier). The demo reports identical tokens; the benchmark
+runs end to end (its numbers are not asserted).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import pathlib
+import signal
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import anyio
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from asyncside.bridge import completed
+from asyncside.distributed.launcher import LocalLaunch, free_ports
+from asyncside.models import convert_model, load_streaming_model
+from asyncside.models.tokenizer import ByteTokenizer
+from asyncside.runtime import Runtime
+
+import _models_support
+from _models_support import tiny_model
+
+DEADLINE = 150.0
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    # The byte tokenizer needs a vocabulary of at least 258 ids.
+    _models_support.BASE.setdefault("qwen3_moe_bytes", dict(_models_support.BASE["qwen3_moe"], vocab_size=258))
+    root = tmp_path_factory.mktemp("serve")
+    model, config = tiny_model("qwen3_moe_bytes", seed=2)
+    save_model(root / "model", model)
+    save_config(dict(config), root / "model" / "config.json")
+    ByteTokenizer(258).save(root / "model")
+    convert_model(root / "model", root / "store", progress=False)
+    return root / "store"
+
+
+async def _one_process(store: pathlib.Path, prompt: str, tokens: int) -> str:
+    sm = load_streaming_model(store, completed=completed)
+    async with Runtime(sm.store, resident=0.25) as rt:
+        out = [t async for t in sm.generate(sm.tokenizer.encode(prompt), max_tokens=tokens, source=rt)]
+    return sm.tokenizer.decode(out)
+
+
+def _post(port: int, body: dict[str, Any]) -> str:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read().decode()
+
+
+def _streamed_text(sse: str) -> str:
+    text = ""
+    for line in sse.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_serve_pipeline_answers_like_one_process(store: pathlib.Path) -> None:
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-c", "import sys; from asyncside.cli import main; sys.exit(main())",
+           "serve", str(store), "--pipeline", "--port", str(port), "--join-timeout", "30"]
+    with LocalLaunch([cmd, cmd]) as launch:
+        end = time.monotonic() + DEADLINE
+        while f"http://127.0.0.1:{port}" not in launch.output(0):
+            if time.monotonic() > end or not (launch.running(0) and launch.running(1)):
+                pytest.fail("the pipeline server did not start:\n" + launch.output(0, "err") + launch.output(1, "err"))
+            time.sleep(0.1)
+        model_id = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30).read())["data"][0]["id"]
+        prompts = [f"Route {i} to the experts. " for i in range(4)]
+        single = json.loads(_post(port, {"model": model_id, "prompt": prompts[0], "max_tokens": 8}))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streamed = list(pool.map(lambda p: _post(port, {"model": model_id, "prompt": p, "max_tokens": 8,
+                                                            "stream": True}), prompts[1:]))
+        launch.kill(0, signal.SIGINT)
+        res = launch.wait(DEADLINE)
+    assert res.ok, res.reason + "".join(r.stderr[-2000:] for r in res.ranks)
+    assert "runs layers 2..2" in res.ranks[1].stdout
+    expected = [anyio.run(_one_process, store, p, 8) for p in prompts]
+    assert all(expected) and len(set(expected)) > 1  # real text, not all alike
+    assert single["choices"][0]["text"] == expected[0]
+    assert [_streamed_text(s) for s in streamed] == expected[1:]
+
+
+def test_demo_ranks_json(store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    capsys.readouterr()
+    assert main(["demo", "--ranks", "2", "--model", str(store), "--tokens", "5", "--json", "--join-timeout", "30"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens_identical"] is True and res["launch"]["returncode"] == 0
+    assert res["split"] == [2, 1] and res["backend"] == "ring"
+    assert [r["layers"] for r in res["per_rank"]] == [[0, 2], [2, 3]]
+    pools = [r["pool_bytes"] for r in res["per_rank"]]
+    assert all(p > 0 for p in pools) and sum(pools) == res["single_process"]["pool_bytes"]
+    assert res["text"] == res["reference_text"] != ""
+    assert res["per_rank"][0]["predictions_sent"] > 0 and res["per_rank"][1]["predictions_received"] > 0
+
+
+def test_demo_ranks_refuses_a_bad_split(store: pathlib.Path) -> None:
+    from asyncside.cli import main
+
+    with pytest.raises(SystemExit, match="asyncside demo: --split 1,1: .* sum to the model's 3 decoder layers"):
+        main(["demo", "--ranks", "2", "--model", str(store), "--split", "1,1"])
+
+
+def test_bench_pipeline_quick(store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    capsys.readouterr()
+    assert main(["bench", "pipeline", "--quick", "--json", "--model", str(store), "--requests", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    s = res["summary"]
+    assert s["tokens_identical"] is True and len(res["rounds"]) == 1
+    assert s["aggregate_ratio_median"] > 0 and s["boundary_ms_per_step_median"] > 0
+    ping = res["rounds"][0]["pipeline"]["ping_ms"]
+    assert 0 < ping["raw_median"] and 0 < ping["p10"] <= ping["median"] <= ping["p90"]
+    assert s["pool_bytes"]["single"] == sum(s["pool_bytes"]["ranks"]) and all(s["max_rss_bytes"]["ranks"])
