@@ -23,6 +23,7 @@ _EXPORTS = {
     "Ledger": "ledger",
     "LFU": "policies",
     "LRU": "policies",
+    "LRFU": "policies",
     "AgingLFU": "policies",
     "OneShot": "policies",
     "Policy": "policies",
@@ -35,6 +36,7 @@ _EXPORTS = {
 __all__ = [
     "LFU",
     "LRU",
+    "LRFU",
     "AgingLFU",
     "AsyncsideError",
     "AuditReport",

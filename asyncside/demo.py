@@ -26,12 +26,25 @@ from .policies import POLICIES as POLICY_NAMES
 DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
 
 
+def _resident(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'auto', got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'auto', got {text!r}")
+    return value
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside demo``."""
     p.add_argument("--model", metavar="STORE_DIR", default=None,
                    help="a converted expert store (default: the embedded Qwen3-MoE model)")
-    p.add_argument("--resident", metavar="FRACTION", type=float, default=0.25,
-                   help="share of each layer's experts the pools hold (default 0.25)")
+    p.add_argument("--resident", metavar="FRACTION", type=_resident, default=0.25,
+                   help="share of each layer's experts the pools hold, or 'auto': sized to the memory "
+                        "available (default 0.25)")
     p.add_argument("--tokens", metavar="N", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
@@ -140,6 +153,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
+        stats["memory"] = rt.memory
     return run, stats, audit_ok
 
 
@@ -170,8 +184,6 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     from .models.embedded import ensure_embedded_default
     from .store import ExpertStore
 
-    if not 0.0 < args.resident <= 1.0:
-        raise SystemExit(f"asyncside demo: --resident must be in (0, 1], got {args.resident}")
     if args.tokens < 1:
         raise SystemExit(f"asyncside demo: --tokens must be >= 1, got {args.tokens}")
     if args.lookahead_extra < 0:
@@ -215,7 +227,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "model": sm.model_id,
         "store": str(store_dir),
         "prompt_tokens": len(prompt_ids),
-        "resident_fraction": args.resident,
+        "resident_fraction": stats["memory"]["resident"],
+        "memory": stats.pop("memory"),
         "pool_rows_per_layer": stats.pop("pool_rows_per_layer"),
         "experts_per_layer": stats.pop("experts_per_layer"),
         "reader": stats.get("reader"),
@@ -275,6 +288,9 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
     table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
     table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
+    mem = result["memory"]
+    table.add_row("pools / memory available at start",
+                  f"{mem['pool_bytes'] / 2**20:.0f} MiB / {mem['available_bytes'] / 2**30:.1f} GiB", "", "")
     table.add_row("faults per token, p50 / p99 fault time",
                   f"{result['faults_per_step']:.2f}, {result['fault_latency_p50_ms']:.2f} / "
                   f"{result['fault_latency_p99_ms']:.2f} ms", "", "")

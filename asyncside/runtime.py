@@ -216,15 +216,17 @@ class Runtime:
     budget), or an explicit mapping layer -> pinned resident expert ids. By default every row is
     dynamic, managed online by ``policy`` (warmed up from the store's routing ranking when it has
     one); ``side_rows`` pins the hottest ``budget - side_rows`` experts and leaves ``side_rows``
-    rows dynamic (see :func:`plan_layer`). ``reader``, ``reader_options`` and ``direct`` go to the
-    :class:`~asyncside.scheduler.Scheduler`.
+    rows dynamic (see :func:`plan_layer`). ``resident="auto"`` sizes the pools to the memory
+    available (:mod:`asyncside.memory`); whatever the residency, the runtime refuses to start when
+    its pools would not fit with room for the page cache. ``reader``, ``reader_options`` and
+    ``direct`` go to the :class:`~asyncside.scheduler.Scheduler`.
     """
 
     def __init__(
         self,
         store: ExpertStore,
         *,
-        resident: float | Mapping[int, Sequence[int]] = 0.25,
+        resident: float | str | Mapping[int, Sequence[int]] = 0.25,
         side_rows: int | None = None,
         min_side_rows: int = 8,
         policy: str = DEFAULT_POLICY,
@@ -247,6 +249,7 @@ class Runtime:
         self._changed: anyio.Event | None = None
         self._next_op = 0
         self._closed = False
+        self._memory: dict[str, Any] = {}
         self._stats: dict[str, float] = {
             "hits": 0,
             "misses": 0,
@@ -295,6 +298,7 @@ class Runtime:
 
             self._completed = completed
         self._changed = anyio.Event()
+        self._plan_memory()
         await self._scheduler.__aenter__()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -328,12 +332,37 @@ class Runtime:
             await self._scheduler.__aexit__(*exc_info)
         return None
 
+    def _plan_memory(self) -> None:
+        """Resolve ``resident="auto"`` to the residency the memory available allows, state what the
+        pools take, and refuse to start (AsyncsideError) when they cannot fit with room to spare."""
+        from .memory import MIN_HEADROOM, auto_fraction, available_memory, pool_bytes
+
+        budget = available_memory()
+        if self._resident_arg == "auto":
+            self._resident_arg = auto_fraction(self.store, budget, self._layer_ids, self._min_side_rows)
+        need = (pool_bytes(self.store, float(self._resident_arg), self._layer_ids, self._min_side_rows)
+                if not isinstance(self._resident_arg, Mapping) else 0)
+        self._stats["pool_bytes_planned"] = need
+        self._memory = {"pool_bytes": need, "available_bytes": budget.available, "source": budget.source,
+                        "resident": self._resident_arg if not isinstance(self._resident_arg, Mapping) else "mapping"}
+        if need + MIN_HEADROOM > budget.available:
+            raise AsyncsideError(
+                f"the pools need {need / 2**30:.2f} GiB (resident={self._resident_arg}) plus "
+                f"{MIN_HEADROOM >> 20} MiB of room for the page cache and the model, but only "
+                f"{budget.describe()}: use a smaller resident fraction, or resident='auto'")
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        """What the pools take and what was available when the runtime started (see asyncside.memory)."""
+        return dict(self._memory)
+
     async def _setup_layers(self) -> None:
         resident_sets: dict[int, list[int]] = {}
+        planned = self._resident_arg
+        assert not isinstance(planned, str), "resolved by _plan_memory"
         for index in self._layer_ids:
             spec = self.store.layer(index)
-            resident, side = plan_layer(self.store, index, self._resident_arg, self._side_rows_arg,
-                                        self._min_side_rows)
+            resident, side = plan_layer(self.store, index, planned, self._side_rows_arg, self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
             pools = await PoolSet.allocate(spec, ledger.rows)
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)

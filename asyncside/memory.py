@@ -1,0 +1,132 @@
+"""How much memory the pools may take: what this process can use, and what a residency needs.
+
+The pools are allocated once, up front; the page cache holds the records the faults read. Under a
+memory limit that charges the page cache (a cgroup), pools that leave too little room make every
+fault a disk read and the reads evict each other: the runtime says what it needs at start and
+refuses clearly when that cannot fit, and ``resident="auto"`` sizes the pools to what is there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MemoryBudget", "available_memory", "pool_bytes", "auto_fraction"]
+
+#: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
+#: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
+AUTO_SHARE = 0.5
+#: Pools plus this much headroom must fit what is available, or the runtime refuses to start.
+MIN_HEADROOM = 256 << 20
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes this process can still use, and where the figure comes from."""
+
+    available: int
+    source: str  # "cgroup v2 memory.max", "cgroup v1 memory.limit_in_bytes" or "MemAvailable"
+
+    def describe(self) -> str:
+        return f"{self.available / 2**30:.2f} GiB available ({self.source})"
+
+
+def _read_int(path: pathlib.Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _cgroup_dirs() -> list[tuple[str, pathlib.Path]]:
+    """This process's memory cgroup directories (v2 unified, v1 memory controller)."""
+    out: list[tuple[str, pathlib.Path]] = []
+    try:
+        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hid, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers == "":
+            out.append(("v2", pathlib.Path("/sys/fs/cgroup") / rel))
+        elif "memory" in controllers.split(","):
+            out.append(("v1", pathlib.Path("/sys/fs/cgroup/memory") / rel))
+    return out
+
+
+def available_memory() -> MemoryBudget:
+    """What this process can still use: the tighter of its memory cgroup's room (limit minus
+    usage, page cache included, as the cgroup charges it) and the system's MemAvailable."""
+    best: MemoryBudget | None = None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                best = MemoryBudget(int(line.split()[1]) * 1024, "MemAvailable")
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    for version, d in _cgroup_dirs():
+        if version == "v2":
+            limit, usage, name = _read_int(d / "memory.max"), _read_int(d / "memory.current"), "cgroup v2 memory.max"
+        else:
+            limit = _read_int(d / "memory.limit_in_bytes")
+            usage = _read_int(d / "memory.usage_in_bytes")
+            name = "cgroup v1 memory.limit_in_bytes"
+            if limit is not None and limit >= 1 << 60:  # v1 says "no limit" with a huge number
+                limit = None
+        if limit is None or usage is None:
+            continue
+        # The page cache the cgroup holds can be reclaimed: count it as room.
+        cache = 0
+        stat = d / "memory.stat"
+        try:
+            for line in stat.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key in ("file", "cache", "total_cache"):
+                    cache = max(cache, int(value))
+        except (OSError, ValueError):
+            pass
+        room = MemoryBudget(max(0, limit - usage + cache), f"{name} = {limit / 2**30:.2f} GiB")
+        if best is None or room.available < best.available:
+            best = room
+    return best or MemoryBudget(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free pages")
+
+
+def pool_bytes(store: Any, fraction: float, layers: list[int] | None = None, min_rows: int = 8) -> int:
+    """Bytes the pools of ``layers`` (all by default) take at residency ``fraction`` (rows as
+    :func:`asyncside.runtime.plan_layer` sizes them)."""
+    total = 0
+    for index in layers if layers is not None else list(store.layers):
+        spec = store.layer(index)
+        rows = min(spec.n_experts, max(min_rows, math.ceil(fraction * spec.n_experts)))
+        total += rows * sum(seg.nbytes for seg in spec.segments)
+    return total
+
+
+def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = None, min_rows: int = 8) -> float:
+    """The largest residency whose pools take at most :data:`AUTO_SHARE` of ``budget`` (at least
+    the smallest pools :func:`pool_bytes` allows, at most every expert)."""
+    target = budget.available * AUTO_SHARE
+    lo, hi = 0.0, 1.0
+    if pool_bytes(store, 1.0, layers, min_rows) <= target:
+        return 1.0
+    for _ in range(30):  # bisect the fraction: pool_bytes is monotone in it
+        mid = (lo + hi) / 2
+        if pool_bytes(store, mid, layers, min_rows) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
