@@ -312,7 +312,13 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
-    result = run_demo(args)
+    from .errors import AsyncsideError
+
+    try:
+        result = run_demo(args)
+    except AsyncsideError as exc:  # e.g. pools that cannot fit the memory available: say so, no traceback
+        print(f"asyncside demo: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:
