@@ -24,6 +24,7 @@ import errno as _errno
 import logging
 import mmap
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -125,7 +126,10 @@ class ReaderBackend(ABC):
 
     @abstractmethod
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
-        """Open the layer blob for reads into ``pools``; returns a layout id for :meth:`submit`."""
+        """Open the layer blob for reads into ``pools``; returns a layout id for :meth:`submit`.
+
+        Called in a worker thread (an open can block: a stale mount). Raises OSError with errno
+        and filename when the blob cannot be opened or is not a regular file."""
 
     @abstractmethod
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -267,23 +271,29 @@ class AiofilesReader(ReaderBackend):
                                   "ops_completed", "short_reads", "retries", "faults_injected", "bytes_read",
                                   "staging_acquired", "staging_released")}
         self._offload: Callable[..., Any] | None = None
+        self._closed = False
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._c[key] += n
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
-        fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = _open_blob(str(spec.path), 0, "")
         fd_direct = -1
         if self.direct:
-            flag = getattr(os, "O_DIRECT", 0)
             try:
-                fd_direct = os.open(spec.path, os.O_RDONLY | flag)
-            except OSError as exc:
+                fd_direct = _open_blob(str(spec.path), getattr(os, "O_DIRECT", 0), " with O_DIRECT")
+            except OSError:
                 os.close(fd)
-                raise OSError(exc.errno, f"{spec.path}: cannot open with O_DIRECT: {exc.strerror}") from None
-        self._layouts.append(_PyLayout(spec, pools, fd, fd_direct))
-        return len(self._layouts) - 1
+                raise
+        with self._lock:
+            if self._closed:  # closed while this open ran in its worker thread
+                os.close(fd)
+                if fd_direct >= 0:
+                    os.close(fd_direct)
+                raise OSError(_errno.EBADF, "the reader is closed", str(spec.path))
+            self._layouts.append(_PyLayout(spec, pools, fd, fd_direct))
+            return len(self._layouts) - 1
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         if self._tg is None:
@@ -455,11 +465,36 @@ class AiofilesReader(ReaderBackend):
         return c
 
     async def aclose(self) -> None:
-        for L in self._layouts:
+        with self._lock:
+            self._closed = True
+            layouts, self._layouts = self._layouts, []
+        for L in layouts:
             os.close(L.fd)
             if L.fd_direct >= 0:
                 os.close(L.fd_direct)
-        self._layouts.clear()
+
+
+def _open_blob(path: str, flags: int, how: str) -> int:
+    """Open a blob for reading without blocking on what the path is (see native open_blob):
+    O_NONBLOCK so a FIFO does not wait for a writer, anything but a regular file refused, then
+    O_NONBLOCK cleared. Raises OSError with errno and filename set. Blocking if the filesystem
+    blocks (a stale mount): call it from a worker thread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        why = f"cannot open{how}: {exc.strerror} (errno {exc.errno})"
+        if exc.errno == _errno.EINVAL and flags:
+            why += " (the filesystem refuses direct I/O; read it buffered)"
+        raise OSError(exc.errno, why, path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(_errno.EINVAL, "not a regular file (a FIFO, device or directory cannot be a blob)", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:

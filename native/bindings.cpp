@@ -179,6 +179,19 @@ std::vector<io::SegmentSpan> spans(const std::vector<uint64_t>& offsets, const s
 }
 
 void bind_read_path(nb::module_& m) {
+  // A blob that cannot be opened surfaces as the matching OSError (FileNotFoundError,
+  // PermissionError, ...) with errno and filename set, so callers can tell causes apart.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const io::OpenError& e) {
+      std::string msg = e.what();
+      const std::string prefix = e.path() + ": ";
+      if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
+      nb::object exc = nb::handle(PyExc_OSError)(e.err(), msg, e.path());
+      PyErr_SetObject(PyExc_OSError, exc.ptr());
+    }
+  });
   nb::class_<PyReader>(m, "Reader",
                        "A native reader (io_uring or preadv thread pool) completing whole fills onto one "
                        "completion list + eventfd.")

@@ -45,6 +45,42 @@ void* aligned_alloc_or_throw(uint64_t bytes, const char* what) {
 
 std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
 
+// Opens a blob for reading without ever blocking on what the path turns out to be: O_NONBLOCK
+// makes open() of a FIFO return at once (a FIFO opened for reading otherwise waits for a writer),
+// and anything but a regular file is refused. O_NONBLOCK is then cleared: io_uring would
+// otherwise report EAGAIN for reads it should punt to its workers.
+int open_blob(const std::string& path, int flags, const char* how) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int e = errno;
+    std::string why = std::string("cannot open") + how + ": " + errno_text(e);
+#if defined(O_DIRECT)
+    if (e == EINVAL && (flags & O_DIRECT) != 0) why += " (the filesystem refuses direct I/O; read it buffered)";
+#endif
+    throw OpenError(e, path, path + ": " + why);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw OpenError(e, path, path + ": cannot stat: " + errno_text(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw OpenError(EINVAL, path, path + ": not a regular file (a FIFO, device or directory cannot be a blob)");
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw OpenError(e, path, path + ": cannot clear O_NONBLOCK: " + errno_text(e));
+  }
+  return fd;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -206,8 +242,10 @@ Reader::~Reader() {
 
 uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
                             std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest) {
-  std::lock_guard<std::mutex> lk(api_mu_);
-  if (closed_) throw std::runtime_error("reader is closed");
+  {
+    std::lock_guard<std::mutex> lk(api_mu_);
+    if (closed_) throw std::runtime_error("reader is closed");
+  }
   if (stride == 0) throw std::invalid_argument(path + ": stride: expected > 0");
   if (n_experts < 1) throw std::invalid_argument(path + ": n_experts: expected >= 1, got " + std::to_string(n_experts));
   if (segments.empty()) throw std::invalid_argument(path + ": segments: expected at least one");
@@ -241,20 +279,25 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
   L->span_begin = L->segs[L->order.front()].offset;
   L->span_end = prev_end;
 
-  L->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (L->fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  L->fd = open_blob(path, O_RDONLY | O_CLOEXEC, "");
   if (opts_.direct) {
 #if defined(O_DIRECT)
-    L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (L->fd_direct < 0) {
-      int e = errno;
+    try {
+      L->fd_direct = open_blob(path, O_RDONLY | O_CLOEXEC | O_DIRECT, " with O_DIRECT");
+    } catch (...) {
       ::close(L->fd);
-      throw std::runtime_error(path + ": cannot open with O_DIRECT (filesystem without direct I/O?): " + errno_text(e));
+      throw;
     }
 #else
     L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (L->fd_direct >= 0) fcntl(L->fd_direct, F_NOCACHE, 1);
 #endif
+  }
+  std::lock_guard<std::mutex> lk(api_mu_);
+  if (closed_) {
+    ::close(L->fd);
+    if (L->fd_direct >= 0) ::close(L->fd_direct);
+    throw std::runtime_error("reader is closed");
   }
   L->id = static_cast<uint32_t>(layouts_.size());
   on_layout_added(*L);
@@ -595,7 +638,7 @@ std::vector<Completion> Reader::reap() {
   std::lock_guard<std::mutex> lk(api_mu_);
   // Reset the wakeup first: anything completing after this re-arms it.
   uint64_t buf[8];
-  while (::read(notify_read_fd_, buf, sizeof buf) > 0) {
+  while (notify_read_fd_ >= 0 && ::read(notify_read_fd_, buf, sizeof buf) > 0) {
   }
   if (!closed_) reap_backend();
   std::vector<Completion> out;
@@ -608,6 +651,7 @@ std::vector<Completion> Reader::reap() {
 }
 
 bool Reader::wait(int timeout_ms) {
+  if (notify_read_fd_ < 0) return false;  // closed
   pollfd p{notify_read_fd_, POLLIN, 0};
   int r;
   do {
@@ -643,6 +687,15 @@ void Reader::close() {
   }
   std::free(junk_);
   junk_ = nullptr;
+  // The ring (which had the eventfd registered) is gone and nothing is in flight: nobody writes
+  // the wakeup descriptor any more. Closing it here, not in the destructor, keeps a closed reader
+  // from holding a descriptor until garbage collection.
+  {
+    std::lock_guard<std::mutex> dl(done_mu_);
+    if (notify_write_fd_ >= 0 && notify_write_fd_ != notify_read_fd_) ::close(notify_write_fd_);
+    if (notify_read_fd_ >= 0) ::close(notify_read_fd_);
+    notify_read_fd_ = notify_write_fd_ = -1;
+  }
   closed_ = true;
 }
 

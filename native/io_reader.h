@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -87,6 +88,21 @@ class MlxPoolDestination final : public Destination {
   int64_t rows_ = 0;
 };
 
+// A blob could not be opened for reading (missing, unreadable, not a regular file, O_DIRECT
+// refused). Carries the errno and the path apart from the message so that the binding raises the
+// matching OSError (FileNotFoundError, PermissionError, ...).
+class OpenError : public std::runtime_error {
+ public:
+  OpenError(int err, std::string path, const std::string& what)
+      : std::runtime_error(what), err_(err), path_(std::move(path)) {}
+  int err() const noexcept { return err_; }
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  int err_;
+  std::string path_;
+};
+
 struct SegmentSpan {
   uint64_t offset;  // inside the record
   uint64_t nbytes;
@@ -153,8 +169,10 @@ class Reader {
   const ReaderOptions& options() const { return opts_; }
   int event_fd() const { return notify_read_fd_; }
 
-  // Opens the blob (and its O_DIRECT twin when direct) once; throws std::invalid_argument /
-  // std::runtime_error naming the path and field on bad input.
+  // Opens the blob (and its O_DIRECT twin when direct) once; throws std::invalid_argument naming
+  // the path and field on bad input, OpenError when the file cannot be opened for reading or is
+  // not a regular file. The open happens outside the API lock and with O_NONBLOCK (a FIFO never
+  // blocks it), so call it from a worker thread: an open on a stale mount can still block.
   uint32_t add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
                       std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest);
   // Starts every fill now (never blocks on I/O; staging exhaustion queues natively). Validates all
@@ -164,7 +182,8 @@ class Reader {
   std::vector<Completion> reap();
   // Blocks up to timeout_ms for the eventfd; true when readable. For synchronous callers only.
   bool wait(int timeout_ms);
-  // Waits for every in-flight fill, stops threads, frees staging and files. Idempotent.
+  // Waits for every in-flight fill, stops threads, frees staging, files and the wakeup
+  // descriptor(s) (event_fd() is -1 afterwards). Idempotent.
   void close();
   void set_faults(const Faults& f);
   uint64_t in_flight() const { return in_flight_.load(); }
