@@ -11,12 +11,14 @@ class StoreError(AsyncsideError, ValueError):
     """An expert store is missing, malformed or hostile.
 
     ``path`` is the file at fault and ``field`` the manifest field (dotted, e.g.
-    ``layers[3].segments[1].nbytes``) when one is to blame.
+    ``layers[3].segments[1].nbytes``) when one is to blame; ``errno`` is set when an operating
+    system call on the file failed (e.g. a blob that cannot be opened).
     """
 
-    def __init__(self, path: object, message: str, field: str | None = None) -> None:
+    def __init__(self, path: object, message: str, field: str | None = None, errno: int | None = None) -> None:
         self.path = str(path)
         self.field = field
+        self.errno = errno
         where = f"{self.path}" + (f" [{field}]" if field else "")
         super().__init__(f"{where}: {message}")
 
