@@ -72,7 +72,16 @@ void bind_bridge(nb::module_& m) {
   m.def("schedule_step", &br::schedule_step, nb::arg("roots"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Schedule as much of the unscheduled graph of `roots` as fits under MLX's eval throttle. "
-        "Returns (True, None) once all is scheduled, else (False, y): await y, then call again.");
+        "Returns (True, None) once all is scheduled, else (False, y): await y, then call again; "
+        "(False, None): nothing fits and nothing of the graph is pending: await the roots' stream "
+        "(barrier), then call again.");
+  m.def("barrier",
+        [](BridgeQueue& queue, uint64_t ticket, mlx::core::Stream stream) {
+          br::barrier(queue.q, ticket, stream);
+        },
+        nb::arg("queue"), nb::arg("ticket"), nb::arg("stream"),
+        "Post `ticket` to `queue` once the CPU `stream` has run everything queued on it so far "
+        "(no array, no eval: never blocked by MLX's throttle).");
   m.def("mlx_active_tasks", &br::mlx_active_tasks,
         "MLX's count of CPU task groups in flight (its eval throttle blocks callers above 10).");
   m.def("is_available", &br::is_available, nb::arg("x"),
