@@ -32,11 +32,18 @@ class CapacityError(AsyncsideError):
 
 
 class FillError(AsyncsideError):
-    """Reading one expert record into its pool row failed; the row went back to the free list."""
+    """Reading one expert record into its pool row failed; the row went back to the free list.
 
-    def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None) -> None:
+    A record whose bytes do not match its checksum fails with ``errno`` EBADMSG and the two
+    checksums in ``expected`` and ``got``.
+    """
+
+    def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None,
+                 expected: int | None = None, got: int | None = None) -> None:
         self.layer = layer
         self.expert = expert
         self.row = row
         self.errno = errno
+        self.expected = expected
+        self.got = got
         super().__init__(f"layer {layer} expert {expert} (row {row}): {message}")

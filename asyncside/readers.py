@@ -116,6 +116,7 @@ class ReaderOptions:
     iowq_max_workers: int | None = None  # io_uring: io-wq copy threads (default: ncpu); 0 = kernel default
     worker_nice: int = 0  # native worker threads run this much nicer than the loop thread (Linux)
     direct_rows: bool = True  # O_DIRECT straight into block-aligned rows; False: always via staging
+    verify: bool = True  # check each record's checksum (when the store has them) before the fill completes
 
 
 class ReaderBackend(ABC):
@@ -142,6 +143,10 @@ class ReaderBackend(ABC):
 
     def kick(self, deliver: Deliver) -> None:
         """Deliver whatever completed already (io_uring reads may finish inside submit)."""
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        """(expected, got) checksums of a fill that completed with -EBADMSG (once), else None."""
+        return None
 
     @abstractmethod
     def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
@@ -194,14 +199,25 @@ class NativeReader(ReaderBackend):
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
         if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
-            return self._r.add_layout_mirror(
+            lid = self._r.add_layout_mirror(
                 str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
                 pools.mirror,
             )
-        return self._r.add_layout(
+            self._set_checksums(lid, spec)
+            return lid
+        lid = self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],
         )
+        self._set_checksums(lid, spec)
+        return lid
+
+    def _set_checksums(self, lid: int, spec: LayerSpec) -> None:
+        if self.options.verify and spec.checksum is not None and spec.checksums is not None:
+            self._r.set_checksums(lid, spec.checksum, list(spec.checksums))
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        return self._r.take_mismatch(token)
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         self._r.submit(layout, list(tokens), list(experts), list(rows))
@@ -249,6 +265,11 @@ class _EndOfFile(Exception):
     pass
 
 
+class _Mismatch(Exception):
+    def __init__(self, expected: int, got: int) -> None:
+        self.expected, self.got = expected, got
+
+
 class AiofilesReader(ReaderBackend):
     """Pure Python: each fill is one hop to aiofiles' executor (asyncio) or anyio's thread pool
     (trio), where ``os.preadv`` reads into the rows' writable memoryviews (zero-copy; short reads
@@ -272,6 +293,7 @@ class AiofilesReader(ReaderBackend):
                                   "staging_acquired", "staging_released")}
         self._offload: Callable[..., Any] | None = None
         self._closed = False
+        self._mismatches: dict[int, tuple[int, int]] = {}
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -338,6 +360,9 @@ class AiofilesReader(ReaderBackend):
                 res = 0
             except _EndOfFile:
                 res = -_errno.ENODATA
+            except _Mismatch as exc:
+                self._mismatches[token] = (exc.expected, exc.got)
+                res = -_errno.EBADMSG
             except OSError as exc:
                 res = -(exc.errno or _errno.EIO)
             except Exception:  # a bug here must still settle the fill, or its row leaks
@@ -427,6 +452,23 @@ class AiofilesReader(ReaderBackend):
             end = off + seg.nbytes
         for off, bufs in groups:
             self._read_range(L.fd, str(spec.path), off, bufs, sum(b.nbytes for b in bufs), False)
+        self._verify(L, expert, row)
+
+    def _verify(self, L: _PyLayout, expert: int, row: int) -> None:
+        """Worker thread: the row's segments, in table order, must match the record's checksum."""
+        spec = L.spec
+        if not self.options.verify or spec.checksum is None or spec.checksums is None:
+            return
+        from . import _native
+
+        got = 0
+        for seg in spec.segments:
+            got = _native.checksum(spec.checksum, L.pools.row_view(seg.key, row), got)
+        if got != spec.checksums[expert]:
+            raise _Mismatch(spec.checksums[expert], got)
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        return self._mismatches.pop(token, None)
 
     def _read_staged(self, L: _PyLayout, expert: int, row: int) -> None:
         spec, rec = L.spec, expert * L.spec.stride
@@ -447,6 +489,7 @@ class AiofilesReader(ReaderBackend):
                 L.pools.row_view(seg.key, row)[:] = view[s : s + seg.nbytes]
         finally:
             self._count("staging_released")
+        self._verify(L, expert, row)
 
     def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
                    transient_every: int = 0, transient_err: int = 0) -> None:

@@ -190,7 +190,9 @@ class Runtime:
     ``resident`` is the fraction of each layer's experts the pools hold in total (the memory
     budget), or an explicit mapping layer -> resident expert ids. ``side_rows`` is how many of
     those rows rotate (the side region); the rest hold a fixed resident set. By default half the
-    budget rotates, at least ``min_side_rows``.
+    budget rotates, at least ``min_side_rows``. ``verify`` (default on) checks every record read
+    against its checksum in the store before its row is published; a mismatch fails that fill
+    with a FillError (``errno`` EBADMSG, ``expected`` and ``got``).
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class Runtime:
         direct: bool | None = None,
         layers: Iterable[int] | None = None,
         completed: Completed | None = None,
+        verify: bool = True,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -213,7 +216,9 @@ class Runtime:
         self._side_rows_arg = side_rows
         self._min_side_rows = min_side_rows
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
-        self._scheduler = Scheduler(reader, queue_depth=queue_depth, direct=direct)
+        # verify: every record read is checked against its checksum before its row is published
+        # (a mismatch is a FillError); False skips the check.
+        self._scheduler = Scheduler(reader, queue_depth=queue_depth, direct=direct, verify=verify)
         self._completed = completed
         self._layers: dict[int, _Layer] = {}
         self._tg: anyio.abc.TaskGroup | None = None

@@ -155,6 +155,7 @@ class Scheduler:
         iowq_max_workers: int | None = None,
         worker_nice: int = 0,
         direct_rows: bool = True,
+        verify: bool = True,
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
@@ -166,8 +167,9 @@ class Scheduler:
             buffered_chunk_bytes=buffered_chunk_bytes,
             async_threshold=async_threshold, staging_bytes=staging_bytes, slot_bytes=slot_bytes,
             register_files=register_files, register_buffers=register_buffers, iowq_max_workers=iowq_max_workers,
-            worker_nice=worker_nice, direct_rows=direct_rows,
+            worker_nice=worker_nice, direct_rows=direct_rows, verify=verify,
         )
+        self.verify = verify
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)
         self._layouts: dict[int, _Layout] = {}
@@ -435,7 +437,7 @@ class Scheduler:
             h, lay = self._inflight.pop(tok)
             err = None
             if res != 0:
-                err = self._error(lay.spec, h, -res)
+                err = self._error(lay.spec, h, -res, self.reader.take_mismatch(tok) if self.reader else None)
                 self._stats["failed"] += 1
             self._stats["completed"] += 1
             self._callback_errors.extend(h._finish(err))
@@ -444,11 +446,16 @@ class Scheduler:
         self._signal_idle()
 
     @staticmethod
-    def _error(spec: LayerSpec, h: FillHandle, err: int) -> FillError:
+    def _error(spec: LayerSpec, h: FillHandle, err: int, mismatch: tuple[int, int] | None = None) -> FillError:
         e, row = int(h.fill.expert), int(h.fill.row)
         where = f"read of {spec.path} record {e} (bytes [{e * spec.stride}, {(e + 1) * spec.stride}))"
         if err == _errno.ENODATA:
             msg = f"{where}: end of file before the record's last byte (truncated blob?)"
+        elif err == _errno.EBADMSG and mismatch is not None:
+            expected, got = mismatch
+            msg = (f"{where}: {spec.checksum} checksum mismatch: expected {expected:#010x}, got {got:#010x} "
+                   f"(the bytes on disk are not what the store was written with)")
+            return FillError(spec.index, e, row, msg, errno=err, expected=expected, got=got)
         else:
             msg = f"{where}: {os.strerror(err)}"
         return FillError(spec.index, e, row, msg, errno=err)

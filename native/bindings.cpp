@@ -10,6 +10,7 @@
 
 #include <mlx/array.h>
 
+#include "checksum.h"
 #include "io_reader.h"
 #include "host_mirror.h"
 #include "version.h"
@@ -177,6 +178,27 @@ class PyReader {
   std::unique_ptr<io::Reader> r_;
 };
 
+io::ChecksumKind checksum_kind(const std::string& name) {
+  if (name == "crc32") return io::ChecksumKind::Crc32;
+  if (name == "crc32c") return io::ChecksumKind::Crc32c;
+  if (name == "none" || name.empty()) return io::ChecksumKind::None;
+  throw std::invalid_argument("checksum: expected 'crc32', 'crc32c' or 'none', got '" + name + "'");
+}
+
+// checksum_update over any C-contiguous buffer (bytes, memoryview, numpy array), GIL released.
+uint32_t checksum_buffer(io::ChecksumKind kind, nb::handle data, uint32_t state, bool portable) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  uint32_t r;
+  {
+    nb::gil_scoped_release g;
+    r = portable ? io::checksum_update_portable(kind, state, view.buf, static_cast<size_t>(view.len))
+                 : io::checksum_update(kind, state, view.buf, static_cast<size_t>(view.len));
+  }
+  PyBuffer_Release(&view);
+  return r;
+}
+
 std::vector<io::SegmentSpan> spans(const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes) {
   if (offsets.size() != nbytes.size()) {
     throw std::invalid_argument("offsets and nbytes: expected equal lengths, got " + std::to_string(offsets.size()) +
@@ -322,7 +344,51 @@ void bind_read_path(nb::module_& m) {
           nb::arg("max_read_bytes") = 0, nb::arg("transient_every") = 0, nb::arg("transient_err") = 0,
           "Test hooks: fail reads of `path` touching [lo, hi) with errno `err`; cap every read op at "
           "max_read_bytes; make every Nth op fail once with EAGAIN/EINTR.")
+      .def(
+          "set_checksums",
+          [](PyReader& p, uint32_t layout, const std::string& kind, std::vector<uint32_t> values) {
+            p.r().set_checksums(layout, checksum_kind(kind), std::move(values));
+          },
+          nb::arg("layout"), nb::arg("kind"), nb::arg("values"),
+          "Verify every later fill of `layout` against values[expert] ('crc32' | 'crc32c'; 'none': off) "
+          "before it completes; a mismatch completes it with -EBADMSG (see take_mismatch).")
+      .def(
+          "take_mismatch",
+          [](PyReader& p, uint64_t token) -> std::optional<std::pair<uint32_t, uint32_t>> {
+            io::Mismatch m{};
+            if (!p.r().take_mismatch(token, &m)) return std::nullopt;
+            return std::make_pair(m.expected, m.got);
+          },
+          nb::arg("token"), "(expected, got) of a fill completed with -EBADMSG, once; else None.")
       .def("counters", [](PyReader& p) { return p.r().counters(); });
+
+  m.def(
+      "checksum",
+      [](const std::string& kind, nb::handle data, uint32_t state) {
+        return checksum_buffer(checksum_kind(kind), data, state, false);
+      },
+      nb::arg("kind"), nb::arg("data"), nb::arg("state") = 0,
+      "CRC of a C-contiguous buffer ('crc32': equals zlib.crc32; 'crc32c'), continuing `state` "
+      "(0 to start). The fastest implementation the CPU has; GIL released.");
+  m.def(
+      "checksum_portable",
+      [](const std::string& kind, nb::handle data, uint32_t state) {
+        return checksum_buffer(checksum_kind(kind), data, state, true);
+      },
+      nb::arg("kind"), nb::arg("data"), nb::arg("state") = 0,
+      "The same CRC by the portable table implementation (tests compare the fast paths with it).");
+  m.def(
+      "checksum_combine",
+      [](const std::string& kind, uint32_t crc1, uint32_t crc2, uint64_t len2) {
+        return io::checksum_combine(checksum_kind(kind), crc1, crc2, len2);
+      },
+      nb::arg("kind"), nb::arg("crc1"), nb::arg("crc2"), nb::arg("len2"),
+      "The checksum of a||b from those of a and b (b's started at 0) and b's length (zlib's crc32_combine).");
+  m.def(
+      "checksum_implementation",
+      [](const std::string& kind) { return std::string(io::checksum_implementation(checksum_kind(kind))); },
+      nb::arg("kind"), "Which implementation checksum() uses here: 'vpclmulqdq', 'pclmulqdq', 'sse4.2', "
+      "'armv8-crc', 'table' or 'none'.");
 
   m.def(
       "io_uring_available",

@@ -23,6 +23,8 @@
 
 #include <mlx/array.h>
 
+#include "checksum.h"
+
 namespace asyncside::io {
 
 namespace mx = mlx::core;
@@ -116,7 +118,14 @@ struct FillRequest {
 
 struct Completion {
   uint64_t token;
-  int result;  // 0, or -errno (-ENODATA: the file ended before the record did)
+  int result;  // 0, or -errno (-ENODATA: the file ended before the record did; -EBADMSG: the
+               // bytes landed but do not match the record's checksum, see take_mismatch)
+};
+
+// A fill whose bytes did not match its record's checksum.
+struct Mismatch {
+  uint32_t expected;
+  uint32_t got;
 };
 
 struct Layout;
@@ -136,6 +145,7 @@ struct Counters {
   std::atomic<uint64_t> slab_allocs{0}, slab_frees{0};
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
   std::atomic<uint64_t> iowq_max_workers{0};
+  std::atomic<uint64_t> checksums_verified{0}, checksum_mismatches{0}, checksum_bytes{0}, checksum_ns{0};
   std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)  // what the kernel accepted (0: default/unsupported)
   std::map<std::string, uint64_t> snapshot() const;
 };
@@ -175,6 +185,13 @@ class Reader {
   // blocks it), so call it from a worker thread: an open on a stale mount can still block.
   uint32_t add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
                       std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest);
+  // Verify every later fill of `layout`: its segments' bytes, in table order, must checksum (kind)
+  // to values[expert] before the fill completes (0); otherwise it completes with -EBADMSG and
+  // take_mismatch(token) tells expected and got. ChecksumKind::None turns verification off.
+  // Throws std::invalid_argument unless values has one entry per expert.
+  void set_checksums(uint32_t layout, ChecksumKind kind, std::vector<uint32_t> values);
+  // The mismatch recorded for a fill completed with -EBADMSG (once), if any.
+  bool take_mismatch(uint64_t token, Mismatch* out);
   // Starts every fill now (never blocks on I/O; staging exhaustion queues natively). Validates all
   // requests before starting any; throws std::out_of_range naming the bad value.
   void submit(uint32_t layout, const std::vector<FillRequest>& fills);
@@ -198,8 +215,15 @@ class Reader {
   virtual void reap_backend() {}
   virtual void shutdown_backend() {}
   virtual void on_layout_added(Layout& layout) {}
-  // Scatter a finished staged chunk (io_uring: hand to copy workers; threads: inline).
+  // A chunk whose bytes landed and that needs work before it is done (a staged chunk's scatter,
+  // a verified layout's checksum): run finish_chunk(c) on a worker (io_uring: the copy workers,
+  // never the event loop thread that reaps) or right here (threads: already on a worker).
   virtual void scatter_staged(Chunk* c) = 0;
+  // Scatter (staged) or checksum (rows) a chunk whose bytes landed, then chunk_done(c, 0).
+  void finish_chunk(Chunk* c);
+  // Largest buffered chunk while verifying (0: no cap): small enough that a worker checksums
+  // what it just read while it is still in its cache.
+  virtual uint64_t verify_chunk_bytes() const { return 0; }
 
   // Shared per-op logic.
   enum class Step { Continue, Done };
@@ -212,10 +236,16 @@ class Reader {
   Step after_op(Chunk* c, int64_t res, int* final_result);
   // The chunk's bytes have landed (or failed): scatter if staged, else finish.
   void chunk_read_finished(Chunk* c, int result);
-  // Copies a staged chunk's pieces into rows (any thread, no locks held).
+  // Copies a staged chunk's pieces into rows, checksumming them on the way when the layout is
+  // verified (any thread, no locks held).
   void do_scatter(Chunk* c);
+  // Checksums a rows-mode chunk's segment bytes (not the padding sink) into its fill's part.
+  void checksum_rows(Chunk* c);
   // Returns the staging slot, settles the fill, frees the chunk.
   void chunk_done(Chunk* c, int result);
+  // Every chunk of f is done: combine its parts' checksums and compare (verified layouts), post
+  // the completion, free f.
+  void fill_done(Fill* f);
   void post_completion(uint64_t token, int result);
   void notify();
 
@@ -240,6 +270,7 @@ class Reader {
   // Completions.
   std::mutex done_mu_;
   std::vector<Completion> done_;
+  std::map<uint64_t, Mismatch> mismatches_;  // under done_mu_
   int notify_read_fd_ = -1, notify_write_fd_ = -1;  // same fd for eventfd
   std::atomic<uint64_t> in_flight_{0};
   bool closed_ = false;

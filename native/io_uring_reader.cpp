@@ -120,10 +120,7 @@ class UringReader final : public Reader {
     }
     copy_ = std::make_unique<ChunkWorkers>(
         opts_.workers,
-        [this](Chunk* c) {
-          do_scatter(c);
-          chunk_done(c, 0);
-        },
+        [this](Chunk* c) { finish_chunk(c); },
         opts_.worker_nice);
   }
 
@@ -244,6 +241,8 @@ class UringReader final : public Reader {
     }
   }
 
+  // Reads complete in reap(), on the event loop thread: scatter and checksum run on the copy
+  // workers instead.
   void scatter_staged(Chunk* c) override { copy_->push(c); }
 
   void shutdown_backend() override {

@@ -381,6 +381,71 @@ async def test_concurrent_ensures_that_cannot_be_held_together_make_progress(
         assert_ledgers_clean(rt)
 
 
+# ---- 5. a record with a flipped byte ------------------------------------------------------------------
+
+
+def _flip(spec, expert: int, segment: int = 0, at: int = 5) -> None:  # type: ignore[no-untyped-def]
+    with open(spec.path, "r+b") as fh:
+        fh.seek(expert * spec.stride + spec.segments[segment].offset + at)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("checksum", ["crc32c", "crc32"])
+async def test_flipped_byte_is_never_served(tmp_path: Path, reader: str, direct: bool, checksum: str,
+                                            no_blocking: object) -> None:
+    """One bit flipped in a record (after the store was written): the fill fails with a FillError
+    naming layer, expert, row, expected and got (errno EBADMSG); its row goes back to FREE and the
+    lookup table never lists it; the intact records are served. crc32: a version-1 store."""
+    store = ExpertStore.create(tmp_path / "s", random_layers(2, 16, seed=5), checksum=checksum)
+    if checksum == "crc32":
+        manifest = store.path / "manifest.json"
+        manifest.write_text(manifest.read_text().replace('"version": 2', '"version": 1'))
+        store = ExpertStore.open(store.path)
+        assert store.version == 1
+    spec = store.layer(0)
+    _flip(spec, 13, segment=2, at=100)
+    async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader, direct=direct) as rt:
+        with pytest.raises(FillError, match="checksum mismatch") as info:
+            await rt.ensure(0, [12, 13])
+        err = info.value
+        assert (err.layer, err.expert, err.errno) == (0, 13, errno.EBADMSG)
+        assert err.expected == spec.checksums[13] and err.got != err.expected
+        assert f"{err.expected:#010x}" in str(err) and f"{err.got:#010x}" in str(err) and f"row {err.row}" in str(err)
+        table = np.array(rt.lookup(0))
+        assert table[13] == -1 and table[12] >= 0
+        assert err.row in rt.ledger(0).free_rows()
+        with pytest.raises(ExceptionGroup):
+            await rt.drain(0)
+        await rt.ensure(1, [13])  # the other layer's record 13 is intact
+        assert_ledgers_clean(rt)
+    # Opting out serves whatever the disk holds.
+    async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader, direct=direct,
+                       verify=False) as rt:
+        await rt.ensure(0, [13])
+        row = int(np.array(rt.lookup(0))[13])
+        seg = spec.segments[2]
+        record = await anyio.to_thread.run_sync(lambda: store.read_record(0, 13, verify=False))
+        on_disk = record[seg.offset : seg.end]  # the flipped bytes
+        assert rt._layer(0).pools.row_bytes(seg.key, row) == on_disk
+        assert rt.stats()["fills"] == 1
+
+
+@pytest.mark.anyio
+async def test_flipped_byte_in_a_resident_record_fails_entry(store: ExpertStore) -> None:
+    resident = {0: [0, 1, 2, 3], 1: []}
+    _flip(store.layer(0), 2)
+    with pytest.raises(ExceptionGroup) as group:
+        async with Runtime(store, resident=resident, side_rows=4):
+            pass
+    (err,) = group.value.exceptions
+    assert isinstance(err, FillError) and err.expert == 2 and err.errno == errno.EBADMSG
+
+
 # ---- 6. one-shot drops without a fill ---------------------------------------------------------------------
 
 
