@@ -21,13 +21,16 @@ LOOPS = [
 ]
 
 
-def run_guarded(fn: Callable[..., Any], *args: Any, loop: tuple[str, dict[str, Any]], limit_s: float = 600.0) -> Any:
+def run_guarded(fn: Callable[..., Any], *args: Any, loop: tuple[str, dict[str, Any]], limit_s: float | None = None) -> Any:
     """``anyio.run(fn, *args)`` on ``loop`` in a daemon thread; fails the test if it never returns.
 
     A hang inside a shielded scope cannot be cancelled from the loop itself, so the test would
-    hang with it; here the test fails instead, with the stuck thread's stack. ``limit_s`` is only
-    a hang detector (generous: a loaded CI machine is slow), never a performance assertion.
+    hang with it; here the test fails instead, with the stuck thread's stack. ``limit_s`` (default
+    $ASYNCSIDE_HANG_LIMIT_S, else 600) is only a hang detector, generous because a loaded CI
+    machine is slow: never a performance assertion.
     """
+    if limit_s is None:
+        limit_s = float(os.environ.get("ASYNCSIDE_HANG_LIMIT_S", "600"))
     out: dict[str, Any] = {}
 
     def target() -> None:

@@ -18,6 +18,11 @@ rows kept full), in three cache states:
   (``posix_fadvise(DONTNEED)`` on the blob; with ``--drop-caches`` as root, also
   ``echo 3 > /proc/sys/vm/drop_caches``) before every pass.
 
+Every pass verifies each record's CRC-32C (the readers' default); at the deepest queue of the warm
+and O_DIRECT states each reader also runs with verification off (``<reader> no-verify``),
+interleaved with the others, and ``verify_cost`` reports verified / unverified GB/s
+(``--no-verify`` turns verification off everywhere).
+
 Beside them, in the same run: for the cold states, fio with io_uring at the same depth and block
 size (= the stride; the disk's limit for this access pattern) when fio is installed; the original design (one thread,
 ``pread`` of each whole record into a temp buffer, then one ``memcpy`` per segment; native);
@@ -108,6 +113,8 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-caches", action="store_true",
                         help="as root, also echo 3 > /proc/sys/vm/drop_caches before cold buffered passes")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read without checking records' checksums (default: verify, plus a no-verify ablation)")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
 
@@ -154,10 +161,11 @@ def _build_store(root: str, layout: ModelLayout, n_experts: int):  # -> ExpertSt
     if os.path.exists(os.path.join(path, "manifest.json")):
         store = ExpertStore.open(path)
         spec = store.layer(0)
-        if spec.n_experts == n_experts and spec.segments[0].key == "gate_proj.weight":
+        if spec.n_experts == n_experts and spec.segments[0].key == "gate_proj.weight" and spec.checksum == "crc32c":
             return store
         shutil.rmtree(path)
-    return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)}, checksum=None,
+    # CRC-32C checksums, as every store gets by default: the readers verify each record they load.
+    return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)},
                               metadata={"bench": "io", "layout": layout.name})
 
 
@@ -290,7 +298,7 @@ async def _idle_pass(seconds: float) -> float:
 async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: Any, experts: list[int],
                        chunk_bytes: int, async_threshold: int, iowq_max_workers: int | None,
                        worker_nice: int = 0, direct_rows: bool = True,
-                       buffered_chunk_bytes: int = 16 << 20) -> dict[str, float]:
+                       buffered_chunk_bytes: int = 16 << 20, verify: bool = True) -> dict[str, float]:
     import anyio
 
     from ..scheduler import Scheduler
@@ -298,7 +306,8 @@ async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: 
     async with Scheduler(reader, queue_depth=depth, direct=direct, chunk_bytes=chunk_bytes,
                          buffered_chunk_bytes=buffered_chunk_bytes,
                          async_threshold=async_threshold, iowq_max_workers=iowq_max_workers,
-                         worker_nice=worker_nice, direct_rows=direct_rows) as sched:
+                         worker_nice=worker_nice, direct_rows=direct_rows, verify=verify) as sched:
+        await sched.prepare(spec, pools)  # the blob is opened before the clock starts
         gaps: list[float] = []
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -322,6 +331,8 @@ async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: 
         "ops": counters.get("ops_submitted", 0),
         "fills_direct_rows": counters.get("fills_direct_rows", 0),
         "fills_staged": counters.get("fills_staged", 0),
+        "checksums_verified": counters.get("checksums_verified", 0),
+        "checksum_GBps": (counters["checksum_bytes"] / counters["checksum_ns"]) if counters.get("checksum_ns") else 0.0,
     }
 
 
@@ -424,6 +435,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "worker_nice": int(getattr(args, "worker_nice", 0)),
         "drop_caches": bool(getattr(args, "drop_caches", False)),
         "fio": not bool(getattr(args, "no_fio", False)),
+        "verify": not bool(getattr(args, "no_verify", False)),
     }
     if quick:
         s.update(layouts=layouts[:1], store_gib=0.02, pass_mib=16.0, repeat=1,
@@ -458,6 +470,7 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
         "fio": _fio_version() if have_fio else ("fio not installed" if s["fio"] else "skipped (--no-fio)"),
         "skipped": skipped,
         "layouts": [],
+        "checksum": {"crc32c": _native_checksum_impl()},
     }
     try:
         for name in s["layouts"]:
@@ -481,6 +494,12 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     elif not getattr(args, "json", False):
         render_io_table(result)
     return result
+
+
+def _native_checksum_impl() -> str:
+    from .. import _native
+
+    return str(_native.checksum_implementation("crc32c"))
 
 
 def _fio_version() -> str:
@@ -566,25 +585,29 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             pools = pools_for(n_rows)
             # Cells of one (mode, depth) run interleaved, round-robin, so that the noise of a shared
             # machine lands on every method alike.
-            # (label, reader, async_threshold, direct_rows)
-            methods: list[tuple[str, str, int, bool]] = [(r, r, 64 << 10, True) for r in readers]
+            # (label, reader, async_threshold, direct_rows, verify)
+            verify = s["verify"]
+            methods: list[tuple[str, str, int, bool, bool]] = [(r, r, 64 << 10, True, verify) for r in readers]
+            if verify and depth == max(depths) and mode != "cold_buffered":
+                # Ablation: the same reads without checksum verification (what it costs).
+                methods += [(f"{r} no-verify", r, 64 << 10, True, False) for r in readers]
             if "io_uring" in readers and depth == max(depths) and mode != "cold_buffered":
                 # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
                 # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
-                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True))
+                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify))
             if mode == "cold_direct" and "io_uring" in readers and depth == max(depths):
                 # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
-                methods.append(("io_uring staged", "io_uring", 64 << 10, False))
+                methods.append(("io_uring staged", "io_uring", 64 << 10, False, verify))
             passes: dict[str, list[dict[str, float]]] = {}
             fio_vals: list[float] = []
             fio_cmd = ""
             for _ in range(s["repeat"]):
-                for label, reader, threshold, direct_rows in methods:
+                for label, reader, threshold, direct_rows, verify_on in methods:
                     ex = cache.prepare(mode, path, spec.stride, sample())
                     passes.setdefault(label, []).append(
                         anyio.run(_reader_pass, reader, direct, depth, spec, pools, ex, s["chunk_bytes"],
                                   threshold, s["iowq_max_workers"], s["worker_nice"], direct_rows,
-                                  s["buffered_chunk_bytes"]))
+                                  s["buffered_chunk_bytes"], verify_on))
                 if have_fio and mode != "warm":
                     cache.evict(path)
                     r = _fio_pass(path, spec.stride, depth, per_pass * spec.stride, mode)
@@ -617,6 +640,8 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "ops_per_pass": passes[0]["ops"],
         "fills_direct_rows": passes[0]["fills_direct_rows"],
         "fills_staged": passes[0]["fills_staged"],
+        "checksums_verified": passes[0]["checksums_verified"],
+        "checksum_GBps": round(_median([p["checksum_GBps"] for p in passes]), 2),
     }
 
 
@@ -643,6 +668,13 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                 best = max(r["GBps"] for r in cold)
                 c["cold_best_vs_original"] = round(best / orig_cold, 2)
                 c["cold_ge_3x_original"] = best / orig_cold >= 3.0
+            for mode in ("warm", "cold_direct"):
+                unverified = [r for r in lay["runs"] if r["reader"] == f"{reader} no-verify" and r["mode"] == mode]
+                for u in unverified:
+                    v = next((r for r in runs if r["mode"] == mode and r["depth"] == u["depth"]), None)
+                    if v and u["GBps"]:
+                        # Verified / unverified GB/s, same reads, interleaved: 1.0 = free.
+                        c.setdefault("verify_cost", {})[f"{mode}@{u['depth']}"] = round(v["GBps"] / u["GBps"], 3)
             warm = [r for r in runs if r["mode"] == "warm"]
             if warm:
                 best = max(r["GBps"] for r in warm)
@@ -685,7 +717,8 @@ def render_io_table(result: dict[str, Any]) -> None:
             t.add_column(n, justify="right")
         t.add_column("fio io_uring", justify="right")
         short = {"io_uring": "uring", "threads": "thr", "aiofiles": "aio", "io_uring no-ASYNC": "no-async",
-                 "io_uring staged": "staged"}
+                 "io_uring staged": "staged", "io_uring no-verify": "uring-nv", "threads no-verify": "thr-nv",
+                 "aiofiles no-verify": "aio-nv"}
         t.add_column("loop stall ms " + "/".join(short.get(n, n) for n in names), justify="right")
         keys = list(dict.fromkeys((r["mode"], r["depth"]) for r in lay["runs"]))
         for mode, depth in keys:
@@ -750,14 +783,15 @@ def render_io_markdown(result: dict[str, Any]) -> str:
         lines.append("")
     lines.append("Targets on this run (ratios):")
     lines.append("")
-    lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / original | warm best / memcpy 1t | warm best / kernel pread limit |")
-    lines.append("| --- | --- | --- | ---: | ---: | ---: |")
+    lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / original | warm best / memcpy 1t | warm best / kernel pread limit | verified / unverified |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | --- |")
     for layout, readers in result["targets"].items():
         for reader, c in readers.items():
             per = ", ".join(f"{d}: {x:.2f}" for d, x in c.get("cold_direct_vs_fio", {}).items())
+            vc = ", ".join(f"{k}: {x:.3f}" for k, x in c.get("verify_cost", {}).items())
             lines.append(f"| {layout} | {reader} | {per} | {c.get('cold_best_vs_original', float('nan')):.2f} | "
                          f"{c.get('warm_best_vs_memcpy_1t', float('nan')):.2f} | "
-                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} |")
+                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} | {vc} |")
     return "\n".join(lines)
 
 
