@@ -50,6 +50,7 @@ struct ScatterPiece {
 struct Chunk {
   Fill* fill = nullptr;
   uint32_t seq = 0;     // index among its fill's chunks, in file order
+  bool read_by_worker = false;  // io_uring: read with preadv by a copy worker, not through the ring
   bool direct = false;  // through the O_DIRECT fd
   bool staged = false;  // into a staging slot, scattered afterwards
   int slot = -1;

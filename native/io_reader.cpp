@@ -570,6 +570,30 @@ void Reader::chunk_read_finished(Chunk* c, int result) {
   }
 }
 
+void Reader::read_chunk_sync(Chunk* c) {
+  const Layout& L = *c->fill->layout;
+  const int fd = c->direct ? L.fd_direct : L.fd;
+  int final = 0;
+  for (;;) {
+    const uint64_t len = build_window(c);
+    counters_.ops_submitted++;
+    int64_t res;
+    if (int e = injected_fault(c, len)) {
+      res = -e;
+    } else {
+      res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
+      if (res < 0) res = -errno;
+    }
+    if (after_op(c, res, &final) == Step::Done) break;
+  }
+  // On a worker already: scatter / checksum right here, while the bytes are in this CPU's cache.
+  if (final == 0 && (c->staged || !c->fill->part_crc.empty())) {
+    finish_chunk(c);
+  } else {
+    chunk_done(c, final);
+  }
+}
+
 void Reader::finish_chunk(Chunk* c) {
   if (c->staged) {
     do_scatter(c);
@@ -850,24 +874,7 @@ class ThreadReader final : public Reader {
   void shutdown_backend() override { workers_->stop(); }
 
  private:
-  void work(Chunk* c) {
-    const Layout& L = *c->fill->layout;
-    const int fd = c->direct ? L.fd_direct : L.fd;
-    int final = 0;
-    for (;;) {
-      const uint64_t len = build_window(c);
-      counters_.ops_submitted++;
-      int64_t res;
-      if (int e = injected_fault(c, len)) {
-        res = -e;
-      } else {
-        res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
-        if (res < 0) res = -errno;
-      }
-      if (after_op(c, res, &final) == Step::Done) break;
-    }
-    chunk_read_finished(c, final);
-  }
+  void work(Chunk* c) { read_chunk_sync(c); }
 
   std::unique_ptr<ChunkWorkers> workers_;
 };

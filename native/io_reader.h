@@ -221,6 +221,9 @@ class Reader {
   virtual void scatter_staged(Chunk* c) = 0;
   // Scatter (staged) or checksum (rows) a chunk whose bytes landed, then chunk_done(c, 0).
   void finish_chunk(Chunk* c);
+  // Reads a chunk on the calling (worker) thread with preadv (short reads continue, EINTR/EAGAIN
+  // retry), then finishes it right there: a checksum then reads bytes still in this CPU's cache.
+  void read_chunk_sync(Chunk* c);
   // Largest buffered chunk while verifying (0: no cap): small enough that a worker checksums
   // what it just read while it is still in its cache.
   virtual uint64_t verify_chunk_bytes() const { return 0; }

@@ -120,7 +120,13 @@ class UringReader final : public Reader {
     }
     copy_ = std::make_unique<ChunkWorkers>(
         opts_.workers,
-        [this](Chunk* c) { finish_chunk(c); },
+        [this](Chunk* c) {
+          if (c->read_by_worker) {
+            read_chunk_sync(c);
+          } else {
+            finish_chunk(c);
+          }
+        },
         opts_.worker_nice);
   }
 
@@ -145,6 +151,15 @@ class UringReader final : public Reader {
     {
       std::lock_guard<std::mutex> lk(sq_mu_);
       for (Chunk* c : chunks) {
+        if (!c->direct && !c->fill->part_crc.empty()) {
+          // A buffered read of a verified layout: mostly a page-cache copy. Done by a copy worker
+          // (preadv) rather than an io-wq thread, so that the same CPU checksums the bytes while
+          // they are in its cache; after an io-wq copy they are only in L3 or DRAM by the time a
+          // worker can checksum them (BENCHMARKS.md has the cost). O_DIRECT keeps the ring.
+          c->read_by_worker = true;
+          copy_->push(c);
+          continue;
+        }
         if (ops_in_ring_ >= max_in_ring_) {
           overflow_.push_back(c);
           continue;
@@ -244,6 +259,7 @@ class UringReader final : public Reader {
   // Reads complete in reap(), on the event loop thread: scatter and checksum run on the copy
   // workers instead.
   void scatter_staged(Chunk* c) override { copy_->push(c); }
+  uint64_t verify_chunk_bytes() const override { return 512ull << 10; }
 
   void shutdown_backend() override {
     copy_->stop();
