@@ -168,6 +168,19 @@ void ChunkWorkers::push(Chunk* c) {
   cv_.notify_one();
 }
 
+void ChunkWorkers::push_many(const std::vector<Chunk*>& cs) {
+  if (cs.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.insert(q_.end(), cs.begin(), cs.end());
+  }
+  if (cs.size() == 1) {
+    cv_.notify_one();
+  } else {
+    cv_.notify_all();
+  }
+}
+
 void ChunkWorkers::stop() {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -865,9 +878,7 @@ class ThreadReader final : public Reader {
   ~ThreadReader() override { close(); }
 
  protected:
-  void start_reads(std::vector<Chunk*>& chunks) override {
-    for (Chunk* c : chunks) workers_->push(c);
-  }
+  void start_reads(std::vector<Chunk*>& chunks) override { workers_->push_many(chunks); }
   void scatter_staged(Chunk* c) override { finish_chunk(c); }  // already on a worker
   // A worker checksums what it just read: keep that in its cache (L2 is 0.5-2 MiB per core).
   uint64_t verify_chunk_bytes() const override { return 512ull << 10; }

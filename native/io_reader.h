@@ -157,6 +157,9 @@ class ChunkWorkers {
   ChunkWorkers(int n, std::function<void(Chunk*)> fn, int nice = 0);
   ~ChunkWorkers();
   void push(Chunk* c);
+  // One lock and one wakeup round for many chunks: a submit of several fills wakes the workers
+  // once, not once per chunk (each wakeup can preempt the submitting event loop thread).
+  void push_many(const std::vector<Chunk*>& cs);
   void stop();  // joins; pending chunks must have been drained by the caller's protocol
 
  private:

@@ -148,6 +148,7 @@ class UringReader final : public Reader {
 
   void start_reads(std::vector<Chunk*>& chunks) override {
     std::vector<std::pair<Chunk*, int>> injected;
+    std::vector<Chunk*> to_workers;
     {
       std::lock_guard<std::mutex> lk(sq_mu_);
       for (Chunk* c : chunks) {
@@ -157,7 +158,7 @@ class UringReader final : public Reader {
           // they are in its cache; after an io-wq copy they are only in L3 or DRAM by the time a
           // worker can checksum them (BENCHMARKS.md has the cost). O_DIRECT keeps the ring.
           c->read_by_worker = true;
-          copy_->push(c);
+          to_workers.push_back(c);
           continue;
         }
         if (ops_in_ring_ >= max_in_ring_) {
@@ -206,6 +207,7 @@ class UringReader final : public Reader {
       }
       flush_locked();
     }
+    copy_->push_many(to_workers);
     // Injected faults complete here, as the kernel would have reported them.
     std::vector<Chunk*> again;
     for (auto& [c, res] : injected) {
