@@ -881,7 +881,7 @@ class ThreadReader final : public Reader {
   void start_reads(std::vector<Chunk*>& chunks) override { workers_->push_many(chunks); }
   void scatter_staged(Chunk* c) override { finish_chunk(c); }  // already on a worker
   // A worker checksums what it just read: keep that in its cache (L2 is 0.5-2 MiB per core).
-  uint64_t verify_chunk_bytes() const override { return 512ull << 10; }
+  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
   void shutdown_backend() override { workers_->stop(); }
 
  private:

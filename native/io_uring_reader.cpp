@@ -261,7 +261,7 @@ class UringReader final : public Reader {
   // Reads complete in reap(), on the event loop thread: scatter and checksum run on the copy
   // workers instead.
   void scatter_staged(Chunk* c) override { copy_->push(c); }
-  uint64_t verify_chunk_bytes() const override { return 512ull << 10; }
+  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
 
   void shutdown_backend() override {
     copy_->stop();

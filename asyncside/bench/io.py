@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -313,15 +314,21 @@ async def _reader_pass(reader: str, direct: bool, depth: int, spec: Any, pools: 
         async with anyio.create_task_group() as tg:
             tg.start_soon(_ticker, stop, gaps)
             await anyio.sleep(0.003)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             await _drive(sched, spec, pools, experts, depth)
             t1 = time.perf_counter()
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
             stop.set()
         st = sched.stats()
         counters = st.get("native", {})
     nbytes = len(experts) * sum(s.nbytes for s in spec.segments)
+    cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     return {
         "seconds": t1 - t0,
+        # Process CPU (every thread, io_uring's io-wq workers included) per GB: what the pass cost,
+        # far less sensitive than GB/s to other tenants of a shared machine.
+        "cpu_s_per_GB": cpu / (nbytes / GB),
         "bytes": nbytes,
         "GBps": nbytes / (t1 - t0) / GB,
         "loop_stall_ms": max(0.0, (max(gaps) - 0.001) * 1e3) if gaps else 0.0,
@@ -641,6 +648,7 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "fills_direct_rows": passes[0]["fills_direct_rows"],
         "fills_staged": passes[0]["fills_staged"],
         "checksums_verified": passes[0]["checksums_verified"],
+        "cpu_s_per_GB": round(_median([p["cpu_s_per_GB"] for p in passes]), 4),
         "checksum_GBps": round(_median([p["checksum_GBps"] for p in passes]), 2),
     }
 
@@ -675,6 +683,10 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                     if v and u["GBps"]:
                         # Verified / unverified GB/s, same reads, interleaved: 1.0 = free.
                         c.setdefault("verify_cost", {})[f"{mode}@{u['depth']}"] = round(v["GBps"] / u["GBps"], 3)
+                        # The same as CPU per GB (unverified / verified): steadier on a busy machine.
+                        if v.get("cpu_s_per_GB") and u.get("cpu_s_per_GB"):
+                            c.setdefault("verify_cpu_cost", {})[f"{mode}@{u['depth']}"] = round(
+                                u["cpu_s_per_GB"] / v["cpu_s_per_GB"], 3)
             warm = [r for r in runs if r["mode"] == "warm"]
             if warm:
                 best = max(r["GBps"] for r in warm)
