@@ -31,6 +31,7 @@ import sys
 import threading
 import weakref
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +87,8 @@ def _bump(key: str) -> None:
 class _Waiter:
     """One outstanding ticket. Holds x and the signal so the graph lives until the ticket lands."""
 
-    x: mx.array
-    signal: mx.array | None  # None: the post was queued directly on a backlogged stream
+    x: mx.array | None  # None: a barrier (the stream ran everything queued before it)
+    signal: mx.array | None  # None: the post was queued directly on the stream
     wake: Any  # asyncio.Future (asyncio) or trio.Event (trio)
     posted_ns: int = 0
     done: bool = False  # trio: the ticket landed
@@ -110,6 +111,9 @@ class CompletionQueue(ABC):
         self.closed = False
         self._tickets = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
+        # Tasks waiting for room under MLX's eval throttle, oldest first; only the first awaits
+        # the stream, the others wait for their turn (see _schedule).
+        self._line: deque[anyio.Event] = deque()
         with _stats_lock:
             _live_queues.add(self)
 
@@ -147,6 +151,42 @@ class CompletionQueue(ABC):
                 raise
         return waiter
 
+    def _issue_barrier(self, stream: mx.Stream, wake: Any) -> _Waiter:
+        ticket = next(self._tickets)
+        try:
+            _native.barrier(self.native, ticket, stream)
+        except BaseException:
+            self.native.abandon(ticket)
+            _bump("failed_to_issue")
+            if self.outstanding == 0:
+                self._reaped_all()
+            raise
+        waiter = _Waiter(None, None, wake)
+        self._waiters[ticket] = waiter
+        self.outstanding += 1
+        _bump("issued")
+        return waiter
+
+    # -- the line for room under MLX's throttle --------------------------------------------------
+
+    def _join_line(self) -> anyio.Event:
+        turn = anyio.Event()
+        self._line.append(turn)
+        if len(self._line) == 1:
+            turn.set()  # first in line: its turn now
+        return turn
+
+    def _leave_line(self, turn: anyio.Event) -> None:
+        was_first = bool(self._line) and self._line[0] is turn
+        try:
+            self._line.remove(turn)
+        except ValueError:
+            return
+        if was_first and self._line:
+            self._line[0].set()
+        elif not self._line and self.outstanding == 0:
+            self._reaped_all()  # the line kept an idle queue open: it may close now
+
     # -- reaping (runs on the loop thread) -----------------------------------------------------
 
     def _reap(self) -> None:
@@ -170,7 +210,7 @@ class CompletionQueue(ABC):
     # -- lifetime -------------------------------------------------------------------------------
 
     def _close_if_idle(self) -> None:
-        if self.outstanding == 0 and not self.closed:
+        if self.outstanding == 0 and not self._line and not self.closed:
             self.close()
 
     def _reaped_all(self) -> None:
@@ -212,6 +252,11 @@ class CompletionQueue(ABC):
     async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
         """Issue a ticket for x, schedule ``then`` behind it, and wait for x; returns the native
         post time (monotonic ns)."""
+
+    @abstractmethod
+    async def wait_stream(self, stream: mx.Stream) -> int:
+        """Wait until the CPU ``stream`` has run everything queued on it so far (a barrier
+        ticket); returns the native post time (monotonic ns)."""
 
 
 class _AsyncioQueue(CompletionQueue):
@@ -263,7 +308,14 @@ class _AsyncioQueue(CompletionQueue):
         waiter = self._issue(x, stream, fut, then)
         # Cancellation cancels fut; the waiter stays registered until its ticket is reaped.
         posted_ns: int = await fut
-        _raise_if_failed(waiter.x)
+        if waiter.x is not None:
+            _raise_if_failed(waiter.x)
+        return posted_ns
+
+    async def wait_stream(self, stream: mx.Stream) -> int:
+        fut = asyncio.get_running_loop().create_future()
+        self._issue_barrier(stream, fut)
+        posted_ns: int = await fut
         return posted_ns
 
 
@@ -354,6 +406,12 @@ class _TrioQueue(CompletionQueue):
 
     async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
         waiter = self._issue(x, stream, self._trio.Event(), then)
+        return await self._await(waiter)
+
+    async def wait_stream(self, stream: mx.Stream) -> int:
+        return await self._await(self._issue_barrier(stream, self._trio.Event()))
+
+    async def _await(self, waiter: _Waiter) -> int:
         try:
             while not waiter.done:
                 if self.closed:
@@ -369,7 +427,8 @@ class _TrioQueue(CompletionQueue):
                 waiter.abandoned = True
                 self._hand_over()
             raise
-        _raise_if_failed(waiter.x)
+        if waiter.x is not None:
+            _raise_if_failed(waiter.x)
         return waiter.posted_ns
 
 
@@ -462,19 +521,49 @@ async def completed_at(x: mx.array, *, stream: StreamLike = None, then: Sequence
     return await queue.wait(x, s, then)
 
 
+def _cpu_stream_of(roots: list[mx.array]) -> mx.Stream:
+    """The stream a barrier for ``roots`` goes on: the first unscheduled root's, if on the CPU."""
+    for r in roots:
+        if _native.array_status(r) == "unscheduled":
+            s = _native.stream_of(r)
+            if s is not None and s.device == mx.cpu:
+                return s  # type: ignore[no-any-return]  # the native extension is untyped
+            break
+    return mx.default_stream(mx.cpu)
+
+
 async def _schedule(queue: CompletionQueue, roots: list[mx.array]) -> None:
     """Schedule ``roots`` piece by piece, awaiting the stream between pieces.
 
     MLX's ``async_eval`` blocks its caller while more than its limit of task groups is queued, and
     a long prefill layer queued at once held the event loop for a long time (BENCHMARKS.md,
-    measurements behind code choices). Each step schedules only what fits (never blocking) and
-    otherwise names an array already on the stream to await first.
+    measurements behind code choices). Each step schedules only what fits
+    (never blocking) and otherwise names an array already on the stream to await first. When
+    nothing fits and nothing of the graph is on the stream (many independent completions at once),
+    the task waits in the queue's line: the first in line awaits a barrier on the stream, the rest
+    their turn, so each gets room in arrival order and none blocks the loop.
     """
-    while True:
-        done, wait_on = _native.schedule_step(roots)
-        if done:
-            return
-        await queue.wait(wait_on)
+    turn: anyio.Event | None = None
+    try:
+        while True:
+            if turn is None and queue._line:  # others wait for room: behind them
+                turn = queue._join_line()
+            if turn is not None and not turn.is_set():
+                await turn.wait()
+            done, wait_on = _native.schedule_step(roots)
+            if done:
+                return
+            if wait_on is not None:
+                await queue.wait(wait_on)
+                continue
+            if turn is None:
+                turn = queue._join_line()
+                if not turn.is_set():
+                    continue
+            await queue.wait_stream(_cpu_stream_of(roots))
+    finally:
+        if turn is not None:
+            queue._leave_line(turn)
 
 
 async def schedule(*arrays: mx.array) -> None:

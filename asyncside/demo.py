@@ -49,6 +49,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend (default: io_uring where the kernel allows it)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check each record read against its checksum (default: verify)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICY_NAMES),
                    help=f"eviction policy of the dynamic rows (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
@@ -136,7 +138,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
     from .runtime import Runtime
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
-                       reader=args.reader, direct=True if args.direct else None) as rt:
+                       reader=args.reader, direct=True if args.direct else None,
+                       verify=not getattr(args, "no_verify", False)) as rt:
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
             async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,

@@ -11,12 +11,14 @@ class StoreError(AsyncsideError, ValueError):
     """An expert store is missing, malformed or hostile.
 
     ``path`` is the file at fault and ``field`` the manifest field (dotted, e.g.
-    ``layers[3].segments[1].nbytes``) when one is to blame.
+    ``layers[3].segments[1].nbytes``) when one is to blame; ``errno`` is set when an operating
+    system call on the file failed (e.g. a blob that cannot be opened).
     """
 
-    def __init__(self, path: object, message: str, field: str | None = None) -> None:
+    def __init__(self, path: object, message: str, field: str | None = None, errno: int | None = None) -> None:
         self.path = str(path)
         self.field = field
+        self.errno = errno
         where = f"{self.path}" + (f" [{field}]" if field else "")
         super().__init__(f"{where}: {message}")
 
@@ -30,11 +32,18 @@ class CapacityError(AsyncsideError):
 
 
 class FillError(AsyncsideError):
-    """Reading one expert record into its pool row failed; the row went back to the free list."""
+    """Reading one expert record into its pool row failed; the row went back to the free list.
 
-    def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None) -> None:
+    A record whose bytes do not match its checksum fails with ``errno`` EBADMSG and the two
+    checksums in ``expected`` and ``got``.
+    """
+
+    def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None,
+                 expected: int | None = None, got: int | None = None) -> None:
         self.layer = layer
         self.expert = expert
         self.row = row
         self.errno = errno
+        self.expected = expected
+        self.got = got
         super().__init__(f"layer {layer} expert {expert} (row {row}): {message}")

@@ -35,7 +35,7 @@ reservation takes the last side row; failed fills and one-shot drops push rows b
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,7 +244,7 @@ class Ledger:
         self.stats["evictions"] += 1
         return row
 
-    def reserve(self, ids: Any, *, demand: bool = False) -> list[Fill]:
+    def reserve(self, ids: Any, *, demand: bool = False, protect: Iterable[int] = ()) -> list[Fill]:
         """Reserve rows for the predicted (or, with ``demand``, needed) experts; returns the reads to do.
 
         Skips resident and duplicate ids and experts already LIVE or FILLING (LIVE ones count as a
@@ -254,6 +254,9 @@ class Ledger:
         in ``self.blocked`` for the caller to retry after leases are released or fills finish, and
         CapacityError is raised up front if the batch can never fit (more distinct non-resident
         experts than side rows). ``self.blocked`` is reset by every call.
+
+        ``protect``: LIVE experts that are neither evicted nor dropped by this call (the runtime
+        passes what older concurrent demands wait for, so the oldest always makes progress).
         """
         batch, n_resident = self._unique_side_ids(ids)
         if demand and len(batch) > self.side_rows:
@@ -268,13 +271,14 @@ class Ledger:
         policy.begin(batch)
         live = self._live
         in_batch = set(batch)
+        protected = in_batch.union(protect)
 
         if policy.drops_unpredicted:
             # Legacy one-shot: drop every unpredicted LIVE expert, rows pushed in ascending expert
             # order (the side-region design's map iterates in key order) -- except rows a forward
             # still holds.
             for e in sorted(live):
-                if e not in in_batch and not self._pins.get(live[e]) and live[e] not in self._lent:
+                if e not in protected and not self._pins.get(live[e]) and live[e] not in self._lent:
                     self._free.append(self._evict(e))
 
         for e in batch:  # every predicted present expert is bumped before any row is filled
@@ -287,7 +291,7 @@ class Ledger:
         lent = self._lent
 
         def evictable(v: int) -> bool:
-            return v not in in_batch and not pins.get(live[v], 0) and live[v] not in lent
+            return v not in protected and not pins.get(live[v], 0) and live[v] not in lent
 
         fills: list[Fill] = []
         for e in batch:

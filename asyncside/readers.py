@@ -26,6 +26,7 @@ import errno as _errno
 import logging
 import mmap
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -118,7 +119,10 @@ class ReaderBackend(ABC):
 
     @abstractmethod
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
-        """Open the layer blob for reads into ``pools``; returns a layout id for :meth:`submit`."""
+        """Open the layer blob for reads into ``pools``; returns a layout id for :meth:`submit`.
+
+        Called in a worker thread (an open can block: a stale mount). Raises OSError with errno
+        and filename when the blob cannot be opened or is not a regular file."""
 
     @abstractmethod
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -131,6 +135,10 @@ class ReaderBackend(ABC):
 
     def kick(self, deliver: Deliver) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Deliver whatever completed already (io_uring reads may finish inside submit)."""
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        """(expected, got) checksums of a fill that completed with -EBADMSG (once), else None."""
+        return None
 
     @abstractmethod
     def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
@@ -166,14 +174,26 @@ class NativeReader(ReaderBackend):
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
         segs = spec.segments
         if pools.mirror is not None:  # device pools: reads land in the pinned host mirror
-            return int(self._r.add_layout_mirror(
+            lid = self._r.add_layout_mirror(
                 str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
                 pools.mirror,
-            ))
-        return int(self._r.add_layout(
+            )
+            self._set_checksums(lid, spec)
+            return int(lid)
+        lid = self._r.add_layout(
             str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs], [s.nbytes for s in segs],
             [pools.arrays[s.key] for s in segs],
-        ))
+        )
+        self._set_checksums(lid, spec)
+        return int(lid)
+
+    def _set_checksums(self, lid: int, spec: LayerSpec) -> None:
+        if self.options.verify and spec.checksum is not None and spec.checksums is not None:
+            self._r.set_checksums(lid, spec.checksum, list(spec.checksums))
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        got = self._r.take_mismatch(token)
+        return None if got is None else (int(got[0]), int(got[1]))
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         self._r.submit(layout, list(tokens), list(experts), list(rows))
@@ -221,6 +241,11 @@ class _EndOfFile(Exception):
     pass
 
 
+class _Mismatch(Exception):
+    def __init__(self, expected: int, got: int) -> None:
+        self.expected, self.got = expected, got
+
+
 class AiofilesReader(ReaderBackend):
     """Pure Python: each fill is one hop to aiofiles' executor (asyncio) or anyio's thread pool
     (trio), where ``os.preadv`` reads into the rows' writable memoryviews (zero-copy; short reads
@@ -243,23 +268,30 @@ class AiofilesReader(ReaderBackend):
                                   "ops_completed", "short_reads", "retries", "faults_injected", "bytes_read",
                                   "staging_acquired", "staging_released")}
         self._offload: Callable[..., Any] | None = None
+        self._closed = False
+        self._mismatches: dict[int, tuple[int, int]] = {}
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._c[key] += n
 
     def add_layout(self, spec: LayerSpec, pools: PoolSet) -> int:
-        fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = _open_blob(str(spec.path), 0, "")
         fd_direct = -1
         if self.direct:
-            flag = getattr(os, "O_DIRECT", 0)
             try:
-                fd_direct = os.open(spec.path, os.O_RDONLY | flag)
-            except OSError as exc:
+                fd_direct = _open_blob(str(spec.path), getattr(os, "O_DIRECT", 0), " with O_DIRECT")
+            except OSError:
                 os.close(fd)
-                raise OSError(exc.errno, f"{spec.path}: cannot open with O_DIRECT: {exc.strerror}") from None
-        self._layouts.append(_PyLayout(spec, pools, fd, fd_direct))
-        return len(self._layouts) - 1
+                raise
+        with self._lock:
+            if self._closed:  # closed while this open ran in its worker thread
+                os.close(fd)
+                if fd_direct >= 0:
+                    os.close(fd_direct)
+                raise OSError(_errno.EBADF, "the reader is closed", str(spec.path))
+            self._layouts.append(_PyLayout(spec, pools, fd, fd_direct))
+            return len(self._layouts) - 1
 
     def submit(self, layout: int, tokens: Sequence[int], experts: Sequence[int], rows: Sequence[int]) -> None:
         if self._tg is None:
@@ -304,6 +336,9 @@ class AiofilesReader(ReaderBackend):
                 res = 0
             except _EndOfFile:
                 res = -_errno.ENODATA
+            except _Mismatch as exc:
+                self._mismatches[token] = (exc.expected, exc.got)
+                res = -_errno.EBADMSG
             except OSError as exc:
                 res = -(exc.errno or _errno.EIO)
             except Exception:  # a bug here must still settle the fill, or its row leaks
@@ -393,6 +428,23 @@ class AiofilesReader(ReaderBackend):
             end = off + seg.nbytes
         for off, bufs in groups:
             self._read_range(L.fd, str(spec.path), off, bufs, sum(b.nbytes for b in bufs), False)
+        self._verify(L, expert, row)
+
+    def _verify(self, L: _PyLayout, expert: int, row: int) -> None:
+        """Worker thread: the row's segments, in table order, must match the record's checksum."""
+        spec = L.spec
+        if not self.options.verify or spec.checksum is None or spec.checksums is None:
+            return
+        from . import _native
+
+        got = 0
+        for seg in spec.segments:
+            got = _native.checksum(spec.checksum, L.pools.row_view(seg.key, row), got)
+        if got != spec.checksums[expert]:
+            raise _Mismatch(spec.checksums[expert], got)
+
+    def take_mismatch(self, token: int) -> tuple[int, int] | None:
+        return self._mismatches.pop(token, None)
 
     def _read_staged(self, L: _PyLayout, expert: int, row: int) -> None:
         spec, rec = L.spec, expert * L.spec.stride
@@ -413,6 +465,7 @@ class AiofilesReader(ReaderBackend):
                 L.pools.row_view(seg.key, row)[:] = view[s : s + seg.nbytes]
         finally:
             self._count("staging_released")
+        self._verify(L, expert, row)
 
     def set_faults(self, path: str = "", lo: int = 0, hi: int = 0, err: int = 0, max_read_bytes: int = 0,
                    transient_every: int = 0, transient_err: int = 0) -> None:
@@ -431,11 +484,36 @@ class AiofilesReader(ReaderBackend):
         return c
 
     async def aclose(self) -> None:
-        for L in self._layouts:
+        with self._lock:
+            self._closed = True
+            layouts, self._layouts = self._layouts, []
+        for L in layouts:
             os.close(L.fd)
             if L.fd_direct >= 0:
                 os.close(L.fd_direct)
-        self._layouts.clear()
+
+
+def _open_blob(path: str, flags: int, how: str) -> int:
+    """Open a blob for reading without blocking on what the path is (see native open_blob):
+    O_NONBLOCK so a FIFO does not wait for a writer, anything but a regular file refused, then
+    O_NONBLOCK cleared. Raises OSError with errno and filename set. Blocking if the filesystem
+    blocks (a stale mount): call it from a worker thread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        why = f"cannot open{how}: {exc.strerror} (errno {exc.errno})"
+        if exc.errno == _errno.EINVAL and flags:
+            why += " (the filesystem refuses direct I/O; read it buffered)"
+        raise OSError(exc.errno, why, path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(_errno.EINVAL, "not a regular file (a FIFO, device or directory cannot be a blob)", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:

@@ -31,8 +31,8 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from .errors import AsyncsideError, CapacityError, FillError
-from .ledger import Fill, Ledger, validate_ids
+from .errors import AsyncsideError, CapacityError, FillError, LedgerError, StoreError
+from .ledger import AuditReport, Fill, Ledger, validate_ids
 from .policies import DEFAULT_POLICY
 from .pools import PoolSet
 from .readers import ReaderOptions
@@ -136,6 +136,20 @@ def warm_experts(store: ExpertStore, index: int, count: int, exclude: Sequence[i
     return ranked[: max(0, count)]
 
 
+def _checked_ids(layer: int, n_experts: int, ids: np.ndarray) -> np.ndarray:
+    """Unique expert ids as int64, or LedgerError naming the first bad value (as given)."""
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.dtype.kind not in "iu":
+        raise LedgerError(f"layer {layer}: expert ids must be integers, got dtype {ids.dtype}")
+    # Range-checked before the cast: uint64 2**64-1 cast to int64 would read as -1.
+    lo, hi = ids.min(), ids.max()
+    if lo < 0 or hi >= n_experts:
+        bad = int(lo if lo < 0 else hi)
+        raise LedgerError(f"layer {layer}: expert id {bad} is out of range [0, {n_experts})")
+    return np.unique(ids.astype(np.int64, copy=False))
+
+
 @dataclass
 class _Layer:
     """Everything the runtime keeps for one layer. Mutated on the loop thread only."""
@@ -160,6 +174,10 @@ class _Layer:
     faults: Any = None
     native_dirty: bool = True
     native_order: str = ""
+    # ensure() calls that must reserve, oldest first, each with its wanted experts. An ensure
+    # never evicts what an older one wants, and a prefetch evicts nothing any of them wants: the
+    # oldest always makes progress (fair FIFO demand, no livelock between concurrent ensures).
+    demands: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -219,7 +237,10 @@ class Runtime:
     rows dynamic (see :func:`plan_layer`). ``resident="auto"`` sizes the pools to the memory
     available (:mod:`asyncside.memory`); whatever the residency, the runtime refuses to start when
     its pools would not fit with room for the page cache. ``reader``, ``reader_options`` and
-    ``direct`` go to the :class:`~asyncside.scheduler.Scheduler`.
+    ``direct`` go to the :class:`~asyncside.scheduler.Scheduler`. ``verify`` (default on) checks
+    every record read or faulted in against its checksum in the store before its row is used; a
+    mismatch fails that fill with a FillError
+    (``errno`` EBADMSG, ``expected`` and ``got``).
     """
 
     def __init__(
@@ -235,6 +256,7 @@ class Runtime:
         direct: bool | None = None,
         layers: Iterable[int] | None = None,
         completed: Completed | None = None,
+        verify: bool = True,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -242,7 +264,7 @@ class Runtime:
         self._side_rows_arg = side_rows
         self._min_side_rows = min_side_rows
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
-        self._scheduler = Scheduler(reader, reader_options, direct=direct)
+        self._scheduler = Scheduler(reader, reader_options, direct=direct, verify=verify)
         self._completed = completed
         self._layers: dict[int, _Layer] = {}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -250,6 +272,7 @@ class Runtime:
         self._next_op = 0
         self._closed = False
         self._memory: dict[str, Any] = {}
+        self._exited = False  # _close() finished: every read landed, every task is gone
         self._stats: dict[str, float] = {
             "hits": 0,
             "misses": 0,
@@ -298,14 +321,26 @@ class Runtime:
 
             self._completed = completed
         self._changed = anyio.Event()
-        self._plan_memory()
-        await self._scheduler.__aenter__()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
         try:
+            self._plan_memory()  # refuses (before anything is opened) pools that cannot fit
+        except BaseException:
+            self._closed = self._exited = True
+            raise
+        try:
+            # Cancellable at every await; on any failure (cancellation included) the scheduler
+            # has already closed itself.
+            await self._scheduler.__aenter__()
+        except BaseException:
+            self._closed = self._exited = True
+            raise
+        try:
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
             await self._setup_layers()
-        except BaseException as exc:
-            await self._close(type(exc), exc, exc.__traceback__)
+        except BaseException:
+            # Not handed to the task group (it would wrap it in an ExceptionGroup): the setup
+            # error itself is what the caller sees.
+            await self._close(None, None, None)
             raise
         return self
 
@@ -322,14 +357,19 @@ class Runtime:
                 except Exception:
                     pass  # failed faults were reported to (or are lost with) their steps
         self._closed = True
-        assert self._tg is not None
         # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
         # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
-        self._tg.cancel_scope.cancel()
         try:
-            await self._tg.__aexit__(*exc_info)
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(*exc_info)
         finally:
-            await self._scheduler.__aexit__(*exc_info)
+            try:
+                await self._scheduler.__aexit__(*exc_info)
+            finally:
+                self._exited = True
+                if self._changed is not None:
+                    self._notify()  # an ensure waiting for a change hears that the runtime closed
         return None
 
     def _plan_memory(self) -> None:
@@ -365,6 +405,12 @@ class Runtime:
             resident, side = plan_layer(self.store, index, planned, self._side_rows_arg, self._min_side_rows)
             ledger = Ledger(spec.n_experts, resident, side, policy=self.policy)
             pools = await PoolSet.allocate(spec, ledger.rows)
+            try:
+                # Opened now, in a worker thread: never on the loop, never at a first fill.
+                await self._scheduler.prepare(spec, pools)
+            except OSError as exc:
+                raise StoreError(spec.path, f"layer {index}: cannot open the blob for reading: "
+                                 f"{exc.strerror or exc}", errno=exc.errno) from None
             self._layers[index] = _Layer(spec=spec, ledger=ledger, pools=pools)
             resident_sets[index] = resident
         # Resident rows are read once, through the same reader as everything else.
@@ -456,6 +502,9 @@ class Runtime:
                 else:
                     st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
                                                    str(spec.path), spec.stride)
+                if self._scheduler.verify and spec.checksum is not None and spec.checksums is not None:
+                    # A faulted record is used only after its bytes verified, as a read one is.
+                    st.faults.set_checksums(spec.checksum, list(spec.checksums))
             except BaseException:
                 for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
                     os.close(fd)
@@ -470,6 +519,14 @@ class Runtime:
             raise AsyncsideError(
                 f"layer {layer} is not streamed by this runtime (layers: {sorted(self._layers)})"
             ) from None
+
+    def _check_running(self) -> None:
+        """AsyncsideError unless the runtime is entered and not closing (before any ledger change)."""
+        if self._closed:
+            raise AsyncsideError("the runtime is closed: no more prefetch/ensure (it was used after "
+                                 "`async with Runtime(...)` ended, or its entry failed)")
+        if self._tg is None:
+            raise AsyncsideError("the runtime is not running (use `async with Runtime(...) as rt`)")
 
     def _notify(self) -> None:
         assert self._changed is not None
@@ -515,7 +572,18 @@ class Runtime:
             st.inflight[p.fill.expert] = p
         ops = [self._op(st, parent_op) for _ in fills]
         started = time.perf_counter()
-        handles = self._scheduler.submit(st.spec, st.pools, fills)
+        try:
+            handles = self._scheduler.submit(st.spec, st.pools, fills)
+        except Exception as exc:
+            # No read started: fail every fill now (rows back to FREE, awaiters told), so no row
+            # stays FILLING and no drain waits for a read that never was.
+            self._stats["fills"] += len(fills)
+            code = getattr(exc, "errno", None)
+            for p, op in zip(pendings, ops):
+                err = FillError(st.spec.index, p.fill.expert, p.fill.row,
+                                f"the read could not be started: {exc}", errno=code)
+                self._settle(st, p, op, err, started, on_done)
+            return pendings
         for p, op, handle in zip(pendings, ops, handles):
             handle.add_done_callback(functools.partial(self._on_read_done, st, p, op, started=started, on_done=on_done))
         self._stats["fills"] += len(fills)
@@ -587,15 +655,26 @@ class Runtime:
             on_done(p)
         self._finish_op(st, op)
 
-    def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool) -> list[Fill]:
+    def _reserve(self, layer: int, st: _Layer, ids: np.ndarray, *, demand: bool,
+                 protect: Iterable[int] = ()) -> list[Fill]:
         before = st.ledger.stats.get("evictions", 0)
-        fills = st.ledger.reserve(ids, demand=demand)
-        self._stats["evictions"] += st.ledger.stats.get("evictions", 0) - before
-        if fills:
-            # An eviction changes lookup(): the evicted expert no longer has a row.
+        fills = st.ledger.reserve(ids, demand=demand, protect=protect)
+        evicted = st.ledger.stats.get("evictions", 0) - before
+        self._stats["evictions"] += evicted
+        if fills or evicted:
+            # An eviction changes lookup(): the evicted expert no longer has a row. (The one-shot
+            # policy drops experts even when a reserve starts no fill.)
             st.version += 1
             st.native_dirty = True
         return fills
+
+    @staticmethod
+    def _demanded(st: _Layer, upto: int | None = None) -> set[int]:
+        """Experts wanted by the ensure() calls in progress on ``st`` (the first ``upto`` of them)."""
+        out: set[int] = set()
+        for wanted in st.demands[:upto]:
+            out.update(wanted.tolist())
+        return out
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         if self._tg is None or self._closed:
@@ -633,7 +712,7 @@ class Runtime:
         to the ledgers every :data:`RECONCILE_EVERY` steps (and before anything reads them:
         quiesce, audit, stats), failures at once.
         """
-        self._check_open()
+        self._check_running()
         if len(self._queued_outs) > 4:
             self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
         self._stats["queued_steps"] += 1
@@ -781,10 +860,6 @@ class Runtime:
         a = np.asarray(self._fault_ns, dtype=np.float64) * 1e-9
         return {"p50_s": float(np.percentile(a, 50)), "p99_s": float(np.percentile(a, 99)), "count": int(a.size)}
 
-    def _check_open(self) -> None:
-        if self._tg is None or self._closed:
-            raise AsyncsideError("the runtime is not running (use `async with Runtime(...)`)")
-
     # ---------------------------------------------------------------- public API
 
     def prefetch(self, layer: int, ids: mx.array | Sequence[int] | np.ndarray) -> PrefetchHandle:
@@ -794,6 +869,7 @@ class Runtime:
         completion bridge, then reserves rows and submits the reads.
         """
         st = self._layer(layer)
+        self._check_running()
         handle = PrefetchHandle(layer=layer, _done=anyio.Event())
         if self.queued_active:
             # Queued steps own the rows' placement until quiesce(): a prediction is only a hint.
@@ -824,12 +900,21 @@ class Runtime:
             handle._done.set()
             self._stats["failed_predictions"] += 1
         finally:
+            if not handle.fills and not handle._done.is_set():
+                # Cancelled (the runtime is closing) before any read started: whoever awaits the
+                # handle hears of it instead of waiting forever.
+                handle.errors.append(AsyncsideError(
+                    f"layer {layer}: the runtime closed before this prediction was computed"))
+                handle._done.set()
             self._finish_op(st, op)
 
     def _prefetch_now(
         self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int
     ) -> None:
-        fills = self._reserve(layer, st, ids, demand=False)
+        if ids.size == 0:  # nothing predicted: nothing to do
+            handle._done.set()
+            return
+        fills = self._reserve(layer, st, ids, demand=False, protect=self._demanded(st))
         handle.fills = fills
         self._stats["prefetched"] += len(fills)
         if not fills:
@@ -871,14 +956,17 @@ class Runtime:
         A fill that fails raises its FillError here.
         """
         st = self._layer(layer)
+        self._check_running()
         if self.queued_active:
             # Reads outside the stream must not race queued steps that read rows in it.
             await self.quiesce()
         if isinstance(ids, mx.array):
             assert self._completed is not None
             await self._completed(ids)
-        wanted = np.unique(np.asarray(validate_ids(self._host_ids(ids), st.spec.n_experts, layer=layer),
-                                      dtype=np.int64))
+            self._check_running()
+        wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
+        if wanted.size == 0:  # nothing wanted: nothing to wait for
+            return
         self._stats["ensure_calls"] += 1
         lookup = st.ledger.lookup()
         present = lookup[wanted] >= 0
@@ -886,20 +974,24 @@ class Runtime:
         missing = wanted[~present]
         if missing.size == 0:
             # Tell the policy these experts were used (LFU counts, LRU recency), as a miss does.
-            self._reserve(layer, st, wanted, demand=True)
+            self._reserve(layer, st, wanted, demand=True, protect=self._demanded(st))
             self._stats["hits"] += n_hits
             return
         t0 = time.perf_counter()
         counted = False
+        st.demands.append(wanted)
         try:
             while True:
+                self._check_running()
                 # Re-check every wanted expert, not only the ones missing before: while this
                 # task awaited, a prefetch may have evicted one that was present.
                 missing = wanted[st.ledger.lookup()[wanted] < 0]
                 if missing.size == 0:
                     return
-                # The whole wanted set goes in: the ledger never evicts a member of the batch.
-                fills = self._reserve(layer, st, wanted, demand=True)
+                # The whole wanted set goes in: the ledger never evicts a member of the batch,
+                # nor anything an older ensure on this layer still waits for.
+                mine = next(i for i, w in enumerate(st.demands) if w is wanted)
+                fills = self._reserve(layer, st, wanted, demand=True, protect=self._demanded(st, mine))
                 if not counted:
                     # Counted once the batch fits: a CapacityError is retried by the forward in
                     # smaller groups, whose ensures count their own hits and misses.
@@ -916,7 +1008,8 @@ class Runtime:
                     for h in waiting:
                         await h.wait()  # raises FillError: the awaiter hears of it
                 elif st.ledger.blocked:
-                    # Every usable row is pinned by a lease or filling: wait for a change.
+                    # Every usable row is pinned by a lease, filling, or wanted by an older
+                    # ensure: wait for a change.
                     await self._wait_change()
                 else:
                     raise CapacityError(
@@ -924,6 +1017,8 @@ class Runtime:
                         f"(side region of {st.ledger.side_rows} rows)"
                     )
         finally:
+            st.demands[:] = [w for w in st.demands if w is not wanted]
+            self._notify()  # what this ensure protected may now be evicted by a younger one
             self._stats["stall_time_s"] += time.perf_counter() - t0
 
     def lookup(self, layer: int) -> mx.array:
@@ -975,8 +1070,9 @@ class Runtime:
         leases = list(leases)
         if not leases:
             return
-        if _native_available(x):
-            # Already computed (e.g. a prefill chunk's awaited output): nothing reads the rows.
+        if self._closed or _native_available(x):
+            # Closed: no fill will write a row again. Computed (e.g. a prefill chunk's awaited
+            # output): nothing reads the rows. Either way, release now.
             for layer, lease_id in leases:
                 self._layer(layer).ledger.release(lease_id)
             self._notify()
@@ -1014,26 +1110,38 @@ class Runtime:
         """Audit every ledger; returns layer -> AuditReport.
 
         Queued steps' faults are applied first; with no queued step in flight, each layer's native
-        fault table must equal its ledger's lookup table.
+        fault table must equal its ledger's lookup table. Once the runtime has closed, a lease still
+        open (nobody released it: rows a forward pinned and forgot) or a fill still pending is
+        reported as a problem too.
         """
-        out = {}
+        reports: dict[int, Any] = {}
         idle = not [o for o in self._queued_outs if not _native_available(o)]
         for i, st in self._layers.items():
             self._reconcile(st)
             report = st.ledger.audit()
+            extra: list[str] = []
             if st.faults is not None and idle and not st.native_dirty:
                 native = np.asarray(st.faults.table(), dtype=np.int32)
                 if not np.array_equal(native, st.ledger.lookup()):
                     bad = np.flatnonzero(native != st.ledger.lookup())[:8].tolist()
-                    report.problems.append(f"native fault table differs from the ledger for experts {bad}")
-                    report.ok = False
+                    extra.append(f"native fault table differs from the ledger for experts {bad}")
                 lent_native = sorted(st.faults.lent())
                 if lent_native != sorted(st.ledger.lent_rows()):
-                    report.problems.append(f"rows lent natively {lent_native} != lent by the ledger "
-                                           f"{sorted(st.ledger.lent_rows())}")
-                    report.ok = False
-            out[i] = report
-        return out
+                    extra.append(f"rows lent natively {lent_native} != lent by the ledger "
+                                 f"{sorted(st.ledger.lent_rows())}")
+            if self._exited:
+                pinned = st.ledger.pinned_rows()
+                n_leases = report.counts.get("leases", 0)
+                if n_leases or pinned:
+                    extra.append(f"{n_leases} lease(s) still open after the runtime closed "
+                                 f"(pinned rows {sorted(pinned)}): a lease was never released")
+                pending = st.ledger.pending()
+                if pending:
+                    extra.append(f"{len(pending)} fill(s) still pending after the runtime closed: {pending[:4]}")
+            if extra:
+                report = AuditReport(False, [*report.problems, *extra], report.counts)
+            reports[i] = report
+        return reports
 
     def stats(self) -> dict[str, float]:
         """Counters since start: hits, misses, bytes read, fills, evictions, read/stall time."""

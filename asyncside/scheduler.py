@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
-from anyio.abc import TaskStatus
 
 from .errors import FillError
 from .pools import PoolSet
@@ -104,31 +103,58 @@ class FillHandle:
         return errors
 
 
-class _Layout:
-    __slots__ = ("spec", "pools", "id")
+class _Ready:
+    """The ``task_status`` a reader's serve() reports readiness through (sets an Event)."""
 
-    def __init__(self, spec: LayerSpec, pools: PoolSet, layout_id: int) -> None:
+    __slots__ = ("_event",)
+
+    def __init__(self, event: anyio.Event) -> None:
+        self._event = event
+
+    def started(self, value: object = None) -> None:
+        self._event.set()
+
+
+class _Layout:
+    """A layer blob and its pools, as registered with the reader (``id``) or being opened.
+
+    Opening happens in a worker thread (``opening`` is set until it finished). Fills submitted
+    meanwhile wait in ``waiting``; if the open fails, ``error`` holds the OSError and every fill
+    of the layout fails with it.
+    """
+
+    __slots__ = ("spec", "pools", "id", "opening", "error", "waiting", "scope")
+
+    def __init__(self, spec: LayerSpec, pools: PoolSet) -> None:
         self.spec = spec
         self.pools = pools
-        self.id = layout_id
+        self.id = -1
+        self.opening: anyio.Event | None = None
+        self.error: OSError | None = None
+        self.waiting: list[tuple[int, FillHandle]] = []
+        self.scope = anyio.CancelScope()  # cancelled when the scheduler closes mid-open
 
 
 class Scheduler:
     """Bounded submission queue over one reader backend; see the module docstring."""
 
     def __init__(self, reader: str = "auto", options: ReaderOptions | None = None, *,
-                 direct: bool | None = None) -> None:
+                 direct: bool | None = None, verify: bool | None = None) -> None:
         """``reader``: a backend name or ``"auto"`` (see :func:`asyncside.readers.choose_reader`).
         ``options``: reader tuning, :class:`~asyncside.readers.ReaderOptions` defaults when None.
         ``direct``: O_DIRECT reads; None keeps ``options.direct``, or, without options, takes
-        $ASYNCSIDE_DIRECT (see :func:`asyncside.readers.reader_options`)."""
+        $ASYNCSIDE_DIRECT (see :func:`asyncside.readers.reader_options`). ``verify``: check each
+        record's checksum before its fill completes; None keeps ``options.verify``."""
         self.options = reader_options(options, direct=direct)
+        if verify is not None:
+            self.options.verify = bool(verify)
         queue_depth = self.options.queue_depth
         if queue_depth < 1:
             raise ValueError(f"queue_depth: expected an int >= 1, got {queue_depth!r}")
         self.name = choose_reader(reader)
         self.queue_depth: int = queue_depth
         self.direct = bool(self.options.direct)
+        self.verify = bool(self.options.verify)
         self.reader: ReaderBackend | None = None
         self._tokens = itertools.count(1)
         self._layouts: dict[int, _Layout] = {}
@@ -154,29 +180,58 @@ class Scheduler:
         if self.reader is not None or self._closed:
             raise RuntimeError("a Scheduler can be entered once")
         # Building a native reader sets up a ring and allocates/registers staging: off the loop.
-        self.reader = await anyio.to_thread.run_sync(make_reader, self.name, self.options)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        # Shielded: a reader built in the worker thread must not be dropped by a cancellation
+        # (its eventfd and threads would live until garbage collection); it is closed below.
+        with anyio.CancelScope(shield=True):
+            reader = await anyio.to_thread.run_sync(make_reader, self.name, self.options)
+        self.reader = reader
+        # The serve task shields itself (completions must flow while __aexit__ waits out reads),
+        # so it is never started with TaskGroup.start: a start cancelled before the task reports
+        # ready would wait forever for a shielded task. Its scope is created (and cancelled)
+        # here, and the wait for readiness is an ordinary cancellable wait.
+        self._serve_scope = anyio.CancelScope(shield=True)
+        ready = anyio.Event()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
         try:
-            await self._tg.start(self._serve)
+            tg.start_soon(self._serve, ready)
+            await ready.wait()
         except BaseException:
-            await self._tg.__aexit__(None, None, None)
+            # The task group is exited in its own scope (not inside a new one): it waits for the
+            # serve task, which leaves at once now that its scope is cancelled.
+            self._serve_scope.cancel()
+            try:
+                await tg.__aexit__(None, None, None)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await reader.aclose()
+                self._closed = True
             raise
         return self
 
-    async def _serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        # Shielded: completions must keep flowing while __aexit__ waits out in-flight reads, even
-        # when the surrounding scope is being cancelled. __aexit__ cancels this scope itself.
-        with anyio.CancelScope(shield=True) as scope:
-            self._serve_scope = scope
-            assert self.reader is not None
-            await self.reader.serve(self._deliver, task_status=task_status)
+    async def _serve(self, ready: anyio.Event) -> None:
+        # Shielded (self._serve_scope): completions must keep flowing while __aexit__ waits out
+        # in-flight reads, even when the surrounding scope is being cancelled. Only __aexit__ (or
+        # a failed __aenter__) cancels this scope.
+        assert self._serve_scope is not None and self.reader is not None
+        with self._serve_scope:
+            await self.reader.serve(self._deliver, task_status=_Ready(ready))
 
     async def __aexit__(self, *exc_info: object) -> bool | None:
         try:
-            # Reads in flight write into pool rows: wait them out even when being cancelled.
-            with anyio.CancelScope(shield=True):
-                await self.join()
+            try:
+                # Fills waiting for their blob to open are waited for, but cancellably: an open
+                # that hangs (a stale mount) is abandoned and those fills fail.
+                for lay in list(self._layouts.values()):
+                    if lay.waiting and lay.opening is not None:
+                        await lay.opening.wait()
+            finally:
+                for lay in self._layouts.values():
+                    lay.scope.cancel()
+                # Reads in flight write into pool rows: wait them out even when being cancelled.
+                with anyio.CancelScope(shield=True):
+                    await self.join()
         finally:
             if self._serve_scope is not None:
                 self._serve_scope.cancel()
@@ -194,49 +249,121 @@ class Scheduler:
 
     async def join(self) -> None:
         """Wait until every fill submitted so far has completed (successfully or not)."""
-        while self._inflight or self._backlog:
+        while self._inflight or self._backlog or self._opening_fills():
             if self._idle is None or self._idle.is_set():
                 self._idle = anyio.Event()
             await self._idle.wait()
 
     # ---- submission ----------------------------------------------------------------------
 
-    def layout_for(self, spec: LayerSpec, pools: PoolSet) -> int:
-        """Register (once) the layer blob and its pools with the reader; returns the layout id."""
+    def _check_layout(self, spec: LayerSpec, pools: PoolSet) -> _Layout:
         if self.reader is None or self._closed:
             raise RuntimeError("Scheduler is not running: use `async with Scheduler(...)`")
         if pools.spec != spec:
             raise ValueError(f"pools belong to layer {pools.spec.index} ({pools.spec.path}), "
                              f"not layer {spec.index} ({spec.path})")
         lay = self._layouts.get(id(pools))
-        if lay is not None and lay.pools is pools:
-            return lay.id
-        lay = _Layout(spec, pools, self.reader.add_layout(spec, pools))
-        self._layouts[id(pools)] = lay
-        return lay.id
+        if lay is None or lay.pools is not pools:
+            lay = self._layouts[id(pools)] = _Layout(spec, pools)
+        return lay
+
+    def _open_layout(self, lay: _Layout) -> anyio.Event:
+        """Start opening ``lay``'s blob in a worker thread (once); returns the Event set when done.
+
+        The open never runs on the loop thread: open() of a FIFO, or of a file on a stale network
+        mount, blocks. The reader opens with O_NONBLOCK and refuses anything but a regular file;
+        a mount that hangs in open() keeps only the worker thread, which the awaiter may abandon.
+        """
+        if lay.opening is None:
+            lay.opening = anyio.Event()
+            self._tg.start_soon(self._opener, lay)
+        return lay.opening
+
+    async def _opener(self, lay: _Layout) -> None:
+        assert self.reader is not None and lay.opening is not None
+        reader = self.reader
+        try:
+            with lay.scope:
+                # abandon_on_cancel: a scheduler closing while an open hangs (a stale mount)
+                # walks away from the worker thread rather than hanging with it.
+                lay.id = await anyio.to_thread.run_sync(reader.add_layout, lay.spec, lay.pools,
+                                                        abandon_on_cancel=True)
+        except OSError as exc:
+            lay.error = exc
+        except Exception as exc:  # a refused layout (or a bug): every waiting fill still settles
+            lay.error = OSError(_errno.EINVAL, f"cannot register the blob with the reader: {exc}")
+        finally:
+            if lay.id < 0 and lay.error is None:
+                lay.error = OSError(_errno.ECANCELED, "the scheduler closed before the blob was opened")
+            lay.opening.set()
+            waiting, lay.waiting = lay.waiting, []
+            if lay.error is not None:
+                for _tok, h in waiting:
+                    self._fail_handle(lay.spec, h, lay.error)
+                self._signal_idle()
+            elif waiting:
+                self._backlog.extend((tok, h, lay) for tok, h in waiting)
+                self._pump()
+
+    async def prepare(self, spec: LayerSpec, pools: PoolSet) -> None:
+        """Open ``spec``'s blob for reads into ``pools`` now (in a worker thread), so that the
+        first fill need not wait for it. Raises OSError (naming the file) if it cannot be opened:
+        missing, unreadable, not a regular file, or O_DIRECT refused by its filesystem."""
+        lay = self._check_layout(spec, pools)
+        await self._open_layout(lay).wait()
+        if lay.error is not None:
+            raise lay.error
+
+    def layout_for(self, spec: LayerSpec, pools: PoolSet) -> int:
+        """The reader's layout id of an already prepared layer (see :meth:`prepare`), else -1."""
+        lay = self._check_layout(spec, pools)
+        return lay.id if lay.opening is not None and lay.opening.is_set() and lay.error is None else -1
 
     def submit(self, spec: LayerSpec, pools: PoolSet, fills: Sequence[FillLike]) -> list[FillHandle]:
         """Start reading each fill's record into its row; returns one handle per fill, in order.
 
-        Never blocks: beyond ``queue_depth`` fills in flight the rest wait in a backlog. Bad
-        experts/rows raise ValueError before anything starts.
+        Never blocks: beyond ``queue_depth`` fills in flight the rest wait in a backlog, and a
+        layer not yet prepared is opened in a worker thread first. Bad experts/rows raise
+        ValueError before anything starts; anything that goes wrong later (the blob cannot be
+        opened, the reader refuses the read) fails the fills' handles with a FillError.
         """
-        self.layout_for(spec, pools)
-        lay = self._layouts[id(pools)]
+        lay = self._check_layout(spec, pools)
         for f in fills:
             if not 0 <= int(f.expert) < spec.n_experts:
                 raise ValueError(f"layer {spec.index}: fill {f.fill_id} expert {f.expert} out of range "
                                  f"[0, {spec.n_experts})")
             if not 0 <= int(f.row) < pools.rows:
                 raise ValueError(f"layer {spec.index}: fill {f.fill_id} row {f.row} out of range [0, {pools.rows})")
-        handles = []
-        for f in fills:
-            h = FillHandle(f, spec.index)
-            self._backlog.append((next(self._tokens), h, lay))
-            handles.append(h)
+        handles = [FillHandle(f, spec.index) for f in fills]
         self._stats["submitted"] += len(handles)
+        if lay.opening is not None and lay.opening.is_set() and lay.error is not None:
+            # The last open failed: try again (a blob renamed back, a mount that came back).
+            lay.opening, lay.error, lay.scope = None, None, anyio.CancelScope()
+        if lay.opening is None or not lay.opening.is_set():
+            lay.waiting.extend((next(self._tokens), h) for h in handles)
+            self._open_layout(lay)
+            return handles
+        for h in handles:
+            self._backlog.append((next(self._tokens), h, lay))
         self._pump()
         return handles
+
+    def _fail_handle(self, spec: LayerSpec, h: FillHandle, exc: OSError) -> None:
+        """Settle a fill that never reached the reader (its callbacks run now, on the loop thread)."""
+        code = exc.errno or _errno.EIO
+        e, row = int(h.fill.expert), int(h.fill.row)
+        what = exc.strerror or str(exc)
+        msg = f"cannot read {spec.path} record {e}: {what} (errno {code})"
+        self._stats["failed"] += 1
+        self._stats["completed"] += 1
+        self._callback_errors.extend(h._finish(FillError(spec.index, e, row, msg, errno=code)))
+
+    def _signal_idle(self) -> None:
+        if not self._inflight and not self._backlog and not self._opening_fills() and self._idle is not None:
+            self._idle.set()
+
+    def _opening_fills(self) -> int:
+        return sum(len(lay.waiting) for lay in self._layouts.values())
 
     def _pump(self) -> None:
         """Move backlog into the reader up to queue_depth, grouped per layout; then reap.
@@ -267,7 +394,15 @@ class Scheduler:
                     self._stats["max_backlog"] = max(self._stats["max_backlog"], len(self._backlog))
                 t0 = time.perf_counter()
                 for lay, toks, experts, rows in batches.values():
-                    self.reader.submit(lay.id, toks, experts, rows)
+                    try:
+                        self.reader.submit(lay.id, toks, experts, rows)
+                    except Exception as exc:  # refused before any read started: fail these fills
+                        err = exc if isinstance(exc, OSError) else OSError(
+                            _errno.EIO, f"the reader refused the reads: {exc}")
+                        for tok in toks:
+                            h, _ = self._inflight.pop(tok)
+                            self._fail_handle(lay.spec, h, err)
+                        self._repump = True  # their room is free again
                 t1 = time.perf_counter()
                 # Reads that completed inside submit posted their completions already.
                 self.reader.kick(self._deliver)
@@ -280,6 +415,7 @@ class Scheduler:
                     break
         finally:
             self._pumping = False
+        self._signal_idle()
 
     def _deliver(self, done: list[tuple[int, int]]) -> None:
         """Completions, on the loop thread: settle handles (callbacks run), then refill the queue."""
@@ -287,21 +423,25 @@ class Scheduler:
             h, lay = self._inflight.pop(tok)
             err = None
             if res != 0:
-                err = self._error(lay.spec, h, -res)
+                err = self._error(lay.spec, h, -res, self.reader.take_mismatch(tok) if self.reader else None)
                 self._stats["failed"] += 1
             self._stats["completed"] += 1
             self._callback_errors.extend(h._finish(err))
         if self._backlog and self.reader is not None:
             self._pump()
-        if not self._inflight and not self._backlog and self._idle is not None:
-            self._idle.set()
+        self._signal_idle()
 
     @staticmethod
-    def _error(spec: LayerSpec, h: FillHandle, err: int) -> FillError:
+    def _error(spec: LayerSpec, h: FillHandle, err: int, mismatch: tuple[int, int] | None = None) -> FillError:
         e, row = int(h.fill.expert), int(h.fill.row)
         where = f"read of {spec.path} record {e} (bytes [{e * spec.stride}, {(e + 1) * spec.stride}))"
         if err == _errno.ENODATA:
             msg = f"{where}: end of file before the record's last byte (truncated blob?)"
+        elif err == _errno.EBADMSG and mismatch is not None:
+            expected, got = mismatch
+            msg = (f"{where}: {spec.checksum} checksum mismatch: expected {expected:#010x}, got {got:#010x} "
+                   f"(the bytes on disk are not what the store was written with)")
+            return FillError(spec.index, e, row, msg, errno=err, expected=expected, got=got)
         else:
             msg = f"{where}: {os.strerror(err)}"
         return FillError(spec.index, e, row, msg, errno=err)
@@ -315,13 +455,13 @@ class Scheduler:
 
     @property
     def backlog(self) -> int:
-        """Fills waiting for queue room."""
-        return len(self._backlog)
+        """Fills waiting for queue room (or for their blob to be opened)."""
+        return len(self._backlog) + self._opening_fills()
 
     def stats(self) -> dict[str, Any]:
         """Scheduler counts plus the reader's native counters."""
         s: dict[str, Any] = dict(self._stats, reader=self.name, direct=self.direct, queue_depth=self.queue_depth,
-                                 in_flight=len(self._inflight), backlog=len(self._backlog))
+                                 in_flight=len(self._inflight), backlog=self.backlog)
         if self.reader is not None:
             s["native"] = self.reader.counters()
         return s

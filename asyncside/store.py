@@ -29,7 +29,9 @@ import numpy as np
 from .errors import StoreError
 
 FORMAT_NAME = "asyncside-expert-store"
-FORMAT_VERSION = 1
+#: Version written. Version 1 (CRC-32 checksums only) is still read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 DEFAULT_ALIGNMENT = 4096
 #: Every segment offset inside a record is a multiple of this (documented in store-format.md).
@@ -41,7 +43,11 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_BYTES = 2**62
 #: Largest alignment accepted (1 GiB); alignments are powers of two.
 MAX_ALIGNMENT = 2**30
-CHECKSUM_ALGORITHMS = ("crc32",)
+CHECKSUM_ALGORITHMS = ("crc32c", "crc32")
+#: The algorithms each format version allows.
+_VERSION_CHECKSUMS = {1: ("crc32",), 2: ("crc32c", "crc32")}
+DEFAULT_CHECKSUM = "crc32c"
+VERIFY_MODES = ("size", "full")
 
 #: MLX dtype name -> item size in bytes. Records are little-endian.
 DTYPE_SIZES: dict[str, int] = {
@@ -121,14 +127,22 @@ def segments_checksum(algorithm: str, parts: Iterator[Any] | list[Any]) -> int:
     """Checksum of a record: ``algorithm`` over the segment bytes in table order (padding excluded).
 
     Defined over the segments, not the padded record, so a read path that scatters segments
-    straight into pool rows can verify them without reassembling the record.
+    straight into pool rows can verify them without reassembling the record. ``crc32`` is
+    zlib's CRC-32, ``crc32c`` the Castagnoli CRC (computed natively, hardware-accelerated).
     """
-    if algorithm != "crc32":
-        raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc & 0xFFFFFFFF
+    if algorithm == "crc32":
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        return crc & 0xFFFFFFFF
+    if algorithm == "crc32c":
+        from . import _native  # lazy: `import asyncside` stays cheap
+
+        crc = 0
+        for part in parts:
+            crc = _native.checksum("crc32c", part, crc)
+        return crc
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {CHECKSUM_ALGORITHMS}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +249,7 @@ def _safe_blob_path(root: pathlib.Path, name: str, v: _Validator, field: str) ->
 
 
 def _parse_layer(
-    root: pathlib.Path, raw: Any, i: int, v: _Validator
+    root: pathlib.Path, raw: Any, i: int, v: _Validator, version: int = FORMAT_VERSION
 ) -> LayerSpec:
     f = f"layers[{i}]"
     if not isinstance(raw, dict):
@@ -294,9 +308,10 @@ def _parse_layer(
     checksum = raw.get("checksum")
     checksums: tuple[int, ...] | None = None
     if checksum is not None:
-        if checksum not in CHECKSUM_ALGORITHMS:
-            known = list(CHECKSUM_ALGORITHMS)
-            raise v.fail(f"{f}.checksum", f"unknown checksum algorithm {checksum!r}; known: {known}")
+        allowed = _VERSION_CHECKSUMS[version]
+        if checksum not in allowed:
+            raise v.fail(f"{f}.checksum", f"unknown checksum algorithm {checksum!r} for format version {version}; "
+                                          f"known: {list(allowed)}")
         values = v.get(raw, "checksums", f"{f}.checksums")
         if not isinstance(values, list) or len(values) != n_experts:
             got = len(values) if isinstance(values, list) else type(values).__name__
@@ -332,6 +347,7 @@ class ExpertStore:
         self.path = path
         self.layers = layers
         self.metadata = metadata
+        self.version = FORMAT_VERSION  # the manifest's format version (open() sets what it read)
 
     def __repr__(self) -> str:
         return f"ExpertStore({str(self.path)!r}, layers={list(self.layers)})"
@@ -345,7 +361,7 @@ class ExpertStore:
         layers: Mapping[int, Mapping[str, Any]],
         *,
         alignment: int = DEFAULT_ALIGNMENT,
-        checksum: str | None = "crc32",
+        checksum: str | None = DEFAULT_CHECKSUM,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
         chunk_bytes: int = 64 * 1024 * 1024,
@@ -414,14 +430,23 @@ class ExpertStore:
     # ---- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, layers: Iterable[int] | None = None) -> ExpertStore:
-        """Open and validate the store at ``path``; reads the manifest and stats blobs (no blob reads).
+    def open(cls, path: str | os.PathLike[str], *, layers: Iterable[int] | None = None,
+             verify: str = "size") -> ExpertStore:
+        """Open and validate the store at ``path``; raises StoreError naming the file and manifest
+        field on anything malformed or hostile.
 
-        Raises StoreError naming the file and manifest field on anything malformed or hostile.
         ``layers`` opens only those layer indices (a pipeline stage's): the other layers' entries
         are skipped unparsed and their blobs need not exist here; asking for a layer the manifest
         lacks is a StoreError. An empty ``layers`` opens the metadata alone.
+
+        ``verify="size"`` (the default) reads the manifest and stats the blobs (each must be
+        exactly ``n_experts * stride`` bytes); records are checked against their checksums as the
+        readers load them. ``verify="full"`` also reads every record now and checks its checksum
+        (:meth:`verify`): a blob overwritten with same-size garbage fails here. Blocking file I/O
+        either way: from an event loop, call it in a worker thread.
         """
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify: expected one of {list(VERIFY_MODES)}, got {verify!r}")
         wanted = None if layers is None else {int(i) for i in layers}
         root = pathlib.Path(path).absolute()
         mpath = root / MANIFEST_NAME
@@ -445,8 +470,9 @@ class ExpertStore:
         if fmt != FORMAT_NAME:
             raise v.fail("format", f"expected {FORMAT_NAME!r}, got {fmt!r:.80}")
         version = v.get(manifest, "version", "version")
-        if version != FORMAT_VERSION or not _is_int(version):
-            raise v.fail("version", f"unsupported version {version!r:.80}; this reader knows version {FORMAT_VERSION}")
+        if not _is_int(version) or version not in READ_VERSIONS:
+            raise v.fail("version", f"unsupported version {version!r:.80}; this reader knows versions "
+                                    f"{list(READ_VERSIONS)}")
         metadata = manifest.get("metadata", {})
         if not isinstance(metadata, dict):
             raise v.fail("metadata", f"expected an object, got {type(metadata).__name__}")
@@ -459,7 +485,7 @@ class ExpertStore:
             if wanted is not None and not (isinstance(raw, dict) and _is_int(raw.get("index"))
                                            and raw["index"] in wanted):
                 continue
-            spec = _parse_layer(root, raw, i, v)
+            spec = _parse_layer(root, raw, i, v, version)
             if spec.index in specs:
                 raise v.fail(f"layers[{i}].index", f"duplicate layer index {spec.index}")
             if spec.path in files:
@@ -470,7 +496,11 @@ class ExpertStore:
         if wanted is not None and wanted - set(specs):
             has = sorted(r["index"] for r in raw_layers if isinstance(r, dict) and _is_int(r.get("index")))
             raise v.fail("layers", f"no layer(s) {sorted(wanted - set(specs))} in the manifest; it has {has}")
-        return cls(root, dict(sorted(specs.items())), metadata)
+        store = cls(root, dict(sorted(specs.items())), metadata)
+        store.version = version
+        if verify == "full":
+            store.verify()
+        return store
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -572,15 +602,37 @@ class ExpertStore:
     def verify(self) -> int:
         """Read every record of every layer and check its checksum; returns the number checked.
 
-        Raises StoreError naming the layer, expert and blob on the first mismatch.
+        Raises StoreError naming the layer, expert and blob on the first mismatch (or short read).
+        Reads each blob once, front to back, in blocks of whole records.
         """
         checked = 0
         for index, spec in self.layers.items():
-            if spec.checksum is None:
+            if spec.checksum is None or spec.checksums is None:
                 continue
-            for e in range(spec.n_experts):
-                self.read_record(index, e, verify=True)
-                checked += 1
+            per_block = max(1, (64 << 20) // spec.stride)
+            fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                for start in range(0, spec.n_experts, per_block):
+                    stop = min(spec.n_experts, start + per_block)
+                    want = (stop - start) * spec.stride
+                    data = os.pread(fd, want, start * spec.stride)
+                    if len(data) != want:
+                        raise StoreError(spec.path, f"short read at expert {start + len(data) // spec.stride}: "
+                                                    f"the blob ended early (truncated?)", f"layers[{index}].file")
+                    view = memoryview(data)
+                    for e in range(start, stop):
+                        rec = view[(e - start) * spec.stride : (e - start + 1) * spec.stride]
+                        got = segments_checksum(spec.checksum, [rec[s.offset : s.end] for s in spec.segments])
+                        if got != spec.checksums[e]:
+                            raise StoreError(
+                                spec.path,
+                                f"checksum mismatch for layer {index} expert {e}: {spec.checksum} {got:#010x} "
+                                f"!= manifest {spec.checksums[e]:#010x}",
+                                f"checksums[{e}]",
+                            )
+                        checked += 1
+            finally:
+                os.close(fd)
         return checked
 
 

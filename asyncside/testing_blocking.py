@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import inspect
 import os
 import sys
@@ -52,6 +53,7 @@ __all__ = [
     "BlockingDetector",
     "Incident",
     "LoopBlockedError",
+    "LoopGcPauseWarning",
     "LoopStarvedWarning",
     "default_threshold",
     "no_blocking",
@@ -68,6 +70,10 @@ class BlockingCallError(RuntimeError):
 
 class LoopStarvedWarning(UserWarning):
     """The loop was ready but got no CPU within the threshold (an overloaded machine)."""
+
+
+class LoopGcPauseWarning(UserWarning):
+    """The loop thread was stalled past the threshold by Python's garbage collector."""
 
 
 def default_threshold() -> float:
@@ -97,15 +103,29 @@ class Incident:
     # next to no CPU): the loop was ready but did not get a CPU. That is an overloaded machine,
     # not a blocking call; such incidents are reported as warnings, not failures.
     starved: bool = False
+    started: float = 0.0  # time.monotonic() when the stall began (the ping was sent)
+    # Time the loop thread spent in Python's garbage collector during the stall. A stall that is
+    # within the threshold once that is taken off is the collector's (the heap of the whole
+    # process, e.g. a test session's), not a call on the loop: reported as a warning.
+    gc_s: float = 0.0
+    threshold_s: float = 0.0  # the detector's threshold (set when the incident is settled)
+
+    @property
+    def gc_pause(self) -> bool:
+        """The stall was the garbage collector's: within the threshold without its time."""
+        return self.gc_s > 0 and not self.call and self.blocked_s - self.gc_s <= self.threshold_s
 
     def describe(self) -> str:
         took = f"{'' if self.answered else 'at least '}{self.blocked_s * 1000:.1f} ms"
+        gc_note = f", {self.gc_s * 1000:.1f} ms of it in Python's garbage collector" if self.gc_s > 0 else ""
         if self.call:
             head = f"strict mode refused {self.call} on the event loop thread"
+        elif self.gc_pause:
+            head = f"event loop thread stalled {took} by Python's garbage collector ({self.gc_s * 1000:.1f} ms)"
         elif self.starved:
-            head = f"event loop thread waited {took} for a CPU (parked in its selector: machine overloaded)"
+            head = f"event loop thread waited {took} for a CPU (parked in its selector: machine overloaded){gc_note}"
         else:
-            head = f"event loop thread blocked for {took}"
+            head = f"event loop thread blocked for {took}{gc_note}"
         note = ""
         if self.watchdog_lag_s > 0.5 * self.blocked_s > 0:
             note = (f" (the watchdog thread itself woke {self.watchdog_lag_s * 1000:.1f} ms late: the loop "
@@ -248,6 +268,8 @@ class BlockingDetector:
         self._thread: threading.Thread | None = None
         self._loop: _LoopHandle | None = None
         self._unpatch: Callable[[], None] | None = None
+        self._gc_spans: list[tuple[float, float]] = []  # (start, end) of collections on the loop thread
+        self._gc_started: float | None = None
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -272,6 +294,7 @@ class BlockingDetector:
             raise RuntimeError("this BlockingDetector is already watching")
         self._loop = _current_loop_handle()
         self._stop.clear()
+        gc.callbacks.append(self._on_gc)
         if self.strict:
             self._unpatch = _install_strict(self)
         self._thread = threading.Thread(target=self._watch, name="asyncside-blocking-watchdog", daemon=True)
@@ -283,21 +306,53 @@ class BlockingDetector:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self._unpatch is not None:
             self._unpatch()
             self._unpatch = None
+        self._attribute_gc()
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # Runs in the collecting thread, with the GIL: only the loop thread's collections count.
+        if self._loop is None or threading.get_ident() != self._loop.thread_id:
+            return
+        if phase == "start":
+            self._gc_started = time.monotonic()
+        elif self._gc_started is not None:
+            with self._lock:
+                self._gc_spans.append((self._gc_started, time.monotonic()))
+            self._gc_started = None
+
+    def _attribute_gc(self) -> None:
+        """Credit each incident with the collector time on the loop thread during its stall."""
+        with self._lock:
+            spans = list(self._gc_spans)
+            for inc in self.incidents:
+                inc.threshold_s = self.threshold
+                if inc.started <= 0:
+                    continue
+                end = inc.started + inc.blocked_s
+                inc.gc_s = sum(max(0.0, min(b, end) - max(a, inc.started)) for a, b in spans)
 
     @property
     def blocked(self) -> list[Incident]:
         """Incidents that fail :meth:`check`: the loop thread was busy or stuck in a call."""
         with self._lock:
-            return [inc for inc in self.incidents if not inc.starved]
+            return [inc for inc in self.incidents if not inc.starved and not inc.gc_pause]
 
     @property
     def starved(self) -> list[Incident]:
         """Incidents where the loop was ready (parked in its selector) but got no CPU in time."""
         with self._lock:
-            return [inc for inc in self.incidents if inc.starved]
+            return [inc for inc in self.incidents if inc.starved and not inc.gc_pause]
+
+    @property
+    def gc_pauses(self) -> list[Incident]:
+        """Incidents that were Python's garbage collector on the loop thread (within the threshold
+        once the collector's time is taken off): the process heap, not a call on the loop."""
+        with self._lock:
+            return [inc for inc in self.incidents if inc.gc_pause]
 
     def check(self) -> None:
         """Raise :class:`LoopBlockedError` describing every blocking incident, if there was any.
@@ -345,7 +400,8 @@ class BlockingDetector:
                 # uses none, so a merely descheduled idle process is not reported here.)
                 self._record(
                     Incident(lag, f"  (not sampled: the loop thread kept the GIL, busy for "
-                                  f"{cpu_used * 1000:.1f} ms of CPU)\n", True, watchdog_lag_s=lag)
+                                  f"{cpu_used * 1000:.1f} ms of CPU)\n", True, watchdog_lag_s=lag,
+                             started=now - lag)
                 )
             if ping is not None and ping.answered is not None:
                 waited = ping.answered - ping.sent
@@ -360,7 +416,7 @@ class BlockingDetector:
                     busy = cpu_now - ping.cpu_at_send > 0.1 * waited if loop_cpu else True
                     self._record(
                         Incident(waited, "  (not sampled: the watchdog could not run while the loop was late)\n",
-                                 True, watchdog_lag_s=ping.watchdog_lag_s, starved=not busy)
+                                 True, watchdog_lag_s=ping.watchdog_lag_s, starved=not busy, started=ping.sent)
                     )
                 ping = None
             if ping is None:
@@ -374,7 +430,8 @@ class BlockingDetector:
             if waited > self.threshold:
                 if ping.incident is None:
                     parked = _parked(loop)
-                    ping.incident = Incident(waited, _stack_of(loop.thread_id), starved=bool(parked))
+                    ping.incident = Incident(waited, _stack_of(loop.thread_id), starved=bool(parked),
+                                             started=ping.sent)
                     ping.last_sample = now
                     self._record(ping.incident)
                 else:
@@ -489,6 +546,8 @@ if pytest is not None:
             finally:
                 for inc in detector.starved:
                     warnings.warn(LoopStarvedWarning(inc.describe()), stacklevel=1)
+                for inc in detector.gc_pauses:
+                    warnings.warn(LoopGcPauseWarning(inc.describe()), stacklevel=1)
 
         item.obj = watched
         try:

@@ -19,6 +19,7 @@
 
 #include <mlx/array.h>
 
+#include "checksum.h"
 #include "io_reader.h"
 #include "host_mirror.h"
 #include "mlx_dependency.h"
@@ -82,7 +83,16 @@ void bind_bridge(nb::module_& m) {
   m.def("schedule_step", &br::schedule_step, nb::arg("roots"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Schedule as much of the unscheduled graph of `roots` as fits under MLX's eval throttle. "
-        "Returns (True, None) once all is scheduled, else (False, y): await y, then call again.");
+        "Returns (True, None) once all is scheduled, else (False, y): await y, then call again; "
+        "(False, None): nothing fits and nothing of the graph is pending: await the roots' stream "
+        "(barrier), then call again.");
+  m.def("barrier",
+        [](BridgeQueue& queue, uint64_t ticket, mlx::core::Stream stream) {
+          br::barrier(queue.q, ticket, stream);
+        },
+        nb::arg("queue"), nb::arg("ticket"), nb::arg("stream"),
+        "Post `ticket` to `queue` once the CPU `stream` has run everything queued on it so far "
+        "(no array, no eval: never blocked by MLX's throttle).");
   m.def("mlx_active_tasks", &br::mlx_active_tasks,
         "MLX's count of CPU task groups in flight (its eval throttle blocks callers above 10).");
   m.def("is_available", &br::is_available, nb::arg("x"),
@@ -269,6 +279,27 @@ void bind_reader_options(nb::module_& m) {
       "The field names, in declaration order.");
 }
 
+io::ChecksumKind checksum_kind(const std::string& name) {
+  if (name == "crc32") return io::ChecksumKind::Crc32;
+  if (name == "crc32c") return io::ChecksumKind::Crc32c;
+  if (name == "none" || name.empty()) return io::ChecksumKind::None;
+  throw std::invalid_argument("checksum: expected 'crc32', 'crc32c' or 'none', got '" + name + "'");
+}
+
+// checksum_update over any C-contiguous buffer (bytes, memoryview, numpy array), GIL released.
+uint32_t checksum_buffer(io::ChecksumKind kind, nb::handle data, uint32_t state, bool portable) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  uint32_t r;
+  {
+    nb::gil_scoped_release g;
+    r = portable ? io::checksum_update_portable(kind, state, view.buf, static_cast<size_t>(view.len))
+                 : io::checksum_update(kind, state, view.buf, static_cast<size_t>(view.len));
+  }
+  PyBuffer_Release(&view);
+  return r;
+}
+
 std::vector<io::SegmentSpan> spans(const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes) {
   if (offsets.size() != nbytes.size()) {
     throw std::invalid_argument("offsets and nbytes: expected equal lengths, got " + std::to_string(offsets.size()) +
@@ -280,6 +311,19 @@ std::vector<io::SegmentSpan> spans(const std::vector<uint64_t>& offsets, const s
 }
 
 void bind_read_path(nb::module_& m) {
+  // A blob that cannot be opened surfaces as the matching OSError (FileNotFoundError,
+  // PermissionError, ...) with errno and filename set, so callers can tell causes apart.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const io::OpenError& e) {
+      std::string msg = e.what();
+      const std::string prefix = e.path() + ": ";
+      if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
+      nb::object exc = nb::handle(PyExc_OSError)(e.err(), msg, e.path());
+      PyErr_SetObject(PyExc_OSError, exc.ptr());
+    }
+  });
   nb::class_<PyReader>(m, "Reader",
                        "A native reader (io_uring or preadv thread pool) completing whole fills onto one "
                        "completion list + eventfd.")
@@ -396,7 +440,51 @@ void bind_read_path(nb::module_& m) {
           nb::arg("max_read_bytes") = 0, nb::arg("transient_every") = 0, nb::arg("transient_err") = 0,
           "Test hooks: fail reads of `path` touching [lo, hi) with errno `err`; cap every read op at "
           "max_read_bytes; make every Nth op fail once with EAGAIN/EINTR.")
+      .def(
+          "set_checksums",
+          [](PyReader& p, uint32_t layout, const std::string& kind, std::vector<uint32_t> values) {
+            p.r().set_checksums(layout, checksum_kind(kind), std::move(values));
+          },
+          nb::arg("layout"), nb::arg("kind"), nb::arg("values"),
+          "Verify every later fill of `layout` against values[expert] ('crc32' | 'crc32c'; 'none': off) "
+          "before it completes; a mismatch completes it with -EBADMSG (see take_mismatch).")
+      .def(
+          "take_mismatch",
+          [](PyReader& p, uint64_t token) -> std::optional<std::pair<uint32_t, uint32_t>> {
+            io::Mismatch m{};
+            if (!p.r().take_mismatch(token, &m)) return std::nullopt;
+            return std::make_pair(m.expected, m.got);
+          },
+          nb::arg("token"), "(expected, got) of a fill completed with -EBADMSG, once; else None.")
       .def("counters", [](PyReader& p) { return p.r().counters(); });
+
+  m.def(
+      "checksum",
+      [](const std::string& kind, nb::handle data, uint32_t state) {
+        return checksum_buffer(checksum_kind(kind), data, state, false);
+      },
+      nb::arg("kind"), nb::arg("data"), nb::arg("state") = 0,
+      "CRC of a C-contiguous buffer ('crc32': equals zlib.crc32; 'crc32c'), continuing `state` "
+      "(0 to start). The fastest implementation the CPU has; GIL released.");
+  m.def(
+      "checksum_portable",
+      [](const std::string& kind, nb::handle data, uint32_t state) {
+        return checksum_buffer(checksum_kind(kind), data, state, true);
+      },
+      nb::arg("kind"), nb::arg("data"), nb::arg("state") = 0,
+      "The same CRC by the portable table implementation (tests compare the fast paths with it).");
+  m.def(
+      "checksum_combine",
+      [](const std::string& kind, uint32_t crc1, uint32_t crc2, uint64_t len2) {
+        return io::checksum_combine(checksum_kind(kind), crc1, crc2, len2);
+      },
+      nb::arg("kind"), nb::arg("crc1"), nb::arg("crc2"), nb::arg("len2"),
+      "The checksum of a||b from those of a and b (b's started at 0) and b's length (zlib's crc32_combine).");
+  m.def(
+      "checksum_implementation",
+      [](const std::string& kind) { return std::string(io::checksum_implementation(checksum_kind(kind))); },
+      nb::arg("kind"), "Which implementation checksum() uses here: 'vpclmulqdq', 'pclmulqdq', 'sse4.2', "
+      "'armv8-crc', 'table' or 'none'.");
 
   m.def(
       "io_uring_available",
@@ -598,6 +686,14 @@ void bind_faults(nb::module_& m) {
       .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
       .def("lent", [](PyFaultTable& p) { return p.t->lent(); }, "Lent rows not used yet, in lend order.")
       .def("counters", [](PyFaultTable& p) { return p.t->counters(); })
+      .def(
+          "set_checksums",
+          [](PyFaultTable& p, const std::string& kind, std::vector<uint32_t> expected) {
+            p.t->set_checksums(checksum_kind(kind), std::move(expected));
+          },
+          nb::arg("kind"), nb::arg("expected"),
+          "Check every faulted record against its checksum ('crc32' or 'crc32c'; 'none': no check) "
+          "before the step uses it; a mismatch fails the step.")
       .def(
           "set_order",
           [](PyFaultTable& p, const std::string& order, double half_life) {

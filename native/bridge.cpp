@@ -380,9 +380,10 @@ SignalResult signal(const mx::array& x, std::shared_ptr<CompletionQueue> queue, 
     mx::async_eval({xs});
   }
   if (s.device.type == mx::Device::cpu && (!x_stream || *x_stream == s) &&
-      mx::scheduler::n_active_tasks() > kMlxMaxActiveTasks) {
-    // Backlogged: async_eval of the signal would block this (the event loop's) thread until the
-    // stream drained below MLX's limit. Queue the post behind everything on the stream instead.
+      mx::scheduler::n_active_tasks() >= kMlxMaxActiveTasks) {
+    // Backlogged: async_eval of the signal (a few dispatches: at most one more task group) could
+    // take MLX's count past its limit, and MLX would then block this (the event loop's) thread
+    // until the stream drained below it. Queue the post behind everything on the stream instead.
     mx::scheduler::enqueue(s, [queue = std::move(queue), ticket]() { queue->post(ticket); });
     counters().signals_direct.fetch_add(1, std::memory_order_relaxed);
     return {std::nullopt, false};
@@ -440,6 +441,21 @@ std::vector<mx::array> unscheduled_nodes(const std::vector<mx::array>& roots,
 
 }  // namespace
 
+// Nodes one async_eval may carry when `active` task groups are in flight, so that MLX's count
+// stays at or under its limit (MLX blocks the caller once it is above). A node is usually one
+// dispatch (plus one for the buffers MLX holds), a task group ten dispatches, and async_eval adds
+// a synchronizer node: n nodes are at most 2n + 2 dispatches, at most (2n + 2) / 10 + 1 groups.
+// 0: no room (the caller awaits the stream instead of letting MLX block it).
+static size_t nodes_that_fit(int active) {
+  const int budget = kMlxMaxActiveTasks - active;  // task groups that may still be added
+  if (budget <= 0) {
+    return 0;
+  }
+  constexpr size_t kGroup = 24;  // re-check the count at least this often
+  const size_t n = budget == 1 ? 1 : static_cast<size_t>(budget - 1) * 5 - 1;
+  return std::min(kGroup, std::max<size_t>(1, n));
+}
+
 std::pair<bool, std::optional<mx::array>> schedule_step(const std::vector<mx::array>& roots) {
   std::optional<mx::array> frontier;
   std::vector<mx::array> nodes = unscheduled_nodes(roots, frontier);
@@ -447,22 +463,11 @@ std::pair<bool, std::optional<mx::array>> schedule_step(const std::vector<mx::ar
     return {true, std::nullopt};
   }
   // MLX counts task groups of DISPATCHES_PER_TASK dispatches and blocks eval's caller above
-  // kMlxMaxActiveTasks. Most nodes are one dispatch, but some are many (a long prefill's
-  // attention and sorted expert gathers: a few dozen such nodes block eval's caller for tens of
-  // milliseconds, BENCHMARKS.md), so nodes go in small groups and the count is checked between
-  // groups.
-  // Near the limit the groups shrink to two nodes, so a group never carries the count far past it.
-  constexpr size_t kGroup = 24;
-  constexpr size_t kGroupNearLimit = 2;
-  if (mx::scheduler::n_active_tasks() >= kMlxMaxActiveTasks) {
-    if (frontier) {
-      counters().schedule_waits.fetch_add(1, std::memory_order_relaxed);
-      return {false, frontier};
-    }
-    // Nothing of ours to wait for (the backlog is other work): one node, MLX waits at most for
-    // one task group.
-    nodes.erase(nodes.begin() + 1, nodes.end());
-  }
+  // kMlxMaxActiveTasks. Nodes therefore go in groups sized to the room left (nodes_that_fit),
+  // and the count is read again between groups. Some nodes are many dispatches (a long
+  // prefill's attention and sorted expert gathers), so a group can still overshoot; then MLX
+  // waits for one task group, never more.
+  //
   // A GPU stream counts a task per committed command buffer, not per dispatch, and every
   // async_eval commits one (on CUDA: a graph launch). Nodes all on GPU streams therefore go in one
   // async_eval: groups would cost a commit each (the GPU profile of a decode step showed ~5 per
@@ -474,13 +479,28 @@ std::pair<bool, std::optional<mx::array>> schedule_step(const std::vector<mx::ar
       break;
     }
   }
+  if (nodes_that_fit(mx::scheduler::n_active_tasks()) == 0) {
+    counters().schedule_waits.fetch_add(1, std::memory_order_relaxed);
+    if (frontier) {
+      return {false, frontier};  // our own input is on the stream: await it, then go on
+    }
+    if (!all_gpu) {
+      // The backlog is other work: the caller awaits its stream (a barrier ticket) rather than
+      // have MLX block it. Many independent completions at once then wait their turn on the
+      // event loop instead of each blocking it for a task group.
+      return {false, std::nullopt};
+    }
+    // GPU: a barrier on the stream's host queue says nothing of the device. One commit; MLX
+    // waits at most for one command buffer.
+    nodes.erase(nodes.begin() + 1, nodes.end());
+  }
   size_t done = 0;
   while (done < nodes.size()) {
-    const int active = mx::scheduler::n_active_tasks();
-    if (done > 0 && active >= kMlxMaxActiveTasks) {
+    const size_t fit = nodes_that_fit(mx::scheduler::n_active_tasks());
+    if (done > 0 && fit == 0) {
       break;
     }
-    const size_t g = all_gpu ? nodes.size() : active >= kMlxMaxActiveTasks - 3 ? kGroupNearLimit : kGroup;
+    const size_t g = all_gpu ? nodes.size() : std::max<size_t>(1, fit);
     const size_t end = std::min(nodes.size(), done + g);
     std::vector<mx::array> group(nodes.begin() + static_cast<long>(done), nodes.begin() + static_cast<long>(end));
     mx::async_eval(std::move(group));
@@ -498,6 +518,20 @@ std::pair<bool, std::optional<mx::array>> schedule_step(const std::vector<mx::ar
   // Wait for the middle of what was just queued, not its end: when the caller wakes, half of it
   // is still queued, so the stream keeps busy while the next part is scheduled.
   return {false, nodes[(done - 1) / 2]};
+}
+
+void barrier(std::shared_ptr<CompletionQueue> queue, uint64_t ticket, mx::Stream s) {
+  if (!queue) {
+    throw std::invalid_argument("[asyncside] barrier: queue is None");
+  }
+  if (queue->closed()) {
+    throw std::invalid_argument("[asyncside] barrier: the completion queue is closed");
+  }
+  if (s.device.type != mx::Device::cpu) {
+    throw std::invalid_argument("[asyncside] barrier: needs a CPU stream");
+  }
+  mx::scheduler::enqueue(s, [queue = std::move(queue), ticket]() { queue->post(ticket); });
+  counters().signals_direct.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool is_available(const mx::array& x) {

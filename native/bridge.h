@@ -36,10 +36,10 @@ struct Counters {
   std::atomic<uint64_t> signals_created{0};   // primitives constructed
   std::atomic<uint64_t> signals_destroyed{0};
   std::atomic<uint64_t> signals_dispatched{0};  // eval_cpu/eval_gpu scheduled the post
-  std::atomic<uint64_t> signals_direct{0};  // posts queued straight on a backlogged CPU stream
+  std::atomic<uint64_t> signals_direct{0};  // posts queued straight on a CPU stream (backlog, barrier)
   std::atomic<uint64_t> schedule_whole{0};   // schedule_step calls that scheduled everything
   std::atomic<uint64_t> schedule_chunks{0};  // ... that scheduled a part (throttle would engage)
-  std::atomic<uint64_t> schedule_waits{0};   // ... that scheduled nothing: await the frontier
+  std::atomic<uint64_t> schedule_waits{0};   // ... that found no room: await the frontier or the stream
   std::atomic<uint64_t> tickets_posted{0};    // post() called by a stream/callback thread
   std::atomic<uint64_t> tickets_reaped{0};    // handed to the loop by drain()
   std::atomic<uint64_t> tickets_dropped{0};   // posted after close(): nobody is listening
@@ -122,10 +122,15 @@ int mlx_active_tasks();
 // Schedule the unscheduled part of the graphs of `roots` without letting MLX's eval throttle block
 // the caller (MLX's async_eval waits while more than 10 task groups of ~10 dispatches are in
 // flight). Schedules as much as fits now, inputs before users. Returns {true, nullopt} once every
-// root is scheduled; otherwise {false, y}: await y (scheduled, not yet computed) and call again.
-// When nothing fits and no scheduled input of the graph is pending, one node is scheduled anyway
-// (MLX then waits for at most one task group).
+// root is scheduled; otherwise {false, y}: await y (scheduled, not yet computed) and call again;
+// or {false, nullopt} when nothing fits and no input of the graph is pending: await the roots'
+// (CPU) stream with barrier(), then call again. On GPU streams, when nothing fits, one node is
+// scheduled anyway (MLX then waits for at most one command buffer).
 std::pair<bool, std::optional<mlx::core::array>> schedule_step(const std::vector<mlx::core::array>& roots);
+
+// Post `ticket` to `queue` once CPU stream `s` has run everything queued on it so far (no array,
+// no eval: never subject to MLX's throttle). Throws std::invalid_argument for a GPU stream.
+void barrier(std::shared_ptr<CompletionQueue> queue, uint64_t ticket, mlx::core::Stream s);
 
 // Whether x is safe to read without waiting (never blocks). Throws the MLX error if the
 // computation that produced x failed (and clears it, as MLX does).

@@ -73,6 +73,7 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
     : dest_(std::move(dest)), stride_(stride) {
   if (!dest_) throw std::invalid_argument("destination: expected pools, got none");
   if (segments.empty()) throw std::invalid_argument("segments: a record needs at least one segment");
+  for (const auto& s : segments) nbytes_.push_back(s.nbytes);
   order_.resize(segments.size());
   std::iota(order_.begin(), order_.end(), size_t{0});
   std::sort(order_.begin(), order_.end(),
@@ -85,6 +86,7 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
                                   std::to_string(s.offset + s.nbytes) + ") overlaps another or leaves the record (stride " +
                                   std::to_string(stride) + ")");
     }
+
     if (end && s.offset > end) junk_bytes_ = std::max(junk_bytes_, std::min(s.offset - end, kMaxSink));
     end = s.offset + s.nbytes;
     segments_.push_back(s);
@@ -96,6 +98,12 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
 }
 
 HostRecordSink::~HostRecordSink() { std::free(junk_); }
+
+uint32_t HostRecordSink::checksum(io::ChecksumKind kind, int64_t row) {
+  uint32_t state = 0;
+  for (size_t i = 0; i < nbytes_.size(); ++i) state = io::checksum_update(kind, state, dest_->host_row(i, row), nbytes_[i]);
+  return state;
+}
 
 int HostRecordSink::read(int fd, uint64_t offset, int64_t row) {
   // Segments in file order, each straight into its pool row; small gaps into the sink, large
@@ -232,6 +240,16 @@ void FaultTable::set_order(VictimOrder order, double half_life) {
   half_life_ = half_life;
 }
 
+void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected) {
+  if (kind != io::ChecksumKind::None && static_cast<int64_t>(expected.size()) != n_experts_) {
+    throw std::invalid_argument("checksums: expected " + std::to_string(n_experts_) + ", got " +
+                                std::to_string(expected.size()));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  checksum_kind_ = kind;
+  checksums_ = std::move(expected);
+}
+
 void FaultTable::touch_locked(int64_t expert, uint64_t stamp) {
   const auto e = static_cast<size_t>(expert);
   if (order_ == VictimOrder::Decayed) {
@@ -325,7 +343,14 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
     lk.unlock();
     const auto t0 = std::chrono::steady_clock::now();
-    const int err = sink_->read(fd_, static_cast<uint64_t>(e) * stride_, row);
+    int err = sink_->read(fd_, static_cast<uint64_t>(e) * stride_, row);
+    uint32_t got = 0;
+    if (err == 0 && checksum_kind_ != io::ChecksumKind::None) {
+      // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
+      // while nothing is queued, so reading them unlocked is safe).
+      got = sink_->checksum(checksum_kind_, row);
+      if (got != checksums_[static_cast<size_t>(e)]) err = -1;
+    }
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     lk.lock();
     fault_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
@@ -346,7 +371,10 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       if (error.empty()) {
         error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(e) +
                 " into row " + std::to_string(row) + " from " + path_ + " failed: " +
-                (err == ENODATA ? std::string("the file ended before the record did") : errno_text(err));
+                (err == ENODATA ? std::string("the file ended before the record did")
+                 : err == -1    ? "checksum mismatch (expected " + std::to_string(checksums_[static_cast<size_t>(e)]) +
+                                   ", got " + std::to_string(got) + ")"
+                                : errno_text(err));
       }
     }
   }

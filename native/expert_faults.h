@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "checksum.h"
 #include "io_reader.h"
 
 namespace asyncside::faults {
@@ -57,6 +58,9 @@ class RecordSink {
   virtual int64_t rows() const = 0;
   // Read `expert`'s record into `row`; returns 0 or an errno (ENODATA: the blob ended early).
   virtual int read(int fd, uint64_t offset, int64_t row) = 0;
+  // The checksum of `row`'s segments, in segment order (the store's definition), from the host
+  // copy of its bytes.
+  virtual uint32_t checksum(io::ChecksumKind kind, int64_t row) = 0;
 };
 
 // Host pools (MLX CPU, or unified memory): segments scattered into the rows by one preadv.
@@ -66,11 +70,13 @@ class HostRecordSink final : public RecordSink {
   ~HostRecordSink() override;
   int64_t rows() const override { return dest_->rows(); }
   int read(int fd, uint64_t offset, int64_t row) override;
+  uint32_t checksum(io::ChecksumKind kind, int64_t row) override;
 
  private:
   std::shared_ptr<io::Destination> dest_;
   uint64_t stride_;
   std::vector<io::SegmentSpan> segments_;  // sorted by offset
+  std::vector<uint64_t> nbytes_;           // per segment, in segment order
   std::vector<size_t> order_;              // segments_[k] is segment order_[k] of the destination
   uint8_t* junk_ = nullptr;                // sink for the padding between segments
   uint64_t junk_bytes_ = 0;
@@ -113,6 +119,8 @@ class FaultTable {
   std::vector<int64_t> lent() const;
   std::map<std::string, uint64_t> counters() const;
   void set_order(VictimOrder order, double half_life);
+  // Check every faulted record against `expected[expert]` (kind None: no check) before it is used.
+  void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
 
   // ---- stream thread ----
   // Map ids[i] to rows in out[i], faulting absent experts in. Throws std::runtime_error naming
@@ -141,6 +149,8 @@ class FaultTable {
   std::vector<uint64_t> last_use_;  // expert -> stamp of the last resolve that routed it
   std::vector<double> score_;       // expert -> decayed use count as of last_use_ (Decayed order)
   VictimOrder order_ = VictimOrder::Recency;
+  io::ChecksumKind checksum_kind_ = io::ChecksumKind::None;
+  std::vector<uint32_t> checksums_;
   double half_life_ = 8.0;
   std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)
   uint64_t clock_ = 0;

@@ -100,6 +100,7 @@ class DeviceRecordSink final : public RecordSink {
   }
 
   int64_t rows() const override { return mirror_->rows(); }
+  uint32_t checksum(io::ChecksumKind kind, int64_t row) override { return host_.checksum(kind, row); }
 
   int read(int fd, uint64_t offset, int64_t row) override {
     if (int err = host_.read(fd, offset, row)) return err;

@@ -1,6 +1,7 @@
 // Internal state of the read path shared by the backends (not part of the Reader interface).
 #pragma once
 
+#include "checksum.h"
 #include "io_reader.h"
 
 namespace asyncside::io {
@@ -20,6 +21,10 @@ struct Layout {
   uint64_t span_begin = 0;        // first byte of any segment inside the record
   uint64_t span_end = 0;          // one past the last byte of any segment
   std::shared_ptr<Destination> dest;
+  // Verification (set_checksums): a fill completes only after its segments, in table order,
+  // checksum to checksums[expert]; a mismatch completes it with -EBADMSG.
+  ChecksumKind checksum = ChecksumKind::None;
+  std::vector<uint32_t> checksums;
 };
 
 // One (expert -> row) read: completes as one Completion when all of its chunks have.
@@ -29,6 +34,10 @@ struct Fill {
   int64_t expert = 0, row = 0;
   std::atomic<int> chunks_left{0};
   std::atomic<int> result{0};  // first error wins
+  // Verified layouts: each chunk's checksum over its segment bytes, and how many, by chunk seq;
+  // combined in file (= segment table) order when the last chunk is done. Empty: no check.
+  std::vector<uint32_t> part_crc;
+  std::vector<uint64_t> part_len;
 };
 
 struct ScatterPiece {
@@ -40,6 +49,8 @@ struct ScatterPiece {
 // One contiguous file range of a fill, read by one op at a time (short reads continue).
 struct Chunk {
   Fill* fill = nullptr;
+  uint32_t seq = 0;     // index among its fill's chunks, in file order
+  bool read_by_worker = false;  // io_uring: read with preadv by a copy worker, not through the ring
   bool direct = false;  // through the O_DIRECT fd
   bool staged = false;  // into a staging slot, scattered afterwards
   int slot = -1;

@@ -45,6 +45,42 @@ void* aligned_alloc_or_throw(uint64_t bytes, const char* what) {
 
 std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
 
+// Opens a blob for reading without ever blocking on what the path turns out to be: O_NONBLOCK
+// makes open() of a FIFO return at once (a FIFO opened for reading otherwise waits for a writer),
+// and anything but a regular file is refused. O_NONBLOCK is then cleared: io_uring would
+// otherwise report EAGAIN for reads it should punt to its workers.
+int open_blob(const std::string& path, int flags, const char* how) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int e = errno;
+    std::string why = std::string("cannot open") + how + ": " + errno_text(e);
+#if defined(O_DIRECT)
+    if (e == EINVAL && (flags & O_DIRECT) != 0) why += " (the filesystem refuses direct I/O; read it buffered)";
+#endif
+    throw OpenError(e, path, path + ": " + why);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw OpenError(e, path, path + ": cannot stat: " + errno_text(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw OpenError(EINVAL, path, path + ": not a regular file (a FIFO, device or directory cannot be a blob)");
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw OpenError(e, path, path + ": cannot clear O_NONBLOCK: " + errno_text(e));
+  }
+  return fd;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -66,6 +102,8 @@ std::map<std::string, uint64_t> Counters::snapshot() const {
       {"enter_calls", enter_calls.load()},           {"wakeups_written", wakeups_written.load()},
       {"iowq_max_workers", iowq_max_workers.load()},
       {"submit_ns_max", submit_ns_max.load()},       {"reap_ns_max", reap_ns_max.load()},
+      {"checksums_verified", checksums_verified.load()}, {"checksum_mismatches", checksum_mismatches.load()},
+      {"checksum_bytes", checksum_bytes.load()},     {"checksum_ns", checksum_ns.load()},
   };
 }
 
@@ -128,6 +166,19 @@ void ChunkWorkers::push(Chunk* c) {
     q_.push_back(c);
   }
   cv_.notify_one();
+}
+
+void ChunkWorkers::push_many(const std::vector<Chunk*>& cs) {
+  if (cs.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.insert(q_.end(), cs.begin(), cs.end());
+  }
+  if (cs.size() == 1) {
+    cv_.notify_one();
+  } else {
+    cv_.notify_all();
+  }
 }
 
 void ChunkWorkers::stop() {
@@ -222,8 +273,10 @@ Reader::~Reader() {
 
 uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
                             std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest) {
-  std::lock_guard<std::mutex> lk(api_mu_);
-  if (closed_) throw std::runtime_error("reader is closed");
+  {
+    std::lock_guard<std::mutex> lk(api_mu_);
+    if (closed_) throw std::runtime_error("reader is closed");
+  }
   if (stride == 0) throw std::invalid_argument(path + ": stride: expected > 0");
   if (n_experts < 1) throw std::invalid_argument(path + ": n_experts: expected >= 1, got " + std::to_string(n_experts));
   if (segments.empty()) throw std::invalid_argument(path + ": segments: expected at least one");
@@ -257,20 +310,25 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
   L->span_begin = L->segs[L->order.front()].offset;
   L->span_end = prev_end;
 
-  L->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (L->fd < 0) throw std::runtime_error(path + ": cannot open: " + errno_text(errno));
+  L->fd = open_blob(path, O_RDONLY | O_CLOEXEC, "");
   if (opts_.direct) {
 #if defined(O_DIRECT)
-    L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (L->fd_direct < 0) {
-      int e = errno;
+    try {
+      L->fd_direct = open_blob(path, O_RDONLY | O_CLOEXEC | O_DIRECT, " with O_DIRECT");
+    } catch (...) {
       ::close(L->fd);
-      throw std::runtime_error(path + ": cannot open with O_DIRECT (filesystem without direct I/O?): " + errno_text(e));
+      throw;
     }
 #else
     L->fd_direct = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (L->fd_direct >= 0) fcntl(L->fd_direct, F_NOCACHE, 1);
 #endif
+  }
+  std::lock_guard<std::mutex> lk(api_mu_);
+  if (closed_) {
+    ::close(L->fd);
+    if (L->fd_direct >= 0) ::close(L->fd_direct);
+    throw std::runtime_error("reader is closed");
   }
   L->id = static_cast<uint32_t>(layouts_.size());
   on_layout_added(*L);
@@ -315,6 +373,7 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
       const uint64_t rec = static_cast<uint64_t>(r.expert) * L.stride;
       std::vector<Chunk*> mine;
       const bool direct = opts_.direct && L.fd_direct >= 0;
+      const bool verify = L.checksum != ChecksumKind::None;
 
       // Can the O_DIRECT read land in the rows themselves (every piece block aligned)?
       bool rows_ok = !direct || opts_.direct_rows;
@@ -358,7 +417,8 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
         }
         for (Group& g : groups) {
           // Split into chunks of at most `limit` bytes and kMaxIov iovecs.
-          const uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
+          uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
+          if (!direct && verify && verify_chunk_bytes() > 0) limit = std::min(limit, verify_chunk_bytes());
           Chunk* c = nullptr;
           uint64_t pos = 0;
           for (const iovec& v : g.iov) {
@@ -408,6 +468,11 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
         counters_.fills_staged++;
       }
       counters_.chunks_created += mine.size();
+      if (verify) {
+        f->part_crc.assign(mine.size(), 0);
+        f->part_len.assign(mine.size(), 0);
+        for (size_t k = 0; k < mine.size(); ++k) mine[k]->seq = static_cast<uint32_t>(k);
+      }
       f->chunks_left.store(static_cast<int>(mine.size()));
       counters_.fills_submitted++;
       in_flight_++;
@@ -527,21 +592,102 @@ Reader::Step Reader::after_op(Chunk* c, int64_t res, int* final_result) {
 }
 
 void Reader::chunk_read_finished(Chunk* c, int result) {
-  if (result == 0 && c->staged) {
+  if (result == 0 && (c->staged || !c->fill->part_crc.empty())) {
     scatter_staged(c);
   } else {
     chunk_done(c, result);
   }
 }
 
+void Reader::read_chunk_sync(Chunk* c) {
+  const Layout& L = *c->fill->layout;
+  const int fd = c->direct ? L.fd_direct : L.fd;
+  int final = 0;
+  for (;;) {
+    const uint64_t len = build_window(c);
+    counters_.ops_submitted++;
+    int64_t res;
+    if (int e = injected_fault(c, len)) {
+      res = -e;
+    } else {
+      res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
+      if (res < 0) res = -errno;
+    }
+    if (after_op(c, res, &final) == Step::Done) break;
+  }
+  // On a worker already: scatter / checksum right here, while the bytes are in this CPU's cache.
+  if (final == 0 && (c->staged || !c->fill->part_crc.empty())) {
+    finish_chunk(c);
+  } else {
+    chunk_done(c, final);
+  }
+}
+
+void Reader::finish_chunk(Chunk* c) {
+  if (c->staged) {
+    do_scatter(c);
+  } else {
+    checksum_rows(c);
+  }
+  chunk_done(c, 0);
+}
+
+namespace {
+uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+}
+// Checksum and copy in blocks this small: the block just checksummed is still in the cache when
+// it is copied.
+constexpr uint64_t kFuseBlock = 64ull << 10;
+}  // namespace
+
 void Reader::do_scatter(Chunk* c) {
   const uint8_t* src = slot_ptr(c->slot);
+  Fill* f = c->fill;
+  const bool verify = !f->part_crc.empty();
+  const ChecksumKind kind = f->layout->checksum;
+  const auto t0 = std::chrono::steady_clock::now();
+  uint32_t crc = 0;
   uint64_t n = 0;
   for (const ScatterPiece& p : c->pieces) {
-    std::memcpy(p.dst, src + p.slot_off, p.n);
+    if (!verify) {
+      std::memcpy(p.dst, src + p.slot_off, p.n);
+    } else {
+      for (uint64_t o = 0; o < p.n; o += kFuseBlock) {
+        const uint64_t b = std::min(kFuseBlock, p.n - o);
+        crc = checksum_update(kind, crc, src + p.slot_off + o, b);
+        std::memcpy(p.dst + o, src + p.slot_off + o, b);
+      }
+    }
     n += p.n;
   }
   counters_.bytes_scattered += n;
+  if (verify) {
+    f->part_crc[c->seq] = crc;
+    f->part_len[c->seq] = n;
+    counters_.checksum_bytes += n;
+    counters_.checksum_ns += elapsed_ns(t0);
+  }
+}
+
+void Reader::checksum_rows(Chunk* c) {
+  Fill* f = c->fill;
+  if (f->part_crc.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ChecksumKind kind = f->layout->checksum;
+  uint32_t crc = 0;
+  uint64_t n = 0;
+  for (const iovec& v : c->iov) {
+    const auto* b = static_cast<const uint8_t*>(v.iov_base);
+    if (b >= junk_ && b < junk_ + kJunkBytes) continue;  // padding between segments: not checksummed
+    crc = checksum_update(kind, crc, v.iov_base, v.iov_len);
+    n += v.iov_len;
+  }
+  f->part_crc[c->seq] = crc;
+  f->part_len[c->seq] = n;
+  counters_.checksum_bytes += n;
+  counters_.checksum_ns += elapsed_ns(t0);
 }
 
 void Reader::chunk_done(Chunk* c, int result) {
@@ -572,14 +718,57 @@ void Reader::chunk_done(Chunk* c, int result) {
     int expected = 0;
     f->result.compare_exchange_strong(expected, result);
   }
-  if (f->chunks_left.fetch_sub(1) == 1) {
-    const int r = f->result.load();
-    if (r < 0) counters_.fills_failed++;
-    post_completion(f->token, r);
-    delete f;
-    counters_.fills_completed++;
-    in_flight_--;
+  if (f->chunks_left.fetch_sub(1) == 1) fill_done(f);
+}
+
+void Reader::fill_done(Fill* f) {
+  int r = f->result.load();
+  const Layout& L = *f->layout;
+  if (r == 0 && !f->part_crc.empty()) {
+    uint32_t got = 0;
+    for (size_t i = 0; i < f->part_crc.size(); ++i) got = checksum_combine(L.checksum, got, f->part_crc[i], f->part_len[i]);
+    const uint32_t want = L.checksums[static_cast<size_t>(f->expert)];
+    counters_.checksums_verified++;
+    if (got != want) {
+      counters_.checksum_mismatches++;
+      r = -EBADMSG;
+      std::lock_guard<std::mutex> lk(done_mu_);
+      mismatches_[f->token] = Mismatch{want, got};
+    }
   }
+  if (r < 0) counters_.fills_failed++;
+  post_completion(f->token, r);
+  delete f;
+  counters_.fills_completed++;
+  in_flight_--;
+}
+
+void Reader::set_checksums(uint32_t layout, ChecksumKind kind, std::vector<uint32_t> values) {
+  std::lock_guard<std::mutex> lk(api_mu_);
+  if (layout >= layouts_.size()) throw std::out_of_range("layout: no layout " + std::to_string(layout));
+  Layout& L = *layouts_[layout];
+  if (kind != ChecksumKind::None && values.size() != static_cast<size_t>(L.n_experts)) {
+    throw std::invalid_argument(L.path + ": checksums: expected one per expert (" + std::to_string(L.n_experts) +
+                                "), got " + std::to_string(values.size()));
+  }
+  for (size_t k = 0; k < L.order.size(); ++k) {
+    // Parts are combined in file order, and the checksum runs in segment table order.
+    if (L.order[k] != k) {
+      throw std::invalid_argument(L.path + ": checksums need the segments in offset order (the store format's order)");
+    }
+  }
+  // Fills already in flight may see either setting; the scheduler sets this before any fill.
+  L.checksums = kind == ChecksumKind::None ? std::vector<uint32_t>{} : std::move(values);
+  L.checksum = kind;
+}
+
+bool Reader::take_mismatch(uint64_t token, Mismatch* out) {
+  std::lock_guard<std::mutex> lk(done_mu_);
+  auto it = mismatches_.find(token);
+  if (it == mismatches_.end()) return false;
+  *out = it->second;
+  mismatches_.erase(it);
+  return true;
 }
 
 void Reader::post_completion(uint64_t token, int result) {
@@ -611,7 +800,7 @@ std::vector<Completion> Reader::reap() {
   std::lock_guard<std::mutex> lk(api_mu_);
   // Reset the wakeup first: anything completing after this re-arms it.
   uint64_t buf[8];
-  while (::read(notify_read_fd_, buf, sizeof buf) > 0) {
+  while (notify_read_fd_ >= 0 && ::read(notify_read_fd_, buf, sizeof buf) > 0) {
   }
   if (!closed_) reap_backend();
   std::vector<Completion> out;
@@ -624,6 +813,7 @@ std::vector<Completion> Reader::reap() {
 }
 
 bool Reader::wait(int timeout_ms) {
+  if (notify_read_fd_ < 0) return false;  // closed
   pollfd p{notify_read_fd_, POLLIN, 0};
   int r;
   do {
@@ -659,6 +849,15 @@ void Reader::close() {
   }
   std::free(junk_);
   junk_ = nullptr;
+  // The ring (which had the eventfd registered) is gone and nothing is in flight: nobody writes
+  // the wakeup descriptor any more. Closing it here, not in the destructor, keeps a closed reader
+  // from holding a descriptor until garbage collection.
+  {
+    std::lock_guard<std::mutex> dl(done_mu_);
+    if (notify_write_fd_ >= 0 && notify_write_fd_ != notify_read_fd_) ::close(notify_write_fd_);
+    if (notify_read_fd_ >= 0) ::close(notify_read_fd_);
+    notify_read_fd_ = notify_write_fd_ = -1;
+  }
   closed_ = true;
 }
 
@@ -695,34 +894,14 @@ class ThreadReader final : public Reader {
   ~ThreadReader() override { close(); }
 
  protected:
-  void start_reads(std::vector<Chunk*>& chunks) override {
-    for (Chunk* c : chunks) workers_->push(c);
-  }
-  void scatter_staged(Chunk* c) override {
-    do_scatter(c);
-    chunk_done(c, 0);
-  }
+  void start_reads(std::vector<Chunk*>& chunks) override { workers_->push_many(chunks); }
+  void scatter_staged(Chunk* c) override { finish_chunk(c); }  // already on a worker
+  // A worker checksums what it just read: keep that in its cache (L2 is 0.5-2 MiB per core).
+  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
   void shutdown_backend() override { workers_->stop(); }
 
  private:
-  void work(Chunk* c) {
-    const Layout& L = *c->fill->layout;
-    const int fd = c->direct ? L.fd_direct : L.fd;
-    int final = 0;
-    for (;;) {
-      const uint64_t len = build_window(c);
-      counters_.ops_submitted++;
-      int64_t res;
-      if (int e = injected_fault(c, len)) {
-        res = -e;
-      } else {
-        res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
-        if (res < 0) res = -errno;
-      }
-      if (after_op(c, res, &final) == Step::Done) break;
-    }
-    chunk_read_finished(c, final);
-  }
+  void work(Chunk* c) { read_chunk_sync(c); }
 
   std::unique_ptr<ChunkWorkers> workers_;
 };

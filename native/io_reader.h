@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +22,8 @@
 #include <sys/uio.h>
 
 #include <mlx/array.h>
+
+#include "checksum.h"
 
 namespace asyncside::io {
 
@@ -50,6 +53,7 @@ struct ReaderOptions {
   int iowq_max_workers = -1;
   int worker_nice = 0;
   bool direct_rows = true;
+  bool verify = true;
 };
 
 // Every ReaderOptions field Python reads and writes, with what it means: X(name, doc).
@@ -75,7 +79,9 @@ struct ReaderOptions {
   X(worker_nice, "Native worker threads run this much nicer than the thread that built the reader "     \
                  "(Linux), so memcpy-bound workers never delay the event loop.")                        \
   X(direct_rows, "O_DIRECT straight into rows whose pieces are all block aligned; false: always "       \
-                 "through staging.")
+                 "through staging.")                                                                    \
+  X(verify, "Check each record's checksum (when the store has them) before its fill completes; a "      \
+            "mismatch fails the fill.")
 
 // The options with the machine-dependent defaults filled in: workers 0 and iowq_max_workers -1
 // become numbers for this backend and this machine's CPU count.
@@ -119,6 +125,21 @@ class MlxPoolDestination final : public Destination {
   int64_t rows_ = 0;
 };
 
+// A blob could not be opened for reading (missing, unreadable, not a regular file, O_DIRECT
+// refused). Carries the errno and the path apart from the message so that the binding raises the
+// matching OSError (FileNotFoundError, PermissionError, ...).
+class OpenError : public std::runtime_error {
+ public:
+  OpenError(int err, std::string path, const std::string& what)
+      : std::runtime_error(what), err_(err), path_(std::move(path)) {}
+  int err() const noexcept { return err_; }
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  int err_;
+  std::string path_;
+};
+
 struct SegmentSpan {
   uint64_t offset;  // inside the record
   uint64_t nbytes;
@@ -132,7 +153,14 @@ struct FillRequest {
 
 struct Completion {
   uint64_t token;
-  int result;  // 0, or -errno (-ENODATA: the file ended before the record did)
+  int result;  // 0, or -errno (-ENODATA: the file ended before the record did; -EBADMSG: the
+               // bytes landed but do not match the record's checksum, see take_mismatch)
+};
+
+// A fill whose bytes did not match its record's checksum.
+struct Mismatch {
+  uint32_t expected;
+  uint32_t got;
 };
 
 struct Layout;
@@ -153,6 +181,7 @@ struct Counters {
   std::atomic<uint64_t> enter_calls{0}, wakeups_written{0};
   std::atomic<uint64_t> iowq_max_workers{0};  // what the kernel accepted (0: default/unsupported)
   std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)
+  std::atomic<uint64_t> checksums_verified{0}, checksum_mismatches{0}, checksum_bytes{0}, checksum_ns{0};
   std::map<std::string, uint64_t> snapshot() const;
 };
 
@@ -163,6 +192,9 @@ class ChunkWorkers {
   ChunkWorkers(int n, std::function<void(Chunk*)> fn, int nice = 0);
   ~ChunkWorkers();
   void push(Chunk* c);
+  // One lock and one wakeup round for many chunks: a submit of several fills wakes the workers
+  // once, not once per chunk (each wakeup can preempt the submitting event loop thread).
+  void push_many(const std::vector<Chunk*>& cs);
   void stop();  // joins; pending chunks must have been drained by the caller's protocol
 
  private:
@@ -185,10 +217,19 @@ class Reader {
   const ReaderOptions& options() const { return opts_; }
   int event_fd() const { return notify_read_fd_; }
 
-  // Opens the blob (and its O_DIRECT twin when direct) once; throws std::invalid_argument /
-  // std::runtime_error naming the path and field on bad input.
+  // Opens the blob (and its O_DIRECT twin when direct) once; throws std::invalid_argument naming
+  // the path and field on bad input, OpenError when the file cannot be opened for reading or is
+  // not a regular file. The open happens outside the API lock and with O_NONBLOCK (a FIFO never
+  // blocks it), so call it from a worker thread: an open on a stale mount can still block.
   uint32_t add_layout(const std::string& path, uint64_t stride, int64_t n_experts,
                       std::vector<SegmentSpan> segments, std::shared_ptr<Destination> dest);
+  // Verify every later fill of `layout`: its segments' bytes, in table order, must checksum (kind)
+  // to values[expert] before the fill completes (0); otherwise it completes with -EBADMSG and
+  // take_mismatch(token) tells expected and got. ChecksumKind::None turns verification off.
+  // Throws std::invalid_argument unless values has one entry per expert.
+  void set_checksums(uint32_t layout, ChecksumKind kind, std::vector<uint32_t> values);
+  // The mismatch recorded for a fill completed with -EBADMSG (once), if any.
+  bool take_mismatch(uint64_t token, Mismatch* out);
   // Starts every fill now (never blocks on I/O; staging exhaustion queues natively). Validates all
   // requests before starting any; throws std::out_of_range naming the bad value.
   void submit(uint32_t layout, const std::vector<FillRequest>& fills);
@@ -196,7 +237,8 @@ class Reader {
   std::vector<Completion> reap();
   // Blocks up to timeout_ms for the eventfd; true when readable. For synchronous callers only.
   bool wait(int timeout_ms);
-  // Waits for every in-flight fill, stops threads, frees staging and files. Idempotent.
+  // Waits for every in-flight fill, stops threads, frees staging, files and the wakeup
+  // descriptor(s) (event_fd() is -1 afterwards). Idempotent.
   void close();
   void set_faults(const Faults& f);
   uint64_t in_flight() const { return in_flight_.load(); }
@@ -211,8 +253,18 @@ class Reader {
   virtual void reap_backend() {}
   virtual void shutdown_backend() {}
   virtual void on_layout_added(Layout& layout) {}
-  // Scatter a finished staged chunk (io_uring: hand to copy workers; threads: inline).
+  // A chunk whose bytes landed and that needs work before it is done (a staged chunk's scatter,
+  // a verified layout's checksum): run finish_chunk(c) on a worker (io_uring: the copy workers,
+  // never the event loop thread that reaps) or right here (threads: already on a worker).
   virtual void scatter_staged(Chunk* c) = 0;
+  // Scatter (staged) or checksum (rows) a chunk whose bytes landed, then chunk_done(c, 0).
+  void finish_chunk(Chunk* c);
+  // Reads a chunk on the calling (worker) thread with preadv (short reads continue, EINTR/EAGAIN
+  // retry), then finishes it right there: a checksum then reads bytes still in this CPU's cache.
+  void read_chunk_sync(Chunk* c);
+  // Largest buffered chunk while verifying (0: no cap): small enough that a worker checksums
+  // what it just read while it is still in its cache.
+  virtual uint64_t verify_chunk_bytes() const { return 0; }
 
   // Shared per-op logic.
   enum class Step { Continue, Done };
@@ -225,10 +277,16 @@ class Reader {
   Step after_op(Chunk* c, int64_t res, int* final_result);
   // The chunk's bytes have landed (or failed): scatter if staged, else finish.
   void chunk_read_finished(Chunk* c, int result);
-  // Copies a staged chunk's pieces into rows (any thread, no locks held).
+  // Copies a staged chunk's pieces into rows, checksumming them on the way when the layout is
+  // verified (any thread, no locks held).
   void do_scatter(Chunk* c);
+  // Checksums a rows-mode chunk's segment bytes (not the padding sink) into its fill's part.
+  void checksum_rows(Chunk* c);
   // Returns the staging slot, settles the fill, frees the chunk.
   void chunk_done(Chunk* c, int result);
+  // Every chunk of f is done: combine its parts' checksums and compare (verified layouts), post
+  // the completion, free f.
+  void fill_done(Fill* f);
   void post_completion(uint64_t token, int result);
   void notify();
 
@@ -253,6 +311,7 @@ class Reader {
   // Completions.
   std::mutex done_mu_;
   std::vector<Completion> done_;
+  std::map<uint64_t, Mismatch> mismatches_;  // under done_mu_
   int notify_read_fd_ = -1, notify_write_fd_ = -1;  // same fd for eventfd
   std::atomic<uint64_t> in_flight_{0};
   bool closed_ = false;

@@ -121,8 +121,11 @@ class UringReader final : public Reader {
     copy_ = std::make_unique<ChunkWorkers>(
         opts_.workers,
         [this](Chunk* c) {
-          do_scatter(c);
-          chunk_done(c, 0);
+          if (c->read_by_worker) {
+            read_chunk_sync(c);
+          } else {
+            finish_chunk(c);
+          }
         },
         opts_.worker_nice);
   }
@@ -145,9 +148,19 @@ class UringReader final : public Reader {
 
   void start_reads(std::vector<Chunk*>& chunks) override {
     std::vector<std::pair<Chunk*, int>> injected;
+    std::vector<Chunk*> to_workers;
     {
       std::lock_guard<std::mutex> lk(sq_mu_);
       for (Chunk* c : chunks) {
+        if (!c->direct && !c->fill->part_crc.empty()) {
+          // A buffered read of a verified layout: mostly a page-cache copy. Done by a copy worker
+          // (preadv) rather than an io-wq thread, so that the same CPU checksums the bytes while
+          // they are in its cache; after an io-wq copy they are only in L3 or DRAM by the time a
+          // worker can checksum them (BENCHMARKS.md has the cost). O_DIRECT keeps the ring.
+          c->read_by_worker = true;
+          to_workers.push_back(c);
+          continue;
+        }
         if (ops_in_ring_ >= max_in_ring_) {
           overflow_.push_back(c);
           continue;
@@ -194,6 +207,7 @@ class UringReader final : public Reader {
       }
       flush_locked();
     }
+    copy_->push_many(to_workers);
     // Injected faults complete here, as the kernel would have reported them.
     std::vector<Chunk*> again;
     for (auto& [c, res] : injected) {
@@ -244,7 +258,10 @@ class UringReader final : public Reader {
     }
   }
 
+  // Reads complete in reap(), on the event loop thread: scatter and checksum run on the copy
+  // workers instead.
   void scatter_staged(Chunk* c) override { copy_->push(c); }
+  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
 
   void shutdown_backend() override {
     copy_->stop();

@@ -13,6 +13,7 @@ import random
 import threading
 
 import anyio
+import anyio.lowlevel
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -177,6 +178,53 @@ async def test_many_concurrent_independent_completions(anyio_backend: object, no
     for i, r in results.items():
         np.testing.assert_array_equal(r, np.arange(16, dtype=np.float32) * i + 1)
     _assert_balanced(before)
+
+
+async def test_many_completions_behind_a_held_stream_never_block_the_loop(
+    anyio_backend: object, no_blocking: object
+) -> None:
+    """200 independent completions issued while the stream is held: far past MLX's eval throttle.
+
+    Each task's first scheduling step used to find no pending input to await and let MLX's
+    async_eval block the loop thread for a task group; with the stream held that is forever (the
+    gate's timeout then fails the stream). Now every task parks on the loop (the first in line on
+    a barrier ticket, the others for their turn) and the loop keeps running: this task sees all
+    200 parked, with the stream still held, before it opens the gate.
+    """
+    gc.collect()
+    mx.synchronize()
+    await anyio.sleep(0.05)
+    before = bridge.counters()
+    gate = native.testing.StreamGate(timeout_s=30.0)
+    held = gate.hold(mx.array(np.ones(16, dtype=np.float32)))
+    await bridge.schedule(held)  # the stream now blocks in the gate
+    a = mx.array(np.arange(16, dtype=np.float32))
+    results: dict[int, np.ndarray] = {}
+    parked = 0
+
+    async def one(i: int) -> None:
+        nonlocal parked
+        x = a * float(i) + 1.0
+        parked += 1
+        await completed(x)
+        results[i] = np.array(x)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+        while parked < 200 or bridge.counters()["outstanding"] < 1:
+            await anyio.lowlevel.checkpoint()
+        for _ in range(20):  # let every task reach its first await
+            await anyio.lowlevel.checkpoint()
+        assert not native.is_available(held) and not results
+        assert native.mlx_active_tasks() <= 10  # never pushed past MLX's limit
+        gate.open()
+    assert sorted(results) == list(range(200))
+    for i, r in results.items():
+        np.testing.assert_array_equal(r, np.arange(16, dtype=np.float32) * i + 1)
+    await completed(held + 0)
+    _assert_balanced(before)
+    assert _delta(before)["schedule_waits"] > 0
 
 
 async def test_cancelled_await_leaves_no_dangling_ticket(

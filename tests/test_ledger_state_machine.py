@@ -63,7 +63,7 @@ class NaiveLedger:
         elif self.policy in ("lfu", "aging"):
             self.score.setdefault(e, 1)
 
-    def reserve(self, ids: list[int], demand: bool) -> tuple[list[tuple[int, int]], list[int]]:
+    def reserve(self, ids: list[int], demand: bool, protect: tuple[int, ...] = ()) -> tuple[list[tuple[int, int]], list[int]]:
         batch: list[int] = []
         for e in ids:
             if e not in self.resident and e not in batch:
@@ -75,7 +75,7 @@ class NaiveLedger:
             self.score = {e: f // 2 for e, f in self.score.items()}
         if self.policy == "oneshot":
             for e in sorted(self.live):
-                if e not in batch and not self.pinned(self.live[e]):
+                if e not in batch and e not in protect and not self.pinned(self.live[e]):
                     self.free.append(self.live.pop(e))
         for e in batch:
             if e in self.live:
@@ -90,7 +90,7 @@ class NaiveLedger:
             if self.free:
                 row = self.free.pop()
             else:
-                cands = [v for v in self.live if v not in batch and not self.pinned(self.live[v])]
+                cands = [v for v in self.live if v not in batch and v not in protect and not self.pinned(self.live[v])]
                 if self.policy == "oneshot" or not cands:
                     if demand:
                         blocked.append(e)
@@ -162,19 +162,20 @@ class LedgerMachine(RuleBasedStateMachine):
     def _ids(self, raw: bytes) -> list[int]:
         return [b % self.led.n_experts for b in raw]
 
-    def _reserve(self, raw: bytes, demand: bool, as_array: bool) -> None:
+    def _reserve(self, raw: bytes, demand: bool, as_array: bool, prot: bytes) -> None:
         ids = self._ids(raw)
+        protect = self._ids(prot)  # what concurrent demands wait for: never evicted or dropped
         arg: Any = np.array(ids, dtype=np.int64).reshape(-1, 1) if as_array else ids
         before = self.led.lookup()
         self.snapshots = [(before, before.tolist())]
         STEPS["count"] += 1
         try:
-            want = self.oracle.reserve(ids, demand)
+            want = self.oracle.reserve(ids, demand, protect)
         except CapacityError:
             with pytest.raises(CapacityError):
-                self.led.reserve(arg, demand=demand)
+                self.led.reserve(arg, demand=demand, protect=protect)
             return
-        got = self.led.reserve(arg, demand=demand)
+        got = self.led.reserve(arg, demand=demand, protect=protect)
         assert [(f.expert, f.row) for f in got] == want[0]
         assert self.led.blocked == want[1]
         for f in got:
@@ -183,11 +184,16 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(raw=st.binary(max_size=7), as_array=st.booleans())
     def reserve_predicted(self, raw: bytes, as_array: bool) -> None:
-        self._reserve(raw, False, as_array)
+        self._reserve(raw, False, as_array, b"")
 
     @rule(raw=st.binary(max_size=7), as_array=st.booleans())
     def reserve_demand(self, raw: bytes, as_array: bool) -> None:
-        self._reserve(raw, True, as_array)
+        self._reserve(raw, True, as_array, b"")
+
+    @rule(raw=st.binary(max_size=7), prot=st.binary(min_size=1, max_size=3), demand=st.booleans())
+    def reserve_protecting(self, raw: bytes, prot: bytes, demand: bool) -> None:
+        """A reserve while older demands wait for ``prot`` (the runtime's fair demand)."""
+        self._reserve(raw, demand, False, prot)
 
     @rule(pick=st.integers(0, 255), ok=st.booleans())
     def complete(self, pick: int, ok: bool) -> None:
@@ -303,10 +309,10 @@ def _leaky_fail(self: Ledger, fill: Fill) -> None:
 
 
 def _make_side_region_double_reserve(real: Any) -> Any:
-    def reserve(self: Ledger, ids: Any, *, demand: bool = False) -> list[Fill]:
+    def reserve(self: Ledger, ids: Any, *, demand: bool = False, protect: Any = ()) -> list[Fill]:
         hidden, self._filling = self._filling, {}  # like the side-region design: in-flight experts are absent
         try:
-            return real(self, ids, demand=demand)
+            return real(self, ids, demand=demand, protect=protect)
         finally:
             self._filling = {**hidden, **self._filling}
 
@@ -314,12 +320,19 @@ def _make_side_region_double_reserve(real: Any) -> Any:
 
 
 def _make_pin_blind(real: Any) -> Any:
-    def reserve(self: Ledger, ids: Any, *, demand: bool = False) -> list[Fill]:
+    def reserve(self: Ledger, ids: Any, *, demand: bool = False, protect: Any = ()) -> list[Fill]:
         hidden, self._pins = self._pins, {}  # ignores leases when choosing victims
         try:
-            return real(self, ids, demand=demand)
+            return real(self, ids, demand=demand, protect=protect)
         finally:
             self._pins = hidden
+
+    return reserve
+
+
+def _make_protect_blind(real: Any) -> Any:
+    def reserve(self: Ledger, ids: Any, *, demand: bool = False, protect: Any = ()) -> list[Fill]:
+        return real(self, ids, demand=demand)  # evicts what older demands wait for
 
     return reserve
 
@@ -345,10 +358,12 @@ def _stale_publish(self: Ledger, fill: Fill) -> None:
         (Ledger, "fail", lambda real: _leaky_fail),
         (Ledger, "reserve", _make_side_region_double_reserve),
         (Ledger, "reserve", _make_pin_blind),
+        (Ledger, "reserve", _make_protect_blind),
         (_HeapPolicy, "choose_victim", lambda real: _wrong_tie_break),
         (Ledger, "publish", lambda real: _stale_publish),
     ],
-    ids=["leaky-fail", "side-region-double-reserve", "evicts-leased-rows", "lfu-tie-break", "stale-lookup"],
+    ids=["leaky-fail", "side-region-double-reserve", "evicts-leased-rows", "evicts-protected", "lfu-tie-break",
+         "stale-lookup"],
 )
 def test_state_machine_catches_a_broken_ledger(
     monkeypatch: pytest.MonkeyPatch, target: Any, attr: str, make: Any

@@ -277,3 +277,42 @@ def test_device_fault_table_copies_records_to_device_rows(tmp_path: pathlib.Path
         for key, want in store.read_expert(0, e).items():
             assert pools.row_bytes(key, int(tab[e])) == bytes(memoryview(want).cast("B")), (e, key)
     assert table.counters()["faults"] == 3
+
+
+def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Path) -> None:
+    """Faults verify the record's checksum before the step reads the row: a flipped byte fails the
+    step with FillError (never a wrong token), and with verify=False the damage is served."""
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+
+    async def main(verify: bool) -> list[BaseException]:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k, verify=verify) as rt:
+            cache = sm.make_cache()
+            await sm(mx.array(prompt)[None], cache, source=rt)
+            saved = {}
+            for layer in sm.moe_layers:  # one flipped byte in the first segment of every record
+                spec = sm.store.layer(layer)
+                data = bytearray(spec.path.read_bytes())
+                saved[spec.path] = bytes(data)
+                for e in range(spec.n_experts):
+                    data[spec.record_offset(e) + spec.segments[0].offset] ^= 0x40
+                with open(spec.path, "r+b") as fh:
+                    fh.write(data)
+            errors: list[BaseException] = []
+            try:
+                for tok in range(sm.config["vocab_size"]):
+                    await sm(mx.array([[tok]]), cache, source=rt)
+            except (FillError, ExceptionGroup) as exc:
+                errors = list(exc.exceptions) if isinstance(exc, ExceptionGroup) else [exc]
+            finally:
+                for path, data in saved.items():
+                    with open(path, "r+b") as fh:
+                        fh.write(data)
+            await rt.quiesce()
+            assert all(r.ok for r in rt.audit().values())
+            return errors
+
+    errors = anyio.run(main, True)
+    assert errors and all(isinstance(e, FillError) and "checksum" in str(e) for e in errors), errors
+    assert anyio.run(main, False) == []  # unverified: the step runs on the damaged bytes

@@ -172,6 +172,7 @@ async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: st
     ledger = Ledger(spec.n_experts, resident=[], side_rows=2)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
     async with Scheduler(reader) as sched:
+        await sched.prepare(spec, pools)  # the blob is open: the read starts inside submit
         sched.set_faults(max_read_bytes=4096)  # ~4100 ops for this 16 MiB record
         (h,) = hs = sched.submit(spec, pools, ledger.reserve([1]))
         wire(ledger, hs)
@@ -198,6 +199,7 @@ async def test_cancelled_scheduler_waits_for_reads_in_flight(reader: str, big_st
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
     with anyio.CancelScope() as outer:
         async with Scheduler(reader) as sched:
+            await sched.prepare(spec, pools)  # the blob is open: the reads start inside submit
             sched.set_faults(max_read_bytes=16384)
             hs = sched.submit(spec, pools, ledger.reserve([0, 1]))
             wire(ledger, hs)
@@ -244,7 +246,7 @@ def test_native_rejects_bad_input(store: ExpertStore) -> None:
         r.add_layout(str(spec.path), spec.stride, spec.n_experts, offs, [nbs[0], nbs[1] + 1, nbs[2]], arrays)
     with pytest.raises(ValueError, match="past the record stride"):
         r.add_layout(str(spec.path), 64, spec.n_experts, offs, nbs, arrays)
-    with pytest.raises(RuntimeError, match="cannot open"):
+    with pytest.raises(FileNotFoundError, match="cannot open"):
         r.add_layout("/nonexistent/blob", spec.stride, spec.n_experts, offs, nbs, arrays)
     lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, offs, nbs, arrays)
     with pytest.raises(IndexError, match="row 2 out of range"):

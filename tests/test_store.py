@@ -16,6 +16,27 @@ from asyncside import ExpertStore, StoreError
 from asyncside.store import SEGMENT_ALIGNMENT
 
 
+def _crc_table(reflected_poly: int) -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ reflected_poly if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C_TABLE = _crc_table(0x82F63B78)
+
+
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli), bytewise in Python: the reference the native paths are checked against."""
+    c = crc ^ 0xFFFFFFFF
+    for b in data:
+        c = (c >> 8) ^ _CRC32C_TABLE[(c ^ b) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
 def _layers(n_experts: int = 5, seed: int = 0) -> dict[int, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return {
@@ -70,13 +91,13 @@ def test_layout_matches_the_documented_format(store: Any) -> None:
             assert rec[seg.offset : seg.end] == layers[0][seg.key][e].tobytes()
             covered[seg.offset : seg.end] = b"\1" * seg.nbytes
         assert all(b == 0 for b, c in zip(rec, covered) if not c), "padding must be zero"
-        # checksum: crc32 over the segment bytes in table order
+        # checksum: crc32c over the segment bytes in table order (an independent implementation)
         crc = 0
         for seg in spec.segments:
-            crc = zlib.crc32(rec[seg.offset : seg.end], crc)
-        assert spec.checksums is not None and spec.checksums[e] == crc
+            crc = crc32c_reference(rec[seg.offset : seg.end], crc)
+        assert spec.checksum == "crc32c" and spec.checksums is not None and spec.checksums[e] == crc
     manifest = json.loads((st.path / "manifest.json").read_text())
-    assert manifest["format"] == "asyncside-expert-store" and manifest["version"] == 1
+    assert manifest["format"] == "asyncside-expert-store" and manifest["version"] == 2
 
 
 def test_bfloat16_mx_round_trip(tmp_path: pathlib.Path) -> None:
@@ -195,7 +216,8 @@ def _seg(m: dict, j: int = 1) -> dict:
 HOSTILE: list[tuple[str, Any, str, str]] = [
     # (test id, mutation, expected field, expected message fragment)
     ("wrong-format", lambda m: m.update(format="safetensors"), "format", "'safetensors'"),
-    ("wrong-version", lambda m: m.update(version=2), "version", "unsupported version 2"),
+    ("wrong-version", lambda m: m.update(version=3), "version", "unsupported version 3"),
+    ("crc32c-in-version-1", lambda m: m.update(version=1), "layers[0].checksum", "'crc32c' for format version 1"),
     ("bool-version", lambda m: m.update(version=True), "version", "True"),
     ("missing-version", lambda m: m.pop("version"), "version", "missing field 'version'"),
     ("missing-layers", lambda m: m.pop("layers"), "layers", "missing"),
@@ -348,3 +370,79 @@ def test_blob_truncated_after_open_gives_a_short_read_error(store: Any) -> None:
 def test_numpy_integer_layer_indices_are_accepted(tmp_path: pathlib.Path) -> None:
     st = ExpertStore.create(tmp_path / "s", {np.int64(4): {"w": np.ones((2, 3), np.float16)}})
     assert list(st.layers) == [4] and type(st.layer(4).index) is int
+
+
+# ---- checksums and format versions ---------------------------------------------------------
+
+
+def test_native_checksums_match_the_references() -> None:
+    """The native CRCs (the fastest path this CPU has, and the portable tables) equal zlib's crc32
+    and a bytewise Python CRC-32C, at every length around the folding block sizes and at odd
+    offsets, and chain like zlib's."""
+    import asyncside._native as native
+
+    rng = np.random.default_rng(11)
+    buf = rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    assert native.checksum("crc32c", b"123456789") == 0xE3069283
+    assert native.checksum("crc32", b"123456789") == 0xCBF43926 == zlib.crc32(b"123456789")
+    lengths = [*range(0, 70), *range(240, 300), 511, 512, 513, 1023, 4096, 4099, 65536 - 7]
+    for n in lengths:
+        off = int(rng.integers(0, 64)) if n < 65536 - 64 else 0
+        part = buf[off : off + n]
+        state = int(rng.integers(0, 2**32)) if n % 3 else 0
+        assert native.checksum("crc32", part, state) == zlib.crc32(part, state), n
+        assert native.checksum_portable("crc32", part, state) == zlib.crc32(part, state), n
+        fast, portable = native.checksum("crc32c", part, state), native.checksum_portable("crc32c", part, state)
+        assert fast == portable, n
+        if n <= 4099:
+            assert fast == crc32c_reference(part, state), n
+    whole = native.checksum("crc32c", buf)
+    assert native.checksum("crc32c", buf[1000:], native.checksum("crc32c", buf[:1000])) == whole
+    for kind in ("crc32", "crc32c"):
+        for cut in (0, 1, 999, 4096, len(buf)):
+            a, b = native.checksum(kind, buf[:cut]), native.checksum(kind, buf[cut:])
+            assert native.checksum_combine(kind, a, b, len(buf) - cut) == native.checksum(kind, buf), (kind, cut)
+    assert native.checksum("crc32c", np.frombuffer(buf, dtype=np.uint8)) == whole  # any buffer
+    assert native.checksum_implementation("crc32c") in ("vpclmulqdq", "pclmulqdq", "sse4.2", "armv8-crc", "table")
+    with pytest.raises(ValueError, match="'md5'"):
+        native.checksum("md5", b"")
+
+
+def _as_version_1(st: ExpertStore) -> ExpertStore:
+    """Rewrite a crc32 store's manifest as format version 1 (what stores written before looked like)."""
+    _mutate(st, lambda m: m.update(version=1))
+    return ExpertStore.open(st.path)
+
+
+def test_version_1_stores_still_open_and_verify(tmp_path: pathlib.Path) -> None:
+    layers = _layers()
+    v1 = _as_version_1(ExpertStore.create(tmp_path / "old", layers, checksum="crc32"))
+    assert v1.version == 1 and v1.layer(0).checksum == "crc32"
+    for e in range(5):
+        np.testing.assert_array_equal(v1.read_expert_numpy(0, e)["odd"], layers[0]["odd"][e])
+    assert v1.verify() == 10
+    assert ExpertStore.open(v1.path, verify="full").verify() == 10
+    new = ExpertStore.create(tmp_path / "new", layers)
+    assert new.version == 2 and new.layer(0).checksum == "crc32c"
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "flipped-byte"])
+def test_open_verify_full_catches_damaged_records(store: Any, damage: str) -> None:
+    st, _ = store
+    spec = st.layer(3)
+    if damage == "zeroed":
+        spec.path.write_bytes(b"\0" * spec.blob_bytes)  # same size: passes the size check
+        bad_expert = 0
+    else:
+        bad_expert = 3
+        with open(spec.path, "r+b") as fh:
+            fh.seek(bad_expert * spec.stride + spec.segments[0].offset + 17)
+            b = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([b[0] ^ 0x10]))
+    ExpertStore.open(st.path)  # sizes only: opens
+    with pytest.raises(StoreError, match=f"checksum mismatch for layer 3 expert {bad_expert}") as info:
+        ExpertStore.open(st.path, verify="full")
+    assert info.value.field == f"checksums[{bad_expert}]" and info.value.path == str(spec.path)
+    with pytest.raises(ValueError, match="verify: expected one of"):
+        ExpertStore.open(st.path, verify="sometimes")

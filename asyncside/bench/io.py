@@ -18,6 +18,11 @@ rows kept full), in three cache states:
   (``posix_fadvise(DONTNEED)`` on the blob; with ``--drop-caches`` as root, also
   ``echo 3 > /proc/sys/vm/drop_caches``) before every pass.
 
+Every pass verifies each record's CRC-32C (the readers' default); at the deepest queue of the warm
+and O_DIRECT states each reader also runs with verification off (``<reader> no-verify``),
+interleaved with the others, and ``verify_cost`` reports verified / unverified GB/s
+(``--no-verify`` turns verification off everywhere).
+
 Beside them, in the same run: for the cold states, fio with io_uring at the same depth and block
 size (= the stride; the disk's limit for this access pattern) when fio is installed; the side-region design's read
 (one thread, ``pread`` of each whole record into a temp buffer, then one ``memcpy`` per segment; native);
@@ -31,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -112,6 +118,8 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-caches", action="store_true",
                         help="as root, also echo 3 > /proc/sys/vm/drop_caches before cold buffered passes")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read without checking records' checksums (default: verify, plus a no-verify ablation)")
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--markdown", action="store_true",
                         help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
@@ -159,10 +167,11 @@ def _build_store(root: str, layout: ModelLayout, n_experts: int):  # -> ExpertSt
     if os.path.exists(os.path.join(path, "manifest.json")):
         store = ExpertStore.open(path)
         spec = store.layer(0)
-        if spec.n_experts == n_experts and spec.segments[0].key == "gate_proj.weight":
+        if spec.n_experts == n_experts and spec.segments[0].key == "gate_proj.weight" and spec.checksum == "crc32c":
             return store
         shutil.rmtree(path)
-    return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)}, checksum=None,
+    # CRC-32C checksums, as every store gets by default: the readers verify each record they load.
+    return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)},
                               metadata={"bench": "io", "layout": layout.name})
 
 
@@ -300,20 +309,27 @@ async def _reader_pass(reader: str, options: Any, spec: Any, pools: Any, experts
 
     depth = options.queue_depth
     async with Scheduler(reader, options) as sched:
+        await sched.prepare(spec, pools)  # the blob is opened before the clock starts
         gaps: list[float] = []
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_ticker, stop, gaps)
             await anyio.sleep(0.003)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             await _drive(sched, spec, pools, experts, depth)
             t1 = time.perf_counter()
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
             stop.set()
         st = sched.stats()
         counters = st.get("native", {})
     nbytes = len(experts) * sum(s.nbytes for s in spec.segments)
+    cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     return {
         "seconds": t1 - t0,
+        # Process CPU (every thread, io_uring's io-wq workers included) per GB: what the pass cost,
+        # far less sensitive than GB/s to other tenants of a shared machine.
+        "cpu_s_per_GB": cpu / (nbytes / GB),
         "bytes": nbytes,
         "GBps": nbytes / (t1 - t0) / GB,
         "loop_stall_ms": max(0.0, (max(gaps) - 0.001) * 1e3) if gaps else 0.0,
@@ -323,6 +339,8 @@ async def _reader_pass(reader: str, options: Any, spec: Any, pools: Any, experts
         "ops": counters.get("ops_submitted", 0),
         "fills_direct_rows": counters.get("fills_direct_rows", 0),
         "fills_staged": counters.get("fills_staged", 0),
+        "checksums_verified": counters.get("checksums_verified", 0),
+        "checksum_GBps": (counters["checksum_bytes"] / counters["checksum_ns"]) if counters.get("checksum_ns") else 0.0,
     }
 
 
@@ -424,6 +442,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "worker_nice": int(getattr(args, "worker_nice", d.worker_nice)),
         "drop_caches": bool(getattr(args, "drop_caches", False)),
         "fio": not bool(getattr(args, "no_fio", False)),
+        "verify": not bool(getattr(args, "no_verify", False)),
     }
     if quick:
         s.update(layouts=layouts[:1], store_gib=0.02, pass_mib=16.0, repeat=1,
@@ -457,6 +476,7 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
         "fio": _fio_version() if have_fio else ("fio not installed" if s["fio"] else "skipped (--no-fio)"),
         "skipped": skipped,
         "layouts": [],
+        "checksum": {"crc32c": _native_checksum_impl()},
     }
     try:
         for name in s["layouts"]:
@@ -480,6 +500,12 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     elif not getattr(args, "json", False):
         render_io_table(result)
     return result
+
+
+def _native_checksum_impl() -> str:
+    from .. import _native
+
+    return str(_native.checksum_implementation("crc32c"))
 
 
 def _fio_version() -> str:
@@ -567,25 +593,30 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             pools = pools_for(n_rows)
             # Cells of one (mode, depth) run interleaved, round-robin, so that the noise of a shared
             # machine lands on every method alike.
-            # (label, reader, async_threshold, direct_rows)
-            methods: list[tuple[str, str, int, bool]] = [(r, r, default_threshold, True) for r in readers]
+            # (label, reader, async_threshold, direct_rows, verify)
+            verify = s["verify"]
+            methods: list[tuple[str, str, int, bool, bool]] = [(r, r, default_threshold, True, verify) for r in readers]
+            if verify and depth == max(depths) and mode != "cold_buffered":
+                # Ablation: the same reads without checksum verification (what it costs).
+                methods += [(f"{r} no-verify", r, default_threshold, True, False) for r in readers]
             if "io_uring" in readers and depth == max(depths) and mode != "cold_buffered":
                 # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
                 # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
-                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True))
+                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify))
             if mode == "cold_direct" and "io_uring" in readers and depth == max(depths):
                 # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
-                methods.append(("io_uring staged", "io_uring", default_threshold, False))
+                methods.append(("io_uring staged", "io_uring", default_threshold, False, verify))
             passes: dict[str, list[dict[str, float]]] = {}
             fio_vals: list[float] = []
             fio_cmd = ""
             for _ in range(s["repeat"]):
-                for label, reader, threshold, direct_rows in methods:
+                for label, reader, threshold, direct_rows, verify_on in methods:
                     ex = cache.prepare(mode, path, spec.stride, sample())
                     options = ReaderOptions(
                         queue_depth=depth, direct=direct, chunk_bytes=s["chunk_bytes"],
                         buffered_chunk_bytes=s["buffered_chunk_bytes"], async_threshold=threshold,
-                        iowq_max_workers=s["iowq_max_workers"], worker_nice=s["worker_nice"], direct_rows=direct_rows)
+                        iowq_max_workers=s["iowq_max_workers"], worker_nice=s["worker_nice"], direct_rows=direct_rows,
+                        verify=verify_on)
                     passes.setdefault(label, []).append(anyio.run(_reader_pass, reader, options, spec, pools, ex))
                 if have_fio and mode != "warm":
                     cache.evict(path)
@@ -619,6 +650,9 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "ops_per_pass": passes[0]["ops"],
         "fills_direct_rows": passes[0]["fills_direct_rows"],
         "fills_staged": passes[0]["fills_staged"],
+        "checksums_verified": passes[0]["checksums_verified"],
+        "cpu_s_per_GB": round(median([p["cpu_s_per_GB"] for p in passes]), 4),
+        "checksum_GBps": round(median([p["checksum_GBps"] for p in passes]), 2),
     }
 
 
@@ -645,6 +679,17 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                 best = max(r["GBps"] for r in cold)
                 c["cold_best_vs_side_region"] = round(best / side_cold, 2)
                 c["cold_ge_3x_side_region"] = best / side_cold >= 3.0
+            for mode in ("warm", "cold_direct"):
+                unverified = [r for r in lay["runs"] if r["reader"] == f"{reader} no-verify" and r["mode"] == mode]
+                for u in unverified:
+                    v = next((r for r in runs if r["mode"] == mode and r["depth"] == u["depth"]), None)
+                    if v and u["GBps"]:
+                        # Verified / unverified GB/s, same reads, interleaved: 1.0 = free.
+                        c.setdefault("verify_cost", {})[f"{mode}@{u['depth']}"] = round(v["GBps"] / u["GBps"], 3)
+                        # The same as CPU per GB (unverified / verified): steadier on a busy machine.
+                        if v.get("cpu_s_per_GB") and u.get("cpu_s_per_GB"):
+                            c.setdefault("verify_cpu_cost", {})[f"{mode}@{u['depth']}"] = round(
+                                u["cpu_s_per_GB"] / v["cpu_s_per_GB"], 3)
             warm = [r for r in runs if r["mode"] == "warm"]
             if warm:
                 best = max(r["GBps"] for r in warm)
@@ -689,7 +734,8 @@ def render_io_table(result: dict[str, Any]) -> None:
             t.add_column(n, justify="right")
         t.add_column("fio io_uring", justify="right")
         short = {"io_uring": "uring", "threads": "thr", "aiofiles": "aio", "io_uring no-ASYNC": "no-async",
-                 "io_uring staged": "staged"}
+                 "io_uring staged": "staged", "io_uring no-verify": "uring-nv", "threads no-verify": "thr-nv",
+                 "aiofiles no-verify": "aio-nv"}
         t.add_column("loop stall ms " + "/".join(short.get(n, n) for n in names), justify="right")
         keys = list(dict.fromkeys((r["mode"], r["depth"]) for r in lay["runs"]))
         for mode, depth in keys:
@@ -758,14 +804,15 @@ def render_io_markdown(result: dict[str, Any]) -> str:
     lines.append("Targets on this run (ratios):")
     lines.append("")
     lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / side region "
-                 "| warm best / memcpy 1t | warm best / kernel pread limit |")
-    lines.append("| --- | --- | --- | ---: | ---: | ---: |")
+                 "| warm best / memcpy 1t | warm best / kernel pread limit | verified / unverified |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | --- |")
     for layout, readers in result["targets"].items():
         for reader, c in readers.items():
             per = ", ".join(f"{d}: {x:.2f}" for d, x in c.get("cold_direct_vs_fio", {}).items())
+            vc = ", ".join(f"{k}: {x:.3f}" for k, x in c.get("verify_cost", {}).items())
             lines.append(f"| {layout} | {reader} | {per} | {c.get('cold_best_vs_side_region', float('nan')):.2f} | "
                          f"{c.get('warm_best_vs_memcpy_1t', float('nan')):.2f} | "
-                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} |")
+                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} | {vc} |")
     return "\n".join(lines)
 
 

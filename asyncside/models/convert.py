@@ -216,7 +216,7 @@ class _LayerFeed(Mapping[int, Mapping[str, mx.array]]):
 def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLike[str], *,
                   profile: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                   resident_fraction: float = DEFAULT_RESIDENT_FRACTION, progress: bool = True,
-                  overwrite: bool = False, alignment: int = 4096, checksum: str | None = "crc32",
+                  overwrite: bool = False, alignment: int = 4096, checksum: str | None = "crc32c",
                   model_id: str | None = None) -> Any:
     """Convert an mlx-lm model directory into an expert store directory; returns the ExpertStore.
 
