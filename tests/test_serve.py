@@ -341,3 +341,26 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
     rss = out["rss_bytes"]
     assert rss["before_load"] > 0 and rss["after_load"] > 0 and rss["peak"] >= rss["after_load"]
     json.dumps(out)  # the --json output is serialisable
+
+
+def test_process_exits_cleanly_with_a_server_still_running(served_model: str) -> None:
+    """A script that serves a request and exits without stopping its BackgroundServer must exit 0:
+    the server thread used MLX (sampling), and a thread killed at finalization while holding MLX's
+    thread-local state used to abort the interpreter ("PyGILState_Release" fatal error)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import httpx
+        from asyncside.serving import BackgroundServer, create_app, open_engine
+        srv = BackgroundServer(create_app(lambda: open_engine({served_model!r}, resident=0.5)))
+        srv.start()
+        model = httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                       json={{"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0.7}})
+        print("status", r.status_code)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "status 200" in proc.stdout

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import socket
 import threading
 import time
@@ -83,10 +84,20 @@ class BackgroundServer:
                 runner.run(self.server.serve(sockets=[self.sock]))
         except BaseException as exc:  # surfaced by start()/stop()
             self._error = exc
+        finally:
+            # A thread that used MLX (mx.random: building a model, sampling) holds a thread-local
+            # whose destructor takes the GIL; dropped here, while this is still a Python thread,
+            # it cannot abort the interpreter's exit.
+            import mlx.core as mx
+
+            mx.clear_streams()
 
     def start(self) -> BackgroundServer:
         self._thread = threading.Thread(target=self._run, name="asyncside-serve", daemon=True)
         self._thread.start()
+        # A server still running at interpreter exit is stopped (its thread joined) before
+        # finalization, which would otherwise kill a thread holding MLX state.
+        atexit.register(self._stop_at_exit)
         deadline = time.monotonic() + self.startup_timeout
         while not self.server.started:
             if not self._thread.is_alive() or self.server.should_exit:
@@ -102,7 +113,13 @@ class BackgroundServer:
 
         return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
 
+    def _stop_at_exit(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
     def stop(self) -> None:
+        atexit.unregister(self._stop_at_exit)
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=30)

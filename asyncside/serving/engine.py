@@ -38,6 +38,7 @@ import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import AsyncsideError
+from ..policies import DEFAULT_POLICY
 from .prompt_cache import PrefixCache
 from .protocol import SamplingParams
 
@@ -87,7 +88,7 @@ async def open_engine(
     *,
     resident: float = 0.25,
     reader: str = "auto",
-    policy: str = "lfu",
+    policy: str = DEFAULT_POLICY,
     cache_dir: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
