@@ -235,7 +235,8 @@ async def test_unreadable_blob_fails_fills_and_frees_rows(tmp_path: Path, reader
     """Reads that fail on a real file: as root a blob replaced by /proc/self/mem (a regular file
     whose reads at these offsets fail with EIO; root ignores permission bits), else a chmod 000
     blob. ensure() raises FillError, drain() reports every failure and returns, rows are FREE."""
-    store = _store(tmp_path / "s")
+    # Writing the store fsyncs: set-up work, done off the watched loop thread.
+    store = await anyio.to_thread.run_sync(_store, tmp_path / "s")
     spec = store.layer(0)
     if os.geteuid() == 0:
         os.unlink(spec.path)
@@ -317,7 +318,7 @@ def ramfs(tmp_path: Path):
 @pytest.mark.anyio
 @pytest.mark.parametrize("reader", READERS)
 async def test_o_direct_refused_by_the_filesystem(ramfs: Path, reader: str, no_blocking: object) -> None:
-    store = _store(ramfs / "s")
+    store = await anyio.to_thread.run_sync(_store, ramfs / "s")
     with pytest.raises(StoreError, match="O_DIRECT") as info:
         async with Runtime(store, resident=0.25, side_rows=4, reader=reader, direct=True):
             pass
@@ -399,14 +400,20 @@ async def test_flipped_byte_is_never_served(tmp_path: Path, reader: str, direct:
     """One bit flipped in a record (after the store was written): the fill fails with a FillError
     naming layer, expert, row, expected and got (errno EBADMSG); its row goes back to FREE and the
     lookup table never lists it; the intact records are served. crc32: a version-1 store."""
-    store = ExpertStore.create(tmp_path / "s", random_layers(2, 16, seed=5), checksum=checksum)
-    if checksum == "crc32":
-        manifest = store.path / "manifest.json"
-        manifest.write_text(manifest.read_text().replace('"version": 2', '"version": 1'))
-        store = ExpertStore.open(store.path)
-        assert store.version == 1
+
+    def damaged_store() -> ExpertStore:
+        # Set-up (writes and fsyncs): run off the watched loop thread.
+        store = ExpertStore.create(tmp_path / "s", random_layers(2, 16, seed=5), checksum=checksum)
+        if checksum == "crc32":
+            manifest = store.path / "manifest.json"
+            manifest.write_text(manifest.read_text().replace('"version": 2', '"version": 1'))
+            store = ExpertStore.open(store.path)
+            assert store.version == 1
+        _flip(store.layer(0), 13, segment=2, at=100)
+        return store
+
+    store = await anyio.to_thread.run_sync(damaged_store)
     spec = store.layer(0)
-    _flip(spec, 13, segment=2, at=100)
     async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader, direct=direct) as rt:
         with pytest.raises(FillError, match="checksum mismatch") as info:
             await rt.ensure(0, [12, 13])

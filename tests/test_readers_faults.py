@@ -143,10 +143,17 @@ async def test_truncated_blob_fails_with_end_of_file(reader: str, direct: bool, 
                                                      tmp_path: os.PathLike[str], no_blocking: object) -> None:
     """A real EOF: the blob is cut inside the last record (after the store was opened). Reading that
     record fails with FillError(errno=ENODATA, 'end of file'); earlier records still land."""
-    copy = ExpertStore.open(shutil.copytree(store.path, os.path.join(tmp_path, "s")))
+
+    def truncated_copy() -> ExpertStore:
+        # Set-up (copies the store): run off the watched loop thread.
+        copy = ExpertStore.open(shutil.copytree(store.path, os.path.join(tmp_path, "s")))
+        spec = copy.layer(2)
+        os.truncate(spec.path, (spec.n_experts - 1) * spec.stride + spec.segments[0].nbytes + 10)
+        return copy
+
+    copy = await anyio.to_thread.run_sync(truncated_copy)
     spec = copy.layer(2)
     last = spec.n_experts - 1
-    os.truncate(spec.path, last * spec.stride + spec.segments[0].nbytes + 10)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=3)
     pools = await PoolSet.allocate(spec, rows=ledger.rows)
     options = ReaderOptions(direct=direct, chunk_bytes=16 << 10, buffered_chunk_bytes=16 << 10)
