@@ -444,6 +444,14 @@ class Ledger:
         self.stats["lent"] += len(out)
         return out
 
+    def lendable_rows(self) -> int:
+        """How many rows a fault handler can hold: those lent now plus every row :meth:`lend` could
+        still give (a side row that is neither pinned nor FILLING)."""
+        pins, lent = self._pins, self._lent
+        held = sum(1 for i, state in enumerate(self._row_state)
+                   if (state == FILLING or pins.get(i + self.cap, 0)) and (i + self.cap) not in lent)
+        return self.side_rows - held
+
     def lent_rows(self) -> list[int]:
         """Rows lent to a fault handler and not settled or reclaimed, in lend order."""
         return list(self._lent)

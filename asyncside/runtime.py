@@ -696,10 +696,11 @@ class Runtime:
         if self._lent_all and pairs <= self._ready_pairs:
             return True  # every dynamic row is lent already: nothing can have pinned one since
         self.release_computed()
-        fewest = min((st.ledger.side_rows - len(st.ledger.pinned_rows()) if st.faults is not None else -1)
-                     for st in self._layers.values())
-        if any(fewest < min(pairs, st.spec.n_experts) for st in self._layers.values()):
-            return False
+        # A row being filled (a prefetch in flight) or pinned by a lease cannot be lent: the
+        # stream would run out of rows for the step's misses.
+        for st in self._layers.values():
+            if st.faults is None or st.ledger.lendable_rows() < min(pairs, st.spec.n_experts):
+                return False
         self._ready_pairs = max(self._ready_pairs, pairs) if self._lent_all else 0
         return True
 
@@ -757,7 +758,8 @@ class Runtime:
         return rows
 
     def end_step(self, out: mx.array) -> None:
-        """A queued step whose last output is ``out`` has been scheduled (see :meth:`quiesce`)."""
+        """A queued step whose last output is ``out`` is built and about to be scheduled: from now
+        on :meth:`quiesce` waits for it (see :meth:`quiesce`)."""
         self._queued_outs.append(out)
 
     async def quiesce(self) -> None:

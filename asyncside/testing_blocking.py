@@ -35,7 +35,9 @@ import asyncio
 import functools
 import gc
 import inspect
+import linecache
 import os
+import re
 import sys
 import threading
 import time
@@ -95,7 +97,9 @@ class Incident:
     """One stretch during which the loop did not answer a ping within the threshold."""
 
     blocked_s: float  # how long the ping waited (at least; final once the loop answered)
-    stack: str  # the loop thread's Python stack(s), sampled while it was blocked
+    # The loop thread's Python stack(s), sampled while it was blocked (source lines are added
+    # when :attr:`stack` is read: see _stack_of).
+    frames: str
     answered: bool = False  # the loop answered the ping (the stretch ended) before stop
     call: str | None = None  # strict mode: the blocking call that was refused
     watchdog_lag_s: float = 0.0  # how late the watchdog itself woke meanwhile (see describe())
@@ -132,10 +136,15 @@ class Incident:
                     f"thread held the GIL, or the whole process was descheduled on a busy machine)")
         return f"{head}{note}; loop thread stack:\n{self.stack}"
 
+    @property
+    def stack(self) -> str:
+        """The sampled stack(s) with their source lines."""
+        return _with_source(self.frames)
+
     def add_sample(self, elapsed_s: float, stack: str) -> None:
         """Append a later stack sample of the same stretch, if it shows somewhere new."""
-        if stack not in self.stack and self.stack.count("--- sampled") < _MAX_SAMPLES:
-            self.stack += f"--- sampled again {elapsed_s * 1000:.1f} ms into the stall:\n{stack}"
+        if stack not in self.frames and self.frames.count("--- sampled") < _MAX_SAMPLES:
+            self.frames += f"--- sampled again {elapsed_s * 1000:.1f} ms into the stall:\n{stack}"
 
 
 @dataclass
@@ -230,11 +239,36 @@ def _current_loop_handle() -> _LoopHandle:
 _MAX_SAMPLES = 4  # later samples kept per incident (the first one, where it began, always)
 
 
+_FRAME_LINE = re.compile(r'^  File "(?P<file>.+)", line (?P<line>\d+), in .*$')
+
+
 def _stack_of(thread_id: int) -> str:
+    """The thread's stack as ``File ..., line ..., in ...`` lines, without source text.
+
+    The watchdog samples while the test runs: reading source lines here would open files from
+    this thread at unpredictable moments (a test counting its open descriptors would see them).
+    :func:`_with_source` adds the text later, when the report is read."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return "  (loop thread not found)\n"
-    return "".join(traceback.format_stack(frame))
+    summary = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+    summary.reverse()
+    return "".join(f'  File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in summary)
+
+
+def _with_source(stack: str) -> str:
+    """``stack`` with each frame's source line under it (as :func:`traceback.format_stack` has)."""
+    out = []
+    lines = stack.splitlines(keepends=True)
+    for i, text in enumerate(lines):
+        out.append(text)
+        m = _FRAME_LINE.match(text.rstrip("\n"))
+        if m is None or (i + 1 < len(lines) and lines[i + 1].startswith("    ")):
+            continue  # not a frame, or its source is there already
+        source = linecache.getline(m["file"], int(m["line"])).strip()
+        if source:
+            out.append(f"    {source}\n")
+    return "".join(out)
 
 
 @dataclass(eq=False)

@@ -24,6 +24,23 @@ from asyncside import Ledger, LedgerError
 from asyncside.policies import LRFU, make_policy
 
 
+def test_lendable_rows_leaves_out_filling_and_pinned_rows() -> None:
+    """What lend() can give plus what is lent: a queued step is only started when its misses fit
+    (a row still FILLING or pinned by a lease cannot be lent)."""
+    led = Ledger(8, [0], 4, policy="lru")
+    assert led.lendable_rows() == 4
+    (filling,) = led.reserve([1])  # in flight
+    (f2,) = led.reserve([2])
+    led.publish(f2)
+    led.lease([2])  # pinned
+    assert led.lendable_rows() == 2
+    rows = led.lend(4)
+    assert len(rows) == 2 and led.lendable_rows() == 2  # lent rows count, nothing else was lendable
+    led.publish(filling)
+    assert led.lendable_rows() == 3  # the fill landed: its row can be lent now
+    assert led.audit().ok
+
+
 def test_lend_free_rows_first_then_victims_in_policy_order() -> None:
     led = Ledger(8, [0], 4, policy="lru")
     for e in (1, 2):

@@ -133,6 +133,53 @@ def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path)
     anyio.run(main)
 
 
+def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scheduling a step awaits between pieces of its graph. Another task's ensure() there (a
+    serving engine's per-layer path, a close) takes the lent rows back only after that step: before
+    the fix it reclaimed them under the step, whose faults then found no lent row."""
+    from asyncside.models import queued as queued_mod
+
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    real_schedule = queued_mod.QueuedSteps._schedule
+    scheduling = anyio.Event()
+
+    async def slow_schedule(self: object, out: mx.array) -> None:
+        scheduling.set()
+        await anyio.sleep(0.05)  # the other task runs here, while nothing of this step is queued
+        await real_schedule(self, out)
+
+    async def main() -> None:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=2 * k) as rt:
+            tokens: list[int] = []
+
+            async def generate() -> None:
+                async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt):
+                    tokens.append(t)
+                    if len(tokens) == 2:  # decoding queued steps now: slow the next one down
+                        monkeypatch.setattr(queued_mod.QueuedSteps, "_schedule", slow_schedule)
+
+            async def intrude() -> None:
+                await scheduling.wait()
+                layer = sm.moe_layers[0]
+                await rt.ensure(layer, [0, 1])  # quiesces: must wait for the step being scheduled
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                tg.start_soon(intrude)
+            assert tokens == ref
+            assert rt.stats()["failed_fills"] == 0
+            await rt.quiesce()
+            reports = rt.audit()
+            assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+
+    anyio.run(main)
+
+
 def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet, object]:
     rng = np.random.default_rng(0)
     store = ExpertStore.create(tmp_path / "s", {0: {

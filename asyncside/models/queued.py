@@ -36,7 +36,7 @@ class QueuedSource(Protocol):
     - ``queued_ready(pairs)``: whether a step routing up to ``pairs`` pairs per layer can be queued.
     - ``begin_step(pairs)``: called before the step is built (never blocks).
     - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
-    - ``end_step(out)``: the step whose last output is ``out`` was scheduled.
+    - ``end_step(out)``: the step whose last output is ``out`` is built (called before it is scheduled).
     - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
     """
@@ -100,8 +100,12 @@ class QueuedSteps:
             routed.append((i, inds))
             h = h_attn + out
         logits = walk.logits(h)
-        await self._schedule(logits)
+        # Registered before scheduling: _schedule awaits between pieces of the graph, and a
+        # quiesce() meanwhile (another task's ensure, the runtime closing, a cancel) must wait
+        # for this step too before it takes the lent rows back; the stream may be faulting rows
+        # in for its first layers already. quiesce() schedules what this task did not get to.
         source.end_step(logits)
+        await self._schedule(logits)
         self.counters["queued"] += 1
         self.counters["forwards"] += 1
         return logits
