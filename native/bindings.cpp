@@ -487,6 +487,12 @@ void bind_read_path(nb::module_& m) {
       "'armv8-crc', 'table' or 'none'.");
 
   m.def(
+      "checksum_leaves_upper_state",
+      [](const std::string& kind, size_t nbytes) { return io::checksum_leaves_upper_state(checksum_kind(kind), nbytes); },
+      nb::arg("kind"), nb::arg("nbytes"),
+      "Checksum nbytes, then whether the AVX upper state was left dirty: 1 dirty, 0 clean, -1 "
+      "unknown here (a dirty state slows the SSE code this thread runs next).");
+  m.def(
       "io_uring_available",
       [] {
         std::string why;

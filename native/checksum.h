@@ -31,6 +31,13 @@ const char* checksum_name(ChecksumKind kind) noexcept;
 // "armv8-crc", "table", "none"); for benchmarks and bug reports.
 const char* checksum_implementation(ChecksumKind kind) noexcept;
 
+// Checksums `n` bytes with checksum_update, then reports whether the upper halves of the AVX
+// registers that legacy-SSE code can reach were left in use (XINUSE bits 2 and 6): 1 dirty,
+// 0 clean, -1 where the CPU cannot tell (not x86-64, or no XGETBV with ECX=1). Dirty state
+// slows the SSE code that the calling thread runs next (MLX's CPU kernels, when a fault in a
+// queued step verified a record on the stream thread); tests check it stays clean.
+int checksum_leaves_upper_state(ChecksumKind kind, size_t n);
+
 // The portable table implementation, whatever the CPU (tests compare the fast paths with it).
 uint32_t checksum_update_portable(ChecksumKind kind, uint32_t state, const void* data, size_t n) noexcept;
 
