@@ -110,6 +110,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="asyncside step modes to run, A/B in the same rounds (default: default, the forward's own)")
     p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,
                    help="asyncside predictors to run (default lookahead)")
+    p.add_argument("--verify", nargs="+", choices=("on", "off"), default=None,
+                   help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
+                        "A/B in the same rounds (the slot cache never verifies)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
@@ -348,7 +351,8 @@ async def _asyncside_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int
 
     set_step_mode(sm, cfg.mode)
     direct = True if (cold and s.direct_ok) else None
-    async with Runtime(store, resident=residency, policy=s.policy, reader=s.reader, direct=direct) as rt:
+    async with Runtime(store, resident=residency, policy=s.policy, reader=s.reader, direct=direct,
+                       verify=cfg.verify) as rt:
         run = await _generate(sm, rt, prompt_ids, tokens, cfg.predictor)
         await rt.drain()
         run.stats = rt.stats()
@@ -377,10 +381,13 @@ class Config:
     system: str
     mode: str = ""
     predictor: str = ""
+    verify: bool = True  # asyncside: records checked against their checksums
 
     @property
     def key(self) -> str:
-        return f"asyncside/{self.mode}/{self.predictor}" if self.system == "asyncside" else self.system
+        if self.system != "asyncside":
+            return self.system
+        return f"asyncside/{self.mode}/{self.predictor}" + ("" if self.verify else "/noverify")
 
 
 @dataclass
@@ -394,13 +401,15 @@ class Settings:
     policy: str
     reader: str
     load: int = 0
+    verify: tuple[bool, ...] = (True,)
     direct_ok: bool = True
     drop: bool = True
 
     @property
     def configs(self) -> list[Config]:
         """A round's systems in the order they run: mlx-lm, asyncside's, the slot cache."""
-        return ([Config(MLX_LM)] + [Config("asyncside", m, p) for m in self.modes for p in self.predictors]
+        return ([Config(MLX_LM)] + [Config("asyncside", m, p, v) for m in self.modes for p in self.predictors
+                                    for v in self.verify]
                 + [Config(SLOT_CACHE)])
 
 
@@ -414,6 +423,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     residencies = tuple(args.residency) if args.residency else ((0.5,) if quick else DEFAULT_RESIDENCIES)
     modes = tuple(dict.fromkeys(args.modes)) if args.modes else ("default",)
     predictors = tuple(dict.fromkeys(args.predictors)) if args.predictors else ("lookahead",)
+    verify = tuple(v == "on" for v in dict.fromkeys(getattr(args, "verify", None) or ["on"]))
     if tokens < 2:
         raise ValueError(f"--tokens must be >= 2 (decode speed needs two tokens), got {tokens}")
     if repeats < 1:
@@ -431,7 +441,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.policy not in POLICY_NAMES:
         raise ValueError(f"--policy must be one of {sorted(POLICY_NAMES)}, got {args.policy!r}")
     return Settings(tokens=tokens, repeats=repeats, cold_repeats=cold_repeats, residencies=residencies,
-                    modes=modes, predictors=predictors, policy=args.policy, reader=args.reader, load=load)
+                    modes=modes, predictors=predictors, policy=args.policy, reader=args.reader, load=load,
+                    verify=verify)
 
 
 def _vocab(value: str | None) -> int | None:
@@ -497,7 +508,7 @@ def _label(cfg: Config, sm: Any) -> str:
     if mode == "default":
         set_step_mode(sm, "default")
         mode = f"default={step_mode_of(sm)}"
-    return f"asyncside ({mode}, {cfg.predictor})"
+    return f"asyncside ({mode}, {cfg.predictor}{'' if cfg.verify else ', no verify'})"
 
 
 def _summarise(runs: list[BenchRun], ref_tokens: list[int], record_bytes: int) -> dict[str, Any]:
@@ -697,6 +708,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
                     set_step_mode(sm, cfg.mode)
                     row["step_mode_resolved"] = step_mode_of(sm)
                     row["predictor"] = cfg.predictor
+                    row["verify"] = cfg.verify
                 # Paired: each round's run over the same round's mlx-lm and slot-cache runs.
                 row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
                                                     if b.decode_tokens_per_s else None for r, b in zip(runs, refs)]
@@ -726,6 +738,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": len(prompt_ids),
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
                      "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
+                     "verify": list(s.verify),
                      "policy": s.policy, "reader": s.reader, "load": s.load, "quick": bool(args.quick),
                      "shape": getattr(args, "shape", None), "layers": getattr(args, "layers", None),
                      "vocab": getattr(args, "vocab", None)},
