@@ -17,8 +17,12 @@ namespace {
 
 // MLX's eval blocks its caller while more task groups than this are in flight (MLX 0.32).
 constexpr int kMaxActiveTasks = 10;
-// A task group is this many dispatches; most nodes of a decode step are one dispatch each.
-constexpr size_t kNodesPerTask = 8;
+// MLX's CPU encoder counts one task per 10 dispatches, and a node of a decode step dispatches
+// about twice on average (copies to contiguous layouts, the quantized products' own steps): 5
+// nodes per task. With 8 the chunks overshot the throttle and MLX blocked the loop thread inside
+// async_eval: 12.5 ms per token of the embedded model's decode (up to 9.6 ms at once), against
+// 3.7-5.8 ms (at most 0.6-1.7 ms at once) with 5, which is MLX's own encoding work.
+constexpr size_t kNodesPerTask = 5;
 constexpr size_t kMinGroup = 2;
 
 }  // namespace
