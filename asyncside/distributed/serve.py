@@ -101,11 +101,7 @@ def _pipeline_batcher_class(batcher: type) -> type:
                         self.peak_batch: int = max(self.peak_batch, len(self._active))
                         await anyio.lowlevel.checkpoint()
             finally:
-                shutdown = AsyncsideError("the server is shutting down")
-                for slot in [*self._active, *self._waiting]:
-                    self._fail(slot, shutdown)
-                self._active.clear()
-                self._waiting.clear()
+                self._fail_all(AsyncsideError("the server is shutting down"))
 
         async def _one(self, slot: Any) -> None:
             try:

@@ -19,8 +19,7 @@ from mlx_lm.utils import load_config, load_model
 from ..bridge import Completed
 from ..errors import StoreError
 from ..models.arch import arch_for, decoder_layers, moe_layers
-from ..models.loading import META_KEY, NON_EXPERT_FILE, _stripped_classes, is_store_dir
-from ..models.pooled import SwitchSpec
+from ..models.loading import META_KEY, NON_EXPERT_FILE, _stripped_classes, is_store_dir, switch_specs
 from ..models.streaming import StreamingModel
 from ..models.tokenizer import load_tokenizer
 from ..store import ExpertStore
@@ -63,13 +62,7 @@ def load_stage_model(store_dir: str | pathlib.Path, plan: StagePlan, rank: int, 
     path = pathlib.Path(store_dir).absolute()
     stage: Stage = plan.stage(rank)
     store = ExpertStore.open(path, layers=stage.moe_layers)
-    meta = store.metadata.get(META_KEY)
-    if not isinstance(meta, dict):
-        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
-    try:
-        specs = {int(l): SwitchSpec.from_meta(m) for l, m in meta["switch"].items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StoreError(path / "manifest.json", f"bad switch description: {exc}", f"metadata.{META_KEY}.switch") from None
+    meta, specs = switch_specs(store, path)
     if not (path / NON_EXPERT_FILE).is_file():
         raise StoreError(path / NON_EXPERT_FILE, "non-expert weights are missing")
     model, config = load_model(path, lazy=True, strict=True, get_model_classes=_stripped_classes(specs))

@@ -64,6 +64,19 @@ def is_store_dir(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path) / "manifest.json").is_file()
 
 
+
+def switch_specs(store: Any, path: pathlib.Path) -> tuple[dict[str, Any], dict[int, SwitchSpec]]:
+    """The converter's metadata of ``store`` (at ``path``) and its per-layer switch descriptions;
+    StoreError naming the field when the store was not written by the converter or is damaged."""
+    meta = store.metadata.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
+    try:
+        specs = {int(l): SwitchSpec.from_meta(m) for l, m in meta["switch"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(path / "manifest.json", f"bad switch description: {exc}", f"metadata.{META_KEY}.switch") from None
+    return meta, specs
+
 def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: Completed | None = None,
                          model_id: str | None = None, options: ForwardOptions | None = None) -> StreamingModel:
     """The streaming model of a converted store directory (see :func:`convert_model`).
@@ -83,13 +96,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
             )
         raise StoreError(path, "not an expert store (no manifest.json) nor a model directory (no config.json)")
     store = ExpertStore.open(path)
-    meta = store.metadata.get(META_KEY)
-    if not isinstance(meta, dict):
-        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
-    try:
-        specs = {int(l): SwitchSpec.from_meta(m) for l, m in meta["switch"].items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StoreError(path / "manifest.json", f"bad switch description: {exc}", f"metadata.{META_KEY}.switch") from None
+    meta, specs = switch_specs(store, path)
     if sorted(specs) != sorted(store.layers):
         raise StoreError(path / "manifest.json", f"switch layers {sorted(specs)} != store layers {list(store.layers)}",
                          f"metadata.{META_KEY}.switch")

@@ -399,11 +399,14 @@ class Batcher:
                 # Let HTTP handlers and holders of paused() run between steps.
                 await anyio.lowlevel.checkpoint()
         finally:
-            shutdown = AsyncsideError("the server is shutting down")
-            for slot in [*self._active, *self._waiting]:
-                self._fail(slot, shutdown)
-            self._active.clear()
-            self._waiting.clear()
+            self._fail_all(AsyncsideError("the server is shutting down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every admitted and waiting request with ``exc`` (the engine loop is ending)."""
+        for slot in [*self._active, *self._waiting]:
+            self._fail(slot, exc)
+        self._active.clear()
+        self._waiting.clear()
 
     async def step(self) -> None:
         """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave."""
