@@ -188,7 +188,10 @@ async def test_cancelled_await_keeps_row_filling_until_read_completes(reader: st
             await h.wait()
         assert scope.cancelled_caught
         assert not h.done() and ledger.is_filling(1)
-        assert sched.stats()["native"]["in_flight"] == 1  # the reader is still on it
+        # Normally the reader is still on it; on a loaded machine (the loop descheduled, a long GC
+        # pause) the native read may have finished already. Either way the row stays FILLING
+        # until the completion reaches the loop, which is what this test is about.
+        assert sched.stats()["native"]["in_flight"] in (0, 1)
         assert ledger.reserve([1]) == []  # FILLING counts as present: no second read, no second row
         await sched.join()
         assert h.done() and h.result_error() is None
