@@ -23,18 +23,16 @@ twice the store's size on disk while it runs.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import pathlib
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
+from ..models.embedded import _file_lock
 from ..models.tokenizer import ByteTokenizer
 
 __all__ = ["SHAPES", "SMALL_VOCAB", "ShapeBuild", "ensure_shape", "estimate_bytes", "shape_spec"]
@@ -112,17 +110,6 @@ def estimate_bytes(spec: Any) -> dict[str, int]:
 class ShapeBuild(dict):  # type: ignore[type-arg]
     """What :func:`ensure_shape` returns: ``store`` (path) and the build's figures
     (``built``: whether this call built it, ``build_seconds``, ``store_bytes``, the spec)."""
-
-
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _dir_bytes(path: pathlib.Path) -> int:
