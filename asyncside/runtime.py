@@ -704,6 +704,14 @@ class Runtime:
         self._ready_pairs = max(self._ready_pairs, pairs) if self._lent_all else 0
         return True
 
+    def queued_capacity(self) -> int:
+        """How many distinct experts every layer can take for one resolve of a queued step: the
+        fewest rows any layer could lend now (0 without fault tables). A batch routing more
+        resolves its experts in parts of at most this many (see ``models.queued``)."""
+        self.release_computed()
+        return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._layers.values()),
+                   default=0)
+
     def begin_step(self, pairs: int) -> None:
         """Before queuing a step (never blocks): make sure every layer's dynamic rows are lent to
         its fault table (they stay lent across steps), and raise the FillError of a fault that

@@ -83,8 +83,9 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         assert a.shape == b.shape
         assert mx.array_equal(a, b).item(), f"step {i}: logits differ (max {mx.abs(a - b).max().item()})"
     counters = sm.forward_with(QUEUED).counters
-    # The 12-token prompt step needs more rows than the pools have: it alone ran per layer.
-    assert counters["queued"] == NEW_TOKENS + len(steps) - 1 and counters["fallbacks"] == 1
+    # The 12-token prompt step routes more experts than a layer has rows: it ran queued too, its
+    # switches resolving one token's experts at a time (and its logits are still exact).
+    assert counters["queued"] == NEW_TOKENS + len(steps) and counters["fallbacks"] == 0
     assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
     assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
     assert stats["bytes_read"] >= stats["faults"] * ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride

@@ -87,6 +87,28 @@ async def test_batched_greedy_equals_mlx_lm_all_resident(sm: Any, ref: Any) -> N
 
 
 @pytest.mark.asyncio
+async def test_a_batch_routing_more_experts_than_the_rows_still_decodes_queued_and_exact(sm: Any, ref: Any) -> None:
+    # 16 requests route up to 64 (token, expert) pairs per layer: more than the 32 rows a layer has
+    # at half residency, so each decode step's switches resolve 8 tokens' experts at a time (and
+    # sort as the whole batch would: 64 pairs is mlx-lm's sorting threshold). No step may fall
+    # back to the per-layer path, and every token must equal mlx-lm's all-resident one.
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        prompts = [tok.encode(f"#{i}: {'abcdefgh'[i % 8] * (1 + i % 3)}") for i in range(16)]
+        n = 8
+        expected = [reference_generate(ref, p, max_tokens=n, eos_token_ids=tok.eos_token_ids) for p in prompts]
+        counters = sm.forward.counters
+        before = dict(counters)
+        # Prompts of 5-8 tokens, 64 per step: every request is prefilled within 2 steps.
+        b = Batcher(sm, runtime, prefill_chunk=64, prompt_cache_size=0)
+        got, _ = await run_all(b, [(p, n, None) for p in prompts])
+        assert got == expected
+        assert b.peak_batch == len(prompts)
+        assert counters["per_layer"] == before["per_layer"]  # every decode step was queued
+        assert counters["queued"] - before["queued"] >= n
+
+
+@pytest.mark.asyncio
 async def test_a_batch_of_one_equals_the_single_stream(sm: Any) -> None:
     async with half_resident(sm) as runtime:
         prompt = sm.tokenizer.encode("Streaming experts from the SSD")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -32,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +214,10 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=_parse_counts, default=[1, 8, 32],
                         help="client counts, one phase each (default 1,8,32)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase (default 60)")
+    parser.add_argument("--warmup", type=float, default=10.0,
+                        help="seconds of the same load before each phase, not measured (default 10; 0: none). "
+                             "A GPU compiles kernels for each new shape on first use, and MLX keeps them on "
+                             "disk: without a warm-up the server run first pays for both")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
@@ -288,13 +293,16 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if not args.duration > 0:
         raise SystemExit(f"--duration must be positive, got {args.duration}")
+    if not args.warmup >= 0:
+        raise SystemExit(f"--warmup must be >= 0 seconds, got {args.warmup}")
     if args.long_prompt < 0:
         raise SystemExit(f"--long-prompt must be >= 0, got {args.long_prompt}")
 
 
-def _prompts(tokenizer: Any, lengths: Sequence[int], long: int) -> Callable[[int, int], tuple[str, bool]]:
-    """Client ``c``'s ``n``-th prompt (``long`` tokens for client 0's first when ``long`` > 0)."""
-    counter = iter(range(1 << 62))
+def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
+             counter: Iterator[int]) -> Callable[[int, int], tuple[str, bool]]:
+    """Client ``c``'s ``n``-th prompt (``long`` tokens for client 0's first when ``long`` > 0),
+    numbered from ``counter`` (shared by every phase of a run: no two requests share a prefix)."""
 
     def prompt(client: int, n: int) -> tuple[str, bool]:
         number = next(counter)
@@ -327,6 +335,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     def long_at(clients: int) -> int:
         return args.long_prompt if clients in with_long else 0
 
+    numbers = itertools.count()
+
     with BackgroundServer(app) as srv:
         state = app.state.asyncside
         rss_idle = read_rss_bytes()
@@ -336,7 +346,11 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
         for clients in args.clients:
-            prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
+            if args.warmup > 0:  # the same load, untimed: kernels compiled, pools warm (see --warmup)
+                uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.warmup, args.max_tokens,
+                                     _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)))
+                srv.call(_idle_of(state), timeout=args.warmup * 10 + 600)
+            prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
                                        prompts))
             phases.append(res.summary())
@@ -354,7 +368,12 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             with MlxLmServer(model_dir) as ml:
                 rss_ml_idle = ml.rss()
                 for clients in args.clients:
-                    prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients))
+                    if args.warmup > 0:
+                        uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
+                                             args.max_tokens,
+                                             _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)))
+                        time.sleep(2.0)  # let it notice the cancelled requests
+                    prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
                     res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
                                                args.max_tokens, prompts))
                     phases.append(res.summary())
@@ -374,6 +393,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "engine": engine,
         "clients": args.clients,
         "duration_s": args.duration,
+        "warmup_s": args.warmup,
         "max_tokens": args.max_tokens,
         "prompt_lengths": args.prompt_lengths,
         "long_prompt": args.long_prompt,

@@ -319,10 +319,14 @@ class _progress:
     def __enter__(self) -> Any:
         if not self.enabled:
             return lambda layer: None
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        # On stderr: stdout may be a command's --json output (a first `bench` run converts the
+        # embedded model before it measures).
         self._bar = Progress(TextColumn("[bold]convert[/] {task.description}"), BarColumn(),
-                             MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+                             MofNCompleteColumn(), TimeElapsedColumn(), transient=False,
+                             console=Console(stderr=True))
         self._bar.start()
         task = self._bar.add_task(f"{self.name}: experts", total=self.total)
         started = [0]

@@ -201,16 +201,17 @@ def _linear(meta: Mapping[str, Any], name: str, pools: Mapping[str, mx.array], x
 
 
 def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, rows: np.ndarray | mx.array,
-                        pools: Mapping[str, mx.array]) -> mx.array:
+                        pools: Mapping[str, mx.array], *, sort: bool | None = None) -> mx.array:
     """The switch layer's output for input ``x`` with each routed pair served from pool row ``rows``.
 
     ``rows`` has the shape of the routed expert ids: a host array, or an ``mx.array`` computed in
-    the graph (sorted in the graph too when there are :data:`SORT_THRESHOLD` pairs or more).
-    Mirrors ``SwitchGLU.__call__``.
+    the graph (sorted in the graph too when there are :data:`SORT_THRESHOLD` pairs or more, or
+    as ``sort`` says: a part of a larger switch input sorts as the whole would). Mirrors
+    ``SwitchGLU.__call__``.
     """
     lin = dict(spec.linears)
     x = mx.expand_dims(x, (-2, -3))
-    do_sort = rows.size >= SORT_THRESHOLD
+    do_sort = rows.size >= SORT_THRESHOLD if sort is None else sort
     inv_order = None
     if isinstance(rows, mx.array):
         idx = rows.astype(mx.uint32)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _native
-from .pooled import pooled_switch_apply, route_and_apply
+from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from ..bridge import Completed
 from .walk import DecoderWalk, StepContext
 
@@ -34,6 +34,8 @@ class QueuedSource(Protocol):
     """What an expert source offers for queued steps (``Runtime`` and ``ResidentSource`` do).
 
     - ``queued_ready(pairs)``: whether a step routing up to ``pairs`` pairs per layer can be queued.
+    - ``queued_capacity()``: how many distinct experts every layer can hold for one expert
+      resolve (a step whose batch routes more is split into resolves of that many at most).
     - ``begin_step(pairs)``: called before the step is built (never blocks).
     - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
     - ``end_step(out)``: the step whose last output is ``out`` is built (called before it is scheduled).
@@ -42,6 +44,7 @@ class QueuedSource(Protocol):
     """
 
     def queued_ready(self, pairs: int) -> bool: ...
+    def queued_capacity(self) -> int: ...
     def begin_step(self, pairs: int) -> None: ...
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array: ...
     def end_step(self, out: mx.array) -> None: ...
@@ -69,7 +72,19 @@ class QueuedSteps:
         queued = self._is_queued.get(kind)
         if queued is None:  # a Protocol isinstance walks every method: once per source type
             queued = self._is_queued[kind] = isinstance(source, QueuedSource)
-        return queued and inputs.size <= MAX_QUEUED_TOKENS and source.queued_ready(self.pairs(inputs))
+        if not queued or inputs.size > MAX_QUEUED_TOKENS:
+            return False
+        if source.queued_ready(self.pairs(inputs)):
+            ctx.split = None
+            return True
+        # A batch whose experts may not fit a layer's rows at once: its switch resolves the
+        # experts of `split` tokens at a time, each part computed before the next may evict
+        # its rows (see forward). Distinct experts per part <= split * top_k <= capacity.
+        split = source.queued_capacity() // self.walk.top_k
+        if split >= 1 and source.queued_ready(split * self.walk.top_k):
+            ctx.split = split
+            return True
+        return False
 
     async def forward(self, ctx: StepContext, inputs: mx.array) -> mx.array:
         """Queue one step over ``inputs`` (B, L); returns its logits, scheduled, not awaited.
@@ -82,7 +97,7 @@ class QueuedSteps:
         source.begin_step(self.pairs(inputs))
         h = walk.embed(inputs)
         masks = walk.masks(h, ctx.cache)
-        routed = ctx.routed
+        routed, split = ctx.routed, ctx.split
         for i in range(len(walk.layers)):
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
             if i not in walk.moe:
@@ -93,7 +108,9 @@ class QueuedSteps:
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
                       pools: Any = pools) -> mx.array:
-                return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
+                if split is None or inds.size <= split * inds.shape[-1]:
+                    return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
+                return _split_switch(source, i, spec, activation, x_sw, inds, pools, split)
 
             out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply)
             assert out is not None
@@ -131,3 +148,29 @@ class QueuedSteps:
             return
         for layer, inds in ctx.routed:
             ctx.record.record(layer, np.array(inds, copy=True), None)
+
+
+def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
+                  pools: Any, split: int) -> mx.array:
+    """A switch layer's output computed ``split`` tokens at a time, for a batch whose routed
+    experts may not all fit the layer's lent rows at once.
+
+    Each part resolves its own experts (faulting absent ones into lent rows, possibly evicting
+    rows an earlier part used), so each part's resolve is made to depend on the previous part's
+    output: the graph cannot run it before the rows it may evict were read. Every part sorts as
+    the whole switch input would, and each pair's product does not depend on which part it is
+    in, so the output is bitwise the unsplit one.
+    """
+    k = inds.shape[-1]
+    ids = inds.reshape(-1, k)
+    x = x_sw.reshape(-1, x_sw.shape[-1])
+    sort = inds.size >= SORT_THRESHOLD
+    outs: list[mx.array] = []
+    for start in range(0, ids.shape[0], split):
+        part = ids[start:start + split]
+        if outs:
+            part = mx.depends(part, outs[-1])
+        rows = source.expert_rows(layer, part)
+        outs.append(pooled_switch_apply(spec, activation, x[start:start + split], rows, pools, sort=sort))
+    y = mx.concatenate(outs, axis=0)
+    return y.reshape(*inds.shape, y.shape[-1])

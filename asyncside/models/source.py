@@ -144,6 +144,9 @@ class ResidentSource:
     def queued_ready(self, pairs: int) -> bool:
         return True
 
+    def queued_capacity(self) -> int:
+        return min(self._n.values())
+
     def begin_step(self, pairs: int) -> None:
         self.counts["steps"] = self.counts.get("steps", 0) + 1
 

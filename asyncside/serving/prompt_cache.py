@@ -65,6 +65,11 @@ class PrefixCache:
         self.reused_tokens += best_n
         return mine, best_n
 
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is kept (``max_entries`` > 0)."""
+        return self.max_entries > 0
+
     def insert(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Keep ``cache`` (holding exactly ``tokens``); the caller gives it up."""
         if self.max_entries <= 0 or not tokens:
