@@ -156,10 +156,14 @@ def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, 
     experts may not all fit the layer's lent rows at once.
 
     Each part resolves its own experts (faulting absent ones into lent rows, possibly evicting
-    rows an earlier part used), so each part's resolve is made to depend on the previous part's
-    output: the graph cannot run it before the rows it may evict were read. Every part sorts as
-    the whole switch input would, and each pair's product does not depend on which part it is
-    in, so the output is bitwise the unsplit one.
+    rows an earlier part used), so each part's ids are made to depend on the previous part's
+    output through data: the graph cannot resolve them before the rows they may evict were read.
+    A data dependency, not ``mx.depends``: MLX CUDA orders the nodes of its command graphs by the
+    buffers they read and write, and a ``depends`` moves no data, so there the parts' fault nodes
+    ran beside the previous part's products (and shared the layer's staging buffers): wrong
+    logits on the H200. ``where(c, ids, ids)`` is ``ids`` whatever ``c``. Every part sorts as the
+    whole switch input would, and each pair's product does not depend on which part it is in, so
+    the output is bitwise the unsplit one.
     """
     k = inds.shape[-1]
     ids = inds.reshape(-1, k)
@@ -169,7 +173,8 @@ def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, 
     for start in range(0, ids.shape[0], split):
         part = ids[start:start + split]
         if outs:
-            part = mx.depends(part, outs[-1])
+            prev = outs[-1].reshape(-1)[:1]
+            part = mx.where(prev == prev, part, part)
         rows = source.expert_rows(layer, part)
         outs.append(pooled_switch_apply(spec, activation, x[start:start + split], rows, pools, sort=sort))
     y = mx.concatenate(outs, axis=0)
