@@ -122,8 +122,8 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
     from mlx_lm.generate import generate_step
 
     run = Run(start=time.perf_counter())
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        tok = int(tok)
+    for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tok = int(y)
         run.first_token()
         if tok in eos:
             break
@@ -150,7 +150,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         run.end = time.perf_counter()
         await rt.drain()
         audit_ok = all(report.ok for report in rt.audit().values())
-        stats = rt.stats()
+        stats: dict[str, Any] = rt.stats()  # the runtime's counters, then the demo's own figures
         layers = list(store.layers)
         stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0

@@ -57,7 +57,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,6 +65,10 @@ from ..demo import Run
 from ..policies import DEFAULT_POLICY
 from .machine import machine_info
 from .shapes import SHAPES, SMALL_VOCAB
+
+if TYPE_CHECKING:  # for annotations; the functions import the models where they use them
+    from ..models import ForwardOptions
+    from ..models.embedded import EmbeddedSpec
 
 #: a short prompt: decode speed is what residency changes; a long prefill at low residency splits
 #: into many capacity groups and would dominate the run time (its cost shows in ``ttft_s``)
@@ -133,7 +137,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 # Step modes
 
 
-def step_options(mode: str) -> Any:
+def step_options(mode: str) -> ForwardOptions:
     """The :class:`~asyncside.models.ForwardOptions` of a bench step mode (one of :data:`STEP_MODES`).
 
     - ``default``: the forward's own choice (queued steps where the source allows them);
@@ -144,14 +148,14 @@ def step_options(mode: str) -> Any:
       computed and redone from its first unsound layer;
     - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host).
     """
-    from ..models import ForwardOptions
+    from ..models import ForwardOptions, StepMode
 
     options = {
         "default": ForwardOptions(),
-        "queued": ForwardOptions(mode="queued"),
-        "per-layer": ForwardOptions(mode="per-layer"),
-        "whole": ForwardOptions(mode="whole"),
-        "per-layer-nospec": ForwardOptions(mode="per-layer", speculate=False),
+        "queued": ForwardOptions(mode=StepMode.QUEUED),
+        "per-layer": ForwardOptions(mode=StepMode.PER_LAYER),
+        "whole": ForwardOptions(mode=StepMode.WHOLE),
+        "per-layer-nospec": ForwardOptions(mode=StepMode.PER_LAYER, speculate=False),
     }
     if mode not in options:
         raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
@@ -315,8 +319,8 @@ def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[
     from mlx_lm.generate import generate_step
 
     run = BenchRun(start=time.perf_counter())
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        tok = int(tok)
+    for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        tok = int(y)
         if tok in eos:
             break
         run.arrived(tok)
@@ -458,7 +462,7 @@ def _vocab(value: str | None) -> int | None:
 
 
 #: the quick model: the embedded architecture, shrunk (2 layers, 32 experts)
-def _quick_spec() -> Any:
+def _quick_spec() -> EmbeddedSpec:
     from ..models.embedded import EmbeddedSpec
 
     base = EmbeddedSpec()
@@ -807,6 +811,10 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                 return r
         return None
 
+    def figure(r: dict[str, Any] | None, key: str) -> float | None:
+        """The row's figure ``key``; None without the row."""
+        return None if r is None else r[key]
+
     def check(target: str, value: float | None, bound: float, at_most: bool = False) -> None:
         met = None if value is None else (value <= bound if at_most else value >= bound)
         checks.append({"target": f"{target} {'<=' if at_most else '>='} {bound}", "value": value, "met": met})
@@ -816,14 +824,15 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
             continue
         r = row(frac, head)
         if loaded:
-            check(f"loaded_vs_all_resident at {frac:.0%} warm", r and r["vs_all_resident"],
+            check(f"loaded_vs_all_resident at {frac:.0%} warm", figure(r, "vs_all_resident"),
                   TARGETS["loaded_vs_all_resident"])
         else:
-            check(f"vs_all_resident at {frac:.0%} warm", r and r["vs_all_resident"], bound)
-            check(f"vs_slot_cache at {frac:.0%} warm", r and r["vs_slot_cache"], TARGETS["vs_slot_cache"][(dev, frac)])
+            check(f"vs_all_resident at {frac:.0%} warm", figure(r, "vs_all_resident"), bound)
+            check(f"vs_slot_cache at {frac:.0%} warm", figure(r, "vs_slot_cache"),
+                  TARGETS["vs_slot_cache"][(dev, frac)])
     frac = 0.25 if any(r["residency"] == 0.25 for r in result["rows"]) else result["settings"]["residencies"][0]
     r, slot = row(frac, head), row(frac, SLOT_CACHE)
-    check(f"loop CPU per step vs mlx-lm at {frac:.0%} warm", r and r["loop_cpu_vs_mlx_lm"],
+    check(f"loop CPU per step vs mlx-lm at {frac:.0%} warm", figure(r, "loop_cpu_vs_mlx_lm"),
           TARGETS["loop_cpu_vs_mlx_lm"], at_most=True)
     ratio = None
     if r is not None and r["bytes_read_per_token"] is not None and r["miss_bytes_per_token"]:
@@ -890,16 +899,17 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     names = ["belady"] + [n + sfx for n in base for sfx in ("", "+lookahead")] + ["lru, all rows dynamic (from empty)"]
     width = 0.8 / max(len(names), 1)
     cmap20 = plt.get_cmap("tab20")
+    color: str | tuple[float, float, float, float]  # a colour name or a colormap's RGBA
     for i, name in enumerate(names):
         if name == "belady":
-            ys, color = [p["belady"] for p in pol_rows], "black"
+            heights, color = [p["belady"] for p in pol_rows], "black"
         elif name == "lru, all rows dynamic (from empty)":
-            ys, color = [p["all_rows_dynamic"]["lru"] for p in pol_rows], "grey"
+            heights, color = [p["all_rows_dynamic"]["lru"] for p in pol_rows], "grey"
         else:  # one hue per policy: light = demand only, dark = with lookahead prefetch
-            ys = [p["policies"][name]["hit_rate"] for p in pol_rows]
+            heights = [p["policies"][name]["hit_rate"] for p in pol_rows]
             color = cmap20(2 * base.index(name.split("+")[0]) + (0 if name.endswith("+lookahead") else 1))
-        xs = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
-        ax.bar(xs, ys, width, label=name, color=color)
+        positions = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
+        ax.bar(positions, heights, width, label=name, color=color)
     ax.set_xticks(np.arange(len(pol_rows)))
     ax.set_xticklabels([f"{p['residency']:.0%}" for p in pol_rows])
     lows = ([p["belady"] for p in pol_rows] + [v["hit_rate"] for p in pol_rows for v in p["policies"].values()]
@@ -936,7 +946,8 @@ def _title(result: dict[str, Any]) -> str:
     load = f", {s['load']} busy processes beside" if s["load"] else ""
     return (f"asyncside bench generate — {result['model']} ({result['moe_layers']} MoE layers x "
             f"{result['experts_per_layer']} experts, record {result['record_bytes'] / 1e6:.2f} MB), "
-            f"{result['device']}, {s['tokens']} tokens, paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}")
+            f"{result['device']}, {s['tokens']} tokens, "
+            f"paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}")
 
 
 def render_table(result: dict[str, Any]) -> None:

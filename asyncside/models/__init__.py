@@ -17,6 +17,7 @@ Public API (see docs/models.md):
 
 from __future__ import annotations
 
+from ..snapshot import RowSnapshot, SpeculativeSource
 from .arch import ARCHS, UnsupportedModelError
 from .convert import (
     DEFAULT_RESIDENT_FRACTION,
@@ -29,12 +30,11 @@ from .convert import (
 )
 from .embedded import EmbeddedSpec, ensure_embedded_default
 from .forward import STEP_MODES, AsyncForward, ForwardOptions, RowLookupError, StepMode, eval_completed
-from .queued import QueuedSource
-from .streaming import StreamingModel, greedy
 from .loading import load_reference_model, load_streaming_model, reference_generate, streaming_from_model
 from .predict import PREDICTORS
-from ..snapshot import RowSnapshot, SpeculativeSource
+from .queued import QueuedSource
 from .source import ExpertSource, ResidentSource
+from .streaming import StreamingModel, greedy
 from .tokenizer import ByteTokenizer, load_tokenizer
 from .trace import CacheResult, RoutingTrace, belady, replay_policy
 
@@ -46,6 +46,6 @@ __all__ = [
     "RowLookupError", "RowSnapshot", "SpeculativeSource", "StepMode", "greedy",
     "StreamingModel", "UnsupportedModelError", "belady", "convert_model", "ensure_embedded_default",
     "eval_completed", "load_profile", "load_reference_model", "load_streaming_model", "load_tokenizer",
-    "profile_from_trace", "profile_model_dir", "profile_routing", "reference_generate", "replay_policy", "resident_sets",
-    "streaming_from_model",
+    "profile_from_trace", "profile_model_dir", "profile_routing", "reference_generate", "replay_policy",
+    "resident_sets", "streaming_from_model",
 ]

@@ -14,8 +14,9 @@ exactly mlx-lm's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,7 +154,8 @@ def linear_meta(name: str, lin: nn.Module) -> dict[str, Any]:
         }
     if isinstance(lin, SwitchLinear):
         return {"quantized": False, "bias": "bias" in lin}
-    raise UnsupportedModelError(f"switch child {name!r} is a {type(lin).__name__}, expected SwitchLinear/QuantizedSwitchLinear")
+    raise UnsupportedModelError(
+        f"switch child {name!r} is a {type(lin).__name__}, expected SwitchLinear/QuantizedSwitchLinear")
 
 
 def switch_meta(switch: nn.Module) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,6 +44,9 @@ from .arch import arch_for, moe_layers, segment_keys, switch_meta
 from .loading import META_KEY, NON_EXPERT_FILE, _module_path
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 #: resident fraction used when the caller gives none
 DEFAULT_RESIDENT_FRACTION = 0.25
@@ -88,7 +91,8 @@ def load_profile(profile: str | os.PathLike[str] | Mapping[str, Any]) -> dict[st
     for l, counts in layers.items():
         if not str(l).isdigit():
             raise StoreError(where, f"layer key {l!r} is not a layer index", "layers")
-        if not isinstance(counts, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        if not isinstance(counts, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise StoreError(where, "counts must be a list of non-negative integers", f"layers.{l}")
     return dict(profile)
 
@@ -167,7 +171,8 @@ def profile_model_dir(model_dir: str | os.PathLike[str], prompts: Sequence[str],
     return prof
 
 
-def profile_from_trace(trace: Any, model_type: str, n_experts: Mapping[int, int], source: str = "trace") -> dict[str, Any]:
+def profile_from_trace(trace: Any, model_type: str, n_experts: Mapping[int, int],
+                       source: str = "trace") -> dict[str, Any]:
     """A routing profile from a :class:`RoutingTrace` (e.g. of a streaming run)."""
     counts = {l: np.bincount(trace.token_ids(l).reshape(-1), minlength=n_experts[l]).tolist() for l in trace.layers}
     tokens = len(trace.token_ids(trace.layers[0])) if trace.layers else 0
@@ -250,12 +255,16 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     n_experts = {l: _n_experts(getattr(block, attr)) for l, (block, attr) in moe.items()}
     if prof is not None:
         if prof.get("model_type") not in (None, config["model_type"]):
-            raise StoreError("<profile>", f"profile is for {prof['model_type']!r}, model is {config['model_type']!r}", "model_type")
+            raise StoreError("<profile>", f"profile is for {prof['model_type']!r}, model is {config['model_type']!r}",
+                             "model_type")
         for l, c in prof["layers"].items():
             if int(l) not in moe:
-                raise StoreError("<profile>", f"layer {l} is not an MoE layer of the model (MoE layers: {sorted(moe)})", "layers")
+                raise StoreError("<profile>", f"layer {l} is not an MoE layer of the model (MoE layers: {sorted(moe)})",
+                                 "layers")
             if len(c) != n_experts[int(l)]:
-                raise StoreError("<profile>", f"layer {l} has {len(c)} counts, the model has {n_experts[int(l)]} experts", f"layers.{l}")
+                raise StoreError("<profile>",
+                                 f"layer {l} has {len(c)} counts, the model has {n_experts[int(l)]} experts",
+                                 f"layers.{l}")
     ranks = {l: rank_experts(prof["layers"].get(str(l)) if prof else None, n) for l, n in n_experts.items()}
     resident = {l: r[: int(round(resident_fraction * len(r)))] for l, r in ranks.items()}
     meta = {
@@ -314,7 +323,7 @@ class _progress:
         self.enabled = enabled
         self.total = total
         self.name = name
-        self._bar = None
+        self._bar: Progress | None = None
 
     def __enter__(self) -> Any:
         if not self.enabled:

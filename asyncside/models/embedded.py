@@ -39,8 +39,9 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -163,7 +164,9 @@ def build_model(spec: EmbeddedSpec) -> tuple[Any, dict[str, Any]]:
     head = normal(V, D, std=D**-0.5)
     head[~_printable(V)] = 0.0
     params["lm_head.weight"] = head
-    for k, v in tree_flatten(model.parameters()):
+    # tree_flatten returns a list of (path, leaf) when given no destination (its annotation also
+    # admits the dict a destination makes).
+    for k, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())):
         if k in params:
             continue
         if k.endswith("norm.weight"):
@@ -265,6 +268,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
             save_config(dict(cfg), model_dir / "config.json")
             save_byte_level_tokenizer(model_dir, model_max_length=int(cfg["max_position_embeddings"]))
             tok = load_tokenizer(model_dir, dict(cfg))
+            assert tok is not None, "the tokenizer files were written just above"
             (model_dir / "asyncside_spec.json").write_text(json.dumps(asdict(spec), indent=1) + "\n")
             prompts = [tok.encode(p) for p in PROFILE_PROMPTS]
             prof = profile_routing(model, cfg, prompts, max_tokens=spec.profile_tokens, source="embedded prompts")

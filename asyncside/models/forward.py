@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..bridge import Completed
 from ..errors import AsyncsideError
 from .arch import Arch
 from .per_layer import PerLayerSteps, RowLookupError
@@ -39,7 +40,6 @@ from .predict import Predictor
 from .queued import QueuedSource, QueuedSteps
 from .source import ExpertSource
 from .trace import RoutingTrace
-from ..bridge import Completed
 from .walk import DecoderWalk, StepContext
 from .whole import WholeSteps
 

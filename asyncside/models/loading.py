@@ -11,7 +11,8 @@ through mlx-lm's own ``load_model`` (same sanitize/quantization path as ``mlx_lm
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,12 +20,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model
 
+from ..bridge import Completed
 from ..errors import StoreError
 from .arch import arch_for, moe_layers, switch_meta
 from .forward import ForwardOptions
-from .streaming import StreamingModel
-from ..bridge import Completed
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
+from .streaming import StreamingModel
 from .tokenizer import load_tokenizer
 
 #: key of the asyncside model description inside the store manifest's metadata
@@ -32,10 +33,16 @@ META_KEY = "asyncside_model"
 NON_EXPERT_FILE = "model.safetensors"
 
 
-def _stripped_classes(specs: Mapping[int, SwitchSpec]) -> Callable[[dict], tuple[type, type]]:
+#: (model class, its ModelArgs class) of a config, as mlx-lm's ``get_model_classes`` hook returns
+#: them; the model class is an nn.Module subclass built from a ModelArgs, which type[nn.Module]
+#: (whose __init__ takes no argument) cannot say
+ModelClasses = tuple[type[Any], type[Any]]
+
+
+def _stripped_classes(specs: Mapping[int, SwitchSpec]) -> Callable[[dict[str, Any]], ModelClasses]:
     """A ``get_model_classes`` hook for mlx-lm's load_model: the model class, switch layers pooled."""
 
-    def get_classes(config: dict) -> tuple[type, type]:
+    def get_classes(config: dict[str, Any]) -> ModelClasses:
         model_class, args_class = _get_classes(config)
         arch = arch_for(config["model_type"])
 
@@ -70,11 +77,13 @@ def switch_specs(store: Any, path: pathlib.Path) -> tuple[dict[str, Any], dict[i
     StoreError naming the field when the store was not written by the converter or is damaged."""
     meta = store.metadata.get(META_KEY)
     if not isinstance(meta, dict):
-        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
+        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter",
+                         f"metadata.{META_KEY}")
     try:
         specs = {int(l): SwitchSpec.from_meta(m) for l, m in meta["switch"].items()}
     except (KeyError, TypeError, ValueError) as exc:
-        raise StoreError(path / "manifest.json", f"bad switch description: {exc}", f"metadata.{META_KEY}.switch") from None
+        raise StoreError(path / "manifest.json", f"bad switch description: {exc}",
+                         f"metadata.{META_KEY}.switch") from None
     return meta, specs
 
 def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: Completed | None = None,
@@ -133,7 +142,7 @@ def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer:
         pools[layer] = dict(tree_flatten(sw.parameters()))
         specs[layer] = SwitchSpec.from_meta(switch_meta(sw))
     model_class, args_class = _stripped_classes(specs)(config)
-    new = model_class(args_class.from_dict(config))
+    new: nn.Module = model_class(args_class.from_dict(config))
     # Quantize exactly the modules that are quantized in the source model.
     src_modules = dict(model.named_modules())
 
@@ -144,10 +153,13 @@ def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer:
         return {"group_size": src.group_size, "bits": src.bits, "mode": getattr(src, "mode", "affine")}
 
     nn.quantize(new, class_predicate=predicate)
-    for layer, (block, attr) in src_moe.items():
+    for block, attr in src_moe.values():
         prefix = _module_path(model, getattr(block, attr))
         switch_prefixes.append(prefix + ".")
-    weights = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(tuple(switch_prefixes))]
+    # tree_flatten returns a list of (path, leaf) when given no destination (its annotation also
+    # admits the dict a destination makes).
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    weights = [(k, v) for k, v in params if not k.startswith(tuple(switch_prefixes))]
     new.load_weights(weights, strict=True)
     new.eval()
     moe = moe_layers(new, arch)
@@ -174,9 +186,9 @@ def reference_generate(model: nn.Module, prompt_ids: list[int], *, max_tokens: i
     out: list[int] = []
     if max_tokens <= 0:
         return out
-    for tok, _ in generate_step(mx.array([int(t) for t in prompt_ids]), model, max_tokens=max_tokens,
-                                prefill_step_size=prefill_step_size):
-        tok = int(tok)
+    for y, _ in generate_step(mx.array([int(t) for t in prompt_ids]), model, max_tokens=max_tokens,
+                              prefill_step_size=prefill_step_size):
+        tok = int(y)
         if tok in eos:
             break
         out.append(tok)
@@ -216,11 +228,13 @@ def load_reference_model(path: str | pathlib.Path) -> tuple[nn.Module, dict[str,
     meta = store.metadata.get(META_KEY) or {}
     paths = meta.get("switch_paths", {})
     config = load_config(path)
-    weights = dict(mx.load(str(path / NON_EXPERT_FILE)))
+    # A .safetensors file loads as a dict of arrays (mx.load's annotation covers every format).
+    weights = dict(cast(dict[str, mx.array], mx.load(str(path / NON_EXPERT_FILE))))
     for layer, spec in store.layers.items():
         prefix = paths.get(str(layer))
         if prefix is None:
-            raise StoreError(path / "manifest.json", f"no switch path for layer {layer}", f"metadata.{META_KEY}.switch_paths")
+            raise StoreError(path / "manifest.json", f"no switch path for layer {layer}",
+                             f"metadata.{META_KEY}.switch_paths")
         per_key: dict[str, list[mx.array]] = {s.key: [] for s in spec.segments}
         for e in range(spec.n_experts):
             for k, a in store.read_expert(layer, e).items():

@@ -23,14 +23,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from .. import _native
+from ..bridge import Completed
 from ..errors import AsyncsideError, CapacityError
-from ..snapshot import RowSnapshot
+from ..snapshot import RowSnapshot, SpeculativeSource
 from .pooled import (
     SORT_THRESHOLD,
     combine,
@@ -40,7 +41,6 @@ from .pooled import (
     route_and_apply,
 )
 from .source import ExpertSource
-from ..bridge import Completed
 from .walk import DecoderWalk, StepContext
 
 #: steps of at least this many tokens are scheduled block by block (keeps the loop responsive)
@@ -130,7 +130,8 @@ class PerLayerSteps:
         ctx.source.release_after(out, ctx.leases)
         return out
 
-    def attend_and_route(self, ctx: StepContext, i: int, h: mx.array, masks: list[Any]) -> tuple[Built | None, mx.array]:
+    def attend_and_route(self, ctx: StepContext, i: int, h: mx.array,
+                         masks: list[Any]) -> tuple[Built | None, mx.array]:
         """Layer ``i`` built over ``h`` (lazy): its attention, then a dense block's output, or an MoE
         block's routing and, where a snapshot allows, its speculative outputs. Returns (None, the
         layer's output) for a dense layer, else (the MoE layer built so far, the hidden state after
@@ -168,11 +169,11 @@ class PerLayerSteps:
                 # each scheduling call commits a command buffer.
                 await self.schedule(p, inds)
             if snap is not None:
-                assert out_spec is not None and y_spec is not None
+                assert out_spec is not None
                 await self._completed_then(inds, out_spec)
             else:
                 await self.completed(inds)
-            if p is not None:
+            if p is not None and nxt is not None:  # p is made only for a next MoE layer (narrows nxt)
                 if isinstance(p, mx.array) and _native.is_available(p):
                     p = np.array(p, copy=True)
                 source.prefetch(nxt, p)
@@ -185,7 +186,7 @@ class PerLayerSteps:
                     await self.completed(pred)
                 ctx.record.record(i, inds_np, None if pred is None else np.asarray(pred))
             if snap is not None:
-                assert y_spec is not None
+                assert out_spec is not None and y_spec is not None  # a snapshot gather made both
                 y = await self.serve_speculated(ctx, i, x_sw, inds_np, y_spec, snap)
                 # Every pair sound: the block output built with the speculative outputs stands.
                 h = h + (out_spec if y is y_spec else combine(block, attr, xn, y))
@@ -244,7 +245,8 @@ class PerLayerSteps:
         """
         source = ctx.source
         uniq = np.unique(inds).astype(np.int64)
-        sound = np.asarray(source.unchanged(layer, snap, uniq), dtype=bool)
+        # A snapshot was taken, so the source is a SpeculativeSource (_snapshot checked).
+        sound = np.asarray(cast(SpeculativeSource, source).unchanged(layer, snap, uniq), dtype=np.bool_)
         self.counters["speculated"] += 1
         held: list[tuple[int, int]] = []
         if sound.any():

@@ -25,8 +25,9 @@ its group's position, so outputs are bitwise equal to mlx-lm's (asserted by the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -227,12 +228,12 @@ def pooled_switch_apply(spec: SwitchSpec, activation: nn.Module, x: mx.array, ro
             idx = flat[order]
     elif do_sort:
         m = rows.shape[-1]
-        flat = rows.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        inv = np.empty_like(order)
-        inv[order] = np.arange(order.size)
-        x = x.flatten(0, -3)[mx.array(order // m)]
-        idx = mx.array(flat[order].astype(np.uint32))
+        flat_np = rows.reshape(-1)
+        order_np = np.argsort(flat_np, kind="stable")
+        inv = np.empty_like(order_np)
+        inv[order_np] = np.arange(order_np.size)
+        x = x.flatten(0, -3)[mx.array(order_np // m)]
+        idx = mx.array(flat_np[order_np].astype(np.uint32))
         inv_order = mx.array(inv)
     else:
         idx = mx.array(rows.astype(np.uint32))

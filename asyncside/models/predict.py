@@ -17,7 +17,8 @@ it to ``source.prefetch`` before it awaits the current layer's routing, so reads
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np

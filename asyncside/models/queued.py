@@ -14,14 +14,14 @@ scheduled, and ``source.after_step`` once its token was awaited.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
 
 from .. import _native
-from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from ..bridge import Completed
+from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .walk import DecoderWalk, StepContext
 
 #: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer,
@@ -74,14 +74,15 @@ class QueuedSteps:
             queued = self._is_queued[kind] = isinstance(source, QueuedSource)
         if not queued or inputs.size > MAX_QUEUED_TOKENS:
             return False
-        if source.queued_ready(self.pairs(inputs)):
+        qsource = cast(QueuedSource, source)  # `queued` is the cached isinstance, True here
+        if qsource.queued_ready(self.pairs(inputs)):
             ctx.split = None
             return True
         # A batch whose experts may not fit a layer's rows at once: its switch resolves the
         # experts of `split` tokens at a time, each part computed before the next may evict
         # its rows (see forward). Distinct experts per part <= split * top_k <= capacity.
-        split = source.queued_capacity() // self.walk.top_k
-        if split >= 1 and source.queued_ready(split * self.walk.top_k):
+        split = qsource.queued_capacity() // self.walk.top_k
+        if split >= 1 and qsource.queued_ready(split * self.walk.top_k):
             ctx.split = split
             return True
         return False

@@ -106,12 +106,13 @@ def measure(store_dir: str | pathlib.Path, *, prompt: str = DEFAULT_PROMPT, max_
             b = sum((belady(tr.demands(l), res[l], side) for l in tr.layers), start=CacheResult())
             line["belady"] = b.hit_rate
             for pol in policies:
-                r = sum((replay_policy(tr.demands(l), n_exp[l], res[l], side, pol) for l in tr.layers), start=CacheResult())
-                p = sum((replay_policy(tr.demands(l), n_exp[l], res[l], side, pol, predictions=tr.predictions(l))
-                         for l in tr.layers), start=CacheResult())
+                r = sum((replay_policy(tr.demands(l), n_exp[l], res[l], side, pol) for l in tr.layers),
+                        start=CacheResult())
+                rp = sum((replay_policy(tr.demands(l), n_exp[l], res[l], side, pol, predictions=tr.predictions(l))
+                          for l in tr.layers), start=CacheResult())
                 line[pol] = r.hit_rate
-                line[f"{pol}+lookahead"] = p.hit_rate
-                line[f"{pol}+lookahead_prefetch_reads"] = p.prefetch_reads
+                line[f"{pol}+lookahead"] = rp.hit_rate
+                line[f"{pol}+lookahead_prefetch_reads"] = rp.prefetch_reads
             rows.append(line)
     out["hit_rates"] = rows
     out["hit_rate_definition"] = ("distinct experts demanded per layer per step that were resident or already "
@@ -126,7 +127,8 @@ def format_table(res: dict[str, Any]) -> str:
         "decode tok/s: mlx-lm {mlx_lm_reference:.1f} | async resident {async_resident:.1f} | ratio {ratio:.2f}".format(
             **res["decode_tok_s"]),
         "predictors (decode): " + ", ".join(
-            f"{k} recall {v['recall']:.2f} precision {v['precision']:.2f}" for k, v in res["predictor_decode_quality"].items()),
+            f"{k} recall {v['recall']:.2f} precision {v['precision']:.2f}"
+            for k, v in res["predictor_decode_quality"].items()),
     ]
     cols = [c for c in res["hit_rates"][0] if not c.endswith("_reads")]
     lines.append(" | ".join(f"{c:>14}" for c in cols))

@@ -7,7 +7,8 @@ lookup = identity) both implement :class:`ExpertSource`; the async forward only 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +66,8 @@ class ResidentSource:
             self._n[layer] = n
             self._lookup[layer] = mx.arange(n, dtype=mx.int32)
         self._snapshots = {
-            layer: make_snapshot(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64)) for layer, n in self._n.items()
+            layer: make_snapshot(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int64))
+            for layer, n in self._n.items()
         }
         mx.eval(list(self._lookup.values()), [s.rows for s in self._snapshots.values()],
                 [list(p.values()) for p in self._pools.values()])

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..bridge import Completed
 from ..errors import AsyncsideError
 from .arch import Arch
 from .forward import AsyncForward, ForwardOptions, StepMode, default_completed
@@ -23,7 +24,6 @@ from .pooled import SwitchSpec
 from .predict import check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
-from ..bridge import Completed
 
 #: mlx-lm's generate_step default; prefill is chunked identically so numerics match.
 PREFILL_STEP_SIZE = 2048
@@ -162,7 +162,7 @@ class StreamingModel:
                         ahead = (nctx, greedy(await fwd.step(nctx, y[None])))
             async with lock:
                 await fwd.finish(ctx, y)
-            tok = int(y.item())
+            tok = int(y)
             if tok in eos:
                 return
             yield tok

@@ -13,6 +13,7 @@ as ids 0..255, ``<|bos|>`` 256, ``<|endoftext|>`` 257: the same ids as :class:`B
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -125,7 +126,7 @@ def save_byte_level_tokenizer(directory: str | pathlib.Path, *, model_max_length
         json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=1) + "\n", encoding="utf-8")
 
 
-def load_tokenizer(directory: str | pathlib.Path, config: dict[str, Any] | None = None) -> Any | None:
+def load_tokenizer(directory: str | os.PathLike[str], config: dict[str, Any] | None = None) -> Any | None:
     """The tokenizer of a model or store directory: ByteTokenizer if the directory says so, else
     mlx-lm's TokenizerWrapper; None when the directory holds no tokenizer files at all."""
     d = pathlib.Path(directory)

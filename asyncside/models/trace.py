@@ -18,8 +18,9 @@ The unit of demand is one forward step of one layer: the set of distinct experts
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,8 @@ class RoutingTrace:
                 {
                     "predictor": s.predictor,
                     "layers": {
-                        str(l): {"ids": ls.ids.tolist(), "predicted": None if ls.predicted is None else ls.predicted.tolist()}
+                        str(l): {"ids": ls.ids.tolist(),
+                                 "predicted": None if ls.predicted is None else ls.predicted.tolist()}
                         for l, ls in s.layers.items()
                     },
                 }
@@ -203,17 +205,21 @@ def replay_policy(demands: Sequence[Iterable[int]], n_experts: int, resident: Se
     With ``predictions`` (one per step, None for none), each step first reserves the prediction
     (``demand=False``, as a prefetch that finished before the demand), then the demand.
     """
-    if ledger_factory is None:
-        from ..ledger import Ledger as ledger_factory  # type: ignore[no-redef]
     from ..errors import CapacityError
+
+    if ledger_factory is None:
+        from ..ledger import Ledger
+
+        ledger_factory = Ledger
 
     led = ledger_factory(n_experts, list(resident), side_rows, policy=policy)
     res = set(int(r) for r in resident)
     out = CacheResult()
     for t, d in enumerate(demands):
         ids = np.unique(np.asarray(list(d) if not isinstance(d, np.ndarray) else d, dtype=np.int64))
-        if predictions is not None and predictions[t] is not None:
-            pred = np.unique(np.asarray(list(predictions[t]), dtype=np.int64))
+        predicted = predictions[t] if predictions is not None else None
+        if predicted is not None:
+            pred = np.unique(np.asarray(list(predicted), dtype=np.int64))
             for f in led.reserve(pred, demand=False):
                 led.publish(f)
                 out.prefetch_reads += 1

@@ -23,7 +23,6 @@ from .source import ExpertSource
 from .trace import RoutingTrace
 
 
-
 class DecoderWalk:
     """An mlx-lm MoE model seen as the sequence of operations a forward walks through."""
 

@@ -18,12 +18,13 @@ comparison and for sources that offer snapshots but no fault tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import CapacityError
+from ..snapshot import SpeculativeSource
 from .per_layer import Built, PerLayerSteps, quiesce_queued
 from .pooled import combine
 from .walk import StepContext
@@ -76,6 +77,7 @@ class WholeSteps:
         whole = self._build(ctx, h, walk.masks(h, ctx.cache), 0)
         await pl.schedule(whole.out)
         source, predictor, cache = ctx.source, ctx.predictor, ctx.cache
+        speculative = cast(SpeculativeSource, source)  # can_run checked it offers snapshot and unchanged
         self.counters["optimistic"] += 1
         try:
             while True:
@@ -85,7 +87,7 @@ class WholeSteps:
                 for n, b in enumerate(whole.built):
                     uniq = np.unique(routed[n]).astype(np.int64)
                     assert b.snap is not None
-                    if not np.asarray(source.unchanged(b.layer, b.snap, uniq), dtype=bool).all():
+                    if not np.asarray(speculative.unchanged(b.layer, b.snap, uniq), dtype=np.bool_).all():
                         bad = n
                         break
                     predictor.observe(b.layer, routed[n])
@@ -111,7 +113,7 @@ class WholeSteps:
                 if ctx.record is not None:
                     ctx.record.record(b.layer, routed[bad], None)
                 block, attr = walk.moe[b.layer]
-                assert b.y_spec is not None and b.snap is not None
+                assert b.y_spec is not None and b.out_spec is not None and b.snap is not None
                 y = await pl.serve_speculated(ctx, b.layer, b.x_sw, routed[bad], b.y_spec, b.snap)
                 h = b.h_attn + (b.out_spec if y is b.y_spec else combine(block, attr, b.xn, y))
                 whole = self._build(ctx, h, whole.masks, b.layer + 1)
