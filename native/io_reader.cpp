@@ -67,9 +67,12 @@ struct MapGuard {
   const uint8_t* hi;
 };
 
-// initial-exec: the handler reads it without the lazy TLS allocation a dlopen'ed module's TLS
-// otherwise gets on a thread's first access.
-__attribute__((tls_model("initial-exec"))) thread_local MapGuard* t_map_guard = nullptr;
+// initial-exec (ELF): the handler reads it without the lazy TLS allocation a dlopen'ed module's
+// TLS otherwise gets on a thread's first access.
+#if defined(__linux__)
+__attribute__((tls_model("initial-exec")))
+#endif
+thread_local MapGuard* t_map_guard = nullptr;
 struct sigaction g_prev_sigbus {};
 
 void sigbus_handler(int sig, siginfo_t* info, void* ctx) {
@@ -113,12 +116,31 @@ void install_sigbus_handler() {
   });
 }
 
+#if defined(__linux__) && !defined(__NR_cachestat) && (defined(__x86_64__) || defined(__aarch64__))
+#define __NR_cachestat 451
+#endif
+
 // Whether every page of file bytes [off, off + n) of a mapped blob is in the page cache.
 bool mapped_resident(const Layout& L, uint64_t off, uint64_t n) {
-  static thread_local std::vector<unsigned char> vec;
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t lo = off - off % page;
   const uint64_t len = off + n - lo;
+#if defined(__NR_cachestat)
+  // cachestat (Linux 6.5) walks the page cache by folio: ~6 us for 16 MiB here, where mincore of a
+  // range not mapped yet looks up every page (~235 us, 14% of copying it).
+  static std::atomic<bool> no_cachestat{false};
+  if (!no_cachestat.load(std::memory_order_relaxed)) {
+    struct {
+      uint64_t off, len;
+    } range{lo, len};
+    struct {
+      uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+    } st{};
+    if (::syscall(__NR_cachestat, L.fd, &range, &st, 0) == 0) return st.nr_cache >= (len + page - 1) / page;
+    if (errno == ENOSYS || errno == EPERM) no_cachestat.store(true, std::memory_order_relaxed);
+  }
+#endif
+  static thread_local std::vector<unsigned char> vec;
   vec.resize((len + page - 1) / page);
 #if defined(__APPLE__)
   auto* out = reinterpret_cast<char*>(vec.data());
@@ -780,13 +802,15 @@ __attribute__((noinline)) int copy_guarded(const std::vector<iovec>& iov, const 
   return 0;
 }
 
-__attribute__((target("avx"))) void clear_upper_state() {
 #if defined(__x86_64__)
+__attribute__((target("avx"))) void clear_upper_state() {
   // A jump out of the vector copy skipped its vzeroupper (see checksum.cpp).
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx")) __asm__ volatile("vzeroupper");
-#endif
 }
+#else
+void clear_upper_state() {}
+#endif
 }  // namespace
 
 bool Reader::read_mapped(Chunk* c) {
