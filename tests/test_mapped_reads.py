@@ -152,9 +152,11 @@ def test_resident_chunks_are_mapped_and_cold_ones_use_preadv(backend: str, store
     pools = PoolSet(spec, N_EXPERTS)
     _evict(spec)
     r, lid = _open(backend, spec, pools)
-    assert _read_all(r, lid, [0, 1]) == {0: 0, 1: 0}
+    # One record (one chunk): the readahead of its preadv may bring the next records in.
+    assert _read_all(r, lid, [0]) == {0: 0}
     c = r.counters()
-    assert c["mapped_chunks"] == 0 and c["map_fallbacks"] > 0 and c["ops_submitted"] > 0, c
+    assert c["mapped_chunks"] == 0 and c["map_fallbacks"] == 1 and c["ops_submitted"] > 0, c
+    assert _read_all(r, lid, [0, 1]) == {0: 0, 1: 0}
     _warm(spec)  # now in the page cache: the same reader copies from its mapping
     r.submit(lid, [2, 3], [2, 3], [2, 3])
     got: dict[int, int] = {}
