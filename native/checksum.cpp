@@ -364,8 +364,10 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold_copy(ui
       n -= 256;
     }
   }
-  // The tail (< 256 bytes) is copied here and folded by the plain code below.
+  // The tail (< 256 bytes) is copied here and folded from the copy by the plain code below, so
+  // the checksum covers exactly the bytes stored even if the source changes meanwhile.
   std::memcpy(d, p, n);
+  p = d;
   const __m512i k512 = broadcast_pair(k.k512);
   x1 = fold512(x0, k512, x1);
   x2 = fold512(x1, k512, x2);
@@ -373,7 +375,6 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold_copy(ui
   while (n >= 64) {
     x3 = fold512(x3, k512, _mm512_loadu_si512(p));
     p += 64;
-    d += 64;
     n -= 64;
   }
   const __m512i lanes = _mm512_set_epi64(0, 0, static_cast<int64_t>(k.k128[1]), static_cast<int64_t>(k.k128[0]),
@@ -384,10 +385,8 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold_copy(ui
   x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 0));
   x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 1));
   x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 2));
-  const uint8_t* before = p;
   const uint32_t crc = finish128(x, &p, &n, k);
-  d += p - before;
-  *pp = p;
+  *pp = p;  // inside dst: the last < 16 bytes, already copied
   *dp = d;
   *pn = n;
   _mm256_zeroupper();
@@ -552,7 +551,7 @@ uint32_t checksum_copy(ChecksumKind kind, uint32_t state, void* dst, const void*
   if (kind != ChecksumKind::None && features().vpclmul && n >= 256) {
     const FoldConstants& k = kind == ChecksumKind::Crc32 ? kFoldCrc32 : kFoldCrc32c;
     const uint32_t c = vpclmul_fold_copy(~state, &d, &p, &n, stream, k);
-    // Fewer than 16 bytes left, already copied by vpclmul_fold_copy.
+    // Fewer than 16 bytes left, already copied by vpclmul_fold_copy (p points at the copy).
     if (kind == ChecksumKind::Crc32c && features().sse42) return ~sse42_crc32c(c, p, n);
     return ~table_update(tables(kind), c, p, n);
   }
