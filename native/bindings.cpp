@@ -425,8 +425,9 @@ void bind_read_path(nb::module_& m) {
       .def(
           "set_faults",
           [](PyReader& p, const std::string& path, uint64_t lo, uint64_t hi, int err, uint64_t max_read_bytes,
-             uint64_t transient_every, int transient_err) {
+             uint64_t transient_every, int transient_err, bool map_unchecked) {
             io::Faults f;
+            f.map_unchecked = map_unchecked;
             f.path = path;
             f.lo = lo;
             f.hi = hi;
@@ -438,8 +439,10 @@ void bind_read_path(nb::module_& m) {
           },
           nb::arg("path") = "", nb::arg("lo") = 0, nb::arg("hi") = 0, nb::arg("err") = 0,
           nb::arg("max_read_bytes") = 0, nb::arg("transient_every") = 0, nb::arg("transient_err") = 0,
+          nb::arg("map_unchecked") = false,
           "Test hooks: fail reads of `path` touching [lo, hi) with errno `err`; cap every read op at "
-          "max_read_bytes; make every Nth op fail once with EAGAIN/EINTR.")
+          "max_read_bytes; make every Nth op fail once with EAGAIN/EINTR; map_unchecked: mapped reads "
+          "skip the page-cache residency check (a copy past a truncated end then meets SIGBUS).")
       .def(
           "set_checksums",
           [](PyReader& p, uint32_t layout, const std::string& kind, std::vector<uint32_t> values) {

@@ -298,6 +298,121 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold(uint32_
   return crc;
 }
 
+// The fused copy: the same folding as vpclmul_fold, and each 256-byte block is stored to dst
+// (streaming stores when `stream` and dst is 64-byte aligned: a large destination is not read for
+// ownership and does not evict the cache) right after it was loaded, so the source is read once.
+// n >= 256. Leaves < 256 bytes for the caller's tail; ends with sfence (streaming stores are
+// weakly ordered) and vzeroupper (see vpclmul_fold).
+__attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold_copy(uint32_t c, uint8_t** dp, const uint8_t** pp,
+                                                                              size_t* pn, bool stream,
+                                                                              const FoldConstants& k) {
+  const uint8_t* p = *pp;
+  uint8_t* d = *dp;
+  size_t n = *pn;
+  const bool nt = stream && (reinterpret_cast<uintptr_t>(d) % 64) == 0;
+  __m512i x0 = _mm512_loadu_si512(p + 0);
+  __m512i x1 = _mm512_loadu_si512(p + 64);
+  __m512i x2 = _mm512_loadu_si512(p + 128);
+  __m512i x3 = _mm512_loadu_si512(p + 192);
+  if (nt) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 0), x0);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), x1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 128), x2);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 192), x3);
+  } else {
+    _mm512_storeu_si512(d + 0, x0);
+    _mm512_storeu_si512(d + 64, x1);
+    _mm512_storeu_si512(d + 128, x2);
+    _mm512_storeu_si512(d + 192, x3);
+  }
+  x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(c))));
+  p += 256;
+  d += 256;
+  n -= 256;
+  const __m512i k2048 = broadcast_pair(k.k2048);
+  if (nt) {
+    while (n >= 256) {
+      const __m512i a = _mm512_loadu_si512(p + 0), b = _mm512_loadu_si512(p + 64);
+      const __m512i e = _mm512_loadu_si512(p + 128), f = _mm512_loadu_si512(p + 192);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 0), a);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 128), e);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 192), f);
+      x0 = fold512(x0, k2048, a);
+      x1 = fold512(x1, k2048, b);
+      x2 = fold512(x2, k2048, e);
+      x3 = fold512(x3, k2048, f);
+      p += 256;
+      d += 256;
+      n -= 256;
+    }
+    _mm_sfence();
+  } else {
+    while (n >= 256) {
+      const __m512i a = _mm512_loadu_si512(p + 0), b = _mm512_loadu_si512(p + 64);
+      const __m512i e = _mm512_loadu_si512(p + 128), f = _mm512_loadu_si512(p + 192);
+      _mm512_storeu_si512(d + 0, a);
+      _mm512_storeu_si512(d + 64, b);
+      _mm512_storeu_si512(d + 128, e);
+      _mm512_storeu_si512(d + 192, f);
+      x0 = fold512(x0, k2048, a);
+      x1 = fold512(x1, k2048, b);
+      x2 = fold512(x2, k2048, e);
+      x3 = fold512(x3, k2048, f);
+      p += 256;
+      d += 256;
+      n -= 256;
+    }
+  }
+  // The tail (< 256 bytes) is copied here and folded from the copy by the plain code below, so
+  // the checksum covers exactly the bytes stored even if the source changes meanwhile.
+  std::memcpy(d, p, n);
+  p = d;
+  const __m512i k512 = broadcast_pair(k.k512);
+  x1 = fold512(x0, k512, x1);
+  x2 = fold512(x1, k512, x2);
+  x3 = fold512(x2, k512, x3);
+  while (n >= 64) {
+    x3 = fold512(x3, k512, _mm512_loadu_si512(p));
+    p += 64;
+    n -= 64;
+  }
+  const __m512i lanes = _mm512_set_epi64(0, 0, static_cast<int64_t>(k.k128[1]), static_cast<int64_t>(k.k128[0]),
+                                         static_cast<int64_t>(k.k256[1]), static_cast<int64_t>(k.k256[0]),
+                                         static_cast<int64_t>(k.k384[1]), static_cast<int64_t>(k.k384[0]));
+  const __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(x3, lanes, 0x00), _mm512_clmulepi64_epi128(x3, lanes, 0x11));
+  __m128i x = _mm512_extracti32x4_epi32(x3, 3);
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 0));
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 1));
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 2));
+  const uint32_t crc = finish128(x, &p, &n, k);
+  *pp = p;  // inside dst: the last < 16 bytes, already copied
+  *dp = d;
+  *pn = n;
+  _mm256_zeroupper();
+  return crc;
+}
+
+// A plain copy with streaming stores (64-byte aligned destinations; others use memcpy).
+__attribute__((noinline, target("avx512f"))) void stream_copy(uint8_t* d, const uint8_t* p, size_t n) {
+  if (reinterpret_cast<uintptr_t>(d) % 64 != 0) {
+    std::memcpy(d, p, n);
+    return;
+  }
+  size_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    const __m512i a = _mm512_loadu_si512(p + i), b = _mm512_loadu_si512(p + i + 64);
+    const __m512i c = _mm512_loadu_si512(p + i + 128), e = _mm512_loadu_si512(p + i + 192);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), a);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 64), b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 128), c);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 192), e);
+  }
+  _mm_sfence();
+  _mm256_zeroupper();
+  std::memcpy(d + i, p + i, n - i);
+}
+
 struct X86Features {
   bool sse42 = false, pclmul = false, vpclmul = false;
 };
@@ -419,6 +534,38 @@ uint32_t checksum_update(ChecksumKind kind, uint32_t state, const void* data, si
   if (arm_has_crc()) return ~arm_crc(kind, c, p, n);
 #endif
   return ~table_update(tables(kind), c, p, n);
+}
+
+uint32_t checksum_copy(ChecksumKind kind, uint32_t state, void* dst, const void* src, size_t n, bool stream) noexcept {
+  const auto* p = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+#if ASYNCSIDE_CRC_X86
+  if (kind == ChecksumKind::None) {
+    if (stream && features().vpclmul && n >= 256) {
+      stream_copy(d, p, n);
+    } else {
+      std::memcpy(d, p, n);
+    }
+    return state;
+  }
+  if (kind != ChecksumKind::None && features().vpclmul && n >= 256) {
+    const FoldConstants& k = kind == ChecksumKind::Crc32 ? kFoldCrc32 : kFoldCrc32c;
+    const uint32_t c = vpclmul_fold_copy(~state, &d, &p, &n, stream, k);
+    // Fewer than 16 bytes left, already copied by vpclmul_fold_copy (p points at the copy).
+    if (kind == ChecksumKind::Crc32c && features().sse42) return ~sse42_crc32c(c, p, n);
+    return ~table_update(tables(kind), c, p, n);
+  }
+#endif
+  (void)stream;
+  // Elsewhere (and for short pieces): copy, then checksum the copy while it is in L1/L2, in
+  // blocks small enough to stay there.
+  constexpr size_t kBlock = 32 << 10;
+  for (size_t o = 0; o < n; o += kBlock) {
+    const size_t b = n - o < kBlock ? n - o : kBlock;
+    std::memcpy(d + o, p + o, b);
+    state = checksum_update(kind, state, d + o, b);
+  }
+  return state;
 }
 
 const char* checksum_name(ChecksumKind kind) noexcept {

@@ -20,6 +20,13 @@ enum class ChecksumKind { None, Crc32, Crc32c };
 // ChecksumKind::None returns `state` unchanged. Thread-safe, never throws, never allocates.
 uint32_t checksum_update(ChecksumKind kind, uint32_t state, const void* data, size_t n) noexcept;
 
+// Copies n bytes from src to dst (not overlapping) and returns checksum_update(kind, state, src, n),
+// loading each source byte once: on x86-64 with VPCLMULQDQ one pass folds every 64-byte line into
+// the CRC and stores it (streaming stores when `stream`: for large destinations that are not read
+// again soon; fenced before return). Elsewhere: memcpy, then the checksum over the copy in
+// cache-sized blocks. Thread-safe, never throws, never allocates.
+uint32_t checksum_copy(ChecksumKind kind, uint32_t state, void* dst, const void* src, size_t n, bool stream) noexcept;
+
 // The checksum of a||b from those of a (crc1) and b (crc2, started at 0) and b's length, as
 // zlib's crc32_combine. Lets parts of a record be checksummed as they land, in any order.
 uint32_t checksum_combine(ChecksumKind kind, uint32_t crc1, uint32_t crc2, uint64_t len2) noexcept;

@@ -25,6 +25,9 @@ struct Layout {
   // checksum to checksums[expert]; a mismatch completes it with -EBADMSG.
   ChecksumKind checksum = ChecksumKind::None;
   std::vector<uint32_t> checksums;
+  // mapped_reads: the whole blob mapped read-only (buffered readers), or nullptr.
+  const uint8_t* map = nullptr;
+  uint64_t map_len = 0;
 };
 
 // One (expert -> row) read: completes as one Completion when all of its chunks have.
@@ -62,6 +65,10 @@ struct Chunk {
   std::vector<iovec> iov;  // rows mode: destinations covering req bytes
   std::vector<iovec> cur;  // the window of the op in flight (must outlive it)
   std::vector<ScatterPiece> pieces;  // staged mode
+  // Rows mode, verified: the running checksum of the chunk's segment bytes [0, crc_pos) (crc_len
+  // of them are segment bytes, the rest padding).
+  uint32_t crc = 0;
+  uint64_t crc_pos = 0, crc_len = 0;
 };
 
 }  // namespace asyncside::io

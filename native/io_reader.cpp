@@ -3,8 +3,11 @@
 #include "io_internal.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csetjmp>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -12,6 +15,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -44,6 +48,113 @@ void* aligned_alloc_or_throw(uint64_t bytes, const char* what) {
 }
 
 std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
+
+// Verified preadv reads land in windows this small, each checksummed right after it landed, while
+// it is still in the reading CPU's cache (L2 is 0.5-2 MiB per core).
+constexpr uint64_t kVerifyWindow = 256ull << 10;
+
+// ---- mapped reads: SIGBUS becomes an error, not a crash ------------------------------------------
+//
+// A mapped copy touches the blob through a mapping; if the file shrinks under it (or a page cannot
+// be read) the access raises SIGBUS instead of returning an error. One process-wide handler,
+// installed with the first mapping, turns a SIGBUS inside a guarded copy on this thread, at an
+// address inside the mapping being copied, into a jump back to the copy's start, which then fails
+// the chunk. Every other SIGBUS goes to the handler that was there before (or the default action).
+
+struct MapGuard {
+  sigjmp_buf jb;
+  const uint8_t* lo;
+  const uint8_t* hi;
+};
+
+// initial-exec (ELF): the handler reads it without the lazy TLS allocation a dlopen'ed module's
+// TLS otherwise gets on a thread's first access.
+#if defined(__linux__)
+__attribute__((tls_model("initial-exec")))
+#endif
+thread_local MapGuard* t_map_guard = nullptr;
+struct sigaction g_prev_sigbus {};
+
+void sigbus_handler(int sig, siginfo_t* info, void* ctx) {
+  MapGuard* g = t_map_guard;
+  if (g != nullptr && info != nullptr) {
+    const auto* a = static_cast<const uint8_t*>(info->si_addr);
+    if (a >= g->lo && a < g->hi) {
+      t_map_guard = nullptr;
+      siglongjmp(g->jb, 1);
+    }
+  }
+  // Not ours: what the previous disposition would have done.
+  if (g_prev_sigbus.sa_flags & SA_SIGINFO) {
+    if (g_prev_sigbus.sa_sigaction != nullptr) {
+      g_prev_sigbus.sa_sigaction(sig, info, ctx);
+      return;
+    }
+  } else if (g_prev_sigbus.sa_handler != SIG_DFL && g_prev_sigbus.sa_handler != SIG_IGN &&
+             g_prev_sigbus.sa_handler != nullptr) {
+    g_prev_sigbus.sa_handler(sig);
+    return;
+  }
+  // Default action (a fault cannot be ignored: returning would fault again forever).
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  sigaction(SIGBUS, &dfl, nullptr);
+  raise(SIGBUS);
+}
+
+void install_sigbus_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = sigbus_handler;
+    sigemptyset(&sa.sa_mask);
+    // SA_NODEFER: the jump out of the handler leaves SIGBUS unblocked without sigsetjmp saving
+    // and restoring the signal mask (a system call per guarded copy).
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigaction(SIGBUS, &sa, &g_prev_sigbus);
+  });
+}
+
+#if defined(__linux__) && !defined(__NR_cachestat) && (defined(__x86_64__) || defined(__aarch64__))
+#define __NR_cachestat 451
+#endif
+
+// Whether every page of file bytes [off, off + n) of a mapped blob is in the page cache.
+bool mapped_resident(const Layout& L, uint64_t off, uint64_t n) {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t lo = off - off % page;
+  const uint64_t len = off + n - lo;
+#if defined(__NR_cachestat)
+  // cachestat (Linux 6.5) walks the page cache by folio: ~6 us for 16 MiB here, where mincore of a
+  // range not mapped yet looks up every page (~235 us, 14% of copying it).
+  static std::atomic<bool> no_cachestat{false};
+  if (!no_cachestat.load(std::memory_order_relaxed)) {
+    struct {
+      uint64_t off, len;
+    } range{lo, len};
+    struct {
+      uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+    } st{};
+    if (::syscall(__NR_cachestat, L.fd, &range, &st, 0) == 0) return st.nr_cache >= (len + page - 1) / page;
+    if (errno == ENOSYS || errno == EPERM) no_cachestat.store(true, std::memory_order_relaxed);
+  }
+#endif
+  static thread_local std::vector<unsigned char> vec;
+  vec.resize((len + page - 1) / page);
+#if defined(__APPLE__)
+  auto* out = reinterpret_cast<char*>(vec.data());
+#else
+  auto* out = vec.data();
+#endif
+  if (::mincore(const_cast<uint8_t*>(L.map) + lo, len, out) != 0) {
+    return false;
+  }
+  for (unsigned char v : vec) {
+    if ((v & 1) == 0) return false;
+  }
+  return true;
+}
 
 // Opens a blob for reading without ever blocking on what the path turns out to be: O_NONBLOCK
 // makes open() of a FIFO return at once (a FIFO opened for reading otherwise waits for a writer),
@@ -104,6 +215,9 @@ std::map<std::string, uint64_t> Counters::snapshot() const {
       {"submit_ns_max", submit_ns_max.load()},       {"reap_ns_max", reap_ns_max.load()},
       {"checksums_verified", checksums_verified.load()}, {"checksum_mismatches", checksum_mismatches.load()},
       {"checksum_bytes", checksum_bytes.load()},     {"checksum_ns", checksum_ns.load()},
+      {"maps_created", maps_created.load()},         {"maps_released", maps_released.load()},
+      {"mapped_chunks", mapped_chunks.load()},       {"mapped_bytes", mapped_bytes.load()},
+      {"map_fallbacks", map_fallbacks.load()},       {"map_errors", map_errors.load()},
   };
 }
 
@@ -324,10 +438,29 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
     if (L->fd_direct >= 0) fcntl(L->fd_direct, F_NOCACHE, 1);
 #endif
   }
+  if (!opts_.direct && opts_.mapped_reads) {
+    // The whole blob, read-only and shared with the page cache: a chunk whose pages are resident
+    // is copied from here by a worker (see read_mapped). Address space only; nothing is read or
+    // populated now. Where the mapping fails, every read goes through preadv.
+    struct stat st {};
+    if (::fstat(L->fd, &st) == 0 && st.st_size > 0) {
+      install_sigbus_handler();
+      void* m = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, L->fd, 0);
+      if (m != MAP_FAILED) {
+        L->map = static_cast<const uint8_t*>(m);
+        L->map_len = static_cast<uint64_t>(st.st_size);
+        counters_.maps_created++;
+      }
+    }
+  }
   std::lock_guard<std::mutex> lk(api_mu_);
   if (closed_) {
     ::close(L->fd);
     if (L->fd_direct >= 0) ::close(L->fd_direct);
+    if (L->map != nullptr) {
+      ::munmap(const_cast<uint8_t*>(L->map), L->map_len);
+      counters_.maps_released++;
+    }
     throw std::runtime_error("reader is closed");
   }
   L->id = static_cast<uint32_t>(layouts_.size());
@@ -337,6 +470,10 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
 }
 
 namespace {
+uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+}
 void note_max(std::atomic<uint64_t>& slot, std::chrono::steady_clock::time_point t0) {
   const uint64_t ns = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
@@ -417,8 +554,7 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
         }
         for (Group& g : groups) {
           // Split into chunks of at most `limit` bytes and kMaxIov iovecs.
-          uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
-          if (!direct && verify && verify_chunk_bytes() > 0) limit = std::min(limit, verify_chunk_bytes());
+          const uint64_t limit = direct ? opts_.chunk_bytes : opts_.buffered_chunk_bytes;
           Chunk* c = nullptr;
           uint64_t pos = 0;
           for (const iovec& v : g.iov) {
@@ -508,11 +644,12 @@ void Reader::dispatch(std::vector<Chunk*>& chunks) {
 // ---------------------------------------------------------------------------------------------
 // Reader: per-op logic shared by the backends
 
-uint64_t Reader::build_window(Chunk* c) {
-  // The op asks for the rest of the chunk (op_len). The max_read_bytes hook then trims what is
-  // actually handed to the kernel, so the op returns fewer bytes than it asked for: exactly what
-  // a real short read looks like to after_op().
-  const uint64_t want = c->req - c->done;
+uint64_t Reader::build_window(Chunk* c, uint64_t cap) {
+  // The op asks for the rest of the chunk, or `cap` bytes of it (op_len). The max_read_bytes hook
+  // then trims what is actually handed to the kernel, so the op returns fewer bytes than it asked
+  // for: exactly what a real short read looks like to after_op().
+  uint64_t want = c->req - c->done;
+  if (cap > 0 && want > cap) want = cap;
   uint64_t give = want;
   if (faults_on_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lk(faults_mu_);
@@ -600,11 +737,16 @@ void Reader::chunk_read_finished(Chunk* c, int result) {
 }
 
 void Reader::read_chunk_sync(Chunk* c) {
+  if (read_mapped(c)) return;
   const Layout& L = *c->fill->layout;
   const int fd = c->direct ? L.fd_direct : L.fd;
+  const bool verify = !c->fill->part_crc.empty();
+  // A verified buffered chunk lands in windows, each checksummed right after it landed: one pass
+  // over 16 MiB after the read would find it in DRAM, not in this CPU's cache.
+  const bool windows = verify && !c->direct && !c->staged;
   int final = 0;
   for (;;) {
-    const uint64_t len = build_window(c);
+    const uint64_t len = build_window(c, windows ? kVerifyWindow : 0);
     counters_.ops_submitted++;
     int64_t res;
     if (int e = injected_fault(c, len)) {
@@ -613,14 +755,107 @@ void Reader::read_chunk_sync(Chunk* c) {
       res = ::preadv(fd, c->cur.data(), static_cast<int>(c->cur.size()), static_cast<off_t>(c->file_off + c->done));
       if (res < 0) res = -errno;
     }
-    if (after_op(c, res, &final) == Step::Done) break;
+    const Step step = after_op(c, res, &final);
+    if (windows && res > 0) checksum_landed(c);
+    if (step == Step::Done) break;
   }
   // On a worker already: scatter / checksum right here, while the bytes are in this CPU's cache.
-  if (final == 0 && (c->staged || !c->fill->part_crc.empty())) {
+  if (final == 0 && (c->staged || verify)) {
     finish_chunk(c);
   } else {
     chunk_done(c, final);
   }
+}
+
+namespace {
+// Copies a mapped chunk's row pieces (not the padding) from `src` (the mapping at the chunk's
+// first byte), folding the checksum when `kind` is set. Returns 0, or 1 when the copy hit SIGBUS
+// (nothing after the setjmp may rely on locals changed after it: only the return value is used).
+__attribute__((noinline)) int copy_guarded(const std::vector<iovec>& iov, const uint8_t* src, const uint8_t* map_lo,
+                                           const uint8_t* map_hi, const uint8_t* junk, uint64_t junk_len,
+                                           ChecksumKind kind, uint32_t* crc_out, uint64_t* len_out) {
+  MapGuard g;
+  g.lo = map_lo;
+  g.hi = map_hi;
+  if (sigsetjmp(g.jb, 0) != 0) {
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+    return 1;
+  }
+  t_map_guard = &g;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  uint32_t crc = 0;
+  uint64_t pos = 0, len = 0;
+  for (const iovec& v : iov) {
+    const auto* b = static_cast<const uint8_t*>(v.iov_base);
+    if (!(b >= junk && b < junk + junk_len)) {  // padding between segments: not copied, not checksummed
+      // Streaming stores: a pool row is written once here and read later by the model, and a
+      // record is larger than this CPU's cache.
+      crc = checksum_copy(kind, crc, v.iov_base, src + pos, v.iov_len, true);
+      len += v.iov_len;
+    }
+    pos += v.iov_len;
+  }
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_map_guard = nullptr;
+  *crc_out = crc;
+  *len_out = len;
+  return 0;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx"))) void clear_upper_state() {
+  // A jump out of the vector copy skipped its vzeroupper (see checksum.cpp).
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx")) __asm__ volatile("vzeroupper");
+}
+#else
+void clear_upper_state() {}
+#endif
+}  // namespace
+
+bool Reader::read_mapped(Chunk* c) {
+  const Layout& L = *c->fill->layout;
+  // Test hooks fail or shorten read ops: those chunks keep preadv, where the hooks apply.
+  if (L.map == nullptr || c->direct || c->staged || c->done != 0 || faults_on_.load(std::memory_order_relaxed)) {
+    return false;
+  }
+  if (c->file_off + c->req > L.map_len) return false;  // past the mapped end: preadv reports the EOF
+  if (!map_unchecked_.load(std::memory_order_relaxed) && !mapped_resident(L, c->file_off, c->req)) {
+    // Not all in the page cache: preadv, whose readahead reads the rest in large requests.
+    counters_.map_fallbacks++;
+    return false;
+  }
+  Fill* f = c->fill;
+  const bool verify = !f->part_crc.empty();
+  const auto t0 = std::chrono::steady_clock::now();
+  uint32_t crc = 0;
+  uint64_t len = 0;
+  const int hit = copy_guarded(c->iov, L.map + c->file_off, L.map, L.map + L.map_len, junk_, kJunkBytes,
+                               verify ? L.checksum : ChecksumKind::None, &crc, &len);
+  if (hit != 0) {
+    clear_upper_state();
+    counters_.map_errors++;
+    // SIGBUS: the file no longer reaches the chunk's end (truncated under the mapping), or the
+    // page could not be read.
+    struct stat st {};
+    const bool short_file = ::fstat(L.fd, &st) == 0 && static_cast<uint64_t>(st.st_size) < c->file_off + c->need;
+    chunk_done(c, short_file ? -ENODATA : -EIO);
+    return true;
+  }
+  counters_.mapped_chunks++;
+  counters_.mapped_bytes += c->req;
+  counters_.bytes_read += c->req;
+  c->done = c->req;
+  if (verify) {
+    c->crc = crc;
+    c->crc_len = len;
+    c->crc_pos = c->req;
+    counters_.checksum_bytes += len;
+    counters_.checksum_ns += elapsed_ns(t0);
+    checksum_rows(c);  // stores the part
+  }
+  chunk_done(c, 0);
+  return true;
 }
 
 void Reader::finish_chunk(Chunk* c) {
@@ -633,10 +868,6 @@ void Reader::finish_chunk(Chunk* c) {
 }
 
 namespace {
-uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-}
 // Checksum and copy in blocks this small: the block just checksummed is still in the cache when
 // it is copied.
 constexpr uint64_t kFuseBlock = 64ull << 10;
@@ -671,23 +902,34 @@ void Reader::do_scatter(Chunk* c) {
   }
 }
 
+void Reader::checksum_landed(Chunk* c) {
+  const uint64_t end = std::min(c->done, c->req);
+  if (c->crc_pos >= end) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ChecksumKind kind = c->fill->layout->checksum;
+  uint64_t at = 0, n = 0;  // at: chunk offset of v's first byte
+  for (const iovec& v : c->iov) {
+    const uint64_t lo = std::max(at, c->crc_pos), hi = std::min(at + v.iov_len, end);
+    const auto* b = static_cast<const uint8_t*>(v.iov_base);
+    if (lo < hi && !(b >= junk_ && b < junk_ + kJunkBytes)) {  // padding between segments: not checksummed
+      c->crc = checksum_update(kind, c->crc, b + (lo - at), hi - lo);
+      n += hi - lo;
+    }
+    at += v.iov_len;
+    if (at >= end) break;
+  }
+  c->crc_pos = end;
+  c->crc_len += n;
+  counters_.checksum_bytes += n;
+  counters_.checksum_ns += elapsed_ns(t0);
+}
+
 void Reader::checksum_rows(Chunk* c) {
   Fill* f = c->fill;
   if (f->part_crc.empty()) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  const ChecksumKind kind = f->layout->checksum;
-  uint32_t crc = 0;
-  uint64_t n = 0;
-  for (const iovec& v : c->iov) {
-    const auto* b = static_cast<const uint8_t*>(v.iov_base);
-    if (b >= junk_ && b < junk_ + kJunkBytes) continue;  // padding between segments: not checksummed
-    crc = checksum_update(kind, crc, v.iov_base, v.iov_len);
-    n += v.iov_len;
-  }
-  f->part_crc[c->seq] = crc;
-  f->part_len[c->seq] = n;
-  counters_.checksum_bytes += n;
-  counters_.checksum_ns += elapsed_ns(t0);
+  checksum_landed(c);
+  f->part_crc[c->seq] = c->crc;
+  f->part_len[c->seq] = c->crc_len;
 }
 
 void Reader::chunk_done(Chunk* c, int result) {
@@ -837,6 +1079,11 @@ void Reader::close() {
   }
   shutdown_backend();
   for (auto& L : layouts_) {
+    if (L->map != nullptr) {
+      ::munmap(const_cast<uint8_t*>(L->map), L->map_len);
+      L->map = nullptr;
+      counters_.maps_released++;
+    }
     if (L->fd >= 0) ::close(L->fd);
     if (L->fd_direct >= 0) ::close(L->fd_direct);
     L->fd = L->fd_direct = -1;
@@ -871,6 +1118,7 @@ void Reader::set_faults(const Faults& f) {
   std::lock_guard<std::mutex> lk(faults_mu_);
   faults_ = f;
   faults_on_.store(f.err != 0 || f.max_read_bytes != 0 || f.transient_every != 0);
+  map_unchecked_.store(f.map_unchecked);
 }
 
 std::map<std::string, uint64_t> Reader::counters() const {
@@ -896,8 +1144,6 @@ class ThreadReader final : public Reader {
  protected:
   void start_reads(std::vector<Chunk*>& chunks) override { workers_->push_many(chunks); }
   void scatter_staged(Chunk* c) override { finish_chunk(c); }  // already on a worker
-  // A worker checksums what it just read: keep that in its cache (L2 is 0.5-2 MiB per core).
-  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
   void shutdown_backend() override { workers_->stop(); }
 
  private:

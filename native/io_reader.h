@@ -54,6 +54,7 @@ struct ReaderOptions {
   int worker_nice = 0;
   bool direct_rows = true;
   bool verify = true;
+  bool mapped_reads = true;
 };
 
 // Every ReaderOptions field Python reads and writes, with what it means: X(name, doc).
@@ -81,7 +82,11 @@ struct ReaderOptions {
   X(direct_rows, "O_DIRECT straight into rows whose pieces are all block aligned; false: always "       \
                  "through staging.")                                                                    \
   X(verify, "Check each record's checksum (when the store has them) before its fill completes; a "      \
-            "mismatch fails the fill.")
+            "mismatch fails the fill.")                                                               \
+  X(mapped_reads, "Buffered reads whose bytes are all in the page cache copy them from a read-only "   \
+                  "mapping of the blob on a native worker, in one pass that also folds the checksum, "  \
+                  "instead of preadv's kernel copy plus a checksum pass (the threads backend, and "    \
+                  "io_uring's verified reads). false: always preadv.")
 
 // The options with the machine-dependent defaults filled in: workers 0 and iowq_max_workers -1
 // become numbers for this backend and this machine's CPU count.
@@ -95,6 +100,8 @@ struct Faults {
   uint64_t max_read_bytes = 0;   // cap every read op at this many bytes (forces short reads)
   uint64_t transient_every = 0;  // every Nth read op first returns -transient_err (then retried)
   int transient_err = 0;         // EAGAIN or EINTR
+  bool map_unchecked = false;    // mapped reads skip the page-cache residency check (so a test can
+                                 // make a mapped copy touch pages past a truncated end: SIGBUS)
 };
 
 // Where the segments of a record land. A host-addressable destination gives the address of a
@@ -182,6 +189,11 @@ struct Counters {
   std::atomic<uint64_t> iowq_max_workers{0};  // what the kernel accepted (0: default/unsupported)
   std::atomic<uint64_t> submit_ns_max{0}, reap_ns_max{0};  // longest submit()/reap() call (loop thread time)
   std::atomic<uint64_t> checksums_verified{0}, checksum_mismatches{0}, checksum_bytes{0}, checksum_ns{0};
+  // Mapped reads (mapped_reads): blob mappings made / unmapped (balanced after close), chunks and
+  // bytes copied from a mapping, chunks that were not all resident (read with preadv instead),
+  // and mapped copies that hit SIGBUS (the file shrank under the mapping, or an I/O error).
+  std::atomic<uint64_t> maps_created{0}, maps_released{0};
+  std::atomic<uint64_t> mapped_chunks{0}, mapped_bytes{0}, map_fallbacks{0}, map_errors{0};
   std::map<std::string, uint64_t> snapshot() const;
 };
 
@@ -262,15 +274,17 @@ class Reader {
   // Reads a chunk on the calling (worker) thread with preadv (short reads continue, EINTR/EAGAIN
   // retry), then finishes it right there: a checksum then reads bytes still in this CPU's cache.
   void read_chunk_sync(Chunk* c);
-  // Largest buffered chunk while verifying (0: no cap): small enough that a worker checksums
-  // what it just read while it is still in its cache.
-  virtual uint64_t verify_chunk_bytes() const { return 0; }
+  // A chunk whose bytes are all in the page cache, read from the layout's mapping: copies every
+  // row piece in one pass that folds the checksum on the way (verified layouts), then finishes the
+  // chunk. Returns false (nothing done) when the chunk cannot take this path; then read it with
+  // preadv.
+  bool read_mapped(Chunk* c);
 
   // Shared per-op logic.
   enum class Step { Continue, Done };
-  // Fills c->cur with the next window (the rest of the chunk, trimmed by the max_read_bytes
-  // hook); returns the bytes handed to the kernel.
-  uint64_t build_window(Chunk* c);
+  // Fills c->cur with the next window (the rest of the chunk, at most `cap` bytes when cap > 0,
+  // trimmed by the max_read_bytes hook); returns the bytes handed to the kernel.
+  uint64_t build_window(Chunk* c, uint64_t cap = 0);
   // 0, or the errno an injected fault gives this op (counts the injection).
   int injected_fault(const Chunk* c, uint64_t len);
   // Accounts one op result; Done sets *final to 0 or -errno.
@@ -280,7 +294,10 @@ class Reader {
   // Copies a staged chunk's pieces into rows, checksumming them on the way when the layout is
   // verified (any thread, no locks held).
   void do_scatter(Chunk* c);
-  // Checksums a rows-mode chunk's segment bytes (not the padding sink) into its fill's part.
+  // Checksums the rows-mode chunk's segment bytes (not the padding sink) that landed since the
+  // last call, continuing the chunk's running checksum.
+  void checksum_landed(Chunk* c);
+  // Checksums what is left of a rows-mode chunk and stores the result as its fill's part.
   void checksum_rows(Chunk* c);
   // Returns the staging slot, settles the fill, frees the chunk.
   void chunk_done(Chunk* c, int result);
@@ -318,6 +335,7 @@ class Reader {
 
   // Faults (copied under a mutex; the hot path reads an atomic flag first).
   std::atomic<bool> faults_on_{false};
+  std::atomic<bool> map_unchecked_{false};
   std::mutex faults_mu_;
   Faults faults_;
   std::atomic<uint64_t> op_seq_{0};

@@ -154,9 +154,11 @@ class UringReader final : public Reader {
       for (Chunk* c : chunks) {
         if (!c->direct && !c->fill->part_crc.empty()) {
           // A buffered read of a verified layout: mostly a page-cache copy. Done by a copy worker
-          // (preadv) rather than an io-wq thread, so that the same CPU checksums the bytes while
-          // they are in its cache; after an io-wq copy they are only in L3 or DRAM by the time a
-          // worker can checksum them (BENCHMARKS.md has the cost). O_DIRECT keeps the ring.
+          // rather than an io-wq thread: from the blob's mapping in one pass that copies and
+          // checksums (mapped_reads, pages resident), else with preadv in windows that the same
+          // CPU checksums while they are in its cache; after an io-wq copy they are only in L3
+          // or DRAM by the time a worker can checksum them (BENCHMARKS.md has the cost).
+          // O_DIRECT keeps the ring.
           c->read_by_worker = true;
           to_workers.push_back(c);
           continue;
@@ -261,7 +263,6 @@ class UringReader final : public Reader {
   // Reads complete in reap(), on the event loop thread: scatter and checksum run on the copy
   // workers instead.
   void scatter_staged(Chunk* c) override { copy_->push(c); }
-  uint64_t verify_chunk_bytes() const override { return 256ull << 10; }
 
   void shutdown_backend() override {
     copy_->stop();

@@ -21,7 +21,11 @@ rows kept full), in three cache states:
 Every pass verifies each record's CRC-32C (the readers' default); at the deepest queue of the warm
 and O_DIRECT states each reader also runs with verification off (``<reader> no-verify``),
 interleaved with the others, and ``verify_cost`` reports verified / unverified GB/s
-(``--no-verify`` turns verification off everywhere).
+(``--no-verify`` turns verification off everywhere). Warm passes of the native readers copy
+page-cached records from a mapping of the blob (``ReaderOptions.mapped_reads``); at the deepest warm
+queue the same reads also run with preadv only (``<reader> no-map``: verified, and ``threads
+no-verify no-map``: the kernel's copy alone), and ``preadv_verify_cost`` / ``mapped_vs_preadv``
+compare them.
 
 Beside them, in the same run: for the cold states, fio with io_uring at the same depth and block
 size (= the stride; the disk's limit for this access pattern) when fio is installed; the side-region design's read
@@ -337,6 +341,7 @@ async def _reader_pass(reader: str, options: Any, spec: Any, pools: Any, experts
         "native_submit_ms_max": counters.get("submit_ns_max", 0) / 1e6,
         "native_reap_ms_max": counters.get("reap_ns_max", 0) / 1e6,
         "ops": counters.get("ops_submitted", 0),
+        "mapped_chunks": counters.get("mapped_chunks", 0),
         "fills_direct_rows": counters.get("fills_direct_rows", 0),
         "fills_staged": counters.get("fills_staged", 0),
         "checksums_verified": counters.get("checksums_verified", 0),
@@ -593,30 +598,38 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             pools = pools_for(n_rows)
             # Cells of one (mode, depth) run interleaved, round-robin, so that the noise of a shared
             # machine lands on every method alike.
-            # (label, reader, async_threshold, direct_rows, verify)
+            # (label, reader, async_threshold, direct_rows, verify, mapped_reads)
             verify = s["verify"]
-            methods: list[tuple[str, str, int, bool, bool]] = [(r, r, default_threshold, True, verify) for r in readers]
+            methods: list[tuple[str, str, int, bool, bool, bool]] = [
+                (r, r, default_threshold, True, verify, True) for r in readers]
             if verify and depth == max(depths) and mode != "cold_buffered":
                 # Ablation: the same reads without checksum verification (what it costs).
-                methods += [(f"{r} no-verify", r, default_threshold, True, False) for r in readers]
+                methods += [(f"{r} no-verify", r, default_threshold, True, False, True) for r in readers]
+            if mode == "warm" and depth == max(depths):
+                # Ablation: preadv only (the kernel's copy; verified: in windows checksummed as they
+                # land), no copy from the blob's mapping.
+                native_readers = [r for r in readers if r != "aiofiles"]
+                methods += [(f"{r} no-map", r, default_threshold, True, verify, False) for r in native_readers]
+                if verify and "threads" in readers:
+                    methods.append(("threads no-verify no-map", "threads", default_threshold, True, False, False))
             if "io_uring" in readers and depth == max(depths) and mode != "cold_buffered":
                 # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
                 # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
-                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify))
+                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify, True))
             if mode == "cold_direct" and "io_uring" in readers and depth == max(depths):
                 # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
-                methods.append(("io_uring staged", "io_uring", default_threshold, False, verify))
+                methods.append(("io_uring staged", "io_uring", default_threshold, False, verify, True))
             passes: dict[str, list[dict[str, float]]] = {}
             fio_vals: list[float] = []
             fio_cmd = ""
             for _ in range(s["repeat"]):
-                for label, reader, threshold, direct_rows, verify_on in methods:
+                for label, reader, threshold, direct_rows, verify_on, mapped in methods:
                     ex = cache.prepare(mode, path, spec.stride, sample())
                     options = ReaderOptions(
                         queue_depth=depth, direct=direct, chunk_bytes=s["chunk_bytes"],
                         buffered_chunk_bytes=s["buffered_chunk_bytes"], async_threshold=threshold,
                         iowq_max_workers=s["iowq_max_workers"], worker_nice=s["worker_nice"], direct_rows=direct_rows,
-                        verify=verify_on)
+                        verify=verify_on, mapped_reads=mapped)
                     passes.setdefault(label, []).append(anyio.run(_reader_pass, reader, options, spec, pools, ex))
                 if have_fio and mode != "warm":
                     cache.evict(path)
@@ -648,6 +661,7 @@ def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) ->
         "native_submit_ms_max": round(max(p["native_submit_ms_max"] for p in passes), 3),
         "native_reap_ms_max": round(max(p["native_reap_ms_max"] for p in passes), 3),
         "ops_per_pass": passes[0]["ops"],
+        "mapped_chunks_per_pass": passes[0].get("mapped_chunks", 0),
         "fills_direct_rows": passes[0]["fills_direct_rows"],
         "fills_staged": passes[0]["fills_staged"],
         "checksums_verified": passes[0]["checksums_verified"],
@@ -690,6 +704,21 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
                         if v.get("cpu_s_per_GB") and u.get("cpu_s_per_GB"):
                             c.setdefault("verify_cpu_cost", {})[f"{mode}@{u['depth']}"] = round(
                                 u["cpu_s_per_GB"] / v["cpu_s_per_GB"], 3)
+            no_map = next((r for r in lay["runs"] if r["reader"] == f"{reader} no-map"), None)
+            if no_map:
+                v = next((r for r in runs if r["mode"] == "warm" and r["depth"] == no_map["depth"]), None)
+                if v and no_map["GBps"]:
+                    # Verified reads from the mapping / verified preadv reads.
+                    c["mapped_vs_preadv"] = {f"warm@{no_map['depth']}": round(v["GBps"] / no_map["GBps"], 3)}
+                plain = next((r for r in lay["runs"] if r["reader"] == "threads no-verify no-map"), None)
+                if plain and plain["GBps"]:
+                    # Against the kernel's copy alone (threads, no checksum, no mapping): what a
+                    # verified read costs compared with the plain preadv read, with and without
+                    # the mapped path.
+                    key = f"warm@{no_map['depth']}"
+                    if v:
+                        c["verify_cost_vs_plain_preadv"] = {key: round(v["GBps"] / plain["GBps"], 3)}
+                    c["preadv_verify_cost"] = {key: round(no_map["GBps"] / plain["GBps"], 3)}
             warm = [r for r in runs if r["mode"] == "warm"]
             if warm:
                 best = max(r["GBps"] for r in warm)
@@ -735,7 +764,8 @@ def render_io_table(result: dict[str, Any]) -> None:
         t.add_column("fio io_uring", justify="right")
         short = {"io_uring": "uring", "threads": "thr", "aiofiles": "aio", "io_uring no-ASYNC": "no-async",
                  "io_uring staged": "staged", "io_uring no-verify": "uring-nv", "threads no-verify": "thr-nv",
-                 "aiofiles no-verify": "aio-nv"}
+                 "aiofiles no-verify": "aio-nv", "io_uring no-map": "uring-nm", "threads no-map": "thr-nm",
+                 "threads no-verify no-map": "thr-nv-nm"}
         t.add_column("loop stall ms " + "/".join(short.get(n, n) for n in names), justify="right")
         keys = list(dict.fromkeys((r["mode"], r["depth"]) for r in lay["runs"]))
         for mode, depth in keys:
@@ -804,15 +834,19 @@ def render_io_markdown(result: dict[str, Any]) -> str:
     lines.append("Targets on this run (ratios):")
     lines.append("")
     lines.append("| layout | reader | cold O_DIRECT / fio (per depth) | cold best / side region "
-                 "| warm best / memcpy 1t | warm best / kernel pread limit | verified / unverified |")
-    lines.append("| --- | --- | --- | ---: | ---: | ---: | --- |")
+                 "| warm best / memcpy 1t | warm best / kernel pread limit | verified / unverified "
+                 "| verified mapped / verified preadv | verified / plain preadv (mapped, preadv) |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |")
     for layout, readers in result["targets"].items():
         for reader, c in readers.items():
             per = ", ".join(f"{d}: {x:.2f}" for d, x in c.get("cold_direct_vs_fio", {}).items())
             vc = ", ".join(f"{k}: {x:.3f}" for k, x in c.get("verify_cost", {}).items())
+            mp = ", ".join(f"{k}: {x:.3f}" for k, x in c.get("mapped_vs_preadv", {}).items())
+            plain = ", ".join(f"{k}: {x:.3f}, {c.get('preadv_verify_cost', {}).get(k, float('nan')):.3f}"
+                              for k, x in c.get("verify_cost_vs_plain_preadv", {}).items())
             lines.append(f"| {layout} | {reader} | {per} | {c.get('cold_best_vs_side_region', float('nan')):.2f} | "
                          f"{c.get('warm_best_vs_memcpy_1t', float('nan')):.2f} | "
-                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} | {vc} |")
+                         f"{c.get('warm_best_vs_kernel_pread_limit', float('nan')):.2f} | {vc} | {mp} | {plain} |")
     return "\n".join(lines)
 
 
