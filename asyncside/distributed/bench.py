@@ -101,7 +101,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
     pin = not args.no_pin
     common = ["--requests", str(args.requests), "--tokens", str(args.tokens), "--warmup", str(args.warmup),
               "--resident", str(args.resident), "--reader", args.reader]
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     identical = True
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="asyncside-bench-pipeline-") as out:
@@ -129,7 +129,8 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(store),
         "store": store,
         "config": {"ranks": args.ranks, "split": list(plan.split), "requests": args.requests, "tokens": args.tokens,
-                   "resident": args.resident, "pinned": pin, "cpus": allowed, "backend": "ring", "transport": "loopback"},
+                   "resident": args.resident, "pinned": pin, "cpus": allowed, "backend": "ring",
+                   "transport": "loopback"},
         "rounds": rounds,
         "summary": {
             "aggregate_ratio_median": statistics.median(r["ratio"] for r in rounds),

@@ -3,27 +3,40 @@
 A message is a small fixed header (sequence number, kind, request id, layer, flags, dtype and
 shape) and an optional tensor payload (a hidden state, predicted expert ids, a token). Payloads
 travel with ``mx.distributed.send``/``recv`` on streams of the boundary's own (one for sends,
-one for receives, on the backend's device), each transfer awaited through the completion
-bridge, so the event loop never blocks and the model's stream is never held by a transfer.
+one for receives, on the backend's device), each receive awaited through the completion bridge,
+so the event loop never blocks and the model's stream is never held by a transfer.
 
-The header goes first, on the control link to the next rank (:mod:`.control`); the receiver
-posts its ``recv`` only once the header has told it a payload is coming and of what shape (the
-sender queues the transfer before it sends the header, so the bytes are usually there). Two
-reasons: a pending MLX ``recv`` busy-polls a core for as long as it waits (a rank waiting for
-its next message would burn the core its own compute needs), and two receives scheduled
-together can complete swapped. So per direction exactly one receive is in flight: the receiver
-posts one ``recv`` at a time, in header order, and sequence numbers check the order. Sends need
-no such wait: they are queued on the one send stream, which runs them one after the other, so
-their bytes leave in posting order; the sender awaits their completion (through the bridge) only
-when more than :data:`MAX_QUEUED_SENDS` are queued, and in :meth:`Boundary.flush`.
+The header travels on the control link to the next rank (:mod:`.control`); the receiver posts
+its ``recv`` only once a header has told it a payload is coming and of what shape. Two reasons:
+a pending MLX ``recv`` busy-polls a core for as long as it waits (a rank waiting for its next
+message would burn the core its own compute needs), and two receives scheduled together can
+complete swapped. So per direction exactly one receive is in flight: the receiver posts one
+``recv`` at a time, in header order, and sequence numbers check the order. Sends need no such
+wait: they are queued on the one send stream, which runs them one after the other, so their
+bytes leave in posting order; the sender awaits their completion (through the bridge) only when
+more than :data:`MAX_QUEUED_SENDS` are queued, and in :meth:`Boundary.flush`.
 
-Hidden states always take the transport. The small payloads (a token, a few predicted expert
-ids, an error message: at most :data:`INLINE_BYTES`) ride inside the header's frame instead: an
-MLX transfer of a few bytes costs a round trip through two MLX threads and a completion signal on
-each side, and the frame is going anyway. With NCCL this also keeps the transport one-way
-between two ranks (hidden states forward only): NCCL point-to-point operations in both
-directions at once, from two streams of one communicator, are not something NCCL promises to
-order.
+The path of one decode step is kept short (BENCHMARKS.md, "Pipeline stages over MLX's ring",
+has the breakdown that motivated each point):
+
+- :meth:`Boundary.post` sends a hidden state's header and queues its transfer right away, on the
+  caller's turn, when nothing is queued before it (no hop through the sender task). The header
+  goes first and the transfer right behind it (a few microseconds later, on the send stream), so
+  the receiver wakes while this rank's transport threads write the bytes, instead of after;
+  its ``recv`` then waits for an announced transfer already under way.
+- The receiver takes every frame of one read at once (:meth:`Boundary._on_frames`) and posts the
+  ``recv`` of the first hidden state among them before it routes the small messages in front of
+  it (a prediction arrives just ahead of its hidden state), so the transfer runs while it does.
+- The control link's reader lets the tasks a delivery woke run before it waits for the next
+  read (:mod:`.control`).
+
+The small payloads (a token, a few predicted expert ids, an error message: at most
+:data:`INLINE_BYTES`) ride inside the header's frame: an MLX transfer of a few bytes costs a
+round trip through two MLX threads and a completion signal on each side, and the frame is going
+anyway. With NCCL this also keeps the transport one-way between two ranks (hidden states forward
+only): NCCL point-to-point operations in both directions at once, from two streams of one
+communicator, are not something NCCL promises to order. (Over NCCL a hidden state's transfer is
+still queued by the sender task, before its header: its payload lives on the GPU.)
 """
 
 from __future__ import annotations
@@ -71,6 +84,10 @@ MAX_PAYLOAD_BYTES = 1 << 31
 INLINE_BYTES = 4096
 #: transfers queued on the send stream before the sender waits for the oldest to complete
 MAX_QUEUED_SENDS = 4
+#: MLX's CPU task groups in flight below which a transfer is queued on the caller's turn: MLX's
+#: eval throttle makes ``async_eval`` wait above 10, and a header must not go out before its
+#: transfer can be queued (the receiver would poll for it)
+EVAL_ROOM = 8
 #: kinds whose payload is a hidden state: always over the transport
 HIDDEN_KINDS = frozenset({HIDDEN, PING})
 DTYPES: tuple[mx.Dtype, ...] = (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
@@ -98,12 +115,14 @@ class Message:
 
     def describe(self) -> str:
         shape = None if self.payload is None else tuple(self.payload.shape)
-        return f"{KIND_NAMES.get(self.kind, self.kind)}(req={self.req}, step={self.step}, seq={self.seq}, shape={shape})"
+        name = KIND_NAMES.get(self.kind, self.kind)
+        return f"{name}(req={self.req}, step={self.step}, seq={self.seq}, shape={shape})"
 
 
 def encode_header(msg: Message, where: int | None = None) -> bytes:
     """The header of ``msg`` (its seq already assigned); ``where`` the payload travels (default: the transport)."""
     p = msg.payload
+    shape: tuple[int, ...]
     if p is None:
         code, shape, where = NO_PAYLOAD, (), NONE
     else:
@@ -144,9 +163,15 @@ def decode_header(data: bytes) -> tuple[Message, mx.Dtype | None, tuple[int, ...
     if nbytes > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"a payload of shape {shape} {dtype} exceeds {MAX_PAYLOAD_BYTES} bytes")
     if (where == INLINE and extra != nbytes) or (where == TRANSPORT and extra):
-        raise ProtocolError(f"a frame with {extra} payload bytes for {'an inline' if where == INLINE else 'a transport'} "
+        kind_of = "an inline" if where == INLINE else "a transport"
+        raise ProtocolError(f"a frame with {extra} payload bytes for {kind_of} "
                             f"payload of shape {shape} {dtype} ({nbytes} bytes)")
     return msg, dtype, shape, where
+
+
+def _host_view(x: mx.array) -> memoryview:
+    """The bytes of an array in host memory, as they lie (no copy)."""
+    return memoryview(x)  # type: ignore[arg-type]  # mx.array has the buffer protocol; its stubs lack __buffer__
 
 
 def _inline_array(data: bytes, dtype: mx.Dtype, shape: tuple[int, ...]) -> mx.array:
@@ -165,6 +190,13 @@ class _Drain:
     """Sender marker: a frame sent without waiting left a part behind; send it."""
 
 
+@dataclass(eq=False)
+class _Schedule:
+    """Sender marker: a transfer whose header went out could not be queued at once; queue it."""
+
+    sent: mx.array
+
+
 Deliver = Callable[[Message], Awaitable[None]]
 
 
@@ -179,7 +211,7 @@ class Boundary:
         self.group = group
         self.control = control
         self.deliver = deliver
-        control.on_header = self._on_frame
+        control.on_headers = self._on_frames
         device = group.device
         self._host = device == mx.Device(mx.cpu)  # payloads live in host memory (not NCCL's GPU)
         self.send_stream = mx.new_stream(device)
@@ -207,7 +239,7 @@ class Boundary:
         if p.nbytes > INLINE_BYTES or msg.kind in HIDDEN_KINDS or not _native.is_available(p):
             return None
         if self._host:
-            return memoryview(p).tobytes()  # C order, whatever the strides
+            return _host_view(p).tobytes()  # C order, whatever the strides
         if p.dtype != mx.bfloat16:
             return np.array(p).tobytes()  # a GPU payload: a few bytes copied to the host
         return None
@@ -220,8 +252,9 @@ class Boundary:
     def post(self, msg: Message) -> None:
         """Send ``msg`` to the next rank; never blocks. Messages leave in posting order.
 
-        A message that fits in its frame goes out at once when nothing is queued before it and
-        the link takes it; anything else is queued for the sender task.
+        When nothing is queued before it, a message goes out at once: a small one inside its
+        frame, a hidden state as its header followed by its transfer (:meth:`_post_transfer`).
+        Anything else is queued for the sender task.
         """
         if not self._queued and not self._sending:
             inline = self._inline_bytes(msg)
@@ -232,13 +265,55 @@ class Boundary:
                     self.counters["sent"] += 1
                     self.counters["sent_at_once"] += 1
                     self.counters["inline_sent"] += msg.payload is not None
-                    if self.control.send_pending:
-                        self._queued += 1
-                        self._out.send_nowait(_Drain())
+                    self._drain_later()
                     return
                 self._seq_out = seq  # not sent: the sender numbers it
+            elif self._post_transfer(msg):
+                return
+        self._queue_for_sender(msg)
+
+    def _queue_for_sender(self, item: Any) -> None:
         self._queued += 1
-        self._out.send_nowait(msg)
+        self._out.send_nowait(item)
+
+    def _drain_later(self) -> None:
+        """A frame sent without waiting may have left a part behind: the sender sends it."""
+        if self.control.send_pending:
+            self._queue_for_sender(_Drain())
+
+    def _post_transfer(self, msg: Message) -> bool:
+        """Send ``msg``'s header, then queue its payload's transfer, now; False to leave it to the sender.
+
+        Only for a payload in host memory that is computed and contiguous (what the sender task
+        would otherwise wait for or copy), and while the send stream and MLX's eval throttle have
+        room, so the transfer is queued right behind its header, never left for later.
+        """
+        payload = msg.payload
+        if (payload is None or not self._host or not _native.is_available(payload)
+                or not _host_view(payload).c_contiguous):
+            return False
+        self._forget_sent()
+        if len(self._unsent) >= MAX_QUEUED_SENDS or _native.mlx_active_tasks() >= EVAL_ROOM:
+            return False
+        seq = self._seq_out
+        if not self.control.try_send_header(self._frame(msg, TRANSPORT, b"")):
+            self._seq_out = seq  # not sent: the sender numbers it
+            return False
+        sent = mx.distributed.send(payload, self.group.next, group=self.group.group, stream=self.send_stream)
+        done, _ = _native.schedule_step([sent])
+        if not done:  # the throttle engaged after all: the sender finishes queueing it, before anything else
+            self._queue_for_sender(_Schedule(sent))
+        self._unsent.append(sent)
+        self.counters["sent"] += 1
+        self.counters["sent_at_once"] += 1
+        self.counters["bytes_sent"] += payload.nbytes
+        self._drain_later()
+        return True
+
+    def _forget_sent(self) -> None:
+        """Drop the transfers that have completed from the front of :attr:`_unsent`."""
+        while self._unsent and _native.is_available(self._unsent[0]):
+            self._unsent.pop(0)
 
     async def flush(self) -> None:
         """Return once every message posted so far has been sent (its payload handed to the transport)."""
@@ -261,10 +336,13 @@ class Boundary:
         if isinstance(msg, _Drain):
             await self.control.drain()
             return
+        if isinstance(msg, _Schedule):
+            await schedule(msg.sent)
+            return
         if isinstance(msg, _Flush):
             await self.control.drain()
-            for sent in self._unsent:
-                await completed(sent)
+            for transfer in self._unsent:
+                await completed(transfer)
             self._unsent.clear()
             msg.done.set()
             return
@@ -273,10 +351,10 @@ class Boundary:
         if payload is not None and not _native.is_available(payload):
             await completed(payload)  # the header goes out once the payload exists
         inline = self._inline_bytes(msg)
-        sent = None
+        sent: mx.array | None = None
         if inline is None:
             assert payload is not None
-            if not self._host or not memoryview(payload).c_contiguous:
+            if not self._host or not _host_view(payload).c_contiguous:
                 # The transport sends the bytes as they lie: a strided view (a routed-ids slice)
                 # is copied first, on this stream, so it never queues behind the model.
                 payload = mx.contiguous(payload, stream=self.send_stream)
@@ -297,29 +375,52 @@ class Boundary:
             self.counters["bytes_sent"] += payload.nbytes
             if len(self._unsent) > MAX_QUEUED_SENDS:
                 await completed(self._unsent[0])
-        while self._unsent and _native.is_available(self._unsent[0]):
-            self._unsent.pop(0)
+        self._forget_sent()
         self.counters["send_s"] += time.perf_counter() - t0
         self.counters["sent"] += 1
 
     # -- receiving ----------------------------------------------------------------------------------
 
-    async def _on_frame(self, frame: bytes) -> None:
-        """One message frame from the previous rank (in order): its payload received, then delivered."""
-        msg, dtype, shape, where = decode_header(frame)
-        self._seq_in += 1
-        if msg.seq != self._seq_in:
-            raise ProtocolError(f"{self.group.describe(self.group.rank)}: message {msg.describe()} arrived out of "
-                                f"order (expected sequence number {self._seq_in})")
-        t0 = time.perf_counter()
-        if dtype is not None and where == INLINE:
-            msg.payload = _inline_array(frame[HEADER.size:], dtype, shape)
-            self.counters["inline_received"] += 1
-        elif dtype is not None:
-            x = mx.distributed.recv(shape, dtype, self.group.prev, group=self.group.group, stream=self.recv_stream)
-            await completed(x)
-            msg.payload = x
-            self.counters["bytes_received"] += x.nbytes
-        self.counters["recv_s"] += time.perf_counter() - t0
-        self.counters["received"] += 1
-        await self.deliver(msg)
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        """The message frames of one read from the previous rank, in order: payloads received, then delivered.
+
+        The ``recv`` of the first transported payload among them is posted before anything is
+        delivered (no receive is in flight between two calls: each returns once its last payload
+        is in), so the transfer runs while the messages in front of it are routed.
+        """
+        me = self.group.describe(self.group.rank)
+        decoded = []
+        for frame in frames:
+            msg, dtype, shape, where = decode_header(frame)
+            self._seq_in += 1
+            if msg.seq != self._seq_in:
+                raise ProtocolError(f"{me}: message {msg.describe()} arrived out of order (expected sequence number "
+                                    f"{self._seq_in})")
+            decoded.append((msg, dtype, shape, where))
+        early: mx.array | None = None
+        for _msg, dtype, shape, where in decoded:
+            if dtype is not None and where == TRANSPORT:
+                early = self._post_recv(shape, dtype)
+                break
+        for frame, (msg, dtype, shape, where) in zip(frames, decoded):
+            t0 = time.perf_counter()
+            if dtype is not None and where == INLINE:
+                msg.payload = _inline_array(frame[HEADER.size:], dtype, shape)
+                self.counters["inline_received"] += 1
+            elif dtype is not None:
+                if early is not None:
+                    x, early = early, None
+                else:
+                    x = self._post_recv(shape, dtype)
+                await completed(x)  # (no ticket at all when the bytes were already in)
+                msg.payload = x
+                self.counters["bytes_received"] += x.nbytes
+            self.counters["recv_s"] += time.perf_counter() - t0
+            self.counters["received"] += 1
+            await self.deliver(msg)
+
+    def _post_recv(self, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+        """Post the ``recv`` of an announced payload on the receive stream (queued now if MLX's throttle has room)."""
+        x = mx.distributed.recv(shape, dtype, self.group.prev, group=self.group.group, stream=self.recv_stream)
+        _native.schedule_step([x])  # what does not fit now, completed() schedules
+        return x

@@ -14,7 +14,9 @@ neighbours on the control links it opened when the group formed (:func:`.group.r
 
 Any of these raises :class:`PeerLostError` naming the rank, which cancels the rank's pipeline.
 The links also carry the boundary's message frames (to the next rank only, in order); the reader
-of the link from the previous rank hands each to the boundary (:attr:`ControlPlane.on_header`).
+of the link from the previous rank hands them to the boundary (:attr:`ControlPlane.on_headers`),
+all the frames of one read at once, and then lets the tasks they woke run before it reads again
+(a decode step's next move is theirs; re-arming the read can wait).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from .errors import PeerLostError, PeerTimeoutError, ProtocolError
 from .group import ABORT, BYE, FRAME, HEADER, HEARTBEAT, MAX_FRAME, DistGroup
@@ -112,9 +115,10 @@ class ControlPlane:
         self.peer_timeout_s = peer_timeout_s
         self.start_timeout_s = start_timeout_s
         self.me = group.describe(group.rank)
-        #: called, in order, with every message frame from the previous rank (set by the boundary);
-        #: it runs in the link's reader task, so the next frame is read once it returns
-        self.on_header: Callable[[bytes], Awaitable[None]] | None = None
+        #: called, in order, with the message frames from the previous rank, those of one read
+        #: together (set by the boundary); it runs in the link's reader task, so the next frames
+        #: are read once it returns
+        self.on_headers: Callable[[list[bytes]], Awaitable[None]] | None = None
         self._out: _Link | None = None
         self._in: _Link | None = None
         self._closing = False
@@ -234,27 +238,40 @@ class ControlPlane:
             link.last = anyio.current_time()
             link.heard = True
             buf += chunk
+            headers: list[bytes] = []  # message frames, handed over together (in order with the others)
             while len(buf) >= FRAME.size:
                 length, kind = FRAME.unpack_from(buf)
                 if length > MAX_FRAME:
-                    await self._lost(PeerLostError(f"{self.me}: {self.group.describe(link.peer)} sent a control frame of "
-                                                   f"{length} bytes: the link is corrupt", origin=link.peer))
+                    await self._lost(PeerLostError(f"{self.me}: {self.group.describe(link.peer)} sent a control "
+                                                   f"frame of {length} bytes: the link is corrupt", origin=link.peer))
                 if len(buf) < FRAME.size + length:
                     break
                 body = bytes(buf[FRAME.size:FRAME.size + length])
                 del buf[:FRAME.size + length]
+                if kind == HEADER:
+                    headers.append(body)
+                    continue
+                if headers:
+                    await self._headers(link, headers)
+                    headers = []
                 await self._frame(link, kind, body)
+            if headers:
+                await self._headers(link, headers)
+                # The tasks these messages woke (the stage's work, a request's driver) run first:
+                # re-arming this read is not on a decode step's path.
+                await anyio.lowlevel.checkpoint()
+
+    async def _headers(self, link: _Link, bodies: list[bytes]) -> None:
+        if link is not self._in:
+            raise ProtocolError(f"{self.me}: a message header arrived on the link to the next rank")
+        if self.on_headers is None:
+            raise ProtocolError(f"{self.me}: a message arrived before the boundary was ready")
+        self.counters["headers_received"] += len(bodies)
+        await self.on_headers(bodies)
 
     async def _frame(self, link: _Link, kind: int, body: bytes) -> None:
         if kind == HEARTBEAT:
             self.counters["heartbeats_received"] += 1
-        elif kind == HEADER:
-            if link is not self._in:
-                raise ProtocolError(f"{self.me}: a message header arrived on the link to the next rank")
-            if self.on_header is None:
-                raise ProtocolError(f"{self.me}: a message arrived before the boundary was ready")
-            self.counters["headers_received"] += 1
-            await self.on_header(body)
         elif kind == BYE:
             link.bye = True
             link.said_bye.set()

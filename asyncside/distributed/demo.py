@@ -59,15 +59,17 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokens < 1:
         raise SystemExit(f"asyncside demo: --tokens must be >= 1, got {args.tokens}")
     if args.model is None:
-        _model_dir, store_dir = ensure_embedded_default(args.cache_dir, progress=not args.json)
+        _model_dir, store_path = ensure_embedded_default(args.cache_dir, progress=not args.json)
     else:
-        store_dir = args.model
-    store_dir = str(pathlib.Path(store_dir).absolute())
+        store_path = pathlib.Path(args.model)
+    store_dir = str(store_path.absolute())
     try:
         plan = plan_for_store(store_dir, args.ranks, parse_split(args.split))  # before anything starts
     except PlanError as exc:
         raise SystemExit(f"asyncside demo: {exc}") from None
     tokenizer = load_tokenizer(pathlib.Path(store_dir), load_config(pathlib.Path(store_dir)))
+    if tokenizer is None:
+        raise SystemExit(f"asyncside demo: {store_dir} holds no tokenizer files (the demo encodes a text prompt)")
     prompt_ids = list(tokenizer.encode(args.prompt))
 
     single = anyio.run(_single, store_dir, prompt_ids, args, backend="asyncio",
@@ -89,7 +91,7 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     r0 = reports[0] or {}
     tokens = (r0.get("tokens") or [[]])[0]
-    per_rank = []
+    per_rank: list[dict[str, Any]] = []
     for r, rep in enumerate(reports):
         if rep is None:
             per_rank.append({"rank": r, "status": res.ranks[r].returncode, "stderr": res.ranks[r].stderr[-2000:]})

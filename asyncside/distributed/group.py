@@ -271,6 +271,20 @@ def _accept_until(lst: socket.socket, deadline: float) -> socket.socket | None:
     return conn
 
 
+def _refusal(hello: dict[str, Any], hellos: Mapping[int, Any], size: int, fingerprint: str) -> str | None:
+    """Why rank 0 refuses a rank's ``hello`` (None: the rank joins)."""
+    r = hello.get("rank")
+    if not isinstance(r, int) or not 0 < r < size:
+        return f"a process said it was rank {r!r}; the group has ranks 1..{size - 1}"
+    if r in hellos:
+        return f"two processes say they are rank {r}"
+    if hello.get("size") != size:
+        return f"rank {r} was launched in a group of {hello.get('size')}, rank 0 in one of {size}"
+    if hello.get("fingerprint") != fingerprint:
+        return f"rank {r} runs {hello.get('fingerprint')!r} but rank 0 runs {fingerprint!r}"
+    return None
+
+
 def rendezvous(env: LaunchEnv, fingerprint: str, *, timeout: float = 60.0) -> Links:
     """Meet every rank through rank 0 and connect this rank's two control links.
 
@@ -289,7 +303,8 @@ def rendezvous(env: LaunchEnv, fingerprint: str, *, timeout: float = 60.0) -> Li
             try:
                 coord = _listener(host, port)
             except OSError as exc:
-                raise DistributedError(f"{me}: cannot listen on the coordinator address {host}:{port} ({exc})") from None
+                raise DistributedError(f"{me}: cannot listen on the coordinator address {host}:{port} "
+                                       f"({exc})") from None
             star.append(coord)
             ring_listener = _listener(host, 0)
             hellos: dict[int, dict[str, Any]] = {0: {**hello, "listen": [host, ring_listener.getsockname()[1]]}}
@@ -306,16 +321,7 @@ def rendezvous(env: LaunchEnv, fingerprint: str, *, timeout: float = 60.0) -> Li
                     h = _json_body(*recv_frame(conn, min(deadline, time.monotonic() + 10.0), "hello"), HELLO, "hello")
                 except (TimeoutError, ConnectionError, DistributedError):
                     continue  # not one of ours (or it died mid-hello): keep waiting for the real ranks
-                r = h.get("rank")
-                problem = None
-                if not isinstance(r, int) or not 0 < r < env.size:
-                    problem = f"a process said it was rank {r!r}; the group has ranks 1..{env.size - 1}"
-                elif r in hellos:
-                    problem = f"two processes say they are rank {r}"
-                elif h.get("size") != env.size:
-                    problem = f"rank {r} was launched in a group of {h.get('size')}, rank 0 in one of {env.size}"
-                elif h.get("fingerprint") != fingerprint:
-                    problem = f"rank {r} runs {h.get('fingerprint')!r} but rank 0 runs {fingerprint!r}"
+                problem = _refusal(h, hellos, env.size, fingerprint)
                 if problem is not None:
                     for c in list(conns.values()) + [conn]:
                         try:
@@ -323,11 +329,12 @@ def rendezvous(env: LaunchEnv, fingerprint: str, *, timeout: float = 60.0) -> Li
                         except OSError:
                             pass
                     raise DistributedError(f"{me}: {problem}")
+                r = int(h["rank"])
                 hellos[r] = h
                 conns[r] = conn
-            table = json.dumps({str(r): h for r, h in hellos.items()}).encode()
+            welcome = json.dumps({str(r): h for r, h in hellos.items()}).encode()
             for conn in conns.values():
-                send_frame(conn, WELCOME, table)
+                send_frame(conn, WELCOME, welcome)
             peers = hellos
         else:
             conn = _connect_until(env.coordinator, deadline, "rank 0 (the coordinator)", me)
@@ -353,13 +360,16 @@ def rendezvous(env: LaunchEnv, fingerprint: str, *, timeout: float = 60.0) -> Li
         from_prev = _accept_until(ring_listener, deadline)
         if from_prev is None:
             to_next.close()
-            raise PeerTimeoutError(f"{me}: {env.describe(prev)} did not open its control link within {timeout:g} s", prev)
+            raise PeerTimeoutError(f"{me}: {env.describe(prev)} did not open its control link within "
+                                   f"{timeout:g} s", prev)
         try:
             link = _json_body(*recv_frame(from_prev, deadline, "link"), LINK, "link")
         except (TimeoutError, ConnectionError) as exc:
-            raise PeerTimeoutError(f"{me}: {env.describe(prev)} did not identify its control link ({exc})", prev) from None
+            raise PeerTimeoutError(f"{me}: {env.describe(prev)} did not identify its control link ({exc})",
+                                   prev) from None
         if link.get("rank") != prev:
-            raise DistributedError(f"{me}: expected the control link of rank {prev}, got one from rank {link.get('rank')!r}")
+            raise DistributedError(f"{me}: expected the control link of rank {prev}, got one from rank "
+                                   f"{link.get('rank')!r}")
         return Links(to_next, from_prev, peers)
     finally:
         for s in star:

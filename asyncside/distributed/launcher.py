@@ -100,13 +100,14 @@ class LocalLaunch:
         if self.size < 2:
             raise ValueError(f"a launch needs at least 2 ranks, got {self.size}")
         own = self.workdir is None
-        self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-ranks-")) if own else self.workdir
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-ranks-")) if self.workdir is None else self.workdir
+        self.workdir = workdir
         self._own_workdir = own
         ports = free_ports(self.size + 1, self.host)
         base = {**os.environ, **self.env, COORDINATOR_VAR: f"{self.host}:{ports[-1]}", "PYTHONUNBUFFERED": "1"}
         per_rank: list[dict[str, str]] = [{"MLX_RANK": str(r)} for r in range(self.size)]
         if self.backend == "ring":
-            hostfile = self.workdir / "hostfile.json"
+            hostfile = workdir / "hostfile.json"
             hostfile.write_text(json.dumps([[f"{self.host}:{p}"] for p in ports[:-1]]))
             base["MLX_HOSTFILE"] = str(hostfile)
         elif self.backend == "nccl":
@@ -120,8 +121,8 @@ class LocalLaunch:
                 self.procs.append(None)
                 continue
             cpus = None if self.cpus is None else list(self.cpus[rank])
-            out = open(self.workdir / f"rank{rank}.out", "wb")
-            err = open(self.workdir / f"rank{rank}.err", "wb")
+            out = open(workdir / f"rank{rank}.out", "wb")
+            err = open(workdir / f"rank{rank}.err", "wb")
 
             def pin(cpus: list[int] | None = cpus) -> None:
                 if cpus:

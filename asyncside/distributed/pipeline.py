@@ -57,9 +57,12 @@ class StageSource:
         self.local = frozenset(int(layer) for layer in local)
         self.forward_layer = forward_layer
         self.on_forward = on_forward
-        if inner is None or not (callable(getattr(inner, "snapshot", None)) and callable(getattr(inner, "unchanged", None))):
-            self.snapshot = None  # type: ignore[assignment]
-            self.unchanged = None  # type: ignore[assignment]
+        # Row snapshots (speculative gathers) only when the inner source offers them: the
+        # forward takes a None attribute as "not offered".
+        speculative = inner is not None and callable(getattr(inner, "snapshot", None)) \
+            and callable(getattr(inner, "unchanged", None))
+        self.snapshot: Callable[[int], Any] | None = self._snapshot if speculative else None
+        self.unchanged: Callable[[int, Any, Any], Any] | None = self._unchanged if speculative else None
 
     def _own(self, layer: int) -> Any:
         if layer not in self.local or self.inner is None:
@@ -82,10 +85,10 @@ class StageSource:
         if leases:
             self._own(leases[0][0]).release_after(x, leases)
 
-    def snapshot(self, layer: int) -> Any:  # replaced by None above when the inner source has none
+    def _snapshot(self, layer: int) -> Any:
         return self._own(layer).snapshot(layer)
 
-    def unchanged(self, layer: int, snap: Any, experts: Any) -> Any:
+    def _unchanged(self, layer: int, snap: Any, experts: Any) -> Any:
         return self._own(layer).unchanged(layer, snap, experts)
 
     def prefetch(self, layer: int, ids: Any) -> object:
@@ -135,7 +138,8 @@ class Pipeline:
         self.plan = plan
         self.stage = plan.stage(group.rank)
         if self.stage.moe_layers and source is None:
-            raise DistributedError(f"rank {group.rank} has MoE layers {list(self.stage.moe_layers)} but no expert source")
+            raise DistributedError(f"rank {group.rank} has MoE layers {list(self.stage.moe_layers)} but no "
+                                   "expert source")
         self.sm = sm
         self.source = source
         self.predictor = check_predictor(predictor)
@@ -304,8 +308,10 @@ class Pipeline:
         msg = await req.inbox.receive()
         if msg.kind == ERROR:
             raise StageError(_payload_text(msg.payload))
-        assert msg.payload is not None
-        return int(msg.payload.item())
+        tok = None if msg.payload is None or msg.payload.size != 1 else msg.payload.item()
+        if not isinstance(tok, int):
+            raise ProtocolError(f"{self.me}: a token message without one integer token: {msg.describe()}")
+        return tok
 
     async def ping(self, payload: mx.array, *, predicted: mx.array | None = None) -> float:
         """Boundary benchmark (rank 0): send ``payload`` round the ring and back; returns seconds.

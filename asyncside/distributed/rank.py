@@ -234,8 +234,10 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
             import numpy as np
 
             assert args.out is not None
-            np.savez(pathlib.Path(args.out) / "logits.npz",
-                     **{f"r{rid}_{i}": a for rid, arrs in pipe.kept_logits.items() for i, a in enumerate(arrs)})
+            # (Any values: numpy's stub types savez's **arrays together with its allow_pickle flag)
+            arrays: dict[str, Any] = {f"r{rid}_{i}": a for rid, arrs in pipe.kept_logits.items()
+                                      for i, a in enumerate(arrs)}
+            np.savez(pathlib.Path(args.out) / "logits.npz", **arrays)
     return result
 
 

@@ -71,7 +71,7 @@ def _pipeline_batcher_class(batcher: type) -> type:
     from ..serving import protocol as oai
     from ..serving.engine import TokenEvent
 
-    class _PipelineBatcher(batcher):  # type: ignore[misc, valid-type]
+    class _PipelineBatcher(batcher):
         def __init__(self, pipeline: Any, *, max_batch: int, max_queue: int) -> None:
             super().__init__(PipelineModel(pipeline), None, max_batch=max_batch, max_queue=max_queue,
                              prompt_cache_size=0)
@@ -206,7 +206,7 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
         async with _stage(args, group, plan, sm) as pipe:
             model = PipelineModel(pipe)
             yield Engine(
-                model=model,  # type: ignore[arg-type]
+                model=model,  # type: ignore[arg-type]  # duck-types the StreamingModel the engine takes
                 source=None,
                 stats=pipe.stats,
                 audit=(lambda: _audit(audit_problems(pipe.source))) if pipe.source is not None else None,

@@ -34,15 +34,18 @@ def model_layout(store_dir: str | pathlib.Path) -> tuple[int, list[int]]:
     store = ExpertStore.open(path, layers=())
     meta = store.metadata.get(META_KEY)
     if not isinstance(meta, dict) or not isinstance(meta.get("switch"), dict):
-        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter", f"metadata.{META_KEY}")
+        raise StoreError(path / "manifest.json", "store was not written by the asyncside converter",
+                         f"metadata.{META_KEY}")
     try:
         moe = sorted(int(k) for k in meta["switch"])
     except ValueError:
-        raise StoreError(path / "manifest.json", "switch layer ids must be integers", f"metadata.{META_KEY}.switch") from None
+        raise StoreError(path / "manifest.json", "switch layer ids must be integers",
+                         f"metadata.{META_KEY}.switch") from None
     config = load_config(path)
     n = config.get("num_hidden_layers")
     if not isinstance(n, int) or n < 1:
-        raise StoreError(path / "config.json", f"num_hidden_layers must be a positive integer, got {n!r}", "num_hidden_layers")
+        raise StoreError(path / "config.json", f"num_hidden_layers must be a positive integer, got {n!r}",
+                         "num_hidden_layers")
     return n, moe
 
 

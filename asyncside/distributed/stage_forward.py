@@ -58,8 +58,8 @@ def _stage_forward(sm: StreamingModel, stop: int) -> AsyncForward:
         base = sm.forward
         options = ForwardOptions(mode=StepMode.PER_LAYER, speculate=base.options.speculate,
                                  lookahead_extra=base.options.lookahead_extra)
-        fwd = AsyncForward(_StageView(sm.model, stop), sm.arch, base.walk.moe, base.walk.specs,  # type: ignore[arg-type]
-                           base.completed, options)
+        view: Any = _StageView(sm.model, stop)  # the model's interface, its layers cut at ``stop`` (duck-typed)
+        fwd = AsyncForward(view, sm.arch, base.walk.moe, base.walk.specs, base.completed, options)
         per_model[stop] = fwd
     return fwd
 
@@ -71,7 +71,8 @@ def _mask_cache(cache: list[Any], start: int) -> list[Any]:
     out = list(cache)
     for j in range(start):
         for k in range(start, len(cache)):
-            if type(cache[k]) is type(cache[j]) and getattr(cache[k], "max_size", None) == getattr(cache[j], "max_size", None):
+            same_kind = type(cache[k]) is type(cache[j])
+            if same_kind and getattr(cache[k], "max_size", None) == getattr(cache[j], "max_size", None):
                 out[j] = cache[k]
                 break
     return out
@@ -95,7 +96,8 @@ async def run_layers(sm: StreamingModel, h: mx.array, cache: list[Any], source: 
     """
     n = len(decoder_layers(sm.model))
     if not 0 <= start < stop <= n:
-        raise ValueError(f"run_layers: need 0 <= start < stop <= {n} (the model's decoder layers), got [{start}, {stop})")
+        raise ValueError(f"run_layers: need 0 <= start < stop <= {n} (the model's decoder layers), "
+                         f"got [{start}, {stop})")
     fwd = _stage_forward(sm, stop)
     masks = sm.arch.masks(fwd.walk.model, h, _mask_cache(cache, start))
     first = next((m for m in fwd.walk.moe if start <= m < stop), None)
