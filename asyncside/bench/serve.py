@@ -9,7 +9,9 @@ share the server with a long prefill. The phases of mlx_lm.server run after asyn
 same order (the long-prompt phase last, so no other phase shares a server still busy with it). Every prompt
 starts with the request's own number, so no two requests share a cacheable prefix. At the deadline
 the requests still running are cancelled (the servers see disconnects); tokens received before it
-count.
+count. Each phase follows ``--warmup`` seconds of the same load, not measured, and the next phase
+starts only once the server is idle again (asyncside's engine has no request left;
+mlx_lm.server, which finishes the requests of clients that left, has stopped using the CPU).
 
 Reported per phase: aggregate tokens/s (all tokens / phase time), per-stream tokens/s (median over
 requests of (tokens - 1) / (last - first token time)), time to first token and inter-token latency
@@ -194,6 +196,31 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
     return result
 
 
+def wait_quiet(pid: int, *, busy: float = 0.2, interval: float = 0.5, timeout: float = 120.0) -> float:
+    """Wait until process ``pid`` uses less than ``busy`` of one core over ``interval`` (at most
+    ``timeout`` seconds); returns the wait.
+
+    mlx_lm.server finishes the requests whose clients left: at the end of a phase (or of its
+    warm-up) it still owes their tokens, and the next phase would be measured against that
+    backlog. Its CPU time says when it is done (it idles at ~0% between requests).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    start = time.perf_counter()
+    last = cpu()
+    while time.perf_counter() - start < timeout:
+        time.sleep(interval)
+        now = cpu()
+        if now - last < busy * interval:
+            break
+        last = now
+    return time.perf_counter() - start
+
+
 def _parse_counts(text: str) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
@@ -274,6 +301,11 @@ class MlxLmServer:
                 self.__exit__()
                 raise TimeoutError(f"mlx_lm.server did not answer within {self.startup_timeout}s; see {self.log}")
             time.sleep(0.5)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server is started by entering the context"
+        return self.proc.pid
 
     def rss(self) -> dict[str, int]:
         return read_rss_bytes(self.proc.pid) if self.proc is not None else {}
@@ -372,12 +404,13 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
                         uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
                                              args.max_tokens,
                                              _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)))
-                        time.sleep(2.0)  # let it notice the cancelled requests
+                        wait_quiet(ml.pid)  # the warm-up's cut requests finish first
                     prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
                     res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
                                                args.max_tokens, prompts))
-                    phases.append(res.summary())
-                    time.sleep(2.0)  # let it notice the cancelled requests
+                    summary = res.summary()
+                    phases.append(summary)
+                    summary["settled_s"] = wait_quiet(ml.pid)
                 mlx_lm = {"ran": True, "model_dir": model_dir, "rss_idle": rss_ml_idle.get("VmRSS"),
                           "rss_peak": ml.rss().get("VmHWM")}
 
