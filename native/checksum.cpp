@@ -248,6 +248,32 @@ ASYNCSIDE_VPCLMUL_TARGET inline __m512i broadcast_pair(const uint64_t pair[2]) {
   return _mm512_broadcast_i32x4(_mm_set_epi64x(static_cast<int64_t>(pair[1]), static_cast<int64_t>(pair[0])));
 }
 
+// The four 512-bit accumulators folded into one 128-bit value, after the 64-byte blocks left in
+// [p, p + n) (n < 256 on entry; p and n advance past them): what both folds below end with.
+ASYNCSIDE_VPCLMUL_TARGET inline __m128i fold_down(__m512i x0, __m512i x1, __m512i x2, __m512i x3, const uint8_t*& p,
+                                                  size_t& n, const FoldConstants& k) {
+  const __m512i k512 = broadcast_pair(k.k512);
+  x1 = fold512(x0, k512, x1);
+  x2 = fold512(x1, k512, x2);
+  x3 = fold512(x2, k512, x3);
+  while (n >= 64) {
+    x3 = fold512(x3, k512, _mm512_loadu_si512(p));
+    p += 64;
+    n -= 64;
+  }
+  // Four 128-bit lanes -> one: lane j is folded forward by (3 - j) x 128 bits onto lane 3.
+  const __m512i lanes = _mm512_set_epi64(0, 0,  // lane 3: itself
+                                         static_cast<int64_t>(k.k128[1]), static_cast<int64_t>(k.k128[0]),
+                                         static_cast<int64_t>(k.k256[1]), static_cast<int64_t>(k.k256[0]),
+                                         static_cast<int64_t>(k.k384[1]), static_cast<int64_t>(k.k384[0]));
+  const __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(x3, lanes, 0x00), _mm512_clmulepi64_epi128(x3, lanes, 0x11));
+  __m128i x = _mm512_extracti32x4_epi32(x3, 3);
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 0));
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 1));
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 2));
+  return x;
+}
+
 // n >= 256. Not inlined, and ends with vzeroupper: this runs on whatever thread verifies (MLX's
 // stream thread for a fault in a queued step), and leaving the upper halves of the vector
 // registers dirty makes the legacy-SSE code that thread runs next (MLX's CPU kernels) pay a
@@ -272,25 +298,7 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold(uint32_
     p += 256;
     n -= 256;
   }
-  const __m512i k512 = broadcast_pair(k.k512);
-  x1 = fold512(x0, k512, x1);
-  x2 = fold512(x1, k512, x2);
-  x3 = fold512(x2, k512, x3);
-  while (n >= 64) {
-    x3 = fold512(x3, k512, _mm512_loadu_si512(p));
-    p += 64;
-    n -= 64;
-  }
-  // Four 128-bit lanes -> one: lane j is folded forward by (3 - j) x 128 bits onto lane 3.
-  const __m512i lanes = _mm512_set_epi64(0, 0,  // lane 3: itself
-                                         static_cast<int64_t>(k.k128[1]), static_cast<int64_t>(k.k128[0]),
-                                         static_cast<int64_t>(k.k256[1]), static_cast<int64_t>(k.k256[0]),
-                                         static_cast<int64_t>(k.k384[1]), static_cast<int64_t>(k.k384[0]));
-  const __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(x3, lanes, 0x00), _mm512_clmulepi64_epi128(x3, lanes, 0x11));
-  __m128i x = _mm512_extracti32x4_epi32(x3, 3);
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 0));
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 1));
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 2));
+  __m128i x = fold_down(x0, x1, x2, x3, p, n, k);
   *pp = p;
   *pn = n;
   const uint32_t crc = finish128(x, pp, pn, k);
@@ -368,23 +376,7 @@ __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold_copy(ui
   // the checksum covers exactly the bytes stored even if the source changes meanwhile.
   std::memcpy(d, p, n);
   p = d;
-  const __m512i k512 = broadcast_pair(k.k512);
-  x1 = fold512(x0, k512, x1);
-  x2 = fold512(x1, k512, x2);
-  x3 = fold512(x2, k512, x3);
-  while (n >= 64) {
-    x3 = fold512(x3, k512, _mm512_loadu_si512(p));
-    p += 64;
-    n -= 64;
-  }
-  const __m512i lanes = _mm512_set_epi64(0, 0, static_cast<int64_t>(k.k128[1]), static_cast<int64_t>(k.k128[0]),
-                                         static_cast<int64_t>(k.k256[1]), static_cast<int64_t>(k.k256[0]),
-                                         static_cast<int64_t>(k.k384[1]), static_cast<int64_t>(k.k384[0]));
-  const __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(x3, lanes, 0x00), _mm512_clmulepi64_epi128(x3, lanes, 0x11));
-  __m128i x = _mm512_extracti32x4_epi32(x3, 3);
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 0));
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 1));
-  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(t, 2));
+  __m128i x = fold_down(x0, x1, x2, x3, p, n, k);
   const uint32_t crc = finish128(x, &p, &n, k);
   *pp = p;  // inside dst: the last < 16 bytes, already copied
   *dp = d;

@@ -2,13 +2,8 @@
 # `asyncside bench generate` on the GPU machine, after tools/device/cuda-run.sh built the extension
 # in the same (still warm) session. Usage: tools/device/gen-run.sh NAME [bench generate args...]
 # Writes $OUT/gen-NAME.json (and the log beside it) and prints the rows.
-set -uo pipefail
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
+. "$(dirname "$0")/bench-env.sh"
 name=$1; shift
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-[ -e asyncside/_native*.so ] || cp /tmp/asyncside/asyncside/_native*.so asyncside/ || { echo "build first (cuda-run.sh)"; exit 1; }
 echo "== $(date +%T) bench generate $name: $*"
 python3 -m asyncside.cli bench generate "$@" --plot none --json > "$OUT/gen-$name.json" 2> "$OUT/gen-$name.log"
 rc=$?

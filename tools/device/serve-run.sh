@@ -3,13 +3,8 @@
 # in the same (still warm) session: asyncside's server and mlx_lm.server (all-resident, batching
 # on) on the same model, phase by phase. Usage: tools/device/serve-run.sh NAME [bench serve args...]
 # Writes $OUT/serve-NAME.json (and the log beside it) and prints the phases.
-set -uo pipefail
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
+. "$(dirname "$0")/bench-env.sh"
 name=$1; shift
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-[ -e asyncside/_native*.so ] || cp /tmp/asyncside/asyncside/_native*.so asyncside/ || { echo "build first (cuda-run.sh)"; exit 1; }
 echo "== $(date +%T) bench serve $name: $*"
 python3 -m asyncside.cli bench serve "$@" --json > "$OUT/serve-$name.json" 2> "$OUT/serve-$name.log"
 rc=$?

@@ -1,0 +1,8 @@
+# Sourced by the bench scripts here (gen-run.sh, serve-run.sh): the environment of a bench run on
+# the GPU machine after tools/device/cuda-run.sh built the extension in the same session.
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ -e asyncside/_native*.so ] || cp /tmp/asyncside/asyncside/_native*.so asyncside/ || { echo "build first (cuda-run.sh)"; exit 1; }
