@@ -9,7 +9,7 @@ serializes steps (no lock on the model is needed beside it). Each engine step
    prefilling take their next chunk, the least remaining first (every other step the oldest
    first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
    delays the other streams by at most one chunk per step;
-3. runs one decode step over every request that is decoding (:func:`batch_step`), samples each
+3. runs one decode step over every request that is decoding (:meth:`BatchCaches.step`), samples each
    request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
    consumer;
 4. lets requests leave: finished (EOS or ``max_tokens``), cancelled by their consumer (a client
@@ -19,7 +19,8 @@ Requests join and leave only between steps. A request's prefill chunks have fixe
 (multiples of ``prefill_chunk`` from where its prefill starts) whatever else is running, so what
 it computes never depends on its neighbours.
 
-:func:`batch_step` and :func:`prefill_step` are the only places the model is called.
+:meth:`BatchCaches.step`, :func:`rows_step` (a batch of one, or caches without a batched form)
+and :func:`prefill_step` are the only places the model is called.
 """
 
 from __future__ import annotations
@@ -142,33 +143,16 @@ def default_prefill_chunk() -> int:
     return 512 if mx.default_device() == mx.gpu else 16
 
 
-async def batch_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
-                     predictors: Sequence[Any]) -> Any:
-    """One decode step of ``B`` requests: ``tokens`` (B, 1) -> the last position's logits (B, vocab), computed.
-
-    Request ``i`` feeds ``tokens[i]`` through its own KV cache ``caches[i]``: the caches are merged
-    into mlx-lm's batch caches for the step and extracted back after it (see :class:`BatchCaches`,
-    which keeps them merged across steps instead, as the engine does). A batch of one is the
-    single-stream step itself.
-    """
-    if tokens.shape[0] == 1 or not mergeable(caches[0]):
-        return await _rows_step(sm, tokens, caches, source, predictors)
-    merged = BatchCaches()
-    merged.join(caches)
-    logits = await merged.step(sm, tokens, source)
-    for i, cache in enumerate(caches):
-        cache[:] = merged.extract(i)
-    return logits
-
-
 def mergeable(cache: list[Any]) -> bool:
     """Whether a request's KV cache has mlx-lm's batched form (every layer's cache can ``merge``)."""
     return all(hasattr(c, "merge") for c in cache)
 
 
-async def _rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
+async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
                      predictors: Sequence[Any]) -> Any:
-    """One request, or caches without a batched form: the rows one after the other."""
+    """One decode step of ``B`` requests, each through its own KV cache ``caches[i]``, one after the
+    other: ``tokens`` (B, 1) -> the last position's logits (B, vocab), computed. For a batch of one
+    (the single-stream step itself) and for caches without a batched form."""
     import mlx.core as mx
 
     fwd = sm.forward
@@ -478,7 +462,7 @@ class Batcher:
             self._fail(slot, exc)
         self._active.clear()
         self._waiting.clear()
-        self._merged, self._in_merged = BatchCaches(), []
+        self._forget_merged()
 
     async def step(self) -> None:
         """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave."""
@@ -554,7 +538,7 @@ class Batcher:
                 caches = [s.cache for s in batch]
                 assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
                 tokens = mx.array([[s.todo[0]] for s in batch])
-                logits = await _rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
+                logits = await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
                                           [s.predictor for s in batch])
             draws = [s.sampler.draw(logits[i:i + 1]) for i, s in enumerate(batch)]
             values, layout = pack(draws)
@@ -562,7 +546,7 @@ class Batcher:
             results = unpack(values.tolist(), layout)  # type: ignore[arg-type]  # a 1-D float array
         except Exception as exc:
             log.exception("decode step failed")
-            self._merged, self._in_merged = BatchCaches(), []  # its rows may be half-updated
+            self._forget_merged()  # its rows may be half-updated
             for s in batch:
                 self._fail(s, exc)
             return
@@ -610,6 +594,9 @@ class Batcher:
         for i, s in enumerate(self._in_merged):
             if not s.done:
                 s.cache = self._merged.extract(i)
+        self._forget_merged()
+
+    def _forget_merged(self) -> None:
         self._merged, self._in_merged = BatchCaches(), []
 
     def _leave(self) -> None:
