@@ -695,6 +695,11 @@ class Runtime:
         every layer has a fault table and enough rows to lend for that many distinct experts."""
         if self._lent_all and pairs <= self._ready_pairs:
             return True  # every dynamic row is lent already: nothing can have pinned one since
+        if any(st.inflight for st in self._layers.values()):
+            # A host fill (an ensure's, a prefetch's) still to settle changes its layer's ledger
+            # when it does, which must not happen while rows are lent to the stream: this step
+            # goes per layer (whose ensure waits for the fill) instead.
+            return False
         self.release_computed()
         # A row being filled (a prefetch in flight) or pinned by a lease cannot be lent: the
         # stream would run out of rows for the step's misses.
@@ -967,13 +972,15 @@ class Runtime:
         """
         st = self._layer(layer)
         self._check_running()
-        if self.queued_active:
-            # Reads outside the stream must not race queued steps that read rows in it.
-            await self.quiesce()
         if isinstance(ids, mx.array):
             assert self._completed is not None
             await self._completed(ids)
             self._check_running()
+        if self.queued_active:
+            # Reads outside the stream must not race queued steps that read rows in it. After
+            # the last await before the ledger is read: a queued step begun meanwhile would hold
+            # the rows again.
+            await self.quiesce()
         wanted = _checked_ids(layer, st.spec.n_experts, self._host_ids(ids))
         if wanted.size == 0:  # nothing wanted: nothing to wait for
             return
@@ -993,6 +1000,11 @@ class Runtime:
         try:
             while True:
                 self._check_running()
+                if self.queued_active:
+                    # A queued step began while this task awaited (between two of its fills):
+                    # take the rows back first; the ledger is only changed with none lent.
+                    await self.quiesce()
+                    continue
                 # Re-check every wanted expert, not only the ones missing before: while this
                 # task awaited, a prefetch may have evicted one that was present.
                 missing = wanted[st.ledger.lookup()[wanted] < 0]
