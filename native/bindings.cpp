@@ -614,6 +614,7 @@ void bind_device_pools_bench(nb::module_& b) {
 #include <unistd.h>
 
 #include "expert_faults.h"
+#include "read_pool.h"
 #include "step_plan.h"
 
 namespace {
@@ -742,6 +743,10 @@ void bind_faults(nb::module_& m) {
       .def_prop_ro("chunks", &asyncside::plan::StepPlan::chunks);
   m.def("fault_errors_total", &fa::fault_errors_total,
         "Failed faults in every fault table of the process so far (a step checks it, not the logs).");
+  m.def("fault_read_threads", &fa::read_threads,
+        "Worker threads a fault resolve reads its absent records with, beside the stream's own thread.");
+  m.def("set_fault_read_threads", &fa::set_read_threads, nb::arg("n"),
+        "Set how many worker threads fault resolves read with (0: the stream's thread alone; tests).");
   m.def("device_faults_available", &fa::device_faults_available,
         "True when fault tables for device pools (the CUDA fault path) are compiled in.");
   m.def("fault_counters", [] {
@@ -750,7 +755,8 @@ void bind_faults(nb::module_& m) {
                                            {"tables_destroyed", c.tables_destroyed.load()},
                                            {"nodes_created", c.nodes_created.load()},
                                            {"nodes_destroyed", c.nodes_destroyed.load()},
-                                           {"fault_errors", c.fault_errors.load()}};
+                                           {"fault_errors", c.fault_errors.load()},
+                                           {"shared_reads", c.shared_reads.load()}};
   });
 }
 

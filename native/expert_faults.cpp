@@ -17,6 +17,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "read_pool.h"
 
 namespace mx = mlx::core;
 
@@ -326,6 +327,17 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     }
   }
   std::string error;
+  // Rows for every miss first (each leaves the lent list until its fault is logged, so no two
+  // misses get one row, and no row of an expert this resolve routes is taken), then the reads,
+  // unlocked and side by side, then the results, in miss order.
+  struct Read {
+    int64_t expert, row, victim;
+    int err = 0;
+    uint32_t got = 0;
+    int64_t ns = 0;
+  };
+  std::vector<Read> reads;
+  reads.reserve(missing.size());
   for (int64_t e : missing) {
     const int64_t row = pick_row_locked(stamp);
     if (row < 0) {
@@ -341,40 +353,50 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     const int64_t victim = owner_[static_cast<size_t>(row)];
     if (victim >= 0) table_[static_cast<size_t>(victim)] = -1;
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
+    reads.push_back({e, row, victim});
+  }
+  if (!reads.empty()) {
+    if (reads.size() > 1 && read_threads() > 0) global_counters().shared_reads.fetch_add(1, std::memory_order_relaxed);
     lk.unlock();
-    const auto t0 = std::chrono::steady_clock::now();
-    int err = sink_->read(fd_, static_cast<uint64_t>(e) * stride_, row);
-    uint32_t got = 0;
-    if (err == 0 && checksum_kind_ != io::ChecksumKind::None) {
-      // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
-      // while nothing is queued, so reading them unlocked is safe).
-      got = sink_->checksum(checksum_kind_, row);
-      if (got != checksums_[static_cast<size_t>(e)]) err = -1;
-    }
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    parallel_reads(reads.size(), [&](size_t i) {
+      Read& r = reads[i];
+      const auto t0 = std::chrono::steady_clock::now();
+      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, r.row);
+      if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
+        // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
+        // while nothing is queued, so reading them unlocked is safe).
+        r.got = sink_->checksum(checksum_kind_, r.row);
+        if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;
+      }
+      r.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    });
     lk.lock();
-    fault_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
-    log_.events.push_back({row, victim, e, ns, err});
+  }
+  for (Read& r : reads) {
+    fault_ns_.fetch_add(static_cast<uint64_t>(r.ns), std::memory_order_relaxed);
+    if (r.err == 0) r.err = sink_->publish(r.row);
+    log_.events.push_back({r.row, r.victim, r.expert, r.ns, r.err});
     // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
     // run), at the back of the lend order: it was just filled.
-    lent_flag_[static_cast<size_t>(row)] = 1;
-    lent_.push_back(row);
-    if (err == 0) {
-      owner_[static_cast<size_t>(row)] = e;
-      table_[static_cast<size_t>(e)] = static_cast<int32_t>(row);
-      touch_locked(e, stamp);
+    lent_flag_[static_cast<size_t>(r.row)] = 1;
+    lent_.push_back(r.row);
+    if (r.err == 0) {
+      owner_[static_cast<size_t>(r.row)] = r.expert;
+      table_[static_cast<size_t>(r.expert)] = static_cast<int32_t>(r.row);
+      touch_locked(r.expert, stamp);
       faults_.fetch_add(1, std::memory_order_relaxed);
       bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
     } else {
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
-        error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(e) +
-                " into row " + std::to_string(row) + " from " + path_ + " failed: " +
-                (err == ENODATA ? std::string("the file ended before the record did")
-                 : err == -1    ? "checksum mismatch (expected " + std::to_string(checksums_[static_cast<size_t>(e)]) +
-                                   ", got " + std::to_string(got) + ")"
-                                : errno_text(err));
+        error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(r.expert) +
+                " into row " + std::to_string(r.row) + " from " + path_ + " failed: " +
+                (r.err == ENODATA ? std::string("the file ended before the record did")
+                 : r.err == -1    ? "checksum mismatch (expected " +
+                                     std::to_string(checksums_[static_cast<size_t>(r.expert)]) + ", got " +
+                                     std::to_string(r.got) + ")"
+                                  : errno_text(r.err));
       }
     }
   }

@@ -14,7 +14,8 @@
 // row it was not lent.
 //
 // Threads: the stream thread runs resolve(); the loop thread runs everything else. A mutex guards
-// the state; resolve() drops it while it reads a record, so the loop thread never waits for I/O.
+// the state; resolve() drops it while it reads its records (side by side on the read pool when
+// there are several, read_pool.h), so the loop thread never waits for I/O.
 // Plain C++: nothing here knows Python.
 #pragma once
 
@@ -57,7 +58,11 @@ class RecordSink {
   virtual ~RecordSink() = default;
   virtual int64_t rows() const = 0;
   // Read `expert`'s record into `row`; returns 0 or an errno (ENODATA: the blob ended early).
+  // Called for several rows at once from different threads (never twice for one row at once).
   virtual int read(int fd, uint64_t offset, int64_t row) = 0;
+  // `row`'s bytes were read and verified: make them the row's (a device sink plans the copy to
+  // the device). Called one row at a time, under the table's lock; 0 or an errno.
+  virtual int publish(int64_t row) { return 0; }
   // The checksum of `row`'s segments, in segment order (the store's definition), from the host
   // copy of its bytes.
   virtual uint32_t checksum(io::ChecksumKind kind, int64_t row) = 0;
@@ -164,6 +169,7 @@ class FaultTable {
 struct GlobalCounters {
   std::atomic<uint64_t> tables_created{0}, tables_destroyed{0}, nodes_created{0}, nodes_destroyed{0};
   std::atomic<uint64_t> fault_errors{0};  // failed faults in every table: a cheap "did any fail?"
+  std::atomic<uint64_t> shared_reads{0};  // resolves whose reads went to the read pool's workers too
 };
 GlobalCounters& global_counters();
 uint64_t fault_errors_total();

@@ -102,8 +102,9 @@ class DeviceRecordSink final : public RecordSink {
   int64_t rows() const override { return mirror_->rows(); }
   uint32_t checksum(io::ChecksumKind kind, int64_t row) override { return host_.checksum(kind, row); }
 
-  int read(int fd, uint64_t offset, int64_t row) override {
-    if (int err = host_.read(fd, offset, row)) return err;
+  int read(int fd, uint64_t offset, int64_t row) override { return host_.read(fd, offset, row); }
+
+  int publish(int64_t row) override {
     for (size_t i = 0; i < pools_.size(); ++i) {
       if (plan_->count >= plan_->capacity) return ENOBUFS;  // cannot happen: one fault per lent row
       const uint64_t nb = mirror_->row_nbytes(i);

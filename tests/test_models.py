@@ -383,8 +383,8 @@ def test_source_errors() -> None:
 
     async def main() -> None:
         broken = _BrokenSource(pools)
-        with pytest.raises(RowLookupError, match="map to rows"):
-            await collect(sm, prompt, broken)
+        with pytest.raises(RowLookupError, match="map to rows"):  # the host's lookup: per-layer steps
+            await collect(sm, prompt, broken, options=PER_LAYER)
         assert not broken.open_leases  # the lease taken before the check was released
         tiny = _TinySource(pools)
         host_lookup = ForwardOptions(mode="per-layer", speculate=False)  # the grouped path

@@ -34,6 +34,20 @@ CPU = mx.default_stream(mx.cpu)  # the native table tests run on host pools, on 
 NEW_TOKENS = 8
 
 
+@pytest.fixture(params=[0, 3], ids=["reads-on-the-stream", "reads-on-3-workers"])
+def read_threads(request: pytest.FixtureRequest) -> object:
+    """Fault resolves read their absent records on the stream's thread alone, or side by side on
+    worker threads (the default on a machine of 4 cores or more; none on this 2-core VM)."""
+    before = _native.fault_read_threads()
+    counters = _native.fault_counters()
+    _native.set_fault_read_threads(request.param)
+    yield request.param
+    _native.set_fault_read_threads(before)
+    now = _native.fault_counters()
+    if request.param and now["nodes_created"] > counters["nodes_created"]:  # the test ran steps (no skip)
+        assert now["shared_reads"] > counters["shared_reads"]  # some resolve had several records to read
+
+
 def _store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tuple[pathlib.Path, object, list[int]]:
     model, config = tiny_model(model_type, quantize=quantize)
     model_dir = tmp / "model"
@@ -50,7 +64,8 @@ def _top_k(config: dict) -> int:
 
 @pytest.mark.parametrize("quant", ["float", "q4"])
 @pytest.mark.parametrize("model_type", sorted(BASE))
-def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str) -> None:
+def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str,
+                                                    read_threads: int) -> None:
     if quant == "q4" and model_type == "gpt_oss":
         pytest.skip("tiny gpt_oss shapes do not quantize with group size 64")
     if quant == "q4" and mx.default_device() == mx.gpu:
@@ -58,7 +73,11 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         pytest.skip("MLX CUDA: quantized prefill is not reproducible across evaluation boundaries")
     store_dir, model, prompt = _store(tmp_path, model_type, {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    steps = [prompt, [5], [17], [99], [3]]
+    # A prompt long enough for mlx-lm's sorted switch (>= 64 pairs): its prefill and its step
+    # resolve their experts in parts of pairs sorted by expert.
+    long_prompt = [int(t) for t in np.random.default_rng(6).integers(0, model.model.embed_tokens.weight.shape[0], 40)]
+    ref_long = reference_generate(model, long_prompt, max_tokens=NEW_TOKENS)
+    steps = [prompt, [5], [17], [99], [3], long_prompt, [7]]
     ref_cache = make_prompt_cache(model)
     ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
     mx.eval(ref_logits)
@@ -69,29 +88,33 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         # Rows for k experts per layer only: every step that routes elsewhere faults.
         async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
             tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
+            tokens_long = [t async for t in sm.generate(long_prompt, max_tokens=NEW_TOKENS, source=rt)]
             cache = sm.make_cache()
             logits = [await sm(mx.array(s)[None], cache, source=rt) for s in steps]
             await rt.quiesce()
             reports = rt.audit()
             assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
             faulted = {layer: rt.ledger(layer).stats["faulted"] for layer in sm.moe_layers}
-            return tokens, logits, faulted, rt.stats()
+            return tokens, tokens_long, logits, faulted, rt.stats()
 
-    tokens, logits, faulted, stats = anyio.run(main)
-    assert tokens == ref
+    tokens, tokens_long, logits, faulted, stats = anyio.run(main)
+    assert tokens == ref and tokens_long == ref_long
     for i, (a, b) in enumerate(zip(ref_logits, logits)):
         assert a.shape == b.shape
         assert mx.array_equal(a, b).item(), f"step {i}: logits differ (max {mx.abs(a - b).max().item()})"
     counters = sm.forward_with(QUEUED).counters
     # The 12-token prompt step routes more experts than a layer has rows: it ran queued too, its
-    # switches resolving one token's experts at a time (and its logits are still exact).
-    assert counters["queued"] == NEW_TOKENS + len(steps) and counters["fallbacks"] == 0
+    # switches resolving one token's experts at a time (and its logits are still exact); the
+    # 40-token step and the prefills of both generations too, the long ones in sorted parts.
+    assert counters["queued"] == 2 * NEW_TOKENS + len(steps) and counters["fallbacks"] == 0
+    assert counters["queued_prefill"] == 2 and counters["per_layer"] == 0
+    assert counters["token_parts"] > 0 and counters["sorted_parts"] > 0
     assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
     assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
     assert stats["bytes_read"] >= stats["faults"] * ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
 
 
-def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path) -> None:
+def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
@@ -327,7 +350,7 @@ def test_device_fault_table_copies_records_to_device_rows(tmp_path: pathlib.Path
     assert table.counters()["faults"] == 3
 
 
-def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Path) -> None:
+def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Path, read_threads: int) -> None:
     """Faults verify the record's checksum before the step reads the row: a flipped byte fails the
     step with FillError (never a wrong token), and with verify=False the damage is served."""
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)

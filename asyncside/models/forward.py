@@ -8,7 +8,8 @@ with:
   with host pools, ``ResidentSource``).
 - ``per-layer`` (:mod:`.per_layer`): each MoE layer's routed ids come to the host, which serves
   its experts (prefetch, ensure, leases), optionally gathering speculatively from row snapshots.
-  Always used for prefill chunks, and for sources without queued steps.
+  Used for sources without queued steps, for prefill chunks with ``queued_prefill`` off, and for
+  steps too large to queue.
 - ``whole`` (:mod:`.whole`): the step queued whole from row snapshots and checked after, redone
   from the first unsound layer.
 
@@ -65,11 +66,14 @@ class ForwardOptions:
 
     ``speculate``: per-layer steps gather from row snapshots where the source offers them.
     ``lookahead_extra``: the lookahead predictor names this many experts beyond the router's k.
+    ``queued_prefill``: prefill chunks run as queued steps where the source can (their switches
+    resolving experts in parts sorted by expert), instead of per layer.
     """
 
     mode: StepMode = StepMode.AUTO
     speculate: bool = True
     lookahead_extra: int = 0
+    queued_prefill: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -115,7 +119,8 @@ class AsyncForward:
         self.completed = completed
         self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
                          "speculated": 0, "speculation_misses": 0, "optimistic": 0, "optimistic_redone": 0,
-                         "queued": 0, "per_layer": 0, "prefill": 0, "fallbacks": 0}
+                         "queued": 0, "queued_prefill": 0, "sorted_parts": 0, "token_parts": 0, "per_layer": 0,
+                         "prefill": 0, "fallbacks": 0}
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
         # bridge too, which never lets MLX's async_eval throttle block the loop.
         try:
@@ -160,28 +165,37 @@ class AsyncForward:
         """Run ``inputs`` (B, L) through the model, updating ``ctx.cache``.
 
         Returns the logits (B, L, vocab), or with ``logits=False`` the final hidden state, computed
-        (prefill chunks, whose logits nobody reads; always per layer). A queued step's logits are
-        scheduled but not awaited: pass what you derive from them to :meth:`finish`.
+        (prefill chunks, whose logits nobody reads: queued where the source can and
+        ``queued_prefill`` is on, else per layer). A queued step's logits are scheduled but not
+        awaited: pass what you derive from them to :meth:`finish`.
         """
         if not logits:
             self.counters["prefill"] += 1
+            if self.options.queued_prefill and self.options.mode in (StepMode.AUTO, StepMode.QUEUED) \
+                    and self.queued.can_run(ctx, inputs):
+                h = await self._queued(ctx, inputs, logits=False)
+                await self.finish(ctx, h)
+                return h
             return await self.per_layer.forward(ctx, inputs, logits=False)
         kind = self.kind(ctx, inputs)
         if self.options.mode is not StepMode.AUTO and kind is not self.options.mode:
             self.counters["fallbacks"] += 1
         if kind is StepMode.QUEUED:
-            try:
-                return await self.queued.forward(ctx, inputs)
-            except RuntimeError:
-                # MLX raises a stream's failure at the next call that schedules on it: when a
-                # fault of an earlier queued step failed, its FillError (from the fault log) is
-                # the error to raise; anything else stays as it is.
-                ctx.source.after_step()  # type: ignore[attr-defined]
-                raise
+            return await self._queued(ctx, inputs, logits=True)
         if kind is StepMode.WHOLE:
             return await self.whole.forward(ctx, inputs)
         self.counters["per_layer"] += 1
         return await self.per_layer.forward(ctx, inputs, logits=True)
+
+    async def _queued(self, ctx: StepContext, inputs: mx.array, *, logits: bool) -> mx.array:
+        try:
+            return await self.queued.forward(ctx, inputs, logits=logits)
+        except RuntimeError:
+            # MLX raises a stream's failure at the next call that schedules on it: when a fault
+            # of an earlier queued step failed, its FillError (from the fault log) is the error
+            # to raise; anything else stays as it is.
+            ctx.source.after_step()  # type: ignore[attr-defined]
+            raise
 
     async def finish(self, ctx: StepContext, y: mx.array) -> None:
         """Await ``y`` (computed from a step's logits), then let the source learn what a queued

@@ -24,9 +24,12 @@ from ..bridge import Completed
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .walk import DecoderWalk, StepContext
 
-#: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer,
-#: where experts can be served in groups when their union does not fit the pools
-MAX_QUEUED_TOKENS = 64
+#: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer
+MAX_QUEUED_TOKENS = 512
+
+#: a queued step's switch resolves its experts in at most this many parts per layer (each part a
+#: fault node on the stream); a step that would need more goes per layer
+MAX_RESOLVES_PER_LAYER = 64
 
 
 @runtime_checkable
@@ -75,30 +78,35 @@ class QueuedSteps:
         if not queued or inputs.size > MAX_QUEUED_TOKENS:
             return False
         qsource = cast(QueuedSource, source)  # `queued` is the cached isinstance, True here
-        if qsource.queued_ready(self.pairs(inputs)):
-            ctx.split = None
+        pairs = self.pairs(inputs)
+        if qsource.queued_ready(pairs):
+            ctx.part = None
             return True
-        # A batch whose experts may not fit a layer's rows at once: its switch resolves the
-        # experts of `split` tokens at a time, each part computed before the next may evict
-        # its rows (see forward). Distinct experts per part <= split * top_k <= capacity.
-        split = qsource.queued_capacity() // self.walk.top_k
-        if split >= 1 and qsource.queued_ready(split * self.walk.top_k):
-            ctx.split = split
-            return True
-        return False
+        # A step whose experts may not fit a layer's rows at once: its switches resolve them in
+        # parts of at most `part` pairs, each part computed before the next may evict its rows
+        # (see forward). A sorted switch (prefill chunks, large batches) cuts its pairs sorted by
+        # expert, so a part holds <= part distinct experts and each expert is read about once per
+        # layer; an unsorted one cuts by whole tokens (part = tokens x top_k).
+        capacity = qsource.queued_capacity()
+        part = capacity if pairs >= SORT_THRESHOLD else capacity // self.walk.top_k * self.walk.top_k
+        if part < 1 or -(-pairs // part) > MAX_RESOLVES_PER_LAYER or not qsource.queued_ready(part):
+            return False
+        ctx.part = part
+        return True
 
-    async def forward(self, ctx: StepContext, inputs: mx.array) -> mx.array:
-        """Queue one step over ``inputs`` (B, L); returns its logits, scheduled, not awaited.
+    async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True) -> mx.array:
+        """Queue one step over ``inputs`` (B, L); returns its logits (with ``logits=False`` the final
+        hidden state: a prefill chunk), scheduled, not awaited.
 
-        The routing of every MoE layer is kept in ``ctx.routed``: read it only after the logits
-        were awaited.
+        The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
+        was awaited.
         """
         walk, source = self.walk, ctx.source
         assert isinstance(source, QueuedSource)
         source.begin_step(self.pairs(inputs))
         h = walk.embed(inputs)
         masks = walk.masks(h, ctx.cache)
-        routed, split = ctx.routed, ctx.split
+        routed, part, counters = ctx.routed, ctx.part, self.counters
         for i in range(len(walk.layers)):
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
             if i not in walk.moe:
@@ -109,24 +117,28 @@ class QueuedSteps:
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
                       pools: Any = pools) -> mx.array:
-                if split is None or inds.size <= split * inds.shape[-1]:
+                if part is None or inds.size <= part:
                     return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
-                return _split_switch(source, i, spec, activation, x_sw, inds, pools, split)
+                if inds.size >= SORT_THRESHOLD:
+                    counters["sorted_parts"] += -(-inds.size // part)
+                    return _sorted_parts_switch(source, i, spec, activation, x_sw, inds, pools, part)
+                counters["token_parts"] += -(-inds.shape[0] * inds.shape[1] // (part // inds.shape[-1]))
+                return _split_switch(source, i, spec, activation, x_sw, inds, pools, part // inds.shape[-1])
 
             out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply)
             assert out is not None
             routed.append((i, inds))
             h = h_attn + out
-        logits = walk.logits(h)
+        out = walk.logits(h) if logits else h
         # Registered before scheduling: _schedule awaits between pieces of the graph, and a
         # quiesce() meanwhile (another task's ensure, the runtime closing, a cancel) must wait
         # for this step too before it takes the lent rows back; the stream may be faulting rows
         # in for its first layers already. quiesce() schedules what this task did not get to.
-        source.end_step(logits)
-        await self._schedule(logits)
-        self.counters["queued"] += 1
+        source.end_step(out)
+        await self._schedule(out)
+        self.counters["queued" if logits else "queued_prefill"] += 1
         self.counters["forwards"] += 1
-        return logits
+        return out
 
     async def _schedule(self, out: mx.array) -> None:
         """Hand the step to MLX without blocking the loop: in chunks that fit under MLX's eval
@@ -151,32 +163,64 @@ class QueuedSteps:
             ctx.record.record(layer, np.array(inds, copy=True), None)
 
 
+def _after(prev: mx.array | None, ids: mx.array) -> mx.array:
+    """``ids``, made to depend through data on ``prev`` (a part's output) when there is one.
+
+    A data dependency, not ``mx.depends``: MLX CUDA orders the nodes of its command graphs by the
+    buffers they read and write, and a ``depends`` moves no data, so there a later part's fault
+    node ran beside the previous part's products (and shared the layer's staging buffers): wrong
+    logits on the H200. ``where(c, ids, ids)`` is ``ids`` whatever ``c``.
+    """
+    if prev is None:
+        return ids
+    first = prev.reshape(-1)[:1]
+    return mx.where(first == first, ids, ids)
+
+
+def _sorted_parts_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array,
+                         inds: mx.array, pools: Any, part: int) -> mx.array:
+    """A sorted switch layer's output with its experts resolved ``part`` pairs at a time.
+
+    The pairs are sorted by expert id in the graph (as mlx-lm's own sorted switch does) and cut
+    into fixed slices of ``part`` pairs: a slice holds at most ``part`` distinct experts, and
+    consecutive slices share at most one, so each routed expert is read about once per layer
+    however many tokens route to it (cutting by tokens instead reads a popular expert once per
+    part). Each slice resolves its experts (faulting absent ones into lent rows, possibly
+    evicting rows an earlier slice used) only after the previous slice's output was computed
+    (:func:`_after`). Each pair's product does not depend on which other pairs share its gather
+    (MLX computes a gather's rows independently), so the output is bitwise the unsplit one.
+    """
+    k = inds.shape[-1]
+    flat = inds.reshape(-1)
+    order = mx.argsort(flat)
+    inv = mx.argsort(order)
+    x = x_sw.reshape(-1, x_sw.shape[-1])[order // k]
+    ids = flat[order]
+    outs: list[mx.array] = []
+    for start in range(0, ids.shape[0], part):
+        rows = source.expert_rows(layer, _after(outs[-1] if outs else None, ids[start:start + part]))
+        outs.append(pooled_switch_apply(spec, activation, x[start:start + part], rows[:, None], pools, sort=True))
+    y = mx.concatenate(outs, axis=0)[inv]
+    return y.reshape(*inds.shape, y.shape[-1])
+
+
 def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
                   pools: Any, split: int) -> mx.array:
     """A switch layer's output computed ``split`` tokens at a time, for a batch whose routed
-    experts may not all fit the layer's lent rows at once.
+    experts may not all fit the layer's lent rows at once (an unsorted switch: few pairs).
 
     Each part resolves its own experts (faulting absent ones into lent rows, possibly evicting
-    rows an earlier part used), so each part's ids are made to depend on the previous part's
-    output through data: the graph cannot resolve them before the rows they may evict were read.
-    A data dependency, not ``mx.depends``: MLX CUDA orders the nodes of its command graphs by the
-    buffers they read and write, and a ``depends`` moves no data, so there the parts' fault nodes
-    ran beside the previous part's products (and shared the layer's staging buffers): wrong
-    logits on the H200. ``where(c, ids, ids)`` is ``ids`` whatever ``c``. Every part sorts as the
-    whole switch input would, and each pair's product does not depend on which part it is in, so
-    the output is bitwise the unsplit one.
+    rows an earlier part used), so each part's ids depend on the previous part's output through
+    data (:func:`_after`): the graph cannot resolve them before the rows they may evict were
+    read. Every part sorts as the whole switch input would, and each pair's product does not
+    depend on which part it is in, so the output is bitwise the unsplit one.
     """
     k = inds.shape[-1]
     ids = inds.reshape(-1, k)
     x = x_sw.reshape(-1, x_sw.shape[-1])
-    sort = inds.size >= SORT_THRESHOLD
     outs: list[mx.array] = []
     for start in range(0, ids.shape[0], split):
-        part = ids[start:start + split]
-        if outs:
-            prev = outs[-1].reshape(-1)[:1]
-            part = mx.where(prev == prev, part, part)
-        rows = source.expert_rows(layer, part)
-        outs.append(pooled_switch_apply(spec, activation, x[start:start + split], rows, pools, sort=sort))
+        rows = source.expert_rows(layer, _after(outs[-1] if outs else None, ids[start:start + split]))
+        outs.append(pooled_switch_apply(spec, activation, x[start:start + split], rows, pools, sort=False))
     y = mx.concatenate(outs, axis=0)
     return y.reshape(*inds.shape, y.shape[-1])

@@ -119,9 +119,9 @@ class StepContext:
     ``leases`` are the rows this step pinned, released together once its output is computed;
     ``predicted`` the predictions handed to the source, by MoE layer; ``record`` the routing
     trace's entry of this step (None when not tracing); ``routed`` a queued step's routed ids by
-    MoE layer (lazy: read them only once the step computed); ``split`` a queued step's tokens per
-    expert resolve when the step's experts may not all fit a layer's lent rows at once (None: all
-    of them in one).
+    MoE layer (lazy: read them only once the step computed); ``part`` a queued step's routed pairs
+    per expert resolve when the step's experts may not all fit a layer's lent rows at once (None:
+    all of them in one).
     """
 
     cache: list[Any]
@@ -132,7 +132,7 @@ class StepContext:
     predicted: dict[int, Any] = field(default_factory=dict)
     record: Any = None
     routed: list[tuple[int, mx.array]] = field(default_factory=list)
-    split: int | None = None
+    part: int | None = None
 
     def __post_init__(self) -> None:
         if self.trace is not None:

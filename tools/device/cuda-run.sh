@@ -8,7 +8,8 @@
 # Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
-# field at 50% and 25%, AB_ROUNDS rounds).
+# field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
+# arguments, once per client count in AB_SERVE_CLIENTS, default "1 8").
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -62,6 +63,15 @@ for r in 0.5 0.25; do
   timeout 300 python3 tools/ab_decode.py --switch "$1" --values "$2" "$3" --resident $r --rounds ${AB_ROUNDS:-3} \
     --tokens 48 --json > "$OUT/ab-$1-$r.json" 2> "$OUT/ab-$1-$r.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'rounds'}); [print(r) for r in d['rounds']]" "$OUT/ab-$1-$r.json" || tail -20 "$OUT/ab-$1-$r.err"
+done
+fi
+if [ -n "${AB_SERVE:-}" ]; then
+export PYTHONPATH=/tmp/site:$PWD
+for c in ${AB_SERVE_CLIENTS:-1 8}; do
+  log "engine A/B, $c clients: $AB_SERVE"
+  timeout 400 python3 tools/ab_serve.py $AB_SERVE --clients $c --json > "$OUT/ab-serve-$c.json" 2> "$OUT/ab-serve-$c.err"
+  tail -8 "$OUT/ab-serve-$c.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio median', d['ratio_median'], d['ratios'])" "$OUT/ab-serve-$c.json"
 done
 fi
 log done

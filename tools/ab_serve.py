@@ -1,0 +1,156 @@
+"""A/B of one forward option under the serving engine, in one process, without HTTP.
+
+    python tools/ab_serve.py --switch queued_prefill --values True False --clients 8 --seconds 20 --rounds 3
+    python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
+
+Every round runs the engine (:class:`asyncside.serving.engine.Batcher`) once per value of
+``ForwardOptions.<switch>`` (the order alternates by round), each over a fresh :class:`Runtime` at
+the same residency, with ``--clients`` closed-loop clients submitting the prompts ``asyncside
+bench serve`` sends (mixed lengths, each request numbered so no two share a prefix), greedy,
+``--max-tokens`` each. Reports per variant: aggregate tok/s, time to first token and inter-token
+p50/p99, and the engine's wall time split into prefill and decode; and the median of the
+per-round ratios A/B. The rounds are interleaved because this VM's speed drifts between runs; a
+diagnostic for choosing defaults, the benchmark is ``asyncside bench serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--switch", default="queued_prefill", help="field of ForwardOptions to set")
+    p.add_argument("--values", nargs=2, default=["True", "False"], metavar=("A", "B"),
+                   help="the two values to compare (Python literals)")
+    p.add_argument("--resident", type=float, default=0.5)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-lengths", default="8,32,128")
+    p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import anyio
+    import mlx.core as mx
+
+    from asyncside import _native
+    from asyncside.bench.serve import percentile, prompt_of
+    from asyncside.models import ForwardOptions, load_streaming_model
+    from asyncside.models.embedded import ensure_embedded_default
+    from asyncside.runtime import Runtime
+    from asyncside.serving.engine import Batcher
+
+    _model_dir, store_dir = ensure_embedded_default(None, progress=False)
+    fields = {f.name for f in dataclasses.fields(ForwardOptions)}
+    if args.switch not in fields and args.switch != "read_threads":
+        p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or read_threads)")
+    values = [ast.literal_eval(v) for v in args.values]
+    if args.switch == "read_threads":  # the fault resolves' read pool, not a forward option
+        models = [load_streaming_model(store_dir)] * 2
+    else:
+        models = [load_streaming_model(store_dir, options=ForwardOptions(**{args.switch: v})) for v in values]
+
+    def select(v: int) -> None:
+        if args.switch == "read_threads":
+            _native.set_fault_read_threads(values[v])
+    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    numbers = itertools.count()
+    tok = models[0].tokenizer
+
+    async def run_variant(sm: Any, seconds: float) -> dict[str, Any]:
+        async with Runtime(sm.store, resident=args.resident) as rt:
+            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk)
+            spent = {"prefill": 0.0, "decode": 0.0}
+            prefill, decode = b._prefill, b._decode
+
+            async def timed_prefill(slot: Any, n: int) -> None:
+                t = time.perf_counter()
+                await prefill(slot, n)
+                spent["prefill"] += time.perf_counter() - t
+
+            async def timed_decode(batch: Any) -> None:
+                t = time.perf_counter()
+                await decode(batch)
+                spent["decode"] += time.perf_counter() - t
+
+            b._prefill, b._decode = timed_prefill, timed_decode  # type: ignore[method-assign]
+            records: list[tuple[float, list[float]]] = []
+            fwd_before = dict(sm.forward.counters)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.run)
+
+                async def client(c: int) -> None:
+                    n = 0
+                    while True:
+                        ids = tok.encode(prompt_of(tok, lengths[(c + n) % len(lengths)], next(numbers)))
+                        n += 1
+                        sent = time.perf_counter()
+                        times: list[float] = []
+                        records.append((sent, times))
+                        async for _ev in b.submit(ids, args.max_tokens):
+                            times.append(time.perf_counter())
+
+                async def clients() -> None:
+                    async with anyio.create_task_group() as cg:
+                        for c in range(args.clients):
+                            cg.start_soon(client, c)
+
+                start = time.perf_counter()
+                with anyio.move_on_after(seconds):
+                    await clients()
+                wall = time.perf_counter() - start
+                tg.cancel_scope.cancel()
+            counters = {k: v - fwd_before.get(k, 0) for k, v in sm.forward.counters.items()}
+            stats = rt.stats()
+        tokens = sum(len(t) for _, t in records)
+        ttft = [t[0] - s for s, t in records if t]
+        gaps = [b2 - a for _, t in records for a, b2 in zip(t, t[1:])]
+        return {"tok_s": tokens / wall, "requests": sum(1 for _, t in records if len(t) == args.max_tokens),
+                "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+                "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+                "prefill_s": spent["prefill"], "decode_s": spent["decode"], "wall_s": wall,
+                "counters": {k: v for k, v in counters.items() if v},
+                "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
+                "hit_rate": stats.get("hit_rate")}
+
+    out: dict[str, Any] = {"switch": args.switch, "values": args.values, "resident": args.resident,
+                           "clients": args.clients, "device": str(mx.default_device()), "rounds": []}
+    for r in range(args.rounds):
+        order = [0, 1] if r % 2 == 0 else [1, 0]
+        res: dict[int, dict[str, Any]] = {}
+        for v in order:
+            select(v)
+            if args.warmup > 0:
+                anyio.run(run_variant, models[v], args.warmup)
+            res[v] = anyio.run(run_variant, models[v], args.seconds)
+            row = res[v]
+            print(f"round {r} {args.switch}={args.values[v]}: {row['tok_s']:.1f} tok/s, ttft p50 "
+                  f"{row['ttft_p50']:.3f} s, itl p50/p99 {row['itl_p50'] * 1e3:.1f}/{row['itl_p99'] * 1e3:.1f} ms, "
+                  f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['counters']}",
+                  file=sys.stderr, flush=True)
+        out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})
+    ratios = [rd[args.values[0]]["tok_s"] / rd[args.values[1]]["tok_s"] for rd in out["rounds"]]
+    out["ratio_median"] = statistics.median(ratios)
+    out["ratios"] = ratios
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{args.switch}: {args.values[0]} / {args.values[1]} aggregate tok/s, median of {len(ratios)} "
+              f"rounds: {out['ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in ratios)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
