@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,11 @@ struct Batch {
 };
 
 size_t default_threads() {
+  if (const char* env = std::getenv("ASYNCSIDE_FAULT_READ_THREADS")) {
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(env, &end, 10);
+    if (end != env && *end == '\0') return std::min<size_t>(n, 64);
+  }
   const size_t cores = std::max(1u, std::thread::hardware_concurrency());
   return cores >= 4 ? std::min<size_t>(7, cores / 2 - 1) : 0;
 }

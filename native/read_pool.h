@@ -20,8 +20,8 @@ namespace asyncside::faults {
 // fn must not throw.
 void parallel_reads(size_t n, const std::function<void(size_t)>& fn);
 
-// Workers used by parallel_reads: by default min(7, cores / 2 - 1), so 0 on a machine of 2 or 3
-// cores (the compute thread and the event loop need them) and 7 on 16.
+// Workers used by parallel_reads: ASYNCSIDE_FAULT_READ_THREADS when set, else min(7, cores / 2 - 1),
+// so 0 on a machine of 2 or 3 cores (the compute thread and the event loop need them) and 7 on 16.
 size_t read_threads();
 // Set the number of workers (tests; a pool already started keeps its threads but uses only n).
 void set_read_threads(size_t n);

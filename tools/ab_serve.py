@@ -136,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                 anyio.run(run_variant, models[v], args.warmup)
             res[v] = anyio.run(run_variant, models[v], args.seconds)
             row = res[v]
+
+            def ms(x: float | None) -> str:
+                return "-" if x is None else f"{x * 1e3:.1f}"
+
             print(f"round {r} {args.switch}={args.values[v]}: {row['tok_s']:.1f} tok/s, ttft p50 "
-                  f"{row['ttft_p50']:.3f} s, itl p50/p99 {row['itl_p50'] * 1e3:.1f}/{row['itl_p99'] * 1e3:.1f} ms, "
-                  f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['counters']}",
-                  file=sys.stderr, flush=True)
+                  f"{ms(row['ttft_p50'])} ms, itl p50/p99 {ms(row['itl_p50'])}/{ms(row['itl_p99'])} ms, "
+                  f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, faults {row['faults']}, "
+                  f"{row['counters']}", file=sys.stderr, flush=True)
         out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})
-    ratios = [rd[args.values[0]]["tok_s"] / rd[args.values[1]]["tok_s"] for rd in out["rounds"]]
+    ratios = [rd[args.values[0]]["tok_s"] / max(rd[args.values[1]]["tok_s"], 1e-9) for rd in out["rounds"]]
     out["ratio_median"] = statistics.median(ratios)
     out["ratios"] = ratios
     if args.json:
