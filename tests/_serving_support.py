@@ -54,6 +54,16 @@ class _Forward:
     def make_predictor(self, name: str) -> None:
         return None
 
+    # The step protocol of AsyncForward (context, step, finish), as the engine's decode step uses it.
+    def context(self, cache: list[_Cache], source: Any, predictor: Any = None) -> tuple[Any, Any, Any]:
+        return cache, source, predictor
+
+    async def step(self, ctx: tuple[Any, Any, Any], inputs: mx.array, *, logits: bool = True) -> Any:
+        return await self(inputs, *ctx, logits=logits)
+
+    async def finish(self, ctx: tuple[Any, Any, Any], y: mx.array) -> None:
+        mx.eval(y)
+
     async def __call__(self, inputs: mx.array, cache: list[_Cache], source: Any, predictor: Any, *,
                        logits: bool = True) -> Any:
         m = self.model

@@ -232,3 +232,28 @@ async def test_chat_template_kwargs_and_prompt_cache_on_the_real_model(srv: Back
     # The second turn starts with the first turn's prompt and answer: those tokens come from the cache.
     assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
     assert think.usage.prompt_tokens == a.usage.prompt_tokens + len("<think>\n")
+
+
+def test_a_greedy_batch_draws_one_argmax_with_the_tokens_of_its_rows_drawn_alone() -> None:
+    """draw_step: a batch of plain greedy requests takes one argmax over the batch's
+    log-probabilities; its tokens are the rows' own draws, token for token, including near ties.
+    A batch with any other request draws row by row (packed as before)."""
+    from asyncside.serving.protocol import SamplingParams
+    from asyncside.serving.sampling import RequestSampler, draw_step, unpack
+
+    vocab = 512
+    logits = mx.random.normal((6, vocab), key=mx.random.key(3)) * 4
+    logits[:, 7] = logits.max(axis=-1)  # ties with the row's best: the first index wins, as alone
+    greedy = [RequestSampler(SamplingParams(), [1, 2], vocab) for _ in range(6)]
+    assert all(s.plain_greedy for s in greedy)
+    values, layout = draw_step(greedy, logits)
+    mx.eval(values)
+    assert values.size == 6 and all(s.steps == 1 for s in greedy)  # one value per request: the batched path
+    alone = [RequestSampler(SamplingParams(), [1, 2], vocab) for _ in range(6)]
+    expected = [int(s.draw(logits[i:i + 1]).token.item()) for i, s in enumerate(alone)]
+    assert [t for t, _, _ in unpack(values.tolist(), layout)] == expected
+    mixed = greedy[:5] + [RequestSampler(SamplingParams(logprobs=True, top_logprobs=2), [1, 2], vocab)]
+    assert not mixed[-1].plain_greedy
+    values, layout = draw_step(mixed, logits)
+    out = unpack(values.tolist(), layout)
+    assert [t for t, _, _ in out] == expected and out[-1][1] is not None and len(out[-1][2]) == 2

@@ -49,8 +49,11 @@ log = logging.getLogger("asyncside.serving")
 class ServedModel(Protocol):
     """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
 
-    ``forward`` is awaited as ``await forward(inputs (1, L), cache, source, predictor, logits=...)``
-    and has ``completed`` (await an array's computation) and ``make_predictor(name)``.
+    ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike: awaited as ``await
+    forward(inputs (1, L), cache, source, predictor, logits=...)`` (prefill chunks), stepped as
+    ``ctx = forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs)`` (lazy
+    logits) and ``await forward.finish(ctx, y)`` (await what was derived from them: decode steps),
+    with ``completed`` (await an array's computation) and ``make_predictor(name)``.
     """
 
     model_id: str
@@ -149,20 +152,28 @@ def mergeable(cache: list[Any]) -> bool:
 
 
 async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
-                     predictors: Sequence[Any]) -> Any:
+                    predictors: Sequence[Any], sample: Callable[[Any], Any]) -> Any:
     """One decode step of ``B`` requests, each through its own KV cache ``caches[i]``, one after the
-    other: ``tokens`` (B, 1) -> the last position's logits (B, vocab), computed. For a batch of one
-    (the single-stream step itself) and for caches without a batched form."""
+    other (a batch of one: the single-stream step itself; caches without a batched form).
+
+    ``tokens`` (B, 1); ``sample`` builds, from the last position's logits (B, vocab), what the
+    caller reads (lazy). Returns it, computed: one completion for the last row's forward and the
+    sampling together.
+    """
     import mlx.core as mx
 
     fwd = sm.forward
     rows = []
-    for i in range(tokens.shape[0]):
-        logits = await fwd(tokens[i:i + 1], caches[i], source, predictors[i])
-        last = logits[:, -1, :]
-        await fwd.completed(last)
+    n = tokens.shape[0]
+    for i in range(n):
+        ctx = fwd.context(caches[i], source, predictors[i])
+        last = (await fwd.step(ctx, tokens[i:i + 1]))[:, -1, :]
         rows.append(last)
-    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+        if i < n - 1:
+            await fwd.finish(ctx, last)
+    y = sample(rows[0] if n == 1 else mx.concatenate(rows, axis=0))
+    await fwd.finish(ctx, y)
+    return y
 
 
 class BatchCaches:
@@ -211,8 +222,10 @@ class BatchCaches:
         assert self.layers is not None
         return [c.extract(row) for c in self.layers]
 
-    async def step(self, sm: ServedModel, tokens: Any, source: Any) -> Any:
-        """One forward of the whole batch (``tokens``: (size, 1)) -> the last position's logits, computed.
+    async def step(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]) -> Any:
+        """One forward of the whole batch (``tokens``: (size, 1)); ``sample`` builds, from the last
+        position's logits (size, vocab), what the caller reads (lazy). Returns it, computed, with
+        one completion for the step and the sampling together (not one for the logits first).
 
         A queued step (the batch's switches resolving their experts in parts when they may not
         fit a layer's rows at once), else per layer with the union of the batch's experts served
@@ -220,10 +233,10 @@ class BatchCaches:
         """
         assert self.layers is not None and tokens.shape[0] == self.size
         fwd = sm.forward
-        logits = await fwd(tokens, self.layers, source)
-        last = logits[:, -1, :]
-        await fwd.completed(last)
-        return last
+        ctx = fwd.context(self.layers, source)
+        y = sample((await fwd.step(ctx, tokens))[:, -1, :])
+        await fwd.finish(ctx, y)
+        return y
 
 
 async def prefill_step(sm: ServedModel, tokens: Any, cache: list[Any], source: Any, predictor: Any) -> None:
@@ -525,25 +538,28 @@ class Batcher:
     async def _decode(self, batch: list[_Slot]) -> None:
         import mlx.core as mx
 
-        from .sampling import pack, unpack
+        from .sampling import draw_step, unpack
 
-        fwd = self.model.forward
+        layout: list[tuple[int, int, int]] = []
+
+        def sample(logits: Any) -> Any:
+            values, lay = draw_step([s.sampler for s in batch], logits)
+            layout.extend(lay)
+            return values
+
         try:
             if len(batch) > 1 and self._can_merge(batch):
                 batch = self._merge(batch)
                 tokens = mx.array([[s.todo[0]] for s in batch])
-                logits = await self._merged.step(self.model, tokens, self.source)
+                values = await self._merged.step(self.model, tokens, self.source, sample)
             else:
                 self._unmerge()
                 caches = [s.cache for s in batch]
                 assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
                 tokens = mx.array([[s.todo[0]] for s in batch])
-                logits = await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
-                                          [s.predictor for s in batch])
-            draws = [s.sampler.draw(logits[i:i + 1]) for i, s in enumerate(batch)]
-            values, layout = pack(draws)
-            await fwd.completed(values)
-            results = unpack(values.tolist(), layout)  # type: ignore[arg-type]  # a 1-D float array
+                values = await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
+                                         [s.predictor for s in batch], sample)
+            results = unpack(values.tolist(), layout)
         except Exception as exc:
             log.exception("decode step failed")
             self._forget_merged()  # its rows may be half-updated

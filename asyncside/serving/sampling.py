@@ -100,6 +100,11 @@ class RequestSampler:
             top_lps = mx.take(row, top_ids)
         return Draw(token.astype(mx.uint32), chosen, top_ids, top_lps)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, no logits processors, no log-probabilities: the draw is the argmax alone."""
+        return self.params.greedy and not self.processors and not self.params.logprobs
+
     def accept(self, token: int) -> None:
         """Record a generated token (the penalties' context)."""
         if self.processors:
@@ -130,6 +135,24 @@ def pack(draws: Sequence[Draw]) -> tuple[mx.array, list[tuple[int, int, int]]]:
             at += 2 * n
         layout.append((start, int(has), n))
     return mx.concatenate(parts), layout
+
+
+def draw_step(samplers: Sequence[RequestSampler], logits: mx.array) -> tuple[mx.array, list[tuple[int, int, int]]]:
+    """One step's draws of a batch, ``logits`` (B, vocab) with row i for ``samplers[i]``, packed as
+    :func:`pack` packs them (lazy).
+
+    When every request is :attr:`~RequestSampler.plain_greedy`, the batch's tokens are one argmax
+    over the batch's log-probabilities, as mlx-lm's batched generation computes them (each row's
+    reduction is its own: the tokens are those of the rows drawn one by one), instead of a few
+    graph nodes per request.
+    """
+    if samplers and all(s.plain_greedy for s in samplers):
+        for s in samplers:
+            s.steps += 1
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.float32)
+        return tokens, [(i, 0, 0) for i in range(len(samplers))]
+    return pack([s.draw(logits[i:i + 1]) for i, s in enumerate(samplers)])
 
 
 def unpack(values: list[float], layout: Sequence[tuple[int, int, int]]
