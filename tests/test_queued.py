@@ -29,7 +29,7 @@ from asyncside.runtime import Runtime
 
 from _models_support import BASE, tiny_model
 
-QUEUED = ForwardOptions(mode="queued")
+QUEUED = ForwardOptions(mode="queued", queued_prefill=True)
 CPU = mx.default_stream(mx.cpu)  # the native table tests run on host pools, on the CPU stream
 NEW_TOKENS = 8
 

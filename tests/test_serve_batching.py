@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from asyncside.audit import audit_problems
-from asyncside.models import load_reference_model, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_reference_model, load_streaming_model, reference_generate
 from asyncside.runtime import Runtime
 from asyncside.serving import Batcher, embedded_store_dir
 from asyncside.serving.protocol import SamplingParams
@@ -70,8 +70,18 @@ async def run_all(b: Batcher, requests: list[tuple[list[int], int, SamplingParam
     return out, gens
 
 
+@pytest.fixture(scope="module")
+def sm_queued_prefill(store_dir: str) -> Any:
+    """Prefill chunks as queued steps (the GPU default) on this CPU too."""
+    return load_streaming_model(store_dir, options=ForwardOptions(queued_prefill=True))
+
+
 @pytest.mark.asyncio
-async def test_batched_greedy_equals_mlx_lm_all_resident(sm: Any, ref: Any) -> None:
+@pytest.mark.parametrize("prefill", ["default", "queued"])
+async def test_batched_greedy_equals_mlx_lm_all_resident(request: pytest.FixtureRequest, prefill: str,
+                                                          ref: Any) -> None:
+    sm = request.getfixturevalue("sm" if prefill == "default" else "sm_queued_prefill")
+    before = dict(sm.forward.counters)
     async with half_resident(sm) as runtime:
         tok = sm.tokenizer
         prompts = [tok.encode(p) for p in ("The quick brown fox", "0 1 2 3 4", "MoE", LONG)]
@@ -84,14 +94,18 @@ async def test_batched_greedy_equals_mlx_lm_all_resident(sm: Any, ref: Any) -> N
         assert got == expected
         assert b.peak_batch == len(prompts)  # they really decoded together
         assert all(g.finish_reason in ("length", "stop") for g in gens)
+    if prefill == "queued":  # every chunk of every prompt was a queued step, the long ones in sorted slices
+        counters = sm.forward.counters
+        assert counters["queued_prefill"] - before["queued_prefill"] == counters["prefill"] - before["prefill"] > 4
+        assert counters["sorted_parts"] > before["sorted_parts"]
 
 
 @pytest.mark.asyncio
 async def test_a_batch_routing_more_experts_than_the_rows_still_decodes_queued_and_exact(sm: Any, ref: Any) -> None:
     # 16 requests route up to 64 (token, expert) pairs per layer: more than the 32 rows a layer has
-    # at half residency, so each decode step's switches resolve 8 tokens' experts at a time (and
-    # sort as the whole batch would: 64 pairs is mlx-lm's sorting threshold). No step may fall
-    # back to the per-layer path, and every token must equal mlx-lm's all-resident one.
+    # at half residency, so each decode step's switches resolve their pairs in slices sorted by
+    # expert (64 pairs is mlx-lm's sorting threshold). No step may fall back to the per-layer
+    # path, and every token must equal mlx-lm's all-resident one.
     async with half_resident(sm) as runtime:
         tok = sm.tokenizer
         prompts = [tok.encode(f"#{i}: {'abcdefgh'[i % 8] * (1 + i % 3)}") for i in range(16)]
