@@ -295,6 +295,11 @@ class Runtime:
         }
         #: the latest queued steps' outputs not known to be computed (see begin_step / quiesce)
         self._queued_outs: list[mx.array] = []
+        # Queued steps begun (begin_step) and not yet built (end_step / abandon_step): a long
+        # step's graph is built with checkpoints between layers, and quiesce() must not take the
+        # rows back from under a step whose fault nodes are being built.
+        self._building = 0
+        self._build_done: anyio.Event | None = None
         #: nanoseconds of the latest faults (bounded), for latency percentiles
         self._fault_ns: list[int] = []
         #: failed faults learned from the logs, raised by the next begin_step / after_step / quiesce
@@ -720,12 +725,17 @@ class Runtime:
     def begin_step(self, pairs: int) -> None:
         """Before queuing a step (never blocks): make sure every layer's dynamic rows are lent to
         its fault table (they stay lent across steps), and raise the FillError of a fault that
-        failed in an earlier step.
+        failed in an earlier step. The step is being built from here until :meth:`end_step` (or
+        :meth:`abandon_step`): :meth:`quiesce` waits for that.
 
         Once every row is lent this costs the host next to nothing: what the stream did is applied
         to the ledgers every :data:`RECONCILE_EVERY` steps (and before anything reads them:
         quiesce, audit, stats), failures at once.
         """
+        self._lend_for_step()
+        self._building += 1
+
+    def _lend_for_step(self) -> None:
         self._check_running()
         if len(self._queued_outs) > 4:
             self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
@@ -774,12 +784,31 @@ class Runtime:
         """A queued step whose last output is ``out`` is built and about to be scheduled: from now
         on :meth:`quiesce` waits for it (see :meth:`quiesce`)."""
         self._queued_outs.append(out)
+        self._step_built()
+
+    def abandon_step(self) -> None:
+        """A queued step begun with :meth:`begin_step` will not be scheduled (its build failed or
+        was cancelled): :meth:`quiesce` stops waiting for it."""
+        self._step_built()
+
+    def _step_built(self) -> None:
+        self._building -= 1
+        if self._building == 0 and self._build_done is not None:
+            self._build_done.set()
+            self._build_done = None
 
     async def quiesce(self) -> None:
         """Wait for every queued step, learn what it did, and take every lent row back, so that
         the per-layer paths (ensure, prefetch, leases) own the rows again."""
         assert self._completed is not None
-        while self._queued_outs:
+        while self._building or self._queued_outs:
+            if self._building:
+                # A step is being built (a long one yields between its layers): its fault nodes
+                # will need the lent rows. Wait until it is registered (end_step) or abandoned.
+                if self._build_done is None:
+                    self._build_done = anyio.Event()
+                await self._build_done.wait()
+                continue
             out = self._queued_outs[-1]
             try:
                 await self._completed(out)
@@ -820,7 +849,8 @@ class Runtime:
     @property
     def queued_active(self) -> bool:
         """True while queued steps may be running or rows are lent."""
-        return bool(self._queued_outs) or any(st.ledger.lent_rows() for st in self._layers.values())
+        return bool(self._queued_outs) or self._building > 0 or any(st.ledger.lent_rows()
+                                                                     for st in self._layers.values())
 
     def _reconcile(self, st: _Layer) -> None:
         """Apply a layer's fault log to its ledger; failed faults are kept for the next raise."""

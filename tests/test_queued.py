@@ -204,6 +204,66 @@ def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
     anyio.run(main)
 
 
+def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk's queued step is built layer by layer with a checkpoint between layers (it
+    is thousands of graph nodes). Another task's ensure() there must not take the lent rows back
+    before the step is built and has run: the step's later layers would fault into rows no longer
+    lent. Then a build that fails gives its hold up (abandon_step): a quiesce after it returns."""
+    from asyncside.models import queued as queued_mod
+
+    store_dir, model, _prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, model.model.embed_tokens.weight.shape[0], 40)]
+    ref_cache = make_prompt_cache(model)
+    ref = model(mx.array(prompt)[None], cache=ref_cache)
+    mx.eval(ref)
+    real = queued_mod.between_layers
+    building = anyio.Event()
+    intruded: list[str] = []
+
+    async def slow_between_layers() -> None:
+        building.set()
+        await anyio.sleep(0.02)  # the other task's ensure runs here, mid-build
+        await real()
+
+    async def main() -> None:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=2 * k) as rt:
+            logits: list[mx.array] = []
+
+            async def step() -> None:
+                logits.append(await sm(mx.array(prompt)[None], sm.make_cache(), source=rt))
+
+            async def intrude() -> None:
+                await building.wait()
+                await rt.ensure(sm.moe_layers[-1], [0, 1])  # quiesces: waits until the step is built and done
+                intruded.append("ensured")
+
+            monkeypatch.setattr(queued_mod, "between_layers", slow_between_layers)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(step)
+                tg.start_soon(intrude)
+            assert intruded == ["ensured"]
+            assert mx.array_equal(logits[0], ref).item()
+            assert rt.stats()["failed_fills"] == 0
+            assert sm.forward_with(QUEUED).counters["sorted_parts"] > 0  # a long queued step, in slices
+
+            async def broken_between_layers() -> None:
+                raise RuntimeError("build failed")
+
+            monkeypatch.setattr(queued_mod, "between_layers", broken_between_layers)
+            with pytest.raises(RuntimeError, match="build failed"):
+                await sm(mx.array(prompt)[None], sm.make_cache(), source=rt)
+            with anyio.fail_after(5):
+                await rt.quiesce()  # the failed build let go of its hold
+            reports = rt.audit()
+            assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+
+    anyio.run(main)
+
+
 def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet, object]:
     rng = np.random.default_rng(0)
     store = ExpertStore.create(tmp_path / "s", {0: {

@@ -69,9 +69,8 @@ class ForwardOptions:
     ``queued_prefill``: prefill chunks run as queued steps where the source can (their switches
     resolving experts in parts sorted by expert), instead of per layer. None (the default): on a
     GPU, where a per-layer prefill's host round trips cost more than its compute (1.25x a single
-    stream's tok/s, 1.32x 8 clients' on the H200); not on the CPU, where they gain little (1.06x
-    8 clients') and the whole chunk's graph, built in one go on the loop thread, delays the loop
-    (demo loop lag p99 3.4-6.4 ms against 2.7-2.8 ms per layer).
+    stream's tok/s, 1.32x 8 clients' on the H200); not on the CPU, where compute dominates and
+    it gains little (1.06x at 8 clients on the dev VM).
     """
 
     mode: StepMode = StepMode.AUTO

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, cast, runtime_checkable
 
+import anyio.lowlevel
 import mlx.core as mx
 import numpy as np
 
@@ -26,6 +27,10 @@ from .walk import DecoderWalk, StepContext
 
 #: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer
 MAX_QUEUED_TOKENS = 512
+
+#: a queued step of at least this many tokens per sequence (a prefill chunk) is built layer by
+#: layer with a checkpoint between layers
+LONG_STEP_TOKENS = 16
 
 #: a queued step's switch resolves its experts in at most this many parts per layer (each part a
 #: fault node on the stream); a step that would need more goes per layer
@@ -42,6 +47,7 @@ class QueuedSource(Protocol):
     - ``begin_step(pairs)``: called before the step is built (never blocks).
     - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
     - ``end_step(out)``: the step whose last output is ``out`` is built (called before it is scheduled).
+    - ``abandon_step()``: the step begun will not be scheduled (its build raised or was cancelled).
     - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
     """
@@ -51,6 +57,7 @@ class QueuedSource(Protocol):
     def begin_step(self, pairs: int) -> None: ...
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array: ...
     def end_step(self, out: mx.array) -> None: ...
+    def abandon_step(self) -> None: ...
     def after_step(self) -> None: ...
     async def quiesce(self) -> None: ...
 
@@ -101,13 +108,36 @@ class QueuedSteps:
         The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
         was awaited.
         """
-        walk, source = self.walk, ctx.source
+        source = ctx.source
         assert isinstance(source, QueuedSource)
         source.begin_step(self.pairs(inputs))
+        try:
+            out = await self._build(ctx, source, inputs, logits)
+        except BaseException:
+            source.abandon_step()
+            raise
+        # Registered before scheduling: _schedule awaits between pieces of the graph, and a
+        # quiesce() meanwhile (another task's ensure, the runtime closing, a cancel) must wait
+        # for this step too before it takes the lent rows back; the stream may be faulting rows
+        # in for its first layers already. quiesce() schedules what this task did not get to.
+        source.end_step(out)
+        await self._schedule(out)
+        self.counters["queued" if logits else "queued_prefill"] += 1
+        self.counters["forwards"] += 1
+        return out
+
+    async def _build(self, ctx: StepContext, source: Any, inputs: mx.array, logits: bool) -> mx.array:
+        """The step's graph (lazy). A long step (a prefill chunk) lets the loop run between its
+        layers: its whole graph is thousands of nodes, built in Python on the loop thread (the
+        source's quiesce() waits for a step being built, so nothing takes its rows meanwhile)."""
+        walk = self.walk
         h = walk.embed(inputs)
         masks = walk.masks(h, ctx.cache)
         routed, part, counters = ctx.routed, ctx.part, self.counters
+        long_step = inputs.shape[-1] >= LONG_STEP_TOKENS
         for i in range(len(walk.layers)):
+            if long_step and i:
+                await between_layers()
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
             if i not in walk.moe:
                 h = h_attn + walk.block(i)(xn)
@@ -129,16 +159,7 @@ class QueuedSteps:
             assert out is not None
             routed.append((i, inds))
             h = h_attn + out
-        out = walk.logits(h) if logits else h
-        # Registered before scheduling: _schedule awaits between pieces of the graph, and a
-        # quiesce() meanwhile (another task's ensure, the runtime closing, a cancel) must wait
-        # for this step too before it takes the lent rows back; the stream may be faulting rows
-        # in for its first layers already. quiesce() schedules what this task did not get to.
-        source.end_step(out)
-        await self._schedule(out)
-        self.counters["queued" if logits else "queued_prefill"] += 1
-        self.counters["forwards"] += 1
-        return out
+        return walk.logits(h) if logits else h
 
     async def _schedule(self, out: mx.array) -> None:
         """Hand the step to MLX without blocking the loop: in chunks that fit under MLX's eval
@@ -161,6 +182,11 @@ class QueuedSteps:
             return
         for layer, inds in ctx.routed:
             ctx.record.record(layer, np.array(inds, copy=True), None)
+
+
+async def between_layers() -> None:
+    """Where a long queued step's build lets other tasks run (a checkpoint; tests replace it)."""
+    await anyio.lowlevel.checkpoint()
 
 
 def _after(prev: mx.array | None, ids: mx.array) -> mx.array:

@@ -159,6 +159,9 @@ class ResidentSource:
     def end_step(self, out: mx.array) -> None:
         pass
 
+    def abandon_step(self) -> None:
+        pass
+
     def after_step(self) -> None:
         pass
 
