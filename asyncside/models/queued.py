@@ -152,8 +152,9 @@ class QueuedSteps:
                 if inds.size >= SORT_THRESHOLD:
                     counters["sorted_parts"] += -(-inds.size // part)
                     return _sorted_parts_switch(source, i, spec, activation, x_sw, inds, pools, part)
-                counters["token_parts"] += -(-inds.shape[0] * inds.shape[1] // (part // inds.shape[-1]))
-                return _split_switch(source, i, spec, activation, x_sw, inds, pools, part // inds.shape[-1])
+                tokens, split = inds.size // inds.shape[-1], part // inds.shape[-1]
+                counters["token_parts"] += -(-tokens // split)
+                return _split_switch(source, i, spec, activation, x_sw, inds, pools, split)
 
             out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply)
             assert out is not None
