@@ -165,3 +165,74 @@ async def test_prefix_cache_reuses_a_shared_prefix(sm: Any, ref: Any) -> None:
         expected = reference_generate(ref, second, max_tokens=6, eos_token_ids=tok.eos_token_ids,
                                       prefill_step_size=CHUNK)
         assert c == expected
+
+
+def _held_tokens(cache: list[Any]) -> int:
+    """How many tokens a request's own KV cache holds (every layer agrees)."""
+    sizes = {c.offset for c in cache}
+    assert len(sizes) == 1
+    return sizes.pop()
+
+
+@pytest.mark.asyncio
+async def test_steps_run_ahead_and_requests_leaving_on_eos_or_length_keep_exact_caches(sm: Any, ref: Any) -> None:
+    # Decode steps are queued on the previous step's lazy tokens. Requests here leave at
+    # different steps, by length and on an EOS the test declares (the step behind that token was
+    # queued already and fed it), others join while steps are in flight; every token must equal
+    # mlx-lm's, and every cache the prefix cache keeps must hold exactly the tokens it is filed
+    # under (a cache one token longer than its key would give a later prompt wrong logits).
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        prompts = [tok.encode(p) for p in ("The quick brown fox", "0 1 2 3 4", "MoE routing", "Streaming")]
+        lengths = [3, 9, 6, 9]
+        expected = [reference_generate(ref, p, max_tokens=n, eos_token_ids=tok.eos_token_ids)
+                    for p, n in zip(prompts, lengths)]
+        # The third request "stops" at its 4th token: that token is declared an EOS of this engine.
+        stop_token = expected[2][3]
+        assert stop_token not in expected[2][:3]
+        b = Batcher(sm, runtime, prefill_chunk=CHUNK, prompt_cache_size=8, prompt_cache_min_tokens=1)
+        b.eos = set(b.eos) | {stop_token}
+        out: list[list[int]] = [[] for _ in prompts]
+
+        async def read(i: int, delay_steps: int) -> None:
+            while b.steps < delay_steps:  # join while earlier requests decode
+                await anyio.sleep(0.001)
+            async for ev in b.submit(prompts[i], lengths[i]):
+                out[i].append(ev.token)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.run)
+            async with anyio.create_task_group() as readers:
+                for i, delay in enumerate((0, 0, 1, 3)):
+                    readers.start_soon(read, i, delay)
+            tg.cancel_scope.cancel()
+        for want, got in zip(expected, out):  # each request ends at its first stop token, if any
+            cut = want.index(stop_token) + 1 if stop_token in want else len(want)
+            assert got == want[:cut]
+        assert len(out[2]) == 4  # the EOS token is handed out, then the request ends
+        assert b.steps_ahead > 0 and b.peak_batch >= 2
+        entries = list(b.prefix_cache._entries.values())
+        assert len(entries) == len(prompts)
+        for tokens, cache in entries:
+            assert _held_tokens(cache) == len(tokens)
+        # A follow-up whose prompt extends the EOS-ended request reuses its cache and stays exact.
+        follow = prompts[2] + out[2] + tok.encode(" and more")
+        want = reference_generate(ref, follow, max_tokens=4, eos_token_ids=tok.eos_token_ids)
+        b2 = Batcher(sm, runtime, prefill_chunk=CHUNK, prompt_cache_size=8, prompt_cache_min_tokens=1)
+        b2.prefix_cache = b.prefix_cache
+        (got,), (gen,) = await run_all(b2, [(follow, 4, None)])
+        assert gen.cached_tokens == len(prompts[2]) + len(out[2])
+        assert got == want
+
+
+@pytest.mark.asyncio
+async def test_run_ahead_off_gives_the_same_tokens(sm: Any) -> None:
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        requests = [(tok.encode(p), 7, None) for p in ("Hello there", "abc", "MoE")]
+        ahead = Batcher(sm, runtime, prompt_cache_size=0)
+        a, _ = await run_all(ahead, requests)
+        plain = Batcher(sm, runtime, prompt_cache_size=0, run_ahead=False)
+        p, _ = await run_all(plain, requests)
+        assert a == p
+        assert ahead.steps_ahead > 0 and plain.steps_ahead == 0

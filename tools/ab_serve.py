@@ -2,13 +2,17 @@
 
     python tools/ab_serve.py --switch queued_prefill --values True False --clients 8 --seconds 20 --rounds 3
     python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
+    python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
+    python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
 
 Every round runs the engine (:class:`asyncside.serving.engine.Batcher`) once per value of
-``ForwardOptions.<switch>`` (the order alternates by round), each over a fresh :class:`Runtime` at
+``ForwardOptions.<switch>`` (or of the engine's ``run_ahead``, the read pool's threads, the
+residency; the order alternates by round), each over a fresh :class:`Runtime` at
 the same residency, with ``--clients`` closed-loop clients submitting the prompts ``asyncside
 bench serve`` sends (mixed lengths, each request numbered so no two share a prefix), greedy,
 ``--max-tokens`` each. Reports per variant: aggregate tok/s, time to first token and inter-token
-p50/p99, and the engine's wall time split into prefill and decode; and the median of the
+p50/p99, the engine's wall time split into prefill and decode, its host time per decode step
+(building and queuing it); and the median of the
 per-round ratios A/B. The rounds are interleaved because this VM's speed drifts between runs; a
 diagnostic for choosing defaults, the benchmark is ``asyncside bench serve``.
 """
@@ -54,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_dir, store_dir = ensure_embedded_default(None, progress=False)
     fields = {f.name for f in dataclasses.fields(ForwardOptions)}
-    if args.switch not in fields and args.switch != "read_threads":
-        p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or read_threads)")
+    others = ("read_threads", "run_ahead", "resident")
+    if args.switch not in fields and args.switch not in others:
+        p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or one of {others})")
     values = [ast.literal_eval(v) for v in args.values]
-    if args.switch == "read_threads":  # the fault resolves' read pool, not a forward option
+    if args.switch in others:  # not a forward option: one model for both
         models = [load_streaming_model(store_dir)] * 2
     else:
         models = [load_streaming_model(store_dir, options=ForwardOptions(**{args.switch: v})) for v in values]
@@ -69,23 +74,37 @@ def main(argv: list[str] | None = None) -> int:
     numbers = itertools.count()
     tok = models[0].tokenizer
 
-    async def run_variant(sm: Any, seconds: float) -> dict[str, Any]:
-        async with Runtime(sm.store, resident=args.resident) as rt:
-            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk)
+    async def run_variant(v: int, seconds: float) -> dict[str, Any]:
+        sm = models[v]
+        resident = values[v] if args.switch == "resident" else args.resident
+        run_ahead = values[v] if args.switch == "run_ahead" else True
+        async with Runtime(sm.store, resident=resident) as rt:
+            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead)
             spent = {"prefill": 0.0, "decode": 0.0}
-            prefill, decode = b._prefill, b._decode
+            prefill, launch, complete = b._prefill, b._launch, b._complete
 
             async def timed_prefill(slot: Any, n: int) -> None:
                 t = time.perf_counter()
                 await prefill(slot, n)
                 spent["prefill"] += time.perf_counter() - t
 
-            async def timed_decode(batch: Any) -> None:
+            # Decode: building and queuing steps, and awaiting them (with run-ahead, the next
+            # step is built while the previous one computes).
+            async def timed_launch(batch: Any, prev: Any) -> Any:
                 t = time.perf_counter()
-                await decode(batch)
-                spent["decode"] += time.perf_counter() - t
+                try:
+                    return await launch(batch, prev)
+                finally:
+                    spent["decode"] += time.perf_counter() - t
 
-            b._prefill, b._decode = timed_prefill, timed_decode  # type: ignore[method-assign]
+            async def timed_complete(step: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return await complete(step)
+                finally:
+                    spent["decode"] += time.perf_counter() - t
+
+            b._prefill, b._launch, b._complete = timed_prefill, timed_launch, timed_complete  # type: ignore[method-assign]
             records: list[tuple[float, list[float]]] = []
             fwd_before = dict(sm.forward.counters)
             async with anyio.create_task_group() as tg:
@@ -121,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
                 "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
                 "prefill_s": spent["prefill"], "decode_s": spent["decode"], "wall_s": wall,
+                "steps": b.steps, "steps_ahead": b.steps_ahead,
+                "launch_ms_per_step": b.launch_seconds / max(b.steps, 1) * 1e3,
                 "counters": {k: v for k, v in counters.items() if v},
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
                 "hit_rate": stats.get("hit_rate")}
@@ -133,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in order:
             select(v)
             if args.warmup > 0:
-                anyio.run(run_variant, models[v], args.warmup)
-            res[v] = anyio.run(run_variant, models[v], args.seconds)
+                anyio.run(run_variant, v, args.warmup)
+            res[v] = anyio.run(run_variant, v, args.seconds)
             row = res[v]
 
             def ms(x: float | None) -> str:
@@ -142,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"round {r} {args.switch}={args.values[v]}: {row['tok_s']:.1f} tok/s, ttft p50 "
                   f"{ms(row['ttft_p50'])} ms, itl p50/p99 {ms(row['itl_p50'])}/{ms(row['itl_p99'])} ms, "
-                  f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, faults {row['faults']}, "
-                  f"{row['counters']}", file=sys.stderr, flush=True)
+                  f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['steps']} steps "
+                  f"({row['steps_ahead']} ahead, host {row['launch_ms_per_step']:.2f} ms each), "
+                  f"faults {row['faults']}, {row['counters']}", file=sys.stderr, flush=True)
         out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})
     ratios = [rd[args.values[0]]["tok_s"] / max(rd[args.values[1]]["tok_s"], 1e-9) for rd in out["rounds"]]
     out["ratio_median"] = statistics.median(ratios)

@@ -9,9 +9,11 @@ serializes steps (no lock on the model is needed beside it). Each engine step
    prefilling take their next chunk, the least remaining first (every other step the oldest
    first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
    delays the other streams by at most one chunk per step;
-3. runs one decode step over every request that is decoding (:meth:`BatchCaches.step`), samples each
-   request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
-   consumer;
+3. runs one decode step over every request that is decoding (:meth:`BatchCaches.launch`), samples
+   each request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
+   consumer. Decode steps run one ahead, as mlx-lm's batched generation does: the next step is
+   queued on the lazy tokens of the step in flight before the host awaits them, so the host's
+   work per step (handing tokens out, building the next graph) overlaps the stream's;
 4. lets requests leave: finished (EOS or ``max_tokens``), cancelled by their consumer (a client
    that left, a stop sequence) or failed.
 
@@ -19,8 +21,8 @@ Requests join and leave only between steps. A request's prefill chunks have fixe
 (multiples of ``prefill_chunk`` from where its prefill starts) whatever else is running, so what
 it computes never depends on its neighbours.
 
-:meth:`BatchCaches.step`, :func:`rows_step` (a batch of one, or caches without a batched form)
-and :func:`prefill_step` are the only places the model is called.
+``Batcher._launch`` (through :meth:`BatchCaches.launch`, or :func:`rows_step` for caches without a
+batched form) and :func:`prefill_step` are the only places the model is called.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -187,45 +189,116 @@ class BatchCaches:
     GPU. Kept merged, a step pays nothing for its caches: a request that joins is merged in
     once (:meth:`join`), one that leaves is dropped (:meth:`drop`), and its own cache is
     extracted (:meth:`extract`) only when something still needs it (the prefix cache).
+
+    mlx-lm's ``BatchKVCache.filter`` and ``extract`` read the left padding back to the host
+    (``tolist``), which waits for every step queued on the stream: with a step in flight that
+    would block the event loop for the rest of that step. For ``BatchKVCache`` layers (every
+    plain attention cache) the padding is therefore mirrored here on the host and ``drop`` /
+    ``extract`` do the same work without reading the device (:attr:`tracked`); the results are
+    mlx-lm's bit for bit (tests).
     """
 
     def __init__(self) -> None:
         self.layers: list[Any] | None = None  # one mlx-lm batch cache per layer
         self.size = 0
+        # Per layer, each row's left padding as mlx-lm's cache holds it (BatchKVCache layers).
+        self._pads: list[list[int]] = []
+
+    @property
+    def tracked(self) -> bool:
+        """Whether rows can be dropped and extracted without reading the device (every layer is a
+        ``BatchKVCache``, whose padding is mirrored here), so with a step still in flight."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        return self.layers is None or all(type(c) is BatchKVCache for c in self.layers)
 
     def join(self, caches: Sequence[list[Any]]) -> None:
         """Merge requests' caches in as the last rows, in order."""
         if not caches:
             return
         new = [layer.merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
+        # A fresh merge's padding is a constant array: reading it costs nothing.
+        new_pads = [self._host_pads(c) for c in new]
         if self.layers is None:
-            self.layers = new
+            self.layers, self._pads = new, new_pads
         else:
-            for mine, theirs in zip(self.layers, new):
+            pads = []
+            for mine, theirs, p_mine, p_theirs in zip(self.layers, new, self._pads, new_pads):
+                idx_mine, idx_theirs = getattr(mine, "_idx", 0), getattr(theirs, "_idx", 0)
                 mine.extend(theirs)
+                # BatchKVCache.extend right-justifies both at the longer one's index.
+                top = max(idx_mine, idx_theirs)
+                pads.append([p + top - idx_mine for p in p_mine] + [p + top - idx_theirs for p in p_theirs])
+            self._pads = pads
         self.size += len(caches)
+
+    @staticmethod
+    def _host_pads(c: Any) -> list[int]:
+        from mlx_lm.models.cache import BatchKVCache
+
+        if type(c) is not BatchKVCache:
+            return []
+        return [int(x) for x in cast(list[int], c.left_padding.tolist())]
 
     def drop(self, rows: Sequence[int]) -> None:
         """Keep only the other rows (in their order)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache
+
         gone = set(rows)
         keep = [i for i in range(self.size) if i not in gone]
         if not keep:
-            self.layers, self.size = None, 0
+            self.layers, self.size, self._pads = None, 0, []
             return
         assert self.layers is not None
-        for c in self.layers:
-            c.filter(keep)
+        index = mx.array(keep)
+        for n, c in enumerate(self.layers):
+            if type(c) is not BatchKVCache:
+                c.filter(keep)
+                continue
+            # BatchKVCache.filter, with the padding taken from the host mirror.
+            if c.keys is not None:
+                c.keys, c.values = c.keys[index], c.values[index]
+            c.offset = c.offset[index]
+            pads = [self._pads[n][i] for i in keep]
+            shift = min(pads)
+            if shift > 0:
+                if c.keys is not None:
+                    c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
+                c._idx -= shift
+                pads = [p - shift for p in pads]
+            c.left_padding = mx.array(pads)
+            self._pads[n] = pads
         self.size = len(keep)
 
     def extract(self, row: int) -> list[Any]:
         """Row ``row``'s own cache (a copy; the batch keeps its row)."""
-        assert self.layers is not None
-        return [c.extract(row) for c in self.layers]
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    async def step(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]) -> Any:
-        """One forward of the whole batch (``tokens``: (size, 1)); ``sample`` builds, from the last
-        position's logits (size, vocab), what the caller reads (lazy). Returns it, computed, with
-        one completion for the step and the sampling together (not one for the logits first).
+        assert self.layers is not None
+        out = []
+        for n, c in enumerate(self.layers):
+            if type(c) is not BatchKVCache:
+                out.append(c.extract(row))
+                continue
+            # BatchKVCache.extract, with the padding taken from the host mirror.
+            one = KVCache()
+            if c.keys is None:  # nothing fed yet (one-token prompts): an empty cache
+                out.append(one)
+                continue
+            pad = self._pads[n][row]
+            one.keys = mx.contiguous(c.keys[row:row + 1, :, pad:c._idx])
+            one.values = mx.contiguous(c.values[row:row + 1, :, pad:c._idx])
+            one.offset = one.keys.shape[2]
+            out.append(one)
+        return out
+
+    async def launch(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]
+                     ) -> tuple[Any, Any]:
+        """Queue one forward of the whole batch (``tokens``: (size, 1)); ``sample`` builds, from the
+        last position's logits (size, vocab), what the caller reads. Returns the step's context
+        and that (lazy, scheduled where the step was queued): pass both to ``forward.finish``.
 
         A queued step (the batch's switches resolving their experts in parts when they may not
         fit a layer's rows at once), else per layer with the union of the batch's experts served
@@ -234,8 +307,13 @@ class BatchCaches:
         assert self.layers is not None and tokens.shape[0] == self.size
         fwd = sm.forward
         ctx = fwd.context(self.layers, source)
-        y = sample((await fwd.step(ctx, tokens))[:, -1, :])
-        await fwd.finish(ctx, y)
+        return ctx, sample((await fwd.step(ctx, tokens))[:, -1, :])
+
+    async def step(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]) -> Any:
+        """:meth:`launch`, then await: returns what ``sample`` built, computed, with one completion
+        for the step and the sampling together (not one for the logits first)."""
+        ctx, y = await self.launch(sm, tokens, source, sample)
+        await sm.forward.finish(ctx, y)
         return y
 
 
@@ -292,6 +370,17 @@ class _Slot:
     @property
     def prefilling(self) -> bool:
         return len(self.todo) > 1
+
+
+@dataclass(eq=False)
+class _Step:
+    """A decode step queued and not completed: its requests in row order, its context (None: it
+    was awaited already), what its sampling built (lazy) and how to unpack it."""
+
+    batch: list[_Slot]
+    ctx: Any
+    values: Any
+    layout: list[tuple[int, int, int]]
 
 
 class Generation:
@@ -352,7 +441,7 @@ class Batcher:
 
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
-                 prompt_cache_min_tokens: int = 16) -> None:
+                 prompt_cache_min_tokens: int = 16, run_ahead: bool = True) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -383,6 +472,9 @@ class Batcher:
         # while they are in it), and those requests in the merged caches' row order.
         self._merged = BatchCaches()
         self._in_merged: list[_Slot] = []
+        #: decode steps run one ahead (see :meth:`step`); off: each step is awaited before the next is built
+        self.run_ahead = run_ahead
+        self._inflight: _Step | None = None  # the decode step queued last and not completed yet
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
         self.tokens = 0           # tokens generated
@@ -390,6 +482,8 @@ class Batcher:
         self.cached_tokens = 0    # prompt tokens taken from the prefix cache
         self.last_batch = 0       # requests in the last decode step
         self.peak_batch = 0       # most requests in one decode step
+        self.steps_ahead = 0      # decode steps queued on the previous step's lazy tokens
+        self.launch_seconds = 0.0  # host time spent building and queuing decode steps
 
     # -- views --------------------------------------------------------------------------------
 
@@ -476,9 +570,16 @@ class Batcher:
         self._active.clear()
         self._waiting.clear()
         self._forget_merged()
+        self._inflight = None  # the Runtime's quiesce waits for a step still on the stream
 
     async def step(self) -> None:
-        """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave."""
+        """One engine step: admit, one prefill chunk's worth, one decode step, let requests leave.
+
+        Decode steps run one ahead, as mlx-lm's own generation does: the step over the batch is
+        queued on the previous step's lazy tokens before those are awaited, so the stream
+        computes while the host hands the previous tokens out and builds the next step (see
+        :meth:`_launch_ahead`). A step launched here is completed by the next engine step.
+        """
         self._leave()
         self._admit()
         used = 0
@@ -490,10 +591,23 @@ class Batcher:
                 continue  # a smaller one may still fit this step
             await self._prefill(slot, n)
             used += n
-        batch = [s for s in self._active if not s.prefilling and not s.cancelled and not s.done and s.todo]
-        if batch:
-            await self._decode(batch)
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._inflight = await self._launch_ahead(prev)
+            failure = await self._complete(prev)
+            if failure is not None and self._inflight is not None:
+                # The step behind it was queued on its tokens: it goes with it.
+                nxt, self._inflight = self._inflight, None
+                await self._abandon(nxt, failure)
+        if self._inflight is None:
+            batch = self._decoding()
+            if batch:
+                self._inflight = await self._launch(batch, None)
         self._leave()
+
+    def _decoding(self) -> list[_Slot]:
+        """The requests that take part in the next decode step, in admission order."""
+        return [s for s in self._active if not s.prefilling and not s.cancelled and not s.done and s.todo]
 
     def _prefill_order(self) -> list[_Slot]:
         """Who prefills this step: the least remaining prompt first (short prompts reach their
@@ -535,10 +649,50 @@ class Batcher:
         del slot.todo[:n]
         self.prefill_tokens += n
 
-    async def _decode(self, batch: list[_Slot]) -> None:
+    # -- decode steps -----------------------------------------------------------------------
+
+    async def _launch_ahead(self, prev: _Step) -> _Step | None:
+        """Queue the next decode step on ``prev``'s lazy tokens, before ``prev`` is awaited; None
+        when it cannot be (then the step is launched after ``prev`` completes).
+
+        The batch: ``prev``'s requests that do not end by length with ``prev`` (one that ends with
+        an EOS token gets a step computed for nothing, as in mlx-lm), then requests that finished
+        their prefill. It runs ahead only when every decision it needs is on the host already:
+        the step is queued (a per-layer step would wait for ``prev`` at its first layer), no
+        continuing request's sampler needs its last token (penalties look at past tokens), and
+        the caches' rows can change without reading the device (:attr:`BatchCaches.tracked`).
+        """
+        if not self.run_ahead or prev.ctx is None:
+            return None
+        kind = getattr(self.model.forward, "kind", None)
+        if kind is None:  # a forward without queued steps
+            return None
+        in_prev = set(prev.batch)
+        going = [s for s in prev.batch if not (s.done or s.cancelled) and s.generated + 1 < s.max_tokens]
+        batch = going + [s for s in self._decoding() if s not in in_prev]
+        if not batch or any(s.sampler.processors for s in going):
+            return None
+        if not self._merged.tracked:
+            return None
+        if len(batch) > 1 and not self._can_merge(batch):
+            return None
         import mlx.core as mx
 
-        from .sampling import draw_step, unpack
+        from ..models.forward import StepMode
+
+        if kind(self.model.forward.context([], self.source), mx.zeros((len(batch), 1), mx.int32)) \
+                is not StepMode.QUEUED:
+            return None
+        step = await self._launch(batch, prev)
+        if step is not None:
+            self.steps_ahead += 1
+        return step
+
+    async def _launch(self, batch: list[_Slot], prev: _Step | None) -> _Step | None:
+        """Build and queue one decode step over ``batch`` (each request's input: its last token on
+        the host, or for a request in ``prev``, ``prev``'s lazy token); returns it, not awaited.
+        None if it failed (its requests failed with it)."""
+        from .sampling import draw_step
 
         layout: list[tuple[int, int, int]] = []
 
@@ -547,29 +701,76 @@ class Batcher:
             layout.extend(lay)
             return values
 
+        started = time.perf_counter()
         try:
             if len(batch) > 1 and self._can_merge(batch):
                 batch = self._merge(batch)
-                tokens = mx.array([[s.todo[0]] for s in batch])
-                values = await self._merged.step(self.model, tokens, self.source, sample)
+                ctx, values = await self._merged.launch(self.model, self._inputs(batch, prev), self.source, sample)
             else:
                 self._unmerge()
-                caches = [s.cache for s in batch]
-                assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
-                tokens = mx.array([[s.todo[0]] for s in batch])
-                values = await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
-                                         [s.predictor for s in batch], sample)
-            results = unpack(values.tolist(), layout)
+                tokens = self._inputs(batch, prev)
+                if len(batch) == 1:
+                    (s,) = batch
+                    fwd = self.model.forward
+                    ctx = fwd.context(s.cache, self.source, s.predictor)
+                    values = sample((await fwd.step(ctx, tokens))[:, -1, :])
+                else:  # caches without a batched form: one after the other, awaited here
+                    caches = [s.cache for s in batch]
+                    assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
+                    ctx, values = None, await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
+                                                        [s.predictor for s in batch], sample)
         except Exception as exc:
             log.exception("decode step failed")
             self._forget_merged()  # its rows may be half-updated
             for s in batch:
                 self._fail(s, exc)
-            return
+            return None
+        finally:
+            self.launch_seconds += time.perf_counter() - started
+        return _Step(batch, ctx, values, layout)
+
+    def _inputs(self, batch: list[_Slot], prev: _Step | None) -> Any:
+        """The step's input tokens (B, 1): each request's last token, lazy from ``prev`` for the
+        requests in it (their token as ``prev`` sampled it, exactly: ids below 2**24 are exact in
+        the packed float32 draws), from the host for the others."""
+        import mlx.core as mx
+
+        if prev is None:
+            return mx.array([[s.todo[0]] for s in batch])
+        at = {s: lay[0] for s, lay in zip(prev.batch, prev.layout)}
+        host = [s.todo[0] for s in batch if s not in at]
+        index, extra = [], prev.values.shape[0]
+        for s in batch:
+            if s in at:
+                index.append(at[s])
+            else:
+                index.append(extra)
+                extra += 1
+        values = prev.values if not host else mx.concatenate([prev.values, mx.array(host, dtype=mx.float32)])
+        return values[mx.array(index)].astype(mx.int32).reshape(-1, 1)
+
+    async def _complete(self, step: _Step) -> BaseException | None:
+        """Await ``step``, hand each request its token, let finished requests go; returns the
+        error the step failed with (its requests failed with it), or None."""
+        from .sampling import unpack
+
+        try:
+            if step.ctx is not None:
+                await self.model.forward.finish(step.ctx, step.values)
+            results = unpack(step.values.tolist(), step.layout)
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._forget_merged()  # its rows may be half-updated
+            for s in step.batch:
+                self._fail(s, exc)
+            return exc
+        batch = step.batch
         self.steps += 1
         self.last_batch = len(batch)
         self.peak_batch = max(self.peak_batch, len(batch))
         for s, (token, lp, alts) in zip(batch, results):
+            if s.done:  # failed meanwhile
+                continue
             s.fed.append(s.todo[0])
             s.todo = [token]
             s.generated += 1
@@ -583,6 +784,17 @@ class Batcher:
                 self._finish(s, "stop")
             elif s.generated >= s.max_tokens:
                 self._finish(s, "length")
+        return None
+
+    async def _abandon(self, step: _Step, failure: BaseException) -> None:
+        """``step`` was queued on the tokens of a step that failed: wait until the stream is done
+        with it (so the expert source has learned what it did), then fail its requests."""
+        if step.ctx is not None:
+            with contextlib.suppress(Exception):
+                await self.model.forward.finish(step.ctx, step.values)
+        self._forget_merged()
+        for s in step.batch:
+            self._fail(s, failure)
 
     def _can_merge(self, batch: list[_Slot]) -> bool:
         return all(s.cache is None or mergeable(s.cache) for s in batch)
@@ -592,6 +804,13 @@ class Batcher:
         in those that joined. Returns the batch in the merged caches' row order."""
         wanted = set(batch)
         gone = [i for i, s in enumerate(self._in_merged) if s not in wanted]
+        if gone and self.prefix_cache.enabled:
+            # A request leaving before its last token was handed out (run ahead: it ends by length
+            # with the step in flight) takes its own cache along, for the prefix cache.
+            for i in gone:
+                s = self._in_merged[i]
+                if not s.done:
+                    s.cache = self._merged.extract(i)
         if gone:
             self._merged.drop(gone)
             self._in_merged = [s for s in self._in_merged if s in wanted]
@@ -631,15 +850,17 @@ class Batcher:
             return
         slot.done = True
         slot.finish_reason = reason
+        # A request in the step in flight has its last token's keys and values in the cache too.
+        held = slot.fed + slot.todo[:1] if self._inflight is not None and slot in self._inflight.batch else slot.fed
         slot.todo = []
         duration = time.monotonic() - slot.submitted
         self._duration_ewma = 0.8 * self._duration_ewma + 0.2 * duration
-        if keep_cache and slot.fed and self.prefix_cache.enabled:
+        if keep_cache and held and self.prefix_cache.enabled:
             cache = slot.cache
             if cache is None and slot in self._in_merged:
                 cache = self._merged.extract(self._in_merged.index(slot))
             if cache is not None:
-                self.prefix_cache.insert(slot.fed, cache)
+                self.prefix_cache.insert(held, cache)
         slot.cache = None
         slot.send.close()
 

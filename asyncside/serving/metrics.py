@@ -269,6 +269,8 @@ class ServerMetrics:
         r.gauge("asyncside_engine_requests", "Requests in the engine (prefilling or decoding)", of("active"))
         r.gauge("asyncside_waiting_requests", "Requests queued for an engine slot", of("waiting"))
         r.gauge("asyncside_decode_steps", "Decode steps taken by the engine", of("steps"))
+        r.gauge("asyncside_decode_steps_ahead", "Decode steps queued on the previous step's lazy tokens",
+                of("steps_ahead"))
         r.gauge("asyncside_prefill_tokens", "Prompt tokens computed by the engine", of("prefill_tokens"))
         r.add_collector(self._runtime_metrics)
 

@@ -9,7 +9,8 @@
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
-# arguments, once per client count in AB_SERVE_CLIENTS, default "1 8").
+# arguments, once per client count in AB_SERVE_CLIENTS, default "1 8"), HOST_TIME="1 8" (then
+# tools/step_host_time.py at those batch sizes).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -35,6 +36,9 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
 python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
+
+log "embedded model (a fresh machine builds it: not inside a test's timeout)"
+python3 -c "from asyncside.models.embedded import ensure_embedded_default as e; print(e(None)[0])"
 
 log "GPU tests"
 timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
@@ -63,6 +67,14 @@ for r in 0.5 0.25; do
   timeout 300 python3 tools/ab_decode.py --switch "$1" --values "$2" "$3" --resident $r --rounds ${AB_ROUNDS:-3} \
     --tokens 48 --json > "$OUT/ab-$1-$r.json" 2> "$OUT/ab-$1-$r.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != 'rounds'}); [print(r) for r in d['rounds']]" "$OUT/ab-$1-$r.json" || tail -20 "$OUT/ab-$1-$r.err"
+done
+fi
+if [ -n "${HOST_TIME:-}" ]; then
+export PYTHONPATH=/tmp/site:$PWD
+for b in $HOST_TIME; do
+  log "host time per decode step, batch $b"
+  timeout 300 python3 tools/step_host_time.py --batch $b --json > "$OUT/step-host-time-$b.json" 2> "$OUT/step-host-time-$b.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, {a: round(b, 3) for a, b in v.items()}) for k, v in d.items() if isinstance(v, dict)]" "$OUT/step-host-time-$b.json" || tail -20 "$OUT/step-host-time-$b.err"
 done
 fi
 if [ -n "${AB_SERVE:-}" ]; then
