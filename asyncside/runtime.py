@@ -1073,6 +1073,10 @@ class Runtime:
             self._notify()  # what this ensure protected may now be evicted by a younger one
             self._stats["stall_time_s"] += time.perf_counter() - t0
 
+    def n_experts(self, layer: int) -> int:
+        """How many experts ``layer`` has."""
+        return int(self._layer(layer).spec.n_experts)
+
     def lookup(self, layer: int) -> mx.array:
         """The expert -> row table of ``layer`` (int32, -1 for absent) as an ``mx.array``."""
         st = self._layer(layer)

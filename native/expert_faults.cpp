@@ -301,11 +301,13 @@ int64_t FaultTable::pick_row_locked(uint64_t stamp) {
 
 void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
-  pairs_.fetch_add(ids.size(), std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
+  uint64_t pairs = 0;
   for (int64_t e : ids) {
+    if (e == kNoExpert) continue;
+    ++pairs;
     if (e < 0 || e >= n_experts_) {
       throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) + ": routed expert id " +
                                std::to_string(e) + " is outside [0, " + std::to_string(n_experts_) + ")");
@@ -315,6 +317,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       uniq.push_back(e);
     }
   }
+  pairs_.fetch_add(pairs, std::memory_order_relaxed);
   for (int64_t e : uniq) log_.used.push_back(static_cast<int32_t>(e));
   log_.used_sizes.push_back(static_cast<int32_t>(uniq.size()));
   std::vector<int64_t> missing;
@@ -401,6 +404,10 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] == kNoExpert) {
+      out[i] = 0u;
+      continue;
+    }
     const int32_t r = table_[static_cast<size_t>(ids[i])];
     out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
   }

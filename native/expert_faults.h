@@ -96,6 +96,11 @@ class HostRecordSink final : public RecordSink {
 // Free lent rows always go first; a row whose expert the current step routes is never taken.
 enum class VictimOrder { LendOrder = 0, Recency = 1, Decayed = 2 };
 
+// A routed id that names no expert (2**32 - 1, whatever the ids' dtype): resolve() maps it to row 0
+// without a fault or a use. Queued steps route pairs whose products they discard this way (a slice
+// of a switch that is not that pair's; see asyncside/models/queued.py).
+inline constexpr int64_t kNoExpert = 0xFFFFFFFFll;
+
 class FaultTable {
  public:
   // Takes ownership of `fd` (closed by the destructor). `path` and `layer` only name errors.
@@ -128,7 +133,7 @@ class FaultTable {
   void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
 
   // ---- stream thread ----
-  // Map ids[i] to rows in out[i], faulting absent experts in. Throws std::runtime_error naming
+  // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else). Throws std::runtime_error naming
   // the layer, expert and row when a fault fails (the step fails; the event log says which row
   // the ledger must free).
   void resolve(const std::vector<int64_t>& ids, uint32_t* out);

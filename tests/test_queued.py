@@ -9,6 +9,7 @@ row; the native table refuses bad input with clear errors.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pathlib
@@ -62,10 +63,13 @@ def _top_k(config: dict) -> int:
     return int(config.get("num_experts_per_tok", 2))
 
 
+@pytest.mark.parametrize("slices", ["experts", "pairs"])
 @pytest.mark.parametrize("quant", ["float", "q4"])
 @pytest.mark.parametrize("model_type", sorted(BASE))
 def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str,
-                                                    read_threads: int) -> None:
+                                                    slices: str, read_threads: int) -> None:
+    if slices == "pairs" and model_type != "qwen3_moe":
+        pytest.skip("slices of pairs (ForwardOptions(expert_slices=False)): one architecture is enough")
     if quant == "q4" and model_type == "gpt_oss":
         pytest.skip("tiny gpt_oss shapes do not quantize with group size 64")
     if quant == "q4" and mx.default_device() == mx.gpu:
@@ -81,7 +85,8 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     ref_cache = make_prompt_cache(model)
     ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
     mx.eval(ref_logits)
-    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    options = QUEUED if slices == "experts" else dataclasses.replace(QUEUED, expert_slices=False)
+    sm = load_streaming_model(store_dir, completed=completed, options=options)
     k = _top_k(sm.config)
 
     async def main() -> tuple[list[int], list[mx.array], dict, dict]:
@@ -102,13 +107,18 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     for i, (a, b) in enumerate(zip(ref_logits, logits)):
         assert a.shape == b.shape
         assert mx.array_equal(a, b).item(), f"step {i}: logits differ (max {mx.abs(a - b).max().item()})"
-    counters = sm.forward_with(QUEUED).counters
+    counters = sm.forward_with(options).counters
     # The 12-token prompt step routes more experts than a layer has rows: it ran queued too, its
     # switches resolving one token's experts at a time (and its logits are still exact); the
-    # 40-token step and the prefills of both generations too, the long ones in sorted parts.
+    # 40-token step and the prefills of both generations too, the long ones sorted by expert and
+    # resolved in slices of at most a layer's rows of distinct experts (or of pairs).
     assert counters["queued"] == 2 * NEW_TOKENS + len(steps) and counters["fallbacks"] == 0
     assert counters["queued_prefill"] == 2 and counters["per_layer"] == 0
-    assert counters["token_parts"] > 0 and counters["sorted_parts"] > 0
+    assert counters["token_parts"] > 0
+    if slices == "experts":
+        assert counters["expert_slices"] > 0 and counters["sorted_parts"] == 0
+    else:
+        assert counters["sorted_parts"] > 0 and counters["expert_slices"] == 0
     assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
     assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
     assert stats["bytes_read"] >= stats["faults"] * ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
@@ -248,7 +258,7 @@ def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
             assert intruded == ["ensured"]
             assert mx.array_equal(logits[0], ref).item()
             assert rt.stats()["failed_fills"] == 0
-            assert sm.forward_with(QUEUED).counters["sorted_parts"] > 0  # a long queued step, in slices
+            assert sm.forward_with(QUEUED).counters["expert_slices"] > 0  # a long queued step, in slices
 
             async def broken_between_layers() -> None:
                 raise RuntimeError("build failed")
@@ -308,6 +318,26 @@ def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> Non
     assert sorted(_events(table)[:, 4].tolist()) == [-2, 0, 0, 0, 0]
     counters = table.counters()
     assert counters["faults"] == 7 and counters["fault_errors"] == 1
+
+
+def test_no_expert_ids_map_to_row_zero_without_a_fault_or_a_use(tmp_path: pathlib.Path) -> None:
+    store, pools, table = _table(tmp_path)
+    table.lend([3, 1])
+    before = table.counters()
+    from asyncside.models.queued import NO_EXPERT
+
+    ids = mx.array([NO_EXPERT, 7, NO_EXPERT, 7], dtype=mx.uint32)
+    rows = _native.expert_rows(ids, table, CPU) + 0
+    assert np.array(rows).tolist() == [0, 3, 0, 3]
+    counters = table.counters()
+    assert counters["faults"] - before["faults"] == 1  # expert 7 only
+    assert counters["pairs"] - before["pairs"] == 2
+    drained = table.drain()
+    assert np.frombuffer(drained[1], dtype=np.int32).tolist() == [7]  # the uses: expert 7, once
+    # Only 2**32 - 1 means "no expert": any other id past the table still fails the step.
+    bad = _native.expert_rows(mx.array([NO_EXPERT - 1], dtype=mx.uint32), table, CPU) + 0
+    with pytest.raises(RuntimeError, match="outside"):
+        mx.eval(bad)
 
 
 def test_fault_table_refuses_bad_input(tmp_path: pathlib.Path) -> None:

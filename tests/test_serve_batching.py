@@ -97,7 +97,7 @@ async def test_batched_greedy_equals_mlx_lm_all_resident(request: pytest.Fixture
     if prefill == "queued":  # every chunk of every prompt was a queued step, the long ones in sorted slices
         counters = sm.forward.counters
         assert counters["queued_prefill"] - before["queued_prefill"] == counters["prefill"] - before["prefill"] > 4
-        assert counters["sorted_parts"] > before["sorted_parts"]
+        assert counters["expert_slices"] > before["expert_slices"]
 
 
 @pytest.mark.asyncio

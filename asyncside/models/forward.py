@@ -71,12 +71,17 @@ class ForwardOptions:
     GPU, where a per-layer prefill's host round trips cost more than its compute (1.25x a single
     stream's tok/s, 1.32x 8 clients' on the H200); not on the CPU, where compute dominates and
     it gains little (1.06x at 8 clients on the dev VM).
+    ``expert_slices``: a queued step's sorted switch (a prefill chunk, a large batch) whose experts
+    may not fit a layer's lendable rows at once resolves them in slices of that many distinct
+    experts, each slice computing every pair (``ceil(distinct / rows)`` resolves per layer);
+    off: in slices of that many pairs (``ceil(pairs / rows)`` resolves, no product computed twice).
     """
 
     mode: StepMode = StepMode.AUTO
     speculate: bool = True
     lookahead_extra: int = 0
     queued_prefill: bool | None = None
+    expert_slices: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -87,6 +92,8 @@ class ForwardOptions:
             raise ValueError(f"lookahead_extra: expected an int >= 0, got {self.lookahead_extra!r}")
         if self.queued_prefill not in (None, True, False):
             raise ValueError(f"queued_prefill: expected True, False or None, got {self.queued_prefill!r}")
+        if self.expert_slices not in (True, False):
+            raise ValueError(f"expert_slices: expected True or False, got {self.expert_slices!r}")
 
 
 async def eval_completed(x: mx.array) -> None:
@@ -124,7 +131,8 @@ class AsyncForward:
         self.completed = completed
         self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
                          "speculated": 0, "speculation_misses": 0, "optimistic": 0, "optimistic_redone": 0,
-                         "queued": 0, "queued_prefill": 0, "sorted_parts": 0, "token_parts": 0, "per_layer": 0,
+                         "queued": 0, "queued_prefill": 0, "sorted_parts": 0, "expert_slices": 0, "token_parts": 0,
+                         "per_layer": 0,
                          "prefill": 0, "fallbacks": 0}
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
         # bridge too, which never lets MLX's async_eval throttle block the loop.
@@ -139,7 +147,8 @@ class AsyncForward:
         self.per_layer = PerLayerSteps(self.walk, completed, schedule, self.counters,
                                        speculate=self.options.speculate, then_ok=then_ok)
         self.whole = WholeSteps(self.per_layer)
-        self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok)
+        self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
+                                  expert_slices=self.options.expert_slices)
         qp = self.options.queued_prefill
         self._queued_prefill = qp if qp is not None else mx.default_device() == mx.gpu
 

@@ -62,14 +62,20 @@ class QueuedSource(Protocol):
     async def quiesce(self) -> None: ...
 
 
+#: a routed id naming no expert (the native fault node maps it to row 0, without a fault or a use)
+NO_EXPERT = 0xFFFFFFFF
+
+
 class QueuedSteps:
     """Decode steps queued whole, misses served by the source inside the stream."""
 
-    def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool) -> None:
+    def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool,
+                 expert_slices: bool = True) -> None:
         self.walk = walk
         self.completed = completed
         self.counters = counters
         self._bridged = bridged
+        self._expert_slices = expert_slices
         self._is_queued: dict[type, bool] = {}
 
     def pairs(self, inputs: mx.array) -> int:
@@ -150,6 +156,11 @@ class QueuedSteps:
                 if part is None or inds.size <= part:
                     return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
                 if inds.size >= SORT_THRESHOLD:
+                    n_experts = getattr(source, "n_experts", None)
+                    slices = -(-min(inds.size, n_experts(i)) // part) if n_experts is not None else 0
+                    if self._expert_slices and 0 < slices < -(-inds.size // part):
+                        counters["expert_slices"] += slices
+                        return _expert_slices_switch(source, i, spec, activation, x_sw, inds, pools, part, slices)
                     counters["sorted_parts"] += -(-inds.size // part)
                     return _sorted_parts_switch(source, i, spec, activation, x_sw, inds, pools, part)
                 tokens, split = inds.size // inds.shape[-1], part // inds.shape[-1]
@@ -228,6 +239,41 @@ def _sorted_parts_switch(source: QueuedSource, layer: int, spec: Any, activation
         rows = source.expert_rows(layer, _after(outs[-1] if outs else None, ids[start:start + part]))
         outs.append(pooled_switch_apply(spec, activation, x[start:start + part], rows[:, None], pools, sort=True))
     y = mx.concatenate(outs, axis=0)[inv]
+    return y.reshape(*inds.shape, y.shape[-1])
+
+
+def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array,
+                          inds: mx.array, pools: Any, capacity: int, slices: int) -> mx.array:
+    """A sorted switch layer's output with its experts resolved ``capacity`` experts at a time.
+
+    The pairs are sorted by expert id in the graph and each is ranked by its expert among the
+    distinct experts routed (0 for the lowest id, ...). Slice ``j`` resolves the experts ranked
+    ``[j * capacity, (j + 1) * capacity)`` (every other pair's id becomes :data:`NO_EXPERT`, which
+    faults nothing) and computes every pair, keeping the products of its own pairs. So a layer
+    takes ``ceil(distinct / capacity)`` resolves however many pairs route to them, each expert
+    is read at most once, and all of a slice's misses are read side by side; the price is each
+    slice's products for the other slices' pairs, computed and dropped. Each slice's ids depend
+    through data on the previous slice's output (:func:`_after`), so its faults cannot evict
+    rows before the gathers that read them ran. A pair's product does not depend on the other
+    pairs of its gather, so the output is bitwise the unsplit one.
+    """
+    k = inds.shape[-1]
+    flat = inds.reshape(-1)
+    order = mx.argsort(flat)
+    inv = mx.argsort(order)
+    x = x_sw.reshape(-1, x_sw.shape[-1])[order // k]
+    ids = flat[order].astype(mx.uint32)
+    starts = mx.concatenate([mx.ones((1,), mx.int32), (ids[1:] != ids[:-1]).astype(mx.int32)])
+    rank = mx.cumsum(starts) - 1
+    none = mx.array(NO_EXPERT, dtype=mx.uint32)
+    y: mx.array | None = None
+    for j in range(slices):
+        mine = (rank >= j * capacity) & (rank < (j + 1) * capacity)
+        rows = source.expert_rows(layer, _after(y, mx.where(mine, ids, none)))
+        out = pooled_switch_apply(spec, activation, x, rows[:, None], pools, sort=True)
+        y = out if y is None else mx.where(mine[:, None, None], out, y)
+    assert y is not None
+    y = y[inv]
     return y.reshape(*inds.shape, y.shape[-1])
 
 
