@@ -36,6 +36,14 @@ LONG_STEP_TOKENS = 16
 #: fault node on the stream); a step that would need more goes per layer
 MAX_RESOLVES_PER_LAYER = 64
 
+#: on the CPU, a decode step's graph is built with a checkpoint every this many layers (0: none).
+#: A whole step's build is 1.5-2.5 ms of Python on the loop thread on the dev VM (8 layers), more
+#: than the 2 ms a loop should stay blocked. The demo's loop lag p99, runs alternated (medians;
+#: benchmarks/looplag-decode-checkpoints-cpu.json): 2.14 ms with none (6 runs), 2.32 every 4 layers
+#: (2), 1.84 every 2 (4), 1.42 every layer (4), decode vs mlx-lm unchanged (0.91 / 0.93x).
+#: On a GPU the build is the step's critical path and runs whole.
+DECODE_CHECKPOINT_LAYERS = 1
+
 
 @runtime_checkable
 class QueuedSource(Protocol):
@@ -77,6 +85,7 @@ class QueuedSteps:
         self._bridged = bridged
         self._expert_slices = expert_slices
         self._is_queued: dict[type, bool] = {}
+        self._on_cpu = mx.default_device() == mx.cpu
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -135,14 +144,15 @@ class QueuedSteps:
     async def _build(self, ctx: StepContext, source: Any, inputs: mx.array, logits: bool) -> mx.array:
         """The step's graph (lazy). A long step (a prefill chunk) lets the loop run between its
         layers: its whole graph is thousands of nodes, built in Python on the loop thread (the
-        source's quiesce() waits for a step being built, so nothing takes its rows meanwhile)."""
+        source's quiesce() waits for a step being built, so nothing takes its rows meanwhile).
+        On the CPU a decode step lets it run every :data:`DECODE_CHECKPOINT_LAYERS` layers."""
         walk = self.walk
         h = walk.embed(inputs)
         masks = walk.masks(h, ctx.cache)
         routed, part, counters = ctx.routed, ctx.part, self.counters
-        long_step = inputs.shape[-1] >= LONG_STEP_TOKENS
+        every = 1 if inputs.shape[-1] >= LONG_STEP_TOKENS else DECODE_CHECKPOINT_LAYERS if self._on_cpu else 0
         for i in range(len(walk.layers)):
-            if long_step and i:
+            if every and i and i % every == 0:
                 await between_layers()
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
             if i not in walk.moe:
