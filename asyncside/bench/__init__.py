@@ -57,6 +57,8 @@ BENCHES: dict[str, Bench] = {
               ok=lambda result: bool(result.get("tokens_identical", False))),
         Bench("serve", "concurrent streaming clients against `asyncside serve`",
               "add_serve_bench_arguments", "run_serve_bench"),
+        Bench("step", "host time per decode step, phase by phase, beside mlx-lm's",
+              "add_step_arguments", "run_step_bench"),
         Bench("pipeline", "pipeline ranks on this machine vs one process: tok/s, boundary cost, memory",
               "add_pipeline_arguments", "run_pipeline_bench", where="asyncside.distributed.bench"),
         Bench("device", "upload bandwidth into MLX CUDA device pools beside pinned cudaMemcpy",

@@ -14,6 +14,7 @@ scheduled, and ``source.after_step`` once its token was awaited.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio.lowlevel
@@ -86,6 +87,11 @@ class QueuedSteps:
         self._expert_slices = expert_slices
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
+        #: host time spent on queued steps, in ns, by phase (``asyncside bench step`` reads it):
+        #: ``begin`` (source.begin_step), ``build`` (the graph, checkpoints included), ``end``
+        #: (source.end_step), ``plan`` (walking the graph), ``schedule`` (handing it to MLX:
+        #: ``async_eval``, on a GPU the encoding of every kernel), and ``steps``
+        self.host_ns = {"begin": 0, "build": 0, "end": 0, "plan": 0, "schedule": 0, "steps": 0}
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -125,17 +131,25 @@ class QueuedSteps:
         """
         source = ctx.source
         assert isinstance(source, QueuedSource)
+        host = self.host_ns
+        t0 = time.perf_counter_ns()
         source.begin_step(self.pairs(inputs))
+        t1 = time.perf_counter_ns()
         try:
             out = await self._build(ctx, source, inputs, logits)
         except BaseException:
             source.abandon_step()
             raise
+        t2 = time.perf_counter_ns()
         # Registered before scheduling: _schedule awaits between pieces of the graph, and a
         # quiesce() meanwhile (another task's ensure, the runtime closing, a cancel) must wait
         # for this step too before it takes the lent rows back; the stream may be faulting rows
         # in for its first layers already. quiesce() schedules what this task did not get to.
         source.end_step(out)
+        host["begin"] += t1 - t0
+        host["build"] += t2 - t1
+        host["end"] += time.perf_counter_ns() - t2
+        host["steps"] += 1
         await self._schedule(out)
         self.counters["queued" if logits else "queued_prefill"] += 1
         self.counters["forwards"] += 1
@@ -187,15 +201,24 @@ class QueuedSteps:
         """Hand the step to MLX without blocking the loop: in chunks that fit under MLX's eval
         throttle, awaiting a node in the middle of each chunk before the next (native StepPlan:
         one walk of the graph per step)."""
+        host = self.host_ns
         if not self._bridged:
+            t = time.perf_counter_ns()
             mx.async_eval(out)  # an injected completion (tests): MLX may block the caller
+            host["schedule"] += time.perf_counter_ns() - t
             return
+        t = time.perf_counter_ns()
         plan = _native.StepPlan([out])
+        t1 = time.perf_counter_ns()
+        host["plan"] += t1 - t
         while True:
             done, wait_on = plan.advance()
+            t2 = time.perf_counter_ns()
+            host["schedule"] += t2 - t1
             if done:
                 return
             await self.completed(wait_on)
+            t1 = time.perf_counter_ns()
 
     @staticmethod
     def record_routes(ctx: StepContext) -> None:

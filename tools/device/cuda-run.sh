@@ -10,7 +10,7 @@
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
 # arguments, once per client count in AB_SERVE_CLIENTS, default "1 8"), HOST_TIME="1 8" (then
-# tools/step_host_time.py at those batch sizes).
+# asyncside bench step at those batch sizes).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -73,8 +73,8 @@ if [ -n "${HOST_TIME:-}" ]; then
 export PYTHONPATH=/tmp/site:$PWD
 for b in $HOST_TIME; do
   log "host time per decode step, batch $b"
-  timeout 300 python3 tools/step_host_time.py --batch $b --json > "$OUT/step-host-time-$b.json" 2> "$OUT/step-host-time-$b.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, {a: round(b, 3) for a, b in v.items()}) for k, v in d.items() if isinstance(v, dict)]" "$OUT/step-host-time-$b.json" || tail -20 "$OUT/step-host-time-$b.err"
+  timeout 300 python3 -m asyncside.bench.step --batch $b --json > "$OUT/bench-step-$b.json" 2> "$OUT/bench-step-$b.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(r['batch'], k, {a: round(b, 3) for a, b in r[k].items()}) for r in d['rows'] for k in ('mlx_lm_ms', 'asyncside_ms')]" "$OUT/bench-step-$b.json" || tail -20 "$OUT/bench-step-$b.err"
 done
 fi
 if [ -n "${AB_SERVE:-}" ]; then

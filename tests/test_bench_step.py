@@ -1,0 +1,36 @@
+"""`asyncside bench step --quick` runs end to end: every phase reported, every timed step queued
+(a step that fell back to the per-layer path would not be the step this bench is about)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncside.bench import step as bench
+
+
+def test_quick_bench_reports_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--quick", "--json", "--batch", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bench"] == "step" and [r["batch"] for r in result["rows"]] == [1]
+    (row,) = result["rows"]
+    ours, theirs = row["asyncside_ms"], row["mlx_lm_ms"]
+    assert set(ours) == {*bench.PHASES_OURS, "host", "step"}
+    assert set(theirs) == {*bench.PHASES_MLX_LM, "host", "step"}
+    assert all(v >= 0 for v in (*ours.values(), *theirs.values()))
+    assert 0 < ours["build"] <= ours["host"] <= ours["step"]
+    assert 0 < theirs["build"] <= theirs["host"] <= theirs["step"]
+    assert row["queued_steps"] == result["steps"] * result["reported_rounds"]
+    assert row["host_ratio"] == pytest.approx(ours["host"] / theirs["host"])
+
+
+def test_bench_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError, match="--steps and --rounds must be >= 1"):
+        bench.main(["--steps", "0"])
+
+
+def test_table_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--quick", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host time per decode step" in out and "asyncside" in out and "mlx-lm" in out
