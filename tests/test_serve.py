@@ -313,6 +313,10 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
     for key in ("hits", "misses", "bytes_read", "stall_time_s"):
         assert f"asyncside_runtime_{key}" in s, key
     assert s["asyncside_runtime_bytes_read"] > 0  # resident=0.5: experts were streamed
+    # Host time per step is observable: the decode steps were queued steps, timed by phase.
+    assert s["asyncside_queued_steps_built"] >= 1 and s["asyncside_decode_launch_seconds"] > 0
+    assert s["asyncside_queued_step_host_seconds_build"] > 0
+    assert s["asyncside_queued_step_host_seconds_schedule"] > 0
 
 
 def test_bench_serve_runs_all_phases(served_model: str) -> None:

@@ -271,6 +271,25 @@ class ServerMetrics:
         r.gauge("asyncside_decode_steps", "Decode steps taken by the engine", of("steps"))
         r.gauge("asyncside_decode_steps_ahead", "Decode steps queued on the previous step's lazy tokens",
                 of("steps_ahead"))
+        r.gauge("asyncside_decode_launch_seconds", "Host time spent building and queuing decode steps",
+                of("launch_seconds"))
+
+        def host(phase: str) -> Callable[[], float]:
+            def read() -> float:
+                # The forward's queued steps count host time by phase (prefill chunks included).
+                ns = getattr(getattr(getattr(getattr(engine(), "model", None), "forward", None), "queued", None),
+                             "host_ns", None)
+                if not isinstance(ns, Mapping):
+                    return 0.0
+                return float(ns.get(phase, 0)) if phase == "steps" else float(ns.get(phase, 0)) / 1e9
+            return read
+
+        r.gauge("asyncside_queued_steps_built", "Queued steps built (decode steps and prefill chunks)", host("steps"))
+        for phase, what in (("begin", "the expert source's bookkeeping before a step"),
+                            ("build", "building a step's graph"), ("end", "the expert source's bookkeeping after"),
+                            ("plan", "walking a step's graph"),
+                            ("schedule", "handing a step to MLX (on a GPU: encoding its kernels)")):
+            r.gauge(f"asyncside_queued_step_host_seconds_{phase}", f"Host time in queued steps: {what}", host(phase))
         r.gauge("asyncside_prefill_tokens", "Prompt tokens computed by the engine", of("prefill_tokens"))
         r.add_collector(self._runtime_metrics)
 
