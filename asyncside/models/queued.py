@@ -248,6 +248,16 @@ def _after(prev: mx.array | None, ids: mx.array) -> mx.array:
     return mx.where(first == first, ids, ids)
 
 
+def _sorted_pairs(x_sw: mx.array, inds: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """A switch's (token, expert) pairs sorted by expert id in the graph, as mlx-lm's sorted switch
+    sorts them: each pair's input row, its expert id, and the permutation that puts the pairs'
+    outputs back in order."""
+    k = inds.shape[-1]
+    flat = inds.reshape(-1)
+    order = mx.argsort(flat)
+    return x_sw.reshape(-1, x_sw.shape[-1])[order // k], flat[order], mx.argsort(order)
+
+
 def _sorted_parts_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array,
                          inds: mx.array, pools: Any, part: int) -> mx.array:
     """A sorted switch layer's output with its experts resolved ``part`` pairs at a time.
@@ -261,12 +271,7 @@ def _sorted_parts_switch(source: QueuedSource, layer: int, spec: Any, activation
     (:func:`_after`). Each pair's product does not depend on which other pairs share its gather
     (MLX computes a gather's rows independently), so the output is bitwise the unsplit one.
     """
-    k = inds.shape[-1]
-    flat = inds.reshape(-1)
-    order = mx.argsort(flat)
-    inv = mx.argsort(order)
-    x = x_sw.reshape(-1, x_sw.shape[-1])[order // k]
-    ids = flat[order]
+    x, ids, inv = _sorted_pairs(x_sw, inds)
     outs: list[mx.array] = []
     for start in range(0, ids.shape[0], part):
         rows = source.expert_rows(layer, _after(outs[-1] if outs else None, ids[start:start + part]))
@@ -290,12 +295,8 @@ def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activatio
     rows before the gathers that read them ran. A pair's product does not depend on the other
     pairs of its gather, so the output is bitwise the unsplit one.
     """
-    k = inds.shape[-1]
-    flat = inds.reshape(-1)
-    order = mx.argsort(flat)
-    inv = mx.argsort(order)
-    x = x_sw.reshape(-1, x_sw.shape[-1])[order // k]
-    ids = flat[order].astype(mx.uint32)
+    x, ids, inv = _sorted_pairs(x_sw, inds)
+    ids = ids.astype(mx.uint32)
     starts = mx.concatenate([mx.ones((1,), mx.int32), (ids[1:] != ids[:-1]).astype(mx.int32)])
     rank = mx.cumsum(starts) - 1
     none = mx.array(NO_EXPERT, dtype=mx.uint32)

@@ -309,13 +309,6 @@ class BatchCaches:
         ctx = fwd.context(self.layers, source)
         return ctx, sample((await fwd.step(ctx, tokens))[:, -1, :])
 
-    async def step(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]) -> Any:
-        """:meth:`launch`, then await: returns what ``sample`` built, computed, with one completion
-        for the step and the sampling together (not one for the logits first)."""
-        ctx, y = await self.launch(sm, tokens, source, sample)
-        await sm.forward.finish(ctx, y)
-        return y
-
 
 async def prefill_step(sm: ServedModel, tokens: Any, cache: list[Any], source: Any, predictor: Any) -> None:
     """Feed prompt tokens (1, n) through ``cache`` without computing logits (nobody reads them)."""
@@ -483,7 +476,7 @@ class Batcher:
         self.last_batch = 0       # requests in the last decode step
         self.peak_batch = 0       # most requests in one decode step
         self.steps_ahead = 0      # decode steps queued on the previous step's lazy tokens
-        self.launch_seconds = 0.0  # host time spent building and queuing decode steps
+        self.launch_seconds = 0.0  # wall time building and queuing decode steps (CPU: with the chunks awaited)
 
     # -- views --------------------------------------------------------------------------------
 

@@ -271,7 +271,8 @@ class ServerMetrics:
         r.gauge("asyncside_decode_steps", "Decode steps taken by the engine", of("steps"))
         r.gauge("asyncside_decode_steps_ahead", "Decode steps queued on the previous step's lazy tokens",
                 of("steps_ahead"))
-        r.gauge("asyncside_decode_launch_seconds", "Host time spent building and queuing decode steps",
+        r.gauge("asyncside_decode_launch_seconds",
+                "Wall time building and queuing decode steps (on the CPU with the chunks awaited in between)",
                 of("launch_seconds"))
 
         def host(phase: str) -> Callable[[], float]:
