@@ -133,9 +133,9 @@ class FaultTable {
   void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
 
   // ---- stream thread ----
-  // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else). Throws std::runtime_error naming
-  // the layer, expert and row when a fault fails (the step fails; the event log says which row
-  // the ledger must free).
+  // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else).
+  // Throws std::runtime_error naming the layer, expert and row when a fault fails (the step
+  // fails; the event log says which row the ledger must free).
   void resolve(const std::vector<int64_t>& ids, uint32_t* out);
 
  private:
