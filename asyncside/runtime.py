@@ -810,11 +810,15 @@ class Runtime:
                 await self._build_done.wait()
                 continue
             out = self._queued_outs[-1]
+            failed = None
             try:
                 await self._completed(out)
             except Exception:
-                pass  # the step's own awaiter hears of its failure; the fault log says what happened
-            self._queued_outs = [o for o in self._queued_outs if not _native_available(o)]
+                # The step's own awaiter hears of its failure; the fault log says what happened. A
+                # step MLX refused to schedule (its encoder raised: on a GPU, inside async_eval)
+                # never becomes available: it is done with too, or this loop would never end.
+                failed = out
+            self._queued_outs = [o for o in self._queued_outs if o is not failed and not _native_available(o)]
         self._reconcile_all()
         for st in self._layers.values():
             if st.faults is not None:

@@ -214,6 +214,56 @@ def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
     anyio.run(main)
 
 
+def test_a_step_mlx_refuses_to_schedule_fails_its_awaiter_and_the_runtime_still_closes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLX's encoder may raise while a queued step is handed to it (on a GPU inside async_eval: a
+    kernel node it cannot add). The step's awaiter must get that error, and quiesce() (the runtime
+    closing) must not wait for a step that was never scheduled: it looped forever, and on the H200
+    the whole test hung. Simulated here: the step's hand-off raises, and so does the runtime's own
+    completion of it, as MLX's encoder would a second time."""
+    from asyncside.models import queued as queued_mod
+
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    real_schedule = queued_mod.QueuedSteps._schedule
+    refused: list[mx.array] = []
+
+    async def refusing_schedule(self: object, out: mx.array) -> None:
+        refused.append(out)
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError("cudaGraphAddKernelNode: invalid device function (simulated)")
+
+    async def runtime_completed(x: mx.array) -> None:
+        if any(x is r for r in refused):
+            await anyio.lowlevel.checkpoint()
+            raise RuntimeError("cudaGraphAddKernelNode: invalid device function (simulated)")
+        await completed(x)
+
+    async def main() -> None:
+        with anyio.fail_after(30):
+            async with Runtime(sm.store, resident=0.0, min_side_rows=2 * k, completed=runtime_completed) as rt:
+                tokens: list[int] = []
+                with pytest.raises(RuntimeError, match="invalid device function"):
+                    async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt):
+                        tokens.append(t)
+                        if len(tokens) == 2:  # decoding queued steps: MLX refuses the next one
+                            monkeypatch.setattr(queued_mod.QueuedSteps, "_schedule", refusing_schedule)
+                assert refused and tokens == ref[:2]
+                await rt.quiesce()  # returns: the refused step is not waited for
+                assert not rt.queued_active
+                reports = rt.audit()
+                assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+                # The runtime still serves: the next generation is exact.
+                monkeypatch.setattr(queued_mod.QueuedSteps, "_schedule", real_schedule)
+                again = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
+                assert again == ref
+
+    anyio.run(main)
+
+
 def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
