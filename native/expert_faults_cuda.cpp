@@ -1,4 +1,4 @@
-// Queued steps on MLX CUDA: the fault node as a child graph of MLX's command encoder.
+// Queued steps on MLX CUDA: the fault node as three nodes of MLX's command graph.
 //
 //   kernel  ids -> pinned host memory
 //   host    resolve the ids in the fault table; a fault reads its record into the pinned host
@@ -8,15 +8,20 @@
 // A host node may not call the CUDA runtime, hence the kernels on both sides (memcpy nodes would
 // also keep MLX from updating its cached executable graphs in place). Host nodes run on the
 // driver's callback thread, one at a time in stream order; only C++ objects are touched there.
+// The kernels are MLX kernel nodes and the host node a one-node child graph under a fixed key:
+// MLX neither walks nor keys a child graph per fault node (H200, embedded model, batch 1: the
+// step's hand-off to MLX 1.84-1.91 ms against 2.03-2.24 ms as one three-node child graph).
 // Compiled only with -DASYNCSIDE_CUDA=ON; verified on the CUDA host, not on this build machine.
 #include "expert_faults.h"
 
 #include <cerrno>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #if defined(ASYNCSIDE_CUDA)
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "fault_kernels.h"
@@ -160,6 +165,37 @@ void CUDART_CB host_fault(void* data) {
   }
 }
 
+// The kernels' driver-API handles. libmlx links its own copy of the CUDA runtime, which knows
+// nothing of the kernels registered with ours: a runtime-API kernel node made by MLX's encoder
+// from our host stub would name a function MLX's runtime never registered. A CUfunction is the
+// driver's, shared by the whole process (looked up once, on the first encoding thread, where MLX
+// has made its device current).
+CUfunction driver_function(void* stub, const char* what) {
+  cudaFunction_t f = nullptr;
+  check(cudaGetFuncBySymbol(&f, stub), what);
+  return reinterpret_cast<CUfunction>(f);
+}
+
+CUfunction ids_to_host_function() {
+  static const CUfunction f = driver_function(cuda::ids_to_host_kernel(), "cudaGetFuncBySymbol (ids)");
+  return f;
+}
+
+CUfunction apply_plan_function() {
+  static const CUfunction f = driver_function(cuda::apply_plan_kernel(), "cudaGetFuncBySymbol (plan)");
+  return f;
+}
+
+// ASYNCSIDE_CUDA_FAULT_NODE=child encodes a fault node as one child graph of three nodes (the
+// form before 2026-12-02), kept to measure the two encodings side by side (asyncside bench step).
+bool child_graph_fault_nodes() {
+  static const bool child = [] {
+    const char* v = std::getenv("ASYNCSIDE_CUDA_FAULT_NODE");
+    return v != nullptr && std::string(v) == "child";
+  }();
+  return child;
+}
+
 }  // namespace
 
 std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mirror, std::vector<mx::array> pools,
@@ -189,46 +225,70 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
   }
   auto& enc = mx::cu::get_command_encoder(stream);
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  enc.set_input_array(ids);
-  enc.set_output_array(out);
   auto call = std::make_shared<HostCall>(HostCall{table, sink, n});
+  const uint32_t* ids_dev = reinterpret_cast<const uint32_t*>(device_ptr(ids));
+  uint32_t* ids_host_dev = sink->ids_dev();
+  const cuda::Plan* plan = sink->plan_dev();
+  const uint32_t* rows_host_dev = sink->rows_dev();
+  uint32_t* out_dev = reinterpret_cast<uint32_t*>(device_ptr(out));
+  uint32_t count = n;
+  void* args1[] = {&ids_dev, &ids_host_dev, &count};
+  void* args3[] = {&plan, &rows_host_dev, &out_dev, &count};
+  cudaHostNodeParams h{};
+  h.fn = host_fault;
+  h.userData = call.get();
 
-  cudaGraph_t graph;
-  check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
-  try {
-    const uint32_t* ids_dev = reinterpret_cast<const uint32_t*>(device_ptr(ids));
-    uint32_t* ids_host_dev = sink->ids_dev();
-    uint32_t count = n;
-    void* args1[] = {&ids_dev, &ids_host_dev, &count};
-    cudaKernelNodeParams k1{};
-    k1.func = cuda::ids_to_host_kernel();
-    k1.gridDim = dim3(1);
-    k1.blockDim = dim3(256);
-    k1.kernelParams = args1;
-    cudaGraphNode_t n1, n2, n3;
-    check(cudaGraphAddKernelNode(&n1, graph, nullptr, 0, &k1), "cudaGraphAddKernelNode (ids)");
-
-    cudaHostNodeParams h{};
-    h.fn = host_fault;
-    h.userData = call.get();
-    check(cudaGraphAddHostNode(&n2, graph, &n1, 1, &h), "cudaGraphAddHostNode");
-
-    const cuda::Plan* plan = sink->plan_dev();
-    const uint32_t* rows_host_dev = sink->rows_dev();
-    uint32_t* out_dev = reinterpret_cast<uint32_t*>(device_ptr(out));
-    void* args3[] = {&plan, &rows_host_dev, &out_dev, &count};
-    cudaKernelNodeParams k3{};
-    k3.func = cuda::apply_plan_kernel();
-    k3.gridDim = dim3(128);
-    k3.blockDim = dim3(256);
-    k3.kernelParams = args3;
-    check(cudaGraphAddKernelNode(&n3, graph, &n2, 1, &k3), "cudaGraphAddKernelNode (plan)");
-    enc.add_graph_node(graph);
-  } catch (...) {
+  if (child_graph_fault_nodes()) {
+    // The three pieces in one child graph, which MLX walks for its key and clones per node.
+    enc.set_input_array(ids);
+    enc.set_output_array(out);
+    cudaGraph_t graph;
+    check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+    try {
+      cudaKernelNodeParams k1{};
+      k1.func = cuda::ids_to_host_kernel();
+      k1.gridDim = dim3(1);
+      k1.blockDim = dim3(256);
+      k1.kernelParams = args1;
+      cudaGraphNode_t n1, n2, n3;
+      check(cudaGraphAddKernelNode(&n1, graph, nullptr, 0, &k1), "cudaGraphAddKernelNode (ids)");
+      check(cudaGraphAddHostNode(&n2, graph, &n1, 1, &h), "cudaGraphAddHostNode");
+      cudaKernelNodeParams k3{};
+      k3.func = cuda::apply_plan_kernel();
+      k3.gridDim = dim3(128);
+      k3.blockDim = dim3(256);
+      k3.kernelParams = args3;
+      check(cudaGraphAddKernelNode(&n3, graph, &n2, 1, &k3), "cudaGraphAddKernelNode (plan)");
+      enc.add_graph_node(graph);
+    } catch (...) {
+      cudaGraphDestroy(graph);
+      throw;
+    }
+    cudaGraphDestroy(graph);  // the encoder's child-graph node holds its own copy
+  } else {
+    // The kernels as MLX's own kernel nodes; only the host node needs a child graph, added under
+    // a fixed key (nothing for MLX to walk). MLX orders nodes by the buffers they read and write:
+    // each of the three reads and writes `out`, which chains them; the first also reads `ids`.
+    enc.set_input_array(ids);
+    enc.set_output_array(out);
+    enc.add_kernel_node_raw(ids_to_host_function(), dim3(1), dim3(256), dim3(1, 1, 1), 0, args1);
+    cudaGraph_t graph;
+    check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+    try {
+      cudaGraphNode_t hn;
+      check(cudaGraphAddHostNode(&hn, graph, nullptr, 0, &h), "cudaGraphAddHostNode");
+      enc.set_input_array(out);
+      enc.set_output_array(out);
+      enc.add_graph_node(graph, "(H)", true);
+    } catch (...) {
+      cudaGraphDestroy(graph);
+      throw;
+    }
     cudaGraphDestroy(graph);
-    throw;
+    enc.set_input_array(out);
+    enc.set_output_array(out);
+    enc.add_kernel_node_raw(apply_plan_function(), dim3(128), dim3(256), dim3(1, 1, 1), 0, args3);
   }
-  cudaGraphDestroy(graph);  // the encoder's child-graph node holds its own copy
   // The host node's state lives until the device is past it.
   enc.add_completed_handler([call]() {});
 }
