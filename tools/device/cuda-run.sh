@@ -10,7 +10,8 @@
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
 # arguments, once per client count in AB_SERVE_CLIENTS, default "1 8"), HOST_TIME="1 8" (then
-# asyncside bench step at those batch sizes).
+# asyncside bench step at those batch sizes), SERVE="args" (last: tools/device/serve-run.sh
+# SERVE_NAME with those bench serve arguments, within SERVE_BUDGET seconds).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -85,5 +86,9 @@ for c in ${AB_SERVE_CLIENTS:-1 8}; do
   tail -8 "$OUT/ab-serve-$c.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio median', d['ratio_median'], d['ratios'])" "$OUT/ab-serve-$c.json"
 done
+fi
+if [ -n "${SERVE:-}" ]; then
+  log "bench serve: $SERVE"
+  timeout ${SERVE_BUDGET:-330} bash tools/device/serve-run.sh ${SERVE_NAME:-h200} $SERVE
 fi
 log done
