@@ -87,9 +87,6 @@ class QueuedSteps:
         self._expert_slices = expert_slices
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
-        # On MLX CUDA every node of a step runs on the GPU stream (faults included: device fault
-        # nodes); on Metal the faults run on the CPU stream, whose throttle the plan keeps under.
-        self._one_piece = mx.default_device() == mx.gpu and _native.device_faults_available()
         #: host time spent on queued steps, in ns, by phase (``asyncside bench step`` reads it):
         #: ``begin`` (source.begin_step), ``build`` (the graph, checkpoints included), ``end``
         #: (source.end_step), ``plan`` (walking the graph), ``schedule`` (handing it to MLX:
@@ -205,14 +202,9 @@ class QueuedSteps:
         throttle, awaiting a node in the middle of each chunk before the next (native StepPlan:
         one walk of the graph per step)."""
         host = self.host_ns
-        if not self._bridged or self._one_piece:
-            # An injected completion (tests): MLX may block the caller. On MLX CUDA the step goes
-            # to MLX in one piece, as mlx-lm hands its steps over: a GPU stream counts one task
-            # per committed graph, so this eval does not wait, and a walk of the graph (what the
-            # plan below is for: chunks under the CPU stream's throttle) cost 0.13-0.15 ms per
-            # step of the host time a GPU step is bound by (H200, embedded model).
+        if not self._bridged:
             t = time.perf_counter_ns()
-            mx.async_eval(out)
+            mx.async_eval(out)  # an injected completion (tests): MLX may block the caller
             host["schedule"] += time.perf_counter_ns() - t
             return
         t = time.perf_counter_ns()
