@@ -42,7 +42,8 @@ log "embedded model (a fresh machine builds it: not inside a test's timeout)"
 python3 -c "from asyncside.models.embedded import ensure_embedded_default as e; print(e(None)[0])"
 
 log "GPU tests"
-timeout ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
+# SIGINT at the budget: pytest stops and still prints the failures so far (a SIGTERM loses them).
+timeout -s INT -k 20 ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=60 \
   ${TESTS:-tests/test_queued.py tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
