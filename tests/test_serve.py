@@ -319,6 +319,30 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
     assert s["asyncside_queued_step_host_seconds_schedule"] > 0
 
 
+def test_bench_serve_warm_up_repeats_until_a_request_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server still on its first requests when the warm-up ends is not warm: the warm-up runs
+    again (on a loaded machine mlx_lm.server's first phase once streamed nothing in its 4 s)."""
+    from asyncside.bench import serve as bench_serve
+
+    done_in = [False, False, True]
+    calls: list[float] = []
+
+    async def fake_phase(server: str, url: str, model: str, clients: int, seconds: float, max_tokens: int,
+                         prompts: object) -> bench_serve.PhaseResult:
+        calls.append(seconds)
+        rec = bench_serve.RequestRecord(False)
+        rec.done = done_in[len(calls) - 1]
+        return bench_serve.PhaseResult(server, clients, seconds, records=[rec])
+
+    monkeypatch.setattr(bench_serve, "run_phase", fake_phase)
+    assert bench_serve.warm_up("x", "http://x", "m", 1, 0.5, 3, lambda c, n: ("p", False)) == 3
+    assert calls == [0.5, 0.5, 0.5]
+    calls.clear()
+    done_in[:] = [False] * 5
+    # Never done: it gives up at its limit (the timed phase then reports what it sees).
+    assert bench_serve.warm_up("x", "http://x", "m", 1, 0.5, 3, lambda c, n: ("p", False), limit=0.0) == 1
+
+
 def test_bench_serve_runs_all_phases(served_model: str) -> None:
     """`asyncside bench serve` end to end at a tiny size, mlx_lm.server included (it loads the
     embedded model's directory): structure and sanity, no timing claims."""
@@ -340,6 +364,7 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
         assert phase["tokens"] > 0 and phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"], phase
         assert phase["vs_mlx_lm"] is not None, out["phases"]
         assert phase["long_prompt_sent"] == (phase["clients"] > 1)
+        assert phase["warmup_rounds"] >= 1
     assert out["engine"]["resident"] == 0.5 and out["mlx_lm"]["ran"]
     assert out["audit_ok_after"] and out["audit_problems"] == []
     rss = out["rss_bytes"]

@@ -9,7 +9,8 @@ share the server with a long prefill. The phases of mlx_lm.server run after asyn
 same order (the long-prompt phase last, so no other phase shares a server still busy with it). Every prompt
 starts with the request's own number, so no two requests share a cacheable prefix. At the deadline
 the requests still running are cancelled (the servers see disconnects); tokens received before it
-count. Each phase follows ``--warmup`` seconds of the same load, not measured, and the next phase
+count. Each phase follows ``--warmup`` seconds of the same load, not measured (repeated until a
+request has completed: a server still on its first request is not warm), and the next phase
 starts only once the server is idle again (asyncside's engine has no request left;
 mlx_lm.server, which finishes the requests of clients that left, has stopped using the CPU).
 
@@ -196,6 +197,22 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
     return result
 
 
+def warm_up(server: str, base_url: str, model: str, clients: int, seconds: float, max_tokens: int,
+            prompts: Callable[[int, int], tuple[str, bool]], *, limit: float = 120.0) -> int:
+    """Run ``seconds`` of the phase's load, untimed, again until some request completed (at most
+    ``limit`` seconds in all): on a busy machine, or on a GPU compiling kernels for a new shape, a
+    server's first requests can take longer than the warm-up, and the timed phase would then
+    measure the warm-up's work. Returns how many warm-up rounds ran."""
+    import uvloop
+
+    started, rounds = time.perf_counter(), 0
+    while True:
+        rounds += 1
+        res = uvloop.run(run_phase(server, base_url, model, clients, seconds, max_tokens, prompts))
+        if any(r.done for r in res.records) or time.perf_counter() - started >= limit:
+            return rounds
+
+
 def wait_quiet(pid: int, *, busy: float = 0.2, interval: float = 0.5, timeout: float = 120.0) -> float:
     """Wait until process ``pid`` uses less than ``busy`` of one core over ``interval`` (at most
     ``timeout`` seconds); returns the wait.
@@ -242,9 +259,10 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="client counts, one phase each (default 1,8,32)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase (default 60)")
     parser.add_argument("--warmup", type=float, default=10.0,
-                        help="seconds of the same load before each phase, not measured (default 10; 0: none). "
-                             "A GPU compiles kernels for each new shape on first use, and MLX keeps them on "
-                             "disk: without a warm-up the server run first pays for both")
+                        help="seconds of the same load before each phase, not measured (default 10; 0: none), "
+                             "repeated until a request has completed. A GPU compiles kernels for each new shape "
+                             "on first use, and MLX keeps them on disk: without a warm-up the server run first "
+                             "pays for both")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
@@ -378,14 +396,15 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
         for clients in args.clients:
+            warmed = 0
             if args.warmup > 0:  # the same load, untimed: kernels compiled, pools warm (see --warmup)
-                uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.warmup, args.max_tokens,
-                                     _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)))
+                warmed = warm_up("asyncside", srv.url, model_id, clients, args.warmup, args.max_tokens,
+                        _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
                 srv.call(_idle_of(state), timeout=args.warmup * 10 + 600)
             prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
                                        prompts))
-            phases.append(res.summary())
+            phases.append(res.summary() | {"warmup_rounds": warmed})
             srv.call(_idle_of(state), timeout=args.duration * 10 + 600)
         health = srv.call(_health_of(state))
         runtime_stats = srv.call(_stats_of(state))
@@ -400,15 +419,16 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             with MlxLmServer(model_dir) as ml:
                 rss_ml_idle = ml.rss()
                 for clients in args.clients:
+                    warmed = 0
                     if args.warmup > 0:
-                        uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
-                                             args.max_tokens,
-                                             _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)))
+                        warmed = warm_up("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
+                                         args.max_tokens,
+                                         _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
                         wait_quiet(ml.pid)  # the warm-up's cut requests finish first
                     prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
                     res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
                                                args.max_tokens, prompts))
-                    summary = res.summary()
+                    summary = res.summary() | {"warmup_rounds": warmed}
                     phases.append(summary)
                     summary["settled_s"] = wait_quiet(ml.pid)
                 mlx_lm = {"ran": True, "model_dir": model_dir, "rss_idle": rss_ml_idle.get("VmRSS"),
