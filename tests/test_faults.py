@@ -103,6 +103,13 @@ def test_cancel_during_entry_never_hangs(loop: tuple[str, dict], reader: str, st
 # ---- 2. a blob whose open() blocks (a FIFO) --------------------------------------------------------
 
 
+def _replace_with_fifo(path: Path) -> None:
+    """Set-up work for a watched test, run off the loop thread: unlinking a blob waits on the
+    filesystem (on a busy machine, once, 0.5 s: two suites at once), which is not the code under test."""
+    os.unlink(path)
+    os.mkfifo(path)
+
+
 class _FifoUnblocker:
     """Opens a FIFO for writing after ``after_s``, so that code stuck in open() of it for reading
     returns (and the test then fails on the blocked loop instead of hanging)."""
@@ -136,8 +143,7 @@ async def test_fifo_blob_fails_runtime_entry_without_blocking_the_loop(
     store: ExpertStore, reader: str, no_blocking: object
 ) -> None:
     spec = store.layer(1)
-    os.unlink(spec.path)
-    os.mkfifo(spec.path)
+    await anyio.to_thread.run_sync(_replace_with_fifo, spec.path)
     unblock = _FifoUnblocker(spec.path)
     before = open_fds()
     try:
@@ -159,8 +165,7 @@ async def test_fifo_blob_fails_scheduler_fills_without_blocking_the_loop(
     spec = store.layer(0)
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
     pools = await PoolSet.allocate(spec, ledger.rows)
-    os.unlink(spec.path)
-    os.mkfifo(spec.path)
+    await anyio.to_thread.run_sync(_replace_with_fifo, spec.path)
     unblock = _FifoUnblocker(spec.path)
     try:
         async with Scheduler(reader) as sched:
@@ -193,7 +198,7 @@ async def test_missing_blob_at_first_use_fails_fills_with_fill_error(
     ledger = Ledger(spec.n_experts, resident=[], side_rows=4)
     pools = await PoolSet.allocate(spec, ledger.rows)
     hidden = spec.path.with_name("hidden.bin")
-    os.rename(spec.path, hidden)
+    await anyio.to_thread.run_sync(os.rename, spec.path, hidden)  # set-up: off the watched loop thread
 
     def wire(hs: list) -> None:
         for h in hs:
@@ -207,7 +212,7 @@ async def test_missing_blob_at_first_use_fails_fills_with_fill_error(
             err = h.result_error()
             assert isinstance(err, FillError) and err.errno == errno.ENOENT and str(spec.path) in str(err)
         assert not ledger.pending() and len(ledger.free_rows()) == 4
-        os.rename(hidden, spec.path)
+        await anyio.to_thread.run_sync(os.rename, hidden, spec.path)
         hs = sched.submit(spec, pools, ledger.reserve([3, 4]))
         wire(hs)
         for h in hs:
@@ -239,8 +244,12 @@ async def test_unreadable_blob_fails_fills_and_frees_rows(tmp_path: Path, reader
     store = await anyio.to_thread.run_sync(_store, tmp_path / "s")
     spec = store.layer(0)
     if os.geteuid() == 0:
-        os.unlink(spec.path)
-        os.symlink("/proc/self/mem", spec.path)
+
+        def to_proc_mem() -> None:
+            os.unlink(spec.path)
+            os.symlink("/proc/self/mem", spec.path)
+
+        await anyio.to_thread.run_sync(to_proc_mem)  # set-up: off the watched loop thread
         expect_errno = errno.EIO
     else:
         os.chmod(spec.path, 0)
