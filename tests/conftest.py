@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy.testing  # noqa: F401  (see below)
 import pytest
 
 from asyncside.readers import io_uring_status
@@ -24,6 +25,9 @@ from asyncside.testing_blocking import no_blocking  # noqa: F401  (the fixture)
 # The fixture's own default is 50 ms; this suite runs on 2 shared vCPUs, where the whole process is
 # sometimes descheduled for tens of ms. 150 ms still catches every deliberate block (200 ms).
 os.environ.setdefault("ASYNCSIDE_BLOCKING_THRESHOLD_MS", "150")
+# numpy imports numpy.testing lazily, on first use of np.testing: inside a watched test that is a
+# few hundred files read on the loop thread (under two suites at once it once took 3.9 s and
+# failed test_resolves_only_after_a_long_matmul_chain in both). Imported here, up front.
 
 #: The event loops every anyio test runs on. asyncio's debug mode adds its own checks (a coroutine
 #: never awaited, a loop method called from another thread, a callback that holds the loop).
