@@ -399,7 +399,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             warmed = 0
             if args.warmup > 0:  # the same load, untimed: kernels compiled, pools warm (see --warmup)
                 warmed = warm_up("asyncside", srv.url, model_id, clients, args.warmup, args.max_tokens,
-                        _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
+                                 _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
                 srv.call(_idle_of(state), timeout=args.warmup * 10 + 600)
             prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,

@@ -12,15 +12,9 @@ import cProfile
 import io
 import pstats
 import time
-from typing import Any
 
 import anyio
 import mlx.core as mx
-
-
-def _greedy(logits: Any) -> Any:
-    last = logits[:, -1, :]
-    return mx.argmax(last - mx.logsumexp(last, axis=-1, keepdims=True), axis=-1)
 
 
 def _report(name: str, prof: cProfile.Profile, ms: float, top: int) -> None:
@@ -33,6 +27,7 @@ def _report(name: str, prof: cProfile.Profile, ms: float, top: int) -> None:
 def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
+    from asyncside.bench.step import _greedy  # the draw `asyncside bench step` times
     from asyncside.models import load_reference_model, load_streaming_model
     from asyncside.models.embedded import ensure_embedded_default
     from asyncside.runtime import Runtime
