@@ -365,6 +365,11 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
         assert phase["vs_mlx_lm"] is not None, out["phases"]
         assert phase["long_prompt_sent"] == (phase["clients"] > 1)
         assert phase["warmup_rounds"] >= 1
+        if phase["server"] == "asyncside":  # where the engine's time went, counted over the phase
+            spent = phase["engine"]
+            assert spent["tokens"] >= phase["tokens"] and spent["steps"] >= 1, spent
+            assert spent["prefill_chunks"] >= phase["ttft_n"] and spent["prefill_seconds"] > 0, spent
+            assert spent["hits"] + spent["misses"] > 0 and spent["bytes_read"] >= 0, spent
     assert out["engine"]["resident"] == 0.5 and out["mlx_lm"]["ran"]
     assert out["audit_ok_after"] and out["audit_problems"] == []
     rss = out["rss_bytes"]

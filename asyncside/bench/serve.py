@@ -402,10 +402,12 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
                                  _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
                 srv.call(_idle_of(state), timeout=args.warmup * 10 + 600)
             prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
+            before = srv.call(_counters_of(state))
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
                                        prompts))
-            phases.append(res.summary() | {"warmup_rounds": warmed})
             srv.call(_idle_of(state), timeout=args.duration * 10 + 600)
+            spent = _spent(before, srv.call(_counters_of(state)))
+            phases.append(res.summary() | {"warmup_rounds": warmed, "engine": spent})
         health = srv.call(_health_of(state))
         runtime_stats = srv.call(_stats_of(state))
     rss_after = read_rss_bytes()
@@ -491,6 +493,32 @@ def _health_of(state: Any) -> Callable[[], Any]:
     return get
 
 
+#: The engine's counters a phase reports (what they gained over it, the phase's stragglers included).
+ENGINE_COUNTERS = ("steps", "tokens", "prefill_chunks", "prefill_tokens", "prefill_seconds", "launch_seconds",
+                   "wait_seconds")
+#: The expert source's counters a phase reports, the same way.
+SOURCE_COUNTERS = ("hits", "misses", "fills", "bytes_read", "faults", "fault_time_s")
+
+
+def _counters_of(state: Any) -> Callable[[], Any]:
+    async def get() -> dict[str, float]:
+        b = state.batcher
+        out = {k: float(getattr(b, k, 0) or 0) for k in ENGINE_COUNTERS}
+        stats = state.engine.stats() if state.engine.stats else {}
+        for k in SOURCE_COUNTERS:
+            v = stats.get(k) if isinstance(stats, dict) else None
+            if isinstance(v, (int, float)):
+                out[k] = float(v)
+        return out
+
+    return get
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter gained between two readings (the ones present in both)."""
+    return {k: round(after[k] - before[k], 6) for k in after if k in before}
+
+
 def _stats_of(state: Any) -> Callable[[], Any]:
     async def get() -> Any:
         stats = state.engine.stats
@@ -541,3 +569,19 @@ def print_table(out: dict[str, Any]) -> None:
         + (f"; mlx_lm.server idle {mib(ml.get('rss_idle'))}, peak {mib(ml.get('rss_peak'))}" if ml.get("ran") else "")
         + f"; ledger audit after: {'clean' if out['audit_ok_after'] else out['audit_problems']}"
     )
+    spent = [p for p in out["phases"] if p.get("engine")]
+    if spent:
+        where = Table(title="asyncside: where each phase's engine time went (seconds, phase and its stragglers)")
+        for col in ("clients", "decode steps", "tokens/step", "launch s", "wait s", "prefill chunks",
+                    "prefill tokens", "prefill s", "faults", "fault time s", "GB read"):
+            where.add_column(col, justify="right")
+        for p in spent:
+            e = p["engine"]
+            steps = e.get("steps", 0.0)
+            where.add_row(
+                str(p["clients"]), f"{steps:.0f}", num(e.get("tokens", 0.0) / steps if steps else None, "{:.1f}"),
+                num(e.get("launch_seconds")), num(e.get("wait_seconds")), f"{e.get('prefill_chunks', 0):.0f}",
+                f"{e.get('prefill_tokens', 0):.0f}", num(e.get("prefill_seconds")), f"{e.get('faults', 0):.0f}",
+                num(e.get("fault_time_s")), num(e.get("bytes_read", 0.0) / 1e9),
+            )
+        console.print(where)

@@ -477,6 +477,9 @@ class Batcher:
         self.peak_batch = 0       # most requests in one decode step
         self.steps_ahead = 0      # decode steps queued on the previous step's lazy tokens
         self.launch_seconds = 0.0  # wall time building and queuing decode steps (CPU: with the chunks awaited)
+        self.prefill_chunks = 0   # prefill forwards run (one request's chunk each)
+        self.prefill_seconds = 0.0  # wall time in prefill forwards, awaited
+        self.wait_seconds = 0.0   # wall time awaiting decode steps' tokens (what the host did not overlap)
 
     # -- views --------------------------------------------------------------------------------
 
@@ -632,12 +635,16 @@ class Batcher:
         import mlx.core as mx
 
         chunk = slot.todo[:n]
+        started = time.perf_counter()
         try:
             await prefill_step(self.model, mx.array(chunk)[None], slot.cache, self.source, slot.predictor)  # type: ignore[arg-type]
         except Exception as exc:
             log.exception("prefill failed")
             self._fail(slot, exc)
             return
+        finally:
+            self.prefill_chunks += 1
+            self.prefill_seconds += time.perf_counter() - started
         slot.fed.extend(chunk)
         del slot.todo[:n]
         self.prefill_tokens += n
@@ -747,6 +754,7 @@ class Batcher:
         error the step failed with (its requests failed with it), or None."""
         from .sampling import unpack
 
+        started = time.perf_counter()
         try:
             if step.ctx is not None:
                 await self.model.forward.finish(step.ctx, step.values)
@@ -757,6 +765,8 @@ class Batcher:
             for s in step.batch:
                 self._fail(s, exc)
             return exc
+        finally:
+            self.wait_seconds += time.perf_counter() - started
         batch = step.batch
         self.steps += 1
         self.last_batch = len(batch)

@@ -274,6 +274,11 @@ class ServerMetrics:
         r.gauge("asyncside_decode_launch_seconds",
                 "Wall time building and queuing decode steps (on the CPU with the chunks awaited in between)",
                 of("launch_seconds"))
+        r.gauge("asyncside_prefill_chunks", "Prefill forwards run (one request's chunk each)", of("prefill_chunks"))
+        r.gauge("asyncside_prefill_seconds", "Wall time in prefill forwards, awaited", of("prefill_seconds"))
+        r.gauge("asyncside_decode_wait_seconds",
+                "Wall time awaiting decode steps' tokens (what building the next step did not overlap)",
+                of("wait_seconds"))
 
         def host(phase: str) -> Callable[[], float]:
             def read() -> float:
