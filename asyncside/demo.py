@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .memory import host_tier_arg
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -51,6 +52,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="read backend (default: io_uring where the kernel allows it)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check each record read against its checksum (default: verify)")
+    p.add_argument("--host-tier", metavar="SIZE", type=host_tier_arg, default="auto",
+                   help="MLX CUDA: pinned host memory for faulted records kept for later faults: auto, a "
+                        "size such as 2G, or 0 (default auto)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICY_NAMES),
                    help=f"eviction policy of the dynamic rows (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
@@ -139,7 +143,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None,
-                       verify=not getattr(args, "no_verify", False)) as rt:
+                       verify=not getattr(args, "no_verify", False),
+                       host_tier=getattr(args, "host_tier", "auto")) as rt:
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
             async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,

@@ -14,11 +14,15 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryBudget", "available_memory", "pool_bytes", "auto_fraction"]
+__all__ = ["MemoryBudget", "available_memory", "pool_bytes", "auto_fraction", "TIER_SHARE", "parse_host_tier",
+           "host_tier_arg"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
 AUTO_SHARE = 0.5
+#: Share of the available memory ``Runtime(host_tier="auto")`` may pin for the host tier of
+#: records (device pools on MLX CUDA: faulted records kept, verified, for copies to the device).
+TIER_SHARE = 0.25
 #: Pools plus this much headroom must fit what is available, or the runtime refuses to start.
 MIN_HEADROOM = 256 << 20
 
@@ -130,3 +134,34 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
         else:
             hi = mid
     return lo
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_host_tier(text: str) -> int | str:
+    """``"auto"``, or a size in bytes with an optional binary unit (``512M``, ``2G``, ``0``), as
+    ``Runtime(host_tier=...)`` takes it; ValueError naming what was expected otherwise."""
+    t = text.strip().lower()
+    if t == "auto":
+        return "auto"
+    unit = t[-1:] if t[-1:] in ("k", "m", "g", "t") else ""
+    number = t[:-1] if unit else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"host tier {text!r}: expected 'auto' or a size such as 0, 512M, 2G "
+                         f"(units K, M, G, T: powers of 1024)") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"host tier {text!r}: expected a size >= 0")
+    return int(value * _UNITS[unit])
+
+
+def host_tier_arg(text: str) -> int | str:
+    """The argparse type of ``--host-tier``: :func:`parse_host_tier`, its error as a usage error."""
+    import argparse
+
+    try:
+        return parse_host_tier(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -241,6 +241,13 @@ class Runtime:
     every record read or faulted in against its checksum in the store before its row is used; a
     mismatch fails that fill with a FillError
     (``errno`` EBADMSG, ``expected`` and ``got``).
+
+    ``host_tier`` (device pools on MLX CUDA only) bounds the pinned host memory kept for a host
+    tier of records: a layer in the tier keeps every record its queued steps faulted in, verified,
+    in pinned host memory, so a later fault of that expert is a copy to the device alone (no read,
+    no checksum on the host node the GPU waits for). Whole layers, in order, while their records
+    fit the bound; ``"auto"``: a quarter of the memory available at start
+    (:data:`asyncside.memory.TIER_SHARE`); 0 turns it off.
     """
 
     def __init__(
@@ -257,7 +264,13 @@ class Runtime:
         layers: Iterable[int] | None = None,
         completed: Completed | None = None,
         verify: bool = True,
+        host_tier: int | str = "auto",
     ) -> None:
+        if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
+                                        and host_tier >= 0)):
+            raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
+        self._host_tier_arg = host_tier
+        self._tier_layers: set[int] = set()
         self.store = store
         self.policy = policy
         self._resident_arg = resident
@@ -292,6 +305,8 @@ class Runtime:
             "fault_time_s": 0.0,
             "skipped_prefetches": 0,
             "warm_bytes": 0,
+            "tier_faults": 0,  # faults whose bytes came from the host tier (no read)
+            "host_tier_bytes": 0,
         }
         #: the latest queued steps' outputs not known to be computed (see begin_step / quiesce)
         self._queued_outs: list[mx.array] = []
@@ -390,11 +405,38 @@ class Runtime:
         self._stats["pool_bytes_planned"] = need
         self._memory = {"pool_bytes": need, "available_bytes": budget.available, "source": budget.source,
                         "resident": self._resident_arg if not isinstance(self._resident_arg, Mapping) else "mapping"}
+        self._tier_layers, tier_bytes = self._plan_tier(budget.available)
+        self._memory["host_tier_bytes"] = tier_bytes
+        self._memory["host_tier_layers"] = len(self._tier_layers)
         if need + MIN_HEADROOM > budget.available:
             raise AsyncsideError(
                 f"the pools need {need / 2**30:.2f} GiB (resident={self._resident_arg}) plus "
                 f"{MIN_HEADROOM >> 20} MiB of room for the page cache and the model, but only "
                 f"{budget.describe()}: use a smaller resident fraction, or resident='auto'")
+
+    def _plan_tier(self, available: int) -> tuple[set[int], int]:
+        """The layers whose queued-step faults keep their records in a host tier, and its bytes
+        (whole layers in order, within ``host_tier``); none unless pools live on a CUDA device."""
+        from .memory import TIER_SHARE
+        from .pools import device_pools_default
+
+        cap = int(available * TIER_SHARE) if self._host_tier_arg == "auto" else int(self._host_tier_arg)
+        if cap <= 0 or not device_pools_default():
+            return set(), 0
+        from . import _native
+
+        if not _native.device_faults_available():
+            return set(), 0
+        layers, total = set(), 0
+        for index in self._layer_ids:
+            spec = self.store.layer(index)
+            # The mirror's layout: each segment a page-rounded block of one row per expert.
+            nbytes = sum(-(-spec.n_experts * seg.nbytes // 4096) * 4096 for seg in spec.segments)
+            if total + nbytes > cap:
+                break
+            layers.add(index)
+            total += nbytes
+        return layers, total
 
     @property
     def memory(self) -> dict[str, Any]:
@@ -492,6 +534,14 @@ class Runtime:
                     f"{exc.filename}: cannot open the layer blob for queued steps: {exc.strerror}") from exc
             return fds
 
+        # The host tier's memory first (pinned, zeroed: a worker thread's job), before any blob
+        # is opened, so that a failure or a cancellation here leaves nothing to close.
+        tiers: dict[int, Any] = {}
+        for index, st in host:
+            if index in self._tier_layers and st.pools.device:
+                tiers[index] = await anyio.to_thread.run_sync(
+                    _native.HostMirror, st.spec.n_experts, [seg.nbytes for seg in st.spec.segments])
+                self._stats["host_tier_bytes"] += st.spec.n_experts * st.spec.stride
         fds = await anyio.to_thread.run_sync(open_all)
         for k, (index, st) in enumerate(host):
             spec = st.spec
@@ -500,10 +550,12 @@ class Runtime:
             nbytes = [seg.nbytes for seg in spec.segments]
             try:
                 if st.pools.device:
-                    # Device pools (MLX CUDA): faults read into the pinned host mirror and the
-                    # stream copies them to the pools.
+                    # Device pools (MLX CUDA): faults read into pinned host memory and the stream
+                    # copies them to the pools; a layer in the host tier reads each record once.
+                    tier = tiers.get(index)
                     st.faults = _native.FaultTable.for_device(index, spec.n_experts, pools, st.pools.mirror,
-                                                              offsets, nbytes, fds[k], str(spec.path), spec.stride)
+                                                              offsets, nbytes, fds[k], str(spec.path), spec.stride,
+                                                              tier=tier)
                 else:
                     st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
                                                    str(spec.path), spec.stride)
@@ -864,8 +916,8 @@ class Runtime:
         raw_events, raw_used, raw_sizes = faults.drain()
         errors = self._fault_errors
         if raw_events:
-            events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 5)
-            for row, victim, expert, ns, err in events.tolist():
+            events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
+            for row, victim, expert, ns, err, source in events.tolist():
                 if row >= 0:
                     st.ledger.settle_fault(row, victim, expert, err == 0)
                     st.version += 1
@@ -873,7 +925,10 @@ class Runtime:
                     self._stats["faults"] += 1
                     self._stats["misses"] += 1
                     self._stats["fills"] += 1
-                    self._stats["bytes_read"] += st.spec.stride
+                    if source == 0:
+                        self._stats["bytes_read"] += st.spec.stride
+                    else:  # from the host tier: a device copy, nothing read
+                        self._stats["tier_faults"] += 1
                     self._stats["fault_time_s"] += ns * 1e-9
                     if victim >= 0:
                         self._stats["evictions"] += 1

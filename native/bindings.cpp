@@ -559,6 +559,9 @@ void bind_device_pools(nb::module_& m) {
                              "Page-aligned (pinned on CUDA) host memory laid out like one layer's pools: "
                              "readers fill it, upload_rows copies rows to device pools.")
       .def(nb::new_([](int64_t rows, std::vector<uint64_t> nbytes) {
+             // Zeroing and pinning a large mirror takes a while: other Python threads (the event
+             // loop, when this runs in a worker thread) go on meanwhile.
+             nb::gil_scoped_release release;
              return std::make_shared<io::HostMirror>(rows, std::move(nbytes));
            }),
            nb::arg("rows"), nb::arg("segment_nbytes"))
@@ -655,10 +658,15 @@ void bind_faults(nb::module_& m) {
           "for_device",
           [](int layer, int64_t n_experts, std::vector<mx::array> pools, std::shared_ptr<io::HostMirror> mirror,
              const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& nbytes, int fd, const std::string& path,
-             uint64_t stride, uint32_t max_pairs) {
+             uint64_t stride, uint32_t max_pairs, std::shared_ptr<io::HostMirror> tier) {
             try {
-              auto sink = fa::make_device_sink(std::move(mirror), std::move(pools), stride, spans(offsets, nbytes),
-                                               max_pairs);
+              if (tier && tier->rows() != n_experts) {
+                throw std::invalid_argument("tier: expected one row per expert (" + std::to_string(n_experts) +
+                                            "), got " + std::to_string(tier->rows()));
+              }
+              const bool by_expert = tier != nullptr;
+              auto sink = fa::make_device_sink(by_expert ? std::move(tier) : std::move(mirror), std::move(pools), stride,
+                                               spans(offsets, nbytes), max_pairs, by_expert);
               return PyFaultTable{std::make_shared<fa::FaultTable>(layer, n_experts, std::move(sink), fd, path, stride)};
             } catch (...) {
               if (fd >= 0) ::close(fd);
@@ -667,8 +675,11 @@ void bind_faults(nb::module_& m) {
           },
           nb::arg("layer"), nb::arg("n_experts"), nb::arg("pools"), nb::arg("mirror"), nb::arg("offsets"),
           nb::arg("nbytes"), nb::arg("fd"), nb::arg("path"), nb::arg("stride"), nb::arg("max_pairs") = 4096,
+          nb::arg("tier").none() = nb::none(),
           "Device pools (MLX CUDA): faults read into `mirror` (pinned) and are copied to the pools on "
-          "the device; takes ownership of `fd`.")
+          "the device; with `tier` (a HostMirror of one row per expert) they read into the tier instead, "
+          "where a record stays once verified, so a later fault of it is the device copy alone. Takes "
+          "ownership of `fd`.")
       .def_prop_ro("layer", [](PyFaultTable& p) { return p.t->layer(); })
       .def_prop_ro("rows", [](PyFaultTable& p) { return p.t->rows(); })
       .def(
@@ -691,7 +702,8 @@ void bind_faults(nb::module_& m) {
                                   as_bytes(d.used_sizes.data(), d.used_sizes.size() * sizeof(int32_t)));
           },
           "(events, used, used_sizes) since the last drain, as raw bytes: events are int64 rows of "
-          "(row, victim, expert, ns, error); used the distinct experts of each resolve (int32) and "
+          "(row, victim, expert, ns, error, source: 0 read, 1 from the host tier); used the distinct experts of "
+          "each resolve (int32) and "
           "used_sizes how many each resolve added (int32).")
       .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
       .def("lent", [](PyFaultTable& p) { return p.t->lent(); }, "Lent rows not used yet, in lend order.")

@@ -100,13 +100,13 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
 
 HostRecordSink::~HostRecordSink() { std::free(junk_); }
 
-uint32_t HostRecordSink::checksum(io::ChecksumKind kind, int64_t row) {
+uint32_t HostRecordSink::checksum_row(io::ChecksumKind kind, int64_t row) {
   uint32_t state = 0;
   for (size_t i = 0; i < nbytes_.size(); ++i) state = io::checksum_update(kind, state, dest_->host_row(i, row), nbytes_[i]);
   return state;
 }
 
-int HostRecordSink::read(int fd, uint64_t offset, int64_t row) {
+int HostRecordSink::read_row(int fd, uint64_t offset, int64_t row) {
   // Segments in file order, each straight into its pool row; small gaps into the sink, large
   // gaps split the read in two.
   std::vector<iovec> iov;
@@ -231,7 +231,7 @@ std::map<std::string, uint64_t> FaultTable::counters() const {
   return {{"resolves", resolves_.load()},         {"pairs", pairs_.load()},
           {"hits", hits_.load()},                 {"faults", faults_.load()},
           {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
-          {"fault_ns", fault_ns_.load()}};
+          {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()}};
 }
 
 void FaultTable::set_order(VictimOrder order, double half_life) {
@@ -335,6 +335,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   // unlocked and side by side, then the results, in miss order.
   struct Read {
     int64_t expert, row, victim;
+    bool held = false;  // the sink holds the expert's verified bytes: no read
     int err = 0;
     uint32_t got = 0;
     int64_t ns = 0;
@@ -344,7 +345,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   for (int64_t e : missing) {
     const int64_t row = pick_row_locked(stamp);
     if (row < 0) {
-      log_.events.push_back({-1, -1, e, 0, -2});
+      log_.events.push_back({-1, -1, e, 0, -2, 0});
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
@@ -356,19 +357,23 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     const int64_t victim = owner_[static_cast<size_t>(row)];
     if (victim >= 0) table_[static_cast<size_t>(victim)] = -1;
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
-    reads.push_back({e, row, victim});
+    reads.push_back({e, row, victim, sink_->holds(e)});
   }
-  if (!reads.empty()) {
-    if (reads.size() > 1 && read_threads() > 0) global_counters().shared_reads.fetch_add(1, std::memory_order_relaxed);
+  std::vector<size_t> to_read;  // the reads that go to the store (the others the sink holds)
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (!reads[i].held) to_read.push_back(i);
+  }
+  if (!to_read.empty()) {
+    if (to_read.size() > 1 && read_threads() > 0) global_counters().shared_reads.fetch_add(1, std::memory_order_relaxed);
     lk.unlock();
-    parallel_reads(reads.size(), [&](size_t i) {
-      Read& r = reads[i];
+    parallel_reads(to_read.size(), [&](size_t i) {
+      Read& r = reads[to_read[i]];
       const auto t0 = std::chrono::steady_clock::now();
-      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, r.row);
+      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, r.row, r.expert);
       if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
         // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
         // while nothing is queued, so reading them unlocked is safe).
-        r.got = sink_->checksum(checksum_kind_, r.row);
+        r.got = sink_->checksum(checksum_kind_, r.row, r.expert);
         if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;
       }
       r.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
@@ -377,8 +382,9 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   }
   for (Read& r : reads) {
     fault_ns_.fetch_add(static_cast<uint64_t>(r.ns), std::memory_order_relaxed);
-    if (r.err == 0) r.err = sink_->publish(r.row);
-    log_.events.push_back({r.row, r.victim, r.expert, r.ns, r.err});
+    if (r.err == 0 && !r.held) sink_->keep(r.expert);
+    if (r.err == 0) r.err = sink_->publish(r.row, r.expert);
+    log_.events.push_back({r.row, r.victim, r.expert, r.ns, r.err, r.held ? 1 : 0});
     // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
     // run), at the back of the lend order: it was just filled.
     lent_flag_[static_cast<size_t>(r.row)] = 1;
@@ -388,7 +394,11 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       table_[static_cast<size_t>(r.expert)] = static_cast<int32_t>(r.row);
       touch_locked(r.expert, stamp);
       faults_.fetch_add(1, std::memory_order_relaxed);
-      bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
+      if (r.held) {
+        tier_faults_.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
+      }
     } else {
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);

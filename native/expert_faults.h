@@ -41,6 +41,7 @@ struct FaultEvent {
   int64_t expert;  // the expert now in the row (on error: the expert that was being read)
   int64_t ns;      // time the fault took on the stream thread (read + checksum)
   int64_t error;   // 0, or errno of the failed read (-1: checksum mismatch, -2: no lent row left)
+  int64_t source;  // where the bytes came from: 0 the store (a read), 1 the sink's host tier (no read)
 };
 
 // Everything recorded since the last drain().
@@ -57,15 +58,22 @@ class RecordSink {
  public:
   virtual ~RecordSink() = default;
   virtual int64_t rows() const = 0;
-  // Read `expert`'s record into `row`; returns 0 or an errno (ENODATA: the blob ended early).
-  // Called for several rows at once from different threads (never twice for one row at once).
-  virtual int read(int fd, uint64_t offset, int64_t row) = 0;
-  // `row`'s bytes were read and verified: make them the row's (a device sink plans the copy to
-  // the device). Called one row at a time, under the table's lock; 0 or an errno.
-  virtual int publish(int64_t row) { return 0; }
-  // The checksum of `row`'s segments, in segment order (the store's definition), from the host
-  // copy of its bytes.
-  virtual uint32_t checksum(io::ChecksumKind kind, int64_t row) = 0;
+  // Read `expert`'s record (at `offset`) for `row`; returns 0 or an errno (ENODATA: the blob ended
+  // early). Called for several rows at once from different threads (never twice for one row, nor
+  // for one expert, at once).
+  virtual int read(int fd, uint64_t offset, int64_t row, int64_t expert) = 0;
+  // `expert`'s bytes were read and verified, or the sink holds them: make them `row`'s (a device
+  // sink plans the copy to the device). Called one row at a time, under the table's lock; 0 or an
+  // errno.
+  virtual int publish(int64_t row, int64_t expert) { return 0; }
+  // The checksum of the bytes read for `row` / `expert`, segments in segment order (the store's
+  // definition), from the host copy of them.
+  virtual uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t expert) = 0;
+  // A host tier: true when the sink already holds `expert`'s verified bytes in host memory it
+  // copies from, so a fault of `expert` is publish() alone (no read, no checksum). Asked and
+  // told (keep) under the table's lock; keep() follows a read that verified.
+  virtual bool holds(int64_t expert) const { return false; }
+  virtual void keep(int64_t expert) {}
 };
 
 // Host pools (MLX CPU, or unified memory): segments scattered into the rows by one preadv.
@@ -74,8 +82,12 @@ class HostRecordSink final : public RecordSink {
   HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t stride, std::vector<io::SegmentSpan> segments);
   ~HostRecordSink() override;
   int64_t rows() const override { return dest_->rows(); }
-  int read(int fd, uint64_t offset, int64_t row) override;
-  uint32_t checksum(io::ChecksumKind kind, int64_t row) override;
+  int read(int fd, uint64_t offset, int64_t row, int64_t) override { return read_row(fd, offset, row); }
+  uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t) override { return checksum_row(kind, row); }
+  // The same, by the destination's row alone (a device sink reads into a row of its mirror or
+  // of its tier through these).
+  int read_row(int fd, uint64_t offset, int64_t row);
+  uint32_t checksum_row(io::ChecksumKind kind, int64_t row);
 
  private:
   std::shared_ptr<io::Destination> dest_;
@@ -166,7 +178,7 @@ class FaultTable {
   uint64_t clock_ = 0;
   Drained log_;
 
-  std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, fault_errors_{0}, bytes_read_{0},
+  std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
       fault_ns_{0};
 };
 
@@ -197,10 +209,13 @@ mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultT
                              mlx::core::Stream stream);
 
 // A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
-// happen on the device. Throws where the CUDA path is not compiled in.
+// happen on the device. `by_expert`: `mirror` has one row per expert of the layer (a host tier:
+// each record is read and verified once, later faults of it are a device copy alone); else one
+// row per pool row. Throws where the CUDA path is not compiled in.
 std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mirror,
                                              std::vector<mlx::core::array> pools, uint64_t stride,
-                                             std::vector<io::SegmentSpan> segments, uint32_t max_pairs);
+                                             std::vector<io::SegmentSpan> segments, uint32_t max_pairs,
+                                             bool by_expert);
 bool device_faults_available() noexcept;
 
 #if defined(ASYNCSIDE_CUDA)
@@ -209,4 +224,4 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mlx::cor
                         mlx::core::array& out, mlx::core::Stream stream);
 #endif
 }  // namespace asyncside::faults
-static_assert(sizeof(asyncside::faults::FaultEvent) == 5 * sizeof(int64_t), "FaultEvent is read as int64 rows");
+static_assert(sizeof(asyncside::faults::FaultEvent) == 6 * sizeof(int64_t), "FaultEvent is read as int64 rows");

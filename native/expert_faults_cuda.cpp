@@ -2,7 +2,8 @@
 //
 //   kernel  ids -> pinned host memory
 //   host    resolve the ids in the fault table; a fault reads its record into the pinned host
-//           mirror row and appends one copy per segment to the plan
+//           mirror row (or finds it in the host tier, where it was read and verified before) and
+//           appends one copy per segment to the plan
 //   kernel  the plan's copies, mirror -> pool rows on the device; the chosen rows -> the output
 //
 // A host node may not call the CUDA runtime, hence the kernels on both sides (memcpy nodes would
@@ -66,22 +67,33 @@ T* mapped_alloc(size_t count, T** device) {
 }  // namespace
 
 // Reads land in the host mirror (pinned, mapped); each fault adds the copies to the device pools
-// to the plan of the host node running it.
+// to the plan of the host node running it. The mirror has a row per pool row, or (by_expert) a
+// row per expert of the layer: a host tier, where a record read and verified once stays, so that
+// a later fault of it is the device copy alone (the bytes never change once kept).
 class DeviceRecordSink final : public RecordSink {
  public:
   DeviceRecordSink(std::shared_ptr<io::HostMirror> mirror, std::vector<mx::array> pools, uint64_t stride,
-                   std::vector<io::SegmentSpan> segments, uint32_t max_pairs)
-      : mirror_(std::move(mirror)), pools_(std::move(pools)), host_(mirror_, stride, segments), max_pairs_(max_pairs) {
+                   std::vector<io::SegmentSpan> segments, uint32_t max_pairs, bool by_expert)
+      : mirror_(std::move(mirror)),
+        pools_(std::move(pools)),
+        host_(mirror_, stride, segments),
+        max_pairs_(max_pairs),
+        by_expert_(by_expert) {
     if (pools_.size() != mirror_->segments()) {
       throw std::invalid_argument("pools: expected " + std::to_string(mirror_->segments()) + " (one per segment)");
     }
+    rows_ = pools_.front().ndim() >= 1 ? pools_.front().shape(0) : 0;
+    if (!by_expert_ && rows_ != mirror_->rows()) {
+      throw std::invalid_argument("mirror: expected " + std::to_string(rows_) + " rows (one per pool row), got " +
+                                  std::to_string(mirror_->rows()));
+    }
     for (size_t i = 0; i < pools_.size(); ++i) {
       const auto& a = pools_[i];
-      if (a.ndim() < 1 || a.shape(0) != mirror_->rows() ||
-          a.nbytes() != static_cast<size_t>(mirror_->rows()) * mirror_->row_nbytes(i) || !a.is_available()) {
+      if (a.ndim() < 1 || a.shape(0) != rows_ || rows_ < 1 ||
+          a.nbytes() != static_cast<size_t>(rows_) * mirror_->row_nbytes(i) || !a.is_available()) {
         throw std::invalid_argument("pools[" + std::to_string(i) + "]: expected an evaluated pool of " +
-                                    std::to_string(mirror_->rows()) + " rows of " +
-                                    std::to_string(mirror_->row_nbytes(i)) + " bytes");
+                                    std::to_string(rows_) + " rows of " + std::to_string(mirror_->row_nbytes(i)) +
+                                    " bytes");
       }
       dev_base_.push_back(device_ptr(a));
       void* m = nullptr;
@@ -89,7 +101,8 @@ class DeviceRecordSink final : public RecordSink {
             "cudaHostGetDevicePointer (the host mirror must be pinned and mapped)");
       mirror_dev_.push_back(static_cast<uint8_t*>(m));
     }
-    const uint32_t ops = static_cast<uint32_t>(mirror_->rows() * static_cast<int64_t>(pools_.size()));
+    if (by_expert_) held_.assign(static_cast<size_t>(mirror_->rows()), 0);
+    const uint32_t ops = static_cast<uint32_t>(rows_ * static_cast<int64_t>(pools_.size()));
     plan_ = static_cast<cuda::Plan*>(static_cast<void*>(
         mapped_alloc<uint8_t>(sizeof(cuda::Plan) + ops * sizeof(cuda::CopyOp), reinterpret_cast<uint8_t**>(&plan_dev_))));
     plan_->count = 0;
@@ -104,16 +117,27 @@ class DeviceRecordSink final : public RecordSink {
     cudaFreeHost(rows_host_);
   }
 
-  int64_t rows() const override { return mirror_->rows(); }
-  uint32_t checksum(io::ChecksumKind kind, int64_t row) override { return host_.checksum(kind, row); }
+  int64_t rows() const override { return rows_; }
 
-  int read(int fd, uint64_t offset, int64_t row) override { return host_.read(fd, offset, row); }
+  int read(int fd, uint64_t offset, int64_t row, int64_t expert) override {
+    return host_.read_row(fd, offset, slot(row, expert));
+  }
+  uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t expert) override {
+    return host_.checksum_row(kind, slot(row, expert));
+  }
+  bool holds(int64_t expert) const override {
+    return by_expert_ && expert >= 0 && static_cast<size_t>(expert) < held_.size() && held_[static_cast<size_t>(expert)];
+  }
+  void keep(int64_t expert) override {
+    if (by_expert_) held_.at(static_cast<size_t>(expert)) = 1;
+  }
 
-  int publish(int64_t row) override {
+  int publish(int64_t row, int64_t expert) override {
+    const int64_t from = slot(row, expert);
     for (size_t i = 0; i < pools_.size(); ++i) {
       if (plan_->count >= plan_->capacity) return ENOBUFS;  // cannot happen: one fault per lent row
       const uint64_t nb = mirror_->row_nbytes(i);
-      plan_->ops[plan_->count++] = {mirror_dev_[i] + static_cast<uint64_t>(row) * nb,
+      plan_->ops[plan_->count++] = {mirror_dev_[i] + static_cast<uint64_t>(from) * nb,
                                     dev_base_[i] + static_cast<uint64_t>(row) * nb, nb};
     }
     return 0;
@@ -141,6 +165,11 @@ class DeviceRecordSink final : public RecordSink {
   uint32_t* ids_dev_ = nullptr;
   uint32_t* rows_host_ = nullptr;
   uint32_t* rows_dev_ = nullptr;
+  bool by_expert_;
+  int64_t rows_ = 0;
+  std::vector<uint8_t> held_;  // by expert: its verified bytes are in the mirror (kept for good)
+
+  int64_t slot(int64_t row, int64_t expert) const { return by_expert_ ? expert : row; }
 };
 
 namespace {
@@ -200,9 +229,9 @@ bool child_graph_fault_nodes() {
 
 std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mirror, std::vector<mx::array> pools,
                                              uint64_t stride, std::vector<io::SegmentSpan> segments,
-                                             uint32_t max_pairs) {
+                                             uint32_t max_pairs, bool by_expert) {
   return std::make_unique<DeviceRecordSink>(std::move(mirror), std::move(pools), stride, std::move(segments),
-                                            max_pairs);
+                                            max_pairs, by_expert);
 }
 
 bool device_faults_available() noexcept { return true; }
@@ -300,7 +329,7 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
 namespace asyncside::faults {
 
 std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, std::vector<mlx::core::array>,
-                                             uint64_t, std::vector<io::SegmentSpan>, uint32_t) {
+                                             uint64_t, std::vector<io::SegmentSpan>, uint32_t, bool) {
   throw std::runtime_error(
       "[asyncside] fault tables for device pools need the CUDA fault path, which this build lacks "
       "(build with -DASYNCSIDE_CUDA=ON against the MLX CUDA wheel)");

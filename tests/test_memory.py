@@ -55,3 +55,35 @@ def test_runtime_states_refuses_and_fits(tmp_path: pathlib.Path, monkeypatch: py
     monkeypatch.setattr(memory, "available_memory", lambda: roomy)
     mem = anyio.run(open_with, "auto")
     assert 0.0 < mem["resident"] <= 1.0 and mem["pool_bytes"] <= roomy.available * memory.AUTO_SHARE
+
+
+def test_host_tier_sizes_parse_and_bad_ones_are_refused() -> None:
+    assert memory.parse_host_tier("auto") == "auto" and memory.parse_host_tier(" AUTO ") == "auto"
+    assert memory.parse_host_tier("0") == 0 and memory.parse_host_tier("4096") == 4096
+    assert memory.parse_host_tier("512M") == 512 << 20 and memory.parse_host_tier("1.5g") == 3 << 29
+    for bad in ("", "x", "2GB", "-1", "nan", "inf", "1e400"):
+        with pytest.raises(ValueError, match="host tier"):
+            memory.parse_host_tier(bad)
+    for bad in (-1, "some", True, 1.5):
+        with pytest.raises(ValueError, match="host_tier: expected 'auto' or a number of bytes"):
+            Runtime(ExpertStore.__new__(ExpertStore), host_tier=bad)  # type: ignore[arg-type]
+
+
+def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier holds whole layers, in order, while they fit (each a page-rounded block of one row
+    per expert a segment); none unless the pools live on a CUDA device with the fault path."""
+    from asyncside import _native, pools
+
+    store = _store(tmp_path / "s")
+    layer = 64 * (1 << 16)  # 64 experts of one 64 KiB segment
+    assert Runtime(store, host_tier="auto")._plan_tier(1 << 40) == (set(), 0)  # host pools here
+    monkeypatch.setattr(pools, "device_pools_default", lambda: True)
+    monkeypatch.setattr(_native, "device_faults_available", lambda: True)
+    assert Runtime(store, host_tier=0)._plan_tier(1 << 40) == (set(), 0)
+    assert Runtime(store, host_tier=layer)._plan_tier(1 << 40) == ({0}, layer)
+    assert Runtime(store, host_tier=2 * layer - 1)._plan_tier(1 << 40) == ({0}, layer)
+    assert Runtime(store, host_tier=2 * layer)._plan_tier(1 << 40) == ({0, 1}, 2 * layer)
+    assert Runtime(store, host_tier="auto")._plan_tier(int(2 * layer / memory.TIER_SHARE)) == ({0, 1}, 2 * layer)
+    assert Runtime(store, host_tier="auto")._plan_tier(int(layer / memory.TIER_SHARE)) == ({0}, layer)
+    assert Runtime(store, host_tier="auto", layers=[1])._plan_tier(1 << 40) == ({1}, layer)

@@ -63,11 +63,15 @@ def _top_k(config: dict) -> int:
     return int(config.get("num_experts_per_tok", 2))
 
 
+@pytest.mark.parametrize("host_tier", ["auto", 0])
 @pytest.mark.parametrize("slices", ["experts", "pairs"])
 @pytest.mark.parametrize("quant", ["float", "q4"])
 @pytest.mark.parametrize("model_type", sorted(BASE))
 def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str,
-                                                    slices: str, read_threads: int) -> None:
+                                                    slices: str, host_tier: int | str, read_threads: int) -> None:
+    on_device = _native.device_faults_available() and mx.default_device() == mx.gpu
+    if host_tier == 0 and not on_device:
+        pytest.skip("host_tier applies to device pools (MLX CUDA) only")
     if slices == "pairs" and model_type != "qwen3_moe":
         pytest.skip("slices of pairs (ForwardOptions(expert_slices=False)): one architecture is enough")
     if quant == "q4" and model_type == "gpt_oss":
@@ -91,7 +95,7 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
 
     async def main() -> tuple[list[int], list[mx.array], dict, dict]:
         # Rows for k experts per layer only: every step that routes elsewhere faults.
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k, host_tier=host_tier) as rt:
             tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
             tokens_long = [t async for t in sm.generate(long_prompt, max_tokens=NEW_TOKENS, source=rt)]
             cache = sm.make_cache()
@@ -121,7 +125,14 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         assert counters["sorted_parts"] > 0 and counters["expert_slices"] == 0
     assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
     assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
-    assert stats["bytes_read"] >= stats["faults"] * ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
+    # On a GPU with the host tier, an expert faulted in again comes from pinned host memory, not
+    # from the store: only the other faults read.
+    if on_device and host_tier == "auto":
+        assert stats["tier_faults"] > 0 and stats["host_tier_bytes"] > 0, stats
+    else:
+        assert stats["tier_faults"] == 0 and stats["host_tier_bytes"] == 0, stats
+    stride = ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
+    assert stats["bytes_read"] >= (stats["faults"] - stats["tier_faults"]) * stride
 
 
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
@@ -341,7 +352,7 @@ def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet,
 
 
 def _events(table: object) -> np.ndarray:
-    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 5)
+    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 6)
 
 
 def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> None:
@@ -359,6 +370,7 @@ def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> Non
             assert bytes(pools.row_view(key, r)) == bytes(memoryview(want).cast("B")), (e, key)
     ev = _events(table)
     assert ev[:, [0, 1, 2, 4]].tolist() == [[3, -1, 9, 0], [1, -1, 4, 0], [0, -1, 12, 0]]
+    assert ev[:, 5].tolist() == [0, 0, 0]  # every one read from the store (host pools have no tier)
     assert table.lent() == [2, 3, 1, 0]  # filled rows stay lent, at the back
     # More distinct experts in one step than rows: the last one has nowhere to go (every row holds
     # an expert this very step routes), so the step fails and says why.
@@ -367,7 +379,7 @@ def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> Non
         mx.eval(bad)
     assert sorted(_events(table)[:, 4].tolist()) == [-2, 0, 0, 0, 0]
     counters = table.counters()
-    assert counters["faults"] == 7 and counters["fault_errors"] == 1
+    assert counters["faults"] == 7 and counters["fault_errors"] == 1 and counters["tier_faults"] == 0
 
 
 def test_no_expert_ids_map_to_row_zero_without_a_fault_or_a_use(tmp_path: pathlib.Path) -> None:
@@ -490,15 +502,79 @@ def test_device_fault_table_copies_records_to_device_rows(tmp_path: pathlib.Path
     assert table.counters()["faults"] == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.device_faults_available() or mx.default_device() != mx.gpu,
+                    reason="needs MLX CUDA and the CUDA fault path")
+def test_device_fault_table_with_a_host_tier_reads_each_record_once(tmp_path: pathlib.Path) -> None:
+    """CUDA, a host tier (one pinned row per expert): a record is read and verified once; a later
+    fault of it is the device copy alone (event source 1, nothing read), with the same bytes in the
+    pool row. A record whose checksum fails is not kept: its next fault reads it again."""
+    rng = np.random.default_rng(1)
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "w.weight": rng.integers(0, 2**32, size=(16, 64, 8), dtype=np.uint32),
+        "w.scales": rng.standard_normal((16, 24)).astype(np.float16),
+    }})
+    spec = store.layer(0)
+    pools = PoolSet(spec, 4, device=True)
+    nbytes = [s.nbytes for s in spec.segments]
+    tier = _native.HostMirror(spec.n_experts, nbytes)
+    assert tier.pinned
+    table = _native.FaultTable.for_device(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                                          pools.mirror, [s.offset for s in spec.segments], nbytes,
+                                          os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride, tier=tier)
+    table.set_checksums(spec.checksum, list(spec.checksums))
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    table.lend([0, 1, 2, 3])
+
+    def run(ids: list[int]) -> np.ndarray:
+        mx.eval(_native.expert_rows(mx.array(ids, dtype=mx.int32), table) + 0)
+        return _events(table)
+
+    def check_rows(experts: list[int]) -> None:
+        tab = np.array(table.table())
+        for e in experts:
+            for key, want in store.read_expert(0, e).items():
+                assert pools.row_bytes(key, int(tab[e])) == bytes(memoryview(want).cast("B")), (e, key)
+
+    first = run([9, 4, 3, 12])
+    assert first[:, 5].tolist() == [0, 0, 0, 0]  # read from the store into the tier
+    check_rows([9, 4, 3, 12])
+    second = run([5, 6, 7, 8])  # evicts all four (this step routes none of them)
+    assert second[:, 5].tolist() == [0, 0, 0, 0] and sorted(second[:, 1].tolist()) == [3, 4, 9, 12]
+    again = run([9, 4, 3, 12])  # evicted, faulted in again: from the tier, nothing read
+    assert again[:, 5].tolist() == [1, 1, 1, 1] and again[:, 4].tolist() == [0, 0, 0, 0]
+    check_rows([9, 4, 3, 12])
+    c = table.counters()
+    assert c["faults"] == 12 and c["tier_faults"] == 4 and c["bytes_read"] == 8 * spec.stride, c
+    # A damaged record is not kept: every fault of it reads (and fails) until the file is whole.
+    data = bytearray(spec.path.read_bytes())
+    saved = bytes(data)
+    data[spec.record_offset(13) + spec.segments[0].offset] ^= 0x40
+    spec.path.write_bytes(data)
+    for _ in range(2):
+        # A host node cannot fail its graph: the failure is in the log (the Runtime raises it as
+        # a FillError when it learns of the step).
+        ev = run([13])
+        assert ev[:, [2, 4, 5]].tolist() == [[13, -1, 0]]
+    spec.path.write_bytes(saved)
+    ok = run([13])
+    assert ok[:, [2, 4, 5]].tolist() == [[13, 0, 0]]
+    check_rows([13])
+    c = table.counters()
+    assert c["tier_faults"] == 4 and c["fault_errors"] == 2, c
+
+
 def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Path, read_threads: int) -> None:
     """Faults verify the record's checksum before the step reads the row: a flipped byte fails the
-    step with FillError (never a wrong token), and with verify=False the damage is served."""
+    step with FillError (never a wrong token), and with verify=False the damage is served. (No host
+    tier: a record kept there before the flip was verified and is served as it was read, which
+    tests/test_queued.py::test_device_fault_table_with_a_host_tier_reads_each_record_once checks.)"""
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
 
     async def main(verify: bool) -> list[BaseException]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k, verify=verify) as rt:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k, verify=verify, host_tier=0) as rt:
             cache = sm.make_cache()
             await sm(mx.array(prompt)[None], cache, source=rt)
             saved = {}

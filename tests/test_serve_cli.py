@@ -21,6 +21,7 @@ from asyncside.serving.cli import settings_from_args
     (["--request-timeout", "-3"], ["--request-timeout", "positive"]),
     (["--temp", "9"], ["--temp", "[0, 2]"]),
     (["--reader", "nope"], ["--reader", "invalid choice"]),
+    (["--host-tier", "2GB"], ["--host-tier", "host tier '2GB'", "512M"]),
 ])
 def test_bad_serve_arguments_are_parse_errors(argv: list[str], words: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,3 +55,4 @@ def test_serve_options_become_settings() -> None:
     assert (s.request_timeout, s.default_temperature, s.allow_origins, s.access_log, s.max_tokens_limit) == (
         None, 0.7, ("*",), False, 100)
     assert args.policy == "LRU"
+    assert args.host_tier == "auto" and build_parser().parse_args(["serve", "--host-tier", "1G"]).host_tier == 1 << 30

@@ -4,10 +4,11 @@
     python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
     python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
+    python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
 
 Every round runs the engine (:class:`asyncside.serving.engine.Batcher`) once per value of
 ``ForwardOptions.<switch>`` (or of the engine's ``run_ahead``, the read pool's threads, the
-residency; the order alternates by round), each over a fresh :class:`Runtime` at
+residency, the host tier; the order alternates by round), each over a fresh :class:`Runtime` at
 the same residency, with ``--clients`` closed-loop clients submitting the prompts ``asyncside
 bench serve`` sends (mixed lengths, each request numbered so no two share a prefix), greedy,
 ``--max-tokens`` each. Reports per variant: aggregate tok/s, time to first token and inter-token
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_dir, store_dir = ensure_embedded_default(None, progress=False)
     fields = {f.name for f in dataclasses.fields(ForwardOptions)}
-    others = ("read_threads", "run_ahead", "resident")
+    others = ("read_threads", "run_ahead", "resident", "host_tier")
     if args.switch not in fields and args.switch not in others:
         p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or one of {others})")
     values = [ast.literal_eval(v) for v in args.values]
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         sm = models[v]
         resident = values[v] if args.switch == "resident" else args.resident
         run_ahead = values[v] if args.switch == "run_ahead" else True
-        async with Runtime(sm.store, resident=resident) as rt:
+        host_tier = values[v] if args.switch == "host_tier" else "auto"
+        async with Runtime(sm.store, resident=resident, host_tier=host_tier) as rt:
             b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead)
             spent = {"prefill": 0.0, "decode": 0.0}
             prefill, launch, complete = b._prefill, b._launch, b._complete
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 "launch_ms_per_step": b.launch_seconds / max(b.steps, 1) * 1e3,
                 "counters": {k: v for k, v in counters.items() if v},
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
+                "tier_faults": stats.get("tier_faults"),
                 "hit_rate": stats.get("hit_rate")}
 
     out: dict[str, Any] = {"switch": args.switch, "values": args.values, "resident": args.resident,
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ms(row['ttft_p50'])} ms, itl p50/p99 {ms(row['itl_p50'])}/{ms(row['itl_p99'])} ms, "
                   f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['steps']} steps "
                   f"({row['steps_ahead']} ahead, host {row['launch_ms_per_step']:.2f} ms each), "
-                  f"faults {row['faults']}, {row['counters']}", file=sys.stderr, flush=True)
+                  f"faults {row['faults']} ({row['tier_faults']} from the host tier), {row['counters']}",
+                  file=sys.stderr, flush=True)
         out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})
     ratios = [rd[args.values[0]]["tok_s"] / max(rd[args.values[1]]["tok_s"], 1e-9) for rd in out["rounds"]]
     out["ratio_median"] = statistics.median(ratios)

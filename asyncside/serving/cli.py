@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from ..memory import host_tier_arg
 from ..policies import DEFAULT_POLICY
 from .settings import ServeSettings
 
@@ -101,6 +102,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
                         help=f"eviction policy of the dynamic rows: lrfu, lru, lfu, aging-lfu, oneshot "
                              f"(default {DEFAULT_POLICY})")
+    parser.add_argument("--host-tier", type=host_tier_arg, default="auto", metavar="SIZE",
+                        help="MLX CUDA: pinned host memory for the host tier of records (each faulted "
+                             "record read and verified once, then copied from there): auto (a quarter of "
+                             "the memory available), a size such as 2G, or 0 for none (default auto)")
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
     parser.add_argument("--cache-dir", default=None,
@@ -169,7 +174,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> Any:
     from .engine import open_engine
 
     return lambda: open_engine(args.model, resident=args.resident, reader=args.reader, policy=args.policy,
-                               cache_dir=args.cache_dir)
+                               cache_dir=args.cache_dir, host_tier=getattr(args, "host_tier", "auto"))
 
 
 def app_from_args(args: argparse.Namespace) -> Any:

@@ -96,13 +96,15 @@ async def open_engine(
     reader: str = "auto",
     policy: str = DEFAULT_POLICY,
     cache_dir: str | None = None,
+    host_tier: int | str = "auto",
 ) -> AsyncIterator[Engine]:
     """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
 
     ``model`` is a directory written by ``asyncside convert`` (expert store + non-expert weights
     + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
     bridge belong to that loop. Loading is synchronous and happens before the server accepts
-    connections, so it blocks nothing that is waiting.
+    connections, so it blocks nothing that is waiting. ``host_tier`` goes to the Runtime (MLX
+    CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`).
     """
     from ..audit import audit_problems
     from ..models import load_streaming_model
@@ -116,7 +118,7 @@ async def open_engine(
         problems = audit_problems(runtime)
         return not problems, problems
 
-    async with Runtime(store, resident=resident, reader=reader, policy=policy) as runtime:
+    async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier) as runtime:
         yield Engine(
             model=streaming,
             source=runtime,
@@ -128,6 +130,7 @@ async def open_engine(
                 "resident": resident,
                 "reader": runtime.reader,
                 "policy": policy,
+                "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
             },
         )
 
