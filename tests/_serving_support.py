@@ -58,11 +58,13 @@ class _Forward:
     def context(self, cache: list[_Cache], source: Any, predictor: Any = None) -> tuple[Any, Any, Any]:
         return cache, source, predictor
 
-    async def step(self, ctx: tuple[Any, Any, Any], inputs: mx.array, *, logits: bool = True) -> Any:
+    async def step(self, ctx: tuple[Any, Any, Any], inputs: mx.array, *, logits: bool = True,
+                   finish: bool = True) -> Any:
         return await self(inputs, *ctx, logits=logits)
 
-    async def finish(self, ctx: tuple[Any, Any, Any], y: mx.array) -> None:
-        mx.eval(y)
+    async def finish(self, ctx: tuple[Any, Any, Any], y: mx.array | None) -> None:
+        if y is not None:  # a prefill chunk's hidden state: this model computes none
+            mx.eval(y)
 
     async def __call__(self, inputs: mx.array, cache: list[_Cache], source: Any, predictor: Any, *,
                        logits: bool = True) -> Any:

@@ -236,3 +236,62 @@ async def test_run_ahead_off_gives_the_same_tokens(sm: Any) -> None:
         p, _ = await run_all(plain, requests)
         assert a == p
         assert ahead.steps_ahead > 0 and plain.steps_ahead == 0
+
+
+@pytest.mark.asyncio
+async def test_queued_prefill_chunks_overlap_the_decode_step_and_a_failed_one_fails_its_request(
+        store_dir: str, ref: Any, tmp_path: Any) -> None:
+    """Queued prefill chunks are awaited after the decode step behind them was queued (the host
+    builds that step while the stream computes the chunk). A chunk whose fault fails (a record
+    damaged on disk) fails its own request with the FillError, the ledgers stay clean, and the
+    engine serves the next request exactly."""
+    import os
+    import pathlib
+    import shutil
+
+    from asyncside.errors import FillError
+    from asyncside.serving.engine import GenerationFailed
+
+    src = pathlib.Path(store_dir)
+    copy = tmp_path / "store"
+    copy.mkdir()
+    for f in src.iterdir():  # the blobs hard-linked (never written), the one to damage copied
+        try:
+            if not f.name.startswith("layer-") or f.name == "layer-00003.bin":
+                raise OSError
+            os.link(f, copy / f.name)
+        except OSError:  # that one, small files, or another filesystem
+            shutil.copy(f, copy / f.name)
+    sm = load_streaming_model(str(copy), options=ForwardOptions(queued_prefill=True))
+    tok = sm.tokenizer
+    spec = sm.store.layer(3)
+    whole = spec.path.read_bytes()
+    async with half_resident(sm) as runtime:
+        prompts = [tok.encode(p) for p in ("The quick brown fox", LONG)]
+        expected = [reference_generate(ref, p, max_tokens=5, eos_token_ids=tok.eos_token_ids, prefill_step_size=CHUNK)
+                    for p in prompts]
+        b = Batcher(sm, runtime, prefill_chunk=CHUNK, prompt_cache_size=0)
+        got, _ = await run_all(b, [(p, 5, None) for p in prompts])
+        assert got == expected
+        assert b.chunks_overlapped > 0  # a decode step was queued behind a chunk before it was awaited
+        damaged = bytearray(whole)
+        for e in range(spec.n_experts):  # every record of layer 3 (the resident ones are in the pools)
+            damaged[spec.record_offset(e) + spec.segments[0].offset] ^= 0x40
+        spec.path.write_bytes(damaged)
+        try:
+            gen = b.submit(tok.encode(LONG + " Again."), 5)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.run)
+                with pytest.raises(GenerationFailed, match="fault") as info:
+                    async for _ in gen:
+                        pass
+                tg.cancel_scope.cancel()
+            cause = info.value.__cause__
+            errors = list(cause.exceptions) if isinstance(cause, ExceptionGroup) else [cause]
+            assert errors and all(isinstance(e, FillError) and "checksum" in str(e) for e in errors), errors
+        finally:
+            spec.path.write_bytes(whole)
+        await runtime.quiesce()
+        assert audit_problems(runtime) == []
+        (again,), _ = await run_all(b, [(prompts[0], 5, None)])
+        assert again == expected[0]

@@ -3,6 +3,7 @@
     python tools/ab_serve.py --switch queued_prefill --values True False --clients 8 --seconds 20 --rounds 3
     python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
     python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
+    python tools/ab_serve.py --switch overlap_prefill --values True False ... (prefill chunks awaited late)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
     python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_dir, store_dir = ensure_embedded_default(None, progress=False)
     fields = {f.name for f in dataclasses.fields(ForwardOptions)}
-    others = ("read_threads", "run_ahead", "resident", "host_tier")
+    others = ("read_threads", "run_ahead", "resident", "host_tier", "overlap_prefill")
     if args.switch not in fields and args.switch not in others:
         p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or one of {others})")
     values = [ast.literal_eval(v) for v in args.values]
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         sm = models[v]
         resident = values[v] if args.switch == "resident" else args.resident
         run_ahead = values[v] if args.switch == "run_ahead" else True
+        overlap = values[v] if args.switch == "overlap_prefill" else True
         host_tier = values[v] if args.switch == "host_tier" else "auto"
         async with Runtime(sm.store, resident=resident, host_tier=host_tier) as rt:
-            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead)
+            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead, overlap_prefill=overlap)
             spent = {"prefill": 0.0, "decode": 0.0}
             prefill, launch, complete = b._prefill, b._launch, b._complete
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
                 "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
                 "prefill_s": spent["prefill"], "decode_s": spent["decode"], "wall_s": wall,
-                "steps": b.steps, "steps_ahead": b.steps_ahead,
+                "steps": b.steps, "steps_ahead": b.steps_ahead, "chunks_overlapped": b.chunks_overlapped,
                 "launch_ms_per_step": b.launch_seconds / max(b.steps, 1) * 1e3,
                 "counters": {k: v for k, v in counters.items() if v},
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),

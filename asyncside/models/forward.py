@@ -177,20 +177,25 @@ class AsyncForward:
             return StepMode.WHOLE
         return StepMode.PER_LAYER
 
-    async def step(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True) -> mx.array:
+    async def step(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True,
+                   finish: bool = True) -> mx.array:
         """Run ``inputs`` (B, L) through the model, updating ``ctx.cache``.
 
         Returns the logits (B, L, vocab), or with ``logits=False`` the final hidden state, computed
         (prefill chunks, whose logits nobody reads: queued where the source can and
         ``queued_prefill`` says so, else per layer). A queued step's logits are scheduled but not
-        awaited: pass what you derive from them to :meth:`finish`.
+        awaited: pass what you derive from them to :meth:`finish`. With ``logits=False,
+        finish=False`` a queued prefill chunk is not awaited either (later steps may be queued
+        behind it, on its cache): pass the hidden state to :meth:`finish` (harmless for a chunk
+        that ran per layer, which is computed when this returns).
         """
         if not logits:
             self.counters["prefill"] += 1
             if self._queued_prefill and self.options.mode in (StepMode.AUTO, StepMode.QUEUED) \
                     and self.queued.can_run(ctx, inputs):
                 h = await self._queued(ctx, inputs, logits=False)
-                await self.finish(ctx, h)
+                if finish:
+                    await self.finish(ctx, h)
                 return h
             return await self.per_layer.forward(ctx, inputs, logits=False)
         kind = self.kind(ctx, inputs)

@@ -8,7 +8,9 @@ serializes steps (no lock on the model is needed beside it). Each engine step
 2. runs at most one prefill chunk's worth of prompt tokens (``prefill_chunk``): requests still
    prefilling take their next chunk, the least remaining first (every other step the oldest
    first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
-   delays the other streams by at most one chunk per step;
+   delays the other streams by at most one chunk per step. A queued chunk is awaited only after
+   the decode step behind it is queued (the host builds the step while the stream computes the
+   chunk);
 3. runs one decode step over every request that is decoding (:meth:`BatchCaches.launch`), samples
    each request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
    consumer. Decode steps run one ahead, as mlx-lm's batched generation does: the next step is
@@ -51,11 +53,13 @@ log = logging.getLogger("asyncside.serving")
 class ServedModel(Protocol):
     """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
 
-    ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike: awaited as ``await
-    forward(inputs (1, L), cache, source, predictor, logits=...)`` (prefill chunks), stepped as
-    ``ctx = forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs)`` (lazy
-    logits) and ``await forward.finish(ctx, y)`` (await what was derived from them: decode steps),
-    with ``completed`` (await an array's computation) and ``make_predictor(name)``.
+    ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike, stepped as ``ctx =
+    forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs)`` (lazy logits)
+    and ``await forward.finish(ctx, y)`` (await what was derived from them: decode steps), prefill
+    chunks as ``await forward.step(ctx, inputs (1, L), logits=False, finish=False)`` and later
+    ``finish(ctx, hidden)``; with ``completed`` (await an array's computation) and
+    ``make_predictor(name)``. A forward without ``context`` is awaited whole for prefill chunks, as
+    ``await forward(inputs, cache, source, predictor, logits=False)``.
     """
 
     model_id: str
@@ -369,6 +373,16 @@ class _Slot:
 
 
 @dataclass(eq=False)
+class _Chunk:
+    """A prefill chunk queued and not awaited: its request, its step context (None: it was
+    computed already) and its final hidden state (lazy)."""
+
+    slot: _Slot
+    ctx: Any
+    hidden: Any
+
+
+@dataclass(eq=False)
 class _Step:
     """A decode step queued and not completed: its requests in row order, its context (None: it
     was awaited already), what its sampling built (lazy) and how to unpack it."""
@@ -437,7 +451,7 @@ class Batcher:
 
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
-                 prompt_cache_min_tokens: int = 16, run_ahead: bool = True) -> None:
+                 prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -470,6 +484,9 @@ class Batcher:
         self._in_merged: list[_Slot] = []
         #: decode steps run one ahead (see :meth:`step`); off: each step is awaited before the next is built
         self.run_ahead = run_ahead
+        #: queued prefill chunks awaited after the decode step is queued behind them (see
+        #: :meth:`_prefill`); off: each chunk is awaited as soon as it is queued
+        self.overlap_prefill = overlap_prefill
         self._inflight: _Step | None = None  # the decode step queued last and not completed yet
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
@@ -483,6 +500,7 @@ class Batcher:
         self.prefill_chunks = 0   # prefill forwards run (one request's chunk each)
         self.prefill_seconds = 0.0  # wall time in prefill forwards, awaited
         self.wait_seconds = 0.0   # wall time awaiting decode steps' tokens (what the host did not overlap)
+        self.chunks_overlapped = 0  # queued prefill chunks awaited after a decode step was queued behind them
 
     # -- views --------------------------------------------------------------------------------
 
@@ -582,13 +600,16 @@ class Batcher:
         self._leave()
         self._admit()
         used = 0
+        chunks: list[_Chunk] = []
         for slot in self._prefill_order():
             if slot.cancelled or slot.done:  # left while an earlier chunk ran
                 continue
             n = min(self.prefill_chunk, len(slot.todo) - 1)
             if used and used + n > self.prefill_chunk:
                 continue  # a smaller one may still fit this step
-            await self._prefill(slot, n)
+            chunk = await self._prefill(slot, n)
+            if chunk is not None:
+                chunks.append(chunk)
             used += n
         prev, self._inflight = self._inflight, None
         if prev is not None:
@@ -598,6 +619,10 @@ class Batcher:
                 # The step behind it was queued on its tokens: it goes with it.
                 nxt, self._inflight = self._inflight, None
                 await self._abandon(nxt, failure)
+        # The stream runs prev, then the chunks, then the step launched ahead (which may hold the
+        # requests whose prompts they completed, on their lazy caches): awaited in that order.
+        for chunk in chunks:
+            await self._finish_chunk(chunk)
         if self._inflight is None:
             batch = self._decoding()
             if batch:
@@ -634,23 +659,57 @@ class Batcher:
             slot.predictor = self.model.forward.make_predictor(self.predictor)
             self._active.append(slot)
 
-    async def _prefill(self, slot: _Slot, n: int) -> None:
+    async def _prefill(self, slot: _Slot, n: int) -> _Chunk | None:
+        """Queue ``slot``'s next ``n`` prompt tokens; returns the chunk to pass to
+        :meth:`_finish_chunk` (None if it failed, and the request with it).
+
+        A queued chunk is not awaited here: the decode step is built (and launched ahead) while
+        the stream computes it, the requests it completes joining that step on their lazy caches.
+        A chunk that runs per layer (a source without queued steps) is computed when this returns.
+        """
         import mlx.core as mx
 
-        chunk = slot.todo[:n]
+        tokens = slot.todo[:n]
         started = time.perf_counter()
+        fwd = self.model.forward
         try:
-            await prefill_step(self.model, mx.array(chunk)[None], slot.cache, self.source, slot.predictor)  # type: ignore[arg-type]
+            if hasattr(fwd, "context"):
+                ctx = fwd.context(slot.cache, self.source, slot.predictor)
+                h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
+            else:  # a forward that only runs whole calls
+                ctx, h = None, None
+                await prefill_step(self.model, mx.array(tokens)[None], slot.cache, self.source, slot.predictor)  # type: ignore[arg-type]
         except Exception as exc:
             log.exception("prefill failed")
             self._fail(slot, exc)
-            return
+            return None
         finally:
             self.prefill_chunks += 1
             self.prefill_seconds += time.perf_counter() - started
-        slot.fed.extend(chunk)
+        slot.fed.extend(tokens)
         del slot.todo[:n]
         self.prefill_tokens += n
+        chunk = _Chunk(slot, ctx, h)
+        if not self.overlap_prefill:
+            await self._finish_chunk(chunk)
+            return None
+        return chunk
+
+    async def _finish_chunk(self, chunk: _Chunk) -> None:
+        """Await a prefill chunk queued by :meth:`_prefill`; its request fails if it did (a decode
+        step queued on its cache hands that request nothing: it is done)."""
+        if chunk.ctx is None:
+            return
+        if self._inflight is not None:
+            self.chunks_overlapped += 1
+        started = time.perf_counter()
+        try:
+            await self.model.forward.finish(chunk.ctx, chunk.hidden)
+        except Exception as exc:
+            log.exception("prefill failed")
+            self._fail(chunk.slot, exc)
+        finally:
+            self.prefill_seconds += time.perf_counter() - started
 
     # -- decode steps -----------------------------------------------------------------------
 
