@@ -246,8 +246,8 @@ class Runtime:
     tier of records: a layer in the tier keeps every record its queued steps faulted in, verified,
     in pinned host memory, so a later fault of that expert is a copy to the device alone (no read,
     no checksum on the host node the GPU waits for). Whole layers, in order, while their records
-    fit the bound; ``"auto"``: a quarter of the memory available at start
-    (:data:`asyncside.memory.TIER_SHARE`); 0 turns it off.
+    fit the bound; ``"auto"``: a quarter of the memory available at start once the pools are
+    counted (:data:`asyncside.memory.TIER_SHARE`); 0 turns it off.
     """
 
     def __init__(
@@ -405,7 +405,7 @@ class Runtime:
         self._stats["pool_bytes_planned"] = need
         self._memory = {"pool_bytes": need, "available_bytes": budget.available, "source": budget.source,
                         "resident": self._resident_arg if not isinstance(self._resident_arg, Mapping) else "mapping"}
-        self._tier_layers, tier_bytes = self._plan_tier(budget.available)
+        self._tier_layers, tier_bytes = self._plan_tier(budget.available - need - MIN_HEADROOM)
         self._memory["host_tier_bytes"] = tier_bytes
         self._memory["host_tier_layers"] = len(self._tier_layers)
         if need + MIN_HEADROOM > budget.available:
@@ -414,13 +414,15 @@ class Runtime:
                 f"{MIN_HEADROOM >> 20} MiB of room for the page cache and the model, but only "
                 f"{budget.describe()}: use a smaller resident fraction, or resident='auto'")
 
-    def _plan_tier(self, available: int) -> tuple[set[int], int]:
+    def _plan_tier(self, room: int) -> tuple[set[int], int]:
         """The layers whose queued-step faults keep their records in a host tier, and its bytes
-        (whole layers in order, within ``host_tier``); none unless pools live on a CUDA device."""
+        (whole layers in order, within ``host_tier``; ``"auto"``: a quarter of ``room``, the memory
+        left once the pools and their headroom are counted); none unless pools live on a CUDA
+        device."""
         from .memory import TIER_SHARE
         from .pools import device_pools_default
 
-        cap = int(available * TIER_SHARE) if self._host_tier_arg == "auto" else int(self._host_tier_arg)
+        cap = int(max(room, 0) * TIER_SHARE) if self._host_tier_arg == "auto" else int(self._host_tier_arg)
         if cap <= 0 or not device_pools_default():
             return set(), 0
         from . import _native

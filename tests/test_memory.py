@@ -72,7 +72,8 @@ def test_host_tier_sizes_parse_and_bad_ones_are_refused() -> None:
 def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier holds whole layers, in order, while they fit (each a page-rounded block of one row
-    per expert a segment); none unless the pools live on a CUDA device with the fault path."""
+    per expert a segment); "auto" takes a quarter of the room beside the pools (none when there is
+    none); no tier unless the pools live on a CUDA device with the fault path."""
     from asyncside import _native, pools
 
     store = _store(tmp_path / "s")
@@ -87,3 +88,4 @@ def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Pa
     assert Runtime(store, host_tier="auto")._plan_tier(int(2 * layer / memory.TIER_SHARE)) == ({0, 1}, 2 * layer)
     assert Runtime(store, host_tier="auto")._plan_tier(int(layer / memory.TIER_SHARE)) == ({0}, layer)
     assert Runtime(store, host_tier="auto", layers=[1])._plan_tier(1 << 40) == ({1}, layer)
+    assert Runtime(store, host_tier="auto")._plan_tier(-(1 << 30)) == (set(), 0)  # pools left no room

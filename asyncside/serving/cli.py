@@ -105,7 +105,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-tier", type=host_tier_arg, default="auto", metavar="SIZE",
                         help="MLX CUDA: pinned host memory for the host tier of records (each faulted "
                              "record read and verified once, then copied from there): auto (a quarter of "
-                             "the memory available), a size such as 2G, or 0 for none (default auto)")
+                             "the memory left beside the pools), a size such as 2G, or 0 for none (default auto)")
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
     parser.add_argument("--cache-dir", default=None,
