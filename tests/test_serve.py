@@ -359,6 +359,7 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
     out = run_serve_bench(args)
     names = [(p["server"], p["clients"]) for p in out["phases"]]
     assert names == [("asyncside", 1), ("asyncside", 2), ("mlx_lm.server", 1), ("mlx_lm.server", 2)]
+    assert [p["order"] for p in out["phases"]] == [0, 2, 1, 3]  # they ran alternately, phase by phase
     for phase in out["phases"]:
         assert phase["error_count"] == 0, phase
         assert phase["tokens"] > 0 and phase["ttft_n"] >= 1 and phase["ttft_p50_s"] <= phase["ttft_p99_s"], phase

@@ -1,32 +1,35 @@
-"""`asyncside bench serve`: concurrent streaming clients against `asyncside serve` and, in the same
-run on the same model, against ``mlx_lm.server`` (every expert resident, its batching on).
+"""`asyncside bench serve`: concurrent streaming clients against `asyncside serve` and, in the same run
+on the same model, against ``mlx_lm.server`` (every expert resident, its batching on).
 
 For each server and each client count (``--clients``, default 1, 8 and 32) one phase runs for
-``--duration`` seconds: every client issues streaming completions back to back, its prompts
-cycling through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of
-``--long-prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others
-share the server with a long prefill. The phases of mlx_lm.server run after asyncside's, in the
-same order (the long-prompt phase last, so no other phase shares a server still busy with it). Every prompt
-starts with the request's own number, so no two requests share a cacheable prefix. At the deadline
-the requests still running are cancelled (the servers see disconnects); tokens received before it
-count. Each phase follows ``--warmup`` seconds of the same load, not measured (repeated until a
-request has completed: a server still on its first request is not warm), and the next phase
-starts only once the server is idle again (asyncside's engine has no request left;
-mlx_lm.server, which finishes the requests of clients that left, has stopped using the CPU).
+``--duration`` seconds: every client issues streaming completions back to back, its prompts cycling
+through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of ``--long-
+prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others share the
+server with a long prefill. Both servers run at once and their phases alternate (asyncside's then
+mlx_lm.server's at each client count, the long-prompt phase last, so no other phase shares a server
+still busy with it): a ratio compares two phases minutes apart, not two halves of a run on a host
+whose speed drifts. Every prompt starts with the request's own number, so no two requests share a
+cacheable prefix. At the deadline the requests still running are cancelled (the servers see
+disconnects); tokens received before it count. Each phase follows ``--warmup`` seconds of the same
+load, not measured (repeated until a request has completed: a server still on its first request is
+not warm), and the next phase starts only once the server is idle again (asyncside's engine has no
+request left; mlx_lm.server, which finishes the requests of clients that left, has stopped using the
+CPU).
 
 Reported per phase: aggregate tokens/s (all tokens / phase time), per-stream tokens/s (median over
 requests of (tokens - 1) / (last - first token time)), time to first token and inter-token latency
-(p50 / p99, measured by the client, over the short-prompt requests; the long prompt's time to
-first token is reported alone), and each asyncside phase's aggregate over mlx_lm.server's with the
-same clients. Both servers decode greedily with ``max_tokens`` tokens per request. RSS of this
-process (which hosts the asyncside server) is read before the model is loaded, with the server
-idle, and at the end; the ledgers must audit clean at the end.
+(p50 / p99, measured by the client, over the short-prompt requests; the long prompt's time to first
+token is reported alone), and each asyncside phase's aggregate over mlx_lm.server's with the same
+clients. Both servers decode greedily with ``max_tokens`` tokens per request. RSS of this process
+(which hosts the asyncside server) is read before the model is loaded, with the server idle, and at
+the end; the ledgers must audit clean at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -386,8 +389,19 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         return args.long_prompt if clients in with_long else 0
 
     numbers = itertools.count()
+    mlx_lm: dict[str, Any] = {"ran": False}
+    model_dir = None
+    if args.mlx_lm:
+        model_dir = args.mlx_lm_model or _embedded_model_dir(args)
+        if model_dir is None:
+            mlx_lm["skipped"] = "no mlx-lm model directory: pass --mlx-lm-model for a converted --model"
 
-    with BackgroundServer(app) as srv:
+    # Both servers up at once, their phases alternating (asyncside's at 1 client, then
+    # mlx_lm.server's, then 8 clients...): this host's speed drifts by tens of percent within a
+    # run, and each ratio compares two phases measured minutes apart at most, never one server's
+    # whole run against the other's. The idle server computes nothing meanwhile.
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(BackgroundServer(app))
         state = app.state.asyncside
         rss_idle = read_rss_bytes()
         model_id = state.model_id
@@ -395,6 +409,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine = dict(state.engine.description)
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
+        ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
+        rss_ml_idle = ml.rss() if ml is not None else {}
         for clients in args.clients:
             warmed = 0
             if args.warmup > 0:  # the same load, untimed: kernels compiled, pools warm (see --warmup)
@@ -408,33 +424,29 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             srv.call(_idle_of(state), timeout=args.duration * 10 + 600)
             spent = _spent(before, srv.call(_counters_of(state)))
             phases.append(res.summary() | {"warmup_rounds": warmed, "engine": spent})
+            if ml is None:
+                continue
+            warmed = 0
+            if args.warmup > 0:
+                warmed = warm_up("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
+                                 args.max_tokens,
+                                 _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
+                wait_quiet(ml.pid)  # the warm-up's cut requests finish first
+            prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
+            res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
+                                       args.max_tokens, prompts))
+            summary = res.summary() | {"warmup_rounds": warmed}
+            phases.append(summary)
+            summary["settled_s"] = wait_quiet(ml.pid)
         health = srv.call(_health_of(state))
         runtime_stats = srv.call(_stats_of(state))
+        if ml is not None:
+            mlx_lm = {"ran": True, "model_dir": model_dir, "rss_idle": rss_ml_idle.get("VmRSS"),
+                      "rss_peak": ml.rss().get("VmHWM")}
     rss_after = read_rss_bytes()
-
-    mlx_lm: dict[str, Any] = {"ran": False}
-    if args.mlx_lm:
-        model_dir = args.mlx_lm_model or _embedded_model_dir(args)
-        if model_dir is None:
-            mlx_lm["skipped"] = "no mlx-lm model directory: pass --mlx-lm-model for a converted --model"
-        else:
-            with MlxLmServer(model_dir) as ml:
-                rss_ml_idle = ml.rss()
-                for clients in args.clients:
-                    warmed = 0
-                    if args.warmup > 0:
-                        warmed = warm_up("mlx_lm.server", ml.url, "default_model", clients, args.warmup,
-                                         args.max_tokens,
-                                         _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
-                        wait_quiet(ml.pid)  # the warm-up's cut requests finish first
-                    prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
-                    res = uvloop.run(run_phase("mlx_lm.server", ml.url, "default_model", clients, args.duration,
-                                               args.max_tokens, prompts))
-                    summary = res.summary() | {"warmup_rounds": warmed}
-                    phases.append(summary)
-                    summary["settled_s"] = wait_quiet(ml.pid)
-                mlx_lm = {"ran": True, "model_dir": model_dir, "rss_idle": rss_ml_idle.get("VmRSS"),
-                          "rss_peak": ml.rss().get("VmHWM")}
+    for order, p in enumerate(phases):
+        p["order"] = order  # when it ran (the list below is grouped by server)
+    phases.sort(key=lambda p: (p["server"] != "asyncside", p["order"]))
 
     base = {p["clients"]: p["tokens_per_s"] for p in phases if p["server"] == "mlx_lm.server"}
     single = next((p["tokens_per_s"] for p in phases if p["server"] == "asyncside" and p["clients"] == 1), None)
