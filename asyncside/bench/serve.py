@@ -3,8 +3,8 @@ on the same model, against ``mlx_lm.server`` (every expert resident, its batchin
 
 For each server and each client count (``--clients``, default 1, 8 and 32) one phase runs for
 ``--duration`` seconds: every client issues streaming completions back to back, its prompts cycling
-through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of ``--long-
-prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others share the
+through ``--prompt-lengths`` (tokens); in the phase with the most clients (or those of
+``--long-prompt-clients``) client 0 first sends one ``--long-prompt``-token prompt, so the others share the
 server with a long prefill. Both servers run at once and their phases alternate (asyncside's then
 mlx_lm.server's at each client count, the long-prompt phase last, so no other phase shares a server
 still busy with it): a ratio compares two phases minutes apart, not two halves of a run on a host
