@@ -354,7 +354,9 @@ def test_bench_serve_runs_all_phases(served_model: str) -> None:
     parser.add_argument("--json", action="store_true")
     add_serve_bench_arguments(parser)
     # No --model: the embedded model (served_model), whose model directory mlx_lm.server loads.
-    args = parser.parse_args(["--clients", "1,2", "--duration", "4", "--warmup", "1", "--max-tokens", "3",
+    # 8 s phases: with two suites at once (and more) on two cores, one of mlx_lm.server's 4 s
+    # phases once completed no request at all.
+    args = parser.parse_args(["--clients", "1,2", "--duration", "8", "--warmup", "1", "--max-tokens", "3",
                               "--prompt-lengths", "4,6", "--long-prompt", "20", "--json"])
     out = run_serve_bench(args)
     names = [(p["server"], p["clients"]) for p in out["phases"]]
