@@ -27,6 +27,7 @@ from asyncside.errors import FillError
 from asyncside.models import ForwardOptions, convert_model, load_streaming_model, reference_generate
 from asyncside.pools import PoolSet
 from asyncside.runtime import Runtime
+from asyncside.store import LayerSpec
 
 from _models_support import BASE, tiny_model
 
@@ -471,19 +472,24 @@ def test_step_plan_schedules_a_graph_in_chunks_without_blocking() -> None:
     assert _native.StepPlan([y]).size == 0  # already scheduled: nothing left to plan
 
 
+def _device_layer(tmp_path: pathlib.Path, seed: int) -> tuple[ExpertStore, LayerSpec, PoolSet]:
+    """A one-layer store of 16 random experts (two segments) and device pools of 4 rows for it."""
+    rng = np.random.default_rng(seed)
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "w.weight": rng.integers(0, 2**32, size=(16, 64, 8), dtype=np.uint32),
+        "w.scales": rng.standard_normal((16, 24)).astype(np.float16),
+    }})
+    spec = store.layer(0)
+    return store, spec, PoolSet(spec, 4, device=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _native.device_faults_available() or mx.default_device() != mx.gpu,
                     reason="needs MLX CUDA and the CUDA fault path")
 def test_device_fault_table_copies_records_to_device_rows(tmp_path: pathlib.Path) -> None:
     """CUDA: kernel, host node, kernel. Faulted records land in the device pools (read back
     through the host), hits keep their rows, and the routed ids may be strided and of any dtype."""
-    rng = np.random.default_rng(0)
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "w.weight": rng.integers(0, 2**32, size=(16, 64, 8), dtype=np.uint32),
-        "w.scales": rng.standard_normal((16, 24)).astype(np.float16),
-    }})
-    spec = store.layer(0)
-    pools = PoolSet(spec, 4, device=True)
+    store, spec, pools = _device_layer(tmp_path, seed=0)
     table = _native.FaultTable.for_device(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
                                           pools.mirror, [s.offset for s in spec.segments],
                                           [s.nbytes for s in spec.segments], os.open(spec.path, os.O_RDONLY),
@@ -509,13 +515,7 @@ def test_device_fault_table_with_a_host_tier_reads_each_record_once(tmp_path: pa
     """CUDA, a host tier (one pinned row per expert): a record is read and verified once; a later
     fault of it is the device copy alone (event source 1, nothing read), with the same bytes in the
     pool row. A record whose checksum fails is not kept: its next fault reads it again."""
-    rng = np.random.default_rng(1)
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "w.weight": rng.integers(0, 2**32, size=(16, 64, 8), dtype=np.uint32),
-        "w.scales": rng.standard_normal((16, 24)).astype(np.float16),
-    }})
-    spec = store.layer(0)
-    pools = PoolSet(spec, 4, device=True)
+    store, spec, pools = _device_layer(tmp_path, seed=1)
     nbytes = [s.nbytes for s in spec.segments]
     tier = _native.HostMirror(spec.n_experts, nbytes)
     assert tier.pinned
