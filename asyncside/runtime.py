@@ -227,6 +227,12 @@ class _Pending:
             raise self.error
 
 
+def _tier_bytes(spec: LayerSpec) -> int:
+    """Host memory of one layer's host tier: the mirror's layout, each segment a page-rounded
+    block of one row per expert."""
+    return sum(-(-spec.n_experts * seg.nbytes // 4096) * 4096 for seg in spec.segments)
+
+
 class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
@@ -431,9 +437,7 @@ class Runtime:
             return set(), 0
         layers, total = set(), 0
         for index in self._layer_ids:
-            spec = self.store.layer(index)
-            # The mirror's layout: each segment a page-rounded block of one row per expert.
-            nbytes = sum(-(-spec.n_experts * seg.nbytes // 4096) * 4096 for seg in spec.segments)
+            nbytes = _tier_bytes(self.store.layer(index))
             if total + nbytes > cap:
                 break
             layers.add(index)
@@ -543,7 +547,7 @@ class Runtime:
             if index in self._tier_layers and st.pools.device:
                 tiers[index] = await anyio.to_thread.run_sync(
                     _native.HostMirror, st.spec.n_experts, [seg.nbytes for seg in st.spec.segments])
-                self._stats["host_tier_bytes"] += st.spec.n_experts * st.spec.stride
+                self._stats["host_tier_bytes"] += _tier_bytes(st.spec)
         fds = await anyio.to_thread.run_sync(open_all)
         for k, (index, st) in enumerate(host):
             spec = st.spec

@@ -24,7 +24,7 @@ Requests join and leave only between steps. A request's prefill chunks have fixe
 it computes never depends on its neighbours.
 
 ``Batcher._launch`` (through :meth:`BatchCaches.launch`, or :func:`rows_step` for caches without a
-batched form) and :func:`prefill_step` are the only places the model is called.
+batched form) and :meth:`Batcher._prefill` are the only places the model is called.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ class ServedModel(Protocol):
     and ``await forward.finish(ctx, y)`` (await what was derived from them: decode steps), prefill
     chunks as ``await forward.step(ctx, inputs (1, L), logits=False, finish=False)`` and later
     ``finish(ctx, hidden)``; with ``completed`` (await an array's computation) and
-    ``make_predictor(name)``. A forward without ``context`` is awaited whole for prefill chunks, as
-    ``await forward(inputs, cache, source, predictor, logits=False)``.
+    ``make_predictor(name)``.
     """
 
     model_id: str
@@ -317,11 +316,6 @@ class BatchCaches:
         return ctx, sample((await fwd.step(ctx, tokens))[:, -1, :])
 
 
-async def prefill_step(sm: ServedModel, tokens: Any, cache: list[Any], source: Any, predictor: Any) -> None:
-    """Feed prompt tokens (1, n) through ``cache`` without computing logits (nobody reads them)."""
-    await sm.forward(tokens, cache, source, predictor, logits=False)
-
-
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -374,8 +368,8 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Chunk:
-    """A prefill chunk queued and not awaited: its request, its step context (None: it was
-    computed already) and its final hidden state (lazy)."""
+    """A prefill chunk queued and not awaited: its request, its step context and its final
+    hidden state (lazy; computed already for a chunk that ran per layer)."""
 
     slot: _Slot
     ctx: Any
@@ -673,12 +667,8 @@ class Batcher:
         started = time.perf_counter()
         fwd = self.model.forward
         try:
-            if hasattr(fwd, "context"):
-                ctx = fwd.context(slot.cache, self.source, slot.predictor)
-                h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
-            else:  # a forward that only runs whole calls
-                ctx, h = None, None
-                await prefill_step(self.model, mx.array(tokens)[None], slot.cache, self.source, slot.predictor)  # type: ignore[arg-type]
+            ctx = fwd.context(slot.cache, self.source, slot.predictor)
+            h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
         except Exception as exc:
             log.exception("prefill failed")
             self._fail(slot, exc)
@@ -698,8 +688,6 @@ class Batcher:
     async def _finish_chunk(self, chunk: _Chunk) -> None:
         """Await a prefill chunk queued by :meth:`_prefill`; its request fails if it did (a decode
         step queued on its cache hands that request nothing: it is done)."""
-        if chunk.ctx is None:
-            return
         if self._inflight is not None:
             self.chunks_overlapped += 1
         started = time.perf_counter()
