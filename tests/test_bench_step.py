@@ -34,3 +34,16 @@ def test_table_renders(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--quick", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "host time per decode step" in out and "asyncside" in out and "mlx-lm" in out
+
+
+def test_quick_prefill_bench_times_queued_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    # --prefill: each timed step is a fresh chunk of L tokens, queued on our side (the CPU's
+    # default prefill is per layer; the bench asks for the queued one, the GPU's default).
+    assert bench.main(["--quick", "--json", "--batch", "1", "--prefill", "24"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prefill"] == 24
+    (row,) = result["rows"]
+    assert row["queued_steps"] == result["steps"] * result["reported_rounds"]
+    assert row["faults_per_step"] > 0  # 24 tokens x top-4 route more experts than half a layer keeps
+    assert 0 < row["asyncside_ms"]["build"] <= row["asyncside_ms"]["host"] <= row["asyncside_ms"]["step"]
+    assert 0 < row["mlx_lm_ms"]["build"] <= row["mlx_lm_ms"]["step"]

@@ -16,6 +16,11 @@ else runs meanwhile), after ``--warmup-steps`` untimed ones:
   between layers), ``plan`` (the native walk of the graph), ``schedule`` (handing it to MLX, as
   above; on the CPU in chunks awaited in between, which are not counted), the draw; ``wait``.
 
+With ``--prefill L`` each timed step is instead a prefill chunk of ``L`` tokens per batch row
+into an empty cache (fresh tokens every step, the same on both sides, so the chunks route as a
+stream of new prompts does): mlx-lm's prefill (the model called, its caches' state evaluated, as
+its generation does) beside asyncside's queued prefill chunk (``logits=False``), ``draw`` empty.
+
 Reported per side: the median over the timed steps of every round after the first (the first
 compiles kernels on a GPU) of each phase, the host's total (``host``: everything but ``wait``)
 and the whole step; and asyncside's host time and step time over mlx-lm's.
@@ -46,6 +51,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the first is not reported (default 3)")
     parser.add_argument("--resident", type=float, default=0.5, help="share of experts in pools (default 0.5)")
     parser.add_argument("--model", default=None, help="a converted model directory (default: the embedded one)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="L",
+                        help="time prefill chunks of L tokens per row instead of decode steps (default: off)")
     parser.add_argument("--quick", action="store_true", help="tiny run for CI smoke tests (numbers are noise)")
 
 
@@ -54,6 +61,37 @@ def _greedy(logits: Any) -> Any:
 
     last = logits[:, -1, :]
     return mx.argmax(last - mx.logsumexp(last, axis=-1, keepdims=True), axis=-1)
+
+
+def _chunks(vocab: int, batch: int, length: int, count: int) -> list[Any]:
+    """``count`` prefill chunks (batch, length) of fixed pseudo-random token ids (the same for
+    both sides: each chunk routes as a new prompt does)."""
+    import mlx.core as mx
+
+    key = mx.random.key(1234)
+    return [mx.random.randint(0, vocab, (batch, length), key=k) for k in mx.random.split(key, count)]
+
+
+def _mlx_lm_prefill_run(ref: Any, chunks: list[Any], warmup: int) -> dict[str, list[float]]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    t: dict[str, list[float]] = defaultdict(list)
+    for i, chunk in enumerate(chunks):
+        cache = make_prompt_cache(ref)
+        t0 = time.perf_counter_ns()
+        ref(chunk, cache=cache)
+        state = [c.state for c in cache]
+        t1 = time.perf_counter_ns()
+        mx.async_eval(state)
+        t2 = time.perf_counter_ns()
+        mx.eval(state)
+        t3 = time.perf_counter_ns()
+        if i >= warmup:
+            for key, ns in (("build", t1 - t0), ("schedule", t2 - t1), ("wait", t3 - t2), ("host", t2 - t0),
+                            ("step", t3 - t0)):
+                t[key].append(ns / 1e6)
+    return t
 
 
 def _mlx_lm_run(ref: Any, prompt: Any, steps: int, warmup: int) -> dict[str, list[float]]:
@@ -81,6 +119,38 @@ def _mlx_lm_run(ref: Any, prompt: Any, steps: int, warmup: int) -> dict[str, lis
     return t
 
 
+async def _ours_prefill_run(sm: Any, chunks: list[Any], warmup: int, resident: float) -> dict[str, Any]:
+    from ..runtime import Runtime
+
+    t: dict[str, list[float]] = defaultdict(list)
+    async with Runtime(sm.store, resident=resident) as rt:
+        fwd = sm.forward
+        host = fwd.queued.host_ns
+        queued_before = faults_before = 0
+        for i, chunk in enumerate(chunks):
+            if i == warmup:
+                queued_before, faults_before = fwd.counters["queued_prefill"], rt.stats()["faults"]
+            before = dict(host)
+            ctx = fwd.context(sm.make_cache(), rt)
+            t0 = time.perf_counter_ns()
+            h = await fwd.step(ctx, chunk, logits=False, finish=False)
+            t1 = time.perf_counter_ns()
+            await fwd.finish(ctx, h)
+            t2 = time.perf_counter_ns()
+            if i < warmup:
+                continue
+            for key in ("begin", "build", "end", "plan", "schedule"):
+                t[key].append((host[key] - before[key]) / 1e6)
+            t["draw"].append(0.0)
+            t["wait"].append((t2 - t1) / 1e6)
+            t["step"].append((t2 - t0) / 1e6)
+            t["host"].append(sum(t[key][-1] for key in ("begin", "build", "end", "plan", "schedule")))
+        stats = rt.stats()
+        queued = fwd.counters["queued_prefill"] - queued_before
+    return {"times": t, "queued": queued, "faults": stats["faults"] - faults_before,
+            "hit_rate": stats.get("hit_rate")}
+
+
 async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: float) -> dict[str, Any]:
     import mlx.core as mx
 
@@ -93,10 +163,10 @@ async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: flo
         cache = sm.make_cache()
         await fwd(prompt, cache, rt, logits=False)
         y = mx.array([[5]] * prompt.shape[0])
-        queued_before = 0
+        queued_before = faults_before = 0
         for i in range(warmup + steps):
-            if i == warmup:
-                queued_before = fwd.counters["queued"]  # the timed steps' only
+            if i == warmup:  # the timed steps' only
+                queued_before, faults_before = fwd.counters["queued"], rt.stats()["faults"]
             before = dict(host)
             ctx = fwd.context(cache, rt)
             t0 = time.perf_counter_ns()
@@ -119,7 +189,7 @@ async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: flo
             t["host"].append(sum(t[key][-1] for key in ("begin", "build", "end", "plan", "schedule", "draw")))
         stats = rt.stats()
         queued = fwd.counters["queued"] - queued_before
-    return {"times": t, "queued": queued, "faults": stats.get("faults"), "hit_rate": stats.get("hit_rate")}
+    return {"times": t, "queued": queued, "faults": stats["faults"] - faults_before, "hit_rate": stats.get("hit_rate")}
 
 
 def _medians(runs: Sequence[dict[str, list[float]]]) -> dict[str, float]:
@@ -135,16 +205,17 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import mlx.core as mx
 
-    from ..models import load_reference_model, load_streaming_model
+    from ..models import ForwardOptions, load_reference_model, load_streaming_model
     from ..models.embedded import ensure_embedded_default
 
     steps, warmup, rounds = args.steps, args.warmup_steps, args.rounds
     if args.quick:
         steps, warmup, rounds = 4, 1, 2
-    if steps < 1 or warmup < 0 or rounds < 1:
-        raise ValueError("--steps and --rounds must be >= 1, --warmup-steps >= 0")
+    if steps < 1 or warmup < 0 or rounds < 1 or args.prefill < 0:
+        raise ValueError("--steps and --rounds must be >= 1, --warmup-steps and --prefill >= 0")
     store_dir = args.model if args.model is not None else str(ensure_embedded_default(None, progress=False)[1])
-    sm = load_streaming_model(store_dir)
+    # Prefill chunks as queued steps everywhere (the GPU's default; the CPU's is per layer).
+    sm = load_streaming_model(store_dir, options=ForwardOptions(queued_prefill=True) if args.prefill else None)
     ref = load_reference_model(store_dir)[0]
     tokens = sm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     machine = machine_info(store_dir)
@@ -152,6 +223,7 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for batch in args.batch:
         prompt = mx.array([tokens] * batch)
+        chunks = _chunks(sm.config["vocab_size"], batch, args.prefill, warmup + steps) if args.prefill else []
         theirs: list[dict[str, list[float]]] = []
         ours: list[dict[str, list[float]]] = []
         queued = 0
@@ -159,11 +231,13 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(rounds):
             for side in (("mlx_lm", "asyncside") if r % 2 == 0 else ("asyncside", "mlx_lm")):
                 if side == "mlx_lm":
-                    run = _mlx_lm_run(ref, prompt, steps, warmup)
+                    run = (_mlx_lm_prefill_run(ref, chunks, warmup) if chunks
+                           else _mlx_lm_run(ref, prompt, steps, warmup))
                     if r or rounds == 1:
                         theirs.append(run)
                 else:
-                    res = anyio.run(_ours_run, sm, prompt, steps, warmup, args.resident)
+                    res = (anyio.run(_ours_prefill_run, sm, chunks, warmup, args.resident) if chunks
+                           else anyio.run(_ours_run, sm, prompt, steps, warmup, args.resident))
                     if r or rounds == 1:
                         ours.append(res["times"])
                         queued += res["queued"]
@@ -177,12 +251,14 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
             "step_ratio": m_ours["step"] / m_theirs["step"],
             "queued_steps": queued,
             "faults": faults,
+            "faults_per_step": faults / (steps * max(1, rounds - 1)),
         })
     result = {
         "bench": "step",
         "device": str(mx.default_device()),
         "model": store_dir,
         "resident": args.resident,
+        "prefill": args.prefill,
         "steps": steps,
         "warmup_steps": warmup,
         "rounds": rounds,
@@ -201,9 +277,10 @@ def render_step_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"host time per decode step, ms (median of {result['steps']} steps x "
+    what = f"prefill chunk of {result['prefill']} tokens per row" if result.get("prefill") else "decode step"
+    t = Table(title=f"host time per {what}, ms (median of {result['steps']} steps x "
                     f"{result['reported_rounds']} rounds; {result['device']}, {result['resident']:.0%} resident)")
-    for col in ("batch", "side", *PHASES_OURS, "host", "step", "host / mlx-lm", "step / mlx-lm"):
+    for col in ("batch", "side", *PHASES_OURS, "host", "step", "host / mlx-lm", "step / mlx-lm", "faults / step"):
         t.add_column(col, justify="right", no_wrap=True)
     for row in result["rows"]:
         for side, key in (("mlx-lm", "mlx_lm_ms"), ("asyncside", "asyncside_ms")):
@@ -211,7 +288,8 @@ def render_step_table(result: dict[str, Any]) -> None:
             cells = [f"{m[p]:.3f}" if p in m else "-" for p in PHASES_OURS]
             ours = side == "asyncside"
             t.add_row(str(row["batch"]), side, *cells, f"{m['host']:.3f}", f"{m['step']:.3f}",
-                      f"{row['host_ratio']:.2f}x" if ours else "", f"{row['step_ratio']:.2f}x" if ours else "")
+                      f"{row['host_ratio']:.2f}x" if ours else "", f"{row['step_ratio']:.2f}x" if ours else "",
+                      f"{row['faults_per_step']:.1f}" if ours else "")
     Console(width=160).print(t)
     print(f"{result['machine']['nproc']} CPUs, load at start {result['machine']['loadavg_at_start']}; "
           f"{result['seconds']} s")

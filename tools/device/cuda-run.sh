@@ -10,7 +10,8 @@
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
 # arguments, once per client count in AB_SERVE_CLIENTS, default "1 8"), HOST_TIME="1 8" (then
-# asyncside bench step at those batch sizes), SERVE="args" (last: tools/device/serve-run.sh
+# asyncside bench step at those batch sizes), PREFILL_TIME=L (then bench step --prefill L at
+# batch PREFILL_BATCH, default "1 4", and residency PREFILL_RESIDENT, default "0.5 1.0"), SERVE="args" (last: tools/device/serve-run.sh
 # SERVE_NAME with those bench serve arguments, within SERVE_BUDGET seconds).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -77,6 +78,15 @@ for b in $HOST_TIME; do
   log "host time per decode step, batch $b"
   timeout 300 python3 -m asyncside.bench.step --batch $b --json > "$OUT/bench-step-$b.json" 2> "$OUT/bench-step-$b.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(r['batch'], k, {a: round(b, 3) for a, b in r[k].items()}) for r in d['rows'] for k in ('mlx_lm_ms', 'asyncside_ms')]" "$OUT/bench-step-$b.json" || tail -20 "$OUT/bench-step-$b.err"
+done
+fi
+if [ -n "${PREFILL_TIME:-}" ]; then
+export PYTHONPATH=/tmp/site:$PWD
+for r in ${PREFILL_RESIDENT:-0.5 1.0}; do
+  log "host time per prefill chunk of $PREFILL_TIME tokens, batch ${PREFILL_BATCH:-1 4}, $r resident"
+  timeout 300 python3 -m asyncside.bench.step --batch ${PREFILL_BATCH:-1 4} --prefill $PREFILL_TIME --steps 30 \
+    --resident $r --json > "$OUT/bench-prefill-$r.json" 2> "$OUT/bench-prefill-$r.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(r['batch'], k, {a: round(b, 3) for a, b in r[k].items()}, 'faults/step', round(r['faults_per_step'], 1)) for r in d['rows'] for k in ('mlx_lm_ms', 'asyncside_ms')]" "$OUT/bench-prefill-$r.json" || tail -20 "$OUT/bench-prefill-$r.err"
 done
 fi
 if [ -n "${AB_SERVE:-}" ]; then
