@@ -129,7 +129,7 @@ async def _ours_prefill_run(sm: Any, chunks: list[Any], warmup: int, resident: f
         queued_before = faults_before = 0
         for i, chunk in enumerate(chunks):
             if i == warmup:
-                queued_before, faults_before = fwd.counters["queued_prefill"], rt.stats()["faults"]
+                queued_before, faults_before = fwd.counters["queued_prefill"], int(rt.stats()["faults"])
             before = dict(host)
             ctx = fwd.context(sm.make_cache(), rt)
             t0 = time.perf_counter_ns()
@@ -166,7 +166,7 @@ async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: flo
         queued_before = faults_before = 0
         for i in range(warmup + steps):
             if i == warmup:  # the timed steps' only
-                queued_before, faults_before = fwd.counters["queued"], rt.stats()["faults"]
+                queued_before, faults_before = fwd.counters["queued"], int(rt.stats()["faults"])
             before = dict(host)
             ctx = fwd.context(cache, rt)
             t0 = time.perf_counter_ns()
