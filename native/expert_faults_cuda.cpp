@@ -284,8 +284,8 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
       check(cudaGraphAddHostNode(&n2, graph, &n1, 1, &h), "cudaGraphAddHostNode");
       cudaKernelNodeParams k3{};
       k3.func = cuda::apply_plan_kernel();
-      k3.gridDim = dim3(128);
-      k3.blockDim = dim3(256);
+      k3.gridDim = dim3(cuda::kApplyPlanBlocks);
+      k3.blockDim = dim3(cuda::kApplyPlanThreads);
       k3.kernelParams = args3;
       check(cudaGraphAddKernelNode(&n3, graph, &n2, 1, &k3), "cudaGraphAddKernelNode (plan)");
       enc.add_graph_node(graph);
@@ -316,7 +316,7 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
     cudaGraphDestroy(graph);
     enc.set_input_array(out);
     enc.set_output_array(out);
-    enc.add_kernel_node_raw(apply_plan_function(), dim3(128), dim3(256), dim3(1, 1, 1), 0, args3);
+    enc.add_kernel_node_raw(apply_plan_function(), dim3(cuda::kApplyPlanBlocks), dim3(cuda::kApplyPlanThreads), dim3(1, 1, 1), 0, args3);
   }
   // The host node's state lives until the device is past it.
   enc.add_completed_handler([call]() {});

@@ -15,23 +15,49 @@ __global__ void ids_to_host(const uint32_t* ids, uint32_t* ids_host, uint32_t n)
   }
 }
 
+// The plan's copies are spread over every thread of the grid as one run of 16-byte units (an
+// op that is not 16-byte aligned counts in bytes): unit g of the run goes to thread g mod S. An
+// earlier form let every op start at thread 0, so the first threads did a unit of every op one
+// after the other, each a round trip over PCIe (a record is nine segments, six of them 18 KB:
+// 1,152 units, while 9,216 of the grid's threads never had any work), and the plan of a prefill
+// chunk's ~20 faults a resolve took that many round trips in a row. Each block reads the
+// descriptors once into shared memory; each thread keeps up to four loads in flight.
 __global__ void apply_plan(const Plan* plan, const uint32_t* rows_host, uint32_t* out, uint32_t n) {
-  const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = tid; i < n; i += stride) out[i] = rows_host[i];
-  const uint32_t count = plan->count;
-  for (uint32_t k = 0; k < count; ++k) {
-    const CopyOp op = plan->ops[k];
-    const bool wide = ((reinterpret_cast<uintptr_t>(op.src) | reinterpret_cast<uintptr_t>(op.dst)) & 15) == 0;
-    uint64_t done = 0;
-    if (wide) {
-      const uint64_t n16 = op.bytes / 16;
-      const uint4* s = reinterpret_cast<const uint4*>(op.src);
-      uint4* d = reinterpret_cast<uint4*>(op.dst);
-      for (uint64_t i = tid; i < n16; i += stride) d[i] = s[i];
-      done = n16 * 16;
+  const uint32_t S = gridDim.x * blockDim.x;
+  const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t i = tid; i < n; i += S) out[i] = rows_host[i];
+  __shared__ uint32_t s_count;
+  __shared__ CopyOp s_ops[kPlanOpsPerPass];
+  if (threadIdx.x == 0) s_count = plan->count;
+  __syncthreads();
+  const uint32_t count = s_count;
+  uint32_t base = 0;  // units of the run before the current op, modulo S
+  for (uint32_t first = 0; first < count; first += kPlanOpsPerPass) {
+    const uint32_t m = count - first < kPlanOpsPerPass ? count - first : kPlanOpsPerPass;
+    for (uint32_t k = threadIdx.x; k < m; k += blockDim.x) s_ops[k] = plan->ops[first + k];
+    __syncthreads();
+    for (uint32_t k = 0; k < m; ++k) {
+      const CopyOp op = s_ops[k];
+      const bool wide = ((reinterpret_cast<uintptr_t>(op.src) | reinterpret_cast<uintptr_t>(op.dst) | op.bytes) & 15) == 0;
+      const uint64_t units = wide ? op.bytes / 16 : op.bytes;
+      uint64_t i = (tid + S - base) % S;  // this thread's first unit of the op
+      if (wide) {
+        const uint4* src = reinterpret_cast<const uint4*>(op.src);
+        uint4* dst = reinterpret_cast<uint4*>(op.dst);
+        for (; i + 3ull * S < units; i += 4ull * S) {
+          const uint4 a = src[i], b = src[i + S], c = src[i + 2ull * S], d = src[i + 3ull * S];
+          dst[i] = a;
+          dst[i + S] = b;
+          dst[i + 2ull * S] = c;
+          dst[i + 3ull * S] = d;
+        }
+        for (; i < units; i += S) dst[i] = src[i];
+      } else {
+        for (; i < units; i += S) op.dst[i] = op.src[i];
+      }
+      base = static_cast<uint32_t>((base + units % S) % S);
     }
-    for (uint64_t i = done + tid; i < op.bytes; i += stride) op.dst[i] = op.src[i];
+    __syncthreads();  // every thread is done with s_ops before the next pass loads it
   }
 }
 

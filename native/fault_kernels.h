@@ -20,6 +20,13 @@ struct Plan {
   CopyOp ops[1];  // `capacity` entries
 };
 
+// apply_plan's launch shape (the grid covers an H200's 132 SMs four warps deep per block; the copy
+// is bound by PCIe round trips, which many warps in flight hide) and the descriptors each block
+// holds in shared memory at a time.
+constexpr unsigned kApplyPlanBlocks = 264;
+constexpr unsigned kApplyPlanThreads = 512;
+constexpr unsigned kPlanOpsPerPass = 256;
+
 // Kernel entry points, as the void* a cudaKernelNodeParams wants.
 void* ids_to_host_kernel();  // (const uint32_t* ids, uint32_t* ids_host, uint32_t n)
 void* apply_plan_kernel();   // (const Plan* plan, const uint32_t* rows_host, uint32_t* out, uint32_t n)

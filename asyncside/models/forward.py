@@ -181,8 +181,9 @@ class AsyncForward:
                    finish: bool = True) -> mx.array:
         """Run ``inputs`` (B, L) through the model, updating ``ctx.cache``.
 
-        Returns the logits (B, L, vocab), or with ``logits=False`` the final hidden state, computed
-        (prefill chunks, whose logits nobody reads: queued where the source can and
+        Returns the logits (B, L, vocab), or with ``logits=False`` the hidden state after the last
+        layer's attention, computed (prefill chunks, whose logits nobody reads and whose caches are
+        complete there, so the last block is never built, as in mlx-lm's prefill: queued where the source can and
         ``queued_prefill`` says so, else per layer). A queued step's logits are scheduled but not
         awaited: pass what you derive from them to :meth:`finish`. With ``logits=False,
         finish=False`` a queued prefill chunk is not awaited either (later steps may be queued
@@ -232,8 +233,8 @@ class AsyncForward:
     async def __call__(self, inputs: mx.array, cache: list[Any], source: ExpertSource,
                        predictor: Predictor | None = None, *, trace: RoutingTrace | None = None,
                        logits: bool = True) -> mx.array:
-        """One step over ``inputs`` (B, L); the logits, computed (or the final hidden state with
-        ``logits=False``)."""
+        """One step over ``inputs`` (B, L); the logits, computed (or with ``logits=False`` the hidden
+        state after the last layer's attention: a prefill chunk)."""
         ctx = self.context(cache, source, predictor, trace)
         out = await self.step(ctx, inputs, logits=logits)
         if logits:

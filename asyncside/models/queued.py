@@ -123,8 +123,9 @@ class QueuedSteps:
         return True
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True) -> mx.array:
-        """Queue one step over ``inputs`` (B, L); returns its logits (with ``logits=False`` the final
-        hidden state: a prefill chunk), scheduled, not awaited.
+        """Queue one step over ``inputs`` (B, L); returns its logits (with ``logits=False``, a prefill
+        chunk, the hidden state after the last layer's attention: the last point the KV caches
+        need), scheduled, not awaited.
 
         The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
         was awaited.
@@ -165,10 +166,16 @@ class QueuedSteps:
         masks = walk.masks(h, ctx.cache)
         routed, part, counters = ctx.routed, ctx.part, self.counters
         every = 1 if inputs.shape[-1] >= LONG_STEP_TOKENS else DECODE_CHECKPOINT_LAYERS if self._on_cpu else 0
+        last = len(walk.layers) - 1
         for i in range(len(walk.layers)):
             if every and i and i % every == 0:
                 await between_layers()
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
+            if not logits and i == last:
+                # A prefill chunk: its caches are complete after the last layer's attention and
+                # nobody reads its output, so the last block (an MoE layer: a resolve and its
+                # faults) is not built at all, as mlx-lm's prefill never computes it either.
+                return h_attn
             if i not in walk.moe:
                 h = h_attn + walk.block(i)(xn)
                 continue

@@ -41,6 +41,13 @@ python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bri
 
 log "embedded model (a fresh machine builds it: not inside a test's timeout)"
 python3 -c "from asyncside.models.embedded import ensure_embedded_default as e; print(e(None)[0])"
+# ... and a first generation compiles MLX's CUDA kernels for it (a minute on a fresh machine, which
+# once ran past the first GPU test's 60 s timeout).
+python3 -c "
+from asyncside.models import load_reference_model, reference_generate
+from asyncside.models.embedded import ensure_embedded_default as e
+ref = load_reference_model(str(e(None)[1]))[0]
+print('warm-up tokens:', reference_generate(ref, list(range(1, 80)), max_tokens=4, prefill_step_size=32))"
 
 log "GPU tests"
 # SIGINT at the budget: pytest stops and still prints the failures so far (a SIGTERM loses them).
