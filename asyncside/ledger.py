@@ -281,10 +281,9 @@ class Ledger:
                 if e not in protected and not self._pins.get(live[e]) and live[e] not in self._lent:
                     self._free.append(self._evict(e))
 
-        for e in batch:  # every predicted present expert is bumped before any row is filled
-            if e in live:
-                policy.on_hit(e)
-                self.stats["hits"] += 1
+        hits = [e for e in batch if e in live]  # every predicted present expert is bumped before any row is filled
+        policy.on_hits(hits)
+        self.stats["hits"] += len(hits)
 
         pins = self._pins
 
@@ -509,10 +508,9 @@ class Ledger:
         policy = self.policy
         policy.begin(batch)
         live = self._live
-        for e in batch:
-            if e in live:
-                policy.on_hit(e)
-                self.stats["hits"] += 1
+        hits = [e for e in batch if e in live]
+        policy.on_hits(hits)
+        self.stats["hits"] += len(hits)
 
     # ---- queries --------------------------------------------------------------------------
 

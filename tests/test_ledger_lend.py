@@ -9,7 +9,7 @@ one; the lookup table always names exactly the LIVE and resident experts).
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -111,6 +111,32 @@ def test_lrfu_ranks_by_decayed_frequency() -> None:
     with pytest.raises(LedgerError, match="half_life"):
         LRFU(0)
     assert make_policy("lrfu").native_order == "decayed" and make_policy("lru").native_order == "recency"
+
+
+@settings(max_examples=200, deadline=None)
+@given(uses=st.lists(st.lists(st.integers(0, 15), max_size=12), max_size=40),
+       half_life=st.sampled_from([0.5, 3.0, 8.0]))
+def test_lrfu_batched_hits_score_exactly_as_one_by_one(uses: list[list[int]], half_life: float) -> None:
+    """on_hits (the ledger's one call per reserve) leaves the same scores, bit for bit, and the
+    same victims as on_hit per expert, including across the heap's rebuilds."""
+    one, batched = LRFU(half_life), LRFU(half_life)
+    for p in (one, batched):
+        p.attach(object(), range(16))
+    for ids in uses:
+        distinct = list(dict.fromkeys(ids))
+        for p in (one, batched):
+            p.begin(distinct)
+        for e in distinct:
+            one.on_hit(e)
+        batched.on_hits(distinct)
+        assert batched.score == one.score and batched._s == one._s
+    assert batched.audit(set(range(16))) == [] and one.audit(set(range(16))) == []
+    taken: set[int] = set()
+    for _ in range(16):  # the whole eviction order agrees
+        v = one.choose_victim(lambda e: e not in taken)
+        assert batched.choose_victim(lambda e: e not in taken) == v
+        assert v is not None
+        taken.add(v)
 
 
 class LendMachine(RuleBasedStateMachine):

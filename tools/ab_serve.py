@@ -6,6 +6,7 @@
     python tools/ab_serve.py --switch overlap_prefill --values True False ... (prefill chunks awaited late)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
     python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
+    python tools/ab_serve.py --profile 40 --clients 8 --seconds 20    (where the engine's host time goes)
 
 Every round runs the engine (:class:`asyncside.serving.engine.Batcher`) once per value of
 ``ForwardOptions.<switch>`` (or of the engine's ``run_ahead``, the read pool's threads, the
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lengths", default="8,32,128")
     p.add_argument("--prefill-chunk", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead: run variant A once (after its warm-up) under cProfile and print the N "
+                        "functions with the most own time and the N with the most cumulative time")
     args = p.parse_args(argv)
 
     import anyio
@@ -150,6 +154,23 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
                 "tier_faults": stats.get("tier_faults"),
                 "hit_rate": stats.get("hit_rate")}
+
+    if args.profile:
+        import cProfile
+        import pstats
+
+        select(0)
+        if args.warmup > 0:
+            anyio.run(run_variant, 0, args.warmup)
+        prof = cProfile.Profile()
+        prof.enable()
+        row = anyio.run(run_variant, 0, args.seconds)
+        prof.disable()
+        print(f"{args.switch}={args.values[0]}: {row['tok_s']:.1f} tok/s, {row['steps']} steps, host "
+              f"{row['launch_ms_per_step']:.2f} ms each (under the profiler)", file=sys.stderr)
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=sys.stderr).sort_stats(key).print_stats(args.profile)
+        return 0
 
     out: dict[str, Any] = {"switch": args.switch, "values": args.values, "resident": args.resident,
                            "clients": args.clients, "device": str(mx.default_device()), "rounds": []}
