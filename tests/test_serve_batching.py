@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import pytest
 
 from asyncside.audit import audit_problems
@@ -239,6 +240,50 @@ async def test_run_ahead_off_gives_the_same_tokens(sm: Any) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("prefill", ["default", "queued"])
+async def test_joint_prefill_gives_each_request_its_own_caches_bit_for_bit(request: pytest.FixtureRequest,
+                                                                           prefill: str, ref: Any) -> None:
+    """Fresh prompts arriving together share one prefill forward (right-padded, as mlx-lm's
+    batched prompt processing pads them): each request's caches equal, bit for bit, those of its
+    prompt prefilled alone, so greedy and seeded sampled tokens are the same either way, and
+    greedy ones are mlx-lm's. A prompt too long to share the step's budget prefills on its own."""
+    sm = request.getfixturevalue("sm" if prefill == "default" else "sm_queued_prefill")
+    chunk = 96  # the first four prompts' chunks (2, 14, 18, 29 tokens) fit one step; three share a forward
+    async with half_resident(sm) as runtime:
+        tok = sm.tokenizer
+        texts = ("The quick brown fox", "0 1 2 3 4 5 6 7", "MoE", "Streaming experts from the SSD", LONG)
+        prompts = [tok.encode(t) for t in texts]
+        greedy = [(p, 6, None) for p in prompts]
+        sampled = [(p, 6, SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i)) for i, p in enumerate(prompts)]
+        runs = {}
+        for joint in (True, False):
+            b = Batcher(sm, runtime, prefill_chunk=chunk, prompt_cache_size=16, prompt_cache_min_tokens=1,
+                        joint_prefill=joint)
+            got, _ = await run_all(b, greedy)
+            b_sampled = Batcher(sm, runtime, prefill_chunk=chunk, prompt_cache_size=0, joint_prefill=joint)
+            seeded, _ = await run_all(b_sampled, sampled)
+            runs[joint] = (got, seeded, b, b_sampled)
+        (got, seeded, joint_b, joint_s), (got_off, seeded_off, solo_b, solo_s) = runs[True], runs[False]
+        for j, o in ((joint_b, solo_b), (joint_s, solo_s)):
+            assert j.prefill_joined >= 3 and o.prefill_joined == 0
+            assert j.prefill_chunks < o.prefill_chunks  # fewer forwards for the same prompts
+        expected = [reference_generate(ref, p, max_tokens=6, eos_token_ids=tok.eos_token_ids, prefill_step_size=chunk)
+                    for p in prompts]
+        assert got == got_off == expected
+        assert seeded == seeded_off
+        # The caches each request left in the prefix cache: the same bytes either way.
+        mine = dict(joint_b.prefix_cache._entries.values())
+        theirs = dict(solo_b.prefix_cache._entries.values())
+        assert mine.keys() == theirs.keys() and len(mine) == len(prompts)
+        for tokens, cache in mine.items():
+            for a, b2 in zip(cache, theirs[tokens]):
+                n = a.offset
+                assert n == b2.offset == len(tokens)
+                assert mx.array_equal(a.keys[..., :n, :], b2.keys[..., :n, :]).item()
+                assert mx.array_equal(a.values[..., :n, :], b2.values[..., :n, :]).item()
+
+
+@pytest.mark.asyncio
 async def test_queued_prefill_chunks_overlap_the_decode_step_and_a_failed_one_fails_its_request(
         store_dir: str, ref: Any, tmp_path: Any) -> None:
     """Queued prefill chunks are awaited after the decode step behind them was queued (the host
@@ -289,6 +334,26 @@ async def test_queued_prefill_chunks_overlap_the_decode_step_and_a_failed_one_fa
             cause = info.value.__cause__
             errors = list(cause.exceptions) if isinstance(cause, ExceptionGroup) else [cause]
             assert errors and all(isinstance(e, FillError) and "checksum" in str(e) for e in errors), errors
+            # Two fresh prompts prefilled in one joint forward: its failure fails both requests.
+            joint = Batcher(sm, runtime, prefill_chunk=64, prompt_cache_size=0, joint_prefill=True)
+            gens = [joint.submit(tok.encode(t), 5) for t in ("Fresh prompt one", "And a second one")]
+            failures: list[BaseException] = []
+
+            async def drain(g: Any) -> None:
+                try:
+                    async for _ in g:
+                        pass
+                except GenerationFailed as exc:
+                    failures.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(joint.run)
+                async with anyio.create_task_group() as readers:
+                    for g in gens:
+                        readers.start_soon(drain, g)
+                tg.cancel_scope.cancel()
+            assert joint.prefill_joined == 2 and len(failures) == 2, (joint.prefill_joined, failures)
+            assert all("fault" in str(f) for f in failures)
         finally:
             spec.path.write_bytes(whole)
         await runtime.quiesce()

@@ -4,6 +4,7 @@
     python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
     python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
     python tools/ab_serve.py --switch overlap_prefill --values True False ... (prefill chunks awaited late)
+    python tools/ab_serve.py --switch joint_prefill --values True False ... (fresh prompts' chunks in one forward)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
     python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
     python tools/ab_serve.py --profile 40 --clients 8 --seconds 20    (where the engine's host time goes)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _model_dir, store_dir = ensure_embedded_default(None, progress=False)
     fields = {f.name for f in dataclasses.fields(ForwardOptions)}
-    others = ("read_threads", "run_ahead", "resident", "host_tier", "overlap_prefill")
+    others = ("read_threads", "run_ahead", "resident", "host_tier", "overlap_prefill", "joint_prefill")
     if args.switch not in fields and args.switch not in others:
         p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or one of {others})")
     values = [ast.literal_eval(v) for v in args.values]
@@ -85,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         resident = values[v] if args.switch == "resident" else args.resident
         run_ahead = values[v] if args.switch == "run_ahead" else True
         overlap = values[v] if args.switch == "overlap_prefill" else True
+        joint = values[v] if args.switch == "joint_prefill" else None
         host_tier = values[v] if args.switch == "host_tier" else "auto"
         async with Runtime(sm.store, resident=resident, host_tier=host_tier) as rt:
-            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead, overlap_prefill=overlap)
+            b = Batcher(sm, rt, prefill_chunk=args.prefill_chunk, run_ahead=run_ahead, overlap_prefill=overlap,
+                        joint_prefill=joint)
             spent = {"prefill": 0.0, "decode": 0.0}
             prefill, launch, complete = b._prefill, b._launch, b._complete
 
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
                 "prefill_s": spent["prefill"], "decode_s": spent["decode"], "wall_s": wall,
                 "steps": b.steps, "steps_ahead": b.steps_ahead, "chunks_overlapped": b.chunks_overlapped,
+                "prefill_chunks": b.prefill_chunks, "prefill_joined": b.prefill_joined,
                 "launch_ms_per_step": b.launch_seconds / max(b.steps, 1) * 1e3,
                 "counters": {k: v for k, v in counters.items() if v},
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ms(row['ttft_p50'])} ms, itl p50/p99 {ms(row['itl_p50'])}/{ms(row['itl_p99'])} ms, "
                   f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['steps']} steps "
                   f"({row['steps_ahead']} ahead, host {row['launch_ms_per_step']:.2f} ms each), "
+                  f"{row['prefill_chunks']} prefill forwards ({row['prefill_joined']} requests joined), "
                   f"faults {row['faults']} ({row['tier_faults']} from the host tier), {row['counters']}",
                   file=sys.stderr, flush=True)
         out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})

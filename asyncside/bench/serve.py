@@ -506,8 +506,8 @@ def _health_of(state: Any) -> Callable[[], Any]:
 
 
 #: The engine's counters a phase reports (what they gained over it, the phase's stragglers included).
-ENGINE_COUNTERS = ("steps", "tokens", "prefill_chunks", "prefill_tokens", "prefill_seconds", "launch_seconds",
-                   "wait_seconds")
+ENGINE_COUNTERS = ("steps", "tokens", "prefill_chunks", "prefill_joined", "prefill_tokens", "prefill_seconds",
+                   "launch_seconds", "wait_seconds")
 #: The expert source's counters a phase reports, the same way.
 SOURCE_COUNTERS = ("hits", "misses", "fills", "bytes_read", "faults", "fault_time_s")
 

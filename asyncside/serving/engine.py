@@ -10,7 +10,8 @@ serializes steps (no lock on the model is needed beside it). Each engine step
    first, so a long prompt is never starved), while the budget lasts; a long prompt therefore
    delays the other streams by at most one chunk per step. A queued chunk is awaited only after
    the decode step behind it is queued (the host builds the step while the stream computes the
-   chunk);
+   chunk). With ``joint_prefill`` the first chunks of fresh prompts share one forward
+   (right-padded; each request's caches are those of its prompt alone, bit for bit);
 3. runs one decode step over every request that is decoding (:meth:`BatchCaches.launch`), samples
    each request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
    consumer. Decode steps run one ahead, as mlx-lm's batched generation does: the next step is
@@ -152,6 +153,36 @@ def default_prefill_chunk() -> int:
     import mlx.core as mx
 
     return 512 if mx.default_device() == mx.gpu else 16
+
+
+def default_joint_prefill() -> bool:
+    """Whether fresh prompts' first chunks share a forward when none is configured: on a GPU."""
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.gpu)
+
+
+def _fresh_cache(slot: Any) -> bool:
+    """Whether a request's cache is fresh mlx-lm ``KVCache`` layers (nothing fed: no cached
+    prefix), the caches a joint prefill can take rows of."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = slot.cache
+    return bool(cache) and not slot.fed and all(type(c) is KVCache and c.keys is None for c in cache)
+
+
+def _first_rows(c: Any, row: int, n: int) -> Any:
+    """Row ``row`` of a joint prefill's batch cache, its first ``n`` positions, as a ``KVCache``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    one = KVCache()
+    if c.keys is None:  # the forward never reached this layer's attention
+        return one
+    one.keys = mx.contiguous(c.keys[row:row + 1, :, :n])
+    one.values = mx.contiguous(c.values[row:row + 1, :, :n])
+    one.offset = n
+    return one
 
 
 def mergeable(cache: list[Any]) -> bool:
@@ -368,10 +399,11 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Chunk:
-    """A prefill chunk queued and not awaited: its request, its step context and its final
-    hidden state (lazy; computed already for a chunk that ran per layer)."""
+    """A prefill forward queued and not awaited: its requests (several for a joint chunk), its
+    step context and its final hidden state (lazy; computed already for a chunk that ran per
+    layer)."""
 
-    slot: _Slot
+    slots: list[_Slot]
     ctx: Any
     hidden: Any
 
@@ -445,7 +477,8 @@ class Batcher:
 
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
-                 prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True) -> None:
+                 prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
+                 joint_prefill: bool | None = None) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -481,6 +514,10 @@ class Batcher:
         #: queued prefill chunks awaited after the decode step is queued behind them (see
         #: :meth:`_prefill`); off: each chunk is awaited as soon as it is queued
         self.overlap_prefill = overlap_prefill
+        #: the first chunks of fresh prompts that fit one step run as one forward, right-padded
+        #: (see :meth:`_prefill_joint`); None: on a GPU, where a forward's cost hardly grows with
+        #: its rows, not on the CPU, where it grows with them and nothing is saved
+        self.joint_prefill = default_joint_prefill() if joint_prefill is None else joint_prefill
         self._inflight: _Step | None = None  # the decode step queued last and not completed yet
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
@@ -495,6 +532,7 @@ class Batcher:
         self.prefill_seconds = 0.0  # wall time in prefill forwards, awaited
         self.wait_seconds = 0.0   # wall time awaiting decode steps' tokens (what the host did not overlap)
         self.chunks_overlapped = 0  # queued prefill chunks awaited after a decode step was queued behind them
+        self.prefill_joined = 0   # requests whose chunk ran in a joint prefill forward with others
 
     # -- views --------------------------------------------------------------------------------
 
@@ -594,17 +632,21 @@ class Batcher:
         self._leave()
         self._admit()
         used = 0
-        chunks: list[_Chunk] = []
+        picked: list[tuple[_Slot, int]] = []
         for slot in self._prefill_order():
-            if slot.cancelled or slot.done:  # left while an earlier chunk ran
-                continue
             n = min(self.prefill_chunk, len(slot.todo) - 1)
             if used and used + n > self.prefill_chunk:
                 continue  # a smaller one may still fit this step
-            chunk = await self._prefill(slot, n)
+            picked.append((slot, n))
+            used += n
+        chunks: list[_Chunk] = []
+        for group in self._prefill_groups(picked):
+            group = [(slot, n) for slot, n in group if not (slot.cancelled or slot.done)]  # left meanwhile
+            if not group:
+                continue
+            chunk = await (self._prefill(*group[0]) if len(group) == 1 else self._prefill_joint(group))
             if chunk is not None:
                 chunks.append(chunk)
-            used += n
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self._inflight = await self._launch_ahead(prev)
@@ -679,15 +721,79 @@ class Batcher:
         slot.fed.extend(tokens)
         del slot.todo[:n]
         self.prefill_tokens += n
-        chunk = _Chunk(slot, ctx, h)
+        chunk = _Chunk([slot], ctx, h)
+        if not self.overlap_prefill:
+            await self._finish_chunk(chunk)
+            return None
+        return chunk
+
+    def _prefill_groups(self, picked: list[tuple[_Slot, int]]) -> list[list[tuple[_Slot, int]]]:
+        """This step's chunks as forwards, in order: requests whose chunk is the first of a fresh
+        prompt (an empty cache of mlx-lm's plain ``KVCache``) share one joint forward while its
+        padded size (requests x the longest chunk) stays within ``prefill_chunk``; every other
+        chunk is a forward of its own."""
+        if not self.joint_prefill:
+            return [[p] for p in picked]
+        fresh = sorted((p for p in picked if _fresh_cache(p[0])), key=lambda p: p[1])
+        joint: list[tuple[_Slot, int]] = []
+        for p in fresh:  # shortest first: the most requests per padded token
+            if (len(joint) + 1) * p[1] > self.prefill_chunk:
+                break
+            joint.append(p)
+        if len(joint) < 2:
+            return [[p] for p in picked]
+        inside = {id(p[0]) for p in joint}
+        return [joint] + [[p] for p in picked if id(p[0]) not in inside]
+
+    async def _prefill_joint(self, group: list[tuple[_Slot, int]]) -> _Chunk | None:
+        """Queue the first chunks of several fresh prompts as one forward; returns it as one
+        :class:`_Chunk` (None if it failed, and its requests with it).
+
+        The chunks are right-padded to the longest, as mlx-lm's batched prompt processing pads
+        them: a real token never attends to a pad after it (the mask is causal) and keeps its own
+        position, so each request's keys and values are those of its chunk alone. Each request
+        then takes its own cache: its row of the batch cache up to its length (lazy). The pads
+        (token 0) route to experts like any token: their faults and products are the price of
+        one forward instead of several.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        longest = max(n for _, n in group)
+        rows = [slot.todo[:n] + [0] * (longest - n) for slot, n in group]
+        started = time.perf_counter()
+        fwd = self.model.forward
+        try:
+            layers = len(cast(list[Any], group[0][0].cache))
+            # Plain caches of B rows: every row starts at position 0 and the mask is the plain
+            # causal one, exactly as a single prompt's prefill has them.
+            batch = [KVCache() for _ in range(layers)]
+            ctx = fwd.context(batch, self.source)
+            h = await fwd.step(ctx, mx.array(rows), logits=False, finish=False)
+        except Exception as exc:
+            log.exception("prefill failed")
+            for slot, _ in group:
+                self._fail(slot, exc)
+            return None
+        finally:
+            self.prefill_chunks += 1
+            self.prefill_joined += len(group)
+            self.prefill_seconds += time.perf_counter() - started
+        for i, (slot, n) in enumerate(group):
+            slot.cache = [_first_rows(c, i, n) for c in batch]
+            slot.fed.extend(slot.todo[:n])
+            del slot.todo[:n]
+            self.prefill_tokens += n
+        chunk = _Chunk([slot for slot, _ in group], ctx, h)
         if not self.overlap_prefill:
             await self._finish_chunk(chunk)
             return None
         return chunk
 
     async def _finish_chunk(self, chunk: _Chunk) -> None:
-        """Await a prefill chunk queued by :meth:`_prefill`; its request fails if it did (a decode
-        step queued on its cache hands that request nothing: it is done)."""
+        """Await a prefill forward queued by :meth:`_prefill` or :meth:`_prefill_joint`; its
+        requests fail if it did (a decode step queued on their caches hands them nothing: they
+        are done)."""
         if self._inflight is not None:
             self.chunks_overlapped += 1
         started = time.perf_counter()
@@ -695,7 +801,8 @@ class Batcher:
             await self.model.forward.finish(chunk.ctx, chunk.hidden)
         except Exception as exc:
             log.exception("prefill failed")
-            self._fail(chunk.slot, exc)
+            for slot in chunk.slots:
+                self._fail(slot, exc)
         finally:
             self.prefill_seconds += time.perf_counter() - started
 

@@ -274,7 +274,10 @@ class ServerMetrics:
         r.gauge("asyncside_decode_launch_seconds",
                 "Wall time building and queuing decode steps (on the CPU with the chunks awaited in between)",
                 of("launch_seconds"))
-        r.gauge("asyncside_prefill_chunks", "Prefill forwards run (one request's chunk each)", of("prefill_chunks"))
+        r.gauge("asyncside_prefill_chunks", "Prefill forwards run (one request's chunk each, or a joint one's)",
+                of("prefill_chunks"))
+        r.gauge("asyncside_prefill_joined", "Requests whose chunk ran in a joint prefill forward with others",
+                of("prefill_joined"))
         r.gauge("asyncside_prefill_seconds", "Wall time in prefill forwards, awaited", of("prefill_seconds"))
         r.gauge("asyncside_decode_wait_seconds",
                 "Wall time awaiting decode steps' tokens (what building the next step did not overlap)",
