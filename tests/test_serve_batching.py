@@ -243,10 +243,11 @@ async def test_run_ahead_off_gives_the_same_tokens(sm: Any) -> None:
 @pytest.mark.parametrize("prefill", ["default", "queued"])
 async def test_joint_prefill_gives_each_request_its_own_caches_bit_for_bit(request: pytest.FixtureRequest,
                                                                            prefill: str, ref: Any) -> None:
-    """Fresh prompts arriving together share one prefill forward (right-padded, as mlx-lm's
-    batched prompt processing pads them): each request's caches equal, bit for bit, those of its
-    prompt prefilled alone, so greedy and seeded sampled tokens are the same either way, and
-    greedy ones are mlx-lm's. A prompt too long to share the step's budget prefills on its own."""
+    """With joint prefill, fresh prompts arriving together share one prefill forward
+    (right-padded, as mlx-lm's batched prompt processing pads them): each request's caches equal,
+    bit for bit on the CPU, those of its prompt prefilled alone, so greedy and seeded sampled
+    tokens are the same either way, and greedy ones are mlx-lm's. A prompt too long to share the
+    step's budget prefills on its own."""
     sm = request.getfixturevalue("sm" if prefill == "default" else "sm_queued_prefill")
     chunk = 96  # the first four prompts' chunks (2, 14, 18, 29 tokens) fit one step; three share a forward
     async with half_resident(sm) as runtime:
@@ -271,6 +272,10 @@ async def test_joint_prefill_gives_each_request_its_own_caches_bit_for_bit(reque
                     for p in prompts]
         assert got == got_off == expected
         assert seeded == seeded_off
+        if mx.default_device() != mx.cpu:
+            # On the H200 the B-row products of a joint forward round differently in the last
+            # bits (why joint prefill is off by default): tokens above, not bytes.
+            return
         # The caches each request left in the prefix cache: the same bytes either way.
         mine = dict(joint_b.prefix_cache._entries.values())
         theirs = dict(solo_b.prefix_cache._entries.values())

@@ -56,3 +56,7 @@ def test_serve_options_become_settings() -> None:
         None, 0.7, ("*",), False, 100)
     assert args.policy == "LRU"
     assert args.host_tier == "auto" and build_parser().parse_args(["serve", "--host-tier", "1G"]).host_tier == 1 << 30
+    assert not s.joint_prefill  # off unless asked for (a seeded request's draws never depend on its neighbours)
+    joint = build_parser().parse_args(["serve", "--joint-prefill"])
+    assert settings_from_args(joint).joint_prefill
+    assert build_parser().parse_args(["bench", "serve", "--joint-prefill"]).joint_prefill

@@ -409,6 +409,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine = dict(state.engine.description)
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
+        engine["joint_prefill"] = state.batcher.joint_prefill
         ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
         rss_ml_idle = ml.rss() if ml is not None else {}
         for clients in args.clients:

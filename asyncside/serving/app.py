@@ -260,7 +260,8 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                 batcher = Batcher(engine.model, engine.source, predictor=settings.predictor,
                                   max_batch=settings.max_batch, max_queue=settings.max_queue,
                                   prefill_chunk=settings.prefill_chunk, prompt_cache_size=settings.prompt_cache_size,
-                                  prompt_cache_min_tokens=settings.prompt_cache_min_tokens)
+                                  prompt_cache_min_tokens=settings.prompt_cache_min_tokens,
+                                  joint_prefill=settings.joint_prefill)
                 # An unknown predictor fails startup, not requests.
                 engine.model.forward.make_predictor(settings.predictor)
             async with anyio.create_task_group() as tg:

@@ -123,6 +123,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens prefilled per engine step (default: 16 on the CPU, 512 on a GPU)")
     parser.add_argument("--prompt-cache-size", type=_at_least(0), default=d.prompt_cache_size,
                         help=f"KV caches kept for prefix reuse, 0 to disable (default {d.prompt_cache_size})")
+    parser.add_argument("--joint-prefill", action="store_true",
+                        help="prefill fresh prompts that arrive together in one forward (faster with many "
+                             "clients on a GPU; there a request's low bits then depend on who arrived with it)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +165,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         prompt_cache_size=args.prompt_cache_size,
+        joint_prefill=getattr(args, "joint_prefill", d.joint_prefill),
         request_timeout=getattr(args, "request_timeout", d.request_timeout),
         default_temperature=getattr(args, "temp", d.default_temperature),
         allow_origins=tuple(getattr(args, "allow_origin", ()) or ()),

@@ -11,7 +11,7 @@ serializes steps (no lock on the model is needed beside it). Each engine step
    delays the other streams by at most one chunk per step. A queued chunk is awaited only after
    the decode step behind it is queued (the host builds the step while the stream computes the
    chunk). With ``joint_prefill`` the first chunks of fresh prompts share one forward
-   (right-padded; each request's caches are those of its prompt alone, bit for bit);
+   (right-padded; each request's caches are those of its prompt alone, on the CPU bit for bit);
 3. runs one decode step over every request that is decoding (:meth:`BatchCaches.launch`), samples
    each request's token with its own sampler (:mod:`.sampling`) and hands it to the request's
    consumer. Decode steps run one ahead, as mlx-lm's batched generation does: the next step is
@@ -153,13 +153,6 @@ def default_prefill_chunk() -> int:
     import mlx.core as mx
 
     return 512 if mx.default_device() == mx.gpu else 16
-
-
-def default_joint_prefill() -> bool:
-    """Whether fresh prompts' first chunks share a forward when none is configured: on a GPU."""
-    import mlx.core as mx
-
-    return bool(mx.default_device() == mx.gpu)
 
 
 def _fresh_cache(slot: Any) -> bool:
@@ -478,7 +471,7 @@ class Batcher:
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
                  prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
-                 joint_prefill: bool | None = None) -> None:
+                 joint_prefill: bool = False) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -515,9 +508,11 @@ class Batcher:
         #: :meth:`_prefill`); off: each chunk is awaited as soon as it is queued
         self.overlap_prefill = overlap_prefill
         #: the first chunks of fresh prompts that fit one step run as one forward, right-padded
-        #: (see :meth:`_prefill_joint`); None: on a GPU, where a forward's cost hardly grows with
-        #: its rows, not on the CPU, where it grows with them and nothing is saved
-        self.joint_prefill = default_joint_prefill() if joint_prefill is None else joint_prefill
+        #: (see :meth:`_prefill_joint`). Off by default: on the CPU a request's caches are then
+        #: bitwise its own prompt's, but on a GPU the larger products round differently in the low
+        #: bits (measured on the H200), so a seeded request's draws could depend on who arrived
+        #: with it; there it saves forwards when many clients start at once
+        self.joint_prefill = joint_prefill
         self._inflight: _Step | None = None  # the decode step queued last and not completed yet
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
@@ -751,7 +746,8 @@ class Batcher:
 
         The chunks are right-padded to the longest, as mlx-lm's batched prompt processing pads
         them: a real token never attends to a pad after it (the mask is causal) and keeps its own
-        position, so each request's keys and values are those of its chunk alone. Each request
+        position, so each request's keys and values are those of its chunk alone (bit for bit
+        on the CPU; on the H200 the products of B rows round differently in the last bits). Each request
         then takes its own cache: its row of the batch cache up to its length (lazy). The pads
         (token 0) route to experts like any token: their faults and products are the price of
         one forward instead of several.

@@ -21,6 +21,9 @@ class ServeSettings:
     between decode steps, so a long prompt delays other streams by at most one chunk per token.
     ``prompt_cache_size`` KV caches of finished requests are kept for prefix reuse (0: off); a
     prefix shorter than ``prompt_cache_min_tokens`` is recomputed rather than copied.
+    ``joint_prefill``: fresh prompts arriving together share one prefill forward (see
+    :class:`~asyncside.serving.engine.Batcher`; off by default: on a GPU it changes the low bits
+    of their caches with who arrived together).
     """
 
     default_max_tokens: int = 16          # /v1/completions default, as OpenAI's
@@ -36,6 +39,7 @@ class ServeSettings:
     prefill_chunk: int | None = None
     prompt_cache_size: int = 8
     prompt_cache_min_tokens: int = 16
+    joint_prefill: bool = False
     allow_origins: tuple[str, ...] = field(default_factory=tuple)
     access_log: bool = True
 
