@@ -181,10 +181,11 @@ class AsyncForward:
                    finish: bool = True) -> mx.array:
         """Run ``inputs`` (B, L) through the model, updating ``ctx.cache``.
 
-        Returns the logits (B, L, vocab), or with ``logits=False`` the hidden state after the last
-        layer's attention, computed (prefill chunks, whose logits nobody reads and whose caches are
-        complete there, so the last block is never built, as in mlx-lm's prefill: queued where the source can and
-        ``queued_prefill`` says so, else per layer). A queued step's logits are scheduled but not
+        Returns the logits (B, L, vocab), or with ``logits=False`` a hidden state, computed (prefill
+        chunks, whose logits nobody reads: queued where the source can and ``queued_prefill`` says
+        so, else per layer; a queued chunk stops after the last layer's attention, where its
+        caches are complete, as mlx-lm's prefill does, unless a trace records it). A queued step's
+        logits are scheduled but not
         awaited: pass what you derive from them to :meth:`finish`. With ``logits=False,
         finish=False`` a queued prefill chunk is not awaited either (later steps may be queued
         behind it, on its cache): pass the hidden state to :meth:`finish` (harmless for a chunk
@@ -233,8 +234,8 @@ class AsyncForward:
     async def __call__(self, inputs: mx.array, cache: list[Any], source: ExpertSource,
                        predictor: Predictor | None = None, *, trace: RoutingTrace | None = None,
                        logits: bool = True) -> mx.array:
-        """One step over ``inputs`` (B, L); the logits, computed (or with ``logits=False`` the hidden
-        state after the last layer's attention: a prefill chunk)."""
+        """One step over ``inputs`` (B, L); the logits, computed (or with ``logits=False`` a hidden
+        state: a prefill chunk, see :meth:`step`)."""
         ctx = self.context(cache, source, predictor, trace)
         out = await self.step(ctx, inputs, logits=logits)
         if logits:

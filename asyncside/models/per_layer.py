@@ -100,9 +100,10 @@ class PerLayerSteps:
         self._then_ok = then_ok
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool) -> mx.array:
-        """Run ``inputs`` (B, L) through the model; the logits (lazy), or with ``logits=False`` (prefill
-        chunks, whose logits nobody reads) the hidden state after the last layer's attention,
-        computed (the last point the KV caches need; the last block is not built)."""
+        """Run ``inputs`` (B, L) through the model; the logits (lazy), or with ``logits=False`` the
+        final hidden state (computed; prefill chunks, whose logits nobody reads). Unlike a queued
+        chunk, every layer is served: the predictor observes, and the trace records, the last
+        layer's routing of the prompt too."""
         walk = self.walk
         await quiesce_queued(ctx.source)
         h = walk.embed(inputs)
@@ -114,7 +115,7 @@ class PerLayerSteps:
             ctx.source.prefetch(walk.first_moe, p)
             ctx.predicted[walk.first_moe] = p
         try:
-            h = await self.layers(ctx, 0, h, masks, long_step, last_block=logits)
+            h = await self.layers(ctx, 0, h, masks, long_step)
         except BaseException:
             # Nothing reads these rows any more once the step is abandoned.
             ctx.source.release_after(mx.array(0), ctx.leases)
@@ -149,16 +150,11 @@ class PerLayerSteps:
             block, attr, xn, functools.partial(self._gather_from_snapshot, ctx.source, i, taken))
         return Built(i, h, xn, x_sw, inds, y_spec, out_spec, taken[0] if taken else None), h
 
-    async def layers(self, ctx: StepContext, start: int, h: mx.array, masks: list[Any], long_step: bool,
-                     *, last_block: bool = True) -> mx.array:
+    async def layers(self, ctx: StepContext, start: int, h: mx.array, masks: list[Any], long_step: bool) -> mx.array:
         """Decoder layers ``start``.. over hidden state ``h``, one MoE layer at a time: each awaits its
-        routed ids, then serves its experts. Returns the last layer's output (lazy); with
-        ``last_block=False`` (a prefill chunk, whose caches are complete after the last layer's
-        attention) the hidden state after that attention: the last block is never built."""
+        routed ids, then serves its experts. Returns the last layer's output (lazy)."""
         walk, source, predictor = self.walk, ctx.source, ctx.predictor
         for i in range(start, len(walk.layers)):
-            if not last_block and i == len(walk.layers) - 1:
-                return walk.attend(i, h, masks, ctx.cache)[0]
             b, h = self.attend_and_route(ctx, i, h, masks)
             if long_step:
                 await self.completed(h)  # see the await after the MoE output below

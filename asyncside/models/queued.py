@@ -124,8 +124,8 @@ class QueuedSteps:
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True) -> mx.array:
         """Queue one step over ``inputs`` (B, L); returns its logits (with ``logits=False``, a prefill
-        chunk, the hidden state after the last layer's attention: the last point the KV caches
-        need), scheduled, not awaited.
+        chunk, the hidden state after the last layer's attention, the last point the KV caches
+        need; the whole model's when a routing trace records the step), scheduled, not awaited.
 
         The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
         was awaited.
@@ -171,10 +171,11 @@ class QueuedSteps:
             if every and i and i % every == 0:
                 await between_layers()
             h_attn, xn = walk.attend(i, h, masks, ctx.cache)
-            if not logits and i == last:
+            if not logits and i == last and ctx.record is None:
                 # A prefill chunk: its caches are complete after the last layer's attention and
                 # nobody reads its output, so the last block (an MoE layer: a resolve and its
                 # faults) is not built at all, as mlx-lm's prefill never computes it either.
+                # (Unless a routing trace is recording: it gets every layer's routing.)
                 return h_attn
             if i not in walk.moe:
                 h = h_attn + walk.block(i)(xn)
