@@ -164,17 +164,19 @@ def _fresh_cache(slot: Any) -> bool:
     return bool(cache) and not slot.fed and all(type(c) is KVCache and c.keys is None for c in cache)
 
 
-def _first_rows(c: Any, row: int, n: int) -> Any:
-    """Row ``row`` of a joint prefill's batch cache, its first ``n`` positions, as a ``KVCache``."""
+def _row_cache(c: Any, row: int, start: int, stop: int) -> Any:
+    """Positions ``[start, stop)`` of row ``row`` of a batch layer cache (a joint prefill's
+    ``KVCache`` of B rows, or a ``BatchKVCache``), copied into a ``KVCache`` of its own; an
+    empty one if nothing was fed to that layer yet."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
     one = KVCache()
-    if c.keys is None:  # the forward never reached this layer's attention
+    if c.keys is None:
         return one
-    one.keys = mx.contiguous(c.keys[row:row + 1, :, :n])
-    one.values = mx.contiguous(c.values[row:row + 1, :, :n])
-    one.offset = n
+    one.keys = mx.contiguous(c.keys[row:row + 1, :, start:stop])
+    one.values = mx.contiguous(c.values[row:row + 1, :, start:stop])
+    one.offset = stop - start
     return one
 
 
@@ -303,8 +305,7 @@ class BatchCaches:
 
     def extract(self, row: int) -> list[Any]:
         """Row ``row``'s own cache (a copy; the batch keeps its row)."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import BatchKVCache, KVCache
+        from mlx_lm.models.cache import BatchKVCache
 
         assert self.layers is not None
         out = []
@@ -313,15 +314,7 @@ class BatchCaches:
                 out.append(c.extract(row))
                 continue
             # BatchKVCache.extract, with the padding taken from the host mirror.
-            one = KVCache()
-            if c.keys is None:  # nothing fed yet (one-token prompts): an empty cache
-                out.append(one)
-                continue
-            pad = self._pads[n][row]
-            one.keys = mx.contiguous(c.keys[row:row + 1, :, pad:c._idx])
-            one.values = mx.contiguous(c.values[row:row + 1, :, pad:c._idx])
-            one.offset = one.keys.shape[2]
-            out.append(one)
+            out.append(_row_cache(c, row, self._pads[n][row], c._idx))
         return out
 
     async def launch(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]
@@ -776,7 +769,7 @@ class Batcher:
             self.prefill_joined += len(group)
             self.prefill_seconds += time.perf_counter() - started
         for i, (slot, n) in enumerate(group):
-            slot.cache = [_first_rows(c, i, n) for c in batch]
+            slot.cache = [_row_cache(c, i, 0, n) for c in batch]
             slot.fed.extend(slot.todo[:n])
             del slot.todo[:n]
             self.prefill_tokens += n
