@@ -59,8 +59,9 @@ class _Forward:
         return cache, source, predictor
 
     async def step(self, ctx: tuple[Any, Any, Any], inputs: mx.array, *, logits: bool = True,
-                   finish: bool = True) -> Any:
-        return await self(inputs, *ctx, logits=logits)
+                   finish: bool = True, head: Any = None) -> Any:
+        out = await self(inputs, *ctx, logits=logits)
+        return out if head is None else head(out)
 
     async def finish(self, ctx: tuple[Any, Any, Any], y: mx.array | None) -> None:
         if y is not None:  # a prefill chunk's hidden state: this model computes none

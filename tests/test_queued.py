@@ -136,6 +136,52 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     assert stats["bytes_read"] >= (stats["faults"] - stats["tier_faults"]) * stride
 
 
+@pytest.mark.parametrize("mode", ["queued", "per-layer"])
+def test_a_steps_head_is_scheduled_with_it_and_is_the_draw_of_its_logits(tmp_path: pathlib.Path, mode: str) -> None:
+    """``step(..., head=draw)``: a queued step builds the draw into its graph and schedules it with
+    the step (so the stream computes it right after the logits, not behind what is queued next);
+    on every path the result is ``draw(logits)``, bit for bit."""
+    from asyncside.models.streaming import greedy
+
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    ref_cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=ref_cache))
+    ref_logits = [model(mx.array([[t]]), cache=ref_cache) for t in (5, 17)]
+    mx.eval(ref_logits)
+    options = QUEUED if mode == "queued" else ForwardOptions(mode="per-layer")
+    sm = load_streaming_model(store_dir, completed=completed, options=options)
+    fwd = sm.forward
+
+    async def main() -> list[tuple[str, mx.array, mx.array]]:
+        out = []
+        async with Runtime(sm.store, resident=0.5) as rt:
+            cache = sm.make_cache()
+            await sm(mx.array(prompt)[None], cache, source=rt)
+            for t in (5, 17):
+                ctx = fwd.context(cache, rt)
+                drawn: list[mx.array] = []
+
+                def draw(logits: mx.array, drawn: list[mx.array] = drawn) -> mx.array:
+                    drawn.append(logits)
+                    return greedy(logits)
+
+                y = await fwd.step(ctx, mx.array([[t]]), head=draw)
+                status = _native.array_status(y)
+                await fwd.finish(ctx, y)
+                out.append((status, y, drawn[0]))
+        return out
+
+    before = fwd.counters["queued"]
+    results = anyio.run(main)
+    queued = fwd.counters["queued"] - before  # the prompt's step, then the two decode steps
+    assert queued == 3 if mode == "queued" else queued == 0
+    for (status, y, logits), ref in zip(results, ref_logits):
+        if mode == "queued":
+            assert status != "unscheduled"  # handed to MLX with the step, not left to the await
+        assert mx.array_equal(logits, ref).item()
+        assert y.tolist() == greedy(ref).tolist()
+
+
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)

@@ -178,8 +178,13 @@ class AsyncForward:
         return StepMode.PER_LAYER
 
     async def step(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True,
-                   finish: bool = True) -> mx.array:
+                   finish: bool = True, head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
         """Run ``inputs`` (B, L) through the model, updating ``ctx.cache``.
+
+        ``head`` (decode steps): a function of the logits (a draw) whose result the step returns
+        instead of them; a queued step builds it into its graph and schedules it with the step, so
+        the stream computes the draw right after the logits, not behind whatever is queued between
+        the step and the await of its result (a prefill chunk, the next step).
 
         Returns the logits (B, L, vocab), or with ``logits=False`` a hidden state, computed (prefill
         chunks, whose logits nobody reads: queued where the source can and ``queued_prefill`` says
@@ -204,15 +209,18 @@ class AsyncForward:
         if self.options.mode is not StepMode.AUTO and kind is not self.options.mode:
             self.counters["fallbacks"] += 1
         if kind is StepMode.QUEUED:
-            return await self._queued(ctx, inputs, logits=True)
+            return await self._queued(ctx, inputs, logits=True, head=head)
         if kind is StepMode.WHOLE:
-            return await self.whole.forward(ctx, inputs)
-        self.counters["per_layer"] += 1
-        return await self.per_layer.forward(ctx, inputs, logits=True)
+            out = await self.whole.forward(ctx, inputs)
+        else:
+            self.counters["per_layer"] += 1
+            out = await self.per_layer.forward(ctx, inputs, logits=True)
+        return out if head is None else head(out)
 
-    async def _queued(self, ctx: StepContext, inputs: mx.array, *, logits: bool) -> mx.array:
+    async def _queued(self, ctx: StepContext, inputs: mx.array, *, logits: bool,
+                      head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
         try:
-            return await self.queued.forward(ctx, inputs, logits=logits)
+            return await self.queued.forward(ctx, inputs, logits=logits, head=head)
         except RuntimeError:
             # MLX raises a stream's failure at the next call that schedules on it: when a fault
             # of an earlier queued step failed, its FillError (from the fault log) is the error

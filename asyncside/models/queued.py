@@ -15,6 +15,7 @@ scheduled, and ``source.after_step`` once its token was awaited.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio.lowlevel
@@ -122,10 +123,12 @@ class QueuedSteps:
         ctx.part = part
         return True
 
-    async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True) -> mx.array:
+    async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True,
+                      head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
         """Queue one step over ``inputs`` (B, L); returns its logits (with ``logits=False``, a prefill
         chunk, the hidden state after the last layer's attention, the last point the KV caches
         need; the whole model's when a routing trace records the step), scheduled, not awaited.
+        With ``head``, ``head(logits)`` instead, built into the step's graph and scheduled with it.
 
         The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
         was awaited.
@@ -138,6 +141,8 @@ class QueuedSteps:
         t1 = time.perf_counter_ns()
         try:
             out = await self._build(ctx, source, inputs, logits)
+            if head is not None:
+                out = head(out)
         except BaseException:
             source.abandon_step()
             raise

@@ -150,7 +150,7 @@ class StreamingModel:
         inputs = prompt[None]
         async with lock:
             ctx = fwd.context(cache, source, pred, trace)
-            y = greedy(await fwd.step(ctx, inputs))
+            y = await fwd.step(ctx, inputs, head=greedy)
         for n in range(max_tokens):
             ahead = None
             if n + 1 < max_tokens and ctx.routed:
@@ -159,7 +159,7 @@ class StreamingModel:
                 async with lock:
                     nctx = fwd.context(cache, source, pred, trace)
                     if fwd.kind(nctx, y[None]) is StepMode.QUEUED:
-                        ahead = (nctx, greedy(await fwd.step(nctx, y[None])))
+                        ahead = (nctx, await fwd.step(nctx, y[None], head=greedy))
             async with lock:
                 await fwd.finish(ctx, y)
             tok = int(y)
@@ -171,6 +171,6 @@ class StreamingModel:
             if ahead is None:
                 async with lock:
                     ctx = fwd.context(cache, source, pred, trace)
-                    y = greedy(await fwd.step(ctx, mx.array([[tok]])))
+                    y = await fwd.step(ctx, mx.array([[tok]]), head=greedy)
             else:
                 ctx, y = ahead

@@ -55,8 +55,9 @@ class ServedModel(Protocol):
     """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
 
     ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike, stepped as ``ctx =
-    forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs)`` (lazy logits)
-    and ``await forward.finish(ctx, y)`` (await what was derived from them: decode steps), prefill
+    forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs, head=draw)``
+    (``draw(logits)``, lazy, scheduled with the step) and ``await forward.finish(ctx, y)`` (await
+    it: decode steps), prefill
     chunks as ``await forward.step(ctx, inputs (1, L), logits=False, finish=False)`` and later
     ``finish(ctx, hidden)``; with ``completed`` (await an array's computation) and
     ``make_predictor(name)``.
@@ -330,7 +331,7 @@ class BatchCaches:
         assert self.layers is not None and tokens.shape[0] == self.size
         fwd = sm.forward
         ctx = fwd.context(self.layers, source)
-        return ctx, sample((await fwd.step(ctx, tokens))[:, -1, :])
+        return ctx, await fwd.step(ctx, tokens, head=lambda logits: sample(logits[:, -1, :]))
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -859,7 +860,7 @@ class Batcher:
                     (s,) = batch
                     fwd = self.model.forward
                     ctx = fwd.context(s.cache, self.source, s.predictor)
-                    values = sample((await fwd.step(ctx, tokens))[:, -1, :])
+                    values = await fwd.step(ctx, tokens, head=lambda logits: sample(logits[:, -1, :]))
                 else:  # caches without a batched form: one after the other, awaited here
                     caches = [s.cache for s in batch]
                     assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
