@@ -78,6 +78,15 @@ class Policy:
         for e in experts:
             self.on_hit(e)
 
+    def on_reserves(self, reserves: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Many reserves in a row, each ``(batch, hits)``: :meth:`begin` with the batch, then
+        :meth:`on_hits` with its hits. Nothing reads the policy between them (the queued steps'
+        reconcile hands a fault table's whole log at once), so a policy may override this with a
+        loop of the same final state."""
+        for batch, hits in reserves:
+            self.begin(batch)
+            self.on_hits(hits)
+
     def on_publish(self, expert: int) -> None:
         """``expert`` became LIVE."""
 
@@ -264,6 +273,35 @@ class LRFU(_HeapPolicy):
             s = s * 2.0 ** (-(clock - t) / half_life) + 1.0
             uses[e] = (s, clock)
             value = log2(s) + key_time
+            score[e] = value
+            push(heap, (value, e))
+        if len(heap) > 2 * len(score) + 64:
+            self._rebuild()
+
+    def on_reserves(self, reserves: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        # Each use updates (score, time) with on_hits' arithmetic, so every expert ends with the
+        # same score bit for bit; but its eviction key (a log2 and a heap entry) is computed once,
+        # for its last use: the keys of earlier uses would only be stale heap entries, and the
+        # decay factor of a gap (a few distinct gaps repeat) is computed once per reconcile.
+        clock, half_life = self._clock, self.half_life
+        uses = self._s
+        decay: dict[int, float] = {}
+        last: dict[int, None] = {}
+        for _batch, hits in reserves:
+            clock += 1
+            for e in hits:
+                s, t = uses.get(e, (0.0, clock))
+                gap = clock - t
+                f = decay.get(gap)
+                if f is None:
+                    f = decay[gap] = 2.0 ** (-gap / half_life)
+                uses[e] = (s * f + 1.0, clock)
+                last[e] = None
+        self._clock = clock
+        score, heap, push, log2 = self.score, self._heap, heapq.heappush, math.log2
+        for e in last:
+            s, t = uses[e]
+            value = log2(s) + t / half_life
             score[e] = value
             push(heap, (value, e))
         if len(heap) > 2 * len(score) + 64:

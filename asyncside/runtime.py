@@ -954,12 +954,7 @@ class Runtime:
                 del self._fault_ns[:-2048]
         if raw_used:
             used = np.frombuffer(raw_used, dtype=np.int32)
-            sizes = np.frombuffer(raw_sizes, dtype=np.int32)
-            start = 0
-            for n in sizes.tolist():
-                ids = used[start:start + n]
-                start += n
-                st.ledger.record_use(ids)
+            st.ledger.record_uses(used, np.frombuffer(raw_sizes, dtype=np.int32).tolist())
             self._stats["hits"] += int(used.size) - int(events.shape[0] if raw_events else 0)
 
     def fault_latency(self) -> dict[str, float]:

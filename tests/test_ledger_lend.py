@@ -8,6 +8,7 @@ one; the lookup table always names exactly the LIVE and resident experts).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -137,6 +138,37 @@ def test_lrfu_batched_hits_score_exactly_as_one_by_one(uses: list[list[int]], ha
         assert batched.choose_victim(lambda e: e not in taken) == v
         assert v is not None
         taken.add(v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(uses=st.lists(st.lists(st.integers(0, 15), max_size=12), max_size=40),
+       policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot"]),
+       live=st.lists(st.integers(3, 15), max_size=8, unique=True))
+def test_record_uses_at_once_leaves_the_state_of_one_reserve_at_a_time(uses: list[list[int]], policy: str,
+                                                                      live: list[int]) -> None:
+    """Ledger.record_uses (a fault table's whole log of reserves, as the queued steps' reconcile
+    hands it) leaves the policy's scores bit for bit, the stats and the eviction order of
+    record_use called once per reserve (experts 0-2 resident, some LIVE, ids repeated)."""
+    ledgers = [Ledger(16, [0, 1, 2], 8, policy=policy) for _ in range(2)]
+    for led in ledgers:
+        for f in led.reserve(live):
+            led.publish(f)
+    one, at_once = ledgers
+    for ids in uses:
+        one.record_use(ids)
+    flat = np.array([e for ids in uses for e in ids], dtype=np.int32)
+    at_once.record_uses(flat, [len(ids) for ids in uses])
+    assert at_once.stats == one.stats
+    assert at_once.policy.snapshot() == one.policy.snapshot()
+    assert getattr(at_once.policy, "_s", None) == getattr(one.policy, "_s", None)
+    assert at_once.audit().ok and one.audit().ok
+    taken: set[int] = set()
+    for _ in range(len(live)):
+        v = one.policy.choose_victim(lambda e: e not in taken)
+        assert at_once.policy.choose_victim(lambda e: e not in taken) == v
+        taken.add(v)
+    with pytest.raises(LedgerError, match="sizes add up"):
+        at_once.record_uses(flat, [len(flat) + 1])
 
 
 class LendMachine(RuleBasedStateMachine):
