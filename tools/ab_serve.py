@@ -94,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             spent = {"prefill": 0.0, "decode": 0.0}
             prefill, launch, complete = b._prefill, b._launch, b._complete
 
-            async def timed_prefill(slot: Any, n: int) -> None:
+            async def timed_prefill(slot: Any, n: int) -> Any:
                 t = time.perf_counter()
-                await prefill(slot, n)
-                spent["prefill"] += time.perf_counter() - t
+                try:
+                    return await prefill(slot, n)  # the queued chunk: the engine awaits it later
+                finally:
+                    spent["prefill"] += time.perf_counter() - t
 
             # Decode: building and queuing steps, and awaiting them (with run-ahead, the next
             # step is built while the previous one computes).
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     spent["decode"] += time.perf_counter() - t
 
             b._prefill, b._launch, b._complete = timed_prefill, timed_launch, timed_complete  # type: ignore[method-assign]
+            parts = _instrument(b, sm, rt)
             records: list[tuple[float, list[float]]] = []
             fwd_before = dict(sm.forward.counters)
             async with anyio.create_task_group() as tg:
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": b.steps, "steps_ahead": b.steps_ahead, "chunks_overlapped": b.chunks_overlapped,
                 "prefill_chunks": b.prefill_chunks, "prefill_joined": b.prefill_joined,
                 "launch_ms_per_step": b.launch_seconds / max(b.steps, 1) * 1e3,
+                "breakdown_ms": _per_step(parts, b.steps, b.prefill_chunks, wall),
                 "counters": {k: v for k, v in counters.items() if v},
                 "bytes_read": stats.get("bytes_read"), "faults": stats.get("faults"),
                 "tier_faults": stats.get("tier_faults"),
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"prefill {row['prefill_s']:.1f} s decode {row['decode_s']:.1f} s, {row['steps']} steps "
                   f"({row['steps_ahead']} ahead, host {row['launch_ms_per_step']:.2f} ms each), "
                   f"{row['prefill_chunks']} prefill forwards ({row['prefill_joined']} requests joined), "
-                  f"faults {row['faults']} ({row['tier_faults']} from the host tier), {row['counters']}",
+                  f"faults {row['faults']} ({row['tier_faults']} from the host tier), {row['counters']}\n"
+                  f"  per decode step / prefill forward (ms): {row['breakdown_ms']}",
                   file=sys.stderr, flush=True)
         out["rounds"].append({args.values[v]: res[v] for v in (0, 1)})
     ratios = [rd[args.values[0]]["tok_s"] / max(rd[args.values[1]]["tok_s"], 1e-9) for rd in out["rounds"]]
@@ -208,6 +213,72 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.switch}: {args.values[0]} / {args.values[1]} aggregate tok/s, median of {len(ratios)} "
               f"rounds: {out['ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in ratios)})")
     return 0
+
+
+def _instrument(b: Any, sm: Any, rt: Any) -> dict[str, float]:
+    """Wrap the engine's pieces with wall clocks (seconds, summed): where a decode step's and a
+    prefill forward's time goes, host phase by host phase (the forward's ``host_ns``)."""
+    parts: dict[str, float] = {}
+    host = sm.forward.queued.host_ns
+
+    def add(key: str, dt: float) -> None:
+        parts[key] = parts.get(key, 0.0) + dt
+
+    def wrap(obj: Any, name: str, key: str, phases: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        async def timed(*a: Any, **k: Any) -> Any:
+            before = dict(host) if phases else None
+            t = time.perf_counter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                add(key, time.perf_counter() - t)
+                if before is not None:
+                    for h, v in host.items():
+                        if h != "steps":
+                            add(f"{key}.{h}", (v - before[h]) * 1e-9)
+
+        setattr(obj, name, timed)
+
+    wrap(b, "step", "engine_step")
+    wrap(b, "_launch", "launch", phases=True)
+    wrap(b, "_prefill", "prefill", phases=True)
+    wrap(b, "_finish_chunk", "finish_chunk")
+    wrap(b, "_complete", "complete")
+    fwd = sm.forward
+    completed = fwd.completed
+
+    async def timed_completed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await completed(*a, **k)
+        finally:
+            add("completed_await", time.perf_counter() - t)
+
+    fwd.completed = timed_completed
+    after = rt.after_step
+
+    def timed_after() -> None:
+        t = time.perf_counter()
+        try:
+            after()
+        finally:
+            add("after_step", time.perf_counter() - t)
+
+    rt.after_step = timed_after
+    return parts
+
+
+def _per_step(parts: dict[str, float], steps: int, chunks: int, wall: float) -> dict[str, float]:
+    """The breakdown per decode step (launch, complete and the engine's step) and per prefill
+    forward (prefill, finish_chunk), in ms; ``outside_step_s``: the loop's time outside the engine."""
+    out: dict[str, float] = {}
+    for k, v in sorted(parts.items()):
+        per = chunks if k.startswith(("prefill", "finish_chunk")) else steps
+        out[k] = round(v / max(per, 1) * 1e3, 3)
+    out["outside_step_s"] = round(wall - parts.get("engine_step", 0.0), 3)
+    return out
 
 
 if __name__ == "__main__":
