@@ -503,14 +503,8 @@ class Ledger:
 
     def record_use(self, ids: Any) -> None:
         """A forward routed ``ids`` (one reserve's worth): LIVE ones count as hits for the policy."""
-        batch, n_resident = self._unique_side_ids(ids)
-        self.stats["resident_hits"] += n_resident
-        policy = self.policy
-        policy.begin(batch)
-        live = self._live
-        hits = [e for e in batch if e in live]
-        policy.on_hits(hits)
-        self.stats["hits"] += len(hits)
+        flat = validate_ids(ids, self.n_experts)
+        self._record(flat, [len(flat)])
 
     def record_uses(self, ids: np.ndarray, sizes: Sequence[int]) -> None:
         """:meth:`record_use` for each of many reserves at once: ``ids`` concatenates them,
@@ -523,6 +517,9 @@ class Ledger:
         flat = validate_ids(ids, self.n_experts)
         if sum(sizes) != len(flat):
             raise LedgerError(f"record_uses: sizes add up to {sum(sizes)} ids, got {len(flat)}")
+        self._record(flat, sizes)
+
+    def _record(self, flat: list[int], sizes: Sequence[int]) -> None:
         resident, live = self._resident_row, self._live
         reserves: list[tuple[list[int], list[int]]] = []
         n_resident = n_hits = start = 0

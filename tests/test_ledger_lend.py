@@ -120,9 +120,10 @@ def test_lrfu_ranks_by_decayed_frequency() -> None:
 def test_lrfu_batched_hits_score_exactly_as_one_by_one(uses: list[list[int]], half_life: float) -> None:
     """on_hits (the ledger's one call per reserve) leaves the same scores, bit for bit, and the
     same victims as on_hit per expert, including across the heap's rebuilds."""
-    one, batched = LRFU(half_life), LRFU(half_life)
-    for p in (one, batched):
+    one, batched, at_once = LRFU(half_life), LRFU(half_life), LRFU(half_life)
+    for p in (one, batched, at_once):
         p.attach(object(), range(16))
+    reserves = []
     for ids in uses:
         distinct = list(dict.fromkeys(ids))
         for p in (one, batched):
@@ -130,12 +131,17 @@ def test_lrfu_batched_hits_score_exactly_as_one_by_one(uses: list[list[int]], ha
         for e in distinct:
             one.on_hit(e)
         batched.on_hits(distinct)
+        reserves.append((distinct, distinct))
         assert batched.score == one.score and batched._s == one._s
-    assert batched.audit(set(range(16))) == [] and one.audit(set(range(16))) == []
+    at_once.on_reserves(reserves)  # the whole log in one call: the same final state
+    assert at_once.score == one.score and at_once._s == one._s and at_once._clock == one._clock
+    for p in (one, batched, at_once):
+        assert p.audit(set(range(16))) == []
     taken: set[int] = set()
     for _ in range(16):  # the whole eviction order agrees
         v = one.choose_victim(lambda e: e not in taken)
         assert batched.choose_victim(lambda e: e not in taken) == v
+        assert at_once.choose_victim(lambda e: e not in taken) == v
         assert v is not None
         taken.add(v)
 
