@@ -618,6 +618,7 @@ void bind_device_pools_bench(nb::module_& b) {
 
 #include "expert_faults.h"
 #include "read_pool.h"
+#include "graph_release.h"
 #include "step_plan.h"
 
 namespace {
@@ -747,12 +748,21 @@ void bind_faults(nb::module_& m) {
       m, "StepPlan",
       "One queued step's unscheduled graph, handed to MLX in chunks that fit under its eval throttle.")
       .def(nb::init<const std::vector<mx::array>&>(), nb::arg("roots"), nb::call_guard<nb::gil_scoped_release>())
-      .def("advance", &asyncside::plan::StepPlan::advance, nb::arg("budget_ns") = 0,
+      .def("advance", &asyncside::plan::StepPlan::advance, nb::arg("budget_ns") = 0, nb::arg("slice_ns") = 0,
            nb::call_guard<nb::gil_scoped_release>(),
            "Schedule the next chunk, letting MLX's throttle block for up to budget_ns more: (True, None) "
-           "when all is scheduled, else (False, y): await y, then call again.")
+           "when all is scheduled, else (False, y): await y, then call again; (False, None) when "
+           "slice_ns > 0 of the caller's time ran out first: let other work run, then call again.")
       .def_prop_ro("size", &asyncside::plan::StepPlan::size)
+      .def_prop_ro("scheduled", &asyncside::plan::StepPlan::scheduled)
       .def_prop_ro("chunks", &asyncside::plan::StepPlan::chunks);
+  m.def("pending_graph_releases", &asyncside::plan::pending_releases,
+        "Scheduled step graphs handed to the release thread and not yet dropped.");
+  m.def("wait_for_graph_releases", &asyncside::plan::wait_for_releases, nb::call_guard<nb::gil_scoped_release>(),
+        "Block until every step graph handed to the release thread so far has been dropped.");
+  m.def("stop_graph_releases", &asyncside::plan::stop_releases, nb::call_guard<nb::gil_scoped_release>(),
+        "From now on drop step graphs on the caller (registered with atexit: nothing is freed on the "
+        "release thread while MLX's statics are destroyed).");
   m.def("fault_errors_total", &fa::fault_errors_total,
         "Failed faults in every fault table of the process so far (a step checks it, not the logs).");
   m.def("fault_read_threads", &fa::read_threads,
@@ -784,6 +794,8 @@ NB_MODULE(_native, m) {
   bind_read_path(m);
   bind_device_pools(m);
   bind_faults(m);
+  // Step graphs are dropped on the caller once Python starts exiting (graph_release.h).
+  nb::module_::import_("atexit").attr("register")(m.attr("stop_graph_releases"));
 
   nb::module_ testing = m.def_submodule("testing", "Test hooks; not part of the runtime.");
   bind_bridge_testing(testing);

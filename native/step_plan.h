@@ -30,14 +30,24 @@ class StepPlan {
   // letting MLX's throttle block for a task group at a time (each a fraction of a millisecond:
   // fewer, larger chunks cost the caller fewer wake-ups). Returns {true, nullopt} once every node
   // is scheduled; otherwise {false, y}: await y (scheduled, not yet computed), then call again.
-  std::pair<bool, std::optional<mlx::core::array>> advance(int64_t budget_ns = 0);
+  //
+  // `slice_ns` > 0 caps the caller's time in one call (an event loop's thread must not stay away
+  // long: on a slow CPU MLX's encoding of a chunk under the throttle takes over a millisecond).
+  // The chunk is then handed over in small groups, and once `slice_ns` is spent while the
+  // throttle still has room the call returns {false, nullopt}: let other work run, call again.
+  std::pair<bool, std::optional<mlx::core::array>> advance(int64_t budget_ns = 0, int64_t slice_ns = 0);
 
-  size_t size() const { return order_.size(); }
+  size_t size() const { return size_; }
   size_t scheduled() const { return next_; }
   size_t chunks() const { return chunks_; }
 
  private:
+  // Once every node is scheduled, the nodes go to the release thread (graph_release.h); a GPU
+  // step's are dropped on the caller.
+  void finish();
+
   std::vector<mlx::core::array> order_;
+  size_t size_ = 0;
   size_t next_ = 0;
   size_t chunks_ = 0;
   std::optional<mlx::core::array> frontier_;  // a scheduled input not computed yet (from the walk)

@@ -46,6 +46,13 @@ MAX_RESOLVES_PER_LAYER = 64
 #: On a GPU the build is the step's critical path and runs whole.
 DECODE_CHECKPOINT_LAYERS = 1
 
+#: on the CPU, the most host time (ns) one hand-over of a step's graph to MLX may take before the
+#: loop runs again (0: none). MLX's encoding of a chunk under its throttle (up to 50 nodes) took
+#: 1.2-1.4 ms at once on the dev VM, and the last layer's build, the graph walk and the first
+#: chunk together 2.1 ms: with the graph's release (native/graph_release.h), the spans behind the
+#: demo's loop lag p99 of 1.6-2.3 ms (1.4-1.5 with both; BENCHMARKS.md, loop lag).
+SCHEDULE_SLICE_NS = 500_000
+
 
 @runtime_checkable
 class QueuedSource(Protocol):
@@ -156,6 +163,8 @@ class QueuedSteps:
         host["build"] += t2 - t1
         host["end"] += time.perf_counter_ns() - t2
         host["steps"] += 1
+        if self._on_cpu and self._bridged:
+            await between_layers()  # the last layer's build and the graph walk are spans of their own
         await self._schedule(out)
         self.counters["queued" if logits else "queued_prefill"] += 1
         self.counters["forwards"] += 1
@@ -224,13 +233,17 @@ class QueuedSteps:
         plan = _native.StepPlan([out])
         t1 = time.perf_counter_ns()
         host["plan"] += t1 - t
+        slice_ns = SCHEDULE_SLICE_NS if self._on_cpu else 0
         while True:
-            done, wait_on = plan.advance()
+            done, wait_on = plan.advance(slice_ns=slice_ns)
             t2 = time.perf_counter_ns()
             host["schedule"] += t2 - t1
             if done:
                 return
-            await self.completed(wait_on)
+            if wait_on is None:  # the slice ran out with room under the throttle: let the loop run
+                await between_layers()
+            else:
+                await self.completed(wait_on)
             t1 = time.perf_counter_ns()
 
     @staticmethod
