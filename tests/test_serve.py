@@ -321,7 +321,9 @@ def test_metrics_prometheus(srv: BackgroundServer) -> None:
 
 def test_bench_serve_warm_up_repeats_until_a_request_completed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A server still on its first requests when the warm-up ends is not warm: the warm-up runs
-    again (on a loaded machine mlx_lm.server's first phase once streamed nothing in its 4 s)."""
+    again (on a loaded machine mlx_lm.server's first phase once streamed nothing in its 4 s), each
+    round twice as long as the last (a 20-token prompt's prefill took 1-1.9 s on the dev VM: cut at
+    every 1 s round, it never completed and the warm-up ran to its 120 s limit)."""
     from asyncside.bench import serve as bench_serve
 
     done_in = [False, False, True]
@@ -336,7 +338,7 @@ def test_bench_serve_warm_up_repeats_until_a_request_completed(monkeypatch: pyte
 
     monkeypatch.setattr(bench_serve, "run_phase", fake_phase)
     assert bench_serve.warm_up("x", "http://x", "m", 1, 0.5, 3, lambda c, n: ("p", False)) == 3
-    assert calls == [0.5, 0.5, 0.5]
+    assert calls == [0.5, 1.0, 2.0]
     calls.clear()
     done_in[:] = [False] * 5
     # Never done: it gives up at its limit (the timed phase then reports what it sees).

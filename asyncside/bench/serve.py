@@ -205,13 +205,17 @@ def warm_up(server: str, base_url: str, model: str, clients: int, seconds: float
     """Run ``seconds`` of the phase's load, untimed, again until some request completed (at most
     ``limit`` seconds in all): on a busy machine, or on a GPU compiling kernels for a new shape, a
     server's first requests can take longer than the warm-up, and the timed phase would then
-    measure the warm-up's work. Returns how many warm-up rounds ran."""
+    measure the warm-up's work. Each round that completed nothing is followed by one twice as
+    long: a request that takes longer than a round (a long prompt's prefill on a slow CPU) was cut
+    at every round of a fixed length, and the warm-up ran until its limit (then the server still
+    owed the cut requests' work). Returns how many warm-up rounds ran."""
     import uvloop
 
     started, rounds = time.perf_counter(), 0
     while True:
+        length = seconds * 2**rounds
         rounds += 1
-        res = uvloop.run(run_phase(server, base_url, model, clients, seconds, max_tokens, prompts))
+        res = uvloop.run(run_phase(server, base_url, model, clients, length, max_tokens, prompts))
         if any(r.done for r in res.records) or time.perf_counter() - started >= limit:
             return rounds
 
