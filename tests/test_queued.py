@@ -496,16 +496,20 @@ def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
         assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == victim, (order, ev)
 
 
+def _chain(n: int) -> tuple[mx.array, np.ndarray]:
+    """A lazy graph of ``2 n`` small nodes (as a decode step has many) and what it computes."""
+    y = mx.array(np.arange(16, dtype=np.float32))
+    want = np.arange(16, dtype=np.float64)
+    for i in range(n):
+        y = y * 1.0001 + (i % 3)
+        want = want * np.float32(1.0001) + (i % 3)
+    return y, want
+
+
 def test_step_plan_schedules_a_graph_in_chunks_without_blocking() -> None:
     """A plan hands a long graph to MLX in chunks (each under its eval throttle): every node ends
     up scheduled, the result is what one eval computes, and nothing is scheduled twice."""
-    x = mx.array(np.arange(16, dtype=np.float32))
-    y = x
-    for i in range(600):  # many small nodes, as a decode step has
-        y = y * 1.0001 + (i % 3)
-    want = np.arange(16, dtype=np.float64)
-    for i in range(600):
-        want = want * np.float32(1.0001) + (i % 3)
+    y, want = _chain(600)
     plan = _native.StepPlan([y])
     assert plan.size >= 1200
     waits = 0
@@ -526,13 +530,7 @@ def test_step_plan_with_a_time_slice_hands_the_graph_over_in_small_groups() -> N
     returns nothing to wait for ((False, None): let the loop run, call again); the result is
     what one eval computes."""
     with mx.stream(mx.cpu):  # the slice applies to CPU chunks (a GPU step goes in one eval)
-        x = mx.array(np.arange(16, dtype=np.float32))
-        y = x
-        for i in range(300):
-            y = y * 1.0001 + (i % 3)
-    want = np.arange(16, dtype=np.float64)
-    for i in range(300):
-        want = want * np.float32(1.0001) + (i % 3)
+        y, want = _chain(300)
     plan = _native.StepPlan([y])
     assert plan.size >= 600
     yields = waits = 0
