@@ -172,6 +172,9 @@ class _Layer:
     # Queued steps: the native fault table of this layer (host pools only), and whether the
     # ledger's table changed by other means since the native one was last synced.
     faults: Any = None
+    # Device tables with a host tier: the whole-layer arrays staged resolves fill (one per segment
+    # key, a row per expert; shared by the layers of one shape), or None.
+    staging: dict[str, mx.array] | None = None
     native_dirty: bool = True
     native_order: str = ""
     # ensure() calls that must reserve, oldest first, each with its wanted experts. An ensure
@@ -313,7 +316,12 @@ class Runtime:
             "warm_bytes": 0,
             "tier_faults": 0,  # faults whose bytes came from the host tier (no read)
             "host_tier_bytes": 0,
+            "staged_copies": 0,  # experts a staged resolve copied from the host tier (misses, no row taken)
+            "staging_bytes": 0,
         }
+        #: the output of the latest staged switch: the next staged resolve depends on it through
+        #: data, since every staged switch of this runtime's layers of one shape shares the arrays
+        self._staged_tail: mx.array | None = None
         #: the latest queued steps' outputs not known to be computed (see begin_step / quiesce)
         self._queued_outs: list[mx.array] = []
         # Queued steps begun (begin_step) and not yet built (end_step / abandon_step): a long
@@ -414,9 +422,17 @@ class Runtime:
         self._tier_layers, tier_bytes = self._plan_tier(budget.available - need - MIN_HEADROOM)
         self._memory["host_tier_bytes"] = tier_bytes
         self._memory["host_tier_layers"] = len(self._tier_layers)
+        # The tier's layers get staging arrays (see _setup_staging): a whole layer per shape.
+        shapes = {(spec.n_experts, tuple((seg.key, tuple(seg.shape), seg.dtype) for seg in spec.segments)):
+                  spec.n_experts * sum(seg.nbytes for seg in spec.segments)
+                  for spec in (self.store.layer(i) for i in self._tier_layers)}
+        staging = sum(shapes.values())
+        self._memory["staging_bytes"] = staging
+        need += staging
         if need + MIN_HEADROOM > budget.available:
             raise AsyncsideError(
-                f"the pools need {need / 2**30:.2f} GiB (resident={self._resident_arg}) plus "
+                f"the pools need {need / 2**30:.2f} GiB (resident={self._resident_arg}"
+                f"{f', staging {staging / 2**30:.2f} GiB of it' if staging else ''}) plus "
                 f"{MIN_HEADROOM >> 20} MiB of room for the page cache and the model, but only "
                 f"{budget.describe()}: use a smaller resident fraction, or resident='auto'")
 
@@ -492,6 +508,28 @@ class Runtime:
             raise ExceptionGroup("loading resident experts failed", errors)
         await self._warm_up(resident_sets)
         await self._setup_fault_tables()
+        self._setup_staging()
+
+    def _setup_staging(self) -> None:
+        """Give each device fault table with a host tier its staging arrays: one whole layer per
+        segment, shared by the layers of one shape, so that a switch whose experts exceed the lent
+        rows (a prefill chunk, a large batch) copies its experts there instead of cycling them
+        through the pool rows (see :meth:`staged_rows`)."""
+        shared: dict[tuple[Any, ...], list[mx.array]] = {}
+        for index, st in self._layers.items():
+            if st.faults is None or not st.pools.device or index not in self._tier_layers:
+                continue
+            spec = st.spec
+            key = (spec.n_experts, tuple((seg.key, tuple(seg.shape), seg.dtype) for seg in spec.segments))
+            arrays = shared.get(key)
+            if arrays is None:
+                arrays = [mx.zeros((spec.n_experts, *st.pools.arrays[seg.key].shape[1:]),
+                                   dtype=st.pools.arrays[seg.key].dtype) for seg in spec.segments]
+                mx.eval(*arrays)
+                shared[key] = arrays
+                self._stats["staging_bytes"] += sum(a.nbytes for a in arrays)
+            st.faults.set_staging(arrays)
+            st.staging = {seg.key: a for seg, a in zip(spec.segments, arrays)}
 
     async def _warm_up(self, resident_sets: Mapping[int, list[int]]) -> None:
         """Fill the dynamic rows with the store's hottest experts (when it ranks them) before the
@@ -838,6 +876,36 @@ class Runtime:
         rows: mx.array = _native.expert_rows(ids, st.faults)
         return rows
 
+    def staging(self, layer: int) -> dict[str, mx.array] | None:
+        """The staging arrays of ``layer`` (one per segment key, a row per expert), or None when
+        it has none (host pools, no host tier)."""
+        return self._layer(layer).staging
+
+    def staged_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 rows of the routed ``ids`` of ``layer`` in its :meth:`staging` arrays (the ids
+        themselves) for a queued step: when the stream gets there, every routed expert is copied
+        into the staging arrays, from its pool row, or from the host tier (read and verified into
+        it first when absent). No pool row changes, so a prefill chunk's experts neither evict a
+        batch's working set nor need slices of lent rows. Call :meth:`staged_done` with the
+        switch's output: the next staged resolve waits for it, through data."""
+        from . import _native
+
+        st = self._layer(layer)
+        if st.faults is None or st.staging is None:
+            raise AsyncsideError(f"layer {layer}: no staging arrays (they need device pools and a host tier)")
+        tail = self._staged_tail
+        if tail is not None:
+            # A data dependency (MLX CUDA orders its graph's nodes by the buffers they read and
+            # write, and the staging arrays are written behind its back): `ids` whatever `first`.
+            first = tail.reshape(-1)[:1]
+            ids = mx.where(first == first, ids, ids)
+        rows: mx.array = _native.expert_rows(ids, st.faults, staged=True)
+        return rows
+
+    def staged_done(self, out: mx.array) -> None:
+        """``out`` is the output of the switch that read the latest :meth:`staged_rows`."""
+        self._staged_tail = out
+
     def end_step(self, out: mx.array) -> None:
         """A queued step whose last output is ``out`` is built and about to be scheduled: from now
         on :meth:`quiesce` waits for it (see :meth:`quiesce`)."""
@@ -927,6 +995,14 @@ class Runtime:
                 if row >= 0:
                     st.ledger.settle_fault(row, victim, expert, err == 0)
                     st.version += 1
+                elif err == 0:
+                    # A staged resolve's copy from the host tier (read into it first when source
+                    # is 0): a miss that took no row.
+                    self._stats["misses"] += 1
+                    self._stats["staged_copies"] += 1
+                    if source == 0:
+                        self._stats["bytes_read"] += st.spec.stride
+                    continue
                 if err == 0:
                     self._stats["faults"] += 1
                     self._stats["misses"] += 1

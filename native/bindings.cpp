@@ -683,6 +683,13 @@ void bind_faults(nb::module_& m) {
           "ownership of `fd`.")
       .def_prop_ro("layer", [](PyFaultTable& p) { return p.t->layer(); })
       .def_prop_ro("rows", [](PyFaultTable& p) { return p.t->rows(); })
+      .def_prop_ro("can_stage", [](PyFaultTable& p) { return p.t->can_stage(); },
+                   "Whether staged resolves can run (device pools, a host tier, staging arrays given).")
+      .def(
+          "set_staging", [](PyFaultTable& p, std::vector<mx::array> staging) { fa::set_device_staging(*p.t, std::move(staging)); },
+          nb::arg("staging"),
+          "Device tables with a host tier: the arrays staged resolves fill (one per segment, a row per "
+          "expert, evaluated; layers of one shape may share them). Only before any queued step.")
       .def(
           "sync",
           [](PyFaultTable& p, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table) {
@@ -738,12 +745,15 @@ void bind_faults(nb::module_& m) {
 
   m.def(
       "expert_rows",
-      [](const mx::array& ids, PyFaultTable& table, std::optional<mx::Stream> stream) {
-        return fa::expert_rows(ids, table.t, stream ? *stream : mx::default_stream(mx::default_device()));
+      [](const mx::array& ids, PyFaultTable& table, std::optional<mx::Stream> stream, bool staged) {
+        return fa::expert_rows(ids, table.t, stream ? *stream : mx::default_stream(mx::default_device()), staged);
       },
-      nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
+      nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(), nb::arg("staged") = false,
       "Lazy uint32 pool rows of `ids` (any integer shape): when the stream reaches it, each routed "
-      "expert is looked up in `table`, and one without a row is read into a lent row first.");
+      "expert is looked up in `table`, and one without a row is read into a lent row first. "
+      "`staged`: instead copy every routed expert into the table's staging arrays (from its pool row, "
+      "or from the host tier) and return the ids themselves, rows of the staging arrays; no pool row "
+      "changes.");
   nb::class_<asyncside::plan::StepPlan>(
       m, "StepPlan",
       "One queued step's unscheduled graph, handed to MLX in chunks that fit under its eval throttle.")

@@ -231,7 +231,8 @@ std::map<std::string, uint64_t> FaultTable::counters() const {
   return {{"resolves", resolves_.load()},         {"pairs", pairs_.load()},
           {"hits", hits_.load()},                 {"faults", faults_.load()},
           {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
-          {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()}};
+          {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()},
+          {"staged", staged_.load()},             {"staged_copies", staged_copies_.load()}};
 }
 
 void FaultTable::set_order(VictimOrder order, double half_life) {
@@ -299,11 +300,7 @@ int64_t FaultTable::pick_row_locked(uint64_t stamp) {
   return row;
 }
 
-void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
-  resolves_.fetch_add(1, std::memory_order_relaxed);
-  std::unique_lock<std::mutex> lk(mu_);
-  const uint64_t stamp = ++clock_;
-  std::vector<int64_t> uniq;
+uint64_t FaultTable::collect_locked(const std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq) {
   uint64_t pairs = 0;
   for (int64_t e : ids) {
     if (e == kNoExpert) continue;
@@ -320,6 +317,25 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   pairs_.fetch_add(pairs, std::memory_order_relaxed);
   for (int64_t e : uniq) log_.used.push_back(static_cast<int32_t>(e));
   log_.used_sizes.push_back(static_cast<int32_t>(uniq.size()));
+  return pairs;
+}
+
+std::string FaultTable::read_error(int64_t expert, int64_t row, int err, uint32_t got) const {
+  return "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(expert) +
+         (row >= 0 ? " into row " + std::to_string(row) : std::string(" into the host tier")) + " from " + path_ +
+         " failed: " +
+         (err == ENODATA ? std::string("the file ended before the record did")
+          : err == -1    ? "checksum mismatch (expected " + std::to_string(checksums_[static_cast<size_t>(expert)]) +
+                            ", got " + std::to_string(got) + ")"
+                         : errno_text(err));
+}
+
+void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
+  resolves_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> uniq;
+  collect_locked(ids, stamp, uniq);
   std::vector<int64_t> missing;
   for (int64_t e : uniq) {
     if (table_[static_cast<size_t>(e)] >= 0) {
@@ -402,15 +418,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     } else {
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);
-      if (error.empty()) {
-        error = "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(r.expert) +
-                " into row " + std::to_string(r.row) + " from " + path_ + " failed: " +
-                (r.err == ENODATA ? std::string("the file ended before the record did")
-                 : r.err == -1    ? "checksum mismatch (expected " +
-                                     std::to_string(checksums_[static_cast<size_t>(r.expert)]) + ", got " +
-                                     std::to_string(r.got) + ")"
-                                  : errno_text(r.err));
-      }
+      if (error.empty()) error = read_error(r.expert, r.row, r.err, r.got);
     }
   }
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -420,6 +428,93 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     }
     const int32_t r = table_[static_cast<size_t>(ids[i])];
     out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
+  }
+  lk.unlock();
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
+  resolves_.fetch_add(1, std::memory_order_relaxed);
+  staged_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!sink_->stages()) {
+    throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) +
+                             ": a staged resolve needs a device table with a host tier and staging arrays");
+  }
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> uniq;
+  collect_locked(ids, stamp, uniq);
+  std::string error;
+  auto fail = [&](int64_t e, int err, uint32_t got, int64_t ns) {
+    log_.events.push_back({-1, -1, e, ns, err, 0});
+    fault_errors_.fetch_add(1, std::memory_order_relaxed);
+    global_counters().fault_errors.fetch_add(1, std::memory_order_release);
+    if (error.empty()) error = read_error(e, -1, err, got);
+  };
+  // Hits copy from their pool rows, which only a later resolve of this table (after this node's
+  // copies ran, in stream order) may refill. The rest come from the host tier.
+  struct Read {
+    int64_t expert;
+    int err = 0;
+    uint32_t got = 0;
+    int64_t ns = 0;
+  };
+  std::vector<Read> reads;
+  std::vector<int64_t> from_tier;
+  for (int64_t e : uniq) {
+    const int32_t row = table_[static_cast<size_t>(e)];
+    if (row >= 0) {
+      touch_locked(e, stamp);
+      hits_.fetch_add(1, std::memory_order_relaxed);
+      if (const int err = sink_->stage(e, row); err != 0) fail(e, err, 0, 0);
+    } else if (sink_->holds(e)) {
+      from_tier.push_back(e);
+    } else {
+      reads.push_back({e});
+    }
+  }
+  if (!reads.empty()) {
+    // Into the expert's tier row, unlocked and side by side as resolve's reads: no other resolve
+    // runs meanwhile (host nodes run one at a time), and a tier row is read only while the tier
+    // does not hold it, so no copy of an earlier node reads it.
+    if (reads.size() > 1 && read_threads() > 0) global_counters().shared_reads.fetch_add(1, std::memory_order_relaxed);
+    lk.unlock();
+    parallel_reads(reads.size(), [&](size_t i) {
+      Read& r = reads[i];
+      const auto t0 = std::chrono::steady_clock::now();
+      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, -1, r.expert);
+      if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
+        r.got = sink_->checksum(checksum_kind_, -1, r.expert);
+        if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;
+      }
+      r.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    });
+    lk.lock();
+  }
+  for (int64_t e : from_tier) {
+    if (const int err = sink_->stage(e, -1); err != 0) {
+      fail(e, err, 0, 0);
+      continue;
+    }
+    log_.events.push_back({-1, -1, e, 0, 0, 1});
+    staged_copies_.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (Read& r : reads) {
+    fault_ns_.fetch_add(static_cast<uint64_t>(r.ns), std::memory_order_relaxed);
+    if (r.err == 0) {
+      sink_->keep(r.expert);
+      r.err = sink_->stage(r.expert, -1);
+    }
+    if (r.err != 0) {
+      fail(r.expert, r.err, r.got, r.ns);
+      continue;
+    }
+    log_.events.push_back({-1, -1, r.expert, r.ns, 0, 0});
+    staged_copies_.fetch_add(1, std::memory_order_relaxed);
+    bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    out[i] = ids[i] == kNoExpert ? 0u : static_cast<uint32_t>(ids[i]);
   }
   lk.unlock();
   if (!error.empty()) throw std::runtime_error(error);
@@ -468,7 +563,8 @@ void read_any_ids(const mx::array& a, std::vector<int64_t>& out) {
 
 class ExpertRows : public mx::Primitive {
  public:
-  ExpertRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
+  ExpertRows(mx::Stream s, std::shared_ptr<FaultTable> table, bool staged)
+      : mx::Primitive(s), table_(std::move(table)), staged_(staged) {
     global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
   }
   ~ExpertRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
@@ -480,16 +576,20 @@ class ExpertRows : public mx::Primitive {
     enc.set_input_array(inputs[0]);
     enc.set_output_array(out);
     // The task holds the ids array (its buffer) and the table; both are plain C++ objects.
-    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>()]() {
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), staged = staged_]() {
       std::vector<int64_t> v;
       read_any_ids(ids, v);
-      table->resolve(v, out_ptr);
+      if (staged) {
+        table->stage(v, out_ptr);
+      } else {
+        table->resolve(v, out_ptr);
+      }
     });
   }
 
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
-  const char* name() const override { return "AsyncsideExpertRows"; }
+  const char* name() const override { return staged_ ? "AsyncsideStagedRows" : "AsyncsideExpertRows"; }
   // Every node resolves (and may fault) on its own: never merged by compile's CSE.
   bool is_equivalent(const mx::Primitive&) const override { return false; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -498,11 +598,12 @@ class ExpertRows : public mx::Primitive {
 
  private:
   std::shared_ptr<FaultTable> table_;
+  bool staged_;
 };
 
 void ExpertRows::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
 #if defined(ASYNCSIDE_CUDA)
-  eval_device_faults(table_, inputs[0], outputs[0], stream());
+  eval_device_faults(table_, inputs[0], outputs[0], stream(), staged_);
 #else
   (void)inputs;
   (void)outputs;
@@ -515,8 +616,12 @@ void ExpertRows::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::
 
 }  // namespace
 
-mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
+mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream, bool staged) {
   if (!table) throw std::invalid_argument("table: expected a FaultTable, got None");
+  if (staged && !table->can_stage()) {
+    throw std::invalid_argument("table: layer " + std::to_string(table->layer()) +
+                                " cannot stage (it needs device pools, a host tier and staging arrays)");
+  }
   if (!mx::issubdtype(ids.dtype(), mx::integer)) {
     throw std::invalid_argument("ids: expected an integer array of expert ids");
   }
@@ -529,7 +634,7 @@ mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, m
     stream = mx::default_stream(mx::Device::cpu);
 #endif
   }
-  return mx::array(in.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table)), {in});
+  return mx::array(in.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table), staged), {in});
 }
 
 }  // namespace asyncside::faults

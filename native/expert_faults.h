@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -74,6 +75,12 @@ class RecordSink {
   // told (keep) under the table's lock; keep() follows a read that verified.
   virtual bool holds(int64_t expert) const { return false; }
   virtual void keep(int64_t expert) {}
+  // Staging (a device sink with a host tier and staging arrays): plan the copy of `expert`'s
+  // bytes into its row of the staging arrays (a whole layer, indexed by expert id), from pool
+  // row `row`, or from the host tier when `row` < 0 (the tier must hold the expert). Called one
+  // expert at a time, under the table's lock; 0 or an errno.
+  virtual bool stages() const { return false; }
+  virtual int stage(int64_t expert, int64_t row) { return ENOTSUP; }
 };
 
 // Host pools (MLX CPU, or unified memory): segments scattered into the rows by one preadv.
@@ -149,8 +156,22 @@ class FaultTable {
   // Throws std::runtime_error naming the layer, expert and row when a fault fails (the step
   // fails; the event log says which row the ledger must free).
   void resolve(const std::vector<int64_t>& ids, uint32_t* out);
+  // The staged form, for a switch whose experts would not fit the lent rows (a prefill chunk, a
+  // large batch) on a device sink that stages: every routed expert's bytes are copied into the
+  // sink's staging arrays at its own index, from its pool row when it has one (a hit, touched
+  // as resolve touches it), else from the host tier, read and verified into the tier first when
+  // the tier lacks it; out[i] = ids[i] (the gather indexes the staging arrays by expert id).
+  // No row is taken, lent, filled or evicted. A failure is logged as an event of row -1 and
+  // thrown as resolve's are; a staged copy is logged as an event of row -1 and error 0.
+  void stage(const std::vector<int64_t>& ids, uint32_t* out);
+  bool can_stage() const { return sink_ && sink_->stages(); }
 
  private:
+  // The distinct experts of `ids` (first-use order) into `uniq`, checking the range; returns the
+  // routed pairs (kNoExpert excluded). Logs the resolve's uses.
+  uint64_t collect_locked(const std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq);
+  // The message of a failed read of `expert` (into pool row `row`, or the host tier when < 0).
+  std::string read_error(int64_t expert, int64_t row, int err, uint32_t got) const;
   int64_t pick_row_locked(uint64_t stamp);
   void touch_locked(int64_t expert, uint64_t stamp);
   double rank_locked(int64_t expert, uint64_t stamp) const;
@@ -179,7 +200,7 @@ class FaultTable {
   Drained log_;
 
   std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
-      fault_ns_{0};
+      fault_ns_{0}, staged_{0}, staged_copies_{0};
 };
 
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
@@ -205,8 +226,10 @@ namespace asyncside::faults {
 //    the table's sink is the device one, reading into the pinned host mirror).
 //  - Metal: memory is unified, so the node runs on the CPU stream: MLX makes that stream wait for
 //    the GPU's shared event before it, and the GPU's command buffer wait for the CPU's after it.
+//  `staged`: the node runs FaultTable::stage instead (a device table whose sink stages; its rows
+//  are the expert ids, for a gather over the staging arrays).
 mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
-                             mlx::core::Stream stream);
+                             mlx::core::Stream stream, bool staged = false);
 
 // A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
 // happen on the device. `by_expert`: `mirror` has one row per expert of the layer (a host tier:
@@ -217,11 +240,16 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
                                              std::vector<io::SegmentSpan> segments, uint32_t max_pairs,
                                              bool by_expert);
 bool device_faults_available() noexcept;
+// Give a device table's sink its staging arrays: one evaluated device array per segment, one row
+// per expert of the layer (several layers of one shape may share them: queued steps order their
+// users through data). Only before any queued step reads the table. Needs a host tier (a sink
+// built by_expert); throws std::invalid_argument otherwise, or where CUDA is not compiled in.
+void set_device_staging(FaultTable& table, std::vector<mlx::core::array> staging);
 
 #if defined(ASYNCSIDE_CUDA)
 mlx::core::array prepare_device_ids(const mlx::core::array& ids, mlx::core::Stream stream);
 void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mlx::core::array& ids,
-                        mlx::core::array& out, mlx::core::Stream stream);
+                        mlx::core::array& out, mlx::core::Stream stream, bool staged);
 #endif
 }  // namespace asyncside::faults
 static_assert(sizeof(asyncside::faults::FaultEvent) == 6 * sizeof(int64_t), "FaultEvent is read as int64 rows");

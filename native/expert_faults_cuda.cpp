@@ -15,6 +15,7 @@
 // Compiled only with -DASYNCSIDE_CUDA=ON; verified on the CUDA host, not on this build machine.
 #include "expert_faults.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
@@ -102,7 +103,10 @@ class DeviceRecordSink final : public RecordSink {
       mirror_dev_.push_back(static_cast<uint8_t*>(m));
     }
     if (by_expert_) held_.assign(static_cast<size_t>(mirror_->rows()), 0);
-    const uint32_t ops = static_cast<uint32_t>(rows_ * static_cast<int64_t>(pools_.size()));
+    // One op per segment of each fault (at most a lent row each), or of each staged expert (at
+    // most one per expert, by_expert: the tier has a row per expert).
+    const int64_t slots = by_expert_ ? std::max(rows_, mirror_->rows()) : rows_;
+    const uint32_t ops = static_cast<uint32_t>(slots * static_cast<int64_t>(pools_.size()));
     plan_ = static_cast<cuda::Plan*>(static_cast<void*>(
         mapped_alloc<uint8_t>(sizeof(cuda::Plan) + ops * sizeof(cuda::CopyOp), reinterpret_cast<uint8_t**>(&plan_dev_))));
     plan_->count = 0;
@@ -143,6 +147,45 @@ class DeviceRecordSink final : public RecordSink {
     return 0;
   }
 
+  bool stages() const override { return by_expert_ && !staging_.empty(); }
+
+  int stage(int64_t expert, int64_t row) override {
+    if (!stages()) return ENOTSUP;
+    if (expert < 0 || expert >= mirror_->rows() || row >= rows_) return EINVAL;
+    for (size_t i = 0; i < pools_.size(); ++i) {
+      if (plan_->count >= plan_->capacity) return ENOBUFS;  // cannot happen: one expert once per node
+      const uint64_t nb = mirror_->row_nbytes(i);
+      const uint8_t* src = row >= 0 ? dev_base_[i] + static_cast<uint64_t>(row) * nb
+                                    : mirror_dev_[i] + static_cast<uint64_t>(expert) * nb;
+      plan_->ops[plan_->count++] = {src, staging_dev_[i] + static_cast<uint64_t>(expert) * nb, nb};
+    }
+    return 0;
+  }
+
+  void set_staging(std::vector<mx::array> staging) {
+    if (!by_expert_) {
+      throw std::invalid_argument("staging: the layer has no host tier (staged copies come from it)");
+    }
+    if (staging.size() != pools_.size()) {
+      throw std::invalid_argument("staging: expected " + std::to_string(pools_.size()) + " arrays (one per segment), got " +
+                                  std::to_string(staging.size()));
+    }
+    std::vector<uint8_t*> dev;
+    for (size_t i = 0; i < staging.size(); ++i) {
+      const auto& a = staging[i];
+      const int64_t n = mirror_->rows();
+      if (a.ndim() < 1 || a.shape(0) != n || a.nbytes() != static_cast<size_t>(n) * mirror_->row_nbytes(i) ||
+          !a.is_available() || a.dtype() != pools_[i].dtype()) {
+        throw std::invalid_argument("staging[" + std::to_string(i) + "]: expected an evaluated array of " +
+                                    std::to_string(n) + " rows (one per expert) of " +
+                                    std::to_string(mirror_->row_nbytes(i)) + " bytes, the pools' dtype");
+      }
+      dev.push_back(device_ptr(a));
+    }
+    staging_ = std::move(staging);
+    staging_dev_ = std::move(dev);
+  }
+
   void begin_plan() { plan_->count = 0; }
 
   uint32_t max_pairs() const { return max_pairs_; }
@@ -168,6 +211,8 @@ class DeviceRecordSink final : public RecordSink {
   bool by_expert_;
   int64_t rows_ = 0;
   std::vector<uint8_t> held_;  // by expert: its verified bytes are in the mirror (kept for good)
+  std::vector<mx::array> staging_;  // a row per expert and segment: what staged resolves fill
+  std::vector<uint8_t*> staging_dev_;
 
   int64_t slot(int64_t row, int64_t expert) const { return by_expert_ ? expert : row; }
 };
@@ -178,6 +223,7 @@ struct HostCall {
   std::shared_ptr<FaultTable> table;
   DeviceRecordSink* sink;
   uint32_t n;
+  bool staged;
 };
 
 void CUDART_CB host_fault(void* data) {
@@ -187,7 +233,11 @@ void CUDART_CB host_fault(void* data) {
   std::vector<int64_t> ids(call->n);
   for (uint32_t i = 0; i < call->n; ++i) ids[i] = sink->ids_host()[i];
   try {
-    call->table->resolve(ids, sink->rows_host());
+    if (call->staged) {
+      call->table->stage(ids, sink->rows_host());
+    } else {
+      call->table->resolve(ids, sink->rows_host());
+    }
   } catch (...) {
     // The fault log holds the failure; the host raises it as FillError when it learns of the
     // step (a host node cannot fail its graph). Rows the step could not get read row 0.
@@ -236,12 +286,18 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
 
 bool device_faults_available() noexcept { return true; }
 
+void set_device_staging(FaultTable& table, std::vector<mx::array> staging) {
+  auto* sink = dynamic_cast<DeviceRecordSink*>(table.sink());
+  if (sink == nullptr) throw std::invalid_argument("staging: the table was not built for device pools");
+  sink->set_staging(std::move(staging));
+}
+
 mx::array prepare_device_ids(const mx::array& ids, mx::Stream stream) {
   return mx::contiguous(mx::astype(ids, mx::uint32, stream), false, stream);
 }
 
 void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::array& ids, mx::array& out,
-                        mx::Stream stream) {
+                        mx::Stream stream, bool staged) {
   auto* sink = dynamic_cast<DeviceRecordSink*>(table->sink());
   if (sink == nullptr) {
     throw std::runtime_error("[asyncside] expert_rows on a GPU stream needs a fault table built for device pools");
@@ -254,7 +310,10 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
   }
   auto& enc = mx::cu::get_command_encoder(stream);
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto call = std::make_shared<HostCall>(HostCall{table, sink, n});
+  if (staged && !sink->stages()) {
+    throw std::runtime_error("[asyncside] layer " + std::to_string(table->layer()) + ": no staging arrays to stage into");
+  }
+  auto call = std::make_shared<HostCall>(HostCall{table, sink, n, staged});
   const uint32_t* ids_dev = reinterpret_cast<const uint32_t*>(device_ptr(ids));
   uint32_t* ids_host_dev = sink->ids_dev();
   const cuda::Plan* plan = sink->plan_dev();
@@ -336,6 +395,11 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, st
 }
 
 bool device_faults_available() noexcept { return false; }
+
+void set_device_staging(FaultTable&, std::vector<mlx::core::array>) {
+  throw std::invalid_argument(
+      "[asyncside] staging arrays need the CUDA fault path, which this build lacks (build with -DASYNCSIDE_CUDA=ON)");
+}
 
 }  // namespace asyncside::faults
 

@@ -44,6 +44,8 @@ def test_quick_prefill_bench_times_queued_chunks(capsys: pytest.CaptureFixture[s
     assert result["prefill"] == 24
     (row,) = result["rows"]
     assert row["queued_steps"] == result["steps"] * result["reported_rounds"]
-    assert row["faults_per_step"] > 0  # 24 tokens x top-4 route more experts than half a layer keeps
+    # 24 tokens x top-4 route more experts than half a layer keeps: faulted into rows, or (MLX
+    # CUDA, host tier) copied into the staging arrays
+    assert row["faults_per_step"] + row["staged_per_step"] > 0
     assert 0 < row["asyncside_ms"]["build"] <= row["asyncside_ms"]["host"] <= row["asyncside_ms"]["step"]
     assert 0 < row["mlx_lm_ms"]["build"] <= row["mlx_lm_ms"]["step"]

@@ -78,7 +78,8 @@ def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Pa
 
     store = _store(tmp_path / "s")
     layer = 64 * (1 << 16)  # 64 experts of one 64 KiB segment
-    assert Runtime(store, host_tier="auto")._plan_tier(1 << 40) == (set(), 0)  # host pools here
+    monkeypatch.setattr(pools, "device_pools_default", lambda: False)
+    assert Runtime(store, host_tier="auto")._plan_tier(1 << 40) == (set(), 0)  # host pools
     monkeypatch.setattr(pools, "device_pools_default", lambda: True)
     monkeypatch.setattr(_native, "device_faults_available", lambda: True)
     assert Runtime(store, host_tier=0)._plan_tier(1 << 40) == (set(), 0)

@@ -15,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 
 import anyio
 import mlx.core as mx
@@ -67,7 +68,7 @@ def _top_k(config: dict) -> int:
 
 
 @pytest.mark.parametrize("host_tier", ["auto", 0])
-@pytest.mark.parametrize("slices", ["experts", "pairs"])
+@pytest.mark.parametrize("slices", ["staged", "experts", "pairs"])
 @pytest.mark.parametrize("quant", ["float", "q4"])
 @pytest.mark.parametrize("model_type", sorted(BASE))
 def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, model_type: str, quant: str,
@@ -77,6 +78,8 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         pytest.skip("host_tier applies to device pools (MLX CUDA) only")
     if slices == "pairs" and model_type != "qwen3_moe":
         pytest.skip("slices of pairs (ForwardOptions(expert_slices=False)): one architecture is enough")
+    if slices == "staged" and not (on_device and host_tier == "auto"):
+        pytest.skip("staged switches need device pools with a host tier (MLX CUDA)")
     if quant == "q4" and model_type == "gpt_oss":
         pytest.skip("tiny gpt_oss shapes do not quantize with group size 64")
     if quant == "q4" and mx.default_device() == mx.gpu:
@@ -92,7 +95,8 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     ref_cache = make_prompt_cache(model)
     ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
     mx.eval(ref_logits)
-    options = QUEUED if slices == "experts" else dataclasses.replace(QUEUED, expert_slices=False)
+    options = (QUEUED if slices == "staged" else
+               dataclasses.replace(QUEUED, staged_switches=False, expert_slices=slices == "experts"))
     sm = load_streaming_model(store_dir, completed=completed, options=options)
     k = _top_k(sm.config)
 
@@ -118,13 +122,19 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     # The 12-token prompt step routes more experts than a layer has rows: it ran queued too, its
     # switches resolving one token's experts at a time (and its logits are still exact); the
     # 40-token step and the prefills of both generations too, the long ones sorted by expert and
-    # resolved in slices of at most a layer's rows of distinct experts (or of pairs).
+    # resolved in slices of at most a layer's rows of distinct experts (or of pairs), or, staged,
+    # copied into the layer's staging arrays in one resolve (the 12-token ones too).
     assert counters["queued"] == 2 * NEW_TOKENS + len(steps) and counters["fallbacks"] == 0
     assert counters["queued_prefill"] == 2 and counters["per_layer"] == 0
-    assert counters["token_parts"] > 0
+    if slices == "staged":
+        assert counters["staged_switches"] > 0
+        assert counters["expert_slices"] == 0 and counters["sorted_parts"] == 0
+        assert stats["staged_copies"] > 0 and stats["staging_bytes"] > 0, stats
+    else:
+        assert counters["token_parts"] > 0 and counters["staged_switches"] == 0
     if slices == "experts":
         assert counters["expert_slices"] > 0 and counters["sorted_parts"] == 0
-    else:
+    elif slices == "pairs":
         assert counters["sorted_parts"] > 0 and counters["expert_slices"] == 0
     assert all(n > 0 for n in faulted.values()), faulted  # misses served in every MoE layer
     assert stats["faults"] == sum(faulted.values()) and stats["failed_fills"] == 0
@@ -136,6 +146,7 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
         assert stats["tier_faults"] == 0 and stats["host_tier_bytes"] == 0, stats
     stride = ExpertStore.open(store_dir).layer(sm.moe_layers[0]).stride
     assert stats["bytes_read"] >= (stats["faults"] - stats["tier_faults"]) * stride
+    assert stats["misses"] == stats["faults"] + stats["staged_copies"], stats
 
 
 @pytest.mark.parametrize("mode", ["queued", "per-layer"])
@@ -368,7 +379,8 @@ def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
             assert intruded == ["ensured"]
             assert mx.array_equal(logits[0], ref).item()
             assert rt.stats()["failed_fills"] == 0
-            assert sm.forward_with(QUEUED).counters["expert_slices"] > 0  # a long queued step, in slices
+            c = sm.forward_with(QUEUED).counters
+            assert c["expert_slices"] + c["staged_switches"] > 0  # a long queued step, in slices or staged
 
             async def broken_between_layers() -> None:
                 raise RuntimeError("build failed")
@@ -698,6 +710,93 @@ def test_device_fault_table_with_a_host_tier_reads_each_record_once(tmp_path: pa
     check_rows([13])
     c = table.counters()
     assert c["tier_faults"] == 4 and c["fault_errors"] == 2, c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.device_faults_available() or mx.default_device() != mx.gpu,
+                    reason="needs MLX CUDA and the CUDA fault path")
+def test_device_fault_table_stages_routed_experts_without_touching_a_row(tmp_path: pathlib.Path) -> None:
+    """CUDA, a host tier and staging arrays: a staged resolve copies every routed expert into its
+    own row of the staging arrays (a hit from its pool row, a miss from the tier, read and verified
+    into it first when absent), returns the ids as rows, and changes no pool row, lent row or
+    table entry. A damaged record fails its staged resolve (an event of row -1) and is not kept."""
+    store, spec, pools = _device_layer(tmp_path, seed=2)
+    nbytes = [s.nbytes for s in spec.segments]
+    tier = _native.HostMirror(spec.n_experts, nbytes)
+    table = _native.FaultTable.for_device(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                                          pools.mirror, [s.offset for s in spec.segments], nbytes,
+                                          os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride, tier=tier)
+    table.set_checksums(spec.checksum, list(spec.checksums))
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    assert not table.can_stage
+    with pytest.raises(ValueError, match="cannot stage"):
+        _native.expert_rows(mx.array([1, 2]), table, staged=True)
+    staging = [mx.zeros((spec.n_experts, *pools.arrays[s.key].shape[1:]), dtype=pools.arrays[s.key].dtype)
+               for s in spec.segments]
+    mx.eval(*staging)
+    with pytest.raises(ValueError, match="staging"):
+        table.set_staging(staging[:1])
+    table.set_staging(staging)
+    assert table.can_stage
+    table.lend([0, 1, 2, 3])
+    mx.eval(_native.expert_rows(mx.array([9, 4], dtype=mx.int32), table) + 0)  # two hits to come
+    _events(table)
+    before = (np.array(table.table()).tolist(), sorted(table.lent()))
+    pool_bytes = {(k, r): pools.row_bytes(k, r) for k in pools.arrays for r in range(4)}
+
+    def staged_bytes(e: int) -> dict[str, bytes]:
+        return {s.key: np.array(a[e]).tobytes() for s, a in zip(spec.segments, staging)}
+
+    def check(experts: list[int]) -> None:
+        for e in experts:
+            got = staged_bytes(e)
+            for key, want in store.read_expert(0, e).items():
+                assert got[key] == bytes(memoryview(want).cast("B")), (e, key)
+
+    ids = mx.array([[9, 12, 4, 12], [5, 9, 0xFFFFFFFF, 15]], dtype=mx.uint32)
+    rows = np.array(_native.expert_rows(ids, table, staged=True) + 0)
+    assert rows.tolist() == [[9, 12, 4, 12], [5, 9, 0, 15]]
+    ev = _events(table)
+    # Misses only (12, 5, 15: read into the tier), no row; the hits 9 and 4 copied from their rows.
+    assert sorted(ev[:, 2].tolist()) == [5, 12, 15] and set(ev[:, 0].tolist()) == {-1}
+    assert ev[:, 4].tolist() == [0, 0, 0] and ev[:, 5].tolist() == [0, 0, 0]
+    check([9, 12, 4, 5, 15])
+    assert (np.array(table.table()).tolist(), sorted(table.lent())) == before
+    assert {(k, r): pools.row_bytes(k, r) for k in pools.arrays for r in range(4)} == pool_bytes
+    # Staged again: the misses come from the tier now (source 1), nothing read.
+    c0 = table.counters()
+    again = _events_after(table, lambda: mx.eval(_native.expert_rows(mx.array([12, 15]), table, staged=True) + 0))
+    assert again[:, 5].tolist() == [1, 1] and again[:, 4].tolist() == [0, 0]
+    c = table.counters()
+    assert c["staged"] == c0["staged"] + 1 and c["staged_copies"] == 5 and c["bytes_read"] - c0["bytes_read"] == 0
+    check([12, 15])
+    # A damaged record: the staged resolve fails (logged, row -1) and the record is not kept.
+    data = bytearray(spec.path.read_bytes())
+    saved = bytes(data)
+    data[spec.record_offset(7) + spec.segments[0].offset] ^= 0x40
+    spec.path.write_bytes(data)
+    bad = _events_after(table, lambda: mx.eval(_native.expert_rows(mx.array([7]), table, staged=True) + 0))
+    assert bad[:, [0, 2, 4]].tolist() == [[-1, 7, -1]]
+    spec.path.write_bytes(saved)
+    ok = _events_after(table, lambda: mx.eval(_native.expert_rows(mx.array([7]), table, staged=True) + 0))
+    assert ok[:, [0, 2, 4, 5]].tolist() == [[-1, 7, 0, 0]]
+    check([7])
+
+
+def _events_after(table: object, run: Callable[[], object]) -> np.ndarray:
+    run()
+    return _events(table)
+
+
+def test_host_fault_tables_do_not_stage(tmp_path: pathlib.Path) -> None:
+    """Staging is for device pools with a host tier: a host table says it cannot, a staged node on
+    it is refused with the reason, and a Runtime on host pools has no staging arrays."""
+    store, pools, table = _table(tmp_path)
+    assert not table.can_stage
+    with pytest.raises(ValueError, match="cannot stage"):
+        _native.expert_rows(mx.array([1]), table, CPU, staged=True)
+    with pytest.raises(ValueError, match="device pools|CUDA"):
+        table.set_staging([pools.arrays[k] for k in pools.arrays])
 
 
 def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Path, read_threads: int) -> None:

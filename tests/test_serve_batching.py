@@ -98,7 +98,9 @@ async def test_batched_greedy_equals_mlx_lm_all_resident(request: pytest.Fixture
     if prefill == "queued":  # every chunk of every prompt was a queued step, the long ones in sorted slices
         counters = sm.forward.counters
         assert counters["queued_prefill"] - before["queued_prefill"] == counters["prefill"] - before["prefill"] > 4
-        assert counters["expert_slices"] > before["expert_slices"]
+        # (staged instead on a GPU with a host tier: one resolve into whole-layer staging arrays)
+        assert (counters["expert_slices"] + counters["staged_switches"]
+                > before["expert_slices"] + before["staged_switches"])
 
 
 @pytest.mark.asyncio

@@ -5,6 +5,7 @@
     python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
     python tools/ab_serve.py --switch overlap_prefill --values True False ... (prefill chunks awaited late)
     python tools/ab_serve.py --switch joint_prefill --values True False ... (fresh prompts' chunks in one forward)
+    python tools/ab_serve.py --switch staged_switches --values True False ... (staging arrays, CUDA + host tier)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
     python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
     python tools/ab_serve.py --profile 40 --clients 8 --seconds 20    (where the engine's host time goes)

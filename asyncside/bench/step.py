@@ -127,10 +127,11 @@ async def _ours_prefill_run(sm: Any, chunks: list[Any], warmup: int, resident: f
     async with Runtime(sm.store, resident=resident) as rt:
         fwd = sm.forward
         host = fwd.queued.host_ns
-        queued_before = faults_before = 0
+        queued_before = faults_before = staged_before = 0
         for i, chunk in enumerate(chunks):
             if i == warmup:
                 queued_before, faults_before = fwd.counters["queued_prefill"], int(rt.stats()["faults"])
+                staged_before = int(rt.stats()["staged_copies"])
             before = dict(host)
             ctx = fwd.context(sm.make_cache(), rt)
             t0 = time.perf_counter_ns()
@@ -149,7 +150,7 @@ async def _ours_prefill_run(sm: Any, chunks: list[Any], warmup: int, resident: f
         stats = rt.stats()
         queued = fwd.counters["queued_prefill"] - queued_before
     return {"times": t, "queued": queued, "faults": stats["faults"] - faults_before,
-            "hit_rate": stats.get("hit_rate")}
+            "staged": stats["staged_copies"] - staged_before, "hit_rate": stats.get("hit_rate")}
 
 
 async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: float) -> dict[str, Any]:
@@ -164,10 +165,11 @@ async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: flo
         cache = sm.make_cache()
         await fwd(prompt, cache, rt, logits=False)
         y = mx.array([[5]] * prompt.shape[0])
-        queued_before = faults_before = 0
+        queued_before = faults_before = staged_before = 0
         for i in range(warmup + steps):
             if i == warmup:  # the timed steps' only
                 queued_before, faults_before = fwd.counters["queued"], int(rt.stats()["faults"])
+                staged_before = int(rt.stats()["staged_copies"])
             before = dict(host)
             ctx = fwd.context(cache, rt)
             drew = [0]
@@ -200,7 +202,8 @@ async def _ours_run(sm: Any, prompt: Any, steps: int, warmup: int, resident: flo
             t["host"].append(sum(t[key][-1] for key in ("begin", "build", "end", "plan", "schedule", "draw")))
         stats = rt.stats()
         queued = fwd.counters["queued"] - queued_before
-    return {"times": t, "queued": queued, "faults": stats["faults"] - faults_before, "hit_rate": stats.get("hit_rate")}
+    return {"times": t, "queued": queued, "faults": stats["faults"] - faults_before,
+            "staged": stats["staged_copies"] - staged_before, "hit_rate": stats.get("hit_rate")}
 
 
 def _medians(runs: Sequence[dict[str, list[float]]]) -> dict[str, float]:
@@ -238,7 +241,7 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
         theirs: list[dict[str, list[float]]] = []
         ours: list[dict[str, list[float]]] = []
         queued = 0
-        faults = 0
+        faults = staged = 0
         for r in range(rounds):
             for side in (("mlx_lm", "asyncside") if r % 2 == 0 else ("asyncside", "mlx_lm")):
                 if side == "mlx_lm":
@@ -253,6 +256,7 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
                         ours.append(res["times"])
                         queued += res["queued"]
                         faults += res["faults"] or 0
+                        staged += res["staged"] or 0
         m_theirs, m_ours = _medians(theirs), _medians(ours)
         rows.append({
             "batch": batch,
@@ -263,6 +267,8 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
             "queued_steps": queued,
             "faults": faults,
             "faults_per_step": faults / (steps * max(1, rounds - 1)),
+            # misses a staged switch copied from the host tier (no row taken; MLX CUDA)
+            "staged_per_step": staged / (steps * max(1, rounds - 1)),
         })
     result = {
         "bench": "step",
@@ -291,7 +297,8 @@ def render_step_table(result: dict[str, Any]) -> None:
     what = f"prefill chunk of {result['prefill']} tokens per row" if result.get("prefill") else "decode step"
     t = Table(title=f"host time per {what}, ms (median of {result['steps']} steps x "
                     f"{result['reported_rounds']} rounds; {result['device']}, {result['resident']:.0%} resident)")
-    for col in ("batch", "side", *PHASES_OURS, "host", "step", "host / mlx-lm", "step / mlx-lm", "faults / step"):
+    for col in ("batch", "side", *PHASES_OURS, "host", "step", "host / mlx-lm", "step / mlx-lm", "faults / step",
+                "staged / step"):
         t.add_column(col, justify="right", no_wrap=True)
     for row in result["rows"]:
         for side, key in (("mlx-lm", "mlx_lm_ms"), ("asyncside", "asyncside_ms")):
@@ -300,7 +307,8 @@ def render_step_table(result: dict[str, Any]) -> None:
             ours = side == "asyncside"
             t.add_row(str(row["batch"]), side, *cells, f"{m['host']:.3f}", f"{m['step']:.3f}",
                       f"{row['host_ratio']:.2f}x" if ours else "", f"{row['step_ratio']:.2f}x" if ours else "",
-                      f"{row['faults_per_step']:.1f}" if ours else "")
+                      f"{row['faults_per_step']:.1f}" if ours else "",
+                      f"{row.get('staged_per_step', 0.0):.1f}" if ours else "")
     Console(width=160).print(t)
     print(f"{result['machine']['nproc']} CPUs, load at start {result['machine']['loadavg_at_start']}; "
           f"{result['seconds']} s")

@@ -75,6 +75,9 @@ class ForwardOptions:
     may not fit a layer's lendable rows at once resolves them in slices of that many distinct
     experts, each slice computing every pair (``ceil(distinct / rows)`` resolves per layer);
     off: in slices of that many pairs (``ceil(pairs / rows)`` resolves, no product computed twice).
+    ``staged_switches``: such a switch, where the source has staging arrays for the layer (device
+    pools with a host tier: MLX CUDA), copies its experts into them instead (one resolve, no pool
+    row changes, the gather over a whole layer as mlx-lm's); off: slices as above.
     """
 
     mode: StepMode = StepMode.AUTO
@@ -82,6 +85,7 @@ class ForwardOptions:
     lookahead_extra: int = 0
     queued_prefill: bool | None = None
     expert_slices: bool = True
+    staged_switches: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -94,6 +98,8 @@ class ForwardOptions:
             raise ValueError(f"queued_prefill: expected True, False or None, got {self.queued_prefill!r}")
         if self.expert_slices not in (True, False):
             raise ValueError(f"expert_slices: expected True or False, got {self.expert_slices!r}")
+        if self.staged_switches not in (True, False):
+            raise ValueError(f"staged_switches: expected True or False, got {self.staged_switches!r}")
 
 
 async def eval_completed(x: mx.array) -> None:
@@ -132,6 +138,7 @@ class AsyncForward:
         self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
                          "speculated": 0, "speculation_misses": 0, "optimistic": 0, "optimistic_redone": 0,
                          "queued": 0, "queued_prefill": 0, "sorted_parts": 0, "expert_slices": 0, "token_parts": 0,
+                         "staged_switches": 0,
                          "per_layer": 0,
                          "prefill": 0, "fallbacks": 0}
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
@@ -148,7 +155,8 @@ class AsyncForward:
                                        speculate=self.options.speculate, then_ok=then_ok)
         self.whole = WholeSteps(self.per_layer)
         self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
-                                  expert_slices=self.options.expert_slices)
+                                  expert_slices=self.options.expert_slices,
+                                  staged_switches=self.options.staged_switches)
         qp = self.options.queued_prefill
         self._queued_prefill = qp if qp is not None else mx.default_device() == mx.gpu
 

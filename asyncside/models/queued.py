@@ -38,6 +38,14 @@ LONG_STEP_TOKENS = 16
 #: fault node on the stream); a step that would need more goes per layer
 MAX_RESOLVES_PER_LAYER = 64
 
+#: a decode step's switch is staged (where the source stages and its experts exceed the lent
+#: rows) only when it routes at least this many pairs per expert of the layer: then it routes
+#: nearly every expert (128 pairs over 64 experts: ~86% of them), and faulting them into rows
+#: would only cycle the batch's working set out. A smaller batch faults its misses into rows as
+#: usual, so that its working set stays in the pools (staged, a step's misses would be copied
+#: from the host tier again every step). A prefill chunk is always staged.
+STAGE_DECODE_PAIRS_PER_EXPERT = 2
+
 #: on the CPU, a decode step's graph is built with a checkpoint every this many layers (0: none).
 #: A whole step's build is 1.5-2.5 ms of Python on the loop thread on the dev VM (8 layers), more
 #: than the 2 ms a loop should stay blocked. The demo's loop lag p99, runs alternated (medians;
@@ -67,6 +75,10 @@ class QueuedSource(Protocol):
     - ``abandon_step()``: the step begun will not be scheduled (its build raised or was cancelled).
     - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
+
+    Optional (``Runtime`` has them): ``staging(layer)``, the layer's whole-layer staging arrays or
+    None; ``staged_rows(layer, ids)``, lazy rows of the ids in them, every routed expert copied
+    there on the stream; ``staged_done(out)``, the output of the switch that read them.
     """
 
     def queued_ready(self, pairs: int) -> bool: ...
@@ -87,12 +99,13 @@ class QueuedSteps:
     """Decode steps queued whole, misses served by the source inside the stream."""
 
     def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool,
-                 expert_slices: bool = True) -> None:
+                 expert_slices: bool = True, staged_switches: bool = True) -> None:
         self.walk = walk
         self.completed = completed
         self.counters = counters
         self._bridged = bridged
         self._expert_slices = expert_slices
+        self._staged_switches = staged_switches
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
         #: host time spent on queued steps, in ns, by phase (``asyncside bench step`` reads it):
@@ -125,10 +138,18 @@ class QueuedSteps:
         # layer; an unsorted one cuts by whole tokens (part = tokens x top_k).
         capacity = qsource.queued_capacity()
         part = capacity if pairs >= SORT_THRESHOLD else capacity // self.walk.top_k * self.walk.top_k
-        if part < 1 or -(-pairs // part) > MAX_RESOLVES_PER_LAYER or not qsource.queued_ready(part):
+        if part < 1 or (-(-pairs // part) > MAX_RESOLVES_PER_LAYER and not self._stages_every_layer(source)):
+            return False
+        if not qsource.queued_ready(part):
             return False
         ctx.part = part
         return True
+
+    def _stages_every_layer(self, source: Any) -> bool:
+        """Whether every MoE layer's switch can stage its experts (one resolve however many)."""
+        staging = getattr(source, "staging", None)
+        return (self._staged_switches and staging is not None
+                and all(staging(i) is not None for i in self.walk.moe))
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool = True,
                       head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
@@ -196,11 +217,24 @@ class QueuedSteps:
                 continue
             block, attr = walk.moe[i]
             spec, activation, pools = walk.specs[i], walk.activation(i), source.pools(i)
+            staging = getattr(source, "staging", None)
+            staged = staging(i) if staging is not None and part is not None and self._staged_switches else None
+            if staged is not None and logits and inputs.size * walk.top_k < STAGE_DECODE_PAIRS_PER_EXPERT * \
+                    cast(Any, source).n_experts(i):
+                staged = None  # a decode batch that keeps its working set in the rows
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
-                      pools: Any = pools) -> mx.array:
+                      pools: Any = pools, staged: Any = staged) -> mx.array:
                 if part is None or inds.size <= part:
                     return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
+                if staged is not None:
+                    # Experts beyond the lent rows, on a device with a host tier: copied into the
+                    # layer's staging arrays by expert id (no pool row changes, no slices); the
+                    # gather is then mlx-lm's own, over a whole layer.
+                    counters["staged_switches"] += 1
+                    y = pooled_switch_apply(spec, activation, x_sw, source.staged_rows(i, inds), staged)
+                    source.staged_done(y)
+                    return y
                 if inds.size >= SORT_THRESHOLD:
                     n_experts = getattr(source, "n_experts", None)
                     slices = -(-min(inds.size, n_experts(i)) // part) if n_experts is not None else 0
