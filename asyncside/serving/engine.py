@@ -136,6 +136,7 @@ async def open_engine(
                 "reader": runtime.reader,
                 "policy": policy,
                 "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
+                "staging_bytes": runtime.memory.get("staging_bytes", 0),
             },
         )
 
