@@ -617,6 +617,7 @@ void bind_device_pools_bench(nb::module_& b) {
 #include <unistd.h>
 
 #include "expert_faults.h"
+#include "fault_server.h"
 #include "read_pool.h"
 #include "graph_release.h"
 #include "step_plan.h"
@@ -781,6 +782,14 @@ void bind_faults(nb::module_& m) {
         "Set how many worker threads fault resolves read with (0: the stream's thread alone; tests).");
   m.def("device_faults_available", &fa::device_faults_available,
         "True when fault tables for device pools (the CUDA fault path) are compiled in.");
+  m.def("device_fault_node_form", [] { return std::string(fa::device_fault_node_form()); },
+        "How CUDA fault nodes are encoded in this process: 'device' (the lookup kernel; a miss "
+        "asks the fault server), 'host' or 'child' (a host node on every node; "
+        "ASYNCSIDE_CUDA_FAULT_NODE), 'none' without the CUDA fault path.");
+  m.def("fault_server_counters", [] {
+    return std::map<std::string, uint64_t>{{"registered", fa::server_registered()},
+                                           {"served", fa::server_served()}};
+  }, "The fault server: nodes that may post now, requests answered so far.");
   m.def("fault_counters", [] {
     auto& c = fa::global_counters();
     return std::map<std::string, uint64_t>{{"tables_created", c.tables_created.load()},

@@ -149,6 +149,7 @@ FaultTable::FaultTable(int layer, int64_t n_experts, std::unique_ptr<RecordSink>
   last_use_.assign(static_cast<size_t>(n_experts_), 0);
   score_.assign(static_cast<size_t>(n_experts_), 0.0);
   seen_.assign(static_cast<size_t>(n_experts_), 0);
+  sink_->table_reset(table_);
   global_counters().tables_created.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -159,6 +160,7 @@ FaultTable::~FaultTable() {
 
 void FaultTable::sync(const std::vector<int32_t>& table) {
   std::lock_guard<std::mutex> lk(mu_);
+  absorb_device_uses_locked();
   if (!lent_.empty()) {
     throw std::invalid_argument("layer " + std::to_string(layer_) + ": sync() with " + std::to_string(lent_.size()) +
                                 " rows still lent; reclaim() them first");
@@ -183,6 +185,7 @@ void FaultTable::sync(const std::vector<int32_t>& table) {
   }
   table_ = table;
   owner_ = std::move(owner);
+  sink_->table_reset(table_);
 }
 
 void FaultTable::lend(const std::vector<int64_t>& rows) {
@@ -212,13 +215,15 @@ std::vector<int64_t> FaultTable::reclaim() {
 
 Drained FaultTable::drain() {
   std::lock_guard<std::mutex> lk(mu_);
+  absorb_device_uses_locked();
   Drained out;
   std::swap(out, log_);
   return out;
 }
 
-std::vector<int32_t> FaultTable::table() const {
+std::vector<int32_t> FaultTable::table() {
   std::lock_guard<std::mutex> lk(mu_);
+  absorb_device_uses_locked();
   return table_;
 }
 
@@ -227,12 +232,36 @@ std::vector<int64_t> FaultTable::lent() const {
   return lent_;
 }
 
-std::map<std::string, uint64_t> FaultTable::counters() const {
+std::map<std::string, uint64_t> FaultTable::counters() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    absorb_device_uses_locked();
+  }
   return {{"resolves", resolves_.load()},         {"pairs", pairs_.load()},
           {"hits", hits_.load()},                 {"faults", faults_.load()},
           {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
           {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()},
-          {"staged", staged_.load()},             {"staged_copies", staged_copies_.load()}};
+          {"staged", staged_.load()},             {"staged_copies", staged_copies_.load()},
+          {"device_resolves", device_resolves_.load()}};
+}
+
+void FaultTable::absorb_device_uses_locked() {
+  uint64_t pairs = 0;
+  while (sink_->next_device_use(absorbed_, pairs)) {
+    // What resolve() does for a step whose experts all hit, as of when the device ran it: every
+    // resolve since (on the host, or replayed here) came after it, so the stamps keep the order.
+    resolves_.fetch_add(1, std::memory_order_relaxed);
+    device_resolves_.fetch_add(1, std::memory_order_relaxed);
+    pairs_.fetch_add(pairs, std::memory_order_relaxed);
+    hits_.fetch_add(absorbed_.size(), std::memory_order_relaxed);
+    const uint64_t stamp = ++clock_;
+    for (int64_t e : absorbed_) {
+      seen_[static_cast<size_t>(e)] = stamp;
+      touch_locked(e, stamp);
+      log_.used.push_back(static_cast<int32_t>(e));
+    }
+    log_.used_sizes.push_back(static_cast<int32_t>(absorbed_.size()));
+  }
 }
 
 void FaultTable::set_order(VictimOrder order, double half_life) {
@@ -333,6 +362,7 @@ std::string FaultTable::read_error(int64_t expert, int64_t row, int err, uint32_
 void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
   collect_locked(ids, stamp, uniq);
@@ -371,7 +401,10 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       continue;
     }
     const int64_t victim = owner_[static_cast<size_t>(row)];
-    if (victim >= 0) table_[static_cast<size_t>(victim)] = -1;
+    if (victim >= 0) {
+      table_[static_cast<size_t>(victim)] = -1;
+      sink_->table_changed(victim, -1);
+    }
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
     reads.push_back({e, row, victim, sink_->holds(e)});
   }
@@ -408,6 +441,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     if (r.err == 0) {
       owner_[static_cast<size_t>(r.row)] = r.expert;
       table_[static_cast<size_t>(r.expert)] = static_cast<int32_t>(r.row);
+      sink_->table_changed(r.expert, static_cast<int32_t>(r.row));
       touch_locked(r.expert, stamp);
       faults_.fetch_add(1, std::memory_order_relaxed);
       if (r.held) {
@@ -437,6 +471,7 @@ void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  absorb_device_uses_locked();
   if (!sink_->stages()) {
     throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) +
                              ": a staged resolve needs a device table with a host tier and staging arrays");

@@ -81,6 +81,14 @@ class RecordSink {
   // expert at a time, under the table's lock; 0 or an errno.
   virtual bool stages() const { return false; }
   virtual int stage(int64_t expert, int64_t row) { return ENOTSUP; }
+  // A sink whose nodes look rows up on the device keeps a copy of the expert -> row table there:
+  // told of the whole table (at construction and sync) and of each entry resolve() changes, under
+  // the table's lock. The device's resolves that hit come back as uses, oldest first: each call
+  // of next_device_use() takes one (its distinct experts into `uniq`, its routed pairs into
+  // `pairs`), false once there is none.
+  virtual void table_reset(const std::vector<int32_t>& table) {}
+  virtual void table_changed(int64_t expert, int32_t row) {}
+  virtual bool next_device_use(std::vector<int64_t>& uniq, uint64_t& pairs) { return false; }
 };
 
 // Host pools (MLX CPU, or unified memory): segments scattered into the rows by one preadv.
@@ -144,9 +152,9 @@ class FaultTable {
   std::vector<int64_t> reclaim();
   // Events and usage since the last drain.
   Drained drain();
-  std::vector<int32_t> table() const;
+  std::vector<int32_t> table();
   std::vector<int64_t> lent() const;
-  std::map<std::string, uint64_t> counters() const;
+  std::map<std::string, uint64_t> counters();
   void set_order(VictimOrder order, double half_life);
   // Check every faulted record against `expected[expert]` (kind None: no check) before it is used.
   void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
@@ -172,6 +180,8 @@ class FaultTable {
   uint64_t collect_locked(const std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq);
   // The message of a failed read of `expert` (into pool row `row`, or the host tier when < 0).
   std::string read_error(int64_t expert, int64_t row, int err, uint32_t got) const;
+  // Replay the resolves the device answered alone (hits) into the policy and the log, in order.
+  void absorb_device_uses_locked();
   int64_t pick_row_locked(uint64_t stamp);
   void touch_locked(int64_t expert, uint64_t stamp);
   double rank_locked(int64_t expert, uint64_t stamp) const;
@@ -198,9 +208,10 @@ class FaultTable {
   std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)
   uint64_t clock_ = 0;
   Drained log_;
+  std::vector<int64_t> absorbed_;  // absorb_device_uses_locked's scratch
 
   std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
-      fault_ns_{0}, staged_{0}, staged_copies_{0};
+      fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0};
 };
 
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
@@ -240,6 +251,8 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
                                              std::vector<io::SegmentSpan> segments, uint32_t max_pairs,
                                              bool by_expert);
 bool device_faults_available() noexcept;
+// "device", "host" or "child" (expert_faults_cuda.cpp: ASYNCSIDE_CUDA_FAULT_NODE); "none" without CUDA.
+const char* device_fault_node_form() noexcept;
 // Give a device table's sink its staging arrays: one evaluated device array per segment, one row
 // per expert of the layer (several layers of one shape may share them: queued steps order their
 // users through data). Only before any queued step reads the table. Needs a host tier (a sink

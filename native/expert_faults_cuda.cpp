@@ -1,21 +1,32 @@
-// Queued steps on MLX CUDA: the fault node as three nodes of MLX's command graph.
+// Queued steps on MLX CUDA: the fault node as kernel nodes of MLX's command graph.
 //
+// The default form, two kernels:
+//   lookup  every routed id -> its pool row, from the device's copy of the layer's table (pinned,
+//           mapped; the host keeps it current). When all hit, that is the whole resolve: its uses
+//           go to a ring the host replays into its policy later. A miss posts the ids to the
+//           fault server (fault_server.h) and spins on the device until it answers: the server
+//           resolves them in the fault table (a fault reads its record into the pinned host mirror
+//           row, or finds it in the host tier) and plans one copy per segment.
+//   plan    the plan's copies, mirror -> pool rows on the device (nothing after a hit).
+// The form before it (ASYNCSIDE_CUDA_FAULT_NODE=host), and the one a staged resolve still takes:
 //   kernel  ids -> pinned host memory
-//   host    resolve the ids in the fault table; a fault reads its record into the pinned host
-//           mirror row (or finds it in the host tier, where it was read and verified before) and
-//           appends one copy per segment to the plan
-//   kernel  the plan's copies, mirror -> pool rows on the device; the chosen rows -> the output
+//   host    resolve (or stage) the ids in the fault table, planning the copies
+//   kernel  the plan's copies; the chosen rows -> the output
+// A host node costs every node a round trip through the driver's callback thread, hit or miss
+// (0.15-0.2 ms of GPU idle each on the H200); the lookup costs one only on a miss.
 //
 // A host node may not call the CUDA runtime, hence the kernels on both sides (memcpy nodes would
 // also keep MLX from updating its cached executable graphs in place). Host nodes run on the
-// driver's callback thread, one at a time in stream order; only C++ objects are touched there.
-// The kernels are MLX kernel nodes and the host node a one-node child graph under a fixed key:
-// MLX neither walks nor keys a child graph per fault node (H200, embedded model, batch 1: the
-// step's hand-off to MLX 1.84-1.91 ms against 2.03-2.24 ms as one three-node child graph).
+// driver's callback thread, the fault server on its own, one request at a time; only C++ objects
+// are touched there. The kernels are MLX kernel nodes and the host node a one-node child graph
+// under a fixed key: MLX neither walks nor keys a child graph per fault node (H200, embedded model,
+// batch 1: the step's hand-off to MLX 1.84-1.91 ms against 2.03-2.24 ms as one three-node child
+// graph, ASYNCSIDE_CUDA_FAULT_NODE=child).
 // Compiled only with -DASYNCSIDE_CUDA=ON; verified on the CUDA host, not on this build machine.
 #include "expert_faults.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <stdexcept>
@@ -27,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include "fault_kernels.h"
+#include "fault_server.h"
 #include "host_mirror.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cuda/allocator.h"
@@ -119,6 +131,7 @@ class DeviceRecordSink final : public RecordSink {
     cudaFreeHost(plan_);
     cudaFreeHost(ids_host_);
     cudaFreeHost(rows_host_);
+    if (lookup_host_ != nullptr) cudaFreeHost(lookup_host_);
   }
 
   int64_t rows() const override { return rows_; }
@@ -186,6 +199,81 @@ class DeviceRecordSink final : public RecordSink {
     staging_dev_ = std::move(dev);
   }
 
+  // ---- the device lookup (fault_kernels.h, Lookup) ----
+  void table_reset(const std::vector<int32_t>& table) override {
+    if (lookup_host_ == nullptr) {
+      if (table.empty() || table.size() > cuda::kLookupMaxExperts) return;  // nodes keep the host node
+      const uint32_t n = static_cast<uint32_t>(table.size());
+      ring_words_ = 1 + (n + 31) / 32;
+      // The layout: mailbox, table, ring (all 4-byte words).
+      const size_t words = sizeof(cuda::Mailbox) / 4 + n + static_cast<size_t>(kRingCap) * ring_words_;
+      uint32_t* dev = nullptr;
+      lookup_host_ = mapped_alloc<uint32_t>(words, &dev);
+      std::fill(lookup_host_, lookup_host_ + words, 0u);
+      box_ = reinterpret_cast<volatile cuda::Mailbox*>(lookup_host_);
+      table_host_ = reinterpret_cast<volatile int32_t*>(lookup_host_ + sizeof(cuda::Mailbox) / 4);
+      ring_host_ = lookup_host_ + sizeof(cuda::Mailbox) / 4 + n;
+      lookup_dev_ = cuda::Lookup{reinterpret_cast<const int32_t*>(dev + sizeof(cuda::Mailbox) / 4),
+                                 reinterpret_cast<cuda::Mailbox*>(dev),
+                                 dev + sizeof(cuda::Mailbox) / 4 + n,
+                                 ids_dev_,
+                                 rows_dev_,
+                                 plan_dev_,
+                                 n,
+                                 kRingCap,
+                                 ring_words_};
+    }
+    for (size_t e = 0; e < table.size(); ++e) table_host_[e] = table[e];
+    std::atomic_thread_fence(std::memory_order_release);
+  }
+  void table_changed(int64_t expert, int32_t row) override {
+    if (lookup_host_ != nullptr) table_host_[expert] = row;
+  }
+  bool next_device_use(std::vector<int64_t>& uniq, uint64_t& pairs) override {
+    if (lookup_host_ == nullptr) return false;
+    const uint32_t head = box_->ring_head;
+    if (head == ring_tail_) return false;
+    std::atomic_thread_fence(std::memory_order_acquire);  // the record was written before the head
+    const uint32_t* rec = ring_host_ + static_cast<size_t>(ring_tail_ % kRingCap) * ring_words_;
+    const volatile uint32_t* v = rec;
+    pairs = v[0];
+    uniq.clear();
+    for (uint32_t w = 0; w + 1 < ring_words_; ++w) {
+      uint32_t bits = v[1 + w];
+      while (bits) {
+        const int b = __builtin_ctz(bits);
+        uniq.push_back(static_cast<int64_t>(w) * 32 + b);
+        bits &= bits - 1;
+      }
+    }
+    std::atomic_thread_fence(std::memory_order_release);  // read before the device may reuse it
+    box_->ring_tail = ++ring_tail_;
+    return true;
+  }
+  bool looks_up() const { return lookup_host_ != nullptr; }
+  const cuda::Lookup& lookup_dev() const { return lookup_dev_; }
+  // The fault server's poll (one thread): answer the waiting request, if any, by resolving its
+  // ids in `table`, as a host node would; true when it did.
+  bool serve(FaultTable& table) {
+    const uint32_t req = box_->request;
+    if (req == served_) return false;
+    std::atomic_thread_fence(std::memory_order_acquire);  // the ids were written before the request
+    const uint32_t n = box_->n;
+    std::vector<int64_t> ids(n);
+    const volatile uint32_t* src = ids_host_;
+    for (uint32_t i = 0; i < n && i < max_pairs_; ++i) ids[i] = src[i];
+    begin_plan();
+    try {
+      table.resolve(ids, rows_host_);
+    } catch (...) {
+      // As for a host node: the fault log holds the failure, the rows it could not get read row 0.
+    }
+    served_ = req;
+    std::atomic_thread_fence(std::memory_order_release);  // rows, plan and table before the answer
+    box_->response = req;
+    return true;
+  }
+
   void begin_plan() { plan_->count = 0; }
 
   uint32_t max_pairs() const { return max_pairs_; }
@@ -213,6 +301,16 @@ class DeviceRecordSink final : public RecordSink {
   std::vector<uint8_t> held_;  // by expert: its verified bytes are in the mirror (kept for good)
   std::vector<mx::array> staging_;  // a row per expert and segment: what staged resolves fill
   std::vector<uint8_t*> staging_dev_;
+  // The device lookup: one mapped block (mailbox, table, ring); its device view in lookup_dev_.
+  static constexpr uint32_t kRingCap = 256;
+  uint32_t* lookup_host_ = nullptr;
+  volatile cuda::Mailbox* box_ = nullptr;
+  volatile int32_t* table_host_ = nullptr;
+  uint32_t* ring_host_ = nullptr;
+  uint32_t ring_words_ = 0;
+  uint32_t ring_tail_ = 0;  // under the table's lock
+  uint32_t served_ = 0;     // the fault server's thread only
+  cuda::Lookup lookup_dev_{};
 
   int64_t slot(int64_t row, int64_t expert) const { return by_expert_ ? expert : row; }
 };
@@ -265,15 +363,35 @@ CUfunction apply_plan_function() {
   return f;
 }
 
-// ASYNCSIDE_CUDA_FAULT_NODE=child encodes a fault node as one child graph of three nodes (the
-// form before 2026-12-02), kept to measure the two encodings side by side (asyncside bench step).
-bool child_graph_fault_nodes() {
-  static const bool child = [] {
-    const char* v = std::getenv("ASYNCSIDE_CUDA_FAULT_NODE");
-    return v != nullptr && std::string(v) == "child";
-  }();
-  return child;
+CUfunction lookup_rows_function() {
+  static const CUfunction f = driver_function(cuda::lookup_rows_kernel(), "cudaGetFuncBySymbol (lookup)");
+  return f;
 }
+
+// How a (non-staged) fault node is encoded. The default, "device": the lookup kernel and the plan
+// kernel, a miss answered by the fault server. ASYNCSIDE_CUDA_FAULT_NODE=host keeps the host node
+// on every node (kernel, host node, kernel: the form before 2026-12-03), =child the same three as
+// one child graph (before 2026-12-02): kept to measure the encodings side by side.
+enum class NodeForm { Device, Host, Child };
+NodeForm fault_node_form() {
+  static const NodeForm form = [] {
+    const char* v = std::getenv("ASYNCSIDE_CUDA_FAULT_NODE");
+    const std::string s = v != nullptr ? v : "";
+    return s == "child" ? NodeForm::Child : s == "host" ? NodeForm::Host : NodeForm::Device;
+  }();
+  return form;
+}
+
+// A node that may post to the fault server: its table, kept alive until its command buffer ran.
+class PostingNode final : public Pollable {
+ public:
+  PostingNode(std::shared_ptr<FaultTable> table, DeviceRecordSink* sink) : table_(std::move(table)), sink_(sink) {}
+  bool poll() override { return sink_->serve(*table_); }
+
+ private:
+  std::shared_ptr<FaultTable> table_;
+  DeviceRecordSink* sink_;
+};
 
 }  // namespace
 
@@ -285,6 +403,15 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
 }
 
 bool device_faults_available() noexcept { return true; }
+
+const char* device_fault_node_form() noexcept {
+  switch (fault_node_form()) {
+    case NodeForm::Device: return "device";
+    case NodeForm::Host: return "host";
+    case NodeForm::Child: return "child";
+  }
+  return "device";
+}
 
 void set_device_staging(FaultTable& table, std::vector<mx::array> staging) {
   auto* sink = dynamic_cast<DeviceRecordSink*>(table.sink());
@@ -313,20 +440,41 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
   if (staged && !sink->stages()) {
     throw std::runtime_error("[asyncside] layer " + std::to_string(table->layer()) + ": no staging arrays to stage into");
   }
-  auto call = std::make_shared<HostCall>(HostCall{table, sink, n, staged});
   const uint32_t* ids_dev = reinterpret_cast<const uint32_t*>(device_ptr(ids));
-  uint32_t* ids_host_dev = sink->ids_dev();
+  uint32_t* out_dev = reinterpret_cast<uint32_t*>(device_ptr(out));
   const cuda::Plan* plan = sink->plan_dev();
   const uint32_t* rows_host_dev = sink->rows_dev();
-  uint32_t* out_dev = reinterpret_cast<uint32_t*>(device_ptr(out));
   uint32_t count = n;
+  if (!staged && sink->looks_up() && fault_node_form() == NodeForm::Device) {
+    // Two kernel nodes: the lookup (rows from the device's copy of the table; a miss posts to
+    // the fault server and waits on the device), then the plan's copies (none after a hit).
+    // Ordered by `out` as below; the plan kernel writes no output row (its count is 0).
+    cuda::Lookup lookup = sink->lookup_dev();
+    uint32_t none = 0;
+    void* args_l[] = {&ids_dev, &lookup, &out_dev, &count};
+    void* args_p[] = {&plan, &rows_host_dev, &out_dev, &none};
+    enc.set_input_array(ids);
+    enc.set_output_array(out);
+    enc.add_kernel_node_raw(lookup_rows_function(), dim3(1), dim3(cuda::kLookupThreads), dim3(1, 1, 1), 0, args_l);
+    enc.set_input_array(out);
+    enc.set_output_array(out);
+    enc.add_kernel_node_raw(apply_plan_function(), dim3(cuda::kApplyPlanBlocks), dim3(cuda::kApplyPlanThreads),
+                            dim3(1, 1, 1), 0, args_p);
+    auto node = std::make_shared<PostingNode>(table, sink);
+    const Pollable* key = node.get();
+    server_enter(std::move(node));
+    enc.add_completed_handler([key]() { server_leave(key); });
+    return;
+  }
+  auto call = std::make_shared<HostCall>(HostCall{table, sink, n, staged});
+  uint32_t* ids_host_dev = sink->ids_dev();
   void* args1[] = {&ids_dev, &ids_host_dev, &count};
   void* args3[] = {&plan, &rows_host_dev, &out_dev, &count};
   cudaHostNodeParams h{};
   h.fn = host_fault;
   h.userData = call.get();
 
-  if (child_graph_fault_nodes()) {
+  if (fault_node_form() == NodeForm::Child) {
     // The three pieces in one child graph, which MLX walks for its key and clones per node.
     enc.set_input_array(ids);
     enc.set_output_array(out);
@@ -395,6 +543,8 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, st
 }
 
 bool device_faults_available() noexcept { return false; }
+
+const char* device_fault_node_form() noexcept { return "none"; }
 
 void set_device_staging(FaultTable&, std::vector<mlx::core::array>) {
   throw std::invalid_argument(

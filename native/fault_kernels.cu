@@ -61,8 +61,86 @@ __global__ void apply_plan(const Plan* plan, const uint32_t* rows_host, uint32_t
   }
 }
 
+constexpr uint32_t kNoId = 0xFFFFFFFFu;  // a pair routed to no expert (expert_faults.h, kNoExpert)
+
+// A fault node on the device. Every routed expert with a row (the host's table, read over PCIe)
+// gets it at once; when all have one, the node's uses go to the ring (the host replays them into
+// its policy later, in order) and the plan is emptied: no host round trip at all. Otherwise (a
+// miss, an id out of range, or a full ring) thread 0 posts the ids to the host's fault server and
+// spins until it answers with a row for every id and the plan of copies apply_plan makes next.
+__global__ void lookup_rows(const uint32_t* ids, Lookup L, uint32_t* out, uint32_t n) {
+  __shared__ uint32_t mask[kLookupMaxExperts / 32];
+  __shared__ uint32_t pairs;
+  __shared__ uint32_t head;
+  __shared__ int miss, fast;
+  const uint32_t words = (L.n_experts + 31) / 32;
+  for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) mask[w] = 0;
+  if (threadIdx.x == 0) {
+    pairs = 0;
+    miss = 0;
+  }
+  __syncthreads();
+  const volatile int32_t* table = L.table;
+  uint32_t mine = 0;
+  for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint32_t e = ids[i];
+    if (e == kNoId) {
+      out[i] = 0;
+      continue;
+    }
+    const int32_t r = e < L.n_experts ? table[e] : -1;
+    if (r < 0) {
+      miss = 1;  // several threads may store it: all store 1
+      continue;
+    }
+    out[i] = static_cast<uint32_t>(r);
+    atomicOr(&mask[e >> 5], 1u << (e & 31));
+    ++mine;
+  }
+  if (mine) atomicAdd(&pairs, mine);
+  __syncthreads();
+  volatile Mailbox* box = L.box;
+  if (threadIdx.x == 0) {
+    // One thread reads the host's ring tail, so that the block takes one decision.
+    head = box->ring_head;
+    fast = !miss && head - box->ring_tail < L.ring_cap;
+  }
+  __syncthreads();
+  if (fast) {
+    volatile uint32_t* rec = L.ring + static_cast<size_t>(head % L.ring_cap) * L.ring_words;
+    if (threadIdx.x == 0) rec[0] = pairs;
+    for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) rec[1 + w] = mask[w];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      static_cast<volatile Plan*>(L.plan)->count = 0;
+      __threadfence_system();
+      box->ring_head = head + 1;  // the record is whole before the host can see it
+      __threadfence_system();
+    }
+    return;
+  }
+  volatile uint32_t* ids_host = L.ids_host;
+  for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) ids_host[i] = ids[i];
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    box->n = n;
+    const uint32_t seq = box->request + 1;
+    __threadfence_system();
+    box->request = seq;
+    __threadfence_system();
+    while (box->response != seq) __nanosleep(200);
+    __threadfence_system();
+  }
+  __syncthreads();
+  const volatile uint32_t* rows = L.rows_host;
+  for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = rows[i];
+}
+
 }  // namespace
 
+void* lookup_rows_kernel() { return reinterpret_cast<void*>(&lookup_rows); }
 void* ids_to_host_kernel() { return reinterpret_cast<void*>(&ids_to_host); }
 void* apply_plan_kernel() { return reinterpret_cast<void*>(&apply_plan); }
 

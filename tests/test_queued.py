@@ -15,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import anyio
@@ -781,6 +782,69 @@ def test_device_fault_table_stages_routed_experts_without_touching_a_row(tmp_pat
     ok = _events_after(table, lambda: mx.eval(_native.expert_rows(mx.array([7]), table, staged=True) + 0))
     assert ok[:, [0, 2, 4, 5]].tolist() == [[-1, 7, 0, 0]]
     check([7])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.device_faults_available() or mx.default_device() != mx.gpu
+                    or _native.device_fault_node_form() != "device",
+                    reason="needs MLX CUDA, the CUDA fault path and its device lookup")
+def test_device_lookup_resolves_hits_without_the_host(tmp_path: pathlib.Path) -> None:
+    """CUDA, the default node form: a node whose experts all have rows resolves on the device (no
+    request to the fault server), its uses reach the table's policy and log later in the order the
+    device ran them (here: they decide the LRU victim of the next miss), and a full use ring sends
+    one node to the server, which takes the ring and resolves it. Rows are right throughout."""
+    store, spec, pools = _device_layer(tmp_path, seed=3)
+    table = _native.FaultTable.for_device(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                                          pools.mirror, [s.offset for s in spec.segments],
+                                          [s.nbytes for s in spec.segments], os.open(spec.path, os.O_RDONLY),
+                                          str(spec.path), spec.stride)
+    table.set_order("recency")
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    table.lend([0, 1, 2, 3])
+
+    def rows(ids: list[int]) -> list[int]:
+        return np.array(_native.expert_rows(mx.array(ids, dtype=mx.int32), table) + 0).tolist()
+
+    def check(ids: list[int], got: list[int]) -> None:
+        tab = np.array(table.table())
+        assert got == [int(tab[e]) for e in ids], (ids, got, tab)
+        for e in set(ids):
+            for key, want in store.read_expert(0, e).items():
+                assert pools.row_bytes(key, int(tab[e])) == bytes(memoryview(want).cast("B")), (e, key)
+
+    served = _native.fault_server_counters()["served"]
+    check([1, 2, 3, 4], rows([1, 2, 3, 4]))  # four misses: one request
+    assert _native.fault_server_counters()["served"] == served + 1
+    _events(table)
+    got = rows([3, 1, 2, 3])  # all hit: resolved on the device
+    assert _native.fault_server_counters()["served"] == served + 1
+    check([3, 1, 2, 3], got)
+    c = table.counters()
+    assert (c["resolves"], c["device_resolves"], c["faults"], c["hits"], c["pairs"]) == (2, 1, 4, 3, 8), c
+    raw = table.drain()
+    assert np.frombuffer(raw[1], dtype=np.int32).tolist() == [1, 2, 3]  # a device resolve: ascending ids
+    assert np.frombuffer(raw[2], dtype=np.int32).tolist() == [3]
+    # Expert 4 was used longest ago (the device's hits on 1, 2, 3 came after): 5 evicts it.
+    got = rows([5, 2])
+    ev = _events(table)
+    assert ev[:, [1, 2]].tolist() == [[4, 5]], ev
+    check([5, 2], got)
+    # More hit-only nodes than the ring holds (256), with no drain between: the 257th goes to the
+    # server, which takes the ring; every node still gets its rows.
+    served = _native.fault_server_counters()["served"]
+    tab = np.array(table.table())  # reading the table takes the ring, so once, before
+    for k in range(300):
+        ids = [1, 2, 3, 5][k % 4: k % 4 + 2]
+        assert rows(ids) == [int(tab[e]) for e in ids], k
+    assert _native.fault_server_counters()["served"] == served + 1
+    c = table.counters()
+    assert (c["resolves"], c["device_resolves"], c["faults"]) == (303, 300, 5), c
+    check([1, 2, 3, 5], rows([1, 2, 3, 5]))
+    # Each node leaves the server once its command buffer has completed (MLX's completion thread).
+    deadline = time.monotonic() + 5
+    while _native.fault_server_counters()["registered"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _native.fault_server_counters()["registered"] == 0
 
 
 def _events_after(table: object, run: Callable[[], object]) -> np.ndarray:
