@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -112,10 +113,18 @@ class Server {
   bool started_ = false;
 };
 
-// Never destroyed: the thread may be polling while the process exits.
+// Never destroyed: the thread may be polling while the process exits. A child after fork has no
+// server thread (and its copy of the locks may be held): it starts from a fresh one.
+std::atomic<Server*> g_server{nullptr};
+
 Server& server() {
-  static Server* s = new Server();
-  return *s;
+  static const bool once = [] {
+    g_server.store(new Server(), std::memory_order_release);
+    pthread_atfork(nullptr, nullptr, [] { g_server.store(new Server(), std::memory_order_release); });
+    return true;
+  }();
+  (void)once;
+  return *g_server.load(std::memory_order_acquire);
 }
 
 }  // namespace
