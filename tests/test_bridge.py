@@ -501,6 +501,37 @@ async def test_a_graph_larger_than_mlx_throttle_is_scheduled_without_blocking(
     _assert_balanced(before)
 
 
+async def test_a_graph_scheduled_in_pieces_survives_its_queue_closing_between_them(
+    anyio_backend: object, a_np: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle queue may close between two pieces of a schedule (asyncio closes it a loop
+    iteration after its last ticket was reaped): the next piece waits on the loop's current queue
+    instead of failing with "the completion queue is closed"."""
+    real = native.schedule_step
+    calls = 0
+
+    def step(roots: list[mx.array]) -> tuple[bool, mx.array | None]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            q = bridge.current_queue()
+            assert q.outstanding == 0  # between pieces: the first piece's ticket was reaped
+            q.close()
+        done, wait_on = real(roots)
+        return bool(done), wait_on
+
+    monkeypatch.setattr(bridge._native, "schedule_step", step)
+    x = mx.array(a_np)
+    for i in range(1500):
+        x = x + float(i % 3)  # more dispatches than MLX's throttle lets in at once
+    await bridge.schedule(x)
+    monkeypatch.undo()
+    await completed(x)
+    assert calls >= 3
+    expected = a_np + sum(float(i % 3) for i in range(1500))
+    np.testing.assert_allclose(np.array(x), expected, rtol=1e-5)
+
+
 async def test_then_is_scheduled_behind_the_signal(anyio_backend: object, no_blocking: object,
                                                    a_np: np.ndarray) -> None:
     """``completed(x, then=[y])`` returns when x is done and leaves y queued, not awaited."""

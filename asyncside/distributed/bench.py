@@ -78,7 +78,8 @@ def _busy(report: dict[str, Any]) -> dict[str, Any]:
     wall = report.get("pipeline_wall_s") or 0.0
     return {"cpu_s": report.get("pipeline_cpu_s"), "wall_s": wall,
             "busy": (report.get("pipeline_cpu_s") or 0.0) / wall if wall else None,
-            "runqueue_wait_s": report.get("pipeline_runqueue_wait_s")}
+            "runqueue_wait_s": report.get("pipeline_runqueue_wait_s"),
+            "threads_cpu_s": report.get("pipeline_threads_cpu_s")}
 
 
 def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -131,6 +131,41 @@ def runqueue_wait_s() -> float | None:
     return total / 1e9
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's live threads (Linux schedstat), or {} where /proc cannot tell.
+
+    Named threads by name, digits at the end folded (io_uring's workers count as one); threads
+    that kept the process's name (MLX's and the ring's threads are unnamed) as ``main`` (the
+    process's first thread) and ``thread-<tid>``."""
+    out: dict[str, float] = {}
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"), key=int)
+        with open("/proc/self/comm") as fh:
+            own = fh.read().strip()
+    except (OSError, ValueError):
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/self/task/{task}/schedstat") as fh:
+                ns = int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        if name == own:
+            name = "main" if int(task) == os.getpid() else f"thread-{task}"
+        else:
+            name = name.rstrip("0123456789-") or "?"
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
+
+
+def _thread_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each thread name spent between two :func:`thread_cpu_s` (threads that ended in
+    between are missing: what they spent is lost, not negative)."""
+    return {k: round(max(0.0, v - before.get(k, 0.0)), 4) for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
+
+
 def pool_bytes(source: Any) -> int:
     """Bytes of every pool array of a Runtime (0 for None)."""
     if source is None:
@@ -194,10 +229,11 @@ async def _single_job(args: argparse.Namespace, sm: Any) -> dict[str, Any]:
 
     async with Runtime(sm.store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader) as rt:
-        cpu0, wall0, wait0 = time.process_time(), time.perf_counter(), runqueue_wait_s()
+        cpu0, wall0, wait0, threads0 = time.process_time(), time.perf_counter(), runqueue_wait_s(), thread_cpu_s()
         result = await _generate_all(
             lambda p, n: sm.generate(p, max_tokens=n, source=rt, predictor=args.predictor), _prompts(args, sm), args)
         wait1 = runqueue_wait_s()
+        result["pipeline_threads_cpu_s"] = _thread_delta(threads0, thread_cpu_s())
         result["pipeline_cpu_s"], result["pipeline_wall_s"] = time.process_time() - cpu0, time.perf_counter() - wall0
         result["pipeline_runqueue_wait_s"] = None if wait0 is None or wait1 is None else wait1 - wait0
         result.update({"rank": None, "stats": {"runtime": rt.stats()}, "pool_bytes": pool_bytes(rt)})
@@ -215,7 +251,7 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
     async with rt_cm as rt:
         pipe = Pipeline(group, plan, sm, rt, predictor=args.predictor, keep_logits=args.keep_logits,
                         peer_timeout_s=args.peer_timeout, start_timeout_s=max(args.join_timeout, 10.0))
-        cpu0, wall0, wait0 = time.process_time(), time.perf_counter(), runqueue_wait_s()
+        cpu0, wall0, wait0, threads0 = time.process_time(), time.perf_counter(), runqueue_wait_s(), thread_cpu_s()
         async with pipe.running():
             if group.rank == 0:
                 prompts = _prompts(args, sm)
@@ -228,6 +264,7 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
         result["pipeline_cpu_s"], result["pipeline_wall_s"] = time.process_time() - cpu0, time.perf_counter() - wall0
         wait1 = runqueue_wait_s()
         result["pipeline_runqueue_wait_s"] = None if wait0 is None or wait1 is None else wait1 - wait0
+        result["pipeline_threads_cpu_s"] = _thread_delta(threads0, thread_cpu_s())
         result["stats"] = pipe.stats()
         result["pool_bytes"] = pool_bytes(rt)
         if pipe.kept_logits:

@@ -56,7 +56,12 @@ def _stage_forward(sm: StreamingModel, stop: int) -> AsyncForward:
     fwd = per_model.get(stop)
     if fwd is None:
         base = sm.forward
-        options = ForwardOptions(mode=StepMode.PER_LAYER, speculate=base.options.speculate,
+        # No speculative gathers on the CPU: a misprediction's recompute runs on the rank's own
+        # core, the one its next step needs (2 ranks pinned to a core each, embedded model, 25%:
+        # the MLX thread spent 7.9-10.4 s per run without them against 10.7-11.9 s with them, and
+        # the aggregate was 1.53-1.70x one process against 1.25-1.42x; BENCHMARKS.md).
+        spec = base.options.speculate and mx.default_device() == mx.gpu
+        options = ForwardOptions(mode=StepMode.PER_LAYER, speculate=spec,
                                  lookahead_extra=base.options.lookahead_extra)
         view: Any = _StageView(sm.model, stop)  # the model's interface, its layers cut at ``stop`` (duck-typed)
         fwd = AsyncForward(view, sm.arch, base.walk.moe, base.walk.specs, base.completed, options)
