@@ -31,6 +31,10 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
+# numpy imports numpy.ma lazily, on the first np.unique: 10-17 ms, which then happened on the
+# event loop during the first prefill (the demo's largest loop-lag tick). Paid here, at import.
+import numpy.ma  # noqa: F401
+
 from .errors import AsyncsideError, CapacityError, FillError, LedgerError, StoreError
 from .ledger import AuditReport, Fill, Ledger, validate_ids
 from .policies import DEFAULT_POLICY

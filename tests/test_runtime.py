@@ -6,6 +6,8 @@ Every test ends by auditing every ledger: no row owned twice, no fill left pendi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -243,3 +245,12 @@ async def test_a_demand_that_can_never_fit_counts_no_hits_or_misses(store: Exper
         await rt.ensure(0, [0, 9, 10])  # expert 0 is resident
         assert (rt.stats()["hits"], rt.stats()["misses"]) == (1, 2)
         _assert_clean(rt)
+
+
+def test_importing_the_runtime_pays_numpys_lazy_import_up_front() -> None:
+    """numpy imports numpy.ma on the first np.unique (10-17 ms on the dev VM), which a step's
+    routing calls: the runtime imports it itself, so that is not paid on the event loop."""
+    code = "import sys, asyncside.runtime; print('numpy.ma' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
