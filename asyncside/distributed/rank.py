@@ -117,18 +117,32 @@ def _prompts(args: argparse.Namespace, sm: Any) -> list[list[int]]:
     return [base[i % len(base):] + base[:i % len(base)] for i in range(args.requests)]
 
 
+def _schedstats() -> list[tuple[int, str, int, int]] | None:
+    """(tid, name, ns on a CPU, ns runnable but waiting) of each live thread of this process
+    (Linux schedstat), or None where /proc cannot tell; a thread that ends meanwhile is left out."""
+    try:
+        tasks = sorted(os.listdir("/proc/self/task"), key=int)
+    except (OSError, ValueError):
+        return None
+    out = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/self/task/{task}/schedstat") as fh:
+                run_ns, wait_ns = (int(v) for v in fh.read().split()[:2])
+        except (OSError, ValueError):
+            continue
+        out.append((int(task), name, run_ns, wait_ns))
+    return out
+
+
 def runqueue_wait_s() -> float | None:
     """Seconds this process's threads have spent runnable but not running (Linux schedstat), or None.
 
     Tells a busy machine (other processes on this core) from a rank waiting for work."""
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/schedstat") as fh:
-                total += int(fh.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return total / 1e9
+    stats = _schedstats()
+    return None if stats is None else sum(wait for _, _, _, wait in stats) / 1e9
 
 
 def thread_cpu_s() -> dict[str, float]:
@@ -138,25 +152,16 @@ def thread_cpu_s() -> dict[str, float]:
     that kept the process's name (MLX's and the ring's threads are unnamed) as ``main`` (the
     process's first thread) and ``thread-<tid>``."""
     out: dict[str, float] = {}
-    try:
-        tasks = sorted(os.listdir("/proc/self/task"), key=int)
-        with open("/proc/self/comm") as fh:
-            own = fh.read().strip()
-    except (OSError, ValueError):
+    stats = _schedstats()
+    if not stats:
         return out
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as fh:
-                name = fh.read().strip()
-            with open(f"/proc/self/task/{task}/schedstat") as fh:
-                ns = int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
+    own = next((name for tid, name, _, _ in stats if tid == os.getpid()), None)
+    for tid, name, run_ns, _ in stats:
         if name == own:
-            name = "main" if int(task) == os.getpid() else f"thread-{task}"
+            name = "main" if tid == os.getpid() else f"thread-{tid}"
         else:
             name = name.rstrip("0123456789-") or "?"
-        out[name] = out.get(name, 0.0) + ns / 1e9
+        out[name] = out.get(name, 0.0) + run_ns / 1e9
     return out
 
 
