@@ -64,6 +64,17 @@ def _native_available(x: mx.array) -> bool:
     except Exception:
         return True
 
+def _computed(x: mx.array) -> bool:
+    """True when x can be read without waiting; False while it is not, or when its computation
+    failed (the caller's lazy path then meets the error where it reports it)."""
+    from . import _native
+
+    try:
+        return bool(_native.is_available(x))
+    except Exception:
+        return False
+
+
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
 
@@ -1062,8 +1073,19 @@ class Runtime:
             handle._done.set()
             return handle
         op = self._op(st)
-        if isinstance(ids, mx.array):
+        if isinstance(ids, mx.array) and not _computed(ids):
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
+        elif isinstance(ids, mx.array):
+            # Computed already (a prediction that crossed a pipeline boundary): no task to spawn
+            # and nothing to await; its errors fail the handle, as in the lazy path.
+            try:
+                self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
+            except Exception as exc:
+                handle.errors.append(exc)
+                handle._done.set()
+                self._stats["failed_predictions"] += 1
+            finally:
+                self._finish_op(st, op)
         else:
             try:
                 self._prefetch_now(layer, st, self._host_ids(ids), handle, op)

@@ -221,11 +221,15 @@ async def test_release_after_an_array_nobody_evaluates(store: ExpertStore) -> No
 @pytest.mark.anyio
 async def test_a_bad_prediction_fails_its_handle_not_the_runtime(store: ExpertStore) -> None:
     async with Runtime(store, resident=0.25, side_rows=2) as rt:
-        bad = rt.prefetch(0, mx.array([3, 99]))  # 99 is out of range: computed lazily, then rejected
-        with pytest.raises(ExceptionGroup) as group:
-            await bad.wait()
-        assert any("99" in str(e) for e in group.value.exceptions)
-        assert rt.stats()["failed_predictions"] == 1
+        # 99 is out of range. A lazy prediction is computed, then rejected; one computed already
+        # (a prediction that crossed a pipeline boundary) is rejected at once; both fail only
+        # their handle.
+        for n, ids in enumerate([mx.array([3, 80]) + mx.array([0, 19]), mx.array([3, 99])], start=1):
+            bad = rt.prefetch(0, ids)
+            with pytest.raises(ExceptionGroup) as group:
+                await bad.wait()
+            assert any("99" in str(e) for e in group.value.exceptions)
+            assert rt.stats()["failed_predictions"] == n
         # The runtime goes on serving.
         await rt.ensure(0, [12])
         await rt.drain()
