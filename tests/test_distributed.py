@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import anyio
@@ -340,3 +343,18 @@ def test_run_layers_checks_the_range(stores: Any) -> None:
 
     with pytest.raises(ValueError, match=r"need 0 <= start < stop <= 3"):
         anyio.run(go)
+
+
+def test_wake_floor_measures_both_forms() -> None:
+    # (in a process of its own, as the benchmark runs it: it forks, and pins both processes)
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, "-m", "asyncside.distributed.wakefloor", "-n", "20", "--gap-us", "100",
+                           "--cpus", f"{cpus[0]},{cpus[-1]}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for form in ("idle", "back_to_back"):
+        assert 0 < out[f"{form}_p10"] <= out[f"{form}_median"] <= out[f"{form}_p90"] < 1.0
+    assert out["n"] == 20 and out["gap_s"] == pytest.approx(1e-4)
+    bad = subprocess.run([sys.executable, "-m", "asyncside.distributed.wakefloor", "-n", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "-n must be at least 10" in bad.stderr

@@ -127,4 +127,7 @@ def test_bench_pipeline_quick(store: pathlib.Path, capsys: pytest.CaptureFixture
     assert s["aggregate_ratio_median"] > 0 and s["boundary_ms_per_step_median"] > 0
     ping = res["rounds"][0]["pipeline"]["ping_ms"]
     assert 0 < ping["raw_median"] and 0 < ping["p10"] <= ping["median"] <= ping["p90"]
+    floor = res["rounds"][0]["pipeline"]["wake_floor_ms"]
+    assert 0 < floor["idle_p10"] <= floor["idle_median"] <= floor["idle_p90"] and floor["back_to_back_median"] > 0
+    assert s["wake_floor_ms_median"] == floor["idle_median"] and s["raw_transfer_ms_median"] == ping["raw_median"]
     assert s["pool_bytes"]["single"] == sum(s["pool_bytes"]["ranks"]) and all(s["max_rss_bytes"]["ranks"])

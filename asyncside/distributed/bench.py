@@ -9,6 +9,10 @@ Measured side by side, round after round (each run a fresh set of processes):
   ids, then a hidden state) round the ring and the last rank answers with a token, ``--ping``
   times, through the same boundary code as a real step (header on the control link, payload via
   ``mx.distributed`` on its own stream, awaited through the completion bridge);
+- beside it, two floors measured in the same round: the transport's (``mx.distributed`` send and
+  recv alone, the receiver's recv posted ahead and polling) and the host's (one byte each way
+  between two idle processes pinned like the ranks, plain blocking sockets: the cross-process
+  wake-ups a step's two crossings cannot avoid; :mod:`.wakefloor`);
 - memory: each rank's pool bytes and peak RSS against the one process's, at equal residency;
 - how busy each process kept its core (CPU time and run-queue wait against wall time), which
   tells pipeline bubbles from a machine shared with other work;
@@ -69,6 +73,17 @@ def _pipeline(store: str, common: list[str], out: str, ranks: int, split: str | 
     return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+def _wake_floor(cpus: list[int] | None, n: int) -> dict[str, float]:
+    """The host's one-byte round trip between two idle processes on ``cpus`` (see :mod:`.wakefloor`)."""
+    argv = [sys.executable, "-m", "asyncside.distributed.wakefloor", "-n", str(max(n, 10))]
+    if cpus:
+        argv += ["--cpus", ",".join(map(str, cpus))]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the wake-up floor's run failed (status {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return {k: v * 1e3 for k, v in json.loads(proc.stdout).items() if k not in ("n", "gap_s")}
+
+
 def _busy(report: dict[str, Any]) -> dict[str, Any]:
     """CPU / wall while generating (the core's busy share) and the threads' run-queue wait (Linux).
 
@@ -110,6 +125,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
             ranks = _pipeline(store, common, out, args.ranks, ",".join(map(str, plan.split)), args.ping,
                               [[allowed[r % len(allowed)]] for r in range(args.ranks)] if pin else None,
                               args.deadline)
+            floor = _wake_floor([allowed[0], allowed[1 % len(allowed)]] if pin else None, args.ping)
         identical = identical and ranks[0]["tokens"] == single["tokens"]
         ping = ranks[0]["ping_s"]
         rounds.append({
@@ -119,6 +135,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline": {"tokens_per_s": ranks[0]["tokens_per_s"], "seconds": ranks[0]["seconds"],
                          "ping_ms": {k: v * 1e3 for k, v in ping.items() if k not in ("n", "hidden_bytes")},
                          "hidden_bytes": ping["hidden_bytes"],
+                         "wake_floor_ms": floor,
                          "ranks": [{"rank": r["rank"], "layers": [r["stage"]["start"], r["stage"]["stop"]],
                                     "pool_bytes": r["pool_bytes"], "max_rss_bytes": r["max_rss_bytes"],
                                     "hit_rate": r["stats"].get("runtime", {}).get("hit_rate"), **_busy(r),
@@ -138,6 +155,9 @@ def run_pipeline_bench(args: argparse.Namespace) -> dict[str, Any]:
             "single_tokens_per_s_median": statistics.median(r["single"]["tokens_per_s"] for r in rounds),
             "pipeline_tokens_per_s_median": statistics.median(r["pipeline"]["tokens_per_s"] for r in rounds),
             "boundary_ms_per_step_median": statistics.median(r["pipeline"]["ping_ms"]["median"] for r in rounds),
+            "raw_transfer_ms_median": (statistics.median(r["pipeline"]["ping_ms"]["raw_median"] for r in rounds)
+                                       if all("raw_median" in r["pipeline"]["ping_ms"] for r in rounds) else None),
+            "wake_floor_ms_median": statistics.median(r["pipeline"]["wake_floor_ms"]["idle_median"] for r in rounds),
             "pool_bytes": {"single": last["single"]["pool_bytes"],
                            "ranks": [r["pool_bytes"] for r in last["pipeline"]["ranks"]]},
             "max_rss_bytes": {"single": last["single"]["max_rss_bytes"],
@@ -164,11 +184,20 @@ def _table(result: dict[str, Any]) -> None:
     table.add_column("pipeline tok/s", justify="right")
     table.add_column("ratio", justify="right")
     table.add_column("boundary per step (median)", justify="right")
+    table.add_column("raw transfer", justify="right")
+    table.add_column("host's idle round trip", justify="right")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f} ms"
+
     for i, r in enumerate(result["rounds"]):
-        table.add_row(str(i + 1), f"{r['single']['tokens_per_s']:.2f}", f"{r['pipeline']['tokens_per_s']:.2f}",
-                      f"{r['ratio']:.2f}x", f"{r['pipeline']['ping_ms']['median']:.3f} ms")
+        p = r["pipeline"]
+        table.add_row(str(i + 1), f"{r['single']['tokens_per_s']:.2f}", f"{p['tokens_per_s']:.2f}",
+                      f"{r['ratio']:.2f}x", ms(p["ping_ms"]["median"]), ms(p["ping_ms"].get("raw_median")),
+                      ms(p["wake_floor_ms"]["idle_median"]))
     table.add_row("median", f"{s['single_tokens_per_s_median']:.2f}", f"{s['pipeline_tokens_per_s_median']:.2f}",
-                  f"{s['aggregate_ratio_median']:.2f}x", f"{s['boundary_ms_per_step_median']:.3f} ms")
+                  f"{s['aggregate_ratio_median']:.2f}x", ms(s["boundary_ms_per_step_median"]),
+                  ms(s["raw_transfer_ms_median"]), ms(s["wake_floor_ms_median"]))
     Console().print(table)
     mem = Table(title="memory at equal residency (last round)")
     mem.add_column("")
