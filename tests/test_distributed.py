@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -358,3 +359,34 @@ def test_wake_floor_measures_both_forms() -> None:
     bad = subprocess.run([sys.executable, "-m", "asyncside.distributed.wakefloor", "-n", "3"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "-n must be at least 10" in bad.stderr
+
+
+def test_a_peer_is_silent_only_while_nothing_waits_unread() -> None:
+    """The watchdog counts a peer silent only when nothing it sent waits in the socket: a rank
+    whose own loop was held up (a GPU kernel compiled on first use) must not blame its peer."""
+    from asyncside.distributed.control import ControlPlane, _Link
+    from asyncside.distributed.group import FRAME, HEARTBEAT
+
+    class _Group:  # the little of a DistGroup the control plane reads before run()
+        rank = 0
+
+        def describe(self, rank: int) -> str:
+            return f"rank {rank}"
+
+    control = ControlPlane(_Group(), heartbeat_s=0.1, peer_timeout_s=0.5)  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    try:
+        link = _Link("from-prev", 1, ours, last=100.0, heard=True)
+        assert not control._silent(link, 100.4)  # within the timeout
+        assert control._silent(link, 101.0)  # nothing arrived: silent
+        theirs.send(FRAME.pack(0, HEARTBEAT))  # the peer spoke while this loop was busy
+        assert link.has_unread() and not control._silent(link, 101.0)
+        assert link.last == 101.0 and link.has_unread()  # counted as heard; the frame is still the reader's
+        assert ours.recv(64) == FRAME.pack(0, HEARTBEAT)
+        assert not link.has_unread() and control._silent(link, 101.6)
+        theirs.close()  # end-of-file: not "something to read" (the reader reports the lost peer)
+        assert not link.has_unread()
+    finally:
+        ours.close()
+        theirs.close()

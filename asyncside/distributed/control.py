@@ -96,6 +96,13 @@ class _Link:
             except BlockingIOError:
                 await anyio.wait_readable(self.sock)
 
+    def has_unread(self) -> bool:
+        """Bytes from the peer wait in the socket, not read yet (never blocks, consumes nothing)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK))  # (the socket is non-blocking)
+        except OSError:  # nothing there (EAGAIN), or the link failed: the reader will say which
+            return False
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -312,10 +319,22 @@ class ControlPlane:
                                                f"pipeline within {self.start_timeout_s:g} s", link.peer)
                         await self._notify(link.peer, str(err))
                         raise err
-                elif now - link.last > self.peer_timeout_s:
+                elif self._silent(link, now):
                     await self._lost(PeerLostError(
                         f"{self.me}: no word from {self.group.describe(link.peer)} for {now - link.last:.1f} s "
                         "(heartbeats stopped): it hung or its host is unreachable", origin=link.peer))
+
+    def _silent(self, link: _Link, now: float) -> bool:
+        """Whether ``link``'s peer has said nothing for longer than the peer timeout, as of ``now``."""
+        if now - link.last <= self.peer_timeout_s:
+            return False
+        if link.has_unread():
+            # The peer spoke: this rank's own loop was held up (a first-use GPU kernel compiles on
+            # the thread that schedules it, for seconds), and the watchdog woke before the reader
+            # took the frames. The peer's silence is counted only while nothing waits unread.
+            link.last = now
+            return False
+        return True
 
     # -- clean end ---------------------------------------------------------------------------------
 
