@@ -390,3 +390,55 @@ def test_a_peer_is_silent_only_while_nothing_waits_unread() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_heartbeats_go_on_while_the_loop_is_held() -> None:
+    """A rank's loop held for many heartbeat periods (a GPU kernel compiled on first use) still
+    beats: the control plane's thread writes whole heartbeat frames between the loop's frames."""
+    import threading
+    import time
+
+    from asyncside.distributed.control import ControlPlane
+    from asyncside.distributed.group import FRAME, HEARTBEAT
+
+    out_ours, out_peer = socket.socketpair()
+    in_ours, in_peer = socket.socketpair()
+
+    class _Links:
+        to_next, from_prev = out_ours, in_ours
+
+    class _Group:  # the little of a DistGroup the control plane uses
+        rank, next, prev, links = 0, 1, 1, _Links()
+
+        def describe(self, rank: int) -> str:
+            return f"rank {rank}"
+
+    control = ControlPlane(_Group(), heartbeat_s=0.05, peer_timeout_s=5.0)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(control.run)
+            await anyio.sleep(0.2)  # the loop beats for itself meanwhile
+            quiet = control.counters["heartbeats_from_thread"]
+            time.sleep(0.6)  # held: twelve periods without the loop
+            assert control.counters["heartbeats_from_thread"] - quiet >= 4
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+        for peer in (out_peer, in_peer):  # every byte that arrived parses as whole heartbeat frames
+            peer.setblocking(False)
+            data = b""
+            with contextlib.suppress(BlockingIOError):
+                while chunk := peer.recv(65536):
+                    data += chunk
+            frames = [FRAME.unpack_from(data, i) for i in range(0, len(data), FRAME.size)]
+            assert len(data) % FRAME.size == 0 and len(frames) >= 6
+            assert all(frame == (0, HEARTBEAT) for frame in frames)
+        end = time.monotonic() + 2.0  # the thread ends with the control plane
+        while any(t.name == "asyncside-heartbeat" for t in threading.enumerate()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not any(t.name == "asyncside-heartbeat" for t in threading.enumerate())
+    finally:
+        for s in (out_ours, out_peer, in_ours, in_peer):
+            s.close()

@@ -8,7 +8,12 @@ neighbours on the control links it opened when the group formed (:func:`.group.r
   (the kernel closes a dead process's sockets at once, even after SIGKILL);
 - a link silent for ``peer_timeout_s`` (heartbeats go out every ``heartbeat_s``) means the peer
   hung or its host became unreachable; the silence is counted only once the peer's control
-  plane has spoken, so a slow start is not a death (``start_timeout_s`` bounds the start);
+  plane has spoken, so a slow start is not a death (``start_timeout_s`` bounds the start).
+  Heartbeats come from the event loop and, whenever the loop has sent nothing for a heartbeat
+  period, from a small thread of the control plane's own: on a GPU, MLX compiles a kernel on first
+  use on the thread that schedules it, which holds a rank's loop for seconds (4-6 s seen on the
+  H200) while the process is well. The thread needs the GIL, which MLX's scheduling releases, so
+  a process stopped, or stuck in Python, still falls silent;
 - an ABORT frame carries another rank's failure (and its origin) along the ring, so ranks that
   are not neighbours of the failed one learn of it too.
 
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,46 +54,76 @@ class _Link:
     bye: bool = False          # the peer said goodbye: its end-of-file is expected
     closed: bool = False       # we closed it
     said_bye: anyio.Event = field(default_factory=anyio.Event)
+    #: time.monotonic() of the last write to the socket (the heartbeat thread's clock)
+    sent_at: float = field(default_factory=time.monotonic)
     _pending: bytearray = field(default_factory=bytearray)
     _drain: anyio.Lock = field(default_factory=anyio.Lock)
+    #: held around every write and every change of _pending: the loop and the heartbeat thread
+    #: both write, and a frame must never be cut by another
+    _write: threading.Lock = field(default_factory=threading.Lock)
+
+    def _send_now(self, frame: bytes | bytearray) -> int:
+        """Write what the socket takes now (the caller holds ``_write``); bytes written."""
+        n = self.sock.send(frame)
+        if n:
+            self.sent_at = time.monotonic()
+        return n
 
     async def send(self, kind: int, body: bytes = b"") -> None:
         """Send one frame. Written at once when the socket takes it (the usual case: no await);
         otherwise queued behind what is pending and drained as the socket allows."""
         frame = FRAME.pack(len(body), kind) + body
-        if not self._pending:
-            try:
-                n = self.sock.send(frame)
-            except BlockingIOError:
-                n = 0
-            if n == len(frame):
-                return
-            frame = frame[n:]
-        self._pending += frame
+        with self._write:
+            if not self._pending:
+                try:
+                    n = self._send_now(frame)
+                except BlockingIOError:
+                    n = 0
+                if n == len(frame):
+                    return
+                frame = frame[n:]
+            self._pending += frame
         await self.drain()
 
     def try_send(self, frame: bytes) -> bool:
         """Send ``frame`` now if nothing is pending and the socket takes all of it; else leave it."""
-        if self._pending:
-            return False
-        try:
-            n = self.sock.send(frame)
-        except (BlockingIOError, OSError):
-            return False  # the async path sends it (and meets the error, if any)
-        if n < len(frame):
-            self._pending += frame[n:]  # the rest goes out with the next async send or drain
-        return True
+        with self._write:
+            if self._pending:
+                return False
+            try:
+                n = self._send_now(frame)
+            except (BlockingIOError, OSError):
+                return False  # the async path sends it (and meets the error, if any)
+            if n < len(frame):
+                self._pending += frame[n:]  # the rest goes out with the next async send or drain
+            return True
+
+    def beat_from_thread(self, frame: bytes) -> bool:
+        """The heartbeat thread's write: ``frame`` now, only between whole frames; True if sent.
+
+        A part the socket does not take is left pending, for the loop's next send or drain."""
+        with self._write:
+            if self.closed or self._pending:
+                return False
+            try:
+                n = self._send_now(frame)
+            except OSError:
+                return False  # (the loop meets the error on its next send)
+            if n < len(frame):
+                self._pending += frame[n:]
+            return True
 
     async def drain(self) -> None:
         """Send whatever is pending."""
         async with self._drain:
             while self._pending:
                 await anyio.wait_writable(self.sock)
-                try:
-                    n = self.sock.send(self._pending)
-                except BlockingIOError:
-                    continue
-                del self._pending[:n]
+                with self._write:
+                    try:
+                        n = self._send_now(self._pending)
+                    except BlockingIOError:
+                        continue
+                    del self._pending[:n]
 
     async def receive(self) -> bytes:
         """What has arrived (b"" at end-of-file)."""
@@ -105,7 +142,8 @@ class _Link:
 
     def close(self) -> None:
         if not self.closed:
-            self.closed = True
+            with self._write:
+                self.closed = True
             anyio.notify_closing(self.sock)
             self.sock.close()
 
@@ -132,7 +170,8 @@ class ControlPlane:
         self._failed: PeerLostError | None = None
         self._started = anyio.Event()
         self._done = anyio.Event()
-        self.counters = {"headers_sent": 0, "headers_received": 0, "heartbeats_sent": 0, "heartbeats_received": 0}
+        self.counters = {"headers_sent": 0, "headers_received": 0, "heartbeats_sent": 0, "heartbeats_received": 0,
+                         "heartbeats_from_thread": 0}
 
     @property
     def failed(self) -> PeerLostError | None:
@@ -151,6 +190,10 @@ class ControlPlane:
         self._out = _Link("to-next", self.group.next, socks.to_next, last=now)
         self._in = _Link("from-prev", self.group.prev, socks.from_prev, last=now)
         self._started.set()
+        stop = threading.Event()
+        pacer = threading.Thread(target=self._beat_while_the_loop_is_held, args=(stop,),
+                                 name="asyncside-heartbeat", daemon=True)
+        pacer.start()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._read, self._out)
@@ -159,6 +202,7 @@ class ControlPlane:
                 tg.start_soon(self._watch, now)
                 task_status.started()
         finally:
+            stop.set()
             self._done.set()
 
     # -- headers ---------------------------------------------------------------------------------
@@ -305,6 +349,20 @@ class ControlPlane:
                     if not (link.bye or link.closed):
                         await self._lost(self._gone(link), skip=link)
             await anyio.sleep(self.heartbeat_s)
+
+    def _beat_while_the_loop_is_held(self, stop: threading.Event) -> None:
+        """Heartbeat thread: a heartbeat on each link the loop has not written to for 1.5 periods
+        (the loop's own beat comes every period; the half period spare keeps the two from doubling).
+
+        Never touches the event loop or anything but the links' sockets (under their write lock)."""
+        frame = FRAME.pack(0, HEARTBEAT)
+        while not stop.wait(self.heartbeat_s / 2):
+            if self._closing:
+                return
+            now = time.monotonic()
+            for link in self.links:
+                if now - link.sent_at >= 1.5 * self.heartbeat_s and link.beat_from_thread(frame):
+                    self.counters["heartbeats_from_thread"] += 1
 
     async def _watch(self, started: float) -> None:
         while not self._closing:
