@@ -54,26 +54,16 @@ __all__ = ["Runtime", "PrefetchHandle", "choose_resident", "plan_layer", "warm_e
 RECONCILE_EVERY = 32
 
 
-def _native_available(x: mx.array) -> bool:
-    """True when x's computation finished. A queued step's failed faults are learned from the
-    fault log, not from MLX's error, so checking (and consuming) it here loses nothing."""
+def _native_available(x: mx.array, *, failed: bool = True) -> bool:
+    """True when x's computation finished; ``failed`` when it failed. A queued step's failed
+    faults are learned from the fault log, not from MLX's error, so checking (and consuming) it
+    there loses nothing; a prediction asks for False, so its lazy path meets the error."""
     from . import _native
 
     try:
         return bool(_native.is_available(x))
     except Exception:
-        return True
-
-def _computed(x: mx.array) -> bool:
-    """True when x can be read without waiting; False while it is not, or when its computation
-    failed (the caller's lazy path then meets the error where it reports it)."""
-    from . import _native
-
-    try:
-        return bool(_native.is_available(x))
-    except Exception:
-        return False
-
+        return failed
 
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` resident experts for ``layer``.
@@ -1073,17 +1063,15 @@ class Runtime:
             handle._done.set()
             return handle
         op = self._op(st)
-        if isinstance(ids, mx.array) and not _computed(ids):
+        if isinstance(ids, mx.array) and not _native_available(ids, failed=False):
             self._spawn(self._prefetch_lazy, layer, st, ids, handle, op)
         elif isinstance(ids, mx.array):
             # Computed already (a prediction that crossed a pipeline boundary): no task to spawn
-            # and nothing to await; its errors fail the handle, as in the lazy path.
+            # and nothing to await; as in the lazy path, its errors fail the handle.
             try:
                 self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
             except Exception as exc:
-                handle.errors.append(exc)
-                handle._done.set()
-                self._stats["failed_predictions"] += 1
+                self._fail_prediction(handle, exc)
             finally:
                 self._finish_op(st, op)
         else:
@@ -1101,11 +1089,7 @@ class Runtime:
             await self._completed(ids)
             self._prefetch_now(layer, st, self._host_ids(ids), handle, op)
         except Exception as exc:
-            # A prediction is a hint: bad ids or a failed computation fail its handle (and are
-            # counted), never the runtime's task group.
-            handle.errors.append(exc)
-            handle._done.set()
-            self._stats["failed_predictions"] += 1
+            self._fail_prediction(handle, exc)
         finally:
             if not handle.fills and not handle._done.is_set():
                 # Cancelled (the runtime is closing) before any read started: whoever awaits the
@@ -1114,6 +1098,13 @@ class Runtime:
                     f"layer {layer}: the runtime closed before this prediction was computed"))
                 handle._done.set()
             self._finish_op(st, op)
+
+    def _fail_prediction(self, handle: PrefetchHandle, exc: Exception) -> None:
+        """A prediction is a hint: bad ids or a failed computation fail its handle (and are
+        counted), never the runtime's task group."""
+        handle.errors.append(exc)
+        handle._done.set()
+        self._stats["failed_predictions"] += 1
 
     def _prefetch_now(
         self, layer: int, st: _Layer, ids: np.ndarray, handle: PrefetchHandle, op: int

@@ -10,6 +10,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import types
 from typing import Any
 
 import anyio
@@ -361,19 +362,25 @@ def test_wake_floor_measures_both_forms() -> None:
     assert bad.returncode != 0 and "-n must be at least 10" in bad.stderr
 
 
+class _StubGroup:
+    """The little of a DistGroup a ControlPlane uses: rank 0 of two, its links two sockets."""
+
+    rank, next, prev = 0, 1, 1
+
+    def __init__(self, to_next: socket.socket | None = None, from_prev: socket.socket | None = None) -> None:
+        self.links = types.SimpleNamespace(to_next=to_next, from_prev=from_prev)
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank}"
+
+
 def test_a_peer_is_silent_only_while_nothing_waits_unread() -> None:
     """The watchdog counts a peer silent only when nothing it sent waits in the socket: a rank
     whose own loop was held up (a GPU kernel compiled on first use) must not blame its peer."""
     from asyncside.distributed.control import ControlPlane, _Link
     from asyncside.distributed.group import FRAME, HEARTBEAT
 
-    class _Group:  # the little of a DistGroup the control plane reads before run()
-        rank = 0
-
-        def describe(self, rank: int) -> str:
-            return f"rank {rank}"
-
-    control = ControlPlane(_Group(), heartbeat_s=0.1, peer_timeout_s=0.5)  # type: ignore[arg-type]
+    control = ControlPlane(_StubGroup(), heartbeat_s=0.1, peer_timeout_s=0.5)  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     try:
@@ -404,16 +411,7 @@ def test_heartbeats_go_on_while_the_loop_is_held() -> None:
     out_ours, out_peer = socket.socketpair()
     in_ours, in_peer = socket.socketpair()
 
-    class _Links:
-        to_next, from_prev = out_ours, in_ours
-
-    class _Group:  # the little of a DistGroup the control plane uses
-        rank, next, prev, links = 0, 1, 1, _Links()
-
-        def describe(self, rank: int) -> str:
-            return f"rank {rank}"
-
-    control = ControlPlane(_Group(), heartbeat_s=0.05, peer_timeout_s=5.0)  # type: ignore[arg-type]
+    control = ControlPlane(_StubGroup(out_ours, in_ours), heartbeat_s=0.05, peer_timeout_s=5.0)  # type: ignore[arg-type]
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
