@@ -43,10 +43,12 @@ from . import _native
 from .errors import AsyncsideError
 
 __all__ = [
+    "Armed",
     "Completed",
     "ComputationError",
     "CompletionQueue",
     "StreamLike",
+    "arm",
     "completed",
     "completed_at",
     "counters",
@@ -93,6 +95,7 @@ class _Waiter:
     posted_ns: int = 0
     done: bool = False  # trio: the ticket landed
     abandoned: bool = False  # the awaiter was cancelled: discard the ticket when it lands
+    awaited: bool = True  # False while an armed ticket waits for its await (trio: never a leader)
 
 
 class CompletionQueue(ABC):
@@ -254,6 +257,18 @@ class CompletionQueue(ABC):
         post time (monotonic ns)."""
 
     @abstractmethod
+    def arm(self, x: mx.array, stream: mx.Stream | None = None) -> _Waiter:
+        """Issue a ticket for x (scheduled already) now; await it later with :meth:`wait_armed`."""
+
+    @abstractmethod
+    async def wait_armed(self, waiter: _Waiter) -> int:
+        """Wait for a ticket :meth:`arm` issued; returns the native post time (monotonic ns)."""
+
+    @abstractmethod
+    def disarm(self, waiter: _Waiter) -> None:
+        """Nobody will await this armed ticket: it is reaped and discarded when it lands."""
+
+    @abstractmethod
     async def wait_stream(self, stream: mx.Stream) -> int:
         """Wait until the CPU ``stream`` has run everything queued on it so far (a barrier
         ticket); returns the native post time (monotonic ns)."""
@@ -312,6 +327,18 @@ class _AsyncioQueue(CompletionQueue):
             _raise_if_failed(waiter.x)
         return posted_ns
 
+    def arm(self, x: mx.array, stream: mx.Stream | None = None) -> _Waiter:
+        return self._issue(x, stream, asyncio.get_running_loop().create_future())
+
+    async def wait_armed(self, waiter: _Waiter) -> int:
+        posted_ns: int = await waiter.wake
+        if waiter.x is not None:
+            _raise_if_failed(waiter.x)
+        return posted_ns
+
+    def disarm(self, waiter: _Waiter) -> None:
+        waiter.wake.cancel()  # (a future already done stays as it is)
+
     async def wait_stream(self, stream: mx.Stream) -> int:
         fut = asyncio.get_running_loop().create_future()
         self._issue_barrier(stream, fut)
@@ -361,7 +388,7 @@ class _TrioQueue(CompletionQueue):
         if self.closed or self._leader is not None:
             return
         for waiter in self._waiters.values():
-            if not waiter.done and not waiter.abandoned:
+            if not waiter.done and not waiter.abandoned and waiter.awaited:
                 waiter.wake.set()  # not done: it wakes up to lead
                 return
         if self.outstanding > 0:
@@ -407,6 +434,20 @@ class _TrioQueue(CompletionQueue):
     async def wait(self, x: mx.array, stream: mx.Stream | None = None, then: Sequence[mx.array] = ()) -> int:
         waiter = self._issue(x, stream, self._trio.Event(), then)
         return await self._await(waiter)
+
+    def arm(self, x: mx.array, stream: mx.Stream | None = None) -> _Waiter:
+        waiter = self._issue(x, stream, self._trio.Event())
+        waiter.awaited = False  # until wait_armed: the keeper reaps it if nobody else leads
+        return waiter
+
+    async def wait_armed(self, waiter: _Waiter) -> int:
+        waiter.awaited = True
+        return await self._await(waiter)
+
+    def disarm(self, waiter: _Waiter) -> None:
+        if not waiter.done:
+            waiter.abandoned = True
+            self._hand_over()
 
     async def wait_stream(self, stream: mx.Stream) -> int:
         return await self._await(self._issue_barrier(stream, self._trio.Event()))
@@ -600,6 +641,61 @@ async def completed(x: mx.array, *, stream: StreamLike = None, then: Sequence[mx
     delay x's signal until they are done.
     """
     await completed_at(x, stream=stream, then=then)
+
+
+class Armed:
+    """A completion ticket issued when its array was scheduled, awaited later: see :func:`arm`."""
+
+    __slots__ = ("x", "_queue", "_waiter", "_used")
+
+    def __init__(self, x: mx.array, queue: CompletionQueue | None, waiter: _Waiter | None) -> None:
+        self.x = x
+        self._queue = queue
+        self._waiter = waiter  # None: x was available when armed
+        self._used = False
+
+    async def wait(self) -> None:
+        """Resolve once x is computed (raises ComputationError if its computation failed).
+
+        Awaited at most once. Cancellable like :func:`completed`: the ticket is then discarded
+        when it lands."""
+        if self._used:
+            raise RuntimeError("an armed completion is awaited at most once")
+        self._used = True
+        if self._queue is None or self._waiter is None:
+            _raise_if_failed(self.x)
+            await anyio.lowlevel.checkpoint()
+            return
+        await self._queue.wait_armed(self._waiter)
+
+    def disarm(self) -> None:
+        """Say that nobody will await it (its ticket is discarded when the stream gets there)."""
+        if not self._used:
+            self._used = True
+            if self._queue is not None and self._waiter is not None and not self._queue.closed:
+                self._queue.disarm(self._waiter)
+
+
+def arm(x: mx.array, *, stream: StreamLike = None) -> Armed:
+    """Issue ``x``'s completion signal now, right behind ``x`` on its stream; await it later with
+    :meth:`Armed.wait`.
+
+    ``await completed(x)`` queues its signal behind whatever the stream holds when it is called.
+    A caller that queues more work on the stream before it awaits ``x`` (a decode step queued on
+    the previous step's lazy token before that token is awaited) would hear of ``x`` only once
+    that work is done too, and build the next step while the stream stands idle. ``x`` must be
+    scheduled already (``arm`` never schedules, so it never waits for room under MLX's
+    throttle); must be called on the event loop's thread.
+    """
+    if not isinstance(x, mx.array):
+        raise TypeError(f"arm() expects an mlx.core.array, got {type(x).__name__}")
+    if _native.array_status(x) == "unscheduled":
+        raise ValueError("arm(): x is not scheduled yet (schedule it first, e.g. with asyncside.bridge.schedule)")
+    if _raise_if_failed(x):
+        _bump("fast_path")
+        return Armed(x, None, None)
+    queue = current_queue()
+    return Armed(x, queue, queue.arm(x, _as_stream(stream)))
 
 
 def counters() -> dict[str, int]:

@@ -760,7 +760,7 @@ void bind_faults(nb::module_& m) {
       "One queued step's unscheduled graph, handed to MLX in chunks that fit under its eval throttle.")
       .def(nb::init<const std::vector<mx::array>&>(), nb::arg("roots"), nb::call_guard<nb::gil_scoped_release>())
       .def("advance", &asyncside::plan::StepPlan::advance, nb::arg("budget_ns") = 0, nb::arg("slice_ns") = 0,
-           nb::call_guard<nb::gil_scoped_release>(),
+           nb::arg("lend") = false, nb::call_guard<nb::gil_scoped_release>(),
            "Schedule the next chunk, letting MLX's throttle block for up to budget_ns more: (True, None) "
            "when all is scheduled, else (False, y): await y, then call again; (False, None) when "
            "slice_ns > 0 of the caller's time ran out first: let other work run, then call again.")

@@ -29,6 +29,10 @@ constexpr size_t kMinGroup = 2;
 // With a time slice, nodes per async_eval call, so the slice is checked often enough: about
 // 0.2-0.3 ms of MLX's CPU encoding on the dev VM.
 constexpr size_t kSlicedGroup = 10;
+// advance(lend): nodes per async_eval call without a time slice, and the task groups hidden from
+// MLX's count around each call (room for this many nodes' dispatches, many times over).
+constexpr size_t kLentGroup = 64;
+constexpr int kLentRoom = 256;
 
 }  // namespace
 
@@ -64,7 +68,7 @@ StepPlan::StepPlan(const std::vector<mx::array>& roots) {
   }
 }
 
-std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, int64_t slice_ns) {
+std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, int64_t slice_ns, bool lend) {
   while (next_ < order_.size() && order_[next_].status() != mx::array::Status::unscheduled) ++next_;
   if (next_ >= order_.size()) {
     finish();
@@ -80,6 +84,7 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
     return {true, std::nullopt};
   }
   const auto t0 = std::chrono::steady_clock::now();
+  if (lend) return advance_lent(t0, slice_ns);
   int active = mx::scheduler::n_active_tasks();
   if (active >= kMaxActiveTasks && budget_ns <= 0) {
     // The stream is full (an earlier step, or this one's last chunk): wait for what is queued.
@@ -118,6 +123,42 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
   last_mid_ = order_[first + (next_ - first - 1) / 2];
   if (sliced) return {false, std::nullopt};  // nothing to wait for: the throttle has room
   return {false, last_mid_};
+}
+
+std::pair<bool, std::optional<mx::array>> StepPlan::advance_lent(std::chrono::steady_clock::time_point t0,
+                                                                 int64_t slice_ns) {
+  const size_t first = next_;
+  const size_t group = slice_ns > 0 ? kSlicedGroup : kLentGroup;
+  while (next_ < order_.size()) {
+    if (slice_ns > 0 && next_ > first &&
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >=
+            slice_ns) {
+      ++chunks_;
+      return {false, std::nullopt};
+    }
+    const size_t end = std::min(order_.size(), next_ + group);
+    // Hide the task groups in flight, and room for this group's own, from MLX's throttle while
+    // the group is queued: the count is lowered by that much and raised back by as much after,
+    // so completions that arrive meanwhile are counted as usual and the count is exact again
+    // once the call returns. Below zero meanwhile, it is only compared with MLX's limits (the
+    // memory limit's wait is skipped as well: a step's nodes are held until it is all
+    // scheduled anyway, see finish()).
+    const mx::Stream s = mx::default_stream(mx::Device::cpu);
+    const int lent = std::max(0, mx::scheduler::n_active_tasks()) + kLentRoom;
+    for (int i = 0; i < lent; ++i) mx::scheduler::notify_task_completion(s);
+    try {
+      mx::async_eval(std::vector<mx::array>(order_.begin() + static_cast<std::ptrdiff_t>(next_),
+                                            order_.begin() + static_cast<std::ptrdiff_t>(end)));
+    } catch (...) {
+      for (int i = 0; i < lent; ++i) mx::scheduler::notify_new_task(s);
+      throw;
+    }
+    for (int i = 0; i < lent; ++i) mx::scheduler::notify_new_task(s);
+    next_ = end;
+  }
+  ++chunks_;
+  finish();
+  return {true, std::nullopt};
 }
 
 void StepPlan::finish() {

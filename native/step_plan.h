@@ -11,6 +11,7 @@
 // Plain C++: nothing here knows Python. Only the thread that owns the stream may use a plan.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -35,7 +36,14 @@ class StepPlan {
   // long: on a slow CPU MLX's encoding of a chunk under the throttle takes over a millisecond).
   // The chunk is then handed over in small groups, and once `slice_ns` is spent while the
   // throttle still has room the call returns {false, nullopt}: let other work run, call again.
-  std::pair<bool, std::optional<mlx::core::array>> advance(int64_t budget_ns = 0, int64_t slice_ns = 0);
+  //
+  // `lend`: go past the throttle instead (CPU steps): MLX's count of task groups in flight is
+  // lowered around each group's async_eval and raised back after, so nothing ever waits; the
+  // call returns {true, nullopt} once all is scheduled, or {false, nullopt} when the slice is
+  // spent, never a node to await. The caller thus queues the whole step at once, as mlx-lm's
+  // caller does by blocking in the throttle, without ~17 wake-ups per decode step.
+  std::pair<bool, std::optional<mlx::core::array>> advance(int64_t budget_ns = 0, int64_t slice_ns = 0,
+                                                            bool lend = false);
 
   size_t size() const { return size_; }
   size_t scheduled() const { return next_; }
@@ -45,6 +53,9 @@ class StepPlan {
   // Once every node is scheduled, the nodes go to the release thread (graph_release.h); a GPU
   // step's are dropped on the caller.
   void finish();
+  // advance() with lend: the step goes to MLX past its throttle, never waiting (see the .cpp).
+  std::pair<bool, std::optional<mlx::core::array>> advance_lent(std::chrono::steady_clock::time_point t0,
+                                                                int64_t slice_ns);
 
   std::vector<mlx::core::array> order_;
   size_t size_ = 0;

@@ -556,3 +556,120 @@ async def test_then_is_scheduled_behind_the_signal(anyio_backend: object, no_blo
         await completed(x, then=[np.zeros(2)])
     with pytest.raises(TypeError):
         await bridge.schedule(np.zeros(2))
+
+
+# -- arm: a completion issued when its array is scheduled, awaited later ---------------------------
+
+
+async def test_armed_completion_is_not_held_by_work_queued_after_it(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    """arm(x) puts x's signal right behind x: work queued on the stream afterwards (a gate that
+    holds the stream) does not delay it, while a completed(x) issued after that work waits for it."""
+    before = bridge.counters()
+    first, gate = native_testing.StreamGate(), native_testing.StreamGate()
+    x = first.hold(mx.array(a_np)) + 1.0
+    await bridge.schedule(x)
+    armed = bridge.arm(x)
+    later = gate.hold(mx.array(a_np)) + 2.0
+    await bridge.schedule(later)
+    late_done = anyio.Event()
+
+    async def late() -> None:
+        await completed(x)  # issued while x is not computed: its signal goes behind the gate
+        late_done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(late)
+        await anyio.sleep(0.01)
+        assert bridge.counters()["outstanding"] == 2
+        first.open()
+        with anyio.fail_after(30):
+            await armed.wait()  # resolves although the stream is held behind x
+        assert native.is_available(x)
+        np.testing.assert_array_equal(np.array(x), a_np + 1.0)
+        for _ in range(20):  # many loop iterations: the late signal stays behind the gate
+            await anyio.sleep(0.001)
+        assert not late_done.is_set()
+        assert not native.is_available(later)
+        gate.open()
+    assert late_done.is_set()
+    with pytest.raises(RuntimeError, match="at most once"):
+        await armed.wait()
+    _assert_balanced(before)
+
+
+async def test_armed_completion_reports_a_failed_computation(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    gate = native_testing.StreamGate()
+    x = native_testing.fail_on_stream(gate.hold(mx.array(a_np)), "boom behind the arm") + 1.0
+    await bridge.schedule(x)
+    armed = bridge.arm(x)
+    gate.open()
+    with pytest.raises(ComputationError, match="boom behind the arm"):
+        await armed.wait()
+    y = mx.array(a_np) + 3.0  # the stream carries on
+    await completed(y)
+    np.testing.assert_allclose(np.array(y), a_np + 3.0)
+
+
+async def test_a_disarmed_or_cancelled_armed_completion_leaves_nothing_behind(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    before = bridge.counters()
+    gate = native_testing.StreamGate()
+    x = gate.hold(mx.array(a_np)) + 1.0
+    y = x + 1.0
+    await bridge.schedule(y)
+    dropped, cancelled = bridge.arm(x), bridge.arm(y)
+    dropped.disarm()
+    dropped.disarm()  # idempotent
+    with anyio.move_on_after(0.01):
+        await cancelled.wait()
+    assert bridge.counters()["outstanding"] == 2  # both still in flight: the gate holds the stream
+    gate.open()
+    await completed(mx.array(a_np) + 2.0)  # lands after both: they were reaped (and discarded)
+    d = _delta(before)
+    assert d["discarded"] == 2 and d["resolved"] == 1, d
+    _assert_balanced(before)
+
+
+async def test_an_armed_completion_nobody_awaits_yet_does_not_stall_other_awaiters(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    """On trio the awaiters take turns reaping: an armed ticket whose await has not begun must
+    never be handed that role (nobody would reap for the others)."""
+    before = bridge.counters()
+    gate = native_testing.StreamGate()
+    x = gate.hold(mx.array(a_np)) + 1.0
+    await bridge.schedule(x)
+    armed = bridge.arm(x)
+    ys = [mx.array(a_np) * float(i) for i in range(3)]
+    results: list[int] = []
+
+    async def one(i: int) -> None:
+        await completed(ys[i])
+        results.append(i)
+
+    gate.open()
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(ys)):
+                tg.start_soon(one, i)
+        await anyio.sleep(0.01)
+        await armed.wait()  # landed meanwhile (reaped by another awaiter or the keeper), or now
+    assert sorted(results) == [0, 1, 2]
+    _assert_balanced(before)
+
+
+async def test_arm_refuses_what_it_cannot_watch(anyio_backend: object) -> None:
+    with pytest.raises(TypeError, match="mlx.core.array"):
+        bridge.arm(np.zeros(3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not scheduled"):
+        bridge.arm(mx.array([1.0]) + 1)
+    before = bridge.counters()
+    ready = mx.array([1.0, 2.0])
+    armed = bridge.arm(ready)  # already available: no ticket
+    await armed.wait()
+    assert _delta(before)["issued"] == 0

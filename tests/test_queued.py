@@ -196,6 +196,53 @@ def test_a_steps_head_is_scheduled_with_it_and_is_the_draw_of_its_logits(tmp_pat
         assert y.tolist() == greedy(ref).tolist()
 
 
+@pytest.mark.parametrize("options", [ForwardOptions(), ForwardOptions(arm_completions=False),
+                                     ForwardOptions(lend_throttle=False)],
+                         ids=["default", "late-signal", "throttled"])
+def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib.Path,
+                                                               options: ForwardOptions) -> None:
+    """A queued step's completion signal is issued as the step is scheduled (``finish`` awaits
+    that one), so a next step queued before the await does not delay it; the tokens are the same
+    whichever way the step is signalled or handed to MLX."""
+    from asyncside import bridge
+    from asyncside.models.streaming import greedy
+
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed, options=options)
+    fwd = sm.forward
+
+    async def main() -> tuple[list[int], list[bool], int]:
+        tokens, armed = [], []
+        async with Runtime(sm.store, resident=0.5) as rt:
+            cache = sm.make_cache()
+            await sm(mx.array(prompt)[None], cache, source=rt)
+            ctx = fwd.context(cache, rt)
+            y = await fwd.step(ctx, mx.array([[5]]), head=greedy)
+            c = bridge.counters()
+            before = c["issued"] + c["fast_path"]
+            for _ in range(3):
+                armed.append(ctx.armed is not None and ctx.armed[0] is y)
+                nctx = fwd.context(cache, rt)
+                ny = await fwd.step(nctx, y[None], head=greedy)  # queued before y is awaited
+                await fwd.finish(ctx, y)
+                assert ctx.armed is None  # consumed by finish
+                tokens.append(int(y.item()))
+                ctx, y = nctx, ny
+            await fwd.finish(ctx, y)
+            c = bridge.counters()
+            issued = c["issued"] + c["fast_path"] - before
+        return tokens, armed, issued
+
+    tokens, armed, issued = anyio.run(main)
+    ref = reference_generate(model, prompt + [5], max_tokens=4)
+    assert tokens == ref[:3]
+    assert armed == [options.arm_completions] * 3
+    if options.arm_completions and options.lend_throttle:
+        # one completion per step, its armed one (a ticket, or none if the step was computed
+        # by then): nothing of the step itself was awaited while it was handed to MLX
+        assert issued == 3
+
+
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
@@ -509,9 +556,10 @@ def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
         assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == victim, (order, ev)
 
 
-def _chain(n: int) -> tuple[mx.array, np.ndarray]:
-    """A lazy graph of ``2 n`` small nodes (as a decode step has many) and what it computes."""
-    y = mx.array(np.arange(16, dtype=np.float32))
+def _chain(n: int, start: mx.array | None = None) -> tuple[mx.array, np.ndarray]:
+    """A lazy graph of ``2 n`` small nodes (as a decode step has many) and what it computes
+    (``start``: an array equal to ``arange(16)`` to begin with)."""
+    y = mx.array(np.arange(16, dtype=np.float32)) if start is None else start
     want = np.arange(16, dtype=np.float64)
     for i in range(n):
         y = y * 1.0001 + (i % 3)
@@ -560,6 +608,37 @@ def test_step_plan_with_a_time_slice_hands_the_graph_over_in_small_groups() -> N
             mx.eval(wait_on)
     assert yields > 0 and plan.chunks >= plan.size // 10
     np.testing.assert_allclose(np.array(y), want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("slice_ns", [0, 1], ids=["whole", "sliced"])
+def test_a_lent_step_plan_goes_past_mlx_throttle_without_waiting(slice_ns: int) -> None:
+    """``lend=True``: the whole graph goes to MLX while the stream is held behind a gate (far more
+    than MLX's throttle lets a caller queue: MLX would block this thread until the gate opened),
+    never naming a node to wait for; MLX's count of task groups in flight is exact afterwards."""
+    import asyncside._native.testing as native_testing
+
+    mx.synchronize(mx.default_stream(mx.cpu))
+    base = _native.mlx_active_tasks()  # (process-wide: another stream may hold some)
+    gate = native_testing.StreamGate(timeout_s=20.0)  # (a regression fails here, not hangs)
+    with mx.stream(mx.cpu):
+        y, want = _chain(600, start=gate.hold(mx.array(np.arange(16, dtype=np.float32))))
+        # (the stream stops at the gate, before any of the chain runs)
+    plan = _native.StepPlan([y])
+    calls = 0
+    while True:
+        done, wait_on = plan.advance(slice_ns=slice_ns, lend=True)
+        calls += 1
+        assert wait_on is None
+        if done:
+            break
+    assert plan.scheduled == plan.size >= 1200
+    assert (calls == 1) if slice_ns == 0 else (calls > 1)
+    assert not gate.is_open  # nothing here waited for the stream
+    assert _native.mlx_active_tasks() > base + 10  # past MLX's throttle
+    gate.open()
+    np.testing.assert_allclose(np.array(y), want, rtol=1e-4)
+    mx.synchronize(mx.default_stream(mx.cpu))
+    assert _native.mlx_active_tasks() == base  # what was hidden from the count was given back
 
 
 def test_a_finished_step_plan_lets_go_of_its_graph_off_the_callers_thread() -> None:

@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # for annotations; the functions import the models where they
 DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
-STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec")
+STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec", "throttled", "late-signal")
 PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
@@ -146,7 +146,11 @@ def step_options(mode: str) -> ForwardOptions:
       in-graph gather from a row snapshot;
     - ``whole``: the step queued whole, every MoE layer gathering from a snapshot, checked after it
       computed and redone from its first unsound layer;
-    - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host).
+    - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host);
+    - ``throttled``: the default, with a queued step handed to MLX in chunks under its eval
+      throttle, each awaited (``lend_throttle=False``; what the CPU did before 2026-12-04);
+    - ``late-signal``: the default, with a queued step's completion signal issued when its output
+      is awaited, behind the next step (``arm_completions=False``; likewise).
     """
     from ..models import ForwardOptions, StepMode
 
@@ -156,6 +160,8 @@ def step_options(mode: str) -> ForwardOptions:
         "per-layer": ForwardOptions(mode=StepMode.PER_LAYER),
         "whole": ForwardOptions(mode=StepMode.WHOLE),
         "per-layer-nospec": ForwardOptions(mode=StepMode.PER_LAYER, speculate=False),
+        "throttled": ForwardOptions(lend_throttle=False),
+        "late-signal": ForwardOptions(arm_completions=False),
     }
     if mode not in options:
         raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
@@ -172,6 +178,10 @@ def step_mode_of(sm: Any) -> str:
     options = sm.options
     if options.mode == "per-layer" and not options.speculate:
         return "per-layer-nospec"
+    if options.mode == "auto" and not options.lend_throttle:
+        return "throttled"
+    if options.mode == "auto" and not options.arm_completions:
+        return "late-signal"
     return str(options.mode.value)
 
 

@@ -78,6 +78,12 @@ class ForwardOptions:
     ``staged_switches``: such a switch, where the source has staging arrays for the layer (device
     pools with a host tier: MLX CUDA), copies its experts into them instead (one resolve, no pool
     row changes, the gather over a whole layer as mlx-lm's); off: slices as above.
+    ``arm_completions``: a queued step's completion signal goes on the stream as the step is
+    scheduled (``asyncside.bridge.arm``), not when its output is awaited, by which time the next
+    step is queued behind it; off: at the await (``asyncside bench generate --modes late-signal``).
+    ``lend_throttle``: on the CPU, a queued step goes to MLX whole, in time slices, past MLX's eval
+    throttle (native/step_plan.h); off: in chunks that fit under the throttle, each awaited
+    (``--modes throttled``).
     """
 
     mode: StepMode = StepMode.AUTO
@@ -86,6 +92,8 @@ class ForwardOptions:
     queued_prefill: bool | None = None
     expert_slices: bool = True
     staged_switches: bool = True
+    arm_completions: bool = True
+    lend_throttle: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -96,10 +104,9 @@ class ForwardOptions:
             raise ValueError(f"lookahead_extra: expected an int >= 0, got {self.lookahead_extra!r}")
         if self.queued_prefill not in (None, True, False):
             raise ValueError(f"queued_prefill: expected True, False or None, got {self.queued_prefill!r}")
-        if self.expert_slices not in (True, False):
-            raise ValueError(f"expert_slices: expected True or False, got {self.expert_slices!r}")
-        if self.staged_switches not in (True, False):
-            raise ValueError(f"staged_switches: expected True or False, got {self.staged_switches!r}")
+        for name in ("expert_slices", "staged_switches", "arm_completions", "lend_throttle"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 
 
 async def eval_completed(x: mx.array) -> None:
@@ -148,15 +155,21 @@ class AsyncForward:
         except (TypeError, ValueError):  # a callable without a signature
             then_ok = False
         schedule: Callable[..., Awaitable[None]] = _async_eval
+        arm = None
         if then_ok:
+            from .. import bridge
             from ..bridge import schedule
+
+            if completed is bridge.completed and self.options.arm_completions:
+                arm = bridge.arm
 
         self.per_layer = PerLayerSteps(self.walk, completed, schedule, self.counters,
                                        speculate=self.options.speculate, then_ok=then_ok)
         self.whole = WholeSteps(self.per_layer)
         self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
                                   expert_slices=self.options.expert_slices,
-                                  staged_switches=self.options.staged_switches)
+                                  staged_switches=self.options.staged_switches, arm=arm,
+                                  lend_throttle=self.options.lend_throttle)
         qp = self.options.queued_prefill
         self._queued_prefill = qp if qp is not None else mx.default_device() == mx.gpu
 
@@ -239,8 +252,14 @@ class AsyncForward:
     async def finish(self, ctx: StepContext, y: mx.array) -> None:
         """Await ``y`` (computed from a step's logits), then let the source learn what a queued
         step did (its faults, a failed read raised here as FillError) and record its routing."""
+        armed, ctx.armed = ctx.armed, None
         try:
-            await self.completed(y)
+            if armed is not None and armed[0] is y:
+                await armed[1].wait()
+            else:
+                if armed is not None:
+                    armed[1].disarm()
+                await self.completed(y)
         finally:
             if isinstance(ctx.source, QueuedSource) and ctx.routed:
                 ctx.source.after_step()

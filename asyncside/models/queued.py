@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _native
-from ..bridge import Completed
+from ..bridge import Armed, Completed
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .walk import DecoderWalk, StepContext
 
@@ -99,15 +99,21 @@ class QueuedSteps:
     """Decode steps queued whole, misses served by the source inside the stream."""
 
     def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool,
-                 expert_slices: bool = True, staged_switches: bool = True) -> None:
+                 expert_slices: bool = True, staged_switches: bool = True,
+                 arm: Callable[[mx.array], Armed] | None = None, lend_throttle: bool = True) -> None:
         self.walk = walk
         self.completed = completed
+        #: the bridge's ``arm`` when ``completed`` is the bridge's own (else None: the injected
+        #: completion is awaited as it is)
+        self.arm = arm
         self.counters = counters
         self._bridged = bridged
         self._expert_slices = expert_slices
         self._staged_switches = staged_switches
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
+        #: on the CPU, steps go to MLX past its eval throttle (see _schedule)
+        self._lend = lend_throttle and self._on_cpu
         #: host time spent on queued steps, in ns, by phase (``asyncside bench step`` reads it):
         #: ``begin`` (source.begin_step), ``build`` (the graph, checkpoints included), ``end``
         #: (source.end_step), ``plan`` (walking the graph), ``schedule`` (handing it to MLX:
@@ -187,6 +193,13 @@ class QueuedSteps:
         if self._on_cpu and self._bridged:
             await between_layers()  # the last layer's build and the graph walk are spans of their own
         await self._schedule(out)
+        if self.arm is not None:
+            # The step's completion signal goes on the stream now, right behind the step: the
+            # caller may queue the next step before it awaits this one (generation runs one step
+            # ahead), and a signal issued at the await would sit behind that next step, so the
+            # host would hear of this token only once the next step is computed too, and build
+            # the one after while the stream stands idle.
+            ctx.armed = (out, self.arm(out))
         self.counters["queued" if logits else "queued_prefill"] += 1
         self.counters["forwards"] += 1
         return out
@@ -254,9 +267,15 @@ class QueuedSteps:
         return walk.logits(h) if logits else h
 
     async def _schedule(self, out: mx.array) -> None:
-        """Hand the step to MLX without blocking the loop: in chunks that fit under MLX's eval
-        throttle, awaiting a node in the middle of each chunk before the next (native StepPlan:
-        one walk of the graph per step)."""
+        """Hand the step to MLX without blocking the loop (native StepPlan: one walk of the graph
+        per step).
+
+        On the CPU, MLX's eval throttle lets a caller run only about 50 nodes ahead of the
+        stream; mlx-lm's caller simply blocks in it. The loop cannot, so the step goes past the
+        throttle (``lend``): whole, in slices of :data:`SCHEDULE_SLICE_NS` with a checkpoint
+        between. Handed over in chunks under the throttle instead, each awaited, a decode step of
+        the embedded model cost the loop ~17 wake-ups and 2-5 ms more CPU per token, and decode
+        ran at 0.84-0.86x of mlx-lm against 0.94-0.96x (BENCHMARKS.md, 2026-12-04)."""
         host = self.host_ns
         if not self._bridged:
             t = time.perf_counter_ns()
@@ -269,7 +288,7 @@ class QueuedSteps:
         host["plan"] += t1 - t
         slice_ns = SCHEDULE_SLICE_NS if self._on_cpu else 0
         while True:
-            done, wait_on = plan.advance(slice_ns=slice_ns)
+            done, wait_on = plan.advance(slice_ns=slice_ns, lend=self._lend)
             t2 = time.perf_counter_ns()
             host["schedule"] += t2 - t1
             if done:

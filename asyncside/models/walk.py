@@ -121,7 +121,7 @@ class StepContext:
     trace's entry of this step (None when not tracing); ``routed`` a queued step's routed ids by
     MoE layer (lazy: read them only once the step computed); ``part`` a queued step's routed pairs
     per expert resolve when the step's experts may not all fit a layer's lent rows at once (None:
-    all of them in one).
+    all of them in one); ``armed`` a queued step's output with its completion signal.
     """
 
     cache: list[Any]
@@ -133,6 +133,9 @@ class StepContext:
     record: Any = None
     routed: list[tuple[int, mx.array]] = field(default_factory=list)
     part: int | None = None
+    #: a queued step's output and its completion, armed as the step was scheduled (see
+    #: ``asyncside.bridge.arm``); ``finish`` awaits it
+    armed: tuple[mx.array, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.trace is not None:
