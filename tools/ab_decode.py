@@ -8,21 +8,49 @@ few percent. Here every round runs mlx-lm's ``generate_step`` (all experts resid
 streamed generation with ``ForwardOptions.<switch>`` at either value (the order alternates by round),
 each from a fresh :class:`Runtime` at the same residency, and reports each variant's decode speed
 as the median of its per-round ratios to that round's mlx-lm run. Tokens are checked against
-mlx-lm's every time. A diagnostic for choosing defaults; the benchmark is ``asyncside bench
-generate``.
+mlx-lm's every time. On Linux each run also reports the CPU time per decode token of the loop
+(main) thread and of the busiest other thread, MLX's stream thread (``/proc/self/task/*/schedstat``,
+first token to last), and that thread's share of the wall time: whether the step is fed fast
+enough to keep the stream busy, which a tok/s figure alone does not say. A diagnostic for
+choosing defaults; the benchmark is ``asyncside bench generate``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import glob
 import json
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
 import anyio
+
+
+def thread_cpu_ms() -> dict[int, float]:
+    """CPU time (ms) of each thread of this process so far ({} where /proc has no schedstat)."""
+    out: dict[int, float] = {}
+    for d in glob.glob(f"/proc/{os.getpid()}/task/*"):
+        try:
+            with open(os.path.join(d, "schedstat")) as f:
+                out[int(os.path.basename(d))] = int(f.read().split()[0]) / 1e6
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def cpu_per_token(first: dict[int, float], last: dict[int, float], steps: int, wall_s: float) -> dict[str, float]:
+    """The main thread's and the busiest other thread's CPU ms per decode step, and that thread's busy share."""
+    if not first or steps < 1 or wall_s <= 0:
+        return {}
+    main = os.getpid()
+    spent = {t: last[t] - first.get(t, 0.0) for t in last}
+    other = max((v for t, v in spent.items() if t != main), default=0.0)
+    return {"main_cpu_ms": round(spent.get(main, 0.0) / steps, 2), "stream_cpu_ms": round(other / steps, 2),
+            "stream_busy": round(other / 1e3 / wall_s, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,26 +90,46 @@ def main(argv: list[str] | None = None) -> int:
         async with Runtime(store, resident=args.resident) as rt:
             misses = fwd.counters["speculation_misses"]
             run = Run(start=time.perf_counter())
+            first: dict[int, float] = {}
             async for tok in sm.generate(prompt, max_tokens=args.tokens, source=rt, predictor=args.predictor,
                                          options=options[on]):
+                if not run.tokens:
+                    first = thread_cpu_ms()
                 run.first_token()
                 run.tokens.append(tok)
             run.end = time.perf_counter()
+            cpu = cpu_per_token(first, thread_cpu_ms(), len(run.tokens) - 1, run.end - run.first)
             await rt.drain()
             run.stats = {"mb_read": round(rt.stats()["bytes_read"] / 1e6, 1),
-                         "layers_with_unsound_pairs": fwd.counters["speculation_misses"] - misses}
+                         "layers_with_unsound_pairs": fwd.counters["speculation_misses"] - misses, **cpu}
             return run
 
     def run_variant(on: bool) -> Any:
         return anyio.run(streamed, on, backend="asyncio", backend_options={"use_uvloop": True})
+
+    def reference(tokens: int) -> tuple[Any, dict[str, float]]:
+        """mlx-lm's own generate_step (as the demo's reference_run), with its threads' CPU."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        run = Run(start=time.perf_counter())
+        first: dict[int, float] = {}
+        for y, _ in generate_step(mx.array(prompt), ref_model, max_tokens=tokens):
+            if not run.tokens:
+                first = thread_cpu_ms()
+            run.first_token()
+            run.tokens.append(int(y))
+        run.end = time.perf_counter()
+        return run, cpu_per_token(first, thread_cpu_ms(), len(run.tokens) - 1, run.end - run.first)
 
     reference_run(ref_model, prompt, 2, set())  # warm-up of both paths
     run_variant(True)
     run_variant(False)
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        ref = reference_run(ref_model, prompt, args.tokens, set())
-        row: dict[str, Any] = {"mlx_lm_tok_s": round(ref.decode_tokens_per_s, 2)}
+        ref, ref_cpu = reference(args.tokens)
+        row: dict[str, Any] = {"mlx_lm_tok_s": round(ref.decode_tokens_per_s, 2),
+                               **{f"mlx_lm_{k}": v for k, v in ref_cpu.items()}}
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             run = run_variant(on)
             key = "on" if on else "off"
@@ -105,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         "off_layers_with_unsound_pairs_median": statistics.median(r["off_layers_with_unsound_pairs"] for r in rounds),
         "tokens_identical": all(r["on_tokens_identical"] and r["off_tokens_identical"] for r in rounds),
     }
+    for key in ("main_cpu_ms", "stream_cpu_ms", "stream_busy"):
+        for side in ("mlx_lm", "on", "off"):
+            vals = [r[f"{side}_{key}"] for r in rounds if f"{side}_{key}" in r]
+            if vals:
+                summary[f"{side}_{key}_median"] = round(statistics.median(vals), 3)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -112,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['off_ratio_median']}x "
               f"(on/off per round, median {summary['on_over_off_per_round_median']}); "
               f"tokens identical: {summary['tokens_identical']}")
+        if "on_stream_busy_median" in summary:
+            print("CPU ms per decode token, main / stream thread (stream busy share), medians: " + "; ".join(
+                f"{side} {summary[f'{side}_main_cpu_ms_median']} / {summary[f'{side}_stream_cpu_ms_median']} "
+                f"({summary[f'{side}_stream_busy_median']})" for side in ("mlx_lm", "on", "off")))
         print(f"MB read (median): {summary['on_mb_read_median']} vs {summary['off_mb_read_median']}; layers with "
               f"unsound pairs: {summary['on_layers_with_unsound_pairs_median']} vs "
               f"{summary['off_layers_with_unsound_pairs_median']}")
