@@ -275,7 +275,7 @@ class QueuedSteps:
         throttle (``lend``): whole, in slices of :data:`SCHEDULE_SLICE_NS` with a checkpoint
         between. Handed over in chunks under the throttle instead, each awaited, a decode step of
         the embedded model cost the loop ~17 wake-ups and 2-5 ms more CPU per token, and decode
-        ran at 0.84-0.86x of mlx-lm against 0.94-0.96x (BENCHMARKS.md, 2026-12-04)."""
+        ran at 0.83-0.89x of mlx-lm against 0.93-1.00x (BENCHMARKS.md, 2026-12-04)."""
         host = self.host_ns
         if not self._bridged:
             t = time.perf_counter_ns()
