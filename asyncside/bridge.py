@@ -303,6 +303,9 @@ class _AsyncioQueue(CompletionQueue):
     def _fail(self, waiter: _Waiter, exc: BaseException) -> None:
         fut: asyncio.Future[int] = waiter.wake
         if not fut.done():
+            if not waiter.awaited:  # an armed ticket nobody awaits yet: no error left unretrieved
+                fut.cancel()
+                return
             try:
                 fut.set_exception(exc)
             except RuntimeError:  # its loop is closed: nobody is waiting any more
@@ -328,9 +331,14 @@ class _AsyncioQueue(CompletionQueue):
         return posted_ns
 
     def arm(self, x: mx.array, stream: mx.Stream | None = None) -> _Waiter:
-        return self._issue(x, stream, asyncio.get_running_loop().create_future())
+        waiter = self._issue(x, stream, asyncio.get_running_loop().create_future())
+        waiter.awaited = False
+        return waiter
 
     async def wait_armed(self, waiter: _Waiter) -> int:
+        waiter.awaited = True
+        if waiter.wake.cancelled() and self.closed:  # closed before its await began (see _fail)
+            raise RuntimeError("the completion queue was closed with this completion in flight")
         posted_ns: int = await waiter.wake
         if waiter.x is not None:
             _raise_if_failed(waiter.x)

@@ -673,3 +673,18 @@ async def test_arm_refuses_what_it_cannot_watch(anyio_backend: object) -> None:
     armed = bridge.arm(ready)  # already available: no ticket
     await armed.wait()
     assert _delta(before)["issued"] == 0
+
+
+async def test_an_armed_completion_whose_queue_closed_before_its_await_raises(
+    anyio_backend: object, no_blocking: object, a_np: np.ndarray
+) -> None:
+    gate = native_testing.StreamGate()
+    x = gate.hold(mx.array(a_np)) + 1.0
+    await bridge.schedule(x)
+    armed = bridge.arm(x)
+    bridge.current_queue().close()
+    with pytest.raises(RuntimeError, match="closed with this completion in flight"):
+        await armed.wait()
+    gate.open()
+    await completed(mx.array(a_np) + 2.0)  # a fresh queue serves the loop
+    assert bridge.counters()["outstanding"] == 0
