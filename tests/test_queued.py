@@ -243,6 +243,43 @@ def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib
         assert issued == 3
 
 
+def test_a_step_that_fails_while_queued_lets_its_queued_part_run_out_first() -> None:
+    """When MLX raises a stream failure in the middle of handing a step over, the part already
+    queued still runs (and its fault nodes may fail too): ``_run_out`` returns only once the
+    stream has run everything queued on it, failures included, and the stream goes on."""
+    import asyncside._native.testing as native_testing
+    from asyncside.models.queued import _run_out
+
+    cpu = mx.default_stream(mx.cpu)
+
+    async def main() -> None:
+        gate = native_testing.StreamGate(timeout_s=20.0)
+        with mx.stream(cpu):
+            held = gate.hold(mx.zeros((4,)))
+            failing = native_testing.fail_on_stream(held + 1, "a fault behind the gate")
+            after = failing * 2 + 1  # queued behind the failure: it still runs
+        mx.async_eval(after)
+        done = anyio.Event()
+
+        async def run_out() -> None:
+            await _run_out(cpu)
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_out)
+            for _ in range(20):
+                await anyio.sleep(0.001)
+            assert not done.is_set()  # the gate holds the queued work: not run out yet
+            gate.open()
+        assert done.is_set()
+        with mx.stream(cpu):
+            y = mx.ones((4,)) + 1
+            await completed(y)  # the stream goes on
+        assert y.tolist() == [2.0] * 4
+
+    anyio.run(main)
+
+
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)

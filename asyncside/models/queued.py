@@ -199,7 +199,12 @@ class QueuedSteps:
             # ahead), and a signal issued at the await would sit behind that next step, so the
             # host would hear of this token only once the next step is computed too, and build
             # the one after while the stream stands idle.
-            ctx.armed = (out, self.arm(out))
+            try:
+                ctx.armed = (out, self.arm(out))
+            except RuntimeError:  # queuing the signal met a failure MLX stored: see _schedule
+                if self._on_cpu:
+                    await _run_out(mx.default_stream(mx.cpu))
+                raise
         self.counters["queued" if logits else "queued_prefill"] += 1
         self.counters["forwards"] += 1
         return out
@@ -287,17 +292,28 @@ class QueuedSteps:
         t1 = time.perf_counter_ns()
         host["plan"] += t1 - t
         slice_ns = SCHEDULE_SLICE_NS if self._on_cpu else 0
-        while True:
-            done, wait_on = plan.advance(slice_ns=slice_ns, lend=self._lend)
-            t2 = time.perf_counter_ns()
-            host["schedule"] += t2 - t1
-            if done:
-                return
-            if wait_on is None:  # the slice ran out with room under the throttle: let the loop run
-                await between_layers()
-            else:
-                await self.completed(wait_on)
-            t1 = time.perf_counter_ns()
+        try:
+            while True:
+                done, wait_on = plan.advance(slice_ns=slice_ns, lend=self._lend)
+                t2 = time.perf_counter_ns()
+                host["schedule"] += t2 - t1
+                if done:
+                    return
+                if wait_on is None:  # the slice ran out with room under the throttle: let the loop run
+                    await between_layers()
+                else:
+                    await self.completed(wait_on)
+                t1 = time.perf_counter_ns()
+        except RuntimeError:
+            # MLX raises a failure on the stream (a fault of this step or of the one before) at
+            # the next call that queues work, part of the step may be queued by then, and
+            # queued work runs whatever failed before it: a later fault node (on ids computed
+            # from unwritten rows) may fail too. Let it all run, so that every fault this step
+            # makes is logged before its awaiter hears of the failure, not left for a later
+            # step or quiesce().
+            if plan.scheduled and self._on_cpu:
+                await _run_out(mx.default_stream(mx.cpu))
+            raise
 
     @staticmethod
     def record_routes(ctx: StepContext) -> None:
@@ -306,6 +322,22 @@ class QueuedSteps:
             return
         for layer, inds in ctx.routed:
             ctx.record.record(layer, np.array(inds, copy=True), None)
+
+
+async def _run_out(stream: mx.Stream) -> None:
+    """Return once the CPU ``stream`` has run everything queued on it, and MLX holds no failure
+    of that work for the next call to raise (each raise clears the one MLX stored)."""
+    from ..bridge import current_queue
+
+    ran = False
+    while True:
+        try:
+            await current_queue().wait_stream(stream)  # queuing the barrier raises a stored failure
+        except RuntimeError:
+            continue
+        if ran:  # a second barrier queued cleanly after the first ran: nothing failed in between
+            return
+        ran = True
 
 
 async def between_layers() -> None:
