@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _native
-from ..bridge import Armed, Completed
+from ..bridge import Armed, Completed, current_queue
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .walk import DecoderWalk, StepContext
 
@@ -327,8 +327,6 @@ class QueuedSteps:
 async def _run_out(stream: mx.Stream) -> None:
     """Return once the CPU ``stream`` has run everything queued on it, and MLX holds no failure
     of that work for the next call to raise (each raise clears the one MLX stored)."""
-    from ..bridge import current_queue
-
     ran = False
     while True:
         try:
