@@ -277,7 +277,7 @@ async def _stages(store: pathlib.Path, prompt: list[int], tokens: int, split: li
         preds = [sm.forward.make_predictor("lookahead") for sm in models]
         caches = [sm.make_cache() for sm in models]
 
-        async def step(t: mx.array) -> mx.array:
+        async def step(t: mx.array, prefill: bool = False) -> mx.array:
             h = embed(models[0], t[None])
             for r, sm in enumerate(models):
                 st = plan.stage(r)
@@ -286,11 +286,12 @@ async def _stages(store: pathlib.Path, prompt: list[int], tokens: int, split: li
                     for layer, ids in sent[r - 1]:
                         srcs[r].prefetch(layer, ids)
                     sent[r - 1].clear()
-                h = await run_layers(sm, h, caches[r], srcs[r], preds[r], start=st.start, stop=st.stop)
+                h = await run_layers(sm, h, caches[r], srcs[r], preds[r], start=st.start, stop=st.stop,
+                                     prefill_end=prefill and r == plan.size - 1)
             return h
 
         for i in range(0, len(prompt) - 1, CHUNK):
-            await step(mx.array(prompt[i:min(i + CHUNK, len(prompt) - 1)]))
+            await step(mx.array(prompt[i:min(i + CHUNK, len(prompt) - 1)]), prefill=True)
         inp = mx.array(prompt[-1:])
         for _ in range(tokens):
             lg = head(models[-1], await step(inp))
@@ -345,6 +346,13 @@ def test_run_layers_checks_the_range(stores: Any) -> None:
 
     with pytest.raises(ValueError, match=r"need 0 <= start < stop <= 3"):
         anyio.run(go)
+
+    async def not_the_end() -> None:
+        await run_layers(sm, mx.zeros((1, 1, 64)), sm.make_cache(), None, sm.forward.make_predictor("none"),
+                         start=0, stop=2, prefill_end=True)
+
+    with pytest.raises(ValueError, match=r"prefill_end needs the range to end the model \(stop=3\), got stop=2"):
+        anyio.run(not_the_end)
 
 
 def test_wake_floor_measures_both_forms() -> None:

@@ -344,6 +344,58 @@ def test_predictors_and_trace() -> None:
     anyio.run(main)
 
 
+@pytest.mark.parametrize("tracing", [False, True], ids=["plain", "tracing"])
+def test_a_per_layer_prefill_chunk_stops_after_the_last_attention(tracing: bool) -> None:
+    """A prefill chunk's caches are complete after the last layer's attention, and nobody reads its
+    output: like mlx-lm's prefill, the per-layer step neither routes nor serves (reads, computes)
+    the last MoE block, nor predicts it. A routing trace still gets every layer. The caches it
+    leaves are bitwise mlx-lm's, and generation goes on exact (test_exact_tokens)."""
+    model, config, sm, pools, prompt, ref = setup("qwen3_moe", "q4g64")
+    last = sm.moe_layers[-1]
+    assert last == len(model.layers) - 1  # the tiny model's last decoder layer is an MoE layer
+    chunk = mx.array(prompt[:-1])[None]
+    ref_cache = make_prompt_cache(model)
+    model(chunk, cache=ref_cache)
+    mx.eval([c.state for c in ref_cache])
+
+    class Counting(ResidentSource):
+        def __init__(self) -> None:
+            super().__init__(pools)
+            self.calls: list[tuple[str, int]] = []
+
+        async def ensure(self, layer, ids):
+            self.calls.append(("ensure", layer))
+            return await super().ensure(layer, ids)
+
+        def prefetch(self, layer, ids):
+            self.calls.append(("prefetch", layer))
+            return super().prefetch(layer, ids)
+
+    async def main() -> tuple[Counting, list]:
+        src = Counting()
+        fwd = sm.forward_with(PER_LAYER)
+        cache = sm.make_cache()
+        trace = RoutingTrace() if tracing else None
+        ctx = fwd.context(cache, src, fwd.make_predictor("lookahead"), trace)
+        await fwd.step(ctx, chunk, logits=False)
+        return src, cache
+
+    src, cache = anyio.run(main)
+    served = {layer for _, layer in src.calls}
+    if tracing:
+        assert ("ensure", last) in src.calls and ("prefetch", last) in src.calls
+    else:
+        assert last not in served, src.calls
+        assert set(sm.moe_layers[:-1]) <= served
+    for i, (a, b) in enumerate(zip(ref_cache, cache)):
+        assert a.offset == b.offset == chunk.shape[1]
+        for x, y in zip(a.state, b.state):
+            if not isinstance(x, mx.array):  # a cache's offset in its state
+                assert x == y
+                continue
+            assert x.shape == y.shape and mx.array_equal(x, y).item(), f"layer {i}: cache differs from mlx-lm's"
+
+
 def test_bad_inputs_are_refused_clearly() -> None:
     model, config, sm, pools, prompt, ref = setup("olmoe", "float")
 

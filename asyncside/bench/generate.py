@@ -75,7 +75,8 @@ if TYPE_CHECKING:  # for annotations; the functions import the models where they
 DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
-STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec", "throttled", "late-signal")
+STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec", "throttled", "late-signal",
+              "queued-prefill")
 PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
@@ -150,7 +151,9 @@ def step_options(mode: str) -> ForwardOptions:
     - ``throttled``: the default, with a queued step handed to MLX in chunks under its eval
       throttle, each awaited (``lend_throttle=False``; what the CPU did before 2026-12-04);
     - ``late-signal``: the default, with a queued step's completion signal issued when its output
-      is awaited, behind the next step (``arm_completions=False``; likewise).
+      is awaited, behind the next step (``arm_completions=False``; likewise);
+    - ``queued-prefill``: the default, with prefill chunks queued too (``queued_prefill=True``;
+      the default on a GPU, not on the CPU).
     """
     from ..models import ForwardOptions, StepMode
 
@@ -162,6 +165,7 @@ def step_options(mode: str) -> ForwardOptions:
         "per-layer-nospec": ForwardOptions(mode=StepMode.PER_LAYER, speculate=False),
         "throttled": ForwardOptions(lend_throttle=False),
         "late-signal": ForwardOptions(arm_completions=False),
+        "queued-prefill": ForwardOptions(queued_prefill=True),
     }
     if mode not in options:
         raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
@@ -182,6 +186,8 @@ def step_mode_of(sm: Any) -> str:
         return "throttled"
     if options.mode == "auto" and not options.arm_completions:
         return "late-signal"
+    if options.mode == "auto" and options.queued_prefill:
+        return "queued-prefill"
     return str(options.mode.value)
 
 

@@ -427,7 +427,8 @@ class Pipeline:
         try:
             async with self._turn:
                 h = await run_layers(self.sm, msg.payload, req.cache, req.source, req.predictor,
-                                     start=self.stage.start, stop=self.stage.stop)
+                                     start=self.stage.start, stop=self.stage.stop,
+                                     prefill_end=self.last and not msg.flags & LOGITS)
                 self.counters["steps"] += 1
                 if not self.last:
                     self.boundary.post(Message(HIDDEN, rid, h, flags=msg.flags, step=msg.step))

@@ -89,7 +89,7 @@ def embed(sm: StreamingModel, tokens: mx.array) -> mx.array:
 
 
 async def run_layers(sm: StreamingModel, h: mx.array, cache: list[Any], source: Any, predictor: Predictor, *,
-                     start: int, stop: int) -> mx.array:
+                     start: int, stop: int, prefill_end: bool = False) -> mx.array:
     """Decoder layers ``[start, stop)`` over hidden state ``h`` (1, L, hidden); returns their output, computed.
 
     ``cache`` is the model's whole per-layer cache list (only entries ``[start, stop)`` are used).
@@ -98,11 +98,18 @@ async def run_layers(sm: StreamingModel, h: mx.array, cache: list[Any], source: 
     stage does not own is how a stage learns its successor's prediction). Rows leased by the range
     are released once the output has been computed. The output is bitwise what the same layers
     compute inside one whole forward.
+
+    ``prefill_end``: the range ends the model (``stop`` is its last layer + 1) and ``h`` is a
+    prefill chunk, whose output nobody reads: the caches are complete after the last layer's
+    attention, so the last block is not served and that hidden state is returned, as a one-process
+    prefill chunk does.
     """
     n = len(decoder_layers(sm.model))
     if not 0 <= start < stop <= n:
         raise ValueError(f"run_layers: need 0 <= start < stop <= {n} (the model's decoder layers), "
                          f"got [{start}, {stop})")
+    if prefill_end and stop != n:
+        raise ValueError(f"run_layers: prefill_end needs the range to end the model (stop={n}), got stop={stop}")
     fwd = _stage_forward(sm, stop)
     masks = sm.arch.masks(fwd.walk.model, h, _mask_cache(cache, start))
     first = next((m for m in fwd.walk.moe if start <= m < stop), None)
@@ -112,7 +119,8 @@ async def run_layers(sm: StreamingModel, h: mx.array, cache: list[Any], source: 
             source.prefetch(first, p)
     ctx = fwd.context(cache, source, predictor)
     try:
-        h = await fwd.per_layer.layers(ctx, start, h, masks, h.shape[1] >= LONG_STEP_TOKENS)
+        h = await fwd.per_layer.layers(ctx, start, h, masks, h.shape[1] >= LONG_STEP_TOKENS,
+                                       stop_before_last=prefill_end)
     except BaseException:
         source.release_after(mx.array(0), ctx.leases)
         raise

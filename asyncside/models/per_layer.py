@@ -101,9 +101,9 @@ class PerLayerSteps:
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool) -> mx.array:
         """Run ``inputs`` (B, L) through the model; the logits (lazy), or with ``logits=False`` the
-        final hidden state (computed; prefill chunks, whose logits nobody reads). Unlike a queued
-        chunk, every layer is served: the predictor observes, and the trace records, the last
-        layer's routing of the prompt too."""
+        hidden state after the last layer's attention (computed; prefill chunks, whose logits nobody
+        reads: their caches are complete there, so the last block is not served, as mlx-lm's
+        prefill never computes it either; unless a routing trace records, which gets every layer)."""
         walk = self.walk
         await quiesce_queued(ctx.source)
         h = walk.embed(inputs)
@@ -115,7 +115,7 @@ class PerLayerSteps:
             ctx.source.prefetch(walk.first_moe, p)
             ctx.predicted[walk.first_moe] = p
         try:
-            h = await self.layers(ctx, 0, h, masks, long_step)
+            h = await self.layers(ctx, 0, h, masks, long_step, stop_before_last=not logits and ctx.record is None)
         except BaseException:
             # Nothing reads these rows any more once the step is abandoned.
             ctx.source.release_after(mx.array(0), ctx.leases)
@@ -150,11 +150,18 @@ class PerLayerSteps:
             block, attr, xn, functools.partial(self._gather_from_snapshot, ctx.source, i, taken))
         return Built(i, h, xn, x_sw, inds, y_spec, out_spec, taken[0] if taken else None), h
 
-    async def layers(self, ctx: StepContext, start: int, h: mx.array, masks: list[Any], long_step: bool) -> mx.array:
+    async def layers(self, ctx: StepContext, start: int, h: mx.array, masks: list[Any], long_step: bool, *,
+                     stop_before_last: bool = False) -> mx.array:
         """Decoder layers ``start``.. over hidden state ``h``, one MoE layer at a time: each awaits its
-        routed ids, then serves its experts. Returns the last layer's output (lazy)."""
+        routed ids, then serves its experts. Returns the last layer's output (lazy), or with
+        ``stop_before_last`` the hidden state after the last layer's attention (a prefill chunk's
+        caches are complete there; its block, which would route, read and compute a whole layer's
+        experts for an output nobody reads, is not built)."""
         walk, source, predictor = self.walk, ctx.source, ctx.predictor
+        last = len(walk.layers) - 1
         for i in range(start, len(walk.layers)):
+            if stop_before_last and i == last:
+                return walk.attend(i, h, masks, ctx.cache)[0]
             b, h = self.attend_and_route(ctx, i, h, masks)
             if long_step:
                 await self.completed(h)  # see the await after the MoE output below
@@ -163,6 +170,8 @@ class PerLayerSteps:
             block, attr = walk.moe[i]
             xn, x_sw, inds, y_spec, out_spec, snap = b.xn, b.x_sw, b.inds, b.y_spec, b.out_spec, b.snap
             nxt = walk.next_moe[i]
+            if stop_before_last and nxt == last:
+                nxt = None  # not served in this step: nothing to predict or prefetch for it
             p = predictor.next(nxt, xn) if nxt is not None else None
             if isinstance(p, mx.array):
                 # Schedule the prediction before the routed ids: the stream computes it first, so
