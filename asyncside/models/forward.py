@@ -27,7 +27,7 @@ import enum
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -261,8 +261,8 @@ class AsyncForward:
                     armed[1].disarm()
                 await self.completed(y)
         finally:
-            if isinstance(ctx.source, QueuedSource) and ctx.routed:
-                ctx.source.after_step()
+            if ctx.routed and self.queued.is_queued_source(ctx.source):
+                cast(QueuedSource, ctx.source).after_step()
         if ctx.routed:
             QueuedSteps.record_routes(ctx)
 

@@ -124,13 +124,18 @@ class QueuedSteps:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
         return int(inputs.size) * self.walk.top_k
 
-    def can_run(self, ctx: StepContext, inputs: mx.array) -> bool:
-        source = ctx.source
+    def is_queued_source(self, source: Any) -> bool:
+        """``isinstance(source, QueuedSource)``, cached per source type: a Protocol isinstance
+        walks every method of the protocol (tens of microseconds, twice a token otherwise)."""
         kind = type(source)
         queued = self._is_queued.get(kind)
-        if queued is None:  # a Protocol isinstance walks every method: once per source type
+        if queued is None:
             queued = self._is_queued[kind] = isinstance(source, QueuedSource)
-        if not queued or inputs.size > MAX_QUEUED_TOKENS:
+        return queued
+
+    def can_run(self, ctx: StepContext, inputs: mx.array) -> bool:
+        source = ctx.source
+        if not self.is_queued_source(source) or inputs.size > MAX_QUEUED_TOKENS:
             return False
         qsource = cast(QueuedSource, source)  # `queued` is the cached isinstance, True here
         pairs = self.pairs(inputs)
@@ -167,8 +172,8 @@ class QueuedSteps:
         The routing of every MoE layer is kept in ``ctx.routed``: read it only after the output
         was awaited.
         """
-        source = ctx.source
-        assert isinstance(source, QueuedSource)
+        source = cast(QueuedSource, ctx.source)
+        assert self.is_queued_source(source)
         host = self.host_ns
         t0 = time.perf_counter_ns()
         source.begin_step(self.pairs(inputs))
