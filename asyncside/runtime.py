@@ -35,6 +35,7 @@ import numpy as np
 # event loop during the first prefill (the demo's largest loop-lag tick). Paid here, at import.
 import numpy.ma  # noqa: F401
 
+from . import _native
 from .errors import AsyncsideError, CapacityError, FillError, LedgerError, StoreError
 from .ledger import AuditReport, Fill, Ledger, validate_ids
 from .policies import DEFAULT_POLICY
@@ -58,8 +59,6 @@ def _native_available(x: mx.array, *, failed: bool = True) -> bool:
     """True when x's computation finished; ``failed`` when it failed. A queued step's failed
     faults are learned from the fault log, not from MLX's error, so checking (and consuming) it
     there loses nothing; a prediction asks for False, so its lazy path meets the error."""
-    from . import _native
-
     try:
         return bool(_native.is_available(x))
     except Exception:
@@ -452,8 +451,6 @@ class Runtime:
         cap = int(max(room, 0) * TIER_SHARE) if self._host_tier_arg == "auto" else int(self._host_tier_arg)
         if cap <= 0 or not device_pools_default():
             return set(), 0
-        from . import _native
-
         if not _native.device_faults_available():
             return set(), 0
         layers, total = set(), 0
@@ -564,8 +561,6 @@ class Runtime:
 
         The blobs are opened in a worker thread: an open() can block (a FIFO, a stale mount).
         """
-        from . import _native
-
         device_ok = _native.device_faults_available()
         host = [(i, st) for i, st in self._layers.items() if not st.pools.device or device_ok]
         if not host:
@@ -873,8 +868,6 @@ class Runtime:
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
         """Lazy uint32 pool rows of the routed ``ids`` of ``layer`` for a queued step: the stream
         maps each expert to its row when it gets there, reading absent ones into lent rows."""
-        from . import _native
-
         st = self._layer(layer)
         if st.faults is None:
             raise AsyncsideError(f"layer {layer}: queued steps need host pools with a fault table")
@@ -893,8 +886,6 @@ class Runtime:
         it first when absent). No pool row changes, so a prefill chunk's experts neither evict a
         batch's working set nor need slices of lent rows. Call :meth:`staged_done` with the
         switch's output: the next staged resolve waits for it, through data."""
-        from . import _native
-
         st = self._layer(layer)
         if st.faults is None or st.staging is None:
             raise AsyncsideError(f"layer {layer}: no staging arrays (they need device pools and a host tier)")
@@ -962,8 +953,6 @@ class Runtime:
         """A queued step's output was awaited: raise the FillError of a failed fault (FillErrors in
         an ExceptionGroup when several failed), and every :data:`RECONCILE_EVERY` steps apply the
         stream's fault logs to the ledgers (the policy sees the uses)."""
-        from . import _native
-
         self._steps_since_reconcile += 1
         errors = _native.fault_errors_total()
         if errors != self._fault_errors_seen or self._steps_since_reconcile >= RECONCILE_EVERY:
