@@ -146,7 +146,7 @@ def test_step_modes(quick_store: pathlib.Path) -> None:
     sm = load_streaming_model(quick_store)
     for mode, want in (("queued", "queued"), ("per-layer", "per-layer"), ("whole", "whole"),
                        ("per-layer-nospec", "per-layer-nospec"), ("throttled", "throttled"),
-                       ("late-signal", "late-signal"), ("queued-prefill", "queued-prefill")):
+                       ("late-signal", "late-signal"), ("per-layer-prefill", "per-layer-prefill")):
         bench.set_step_mode(sm, mode)
         assert bench.step_mode_of(sm) == want
     bench.set_step_mode(sm, "default")

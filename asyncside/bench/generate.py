@@ -76,7 +76,7 @@ DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
 STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec", "throttled", "late-signal",
-              "queued-prefill")
+              "per-layer-prefill")
 PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
@@ -152,8 +152,8 @@ def step_options(mode: str) -> ForwardOptions:
       throttle, each awaited (``lend_throttle=False``; what the CPU did before 2026-12-04);
     - ``late-signal``: the default, with a queued step's completion signal issued when its output
       is awaited, behind the next step (``arm_completions=False``; likewise);
-    - ``queued-prefill``: the default, with prefill chunks queued too (``queued_prefill=True``;
-      the default on a GPU, not on the CPU).
+    - ``per-layer-prefill``: the default, with prefill chunks served per layer through the host
+      (``queued_prefill=False``; what the CPU did before 2026-12-04).
     """
     from ..models import ForwardOptions, StepMode
 
@@ -165,7 +165,7 @@ def step_options(mode: str) -> ForwardOptions:
         "per-layer-nospec": ForwardOptions(mode=StepMode.PER_LAYER, speculate=False),
         "throttled": ForwardOptions(lend_throttle=False),
         "late-signal": ForwardOptions(arm_completions=False),
-        "queued-prefill": ForwardOptions(queued_prefill=True),
+        "per-layer-prefill": ForwardOptions(queued_prefill=False),
     }
     if mode not in options:
         raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
@@ -186,8 +186,8 @@ def step_mode_of(sm: Any) -> str:
         return "throttled"
     if options.mode == "auto" and not options.arm_completions:
         return "late-signal"
-    if options.mode == "auto" and options.queued_prefill:
-        return "queued-prefill"
+    if options.mode == "auto" and options.queued_prefill is False:
+        return "per-layer-prefill"
     return str(options.mode.value)
 
 

@@ -67,14 +67,19 @@ class ForwardOptions:
     ``speculate``: per-layer steps gather from row snapshots where the source offers them.
     ``lookahead_extra``: the lookahead predictor names this many experts beyond the router's k.
     ``queued_prefill``: prefill chunks run as queued steps where the source can (their switches
-    resolving experts in parts sorted by expert), instead of per layer. None (the default): on a
-    GPU, where a per-layer prefill's host round trips cost more than its compute (1.25x a single
-    stream's tok/s, 1.32x 8 clients' on the H200); not on the CPU, where compute dominates and
-    it gains little (1.06x at 8 clients on the dev VM).
+    resolving experts in parts sorted by expert), instead of per layer. None (the default): on.
+    On the H200 a per-layer prefill's host round trips cost more than its compute (queued: 1.25x
+    a single stream's tok/s, 1.32x 8 clients'); on the CPU a queued chunk with its switches sliced
+    by pairs (``expert_slices`` off there) leaves the stream nothing to wait for and computes
+    nothing twice (time to first token 1.00-1.03x mlx-lm's against 1.05-1.10x per layer, warm;
+    BENCHMARKS.md, "Time to first token").
     ``expert_slices``: a queued step's sorted switch (a prefill chunk, a large batch) whose experts
     may not fit a layer's lendable rows at once resolves them in slices of that many distinct
     experts, each slice computing every pair (``ceil(distinct / rows)`` resolves per layer);
     off: in slices of that many pairs (``ceil(pairs / rows)`` resolves, no product computed twice).
+    None (the default): on a GPU, where computing a slice's other pairs costs little and fewer
+    resolves matter; off on the CPU, where the products are the step's cost (at 25% in pools a
+    40-token chunk's expert slices took 2.9x mlx-lm's time to first token).
     ``staged_switches``: such a switch, where the source has staging arrays for the layer (device
     pools with a host tier: MLX CUDA), copies its experts into them instead (one resolve, no pool
     row changes, the gather over a whole layer as mlx-lm's); off: slices as above.
@@ -90,7 +95,7 @@ class ForwardOptions:
     speculate: bool = True
     lookahead_extra: int = 0
     queued_prefill: bool | None = None
-    expert_slices: bool = True
+    expert_slices: bool | None = None
     staged_switches: bool = True
     arm_completions: bool = True
     lend_throttle: bool = True
@@ -102,9 +107,10 @@ class ForwardOptions:
             raise ValueError(f"mode: expected one of {list(STEP_MODES)}, got {self.mode!r}") from None
         if not isinstance(self.lookahead_extra, int) or self.lookahead_extra < 0:
             raise ValueError(f"lookahead_extra: expected an int >= 0, got {self.lookahead_extra!r}")
-        if self.queued_prefill not in (None, True, False):
-            raise ValueError(f"queued_prefill: expected True, False or None, got {self.queued_prefill!r}")
-        for name in ("expert_slices", "staged_switches", "arm_completions", "lend_throttle"):
+        for name in ("queued_prefill", "expert_slices"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}: expected True, False or None, got {getattr(self, name)!r}")
+        for name in ("staged_switches", "arm_completions", "lend_throttle"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 
@@ -166,12 +172,14 @@ class AsyncForward:
         self.per_layer = PerLayerSteps(self.walk, completed, schedule, self.counters,
                                        speculate=self.options.speculate, then_ok=then_ok)
         self.whole = WholeSteps(self.per_layer)
+        on_gpu = mx.default_device() == mx.gpu
+        es = self.options.expert_slices
         self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
-                                  expert_slices=self.options.expert_slices,
+                                  expert_slices=es if es is not None else on_gpu,
                                   staged_switches=self.options.staged_switches, arm=arm,
                                   lend_throttle=self.options.lend_throttle)
         qp = self.options.queued_prefill
-        self._queued_prefill = qp if qp is not None else mx.default_device() == mx.gpu
+        self._queued_prefill = qp if qp is not None else True
 
     @property
     def mode(self) -> StepMode:
