@@ -178,8 +178,7 @@ class AsyncForward:
                                   expert_slices=es if es is not None else on_gpu,
                                   staged_switches=self.options.staged_switches, arm=arm,
                                   lend_throttle=self.options.lend_throttle)
-        qp = self.options.queued_prefill
-        self._queued_prefill = qp if qp is not None else True
+        self._queued_prefill = self.options.queued_prefill is not False  # None: on
 
     @property
     def mode(self) -> StepMode:
