@@ -20,6 +20,31 @@ import anyio
 import mlx.core as mx
 
 
+class _DecodeClock:
+    """Wall and loop-thread CPU time from the first token to the last (the decode tokens), the
+    profiler (if any) running over the same span."""
+
+    def __init__(self, prof: cProfile.Profile | None) -> None:
+        self.prof = prof
+        self.n = 0
+        self.t_first = self.c_first = 0.0
+
+    def token(self) -> None:
+        self.n += 1
+        if self.n == 1:
+            self.t_first, self.c_first = time.perf_counter(), time.thread_time()
+            if self.prof is not None:
+                self.prof.enable()
+
+    def per_token_ms(self) -> tuple[float, float]:
+        """(wall ms, loop-thread CPU ms) per decode token."""
+        if self.prof is not None:
+            self.prof.disable()
+        steps = max(self.n - 1, 1)
+        return ((time.perf_counter() - self.t_first) / steps * 1e3,
+                (time.thread_time() - self.c_first) / steps * 1e3)
+
+
 def main() -> None:
     from mlx_lm.generate import generate_step
 
@@ -39,30 +64,18 @@ def main() -> None:
     prompt = list(sm.tokenizer.encode(DEFAULT_PROMPT))
 
     def theirs(prof: cProfile.Profile | None = None) -> tuple[float, float]:
-        n, t_first, c_first = 0, 0.0, 0.0
+        clock = _DecodeClock(prof)
         for y, _ in generate_step(mx.array(prompt), ref, max_tokens=args.tokens):
             int(y)
-            n += 1
-            if n == 1:
-                t_first, c_first = time.perf_counter(), time.thread_time()
-                if prof is not None:
-                    prof.enable()
-        if prof is not None:
-            prof.disable()
-        return (time.perf_counter() - t_first) / (n - 1) * 1e3, (time.thread_time() - c_first) / (n - 1) * 1e3
+            clock.token()
+        return clock.per_token_ms()
 
     async def ours_async(prof: cProfile.Profile | None) -> tuple[float, float]:
         async with Runtime(sm.store, resident=args.resident) as rt:
-            n, t_first, c_first = 0, 0.0, 0.0
+            clock = _DecodeClock(prof)
             async for _tok in sm.generate(prompt, max_tokens=args.tokens, source=rt):
-                n += 1
-                if n == 1:
-                    t_first, c_first = time.perf_counter(), time.thread_time()
-                    if prof is not None:
-                        prof.enable()
-            if prof is not None:
-                prof.disable()
-            return (time.perf_counter() - t_first) / (n - 1) * 1e3, (time.thread_time() - c_first) / (n - 1) * 1e3
+                clock.token()
+            return clock.per_token_ms()
 
     def ours(prof: cProfile.Profile | None = None) -> tuple[float, float]:
         return anyio.run(ours_async, prof)
