@@ -7,6 +7,7 @@ and real clients, in tests/test_serve.py.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -164,3 +165,23 @@ def test_prometheus_text_format() -> None:
     with pytest.raises(ValueError, match="labels"):
         c.inc(endpoint="/a")
     assert format_value(math.inf) == "+Inf" and format_value(2.0) == "2" and format_value(0.25) == "0.25"
+
+
+@pytest.mark.parametrize("parse, base", [
+    (parse_completion, {"model": "m", "prompt": "x"}),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_openai_fields_that_change_nothing_are_accepted_and_ignored(parse: Any, base: dict[str, Any]) -> None:
+    plain = parse(dict(base))
+    extra = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto", "safety_identifier": "u1",
+             "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prediction": {"type": "content", "content": "x"}}
+    assert parse({**base, **extra}) == plain
+    assert parse({**base, "stream": True, "stream_options": {"include_obfuscation": False}}).stream
+    with pytest.raises(oai.RequestError) as info:
+        parse({**base, "store": "yes"})
+    assert info.value.param == "store" and "boolean" in info.value.message
+    # Fields that would change the answer's shape stay refused, by name.
+    for key, value in [("modalities", ["text", "audio"]), ("audio", {"voice": "x"}), ("functions", [])]:
+        with pytest.raises(oai.RequestError) as info:
+            parse({**base, key: value})
+        assert info.value.status == 400 and info.value.param == key

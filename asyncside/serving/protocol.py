@@ -3,8 +3,9 @@
 Parsing turns a decoded JSON body into a :class:`CompletionRequest`; any field that is missing,
 of the wrong type, out of range or unknown raises :class:`RequestError`, which the server answers
 with a 4xx JSON body in OpenAI's error shape naming the field (``param``) and what was expected.
-Nothing is silently ignored: a field this server does not implement is refused by name. Nothing
-here does I/O or knows about the model.
+A field this server does not implement is refused by name, except the few in
+:data:`IGNORED_KEYS` that change nothing in the answer (``metadata``, ``store``, ``service_tier``,
+...): those are accepted and ignored. Nothing here does I/O or knows about the model.
 
 Sampling follows mlx-lm (``mlx_lm.sample_utils``): ``temperature`` (0: greedy), ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``repetition_penalty``, ``presence_penalty``,
@@ -249,7 +250,19 @@ _SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "repetition_context_size",
     "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias",
 })
-_COMMON_KEYS = frozenset({"model", "max_tokens", "stream", "stream_options", "stop", "n", "user"}) | _SAMPLING_KEYS
+#: Fields OpenAI defines that change nothing in the answer here (bookkeeping on OpenAI's side,
+#: routing hints, prompt-cache keys): accepted and ignored, each checked for its JSON type only.
+IGNORED_KEYS: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,),
+    "store": (bool,),
+    "service_tier": (str,),
+    "safety_identifier": (str,),
+    "prompt_cache_key": (str,),
+    "prompt_cache_retention": (str,),
+    "prediction": (dict,),
+}
+_COMMON_KEYS = (frozenset({"model", "max_tokens", "stream", "stream_options", "stop", "n", "user"}) | _SAMPLING_KEYS
+                | frozenset(IGNORED_KEYS))
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_KEYS = _COMMON_KEYS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -257,7 +270,15 @@ CHAT_KEYS = _COMMON_KEYS | {
 }
 
 
+_IGNORED_TYPE_NAMES = {(dict,): "an object", (bool,): "a boolean", (str,): "a string"}
+
+
 def _known_keys(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:
+    for key, types in IGNORED_KEYS.items():
+        value = body.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool) != (bool in types)):
+            raise RequestError(f"'{key}' must be {_IGNORED_TYPE_NAMES[types]}, got {_type_name(value)} (the field is "
+                               "accepted and ignored by this server)", param=key)
     unknown = sorted(k for k in body if k not in known)
     if unknown:
         raise RequestError(
@@ -288,7 +309,7 @@ def _common(body: Mapping[str, Any], served_models: Sequence[str]) -> tuple[str,
             raise RequestError(f"'stream_options' must be an object, got {_type_name(options)}", param="stream_options")
         if not stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        extra = sorted(set(options) - {"include_usage"})
+        extra = sorted(set(options) - {"include_usage", "include_obfuscation"})  # the latter: padding only
         if extra:
             raise RequestError(f"'stream_options.{extra[0]}' is not supported", param="stream_options")
         include_usage = _expect_bool(options, "include_usage", False)
