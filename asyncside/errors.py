@@ -47,3 +47,24 @@ class FillError(AsyncsideError):
         self.expected = expected
         self.got = got
         super().__init__(f"layer {layer} expert {expert} (row {row}): {message}")
+
+
+class MissingExtraError(AsyncsideError, ImportError):
+    """A command needs a package that only an optional extra installs (``pip install 'asyncside[extra]'``).
+
+    ``module`` is the missing import, ``extra`` the extra that installs it.
+    """
+
+    def __init__(self, module: str, extra: str, what: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(f"{what} needs {module}, which is not installed: pip install 'asyncside[{extra}]'",
+                         name=module)
+
+
+class TraceError(StoreError):
+    """A routing trace (asyncside.routing) is missing, malformed or inconsistent.
+
+    Like :class:`StoreError`: ``path`` is the file at fault (``<in memory>`` for a trace built in
+    code) and ``field`` the field to blame (``ids``, ``lengths``, ``n_experts``, ``meta``).
+    """

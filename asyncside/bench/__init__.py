@@ -4,6 +4,9 @@ Each module defines ``add_<what>_arguments(parser)`` and ``run_<what>_bench(args
 prints its table unless ``args.json``). :data:`BENCHES` names them; :func:`bench_main` is the one
 entry point behind both ``asyncside bench <what>`` and ``python -m asyncside.bench.<what>``.
 Importing this package imports no benchmark (and no MLX): ``asyncside --help`` stays fast.
+
+The benchmarks' plotting (matplotlib) and HTTP client (httpx) are not core dependencies: they come with
+``pip install 'asyncside[bench]'``, and :func:`require_extra` names that command when they are missing.
 """
 
 from __future__ import annotations
@@ -13,11 +16,18 @@ import importlib
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "median", "run_bench"]
+from ..errors import MissingExtraError
+
+__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "median", "require_extra", "run_bench"]
+
+#: The extra that installs the benchmarks' optional packages (matplotlib, httpx).
+BENCH_EXTRA = "bench"
 
 
 @dataclass(frozen=True)
@@ -74,10 +84,28 @@ def add_bench_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     bench.function(bench.add)(parser)
 
 
+def require_extra(module: str, what: str, extra: str = BENCH_EXTRA) -> ModuleType:
+    """Import ``module``, or raise :class:`MissingExtraError` naming ``pip install 'asyncside[extra]'``.
+
+    ``what`` names the command or option that needs it, for the message.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(module.partition(".")[0], extra, what) from exc
+
+
 def run_bench(name: str, args: argparse.Namespace) -> int:
-    """Run bench ``name`` with parsed ``args``; print the JSON result with ``--json``; exit status."""
+    """Run bench ``name`` with parsed ``args``; print the JSON result with ``--json``; exit status.
+
+    A missing optional package is reported on stderr with the extra to install (exit status 2).
+    """
     bench = BENCHES[name]
-    result: dict[str, Any] = bench.function(bench.run)(args)
+    try:
+        result: dict[str, Any] = bench.function(bench.run)(args)
+    except MissingExtraError as exc:
+        print(f"asyncside bench {name}: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     return 0 if bench.ok(result) else 1

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..demo import Run
 from ..policies import DEFAULT_POLICY
+from . import require_extra
 from .machine import machine_info
 from .shapes import SHAPES, SMALL_VOCAB
 
@@ -621,6 +622,10 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..models import RoutingTrace, load_reference_model, load_streaming_model
     from ..store import ExpertStore
 
+    plot = getattr(args, "plot", None)
+    if plot and plot != "none":
+        # Before the rounds, not after them: a missing plotting package should not cost a whole run.
+        require_extra("matplotlib", "asyncside bench generate --plot (use --plot none to skip it)")
     s = _settings(args)
     verbose = not getattr(args, "json", False)
     started = time.time()
@@ -793,7 +798,6 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
                              and all(r["tokens_identical"] for r in rows) and trace_tokens == ref_tokens),
     }
     result["targets"] = _targets(result)
-    plot = getattr(args, "plot", None)
     if plot and plot != "none":
         try:
             result["plot"] = str(plot_result(result, plot))
@@ -875,8 +879,7 @@ def _mb(v: float | None) -> str:
 
 def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib.Path:
     """Decode tokens/s vs residency per system (warm, cold) beside mlx-lm; hit rates vs Belady."""
-    import matplotlib
-
+    matplotlib = require_extra("matplotlib", "asyncside bench generate --plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

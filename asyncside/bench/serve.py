@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import require_extra
 from .machine import machine_info
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog while experts stream in from the disk; "
@@ -169,8 +170,7 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
 
     ``prompts(client, n)`` gives client ``client``'s ``n``-th prompt and whether it is the long one.
     """
-    import httpx
-
+    httpx = require_extra("httpx", "asyncside bench serve")
     result = PhaseResult(server, clients, seconds)
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
@@ -306,8 +306,7 @@ class MlxLmServer:
         self.log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncside-bench-mlx-lm-{self.port}.log"
 
     def __enter__(self) -> MlxLmServer:
-        import httpx
-
+        httpx = require_extra("httpx", "asyncside bench serve")
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlx_lm.server", "--model", self.model_dir, "--host", "127.0.0.1",
@@ -378,6 +377,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     from ..serving.cli import settings_from_args
 
     _check(args)
+    # Before any server starts: the clients need httpx, which only the bench extra installs.
+    require_extra("httpx", "asyncside bench serve")
     rss_before = read_rss_bytes()
     factory = engine_factory or engine_factory_from_args(args)
     settings = settings_from_args(args)
