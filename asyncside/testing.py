@@ -54,7 +54,7 @@ DEFAULT_SEGMENTS: dict[str, tuple[tuple[int, ...], str]] = {
     "down_proj.weight": ((16, 32), "float16"),
 }
 
-from .audit import audit_problems  # noqa: E402,F401  (re-exported; the server's /health uses it too)
+from .audit import audit_problems  # noqa: E402  (re-exported; the server's /health uses it too)
 from .testing_blocking import no_blocking  # noqa: E402,F401  (re-exported fixture; imports no MLX)
 
 RUNTIME_MARKER = "asyncside_runtime"

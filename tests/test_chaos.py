@@ -90,7 +90,7 @@ class Chaos:
 
     def check_rows(self, rt: Runtime) -> None:
         for layer in self.store.layers:
-            pools = rt._layer(layer).pools  # noqa: SLF001 - the bytes themselves are the point
+            pools = rt._layer(layer).pools  # private on purpose: the bytes themselves are the point
             table = rt.ledger(layer).lookup()
             for e in np.flatnonzero(table >= 0).tolist():
                 row = int(table[e])

@@ -426,7 +426,7 @@ def test_heartbeats_go_on_while_the_loop_is_held() -> None:
             await tg.start(control.run)
             await anyio.sleep(0.2)  # the loop beats for itself meanwhile
             quiet = control.counters["heartbeats_from_thread"]
-            time.sleep(0.6)  # held: twelve periods without the loop
+            time.sleep(0.6)  # noqa: ASYNC251 - held on purpose: twelve periods without the loop
             assert control.counters["heartbeats_from_thread"] - quiet >= 4
             tg.cancel_scope.cancel()
 

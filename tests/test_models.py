@@ -293,7 +293,7 @@ def test_cancelled_generation_releases_leases() -> None:
                 got.append(t)
                 if len(got) == 3:
                     scope.cancel()
-                    await anyio.sleep(0)  # the cancellation lands here, mid-generation
+                    await anyio.lowlevel.checkpoint()  # the cancellation lands here, mid-generation
         assert got == ref[:3]
         await src.close()
         assert src.open_leases() == 0

@@ -307,7 +307,7 @@ def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path,
                 assert all(e.errno == errno.ENODATA for e in errors), [e.errno for e in errors]
             finally:
                 for path, data in saved.items():
-                    with open(path, "r+b") as fh:
+                    with open(path, "r+b") as fh:  # noqa: ASYNC230 - the test damages its own store
                         fh.write(data)
             await rt.quiesce()
             reports = rt.audit()
@@ -999,7 +999,7 @@ def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Pa
                 saved[spec.path] = bytes(data)
                 for e in range(spec.n_experts):
                     data[spec.record_offset(e) + spec.segments[0].offset] ^= 0x40
-                with open(spec.path, "r+b") as fh:
+                with open(spec.path, "r+b") as fh:  # noqa: ASYNC230 - the test damages its own store
                     fh.write(data)
             errors: list[BaseException] = []
             try:
@@ -1009,7 +1009,7 @@ def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Pa
                 errors = list(exc.exceptions) if isinstance(exc, ExceptionGroup) else [exc]
             finally:
                 for path, data in saved.items():
-                    with open(path, "r+b") as fh:
+                    with open(path, "r+b") as fh:  # noqa: ASYNC230 - the test damages its own store
                         fh.write(data)
             await rt.quiesce()
             assert all(r.ok for r in rt.audit().values())

@@ -175,7 +175,7 @@ class HeldTurn:
         self.future.result(30)
 
 
-async def _health_until(http: httpx.AsyncClient, srv: BackgroundServer, pred: Any, timeout: float = 30.0) -> dict:
+async def _health_until(http: httpx.AsyncClient, srv: BackgroundServer, pred: Any, timeout: float = 30.0) -> dict:  # noqa: ASYNC109
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

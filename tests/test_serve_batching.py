@@ -313,7 +313,7 @@ async def test_queued_prefill_chunks_overlap_the_decode_step_and_a_failed_one_fa
     src = pathlib.Path(store_dir)
     copy = tmp_path / "store"
     copy.mkdir()
-    for f in src.iterdir():  # the blobs hard-linked (never written), the one to damage copied
+    for f in src.iterdir():  # noqa: ASYNC240 - test setup; the blobs hard-linked (never written), the one to damage copied
         try:
             if not f.name.startswith("layer-") or f.name == "layer-00003.bin":
                 raise OSError

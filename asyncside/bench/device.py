@@ -60,7 +60,7 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     spec = store.layer(0)
     record = sum(s.nbytes for s in spec.segments)
     async with Runtime(store, resident={0: []}, side_rows=args.side_rows, reader=args.reader) as rt:
-        pools = rt._layer(0).pools  # noqa: SLF001 - the bench times the pools themselves
+        pools = rt._layer(0).pools  # private on purpose: the bench times the pools themselves
         out["device_pools"] = bool(pools.device)
         out["reader"] = rt.reader
         rows = list(range(pools.rows))

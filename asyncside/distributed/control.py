@@ -253,7 +253,7 @@ class ControlPlane:
                     continue
                 try:
                     await link.send(ABORT, body)
-                except Exception:  # noqa: BLE001 - a dead peer's link: nothing more to tell it
+                except Exception:  # a dead peer's link: nothing more to tell it
                     pass
 
     async def _lost(self, err: PeerLostError, *, skip: _Link | None = None) -> None:
@@ -396,7 +396,9 @@ class ControlPlane:
 
     # -- clean end ---------------------------------------------------------------------------------
 
-    async def goodbye(self, timeout: float | None = None) -> None:
+    # A timeout argument, not a caller's cancel scope: it bounds only the wait for the neighbours' goodbyes,
+    # never the sends or the closing after it.
+    async def goodbye(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Say goodbye on both links, wait (up to ``timeout``) for the neighbours' own, then close them."""
         await self._started.wait()
         self._closing = True

@@ -44,7 +44,7 @@ def exits_on_failure(prefix: str) -> Iterator[None]:
     transfer that will never complete."""
     try:
         yield
-    except BaseException as exc:  # noqa: BLE001 - every failure ends the process here
+    except BaseException as exc:  # every failure ends the process here
         found = find_error(exc, (PeerLostError, PeerTimeoutError))
         if found is not None:
             exit_after_peer_loss(found)
