@@ -69,6 +69,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
+    p.add_argument("--routing", metavar="FILE", default=None,
+                   help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
+                        "routes to the trace's experts instead of its router's top-k")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--ranks", type=int, default=1, metavar="N",
@@ -125,6 +128,9 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from .models.forcing import rewind_reference
+
+    rewind_reference(model)  # a replayed routing starts at position 0 again
     run = Run(start=time.perf_counter())
     for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         tok = int(y)
@@ -190,6 +196,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from .models import ForwardOptions, load_reference_model, load_streaming_model
     from .models.embedded import ensure_embedded_default
+    from .models.forcing import force_reference
     from .store import ExpertStore
 
     if args.tokens < 1:
@@ -206,8 +213,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
+    replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None
     # All-resident reference first (it also warms MLX's kernels for both runs alike).
     ref_model, _config = load_reference_model(store_dir)
+    if replay is not None:
+        force_reference(ref_model, sm.arch.block_attr, replay)  # the same routing as the streaming run
     reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
     ref = reference_run(ref_model, prompt_ids, args.tokens, eos)
     del ref_model
@@ -255,6 +265,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "fault_latency_p50_ms": fault_latency["p50_s"] * 1e3,
         "fault_latency_p99_ms": fault_latency["p99_s"] * 1e3,
         "direct": bool(args.direct),
+        "routing": None if replay is None else {"file": str(args.routing), "tokens": replay.n_tokens,
+                                                "meta": replay.trace.meta},
         "tokens_identical": identical,
         "audit_clean": audit_ok,
         "streaming": run_f,

@@ -43,6 +43,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import FillError
 from ..models.arch import decoder_layers, moe_layers
+from ..models.forcing import cache_position
 from ..models.pooled import (
     SORT_THRESHOLD,
     SwitchSpec,
@@ -313,7 +314,8 @@ class SlotCache:
 
 
 def slot_forward(model: nn.Module, arch: Any, cache_: SlotCache, inputs: mx.array, kv_cache: list[Any], *,
-                 logits: bool = True, moe: Mapping[int, tuple[nn.Module, str]] | None = None) -> mx.array:
+                 logits: bool = True, moe: Mapping[int, tuple[nn.Module, str]] | None = None,
+                 routing: Any = None) -> mx.array:
     """One forward of ``inputs`` (1, L) through a model whose switch layers are PooledSwitch modules,
     every MoE block's experts served by ``cache_``; updates ``kv_cache``.
 
@@ -322,7 +324,10 @@ def slot_forward(model: nn.Module, arch: Any, cache_: SlotCache, inputs: mx.arra
     ``logits=False`` (a prefill chunk, whose logits nobody reads) it stops after the last layer's
     attention, the last point the KV caches need, and returns that hidden state, lazy. ``moe``
     (``asyncside.models.arch.moe_layers`` of the model) saves looking the MoE blocks up per call.
+    ``routing``: a routing replay (``asyncside.models.forcing.RoutingReplay``) forcing every MoE
+    layer's ids, as asyncside's forward does.
     """
+    position = cache_position(kv_cache) if routing is not None else 0
     inner = model.model
     if moe is None:
         moe = moe_layers(model, arch)
@@ -344,7 +349,8 @@ def slot_forward(model: nn.Module, arch: Any, cache_: SlotCache, inputs: mx.arra
         def apply(x_sw: mx.array, inds: mx.array, i: int = i, switch: Any = switch) -> mx.array:
             return cache_.gather(i, switch.spec, switch.activation, x_sw, inds)
 
-        out, _x, _inds, _y = route_and_apply(block, attr, xn, apply)
+        forced = None if routing is None else routing.step_ids(i, position, xn.shape[:-1])
+        out, _x, _inds, _y = route_and_apply(block, attr, xn, apply, forced)
         assert out is not None
         h = h + out
     h = inner.norm(h)
@@ -367,17 +373,18 @@ def slot_generate(sm: Any, cache_: SlotCache, prompt_ids: Sequence[int], *, max_
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     eos = eos_token_ids or set()
     model, arch = sm.model, sm.arch
+    routing = getattr(sm, "routing", None)  # the model's routing replay, forced here too
     moe = moe_layers(model, arch)
     kv = make_prompt_cache(model)
     prompt = mx.array(ids)
     while prompt.size > 1:
         n = min(prefill_step_size, prompt.size - 1)
-        slot_forward(model, arch, cache_, prompt[:n][None], kv, logits=False, moe=moe)
+        slot_forward(model, arch, cache_, prompt[:n][None], kv, logits=False, moe=moe, routing=routing)
         mx.eval([c.state for c in kv])
         prompt = prompt[n:]
     inputs = prompt
     for _ in range(max_tokens):
-        out = slot_forward(model, arch, cache_, inputs[None], kv, moe=moe)[:, -1, :]
+        out = slot_forward(model, arch, cache_, inputs[None], kv, moe=moe, routing=routing)[:, -1, :]
         y = mx.argmax(out - mx.logsumexp(out, keepdims=True), axis=-1)
         tok = int(y.item())  # type: ignore[arg-type]  # an argmax: always an int
         if tok in eos:

@@ -35,6 +35,7 @@ import mlx.nn as nn
 from ..bridge import Completed
 from ..errors import AsyncsideError
 from .arch import Arch
+from .forcing import cache_position
 from .per_layer import PerLayerSteps, RowLookupError
 from .pooled import SwitchSpec
 from .predict import Predictor
@@ -179,6 +180,9 @@ class AsyncForward:
                                   staged_switches=self.options.staged_switches, arm=arm,
                                   lend_throttle=self.options.lend_throttle)
         self._queued_prefill = self.options.queued_prefill is not False  # None: on
+        #: routing replay of every step (:class:`asyncside.models.forcing.RoutingReplay`); None: the
+        #: router routes. Set through ``StreamingModel.set_routing``.
+        self.routing: Any = None
 
     @property
     def mode(self) -> StepMode:
@@ -190,8 +194,12 @@ class AsyncForward:
 
     def context(self, cache: list[Any], source: ExpertSource, predictor: Predictor | None = None,
                 trace: RoutingTrace | None = None) -> StepContext:
-        """A new step's context (one per step)."""
-        return StepContext(cache, source, predictor or Predictor(), trace)
+        """A new step's context (one per step); under routing replay its first token's position is
+        the tokens ``cache`` has seen."""
+        if self.routing is None:
+            return StepContext(cache, source, predictor or Predictor(), trace)
+        return StepContext(cache, source, predictor or Predictor(), trace, routing=self.routing,
+                           position=cache_position(cache))
 
     def kind(self, ctx: StepContext, inputs: mx.array) -> StepMode:
         """The strategy this decode step will run with."""

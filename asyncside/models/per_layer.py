@@ -147,7 +147,7 @@ class PerLayerSteps:
         # One call of the block routes and, when a snapshot allows, combines the speculative
         # outputs too (out_spec): its router is built and computed once.
         out_spec, x_sw, inds, y_spec = route_and_apply(
-            block, attr, xn, functools.partial(self._gather_from_snapshot, ctx.source, i, taken))
+            block, attr, xn, functools.partial(self._gather_from_snapshot, ctx.source, i, taken), ctx.forced(i, xn))
         return Built(i, h, xn, x_sw, inds, y_spec, out_spec, taken[0] if taken else None), h
 
     async def layers(self, ctx: StepContext, start: int, h: mx.array, masks: list[Any], long_step: bool, *,
@@ -200,10 +200,10 @@ class PerLayerSteps:
                 assert out_spec is not None and y_spec is not None  # a snapshot gather made both
                 y = await self.serve_speculated(ctx, i, x_sw, inds_np, y_spec, snap)
                 # Every pair sound: the block output built with the speculative outputs stands.
-                h = h + (out_spec if y is y_spec else combine(block, attr, xn, y))
+                h = h + (out_spec if y is y_spec else combine(block, attr, xn, y, ctx.forced(i, xn)))
             else:
                 y = await self.serve(ctx, i, x_sw, inds_np)
-                h = h + combine(block, attr, xn, y)
+                h = h + combine(block, attr, xn, y, ctx.forced(i, xn))
             if long_step:
                 # A prefill chunk: let the stream finish each block before scheduling the next.
                 # The bridge queues graphs in groups of nodes under MLX's eval throttle, but a

@@ -34,6 +34,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .arch import UnsupportedModelError, switch_meta
+from .forcing import forced_block_call
 
 #: mlx-lm's SwitchGLU sorts the routed pairs when there are at least this many.
 SORT_THRESHOLD = 64
@@ -143,7 +144,7 @@ def _decline(x: mx.array, indices: mx.array) -> None:
 
 
 def route_and_apply(block: nn.Module, attr: str, x: mx.array,
-                    apply: Callable[[mx.array, mx.array], mx.array | None]
+                    apply: Callable[[mx.array, mx.array], mx.array | None], forced: mx.array | None = None
                     ) -> tuple[mx.array | None, mx.array, mx.array, mx.array | None]:
     """Route and combine in one call of the block, its switch computing ``apply(x_sw, ids)``.
 
@@ -151,13 +152,14 @@ def route_and_apply(block: nn.Module, attr: str, x: mx.array,
     None the block stops right after routing, like :func:`route`, and the result is
     ``(None, switch input, ids, None)``. One call instead of :func:`route` then :func:`combine`
     builds (and computes) the block's router once when the switch output can be built before the
-    ids are known (the forward's speculative row gather).
+    ids are known (the forward's speculative row gather). ``forced``: ids replacing the router's
+    top-k (routing replay, :func:`asyncside.models.forcing.forced_block_call`).
     """
     sw = getattr(block, attr)
     plan = _Apply(apply)
     object.__setattr__(sw, "_plan", plan)
     try:
-        out = block(x)
+        out = block(x) if forced is None else forced_block_call(block, x, forced)
     except _Captured as cap:
         return None, cap.x, cap.indices, None
     finally:
@@ -168,12 +170,14 @@ def route_and_apply(block: nn.Module, attr: str, x: mx.array,
     return out, x_sw, indices, y
 
 
-def combine(block: nn.Module, attr: str, x: mx.array, switch_out: mx.array) -> mx.array:
-    """Run the block's own ``__call__`` with its switch layer returning ``switch_out``."""
+def combine(block: nn.Module, attr: str, x: mx.array, switch_out: mx.array,
+            forced: mx.array | None = None) -> mx.array:
+    """Run the block's own ``__call__`` with its switch layer returning ``switch_out`` (routed to
+    ``forced`` when given, as :func:`route_and_apply`)."""
     sw = getattr(block, attr)
     object.__setattr__(sw, "_plan", switch_out)
     try:
-        return block(x)
+        return block(x) if forced is None else forced_block_call(block, x, forced)
     finally:
         object.__setattr__(sw, "_plan", None)
 

@@ -270,7 +270,7 @@ class QueuedSteps:
                 counters["token_parts"] += -(-tokens // split)
                 return _split_switch(source, i, spec, activation, x_sw, inds, pools, split)
 
-            out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply)
+            out, _x_sw, inds, _y = route_and_apply(block, attr, xn, apply, ctx.forced(i, xn))
             assert out is not None
             routed.append((i, inds))
             h = h_attn + out

@@ -7,6 +7,7 @@ KV cache, and ``sm.generate(...)`` streams greedy tokens exactly as mlx-lm's ``g
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..bridge import Completed
 from ..errors import AsyncsideError
 from .arch import Arch
+from .forcing import RoutingReplay, RoutingReplayError, load_replay
 from .forward import AsyncForward, ForwardOptions, StepMode, default_completed
 from .pooled import SwitchSpec
 from .predict import check_predictor
@@ -64,11 +66,26 @@ class StreamingModel:
         self._moe = moe
         self._specs = specs
         self._lock: tuple[object, anyio.Lock] | None = None
+        #: routing replay of every step (see :meth:`set_routing`)
+        self.routing: RoutingReplay | None = None
 
     @property
     def moe_layers(self) -> list[int]:
         """Decoder layer indices that route experts (the store's layer indices)."""
         return sorted(self._moe)
+
+    def set_routing(self, routing: RoutingReplay | str | os.PathLike[str] | None, *, sequence: int = 0
+                    ) -> RoutingReplay | None:
+        """Replay a routing trace in every later step (a :class:`RoutingReplay`, or a trace file fitted
+        to this model); None: the router routes again. Returns the replay (:mod:`.forcing`)."""
+        if routing is not None and not isinstance(routing, RoutingReplay):
+            n_experts = int(self.store.layer(self.moe_layers[0]).n_experts) if self.store is not None \
+                else _config_experts(self.config)
+            routing = load_replay(routing, self.model, self._moe, n_experts, sequence=sequence)
+        self.routing = routing
+        for fwd in self._forwards.values():
+            fwd.routing = routing
+        return routing
 
     def forward_with(self, options: ForwardOptions | None = None) -> AsyncForward:
         """The forward for ``options`` (this model's own by default); one per distinct options."""
@@ -78,6 +95,7 @@ class StreamingModel:
             completed = self._completed or default_completed()
             fwd = self._forwards[options] = AsyncForward(self.model, self.arch, self._moe, self._specs, completed,
                                                          options)
+            fwd.routing = self.routing
         return fwd
 
     @property
@@ -179,3 +197,12 @@ class StreamingModel:
                     y = await fwd.step(ctx, mx.array([[tok]]), head=greedy)
             else:
                 ctx, y = ahead
+
+
+def _config_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer from an mlx-lm config (the keys the supported architectures use)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    raise RoutingReplayError(f"config.json names no expert count (num_experts / num_local_experts / "
+                             f"n_routed_experts): keys {sorted(config)}")

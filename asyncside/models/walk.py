@@ -136,6 +136,21 @@ class StepContext:
     #: a queued step's output and its completion, armed as the step was scheduled (see
     #: ``asyncside.bridge.arm``); ``finish`` awaits it
     armed: tuple[mx.array, Any] | None = None
+    #: routing replay (:class:`asyncside.models.forcing.RoutingReplay`) and the position of the
+    #: step's first token in the sequence; None: the router routes
+    routing: Any = None
+    position: int = 0
+    _forced: dict[int, mx.array] = field(default_factory=dict)
+
+    def forced(self, layer: int, x: mx.array) -> mx.array | None:
+        """The ids replacing MoE layer ``layer``'s top-k for block input ``x`` (None: no replay).
+        The same array for every call of one step (a block built twice routes the same)."""
+        if self.routing is None:
+            return None
+        ids = self._forced.get(layer)
+        if ids is None:
+            ids = self._forced[layer] = self.routing.step_ids(layer, self.position, x.shape[:-1])
+        return ids
 
     def __post_init__(self) -> None:
         if self.trace is not None:

@@ -115,7 +115,8 @@ class WholeSteps:
                 block, attr = walk.moe[b.layer]
                 assert b.y_spec is not None and b.out_spec is not None and b.snap is not None
                 y = await pl.serve_speculated(ctx, b.layer, b.x_sw, routed[bad], b.y_spec, b.snap)
-                h = b.h_attn + (b.out_spec if y is b.y_spec else combine(block, attr, b.xn, y))
+                forced = ctx.forced(b.layer, b.xn)
+                h = b.h_attn + (b.out_spec if y is b.y_spec else combine(block, attr, b.xn, y, forced))
                 whole = self._build(ctx, h, whole.masks, b.layer + 1)
                 await pl.schedule(whole.out)
         except BaseException:

@@ -1,0 +1,264 @@
+"""Routing replay: every MoE layer's top-k replaced by a routing trace's expert ids.
+
+With a :class:`RoutingReplay` set on a :class:`~asyncside.models.streaming.StreamingModel`
+(``sm.set_routing(replay)``) every MoE block of every step routes token ``p`` of the sequence to
+the trace's ids of position ``p`` (``p`` counted from the start of the generation, the first
+prompt token 0; past the trace's end positions wrap around, ``p mod T``). The gate weights are
+still the router's own: the block computes its router's scores as mlx-lm does and takes them at
+the forced ids (:func:`forced_block_call`), so the expert outputs, their weighting, shared
+experts and everything after them are computed exactly as the block would for those ids. The
+all-resident reference (mlx-lm's model and ``generate_step``) is forced the same way by
+:func:`force_reference`, so tokens still compare exactly.
+
+The trace is fitted to the model with :meth:`asyncside.routing.RoutingTrace.map_to` (model MoE
+layer ``i`` replays trace layer ``i mod L``; expert ids spread or folded by a fixed seeded
+permutation; slots beyond the model's top-k dropped): docs/routing-traces.md.
+
+Replay is for batch-1 generation (``generate``, ``demo``, ``bench generate``, the slot cache);
+the lookahead predictor still runs the model's router on the hidden state, which does not know
+the forced ids (use ``--predictor none`` or ``temporal`` to compare policies without it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import AsyncsideError
+from .arch import UnsupportedModelError, top_k_attribute
+
+
+class RoutingReplayError(AsyncsideError, ValueError):
+    """A routing trace cannot be replayed on this model or this step (the message says why)."""
+
+
+class RoutingReplay:
+    """One sequence of a routing trace fitted to a model: ids ``(T, MoE layers, top_k)``.
+
+    ``moe_layers``: the model's MoE decoder layer indices in order (trace layer ``j`` of the fitted
+    trace drives ``moe_layers[j]``); ``n_experts`` and ``top_k``: the model's. ``sequence``
+    picks one sequence of a multi-sequence trace.
+    """
+
+    def __init__(self, trace: Any, *, moe_layers: Sequence[int], n_experts: int, top_k: int,
+                 sequence: int = 0, source: str = "<in memory>") -> None:
+        layers = [int(i) for i in moe_layers]
+        if not layers:
+            raise RoutingReplayError(f"{source}: the model has no MoE layer to replay routing on")
+        if not 0 <= sequence < trace.n_sequences:
+            raise RoutingReplayError(f"{source}: sequence {sequence} out of range: the trace has "
+                                     f"{trace.n_sequences}")
+        try:
+            fitted = trace.map_to(len(layers), int(n_experts), int(top_k))
+        except ValueError as exc:
+            raise RoutingReplayError(f"{source}: cannot map the trace ({trace.n_layers} layers x "
+                                     f"{trace.n_experts} experts, top-{trace.top_k}) onto the model "
+                                     f"({len(layers)} MoE layers x {n_experts} experts, top-{top_k}): {exc}") from None
+        ids = np.ascontiguousarray(fitted.sequence(sequence), dtype=np.uint32)
+        if ids.shape[0] < 1:
+            raise RoutingReplayError(f"{source}: sequence {sequence} of the trace has no tokens")
+        self.source = source
+        self.trace = trace
+        self.fitted = fitted
+        self.ids = ids
+        self.moe_layers = layers
+        self.n_experts = int(n_experts)
+        self.top_k = int(top_k)
+        self._ordinal = {layer: j for j, layer in enumerate(layers)}
+
+    @classmethod
+    def for_model(cls, trace: Any, model: nn.Module, moe: dict[int, tuple[nn.Module, str]], n_experts: int,
+                  *, sequence: int = 0, source: str = "<in memory>") -> RoutingReplay:
+        """The replay of ``trace`` on ``model`` (its MoE blocks ``moe``; top-k read off the blocks)."""
+        ks = set()
+        for i, (block, _attr) in moe.items():
+            where = top_k_attribute(block)
+            if where is None:
+                raise UnsupportedModelError(f"MoE layer {i} ({type(block).__name__}) has no known top-k attribute")
+            ks.add(int(getattr(*where)))
+        if len(ks) != 1:
+            raise RoutingReplayError(f"{source}: the model's MoE layers route different top-k {sorted(ks)}")
+        return cls(trace, moe_layers=sorted(moe), n_experts=n_experts, top_k=ks.pop(), sequence=sequence,
+                   source=source)
+
+    @property
+    def n_tokens(self) -> int:
+        """T: positions of the replayed sequence (later positions wrap around)."""
+        return int(self.ids.shape[0])
+
+    def host_ids(self, layer: int, start: int, n: int) -> np.ndarray:
+        """The forced ids of MoE decoder layer ``layer`` for positions ``start .. start+n-1``: (n, top_k)."""
+        try:
+            j = self._ordinal[layer]
+        except KeyError:
+            raise RoutingReplayError(f"layer {layer} is not an MoE layer of the replay ({self.moe_layers})") from None
+        pos = (np.arange(start, start + n, dtype=np.int64)) % self.n_tokens
+        return self.ids[pos, j, :]
+
+    def step_ids(self, layer: int, start: int, shape: Sequence[int]) -> mx.array:
+        """Forced ids for a block input of leading shape ``shape`` (B, L[, ...]): ``(*shape, top_k)`` uint32.
+
+        Only batch 1 (``B == 1``) has one position per token; a larger batch is refused.
+        """
+        shape = tuple(int(s) for s in shape)
+        if len(shape) == 2 and shape[0] == 1:
+            n = shape[1]
+        elif len(shape) == 1:
+            n = shape[0]
+        else:
+            raise RoutingReplayError(f"routing replay runs batch-1 steps; got a block input of leading shape {shape}")
+        return mx.array(self.host_ids(layer, start, n).reshape(*shape, self.top_k))
+
+
+def load_replay(path: str | os.PathLike[str], model: nn.Module, moe: dict[int, tuple[nn.Module, str]],
+                n_experts: int, *, sequence: int = 0) -> RoutingReplay:
+    """Load a routing trace file (:meth:`asyncside.routing.RoutingTrace.load`) and fit it to a model."""
+    from ..routing import RoutingTrace
+
+    return RoutingReplay.for_model(RoutingTrace.load(path), model, moe, n_experts, sequence=sequence,
+                                   source=os.fspath(path))
+
+
+def cache_position(cache: Sequence[Any]) -> int:
+    """Tokens a KV cache has seen: the position of the next step's first token."""
+    if not cache:
+        return 0
+    offset = getattr(cache[0], "offset", None)
+    if isinstance(offset, (int, np.integer)):
+        return int(offset)
+    raise RoutingReplayError(f"routing replay needs a batch-1 cache with an int offset, got "
+                             f"{type(cache[0]).__name__} (offset {offset!r})")
+
+
+# -- the blocks, routed to given ids ----------------------------------------------------------------
+
+def _qwen3_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores /= mx.sum(scores, axis=-1, keepdims=True)
+    y = block.switch_mlp(x, inds)
+    return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def _mixtral(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = block.gate(x)
+    scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
+    y = block.switch_mlp(x, inds)
+    return (y * scores[..., None]).sum(axis=-2)
+
+
+def _olmoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    B, L, D = x.shape
+    x_flat = x.reshape(-1, D)
+    inds = inds.reshape(B * L, -1)
+    weights = mx.softmax(block.gate(x_flat), axis=1, precise=True)
+    scores = mx.take_along_axis(weights, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    y = block.switch_mlp(x_flat, inds)
+    return (y * scores[..., None]).sum(axis=-2).reshape(B, L, D)
+
+
+def _deepseek_v3(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gate = block.gate
+    # group_expert_select's scores without its group and top-k selection: sigmoid of the logits,
+    # taken at the forced ids, normalised and scaled as it does.
+    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    if gate.top_k > 1 and gate.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    scores = scores * gate.routed_scaling_factor
+    y = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _gpt_oss(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    g = block.router(x)
+    weights = mx.softmax(mx.take_along_axis(g, inds, axis=-1), axis=-1, precise=True)
+    y = block.experts(x, inds)
+    return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
+
+
+#: MoE block class name -> its ``__call__`` with the router's top-k replaced by given ids (the same
+#: ops as mlx-lm's block otherwise)
+_FORCED = {
+    "Qwen3MoeSparseMoeBlock": _qwen3_moe,
+    "MixtralSparseMoeBlock": _mixtral,
+    "OlmoeSparseMoeBlock": _olmoe,
+    "DeepseekV3MoE": _deepseek_v3,
+    "MLPBlock": _gpt_oss,
+}
+
+
+def forced_block_call(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    """The MoE block's output for ``x`` with every token routed to ``inds`` (``x.shape[:-1] + (k,)``).
+
+    The gate weights are the router's scores at ``inds``, computed with mlx-lm's ops for the
+    block's architecture; the switch layer is the block's own (a PooledSwitch in asyncside).
+    """
+    fn = _FORCED.get(type(block).__name__)
+    if fn is None:
+        raise UnsupportedModelError(f"routing replay does not know the router of {type(block).__name__}; "
+                                    f"known: {sorted(_FORCED)}")
+    if getattr(block, "sharding_group", None) is not None:
+        raise UnsupportedModelError("routing replay does not support tensor-sharded MoE blocks")
+    return fn(block, x, inds)
+
+
+# -- the all-resident reference -------------------------------------------------------------------
+
+class ForcedBlock(nn.Module):
+    """An mlx-lm MoE block whose routing replays a trace; installed by :func:`force_reference`.
+
+    mlx-lm's model calls each block once per step, in order, so the block counts the positions
+    it has seen (:meth:`rewind` restarts a generation at position 0).
+    """
+
+    def __init__(self, block: nn.Module, layer: int, replay: RoutingReplay) -> None:
+        super().__init__()
+        self.block = block
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_replay", replay)
+        object.__setattr__(self, "_position", 0)
+
+    def rewind(self) -> None:
+        object.__setattr__(self, "_position", 0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        n = int(np.prod(x.shape[:-1]))
+        inds = self._replay.step_ids(self._layer, self._position, x.shape[:-1])
+        object.__setattr__(self, "_position", self._position + n)
+        return forced_block_call(self.block, x, inds)
+
+
+def force_reference(model: nn.Module, block_attr: str, replay: RoutingReplay) -> list[ForcedBlock]:
+    """Wrap every MoE block of an mlx-lm ``model`` (its decoder layers' ``block_attr``) so its
+    routing replays ``replay``; returns the wrappers. Call :func:`rewind_reference` before each
+    generation."""
+    out = []
+    for i in replay.moe_layers:
+        layer = model.layers[i]
+        block = getattr(layer, block_attr)
+        if isinstance(block, ForcedBlock):
+            block = block.block
+        wrapped = ForcedBlock(block, i, replay)
+        setattr(layer, block_attr, wrapped)
+        out.append(wrapped)
+    return out
+
+
+def rewind_reference(model: nn.Module) -> None:
+    """Restart every :class:`ForcedBlock` of ``model`` at position 0 (no-op for an unforced model)."""
+    for layer in getattr(model, "layers", []):
+        for child in layer.children().values():
+            if isinstance(child, ForcedBlock):
+                child.rewind()
