@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import mlx.core as mx
 
 from asyncside.models.tokenizer import load_tokenizer, save_byte_level_tokenizer
@@ -70,6 +71,8 @@ class _Forward:
     async def __call__(self, inputs: mx.array, cache: list[_Cache], source: Any, predictor: Any, *,
                        logits: bool = True) -> Any:
         m = self.model
+        if m.step_delay:
+            await anyio.sleep(m.step_delay)
         c = cache[0]
         c.tokens.extend(int(t) for t in inputs.reshape(-1).tolist())
         m.forwards += 1
@@ -90,13 +93,14 @@ class ScriptedModel:
     """Replies ``replies[key]`` to a prompt containing ``key`` (the first that matches), else ``default``."""
 
     def __init__(self, tokenizer: Any, default: str = "ok", replies: Mapping[str, str] | None = None, *,
-                 context: int = 1024, fail_when: str | None = None) -> None:
+                 context: int = 1024, fail_when: str | None = None, step_delay: float = 0.0) -> None:
         self.tokenizer = tokenizer
         self.model_id = "scripted"
         self.config: dict[str, Any] = {"vocab_size": VOCAB, "max_position_embeddings": context}
         self.default = default
         self.replies = dict(replies or {})
         self.fail_when = fail_when
+        self.step_delay = step_delay  # seconds each forward sleeps (streams that stay in flight a while)
         self.forwards = 0
         self.forward = _Forward(self)
 

@@ -5,20 +5,28 @@ Endpoints:
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (also without the ``/v1`` prefix;
   ``stream: true`` answers with server-sent events ending in ``data: [DONE]``),
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
-- ``GET /health`` (200 while the runtime's ledgers audit clean, 503 otherwise),
+- ``GET /health`` (200 while the runtime's ledgers audit clean and no expert failed its read,
+  503 otherwise; open to every client, but naming no file of the host to one without the key),
 - ``GET /metrics`` (Prometheus text format 0.0.4).
+
+With an API key every other endpoint wants ``Authorization: Bearer <key>`` (:mod:`.security`).
 
 Every generating request is parsed (:mod:`.protocol`), turned into prompt ids, checked against
 the model's context, and submitted to the one :class:`~.engine.Batcher`, which steps all requests
 together; its tokens become text (:mod:`.text`) sent as one JSON answer or as SSE chunks
 (:mod:`.streaming`). A client that disconnects cancels its request; a request past the timeout
 is ended with 504. One access-log line per request goes to the ``asyncside.access`` logger.
+
+Shutting down (:meth:`ServerState.drain`): new generating requests get 503 with ``Retry-After``,
+requests in flight have ``shutdown_grace`` seconds to finish, and the rest are ended with an error
+(an ``{"error": ...}`` event and ``[DONE]`` on a stream) before the server stops.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ from . import protocol as oai
 from .engine import Batcher, Engine, Generation, GenerationFailed, QueueFull
 from .metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .metrics import ServerMetrics
+from .security import Guard, public_text
 from .settings import ServeSettings
 from .streaming import DISCONNECTED_STATUS, ClientGone, EventStream, Frame, read_json, run_unless_disconnected
 from .text import TextAssembler, ToolCallSplitter, parse_tool_calls
@@ -47,6 +56,7 @@ access_log = logging.getLogger("asyncside.access")
 EngineFactory = Callable[[], contextlib.AbstractAsyncContextManager[Engine]]
 
 TIMEOUT_STATUS = 504
+SHUTDOWN_STATUS = 503
 
 
 class ServerState:
@@ -62,6 +72,62 @@ class ServerState:
             return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
 
         self.metrics = ServerMetrics(lambda: self.batcher, stats)
+        #: set once shutdown began: new generating requests are refused with 503
+        self.draining = False
+        self._runs: set[anyio.CancelScope] = set()
+        self._runs_left: anyio.Event | None = None
+
+    @contextlib.contextmanager
+    def generating(self) -> Any:
+        """A cancel scope around one request's generation, cancelled if shutdown's grace runs out
+        (check its ``cancelled_caught`` after the block)."""
+        scope = anyio.CancelScope()
+        self._runs.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._runs.discard(scope)
+            if not self._runs and self._runs_left is not None:
+                self._runs_left.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests generating now (what a shutdown waits for)."""
+        return len(self._runs)
+
+    async def drain(self, grace: float | None = None) -> int:
+        """Stop admitting, give the requests in flight ``grace`` seconds (the settings' when None)
+        to finish, then end the rest with an error; returns how many were ended that way."""
+        self.draining = True
+        grace = self.settings.shutdown_grace if grace is None else grace
+        with anyio.move_on_after(grace):
+            while self._runs:
+                self._runs_left = anyio.Event()
+                await self._runs_left.wait()
+        ended = len(self._runs)
+        for scope in list(self._runs):
+            scope.cancel()
+        # The ended requests send their last event; a client that reads nothing cannot hold this.
+        with anyio.move_on_after(2.0):
+            while self._runs:
+                self._runs_left = anyio.Event()
+                await self._runs_left.wait()
+        return ended
+
+    def shutdown_error(self) -> oai.RequestError:
+        return oai.RequestError("the server is shutting down; retry against another instance or after it restarts",
+                                status=SHUTDOWN_STATUS, type="server_error", code="server_shutting_down",
+                                headers={"Retry-After": str(max(1, math.ceil(self.settings.shutdown_grace)))})
+
+    def private_dirs(self) -> list[str]:
+        """Directories of the host that client-facing text must not name (the model's)."""
+        model = self.engine.description.get("model") if self.engine is not None else None
+        return [model] if isinstance(model, str) else []
+
+    def public(self, text: str) -> str:
+        """``text`` without absolute paths of the host (see :func:`.security.public_text`)."""
+        return public_text(text, self.private_dirs())
 
     @property
     def model_id(self) -> str:
@@ -289,6 +355,13 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allow_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]))
+
+    def refused(path: str, status: int) -> None:
+        state.metrics.requests.inc(endpoint=_CANONICAL.get(path, path) if path in _KNOWN_PATHS else "unmatched",
+                                   status=str(status))
+
+    middleware.append(Middleware(Guard, api_key=settings.api_key, max_header_bytes=settings.max_header_bytes,
+                                 on_refused=refused))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -300,6 +373,8 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
 
 
 _CANONICAL = {"/completions": "/v1/completions", "/chat/completions": "/v1/chat/completions"}
+_KNOWN_PATHS = frozenset({"/v1/completions", "/completions", "/v1/chat/completions", "/chat/completions",
+                          "/v1/models", "/health", "/metrics"})
 
 
 class _Handlers:
@@ -324,6 +399,9 @@ class _Handlers:
         started = time.perf_counter()
         state, settings, m = self.state, self.settings, self.m
         assert state.batcher is not None
+        if state.draining:
+            self.record(endpoint, SHUTDOWN_STATUS)
+            return _error(state.shutdown_error())
         try:
             body = await read_json(request, settings.max_body_bytes)
             oai.check_strings(body)
@@ -377,24 +455,29 @@ class _Handlers:
     async def _whole_answer(self, request: Request, run: Completion, deadline: float | None,
                             finish: Callable[[int], None]) -> Response:
         pieces: list[Piece] = []
-        timed_out = False
+        timed_out = ended = False
         failed: GenerationFailed | None = None
 
         async def work() -> None:
-            nonlocal timed_out, failed
-            with anyio.move_on_after(None if deadline is None else deadline - time.perf_counter()) as scope:
+            nonlocal timed_out, failed, ended
+            with self.state.generating() as shutdown, \
+                    anyio.move_on_after(None if deadline is None else deadline - time.perf_counter()) as scope:
                 try:
                     async for piece in run.pieces():
                         pieces.append(piece)
                 except GenerationFailed as exc:
                     failed = exc
             timed_out = scope.cancelled_caught
+            ended = shutdown.cancelled_caught
 
         gone = await run_unless_disconnected(request.receive, work)
         if failed is not None:
             finish(500)
             log.error("%s", failed)
-            return _error(oai.RequestError(str(failed), status=500, type="server_error"))
+            return _error(oai.RequestError(self.state.public(str(failed)), status=500, type="server_error"))
+        if ended:
+            finish(SHUTDOWN_STATUS)
+            return _error(self.state.shutdown_error())
         if gone:
             finish(DISCONNECTED_STATUS)
             return Response(status_code=DISCONNECTED_STATUS)  # nobody is listening
@@ -441,6 +524,11 @@ class _Handlers:
         status = 200 if ok else 503
         self.record("/health", status)
         b = state.batcher
+        description = dict(state.engine.description)
+        if not request.scope.get("state", {}).get("asyncside_authenticated"):
+            # Nothing absolute about the host for a client without the key.
+            description = {k: state.public(v) if isinstance(v, str) else v for k, v in description.items()}
+            problems = [state.public(p) for p in problems]
         return JSONResponse(
             {
                 "status": "ok" if ok else "degraded",
@@ -451,7 +539,7 @@ class _Handlers:
                 "prompt_cache": {"entries": len(b.prefix_cache), "hits": b.prefix_cache.hits,
                                  "reused_tokens": b.prefix_cache.reused_tokens},
                 "audit": {"ok": ok, "problems": problems},
-                "engine": state.engine.description,
+                "engine": description,
             },
             status_code=status,
         )
@@ -472,7 +560,7 @@ class _Handlers:
         # Starlette re-raises after this answer, so uvicorn logs the traceback once.
         path = _CANONICAL.get(request.url.path, request.url.path)
         self.record(path if request.scope.get("route") is not None or path.startswith("/v1/") else "unmatched", 500)
-        return _error(oai.RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+        return _error(oai.RequestError(self.state.public(f"internal error: {type(exc).__name__}: {exc}"), status=500,
                                        type="server_error"))
 
 
@@ -493,19 +581,25 @@ class _StreamedAnswer:
         run, req = self.run, self.run.req
         if req.kind == "chat":
             await frame(oai.chunk(req, run.rid, run.created, text="", role=True))
+        state = self.handlers.state
         try:
-            with anyio.fail_after(None if self.deadline is None else self.deadline - time.perf_counter()):
+            with state.generating() as shutdown, \
+                    anyio.fail_after(None if self.deadline is None else self.deadline - time.perf_counter()):
                 async for piece in run.pieces():
                     lp = oai.logprobs_body(req, piece.logprobs) if req.sampling.logprobs else None
                     await frame(oai.chunk(req, run.rid, run.created, text=piece.text, logprobs=lp,
                                           tool_calls=piece.tool_calls or None))
+            if shutdown.cancelled_caught:
+                await frame(state.shutdown_error().body())
+                await frame("[DONE]")
+                return SHUTDOWN_STATUS
         except TimeoutError:
             await frame(self.handlers._timeout_error().body())
             await frame("[DONE]")
             return TIMEOUT_STATUS
         except GenerationFailed as exc:  # a failed fill or model error: tell the client in-band
             log.error("%s", exc)
-            await frame(oai.RequestError(str(exc), status=500, type="server_error").body())
+            await frame(oai.RequestError(state.public(str(exc)), status=500, type="server_error").body())
             await frame("[DONE]")
             return 500
         tail = "" if req.kind == "completion" else None

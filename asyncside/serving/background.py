@@ -1,9 +1,18 @@
 """Running the application: a listening socket, ``serve()`` on the running loop, and
-:class:`BackgroundServer` (a uvloop loop in a daemon thread, for tests, benchmarks and embedding)."""
+:class:`BackgroundServer` (a uvloop loop in a daemon thread, for tests, benchmarks and embedding).
+
+Both shut down gracefully: SIGTERM/SIGINT (``serve``) or :meth:`BackgroundServer.stop` first
+drains the application (:meth:`~.app.ServerState.drain`: new requests get 503, requests in flight
+get the grace period, the rest end with an error event and ``[DONE]``), then stops uvicorn. A
+second signal skips what is left of the grace. ``serve`` returns normally after a signal, so the
+command exits 0.
+"""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import signal
 import socket
 import threading
 import time
@@ -34,12 +43,73 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _state(app: Starlette) -> Any:
+    """The application's :class:`~.app.ServerState` (None for an app not made by ``create_app``)."""
+    return getattr(app.state, "asyncside", None)
+
+
+class _Pending:
+    """A drain asked for by a signal and not started yet (a second signal cancels it)."""
+
+    cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 def _uvicorn_server(app: Starlette, log_level: str) -> Any:
     import uvicorn
 
+    state = _state(app)
+    max_header = state.settings.max_header_bytes if state is not None else 16 * 1024
+
+    class GracefulServer(uvicorn.Server):  # type: ignore[misc]
+        """uvicorn's server, whose signals drain the application first and are not re-raised."""
+
+        draining: Any = None  # the drain task once a signal arrived
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            import asyncio
+
+            if state is None or self.draining is not None or not self.started:
+                self.should_exit = True  # a second signal (or no app state): stop now
+                if self.draining is not None:
+                    self.draining.cancel()
+                return
+            # A signal handler may interrupt the loop anywhere: the drain starts from a callback.
+            loop = asyncio.get_running_loop()
+            self.draining = _Pending()
+            loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            import asyncio
+
+            pending, self.draining = self.draining, asyncio.ensure_future(self.drain())
+            if pending.cancelled:
+                self.draining.cancel()
+
+        async def drain(self) -> None:
+            try:
+                await state.drain()
+            finally:
+                self.should_exit = True
+
+    # h11 refuses a request head past its limit before the application sees it (431 there too).
     config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max_header + 1024)
+    return GracefulServer(config)
 
 
 def _new_uvloop() -> Any:
@@ -118,8 +188,14 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """Drain (see the module docstring; ``grace`` seconds, the settings' when None), then stop."""
         atexit.unregister(self._stop_at_exit)
+        state = _state(self.app)
+        if state is not None and self.server.started and self._thread is not None and self._thread.is_alive() \
+                and self.loop is not None:
+            wait = (state.settings.shutdown_grace if grace is None else grace) + 30.0
+            self.call(lambda: state.drain(grace), timeout=wait)
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=30)

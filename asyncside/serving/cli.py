@@ -15,6 +15,7 @@ from typing import Any
 
 from ..memory import host_tier_arg
 from ..policies import DEFAULT_POLICY
+from .security import api_key_from_env
 from .settings import ServeSettings
 
 READERS = ("auto", "io_uring", "threads", "aiofiles")
@@ -60,6 +61,16 @@ def _positive_seconds(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected seconds (or 'none'), got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value:g}")
+    return value
+
+
+def _seconds_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value:g}")
     return value
 
 
@@ -146,6 +157,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="allow cross-origin requests from ORIGIN (repeatable; '*' for any); CORS is off "
                              "without it")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                             "$ASYNCSIDE_API_KEY, else none; the variable keeps the key out of the process list)")
+    parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
+                        help=f"on SIGTERM/SIGINT, refuse new requests (503) and give those in flight this long to "
+                             f"finish before they are ended with an error (default {d.shutdown_grace:g})")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="do not log one line per request")
     parser.add_argument("--log-level", default="warning",
@@ -170,6 +187,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         default_temperature=getattr(args, "temp", d.default_temperature),
         allow_origins=tuple(getattr(args, "allow_origin", ()) or ()),
         access_log=getattr(args, "access_log", d.access_log),
+        api_key=api_key_from_env(getattr(args, "api_key", None)),
+        shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
     )
 
 

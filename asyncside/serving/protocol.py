@@ -270,7 +270,7 @@ CHAT_KEYS = _COMMON_KEYS | {
 }
 
 
-_IGNORED_TYPE_NAMES = {(dict,): "an object", (bool,): "a boolean", (str,): "a string"}
+_IGNORED_TYPE_NAMES: dict[tuple[type, ...], str] = {(dict,): "an object", (bool,): "a boolean", (str,): "a string"}
 
 
 def _known_keys(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> None:

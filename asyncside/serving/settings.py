@@ -24,6 +24,12 @@ class ServeSettings:
     ``joint_prefill``: fresh prompts arriving together share one prefill forward (see
     :class:`~asyncside.serving.engine.Batcher`; off by default: on a GPU it changes the low bits
     of their caches with who arrived together).
+
+    ``api_key``: every endpoint but ``/health`` wants ``Authorization: Bearer <api_key>`` (401
+    otherwise); ``/health`` stays open but names no file of the host unless the request carries
+    the key. ``max_header_bytes`` bounds a request's headers (431 beyond). ``shutdown_grace``:
+    on SIGTERM/SIGINT (or :meth:`~.background.BackgroundServer.stop`) new requests get 503 and
+    requests in flight have this many seconds to finish before they are ended with an error.
     """
 
     default_max_tokens: int = 16          # /v1/completions default, as OpenAI's
@@ -42,6 +48,9 @@ class ServeSettings:
     joint_prefill: bool = False
     allow_origins: tuple[str, ...] = field(default_factory=tuple)
     access_log: bool = True
+    api_key: str | None = field(default=None, repr=False)
+    max_header_bytes: int = 16 * 1024
+    shutdown_grace: float = 5.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -57,5 +66,12 @@ class ServeSettings:
             raise ValueError(f"ServeSettings.max_context must be at least 2, got {self.max_context}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"ServeSettings.request_timeout must be positive or None, got {self.request_timeout}")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ValueError("ServeSettings.api_key must be a non-empty string of printable characters without spaces")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"ServeSettings.max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"ServeSettings.shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         if not 0.0 <= self.default_temperature <= 2.0:
             raise ValueError(f"ServeSettings.default_temperature must be in [0, 2], got {self.default_temperature}")
