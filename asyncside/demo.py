@@ -72,6 +72,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", metavar="FILE", default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
+    p.add_argument("--record-routing", metavar="FILE", default=None,
+                   help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
+                        "(.npz, docs/routing-traces.md)")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--ranks", type=int, default=1, metavar="N",
@@ -144,30 +147,38 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
 
 async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
                          echo: Any, options: Any) -> tuple[Run, dict[str, Any], bool]:
+    import anyio
+
     from .looplag import measure_loop_lag
+    from .models.trace import RoutingTrace
     from .runtime import Runtime
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None,
                        verify=not getattr(args, "no_verify", False),
                        host_tier=getattr(args, "host_tier", "auto")) as rt:
+        record = RoutingTrace() if getattr(args, "record_routing", None) else None
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
             async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,
-                                         options=options):
+                                         options=options, trace=record):
                 run.first_token()
                 run.tokens.append(tok)
                 echo(run.tokens)
         run.end = time.perf_counter()
         await rt.drain()
         audit_ok = all(report.ok for report in rt.audit().values())
-        stats: dict[str, Any] = rt.stats()  # the runtime's counters, then the demo's own figures
+        stats: dict[str, Any] = dict(rt.stats())  # the runtime's counters, then the demo's own figures
         layers = list(store.layers)
         stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
         stats["memory"] = rt.memory
+    if record is not None:
+        meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
+        await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
+                                       args.record_routing)
     return run, stats, audit_ok
 
 

@@ -117,3 +117,33 @@ def test_bad_traces_are_refused_clearly(tmp_path: pathlib.Path) -> None:
     with pytest.raises(RoutingReplayError, match="batch-1"):
         replay.step_ids(sm.moe_layers[0], 0, (2, 3))
     assert sm.set_routing(None) is None and sm.forward.routing is None
+
+
+def test_demo_records_and_replays_routing(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --record-routing` writes the run's routing; `demo --routing` of that file routes the same
+    experts, so both runs give the unforced run's tokens again; a synthetic trace changes them."""
+    import json
+
+    from asyncside.bench import generate as bench
+    from asyncside.cli import main
+    from asyncside.models.embedded import ensure_embedded_default
+
+    store = str(ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1])
+    rec = tmp_path / "recorded.npz"
+    base = ["demo", "--model", store, "--tokens", "6", "--json", "--resident", "0.25"]
+    capsys.readouterr()
+    assert main([*base, "--record-routing", str(rec)]) == 0
+    free = json.loads(capsys.readouterr().out)
+    trace = TraceFile.load(rec)
+    assert trace.meta["source"] == "recorded" and trace.meta["model"] == free["model"]
+    assert trace.n_tokens == free["prompt_tokens"] + 6 - 1  # every step's tokens: the prompt, then 5 decoded
+    assert main([*base, "--routing", str(rec)]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["tokens_identical"] is True and replayed["routing"]["tokens"] == trace.n_tokens
+    assert replayed["text"] == free["text"]
+    synth = tmp_path / "low.npz"
+    preset("low", tokens=64, n_layers=2, n_experts=trace.n_experts, top_k=trace.top_k).save(synth)
+    assert main([*base, "--routing", str(synth)]) == 0
+    forced = json.loads(capsys.readouterr().out)
+    assert forced["tokens_identical"] is True and forced["audit_clean"] is True
+    assert forced["hit_rate"] != free["hit_rate"]  # other experts were routed

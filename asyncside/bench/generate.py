@@ -119,6 +119,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", nargs="+", choices=("on", "off"), default=None,
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
+    p.add_argument("--routing", metavar="FILE", default=None,
+                   help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
@@ -335,6 +337,9 @@ def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from ..models.forcing import rewind_reference
+
+    rewind_reference(model)  # a replayed routing starts at position 0 again
     run = BenchRun(start=time.perf_counter())
     for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         tok = int(y)
@@ -636,6 +641,12 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
+    if getattr(args, "routing", None):
+        from ..models.forcing import force_reference
+
+        replay = sm.set_routing(args.routing)
+        assert replay is not None
+        force_reference(reference["model"], sm.arch.block_attr, replay)
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
@@ -761,6 +772,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes": record_bytes,
         "store_blob_bytes": sum(sp.blob_bytes for sp in store.layers.values()),
         "prompt_tokens": len(prompt_ids),
+        "routing": None if sm.routing is None else {"file": str(args.routing), "meta": sm.routing.trace.meta},
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
                      "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
                      "verify": list(s.verify),

@@ -10,9 +10,10 @@ experts and everything after them are computed exactly as the block would for th
 all-resident reference (mlx-lm's model and ``generate_step``) is forced the same way by
 :func:`force_reference`, so tokens still compare exactly.
 
-The trace is fitted to the model with :meth:`asyncside.routing.RoutingTrace.map_to` (model MoE
-layer ``i`` replays trace layer ``i mod L``; expert ids spread or folded by a fixed seeded
-permutation; slots beyond the model's top-k dropped): docs/routing-traces.md.
+A trace of the model's own shape (MoE layers, experts, top-k: a recording of it) is replayed as
+is; any other is fitted with :meth:`asyncside.routing.RoutingTrace.map_to` (model MoE layer ``i``
+replays trace layer ``i mod L``; expert ids spread or folded by a fixed seeded permutation; slots
+beyond the model's top-k dropped): docs/routing-traces.md.
 
 Replay is for batch-1 generation (``generate``, ``demo``, ``bench generate``, the slot cache);
 the lookahead predictor still runs the model's router on the hidden state, which does not know
@@ -54,7 +55,10 @@ class RoutingReplay:
             raise RoutingReplayError(f"{source}: sequence {sequence} out of range: the trace has "
                                      f"{trace.n_sequences}")
         try:
-            fitted = trace.map_to(len(layers), int(n_experts), int(top_k))
+            if trace.n_layers == len(layers) and trace.n_experts == n_experts and trace.top_k == top_k:
+                fitted = trace  # the model's own shape (a recording of it): replayed as is
+            else:
+                fitted = trace.map_to(len(layers), int(n_experts), int(top_k))
         except ValueError as exc:
             raise RoutingReplayError(f"{source}: cannot map the trace ({trace.n_layers} layers x "
                                      f"{trace.n_experts} experts, top-{trace.top_k}) onto the model "

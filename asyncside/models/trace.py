@@ -137,6 +137,26 @@ class RoutingTrace:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(self.to_json(), fh)
 
+    def to_file_trace(self, n_experts: int, meta: Mapping[str, Any] | None = None) -> Any:
+        """This recording as an :class:`asyncside.routing.RoutingTrace` (one sequence, the ``.npz``
+        format of docs/routing-traces.md): ids ``(tokens, MoE layers, k)`` in token order.
+
+        Every layer must have routed the same tokens (a recorded generation does: a recording
+        step routes every layer). ``meta`` is stored beside ``"source": "recorded"``.
+        """
+        from ..routing import RoutingTrace as FileTrace
+
+        layers = self.layers
+        if not layers:
+            raise ValueError("the recording has no routed step")
+        per_layer = [self.token_ids(layer) for layer in layers]
+        shapes = {a.shape for a in per_layer}
+        if len(shapes) != 1:
+            raise ValueError(f"layers routed different token counts: {dict(zip(layers, [a.shape for a in per_layer]))}")
+        ids = np.stack(per_layer, axis=1).astype(np.int32)
+        info = {**dict(meta or {}), "source": "recorded", "layers": layers}
+        return FileTrace(ids, np.array([ids.shape[0]], dtype=np.int64), int(n_experts), info)
+
 
 @dataclass
 class CacheResult:
