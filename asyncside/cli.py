@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bench import BENCHES, add_bench_arguments, run_bench
+from .errors import AsyncsideError
 
 # command -> (help, module, function adding its options, function running it -> exit status)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -78,10 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unavailable:
         print(f"asyncside {args.command}: not available: {unavailable}", file=sys.stderr)
         return 2
-    if args.command == "bench":
-        return run_bench(args.bench, args)
-    _help, module, _add, run = _COMMANDS[args.command]
-    return int(_attr(module, run)(args))
+    try:
+        if args.command == "bench":
+            return run_bench(args.bench, args)
+        _help, module, _add, run = _COMMANDS[args.command]
+        return int(_attr(module, run)(args))
+    except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
+        print(f"asyncside {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

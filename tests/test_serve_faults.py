@@ -230,3 +230,27 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_0(tmp_path: pathlib.Pat
     assert len(out) == 8
     for r in out:
         assert r["done"] and r["events"][-1]["error"]["code"] == "server_shutting_down", r["events"][-2:]
+
+
+# --- item 4: expected errors are one line ----------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["empty", "torn manifest", "staging only"])
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["bench", "serve"]])
+def test_a_bad_store_is_one_line_and_a_nonzero_status(tmp_path: pathlib.Path, layout: str,
+                                                      command: list[str]) -> None:
+    store = tmp_path / "store"
+    if layout == "staging only":  # a convert killed before its rename: the staging directory beside
+        (tmp_path / ".store.convert-1234").mkdir()
+        (tmp_path / ".store.convert-1234" / "manifest.json").write_text("{}")
+    else:
+        store.mkdir()
+        if layout == "torn manifest":
+            (store / "manifest.json").write_text('{"format": "asyncside-expert-store", "layers": [')
+            (store / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "asyncside", *command, "--model", str(store)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"asyncside {command[0]}: ") and str(store) in lines[0], lines

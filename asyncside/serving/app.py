@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..errors import AsyncsideError
 from . import protocol as oai
 from .engine import Batcher, Engine, Generation, GenerationFailed, QueueFull
 from .metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
@@ -74,6 +75,8 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.batcher, stats)
         #: set once shutdown began: new generating requests are refused with 503
         self.draining = False
+        #: an expected error (a bad store, a missing file) the engine's startup failed with
+        self.startup_error: BaseException | None = None
         self._runs: set[anyio.CancelScope] = set()
         self._runs_left: anyio.Event | None = None
 
@@ -276,6 +279,27 @@ class Completion:
                 "completion": self.text.completion_tokens, "ttft": ttft}
 
 
+class _OneLineStartupFailure:
+    """ASGI middleware: a startup that failed with an expected error (``state.startup_error``)
+    reports no traceback to the server (whose caller says the error in one line)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def quiet_send(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.state.startup_error is not None:
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, quiet_send)
+
+
 class AccessLog:
     """ASGI middleware: one ``asyncside.access`` log line per HTTP request (status, tokens, timing)."""
 
@@ -320,7 +344,12 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with engine_factory() as engine:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                engine = await stack.enter_async_context(engine_factory())
+            except (AsyncsideError, OSError) as exc:  # a bad store, a missing file: said in one line
+                state.startup_error = exc
+                raise
             batcher = engine.batcher
             if batcher is None:
                 batcher = Batcher(engine.model, engine.source, predictor=settings.predictor,
@@ -349,7 +378,9 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
         Route("/health", handlers.health, methods=["GET"]),
         Route("/metrics", handlers.metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(AccessLog)] if settings.access_log else []
+    middleware = [Middleware(_OneLineStartupFailure, state=state)]
+    if settings.access_log:
+        middleware.append(Middleware(AccessLog))
     if settings.allow_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -48,6 +50,25 @@ def _state(app: Starlette) -> Any:
     return getattr(app.state, "asyncside", None)
 
 
+class _ExpectedFailureFilter(logging.Filter):
+    """Drops uvicorn's "Application startup failed" line when the application already recorded
+    an expected error its caller says in one line (``ServerState.startup_error``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Application startup failed"):
+            return not any(s.startup_error is not None for s in list(_STATES))
+        return True
+
+
+_STATES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _quiet_expected_startup_failures() -> None:
+    target = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _ExpectedFailureFilter) for f in target.filters):
+        target.addFilter(_ExpectedFailureFilter())
+
+
 class _Pending:
     """A drain asked for by a signal and not started yet (a second signal cancels it)."""
 
@@ -61,6 +82,8 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
     import uvicorn
 
     state = _state(app)
+    if state is not None:
+        _STATES.add(state)
     max_header = state.settings.max_header_bytes if state is not None else 16 * 1024
 
     class GracefulServer(uvicorn.Server):  # type: ignore[misc]
@@ -106,6 +129,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
             finally:
                 self.should_exit = True
 
+    _quiet_expected_startup_failures()
     # h11 refuses a request head past its limit before the application sees it (431 there too).
     config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max_header + 1024)
@@ -172,6 +196,11 @@ class BackgroundServer:
         while not self.server.started:
             if not self._thread.is_alive() or self.server.should_exit:
                 self._thread.join(timeout=5)
+                state = _state(self.app)
+                if state is not None and state.startup_error is not None:  # expected: said in one line
+                    atexit.unregister(self._stop_at_exit)
+                    self.sock.close()
+                    raise ServeError(str(state.startup_error)) from None
                 raise RuntimeError(f"asyncside server failed to start: {self._error!r}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"asyncside server did not start within {self.startup_timeout}s")
@@ -242,10 +271,16 @@ async def serve(
             on_ready(url)
 
     announcer = asyncio.ensure_future(announce())
+    state = _state(app)
     try:
         await server.serve(sockets=[sock])
+    except SystemExit:  # uvicorn's way of saying the application's startup failed
+        pass
     finally:
         announcer.cancel()
         sock.close()
     if not server.started:
-        raise ServeError("asyncside serve: startup failed (see the log above)")
+        expected = state.startup_error if state is not None else None
+        if expected is not None:
+            raise ServeError(str(expected)) from None
+        raise ServeError("startup failed (see the log above)")

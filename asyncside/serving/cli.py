@@ -243,6 +243,11 @@ def serve_main(args: argparse.Namespace) -> int:
         from ..distributed.serve import serve_pipeline_main
 
         return serve_pipeline_main(args)
+    try:
+        settings_from_args(args)
+    except ValueError as exc:  # ServeSettings' own checks (an API key from the environment, say)
+        print(f"asyncside serve: {exc}", file=sys.stderr)
+        return 2
     _configure_logging(args)
     try:
         uvloop.run(run_serve(args))
