@@ -145,8 +145,7 @@ def test_loaded_run_and_markdown(quick_store: pathlib.Path, capsys: pytest.Captu
 def test_step_modes(quick_store: pathlib.Path) -> None:
     sm = load_streaming_model(quick_store)
     for mode, want in (("queued", "queued"), ("per-layer", "per-layer"), ("whole", "whole"),
-                       ("per-layer-nospec", "per-layer-nospec"), ("throttled", "throttled"),
-                       ("late-signal", "late-signal"), ("per-layer-prefill", "per-layer-prefill")):
+                       ("per-layer-nospec", "per-layer-nospec")):
         bench.set_step_mode(sm, mode)
         assert bench.step_mode_of(sm) == want
     bench.set_step_mode(sm, "default")

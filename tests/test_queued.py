@@ -35,7 +35,7 @@ from asyncside.store import LayerSpec
 
 from _models_support import BASE, tiny_model
 
-QUEUED = ForwardOptions(mode="queued", queued_prefill=True)
+QUEUED = ForwardOptions(mode="queued")
 CPU = mx.default_stream(mx.cpu)  # the native table tests run on host pools, on the CPU stream
 NEW_TOKENS = 8
 
@@ -196,19 +196,14 @@ def test_a_steps_head_is_scheduled_with_it_and_is_the_draw_of_its_logits(tmp_pat
         assert y.tolist() == greedy(ref).tolist()
 
 
-@pytest.mark.parametrize("options", [ForwardOptions(), ForwardOptions(arm_completions=False),
-                                     ForwardOptions(lend_throttle=False)],
-                         ids=["default", "late-signal", "throttled"])
-def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib.Path,
-                                                               options: ForwardOptions) -> None:
+def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib.Path) -> None:
     """A queued step's completion signal is issued as the step is scheduled (``finish`` awaits
-    that one), so a next step queued before the await does not delay it; the tokens are the same
-    whichever way the step is signalled or handed to MLX."""
+    that one), so a next step queued before the await does not delay it; the tokens are exact."""
     from asyncside import bridge
     from asyncside.models.streaming import greedy
 
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
-    sm = load_streaming_model(store_dir, completed=completed, options=options)
+    sm = load_streaming_model(store_dir, completed=completed)
     fwd = sm.forward
 
     async def main() -> tuple[list[int], list[bool], int]:
@@ -236,11 +231,10 @@ def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib
     tokens, armed, issued = anyio.run(main)
     ref = reference_generate(model, prompt + [5], max_tokens=4)
     assert tokens == ref[:3]
-    assert armed == [options.arm_completions] * 3
-    if options.arm_completions and options.lend_throttle:
-        # one completion per step, its armed one (a ticket, or none if the step was computed
-        # by then): nothing of the step itself was awaited while it was handed to MLX
-        assert issued == 3
+    assert armed == [True] * 3
+    # one completion per step, its armed one (a ticket, or none if the step was computed by then):
+    # nothing of the step itself was awaited while it was handed to MLX
+    assert issued == 3
 
 
 def test_a_step_that_fails_while_queued_lets_its_queued_part_run_out_first() -> None:

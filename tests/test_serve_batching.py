@@ -73,8 +73,8 @@ async def run_all(b: Batcher, requests: list[tuple[list[int], int, SamplingParam
 
 @pytest.fixture(scope="module")
 def sm_per_layer_prefill(store_dir: str) -> Any:
-    """Prefill chunks served per layer through the host (the CPU default before 2026-12-04)."""
-    return load_streaming_model(store_dir, options=ForwardOptions(queued_prefill=False))
+    """Every step per layer through the host, prefill chunks included (a source without queued steps)."""
+    return load_streaming_model(store_dir, options=ForwardOptions(mode="per-layer"))
 
 
 @pytest.mark.asyncio
@@ -320,7 +320,7 @@ async def test_queued_prefill_chunks_overlap_the_decode_step_and_a_failed_one_fa
             os.link(f, copy / f.name)
         except OSError:  # that one, small files, or another filesystem
             shutil.copy(f, copy / f.name)
-    sm = load_streaming_model(str(copy), options=ForwardOptions(queued_prefill=True))
+    sm = load_streaming_model(str(copy))
     tok = sm.tokenizer
     spec = sm.store.layer(3)
     whole = spec.path.read_bytes()

@@ -1,6 +1,6 @@
 """A/B of one forward option under the serving engine, in one process, without HTTP.
 
-    python tools/ab_serve.py --switch queued_prefill --values True False --clients 8 --seconds 20 --rounds 3
+    python tools/ab_serve.py --switch expert_slices --values True False --clients 8 --seconds 20 --rounds 3
     python tools/ab_serve.py --switch read_threads --values 7 0 ...   (the fault resolves' read pool)
     python tools/ab_serve.py --switch run_ahead --values True False ... (the engine's decode steps run ahead)
     python tools/ab_serve.py --switch overlap_prefill --values True False ... (prefill chunks awaited late)
@@ -37,7 +37,7 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--switch", default="queued_prefill", help="field of ForwardOptions to set")
+    p.add_argument("--switch", default="expert_slices", help="field of ForwardOptions to set")
     p.add_argument("--values", nargs=2, default=["True", "False"], metavar=("A", "B"),
                    help="the two values to compare (Python literals)")
     p.add_argument("--resident", type=float, default=0.5)

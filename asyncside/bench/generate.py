@@ -76,8 +76,7 @@ if TYPE_CHECKING:  # for annotations; the functions import the models where they
 DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
-STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec", "throttled", "late-signal",
-              "per-layer-prefill")
+STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec")
 PREDICTORS = ("lookahead", "temporal", "none")
 POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
@@ -119,8 +118,6 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", nargs="+", choices=("on", "off"), default=None,
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
-    p.add_argument("--routing", metavar="FILE", default=None,
-                   help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
@@ -150,13 +147,7 @@ def step_options(mode: str) -> ForwardOptions:
       in-graph gather from a row snapshot;
     - ``whole``: the step queued whole, every MoE layer gathering from a snapshot, checked after it
       computed and redone from its first unsound layer;
-    - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host);
-    - ``throttled``: the default, with a queued step handed to MLX in chunks under its eval
-      throttle, each awaited (``lend_throttle=False``; what the CPU did before 2026-12-04);
-    - ``late-signal``: the default, with a queued step's completion signal issued when its output
-      is awaited, behind the next step (``arm_completions=False``; likewise);
-    - ``per-layer-prefill``: the default, with prefill chunks served per layer through the host
-      (``queued_prefill=False``; what the CPU did before 2026-12-04).
+    - ``per-layer-nospec``: per layer, without the speculative gather (rows looked up on the host).
     """
     from ..models import ForwardOptions, StepMode
 
@@ -166,9 +157,6 @@ def step_options(mode: str) -> ForwardOptions:
         "per-layer": ForwardOptions(mode=StepMode.PER_LAYER),
         "whole": ForwardOptions(mode=StepMode.WHOLE),
         "per-layer-nospec": ForwardOptions(mode=StepMode.PER_LAYER, speculate=False),
-        "throttled": ForwardOptions(lend_throttle=False),
-        "late-signal": ForwardOptions(arm_completions=False),
-        "per-layer-prefill": ForwardOptions(queued_prefill=False),
     }
     if mode not in options:
         raise ValueError(f"unknown step mode {mode!r}; expected one of {list(STEP_MODES)}")
@@ -185,12 +173,6 @@ def step_mode_of(sm: Any) -> str:
     options = sm.options
     if options.mode == "per-layer" and not options.speculate:
         return "per-layer-nospec"
-    if options.mode == "auto" and not options.lend_throttle:
-        return "throttled"
-    if options.mode == "auto" and not options.arm_completions:
-        return "late-signal"
-    if options.mode == "auto" and options.queued_prefill is False:
-        return "per-layer-prefill"
     return str(options.mode.value)
 
 
@@ -337,9 +319,6 @@ def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from ..models.forcing import rewind_reference
-
-    rewind_reference(model)  # a replayed routing starts at position 0 again
     run = BenchRun(start=time.perf_counter())
     for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         tok = int(y)
@@ -641,12 +620,6 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
-    if getattr(args, "routing", None):
-        from ..models.forcing import force_reference
-
-        replay = sm.set_routing(args.routing)
-        assert replay is not None
-        force_reference(reference["model"], sm.arch.block_attr, replay)
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
@@ -772,7 +745,6 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes": record_bytes,
         "store_blob_bytes": sum(sp.blob_bytes for sp in store.layers.values()),
         "prompt_tokens": len(prompt_ids),
-        "routing": None if sm.routing is None else {"file": str(args.routing), "meta": sm.routing.trace.meta},
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
                      "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
                      "verify": list(s.verify),

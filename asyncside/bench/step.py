@@ -219,7 +219,7 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import mlx.core as mx
 
-    from ..models import ForwardOptions, load_reference_model, load_streaming_model
+    from ..models import load_reference_model, load_streaming_model
     from ..models.embedded import ensure_embedded_default
 
     steps, warmup, rounds = args.steps, args.warmup_steps, args.rounds
@@ -228,8 +228,7 @@ def run_step_bench(args: argparse.Namespace) -> dict[str, Any]:
     if steps < 1 or warmup < 0 or rounds < 1 or args.prefill < 0:
         raise ValueError("--steps and --rounds must be >= 1, --warmup-steps and --prefill >= 0")
     store_dir = args.model if args.model is not None else str(ensure_embedded_default(None, progress=False)[1])
-    # Prefill chunks as queued steps everywhere (the GPU's default; the CPU's is per layer).
-    sm = load_streaming_model(store_dir, options=ForwardOptions(queued_prefill=True) if args.prefill else None)
+    sm = load_streaming_model(store_dir)  # prefill chunks are queued steps, as decode steps are
     ref = load_reference_model(store_dir)[0]
     tokens = sm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     machine = machine_info(store_dir)

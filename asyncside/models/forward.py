@@ -8,8 +8,7 @@ with:
   with host pools, ``ResidentSource``).
 - ``per-layer`` (:mod:`.per_layer`): each MoE layer's routed ids come to the host, which serves
   its experts (prefetch, ensure, leases), optionally gathering speculatively from row snapshots.
-  Used for sources without queued steps, for prefill chunks with ``queued_prefill`` off, and for
-  steps too large to queue.
+  Used for sources without queued steps and for steps too large to queue.
 - ``whole`` (:mod:`.whole`): the step queued whole from row snapshots and checked after, redone
   from the first unsound layer.
 
@@ -67,39 +66,26 @@ class ForwardOptions:
 
     ``speculate``: per-layer steps gather from row snapshots where the source offers them.
     ``lookahead_extra``: the lookahead predictor names this many experts beyond the router's k.
-    ``queued_prefill``: prefill chunks run as queued steps where the source can (their switches
-    resolving experts in parts sorted by expert), instead of per layer. None (the default): on.
-    On the H200 a per-layer prefill's host round trips cost more than its compute (queued: 1.25x
-    a single stream's tok/s, 1.32x 8 clients'); on the CPU a queued chunk with its switches sliced
-    by pairs (``expert_slices`` off there) leaves the stream nothing to wait for and computes
-    nothing twice (time to first token 1.00-1.03x mlx-lm's against 1.05-1.10x per layer, warm;
-    BENCHMARKS.md, "Time to first token").
     ``expert_slices``: a queued step's sorted switch (a prefill chunk, a large batch) whose experts
     may not fit a layer's lendable rows at once resolves them in slices of that many distinct
     experts, each slice computing every pair (``ceil(distinct / rows)`` resolves per layer);
     off: in slices of that many pairs (``ceil(pairs / rows)`` resolves, no product computed twice).
     None (the default): on a GPU, where computing a slice's other pairs costs little and fewer
-    resolves matter; off on the CPU, where the products are the step's cost (at 25% in pools a
-    40-token chunk's expert slices took 2.9x mlx-lm's time to first token).
+    resolves matter; off on the CPU, where the products are the step's cost (BENCHMARKS.md, "Time
+    to first token").
     ``staged_switches``: such a switch, where the source has staging arrays for the layer (device
     pools with a host tier: MLX CUDA), copies its experts into them instead (one resolve, no pool
     row changes, the gather over a whole layer as mlx-lm's); off: slices as above.
-    ``arm_completions``: a queued step's completion signal goes on the stream as the step is
-    scheduled (``asyncside.bridge.arm``), not when its output is awaited, by which time the next
-    step is queued behind it; off: at the await (``asyncside bench generate --modes late-signal``).
-    ``lend_throttle``: on the CPU, a queued step goes to MLX whole, in time slices, past MLX's eval
-    throttle (native/step_plan.h); off: in chunks that fit under the throttle, each awaited
-    (``--modes throttled``).
+
+    Prefill chunks run as queued steps where the source can and the mode allows (``auto``,
+    ``queued``), else per layer.
     """
 
     mode: StepMode = StepMode.AUTO
     speculate: bool = True
     lookahead_extra: int = 0
-    queued_prefill: bool | None = None
     expert_slices: bool | None = None
     staged_switches: bool = True
-    arm_completions: bool = True
-    lend_throttle: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -108,12 +94,10 @@ class ForwardOptions:
             raise ValueError(f"mode: expected one of {list(STEP_MODES)}, got {self.mode!r}") from None
         if not isinstance(self.lookahead_extra, int) or self.lookahead_extra < 0:
             raise ValueError(f"lookahead_extra: expected an int >= 0, got {self.lookahead_extra!r}")
-        for name in ("queued_prefill", "expert_slices"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"{name}: expected True, False or None, got {getattr(self, name)!r}")
-        for name in ("staged_switches", "arm_completions", "lend_throttle"):
-            if getattr(self, name) not in (True, False):
-                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.expert_slices not in (None, True, False):
+            raise ValueError(f"expert_slices: expected True, False or None, got {self.expert_slices!r}")
+        if self.staged_switches not in (True, False):
+            raise ValueError(f"staged_switches: expected True or False, got {self.staged_switches!r}")
 
 
 async def eval_completed(x: mx.array) -> None:
@@ -167,7 +151,7 @@ class AsyncForward:
             from .. import bridge
             from ..bridge import schedule
 
-            if completed is bridge.completed and self.options.arm_completions:
+            if completed is bridge.completed:
                 arm = bridge.arm
 
         self.per_layer = PerLayerSteps(self.walk, completed, schedule, self.counters,
@@ -177,9 +161,7 @@ class AsyncForward:
         es = self.options.expert_slices
         self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
                                   expert_slices=es if es is not None else on_gpu,
-                                  staged_switches=self.options.staged_switches, arm=arm,
-                                  lend_throttle=self.options.lend_throttle)
-        self._queued_prefill = self.options.queued_prefill is not False  # None: on
+                                  staged_switches=self.options.staged_switches, arm=arm)
         #: routing replay of every step (:class:`asyncside.models.forcing.RoutingReplay`); None: the
         #: router routes. Set through ``StreamingModel.set_routing``.
         self.routing: Any = None
@@ -223,8 +205,8 @@ class AsyncForward:
         the step and the await of its result (a prefill chunk, the next step).
 
         Returns the logits (B, L, vocab), or with ``logits=False`` a hidden state, computed (prefill
-        chunks, whose logits nobody reads: queued where the source can and ``queued_prefill`` says
-        so, else per layer; a queued chunk stops after the last layer's attention, where its
+        chunks, whose logits nobody reads: queued where the source can and the mode allows, else per
+        layer; a queued chunk stops after the last layer's attention, where its
         caches are complete, as mlx-lm's prefill does, unless a trace records it). A queued step's
         logits are scheduled but not
         awaited: pass what you derive from them to :meth:`finish`. With ``logits=False,
@@ -234,7 +216,7 @@ class AsyncForward:
         """
         if not logits:
             self.counters["prefill"] += 1
-            if self._queued_prefill and self.options.mode in (StepMode.AUTO, StepMode.QUEUED) \
+            if self.options.mode in (StepMode.AUTO, StepMode.QUEUED) \
                     and self.queued.can_run(ctx, inputs):
                 h = await self._queued(ctx, inputs, logits=False)
                 if finish:

@@ -100,7 +100,7 @@ class QueuedSteps:
 
     def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool,
                  expert_slices: bool = True, staged_switches: bool = True,
-                 arm: Callable[[mx.array], Armed] | None = None, lend_throttle: bool = True) -> None:
+                 arm: Callable[[mx.array], Armed] | None = None) -> None:
         self.walk = walk
         self.completed = completed
         #: the bridge's ``arm`` when ``completed`` is the bridge's own (else None: the injected
@@ -113,7 +113,7 @@ class QueuedSteps:
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
         #: on the CPU, steps go to MLX past its eval throttle (see _schedule)
-        self._lend = lend_throttle and self._on_cpu
+        self._lend = self._on_cpu
         #: host time spent on queued steps, in ns, by phase (``asyncside bench step`` reads it):
         #: ``begin`` (source.begin_step), ``build`` (the graph, checkpoints included), ``end``
         #: (source.end_step), ``plan`` (walking the graph), ``schedule`` (handing it to MLX:
