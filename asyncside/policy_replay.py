@@ -1,0 +1,295 @@
+"""Cache policies against Belady's MIN on routing traces (:mod:`asyncside.routing`), and per-layer
+row budgets from miss curves.
+
+Model of the cache: one cache per MoE layer, nothing resident, one token per step (decode); a
+step's demand is the token's K distinct experts at that layer, every one of which must be in a row
+when the step runs (the ledger's rule). A hit is a demanded expert already in a row; hit rates are
+hits over all demanded experts of all layers.
+
+- :func:`replay_steps` replays one layer through a real :class:`asyncside.ledger.Ledger` with a
+  policy (the code the runtime runs); :func:`belady_bypass` is MIN with bypass (a missed expert need
+  not take a row; :func:`asyncside.models.trace.belady`), :func:`belady_no_bypass` MIN under the ledger's rule,
+  :func:`static_best` the best fixed set in hindsight (an upper bound for online policies on
+  routing drawn independently per token; docs/policies.md).
+- :func:`compare_policies` tabulates all of them per trace and cache size (``asyncside bench policy``).
+- :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass;
+  :func:`split_rows` splits a total row budget across layers from such curves.
+
+Pure Python and numpy, no MLX, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .ledger import Ledger
+from .policies import Policy, make_policy
+from .routing import RoutingTrace
+
+#: The policies :func:`compare_policies` replays unless told otherwise.
+DEFAULT_COMPARED = ("lru", "lfu", "aging-lfu", "lrfu")
+
+PolicySpec = Policy | str | Callable[[], Policy]
+
+
+def _steps(demands: Iterable[Iterable[int]], resident: Iterable[int]) -> tuple[list[set[int]], set[int]]:
+    res = {int(r) for r in resident}
+    return [{int(e) for e in d} for d in demands], res
+
+
+def _next_uses(reqs: Sequence[set[int]]) -> list[dict[int, int]]:
+    """next_use[t][e]: the first step after t that demands e (absent: never again)."""
+    out: list[dict[int, int]] = [{} for _ in reqs]
+    upcoming: dict[int, int] = {}
+    for t in range(len(reqs) - 1, -1, -1):
+        out[t] = dict(upcoming)
+        for e in reqs[t]:
+            upcoming[e] = t
+    return out
+
+
+class Counts:
+    """Hits and accesses of one cache (or summed): ``hits / accesses`` is the hit rate."""
+
+    __slots__ = ("accesses", "hits")
+
+    def __init__(self, hits: int = 0, accesses: int = 0) -> None:
+        self.hits = hits
+        self.accesses = accesses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else float("nan")
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.hits + other.hits, self.accesses + other.accesses)
+
+    def __repr__(self) -> str:
+        return f"Counts(hits={self.hits}, accesses={self.accesses})"
+
+
+def belady_no_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int) -> Counts:
+    """Belady's MIN under the ledger's rule: every missed expert takes a row at its step, and the
+    rows left keep the cached experts whose next use is soonest (ties: smallest id)."""
+    reqs, res = _steps(demands, resident)
+    nxt = _next_uses(reqs)
+    never = len(reqs) + 1
+    out = Counts()
+    cache: set[int] = set()
+    for t, d in enumerate(reqs):
+        req = d - res
+        if len(req) > rows:
+            raise ValueError(f"step {t} demands {len(req)} non-resident experts but the cache has {rows} rows")
+        out.accesses += len(d)
+        out.hits += len(d) - len(req - cache)
+        nu = nxt[t]
+        keep = sorted(cache - req, key=lambda e: (nu.get(e, never), e))[: rows - len(req)]
+        cache = req | set(keep)
+    return out
+
+
+def belady_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int) -> Counts:
+    """Belady's MIN with bypass (:func:`asyncside.models.trace.belady`) as :class:`Counts`."""
+    from .models.trace import belady
+
+    r = belady(list(demands), resident, rows)
+    return Counts(r.resident_hits + r.side_hits, r.accesses)
+
+
+def static_best(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int) -> Counts:
+    """The ``rows`` most demanded experts in hindsight, held for the whole trace (never changed).
+
+    When each token's routing is drawn independently from a fixed popularity, the hits an online
+    policy can expect at a step are those of what it holds, at most the most popular ``rows``
+    experts' share: so this (up to its own fit to the sample) bounds every online policy there."""
+    reqs, res = _steps(demands, resident)
+    counts: dict[int, int] = {}
+    for d in reqs:
+        for e in d - res:
+            counts[e] = counts.get(e, 0) + 1
+    keep = set(sorted(counts, key=lambda e: (-counts[e], e))[: max(rows, 0)]) | res
+    out = Counts()
+    for d in reqs:
+        out.accesses += len(d)
+        out.hits += len(d & keep)
+    return out
+
+
+def _policy(spec: PolicySpec) -> Policy:
+    if isinstance(spec, (Policy, str)):
+        return make_policy(spec)
+    return spec()
+
+
+def replay_steps(demands: Iterable[Iterable[int]], n_experts: int, rows: int, policy: PolicySpec = "lrfu") -> Counts:
+    """Replay demand steps (one layer, nothing resident) through a :class:`Ledger` with ``rows``
+    side rows and ``policy`` (a name, an instance, or a factory): each step reserves its demand
+    and publishes every fill at once (reads complete instantly)."""
+    led = Ledger(n_experts, [], rows, policy=_policy(policy))
+    out = Counts()
+    for d in demands:
+        ids = np.unique(np.asarray(d, dtype=np.int64))
+        fills = led.reserve(ids, demand=True)
+        for f in fills:
+            led.publish(f)
+        out.accesses += len(ids)
+        out.hits += len(ids) - len(fills)
+    return out
+
+
+def trace_rows(trace: RoutingTrace, fraction: float) -> int:
+    """Rows of a per-layer cache holding ``fraction`` of ``trace``'s experts (at least top_k)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    return max(int(round(trace.n_experts * fraction)), trace.top_k)
+
+
+METHODS = ("policy", "min", "min-no-bypass", "static")
+
+
+def replay_trace(trace: RoutingTrace, rows: int | Sequence[int], policy: PolicySpec = "lrfu",
+                 method: str = "policy") -> list[Counts]:
+    """Per MoE layer of ``trace``, the :class:`Counts` of a cache of ``rows`` (one int, or one per
+    layer) under ``method``: ``"policy"`` (:func:`replay_steps` with ``policy``; a factory makes a
+    fresh policy per layer), ``"min"`` (MIN with bypass), ``"min-no-bypass"`` or ``"static"``."""
+    per_layer = [rows] * trace.n_layers if isinstance(rows, int) else list(rows)
+    if len(per_layer) != trace.n_layers:
+        raise ValueError(f"rows: expected one per layer ({trace.n_layers}), got {len(per_layer)}")
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if method == "policy" and isinstance(policy, Policy) and trace.n_layers > 1:
+        raise ValueError("policy: a Policy instance belongs to one ledger; pass a name or a factory")
+    out = []
+    for layer in range(trace.n_layers):
+        steps = trace.ids[:, layer, :].tolist()
+        r = per_layer[layer]
+        if method == "policy":
+            out.append(replay_steps(steps, trace.n_experts, r, policy))
+        elif method == "min":
+            out.append(belady_bypass(steps, [], r))
+        elif method == "min-no-bypass":
+            out.append(belady_no_bypass(steps, [], r))
+        else:
+            out.append(static_best(steps, [], r))
+    return out
+
+
+def total(counts: Iterable[Counts]) -> Counts:
+    """The sum of per-layer :class:`Counts`."""
+    return sum(counts, start=Counts())
+
+
+def compare_policies(traces: Mapping[str, RoutingTrace], fractions: Sequence[float] = (0.25, 0.5),
+                     policies: Sequence[str] | Mapping[str, PolicySpec] = DEFAULT_COMPARED) -> list[dict[str, Any]]:
+    """One row per (trace, fraction): the hit rate of each policy (replayed through a Ledger), of
+    Belady's MIN with bypass (``min``) and without (``min-no-bypass``), of the best static set
+    (``static``), and each policy's hit rate over MIN's (``<policy>/min``)."""
+    named: Mapping[str, PolicySpec] = policies if isinstance(policies, Mapping) else {p: p for p in policies}
+    rows: list[dict[str, Any]] = []
+    for name, tr in traces.items():
+        for frac in fractions:
+            n_rows = trace_rows(tr, frac)
+            line: dict[str, Any] = {"trace": name, "experts": tr.n_experts, "top_k": tr.top_k,
+                                    "layers": tr.n_layers, "tokens": tr.n_tokens, "fraction": frac, "rows": n_rows}
+            for m in ("min", "min-no-bypass", "static"):
+                line[m] = total(replay_trace(tr, n_rows, method=m)).hit_rate
+            for label, spec in named.items():
+                line[label] = total(replay_trace(tr, n_rows, spec)).hit_rate
+                line[f"{label}/min"] = line[label] / line["min"]
+            rows.append(line)
+    return rows
+
+
+def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarray:
+    """Misses of an LRU cache of r rows over ``demands``, for every r in ``0..n_experts`` (one pass,
+    Mattson's stack algorithm on set requests: a demanded expert hits with r rows iff fewer than r
+    other experts were used since its last use). ``out[r]`` is non-increasing; ``out[0]`` counts
+    every access; ``out[n_experts]`` the first uses."""
+    stack: list[int] = []  # most recent first
+    hist = np.zeros(n_experts + 1, dtype=np.int64)  # hist[d]: accesses at stack distance d
+    cold = 0
+    accesses = 0
+    for d in demands:
+        req = sorted({int(e) for e in d})
+        for e in req:
+            if not 0 <= e < n_experts:
+                raise ValueError(f"expert id {e} outside [0, {n_experts})")
+            accesses += 1
+            try:
+                hist[stack.index(e)] += 1
+            except ValueError:
+                cold += 1
+        keep = [e for e in stack if e not in req]
+        stack = req + keep
+    # hits with r rows = accesses at distance < r
+    hits = np.concatenate([[0], np.cumsum(hist)[:n_experts]])
+    return np.asarray(accesses - hits, dtype=np.int64)
+
+
+def split_rows(miss_curves: Sequence[Sequence[float]], total_rows: int, *,
+               min_rows: int | Sequence[int] = 0) -> list[int]:
+    """Split ``total_rows`` cache rows across layers to minimise the sum of their misses.
+
+    ``miss_curves[l][r]``: misses of layer l with r rows (r from 0 to len - 1; e.g. from
+    :func:`lru_miss_curve` or a policy's replay), non-increasing. ``min_rows``: the least each
+    layer gets (an int for all, or one per layer; e.g. its top-k, which a step needs at once).
+    Greedy over each curve's lower convex hull (optimal for convex curves; a non-convex curve's
+    cliff, such as a working set that fits only whole, is taken whole when it pays). Rows beyond
+    what lowers any curve go to the layers in turn. Returns one row count per layer, summing to
+    ``total_rows``; raises ValueError when the minimums exceed it or a curve is malformed."""
+    curves = [np.asarray(c, dtype=np.float64) for c in miss_curves]
+    n = len(curves)
+    if n == 0:
+        raise ValueError("miss_curves: expected at least one layer")
+    mins = [int(min_rows)] * n if isinstance(min_rows, (int, np.integer)) else [int(m) for m in min_rows]
+    if len(mins) != n:
+        raise ValueError(f"min_rows: expected one per layer ({n}), got {len(mins)}")
+    for i, (c, m) in enumerate(zip(curves, mins)):
+        if c.ndim != 1 or len(c) < 1 or not np.isfinite(c).all():
+            raise ValueError(f"miss_curves[{i}]: expected a non-empty 1-d list of finite miss counts")
+        if (np.diff(c) > 1e-9 * max(1.0, float(np.abs(c).max()))).any():
+            raise ValueError(f"miss_curves[{i}]: misses must not grow with rows (non-increasing)")
+        if m < 0 or m > len(c) - 1:
+            raise ValueError(f"min_rows[{i}]: {m} is outside the curve's 0..{len(c) - 1} rows")
+    if isinstance(total_rows, bool) or not isinstance(total_rows, (int, np.integer)) or total_rows < sum(mins):
+        raise ValueError(f"total_rows: {total_rows!r} is less than the layers' minimums ({sum(mins)})")
+    alloc = list(mins)
+    left = int(total_rows) - sum(mins)
+    # Each layer's hull from its minimum: segments (gain per row, rows), taken in order per layer.
+    segments: list[list[tuple[float, int]]] = []
+    for c, m in zip(curves, mins):
+        pts = [(r, float(c[r])) for r in range(m, len(c))]
+        hull: list[tuple[int, float]] = []
+        for p in pts:  # lower convex hull (monotone chain)
+            while len(hull) >= 2:
+                (x1, y1), (x2, y2) = hull[-2], hull[-1]
+                if (y2 - y1) * (p[0] - x1) >= (p[1] - y1) * (x2 - x1):
+                    hull.pop()
+                else:
+                    break
+            hull.append(p)
+        segs = [((y1 - y2) / (x2 - x1), x2 - x1) for (x1, y1), (x2, y2) in zip(hull, hull[1:])]
+        segments.append([s for s in segs if s[0] > 0])
+    heap = [(-segs[0][0], i, 0) for i, segs in enumerate(segments) if segs]
+    heapq.heapify(heap)
+    while heap and left > 0:
+        _gain, i, j = heapq.heappop(heap)
+        size = segments[i][j][1]
+        take = min(size, left)
+        alloc[i] += take
+        left -= take
+        if take == size and j + 1 < len(segments[i]):
+            heapq.heappush(heap, (-segments[i][j + 1][0], i, j + 1))
+    # What no curve wants: spread in turn, up to each curve's end, then anywhere.
+    i = 0
+    while left > 0:
+        room = [k for k in range(n) if alloc[k] < len(curves[k]) - 1]
+        k = room[i % len(room)] if room else i % n
+        alloc[k] += 1
+        left -= 1
+        i += 1
+    return alloc
