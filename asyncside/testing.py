@@ -1,4 +1,4 @@
-"""pytest plugin: fixtures for testing code that uses asyncside, under pytest-asyncio.
+"""pytest plugin: fixtures for testing code that uses asyncside, under pytest-asyncio or anyio's plugin.
 
 Installed with asyncside and registered through the ``pytest11`` entry point, so the fixtures are
 available in any pytest run once ``asyncside`` is installed (disable with ``-p no:asyncside``):
@@ -9,10 +9,14 @@ available in any pytest run once ``asyncside`` is installed (disable with ``-p n
 ``expert_store``
     ``make_expert_store()`` with the default layout (2 layers x 8 experts, 3 float16 segments).
 ``asyncside_runtime``
-    async fixture: a :class:`asyncside.runtime.Runtime` over ``expert_store``, entered on the
-    test's running event loop; at teardown it is closed and every layer's ledger must audit
-    clean (the test fails otherwise). Options come from the
-    ``@pytest.mark.asyncside_runtime(resident=..., reader=..., ...)`` marker.
+    a :class:`asyncside.runtime.Runtime` over ``expert_store``, entered by the test's own task on
+    the test's own event loop (any pytest-asyncio ``loop_scope``; anyio's plugin on asyncio, uvloop
+    or trio) for the duration of the test function; then drained, closed, and every layer's ledger
+    must audit clean (the test fails otherwise). Options come from the
+    ``@pytest.mark.asyncside_runtime(resident=..., reader=..., ...)`` marker. The test runs under
+    a deadline (``@pytest.mark.asyncside_deadline(seconds)``, ``ASYNCSIDE_TEST_DEADLINE_S``, the
+    ``asyncside_deadline`` ini option; 300 s by default): past it the test fails with where it was
+    stuck instead of hanging.
 ``faulty_reader``
     injects read faults into ``asyncside_runtime``'s reader: an errno for one expert's record,
     short reads, transient EAGAIN/EINTR; see :class:`FaultyReader`.
@@ -22,30 +26,30 @@ available in any pytest run once ``asyncside`` is installed (disable with ``-p n
 
 The module is imported by every pytest run in an environment where asyncside is installed, so it
 imports nothing heavy at import time: MLX, numpy and the runtime are imported inside fixtures.
-The async fixture is declared with ``pytest_asyncio.fixture``, so it works in pytest-asyncio's
-strict mode; it runs on the test's own loop (function scope).
+No fixture here is an async fixture, so none depends on which plugin (pytest-asyncio, anyio) or
+which loop scope would run one; it works in pytest-asyncio's strict mode.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+import linecache
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import pytest
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
     from .store import ExpertStore
-
-try:
-    import pytest_asyncio
-
-    _async_fixture: Callable[..., Any] = pytest_asyncio.fixture
-    _HAVE_PYTEST_ASYNCIO = True
-except ImportError:  # the async fixtures then explain what is missing instead of breaking pytest
-    _async_fixture = pytest.fixture
-    _HAVE_PYTEST_ASYNCIO = False
 
 #: segment key -> (row shape, dtype) of the default store: the shape of a small SwitchGLU.
 DEFAULT_SEGMENTS: dict[str, tuple[tuple[int, ...], str]] = {
@@ -58,9 +62,34 @@ from .audit import audit_problems  # noqa: E402  (re-exported; the server's /hea
 from .testing_blocking import no_blocking  # noqa: E402,F401  (re-exported fixture; imports no MLX)
 
 RUNTIME_MARKER = "asyncside_runtime"
+DEADLINE_MARKER = "asyncside_deadline"
+#: ini option and environment variable (which wins) for the per-test deadline, in seconds.
+DEADLINE_INI = "asyncside_deadline"
+DEADLINE_ENV = "ASYNCSIDE_TEST_DEADLINE_S"
+#: Long enough for any honest test of a small store on a loaded machine; short enough that a hung
+#: CI job still reports where it hung rather than being killed blind by the CI's own timeout.
+DEFAULT_DEADLINE_S = 300.0
+
+# A copy of the process's stderr taken at configure time: a report written while the loop is
+# stuck must reach the terminal even when pytest is capturing, and even if the process then exits.
+_report_fd: int | None = None
+
+
+class DeadlineExceeded(AssertionError):
+    """A test using ``asyncside_runtime`` ran past its deadline; the message says where it waited."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        DEADLINE_INI,
+        f"seconds a test using asyncside_runtime may take (entry, body, close) before it is cancelled and "
+        f"fails with where it was stuck; 0 turns it off. {DEADLINE_ENV} overrides it (default {DEFAULT_DEADLINE_S:g})",
+        default=None,
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _report_fd
     config.addinivalue_line(
         "markers",
         f"{RUNTIME_MARKER}(**kwargs): keyword arguments for the Runtime built by the asyncside_runtime fixture "
@@ -69,6 +98,197 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "no_blocking(threshold=0.05, strict=False, interval=None): configure the no_blocking fixture"
     )
+    config.addinivalue_line(
+        "markers",
+        f"{DEADLINE_MARKER}(seconds): the deadline of a test using asyncside_runtime (0: none); "
+        f"overrides {DEADLINE_ENV} and the {DEADLINE_INI} ini option",
+    )
+    if _report_fd is None:
+        try:
+            _report_fd = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+        except (OSError, ValueError):
+            _report_fd = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _report_fd
+    if _report_fd is not None:
+        os.close(_report_fd)
+        _report_fd = None
+
+
+def _seconds(raw: object, where: str) -> float:
+    try:
+        seconds = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"{where}: expected a number of seconds >= 0 (0: no deadline), got {raw!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise pytest.UsageError(f"{where}: expected a number of seconds >= 0 (0: no deadline), got {raw!r}")
+    return seconds
+
+
+def deadline_of(item: pytest.Item) -> float:
+    """Seconds the test may take; 0 for none.
+
+    The closest ``@pytest.mark.asyncside_deadline(seconds)`` wins, then the environment variable
+    ``ASYNCSIDE_TEST_DEADLINE_S``, then the ``asyncside_deadline`` ini option, then
+    :data:`DEFAULT_DEADLINE_S`.
+    """
+    marker = item.get_closest_marker(DEADLINE_MARKER)
+    if marker is not None:
+        if len(marker.args) + len(marker.kwargs) != 1 or set(marker.kwargs) - {"seconds"}:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{DEADLINE_MARKER} takes one argument, seconds; "
+                                    f"got args={marker.args!r} kwargs={marker.kwargs!r}")
+        raw = marker.args[0] if marker.args else marker.kwargs["seconds"]
+        return _seconds(raw, f"{item.nodeid}: @pytest.mark.{DEADLINE_MARKER}")
+    env = os.environ.get(DEADLINE_ENV)
+    if env is not None and env.strip():
+        return _seconds(env, f"environment variable {DEADLINE_ENV}")
+    ini = item.config.getini(DEADLINE_INI)
+    if ini not in (None, ""):
+        return _seconds(ini, f"ini option {DEADLINE_INI} ({item.config.inipath or 'no ini file'})")
+    return DEFAULT_DEADLINE_S
+
+
+def _await_chain(coro: Any) -> str:
+    """Where a task's coroutine waits: each frame of its ``await`` chain, outermost first, with source."""
+    lines: list[str] = []
+    obj, depth = coro, 0
+    while obj is not None and depth < 200:
+        depth += 1
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None) or getattr(obj, "ag_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n')
+            source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            if source:
+                lines.append(f"    {source}\n")
+        nxt = None
+        for attr in ("cr_await", "gi_yieldfrom", "ag_await"):
+            if hasattr(obj, attr):
+                nxt = getattr(obj, attr)
+                break
+        if nxt is None and frame is None:
+            lines.append(f"  awaiting {obj!r}\n")
+        obj = nxt
+    return "".join(lines) or "  (no coroutine frames: the task had finished)\n"
+
+
+def _loop_thread_stack(thread_id: int) -> str:
+    """The thread's stack from its first coroutine frame (the running task) down, with source."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "  (the thread is gone)\n"
+    summary = traceback.extract_stack(frame)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()
+    first = next((i for i, f in enumerate(frames) if f.f_code.co_flags & inspect.CO_COROUTINE), 0)
+    return "".join(traceback.format_list(summary[first:]))
+
+
+class _Deadline:
+    """A watchdog thread that ends a test which runs past ``seconds``, saying where it was stuck.
+
+    At the deadline it asks the loop (thread-safely) to record the test task's ``await`` chain and
+    cancel the test's scope: a test waiting for something that never comes (the usual hang) then
+    fails with :class:`DeadlineExceeded`. A loop that does not answer within the grace period is
+    blocked in a call; a test still running a grace period after the cancellation ignores it
+    (a shielded wait). Either way the stacks of every thread go to stderr and the main thread gets
+    SIGINT (twice if need be: an asyncio runner takes the first to cancel its task), which ends the
+    test with :class:`DeadlineExceeded` (or, outside the test's task, stops the pytest run); a
+    process that survives even that writes its stacks again and exits with status 1. Never a
+    silent hang.
+    """
+
+    def __init__(self, nodeid: str, seconds: float) -> None:
+        self.nodeid = nodeid
+        self.seconds = seconds
+        # Time for a responsive loop to take the cancellation and close the runtime.
+        self.grace = min(max(seconds / 4, 2.0), 30.0)
+        self.fired = False
+        self.where = ""  # the report's "where": the task's await chain, or the blocked loop thread's stack
+        self._lock = threading.Lock()
+        self._answered = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, scope: anyio.CancelScope) -> None:
+        from .testing_blocking import _current_loop_handle
+
+        handle = _current_loop_handle()
+        task = anyio.get_current_task()
+
+        def expire() -> None:  # on the loop
+            with self._lock:
+                if not self.where:  # else the watchdog already took the stack of the blocked loop
+                    self.where = "Where its task was waiting, outermost first:\n" + _await_chain(task.coro)
+            self.fired = True
+            self._answered.set()
+            scope.cancel()
+
+        def watch() -> None:
+            if self._done.wait(self.seconds):
+                return
+            try:
+                handle.post(expire)
+            except Exception:  # the loop is gone (closed): nothing to cancel on it
+                pass
+            if not self._answered.wait(self.grace):
+                with self._lock:
+                    stack = _loop_thread_stack(handle.thread_id)
+                    self.where = "Where its event loop thread was blocked (its stack), outermost first:\n" + stack
+                self.fired = True
+                why = f"its event loop thread did not answer for {self.grace:g} s more: it is blocked in a call"
+            elif not self._done.wait(self.grace):
+                why = (f"it was cancelled but did not end within {self.grace:g} s: it ignores cancellation "
+                       "(a shielded wait?)")
+            else:
+                return
+            self._hard_stop(why)
+
+        self._thread = threading.Thread(target=watch, name=f"asyncside deadline {self.nodeid}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def report(self) -> str:
+        return (f"{self.nodeid} ran past its deadline of {self.seconds:g} s and was cancelled "
+                f"(@pytest.mark.{DEADLINE_MARKER}, {DEADLINE_ENV} or the {DEADLINE_INI} ini option set it). "
+                f"{self.where}")
+
+    def _write(self, text: str) -> None:
+        fd = _report_fd if _report_fd is not None else 2
+        try:
+            os.write(fd, text.encode(errors="replace"))
+        except OSError:
+            pass
+
+    def _hard_stop(self, why: str) -> None:
+        import faulthandler
+
+        fd = _report_fd if _report_fd is not None else 2
+        self._write(f"\n\nasyncside deadline: {self.nodeid} ran past its deadline of {self.seconds:g} s, and {why}.\n")
+        if self.where:
+            self._write(self.where)
+        self._write("Every thread's stack:\n")
+        faulthandler.dump_traceback(file=fd, all_threads=True)
+        self._write("asyncside deadline: interrupting the main thread (SIGINT).\n")
+        # An asyncio.Runner (pytest-asyncio's) takes the first SIGINT to cancel its main task and
+        # raises KeyboardInterrupt at the second: hence a second interrupt if the first did nothing.
+        # A real signal, not _thread.interrupt_main(): a main thread parked in select() only runs
+        # the handler once a signal interrupts the call.
+        for wait in (min(self.grace, 1.0), self.grace):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            if self._done.wait(wait):
+                return
+        self._write(f"\nasyncside deadline: {self.nodeid} still runs {self.grace:g} s after the interrupt; "
+                    "every thread's stack, then exit status 1:\n")
+        faulthandler.dump_traceback(file=fd, all_threads=True)
+        os._exit(1)
 
 
 def random_layers(
@@ -132,62 +352,94 @@ def expert_store(make_expert_store: Callable[..., ExpertStore]) -> ExpertStore:
     return make_expert_store()
 
 
-@_async_fixture
-async def asyncside_runtime(request: pytest.FixtureRequest, expert_store: ExpertStore) -> AsyncIterator[Runtime]:
-    """A Runtime over ``expert_store`` on the test's loop; closed and audited clean at teardown.
+@pytest.fixture
+def asyncside_runtime(request: pytest.FixtureRequest, expert_store: ExpertStore) -> Iterator[Runtime]:
+    """A Runtime over ``expert_store``, open for the test's body on the test's own event loop.
 
-    Fills that failed on purpose (see ``faulty_reader``) do not fail the teardown; a ledger left
-    inconsistent (a leaked or half-published row) does.
+    The runtime is entered and closed by the test's own task, around the test function, so it
+    lives on whichever loop runs the test: pytest-asyncio's at any ``loop_scope``, anyio's plugin
+    on asyncio, uvloop or trio. After the body it is drained (fills that failed on purpose do not
+    fail the test), closed, and every layer's ledger must audit clean (the test fails otherwise).
+    All of it runs under the test's deadline (:func:`deadline_of`). The value is the Runtime
+    object; it is open only while the test function runs.
     """
-    if not _HAVE_PYTEST_ASYNCIO:
-        pytest.fail("the asyncside_runtime fixture needs pytest-asyncio (pip install pytest-asyncio)")
-    import asyncio
-
     from .runtime import Runtime
 
     kwargs: dict[str, Any] = {}
     for marker in reversed(list(request.node.iter_markers(RUNTIME_MARKER))):
         kwargs.update(marker.kwargs)  # the closest marker wins
+    item = request.node
+    if not isinstance(item, pytest.Function) or not inspect.iscoroutinefunction(item.obj):
+        raise pytest.UsageError(f"{item.nodeid}: the asyncside_runtime fixture needs an async test function "
+                                "(@pytest.mark.asyncio or @pytest.mark.anyio)")
+    runtime = Runtime(expert_store, **kwargs)
+    seconds = deadline_of(item)
+    test_fn = item.obj
 
-    # pytest-asyncio runs a fixture's setup and teardown in different tasks, but the Runtime's
-    # task group must be entered and exited by one task: an owner task holds the context open
-    # for the duration of the test. The runtime is still used from the test's own task.
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[Runtime] = loop.create_future()
-    stop = asyncio.Event()
-
-    async def own() -> None:
+    # Why around the test function and not an async fixture: an async fixture runs on the loop of
+    # its own loop scope (pytest-asyncio), or on whichever plugin's loop claims it first (anyio's
+    # and pytest-asyncio's fixture hooks both may), which need not be the loop the test runs on. A
+    # runtime entered on another loop leaves the test awaiting reads that loop never completes,
+    # because nobody runs it: the test sits idle in select() for ever.
+    @functools.wraps(test_fn)
+    async def with_runtime(*args: Any, **kw: Any) -> Any:
+        body = with_runtime.asyncside_body  # type: ignore[attr-defined]
+        watchdog = _Deadline(item.nodeid, seconds) if seconds > 0 else None
+        result = None
         try:
-            async with Runtime(expert_store, **kwargs) as runtime:
-                ready.set_result(runtime)
-                await stop.wait()
+            with anyio.CancelScope() as scope:
+                if watchdog is not None:
+                    watchdog.start(scope)
                 try:
-                    await runtime.drain()
-                except BaseExceptionGroup:
-                    pass  # failed fills are the test's business; the audit is the plugin's
+                    async with runtime:
+                        try:
+                            result = await body(*args, **kw)
+                        finally:
+                            try:
+                                await runtime.drain()
+                            except BaseExceptionGroup:
+                                pass  # failed fills are the test's business; the audit is the plugin's
+                finally:
+                    if watchdog is not None:
+                        watchdog.stop()
         except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-                return
+            if watchdog is not None and watchdog.fired:
+                raise DeadlineExceeded(watchdog.report()) from exc
+            if isinstance(exc, Exception):
+                _note_audit(exc, runtime)
             raise
+        if watchdog is not None and watchdog.fired:
+            raise DeadlineExceeded(watchdog.report())
+        problems = audit_problems(runtime)
+        if problems:
+            pytest.fail("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
+        return result
 
-    owner = asyncio.create_task(own(), name="asyncside_runtime owner")
-    try:
-        runtime = await ready
-    except BaseException:
-        await asyncio.gather(owner, return_exceptions=True)
-        raise
+    # The test body proper. no_blocking swaps its watched version in here, so the runtime's entry
+    # and close stay outside the blocking detector whichever of the two fixtures was set up first.
+    with_runtime.asyncside_body = test_fn  # type: ignore[attr-defined]
+    item.obj = with_runtime
     try:
         yield runtime
     finally:
-        stop.set()
-        await owner
-    problems = audit_problems(runtime)
+        item.obj = test_fn
+
+
+def _note_audit(exc: BaseException, runtime: Runtime) -> None:
+    """Add the ledger audit to a failing test's exception (a dirty ledger is worth knowing then too)."""
+    try:
+        problems = audit_problems(runtime)
+    except Exception as audit_exc:  # a runtime that never opened may have nothing to audit
+        problems = [f"(the audit itself failed: {audit_exc!r})"]
     if problems:
-        pytest.fail("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
+        exc.add_note("asyncside_runtime: ledger audit after close found:\n  " + "\n  ".join(problems))
+
 
 def _scheduler_of(runtime: Any) -> Any:
+    # Looked up at each use: the runtime may replace its scheduler when it opens.
     scheduler = getattr(runtime, "scheduler", None) or getattr(runtime, "_scheduler", None)
+    if scheduler is None:  # the runtime package keeps it with the rest of its shared state
+        scheduler = getattr(getattr(runtime, "_s", None), "scheduler", None)
     if scheduler is None or not hasattr(scheduler, "set_faults"):
         raise RuntimeError("this Runtime exposes no scheduler with fault hooks (Scheduler.set_faults)")
     return scheduler
@@ -244,7 +496,6 @@ class FaultyReader:
 
 @pytest.fixture
 def faulty_reader(asyncside_runtime: Runtime) -> Iterator[FaultyReader]:
-    """Fault injection into ``asyncside_runtime``'s reader; faults are cleared at teardown."""
-    faults = FaultyReader(asyncside_runtime)
-    yield faults
-    faults.clear()
+    """Fault injection into ``asyncside_runtime``'s reader, for use in the test's body (the runtime
+    is open only then); the faults go with the reader when the runtime closes."""
+    yield FaultyReader(asyncside_runtime)

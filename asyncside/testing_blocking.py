@@ -568,7 +568,10 @@ if pytest is not None:
         options = dict(marker.kwargs) if marker is not None else {}
         detector = BlockingDetector(**options)
         item = request.node
-        test_fn = item.obj
+        # asyncside_runtime wraps the test function to open its runtime around it; when it was set
+        # up first, watch its body (its ``asyncside_body``), not the runtime's entry and close.
+        holder = item.obj if hasattr(item.obj, "asyncside_body") else None
+        test_fn = holder.asyncside_body if holder is not None else item.obj
         if not inspect.iscoroutinefunction(test_fn):
             raise pytest.UsageError(f"{item.nodeid}: the no_blocking fixture needs an async test function")
 
@@ -583,8 +586,14 @@ if pytest is not None:
                 for inc in detector.gc_pauses:
                     warnings.warn(LoopGcPauseWarning(inc.describe()), stacklevel=1)
 
-        item.obj = watched
+        if holder is not None:
+            holder.asyncside_body = watched
+        else:
+            item.obj = watched
         try:
             yield detector
         finally:
-            item.obj = test_fn
+            if holder is not None:
+                holder.asyncside_body = test_fn
+            else:
+                item.obj = test_fn
