@@ -605,7 +605,7 @@ async def _schedule(queue: CompletionQueue, roots: list[mx.array]) -> None:
             if queue.closed and turn is None:
                 # An asyncio queue closes itself once idle, a loop iteration after its last ticket
                 # was reaped. A pipeline rank's step once found the one it started with closed
-                # between two pieces (2026-12-03, four requests taking turns under uvloop; the
+                # between two pieces (four requests taking turns under uvloop; the
                 # exact interleaving was not pinned down): take the loop's current one. (A task in
                 # the line keeps its queue open, so `turn` is None whenever this happens.)
                 queue = current_queue()

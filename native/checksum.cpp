@@ -277,8 +277,8 @@ ASYNCSIDE_VPCLMUL_TARGET inline __m128i fold_down(__m512i x0, __m512i x1, __m512
 // n >= 256. Not inlined, and ends with vzeroupper: this runs on whatever thread verifies (MLX's
 // stream thread for a fault in a queued step), and leaving the upper halves of the vector
 // registers dirty makes the legacy-SSE code that thread runs next (MLX's CPU kernels) pay a
-// transition penalty on every instruction: measured here, the quantized matmuls of a decode
-// step ran 2.5x slower after a single verified fault.
+// transition penalty on every instruction: measured, the quantized matmuls of a decode step ran
+// several times slower after a single verified fault (BENCHMARKS.md, "Measurements behind code choices").
 __attribute__((noinline)) ASYNCSIDE_VPCLMUL_TARGET uint32_t vpclmul_fold(uint32_t c, const uint8_t** pp, size_t* pn, const FoldConstants& k) {
   const uint8_t* p = *pp;
   size_t n = *pn;

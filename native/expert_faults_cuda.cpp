@@ -13,15 +13,14 @@
 //   host    resolve (or stage) the ids in the fault table, planning the copies
 //   kernel  the plan's copies; the chosen rows -> the output
 // A host node costs every node a round trip through the driver's callback thread, hit or miss
-// (0.15-0.2 ms of GPU idle each on the H200); the lookup costs one only on a miss.
+// (BENCHMARKS.md, "MLX CUDA"); the lookup costs one only on a miss.
 //
 // A host node may not call the CUDA runtime, hence the kernels on both sides (memcpy nodes would
 // also keep MLX from updating its cached executable graphs in place). Host nodes run on the
 // driver's callback thread, the fault server on its own, one request at a time; only C++ objects
 // are touched there. The kernels are MLX kernel nodes and the host node a one-node child graph
-// under a fixed key: MLX neither walks nor keys a child graph per fault node (H200, embedded model,
-// batch 1: the step's hand-off to MLX 1.84-1.91 ms against 2.03-2.24 ms as one three-node child
-// graph, ASYNCSIDE_CUDA_FAULT_NODE=child).
+// under a fixed key: MLX neither walks nor keys a child graph per fault node (a shorter hand-off
+// to MLX than one three-node child graph, ASYNCSIDE_CUDA_FAULT_NODE=child; BENCHMARKS.md, "MLX CUDA").
 // Compiled only with -DASYNCSIDE_CUDA=ON; verified on the CUDA host, not on this build machine.
 #include "expert_faults.h"
 
@@ -370,8 +369,8 @@ CUfunction lookup_rows_function() {
 
 // How a (non-staged) fault node is encoded. The default, "device": the lookup kernel and the plan
 // kernel, a miss answered by the fault server. ASYNCSIDE_CUDA_FAULT_NODE=host keeps the host node
-// on every node (kernel, host node, kernel: the form before 2026-12-03), =child the same three as
-// one child graph (before 2026-12-02): kept to measure the encodings side by side.
+// on every node (kernel, host node, kernel: the earlier form), =child the same three as one child
+// graph (the form before that): kept to measure the encodings side by side.
 enum class NodeForm { Device, Host, Child };
 NodeForm fault_node_form() {
   static const NodeForm form = [] {

@@ -20,7 +20,7 @@ struct Plan {
   CopyOp ops[1];  // `capacity` entries
 };
 
-// apply_plan's launch shape (the grid covers an H200's 132 SMs four warps deep per block; the copy
+// apply_plan's launch shape (the grid covers a 132-SM GPU four warps deep per block; the copy
 // is bound by PCIe round trips, which many warps in flight hide) and the descriptors each block
 // holds in shared memory at a time.
 constexpr unsigned kApplyPlanBlocks = 264;

@@ -6,7 +6,7 @@
 // mailbox (a few loads of host memory per node), and serves a request by resolving the ids in the
 // node's fault table, on this thread, as the CUDA driver's callback thread did for a host node.
 // A host node costs the GPU a round trip through the driver on every node, hit or miss
-// (0.15-0.2 ms each on the H200's guest); a posted request costs one only on a miss.
+// (BENCHMARKS.md, "MLX CUDA"); a posted request costs one only on a miss.
 //
 // Nodes are registered (enter) when MLX encodes them and leave when their command buffer has
 // completed, so the server polls only while work that may post is queued: it spins for a short

@@ -3,8 +3,8 @@
 // A StepPlan holds every node of a step until the step is scheduled; by then MLX has detached
 // the nodes from each other, so the plan's references are often the last ones, and dropping them
 // frees each node's descriptor and, once computed, its buffer. For a decode step of the embedded
-// model (about 1,400 nodes) that took 1.3-2.7 ms of the event loop's thread on the dev VM, in one
-// piece, every token: the largest single span behind the demo's loop lag. A release thread drops
+// model (about 1,400 nodes) that took milliseconds of the event loop's thread, in one piece, every
+// token: the largest single span behind the demo's loop lag (BENCHMARKS.md, "Loop lag"). A release thread drops
 // them instead, on a core the loop does not need. (CPU steps only: see StepPlan::finish.)
 //
 // The thread is started on first use and lives as long as the process (detached; see

@@ -126,8 +126,8 @@ bool mapped_resident(const Layout& L, uint64_t off, uint64_t n) {
   const uint64_t lo = off - off % page;
   const uint64_t len = off + n - lo;
 #if defined(__NR_cachestat)
-  // cachestat (Linux 6.5) walks the page cache by folio: ~6 us for 16 MiB here, where mincore of a
-  // range not mapped yet looks up every page (~235 us, 14% of copying it).
+  // cachestat (Linux 6.5) walks the page cache by folio, where mincore of a range not mapped yet
+  // looks up every page, a sizeable share of copying it (BENCHMARKS.md, "Measurements behind code choices").
   static std::atomic<bool> no_cachestat{false};
   if (!no_cachestat.load(std::memory_order_relaxed)) {
     struct {

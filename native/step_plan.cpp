@@ -22,12 +22,12 @@ constexpr int kMaxActiveTasks = 10;
 // MLX's CPU encoder counts one task per 10 dispatches, and a node of a decode step dispatches
 // about twice on average (copies to contiguous layouts, the quantized products' own steps): 5
 // nodes per task. With 8 the chunks overshot the throttle and MLX blocked the loop thread inside
-// async_eval: 12.5 ms per token of the embedded model's decode (up to 9.6 ms at once), against
-// 3.7-5.8 ms (at most 0.6-1.7 ms at once) with 5, which is MLX's own encoding work.
+// async_eval several times longer than with 5, which is MLX's own encoding work (BENCHMARKS.md,
+// "Measurements behind code choices").
 constexpr size_t kNodesPerTask = 5;
 constexpr size_t kMinGroup = 2;
-// With a time slice, nodes per async_eval call, so the slice is checked often enough: about
-// 0.2-0.3 ms of MLX's CPU encoding on the dev VM.
+// With a time slice, nodes per async_eval call, so the slice is checked often enough (a small
+// part of the slice of MLX's CPU encoding; BENCHMARKS.md, "Loop lag").
 constexpr size_t kSlicedGroup = 10;
 // advance(lend): nodes per async_eval call without a time slice, and the task groups hidden from
 // MLX's count around each call (room for this many nodes' dispatches, many times over).
@@ -165,9 +165,9 @@ void StepPlan::finish() {
   frontier_.reset();
   last_mid_.reset();
   if (all_gpu_) {
-    // On the H200 the release thread made the host time per step worse, not better (2.6-2.8 ms
-    // against 2.1-2.2 at batch 1, mlx-lm's own steps in the same process slower too): a GPU
-    // step's nodes are dropped here, on the caller, with the GIL released.
+    // On a GPU the release thread made the host time per step worse, not better (mlx-lm's own
+    // steps in the same process slower too; BENCHMARKS.md, "MLX CUDA"): a GPU step's nodes are
+    // dropped here, on the caller, with the GIL released.
     order_.clear();
     return;
   }

@@ -672,8 +672,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
                 if cache_state == "warm":
                     res_runs.append(_anyio_run(_resident_run, sm, resident_src, prompt_ids, s.tokens))
                 for frac in s.residencies:
-                    # Odd rounds run the group in reverse: a drift within a group (this VM's speed
-                    # moves by 10-20% within minutes) then favours no system over the rounds.
+                    # Odd rounds run the group in reverse: a drift within a group (a shared host's
+                    # speed moves within minutes) then favours no system over the rounds.
                     for cfg in (configs if rep % 2 == 0 else configs[::-1]):
                         table.setdefault((cache_state, frac, cfg.key), []).append(
                             one(cfg, frac, cache_state == "cold", s.tokens))

@@ -11,7 +11,7 @@ Per layout, for each reader (io_uring, threads, aiofiles) through the real async
 (:class:`~asyncside.scheduler.Scheduler` on an asyncio loop, random records into ``depth`` pool
 rows kept full), in three cache states:
 
-- ``warm``: the pass's records are in the page cache (read just before the pass: these VMs run
+- ``warm``: the pass's records are in the page cache (read just before the pass: a host may run
   DAMON proactive reclaim, which pages out cache left idle for about a second), buffered reads;
 - ``cold_direct``: O_DIRECT reads (the page cache is bypassed);
 - ``cold_buffered``: buffered reads after evicting the blob from the page cache
@@ -211,7 +211,7 @@ class CacheControl:
     @staticmethod
     def warm_records(path: str, stride: int, experts: Sequence[int]) -> None:
         """Read exactly these records right before a warm pass: machines with proactive reclaim
-        (DAMON pageout, as on this project's VMs) evict page cache left idle for about a second."""
+        (DAMON pageout) evict page cache left idle for about a second."""
         fd = os.open(path, os.O_RDONLY)
         try:
             buf = bytearray(min(stride, 8 << 20))

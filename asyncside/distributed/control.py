@@ -11,8 +11,8 @@ neighbours on the control links it opened when the group formed (:func:`.group.r
   plane has spoken, so a slow start is not a death (``start_timeout_s`` bounds the start).
   Heartbeats come from the event loop and, whenever the loop has sent nothing for a heartbeat
   period, from a small thread of the control plane's own: on a GPU, MLX compiles a kernel on first
-  use on the thread that schedules it, which holds a rank's loop for seconds (4-6 s seen on the
-  H200) while the process is well. The thread needs the GIL, which MLX's scheduling releases, so
+  use on the thread that schedules it, which holds a rank's loop for seconds while the process is
+  well. The thread needs the GIL, which MLX's scheduling releases, so
   a process stopped, or stuck in Python, still falls silent;
 - an ABORT frame carries another rank's failure (and its origin) along the ring, so ranks that
   are not neighbours of the failed one learn of it too.

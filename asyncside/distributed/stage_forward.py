@@ -57,9 +57,8 @@ def _stage_forward(sm: StreamingModel, stop: int) -> AsyncForward:
     if fwd is None:
         base = sm.forward
         # No speculative gathers on the CPU: a misprediction's recompute runs on the rank's own
-        # core, the one its next step needs (2 ranks pinned to a core each, embedded model, 25%:
-        # the MLX thread spent 7.9-10.4 s per run without them against 10.7-11.9 s with them, and
-        # the aggregate was 1.53-1.70x one process against 1.25-1.42x; BENCHMARKS.md).
+        # core, the one its next step needs: without them the MLX thread spent less time per run
+        # and the aggregate over one process rose (BENCHMARKS.md, "Pipeline stages over MLX's ring").
         spec = base.options.speculate and mx.default_device() == mx.gpu
         options = ForwardOptions(mode=StepMode.PER_LAYER, speculate=spec,
                                  lookahead_extra=base.options.lookahead_extra)

@@ -47,18 +47,16 @@ MAX_RESOLVES_PER_LAYER = 64
 STAGE_DECODE_PAIRS_PER_EXPERT = 2
 
 #: on the CPU, a decode step's graph is built with a checkpoint every this many layers (0: none).
-#: A whole step's build is 1.5-2.5 ms of Python on the loop thread on the dev VM (8 layers), more
-#: than the 2 ms a loop should stay blocked. The demo's loop lag p99, runs alternated (medians;
-#: benchmarks/looplag-decode-checkpoints-cpu.json): 2.14 ms with none (6 runs), 2.32 every 4 layers
-#: (2), 1.84 every 2 (4), 1.42 every layer (4), decode vs mlx-lm unchanged (0.91 / 0.93x).
-#: On a GPU the build is the step's critical path and runs whole.
+#: A whole step's build is more Python on the loop thread than a loop should stay blocked; of none,
+#: every 4, every 2 and every layer, one a layer gave the demo the lowest loop lag, decode speed
+#: unchanged (BENCHMARKS.md, "Loop lag"). On a GPU the build is the step's critical path and runs whole.
 DECODE_CHECKPOINT_LAYERS = 1
 
 #: on the CPU, the most host time (ns) one hand-over of a step's graph to MLX may take before the
-#: loop runs again (0: none). MLX's encoding of a chunk under its throttle (up to 50 nodes) took
-#: 1.2-1.4 ms at once on the dev VM, and the last layer's build, the graph walk and the first
-#: chunk together 2.1 ms: with the graph's release (native/graph_release.h), the spans behind the
-#: demo's loop lag p99 of 1.6-2.3 ms (1.4-1.5 with both; BENCHMARKS.md, loop lag).
+#: loop runs again (0: none). MLX's encoding of a chunk under its throttle (up to 50 nodes), and the
+#: last layer's build, the graph walk and the first chunk together, were with the graph's release
+#: (native/graph_release.h) the longest spans behind the demo's loop lag; both cut them
+#: (BENCHMARKS.md, "Loop lag").
 SCHEDULE_SLICE_NS = 500_000
 
 
@@ -283,9 +281,8 @@ class QueuedSteps:
         On the CPU, MLX's eval throttle lets a caller run only about 50 nodes ahead of the
         stream; mlx-lm's caller simply blocks in it. The loop cannot, so the step goes past the
         throttle (``lend``): whole, in slices of :data:`SCHEDULE_SLICE_NS` with a checkpoint
-        between. Handed over in chunks under the throttle instead, each awaited, a decode step of
-        the embedded model cost the loop ~17 wake-ups and 2-5 ms more CPU per token, and decode
-        ran at 0.83-0.89x of mlx-lm against 0.93-1.00x (BENCHMARKS.md, 2026-12-04)."""
+        between. Handed over in chunks under the throttle instead, each awaited, a decode step woke the
+        loop many times more and decoded slower (BENCHMARKS.md, "Decode: queued steps")."""
         host = self.host_ns
         if not self._bridged:
             t = time.perf_counter_ns()
@@ -354,7 +351,7 @@ def _after(prev: mx.array | None, ids: mx.array) -> mx.array:
     A data dependency, not ``mx.depends``: MLX CUDA orders the nodes of its command graphs by the
     buffers they read and write, and a ``depends`` moves no data, so there a later part's fault
     node ran beside the previous part's products (and shared the layer's staging buffers): wrong
-    logits on the H200. ``where(c, ids, ids)`` is ``ids`` whatever ``c``.
+    logits on MLX CUDA. ``where(c, ids, ids)`` is ``ids`` whatever ``c``.
     """
     if prev is None:
         return ids

@@ -218,9 +218,9 @@ class BatchCaches:
     steps, as mlx-lm's ``BatchGenerator`` keeps them.
 
     Merging every request's cache at every step and extracting them back after costs host time
-    that grows with the batch (measured on the dev VM: 2.4 ms per step for 8 requests of 8
-    layers, 9.2 ms for 32, before the device copies), on the order of a whole decode step on a
-    GPU. Kept merged, a step pays nothing for its caches: a request that joins is merged in
+    that grows with the batch, on the order of a whole decode step on a GPU (BENCHMARKS.md,
+    "Measurements behind code choices"). Kept merged, a step pays nothing for its caches: a request
+    that joins is merged in
     once (:meth:`join`), one that leaves is dropped (:meth:`drop`), and its own cache is
     extracted (:meth:`extract`) only when something still needs it (the prefix cache).
 
@@ -505,7 +505,7 @@ class Batcher:
         #: the first chunks of fresh prompts that fit one step run as one forward, right-padded
         #: (see :meth:`_prefill_joint`). Off by default: on the CPU a request's caches are then
         #: bitwise its own prompt's, but on a GPU the larger products round differently in the low
-        #: bits (measured on the H200), so a seeded request's draws could depend on who arrived
+        #: bits (measured on MLX CUDA), so a seeded request's draws could depend on who arrived
         #: with it; there it saves forwards when many clients start at once
         self.joint_prefill = joint_prefill
         self._inflight: _Step | None = None  # the decode step queued last and not completed yet
@@ -742,7 +742,7 @@ class Batcher:
         The chunks are right-padded to the longest, as mlx-lm's batched prompt processing pads
         them: a real token never attends to a pad after it (the mask is causal) and keeps its own
         position, so each request's keys and values are those of its chunk alone (bit for bit
-        on the CPU; on the H200 the products of B rows round differently in the last bits). Each request
+        on the CPU; on MLX CUDA the products of B rows round differently in the last bits). Each request
         then takes its own cache: its row of the batch cache up to its length (lazy). The pads
         (token 0) route to experts like any token: their faults and products are the price of
         one forward instead of several.
