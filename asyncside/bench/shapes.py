@@ -63,6 +63,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         "torch_dtype": "float32",
     },
 }
+#: DeepSeek-V3's routing (256 routed experts, top-8) on qwen3-30b-a3b's dimensions, built by the same
+#: construction (a qwen3_moe: DeepSeek-V3's own 7168 x 2048 experts, about 22 MB a record at 4 bits,
+#: are too large for a CPU bench); for ``asyncside bench offload``
+SHAPES["deepseek-v3-like"] = {**SHAPES["qwen3-30b-a3b"], "num_experts": 256, "num_experts_per_tok": 8,
+                              "num_hidden_layers": 61}
 
 #: ``--vocab small``: the embedded model's vocabulary size
 SMALL_VOCAB = 512

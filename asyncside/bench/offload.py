@@ -1,0 +1,647 @@
+"""``asyncside bench offload``: generation from a model larger than memory, each system in a memory cgroup.
+
+For each model shape (built by :mod:`asyncside.bench.shapes`, with fewer layers on a small
+machine) and each routing locality (the synthetic presets of :data:`asyncside.routing.LOCALITIES`,
+replayed in every MoE layer of every system: :mod:`asyncside.models.forcing`), the same greedy
+generation runs in a subprocess per system, each inside a fresh memory cgroup whose limit (the
+budget, ``--memory``) charges the page cache too, after the page cache was dropped:
+
+- ``asyncside``: :class:`asyncside.runtime.Runtime` with ``resident="auto", memory=budget`` (it sizes
+  its pools to the budget and reads past the page cache when the rest does not fit);
+- ``slot-cache``: the baseline (:mod:`asyncside.bench.slot_cache`) with the pool rows asyncside's
+  plan chose, reading with O_DIRECT;
+- ``mlx-lm``: the all-resident mlx-lm model loaded under the same limit, what a user tries first
+  (its tok/s, or that it cannot run and why: the cgroup's OOM killer, at what peak).
+
+The store is at least 4x the budget. Each run generates for ``--seconds`` (or ``--tokens``). Per
+run: decode tok/s; hit rate and its fraction of Belady's MIN over the same demands with the same
+rows per layer; misses' MB per token (misses x record size); disk MB per token (the process's
+``read_bytes``); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
+at the record size and the runtime's queue depth, with O_DIRECT (``bench io``'s reader pass) in
+the same run; the I/O limit (that bandwidth / misses' bytes per token); the compute limit
+(all-resident mlx-lm tok/s with no limit, same routing); and tok/s / min(the two limits).
+
+Memory cgroups: v2 (a directory under the unified hierarchy with the memory controller enabled,
+``memory.max``, ``memory.swap.max`` 0) or v1 (``memory/``: ``memory.limit_in_bytes``, and
+``memory.memsw.limit_in_bytes`` where swap accounting exists); both charge the page cache. Making
+one needs root: where none can be made the bench says why and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import AsyncsideError
+
+__all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
+
+SYSTEMS = ("asyncside", "slot-cache", "mlx-lm")
+#: shape:decoder layers of the default run (about 2.3 GB of experts each; the H200: 48 / 61 layers)
+DEFAULT_SHAPES = ("qwen3-30b-a3b:6", "deepseek-v3-like:3")
+LOCALITY_NAMES = ("low", "middle", "high")
+#: the store must hold at least this many times the budget
+STORE_OVER_BUDGET = 4.0
+#: tokens of every synthetic trace (positions past it wrap around)
+TRACE_TOKENS = 4096
+MB = 1e6
+CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
+
+
+class CgroupError(AsyncsideError):
+    """No memory cgroup can be made here (the message says why)."""
+
+
+# ---- memory cgroups ----------------------------------------------------------------------------
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of ``text``: an int, or a number with K/M/G/T (powers of 1024), e.g. ``800M``, ``1.5G``."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for i, unit in enumerate("KMGT", start=1):
+        if t.endswith(unit):
+            mult, t = 1024 ** i, t[:-1]
+            break
+    try:
+        value = float(t)
+    except ValueError:
+        raise ValueError(f"expected a size such as 800M or 1.5G, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return int(value * mult)
+
+
+def cgroup_version(root: pathlib.Path = CGROUP_ROOT) -> int:
+    """1 or 2: which memory cgroup hierarchy this machine has mounted (CgroupError if neither)."""
+    if (root / "cgroup.controllers").is_file():
+        if "memory" not in (root / "cgroup.controllers").read_text().split():
+            raise CgroupError(f"{root}: cgroup v2 without the memory controller (cgroup.controllers)")
+        return 2
+    if (root / "memory" / "memory.limit_in_bytes").is_file():
+        return 1
+    raise CgroupError(f"{root}: no memory cgroup hierarchy mounted (neither v2 cgroup.controllers "
+                      f"nor v1 memory/memory.limit_in_bytes)")
+
+
+class MemoryCgroup:
+    """A fresh memory cgroup limited to ``limit`` bytes (page cache charged); removed on exit.
+
+    ``wrap(cmd)`` is ``cmd`` started inside it; after the process ended, :meth:`peak` is the most
+    memory it charged and :meth:`oom_kills` how many processes its OOM killer ended.
+    """
+
+    _count = 0
+
+    def __init__(self, limit: int, *, root: pathlib.Path = CGROUP_ROOT, name: str = "asyncside-offload") -> None:
+        self.limit = int(limit)
+        self.version = cgroup_version(root)
+        MemoryCgroup._count += 1
+        leaf = f"{name}-{os.getpid()}-{MemoryCgroup._count}"
+        self.path = (root / "memory" / leaf) if self.version == 1 else (root / leaf)
+
+    def __enter__(self) -> MemoryCgroup:
+        try:
+            self.path.mkdir()
+        except OSError as exc:
+            raise CgroupError(f"cannot create the memory cgroup {self.path}: {exc.strerror} "
+                              f"(it needs root and a writable cgroup hierarchy)") from None
+        try:
+            if self.version == 1:
+                self._write("memory.limit_in_bytes", self.limit)
+                if (self.path / "memory.memsw.limit_in_bytes").exists():
+                    self._write("memory.memsw.limit_in_bytes", self.limit)  # no escape into swap
+            else:
+                if not (self.path / "memory.max").exists():
+                    raise CgroupError(f"{self.path}: no memory.max (the parent's cgroup.subtree_control "
+                                      f"does not enable +memory)")
+                self._write("memory.max", self.limit)
+                if (self.path / "memory.swap.max").exists():
+                    self._write("memory.swap.max", 0)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _write(self, name: str, value: int | str) -> None:
+        try:
+            (self.path / name).write_text(f"{value}\n")
+        except OSError as exc:
+            raise CgroupError(f"cannot write {value} to {self.path / name}: {exc.strerror}") from None
+
+    def _read(self, name: str) -> str:
+        try:
+            return (self.path / name).read_text()
+        except OSError:
+            return ""
+
+    @property
+    def procs(self) -> pathlib.Path:
+        return self.path / "cgroup.procs"
+
+    def wrap(self, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` run by a shell that first moves itself into this cgroup (so every byte it charges counts)."""
+        return ["/bin/sh", "-c", f'echo $$ > {shlex.quote(str(self.procs))} && exec "$@"', "sh", *cmd]
+
+    def peak(self) -> int | None:
+        """The most memory charged (v1 ``memory.max_usage_in_bytes``, v2 ``memory.peak``), None if unknown."""
+        text = self._read("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak").strip()
+        return int(text) if text.isdigit() else None
+
+    def oom_kills(self) -> int:
+        """Processes its OOM killer ended (v1 ``memory.oom_control``, v2 ``memory.events``)."""
+        for line in self._read("memory.oom_control" if self.version == 1 else "memory.events").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        """Remove the cgroup (its processes must have ended; retried briefly while the kernel lets go)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def check_cgroups(limit: int) -> tuple[bool, str]:
+    """(whether a memory cgroup of ``limit`` bytes can be made and used here, the reason if not)."""
+    try:
+        with MemoryCgroup(limit) as cg:
+            out = subprocess.run(cg.wrap(["/bin/true"]), capture_output=True, text=True, timeout=30)
+            if out.returncode != 0:
+                return False, f"cannot move a process into {cg.path}: {out.stderr.strip()}"
+        return True, f"cgroup v{cg.version}"
+    except CgroupError as exc:
+        return False, str(exc)
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only); whether it was dropped."""
+    from .generate import drop_caches as _drop
+
+    return bool(_drop())
+
+
+# ---- one run in a child process ----------------------------------------------------------------
+
+
+def _read_bytes() -> int:
+    """This process's ``read_bytes`` (bytes it caused to be read from storage)."""
+    with open("/proc/self/io", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _phase(name: str) -> None:
+    print(f"PHASE {name} rss={_rss()}", file=sys.stderr, flush=True)
+
+
+def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one system as ``spec`` says (in the current process, usually a cgroup's); its figures."""
+    import mlx.core as mx
+
+    from ..models import load_reference_model, load_streaming_model
+    from ..models.forcing import force_reference
+    from ..store import ExpertStore
+
+    system, store_dir = spec["system"], spec["store"]
+    prompt, seconds, max_tokens = list(spec["prompt"]), float(spec["seconds"]), int(spec["tokens"])
+    out: dict[str, Any] = {"system": system}
+    t_load = time.perf_counter()
+    io0 = _read_bytes()
+    _phase("loading")
+    store = ExpertStore.open(store_dir)
+    sm = load_streaming_model(store_dir)
+    replay = sm.set_routing(spec["routing"]) if spec.get("routing") else None
+    tokens: list[int] = []
+    stamps: list[float] = []
+
+    def arrived(tok: int) -> bool:
+        tokens.append(tok)
+        stamps.append(time.perf_counter())
+        return len(tokens) >= max_tokens or stamps[-1] - stamps[0] >= seconds
+
+    if system == "mlx-lm":
+        from mlx_lm.generate import generate_step
+
+        model, _config = load_reference_model(store_dir)
+        if replay is not None:
+            force_reference(model, sm.arch.block_attr, replay)
+        del sm
+        out["load_s"] = time.perf_counter() - t_load
+        _phase("generating")
+        io1 = _read_bytes()
+        t0 = time.perf_counter()
+        for y, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+            if arrived(int(y)):
+                break
+        out.update(stats={}, rows_per_layer=None)
+    elif system == "slot-cache":
+        from .slot_cache import SlotCache, slot_generate
+
+        with SlotCache(store, float(spec["fraction"]), direct=True) as sc:
+            out["load_s"] = time.perf_counter() - t_load
+            _phase("generating")
+            io1 = _read_bytes()
+            t0 = time.perf_counter()
+            for tok in slot_generate(sm, sc, prompt, max_tokens=max_tokens):
+                if arrived(tok):
+                    break
+            st = sc.stats()
+            out["stats"] = {"hits": int(st["hits"]), "misses": int(st["misses"]), "bytes_read": int(st["bytes_read"])}
+            out["rows_per_layer"] = {str(k): int(v) for k, v in st["slots"].items()}
+    elif system == "asyncside":
+        import anyio
+
+        from ..runtime import Runtime
+
+        async def run() -> tuple[float, int, dict[str, Any]]:
+            kwargs: dict[str, Any] = {"resident": "auto", "memory": int(spec["budget"]), "policy": spec["policy"]}
+            try:
+                rt = Runtime(store, **kwargs)
+            except TypeError:  # a runtime without a memory budget: size the pools as the slot cache's
+                rt = Runtime(store, resident=float(spec["fraction"]), direct=True, policy=spec["policy"])
+            async with rt:
+                out["load_s"] = time.perf_counter() - t_load
+                out["memory_plan"] = {k: v for k, v in dict(rt.memory).items()
+                                      if isinstance(v, (int, float, str, bool))}
+                _phase("generating")
+                io1 = _read_bytes()
+                t0 = time.perf_counter()
+                agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=spec["predictor"])
+                async with contextlib.aclosing(agen):
+                    async for tok in agen:
+                        if arrived(tok):
+                            break
+                await rt.drain()
+                st = dict(rt.stats())
+                rows = {str(layer): int(rt.ledger(layer).rows) for layer in store.layers}
+            return t0, io1, {"stats": st, "rows": rows}
+
+        t0, io1, got = anyio.run(run, backend="asyncio")
+        st = got["stats"]
+        out["stats"] = {"hits": int(st["hits"]), "misses": int(st["misses"]), "bytes_read": int(st["bytes_read"]),
+                        "direct": bool(st.get("direct", False)), "reader": str(st.get("reader", ""))}
+        out["rows_per_layer"] = got["rows"]
+    else:
+        raise ValueError(f"unknown system {system!r}; known: {list(SYSTEMS)}")
+    end = stamps[-1] if stamps else time.perf_counter()
+    out["tokens"] = tokens
+    out["seconds"] = end - t0
+    # Decode speed: from the first token to the last (the first carries the startup).
+    out["decode_tokens_per_s"] = (len(tokens) - 1) / (end - stamps[0]) if len(tokens) > 1 and end > stamps[0] else 0.0
+    out["read_bytes"] = _read_bytes() - io1
+    out["read_bytes_loading"] = io1 - io0
+    out["rss_end"] = _rss()
+    _phase("done")
+    return out
+
+
+# ---- the parent ---------------------------------------------------------------------------------
+
+
+def _child(spec: dict[str, Any], cgroup: MemoryCgroup | None, timeout: float) -> dict[str, Any]:
+    """Run one system in a subprocess (inside ``cgroup``); its figures, or why it did not finish."""
+    cmd = [sys.executable, "-m", "asyncside.bench.offload", "--child", json.dumps(spec)]
+    if cgroup is not None:
+        cmd = cgroup.wrap(cmd)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = None
+        stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                          for x in (exc.stdout, exc.stderr))
+    wall = time.perf_counter() - t0
+    phases = [line.split()[1] for line in stderr.splitlines() if line.startswith("PHASE ")]
+    res: dict[str, Any] = {"system": spec["system"], "wall_s": wall, "phase": phases[-1] if phases else "starting"}
+    if cgroup is not None:
+        res["peak_bytes"] = cgroup.peak()
+        res["oom_kills"] = cgroup.oom_kills()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if rc == 0 and lines:
+        res.update(json.loads(lines[-1]))
+        res["status"] = "ok"
+        return res
+    if rc is None:
+        res["status"] = f"timed out after {timeout:.0f} s while {res['phase']}"
+    elif res.get("oom_kills"):
+        res["status"] = (f"killed by the cgroup's OOM killer while {res['phase']} (limit "
+                         f"{cgroup.limit / MB:.0f} MB)" if cgroup else "killed")
+    else:
+        tail = [line for line in stderr.strip().splitlines() if not line.startswith("PHASE ")][-3:]
+        res["status"] = f"exit status {rc} while {res['phase']}: " + " / ".join(tail)[-400:]
+    return res
+
+
+def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int = 192) -> dict[str, Any]:
+    """Random O_DIRECT reads of whole records of the store's first layer at the runtime's queue depth:
+    ``bench io``'s reader pass, GB/s (median of ``passes``)."""
+    import random
+    import statistics
+
+    import anyio
+
+    from .._native import ReaderOptions
+    from ..pools import PoolSet
+    from ..store import ExpertStore
+    from .io import _reader_pass
+
+    store = ExpertStore.open(store_dir)
+    layers = list(store.layers)
+    spec = store.layer(layers[0])
+    opts = ReaderOptions(direct=True) if depth is None else ReaderOptions(direct=True, queue_depth=depth)
+    rows = max(opts.queue_depth, 32)
+    pools = PoolSet(spec, rows)
+    rng = random.Random(7)
+    vals = []
+    for _ in range(passes):
+        experts = [rng.randrange(spec.n_experts) for _ in range(records)]
+        vals.append(anyio.run(_reader_pass, "auto", opts, spec, pools, experts)["GBps"])
+    return {"GBps": statistics.median(vals), "passes": vals, "record_bytes": int(spec.stride),
+            "queue_depth": int(opts.queue_depth), "records_per_pass": records}
+
+
+def _belady(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -> dict[str, Any]:
+    """Belady's MIN over the demands of ``steps`` decode steps (one token each) with ``rows`` per layer."""
+    from ..models.forcing import RoutingReplay
+    from ..models.trace import CacheResult, belady
+    from ..routing import RoutingTrace
+    from ..store import ExpertStore
+
+    store = ExpertStore.open(store_dir)
+    layers = sorted(store.layers)
+    first = store.layer(layers[0])
+    trace = RoutingTrace.load(trace_file)
+    replay = RoutingReplay(trace, moe_layers=layers, n_experts=first.n_experts, top_k=_store_top_k(store_dir))
+    total = CacheResult()
+    for layer in layers:
+        demands = [row for row in replay.host_ids(layer, 0, steps)]
+        total = total + belady(demands, [], int(rows[str(layer)]))
+    return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
+
+
+def _store_top_k(store_dir: str) -> int:
+    """The experts routed per token of the model a store was converted from (its config.json)."""
+    from mlx_lm.utils import load_config
+
+    config = load_config(pathlib.Path(store_dir))
+    return int(config["num_experts_per_tok"])
+
+
+def _dir_bytes(path: str | os.PathLike[str]) -> int:
+    return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
+
+
+def _shape_list(text: str) -> list[tuple[str, int | None]]:
+    out = []
+    for part in text.split(","):
+        name, _, layers = part.strip().partition(":")
+        out.append((name, int(layers) if layers else None))
+    return out
+
+
+def add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``asyncside bench offload``."""
+    p.add_argument("--memory", metavar="SIZE", default=None,
+                   help="the memory budget of every run, e.g. 600M or 1.5G (default: a quarter of the smallest store)")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                   help=f"model shapes as NAME:LAYERS, comma-separated (default {','.join(DEFAULT_SHAPES)})")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary of the built shapes (default 512)")
+    p.add_argument("--stores", metavar="DIR", nargs="+", default=None,
+                   help="converted expert stores to run instead of building --shapes")
+    p.add_argument("--store-ratio", type=float, default=STORE_OVER_BUDGET,
+                   help=f"refuse a store smaller than this many budgets (default {STORE_OVER_BUDGET:g}; "
+                        f"less only for a quick check of the machinery)")
+    p.add_argument("--localities", default=",".join(LOCALITY_NAMES),
+                   help="synthetic routing presets, comma-separated (default low,middle,high)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
+    p.add_argument("--seconds", type=float, default=40.0, help="generation time per run (default 40)")
+    p.add_argument("--tokens", type=int, default=256, help="at most this many tokens per run (default 256)")
+    p.add_argument("--policy", default="lru", help="asyncside's eviction policy (default lru)")
+    p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead"],
+                   help="asyncside's predictor (default none: the router's lookahead does not know replayed ids)")
+    p.add_argument("--cache-dir", default=None, help="where the shapes are built (default ~/.cache/asyncside)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def _log(enabled: bool, msg: str) -> None:
+    if enabled:
+        print(f"[offload] {msg}", file=sys.stderr, flush=True)
+
+
+def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
+    from ..routing import LOCALITIES, preset
+    from ..store import ExpertStore
+    from .machine import machine_info
+    from .shapes import ensure_shape
+
+    verbose = not getattr(args, "json", False)
+    started = time.time()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"asyncside bench offload: --systems: unknown system {s!r}; known: {list(SYSTEMS)}")
+    localities = [s.strip() for s in args.localities.split(",") if s.strip()]
+    for s in localities:
+        if s not in LOCALITIES:
+            raise SystemExit(f"asyncside bench offload: --localities: unknown preset {s!r}; "
+                             f"known: {sorted(LOCALITIES)}")
+    shapes: list[dict[str, Any]] = []
+    builds: list[tuple[str, int | None, Any]] = []
+    if args.stores:
+        builds += [(pathlib.Path(d).name, None, {"store": pathlib.Path(d), "store_bytes": _dir_bytes(d)})
+                   for d in args.stores]
+    else:
+        for name, layers in _shape_list(args.shapes):
+            _log(verbose, f"shape {name} ({layers or 'all'} layers): building or reusing")
+            builds.append((name, layers, ensure_shape(name, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
+                                                      progress=verbose)))
+    for name, layers, build in builds:
+        store = ExpertStore.open(build["store"])
+        expert_bytes = sum(sp.blob_bytes for sp in store.layers.values())
+        first = store.layer(next(iter(store.layers)))
+        shapes.append({"shape": name, "layers": layers, "store": str(build["store"]), "expert_bytes": expert_bytes,
+                       "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
+                       "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
+                       "top_k": _store_top_k(str(build["store"]))})
+    smallest = min(s["store_bytes"] for s in shapes)
+    ratio = float(args.store_ratio)
+    budget = parse_size(args.memory) if args.memory else int(smallest / ratio)
+    for s in shapes:
+        if s["store_bytes"] < ratio * budget:
+            raise SystemExit(f"asyncside bench offload: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is "
+                             f"less than {ratio:g}x the budget ({budget / MB:.0f} MB): more layers "
+                             f"(--shapes {s['shape']}:N) or less --memory")
+    ok, why = check_cgroups(budget)
+    if not ok:
+        raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why}")
+    _log(verbose, f"budget {budget / MB:.0f} MB in a {why}; page cache dropped before every run")
+    result: dict[str, Any] = {"bench": "offload", "machine": machine_info(), "budget_bytes": budget, "cgroup": why,
+                              "settings": {k: getattr(args, k) for k in ("seconds", "tokens", "policy", "predictor",
+                                                                          "vocab", "shapes", "localities", "systems")},
+                              "shapes": shapes, "runs": []}
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-offload-"))
+    try:
+        for sh in shapes:
+            prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
+            traces = {}
+            for loc in localities:
+                path = tmp / f"{sh['shape']}-{loc}.npz"
+                preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
+                       top_k=sh["top_k"], seed=1).save(path)
+                traces[loc] = str(path)
+            base = {"store": sh["store"], "prompt": prompt, "seconds": args.seconds, "tokens": args.tokens,
+                    "policy": args.policy, "predictor": args.predictor, "budget": budget,
+                    "fraction": max(0.01, (budget * 0.5) / sh["expert_bytes"])}
+            _log(verbose, f"{sh['shape']}: random-read bandwidth (O_DIRECT, record {sh['record_bytes'] / MB:.2f} MB)")
+            sh["io"] = _bandwidth(sh["store"], None)
+            sh["compute"] = {}
+            for loc in localities:
+                _log(verbose, f"{sh['shape']} / {loc}: compute limit (all-resident mlx-lm, no memory limit)")
+                compute = _child({**base, "system": "mlx-lm", "routing": traces[loc]}, None, args.timeout)
+                sh["compute"][loc] = {k: compute.get(k) for k in ("status", "decode_tokens_per_s", "tokens", "load_s")}
+                fraction = base["fraction"]
+                for system in systems:
+                    drop_caches()
+                    _log(verbose, f"{sh['shape']} / {loc} / {system}")
+                    spec = {**base, "system": system, "routing": traces[loc], "fraction": fraction}
+                    with MemoryCgroup(budget) as cg:
+                        run = _child(spec, cg, args.timeout)
+                    if system == "asyncside" and run.get("rows_per_layer"):
+                        # The slot cache gets the rows asyncside's plan chose for this budget.
+                        rows = run["rows_per_layer"]
+                        fraction = sum(rows.values()) / (sh["experts_per_layer"] * len(rows))
+                    run.update(shape=sh["shape"], locality=loc)
+                    _figures(run, sh, traces[loc], compute)
+                    result["runs"].append(run)
+                    _log(verbose, f"  {run['status']}: {run.get('decode_tokens_per_s', 0):.2f} tok/s")
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    result["tokens_identical"] = all(r.get("tokens_match_reference") is not False for r in result["runs"])
+    result["seconds"] = round(time.time() - started, 1)
+    if not getattr(args, "json", False):
+        if getattr(args, "markdown", False):
+            print(render_markdown(result))
+        else:
+            render_table(result)
+    return result
+
+
+def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: dict[str, Any]) -> None:
+    """The derived columns of one run (in place)."""
+    toks = run.get("tokens") or []
+    ref = compute.get("tokens") or []
+    n = min(len(toks), len(ref))
+    run["tokens_match_reference"] = (toks[:n] == ref[:n]) if n else None
+    run["n_tokens"] = len(toks)
+    if run.get("status") != "ok" or not toks:
+        return
+    steps = len(toks)
+    st = run.get("stats") or {}
+    if run.get("rows_per_layer"):
+        hits, misses = st.get("hits", 0), st.get("misses", 0)
+        run["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        run["belady"] = _belady(trace_file, sh["store"], steps, run["rows_per_layer"])
+        mn = run["belady"]["hit_rate"]
+        run["of_min"] = run["hit_rate"] / mn if run["hit_rate"] is not None and mn else None
+        run["miss_mb_per_token"] = misses * sh["record_bytes"] / steps / MB
+        bw = sh["io"]["GBps"] * 1e9
+        run["io_limit_tokens_per_s"] = bw / (run["miss_mb_per_token"] * MB) if run["miss_mb_per_token"] else None
+    run["disk_mb_per_token"] = run.get("read_bytes", 0) / steps / MB
+    run["compute_limit_tokens_per_s"] = compute.get("decode_tokens_per_s")
+    limits = [x for x in (run.get("io_limit_tokens_per_s"), run["compute_limit_tokens_per_s"]) if x]
+    run["of_limit"] = run["decode_tokens_per_s"] / min(limits) if limits else None
+
+
+def _f(v: Any, spec: str, suffix: str = "") -> str:
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+COLUMNS = ["shape", "locality", "system", "tok/s", "hit rate", "of MIN", "miss MB/tok", "disk MB/tok",
+           "peak MB", "I/O limit", "compute limit", "of limit", "status"]
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    return [r["shape"], r["locality"], r["system"], _f(r.get("decode_tokens_per_s"), ".2f"),
+            _f(r.get("hit_rate"), ".1%"), _f(r.get("of_min"), ".2f", "x"), _f(r.get("miss_mb_per_token"), ".1f"),
+            _f(r.get("disk_mb_per_token"), ".1f"), _f((r.get("peak_bytes") or 0) / MB or None, ".0f"),
+            _f(r.get("io_limit_tokens_per_s"), ".2f"), _f(r.get("compute_limit_tokens_per_s"), ".2f"),
+            _f(r.get("of_limit"), ".2f", "x"),
+            r["status"] if r["status"] == "ok" or len(r["status"]) < 90 else r["status"][:87] + "..."]
+
+
+def _title(result: dict[str, Any]) -> str:
+    shapes = "; ".join(f"{s['shape']} {s['moe_layers']} layers x {s['experts_per_layer']} experts top-{s['top_k']}, "
+                       f"store {s['store_bytes'] / MB:.0f} MB, disk {s['io']['GBps']:.2f} GB/s at "
+                       f"{s['record_bytes'] / MB:.2f} MB x depth {s['io']['queue_depth']}" for s in result["shapes"])
+    return f"bench offload: budget {result['budget_bytes'] / MB:.0f} MB ({result['cgroup']}); {shapes}"
+
+
+def render_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=_title(result))
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c in ("shape", "locality", "system", "status") else "right")
+    for r in result["runs"]:
+        table.add_row(*_row(r))
+    Console().print(table)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    lines = [_title(result), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in result["runs"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m asyncside.bench.offload``; with ``--child SPEC`` one run (JSON on stdout)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child_main(json.loads(argv[1]))), flush=True)
+        return 0
+    from . import bench_main
+
+    return bench_main("offload", argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`asyncside bench offload`: sizes, memory cgroups, and a tiny run of every system in one.
+
+The cgroup tests need a memory cgroup this process can create (root, v1 or v2); they are skipped,
+with the reason, where none can be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import pytest
+
+from asyncside.bench import offload
+
+BUDGET = 700 * 2**20
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+@pytest.fixture(scope="module")
+def cgroups() -> None:
+    ok, why = offload.check_cgroups(BUDGET)
+    if not ok:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+
+
+def test_sizes() -> None:
+    assert offload.parse_size("800M") == 800 * 2**20
+    assert offload.parse_size("1.5G") == int(1.5 * 2**30)
+    assert offload.parse_size("2gib") == 2 * 2**30
+    assert offload.parse_size(4096) == 4096
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(ValueError, match="size"):
+            offload.parse_size(bad)
+
+
+def test_no_cgroup_hierarchy_is_said_clearly(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(offload.CgroupError, match="no memory cgroup hierarchy"):
+        offload.cgroup_version(tmp_path)
+
+
+def test_a_process_over_the_limit_is_reported_killed(cgroups: None, quick_store: pathlib.Path) -> None:
+    """mlx-lm in a cgroup far below what it needs: the run says the OOM killer ended it, and at what
+    peak; the cgroup is gone afterwards."""
+    spec = {"system": "mlx-lm", "store": str(quick_store), "prompt": [84], "seconds": 1, "tokens": 2,
+            "routing": None, "budget": 0, "fraction": 0.25, "policy": "lru", "predictor": "none"}
+    with offload.MemoryCgroup(48 * 2**20) as cg:
+        run = offload._child(spec, cg, timeout=120)
+        path = cg.path
+    assert not path.exists()
+    assert run["oom_kills"] >= 1, run
+    assert run["status"].startswith("killed by the cgroup's OOM killer"), run["status"]
+    assert 0 < run["peak_bytes"] <= 48 * 2**20
+
+
+def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
+    """Every system runs in its own cgroup under the budget, never above it, with every column, and
+    the tokens of every system equal the all-resident reference's under the same replayed routing."""
+    p = argparse.ArgumentParser()
+    offload.add_offload_arguments(p)
+    args = p.parse_args(["--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio", "0.001",
+                         "--seconds", "2", "--tokens", "10", "--localities", "low,high"])
+    args.json = True
+    res = offload.run_offload_bench(args)
+    assert res["budget_bytes"] == BUDGET and res["cgroup"].startswith("cgroup v")
+    (shape,) = res["shapes"]
+    assert shape["io"]["GBps"] > 0 and shape["io"]["queue_depth"] >= 1
+    for loc in ("low", "high"):
+        assert shape["compute"][loc]["status"] == "ok" and shape["compute"][loc]["decode_tokens_per_s"] > 0
+    assert [(r["locality"], r["system"]) for r in res["runs"]] == [
+        (loc, s) for loc in ("low", "high") for s in offload.SYSTEMS]
+    for r in res["runs"]:
+        assert r["status"] == "ok", r
+        assert 0 < r["peak_bytes"] <= BUDGET  # the budget is never exceeded
+        assert r["tokens_match_reference"] is True and r["n_tokens"] == 10
+        assert r["decode_tokens_per_s"] > 0 and r["disk_mb_per_token"] >= 0 and r["of_limit"] > 0
+        if r["system"] != "mlx-lm":
+            assert 0 <= r["hit_rate"] <= 1 and 0 <= r["belady"]["hit_rate"] <= 1
+            assert r["of_min"] is not None and r["miss_mb_per_token"] >= 0
+            assert r["rows_per_layer"] and all(n > 0 for n in r["rows_per_layer"].values())
+    assert res["tokens_identical"] is True
+    md = offload.render_markdown(res)
+    assert md.count("\n| store") == len(res["runs"]) and "of MIN" in md
