@@ -47,7 +47,7 @@ from ..errors import AsyncsideError
 __all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
 
 SYSTEMS = ("asyncside", "slot-cache", "mlx-lm")
-#: shape:decoder layers of the default run (about 2.3 GB of experts each; the H200: 48 / 61 layers)
+#: shape:decoder layers of the default run (about 2.3 GB of experts each; a large GPU host runs all 48 / 61)
 DEFAULT_SHAPES = ("qwen3-30b-a3b:6", "deepseek-v3-like:3")
 LOCALITY_NAMES = ("low", "middle", "high")
 #: the store must hold at least this many times the budget
