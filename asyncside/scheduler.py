@@ -314,6 +314,24 @@ class Scheduler:
         if lay.error is not None:
             raise lay.error
 
+    async def reopen(self, path: str) -> int:
+        """Open the blob at ``path`` again for every layout reading it (a blob replaced on disk by
+        another file): fills submitted from now on read the file now at ``path``; fills in flight
+        finish on the old one, whose handle the reader keeps until it closes. Returns how many
+        layouts were re-opened; one that fails to open keeps reading the old file."""
+        if self.reader is None or self._closed:
+            return 0
+        reader, n = self.reader, 0
+        for lay in list(self._layouts.values()):
+            if str(lay.spec.path) != str(path) or lay.id < 0 or lay.opening is None or not lay.opening.is_set():
+                continue
+            try:
+                lay.id = await anyio.to_thread.run_sync(reader.add_layout, lay.spec, lay.pools)
+            except OSError:
+                continue
+            n += 1
+        return n
+
     def layout_for(self, spec: LayerSpec, pools: PoolSet) -> int:
         """The reader's layout id of an already prepared layer (see :meth:`prepare`), else -1."""
         lay = self._check_layout(spec, pools)

@@ -44,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import AsyncsideError
 from . import protocol as oai
 from .engine import Batcher, Engine, Generation, GenerationFailed, QueueFull
+from .health import HealthRegistry
 from .metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .security import Guard, public_text
@@ -72,11 +73,13 @@ class ServerState:
         def stats() -> Any:
             return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
 
-        self.metrics = ServerMetrics(lambda: self.batcher, stats)
+        self.metrics = ServerMetrics(lambda: self.batcher, stats, lambda: self.health)
         #: set once shutdown began: new generating requests are refused with 503
         self.draining = False
         #: an expected error (a bad store, a missing file) the engine's startup failed with
         self.startup_error: BaseException | None = None
+        #: the store's bad experts (after startup)
+        self.health: HealthRegistry | None = None
         self._runs: set[anyio.CancelScope] = set()
         self._runs_left: anyio.Event | None = None
 
@@ -279,6 +282,17 @@ class Completion:
                 "completion": self.text.completion_tokens, "ttft": ttft}
 
 
+async def _recheck_bad_experts(health: HealthRegistry, every: float) -> None:
+    """While experts are bad, look for their blobs replaced and verify them again (healing)."""
+    while True:
+        await anyio.sleep(every)
+        if health.degraded:
+            try:
+                await health.recheck()
+            except Exception:  # a recheck that fails is tried again; it must not stop the server
+                log.exception("re-checking bad experts failed")
+
+
 class _OneLineStartupFailure:
     """ASGI middleware: a startup that failed with an expected error (``state.startup_error``)
     reports no traceback to the server (whose caller says the error in one line)."""
@@ -359,13 +373,16 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                                   joint_prefill=settings.joint_prefill)
                 # An unknown predictor fails startup, not requests.
                 engine.model.forward.make_predictor(settings.predictor)
+            health = engine.health if engine.health is not None else HealthRegistry()
+            batcher.on_failure = health.record
             async with anyio.create_task_group() as tg:
                 tg.start_soon(batcher.run, name="asyncside engine")
-                state.engine, state.batcher = engine, batcher
+                tg.start_soon(_recheck_bad_experts, health, settings.health_recheck_s, name="asyncside health")
+                state.engine, state.batcher, state.health = engine, batcher, health
                 try:
                     yield
                 finally:
-                    state.engine = state.batcher = None
+                    state.engine = state.batcher = state.health = None
                     tg.cancel_scope.cancel()
 
     routes = [
@@ -552,7 +569,8 @@ class _Handlers:
         state = self.state
         assert state.engine is not None and state.batcher is not None
         ok, problems = state.engine.audit() if state.engine.audit else (True, [])
-        status = 200 if ok else 503
+        faults = state.health.bad.values() if state.health is not None else []
+        status = 200 if ok and not faults else 503
         self.record("/health", status)
         b = state.batcher
         description = dict(state.engine.description)
@@ -562,7 +580,8 @@ class _Handlers:
             problems = [state.public(p) for p in problems]
         return JSONResponse(
             {
-                "status": "ok" if ok else "degraded",
+                "status": "ok" if status == 200 else "degraded",
+                "bad_experts": [b.as_json() for b in faults],
                 "model": b.model_id,
                 "active_requests": b.active,
                 "waiting_requests": b.waiting,

@@ -45,6 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..errors import AsyncsideError
 from ..policies import DEFAULT_POLICY
+from .health import describe_failure, fill_errors
 from .prompt_cache import PrefixCache
 from .protocol import SamplingParams
 
@@ -84,6 +85,8 @@ class Engine:
     description: dict[str, Any] = field(default_factory=dict)
     #: an engine loop of its own (a :class:`Batcher` subclass); None: the app builds a Batcher
     batcher: Any = None
+    #: the store's bad experts (:class:`~.health.HealthRegistry`); None: the app keeps one without a store
+    health: Any = None
 
 
 def embedded_store_dir(cache_dir: str | None = None) -> str:
@@ -114,6 +117,7 @@ async def open_engine(
     from ..audit import audit_problems
     from ..models import load_streaming_model
     from ..runtime import Runtime
+    from .health import HealthRegistry
 
     store_dir = model if model is not None else embedded_store_dir(cache_dir)
     streaming = load_streaming_model(store_dir)
@@ -124,6 +128,7 @@ async def open_engine(
         return not problems, problems
 
     async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier) as runtime:
+        health = HealthRegistry(store, reopen_reader=_reader_reopener(runtime))
         yield Engine(
             model=streaming,
             source=runtime,
@@ -138,7 +143,16 @@ async def open_engine(
                 "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
                 "staging_bytes": runtime.memory.get("staging_bytes", 0),
             },
+            health=health,
         )
+
+
+def _reader_reopener(runtime: Any) -> Callable[[str], Any] | None:
+    """The runtime's scheduler's ``reopen`` (a replaced blob's reads through the reader: io_uring's
+    registered files are not reached by re-pointing descriptors), None if it has none."""
+    shared = getattr(runtime, "_s", None)
+    scheduler = getattr(shared, "scheduler", None) or getattr(runtime, "_scheduler", None)
+    return getattr(scheduler, "reopen", None)
 
 
 # --- the model calls -------------------------------------------------------------------------
@@ -219,9 +233,8 @@ class BatchCaches:
 
     Merging every request's cache at every step and extracting them back after costs host time
     that grows with the batch, on the order of a whole decode step on a GPU (BENCHMARKS.md,
-    "Measurements behind code choices"). Kept merged, a step pays nothing for its caches: a request
-    that joins is merged in
-    once (:meth:`join`), one that leaves is dropped (:meth:`drop`), and its own cache is
+    "Measurements behind code choices"). Kept merged, a step pays nothing for its caches: a
+    request that joins is merged in once (:meth:`join`), one that leaves is dropped (:meth:`drop`), and its own cache is
     extracted (:meth:`extract`) only when something still needs it (the prefix cache).
 
     mlx-lm's ``BatchKVCache.filter`` and ``extract`` read the left padding back to the host
@@ -437,7 +450,7 @@ class Generation:
     async def _events(self) -> AsyncIterator[TokenEvent]:
         async for item in self._receive:
             if isinstance(item, BaseException):
-                raise GenerationFailed(f"generation failed: {_describe(item)}") from item
+                raise GenerationFailed(f"generation failed: {describe_failure(item)}") from item
             yield item
 
     def cancel(self) -> None:
@@ -446,11 +459,13 @@ class Generation:
         self._receive.close()
 
 
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` of an error, looking through task-group wrappers of a single error."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}"
+def _log_failure(what: str, exc: BaseException) -> None:
+    """Log a failed forward: one line for the store's faults (expected: a damaged blob, named by
+    layer, expert and cause), the traceback for anything else (a bug)."""
+    if fill_errors(exc):
+        log.error("%s: %s", what, describe_failure(exc))
+    else:
+        log.error("%s", what, exc_info=exc)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -509,6 +524,8 @@ class Batcher:
         #: with it; there it saves forwards when many clients start at once
         self.joint_prefill = joint_prefill
         self._inflight: _Step | None = None  # the decode step queued last and not completed yet
+        #: called with every error a request fails with (the server's health registry)
+        self.on_failure: Callable[[BaseException], None] | None = None
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
         self.tokens = 0           # tokens generated
@@ -702,7 +719,7 @@ class Batcher:
             ctx = fwd.context(slot.cache, self.source, slot.predictor)
             h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
         except Exception as exc:
-            log.exception("prefill failed")
+            _log_failure("prefill failed", exc)
             self._fail(slot, exc)
             return None
         finally:
@@ -762,7 +779,7 @@ class Batcher:
             ctx = fwd.context(batch, self.source)
             h = await fwd.step(ctx, mx.array(rows), logits=False, finish=False)
         except Exception as exc:
-            log.exception("prefill failed")
+            _log_failure("prefill failed", exc)
             for slot, _ in group:
                 self._fail(slot, exc)
             return None
@@ -791,7 +808,7 @@ class Batcher:
         try:
             await self.model.forward.finish(chunk.ctx, chunk.hidden)
         except Exception as exc:
-            log.exception("prefill failed")
+            _log_failure("prefill failed", exc)
             for slot in chunk.slots:
                 self._fail(slot, exc)
         finally:
@@ -868,7 +885,7 @@ class Batcher:
                     ctx, values = None, await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
                                                         [s.predictor for s in batch], sample)
         except Exception as exc:
-            log.exception("decode step failed")
+            _log_failure("decode step failed", exc)
             self._forget_merged()  # its rows may be half-updated
             for s in batch:
                 self._fail(s, exc)
@@ -908,7 +925,7 @@ class Batcher:
                 await self.model.forward.finish(step.ctx, step.values)
             results = unpack(step.values.tolist(), step.layout)
         except Exception as exc:
-            log.exception("decode step failed")
+            _log_failure("decode step failed", exc)
             self._forget_merged()  # its rows may be half-updated
             for s in step.batch:
                 self._fail(s, exc)
@@ -1018,6 +1035,11 @@ class Batcher:
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         if slot.done:
             return
+        if self.on_failure is not None:
+            try:
+                self.on_failure(exc)
+            except Exception:  # the health registry must not take a request's failure path down
+                log.exception("recording a failure failed")
         slot.done = True
         slot.finish_reason = "error"
         slot.todo = []

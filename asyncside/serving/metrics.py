@@ -233,8 +233,10 @@ class ServerMetrics:
     """The server's metrics. ``engine()`` returns the running Batcher (None before startup) and
     ``runtime_stats()`` the runtime's statistics (None when there are none)."""
 
-    def __init__(self, engine: Callable[[], Any], runtime_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+    def __init__(self, engine: Callable[[], Any], runtime_stats: Callable[[], Mapping[str, Any] | None],
+                 health: Callable[[], Any] = lambda: None) -> None:
         self._runtime_stats = runtime_stats
+        self._health = health
         r = self.registry = Registry()
         self.requests = r.counter(
             "asyncside_http_requests_total", "HTTP requests answered, by endpoint and status", ("endpoint", "status")
@@ -301,6 +303,26 @@ class ServerMetrics:
             r.gauge(f"asyncside_queued_step_host_seconds_{phase}", f"Host time in queued steps: {what}", host(phase))
         r.gauge("asyncside_prefill_tokens", "Prompt tokens computed by the engine", of("prefill_tokens"))
         r.add_collector(self._runtime_metrics)
+        r.add_collector(self._health_metrics)
+
+    def _health_metrics(self) -> list[Gauge]:
+        h = self._health()
+        if h is None:
+            return []
+        out = []
+        bad = Gauge("asyncside_bad_experts", "Experts whose record failed its read or checksum and has not "
+                                             "verified since (/health is degraded while this is above 0)")
+        bad.set(len(h.bad))
+        out.append(bad)
+        for kind in ("checksum", "short_read", "io_error"):
+            g = Gauge(f"asyncside_expert_read_failures_{kind}", f"Expert reads that failed ({kind}), in all")
+            g.set(h.read_failures.get(kind, 0))
+            out.append(g)
+        healed = Gauge("asyncside_experts_healed", "Bad experts that verified again (a repaired store), in all")
+        healed.set(h.healed)
+        reopened = Gauge("asyncside_blobs_reopened", "Blobs found replaced on disk and re-opened, in all")
+        reopened.set(h.reopened)
+        return out + [healed, reopened]
 
     def _runtime_metrics(self) -> list[Gauge]:
         try:

@@ -30,6 +30,8 @@ class ServeSettings:
     the key. ``max_header_bytes`` bounds a request's headers (431 beyond). ``shutdown_grace``:
     on SIGTERM/SIGINT (or :meth:`~.background.BackgroundServer.stop`) new requests get 503 and
     requests in flight have this many seconds to finish before they are ended with an error.
+    ``health_recheck_s``: while experts are bad (a read failed), how often their blobs are looked
+    at again (replaced on disk: re-opened) and their records verified (clean: healed).
     """
 
     default_max_tokens: int = 16          # /v1/completions default, as OpenAI's
@@ -51,6 +53,7 @@ class ServeSettings:
     api_key: str | None = field(default=None, repr=False)
     max_header_bytes: int = 16 * 1024
     shutdown_grace: float = 5.0
+    health_recheck_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -71,6 +74,8 @@ class ServeSettings:
             raise ValueError("ServeSettings.api_key must be a non-empty string of printable characters without spaces")
         if self.max_header_bytes < 1024:
             raise ValueError(f"ServeSettings.max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if not self.health_recheck_s > 0:
+            raise ValueError(f"ServeSettings.health_recheck_s must be positive, got {self.health_recheck_s}")
         if not self.shutdown_grace >= 0:
             raise ValueError(f"ServeSettings.shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         if not 0.0 <= self.default_temperature <= 2.0:
