@@ -26,6 +26,11 @@ from .policies import POLICIES as POLICY_NAMES
 
 DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
 
+#: said before the embedded model's text: its weights are seeded, so the text is not meant to read well
+EMBEDDED_NOTICE = ("note: the embedded model's weights are generated from a seed, so its text reads as noise; "
+                   "speed and exactness are the point. On a real model: asyncside demo --model "
+                   "mlx-community/Qwen3-30B-A3B-4bit (a Hugging Face repo id or a local directory)")
+
 
 def _resident(text: str) -> float | str:
     if text == "auto":
@@ -41,8 +46,9 @@ def _resident(text: str) -> float | str:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside demo``."""
-    p.add_argument("--model", metavar="STORE_DIR", default=None,
-                   help="a converted expert store (default: the embedded Qwen3-MoE model)")
+    p.add_argument("--model", metavar="STORE|DIR|ORG/NAME", default=None,
+                   help="an expert store, an mlx-lm model directory or a Hugging Face repo id (converted on "
+                        "first use into the cache directory; default: the embedded Qwen3-MoE model)")
     p.add_argument("--resident", metavar="FRACTION", type=_resident, default=0.25,
                    help="share of each layer's experts the pools hold, or 'auto': sized to the memory "
                         "available (default 0.25)")
@@ -217,7 +223,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None:
         _model_dir, store_dir = ensure_embedded_default(args.cache_dir, progress=not args.json)
     else:
-        store_dir = args.model
+        from .hub import store_for
+
+        store_dir = store_for(args.model, cache_dir=args.cache_dir, progress=not args.json)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
     options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra)
@@ -235,6 +243,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     mx.clear_cache()
 
     echo = _echo_to(sys.stdout, sm.tokenizer, enabled=not (args.quiet or args.json))
+    if args.model is None and not (args.quiet or args.json):
+        print(EMBEDDED_NOTICE, flush=True)
     if not (args.quiet or args.json):
         print(f"{args.prompt}", end="", flush=True)
     run, stats, audit_ok = anyio.run(
@@ -255,6 +265,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": sm.model_id,
         "store": str(store_dir),
+        "note": EMBEDDED_NOTICE if args.model is None else None,
         "prompt_tokens": len(prompt_ids),
         "resident_fraction": stats["memory"]["resident"],
         "memory": stats.pop("memory"),

@@ -68,3 +68,14 @@ class TraceError(StoreError):
     Like :class:`StoreError`: ``path`` is the file at fault (``<in memory>`` for a trace built in
     code) and ``field`` the field to blame (``ids``, ``lengths``, ``n_experts``, ``meta``).
     """
+
+
+class ModelNotFoundError(AsyncsideError, FileNotFoundError):
+    """A model named by the user (a directory or a Hugging Face repo id) cannot be found.
+
+    ``model`` is the name as given; the message says where it was looked for.
+    """
+
+    def __init__(self, model: str, message: str) -> None:
+        self.model = model
+        super().__init__(f"{model}: {message}")

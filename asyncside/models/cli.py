@@ -1,4 +1,8 @@
-"""``asyncside convert MODEL_DIR STORE_DIR``: the command-line face of :func:`convert_model`.
+"""``asyncside convert MODEL STORE_DIR``: the command-line face of :func:`convert_model`.
+
+MODEL is an mlx-lm model directory or a Hugging Face repo id (``org/name``), resolved by
+:func:`asyncside.hub.resolve_model`: the local Hugging Face cache first, a download otherwise
+(none with ``HF_HUB_OFFLINE=1``).
 
 Options:
 
@@ -9,8 +13,9 @@ Options:
 - ``--resident FRACTION``: share of each layer's experts recorded as the resident set;
 - ``--overwrite``: replace an existing STORE_DIR.
 
-Bad input (a directory that is not an mlx-lm model, an unsupported architecture, a profile that
-does not fit, an existing destination) ends with exit status 2 and one line naming what is wrong.
+Bad input (a directory that is not an mlx-lm model, an unknown repo id, an unsupported
+architecture, a profile that does not fit, an existing destination) ends with exit status 2 and
+one line naming what is wrong.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ EXIT_BAD_INPUT = 2
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside convert``."""
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="an mlx-lm model directory (config.json + *.safetensors)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="an mlx-lm model directory (config.json + *.safetensors) or a Hugging Face repo id (org/name)")
     p.add_argument("store_dir", metavar="STORE_DIR", help="where to write the expert store directory")
     prof = p.add_mutually_exclusive_group()
     prof.add_argument("--profile", metavar="PROFILE.json", default=None,
@@ -116,7 +122,8 @@ def run_convert(args: argparse.Namespace) -> dict[str, Any]:
     profiled = time.perf_counter()
     fraction = DEFAULT_RESIDENT_FRACTION if args.resident is None else args.resident
     store = convert_model(args.model_dir, args.store_dir, profile=profile, resident_fraction=fraction,
-                          progress=not (args.quiet or args.json), overwrite=args.overwrite)
+                          progress=not (args.quiet or args.json), overwrite=args.overwrite,
+                          model_id=getattr(args, "model_id", None))
     meta = store.metadata[META_KEY]
     summary_file = store.path / "asyncside_summary.json"
     summary = json.loads(summary_file.read_text(encoding="utf-8")) if summary_file.is_file() else {}
@@ -164,8 +171,16 @@ def _print_summary(res: dict[str, Any]) -> None:
 
 def convert_main(args: argparse.Namespace) -> int:
     """Run ``asyncside convert``; 0 on success, 2 with a one-line message on bad input."""
-    from ..errors import AsyncsideError
+    from ..errors import AsyncsideError, ModelNotFoundError
+    from ..hub import is_repo_id, resolve_model
 
+    name = args.model_dir
+    try:
+        args.model_dir = str(resolve_model(name))
+    except ModelNotFoundError as exc:
+        return _fail(str(exc))
+    if is_repo_id(name) and args.model_dir != str(pathlib.Path(name).absolute()):
+        args.model_id = name  # a repo id: the store's model id is the id, not the snapshot hash
     problem = _check_args(args)
     if problem is not None:
         return _fail(problem)

@@ -20,17 +20,20 @@ every choice is as good as another, and a fixed one is reproducible. The residen
 is the first ``round(resident_fraction * n_experts)`` of its ranking; any other fraction can be
 taken later from the stored ranking with :func:`resident_sets`.
 
-The whole store directory is built beside the destination and renamed into place, so an
-interrupted conversion never leaves a directory that opens.
+The whole store directory is built beside the destination (in ``.<name>.convert-*``) and renamed
+into place, so an interrupted conversion never leaves a directory that opens; the next conversion
+to the same destination removes such leftovers (:func:`removed_stale_staging`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -283,7 +286,12 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     }
 
     dest.parent.mkdir(parents=True, exist_ok=True)
+    removed_stale_staging(dest)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
+    # Held for the whole conversion: the next convert beside it tells a live staging directory
+    # (locked) from an interrupted one's (the lock died with its process) and removes only those.
+    owner = open(staging / STAGING_LOCK, "a+")  # closed in the finally below
+    fcntl.flock(owner, fcntl.LOCK_EX)
     try:
         with _progress(progress, len(moe), src.name) as advance:
             feed = _LayerFeed(moe, specs, advance)
@@ -303,7 +311,40 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         os.rename(tmp_store, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        owner.close()
     return ExpertStore.open(dest)
+
+
+#: a lock file each staging directory holds while its conversion runs
+STAGING_LOCK = ".owner.lock"
+#: staging directories changed more recently than this are never removed as leftovers
+STAGING_GRACE_S = 60.0
+
+
+def removed_stale_staging(dest: str | os.PathLike[str]) -> list[pathlib.Path]:
+    """Remove the staging directories (``.<name>.convert-*`` beside ``dest``) of conversions that
+    were interrupted (killed, machine lost power); returns those removed.
+
+    A conversion in progress holds its staging directory's lock file, so it is left alone; so is
+    any staging directory changed less than a minute ago (a conversion that is starting may not
+    hold its lock yet).
+    """
+    dest = pathlib.Path(dest).absolute()
+    removed = []
+    for d in sorted(dest.parent.glob(f".{dest.name}.convert-*")):
+        try:
+            if not d.is_dir() or d.is_symlink() or time.time() - d.stat().st_mtime < STAGING_GRACE_S:
+                continue
+            with open(d / STAGING_LOCK, "a+") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live conversion
+                shutil.rmtree(d, ignore_errors=True)
+        except FileNotFoundError:  # its conversion finished meanwhile
+            continue
+        removed.append(d)
+    return removed
 
 
 def _write_summary(directory: pathlib.Path, expert_bytes: int, non_expert_bytes: int) -> None:

@@ -104,9 +104,10 @@ def policy_name(text: str) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Which model to serve and how its runtime streams experts (shared with `bench serve`)."""
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="a model directory written by `asyncside convert` "
-                             "(default: the embedded model, built on first run)")
+    parser.add_argument("--model", metavar="STORE|DIR|ORG/NAME", default=None,
+                        help="a store written by `asyncside convert`, an mlx-lm model directory or a Hugging Face "
+                             "repo id (a model is converted on first use into the cache directory; "
+                             "default: the embedded model, built on first run)")
     parser.add_argument("--resident", type=_fraction, default=0.25,
                         help="fraction of each layer's experts kept in the pools (default 0.25)")
     parser.add_argument("--reader", default="auto", choices=READERS, help="expert read backend (default auto)")
@@ -120,7 +121,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
     parser.add_argument("--cache-dir", default=None,
-                        help="where the embedded model is built (default: ASYNCSIDE_CACHE or the user cache)")
+                        help="where the embedded model is built and models are converted on first use "
+                             "(default: ASYNCSIDE_CACHE or the user cache)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +241,16 @@ def serve_main(args: argparse.Namespace) -> int:
 
     if getattr(args, "store", None) is not None and args.model is None:
         args.model = args.store
+    if args.model is not None:
+        # A model directory or a repo id becomes a store (converted on first use, then reused).
+        from ..errors import AsyncsideError
+        from ..hub import store_for
+
+        try:
+            args.model = str(store_for(args.model, cache_dir=args.cache_dir))
+        except AsyncsideError as exc:
+            print(f"asyncside serve: error: {exc}", file=sys.stderr)
+            return 2
     if getattr(args, "pipeline", False):
         from ..distributed.serve import serve_pipeline_main
 

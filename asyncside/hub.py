@@ -1,0 +1,163 @@
+"""Where a model comes from: a local directory or a Hugging Face repo id, as mlx-lm takes them.
+
+Every command that takes a model (``asyncside convert``, ``asyncside serve --model``, ``asyncside
+demo --model``, :func:`asyncside.facade.load`) accepts three kinds of name:
+
+- an expert store directory written by ``asyncside convert`` (it has ``manifest.json``);
+- an mlx-lm model directory (``config.json`` + ``*.safetensors``);
+- a Hugging Face repo id ``org/name`` (e.g. ``mlx-community/Qwen3-30B-A3B-4bit``), resolved by
+  :func:`resolve_model` through ``huggingface_hub`` (a dependency of mlx-lm): the local cache
+  first (nothing is asked of the network when the cached snapshot is complete), then a download
+  with huggingface_hub's progress bars; ``HF_HUB_OFFLINE=1`` means the cache only. An id that
+  cannot be found is a :class:`~asyncside.errors.ModelNotFoundError` naming it.
+
+A name that exists as a local path is a path, even if it also reads as an id (as in mlx-lm).
+
+:func:`store_for` turns any of the three into a store directory: a model directory or an id is
+converted on first use into ``<cache>/stores/<name>-<hash>`` (``<cache>`` is asyncside's cache
+directory, see :func:`asyncside.models.embedded.cache_root`), said on stderr, and reused later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+
+from .errors import ModelNotFoundError
+
+__all__ = ["ALLOW_PATTERNS", "is_repo_id", "resolve_model", "store_for", "stores_root"]
+
+#: the files of a repo that a conversion reads (mlx-lm's own download list, minus code)
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def is_repo_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a Hugging Face repo id (``org/name``, no other slash)."""
+    return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith((".", "-"))
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (it reads its constant once, at import; the
+    environment is read here too so that a change made after the import still counts)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return bool(constants.HF_HUB_OFFLINE) or env in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
+
+
+def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) -> pathlib.Path:
+    """The local directory that ``name`` (a path or a Hugging Face repo id) designates.
+
+    A path that exists is returned as it is. A repo id is looked up in the local Hugging Face
+    cache first; when the cached snapshot is missing or incomplete and ``HF_HUB_OFFLINE`` is not
+    set, it is downloaded (the weights, configs and tokenizer files only) with a progress bar.
+    Raises :class:`ModelNotFoundError` naming ``name`` when it is neither.
+    """
+    text = os.fspath(name)
+    path = pathlib.Path(text).expanduser()
+    if path.exists():
+        return path.absolute()
+    if not is_repo_id(text):
+        raise ModelNotFoundError(text, "model directory does not exist (and not a Hugging Face repo id, org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    cache = _hub_cache()
+    try:
+        return pathlib.Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                              cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:  # IncompleteSnapshotError derives from it
+        pass
+    if _offline():
+        raise ModelNotFoundError(text, f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
+                                       "unset it to download the model, or give a local directory")
+    print(f"asyncside: downloading {text} from the Hugging Face Hub into {cache}", file=sys.stderr, flush=True)
+    try:
+        return pathlib.Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                              cache_dir=cache))
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise ModelNotFoundError(text, "no such model on the Hugging Face Hub (or it is private or gated: "
+                                       "log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(text, f"revision {revision!r} does not exist on the Hugging Face Hub") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise ModelNotFoundError(text, f"could not be downloaded from the Hugging Face Hub "
+                                       f"({type(exc).__name__}: {exc})") from None
+
+
+def stores_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Where :func:`store_for` keeps stores converted on first use."""
+    from .models.embedded import cache_root
+
+    return cache_root(cache_dir) / "stores"
+
+
+def _cached_store_name(name: str, directory: pathlib.Path) -> str:
+    # The resolved directory is in the key: a repo id's snapshot path holds its commit, so a new
+    # revision of the model gets its own store.
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "--", name.strip("/")).strip("-.")[-80:] or "model"
+    digest = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:12]
+    return f"{stem}-{digest}"
+
+
+def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+              revision: str | None = None, progress: bool = True,
+              say: Callable[[str], None] | None = None) -> pathlib.Path:
+    """An expert store directory for ``name``: a store as it is, else the model (a directory or a
+    repo id, see :func:`resolve_model`) converted on first use into :func:`stores_root` and
+    reused on later calls. ``say`` receives the one line that says which (default: stderr).
+
+    Raises :class:`ModelNotFoundError` for a name that is nothing of these, and the converter's
+    errors (StoreError, UnsupportedModelError) for a model it cannot convert.
+    """
+    from .errors import StoreError
+    from .models.embedded import _file_lock
+    from .models.loading import is_store_dir
+
+    def tell(line: str) -> None:
+        if say is not None:
+            say(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    text = os.fspath(name)
+    directory = resolve_model(text, revision=revision)
+    if is_store_dir(directory):
+        return directory
+    if not directory.is_dir() or not (directory / "config.json").is_file():
+        raise ModelNotFoundError(text, f"{directory} is neither an expert store (manifest.json) nor an mlx-lm "
+                                       "model directory (config.json)")
+    root = stores_root(cache_dir)
+    dest = root / _cached_store_name(text, directory)
+    if is_store_dir(dest):
+        tell(f"asyncside: {text}: using the store converted on first use, {dest}")
+        return dest
+    with _file_lock(root / f".{dest.name}.lock"):
+        if not is_store_dir(dest):
+            from .models.convert import convert_model
+
+            tell(f"asyncside: {text}: converting to an expert store in {dest} (first use; reused later)")
+            try:
+                convert_model(directory, dest, progress=progress, overwrite=True,
+                              model_id=text if is_repo_id(text) else None)
+            except FileNotFoundError as exc:
+                raise StoreError(directory, f"cannot be converted: {exc}") from None
+    return dest
