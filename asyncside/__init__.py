@@ -11,32 +11,46 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> the module that defines it
+# The public API, name -> the module that defines it. docs/api.md lists the same names (a test
+# checks both ways); everything else in the package is implementation.
 _EXPORTS = {
-    "AsyncsideError": "errors",
-    "CapacityError": "errors",
-    "FillError": "errors",
-    "LedgerError": "errors",
-    "StoreError": "errors",
-    "AuditReport": "ledger",
-    "Fill": "ledger",
-    "Ledger": "ledger",
-    "LFU": "policies",
-    "LRU": "policies",
-    "LRFU": "policies",
-    "AgingLFU": "policies",
-    "OneShot": "policies",
-    "Policy": "policies",
-    "make_policy": "policies",
+    # the runtime and its accounts
+    "Runtime": "runtime",
+    "MemoryPlan": "runtime",
+    "RuntimeStats": "runtime",
+    "PrefetchHandle": "runtime",
+    # the store
     "ExpertStore": "store",
     "LayerSpec": "store",
     "Segment": "store",
+    # models
+    "StreamingModel": "models",
+    "ForwardOptions": "models",
+    "load_streaming_model": "models",
+    "convert_model": "models",
+    "load": "facade",
+    # routing traces and cache policies
+    "RoutingTrace": "routing",
+    "Policy": "policies",
+    "make_policy": "policies",
+    "LRU": "policies",
+    "LFU": "policies",
+    "LRFU": "policies",
+    "AgingLFU": "policies",
+    "OneShot": "policies",
+    # the sans-I/O ledger
+    "Ledger": "ledger",
+    "Fill": "ledger",
+    "AuditReport": "ledger",
+    # errors
+    "AsyncsideError": "errors",
+    "StoreError": "errors",
+    "LedgerError": "errors",
+    "CapacityError": "errors",
+    "FillError": "errors",
 }
 
 __all__ = [
-    "LFU",
-    "LRU",
-    "LRFU",
     "AgingLFU",
     "AsyncsideError",
     "AuditReport",
@@ -44,21 +58,38 @@ __all__ = [
     "ExpertStore",
     "Fill",
     "FillError",
+    "ForwardOptions",
+    "LFU",
+    "LRFU",
+    "LRU",
     "LayerSpec",
     "Ledger",
     "LedgerError",
+    "MemoryPlan",
     "OneShot",
     "Policy",
+    "PrefetchHandle",
+    "RoutingTrace",
+    "Runtime",
+    "RuntimeStats",
     "Segment",
     "StoreError",
+    "StreamingModel",
     "__version__",
+    "convert_model",
+    "load",
+    "load_streaming_model",
     "make_policy",
 ]
 
 if TYPE_CHECKING:
     from .errors import AsyncsideError, CapacityError, FillError, LedgerError, StoreError
+    from .facade import load
     from .ledger import AuditReport, Fill, Ledger
-    from .policies import LFU, LRU, AgingLFU, OneShot, Policy, make_policy
+    from .models import ForwardOptions, StreamingModel, convert_model, load_streaming_model
+    from .policies import LFU, LRFU, LRU, AgingLFU, OneShot, Policy, make_policy
+    from .routing import RoutingTrace
+    from .runtime import MemoryPlan, PrefetchHandle, Runtime, RuntimeStats
     from .store import ExpertStore, LayerSpec, Segment
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryBudget", "available_memory", "pool_bytes", "auto_fraction", "TIER_SHARE", "parse_host_tier",
-           "host_tier_arg"]
+__all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
+           "parse_size", "describe_bytes", "parse_host_tier", "host_tier_arg", "memory_arg"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -109,14 +110,25 @@ def available_memory() -> MemoryBudget:
     return best or MemoryBudget(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free pages")
 
 
+def layer_rows(n_experts: int, resident: float, side_rows: int | None = None, min_side_rows: int = 8) -> int:
+    """Pool rows of a layer of ``n_experts`` at residency ``resident`` (a fraction of its experts):
+    ``ceil(resident * n_experts)``, at least ``min_side_rows`` (and ``side_rows`` when larger), at
+    most every expert. The one sizing rule: the runtime's allocation, its budget check,
+    ``resident="auto"`` and the benchmark baselines use it."""
+    if isinstance(resident, bool) or not 0.0 <= float(resident) <= 1.0:
+        raise ValueError(f"resident: expected a fraction in [0, 1], got {resident!r}")
+    budget = max(1, math.ceil(float(resident) * n_experts))
+    rows = max(budget, min_side_rows if side_rows is None else int(side_rows))
+    return min(rows, n_experts)
+
+
 def pool_bytes(store: Any, fraction: float, layers: list[int] | None = None, min_rows: int = 8) -> int:
-    """Bytes the pools of ``layers`` (all by default) take at residency ``fraction`` (rows as
-    :func:`asyncside.runtime.plan_layer` sizes them)."""
+    """Bytes the pools of ``layers`` (all by default) take at residency ``fraction`` (rows by
+    :func:`layer_rows`)."""
     total = 0
     for index in layers if layers is not None else list(store.layers):
         spec = store.layer(index)
-        rows = min(spec.n_experts, max(min_rows, math.ceil(fraction * spec.n_experts)))
-        total += rows * sum(seg.nbytes for seg in spec.segments)
+        total += layer_rows(spec.n_experts, fraction, None, min_rows) * sum(seg.nbytes for seg in spec.segments)
     return total
 
 
@@ -136,25 +148,53 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
     return lo
 
 
+#: a number, then an optional unit: K, M, G or T, optionally followed by "iB" or "B"
+_SIZE = re.compile(r"([0-9.e+]+)\s*([kmgt]?)(?:i?b)?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def describe_bytes(n: int | float) -> str:
+    """``n`` bytes for a person: GiB from one GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 1 << 30 else f"{n / 2**20:.1f} MiB"
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Bytes from an int or a size string with an optional binary unit (``800M``, ``1.5G``,
+    ``4096``); ValueError naming ``what`` and what was expected otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size such as 800M or 1.5G, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: expected a size >= 0, got {value}")
+        return value
+    match = _SIZE.fullmatch(str(value).strip().lower())
+    number, unit = (match.group(1), match.group(2)) if match else ("", "")
+    try:
+        size = float(number)
+    except ValueError:
+        raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 "
+                         f"(units K, M, G, T: powers of 1024)") from None
+    if not 0 <= size < float("inf"):
+        raise ValueError(f"{what} {value!r}: expected a size >= 0")
+    return int(size * _UNITS[unit])
+
+
+def memory_arg(text: str) -> int:
+    """The argparse type of ``--memory``: :func:`parse_size`, its error as a usage error."""
+    import argparse
+
+    try:
+        return parse_size(text, what="memory")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_host_tier(text: str) -> int | str:
     """``"auto"``, or a size in bytes with an optional binary unit (``512M``, ``2G``, ``0``), as
     ``Runtime(host_tier=...)`` takes it; ValueError naming what was expected otherwise."""
-    t = text.strip().lower()
-    if t == "auto":
+    if text.strip().lower() == "auto":
         return "auto"
-    unit = t[-1:] if t[-1:] in ("k", "m", "g", "t") else ""
-    number = t[:-1] if unit else t
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"host tier {text!r}: expected 'auto' or a size such as 0, 512M, 2G "
-                         f"(units K, M, G, T: powers of 1024)") from None
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"host tier {text!r}: expected a size >= 0")
-    return int(value * _UNITS[unit])
+    return parse_size(text, what="host tier")
 
 
 def host_tier_arg(text: str) -> int | str:

@@ -726,6 +726,9 @@ void bind_faults(nb::module_& m) {
           "Check every faulted record against its checksum ('crc32' or 'crc32c'; 'none': no check) "
           "before the step uses it; a mismatch fails the step.")
       .def(
+          "set_drop_cache", [](PyFaultTable& p, bool on) { p.t->set_drop_cache(on); }, nb::arg("on"),
+          "Drop each faulted record from the page cache once read (the plan reads past the page cache).")
+      .def(
           "set_order",
           [](PyFaultTable& p, const std::string& order, double half_life) {
             fa::VictimOrder o;

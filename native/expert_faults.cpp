@@ -10,6 +10,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include <fcntl.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -281,6 +282,15 @@ void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expe
   checksums_ = std::move(expected);
 }
 
+void FaultTable::set_drop_cache(bool on) { drop_cache_.store(on, std::memory_order_relaxed); }
+
+void FaultTable::after_read(uint64_t offset) {
+  // Advice only: a failure leaves the pages cached, nothing else.
+  if (drop_cache_.load(std::memory_order_relaxed)) {
+    ::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(stride_), POSIX_FADV_DONTNEED);
+  }
+}
+
 void FaultTable::touch_locked(int64_t expert, uint64_t stamp) {
   const auto e = static_cast<size_t>(expert);
   if (order_ == VictimOrder::Decayed) {
@@ -419,6 +429,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       Read& r = reads[to_read[i]];
       const auto t0 = std::chrono::steady_clock::now();
       r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, r.row, r.expert);
+      after_read(static_cast<uint64_t>(r.expert) * stride_);
       if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
         // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
         // while nothing is queued, so reading them unlocked is safe).
@@ -518,6 +529,7 @@ void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
       Read& r = reads[i];
       const auto t0 = std::chrono::steady_clock::now();
       r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, -1, r.expert);
+      after_read(static_cast<uint64_t>(r.expert) * stride_);
       if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
         r.got = sink_->checksum(checksum_kind_, -1, r.expert);
         if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;

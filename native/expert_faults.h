@@ -158,6 +158,9 @@ class FaultTable {
   void set_order(VictimOrder order, double half_life);
   // Check every faulted record against `expected[expert]` (kind None: no check) before it is used.
   void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
+  // Drop each record from the page cache once it was read (POSIX_FADV_DONTNEED): when the store
+  // is larger than the page cache a memory budget leaves, cached records only evict each other.
+  void set_drop_cache(bool on);
 
   // ---- stream thread ----
   // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else).
@@ -184,6 +187,8 @@ class FaultTable {
   void absorb_device_uses_locked();
   int64_t pick_row_locked(uint64_t stamp);
   void touch_locked(int64_t expert, uint64_t stamp);
+  // After a record at `offset` was read: the page-cache advice of set_drop_cache.
+  void after_read(uint64_t offset);
   double rank_locked(int64_t expert, uint64_t stamp) const;
 
   const int layer_;
@@ -203,6 +208,7 @@ class FaultTable {
   std::vector<double> score_;       // expert -> decayed use count as of last_use_ (Decayed order)
   VictimOrder order_ = VictimOrder::Recency;
   io::ChecksumKind checksum_kind_ = io::ChecksumKind::None;
+  std::atomic<bool> drop_cache_{false};
   std::vector<uint32_t> checksums_;
   double half_life_ = 8.0;
   std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)

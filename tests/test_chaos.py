@@ -90,7 +90,7 @@ class Chaos:
 
     def check_rows(self, rt: Runtime) -> None:
         for layer in self.store.layers:
-            pools = rt._layer(layer).pools  # private on purpose: the bytes themselves are the point
+            pools = rt._s.layer(layer).pools  # private on purpose: the bytes themselves are the point
             table = rt.ledger(layer).lookup()
             for e in np.flatnonzero(table >= 0).tolist():
                 row = int(table[e])
@@ -177,9 +177,10 @@ class Chaos:
 
     async def run(self) -> None:
         rng = self.rng
-        resident: Any = rng.choice([0.25, 0.5, {0: [], 1: []}])
+        choice: Any = rng.choice([0.25, 0.5, {0: [], 1: []}])
+        sizing: dict[str, Any] = {"pinned": choice} if isinstance(choice, dict) else {"resident": choice}
         side_rows = rng.choice([3, 4, 6])
-        async with Runtime(self.store, resident=resident, side_rows=side_rows, policy=rng.choice(POLICIES),
+        async with Runtime(self.store, **sizing, side_rows=side_rows, policy=rng.choice(POLICIES),
                            reader=self.reader, min_side_rows=3) as rt:
             if rng.random() < 0.3:
                 layer = rng.choice(list(self.store.layers))

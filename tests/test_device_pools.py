@@ -117,7 +117,7 @@ async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader:
     store = _store(tmp_path / "store")
     async with Runtime(store, resident=0.25, side_rows=3, reader=reader) as rt:
         for layer in store.layers:
-            assert rt._layer(layer).pools.device
+            assert rt._s.layer(layer).pools.device
         rng = np.random.default_rng(3)
         for _ in range(12):
             layer = int(rng.choice(list(store.layers)))
@@ -126,7 +126,7 @@ async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader:
             await rt.ensure(layer, ids)
             table = np.array(rt.lookup(layer))
             lease = rt.lease(layer, ids)
-            pools = rt._layer(layer).pools
+            pools = rt._s.layer(layer).pools
             for e in ids:
                 got = {k: pools.row_bytes(k, int(table[e])) for k in pools.arrays}
                 assert got == _expected(store, layer, e)

@@ -257,10 +257,10 @@ async def test_unreadable_blob_fails_fills_and_frees_rows(tmp_path: Path, reader
     try:
         if expect_errno == errno.EACCES:
             with pytest.raises(StoreError, match="Permission denied"):
-                async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader):
+                async with Runtime(store, pinned={0: [], 1: []}, side_rows=4, reader=reader):
                     pass
             return
-        async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader) as rt:
+        async with Runtime(store, pinned={0: [], 1: []}, side_rows=4, reader=reader) as rt:
             with pytest.raises(FillError) as info:
                 await rt.ensure(0, [2, 3])
             assert info.value.errno == expect_errno and info.value.layer == 0
@@ -361,7 +361,7 @@ async def test_concurrent_ensures_that_cannot_be_held_together_make_progress(
     the other's). A livelock shows as fills without end: the watchdog fails the test once far more
     fills happened than the work needs (a count, not a time)."""
     rounds = 6
-    async with Runtime(store, resident={0: [], 1: []}, side_rows=side_rows, policy=policy) as rt:
+    async with Runtime(store, pinned={0: [], 1: []}, side_rows=side_rows, policy=policy) as rt:
         done: list[list[int]] = []
 
         async def want(ids: list[int], lease: bool) -> None:
@@ -423,7 +423,7 @@ async def test_flipped_byte_is_never_served(tmp_path: Path, reader: str, direct:
 
     store = await anyio.to_thread.run_sync(damaged_store)
     spec = store.layer(0)
-    async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader, direct=direct) as rt:
+    async with Runtime(store, pinned={0: [], 1: []}, side_rows=4, reader=reader, direct=direct) as rt:
         with pytest.raises(FillError, match="checksum mismatch") as info:
             await rt.ensure(0, [12, 13])
         err = info.value
@@ -440,14 +440,14 @@ async def test_flipped_byte_is_never_served(tmp_path: Path, reader: str, direct:
         await rt.ensure(1, [13])  # the other layer's record 13 is intact
         assert_ledgers_clean(rt)
     # Opting out serves whatever the disk holds.
-    async with Runtime(store, resident={0: [], 1: []}, side_rows=4, reader=reader, direct=direct,
+    async with Runtime(store, pinned={0: [], 1: []}, side_rows=4, reader=reader, direct=direct,
                        verify=False) as rt:
         await rt.ensure(0, [13])
         row = int(np.array(rt.lookup(0))[13])
         seg = spec.segments[2]
         record = await anyio.to_thread.run_sync(lambda: store.read_record(0, 13, verify=False))
         on_disk = record[seg.offset : seg.end]  # the flipped bytes
-        assert rt._layer(0).pools.row_bytes(seg.key, row) == on_disk
+        assert rt._s.layer(0).pools.row_bytes(seg.key, row) == on_disk
         assert rt.stats()["fills"] == 1
 
 
@@ -456,7 +456,7 @@ async def test_flipped_byte_in_a_resident_record_fails_entry(store: ExpertStore)
     resident = {0: [0, 1, 2, 3], 1: []}
     _flip(store.layer(0), 2)
     with pytest.raises(ExceptionGroup) as group:
-        async with Runtime(store, resident=resident, side_rows=4):
+        async with Runtime(store, pinned=resident, side_rows=4):
             pass
     (err,) = group.value.exceptions
     assert isinstance(err, FillError) and err.expert == 2 and err.errno == errno.EBADMSG
@@ -467,7 +467,7 @@ async def test_flipped_byte_in_a_resident_record_fails_entry(store: ExpertStore)
 
 @pytest.mark.anyio
 async def test_oneshot_drop_without_a_fill_updates_lookup(store: ExpertStore) -> None:
-    async with Runtime(store, resident={0: [], 1: []}, side_rows=4, policy="oneshot") as rt:
+    async with Runtime(store, pinned={0: [], 1: []}, side_rows=4, policy="oneshot") as rt:
         await rt.ensure(0, [9, 10])
         assert (np.array(rt.lookup(0))[[9, 10]] >= 0).all()
         await rt.prefetch(0, [9])  # 9 is LIVE: no fill; one-shot drops 10

@@ -3,6 +3,7 @@ and a residency that cannot fit is refused at start with both figures named."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import anyio
@@ -12,6 +13,7 @@ import pytest
 from asyncside import ExpertStore, memory
 from asyncside.errors import AsyncsideError
 from asyncside.runtime import Runtime
+from asyncside.runtime import _plan as plan_mod
 
 
 def _store(path: pathlib.Path) -> ExpertStore:
@@ -41,52 +43,181 @@ def test_pool_bytes_and_auto_fraction(tmp_path: pathlib.Path) -> None:
 def test_runtime_states_refuses_and_fits(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = _store(tmp_path / "s")
 
-    async def open_with(resident: float | str) -> dict:
-        async with Runtime(store, resident=resident, reader="threads") as rt:
+    async def open_with(resident: float | str, memory_arg: int | str | None = None) -> dict:
+        async with Runtime(store, resident=resident, reader="threads", memory=memory_arg) as rt:
             return rt.memory
 
     mem = anyio.run(open_with, 0.25)
     assert mem["pool_bytes"] == memory.pool_bytes(store, 0.25) and mem["available_bytes"] > mem["pool_bytes"]
     tight = memory.MemoryBudget(memory.MIN_HEADROOM + (1 << 20), "a test limit")
     monkeypatch.setattr(memory, "available_memory", lambda: tight)
-    with pytest.raises(AsyncsideError, match=r"the pools need .* GiB \(resident=1.0\).*a test limit"):
+    with pytest.raises(AsyncsideError, match=r"the pools need 8.0 MiB \(resident=1.0\).*a test limit"):
         anyio.run(open_with, 1.0)
     roomy = memory.MemoryBudget(memory.MIN_HEADROOM * 4, "a test limit")
     monkeypatch.setattr(memory, "available_memory", lambda: roomy)
     mem = anyio.run(open_with, "auto")
-    assert 0.0 < mem["resident"] <= 1.0 and mem["pool_bytes"] <= roomy.available * memory.AUTO_SHARE
+    assert 0.0 < mem["resident"] <= 1.0
+    assert mem["pool_bytes"] <= (roomy.available - memory.MIN_HEADROOM) * memory.AUTO_SHARE
+    # An explicit budget is planned against, capped by what is available, and named in the refusal.
+    with pytest.raises(AsyncsideError, match=r"budget is 256.5 MiB \(memory=256.5 MiB\)"):
+        anyio.run(open_with, 1.0, (256 << 20) + (512 << 10))
 
 
-def test_host_tier_sizes_parse_and_bad_ones_are_refused() -> None:
+def test_resident_means_the_pools_size_and_pinned_names_experts(tmp_path: pathlib.Path) -> None:
+    store = _store(tmp_path / "s")
+    with pytest.raises(TypeError, match=r"pinned=\{layer: \[experts\]\}"):
+        Runtime(store, resident={0: [1, 2]})  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with Runtime(store, pinned={0: [3, 5], 1: []}, side_rows=4, reader="threads") as rt:
+            assert rt.plan is not None and rt.plan.rows == {0: 6, 1: 4}
+            assert rt.lookup(0).tolist()[3] == 0 and rt.lookup(0).tolist()[5] == 1
+            assert rt.memory["resident"] == "pinned"
+
+    anyio.run(main)
+
+
+def test_sizes_parse_and_bad_ones_are_refused() -> None:
     assert memory.parse_host_tier("auto") == "auto" and memory.parse_host_tier(" AUTO ") == "auto"
     assert memory.parse_host_tier("0") == 0 and memory.parse_host_tier("4096") == 4096
     assert memory.parse_host_tier("512M") == 512 << 20 and memory.parse_host_tier("1.5g") == 3 << 29
-    for bad in ("", "x", "2GB", "-1", "nan", "inf", "1e400"):
+    assert memory.parse_size("2GiB") == 2 << 30 and memory.parse_size("800MB") == 800 << 20
+    assert memory.parse_size(12345) == 12345
+    for bad in ("", "x", "2QB", "-1", "nan", "inf", "1e400", "1.2.3G"):
         with pytest.raises(ValueError, match="host tier"):
             memory.parse_host_tier(bad)
+        with pytest.raises(ValueError, match=r"memory .*expected a size"):
+            memory.parse_size(bad, what="memory")
     for bad in (-1, "some", True, 1.5):
         with pytest.raises(ValueError, match="host_tier: expected 'auto' or a number of bytes"):
             Runtime(ExpertStore.__new__(ExpertStore), host_tier=bad)  # type: ignore[arg-type]
+
+
+def _plan(store: ExpertStore, **kw: object) -> plan_mod.MemoryPlan:
+    args: dict[str, object] = dict(resident=0.25, pinned=None, side_rows=None, min_side_rows=8, memory=None,
+                                   direct=None, host_tier="auto", tier_possible=True)
+    args.update(kw)
+    return plan_mod.plan_memory(store, list(store.layers), **args)  # type: ignore[arg-type]
 
 
 def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier holds whole layers, in order, while they fit (each a page-rounded block of one row
     per expert a segment); "auto" takes a quarter of the room beside the pools (none when there is
-    none); no tier unless the pools live on a CUDA device with the fault path."""
-    from asyncside import _native, pools
-
+    none); no tier unless the pools live on a device with the fault path."""
     store = _store(tmp_path / "s")
     layer = 64 * (1 << 16)  # 64 experts of one 64 KiB segment
-    monkeypatch.setattr(pools, "device_pools_default", lambda: False)
-    assert Runtime(store, host_tier="auto")._plan_tier(1 << 40) == (set(), 0)  # host pools
-    monkeypatch.setattr(pools, "device_pools_default", lambda: True)
-    monkeypatch.setattr(_native, "device_faults_available", lambda: True)
-    assert Runtime(store, host_tier=0)._plan_tier(1 << 40) == (set(), 0)
-    assert Runtime(store, host_tier=layer)._plan_tier(1 << 40) == ({0}, layer)
-    assert Runtime(store, host_tier=2 * layer - 1)._plan_tier(1 << 40) == ({0}, layer)
-    assert Runtime(store, host_tier=2 * layer)._plan_tier(1 << 40) == ({0, 1}, 2 * layer)
-    assert Runtime(store, host_tier="auto")._plan_tier(int(2 * layer / memory.TIER_SHARE)) == ({0, 1}, 2 * layer)
-    assert Runtime(store, host_tier="auto")._plan_tier(int(layer / memory.TIER_SHARE)) == ({0}, layer)
-    assert Runtime(store, host_tier="auto", layers=[1])._plan_tier(1 << 40) == ({1}, layer)
-    assert Runtime(store, host_tier="auto")._plan_tier(-(1 << 30)) == (set(), 0)  # pools left no room
+    pools = memory.pool_bytes(store, 0.25)
+    big = memory.MemoryBudget(1 << 40, "test")
+    monkeypatch.setattr(memory, "available_memory", lambda: big)
+
+    def tier(**kw: object) -> tuple[set[int], int]:
+        plan = _plan(store, **kw)
+        return set(plan.host_tier_layers), plan.host_tier_bytes
+
+    assert tier(tier_possible=False) == (set(), 0)  # host pools
+    assert tier(host_tier=0) == (set(), 0)
+    assert tier(host_tier=layer) == ({0}, layer)
+    assert tier(host_tier=2 * layer - 1) == ({0}, layer)
+    assert tier(host_tier=2 * layer) == ({0, 1}, 2 * layer)
+    room = pools + memory.MIN_HEADROOM  # what the pools and their headroom take before the tier
+    for layers, want in ((2, {0, 1}), (1, {0})):
+        budget = memory.MemoryBudget(room + int(layers * layer / memory.TIER_SHARE) + 1, "test")
+        monkeypatch.setattr(memory, "available_memory", lambda b=budget: b)
+        assert tier(host_tier="auto") == (want, layers * layer)
+    assert set(plan_mod.plan_memory(store, [1], resident=0.25, pinned=None, side_rows=None, min_side_rows=8,
+                                    memory=None, direct=None, host_tier=layer,
+                                    tier_possible=True).host_tier_layers) == {1}
+
+
+def test_reads_bypass_the_page_cache_when_the_store_does_not_fit_the_budget(tmp_path: pathlib.Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_DIRECT is chosen when the records outside the pools exceed what the budget leaves for the
+    page cache, stated with the reason; an explicit choice (argument or $ASYNCSIDE_DIRECT) wins."""
+    monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
+    store = _store(tmp_path / "s")  # 8 MiB of records, 2 MiB of them in the pools at 0.25
+    pools = memory.pool_bytes(store, 0.25)
+    fits = _plan(store, memory=pools + memory.MIN_HEADROOM + (8 << 20))
+    assert not fits.direct and "fit" in fits.direct_reason
+    tight = _plan(store, memory=pools + memory.MIN_HEADROOM + (1 << 20))
+    assert tight.direct and "exceed" in tight.direct_reason and tight.page_cache_bytes == 1 << 20
+    assert "O_DIRECT" in tight.describe() and "page cache 1.0 MiB" in tight.describe()
+    assert not _plan(store, memory=pools + memory.MIN_HEADROOM + (1 << 20), direct=False).direct
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "0")
+    assert not _plan(store, memory=pools + memory.MIN_HEADROOM + (1 << 20)).direct
+
+    async def main() -> None:
+        monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
+        async with Runtime(store, reader="threads", memory=pools + memory.MIN_HEADROOM + (1 << 20)) as rt:
+            assert rt.stats()["direct"] is True and rt.memory["direct"] is True
+            await rt.ensure(0, [1, 2, 40])
+            assert rt.stats()["misses"] == 3 and rt.stats().cache.misses == 3
+
+    anyio.run(main)
+
+
+def _cached_pages(path: pathlib.Path, offset: int, length: int) -> int:
+    """Pages of ``path[offset:offset+length]`` in the page cache (mincore over a read-only mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    span = offset + length - start
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            vec = (ctypes.c_ubyte * (-(-span // page)))()
+            if libc.mincore(addr, span, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return sum(v & 1 for v in vec)
+        finally:
+            libc.munmap(addr, span)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_queued_faults_leave_no_page_cache_when_the_plan_bypasses_it(tmp_path: pathlib.Path, drop: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget the store does not fit: faulted records are dropped from the page cache once read
+    (and stay cached without the budget), with the same bytes in the rows either way."""
+    import mlx.core as mx
+
+    monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
+    store = _store(tmp_path / "s")
+    spec = store.layer(0)
+    record = spec.stride
+    for layer in store.layers:  # start from nothing cached
+        fd = os.open(store.layer(layer).path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    budget = memory.pool_bytes(store, 0.25) + memory.MIN_HEADROOM + (1 << 20) if drop else None
+    experts = [5, 9, 33]
+
+    async def main() -> None:
+        async with Runtime(store, reader="threads", memory=budget) as rt:
+            assert rt.memory["direct"] is drop
+            rt.begin_step(len(experts))
+            rows = rt.expert_rows(0, mx.array(experts, dtype=mx.int32))
+            mx.eval(rows)
+            rt.end_step(rows)
+            await rt.quiesce()
+            assert rt.stats()["faults"] == len(experts)
+            # Before anything else reads the records (the check below caches them).
+            cached = sum(_cached_pages(spec.path, e * record, record) for e in experts)
+            pages = len(experts) * -(-record // 4096)
+            assert (cached == 0) if drop else (cached == pages), (cached, pages)
+            for e, row in zip(experts, rows.tolist()):
+                seg = spec.segments[0]
+                assert bytes(rt.pools(0)[seg.key][row]) == store.read_record(0, e)[seg.offset:seg.offset + seg.nbytes]
+
+    anyio.run(main)

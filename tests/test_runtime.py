@@ -34,7 +34,7 @@ def _make_store(path: Path, *, n_layers: int = 2, n_experts: int = 16, seed: int
 
 
 def _row_bytes(rt: Runtime, layer: int, row: int) -> dict[str, bytes]:
-    pools = rt._layer(layer).pools  # private on purpose: the tests check the bytes themselves
+    pools = rt._s.layer(layer).pools  # private on purpose: the tests check the bytes themselves
     return {key: pools.row_bytes(key, row) for key in pools.arrays}
 
 

@@ -59,8 +59,8 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     spec = store.layer(0)
     record = sum(s.nbytes for s in spec.segments)
-    async with Runtime(store, resident={0: []}, side_rows=args.side_rows, reader=args.reader) as rt:
-        pools = rt._layer(0).pools  # private on purpose: the bench times the pools themselves
+    async with Runtime(store, pinned={0: []}, side_rows=args.side_rows, reader=args.reader) as rt:
+        pools = rt._s.layer(0).pools  # private on purpose: the bench times the pools themselves
         out["device_pools"] = bool(pools.device)
         out["reader"] = rt.reader
         rows = list(range(pools.rows))

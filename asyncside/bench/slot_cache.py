@@ -108,7 +108,8 @@ class SlotCache:
         self._buf = mmap.mmap(-1, max(stride, mmap.PAGESIZE))
         try:
             for index, spec in store.layers.items():
-                chosen, side = plan_layer(store, index, resident, side_rows)
+                chosen, side = (plan_layer(store, index, 0.0, side_rows, pinned=resident)
+                                if isinstance(resident, Mapping) else plan_layer(store, index, resident, side_rows))
                 n = len(chosen) + side
                 if n < 1:
                     raise ValueError(f"layer {index}: a slot cache needs at least one slot (resident {resident!r})")

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import AsyncsideError
 
-class PlanError(ValueError):
+
+class PlanError(AsyncsideError, ValueError):
     """A split that does not fit the model or the group (the message names the value)."""
 
 

@@ -85,19 +85,26 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.layers)
 
 
+#: switch layer types defined outside this module (the pooled switch registers itself on import)
+_REGISTERED_SWITCHES: list[type] = []
+
+
+def register_switch_type(cls: type) -> type:
+    """Make :func:`find_switch` recognise ``cls`` as a switch layer; returns ``cls`` (a decorator).
+    The pooled switch registers itself, so this module need not import it."""
+    if cls not in _REGISTERED_SWITCHES:
+        _REGISTERED_SWITCHES.append(cls)
+    return cls
+
+
 def find_switch(block: nn.Module) -> tuple[str, nn.Module] | None:
     """The (attribute name, module) of the switch layer (stacked experts) inside an MoE block.
 
-    Recognises mlx-lm's ``SwitchGLU``/``SwitchMLP`` and asyncside's pooled replacement. Returns
-    None for a dense MLP.
+    Recognises mlx-lm's ``SwitchGLU``/``SwitchMLP`` and the replacements registered with
+    :func:`register_switch_type` (asyncside's pooled switch). Returns None for a dense MLP.
     """
-    from .pooled import PooledSwitch  # circular: pooled imports this module
-
-    found = [
-        (name, child)
-        for name, child in block.children().items()
-        if isinstance(child, (*SWITCH_TYPES, PooledSwitch))
-    ]
+    kinds = (*SWITCH_TYPES, *_REGISTERED_SWITCHES)
+    found = [(name, child) for name, child in block.children().items() if isinstance(child, kinds)]
     if not found:
         return None
     if len(found) > 1:

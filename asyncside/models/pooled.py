@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .arch import UnsupportedModelError, switch_meta
+from .arch import UnsupportedModelError, register_switch_type, switch_meta
 from .forcing import forced_block_call
 
 #: mlx-lm's SwitchGLU sorts the routed pairs when there are at least this many.
@@ -86,6 +86,7 @@ class _Apply:
         return y
 
 
+@register_switch_type
 class PooledSwitch(nn.Module):
     """Stand-in for a switch layer; computes nothing by itself (see the module docstring)."""
 

@@ -1,0 +1,348 @@
+"""The runtime: the pools, the ledgers, the read scheduler and the bridge of one expert store.
+
+``Runtime`` is a thin owner over one part per concern, each in its own module:
+
+* :mod:`._plan` — the memory plan: pool rows per layer (one sizing rule), the budget, the host
+  tier, O_DIRECT when the store does not fit the page cache the budget leaves;
+* :mod:`._fills` — the host fill path: ``prefetch``, ``ensure``, ``drain``;
+* :mod:`._queued` — the queued-step side (``rt.queued``): lending rows to the stream, the fault
+  logs, the host tier's staging;
+* :mod:`._leases` and :mod:`._audit` — leases released by GPU completion, and the audit;
+* :mod:`._stats` — one counter dataclass per part, composed by :meth:`Runtime.stats`.
+
+A model forward talks to it through five calls: ``prefetch(layer, ids)`` (predicted experts,
+returns at once), ``await ensure(layer, ids)`` (the demand path), ``lookup(layer)`` (the expert ->
+row table for the gather), ``lease`` / ``release_after`` (rows pinned until the computation that
+reads them completed) and ``await drain(layer)``. Queued steps use the calls of
+:class:`~asyncside.models.queued.QueuedSource`, which the runtime hands to ``rt.queued``.
+
+All ledger transitions happen on the event loop thread: the scheduler runs fill callbacks there,
+and no part touches a ledger from anywhere else. That keeps the ledger a plain state machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+
+# numpy imports numpy.ma lazily, on the first np.unique, which would then happen on the event
+# loop during the first prefill (see BENCHMARKS.md, "Loop lag"). Paid here, at import.
+import numpy.ma
+
+from .. import _native
+from ..ledger import AuditReport, Ledger, validate_ids
+from ..policies import DEFAULT_POLICY
+from ..readers import ReaderOptions
+from ..scheduler import Scheduler
+from ..snapshot import RowSnapshot, make_snapshot
+from ..store import ExpertStore
+from ._audit import audit as _audit
+from ._fills import HostFills, Ids
+from ._leases import Leases
+from ._plan import MemoryPlan, choose_resident, plan_layer, plan_memory, warm_experts
+from ._queued import RECONCILE_EVERY, QueuedSide
+from ._state import PrefetchHandle, Shared, host_ids
+from ._stats import CacheStats, QueuedStats, ReadStats, RuntimeStats, snapshot
+
+if TYPE_CHECKING:
+    from ..bridge import Completed
+
+__all__ = ["RECONCILE_EVERY", "CacheStats", "MemoryPlan", "PrefetchHandle", "QueuedSide", "QueuedStats",
+           "ReadStats", "Runtime", "RuntimeStats", "choose_resident", "plan_layer", "warm_experts"]
+
+
+class Runtime:
+    """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
+
+    ``resident`` is the pools' size: the fraction of each layer's experts they hold, or ``"auto"``
+    (sized to the memory budget). Every row is dynamic, managed online by ``policy`` (warmed up
+    from the store's routing ranking when it has one), unless ``side_rows`` leaves only that many
+    dynamic and pins the hottest others, or ``pinned`` names the pinned experts per layer.
+    ``memory`` is the budget the runtime plans against (bytes or a size such as ``"1.5G"``; None:
+    what the memory cgroup and MemAvailable allow): it refuses to start when the pools and their
+    headroom do not fit, and reads past the page cache (O_DIRECT) when the records outside the
+    pools do not fit what the budget leaves for it (``direct`` None; True or False forces it).
+    ``reader`` and ``reader_options`` go to the :class:`~asyncside.scheduler.Scheduler`. ``verify``
+    (default on) checks every record read or faulted in against the store's checksum before its
+    row is used; a mismatch fails that fill with a FillError (``errno`` EBADMSG).
+
+    ``host_tier`` (device pools on MLX CUDA only) bounds the pinned host memory of the host tier:
+    a layer in the tier keeps every record its queued steps faulted in, verified, so a later fault
+    of that expert is a copy to the device alone. Whole layers in order while they fit; ``"auto"``
+    a quarter of what the budget leaves beside the pools; 0 none. The plan is :attr:`plan`.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        *,
+        resident: float | str = 0.25,
+        pinned: Mapping[int, Sequence[int]] | None = None,
+        side_rows: int | None = None,
+        min_side_rows: int = 8,
+        policy: str = DEFAULT_POLICY,
+        reader: str = "auto",
+        reader_options: ReaderOptions | None = None,
+        direct: bool | None = None,
+        memory: int | str | None = None,
+        layers: Iterable[int] | None = None,
+        completed: Completed | None = None,
+        verify: bool = True,
+        host_tier: int | str = "auto",
+    ) -> None:
+        if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
+                                        and host_tier >= 0)):
+            raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
+        if isinstance(resident, Mapping):
+            raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
+                            "size); name pinned experts with pinned={layer: [experts]}")
+        self.store = store
+        self.policy = policy
+        self._resident, self._pinned, self._memory = resident, pinned, memory
+        self._side_rows, self._min_side_rows, self._host_tier = side_rows, min_side_rows, host_tier
+        # reader_options that say direct=... are an explicit choice too
+        self._direct = direct if direct is not None or reader_options is None else reader_options.direct
+        self._reader_args = (reader, reader_options, verify)
+        self._layer_ids = list(layers) if layers is not None else list(store.layers)
+        self._plan: MemoryPlan | None = None
+        self._s = Shared(store, Scheduler(reader, reader_options, direct=direct, verify=verify))
+        self._s.completed = completed
+        self._leases = Leases(self._s)
+        #: the queued-step side: lending, fault logs, staging, the host tier
+        self.queued = QueuedSide(self._s, self._leases)
+        self._fills = HostFills(self._s, self.queued)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def reader(self) -> str:
+        """The reader backend actually in use."""
+        return self._s.scheduler.name
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        """The memory plan (None until the runtime is entered)."""
+        return self._plan
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        """The memory plan's figures (see :class:`MemoryPlan`; empty until entered)."""
+        return self._plan.as_dict() if self._plan is not None else {}
+
+    async def __aenter__(self) -> Runtime:
+        from .. import pools as _pools
+
+        s = self._s
+        if s.completed is None:
+            from ..bridge import completed
+
+            s.completed = completed
+        s.start(s.completed)
+        try:
+            # Before anything is opened: refuses pools that cannot fit.
+            self._plan = plan_memory(
+                self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
+                side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
+                direct=self._direct, host_tier=self._host_tier,
+                tier_possible=_pools.device_pools_default() and _native.device_faults_available())
+            if self._plan.direct != s.scheduler.direct:
+                reader, options, verify = self._reader_args
+                s.scheduler = Scheduler(reader, options, direct=self._plan.direct, verify=verify)
+            # Cancellable at every await; on any failure the scheduler has already closed itself.
+            await s.scheduler.__aenter__()
+        except BaseException:
+            s.closed = s.exited = True
+            raise
+        try:
+            s.tg = anyio.create_task_group()
+            await s.tg.__aenter__()
+            await self._fills.setup(self._plan, policy=self.policy, side_rows=self._side_rows,
+                                    min_side_rows=self._min_side_rows, pinned=self._pinned)
+            await self.queued.setup(self._plan)
+        except BaseException:
+            # Not handed to the task group (it would wrap it in an ExceptionGroup): the setup
+            # error itself is what the caller sees.
+            await self._close(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._close(*exc_info)
+
+    async def _close(self, *exc_info: Any) -> bool | None:
+        s = self._s
+        if self.queued.active:
+            # Queued steps may still fault rows in on the stream: let them finish, then take the
+            # lent rows back, so the ledgers end consistent (and the pools outlive the reads).
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.queued.quiesce()
+                except Exception:
+                    pass  # failed faults were reported to (or are lost with) their steps
+        s.closed = True
+        # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
+        # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
+        try:
+            if s.tg is not None:
+                s.tg.cancel_scope.cancel()
+                await s.tg.__aexit__(*exc_info)
+        finally:
+            try:
+                await s.scheduler.__aexit__(*exc_info)
+            finally:
+                s.exited = True
+                s.notify()  # an ensure waiting for a change hears that the runtime closed
+        return None
+
+    # ---------------------------------------------------------------- the forward's calls
+
+    def prefetch(self, layer: int, ids: Ids) -> PrefetchHandle:
+        """Start reading the predicted experts ``ids`` of ``layer``; returns at once. ``ids`` may be
+        a lazy ``mx.array``: the runtime awaits its computation, then reserves rows and reads."""
+        return self._fills.prefetch(layer, ids)
+
+    async def ensure(self, layer: int, ids: Ids) -> None:
+        """Return once every expert in ``ids`` has its bytes in a row of ``layer``'s pools.
+
+        Present experts are hits; absent ones are reserved on demand (a demand is never skipped
+        like a prediction is) and read; ones whose prefetch is in flight are waited for. A fill
+        that fails raises its FillError here.
+        """
+        await self._fills.ensure(layer, ids)
+
+    async def drain(self, layer: int | None = None) -> None:
+        """Wait for every fill (and pending prefetch) submitted so far for ``layer`` (or all).
+        Raises an ExceptionGroup of the FillErrors of fills that failed since the last drain."""
+        await self._fills.drain(layer)
+
+    def lookup(self, layer: int) -> mx.array:
+        """The expert -> row table of ``layer`` (int32, -1 for absent) as an ``mx.array``."""
+        st = self._s.layer(layer)
+        if st.table is None or st.table_version != st.version:
+            st.table = mx.array(st.ledger.lookup())
+            st.table_version = st.version
+        return st.table
+
+    def lease(self, layer: int, experts: Iterable[int] | np.ndarray) -> int:
+        """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id."""
+        return self._leases.lease(layer, experts)
+
+    def release(self, layer: int, lease_id: int) -> None:
+        """Release a lease now (the caller knows the rows are no longer read)."""
+        self._leases.release(layer, lease_id)
+
+    def release_after(self, x: mx.array, leases: Iterable[tuple[int, int]]) -> None:
+        """Release ``leases`` ((layer, lease id) pairs) once ``x`` has been computed."""
+        self._leases.release_after(x, leases)
+
+    def release_computed(self) -> None:
+        """Release now the leases whose computation already finished (see :class:`Leases`)."""
+        self._leases.release_computed()
+
+    # ---------------------------------------------------------------- what the forward reads
+
+    def n_experts(self, layer: int) -> int:
+        """How many experts ``layer`` has."""
+        return int(self._s.layer(layer).spec.n_experts)
+
+    def pools(self, layer: int) -> dict[str, mx.array]:
+        """The pool arrays of ``layer``, one per segment key, shape ``(rows, *row_shape)``."""
+        return self._s.layer(layer).pools.arrays
+
+    def snapshot(self, layer: int) -> RowSnapshot:
+        """Where ``layer``'s experts are now, for an in-graph gather (see :mod:`asyncside.snapshot`)."""
+        st = self._s.layer(layer)
+        if st.snap is None or st.snap_version != st.version:
+            # Every reserve that hands out a row bumps st.version, so generations cannot change
+            # under a cached snapshot either.
+            st.snap = make_snapshot(st.ledger.lookup(), st.ledger.generations())
+            st.snap_version = st.version
+        return st.snap
+
+    def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
+        """Bool per expert: present in ``snap`` and in the same row since, never refilled."""
+        st = self._s.layer(layer)
+        ids = np.asarray(validate_ids(host_ids(experts), st.spec.n_experts, layer=layer), dtype=np.int64)
+        return st.ledger.unchanged_since(snap.table, snap.generations, ids)
+
+    def ledger(self, layer: int) -> Ledger:
+        """The ledger of ``layer`` (read it; only the runtime changes it), caught up with what
+        queued steps did so far."""
+        st = self._s.layer(layer)
+        self.queued.reconcile(st)
+        return st.ledger
+
+    # ---------------------------------------------------------------- queued steps (QueuedSource)
+
+    def queued_ready(self, pairs: int) -> bool:
+        """Whether a queued step routing up to ``pairs`` pairs per layer can run now."""
+        return self.queued.ready(pairs)
+
+    def queued_capacity(self) -> int:
+        """Distinct experts one resolve of a queued step can take in every layer."""
+        return self.queued.capacity()
+
+    def begin_step(self, pairs: int) -> None:
+        """Before queuing a step: every dynamic row lent; an earlier failed fault raised."""
+        self.queued.begin()
+
+    def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 pool rows of the routed ``ids``; absent experts fault in on the stream."""
+        return self.queued.expert_rows(layer, ids)
+
+    def staging(self, layer: int) -> dict[str, mx.array] | None:
+        """The whole-layer staging arrays of ``layer`` (device pools with a host tier), or None."""
+        return self.queued.staging(layer)
+
+    def staged_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy rows of the routed ``ids`` in the staging arrays, copied there on the stream."""
+        return self.queued.staged_rows(layer, ids)
+
+    def staged_done(self, out: mx.array) -> None:
+        """``out`` is the output of the switch that read the latest :meth:`staged_rows`."""
+        self.queued.staged_done(out)
+
+    def end_step(self, out: mx.array) -> None:
+        """A queued step whose last output is ``out`` is built and about to be scheduled."""
+        self.queued.end(out)
+
+    def abandon_step(self) -> None:
+        """A queued step begun will not be scheduled."""
+        self.queued.abandon()
+
+    def after_step(self) -> None:
+        """A queued step's output was awaited: raise a failed fault's FillError."""
+        self.queued.after_step()
+
+    async def quiesce(self) -> None:
+        """Wait for every queued step, apply its faults, and take every lent row back."""
+        await self.queued.quiesce()
+
+    @property
+    def queued_active(self) -> bool:
+        """True while queued steps may be running or rows are lent."""
+        return self.queued.active
+
+    def fault_latency(self) -> dict[str, float]:
+        """Median and p99 of the latest faults' time on the stream (seconds; 0 when none)."""
+        return self.queued.fault_latency()
+
+    # ---------------------------------------------------------------- accounts
+
+    def audit(self) -> dict[int, AuditReport]:
+        """Audit every ledger, native fault tables and (once closed) leases left open; returns
+        layer -> AuditReport."""
+        return _audit(self._s, self.queued)
+
+    def stats(self) -> RuntimeStats:
+        """Every counter since start (hits, misses, bytes read, faults, stall time, ...): typed
+        parts, and a mapping of flat names (``stats()["hits"]``)."""
+        self.queued.reconcile_all()  # queued steps' faults and uses, up to now
+        plan = self._plan
+        return snapshot(self._s.cache, self._s.reads, self._s.queued, reader=self.reader,
+                        direct=self._s.scheduler.direct, pool_bytes_planned=plan.pool_bytes if plan else 0,
+                        memory_budget=plan.budget if plan else 0)

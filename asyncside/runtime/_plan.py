@@ -1,0 +1,292 @@
+"""The memory plan: how many rows each layer's pools get, and what the memory budget leaves.
+
+One sizing rule (:func:`layer_rows`) serves the allocation, the budget check and ``resident="auto"``.
+The plan is made once, before anything is allocated or opened, and states everything the runtime
+will hold: the pools, the host tier and its staging arrays (device pools), the headroom for the
+non-expert weights and MLX's buffers, and what is left for the page cache. When the streamed
+records cannot stay in that page cache, buffered reads would only evict each other (and, in a
+memory cgroup, be charged to the process): the plan then reads with O_DIRECT, bypassing it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import memory as _memory
+from ..errors import AsyncsideError
+from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
+from ..store import ExpertStore, LayerSpec
+
+__all__ = ["MemoryPlan", "choose_resident", "layer_rows", "plan_layer", "plan_memory", "tier_bytes",
+           "warm_experts"]
+
+
+def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
+    """Pick ``count`` experts of ``layer`` to pin, hottest first.
+
+    From the converter's hottest-first ranking (``metadata["asyncside_model"]["expert_rank"]``,
+    written by ``asyncside convert``), else a top-level routing profile (``metadata["profile"]``:
+    per-layer routed counts), else the experts named in ``metadata["resident"]`` in order, else
+    experts ``0..count-1``.
+    """
+    spec = store.layer(layer)
+    count = max(0, min(count, spec.n_experts))
+    meta = store.metadata or {}
+    model_meta = meta.get("asyncside_model")
+    ranking = (model_meta.get("expert_rank") or {}).get(str(layer)) if isinstance(model_meta, Mapping) else None
+    if ranking is not None:
+        ranked = [int(e) for e in ranking if 0 <= int(e) < spec.n_experts]
+        seen = set(ranked)
+        ranked += [e for e in range(spec.n_experts) if e not in seen]
+        return ranked[:count]
+    profile = (meta.get("profile") or {}).get(str(layer))
+    if profile is not None:
+        counts = np.asarray(profile, dtype=np.float64)
+        # Stable sort on -count: ties keep the smaller expert id first.
+        order = np.argsort(-counts, kind="stable")
+        return [int(e) for e in order[:count]]
+    listed = (meta.get("resident") or {}).get(str(layer))
+    if listed is not None:
+        chosen = [int(e) for e in listed[:count]]
+        rest = [e for e in range(spec.n_experts) if e not in set(chosen)]
+        return chosen + rest[: count - len(chosen)]
+    return list(range(count))
+
+
+def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows: int | None = None,
+               min_side_rows: int = 8, pinned: Mapping[int, Sequence[int]] | None = None) -> tuple[list[int], int]:
+    """(pinned experts, dynamic rows) of one layer, as ``Runtime`` sizes it. Exposed so other
+    expert sources (benchmark baselines) size their pools alike.
+
+    ``resident`` is the pools' size: :func:`layer_rows` rows in all. By default every row is
+    dynamic (managed online by the policy; a store's routing ranking only warms them up, see
+    :func:`warm_experts`). ``side_rows`` pins ``rows - side_rows`` of the hottest experts
+    (:func:`choose_resident`) and leaves ``side_rows`` dynamic. ``pinned`` names the pinned experts
+    per layer instead (then ``side_rows``, default ``min_side_rows``, rows are dynamic).
+    """
+    spec = store.layer(index)
+    if isinstance(resident, Mapping):
+        raise TypeError("resident: expected a fraction of each layer's experts (the pools' size); "
+                        "name pinned experts with pinned={layer: [experts]}")
+    if pinned is not None:
+        chosen = [int(e) for e in pinned.get(index, ())]
+        side = side_rows if side_rows is not None else min_side_rows
+    else:
+        rows = layer_rows(spec.n_experts, resident, side_rows, min_side_rows)
+        side = rows if side_rows is None else min(int(side_rows), spec.n_experts)
+        chosen = choose_resident(store, index, max(0, rows - side))
+    if side < 0:
+        raise ValueError(f"side_rows: expected a number of rows >= 0, got {side}")
+    side = min(side, spec.n_experts - len(chosen))
+    return chosen, side
+
+
+def warm_experts(store: ExpertStore, index: int, count: int, exclude: Sequence[int] = ()) -> list[int]:
+    """The experts to load into ``count`` dynamic rows before the first step: the hottest by the
+    store's routing ranking (``asyncside convert`` writes one from a profile), or none when the
+    store has no ranking (no arbitrary set: the rows then fill as the model routes)."""
+    meta = store.metadata or {}
+    model_meta = meta.get("asyncside_model")
+    has_rank = isinstance(model_meta, Mapping) and str(index) in (model_meta.get("expert_rank") or {})
+    if not has_rank and str(index) not in (meta.get("profile") or {}):
+        return []
+    skip = set(int(e) for e in exclude)
+    ranked = [e for e in choose_resident(store, index, store.layer(index).n_experts) if e not in skip]
+    return ranked[: max(0, count)]
+
+
+def record_bytes(spec: LayerSpec) -> int:
+    """Bytes of one expert in the pools (its segments, padding excluded)."""
+    return sum(seg.nbytes for seg in spec.segments)
+
+
+def tier_bytes(spec: LayerSpec) -> int:
+    """Host memory of one layer's host tier: the mirror's layout, each segment a page-rounded
+    block of one row per expert."""
+    return sum(-(-spec.n_experts * seg.nbytes // 4096) * 4096 for seg in spec.segments)
+
+
+def _staging_key(spec: LayerSpec) -> tuple[Any, ...]:
+    return (spec.n_experts, tuple((seg.key, tuple(seg.shape), seg.dtype) for seg in spec.segments))
+
+
+def _side_weights(store: ExpertStore) -> int:
+    """Bytes of the non-expert weights stored beside the store (loaded whole by the model)."""
+    total = 0
+    try:
+        with os.scandir(store.path) as entries:
+            for entry in entries:
+                if entry.name.endswith(".safetensors") and entry.is_file():
+                    total += entry.stat().st_size
+    except OSError:
+        pass
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the runtime holds and what it leaves, in bytes, decided before anything is allocated."""
+
+    budget: int  # what the plan is made against
+    source: str  # where the budget comes from ("--memory", a cgroup, MemAvailable)
+    resident: float | str  # the pools' fraction of each layer's experts, or "pinned"
+    rows: Mapping[int, int]  # layer -> pool rows
+    pool_bytes: int
+    host_tier_layers: frozenset[int]
+    host_tier_bytes: int
+    staging_bytes: int
+    headroom_bytes: int  # non-expert weights and MLX's own buffers
+    store_bytes: int  # every record of the streamed layers
+    page_cache_bytes: int  # what the budget leaves for the page cache
+    direct: bool  # reads bypass the page cache (O_DIRECT)
+    direct_reason: str
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def held_bytes(self) -> int:
+        """Everything the runtime itself allocates."""
+        return self.pool_bytes + self.host_tier_bytes + self.staging_bytes
+
+    def describe(self) -> str:
+        """The plan in a few lines, for the start of a run."""
+        b = describe_bytes
+        lines = [
+            f"memory budget {b(self.budget)} ({self.source})",
+            f"pools {b(self.pool_bytes)} (resident {self.resident}, {sum(self.rows.values())} rows in "
+            f"{len(self.rows)} layers) of a {b(self.store_bytes)} store",
+        ]
+        if self.host_tier_bytes or self.staging_bytes:
+            lines.append(f"host tier {b(self.host_tier_bytes)} ({len(self.host_tier_layers)} layers), "
+                         f"staging {b(self.staging_bytes)}")
+        lines.append(f"headroom {b(self.headroom_bytes)} (non-expert weights, MLX buffers), "
+                     f"page cache {b(self.page_cache_bytes)}")
+        lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures (what ``Runtime.memory`` reports)."""
+        return {
+            "budget_bytes": self.budget, "source": self.source, "resident": self.resident,
+            "pool_bytes": self.pool_bytes, "host_tier_bytes": self.host_tier_bytes,
+            "host_tier_layers": len(self.host_tier_layers), "staging_bytes": self.staging_bytes,
+            "headroom_bytes": self.headroom_bytes, "store_bytes": self.store_bytes,
+            "page_cache_bytes": self.page_cache_bytes, "direct": self.direct, "direct_reason": self.direct_reason,
+            # the figure a budget check compares with (kept under its older name too)
+            "available_bytes": self.budget,
+        }
+
+
+def resolve_budget(memory: int | str | None) -> MemoryBudget:
+    """The budget to plan against: ``memory`` (bytes, or a size such as ``"1.5G"``) capped by what
+    this process can use, or (None) what the memory cgroup and MemAvailable allow."""
+    available = _memory.available_memory()  # through the module: tests stand in a budget
+    if memory is None:
+        return available
+    wanted = parse_size(memory, what="memory")
+    if wanted <= 0:
+        raise ValueError(f"memory: expected a size > 0, got {memory!r}")
+    if wanted > available.available:
+        return MemoryBudget(available.available, f"memory={describe_bytes(wanted)} asked, capped by {available.source}")
+    return MemoryBudget(wanted, "memory=" + describe_bytes(wanted))
+
+
+def plan_memory(
+    store: ExpertStore,
+    layers: Sequence[int],
+    *,
+    resident: float | str,
+    pinned: Mapping[int, Sequence[int]] | None,
+    side_rows: int | None,
+    min_side_rows: int,
+    memory: int | str | None,
+    direct: bool | None,
+    host_tier: int | str,
+    tier_possible: bool,
+) -> MemoryPlan:
+    """Plan the runtime's memory (see the module docstring); AsyncsideError when nothing sensible
+    fits: the pools, the tier's staging and the headroom must fit the budget.
+
+    ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
+    fault path can keep a host tier."""
+    budget = resolve_budget(memory)
+    headroom = MIN_HEADROOM + _side_weights(store)
+    specs = {i: store.layer(i) for i in layers}
+    notes: list[str] = []
+
+    def rows_at(fraction: float) -> dict[int, int]:
+        out = {}
+        for i in specs:
+            chosen, side = plan_layer(store, i, fraction, side_rows, min_side_rows, pinned)
+            out[i] = len(chosen) + side
+        return out
+
+    def pools_at(fraction: float) -> int:
+        return sum(r * record_bytes(specs[i]) for i, r in rows_at(fraction).items())
+
+    if resident == "auto":
+        if pinned is not None:
+            raise ValueError("resident='auto' sizes the pools itself: it takes no pinned experts")
+        target = max(0, budget.available - headroom) * AUTO_SHARE
+        fraction = 1.0
+        if pools_at(1.0) > target:
+            lo, hi = 0.0, 1.0
+            for _ in range(30):  # bisect: the pools grow with the fraction
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if pools_at(mid) <= target else (lo, mid)
+            fraction = lo
+        resident = fraction
+    elif isinstance(resident, str):
+        raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+    rows = rows_at(float(resident))
+    pools = sum(r * record_bytes(specs[i]) for i, r in rows.items())
+
+    # The host tier (device pools): whole layers in order while their records fit its bound.
+    room = budget.available - pools - headroom
+    cap = int(max(room, 0) * TIER_SHARE) if host_tier == "auto" else int(host_tier)
+    tier_layers: set[int] = set()
+    tier_total = 0
+    if tier_possible and cap > 0:
+        for i, spec in specs.items():
+            if tier_total + tier_bytes(spec) > cap:
+                break
+            tier_layers.add(i)
+            tier_total += tier_bytes(spec)
+    # The tier's layers get staging arrays: one whole layer per shape, shared by its layers.
+    staging_shapes = {_staging_key(specs[i]): specs[i].n_experts * record_bytes(specs[i]) for i in tier_layers}
+    staging = sum(staging_shapes.values())
+
+    store_bytes = sum(spec.blob_bytes for spec in specs.values())
+    held = pools + tier_total + staging
+    page_cache = budget.available - held - headroom
+    label = "pinned" if pinned is not None else resident
+    if pools + staging + headroom > budget.available:
+        raise AsyncsideError(
+            f"the pools need {describe_bytes(pools)} (resident={label}"
+            f"{f', plus {describe_bytes(staging)} of staging' if staging else ''}) and "
+            f"{describe_bytes(headroom)} of headroom for the non-expert weights and MLX's buffers, "
+            f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): use a smaller "
+            f"resident fraction, resident='auto', or a larger memory budget")
+    streamed = max(0, store_bytes - pools)  # records that live only in the store
+    if direct is not None:
+        use_direct, why = bool(direct), "asked for"
+    elif os.environ.get("ASYNCSIDE_DIRECT") is not None:
+        use_direct, why = os.environ["ASYNCSIDE_DIRECT"].strip() == "1", "ASYNCSIDE_DIRECT"
+    elif streamed > page_cache:
+        use_direct = True
+        why = (f"the {describe_bytes(streamed)} of records outside the pools exceed the "
+               f"{describe_bytes(max(page_cache, 0))} the budget leaves for the page cache")
+    else:
+        use_direct = False
+        why = f"the records outside the pools fit the {describe_bytes(page_cache)} left for the page cache"
+    if page_cache < 0:
+        notes.append(f"the host tier leaves no page cache ({describe_bytes(page_cache)})")
+    return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
+                      host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
+                      headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
+                      direct=use_direct, direct_reason=why, notes=tuple(notes))

@@ -1,0 +1,389 @@
+"""The queued-step side: one owner for lending rows to the stream, the fault logs, the host tier
+and its staging arrays.
+
+A queued step is built once per token and scheduled whole: its switch layers fault absent
+experts in on the stream (``native/expert_faults*``) into rows the ledger lent to each layer's
+native fault table. The ledger learns what the stream did from the tables' fault logs
+(:meth:`QueuedSide.reconcile`), applied on the loop thread: every few steps, before anything reads
+the ledgers, and at once when a fault failed. :meth:`QueuedSide.quiesce` waits for the steps and
+takes every lent row back, so the host fill path owns the rows again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+
+from .. import _native
+from ..errors import AsyncsideError, FillError
+from ._leases import Leases
+from ._plan import MemoryPlan, tier_bytes
+from ._state import LayerState, Shared, native_available
+
+#: queued steps apply the stream's fault logs to the ledgers at least this often (steps)
+RECONCILE_EVERY = 32
+
+
+class QueuedSide:
+    """Lending, fault logs, staging and the host tier of one runtime's queued steps."""
+
+    def __init__(self, shared: Shared, leases: Leases) -> None:
+        self._s = shared
+        self._leases = leases
+        #: the output of the latest staged switch: the next staged resolve depends on it through
+        #: data, since every staged switch of this runtime's layers of one shape shares the arrays
+        self._staged_tail: mx.array | None = None
+        #: the latest queued steps' outputs not known to be computed (see begin_step / quiesce)
+        self._outs: list[mx.array] = []
+        # Steps begun (begin_step) and not yet built (end_step / abandon_step): a long step's
+        # graph is built with checkpoints between layers, and quiesce() must not take the rows
+        # back from under a step whose fault nodes are being built.
+        self._building = 0
+        self._build_done: anyio.Event | None = None
+        #: nanoseconds of the latest faults (bounded), for latency percentiles
+        self._fault_ns: list[int] = []
+        #: failed faults learned from the logs, raised by the next begin_step / after_step / quiesce
+        self._errors: list[FillError] = []
+        #: every dynamic row of every layer is lent (begin_step has nothing to do)
+        self._lent_all = False
+        self._ready_pairs = 0  # ready() answered yes for this many pairs since _lent_all
+        self._since_reconcile = 0
+        self._errors_seen = 0
+
+    # ---------------------------------------------------------------- setup
+
+    async def setup(self, plan: MemoryPlan) -> None:
+        """One native fault table per layer (queued steps fault experts in there): for host pools,
+        and for device pools where the CUDA fault path is compiled in; then the staging arrays of
+        the host tier's layers.
+
+        The blobs are opened in a worker thread: an open() can block (a FIFO, a stale mount).
+        """
+        s = self._s
+        device_ok = _native.device_faults_available()
+        host = [(i, st) for i, st in s.layers.items() if not st.pools.device or device_ok]
+        if not host:
+            return
+        def open_all() -> list[int]:
+            fds: list[int] = []
+            try:
+                for _, st in host:
+                    fds.append(os.open(st.spec.path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                raise AsyncsideError(
+                    f"{exc.filename}: cannot open the layer blob for queued steps: {exc.strerror}") from exc
+            return fds
+
+        # The host tier's memory first (pinned, zeroed: a worker thread's job), before any blob
+        # is opened, so that a failure or a cancellation here leaves nothing to close.
+        tiers: dict[int, Any] = {}
+        for index, st in host:
+            if index in plan.host_tier_layers and st.pools.device:
+                tiers[index] = await anyio.to_thread.run_sync(
+                    _native.HostMirror, st.spec.n_experts, [seg.nbytes for seg in st.spec.segments])
+                s.queued.host_tier_bytes += tier_bytes(st.spec)
+        fds = await anyio.to_thread.run_sync(open_all)
+        for k, (index, st) in enumerate(host):
+            spec = st.spec
+            pools = [st.pools.arrays[seg.key] for seg in spec.segments]
+            offsets = [seg.offset for seg in spec.segments]
+            nbytes = [seg.nbytes for seg in spec.segments]
+            try:
+                if st.pools.device:
+                    # Device pools (MLX CUDA): faults read into pinned host memory and the stream
+                    # copies them to the pools; a layer in the host tier reads each record once.
+                    st.faults = _native.FaultTable.for_device(index, spec.n_experts, pools, st.pools.mirror,
+                                                              offsets, nbytes, fds[k], str(spec.path), spec.stride,
+                                                              tier=tiers.get(index))
+                else:
+                    st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
+                                                   str(spec.path), spec.stride)
+                if plan.direct:
+                    # The plan reads past the page cache: a faulted record's pages are dropped
+                    # once read, so cached records never evict each other (see MemoryPlan).
+                    st.faults.set_drop_cache(True)
+                if s.scheduler.verify and spec.checksum is not None and spec.checksums is not None:
+                    # A faulted record is used only after its bytes verified, as a read one is.
+                    st.faults.set_checksums(spec.checksum, list(spec.checksums))
+            except BaseException:
+                for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
+                    os.close(fd)
+                raise
+        self._setup_staging(plan)
+
+    def _setup_staging(self, plan: MemoryPlan) -> None:
+        """Give each device fault table with a host tier its staging arrays: one whole layer per
+        segment, shared by the layers of one shape, so that a switch whose experts exceed the lent
+        rows (a prefill chunk, a large batch) copies its experts there instead of cycling them
+        through the pool rows (see :meth:`staged_rows`)."""
+        shared: dict[tuple[Any, ...], list[mx.array]] = {}
+        for index, st in self._s.layers.items():
+            if st.faults is None or not st.pools.device or index not in plan.host_tier_layers:
+                continue
+            spec = st.spec
+            key = (spec.n_experts, tuple((seg.key, tuple(seg.shape), seg.dtype) for seg in spec.segments))
+            arrays = shared.get(key)
+            if arrays is None:
+                arrays = [mx.zeros((spec.n_experts, *st.pools.arrays[seg.key].shape[1:]),
+                                   dtype=st.pools.arrays[seg.key].dtype) for seg in spec.segments]
+                mx.eval(*arrays)
+                shared[key] = arrays
+                self._s.queued.staging_bytes += sum(a.nbytes for a in arrays)
+            st.faults.set_staging(arrays)
+            st.staging = {seg.key: a for seg, a in zip(spec.segments, arrays)}
+
+    # ---------------------------------------------------------------- stepping
+
+    @property
+    def active(self) -> bool:
+        """True while queued steps may be running or rows are lent."""
+        return bool(self._outs) or self._building > 0 or any(st.ledger.lent_rows()
+                                                              for st in self._s.layers.values())
+
+    def ready(self, pairs: int) -> bool:
+        """Whether a queued step routing up to ``pairs`` (token, expert) pairs per MoE layer can run:
+        every layer has a fault table and enough rows to lend for that many distinct experts."""
+        if self._lent_all and pairs <= self._ready_pairs:
+            return True  # every dynamic row is lent already: nothing can have pinned one since
+        layers = self._s.layers.values()
+        if any(st.inflight for st in layers):
+            # A host fill (an ensure's, a prefetch's) still to settle changes its layer's ledger
+            # when it does, which must not happen while rows are lent to the stream: this step
+            # goes per layer (whose ensure waits for the fill) instead.
+            return False
+        self._leases.release_computed()
+        # A row being filled (a prefetch in flight) or pinned by a lease cannot be lent: the
+        # stream would run out of rows for the step's misses.
+        for st in layers:
+            if st.faults is None or st.ledger.lendable_rows() < min(pairs, st.spec.n_experts):
+                return False
+        self._ready_pairs = max(self._ready_pairs, pairs) if self._lent_all else 0
+        return True
+
+    def capacity(self) -> int:
+        """How many distinct experts every layer can take for one resolve of a queued step: the
+        fewest rows any layer could lend now (0 without fault tables)."""
+        self._leases.release_computed()
+        return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._s.layers.values()),
+                   default=0)
+
+    def begin(self) -> None:
+        """Before queuing a step (never blocks): every layer's dynamic rows lent to its fault table
+        (they stay lent across steps); the FillError of a fault that failed earlier raised. Once
+        every row is lent this costs the host next to nothing: the fault logs are applied every
+        :data:`RECONCILE_EVERY` steps (and before anything reads the ledgers), failures at once."""
+        self._lend()
+        self._building += 1
+
+    def _lend(self) -> None:
+        s = self._s
+        s.check_running()
+        if len(self._outs) > 4:
+            self._outs = [o for o in self._outs if not native_available(o)]
+        s.queued.queued_steps += 1
+        if self._lent_all:
+            self.after_step()
+            return
+        self._outs = [o for o in self._outs if not native_available(o)]
+        in_flight = len(self._outs)
+        self.reconcile_all()
+        self._raise_errors()
+        for st in s.layers.values():
+            faults = st.faults
+            if faults is None:
+                raise AsyncsideError(f"layer {st.spec.index}: queued steps need a fault table")
+            if st.native_dirty:
+                if st.ledger.lent_rows() or in_flight:
+                    raise AsyncsideError(f"layer {st.spec.index}: the ledger changed while rows were lent")
+                faults.sync(np.ascontiguousarray(st.ledger.lookup(), dtype=np.int32))
+                st.native_dirty = False
+            policy = st.ledger.policy
+            if policy.native_order != st.native_order:
+                faults.set_order(policy.native_order, policy.half_life)
+                st.native_order = policy.native_order
+            # Every dynamic row is lent (lent rows stay lent after a fault): the stream, which sees
+            # each use first, picks victims among all of them in the policy's native order.
+            short = st.ledger.side_rows - len(st.ledger.lent_rows())
+            if short > 0:
+                rows = st.ledger.lend(short)
+                if rows:
+                    faults.lend(rows)
+        self._lent_all = all(len(st.ledger.lent_rows()) == st.ledger.side_rows for st in s.layers.values())
+
+    def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 pool rows of the routed ``ids`` of ``layer``: the stream maps each expert to
+        its row when it gets there, reading absent ones into lent rows."""
+        st = self._s.layer(layer)
+        if st.faults is None:
+            raise AsyncsideError(f"layer {layer}: queued steps need host pools with a fault table")
+        rows: mx.array = _native.expert_rows(ids, st.faults)
+        return rows
+
+    def staging(self, layer: int) -> dict[str, mx.array] | None:
+        """The staging arrays of ``layer`` (one per segment key, a row per expert), or None."""
+        return self._s.layer(layer).staging
+
+    def staged_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 rows of the routed ``ids`` in the :meth:`staging` arrays (the ids themselves):
+        when the stream gets there, every routed expert is copied into the staging arrays, from its
+        pool row, or from the host tier (read and verified into it first when absent). No pool row
+        changes, so a prefill chunk's experts neither evict a batch's working set nor need slices
+        of lent rows. :meth:`staged_done` takes the switch's output: the next staged resolve waits
+        for it, through data."""
+        st = self._s.layer(layer)
+        if st.faults is None or st.staging is None:
+            raise AsyncsideError(f"layer {layer}: no staging arrays (they need device pools and a host tier)")
+        tail = self._staged_tail
+        if tail is not None:
+            # A data dependency (MLX CUDA orders its graph's nodes by the buffers they read and
+            # write, and the staging arrays are written behind its back): `ids` whatever `first`.
+            first = tail.reshape(-1)[:1]
+            ids = mx.where(first == first, ids, ids)
+        rows: mx.array = _native.expert_rows(ids, st.faults, staged=True)
+        return rows
+
+    def staged_done(self, out: mx.array) -> None:
+        self._staged_tail = out
+
+    def end(self, out: mx.array) -> None:
+        """A step whose last output is ``out`` is built and about to be scheduled."""
+        self._outs.append(out)
+        self._built()
+
+    def abandon(self) -> None:
+        """A step begun will not be scheduled (its build failed or was cancelled)."""
+        self._built()
+
+    def _built(self) -> None:
+        self._building -= 1
+        if self._building == 0 and self._build_done is not None:
+            self._build_done.set()
+            self._build_done = None
+
+    async def quiesce(self) -> None:
+        """Wait for every queued step, learn what it did, and take every lent row back."""
+        s = self._s
+        while self._building or self._outs:
+            if self._building:
+                # A step is being built (a long one yields between its layers): its fault nodes
+                # will need the lent rows. Wait until it is registered (end) or abandoned.
+                if self._build_done is None:
+                    self._build_done = anyio.Event()
+                await self._build_done.wait()
+                continue
+            out = self._outs[-1]
+            failed = None
+            try:
+                await s.computed(out)
+            except Exception:
+                # The step's own awaiter hears of its failure; the fault log says what happened. A
+                # step MLX refused to schedule (its encoder raised: on a GPU, inside async_eval)
+                # never becomes available: it is done with too, or this loop would never end.
+                failed = out
+            self._outs = [o for o in self._outs if o is not failed and not native_available(o)]
+        self.reconcile_all()
+        for st in s.layers.values():
+            if st.faults is not None:
+                st.ledger.reclaim(st.faults.reclaim())
+        self._lent_all = False
+        self._ready_pairs = 0
+        self._raise_errors()
+
+    def idle(self) -> bool:
+        """No queued step is still computing (their outputs all available)."""
+        return not [o for o in self._outs if not native_available(o)]
+
+    def after_step(self) -> None:
+        """A step's output was awaited: raise a failed fault's FillError (an ExceptionGroup of them
+        when several failed), and every :data:`RECONCILE_EVERY` steps apply the fault logs."""
+        self._since_reconcile += 1
+        errors = _native.fault_errors_total()
+        if errors != self._errors_seen or self._since_reconcile >= RECONCILE_EVERY:
+            self._errors_seen = errors
+            self.reconcile_all()
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed", errors)
+
+    # ---------------------------------------------------------------- fault logs
+
+    def reconcile_all(self) -> None:
+        self._since_reconcile = 0
+        for st in self._s.layers.values():
+            self.reconcile(st)
+
+    def reconcile(self, st: LayerState) -> None:
+        """Apply a layer's fault log to its ledger; failed faults are kept for the next raise."""
+        faults = st.faults
+        if faults is None:
+            return
+        raw_events, raw_used, raw_sizes = faults.drain()
+        cache, reads, queued = self._s.cache, self._s.reads, self._s.queued
+        n_events = 0
+        if raw_events:
+            events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
+            n_events = int(events.shape[0])
+            for row, victim, expert, ns, err, source in events.tolist():
+                if row >= 0:
+                    st.ledger.settle_fault(row, victim, expert, err == 0)
+                    st.version += 1
+                elif err == 0:
+                    # A staged resolve's copy from the host tier (read into it first when source
+                    # is 0): a miss that took no row.
+                    cache.misses += 1
+                    queued.staged_copies += 1
+                    if source == 0:
+                        reads.bytes_read += st.spec.stride
+                    continue
+                if err == 0:
+                    queued.faults += 1
+                    cache.misses += 1
+                    reads.fills += 1
+                    if source == 0:
+                        reads.bytes_read += st.spec.stride
+                    else:  # from the host tier: a device copy, nothing read
+                        queued.tier_faults += 1
+                    queued.fault_time_s += ns * 1e-9
+                    if victim >= 0:
+                        cache.evictions += 1
+                    self._fault_ns.append(ns)
+                else:
+                    reads.failed_fills += 1
+                    self._errors.append(FillError(st.spec.index, expert, row,
+                                                  f"fault in a queued step: {_fault_cause(err)}",
+                                                  errno=err if err > 0 else None))
+            if len(self._fault_ns) > 4096:
+                del self._fault_ns[:-2048]
+        if raw_used:
+            used = np.frombuffer(raw_used, dtype=np.int32)
+            st.ledger.record_uses(used, np.frombuffer(raw_sizes, dtype=np.int32).tolist())
+            cache.hits += int(used.size) - n_events
+
+    def fault_latency(self) -> dict[str, float]:
+        """Median and p99 of the latest faults' time on the stream (seconds; 0 when none)."""
+        self.reconcile_all()
+        if not self._fault_ns:
+            return {"p50_s": 0.0, "p99_s": 0.0, "count": 0}
+        a = np.asarray(self._fault_ns, dtype=np.float64) * 1e-9
+        return {"p50_s": float(np.percentile(a, 50)), "p99_s": float(np.percentile(a, 99)), "count": int(a.size)}
+
+
+def _fault_cause(err: int) -> str:
+    """What a fault log's error code means, for a FillError's message."""
+    if err == -2:
+        return "no lent row was left for it (the step needed more rows than were lent)"
+    if err == -1:
+        return "its bytes did not match the store's checksum"
+    if err == errno.ENODATA:
+        return "the blob ended before the record did"
+    return f"the read failed: {os.strerror(err)} (errno {err})"

@@ -1,0 +1,104 @@
+"""The runtime's counters: one dataclass per part, composed by :class:`RuntimeStats`.
+
+Each part of the runtime owns the counters it moves; :meth:`asyncside.Runtime.stats` composes them
+with the memory plan into one :class:`RuntimeStats`. That object is typed (``stats.cache.hits``)
+and is also a read-only mapping of flat counter names (``stats["hits"]``), which is what the metrics
+endpoint, the demo's JSON and the benchmarks read: one set of names for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class CacheStats:
+    """Where the experts a forward routed were found: moved by both read paths."""
+
+    hits: int = 0
+    misses: int = 0
+    late: int = 0  # demanded while its prefetch was still in flight
+    evictions: int = 0
+
+
+@dataclass
+class ReadStats:
+    """Records read from the store (the host fill path, and the faults of queued steps)."""
+
+    fills: int = 0
+    failed_fills: int = 0
+    bytes_read: int = 0
+    prefetched: int = 0
+    failed_predictions: int = 0
+    skipped_prefetches: int = 0
+    ensure_calls: int = 0
+    read_time_s: float = 0.0
+    stall_time_s: float = 0.0
+    resident_bytes: int = 0  # pinned rows loaded at start
+    warm_bytes: int = 0  # dynamic rows warmed up at start (not counted in bytes_read)
+
+
+@dataclass
+class QueuedStats:
+    """Queued steps: faults served on the stream, the host tier and its staging arrays."""
+
+    queued_steps: int = 0
+    faults: int = 0
+    fault_time_s: float = 0.0
+    tier_faults: int = 0  # faults whose bytes came from the host tier (a device copy, no read)
+    staged_copies: int = 0  # experts a staged resolve copied from the host tier (misses, no row taken)
+    host_tier_bytes: int = 0
+    staging_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RuntimeStats(Mapping[str, Any]):
+    """A snapshot of every counter, composed from the parts, plus the memory plan's figures."""
+
+    cache: CacheStats
+    reads: ReadStats
+    queued: QueuedStats
+    reader: str
+    direct: bool
+    pool_bytes_planned: int
+    memory_budget: int
+    _flat: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        flat: dict[str, Any] = {}
+        for part in (self.cache, self.reads, self.queued):
+            flat.update(asdict(part))
+        total = self.cache.hits + self.cache.misses
+        flat["hit_rate"] = self.cache.hits / total if total else 1.0
+        for f in fields(self):
+            if f.name not in ("cache", "reads", "queued", "_flat"):
+                flat[f.name] = getattr(self, f.name)
+        object.__setattr__(self, "_flat", flat)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over hits plus misses (1.0 before anything was routed)."""
+        return float(self._flat["hit_rate"])
+
+    def __getitem__(self, key: str) -> Any:
+        return self._flat[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flat)
+
+    def __len__(self) -> int:
+        return len(self._flat)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat counters as a plain dict (JSON-ready)."""
+        return dict(self._flat)
+
+
+def snapshot(cache: CacheStats, reads: ReadStats, queued: QueuedStats, *, reader: str, direct: bool,
+             pool_bytes_planned: int, memory_budget: int) -> RuntimeStats:
+    """Copies of the live counters, composed (later changes to the parts do not show through)."""
+    return RuntimeStats(CacheStats(**asdict(cache)), ReadStats(**asdict(reads)), QueuedStats(**asdict(queued)),
+                        reader=reader, direct=direct, pool_bytes_planned=pool_bytes_planned,
+                        memory_budget=memory_budget)
