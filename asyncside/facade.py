@@ -1,0 +1,277 @@
+"""``load``: a streaming model that mlx-lm's own functions take, as ``mlx_lm.load`` returns one.
+
+    from mlx_lm import generate, stream_generate, batch_generate
+    from asyncside.facade import load
+
+    model, tokenizer = load("mlx-community/Qwen3-30B-A3B-4bit", resident=0.25)
+    print(generate(model, tokenizer, "Hello", max_tokens=32))
+
+``load`` takes what :func:`asyncside.hub.store_for` takes (an expert store, an mlx-lm model
+directory or a Hugging Face repo id; a model is converted on first use into asyncside's cache)
+and returns ``(model, tokenizer)``: ``tokenizer`` is mlx-lm's ``TokenizerWrapper`` of the model's
+tokenizer files, ``model`` a :class:`StreamingLM`, whose synchronous ``model(inputs, cache=cache)``
+returns the logits an mlx-lm model returns. That is all ``generate``, ``stream_generate``,
+``batch_generate`` and ``make_prompt_cache`` need of a model (with ``layers`` and
+``make_cache``), so they run unchanged, and their tokens equal the all-resident model's.
+
+**Where things run.** The :class:`~asyncside.runtime.Runtime` (expert pools, reads, fault tables)
+lives on a background thread running an asyncio event loop; a call submits the step there and waits
+for its logits. MLX streams belong to the thread that made them, so an array is never handed
+lazily from one thread to the other: the caller's inputs and caches are evaluated on the caller's
+thread before the step is submitted (they are a token or two and what the cache already holds),
+and everything the step made (logits, cache updates) is computed before the call returns. A
+decode step is then a queued step, as in :meth:`StreamingModel.generate`: the loop thread awaits
+only its result.
+
+Unlike an mlx-lm model, whose prefill calls leave their logits lazy (never computed when nobody
+reads them), every call computes its logits over every position it was given: a prefill chunk of
+L tokens costs one LM head product of L rows more than mlx-lm's.
+
+The runtime is closed by :meth:`StreamingLM.close` (or ``with`` the model), and at interpreter
+exit for models still open. Every model's runtime shares one background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import os
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+from .errors import AsyncsideError
+
+__all__ = ["StreamingLM", "load"]
+
+T = TypeVar("T")
+
+_OPEN: weakref.WeakSet[StreamingLM] = weakref.WeakSet()
+
+
+def _cache_arrays(obj: Any, out: list[mx.array], depth: int = 0) -> list[mx.array]:
+    """Every mx.array a cache object (or a list of them) holds, to evaluate on one thread before
+    another thread reads it."""
+    if isinstance(obj, mx.array):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _cache_arrays(x, out, depth)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _cache_arrays(x, out, depth)
+    elif depth < 3 and hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            _cache_arrays(x, out, depth + 1)
+    return out
+
+
+class _LoopThread:
+    """A daemon thread running an asyncio event loop: every StreamingLM's runtime lives on it.
+
+    The thread never ends, even once its loop is stopped (at interpreter exit): it parks instead.
+    A thread that used MLX holds thread-local MLX state (its streams, mlx-lm's compiled functions)
+    whose destructors, run as the thread ends, take the GIL; ending it while the interpreter
+    finalizes aborts the process (std::terminate). A parked thread ends with the process, no
+    destructor run.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+            self._stopped.set()
+        threading.Event().wait()  # parked for good (see the class docstring)
+
+    @property
+    def running(self) -> bool:
+        return not self._stopped.is_set()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise AsyncsideError("a StreamingLM was called from its own runtime thread")
+        return self.submit(coro).result()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loop (its tasks are left as they are) and wait until the thread has parked."""
+        if not self._stopped.is_set():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._stopped.wait(timeout)
+
+
+_THREAD: _LoopThread | None = None
+_THREAD_LOCK = threading.Lock()
+
+
+def _runtime_thread() -> _LoopThread:
+    """The process's runtime thread, started on first use."""
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None or not _THREAD.running:
+            _THREAD = _LoopThread("asyncside-runtime")
+        return _THREAD
+
+
+def _at_exit() -> None:
+    """Close the runtimes still open, then stop the runtime thread's loop."""
+    for lm in list(_OPEN):
+        lm.close()
+    with _THREAD_LOCK:
+        thread = _THREAD
+    if thread is not None:
+        thread.stop(10.0)
+
+
+atexit.register(_at_exit)
+
+
+class StreamingLM:
+    """An mlx-lm style model (synchronous ``model(inputs, cache=cache)``) over a streaming model
+    whose runtime runs on a background event-loop thread. Made by :func:`load`.
+
+    ``streaming`` is the :class:`~asyncside.models.StreamingModel`; :meth:`stats` the runtime's
+    counters. Safe to call from several threads (steps run one at a time, in arrival order).
+    """
+
+    def __init__(self, streaming: Any, runtime_kwargs: dict[str, Any]) -> None:
+        self.streaming = streaming
+        self.model_type = streaming.config.get("model_type")
+        self.args = getattr(streaming.model, "args", None)
+        self._thread = _runtime_thread()
+        self._stop: asyncio.Event | None = None
+        self._host: concurrent.futures.Future[None] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._host = self._thread.submit(self._hold(runtime_kwargs, ready))
+        self.runtime = ready.result()
+        _OPEN.add(self)
+
+    async def _hold(self, kwargs: dict[str, Any], ready: concurrent.futures.Future[Any]) -> None:
+        """The runtime's lifetime: opened here, held until :meth:`close`, closed in this task."""
+        from .runtime import Runtime
+
+        self._stop = asyncio.Event()
+        try:
+            async with Runtime(self.streaming.store, **kwargs) as rt:
+                self.streaming.source = rt
+                ready.set_result(rt)
+                await self._stop.wait()
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            raise
+        finally:
+            self.streaming.source = None
+
+    # -- what mlx-lm reads of a model --------------------------------------------------------
+
+    @property
+    def layers(self) -> Any:
+        """The decoder layers (``make_prompt_cache`` counts them when a model has no make_cache)."""
+        return self.streaming.model.layers
+
+    def make_cache(self) -> list[Any]:
+        """A fresh KV cache, as mlx-lm's ``make_prompt_cache`` builds it for the model."""
+        return self.streaming.make_cache()
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
+        """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
+        if kwargs.get("input_embeddings") is not None:
+            raise NotImplementedError("input_embeddings: a streaming model takes token ids only")
+        if self._closed:
+            raise AsyncsideError("this model was closed (StreamingLM.close)")
+        if cache is None:
+            cache = self.make_cache()
+        # Both are the caller's thread's arrays (lazy on its streams): computed here, they are
+        # plain buffers to the runtime's thread.
+        mx.eval(inputs, _cache_arrays(cache, []))
+        return self._thread.call(self._step(inputs, cache))
+
+    async def _step(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        logits = await self.streaming(inputs, cache)
+        # The step's keys and values were computed with its logits; what it may have left lazy in
+        # the cache is bookkeeping (a batch cache's offsets), computed here on the thread whose
+        # stream it is on, in no time: the stream has nothing else queued (one step at a time).
+        mx.eval(_cache_arrays(cache, []))
+        return logits
+
+    # -- the rest -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The runtime's counters (hits, misses, bytes read, ...), read on its thread."""
+
+        async def read() -> dict[str, Any]:
+            return dict(self.runtime.stats())
+
+        return self._thread.call(read())
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the runtime (every read lands, every task ends); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _OPEN.discard(self)
+        stop = self._stop
+        if stop is not None and self._thread.running:
+            self._thread.loop.call_soon_threadsafe(stop.set)
+            if self._host is not None:
+                try:
+                    self._host.result(timeout)
+                except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                    pass
+
+    def __enter__(self) -> StreamingLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<StreamingLM {self.streaming.model_id} ({self.model_type}), {state}>"
+
+
+def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = None,
+         memory: int | str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+         revision: str | None = None, progress: bool = True, **runtime: Any) -> tuple[StreamingLM, Any]:
+    """``(model, tokenizer)`` for mlx-lm's ``generate`` / ``stream_generate`` / ``batch_generate``.
+
+    ``path_or_id``: an expert store, an mlx-lm model directory or a Hugging Face repo id (see
+    :mod:`asyncside.hub`; a model is converted on first use into ``cache_dir``, default
+    asyncside's cache). ``resident``: the share of each layer's experts the pools hold, or
+    ``"auto"`` (sized to the memory budget); default 0.25, or ``"auto"`` when ``memory`` is given.
+    ``memory``: the budget the runtime plans against (bytes or a size such as ``"8G"``; default
+    what the machine has available), as :class:`~asyncside.runtime.Runtime` takes it. Other
+    keyword arguments go to the Runtime too (``reader``, ``policy``, ``verify``, ...).
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    from .hub import store_for
+    from .models import load_streaming_model
+
+    if resident is None:
+        resident = "auto" if memory is not None else 0.25
+    store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
+    streaming = load_streaming_model(store_dir)
+    eos = streaming.config.get("eos_token_id")
+    tokenizer = load_tokenizer(store_dir, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    model = StreamingLM(streaming, {"resident": resident, "memory": memory, **runtime})
+    return model, tokenizer
