@@ -311,3 +311,65 @@ def test_blocking_thresholds_stated_are_the_code_s(monkeypatch: pytest.MonkeyPat
     conftest = (ROOT / "tests" / "conftest.py").read_text()
     suite = re.search(r'setdefault\("ASYNCSIDE_BLOCKING_THRESHOLD_MS", "(\d+)"\)', conftest)
     assert suite and stated_suite.group(1) == suite.group(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout block: every path it names exists, and it names every package and module of asyncside/.
+
+# A line's leading names: "a.py", "a.py, b.py", "models/", "expert_faults.*", then a space or the end.
+_LEAD = re.compile(r"([\w*]+(?:\.[\w*]+)*/?(?:,\s*[\w*]+(?:\.[\w*]+)*/?)*)(?:\s|$)")
+
+
+def layout_entries(text: str) -> list[str]:
+    """The paths the "Layout" section's code block names, relative to the repository root.
+
+    A line's leading names (``a.py, b.py  what they do``, ``models/``) are paths under the
+    directory named on the last less indented line; an indented line that does not start with a
+    name continues a description.
+    """
+    section = text.split("## Layout", 1)[1]
+    block = section.split("```", 2)[1]
+    parents: list[tuple[int, str]] = []  # (indent, directory) of the open directories
+    paths: list[str] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        lead = _LEAD.match(line.strip())
+        names = [n for n in re.split(r",\s*", lead.group(1))] if lead else []
+        if not all("." in n or n.endswith("/") for n in names):
+            names = []
+        if not names:
+            continue  # a description's continuation
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        prefix = parents[-1][1] if parents else ""
+        for name in names:
+            paths.append(prefix + name)
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append((indent, prefix + names[0]))
+    return paths
+
+
+def test_layout_block_parses_names_and_nesting() -> None:
+    text = "## Layout\n\n```\npkg/\n  a.py, b.py  two modules,\n               described\n  sub/       a package\n" \
+           "    c.py       deeper\n  d.* one glob\n  more, words: not names\nnative/\n  e.cpp\n```\n"
+    assert layout_entries(text) == ["pkg/", "pkg/a.py", "pkg/b.py", "pkg/sub/", "pkg/sub/c.py", "pkg/d.*",
+                                    "native/", "native/e.cpp"]
+
+
+def test_layout_names_only_what_exists() -> None:
+    missing = [p for p in layout_entries(TEXT) if not any(ROOT.glob(p.rstrip("/")))]
+    assert not missing, f"{DOC.name}'s layout names paths that do not exist: {missing}"
+
+
+def test_layout_names_every_package_and_module_of_asyncside() -> None:
+    """Every package directory under asyncside/ and every top-level module is in the layout."""
+    named = {p.rstrip("/") for p in layout_entries(TEXT)}
+    pkg = ROOT / "asyncside"
+    wanted = [d for d in sorted(pkg.rglob("__init__.py")) if d.parent != pkg]
+    wanted_paths = [d.parent.relative_to(ROOT).as_posix() for d in wanted]
+    wanted_paths += [f.relative_to(ROOT).as_posix() for f in sorted(pkg.glob("*.py"))
+                     if not f.name.startswith("_")]
+    omitted = [p for p in wanted_paths if p not in named]
+    assert not omitted, f"{DOC.name}'s layout omits: {omitted}"
