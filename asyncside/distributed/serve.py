@@ -8,9 +8,9 @@ with an error naming it (exit status 3).
 
 What the server needs from the pipeline is small: :class:`PipelineModel` gives it ``model_id``,
 ``tokenizer``, ``config`` and ``generate(prompt_ids, max_tokens=...)``, an async iterator of
-token ids per request, driven by :class:`PipelineBatcher` (the serving engine's loop for a
-pipeline). Each request runs ahead in the pipeline's own tasks, so requests overlap across the
-stages whatever order the server reads their tokens in.
+token ids per request, driven by :class:`PipelineSteps` (the serving engine's step strategy for
+a pipeline, plugged into its one loop). Each request runs ahead in the pipeline's own tasks, so
+requests overlap across the stages whatever order the server reads their tokens in.
 """
 
 from __future__ import annotations
@@ -23,16 +23,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .rank import EXIT_PEER, add_stage_arguments, exit_after_peer_loss, exits_on_failure, find_error
-
-
-def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """``--pipeline`` and its options, added to ``asyncside serve``; STORE may be given positionally."""
-    p.add_argument("store", nargs="?", default=None, metavar="STORE",
-                   help="the converted model directory (same as --model)")
-    p.add_argument("--pipeline", action="store_true",
-                   help="run as one rank of a pipeline (under mlx.launch); rank 0 serves HTTP")
-    add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
+from .rank import EXIT_PEER, exit_after_peer_loss, exits_on_failure, find_error
 
 
 class PipelineModel:
@@ -51,76 +42,56 @@ class PipelineModel:
         return self.pipeline.generate(list(prompt_ids), max_tokens)
 
 
-class PipelineBatcher:
-    """The serving engine over a pipeline (rank 0): each request runs ahead as its own chain of
-    steps through the ranks, so requests overlap across stages. Greedy decoding only: a request
-    asking for anything else is refused when it arrives (400), never silently decoded greedily."""
+class PipelineSteps:
+    """The serving engine's step strategy over a pipeline (rank 0), plugged into the one
+    :class:`~asyncside.serving.engine.Batcher`: each request admitted runs ahead as its own chain of
+    steps through the ranks (a task of the engine loop), so requests overlap across stages. Greedy
+    decoding only: a request asking for anything else is refused when it arrives (400), never
+    silently decoded greedily."""
 
-    def __new__(cls, pipeline: Any, *, max_batch: int, max_queue: int) -> Any:
-        from ..serving.engine import Batcher
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
 
-        # Defined lazily: the serving engine imports MLX, and this module is imported to add
-        # `serve --pipeline`'s options to the parser.
-        return _pipeline_batcher_class(Batcher)(pipeline, max_batch=max_batch, max_queue=max_queue)
+    def check(self, sampling: Any) -> None:
+        from ..serving import protocol as oai
+
+        s = sampling
+        plain = (s.greedy and s.top_k in (0, 1) and s.min_p == 0.0 and s.top_p == 1.0 and not s.logit_bias
+                 and s.repetition_penalty is None and s.presence_penalty is None
+                 and s.frequency_penalty is None and not s.logprobs and not s.top_logprobs)
+        if not plain:
+            raise oai.RequestError("a pipeline of ranks decodes greedily: leave out temperature, top_p, top_k, "
+                                   "min_p, penalties, logit_bias and logprobs", param="temperature")
+
+    def idle(self, batcher: Any) -> bool:
+        return batcher.waiting == 0  # requests in flight run in their own tasks
+
+    async def step(self, batcher: Any, tasks: Any) -> None:
+        for slot in batcher.take_waiting():
+            tasks.start_soon(self._one, batcher, slot)
+
+    async def _one(self, batcher: Any, slot: Any) -> None:
+        from ..serving.engine import TokenEvent
+
+        try:
+            async for tok in self.pipeline.generate(slot.prompt, slot.max_tokens):
+                if slot.cancelled:
+                    break
+                batcher.emit(slot, TokenEvent(int(tok)))
+            batcher.steps += 1
+            batcher.finish(slot, None if slot.cancelled else
+                           ("length" if slot.generated >= slot.max_tokens else "stop"), keep_cache=False)
+        except Exception as exc:
+            batcher.fail(slot, exc)
 
 
-def _pipeline_batcher_class(batcher: type) -> type:
-    import anyio
+def pipeline_batcher(pipeline: Any, *, max_batch: int, max_queue: int) -> Any:
+    """The serving engine over a pipeline: the one Batcher, stepping with :class:`PipelineSteps`."""
+    from ..serving.engine import Batcher
 
-    from ..errors import AsyncsideError
-    from ..serving import protocol as oai
-    from ..serving.engine import TokenEvent
-
-    class _PipelineBatcher(batcher):
-        def __init__(self, pipeline: Any, *, max_batch: int, max_queue: int) -> None:
-            super().__init__(PipelineModel(pipeline), None, max_batch=max_batch, max_queue=max_queue,
-                             prompt_cache_size=0)
-            self.pipeline = pipeline
-
-        def submit(self, prompt_ids: Sequence[int], max_tokens: int, sampling: Any = None) -> Any:
-            s = sampling or oai.SamplingParams()
-            plain = (s.greedy and s.top_k in (0, 1) and s.min_p == 0.0 and s.top_p == 1.0 and not s.logit_bias
-                     and s.repetition_penalty is None and s.presence_penalty is None
-                     and s.frequency_penalty is None and not s.logprobs and not s.top_logprobs)
-            if not plain:
-                raise oai.RequestError("a pipeline of ranks decodes greedily: leave out temperature, top_p, top_k, "
-                                       "min_p, penalties, logit_bias and logprobs", param="temperature")
-            return super().submit(prompt_ids, max_tokens, s)
-
-        async def run(self) -> None:
-            try:
-                async with anyio.create_task_group() as tg:
-                    while True:
-                        if not self._waiting:
-                            self._wake = anyio.Event()
-                            await self._wake.wait()
-                        while self._waiting and len(self._active) < self.max_batch:
-                            slot = self._waiting.popleft()
-                            self._active.append(slot)
-                            tg.start_soon(self._one, slot)
-                        self.peak_batch: int = max(self.peak_batch, len(self._active))
-                        await anyio.lowlevel.checkpoint()
-            finally:
-                self._fail_all(AsyncsideError("the server is shutting down"))
-
-        async def _one(self, slot: Any) -> None:
-            try:
-                async for tok in self.pipeline.generate(slot.prompt, slot.max_tokens):
-                    if slot.cancelled:
-                        break
-                    slot.generated += 1
-                    self.tokens += 1
-                    slot.send.send_nowait(TokenEvent(int(tok)))
-                self.steps += 1
-                self._finish(slot, None if slot.cancelled else
-                             ("length" if slot.generated >= slot.max_tokens else "stop"), keep_cache=False)
-            except Exception as exc:
-                self._fail(slot, exc)
-            finally:
-                if slot in self._active:
-                    self._active.remove(slot)
-
-    return _PipelineBatcher
+    model: Any = PipelineModel(pipeline)  # the parts of a ServedModel the pipeline's steps use
+    return Batcher(model, None, max_batch=max_batch, max_queue=max_queue, prompt_cache_size=0,
+                   strategy=PipelineSteps(pipeline))
 
 
 def _audit(problems: list[str]) -> tuple[bool, list[str]]:
@@ -196,8 +167,8 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     from ..audit import audit_problems
     from ..serving.app import create_app
     from ..serving.background import ServeError, serve
-    from ..serving.cli import settings_from_args
-    from ..serving.engine import Engine
+    from ..serving.loading import Engine
+    from ..serving.settings import settings_from_args
 
     settings = settings_from_args(args)
 
@@ -212,7 +183,7 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
                 audit=(lambda: _audit(audit_problems(pipe.source))) if pipe.source is not None else None,
                 description={"model": store, "pipeline": plan.to_json(), "backend": group.env.backend,
                              "resident": args.resident, "reader": args.reader, "policy": args.policy},
-                batcher=PipelineBatcher(pipe, max_batch=settings.max_batch, max_queue=settings.max_queue),
+                batcher=pipeline_batcher(pipe, max_batch=settings.max_batch, max_queue=settings.max_queue),
             )
 
     app = create_app(engine, settings)
@@ -232,4 +203,4 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["EXIT_PEER", "PipelineModel", "add_pipeline_serve_arguments", "serve_pipeline_main"]
+__all__ = ["EXIT_PEER", "PipelineModel", "PipelineSteps", "pipeline_batcher", "serve_pipeline_main"]

@@ -7,8 +7,13 @@ Modules, in the order a request meets them:
 - :mod:`.app` -- the Starlette application: routes, the life of one request, access log;
 - :mod:`.streaming` -- reading bodies, watching for clients that leave, server-sent events;
 - :mod:`.protocol` -- OpenAI request parsing and response shapes (pure functions);
-- :mod:`.engine` -- the engine: continuous batching over the model (:class:`Batcher`),
-  :func:`open_engine` (a converted model and its Runtime);
+- :mod:`.security` -- the API key, the header bound, host paths kept out of client answers;
+- :mod:`.loading` -- :func:`open_engine` (a converted model and its Runtime), :class:`Engine`;
+- :mod:`.engine` -- the engine loop: continuous batching over the model (:class:`Batcher`), with
+  a pluggable step strategy (a pipeline of ranks plugs its own);
+- :mod:`.requests` -- one request inside the engine, and the caller's :class:`Generation`;
+- :mod:`.batch_caches` -- the decoding requests' KV caches kept merged across steps;
+- :mod:`.health` -- bad experts of the store: recorded, reported, re-opened, healed;
 - :mod:`.sampling` -- per-request sampling as mlx-lm samples, seeded per request;
 - :mod:`.prompt_cache` -- KV-cache reuse for prompts that share a prefix;
 - :mod:`.text` -- token ids to text deltas, stop sequences, tool calls;
@@ -28,15 +33,19 @@ _EXPORTS = {
     "create_app": ".app",
     "ServerState": ".app",
     "ServeSettings": ".settings",
-    "Engine": ".engine",
+    "Engine": ".loading",
     "Batcher": ".engine",
-    "Generation": ".engine",
-    "QueueFull": ".engine",
-    "BatchCaches": ".engine",
-    "rows_step": ".engine",
+    "StepStrategy": ".engine",
+    "BatchedSteps": ".engine",
+    "Generation": ".requests",
+    "GenerationFailed": ".requests",
+    "QueueFull": ".requests",
+    "BatchCaches": ".batch_caches",
+    "rows_step": ".batch_caches",
     "default_prefill_chunk": ".engine",
-    "open_engine": ".engine",
-    "embedded_store_dir": ".engine",
+    "open_engine": ".loading",
+    "embedded_store_dir": ".loading",
+    "HealthRegistry": ".health",
     "BackgroundServer": ".background",
     "ServeError": ".background",
     "bind_socket": ".background",

@@ -15,8 +15,10 @@ from typing import Any
 
 from ..memory import host_tier_arg
 from ..policies import DEFAULT_POLICY
-from .security import api_key_from_env
-from .settings import ServeSettings
+from .settings import ServeSettings, settings_from_args
+
+__all__ = ["add_engine_arguments", "add_model_arguments", "add_serve_arguments", "app_from_args",
+           "engine_factory_from_args", "run_serve", "serve_main", "settings_from_args"]
 
 READERS = ("auto", "io_uring", "threads", "aiofiles")
 
@@ -169,29 +171,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not log one line per request")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
-    from ..distributed.serve import add_pipeline_serve_arguments
-
     add_pipeline_serve_arguments(parser)
 
 
-def settings_from_args(args: argparse.Namespace) -> ServeSettings:
-    """The server settings an argument namespace asks for."""
-    d = ServeSettings()
-    return ServeSettings(
-        max_tokens_limit=getattr(args, "max_tokens_limit", d.max_tokens_limit),
-        predictor=args.predictor,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        prefill_chunk=args.prefill_chunk,
-        prompt_cache_size=args.prompt_cache_size,
-        joint_prefill=getattr(args, "joint_prefill", d.joint_prefill),
-        request_timeout=getattr(args, "request_timeout", d.request_timeout),
-        default_temperature=getattr(args, "temp", d.default_temperature),
-        allow_origins=tuple(getattr(args, "allow_origin", ()) or ()),
-        access_log=getattr(args, "access_log", d.access_log),
-        api_key=api_key_from_env(getattr(args, "api_key", None)),
-        shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
-    )
+def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``--pipeline`` and its options, added to ``asyncside serve``; STORE may be given positionally."""
+    from ..distributed.rank import add_stage_arguments
+
+    p.add_argument("store", nargs="?", default=None, metavar="STORE",
+                   help="the converted model directory (same as --model)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="run as one rank of a pipeline (under mlx.launch); rank 0 serves HTTP")
+    add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Any:

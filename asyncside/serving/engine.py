@@ -35,127 +35,28 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol, cast
 
 import anyio
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import TaskGroup
 
 from ..errors import AsyncsideError
-from ..policies import DEFAULT_POLICY
+from .batch_caches import BatchCaches, fresh_cache, mergeable, row_cache, rows_step
 from .health import describe_failure, fill_errors
+from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache
 from .protocol import SamplingParams
+from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
+
+__all__ = [
+    "BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull", "ServedModel",
+    "StepStrategy", "TokenEvent", "default_prefill_chunk", "embedded_store_dir", "mergeable", "open_engine",
+    "rows_step",
+]
 
 log = logging.getLogger("asyncside.serving")
-
-
-class ServedModel(Protocol):
-    """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
-
-    ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike, stepped as ``ctx =
-    forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs, head=draw)``
-    (``draw(logits)``, lazy, scheduled with the step) and ``await forward.finish(ctx, y)`` (await
-    it: decode steps), prefill
-    chunks as ``await forward.step(ctx, inputs (1, L), logits=False, finish=False)`` and later
-    ``finish(ctx, hidden)``; with ``completed`` (await an array's computation) and
-    ``make_predictor(name)``.
-    """
-
-    model_id: str
-    tokenizer: Any
-    config: dict[str, Any]
-
-    @property
-    def forward(self) -> Any: ...
-
-    def make_cache(self) -> list[Any]: ...
-
-
-@dataclass
-class Engine:
-    """What the server serves: a model, the expert source it streams from, and runtime views."""
-
-    model: ServedModel
-    source: Any
-    stats: Callable[[], Mapping[str, Any]] | None = None
-    audit: Callable[[], tuple[bool, list[str]]] | None = None
-    description: dict[str, Any] = field(default_factory=dict)
-    #: an engine loop of its own (a :class:`Batcher` subclass); None: the app builds a Batcher
-    batcher: Any = None
-    #: the store's bad experts (:class:`~.health.HealthRegistry`); None: the app keeps one without a store
-    health: Any = None
-
-
-def embedded_store_dir(cache_dir: str | None = None) -> str:
-    """The embedded default model's expert store directory, built on first use."""
-    from ..models.embedded import ensure_embedded_default
-
-    return str(ensure_embedded_default(cache_dir)[1])
-
-
-@contextlib.asynccontextmanager
-async def open_engine(
-    model: str | None = None,
-    *,
-    resident: float = 0.25,
-    reader: str = "auto",
-    policy: str = DEFAULT_POLICY,
-    cache_dir: str | None = None,
-    host_tier: int | str = "auto",
-) -> AsyncIterator[Engine]:
-    """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
-
-    ``model`` is a directory written by ``asyncside convert`` (expert store + non-expert weights
-    + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
-    bridge belong to that loop. Loading is synchronous and happens before the server accepts
-    connections, so it blocks nothing that is waiting. ``host_tier`` goes to the Runtime (MLX
-    CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`).
-    """
-    from ..audit import audit_problems
-    from ..models import load_streaming_model
-    from ..runtime import Runtime
-    from .health import HealthRegistry
-
-    store_dir = model if model is not None else embedded_store_dir(cache_dir)
-    streaming = load_streaming_model(store_dir)
-    store = streaming.store
-
-    def audit() -> tuple[bool, list[str]]:
-        problems = audit_problems(runtime)
-        return not problems, problems
-
-    async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier) as runtime:
-        health = HealthRegistry(store, reopen_reader=_reader_reopener(runtime))
-        yield Engine(
-            model=streaming,
-            source=runtime,
-            stats=runtime.stats,
-            audit=audit,
-            description={
-                "model": str(store_dir),
-                "layers": len(store.layers),
-                "resident": resident,
-                "reader": runtime.reader,
-                "policy": policy,
-                "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
-                "staging_bytes": runtime.memory.get("staging_bytes", 0),
-            },
-            health=health,
-        )
-
-
-def _reader_reopener(runtime: Any) -> Callable[[str], Any] | None:
-    """The runtime's scheduler's ``reopen`` (a replaced blob's reads through the reader: io_uring's
-    registered files are not reached by re-pointing descriptors), None if it has none."""
-    shared = getattr(runtime, "_s", None)
-    scheduler = getattr(shared, "scheduler", None) or getattr(runtime, "_scheduler", None)
-    return getattr(scheduler, "reopen", None)
-
-
-# --- the model calls -------------------------------------------------------------------------
 
 
 def default_prefill_chunk() -> int:
@@ -171,294 +72,6 @@ def default_prefill_chunk() -> int:
     return 512 if mx.default_device() == mx.gpu else 16
 
 
-def _fresh_cache(slot: Any) -> bool:
-    """Whether a request's cache is fresh mlx-lm ``KVCache`` layers (nothing fed: no cached
-    prefix), the caches a joint prefill can take rows of."""
-    from mlx_lm.models.cache import KVCache
-
-    cache = slot.cache
-    return bool(cache) and not slot.fed and all(type(c) is KVCache and c.keys is None for c in cache)
-
-
-def _row_cache(c: Any, row: int, start: int, stop: int) -> Any:
-    """Positions ``[start, stop)`` of row ``row`` of a batch layer cache (a joint prefill's
-    ``KVCache`` of B rows, or a ``BatchKVCache``), copied into a ``KVCache`` of its own; an
-    empty one if nothing was fed to that layer yet."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    one = KVCache()
-    if c.keys is None:
-        return one
-    one.keys = mx.contiguous(c.keys[row:row + 1, :, start:stop])
-    one.values = mx.contiguous(c.values[row:row + 1, :, start:stop])
-    one.offset = stop - start
-    return one
-
-
-def mergeable(cache: list[Any]) -> bool:
-    """Whether a request's KV cache has mlx-lm's batched form (every layer's cache can ``merge``)."""
-    return all(hasattr(c, "merge") for c in cache)
-
-
-async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
-                    predictors: Sequence[Any], sample: Callable[[Any], Any]) -> Any:
-    """One decode step of ``B`` requests, each through its own KV cache ``caches[i]``, one after the
-    other (a batch of one: the single-stream step itself; caches without a batched form).
-
-    ``tokens`` (B, 1); ``sample`` builds, from the last position's logits (B, vocab), what the
-    caller reads (lazy). Returns it, computed: one completion for the last row's forward and the
-    sampling together.
-    """
-    import mlx.core as mx
-
-    fwd = sm.forward
-    rows = []
-    n = tokens.shape[0]
-    for i in range(n):
-        ctx = fwd.context(caches[i], source, predictors[i])
-        last = (await fwd.step(ctx, tokens[i:i + 1]))[:, -1, :]
-        rows.append(last)
-        if i < n - 1:
-            await fwd.finish(ctx, last)
-    y = sample(rows[0] if n == 1 else mx.concatenate(rows, axis=0))
-    await fwd.finish(ctx, y)
-    return y
-
-
-class BatchCaches:
-    """The KV caches of the requests decoding together, merged into mlx-lm's batch caches
-    (left-padded, with the masks mlx-lm's own batched generation uses) and kept merged across
-    steps, as mlx-lm's ``BatchGenerator`` keeps them.
-
-    Merging every request's cache at every step and extracting them back after costs host time
-    that grows with the batch, on the order of a whole decode step on a GPU (BENCHMARKS.md,
-    "Measurements behind code choices"). Kept merged, a step pays nothing for its caches: a
-    request that joins is merged in once (:meth:`join`), one that leaves is dropped (:meth:`drop`), and its own cache is
-    extracted (:meth:`extract`) only when something still needs it (the prefix cache).
-
-    mlx-lm's ``BatchKVCache.filter`` and ``extract`` read the left padding back to the host
-    (``tolist``), which waits for every step queued on the stream: with a step in flight that
-    would block the event loop for the rest of that step. For ``BatchKVCache`` layers (every
-    plain attention cache) the padding is therefore mirrored here on the host and ``drop`` /
-    ``extract`` do the same work without reading the device (:attr:`tracked`); the results are
-    mlx-lm's bit for bit (tests).
-    """
-
-    def __init__(self) -> None:
-        self.layers: list[Any] | None = None  # one mlx-lm batch cache per layer
-        self.size = 0
-        # Per layer, each row's left padding as mlx-lm's cache holds it (BatchKVCache layers).
-        self._pads: list[list[int]] = []
-
-    @property
-    def tracked(self) -> bool:
-        """Whether rows can be dropped and extracted without reading the device (every layer is a
-        ``BatchKVCache``, whose padding is mirrored here), so with a step still in flight."""
-        from mlx_lm.models.cache import BatchKVCache
-
-        return self.layers is None or all(type(c) is BatchKVCache for c in self.layers)
-
-    def join(self, caches: Sequence[list[Any]]) -> None:
-        """Merge requests' caches in as the last rows, in order."""
-        if not caches:
-            return
-        new = [layer.merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
-        # A fresh merge's padding is a constant array: reading it costs nothing.
-        new_pads = [self._host_pads(c) for c in new]
-        if self.layers is None:
-            self.layers, self._pads = new, new_pads
-        else:
-            pads = []
-            for mine, theirs, p_mine, p_theirs in zip(self.layers, new, self._pads, new_pads):
-                idx_mine, idx_theirs = getattr(mine, "_idx", 0), getattr(theirs, "_idx", 0)
-                mine.extend(theirs)
-                # BatchKVCache.extend right-justifies both at the longer one's index.
-                top = max(idx_mine, idx_theirs)
-                pads.append([p + top - idx_mine for p in p_mine] + [p + top - idx_theirs for p in p_theirs])
-            self._pads = pads
-        self.size += len(caches)
-
-    @staticmethod
-    def _host_pads(c: Any) -> list[int]:
-        from mlx_lm.models.cache import BatchKVCache
-
-        if type(c) is not BatchKVCache:
-            return []
-        return [int(x) for x in cast(list[int], c.left_padding.tolist())]
-
-    def drop(self, rows: Sequence[int]) -> None:
-        """Keep only the other rows (in their order)."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import BatchKVCache
-
-        gone = set(rows)
-        keep = [i for i in range(self.size) if i not in gone]
-        if not keep:
-            self.layers, self.size, self._pads = None, 0, []
-            return
-        assert self.layers is not None
-        index = mx.array(keep)
-        for n, c in enumerate(self.layers):
-            if type(c) is not BatchKVCache:
-                c.filter(keep)
-                continue
-            # BatchKVCache.filter, with the padding taken from the host mirror.
-            if c.keys is not None:
-                c.keys, c.values = c.keys[index], c.values[index]
-            c.offset = c.offset[index]
-            pads = [self._pads[n][i] for i in keep]
-            shift = min(pads)
-            if shift > 0:
-                if c.keys is not None:
-                    c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
-                c._idx -= shift
-                pads = [p - shift for p in pads]
-            c.left_padding = mx.array(pads)
-            self._pads[n] = pads
-        self.size = len(keep)
-
-    def extract(self, row: int) -> list[Any]:
-        """Row ``row``'s own cache (a copy; the batch keeps its row)."""
-        from mlx_lm.models.cache import BatchKVCache
-
-        assert self.layers is not None
-        out = []
-        for n, c in enumerate(self.layers):
-            if type(c) is not BatchKVCache:
-                out.append(c.extract(row))
-                continue
-            # BatchKVCache.extract, with the padding taken from the host mirror.
-            out.append(_row_cache(c, row, self._pads[n][row], c._idx))
-        return out
-
-    async def launch(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]
-                     ) -> tuple[Any, Any]:
-        """Queue one forward of the whole batch (``tokens``: (size, 1)); ``sample`` builds, from the
-        last position's logits (size, vocab), what the caller reads. Returns the step's context
-        and that (lazy, scheduled where the step was queued): pass both to ``forward.finish``.
-
-        A queued step (the batch's switches resolving their experts in parts when they may not
-        fit a layer's rows at once), else per layer with the union of the batch's experts served
-        in groups.
-        """
-        assert self.layers is not None and tokens.shape[0] == self.size
-        fwd = sm.forward
-        ctx = fwd.context(self.layers, source)
-        return ctx, await fwd.step(ctx, tokens, head=lambda logits: sample(logits[:, -1, :]))
-
-
-# --- requests ----------------------------------------------------------------------------------
-
-
-class QueueFull(AsyncsideError):
-    """The engine's slots and its queue are full; ``retry_after`` is a hint in whole seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class GenerationFailed(AsyncsideError):
-    """A request's generation failed inside the engine (the model or the expert source raised)."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token; ``logprob`` and ``top`` are set when the request asked for log-probabilities."""
-
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-    eos: bool = False
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One request inside the engine."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    send: MemoryObjectSendStream[Any]
-    submitted: float
-    cache: list[Any] | None = None
-    sampler: Any = None
-    predictor: Any = None
-    todo: list[int] = field(default_factory=list)  # tokens to feed: the prompt's rest, then the last token
-    fed: list[int] = field(default_factory=list)   # tokens whose keys and values are in the cache
-    generated: int = 0
-    cached_tokens: int = 0
-    cancelled: bool = False
-    done: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return len(self.todo) > 1
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """A prefill forward queued and not awaited: its requests (several for a joint chunk), its
-    step context and its final hidden state (lazy; computed already for a chunk that ran per
-    layer)."""
-
-    slots: list[_Slot]
-    ctx: Any
-    hidden: Any
-
-
-@dataclass(eq=False)
-class _Step:
-    """A decode step queued and not completed: its requests in row order, its context (None: it
-    was awaited already), what its sampling built (lazy) and how to unpack it."""
-
-    batch: list[_Slot]
-    ctx: Any
-    values: Any
-    layout: list[tuple[int, int, int]]
-
-
-class Generation:
-    """A caller's handle on one request: iterate it for :class:`TokenEvent` (``async for``), then
-    read ``finish_reason``; ``cancel()`` leaves the engine at the next step boundary.
-
-    Iteration raises :class:`GenerationFailed` if the engine failed the request.
-    """
-
-    def __init__(self, batcher: Batcher, slot: _Slot, receive: MemoryObjectReceiveStream[Any]) -> None:
-        self._batcher = batcher
-        self._slot = slot
-        self._receive = receive
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._slot.prompt)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self._slot.cached_tokens
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._slot.finish_reason
-
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[TokenEvent]:
-        async for item in self._receive:
-            if isinstance(item, BaseException):
-                raise GenerationFailed(f"generation failed: {describe_failure(item)}") from item
-            yield item
-
-    def cancel(self) -> None:
-        """Leave the engine (no-op once finished); safe to call more than once."""
-        self._batcher._cancel(self._slot)
-        self._receive.close()
-
-
 def _log_failure(what: str, exc: BaseException) -> None:
     """Log a failed forward: one line for the store's faults (expected: a damaged blob, named by
     layer, expert and cause), the traceback for anything else (a bug)."""
@@ -471,6 +84,39 @@ def _log_failure(what: str, exc: BaseException) -> None:
 # --- the engine ------------------------------------------------------------------------------
 
 
+class StepStrategy(Protocol):
+    """How the one engine loop (:meth:`Batcher.run`) advances its requests, one turn at a time.
+
+    The default, :class:`BatchedSteps`, is the batched step over a local model; a pipeline of
+    ranks plugs in its own (:class:`asyncside.distributed.serve.PipelineSteps`). A strategy works
+    through the Batcher's public hooks: :meth:`Batcher.take_waiting`, :meth:`Batcher.emit`,
+    :meth:`Batcher.finish`, :meth:`Batcher.fail`.
+    """
+
+    def check(self, sampling: SamplingParams) -> None:
+        """Refuse a request this strategy cannot serve as asked (raise a ``RequestError``)."""
+
+    def idle(self, batcher: Batcher) -> bool:
+        """Whether the loop has nothing to do until a request arrives."""
+
+    async def step(self, batcher: Batcher, tasks: TaskGroup) -> None:
+        """One turn of the loop (``tasks``: the loop's task group, for work that outlives a turn)."""
+
+
+class BatchedSteps:
+    """The batched step over the model (:meth:`Batcher.step`): every admitted request advances
+    together, one decode step (and at most one prefill chunk's worth) per turn."""
+
+    def check(self, sampling: SamplingParams) -> None:
+        return None
+
+    def idle(self, batcher: Batcher) -> bool:
+        return not batcher.waiting and not batcher._active
+
+    async def step(self, batcher: Batcher, tasks: TaskGroup) -> None:
+        await batcher.step()
+
+
 class Batcher:
     """Continuous batching over one model and one expert source (see the module docstring).
 
@@ -481,7 +127,7 @@ class Batcher:
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
                  prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
-                 joint_prefill: bool = False) -> None:
+                 joint_prefill: bool = False, strategy: StepStrategy | None = None) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -489,6 +135,8 @@ class Batcher:
                              f"{max_batch}, {prefill_chunk}, {max_queue}")
         self.model = model
         self.source = source
+        #: how the loop steps its requests (:class:`StepStrategy`); the batched step by default
+        self.strategy: StepStrategy = strategy if strategy is not None else BatchedSteps()
         self.predictor = predictor
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -502,8 +150,8 @@ class Batcher:
         ctx = config.get("max_position_embeddings")
         self.context_length: int | None = ctx if isinstance(ctx, int) and ctx > 0 else None
         self.eos: set[int] = set(getattr(model.tokenizer, "eos_token_ids", ()) or ())
-        self._waiting: deque[_Slot] = deque()
-        self._active: list[_Slot] = []
+        self._waiting: deque[Slot] = deque()
+        self._active: list[Slot] = []
         self._turn = anyio.Lock()
         self._wake = anyio.Event()
         self._prefill_turn = 0
@@ -511,7 +159,7 @@ class Batcher:
         # The decoding requests' caches, merged across steps (their slots' own `cache` is None
         # while they are in it), and those requests in the merged caches' row order.
         self._merged = BatchCaches()
-        self._in_merged: list[_Slot] = []
+        self._in_merged: list[Slot] = []
         #: decode steps run one ahead (see :meth:`step`); off: each step is awaited before the next is built
         self.run_ahead = run_ahead
         #: queued prefill chunks awaited after the decode step is queued behind them (see
@@ -523,7 +171,7 @@ class Batcher:
         #: bits (measured on MLX CUDA), so a seeded request's draws could depend on who arrived
         #: with it; there it saves forwards when many clients start at once
         self.joint_prefill = joint_prefill
-        self._inflight: _Step | None = None  # the decode step queued last and not completed yet
+        self._inflight: Step | None = None  # the decode step queued last and not completed yet
         #: called with every error a request fails with (the server's health registry)
         self.on_failure: Callable[[BaseException], None] | None = None
         #: counters (read by /health and /metrics)
@@ -579,14 +227,15 @@ class Batcher:
             raise QueueFull(f"the server is at capacity ({self.max_batch} requests generating, "
                             f"{len(self._waiting)} waiting); retry after {retry} s", retry)
         sampling = sampling or SamplingParams()
+        self.strategy.check(sampling)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        slot = _Slot(ids, max_tokens, sampling, send, time.monotonic())
+        slot = Slot(ids, max_tokens, sampling, send, time.monotonic())
         slot.sampler = RequestSampler(sampling, ids, self.vocab_size)
         self._waiting.append(slot)
         self._wake.set()
-        return Generation(self, slot, receive)
+        return Generation(self._cancel, slot, receive)
 
-    def _cancel(self, slot: _Slot) -> None:
+    def _cancel(self, slot: Slot) -> None:
         if slot.done or slot.cancelled:
             return
         slot.cancelled = True
@@ -606,18 +255,57 @@ class Batcher:
     # -- the loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The engine loop; runs until cancelled, then fails every request still in it."""
+        """The engine loop; runs until cancelled, then fails every request still in it.
+
+        Each turn is one step of the strategy (:attr:`strategy`; the batched step over the
+        model, :meth:`step`, by default), between steps the loop lets HTTP handlers and holders
+        of :meth:`paused` run; with nothing to do it sleeps until a request arrives."""
+        strategy = self.strategy
         try:
-            while True:
-                if not self._waiting and not self._active:
-                    self._wake = anyio.Event()
-                    await self._wake.wait()
-                async with self._turn:
-                    await self.step()
-                # Let HTTP handlers and holders of paused() run between steps.
-                await anyio.lowlevel.checkpoint()
+            async with anyio.create_task_group() as tasks:
+                while True:
+                    if strategy.idle(self):
+                        self._wake = anyio.Event()
+                        await self._wake.wait()
+                    async with self._turn:
+                        await strategy.step(self, tasks)
+                    await anyio.lowlevel.checkpoint()
         finally:
             self._fail_all(AsyncsideError("the server is shutting down"))
+
+    # -- what a step strategy uses ------------------------------------------------------------
+
+    def take_waiting(self) -> list[Slot]:
+        """Move waiting requests into the engine while slots are free; returns them (in order)."""
+        taken = []
+        while self._waiting and len(self._active) < self.max_batch:
+            slot = self._waiting.popleft()
+            self._active.append(slot)
+            taken.append(slot)
+        self.peak_batch = max(self.peak_batch, len(self._active))
+        return taken
+
+    def emit(self, slot: Slot, event: TokenEvent) -> None:
+        """Hand a request its next token (dropped if its consumer left)."""
+        slot.generated += 1
+        self.tokens += 1
+        if not slot.cancelled:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                slot.send.send_nowait(event)
+
+    def finish(self, slot: Slot, reason: str | None, *, keep_cache: bool = True) -> None:
+        """End a request (``reason``: "stop", "length", or None when cancelled) and let it leave."""
+        self._finish(slot, reason, keep_cache=keep_cache)
+        self._release(slot)
+
+    def fail(self, slot: Slot, exc: BaseException) -> None:
+        """End a request with ``exc`` (its consumer raises :class:`GenerationFailed`) and let it leave."""
+        self._fail(slot, exc)
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        if slot in self._active:
+            self._active.remove(slot)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every admitted and waiting request with ``exc`` (the engine loop is ending)."""
@@ -639,14 +327,14 @@ class Batcher:
         self._leave()
         self._admit()
         used = 0
-        picked: list[tuple[_Slot, int]] = []
+        picked: list[tuple[Slot, int]] = []
         for slot in self._prefill_order():
             n = min(self.prefill_chunk, len(slot.todo) - 1)
             if used and used + n > self.prefill_chunk:
                 continue  # a smaller one may still fit this step
             picked.append((slot, n))
             used += n
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         for group in self._prefill_groups(picked):
             group = [(slot, n) for slot, n in group if not (slot.cancelled or slot.done)]  # left meanwhile
             if not group:
@@ -672,11 +360,11 @@ class Batcher:
                 self._inflight = await self._launch(batch, None)
         self._leave()
 
-    def _decoding(self) -> list[_Slot]:
+    def _decoding(self) -> list[Slot]:
         """The requests that take part in the next decode step, in admission order."""
         return [s for s in self._active if not s.prefilling and not s.cancelled and not s.done and s.todo]
 
-    def _prefill_order(self) -> list[_Slot]:
+    def _prefill_order(self) -> list[Slot]:
         """Who prefills this step: the least remaining prompt first (short prompts reach their
         first token soon), except that on every other step the oldest prefilling request goes
         first, so a long prompt advances at least one chunk per two steps however many short ones
@@ -691,8 +379,7 @@ class Batcher:
         return order
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_batch:
-            slot = self._waiting.popleft()
+        for slot in self.take_waiting():
             cache, reused = self.prefix_cache.fetch(slot.prompt)
             slot.cache = cache if cache is not None else self.model.make_cache()
             slot.cached_tokens = reused
@@ -700,9 +387,8 @@ class Batcher:
             slot.fed = slot.prompt[:reused]
             slot.todo = slot.prompt[reused:]
             slot.predictor = self.model.forward.make_predictor(self.predictor)
-            self._active.append(slot)
 
-    async def _prefill(self, slot: _Slot, n: int) -> _Chunk | None:
+    async def _prefill(self, slot: Slot, n: int) -> Chunk | None:
         """Queue ``slot``'s next ``n`` prompt tokens; returns the chunk to pass to
         :meth:`_finish_chunk` (None if it failed, and the request with it).
 
@@ -728,21 +414,21 @@ class Batcher:
         slot.fed.extend(tokens)
         del slot.todo[:n]
         self.prefill_tokens += n
-        chunk = _Chunk([slot], ctx, h)
+        chunk = Chunk([slot], ctx, h)
         if not self.overlap_prefill:
             await self._finish_chunk(chunk)
             return None
         return chunk
 
-    def _prefill_groups(self, picked: list[tuple[_Slot, int]]) -> list[list[tuple[_Slot, int]]]:
+    def _prefill_groups(self, picked: list[tuple[Slot, int]]) -> list[list[tuple[Slot, int]]]:
         """This step's chunks as forwards, in order: requests whose chunk is the first of a fresh
         prompt (an empty cache of mlx-lm's plain ``KVCache``) share one joint forward while its
         padded size (requests x the longest chunk) stays within ``prefill_chunk``; every other
         chunk is a forward of its own."""
         if not self.joint_prefill:
             return [[p] for p in picked]
-        fresh = sorted((p for p in picked if _fresh_cache(p[0])), key=lambda p: p[1])
-        joint: list[tuple[_Slot, int]] = []
+        fresh = sorted((p for p in picked if fresh_cache(p[0])), key=lambda p: p[1])
+        joint: list[tuple[Slot, int]] = []
         for p in fresh:  # shortest first: the most requests per padded token
             if (len(joint) + 1) * p[1] > self.prefill_chunk:
                 break
@@ -752,9 +438,9 @@ class Batcher:
         inside = {id(p[0]) for p in joint}
         return [joint] + [[p] for p in picked if id(p[0]) not in inside]
 
-    async def _prefill_joint(self, group: list[tuple[_Slot, int]]) -> _Chunk | None:
+    async def _prefill_joint(self, group: list[tuple[Slot, int]]) -> Chunk | None:
         """Queue the first chunks of several fresh prompts as one forward; returns it as one
-        :class:`_Chunk` (None if it failed, and its requests with it).
+        :class:`Chunk` (None if it failed, and its requests with it).
 
         The chunks are right-padded to the longest, as mlx-lm's batched prompt processing pads
         them: a real token never attends to a pad after it (the mask is causal) and keeps its own
@@ -788,17 +474,17 @@ class Batcher:
             self.prefill_joined += len(group)
             self.prefill_seconds += time.perf_counter() - started
         for i, (slot, n) in enumerate(group):
-            slot.cache = [_row_cache(c, i, 0, n) for c in batch]
+            slot.cache = [row_cache(c, i, 0, n) for c in batch]
             slot.fed.extend(slot.todo[:n])
             del slot.todo[:n]
             self.prefill_tokens += n
-        chunk = _Chunk([slot for slot, _ in group], ctx, h)
+        chunk = Chunk([slot for slot, _ in group], ctx, h)
         if not self.overlap_prefill:
             await self._finish_chunk(chunk)
             return None
         return chunk
 
-    async def _finish_chunk(self, chunk: _Chunk) -> None:
+    async def _finish_chunk(self, chunk: Chunk) -> None:
         """Await a prefill forward queued by :meth:`_prefill` or :meth:`_prefill_joint`; its
         requests fail if it did (a decode step queued on their caches hands them nothing: they
         are done)."""
@@ -816,7 +502,7 @@ class Batcher:
 
     # -- decode steps -----------------------------------------------------------------------
 
-    async def _launch_ahead(self, prev: _Step) -> _Step | None:
+    async def _launch_ahead(self, prev: Step) -> Step | None:
         """Queue the next decode step on ``prev``'s lazy tokens, before ``prev`` is awaited; None
         when it cannot be (then the step is launched after ``prev`` completes).
 
@@ -853,7 +539,7 @@ class Batcher:
             self.steps_ahead += 1
         return step
 
-    async def _launch(self, batch: list[_Slot], prev: _Step | None) -> _Step | None:
+    async def _launch(self, batch: list[Slot], prev: Step | None) -> Step | None:
         """Build and queue one decode step over ``batch`` (each request's input: its last token on
         the host, or for a request in ``prev``, ``prev``'s lazy token); returns it, not awaited.
         None if it failed (its requests failed with it)."""
@@ -892,9 +578,9 @@ class Batcher:
             return None
         finally:
             self.launch_seconds += time.perf_counter() - started
-        return _Step(batch, ctx, values, layout)
+        return Step(batch, ctx, values, layout)
 
-    def _inputs(self, batch: list[_Slot], prev: _Step | None) -> Any:
+    def _inputs(self, batch: list[Slot], prev: Step | None) -> Any:
         """The step's input tokens (B, 1): each request's last token, lazy from ``prev`` for the
         requests in it (their token as ``prev`` sampled it, exactly: ids below 2**24 are exact in
         the packed float32 draws), from the host for the others."""
@@ -914,7 +600,7 @@ class Batcher:
         values = prev.values if not host else mx.concatenate([prev.values, mx.array(host, dtype=mx.float32)])
         return values[mx.array(index)].astype(mx.int32).reshape(-1, 1)
 
-    async def _complete(self, step: _Step) -> BaseException | None:
+    async def _complete(self, step: Step) -> BaseException | None:
         """Await ``step``, hand each request its token, let finished requests go; returns the
         error the step failed with (its requests failed with it), or None."""
         from .sampling import unpack
@@ -954,7 +640,7 @@ class Batcher:
                 self._finish(s, "length")
         return None
 
-    async def _abandon(self, step: _Step, failure: BaseException) -> None:
+    async def _abandon(self, step: Step, failure: BaseException) -> None:
         """``step`` was queued on the tokens of a step that failed: wait until the stream is done
         with it (so the expert source has learned what it did), then fail its requests."""
         if step.ctx is not None:
@@ -964,10 +650,10 @@ class Batcher:
         for s in step.batch:
             self._fail(s, failure)
 
-    def _can_merge(self, batch: list[_Slot]) -> bool:
+    def _can_merge(self, batch: list[Slot]) -> bool:
         return all(s.cache is None or mergeable(s.cache) for s in batch)
 
-    def _merge(self, batch: list[_Slot]) -> list[_Slot]:
+    def _merge(self, batch: list[Slot]) -> list[Slot]:
         """Make the merged caches hold exactly ``batch``'s requests: drop those that left, merge
         in those that joined. Returns the batch in the merged caches' row order."""
         wanted = set(batch)
@@ -1013,7 +699,7 @@ class Batcher:
             still.append(s)
         self._active = still
 
-    def _finish(self, slot: _Slot, reason: str | None, *, keep_cache: bool = True) -> None:
+    def _finish(self, slot: Slot, reason: str | None, *, keep_cache: bool = True) -> None:
         if slot.done:
             return
         slot.done = True
@@ -1032,7 +718,7 @@ class Batcher:
         slot.cache = None
         slot.send.close()
 
-    def _fail(self, slot: _Slot, exc: BaseException) -> None:
+    def _fail(self, slot: Slot, exc: BaseException) -> None:
         if slot.done:
             return
         if self.on_failure is not None:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-API_KEY_ENV = "ASYNCSIDE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -81,11 +80,6 @@ class Guard:
             self.on_refused(scope["path"], status)
         await send({"type": "http.response.start", "status": status, "headers": reply["headers"]})
         await send({"type": "http.response.body", "body": reply["body"]})
-
-
-def api_key_from_env(given: str | None) -> str | None:
-    """The API key: ``given`` (``--api-key``) else $ASYNCSIDE_API_KEY, else None (no key)."""
-    return given if given else (os.environ.get(API_KEY_ENV) or None)
 
 
 def public_text(text: str, private_dirs: list[str]) -> str:

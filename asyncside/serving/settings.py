@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass, field
 
 
@@ -80,3 +82,31 @@ class ServeSettings:
             raise ValueError(f"ServeSettings.shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         if not 0.0 <= self.default_temperature <= 2.0:
             raise ValueError(f"ServeSettings.default_temperature must be in [0, 2], got {self.default_temperature}")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """The server settings an argument namespace asks for."""
+    d = ServeSettings()
+    return ServeSettings(
+        max_tokens_limit=getattr(args, "max_tokens_limit", d.max_tokens_limit),
+        predictor=args.predictor,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+        prompt_cache_size=args.prompt_cache_size,
+        joint_prefill=getattr(args, "joint_prefill", d.joint_prefill),
+        request_timeout=getattr(args, "request_timeout", d.request_timeout),
+        default_temperature=getattr(args, "temp", d.default_temperature),
+        allow_origins=tuple(getattr(args, "allow_origin", ()) or ()),
+        access_log=getattr(args, "access_log", d.access_log),
+        api_key=api_key_from_env(getattr(args, "api_key", None)),
+        shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
+    )
+
+
+API_KEY_ENV = "ASYNCSIDE_API_KEY"
+
+
+def api_key_from_env(given: str | None) -> str | None:
+    """The API key: ``given`` (``--api-key``) else $ASYNCSIDE_API_KEY, else None (no key)."""
+    return given if given else (os.environ.get(API_KEY_ENV) or None)

@@ -1,0 +1,119 @@
+"""Loading what the server serves: a converted model and the Runtime it streams experts from.
+
+:class:`Engine` is what the application enters at startup (the model, its expert source, views of
+the runtime for ``/health`` and ``/metrics``, the store's health registry); :func:`open_engine`
+builds one from a directory written by ``asyncside convert``. :class:`ServedModel` is what the
+engine loop needs from a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..policies import DEFAULT_POLICY
+
+
+class ServedModel(Protocol):
+    """What the engine needs from a model (:class:`asyncside.models.StreamingModel` provides it).
+
+    ``forward`` is an :class:`~asyncside.models.forward.AsyncForward` or alike, stepped as ``ctx =
+    forward.context(cache, source, predictor)``, ``await forward.step(ctx, inputs, head=draw)``
+    (``draw(logits)``, lazy, scheduled with the step) and ``await forward.finish(ctx, y)`` (await
+    it: decode steps), prefill
+    chunks as ``await forward.step(ctx, inputs (1, L), logits=False, finish=False)`` and later
+    ``finish(ctx, hidden)``; with ``completed`` (await an array's computation) and
+    ``make_predictor(name)``.
+    """
+
+    model_id: str
+    tokenizer: Any
+    config: dict[str, Any]
+
+    @property
+    def forward(self) -> Any: ...
+
+    def make_cache(self) -> list[Any]: ...
+
+
+@dataclass
+class Engine:
+    """What the server serves: a model, the expert source it streams from, and runtime views."""
+
+    model: ServedModel
+    source: Any
+    stats: Callable[[], Mapping[str, Any]] | None = None
+    audit: Callable[[], tuple[bool, list[str]]] | None = None
+    description: dict[str, Any] = field(default_factory=dict)
+    #: an engine loop of its own (a :class:`Batcher` subclass); None: the app builds a Batcher
+    batcher: Any = None
+    #: the store's bad experts (:class:`~.health.HealthRegistry`); None: the app keeps one without a store
+    health: Any = None
+
+
+def embedded_store_dir(cache_dir: str | None = None) -> str:
+    """The embedded default model's expert store directory, built on first use."""
+    from ..models.embedded import ensure_embedded_default
+
+    return str(ensure_embedded_default(cache_dir)[1])
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    model: str | None = None,
+    *,
+    resident: float = 0.25,
+    reader: str = "auto",
+    policy: str = DEFAULT_POLICY,
+    cache_dir: str | None = None,
+    host_tier: int | str = "auto",
+) -> AsyncIterator[Engine]:
+    """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
+
+    ``model`` is a directory written by ``asyncside convert`` (expert store + non-expert weights
+    + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
+    bridge belong to that loop. Loading is synchronous and happens before the server accepts
+    connections, so it blocks nothing that is waiting. ``host_tier`` goes to the Runtime (MLX
+    CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`).
+    """
+    from ..audit import audit_problems
+    from ..models import load_streaming_model
+    from ..runtime import Runtime
+    from .health import HealthRegistry
+
+    store_dir = model if model is not None else embedded_store_dir(cache_dir)
+    streaming = load_streaming_model(store_dir)
+    store = streaming.store
+
+    def audit() -> tuple[bool, list[str]]:
+        problems = audit_problems(runtime)
+        return not problems, problems
+
+    async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier) as runtime:
+        health = HealthRegistry(store, reopen_reader=_reader_reopener(runtime))
+        yield Engine(
+            model=streaming,
+            source=runtime,
+            stats=runtime.stats,
+            audit=audit,
+            description={
+                "model": str(store_dir),
+                "layers": len(store.layers),
+                "resident": resident,
+                "reader": runtime.reader,
+                "policy": policy,
+                "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
+                "staging_bytes": runtime.memory.get("staging_bytes", 0),
+            },
+            health=health,
+        )
+
+
+def _reader_reopener(runtime: Any) -> Callable[[str], Any] | None:
+    """The runtime's scheduler's ``reopen`` (a replaced blob's reads through the reader: io_uring's
+    registered files are not reached by re-pointing descriptors), None if it has none."""
+    shared = getattr(runtime, "_s", None)
+    scheduler = getattr(shared, "scheduler", None) or getattr(runtime, "_scheduler", None)
+    return getattr(scheduler, "reopen", None)
