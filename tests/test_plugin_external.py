@@ -8,10 +8,11 @@ so the plugin arrives through its ``pytest11`` entry point exactly as in a user'
   session-scoped loops (on asyncio and, where pytest-asyncio has loop factories, uvloop) and under
   anyio's plugin on asyncio, uvloop and trio; every test repeated (:data:`REPS` per process,
   :data:`ROUNDS` processes: 50 runs of each by default, ``ASYNCSIDE_PLUGIN_REPS`` /
-  ``ASYNCSIDE_PLUGIN_ROUNDS`` change that). Every one must pass. A module-scoped loop used to
-  leave the test waiting on a runtime opened on another loop (idle in select() for ever), and an
-  anyio test on trio could not open the runtime at all (or hung, depending on which plugin took
-  the fixture first): see asyncside/testing.py.
+  ``ASYNCSIDE_PLUGIN_ROUNDS`` change that), odd rounds with the two plugins registered in the
+  other order. Every one must pass. A module-scoped loop used to leave the test waiting on a
+  runtime opened on another loop (idle in select() for ever), and an anyio test on trio either
+  could not open the runtime or, with pytest-asyncio's fixture hook outermost, waited for ever on
+  a runtime opened on an asyncio loop nobody ran: see asyncside/testing.py.
 - ``test_a_hung_test_fails_with_where_it_was_stuck``: the per-test deadline ends tests that wait
   for ever, ignore cancellation or block their loop, each failing with the line it was stuck on,
   and the run goes on.
@@ -38,7 +39,7 @@ ROUNDS = int(os.environ.get("ASYNCSIDE_PLUGIN_ROUNDS", "5"))
 #: The deadline the external tests run under (seconds; generous for a loaded machine, and a hang
 #: detector, not a timing assertion) and the hard limit of one external pytest process.
 EXTERNAL_DEADLINE_S = 60
-RUN_TIMEOUT_S = int(os.environ.get("ASYNCSIDE_PLUGIN_RUN_TIMEOUT_S", "600"))
+RUN_TIMEOUT_S = int(os.environ.get("ASYNCSIDE_PLUGIN_RUN_TIMEOUT_S", "300"))
 
 PYTEST_INI = """\
 [pytest]
@@ -236,9 +237,15 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
+#: Odd rounds register anyio's plugin before pytest-asyncio's (pytest loads ``-p`` plugins before
+#: the entry points), so that pytest-asyncio's fixture hook wraps anyio's: which of the two claims
+#: an async fixture first depends on that order, which depends on how the packages were installed.
+SWAPPED = ["-p", "no:anyio", "-p", "anyio.pytest_plugin"]
+
+
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_external_suite(project: pathlib.Path, round_: int) -> None:
-    proc, counts = run_project(project, REPS)
+    proc, counts = run_project(project, REPS, SWAPPED if round_ % 2 else [])
     output = proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-5000:]
     want = expected_tests(REPS)
     assert proc.returncode == 0, f"external pytest exited with {proc.returncode}:\n{output}"
