@@ -144,6 +144,11 @@ async def test_module_loop_scope(asyncside_runtime, expert_store, module_loop, r
 @pytest.mark.no_blocking(threshold=1.0)
 async def test_module_loop_scope_watched(asyncside_runtime, expert_store, no_blocking, rep):
     await check_ensure(asyncside_runtime, expert_store)
+
+
+@pytest.mark.no_blocking(threshold=1.0)
+async def test_module_loop_scope_watched_first(no_blocking, asyncside_runtime, expert_store, rep):
+    await check_ensure(asyncside_runtime, expert_store)
 ''',
     "test_session_loop.py": '''\
 import pytest
@@ -191,7 +196,7 @@ def _have_loop_factories() -> bool:
 def expected_tests(reps: int) -> int:
     """How many tests one external run has: pytest-asyncio's run once per loop factory."""
     loops = 2 if _have_loop_factories() else 1
-    return reps * ((2 + 2 + 1) * loops + 2 * 3)
+    return reps * ((2 + 3 + 1) * loops + 2 * 3)
 
 
 def write_project(root: pathlib.Path, files: dict[str, str], loop_factories: bool = True) -> None:
