@@ -5,9 +5,9 @@ The plugin is registered when asyncside is installed; nothing to import or confi
     pytest examples/test_example_pytest_asyncio.py
 
 Fixtures used here: ``expert_store`` (a small random store in a temporary directory),
-``asyncside_runtime`` (a Runtime on the test's event loop, audited clean at teardown) and
-``faulty_reader`` (inject read faults into that runtime's reader) and ``no_blocking`` (fail a
-test whose event loop thread blocks).
+``asyncside_runtime`` (a Runtime open on the test's event loop while the test runs, audited
+clean after it), ``faulty_reader`` (inject read faults into that runtime's reader) and
+``no_blocking`` (fail a test whose event loop thread blocks).
 """
 
 from __future__ import annotations
