@@ -178,9 +178,13 @@ def test_interrupted_conversions_leave_nothing_that_opens_and_are_cleaned_up(
     live.mkdir()
     held = open(live / STAGING_LOCK, "a+")
     fcntl.flock(held, fcntl.LOCK_EX)
-    # One that just started (not yet holding its lock).
+    # One that just started (no lock file yet).
     young = tmp_path / ".store.convert-young"
     young.mkdir()
+    # One killed a moment ago: its lock file is free, so it goes at once, however young.
+    just_killed = tmp_path / ".store.convert-killed"
+    just_killed.mkdir()
+    (just_killed / STAGING_LOCK).touch()
     for d in (dead, legacy, live):
         os.utime(d, (old, old))
     # Another destination's staging directory is not this conversion's business.
@@ -189,7 +193,7 @@ def test_interrupted_conversions_leave_nothing_that_opens_and_are_cleaned_up(
     os.utime(other, (old, old))
     try:
         convert_model(hub["snapshot"], dest, progress=False)
-        assert not dead.exists() and not legacy.exists()
+        assert not dead.exists() and not legacy.exists() and not just_killed.exists()
         assert live.exists() and young.exists() and other.exists()
         assert removed_stale_staging(dest) == []
     finally:

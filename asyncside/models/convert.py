@@ -290,8 +290,10 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
     # Held for the whole conversion: the next convert beside it tells a live staging directory
     # (locked) from an interrupted one's (the lock died with its process) and removes only those.
-    owner = open(staging / STAGING_LOCK, "a+")  # closed in the finally below
+    # Locked before it gets its name, so a lock file that can be taken is always a dead one's.
+    owner = open(staging / (STAGING_LOCK + ".new"), "a+")  # closed in the finally below
     fcntl.flock(owner, fcntl.LOCK_EX)
+    os.rename(staging / (STAGING_LOCK + ".new"), staging / STAGING_LOCK)
     try:
         with _progress(progress, len(moe), src.name) as advance:
             feed = _LayerFeed(moe, specs, advance)
@@ -317,7 +319,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
 
 #: a lock file each staging directory holds while its conversion runs
 STAGING_LOCK = ".owner.lock"
-#: staging directories changed more recently than this are never removed as leftovers
+#: a staging directory without a lock file is a leftover once this old
 STAGING_GRACE_S = 60.0
 
 
@@ -325,22 +327,27 @@ def removed_stale_staging(dest: str | os.PathLike[str]) -> list[pathlib.Path]:
     """Remove the staging directories (``.<name>.convert-*`` beside ``dest``) of conversions that
     were interrupted (killed, machine lost power); returns those removed.
 
-    A conversion in progress holds its staging directory's lock file, so it is left alone; so is
-    any staging directory changed less than a minute ago (a conversion that is starting may not
-    hold its lock yet).
+    A conversion in progress holds its staging directory's lock file (taken before the file got
+    its name), so it is left alone. A staging directory without a lock file (a conversion starting
+    this instant, or one from before lock files) is removed only once a minute old.
     """
     dest = pathlib.Path(dest).absolute()
     removed = []
     for d in sorted(dest.parent.glob(f".{dest.name}.convert-*")):
         try:
-            if not d.is_dir() or d.is_symlink() or time.time() - d.stat().st_mtime < STAGING_GRACE_S:
+            if not d.is_dir() or d.is_symlink():
                 continue
-            with open(d / STAGING_LOCK, "a+") as fh:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live conversion
+            if not (d / STAGING_LOCK).is_file():
+                if time.time() - d.stat().st_mtime < STAGING_GRACE_S:
+                    continue
                 shutil.rmtree(d, ignore_errors=True)
+            else:
+                with open(d / STAGING_LOCK, "a+") as fh:
+                    try:
+                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # a live conversion
+                    shutil.rmtree(d, ignore_errors=True)
         except FileNotFoundError:  # its conversion finished meanwhile
             continue
         removed.append(d)
