@@ -322,6 +322,174 @@ class LRFU(_HeapPolicy):
         return {**super().snapshot(), "half_life": self.half_life, "clock": self._clock}
 
 
+#: Gaps (in reserves) whose decay factors AdaptiveLRFU keeps in a table; longer ones are computed.
+_DECAY_TABLE = 1024
+
+
+class AdaptiveLRFU(_HeapPolicy):
+    """LRFU that remembers evicted experts and picks its half-life online (``"adaptive-lrfu"``).
+
+    - History: each expert's decayed use count survives its eviction, so an expert that comes back
+      often returns with its standing, and a newcomer with little history enters as the next
+      victim (admission without bypass: it takes a row for its step, then goes first).
+    - Adaptive half-life: the real cache ranks by the current candidate of ``half_lives``; for
+      each other candidate a shadow cache of the ledger's side rows (ids only) replays the same
+      demands under LRFU with that half-life. Every ``period`` reserves the policy adopts the
+      candidate that hit most (the real cache counting for the current one) over a window that
+      halves each period; ties keep the current one. It starts at the first candidate (LRFU's
+      default half-life). Short half-lives are recency, long ones frequency.
+
+    Every access is counted once, in :meth:`begin` (the reserve's batch: hits and misses);
+    publish, hit and lease only rank. Cost: one history update per access and one shadow step
+    per access and other candidate (BENCHMARKS.md, "Policies against Belady's MIN").
+    """
+
+    name = "adaptive-lrfu"
+    native_order = "decayed"
+
+    def __init__(self, half_lives: Sequence[float] = (8.0, 256.0), period: int = 32,
+                 rows: int | None = None) -> None:
+        hl = tuple(half_lives)
+        if not hl or any(isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0 for h in hl):
+            raise LedgerError(f"adaptive-lrfu half_lives must be positive numbers, got {half_lives!r}")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise LedgerError(f"adaptive-lrfu period must be a positive int, got {period!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise LedgerError(f"adaptive-lrfu rows must be a positive int or None, got {rows!r}")
+        super().__init__()
+        self.half_lives = tuple(float(h) for h in hl)
+        self.period = period
+        self._rows_given = rows
+        self.rows = rows or 0
+        self._start = 0  # the first candidate (LRFU's half-life) until the shadows have a say
+
+    def attach(self, owner: object, live: Iterable[int]) -> None:
+        if self._rows_given is None:
+            self.rows = int(getattr(owner, "side_rows", 0))
+        super().attach(owner, live)
+
+    def reset(self) -> None:
+        super().reset()
+        self._clock = 0
+        self._cur = self._start
+        self.half_life = self.half_lives[self._cur]
+        m = len(self.half_lives)
+        # expert -> [time of last use, decayed count under each candidate half-life]
+        self._hist: dict[int, list[float]] = {}
+        self._shadow: list[dict[int, float]] = [{} for _ in range(m)]  # candidate -> {expert: key}
+        self._sheap: list[list[tuple[float, int]]] = [[] for _ in range(m)]
+        self._wins = [0.0] * m
+        self._decay = [[2.0 ** (-g / h) for g in range(_DECAY_TABLE)] for h in self.half_lives]
+        self.switches = 0
+
+    def _key(self, expert: int, i: int) -> float:
+        h = self._hist[expert]
+        return math.log2(h[1 + i]) + h[0] / self.half_lives[i]
+
+    def begin(self, batch: Sequence[int]) -> None:
+        self._clock += 1
+        clock = self._clock
+        hist, hls, log2, tables = self._hist, self.half_lives, math.log2, self._decay
+        m = len(hls)
+        for e in batch:
+            h = hist.get(e)
+            if h is None:
+                hist[e] = [clock] + [1.0] * m
+                continue
+            gap = int(clock - h[0])
+            h[0] = clock
+            for i in range(m):
+                table = tables[i]
+                h[1 + i] = h[1 + i] * (table[gap] if gap < _DECAY_TABLE else 2.0 ** (-gap / hls[i])) + 1.0
+        rows = self.rows
+        if rows > 0:
+            in_batch = set(batch)
+            wins = self._wins
+            cur, live = self._cur, self.score
+            for e in batch:  # the current candidate's cache is the real one
+                if e in live:
+                    wins[cur] += 1
+            for i in range(m):
+                if i == cur:
+                    continue
+                shadow, heap = self._shadow[i], self._sheap[i]
+                t_key = clock / hls[i]
+                j = 1 + i
+                for e in batch:
+                    if e in shadow:
+                        wins[i] += 1
+                    k = log2(hist[e][j]) + t_key
+                    shadow[e] = k
+                    heapq.heappush(heap, (k, e))
+                if len(shadow) > rows:
+                    kept: list[tuple[float, int]] = []
+                    while len(shadow) > rows and heap:
+                        k, e = heapq.heappop(heap)
+                        if shadow.get(e) != k:
+                            continue  # stale
+                        if e in in_batch:
+                            kept.append((k, e))
+                            continue
+                        del shadow[e]
+                    # A batch larger than the rows (a prefetch, a fault log's use) cannot all stay.
+                    while len(shadow) > rows and kept:
+                        del shadow[kept.pop(0)[1]]
+                    for entry in kept:
+                        heapq.heappush(heap, entry)
+                if len(heap) > 4 * rows + 64:
+                    heap[:] = [(k, e) for e, k in shadow.items()]
+                    heapq.heapify(heap)
+        if clock % self.period == 0:
+            self._decide()
+
+    def _decide(self) -> None:
+        wins = self._wins
+        best = self._cur
+        for i in range(len(wins)):
+            if wins[i] > wins[best]:
+                best = i
+        self._wins = [w * 0.5 for w in wins]
+        if best != self._cur:
+            # The old candidate's shadow starts from the real cache; the new one's is the real cache.
+            old = self._cur
+            self._shadow[old] = {e: self._key(e, old) for e in self.score}
+            self._sheap[old] = [(k, e) for e, k in self._shadow[old].items()]
+            heapq.heapify(self._sheap[old])
+            self._shadow[best], self._sheap[best] = {}, []
+            self._cur = best
+            self.half_life = self.half_lives[best]
+            self.switches += 1
+            for e in self.score:
+                self.score[e] = self._key(e, best)
+            self._rebuild()
+
+    def _rank(self, expert: int) -> None:
+        if expert not in self._hist:  # not seen by a reserve (attach, a settled fault): a use now
+            self._hist[expert] = [self._clock] + [1.0] * len(self.half_lives)
+        self._set(expert, self._key(expert, self._cur))
+
+    def on_hit(self, expert: int) -> None:
+        self._rank(expert)
+
+    def on_hits(self, experts: Sequence[int]) -> None:
+        for e in experts:
+            self._rank(e)
+
+    def on_publish(self, expert: int) -> None:
+        self._rank(expert)
+
+    def audit(self, live: set[int]) -> list[str]:
+        problems = super().audit(live)
+        for i, shadow in enumerate(self._shadow):
+            if self.rows and len(shadow) > self.rows:
+                problems.append(f"{self.name}: shadow {i} holds {len(shadow)} experts, more than {self.rows} rows")
+        return problems
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "half_life": self.half_life, "half_lives": list(self.half_lives),
+                "clock": self._clock, "rows": self.rows, "switches": self.switches}
+
+
 class OneShot(Policy):
     """Legacy: drop every unpredicted LIVE expert at each reserve, fill from free rows, never evict."""
 
@@ -340,6 +508,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "aging-lfu": AgingLFU,
     "lfu-aging": AgingLFU,
     "lrfu": LRFU,
+    "adaptive-lrfu": AdaptiveLRFU,
+    "alrfu": AdaptiveLRFU,
 }
 
 

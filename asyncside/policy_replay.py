@@ -230,7 +230,7 @@ def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarr
     return np.asarray(accesses - hits, dtype=np.int64)
 
 
-def split_rows(miss_curves: Sequence[Sequence[float]], total_rows: int, *,
+def split_rows(miss_curves: Sequence[Sequence[float] | np.ndarray], total_rows: int, *,
                min_rows: int | Sequence[int] = 0) -> list[int]:
     """Split ``total_rows`` cache rows across layers to minimise the sum of their misses.
 

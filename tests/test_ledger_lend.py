@@ -148,7 +148,7 @@ def test_lrfu_batched_hits_score_exactly_as_one_by_one(uses: list[list[int]], ha
 
 @settings(max_examples=200, deadline=None)
 @given(uses=st.lists(st.lists(st.integers(0, 15), max_size=12), max_size=40),
-       policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot"]),
+       policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot", "adaptive-lrfu"]),
        live=st.lists(st.integers(3, 15), max_size=8, unique=True))
 def test_record_uses_at_once_leaves_the_state_of_one_reserve_at_a_time(uses: list[list[int]], policy: str,
                                                                       live: list[int]) -> None:
@@ -181,7 +181,7 @@ class LendMachine(RuleBasedStateMachine):
     """Random lends, faults, reclaims mixed with the ledger's other transitions."""
 
     @initialize(n=st.integers(2, 10), side=st.integers(1, 6), n_res=st.integers(0, 3),
-                policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot"]))
+                policy=st.sampled_from(["lru", "lfu", "lrfu", "aging-lfu", "oneshot", "adaptive-lrfu"]))
     def setup(self, n: int, side: int, n_res: int, policy: str) -> None:
         self.led = Ledger(n, list(range(min(n_res, n - 1))), side, policy=policy)
         self.pending: list = []
