@@ -185,3 +185,27 @@ def test_openai_fields_that_change_nothing_are_accepted_and_ignored(parse: Any, 
         with pytest.raises(oai.RequestError) as info:
             parse({**base, key: value})
         assert info.value.status == 400 and info.value.param == key
+
+
+def test_prompt_cache_is_bounded_in_bytes() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from asyncside.serving.prompt_cache import PrefixCache, cache_nbytes
+
+    def cache(n: int) -> list[KVCache]:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 2, n, 8)), mx.zeros((1, 2, n, 8)))
+        return [c]
+
+    one = cache_nbytes(cache(20))
+    assert one > 0
+    pc = PrefixCache(max_entries=100, min_tokens=1, max_bytes=3 * one)
+    for i in range(10):
+        pc.insert([1000 + i] + list(range(19)), cache(20))
+        assert pc.nbytes <= 3 * one
+    assert len(pc) == 3 and pc.nbytes == 3 * one
+    pc.insert(list(range(5000)), cache(5000))  # larger than the whole bound: not kept
+    assert len(pc) == 3
+    pc.clear()
+    assert pc.nbytes == 0 and len(pc) == 0

@@ -73,7 +73,7 @@ class ServerState:
         def stats() -> Any:
             return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
 
-        self.metrics = ServerMetrics(lambda: self.batcher, stats, lambda: self.health)
+        self.metrics = ServerMetrics(lambda: self.batcher, stats, lambda: self.health, self._memory)
         #: set once shutdown began: new generating requests are refused with 503
         self.draining = False
         #: an expected error (a bad store, a missing file) the engine's startup failed with
@@ -134,6 +134,22 @@ class ServerState:
     def public(self, text: str) -> str:
         """``text`` without absolute paths of the host (see :func:`.security.public_text`)."""
         return public_text(text, self.private_dirs())
+
+    def _memory(self) -> dict[str, float]:
+        """What the server's caches hold and their bounds, in bytes (for /metrics)."""
+        import mlx.core as mx
+
+        out: dict[str, float] = {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
+                                 "mlx_cache_limit_bytes": float(self.settings.mlx_cache_bytes or 0)}
+        if self.batcher is not None:
+            out["prompt_cache_bytes"] = self.batcher.prefix_cache.nbytes
+            out["prompt_cache_limit_bytes"] = self.batcher.prefix_cache.max_bytes
+        if self.engine is not None:
+            for key in ("staging_bytes", "host_tier_bytes"):
+                value = self.engine.description.get(key)
+                if isinstance(value, (int, float)):
+                    out[key] = value
+        return out
 
     @property
     def model_id(self) -> str:
@@ -370,9 +386,16 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                                   max_batch=settings.max_batch, max_queue=settings.max_queue,
                                   prefill_chunk=settings.prefill_chunk, prompt_cache_size=settings.prompt_cache_size,
                                   prompt_cache_min_tokens=settings.prompt_cache_min_tokens,
-                                  joint_prefill=settings.joint_prefill)
+                                  joint_prefill=settings.joint_prefill,
+                                  prompt_cache_bytes=settings.prompt_cache_bytes)
                 # An unknown predictor fails startup, not requests.
                 engine.model.forward.make_predictor(settings.predictor)
+            if settings.mlx_cache_bytes is not None:
+                import mlx.core as mx
+
+                # MLX keeps freed buffers for reuse up to its whole memory limit by default: with
+                # batches of ever new shapes the process's RSS would grow towards that.
+                mx.set_cache_limit(settings.mlx_cache_bytes)
             health = engine.health if engine.health is not None else HealthRegistry()
             batcher.on_failure = health.record
             async with anyio.create_task_group() as tg:

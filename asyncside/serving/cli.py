@@ -47,6 +47,25 @@ def _at_least(lo: int) -> Any:
     return check
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}") from None
+    if not 0 <= value < 1 << 50:
+        raise argparse.ArgumentTypeError(f"expected a size >= 0, got {text!r}")
+    return int(value)
+
+
+def _size_or_default(text: str) -> int | None:
+    return None if text.strip().lower() == "mlx" else _size(text)
+
+
 def _port(text: str) -> int:
     value = _at_least(0)(text)
     if value > 65535:
@@ -138,6 +157,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens prefilled per engine step (default: 16 on the CPU, 512 on a GPU)")
     parser.add_argument("--prompt-cache-size", type=_at_least(0), default=d.prompt_cache_size,
                         help=f"KV caches kept for prefix reuse, 0 to disable (default {d.prompt_cache_size})")
+    parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes, metavar="SIZE",
+                        help=f"bytes of KV caches the prompt cache keeps at most, e.g. 256M "
+                             f"(default {d.prompt_cache_bytes >> 20}M)")
+    parser.add_argument("--mlx-cache-limit", dest="mlx_cache_bytes", type=_size_or_default,
+                        default=d.mlx_cache_bytes, metavar="SIZE",
+                        help=f"bytes of freed buffers MLX keeps for reuse, e.g. 512M, or 'mlx' for MLX's own "
+                             f"default (its memory limit) (default {(d.mlx_cache_bytes or 0) >> 20}M)")
     parser.add_argument("--joint-prefill", action="store_true",
                         help="prefill fresh prompts that arrive together in one forward (faster with many "
                              "clients on a GPU; there a request's low bits then depend on who arrived with it)")

@@ -127,7 +127,8 @@ class Batcher:
     def __init__(self, model: ServedModel, source: Any, *, predictor: str = "lookahead", max_batch: int = 32,
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
                  prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
-                 joint_prefill: bool = False, strategy: StepStrategy | None = None) -> None:
+                 joint_prefill: bool = False, strategy: StepStrategy | None = None,
+                 prompt_cache_bytes: int = 256 << 20) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -141,7 +142,7 @@ class Batcher:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens)
+        self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
         config = getattr(model, "config", None) or {}
         vocab = config.get("vocab_size", getattr(model.tokenizer, "vocab_size", None))
         self.vocab_size: int | None = vocab if isinstance(vocab, int) else None

@@ -229,14 +229,27 @@ def runtime_samples(stats: Mapping[str, Any], prefix: str = "asyncside_runtime")
     return out
 
 
+_MEMORY_HELP = {
+    "mlx_active_bytes": "Bytes of MLX arrays alive (model weights, pools, KV caches)",
+    "mlx_cache_bytes": "Bytes of freed buffers MLX keeps for reuse",
+    "mlx_cache_limit_bytes": "Bound of MLX's cache of freed buffers (0: MLX's default, its memory limit)",
+    "prompt_cache_bytes": "Bytes of KV caches the prompt cache keeps",
+    "prompt_cache_limit_bytes": "Bound of the prompt cache in bytes",
+    "staging_bytes": "Bytes of the reader's staging buffers (fixed at startup)",
+    "host_tier_bytes": "Bytes of the host tier of expert records (fixed at startup)",
+}
+
+
 class ServerMetrics:
     """The server's metrics. ``engine()`` returns the running Batcher (None before startup) and
     ``runtime_stats()`` the runtime's statistics (None when there are none)."""
 
     def __init__(self, engine: Callable[[], Any], runtime_stats: Callable[[], Mapping[str, Any] | None],
-                 health: Callable[[], Any] = lambda: None) -> None:
+                 health: Callable[[], Any] = lambda: None,
+                 memory: Callable[[], Mapping[str, float]] = dict) -> None:
         self._runtime_stats = runtime_stats
         self._health = health
+        self._memory = memory
         r = self.registry = Registry()
         self.requests = r.counter(
             "asyncside_http_requests_total", "HTTP requests answered, by endpoint and status", ("endpoint", "status")
@@ -304,6 +317,15 @@ class ServerMetrics:
         r.gauge("asyncside_prefill_tokens", "Prompt tokens computed by the engine", of("prefill_tokens"))
         r.add_collector(self._runtime_metrics)
         r.add_collector(self._health_metrics)
+        r.add_collector(self._memory_metrics)
+
+    def _memory_metrics(self) -> list[Gauge]:
+        out = []
+        for name, value in sorted(self._memory().items()):
+            g = Gauge(f"asyncside_{name}", _MEMORY_HELP.get(name, "Bytes (a cache of the server or its bound)"))
+            g.set(value)
+            out.append(g)
+        return out
 
     def _health_metrics(self) -> list[Gauge]:
         h = self._health()

@@ -9,6 +9,10 @@ since its logits give the first generated token.
 
 Entries are few (a handful of conversations) and prompts short next to a linear scan, so the
 lookup compares token lists directly rather than keeping a trie.
+
+The cache is bounded twice: at most ``max_entries`` entries and at most ``max_bytes`` bytes of
+keys and values in all (the least recently used go first; an entry larger than the whole bound
+is not kept). ``nbytes`` is what it holds now.
 """
 
 from __future__ import annotations
@@ -21,6 +25,17 @@ from typing import Any
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 
+def cache_nbytes(cache: list[Any]) -> int:
+    """Bytes of keys and values a request's KV cache holds (0 for layers that cannot say)."""
+    total = 0
+    for c in cache:
+        try:
+            total += int(c.nbytes)
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+    return total
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -30,12 +45,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """Up to ``max_entries`` (tokens, KV cache) pairs, least recently used dropped first."""
+    """Up to ``max_entries`` (tokens, KV cache) pairs and ``max_bytes`` bytes of them, least
+    recently used dropped first."""
 
-    def __init__(self, max_entries: int = 8, min_tokens: int = 16) -> None:
+    def __init__(self, max_entries: int = 8, min_tokens: int = 16, max_bytes: int = 256 << 20) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.min_tokens = max(1, min_tokens)
         self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Any]]] = OrderedDict()
+        self._sizes: dict[int, int] = {}
+        self.nbytes = 0
         self._next = 0
         self.hits = 0
         self.reused_tokens = 0
@@ -74,15 +93,26 @@ class PrefixCache:
         """Keep ``cache`` (holding exactly ``tokens``); the caller gives it up."""
         if self.max_entries <= 0 or not tokens:
             return
+        size = cache_nbytes(cache)
+        if size > self.max_bytes:
+            return
         tokens = tuple(tokens)
         for key, (held, _c) in list(self._entries.items()):
             # An entry that is a prefix of the new one adds nothing a trim cannot give back.
             if len(held) <= len(tokens) and tokens[: len(held)] == held and can_trim_prompt_cache(cache):
-                del self._entries[key]
+                self._drop(key)
         self._entries[self._next] = (tokens, cache)
+        self._sizes[self._next] = size
+        self.nbytes += size
         self._next += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int) -> None:
+        del self._entries[key]
+        self.nbytes -= self._sizes.pop(key)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sizes.clear()
+        self.nbytes = 0

@@ -21,8 +21,11 @@ class ServeSettings:
     Prefill runs in chunks of ``prefill_chunk`` tokens (None: by device, see
     :func:`~asyncside.serving.engine.default_prefill_chunk`), one chunk's worth per engine step
     between decode steps, so a long prompt delays other streams by at most one chunk per token.
-    ``prompt_cache_size`` KV caches of finished requests are kept for prefix reuse (0: off); a
-    prefix shorter than ``prompt_cache_min_tokens`` is recomputed rather than copied.
+    ``prompt_cache_size`` KV caches of finished requests are kept for prefix reuse (0: off), at
+    most ``prompt_cache_bytes`` of them; a prefix shorter than ``prompt_cache_min_tokens`` is
+    recomputed rather than copied. ``mlx_cache_bytes`` bounds MLX's cache of freed buffers for
+    the process (None: MLX's default, which is its whole memory limit: RSS then grows with every
+    new shape a batch meets).
     ``joint_prefill``: fresh prompts arriving together share one prefill forward (see
     :class:`~asyncside.serving.engine.Batcher`; off by default: on a GPU it changes the low bits
     of their caches with who arrived together).
@@ -49,6 +52,8 @@ class ServeSettings:
     prefill_chunk: int | None = None
     prompt_cache_size: int = 8
     prompt_cache_min_tokens: int = 16
+    prompt_cache_bytes: int = 256 << 20
+    mlx_cache_bytes: int | None = 512 << 20
     joint_prefill: bool = False
     allow_origins: tuple[str, ...] = field(default_factory=tuple)
     access_log: bool = True
@@ -64,9 +69,11 @@ class ServeSettings:
                      "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeSettings.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue", "prompt_cache_size", "prompt_cache_min_tokens"):
+        for name in ("max_queue", "prompt_cache_size", "prompt_cache_min_tokens", "prompt_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServeSettings.{name} must be at least 0, got {getattr(self, name)}")
+        if self.mlx_cache_bytes is not None and self.mlx_cache_bytes < 0:
+            raise ValueError(f"ServeSettings.mlx_cache_bytes must be >= 0 or None, got {self.mlx_cache_bytes}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"ServeSettings.max_context must be at least 2, got {self.max_context}")
         if self.request_timeout is not None and not self.request_timeout > 0:
@@ -94,6 +101,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=getattr(args, "prompt_cache_bytes", d.prompt_cache_bytes),
+        mlx_cache_bytes=getattr(args, "mlx_cache_bytes", d.mlx_cache_bytes),
         joint_prefill=getattr(args, "joint_prefill", d.joint_prefill),
         request_timeout=getattr(args, "request_timeout", d.request_timeout),
         default_temperature=getattr(args, "temp", d.default_temperature),
