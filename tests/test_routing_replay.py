@@ -147,3 +147,26 @@ def test_demo_records_and_replays_routing(tmp_path: pathlib.Path, capsys: pytest
     forced = json.loads(capsys.readouterr().out)
     assert forced["tokens_identical"] is True and forced["audit_clean"] is True
     assert forced["hit_rate"] != free["hit_rate"]  # other experts were routed
+
+
+@pytest.mark.parametrize("model_type", sorted(BASE))
+def test_forced_router_scores_are_the_routers(model_type: str) -> None:
+    """Forced to the ids its router picks, every architecture's block computes exactly its own output:
+    the gate weights are the router's scores at the forced ids, nothing else changes."""
+    from asyncside.models.arch import arch_for, moe_layers
+    from asyncside.models.forcing import forced_block_call
+    from asyncside.models.loading import streaming_from_model
+    from asyncside.models.pooled import route
+
+    model, config = tiny_model(model_type)
+    sm, _pools = streaming_from_model(model, config, completed=completed)
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 9, config["hidden_size"])).astype(np.float32))
+    for layer, (block, _attr) in moe_layers(model, arch_for(model_type)).items():
+        pooled_block, pooled_attr = sm._moe[layer]
+        inds = route(pooled_block, pooled_attr, x)[1]
+        own = block(x)
+        forced = forced_block_call(block, x, inds)
+        assert mx.array_equal(own, forced).item(), (model_type, layer)
+        other = (inds + 1) % int(config.get("num_experts") or config.get("num_local_experts")
+                                 or config["n_routed_experts"])
+        assert not mx.array_equal(own, forced_block_call(block, x, other.astype(inds.dtype))).item()
