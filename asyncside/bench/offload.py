@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import AsyncsideError
+from ..policies import DEFAULT_POLICY
 
 __all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
 
@@ -449,7 +450,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
     p.add_argument("--seconds", type=float, default=40.0, help="generation time per run (default 40)")
     p.add_argument("--tokens", type=int, default=256, help="at most this many tokens per run (default 256)")
-    p.add_argument("--policy", default="lru", help="asyncside's eviction policy (default lru)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"asyncside's eviction policy (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead"],
                    help="asyncside's predictor (default none: the router's lookahead does not know replayed ids)")
     p.add_argument("--cache-dir", default=None, help="where the shapes are built (default ~/.cache/asyncside)")
