@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory import host_tier_arg
+from .memory import host_tier_arg, memory_arg
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -52,6 +52,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", metavar="FRACTION", type=_resident, default=0.25,
                    help="share of each layer's experts the pools hold, or 'auto': sized to the memory "
                         "available (default 0.25)")
+    p.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
+                   help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
+                        "cgroup and MemAvailable allow); the plan is printed, and reads bypass the page cache "
+                        "when the store does not fit what the budget leaves for it")
+    p.add_argument("--reference", default="auto", choices=["auto", "all-resident", "slot-cache", "none"],
+                   help="what the tokens are checked against: mlx-lm with every expert in memory, or the "
+                        "slot cache (a plain synchronous reader, bounded memory); auto: all-resident when the "
+                        "model fits the budget, else the slot cache")
     p.add_argument("--tokens", metavar="N", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
@@ -161,8 +169,11 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
 
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None,
-                       verify=not getattr(args, "no_verify", False),
+                       verify=not getattr(args, "no_verify", False), memory=getattr(args, "memory", None),
                        host_tier=getattr(args, "host_tier", "auto")) as rt:
+        if rt.plan is not None and not (args.quiet or args.json):
+            print(rt.plan.describe(), flush=True)
+            print(f"{args.prompt}", end="", flush=True)
         record = RoutingTrace() if getattr(args, "record_routing", None) else None
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
@@ -181,11 +192,111 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
         stats["memory"] = rt.memory
+        stats["peak_rss_bytes"] = peak_rss_bytes()
     if record is not None:
         meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
                                        args.record_routing)
     return run, stats, audit_ok
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def choose_reference(store: Any, asked: str, memory: int | None) -> tuple[str, str]:
+    """Which run checks the tokens, and why: the all-resident model when it fits the budget (its
+    experts and non-expert weights in at most half of it), else the slot cache."""
+    from .memory import available_memory, describe_bytes
+
+    if asked != "auto":
+        return asked, "asked for"
+    model_bytes = sum(store.layer(i).blob_bytes for i in store.layers)
+    try:
+        model_bytes += sum(f.stat().st_size for f in store.path.glob("*.safetensors"))
+    except OSError:
+        pass
+    budget = available_memory().available if memory is None else min(memory, available_memory().available)
+    if model_bytes <= budget // 2:
+        return "all-resident", f"the model's {describe_bytes(model_bytes)} fit the budget"
+    return "slot-cache", (f"the model's {describe_bytes(model_bytes)} do not fit half of the "
+                          f"{describe_bytes(budget)} budget: checked against a plain synchronous reader instead")
+
+
+def slot_cache_run(sm: Any, store: Any, prompt_ids: list[int], max_tokens: int, eos: set[int],
+                   memory: dict[str, Any]) -> Run:
+    """Greedy tokens of the slot cache (the same routing replay, pools of the runtime's size, one
+    synchronous read at a time, past the page cache when the runtime's plan was): bounded memory."""
+    from .bench.slot_cache import SlotCache, slot_generate
+
+    fraction = memory.get("resident")
+    with SlotCache(store, fraction if isinstance(fraction, float) else 0.25,
+                   direct=bool(memory.get("direct"))) as sc:
+        run = Run(start=time.perf_counter())
+        for tok in slot_generate(sm, sc, prompt_ids, max_tokens=max_tokens, eos_token_ids=eos):
+            run.first_token()
+            run.tokens.append(tok)
+        run.end = time.perf_counter()
+    return run
+
+
+def probe_disk(store: Any, seconds: float = 0.5) -> dict[str, float]:
+    """The store's random-read bandwidth at its record size, one O_DIRECT read at a time (what a
+    fault does), for about ``seconds``: the disk's limit the I/O-bound figures are held to."""
+    import mmap
+    import os
+    import random
+
+    layers = list(store.layers)
+    stride = max(store.layer(i).stride for i in layers)
+    buf = mmap.mmap(-1, -(-stride // 4096) * 4096)
+    rng = random.Random(0)
+    done = 0
+    t0 = time.perf_counter()
+    fds = {i: os.open(store.layer(i).path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for i in layers}
+    try:
+        while time.perf_counter() - t0 < seconds:
+            i = rng.choice(layers)
+            spec = store.layer(i)
+            e = rng.randrange(spec.n_experts)
+            done += os.preadv(fds[i], [memoryview(buf)[: -(-spec.stride // 4096) * 4096]], e * spec.stride)
+    except OSError:
+        return {"bytes_per_s": 0.0, "record_bytes": float(stride)}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        buf.close()
+    return {"bytes_per_s": done / max(time.perf_counter() - t0, 1e-9), "record_bytes": float(stride)}
+
+
+def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: Run | None) -> dict[str, Any]:
+    """The two limits a streamed decode is held to and where its time went: the I/O limit (the
+    disk's bandwidth over the misses' bytes per token), the compute limit (all-resident tok/s, when
+    it ran), and the decode's time split into reads the model waited for and the rest."""
+    tokens = max(1, len(run.tokens))
+    miss_bytes = float(stats.get("bytes_read", 0)) / tokens
+    io_limit = (disk["bytes_per_s"] / miss_bytes) if disk and miss_bytes > 0 and disk["bytes_per_s"] > 0 else None
+    compute = ref.decode_tokens_per_s if ref is not None else None
+    bound = min(x for x in (io_limit, compute) if x is not None) if (io_limit or compute) else None
+    seconds = max(run.end - run.start, 1e-9)
+    waited = float(stats.get("stall_time_s", 0.0)) + float(stats.get("fault_time_s", 0.0))
+    return {
+        "miss_bytes_per_token": miss_bytes,
+        "disk_bytes_per_s": disk["bytes_per_s"] if disk else None,
+        "io_limit_tokens_per_s": io_limit,
+        "compute_limit_tokens_per_s": compute,
+        "of_limit": (run.decode_tokens_per_s / bound) if bound else None,
+        "read_wait_s": waited,
+        "other_s": max(0.0, seconds - waited),
+    }
 
 
 def _echo_to(stream: Any, tokenizer: Any, enabled: bool) -> Any:
@@ -233,29 +344,36 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None
-    # All-resident reference first (it also warms MLX's kernels for both runs alike).
-    ref_model, _config = load_reference_model(store_dir)
-    if replay is not None:
-        force_reference(ref_model, sm.arch.block_attr, replay)  # the same routing as the streaming run
-    reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
-    ref = reference_run(ref_model, prompt_ids, args.tokens, eos)
-    del ref_model
-    mx.clear_cache()
+    reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None))
+    ref: Run | None = None
+    if reference == "all-resident":
+        # First (it also warms MLX's kernels for both runs alike).
+        ref_model, _config = load_reference_model(store_dir)
+        if replay is not None:
+            force_reference(ref_model, sm.arch.block_attr, replay)  # the same routing as the streaming run
+        reference_run(ref_model, prompt_ids, 2, eos)  # warm-up, not timed
+        ref = reference_run(ref_model, prompt_ids, args.tokens, eos)
+        del ref_model
+        mx.clear_cache()
+    if not (args.quiet or args.json):
+        print(f"reference: {reference} ({why})", flush=True)
+    disk = probe_disk(store) if getattr(args, "memory", None) is not None else None
 
     echo = _echo_to(sys.stdout, sm.tokenizer, enabled=not (args.quiet or args.json))
     if args.model is None and not (args.quiet or args.json):
         print(EMBEDDED_NOTICE, flush=True)
-    if not (args.quiet or args.json):
-        print(f"{args.prompt}", end="", flush=True)
     run, stats, audit_ok = anyio.run(
         _streaming_run, sm, store, prompt_ids, args, echo, options,
         backend="asyncio", backend_options={"use_uvloop": sys.platform != "win32"},
     )
     if not (args.quiet or args.json):
         print(flush=True)
+    if reference == "slot-cache":
+        ref = slot_cache_run(sm, store, prompt_ids, args.tokens, eos, stats["memory"])
 
-    ref_f, run_f = ref.figures(), run.figures()
-    identical = run.tokens == ref.tokens
+    run_f = run.figures()
+    ref_f = ref.figures() if ref is not None else {k: 0.0 for k in run_f}
+    identical: bool | None = run.tokens == ref.tokens if ref is not None else None
     counters = sm.forward_with(options).counters
     kinds = {"queued": counters["queued"], "whole": counters["optimistic"],
              "per-layer": counters["per_layer"]}
@@ -286,7 +404,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "faults_per_step": stats.get("faults", 0) / decode_steps,
         "fault_latency_p50_ms": fault_latency["p50_s"] * 1e3,
         "fault_latency_p99_ms": fault_latency["p99_s"] * 1e3,
-        "direct": bool(args.direct),
+        "direct": bool(stats.get("direct", args.direct)),
+        "reference": reference,
+        "reference_why": why,
+        "peak_rss_bytes": stats.pop("peak_rss_bytes"),
+        "limits": limits(run, stats, disk, ref if reference == "all-resident" else None),
         "routing": None if replay is None else {"file": str(args.routing), "tokens": replay.n_tokens,
                                                 "meta": replay.trace.meta},
         "tokens_identical": identical,
@@ -303,7 +425,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "loop_lag": stats.pop("loop_lag"),
         "runtime": {k: v for k, v in stats.items()},
         "text": sm.tokenizer.decode(run.tokens),
-        "reference_text": sm.tokenizer.decode(ref.tokens),
+        "reference_text": sm.tokenizer.decode(ref.tokens) if ref is not None else None,
     }
     return result
 
@@ -317,7 +439,8 @@ def _table(result: dict[str, Any]) -> None:
                          f"in pools ({result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer)"))
     table.add_column("")
     table.add_column("streaming (asyncside)", justify="right")
-    table.add_column("all-resident (mlx-lm)", justify="right")
+    table.add_column({"all-resident": "all-resident (mlx-lm)", "slot-cache": "slot cache (reference)",
+                      "none": "no reference"}[result["reference"]], justify="right")
     table.add_column("ratio", justify="right")
     table.add_row("tokens/s (whole run)", f"{s['tokens_per_s']:.2f}", f"{r['tokens_per_s']:.2f}",
                   f"{result['speed_ratio']:.3f}x")
@@ -326,13 +449,25 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("time to first token", f"{s['ttft_s'] * 1e3:.0f} ms", f"{r['ttft_s'] * 1e3:.0f} ms", "")
     table.add_row("tokens", str(s["tokens"]), str(r["tokens"]), "")
     rt = result["runtime"]
-    table.add_row("hit rate (demand)", f"{result['hit_rate']:.1%}", "100%", "")
+    table.add_row("hit rate (demand)", f"{result['hit_rate']:.1%}",
+                  "100%" if result["reference"] == "all-resident" else "", "")
     table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
     table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
     table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
     mem = result["memory"]
-    table.add_row("pools / memory available at start",
-                  f"{mem['pool_bytes'] / 2**20:.0f} MiB / {mem['available_bytes'] / 2**30:.1f} GiB", "", "")
+    table.add_row("pools / memory budget (page cache left)",
+                  f"{mem['pool_bytes'] / 2**20:.0f} MiB / {mem['budget_bytes'] / 2**30:.2f} GiB "
+                  f"({mem['page_cache_bytes'] / 2**20:.0f} MiB)", "", "")
+    table.add_row("peak RSS", f"{result['peak_rss_bytes'] / 2**20:.0f} MiB", "", "")
+    lim = result["limits"]
+    if lim["io_limit_tokens_per_s"] is not None:
+        table.add_row("disk (O_DIRECT, one record at a time) / misses per token",
+                      f"{lim['disk_bytes_per_s'] / 1e9:.2f} GB/s / {lim['miss_bytes_per_token'] / 1e6:.1f} MB", "", "")
+        table.add_row("I/O limit (disk / misses per token)", f"{lim['io_limit_tokens_per_s']:.2f} tok/s", "", "")
+    if lim["of_limit"] is not None:
+        table.add_row("decode tokens/s of min(compute, I/O limit)", f"{lim['of_limit']:.2f}x", "", "")
+    table.add_row("time waiting for reads / the rest",
+                  f"{lim['read_wait_s']:.2f} s / {lim['other_s']:.2f} s", "", "")
     table.add_row("faults per token, p50 / p99 fault time",
                   f"{result['faults_per_step']:.2f}, {result['fault_latency_p50_ms']:.2f} / "
                   f"{result['fault_latency_p99_ms']:.2f} ms", "", "")
@@ -343,7 +478,8 @@ def _table(result: dict[str, Any]) -> None:
                   + (f"+{result['lookahead_extra']}" if result["lookahead_extra"] else "")
                   + f" / {result['decode_steps']} steps"
                   + (" / O_DIRECT" if result["direct"] else ""), "", "")
-    table.add_row("tokens identical", "yes" if result["tokens_identical"] else "NO", "", "")
+    same = result["tokens_identical"]
+    table.add_row("tokens identical", "not checked" if same is None else ("yes" if same else "NO"), "", "")
     table.add_row("ledger audit", "clean" if result["audit_clean"] else "FAILED", "", "")
     Console(stderr=False).print(table)
 
@@ -365,11 +501,11 @@ def demo_main(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _table(result)
-        if not result["tokens_identical"]:
-            print("asyncside demo: tokens differ from the all-resident run:\n"
+        if result["tokens_identical"] is False:
+            print(f"asyncside demo: tokens differ from the {result['reference']} run:\n"
                   f"  streaming:    {result['text']!r}\n  all-resident: {result['reference_text']!r}",
                   file=sys.stderr)
-    return 0 if result["tokens_identical"] and result["audit_clean"] else 1
+    return 0 if result["tokens_identical"] is not False and result["audit_clean"] else 1
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m asyncside.demo`

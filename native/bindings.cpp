@@ -729,6 +729,10 @@ void bind_faults(nb::module_& m) {
           "set_drop_cache", [](PyFaultTable& p, bool on) { p.t->set_drop_cache(on); }, nb::arg("on"),
           "Drop each faulted record from the page cache once read (the plan reads past the page cache).")
       .def(
+          "set_direct", [](PyFaultTable& p, bool on) { p.t->set_direct(on); }, nb::arg("on"),
+          "The table's descriptor was opened with O_DIRECT: read whole aligned record spans through an "
+          "aligned buffer.")
+      .def(
           "set_order",
           [](PyFaultTable& p, const std::string& order, double half_life) {
             fa::VictimOrder o;

@@ -107,7 +107,46 @@ uint32_t HostRecordSink::checksum_row(io::ChecksumKind kind, int64_t row) {
   return state;
 }
 
+namespace {
+
+constexpr uint64_t kDirectAlign = 4096;
+
+// One aligned buffer per reading thread (reads of a resolve run side by side on the read pool),
+// grown to the largest span read; freed when the thread ends.
+struct AlignedScratch {
+  uint8_t* data = nullptr;
+  uint64_t size = 0;
+  ~AlignedScratch() { std::free(data); }
+  uint8_t* at_least(uint64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, n));
+      size = data ? n : 0;
+    }
+    return data;
+  }
+};
+
+}  // namespace
+
+int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
+  // The record's span from its first segment to its last, widened to whole blocks: records are
+  // block aligned in the blob, so the widened span never leaves the record.
+  thread_local AlignedScratch scratch;
+  const uint64_t first = segments_.front().offset / kDirectAlign * kDirectAlign;
+  const uint64_t end = (segments_.back().offset + segments_.back().nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  uint8_t* buf = scratch.at_least(end - first);
+  if (!buf) return ENOMEM;
+  if (int err = preadv_full(fd, {iovec{buf, end - first}}, offset + first)) return err;
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const auto& s = segments_[k];
+    std::memcpy(dest_->host_row(order_[k], row), buf + (s.offset - first), s.nbytes);
+  }
+  return 0;
+}
+
 int HostRecordSink::read_row(int fd, uint64_t offset, int64_t row) {
+  if (direct_.load(std::memory_order_relaxed) && offset % kDirectAlign == 0) return read_row_direct(fd, offset, row);
   // Segments in file order, each straight into its pool row; small gaps into the sink, large
   // gaps split the read in two.
   std::vector<iovec> iov;

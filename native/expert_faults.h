@@ -75,6 +75,9 @@ class RecordSink {
   // told (keep) under the table's lock; keep() follows a read that verified.
   virtual bool holds(int64_t expert) const { return false; }
   virtual void keep(int64_t expert) {}
+  // Reads come from a descriptor opened with O_DIRECT: read whole aligned spans into an aligned
+  // buffer and copy the segments out (pool rows are not block aligned in general).
+  virtual void set_direct(bool on) {}
   // Staging (a device sink with a host tier and staging arrays): plan the copy of `expert`'s
   // bytes into its row of the staging arrays (a whole layer, indexed by expert id), from pool
   // row `row`, or from the host tier when `row` < 0 (the tier must hold the expert). Called one
@@ -99,12 +102,15 @@ class HostRecordSink final : public RecordSink {
   int64_t rows() const override { return dest_->rows(); }
   int read(int fd, uint64_t offset, int64_t row, int64_t) override { return read_row(fd, offset, row); }
   uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t) override { return checksum_row(kind, row); }
+  void set_direct(bool on) override { direct_.store(on, std::memory_order_relaxed); }
   // The same, by the destination's row alone (a device sink reads into a row of its mirror or
   // of its tier through these).
   int read_row(int fd, uint64_t offset, int64_t row);
   uint32_t checksum_row(io::ChecksumKind kind, int64_t row);
 
  private:
+  int read_row_direct(int fd, uint64_t offset, int64_t row);
+  std::atomic<bool> direct_{false};
   std::shared_ptr<io::Destination> dest_;
   uint64_t stride_;
   std::vector<io::SegmentSpan> segments_;  // sorted by offset
@@ -161,6 +167,8 @@ class FaultTable {
   // Drop each record from the page cache once it was read (POSIX_FADV_DONTNEED): when the store
   // is larger than the page cache a memory budget leaves, cached records only evict each other.
   void set_drop_cache(bool on);
+  // The table's descriptor was opened with O_DIRECT: the sink reads aligned spans (see RecordSink).
+  void set_direct(bool on) { sink_->set_direct(on); }
 
   // ---- stream thread ----
   // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else).

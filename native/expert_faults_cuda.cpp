@@ -138,6 +138,7 @@ class DeviceRecordSink final : public RecordSink {
   int read(int fd, uint64_t offset, int64_t row, int64_t expert) override {
     return host_.read_row(fd, offset, slot(row, expert));
   }
+  void set_direct(bool on) override { host_.set_direct(on); }
   uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t expert) override {
     return host_.checksum_row(kind, slot(row, expert));
   }

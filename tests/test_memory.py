@@ -185,6 +185,21 @@ def _cached_pages(path: pathlib.Path, offset: int, length: int) -> int:
         os.close(fd)
 
 
+def _opened_direct(path: pathlib.Path) -> bool:
+    """Whether this process holds ``path`` open with O_DIRECT (/proc/self/fdinfo's flags)."""
+    found = False
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue
+        found = found or bool(flags & getattr(os, "O_DIRECT", 0))
+    return found
+
+
 @pytest.mark.parametrize("drop", [False, True])
 def test_queued_faults_leave_no_page_cache_when_the_plan_bypasses_it(tmp_path: pathlib.Path, drop: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,6 +227,7 @@ def test_queued_faults_leave_no_page_cache_when_the_plan_bypasses_it(tmp_path: p
             rt.end_step(rows)
             await rt.quiesce()
             assert rt.stats()["faults"] == len(experts)
+            assert _opened_direct(spec.path) is drop  # the fault table's descriptor
             # Before anything else reads the records (the check below caches them).
             cached = sum(_cached_pages(spec.path, e * record, record) for e in experts)
             pages = len(experts) * -(-record // 4096)

@@ -1012,3 +1012,28 @@ def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Pa
     errors = anyio.run(main, True)
     assert errors and all(isinstance(e, FillError) and "checksum" in str(e) for e in errors), errors
     assert anyio.run(main, False) == []  # unverified: the step runs on the damaged bytes
+
+
+@pytest.mark.parametrize("quant", ["float", "q4"])
+def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, quant: str, read_threads: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that reads past the page cache (a budget the store does not fit): faults read whole
+    aligned records with O_DIRECT and copy the segments out (quantized records have gaps between
+    segments); the tokens equal mlx-lm's with faults in every layer."""
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")  # what a budget smaller than the store decides
+    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
+    k = _top_k(sm.config)
+
+    async def main() -> tuple[list[int], dict]:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+            assert rt.memory["direct"] is True and rt.stats()["direct"] is True
+            tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
+            await rt.quiesce()
+            assert all(r.ok for r in rt.audit().values())
+            return tokens, dict(rt.stats())
+
+    tokens, stats = anyio.run(main)
+    assert tokens == ref
+    assert stats["faults"] >= len(sm.store.layers)  # every layer faulted

@@ -27,6 +27,8 @@ from ._state import LayerState, Shared, native_available
 
 #: queued steps apply the stream's fault logs to the ledgers at least this often (steps)
 RECONCILE_EVERY = 32
+#: O_DIRECT's block: a layer whose records are whole blocks is read past the page cache directly
+DIRECT_ALIGN = 4096
 
 
 class QueuedSide:
@@ -69,11 +71,27 @@ class QueuedSide:
         host = [(i, st) for i, st in s.layers.items() if not st.pools.device or device_ok]
         if not host:
             return
+        o_direct = getattr(os, "O_DIRECT", 0)
+        direct: set[int] = set()  # layers whose descriptor bypasses the page cache
+
+        def open_one(index: int, st: LayerState) -> int:
+            flags = os.O_RDONLY | os.O_CLOEXEC
+            if plan.direct and o_direct and st.spec.stride % DIRECT_ALIGN == 0:
+                try:
+                    fd = os.open(st.spec.path, flags | o_direct)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # EINVAL: a file system without O_DIRECT
+                        raise
+                else:
+                    direct.add(index)
+                    return fd
+            return os.open(st.spec.path, flags)
+
         def open_all() -> list[int]:
             fds: list[int] = []
             try:
-                for _, st in host:
-                    fds.append(os.open(st.spec.path, os.O_RDONLY | os.O_CLOEXEC))
+                for index, st in host:
+                    fds.append(open_one(index, st))
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
@@ -105,9 +123,12 @@ class QueuedSide:
                 else:
                     st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
                                                    str(spec.path), spec.stride)
-                if plan.direct:
-                    # The plan reads past the page cache: a faulted record's pages are dropped
-                    # once read, so cached records never evict each other (see MemoryPlan).
+                if index in direct:
+                    # The plan reads past the page cache: O_DIRECT, through an aligned buffer.
+                    st.faults.set_direct(True)
+                elif plan.direct:
+                    # O_DIRECT could not be had here: a faulted record's pages are dropped once
+                    # read instead, so cached records never evict each other (see MemoryPlan).
                     st.faults.set_drop_cache(True)
                 if s.scheduler.verify and spec.checksum is not None and spec.checksums is not None:
                     # A faulted record is used only after its bytes verified, as a read one is.
