@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +181,27 @@ def test_split_rows_on_mixed_layers_beats_an_even_split() -> None:
     even = total(replay_trace(tr, [8, 8], "lru")).hit_rate
     split = total(replay_trace(tr, alloc, "lru")).hit_rate
     assert alloc != [8, 8] and split > even
+
+
+def test_bench_policy_prints_a_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import json
+
+    from asyncside.bench import add_bench_arguments, run_bench
+
+    tr = synthetic(tokens=60, n_layers=2, n_experts=16, top_k=2, skew=1.0, overlap=0.5, layer_corr=0.0)
+    tr.save(tmp_path / "t.npz")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments("policy", parser)
+    args = parser.parse_args(["--tokens", "50", "--layers", "2", "--shapes", "16x2", "--presets", "high",
+                              "--policies", "lru,adaptive-lrfu", "--trace", str(tmp_path / "t.npz"),
+                              "--out", str(tmp_path / "out.json")])
+    assert run_bench("policy", args) == 0
+    table = capsys.readouterr().out
+    assert "| high 16x2 s0 | 25% (4) |" in table and "| t 16x2 | 50% (8) |" in table
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert [r["trace"] for r in data["rows"]] == ["high 16x2 s0"] * 2 + ["t 16x2"] * 2
+    assert all(0 < r["adaptive-lrfu"] <= r["min"] for r in data["rows"])
+    bad = parser.parse_args(["--shapes", "16by2"])
+    with pytest.raises(SystemExit, match="EXPERTSxTOP_K"):
+        run_bench("policy", bad)

@@ -69,6 +69,8 @@ BENCHES: dict[str, Bench] = {
               "add_serve_bench_arguments", "run_serve_bench"),
         Bench("step", "host time per decode step, phase by phase, beside mlx-lm's",
               "add_step_arguments", "run_step_bench"),
+        Bench("policy", "cache policies' hit rates against Belady's MIN on routing traces",
+              "add_policy_arguments", "run_policy_bench"),
         Bench("offload", "larger than memory: asyncside, the slot cache and mlx-lm, each in a memory cgroup",
               "add_offload_arguments", "run_offload_bench",
               ok=lambda result: bool(result.get("tokens_identical", False))),

@@ -1,0 +1,135 @@
+"""``asyncside bench policy``: cache policies against Belady's MIN on routing traces.
+
+Per trace (the synthetic locality presets at several shapes and seeds, plus any ``--trace`` file),
+per cache size (a fraction of the experts, per MoE layer), per policy: the hit rate replayed
+through the real Ledger, beside Belady's MIN with and without bypass and the best static set in
+hindsight, and each policy's fraction of MIN. Prints a table (unless ``--json``), writes JSON with
+``--out``. Pure Python and numpy (no MLX); docs/policies.md explains the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+#: (experts, top_k) of the default synthetic traces: the recorded public trace's shape (64 experts,
+#: top-6) and two larger ones.
+DEFAULT_SHAPES = ((64, 6), (128, 8), (256, 8))
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's options."""
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per synthetic trace (default 2048)")
+    parser.add_argument("--layers", type=int, default=8, help="MoE layers per synthetic trace (default 8)")
+    parser.add_argument("--fractions", default="0.25,0.5",
+                        help="per-layer cache sizes as fractions of the experts (default 0.25,0.5)")
+    parser.add_argument("--policies", default="lru,lfu,aging-lfu,lrfu,adaptive-lrfu",
+                        help="policies to replay, comma-separated (default: every named policy but one-shot)")
+    parser.add_argument("--presets", default="low,middle,high", help="synthetic locality presets (default all)")
+    parser.add_argument("--shapes", default=",".join(f"{e}x{k}" for e, k in DEFAULT_SHAPES),
+                        help="synthetic shapes EXPERTSxTOP_K, comma-separated (default 64x6,128x8,256x8)")
+    parser.add_argument("--seeds", default="0", help="seeds of the synthetic traces, comma-separated (default 0)")
+    parser.add_argument("--trace", action="append", default=[], metavar="NPZ",
+                        help="also replay this routing trace file (docs/routing-traces.md); repeatable")
+    parser.add_argument("--out", default=None, help="write the result as JSON to this file")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{what}: expected comma-separated integers, got {text!r}") from None
+
+
+def build_traces(args: argparse.Namespace) -> dict[str, Any]:
+    """The traces the arguments name, by label."""
+    from ..routing import LOCALITIES, RoutingTrace, preset
+
+    traces: dict[str, Any] = {}
+    presets = [p for p in args.presets.split(",") if p]
+    for p in presets:
+        if p not in LOCALITIES:
+            raise SystemExit(f"--presets: unknown preset {p!r}; known: {sorted(LOCALITIES)}")
+    shapes = []
+    for s in args.shapes.split(","):
+        try:
+            e, k = (int(x) for x in s.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: expected EXPERTSxTOP_K like 64x6, got {s!r}") from None
+        shapes.append((e, k))
+    for seed in _ints(args.seeds, "seeds"):
+        for e, k in shapes:
+            for p in presets:
+                traces[f"{p} {e}x{k} s{seed}"] = preset(p, tokens=args.tokens, n_layers=args.layers, n_experts=e,
+                                                         top_k=k, seed=seed)
+    for path in args.trace:
+        tr = RoutingTrace.load(path)
+        traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
+    return traces
+
+
+def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    """The rows as a Markdown table: hit rates, and each policy's fraction of MIN in brackets."""
+    head = ["trace", "cache", "MIN", "MIN no bypass", "static", *policies]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
+    for r in rows:
+        cells = [r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}", f"{r['min-no-bypass']:.3f}",
+                 f"{r['static']:.3f} ({r['static'] / r['min']:.2f})"]
+        cells += [f"{r[p]:.3f} ({r[p + '/min']:.2f})" for p in policies]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Replay every policy on every trace; print the table unless ``args.json``; return the result."""
+    from ..policies import make_policy
+    from ..policy_replay import compare_policies
+
+    fractions = []
+    for f in args.fractions.split(","):
+        try:
+            v = float(f)
+        except ValueError:
+            raise SystemExit(f"--fractions: expected numbers in (0, 1], got {f!r}") from None
+        if not 0 < v <= 1:
+            raise SystemExit(f"--fractions: expected numbers in (0, 1], got {f!r}")
+        fractions.append(v)
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        make_policy(p)  # an unknown name fails here, naming the known ones
+    started = time.time()
+    traces = build_traces(args)
+    rows = compare_policies(traces, fractions, policies)
+    worst = {p: {f: min(r[f"{p}/min"] for r in rows if r["fraction"] == f) for f in fractions} for p in policies}
+    result: dict[str, Any] = {
+        "bench": "policy",
+        "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step",
+        "traces": {name: {"experts": t.n_experts, "top_k": t.top_k, "layers": t.n_layers, "tokens": t.n_tokens,
+                          "meta": t.meta} for name, t in traces.items()},
+        "fractions": fractions,
+        "policies": policies,
+        "rows": rows,
+        "worst_fraction_of_min": worst,
+        "seconds": round(time.time() - started, 1),
+    }
+    if not getattr(args, "json", False):
+        print(format_table(rows, policies))
+        print()
+        for p in policies:
+            print(f"{p}: worst fraction of MIN " + ", ".join(
+                f"{f:.0%} {v:.2f}" for f, v in worst[p].items() if not math.isnan(v)))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    from . import bench_main
+
+    sys.exit(bench_main("policy"))
