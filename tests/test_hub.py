@@ -201,3 +201,18 @@ def test_interrupted_conversions_leave_nothing_that_opens_and_are_cleaned_up(
     assert removed_stale_staging(dest) == [live]  # its lock died with its holder
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.convert-x", ".store.convert-young", "store"]
     ExpertStore.open(dest)
+
+
+def test_load_takes_a_repo_id(hub_env: dict[str, Any]) -> None:
+    """asyncside.facade.load, like mlx_lm.load, takes the id (converted on first use, then reused)."""
+    from mlx_lm import generate
+
+    from asyncside.facade import load
+
+    model, tok = load(REPO, resident=0.5, progress=False)
+    try:
+        assert model.streaming.store.path == store_for(REPO, progress=False, say=lambda _line: None)
+        assert model.streaming.model_id == REPO
+        assert len(generate(model, tok, "Hello", max_tokens=4)) > 0
+    finally:
+        model.close()
