@@ -39,7 +39,8 @@ from typing import Any
 import anyio.lowlevel
 import mlx.core as mx
 
-from . import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from .errors import AsyncsideError
 
 __all__ = [

@@ -104,7 +104,8 @@ def find_switch(block: nn.Module) -> tuple[str, nn.Module] | None:
     :func:`register_switch_type` (asyncside's pooled switch). Returns None for a dense MLP.
     """
     kinds = (*SWITCH_TYPES, *_REGISTERED_SWITCHES)
-    found = [(name, child) for name, child in block.children().items() if isinstance(child, kinds)]
+    found = [(str(name), child) for name, child in block.children().items()
+             if isinstance(child, nn.Module) and isinstance(child, kinds)]
     if not found:
         return None
     if len(found) > 1:

@@ -28,7 +28,8 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from .. import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from ..bridge import Completed
 from ..errors import AsyncsideError, CapacityError
 from ..snapshot import RowSnapshot, SpeculativeSource

@@ -22,7 +22,8 @@ import anyio.lowlevel
 import mlx.core as mx
 import numpy as np
 
-from .. import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from ..bridge import Armed, Completed, current_queue
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .walk import DecoderWalk, StepContext

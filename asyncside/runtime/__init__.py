@@ -33,7 +33,8 @@ import numpy as np
 # loop during the first prefill (see BENCHMARKS.md, "Loop lag"). Paid here, at import.
 import numpy.ma
 
-from .. import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from ..ledger import AuditReport, Ledger, validate_ids
 from ..policies import DEFAULT_POLICY
 from ..readers import ReaderOptions

@@ -19,7 +19,8 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from .. import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from ..errors import AsyncsideError, FillError
 from ._leases import Leases
 from ._plan import MemoryPlan, tier_bytes

@@ -18,7 +18,8 @@ import anyio.abc
 import mlx.core as mx
 import numpy as np
 
-from .. import _native
+import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
+
 from ..errors import AsyncsideError, FillError
 from ..ledger import Fill, Ledger
 from ..pools import PoolSet
