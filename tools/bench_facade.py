@@ -2,6 +2,7 @@
 asyncside's own generation loop (``StreamingModel.generate``), on the same runtime.
 
     python tools/bench_facade.py [--model STORE|DIR|ORG/NAME] [--tokens 128] [--rounds 5] [--resident 0.25]
+                                 [--predictor lookahead|temporal|none]
 
 Both run on the facade's runtime (same pools, same thread, same store), alternated round by round
 (own loop first in odd rounds, the facade first in even ones), so machine load drifts hit both
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--resident", type=float, default=0.25)
+    p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
+                   help="the own loop's expert predictor (the facade's steps run none)")
     p.add_argument("--prompt", default="Mixture-of-Experts models route every token to a few experts out of many. ")
     args = p.parse_args(argv)
 
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def own_loop() -> tuple[list[int], float]:
         toks, first, last = [], 0.0, 0.0
-        async for t in sm.generate(prompt_ids, max_tokens=n, source=model.runtime, stop_at_eos=False):
+        async for t in sm.generate(prompt_ids, max_tokens=n, source=model.runtime, stop_at_eos=False,
+                                     predictor=args.predictor):
             last = time.perf_counter()
             if not toks:
                 first = last
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                        "ratio": got["facade"][1] / got["own"][1], "first": order[0][0]})
     model.close()
     print(json.dumps({
-        "model": sm.model_id, "resident": args.resident, "tokens": n, "rounds": rounds,
+        "model": sm.model_id, "resident": args.resident, "tokens": n, "own_predictor": args.predictor,
+        "rounds": rounds,
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
         "median_own_tok_s": statistics.median(r["own_tok_s"] for r in rounds),
         "median_facade_tok_s": statistics.median(r["facade_tok_s"] for r in rounds),
