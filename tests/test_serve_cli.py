@@ -21,7 +21,7 @@ from asyncside.serving.cli import settings_from_args
     (["--request-timeout", "-3"], ["--request-timeout", "positive"]),
     (["--temp", "9"], ["--temp", "[0, 2]"]),
     (["--reader", "nope"], ["--reader", "invalid choice"]),
-    (["--host-tier", "2QB"], ["--host-tier", "host tier '2QB'", "512M"]),
+    (["--host-tier", "2QB"], ["--host-tier", "host tier '2QB'", "800M"]),
 ])
 def test_bad_serve_arguments_are_parse_errors(argv: list[str], words: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
