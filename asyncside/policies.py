@@ -19,6 +19,10 @@ Policies:
   decode trace it keeps more hits than LRU, LFU or ageing LFU at the same rows (BENCHMARKS.md).
 - :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
+- :class:`AdaptiveLRFU` (``"adaptive-lrfu"``): LRFU that keeps each expert's history after
+  eviction (a newcomer enters as the next victim) and picks its half-life online from a shadow
+  cache; never fewer hits than LRFU on the traces of docs/policies.md, more where hot experts are
+  stable, at a higher cost per access.
 
 The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
 instead of scanning every LIVE expert per eviction (docs/design.md).

@@ -12,8 +12,9 @@ hits over all demanded experts of all layers.
   :func:`static_best` the best fixed set in hindsight (an upper bound for online policies on
   routing drawn independently per token; docs/policies.md).
 - :func:`compare_policies` tabulates all of them per trace and cache size (``asyncside bench policy``).
-- :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass;
-  :func:`split_rows` splits a total row budget across layers from such curves.
+- :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass
+  (:func:`trace_miss_curves`: every layer's); :func:`split_rows` splits a total row budget across
+  layers from such curves.
 
 Pure Python and numpy, no MLX, no I/O.
 """
@@ -228,6 +229,11 @@ def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarr
     # hits with r rows = accesses at distance < r
     hits = np.concatenate([[0], np.cumsum(hist)[:n_experts]])
     return np.asarray(accesses - hits, dtype=np.int64)
+
+
+def trace_miss_curves(trace: RoutingTrace) -> list[np.ndarray]:
+    """:func:`lru_miss_curve` of every MoE layer of ``trace`` (the input :func:`split_rows` takes)."""
+    return [lru_miss_curve(trace.ids[:, layer, :].tolist(), trace.n_experts) for layer in range(trace.n_layers)]
 
 
 def split_rows(miss_curves: Sequence[Sequence[float] | np.ndarray], total_rows: int, *,

@@ -19,6 +19,7 @@ from asyncside.policy_replay import (
     split_rows,
     static_best,
     total,
+    trace_miss_curves,
     trace_rows,
 )
 from asyncside.routing import RoutingTrace, synthetic
@@ -176,7 +177,8 @@ def test_split_rows_on_mixed_layers_beats_an_even_split() -> None:
     low = synthetic(tokens=400, n_layers=1, n_experts=32, top_k=4, skew=0.1, overlap=0.0, layer_corr=0, seed=1)
     high = synthetic(tokens=400, n_layers=1, n_experts=32, top_k=4, skew=1.2, overlap=0.9, layer_corr=0, seed=2)
     tr = RoutingTrace(np.concatenate([low.ids, high.ids], axis=1), np.array([400]), 32, {"source": "synthetic"})
-    curves = [lru_miss_curve(tr.ids[:, layer, :].tolist(), 32) for layer in range(2)]
+    curves = trace_miss_curves(tr)
+    assert [c.tolist() for c in curves] == [lru_miss_curve(tr.ids[:, i, :].tolist(), 32).tolist() for i in range(2)]
     alloc = split_rows(curves, 16, min_rows=4)
     even = total(replay_trace(tr, [8, 8], "lru")).hit_rate
     split = total(replay_trace(tr, alloc, "lru")).hit_rate
