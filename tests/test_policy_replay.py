@@ -204,6 +204,11 @@ def test_bench_policy_prints_a_table_and_writes_json(tmp_path: Path, capsys: pyt
     data = json.loads((tmp_path / "out.json").read_text())
     assert [r["trace"] for r in data["rows"]] == ["high 16x2 s0"] * 2 + ["t 16x2"] * 2
     assert all(0 < r["adaptive-lrfu"] <= r["min"] for r in data["rows"])
+    quick = parser.parse_args(["--quick", "--json", "--policies", "lru"])
+    assert run_bench("policy", quick) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {(r["trace"], r["tokens"], r["layers"]) for r in data["rows"]} == {
+        (f"{p} 64x6 s0", 256, 2) for p in ("low", "middle", "high")}
     bad = parser.parse_args(["--shapes", "16by2"])
     with pytest.raises(SystemExit, match="EXPERTSxTOP_K"):
         run_bench("policy", bad)

@@ -36,6 +36,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", action="append", default=[], metavar="NPZ",
                         help="also replay this routing trace file (docs/routing-traces.md); repeatable")
     parser.add_argument("--out", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only (numbers are noise)")
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -101,6 +103,8 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         make_policy(p)  # an unknown name fails here, naming the known ones
+    if getattr(args, "quick", False):
+        args.tokens, args.layers, args.shapes = 256, 2, "64x6"
     started = time.time()
     traces = build_traces(args)
     rows = compare_policies(traces, fractions, policies)
