@@ -4,12 +4,16 @@
 embedded model unless ``--model``) as a child process on 127.0.0.1, runs ``--clients`` clients
 against it for ``--duration`` seconds, and prints one JSON object: the server's RSS over time,
 the requests by outcome, and ``growth``: the relative change of the mean RSS from the second
-quarter of the run to the last (warm-up is the first quarter). Exit status 1 when ``growth``
+quarter of the sampled run to the last (warm-up is the first quarter, after ``--warmup``
+seconds of load that are not sampled). Exit status 1 when ``growth``
 exceeds ``--max-growth``.
 
 The clients mix what servers meet: completions and chat, streamed or not, greedy and sampled
 (seeded, top-p, penalties), stop sequences, log-probabilities, prompts of several lengths sharing
 prefixes (the prompt cache); a third of them disconnect in the middle of a stream.
+
+``--shutdown STREAMS`` measures a graceful shutdown instead: STREAMS streams in flight, SIGTERM,
+how each stream ended and how long the server took to exit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -93,25 +98,34 @@ async def client(url: str, model: str, seed: int, leaves: bool, until: float, co
             counts[kind] = counts.get(kind, 0) + 1
 
 
-async def soak(url: str, pid: int, clients: int, duration: float, sample_every: float) -> dict[str, Any]:
+async def soak(url: str, pid: int, clients: int, duration: float, sample_every: float,
+               warmup: float = 0.0) -> dict[str, Any]:
+    """Run the clients for ``warmup + duration`` seconds; RSS is sampled over the last ``duration``."""
     async with httpx.AsyncClient(base_url=url) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
     counts: dict[str, int] = {}
     samples: list[tuple[float, int]] = []
     start = time.monotonic()
-    until = start + duration
+    until = time.monotonic() + warmup + duration
 
     async def sampler() -> None:
+        await anyio.sleep(warmup)
+        nonlocal start
+        start = time.monotonic()
         while time.monotonic() < until:
             samples.append((round(time.monotonic() - start, 1), rss_bytes(pid)))
+            print(f"{samples[-1][0]:8.1f} s  RSS {samples[-1][1] / 2**20:7.1f} MiB  {sum(counts.values())} requests",
+                  file=sys.stderr, flush=True)
             await anyio.sleep(sample_every)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sampler)
-        for i in range(clients):
-            tg.start_soon(client, url, model, i, i % 3 == 0, until, counts)
+    # At the end every client leaves at once, requests in flight included (as disconnects).
+    with anyio.move_on_after(warmup + duration):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sampler)
+            for i in range(clients):
+                tg.start_soon(client, url, model, i, i % 3 == 0, until, counts)
     samples.append((round(time.monotonic() - start, 1), rss_bytes(pid)))
-    async with httpx.AsyncClient(base_url=url) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         metrics = (await http.get("/metrics")).text
     bounds = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith(("asyncside_prompt_cache", "asyncside_mlx_", "asyncside_staging"))}
@@ -132,7 +146,10 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
     """``asyncside serve`` as a child process on a free loopback port; returns it and its URL."""
     cmd = [sys.executable, "-m", "asyncside", "serve", "--host", "127.0.0.1", "--port", "0", "--no-access-log",
            *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log = tempfile.TemporaryFile("w+")  # the server's stderr, read back by the shutdown check
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.stderr_log = log  # type: ignore[attr-defined]
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("asyncside serve: http://"):
@@ -141,18 +158,77 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, line.split()[2]
 
 
+async def shutdown_timing(url: str, proc: subprocess.Popen[str], streams: int, max_tokens: int) -> dict[str, Any]:
+    """Start ``streams`` streams, SIGTERM the server once each sent a chunk; how each ended and
+    how long the server took to exit."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    ends: list[str] = []
+    started = 0
+    all_started = anyio.Event()
+
+    async def one(i: int) -> None:
+        nonlocal started
+        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True}
+        last, counted = "", False
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http, \
+                http.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not counted:
+                    counted, started = True, started + 1
+                    if started == streams:
+                        all_started.set()
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    ends.append("finished" if '"finish_reason":"' in last else "error event, then [DONE]"
+                                if '"error"' in last else "[DONE] after " + last[:60])
+                    return
+                last = data
+        ends.append("cut without [DONE]")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(streams):
+            tg.start_soon(one, i)
+        await all_started.wait()
+        t0 = time.monotonic()
+        proc.terminate()
+    status = await anyio.to_thread.run_sync(proc.wait)
+    took = round(time.monotonic() - t0, 2)
+    log = proc.stderr_log  # type: ignore[attr-defined]
+    log.seek(0)
+    text = log.read()
+    return {"exit_status": status, "exit_after_s": took, "streams": {e: ends.count(e) for e in sorted(set(ends))},
+            "tracebacks_in_log": text.count("Traceback"), "log_lines": len(text.splitlines())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m asyncside.serving.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shutdown", type=int, default=0, metavar="STREAMS",
+                   help="instead of a soak: start STREAMS streams of --shutdown-tokens tokens, SIGTERM the "
+                        "server, report how each stream ended and when the server exited")
+    p.add_argument("--shutdown-tokens", type=int, default=200)
     p.add_argument("--duration", type=float, default=3600.0, help="seconds of load (default 3600)")
     p.add_argument("--clients", type=int, default=32, help="concurrent clients (default 32)")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples (default 5)")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds of load before sampling starts (default 0: the first quarter is the warm-up)")
     p.add_argument("--max-growth", type=float, default=0.05,
                    help="largest RSS growth from the second quarter to the last (default 0.05)")
     p.add_argument("serve_args", nargs="*", help="more `asyncside serve` options (after --)")
     args = p.parse_args(argv)
     proc, url = start_server(args.serve_args)
+    if args.shutdown:
+        try:
+            result = anyio.run(shutdown_timing, url, proc, args.shutdown, args.shutdown_tokens)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        print(json.dumps(result))
+        return 0 if result["exit_status"] == 0 else 1
     try:
-        out = anyio.run(soak, url, proc.pid, args.clients, args.duration, args.sample_every)
+        out = anyio.run(soak, url, proc.pid, args.clients, args.duration, args.sample_every, args.warmup)
     finally:
         proc.terminate()
         proc.wait(60)
