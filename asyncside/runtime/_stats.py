@@ -1,15 +1,14 @@
 """The runtime's counters: one dataclass per part, composed by :class:`RuntimeStats`.
 
 Each part of the runtime owns the counters it moves; :meth:`asyncside.Runtime.stats` composes them
-with the memory plan into one :class:`RuntimeStats`. That object is typed (``stats.cache.hits``)
-and is also a read-only mapping of flat counter names (``stats["hits"]``), which is what the metrics
-endpoint, the demo's JSON and the benchmarks read: one set of names for all of them.
+with the memory plan into one :class:`RuntimeStats`: a dict of flat counter names
+(``stats["hits"]``), which is what the metrics endpoint, the demo's JSON and the benchmarks read,
+carrying the typed parts (``stats.cache.hits``): one set of names for all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -53,47 +52,30 @@ class QueuedStats:
     staging_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class RuntimeStats(Mapping[str, Any]):
-    """A snapshot of every counter, composed from the parts, plus the memory plan's figures."""
+class RuntimeStats(dict[str, Any]):
+    """A snapshot of every counter: a plain dict of flat names (``stats["hits"]``: JSON-ready, what
+    /metrics and the benchmarks read) that also carries the typed parts it was composed from
+    (``stats.cache.hits``, ``stats.reads.bytes_read``, ``stats.queued.faults``)."""
 
-    cache: CacheStats
-    reads: ReadStats
-    queued: QueuedStats
-    reader: str
-    direct: bool
-    pool_bytes_planned: int
-    memory_budget: int
-    _flat: dict[str, Any] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
+    def __init__(self, cache: CacheStats, reads: ReadStats, queued: QueuedStats, *, reader: str, direct: bool,
+                 pool_bytes_planned: int, memory_budget: int) -> None:
+        self.cache, self.reads, self.queued = cache, reads, queued
         flat: dict[str, Any] = {}
-        for part in (self.cache, self.reads, self.queued):
+        for part in (cache, reads, queued):
             flat.update(asdict(part))
-        total = self.cache.hits + self.cache.misses
-        flat["hit_rate"] = self.cache.hits / total if total else 1.0
-        for f in fields(self):
-            if f.name not in ("cache", "reads", "queued", "_flat"):
-                flat[f.name] = getattr(self, f.name)
-        object.__setattr__(self, "_flat", flat)
+        total = cache.hits + cache.misses
+        flat["hit_rate"] = cache.hits / total if total else 1.0
+        flat.update(reader=reader, direct=direct, pool_bytes_planned=pool_bytes_planned, memory_budget=memory_budget)
+        super().__init__(flat)
 
     @property
     def hit_rate(self) -> float:
         """Hits over hits plus misses (1.0 before anything was routed)."""
-        return float(self._flat["hit_rate"])
-
-    def __getitem__(self, key: str) -> Any:
-        return self._flat[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._flat)
-
-    def __len__(self) -> int:
-        return len(self._flat)
+        return float(self["hit_rate"])
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat counters as a plain dict (JSON-ready)."""
-        return dict(self._flat)
+        """The flat counters as a plain dict (a copy)."""
+        return dict(self)
 
 
 def snapshot(cache: CacheStats, reads: ReadStats, queued: QueuedStats, *, reader: str, direct: bool,
