@@ -456,6 +456,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="where the shapes are built (default ~/.cache/asyncside)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
@@ -471,7 +472,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     from .machine import machine_info
     from .shapes import ensure_shape
 
-    verbose = not getattr(args, "json", False)
+    verbose = not getattr(args, "quiet", False)  # progress goes to stderr, beside --json's stdout too
     started = time.time()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
@@ -491,7 +492,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         for name, layers in _shape_list(args.shapes):
             _log(verbose, f"shape {name} ({layers or 'all'} layers): building or reusing")
             builds.append((name, layers, ensure_shape(name, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
-                                                      progress=verbose)))
+                                                      progress=verbose and not getattr(args, "json", False))))
     for name, layers, build in builds:
         store = ExpertStore.open(build["store"])
         expert_bytes = sum(sp.blob_bytes for sp in store.layers.values())
