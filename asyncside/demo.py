@@ -487,6 +487,10 @@ def _table(result: dict[str, Any]) -> None:
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     if args.ranks != 1:
+        if getattr(args, "routing", None) or getattr(args, "record_routing", None):
+            print("asyncside demo: --routing / --record-routing run in one process (not with --ranks)",
+                  file=sys.stderr)
+            return 2
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)

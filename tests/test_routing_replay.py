@@ -170,3 +170,25 @@ def test_forced_router_scores_are_the_routers(model_type: str) -> None:
         other = (inds + 1) % int(config.get("num_experts") or config.get("num_local_experts")
                                  or config["n_routed_experts"])
         assert not mx.array_equal(own, forced_block_call(block, x, other.astype(inds.dtype))).item()
+
+
+def test_bench_generate_replays_routing_in_every_system(tmp_path: pathlib.Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench generate --routing`: mlx-lm, asyncside in every step mode and the slot cache all route
+    the trace's ids, so their tokens are identical; the result names the trace."""
+    import json
+
+    from asyncside.bench import generate as bench
+    from asyncside.cli import main
+    from asyncside.models.embedded import ensure_embedded_default
+
+    store = str(ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1])
+    synth = tmp_path / "middle.npz"
+    preset("middle", tokens=96, n_layers=3, n_experts=40, top_k=8, seed=2).save(synth)
+    capsys.readouterr()
+    assert main(["bench", "generate", "--quick", "--json", "--model", store, "--plot", "none", "--tokens", "4",
+                 "--residency", "0.25", "--no-drop-caches", "--modes", "default", "per-layer", "whole",
+                 "--routing", str(synth)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens_identical"] is True
+    assert res["routing"]["file"] == str(synth) and res["routing"]["meta"]["locality"] == "middle"
