@@ -175,6 +175,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
             print(rt.plan.describe(), flush=True)
             print(f"{args.prompt}", end="", flush=True)
         record = RoutingTrace() if getattr(args, "record_routing", None) else None
+        disk_before = disk_read_bytes()
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
             async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,
@@ -193,6 +194,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["fault_latency"] = rt.fault_latency()
         stats["memory"] = rt.memory
         stats["peak_rss_bytes"] = peak_rss_bytes()
+        stats["disk_read_bytes"] = disk_read_bytes() - disk_before
     if record is not None:
         meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
@@ -207,6 +209,19 @@ def peak_rss_bytes() -> int:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process has read from storage so far (/proc/self/io read_bytes: what reached
+    the block layer, page-cache hits excluded), 0 where /proc does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
     except OSError:
         pass
     return 0
@@ -408,6 +423,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "reference": reference,
         "reference_why": why,
         "peak_rss_bytes": stats.pop("peak_rss_bytes"),
+        "disk_read_bytes": stats.pop("disk_read_bytes"),
         "limits": limits(run, stats, disk, ref if reference == "all-resident" else None),
         "routing": None if replay is None else {"file": str(args.routing), "tokens": replay.n_tokens,
                                                 "meta": replay.trace.meta},
@@ -459,6 +475,7 @@ def _table(result: dict[str, Any]) -> None:
                   f"{mem['pool_bytes'] / 2**20:.0f} MiB / {mem['budget_bytes'] / 2**30:.2f} GiB "
                   f"({mem['page_cache_bytes'] / 2**20:.0f} MiB)", "", "")
     table.add_row("peak RSS", f"{result['peak_rss_bytes'] / 2**20:.0f} MiB", "", "")
+    table.add_row("read from the disk while generating (process)", f"{result['disk_read_bytes'] / 1e6:.1f} MB", "", "")
     lim = result["limits"]
     if lim["io_limit_tokens_per_s"] is not None:
         table.add_row("disk (O_DIRECT, one record at a time) / misses per token",
