@@ -263,3 +263,39 @@ def test_shape_builds_and_runs(tmp_path: pathlib.Path, capsys: pytest.CaptureFix
     # Built once: the second call finds it.
     again = shapes.ensure_shape("qwen3-30b-a3b", layers=2, vocab=512, cache_dir=tmp_path, progress=False)
     assert again["built"] is False and again["store_bytes"] == info["store_bytes"]
+
+
+def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncside demo --memory SIZE` on a store the budget cannot cache: the plan reads past the
+    page cache, the tokens are checked against the slot cache (the whole model is never loaded),
+    and the run reports the disk's bandwidth, the I/O limit, the bytes read and peak RSS; a budget
+    the pools cannot fit is one clear line and status 2."""
+    from asyncside import ExpertStore, memory
+    from asyncside.demo import choose_reference
+
+    monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
+    store = ExpertStore.open(quick_store)
+    pools = memory.pool_bytes(store, 0.25)
+    side = sum(f.stat().st_size for f in quick_store.glob("*.safetensors"))
+    budget = pools + memory.MIN_HEADROOM + side + (1 << 20)  # 1 MiB of page cache for a larger store
+    capsys.readouterr()
+    assert main(["demo", "--model", str(quick_store), "--tokens", "5", "--resident", "0.25", "--json",
+                 "--memory", str(budget), "--reference", "slot-cache"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["reference"] == "slot-cache"
+    assert res["tokens_identical"] is True and res["audit_clean"] is True
+    assert res["direct"] is True and res["memory"]["direct"] is True and "exceed" in res["memory"]["direct_reason"]
+    assert res["memory"]["budget_bytes"] == budget and res["memory"]["page_cache_bytes"] == 1 << 20
+    lim = res["limits"]
+    assert lim["disk_bytes_per_s"] > 0 and lim["miss_bytes_per_token"] > 0 and lim["io_limit_tokens_per_s"] > 0
+    assert res["peak_rss_bytes"] > 0 and res["disk_read_bytes"] >= 0
+    assert main(["demo", "--model", str(quick_store), "--tokens", "2", "--memory", str(pools // 2), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the pools need" in err and "memory budget" in err
+    # auto: the all-resident model when it fits half of the budget, else the slot cache.
+    model = sum(store.layer(i).blob_bytes for i in store.layers) + side
+    assert choose_reference(store, "auto", 2 * model + 4096)[0] == "all-resident"
+    kind, why = choose_reference(store, "auto", model)
+    assert kind == "slot-cache" and "do not fit" in why
+    assert choose_reference(store, "none", None) == ("none", "asked for")
