@@ -16,6 +16,12 @@ from asyncside.runtime import Runtime
 from asyncside.runtime import _plan as plan_mod
 
 
+@pytest.fixture(autouse=True)
+def _nothing_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit budget is the process's whole: these tests plan as if it held nothing yet."""
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)
+
+
 def _store(path: pathlib.Path) -> ExpertStore:
     rng = np.random.default_rng(0)
     return ExpertStore.create(path, {layer: {"w": rng.integers(0, 255, size=(64, 1 << 16), dtype=np.uint8)}
@@ -59,7 +65,7 @@ def test_runtime_states_refuses_and_fits(tmp_path: pathlib.Path, monkeypatch: py
     assert 0.0 < mem["resident"] <= 1.0
     assert mem["pool_bytes"] <= (roomy.available - memory.MIN_HEADROOM) * memory.AUTO_SHARE
     # An explicit budget is planned against, capped by what is available, and named in the refusal.
-    with pytest.raises(AsyncsideError, match=r"budget is 256.5 MiB \(memory=256.5 MiB\)"):
+    with pytest.raises(AsyncsideError, match=r"budget is 256.5 MiB \(memory=256.5 MiB, 0.0 MiB of it held"):
         anyio.run(open_with, 1.0, (256 << 20) + (512 << 10))
 
 
@@ -128,6 +134,18 @@ def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Pa
     assert set(plan_mod.plan_memory(store, [1], resident=0.25, pinned=None, side_rows=None, min_side_rows=8,
                                     memory=None, direct=None, host_tier=layer,
                                     tier_possible=True).host_tier_layers) == {1}
+
+
+def test_an_explicit_budget_is_the_whole_process(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the process holds already (the model loaded first) comes out of an explicit budget."""
+    store = _store(tmp_path / "s")
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 100 << 20)
+    plan = _plan(store, memory=(1 << 30))
+    assert plan.budget == (1 << 30) - (100 << 20) and "100.0 MiB of it held by the process" in plan.source
+    fixed = memory.MemoryBudget(5 << 30, "a test limit")
+    monkeypatch.setattr(memory, "available_memory", lambda: fixed)
+    assert plan_mod.resolve_budget(None) == fixed  # no budget: what is available, usage counted there
+    assert plan_mod.resolve_budget(8 << 30).available == 5 << 30  # capped by it
 
 
 def test_reads_bypass_the_page_cache_when_the_store_does_not_fit_the_budget(tmp_path: pathlib.Path,

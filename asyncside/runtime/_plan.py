@@ -115,19 +115,6 @@ def _staging_key(spec: LayerSpec) -> tuple[Any, ...]:
     return (spec.n_experts, tuple((seg.key, tuple(seg.shape), seg.dtype) for seg in spec.segments))
 
 
-def _side_weights(store: ExpertStore) -> int:
-    """Bytes of the non-expert weights stored beside the store (loaded whole by the model)."""
-    total = 0
-    try:
-        with os.scandir(store.path) as entries:
-            for entry in entries:
-                if entry.name.endswith(".safetensors") and entry.is_file():
-                    total += entry.stat().st_size
-    except OSError:
-        pass
-    return total
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     """What the runtime holds and what it leaves, in bytes, decided before anything is allocated."""
@@ -140,7 +127,7 @@ class MemoryPlan:
     host_tier_layers: frozenset[int]
     host_tier_bytes: int
     staging_bytes: int
-    headroom_bytes: int  # non-expert weights and MLX's own buffers
+    headroom_bytes: int  # MLX's buffers, the KV caches
     store_bytes: int  # every record of the streamed layers
     page_cache_bytes: int  # what the budget leaves for the page cache
     direct: bool  # reads bypass the page cache (O_DIRECT)
@@ -163,7 +150,7 @@ class MemoryPlan:
         if self.host_tier_bytes or self.staging_bytes:
             lines.append(f"host tier {b(self.host_tier_bytes)} ({len(self.host_tier_layers)} layers), "
                          f"staging {b(self.staging_bytes)}")
-        lines.append(f"headroom {b(self.headroom_bytes)} (non-expert weights, MLX buffers), "
+        lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
         lines.extend(self.notes)
@@ -182,18 +169,34 @@ class MemoryPlan:
         }
 
 
+def _resident_now() -> int:
+    """Bytes this process holds now (VmRSS): the model loaded before the runtime, MLX, Python."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def resolve_budget(memory: int | str | None) -> MemoryBudget:
-    """The budget to plan against: ``memory`` (bytes, or a size such as ``"1.5G"``) capped by what
-    this process can use, or (None) what the memory cgroup and MemAvailable allow."""
+    """What the runtime may add to this process: ``memory`` (the process's whole budget, bytes or
+    a size such as ``"1.5G"``) less what the process holds already, capped by what it can still
+    use; or (None) what the memory cgroup and MemAvailable allow (their usage counts already)."""
     available = _memory.available_memory()  # through the module: tests stand in a budget
     if memory is None:
         return available
     wanted = parse_size(memory, what="memory")
     if wanted <= 0:
         raise ValueError(f"memory: expected a size > 0, got {memory!r}")
-    if wanted > available.available:
-        return MemoryBudget(available.available, f"memory={describe_bytes(wanted)} asked, capped by {available.source}")
-    return MemoryBudget(wanted, "memory=" + describe_bytes(wanted))
+    held = _resident_now()
+    room = max(0, wanted - held)
+    label = f"memory={describe_bytes(wanted)}, {describe_bytes(held)} of it held by the process already"
+    if room > available.available:
+        return MemoryBudget(available.available, f"{label}, capped by {available.source}")
+    return MemoryBudget(room, label)
 
 
 def plan_memory(
@@ -215,7 +218,9 @@ def plan_memory(
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
     fault path can keep a host tier."""
     budget = resolve_budget(memory)
-    headroom = MIN_HEADROOM + _side_weights(store)
+    # The non-expert weights are loaded before the runtime plans (their bytes are in the process's
+    # usage, which the budget excludes already): the headroom is for MLX's buffers and KV caches.
+    headroom = MIN_HEADROOM
     specs = {i: store.layer(i) for i in layers}
     notes: list[str] = []
 
@@ -269,7 +274,7 @@ def plan_memory(
         raise AsyncsideError(
             f"the pools need {describe_bytes(pools)} (resident={label}"
             f"{f', plus {describe_bytes(staging)} of staging' if staging else ''}) and "
-            f"{describe_bytes(headroom)} of headroom for the non-expert weights and MLX's buffers, "
+            f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
             f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): use a smaller "
             f"resident fraction, resident='auto', or a larger memory budget")
     streamed = max(0, store_bytes - pools)  # records that live only in the store
