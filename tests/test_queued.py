@@ -1019,7 +1019,8 @@ def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, qua
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan that reads past the page cache (a budget the store does not fit): faults read whole
     aligned records with O_DIRECT and copy the segments out (quantized records have gaps between
-    segments); the tokens equal mlx-lm's with faults in every layer."""
+    segments), and a prompt chunk too large for the lent rows goes layer by layer; the tokens
+    equal mlx-lm's with faults in every layer."""
     monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")  # what a budget smaller than the store decides
     store_dir, model, prompt = _store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
@@ -1036,4 +1037,7 @@ def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, qua
 
     tokens, stats = anyio.run(main)
     assert tokens == ref
-    assert stats["faults"] >= len(sm.store.layers)  # every layer faulted
+    assert stats["faults"] >= len(sm.store.layers)  # decode steps queued, every layer faulted
+    # The prompt's chunk needs more rows than are lent: under such a plan it goes layer by layer
+    # (its transient buffers are one layer's), not in queued slices.
+    assert stats["ensure_calls"] >= len(sm.store.layers) and sm.forward_with(QUEUED).counters["queued_prefill"] == 0

@@ -57,6 +57,8 @@ class QueuedSide:
         self._ready_pairs = 0  # ready() answered yes for this many pairs since _lent_all
         self._since_reconcile = 0
         self._errors_seen = 0
+        #: whether a step whose experts exceed the lent rows may be queued in slices (see capacity)
+        self._slices = True
 
     # ---------------------------------------------------------------- setup
 
@@ -68,6 +70,10 @@ class QueuedSide:
         The blobs are opened in a worker thread: an open() can block (a FIFO, a stale mount).
         """
         s = self._s
+        # Under a budget the store does not fit, the page cache is gone and so is the room for a
+        # sliced step's transient buffers, which grow with its tokens (a prefill chunk; see
+        # BENCHMARKS.md, "Memory we use"): such steps go layer by layer, whose buffers are one layer's.
+        self._slices = not plan.direct
         device_ok = _native.device_faults_available()
         host = [(i, st) for i, st in s.layers.items() if not st.pools.device or device_ok]
         if not host:
@@ -191,7 +197,10 @@ class QueuedSide:
 
     def capacity(self) -> int:
         """How many distinct experts every layer can take for one resolve of a queued step: the
-        fewest rows any layer could lend now (0 without fault tables)."""
+        fewest rows any layer could lend now (0 without fault tables, and 0 when the memory plan
+        reads past the page cache: a step too large for the rows then goes layer by layer)."""
+        if not self._slices:
+            return 0
         self._leases.release_computed()
         return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._s.layers.values()),
                    default=0)
