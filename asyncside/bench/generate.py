@@ -119,6 +119,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    p.add_argument("--routing", metavar="FILE", default=None,
+                   help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
@@ -319,6 +321,9 @@ def _reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from ..models.forcing import rewind_reference
+
+    rewind_reference(model)  # a replayed routing starts at position 0 again
     run = BenchRun(start=time.perf_counter())
     for y, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
         tok = int(y)
@@ -360,7 +365,7 @@ async def _asyncside_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int
                        verify=cfg.verify) as rt:
         run = await _generate(sm, rt, prompt_ids, tokens, cfg.predictor)
         await rt.drain()
-        run.stats = rt.stats()
+        run.stats = rt.stats().as_dict()
         run.audit_ok = all(r.ok for r in rt.audit().values()) and not any(
             rt.ledger(layer).pending() for layer in store.layers)
     return run
@@ -620,6 +625,12 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
+    if getattr(args, "routing", None):
+        from ..models.forcing import force_reference
+
+        replay = sm.set_routing(args.routing)
+        assert replay is not None
+        force_reference(reference["model"], sm.arch.block_attr, replay)
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
@@ -745,6 +756,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes": record_bytes,
         "store_blob_bytes": sum(sp.blob_bytes for sp in store.layers.values()),
         "prompt_tokens": len(prompt_ids),
+        "routing": None if sm.routing is None else {"file": str(args.routing), "meta": sm.routing.trace.meta},
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
                      "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
                      "verify": list(s.verify),
