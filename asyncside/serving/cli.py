@@ -239,6 +239,28 @@ async def run_serve(args: argparse.Namespace) -> None:
     await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
 
 
+def bound_malloc() -> bool:
+    """Make glibc's malloc give large freed blocks back to the system (Linux; no-op elsewhere).
+
+    glibc raises its mmap threshold each time a large mmapped block is freed, after which blocks
+    of that size come from its heaps, where freeing them seldom returns memory: a long-running
+    server's RSS then keeps the high-water mark of every buffer size it ever met. Setting the
+    threshold explicitly (to glibc's own default, 128 KiB) turns that adjustment off. Returns
+    whether it was set."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_mmap_threshold = -3
+    return bool(mallopt(m_mmap_threshold, 128 * 1024))
+
+
 def _configure_logging(args: argparse.Namespace) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -278,6 +300,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"asyncside serve: {exc}", file=sys.stderr)
         return 2
     _configure_logging(args)
+    bound_malloc()
     try:
         uvloop.run(run_serve(args))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown
