@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,13 +123,13 @@ def profile_routing(model: nn.Module, config: Mapping[str, Any], prompts: Sequen
 
     class _Counting(nn.Module):
         def __init__(self, inner: nn.Module, layer: int) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
             self.inner = inner
             object.__setattr__(self, "_layer", layer)
 
         def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
             seen[self._layer].append(indices)
-            return self.inner(x, indices)
+            return cast(mx.array, self.inner(x, indices))
 
     for l, (block, attr) in moe.items():
         switches[l] = getattr(block, attr)

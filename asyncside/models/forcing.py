@@ -146,14 +146,14 @@ def _qwen3_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if block.norm_topk_prob:
         scores /= mx.sum(scores, axis=-1, keepdims=True)
-    y = block.switch_mlp(x, inds)
+    y: mx.array = block.switch_mlp(x, inds)
     return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
 
 def _mixtral(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     gates = block.gate(x)
     scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
-    y = block.switch_mlp(x, inds)
+    y: mx.array = block.switch_mlp(x, inds)
     return (y * scores[..., None]).sum(axis=-2)
 
 
@@ -165,7 +165,7 @@ def _olmoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     scores = mx.take_along_axis(weights, inds, axis=-1)
     if block.norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)
-    y = block.switch_mlp(x_flat, inds)
+    y: mx.array = block.switch_mlp(x_flat, inds)
     return (y * scores[..., None]).sum(axis=-2).reshape(B, L, D)
 
 
@@ -178,7 +178,7 @@ def _deepseek_v3(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     if gate.top_k > 1 and gate.norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)
     scores = scores * gate.routed_scaling_factor
-    y = block.switch_mlp(x, inds)
+    y: mx.array = block.switch_mlp(x, inds)
     y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
     if block.config.n_shared_experts is not None:
         y = y + block.shared_experts(x)
@@ -188,7 +188,7 @@ def _deepseek_v3(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
 def _gpt_oss(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     g = block.router(x)
     weights = mx.softmax(mx.take_along_axis(g, inds, axis=-1), axis=-1, precise=True)
-    y = block.experts(x, inds)
+    y: mx.array = block.experts(x, inds)
     return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
 
 
@@ -228,7 +228,7 @@ class ForcedBlock(nn.Module):
     """
 
     def __init__(self, block: nn.Module, layer: int, replay: RoutingReplay) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
         self.block = block
         object.__setattr__(self, "_layer", layer)
         object.__setattr__(self, "_replay", replay)

@@ -169,7 +169,7 @@ def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer:
 
 
 def _module_path(root: nn.Module, target: nn.Module) -> str:
-    for name, m in root.named_modules():
+    for name, m in cast(list[tuple[str, nn.Module]], root.named_modules()):
         if m is target:
             return name
     raise ValueError("module not found in the model")
@@ -198,12 +198,12 @@ def reference_generate(model: nn.Module, prompt_ids: list[int], *, max_tokens: i
 def _build_plain(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
     """The plain mlx-lm model of ``config`` holding ``weights`` (mlx-lm's quantization rules)."""
     model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model: nn.Module = model_class(args_class.from_dict(config))
     q = config.get("quantization")
     if q is not None:
         def class_predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
             if p in q:
-                return q[p]
+                return cast(bool | dict[str, Any], q[p])
             if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
                 return False
             return infer_quant_config(p, m, weights)

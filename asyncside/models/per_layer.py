@@ -233,7 +233,7 @@ class PerLayerSteps:
         take = getattr(source, "snapshot", None)  # SpeculativeSource; None opts a source out
         if take is None or not callable(getattr(source, "unchanged", None)):
             return None
-        return take(layer)
+        return cast(RowSnapshot, take(layer))
 
     async def _completed_then(self, x: mx.array, then: mx.array) -> None:
         """Await x with ``then`` queued behind its completion signal (where the bridge allows)."""

@@ -90,8 +90,10 @@ class _Apply:
 class PooledSwitch(nn.Module):
     """Stand-in for a switch layer; computes nothing by itself (see the module docstring)."""
 
+    _spec: SwitchSpec
+
     def __init__(self, spec: SwitchSpec, activation: nn.Module) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
         object.__setattr__(self, "_spec", spec)  # plain attribute, not a parameter container
         object.__setattr__(self, "_plan", None)
         self.activation = activation

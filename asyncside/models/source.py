@@ -119,7 +119,8 @@ class ResidentSource:
     def unchanged(self, layer: int, snap: RowSnapshot, experts: np.ndarray) -> np.ndarray:
         # Rows never move here: every valid expert is where any snapshot put it.
         arr = _ids_array(experts, self.n_experts(layer), layer)
-        return snap.table[arr] == arr
+        same: np.ndarray = snap.table[arr] == arr
+        return same
 
     def prefetch(self, layer: int, ids: Any) -> None:
         self._check_layer(layer)

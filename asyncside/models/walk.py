@@ -11,7 +11,7 @@ differs between strategies is only how an MoE block gets its expert rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,7 @@ class DecoderWalk:
         return int(getattr(obj, name))
 
     def embed(self, inputs: mx.array) -> mx.array:
-        return self.model.model.embed_tokens(inputs)
+        return cast(mx.array, self.model.model.embed_tokens(inputs))
 
     def masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
         """One attention mask per decoder layer, built as the model's own ``__call__`` builds them."""
@@ -66,18 +66,18 @@ class DecoderWalk:
 
     def block(self, i: int) -> nn.Module:
         """Layer ``i``'s MLP or MoE block."""
-        return getattr(self.layers[i], self.arch.block_attr)
+        return cast(nn.Module, getattr(self.layers[i], self.arch.block_attr))
 
     def activation(self, i: int) -> nn.Module:
         """The switch layer's activation of MoE layer ``i``."""
         block, attr = self.moe[i]
-        return getattr(block, attr).activation
+        return cast(nn.Module, getattr(block, attr).activation)
 
     def logits(self, h: mx.array) -> mx.array:
         """The final norm and output head over the last hidden state (lazy)."""
         model = self.model
         h = model.model.norm(h)
-        return model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
+        return cast(mx.array, model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h))
 
     # -- what the lookahead predictor needs -------------------------------------------------------
 
@@ -100,7 +100,7 @@ class DecoderWalk:
             setattr(obj, name, k)
 
     def first_norm(self, layer: int, embeddings: mx.array) -> mx.array:
-        return self.layers[layer].post_attention_layernorm(embeddings)
+        return cast(mx.array, self.layers[layer].post_attention_layernorm(embeddings))
 
     def make_predictor(self, name: str, lookahead_extra: int = 0) -> Predictor:
         """The predictor called ``name`` (see :mod:`.predict`) for one generation."""
