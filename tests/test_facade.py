@@ -126,7 +126,9 @@ def test_memory_budget_and_close(dirs: tuple[pathlib.Path, pathlib.Path], refere
     model, tok = load(dirs[1], memory=budget)
     try:
         plan = model.runtime.memory
-        assert plan["budget_bytes"] == budget and plan["pool_bytes"] <= budget
+        # The budget is the process's whole: what it holds already comes out of it.
+        assert 0 < plan["budget_bytes"] < budget and "held by the process" in plan["source"]
+        assert plan["pool_bytes"] <= plan["budget_bytes"]
         assert generate(model, tok, "Budget", max_tokens=8) == generate(ref_model, ref_tok, "Budget", max_tokens=8)
     finally:
         model.close()

@@ -22,12 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import AsyncsideError
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 DEFAULT_PENALTY_CONTEXT = 20  # mlx-lm's default context of each penalty
 
 
-class RequestError(Exception):
+class RequestError(AsyncsideError):
     """A request the server refuses; rendered as ``{"error": {...}}`` with ``status``."""
 
     def __init__(

@@ -16,12 +16,13 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
+from ..errors import AsyncsideError
 from .protocol import RequestError
 
 DISCONNECTED_STATUS = 499  # nginx's "client closed request": the request ended because the client left
 
 
-class ClientGone(Exception):
+class ClientGone(AsyncsideError):
     """The client disconnected before the answer was complete."""
 
 
