@@ -86,7 +86,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
         _STATES.add(state)
     max_header = state.settings.max_header_bytes if state is not None else 16 * 1024
 
-    class GracefulServer(uvicorn.Server):  # type: ignore[misc]
+    class GracefulServer(uvicorn.Server):
         """uvicorn's server, whose signals drain the application first and are not re-raised."""
 
         draining: Any = None  # the drain task once a signal arrived

@@ -67,7 +67,7 @@ def _size_or_default(text: str) -> int | None:
 
 
 def _port(text: str) -> int:
-    value = _at_least(0)(text)
+    value = int(_at_least(0)(text))
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
     return value
