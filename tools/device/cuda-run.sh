@@ -51,9 +51,7 @@ print('warm-up tokens:', reference_generate(ref, list(range(1, 80)), max_tokens=
 
 log "GPU tests"
 # SIGINT at the budget: pytest stops and still prints the failures so far (a SIGTERM loses them).
-# A test's timeout leaves room for MLX compiling a quantized model's CUDA kernels on first use (the
-# warm-up above is a float model's): a q4 test's reference generation once ran past 60 s doing it.
-timeout -s INT -k 20 ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=${TEST_TIMEOUT:-150} \
+timeout -s INT -k 20 ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=${TEST_TIMEOUT:-60} \
   ${TESTS:-tests/test_queued.py tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60
 
 [ -n "${TESTS_ONLY:-}" ] && exit 0
