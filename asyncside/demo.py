@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory import host_tier_arg, memory_arg
+from .memory import host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -204,27 +204,13 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (VmHWM), 0 where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_self_bytes("status", "VmHWM")
 
 
 def disk_read_bytes() -> int:
     """Bytes this process has read from storage so far (/proc/self/io read_bytes: what reached
     the block layer, page-cache hits excluded), 0 where /proc does not say."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return proc_self_bytes("io", "read_bytes")
 
 
 def choose_reference(store: Any, asked: str, memory: int | None) -> tuple[str, str]:

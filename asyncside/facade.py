@@ -194,7 +194,10 @@ class StreamingLM:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
         if kwargs.get("input_embeddings") is not None:
-            raise NotImplementedError("input_embeddings: a streaming model takes token ids only")
+            # Refused, not missing: the runtime routes by token ids, and embeddings given instead
+            # (a multimodal prompt) would bypass the embedding the streamed layers start from.
+            raise AsyncsideError("input_embeddings: a streaming model takes token ids only; pass the prompt's "
+                                 "token ids (mlx-lm's generate does unless input_embeddings is given)")
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
         if cache is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
-           "parse_size", "describe_bytes", "parse_host_tier", "host_tier_arg", "memory_arg"]
+           "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -151,6 +151,20 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
 #: a number, then an optional unit: K, M, G or T, optionally followed by "iB" or "B"
 _SIZE = re.compile(r"([0-9.e+]+)\s*([kmgt]?)(?:i?b)?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def proc_self_bytes(name: str, key: str) -> int:
+    """A byte count of this process from ``/proc/self/<name>``: ``status`` lines in kB (``VmRSS``,
+    ``VmHWM``) or ``io`` lines in bytes (``read_bytes``); 0 where /proc does not say."""
+    scale = 1024 if name == "status" else 1
+    try:
+        with open(f"/proc/self/{name}") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * scale
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def describe_bytes(n: int | float) -> str:

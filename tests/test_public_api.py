@@ -3,7 +3,6 @@ the package defines derives from AsyncsideError, and the package has no import c
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import pathlib
@@ -14,6 +13,8 @@ import sys
 import pytest
 
 import asyncside
+
+from _imports_support import cycles, graph
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "asyncside"
@@ -67,74 +68,14 @@ def test_every_exception_class_derives_from_asyncside_error() -> None:
     assert not bad, f"exception classes outside AsyncsideError: {bad}"
 
 
-def _imports(path: pathlib.Path, module: str) -> set[str]:
-    """Modules of the package that ``module`` imports, at import time or inside its functions (a
-    deferred import is a dependency all the same); imports under TYPE_CHECKING do not count."""
-    tree = ast.parse(path.read_text())
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("asyncside"))
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                if target.startswith("asyncside"):
-                    found.add(target)
-                    for a in node.names:  # `from . import memory` imports a module
-                        found.add(f"{target}.{a.name}")
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                visit(node.body)
-            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While, ast.AsyncWith, ast.AsyncFor)):
-                visit(node.body)
-                for extra in getattr(node, "orelse", []), getattr(node, "finalbody", []):
-                    visit(extra)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(tree.body)
-    return found
-
-
 def test_no_import_cycle_between_modules() -> None:
-    modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        modules[".".join(parts)] = path
-    graph = {m: {t for t in _imports(p, m) if t in modules and t != m} for m, p in modules.items()}
+    paths = sorted(PACKAGE.rglob("*.py"))
+    g = graph(paths)
     # A package's __init__ importing its own submodules is how a package is made, not a cycle.
-    for m in graph:
-        graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
-    cycles = []
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(node: str) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
-            elif nxt not in state:
-                dfs(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            dfs(node)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    for m in g:
+        g[m] = {t for t in g[m] if not t.startswith(m + ".")}
+    found = cycles(g)
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 @pytest.mark.parametrize("source", ["from asyncside import Runtime, ExpertStore, load_streaming_model, load"])

@@ -208,19 +208,15 @@ def drop_caches() -> bool:
 
 def _read_bytes() -> int:
     """This process's ``read_bytes`` (bytes it caused to be read from storage)."""
-    with open("/proc/self/io", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
+    from ..memory import proc_self_bytes
+
+    return proc_self_bytes("io", "read_bytes")
 
 
 def _rss() -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    from ..memory import proc_self_bytes
+
+    return proc_self_bytes("status", "VmRSS")
 
 
 def _phase(name: str) -> None:

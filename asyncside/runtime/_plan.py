@@ -171,14 +171,7 @@ class MemoryPlan:
 
 def _resident_now() -> int:
     """Bytes this process holds now (VmRSS): the model loaded before the runtime, MLX, Python."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _memory.proc_self_bytes("status", "VmRSS")
 
 
 def resolve_budget(memory: int | str | None) -> MemoryBudget:
