@@ -85,6 +85,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
     p.add_argument("--routing", metavar="FILE", default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
+    p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
+                   help="decode steps start a layer's misses' reads at once and compute its experts as they land "
+                        "(CPU, host pools); auto: where the memory plan reads past the page cache")
                         "routes to the trace's experts instead of its router's top-k")
     p.add_argument("--record-routing", metavar="FILE", default=None,
                    help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
@@ -288,7 +291,10 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
     compute = ref.decode_tokens_per_s if ref is not None else None
     bound = min(x for x in (io_limit, compute) if x is not None) if (io_limit or compute) else None
     seconds = max(run.end - run.start, 1e-9)
-    waited = float(stats.get("stall_time_s", 0.0)) + float(stats.get("fault_time_s", 0.0))
+    # The stream's own reads, the fill path's stalls, and waits for streamed reads: the time the
+    # model waited for the disk (a streamed read's own time overlaps compute and is not counted).
+    waited = (float(stats.get("stall_time_s", 0.0)) + float(stats.get("fault_time_s", 0.0))
+              + float(stats.get("read_wait_s", 0.0)))
     return {
         "miss_bytes_per_token": miss_bytes,
         "disk_bytes_per_s": disk["bytes_per_s"] if disk else None,
@@ -340,7 +346,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         store_dir = store_for(args.model, cache_dir=args.cache_dir, progress=not args.json)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
-    options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra)
+    streamed = {"auto": None, "on": True, "off": False}[getattr(args, "streamed_switch", "auto")]
+    options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra, streamed_switch=streamed)
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 

@@ -711,9 +711,15 @@ void bind_faults(nb::module_& m) {
                                   as_bytes(d.used_sizes.data(), d.used_sizes.size() * sizeof(int32_t)));
           },
           "(events, used, used_sizes) since the last drain, as raw bytes: events are int64 rows of "
-          "(row, victim, expert, ns, error, source: 0 read, 1 from the host tier); used the distinct experts of "
+          "(row, victim, expert, ns, error, source: 0 read, 1 from the host tier, 2 read in the background); used "
+          "the distinct experts of "
           "each resolve (int32) and "
           "used_sizes how many each resolve added (int32).")
+      .def("settle", [](PyFaultTable& p) { p.t->settle(); }, nb::call_guard<nb::gil_scoped_release>(),
+           "Wait for the reads streamed resolves began and publish them (their events go to the log); "
+           "blocks for that I/O: call it off the event loop, once the steps that began them are done.")
+      .def_prop_ro("pending", [](PyFaultTable& p) { return p.t->pending(); },
+                   "Whether streamed reads are begun and not yet published.")
       .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
       .def("lent", [](PyFaultTable& p) { return p.t->lent(); }, "Lent rows not used yet, in lend order.")
       .def("counters", [](PyFaultTable& p) { return p.t->counters(); })
@@ -762,6 +768,25 @@ void bind_faults(nb::module_& m) {
       "`staged`: instead copy every routed expert into the table's staging arrays (from its pool row, "
       "or from the host tier) and return the ids themselves, rows of the staging arrays; no pool row "
       "changes.");
+  m.def(
+      "begin_rows",
+      [](const mx::array& ids, PyFaultTable& table, std::optional<mx::Stream> stream) {
+        return fa::begin_rows(ids, table.t, stream ? *stream : mx::default_stream(mx::Device::cpu));
+      },
+      nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
+      "Lazy uint32 pool rows of `ids`, the streamed form of expert_rows (CPU stream, host pools): when "
+      "the stream reaches it, every routed expert gets its row at once and the absent ones' reads start "
+      "in the background; a gather must read a row only behind finish_rows for its expert.");
+  m.def(
+      "finish_rows",
+      [](const mx::array& ids, const mx::array& rows, PyFaultTable& table, std::optional<mx::Stream> stream) {
+        return fa::finish_rows(ids, rows, table.t, stream ? *stream : mx::default_stream(mx::Device::cpu));
+      },
+      nb::arg("ids"), nb::arg("rows"), nb::arg("table"), nb::arg("stream") = nb::none(),
+      "`rows` (begin_rows' rows of the experts `ids`, any part of them) passed through once those "
+      "experts' reads finished and were published; a failed read fails the step here.");
+  m.def("fault_background_threads", &fa::background_threads,
+        "Threads the streamed resolves' background reads run on.");
   nb::class_<asyncside::plan::StepPlan>(
       m, "StepPlan",
       "One queued step's unscheduled graph, handed to MLX in chunks that fit under its eval throttle.")
@@ -804,7 +829,8 @@ void bind_faults(nb::module_& m) {
                                            {"nodes_created", c.nodes_created.load()},
                                            {"nodes_destroyed", c.nodes_destroyed.load()},
                                            {"fault_errors", c.fault_errors.load()},
-                                           {"shared_reads", c.shared_reads.load()}};
+                                           {"shared_reads", c.shared_reads.load()},
+                                           {"background_reads", c.background_reads.load()}};
   });
 }
 

@@ -194,12 +194,18 @@ FaultTable::FaultTable(int layer, int64_t n_experts, std::unique_ptr<RecordSink>
 }
 
 FaultTable::~FaultTable() {
+  {
+    // Background reads of a begin() write into this table's rows and members: none may outlive it.
+    std::unique_lock<std::mutex> lk(mu_);
+    read_done_.wait(lk, [&] { return pending_reads_ == 0; });
+  }
   ::close(fd_);
   global_counters().tables_destroyed.fetch_add(1, std::memory_order_relaxed);
 }
 
 void FaultTable::sync(const std::vector<int32_t>& table) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
   absorb_device_uses_locked();
   if (!lent_.empty()) {
     throw std::invalid_argument("layer " + std::to_string(layer_) + ": sync() with " + std::to_string(lent_.size()) +
@@ -246,7 +252,8 @@ void FaultTable::lend(const std::vector<int64_t>& rows) {
 }
 
 std::vector<int64_t> FaultTable::reclaim() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
   std::vector<int64_t> out;
   out.swap(lent_);
   for (int64_t r : out) lent_flag_[static_cast<size_t>(r)] = 0;
@@ -282,7 +289,8 @@ std::map<std::string, uint64_t> FaultTable::counters() {
           {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
           {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()},
           {"staged", staged_.load()},             {"staged_copies", staged_copies_.load()},
-          {"device_resolves", device_resolves_.load()}};
+          {"device_resolves", device_resolves_.load()}, {"streamed", streamed_.load()},
+          {"read_wait_ns", read_wait_ns_.load()}, {"background_ns", background_ns_.load()}};
 }
 
 void FaultTable::absorb_device_uses_locked() {
@@ -316,7 +324,8 @@ void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expe
     throw std::invalid_argument("checksums: expected " + std::to_string(n_experts_) + ", got " +
                                 std::to_string(expected.size()));
   }
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
   checksum_kind_ = kind;
   checksums_ = std::move(expected);
 }
@@ -408,35 +417,10 @@ std::string FaultTable::read_error(int64_t expert, int64_t row, int err, uint32_
                          : errno_text(err));
 }
 
-void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
-  resolves_.fetch_add(1, std::memory_order_relaxed);
-  std::unique_lock<std::mutex> lk(mu_);
-  absorb_device_uses_locked();
-  const uint64_t stamp = ++clock_;
-  std::vector<int64_t> uniq;
-  collect_locked(ids, stamp, uniq);
-  std::vector<int64_t> missing;
-  for (int64_t e : uniq) {
-    if (table_[static_cast<size_t>(e)] >= 0) {
-      touch_locked(e, stamp);
-      hits_.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      missing.push_back(e);
-    }
-  }
-  std::string error;
+void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
+                                    std::string& error) {
   // Rows for every miss first (each leaves the lent list until its fault is logged, so no two
-  // misses get one row, and no row of an expert this resolve routes is taken), then the reads,
-  // unlocked and side by side, then the results, in miss order.
-  struct Read {
-    int64_t expert, row, victim;
-    bool held = false;  // the sink holds the expert's verified bytes: no read
-    int err = 0;
-    uint32_t got = 0;
-    int64_t ns = 0;
-  };
-  std::vector<Read> reads;
-  reads.reserve(missing.size());
+  // misses get one row, and no row of an expert this resolve routes is taken).
   for (int64_t e : missing) {
     const int64_t row = pick_row_locked(stamp);
     if (row < 0) {
@@ -455,8 +439,77 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       sink_->table_changed(victim, -1);
     }
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
-    reads.push_back({e, row, victim, sink_->holds(e)});
+    Fill f;
+    f.expert = e;
+    f.row = row;
+    f.victim = victim;
+    f.held = sink_->holds(e);
+    fills.push_back(f);
   }
+}
+
+void FaultTable::read_fill(Fill& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f.err = sink_->read(fd_, static_cast<uint64_t>(f.expert) * stride_, f.row, f.expert);
+  after_read(static_cast<uint64_t>(f.expert) * stride_);
+  if (f.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
+    // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
+    // while nothing is queued, so reading them unlocked is safe).
+    f.got = sink_->checksum(checksum_kind_, f.row, f.expert);
+    if (f.got != checksums_[static_cast<size_t>(f.expert)]) f.err = -1;
+  }
+  f.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, bool background) {
+  (background ? background_ns_ : fault_ns_).fetch_add(static_cast<uint64_t>(f.ns), std::memory_order_relaxed);
+  if (f.err == 0 && !f.held) sink_->keep(f.expert);
+  if (f.err == 0) f.err = sink_->publish(f.row, f.expert);
+  log_.events.push_back({f.row, f.victim, f.expert, f.ns, f.err, f.held ? 1 : background ? 2 : 0});
+  // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
+  // run), at the back of the lend order: it was just filled.
+  lent_flag_[static_cast<size_t>(f.row)] = 1;
+  lent_.push_back(f.row);
+  if (f.err == 0) {
+    owner_[static_cast<size_t>(f.row)] = f.expert;
+    table_[static_cast<size_t>(f.expert)] = static_cast<int32_t>(f.row);
+    sink_->table_changed(f.expert, static_cast<int32_t>(f.row));
+    touch_locked(f.expert, stamp);
+    faults_.fetch_add(1, std::memory_order_relaxed);
+    if (f.held) {
+      tier_faults_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
+    }
+  } else {
+    fault_errors_.fetch_add(1, std::memory_order_relaxed);
+    global_counters().fault_errors.fetch_add(1, std::memory_order_release);
+    if (error.empty()) error = read_error(f.expert, f.row, f.err, f.got);
+  }
+}
+
+void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
+  resolves_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
+  absorb_device_uses_locked();
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> uniq;
+  collect_locked(ids, stamp, uniq);
+  std::vector<int64_t> missing;
+  for (int64_t e : uniq) {
+    if (table_[static_cast<size_t>(e)] >= 0) {
+      touch_locked(e, stamp);
+      hits_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      missing.push_back(e);
+    }
+  }
+  std::string error;
+  // Rows first, then the reads, unlocked and side by side, then the results, in miss order.
+  std::vector<Fill> reads;
+  reads.reserve(missing.size());
+  assign_rows_locked(missing, stamp, reads, error);
   std::vector<size_t> to_read;  // the reads that go to the store (the others the sink holds)
   for (size_t i = 0; i < reads.size(); ++i) {
     if (!reads[i].held) to_read.push_back(i);
@@ -464,47 +517,10 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   if (!to_read.empty()) {
     if (to_read.size() > 1 && read_threads() > 0) global_counters().shared_reads.fetch_add(1, std::memory_order_relaxed);
     lk.unlock();
-    parallel_reads(to_read.size(), [&](size_t i) {
-      Read& r = reads[to_read[i]];
-      const auto t0 = std::chrono::steady_clock::now();
-      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, r.row, r.expert);
-      after_read(static_cast<uint64_t>(r.expert) * stride_);
-      if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
-        // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
-        // while nothing is queued, so reading them unlocked is safe).
-        r.got = sink_->checksum(checksum_kind_, r.row, r.expert);
-        if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;
-      }
-      r.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    });
+    parallel_reads(to_read.size(), [&](size_t i) { read_fill(reads[to_read[i]]); });
     lk.lock();
   }
-  for (Read& r : reads) {
-    fault_ns_.fetch_add(static_cast<uint64_t>(r.ns), std::memory_order_relaxed);
-    if (r.err == 0 && !r.held) sink_->keep(r.expert);
-    if (r.err == 0) r.err = sink_->publish(r.row, r.expert);
-    log_.events.push_back({r.row, r.victim, r.expert, r.ns, r.err, r.held ? 1 : 0});
-    // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
-    // run), at the back of the lend order: it was just filled.
-    lent_flag_[static_cast<size_t>(r.row)] = 1;
-    lent_.push_back(r.row);
-    if (r.err == 0) {
-      owner_[static_cast<size_t>(r.row)] = r.expert;
-      table_[static_cast<size_t>(r.expert)] = static_cast<int32_t>(r.row);
-      sink_->table_changed(r.expert, static_cast<int32_t>(r.row));
-      touch_locked(r.expert, stamp);
-      faults_.fetch_add(1, std::memory_order_relaxed);
-      if (r.held) {
-        tier_faults_.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
-      }
-    } else {
-      fault_errors_.fetch_add(1, std::memory_order_relaxed);
-      global_counters().fault_errors.fetch_add(1, std::memory_order_release);
-      if (error.empty()) error = read_error(r.expert, r.row, r.err, r.got);
-    }
-  }
+  for (Fill& r : reads) publish_locked(r, stamp, error);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] == kNoExpert) {
       out[i] = 0u;
@@ -517,10 +533,133 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   if (!error.empty()) throw std::runtime_error(error);
 }
 
+void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out) {
+  resolves_.fetch_add(1, std::memory_order_relaxed);
+  streamed_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
+  absorb_device_uses_locked();
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> uniq;
+  collect_locked(ids, stamp, uniq);
+  std::vector<int64_t> missing;
+  for (int64_t e : uniq) {
+    if (table_[static_cast<size_t>(e)] >= 0) {
+      touch_locked(e, stamp);
+      hits_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      missing.push_back(e);
+    }
+  }
+  std::string error;
+  pending_.clear();
+  pending_.reserve(missing.size());  // never reallocated while reads run: they write into it
+  assign_rows_locked(missing, stamp, pending_, error);
+  pending_stamp_ = stamp;
+  pending_left_ = pending_.size();
+  if (pending_at_.empty()) pending_at_.assign(static_cast<size_t>(n_experts_), -1);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    pending_at_[static_cast<size_t>(pending_[i].expert)] = static_cast<int32_t>(i);
+    if (pending_[i].held) pending_[i].done = true;
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] == kNoExpert) {
+      out[i] = 0u;
+      continue;
+    }
+    const auto e = static_cast<size_t>(ids[i]);
+    const int32_t p = pending_at_[e];
+    const int64_t r = p >= 0 ? pending_[static_cast<size_t>(p)].row : table_[e];
+    out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
+  }
+  for (Fill& f : pending_) {
+    if (f.done) continue;
+    ++pending_reads_;
+    global_counters().background_reads.fetch_add(1, std::memory_order_relaxed);
+    // The job touches this table until it signals under the lock; every path that ends the
+    // table (the destructor included) waits for pending_reads_ to reach 0 first.
+    submit_background([this, fp = &f] {
+      read_fill(*fp);
+      std::lock_guard<std::mutex> g(mu_);
+      fp->done = true;
+      --pending_reads_;
+      read_done_.notify_all();
+    });
+  }
+  lk.unlock();
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+void FaultTable::finish(const std::vector<int64_t>& ids) {
+  std::unique_lock<std::mutex> lk(mu_);
+  std::string error;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool waited = false;
+  for (int64_t e : ids) {
+    if (e == kNoExpert || e < 0 || e >= n_experts_ || pending_at_.empty()) continue;
+    auto& at = pending_at_[static_cast<size_t>(e)];
+    if (at < 0) continue;  // published already (an earlier slot, or settle())
+    if (!pending_[static_cast<size_t>(at)].done) {
+      waited = true;
+      // settle() on the loop thread may publish it meanwhile (and clear pending_): look again.
+      read_done_.wait(lk, [&] { return at < 0 || pending_[static_cast<size_t>(at)].done; });
+      if (at < 0) continue;
+    }
+    Fill& f = pending_[static_cast<size_t>(at)];
+    at = -1;
+    publish_locked(f, pending_stamp_, error, true);
+    if (--pending_left_ == 0) pending_.clear();
+    if (!error.empty()) break;
+  }
+  if (waited) {
+    read_wait_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                      std::chrono::steady_clock::now() - t0)
+                                                      .count()),
+                            std::memory_order_relaxed);
+  }
+  if (!error.empty()) {
+    // The step fails: publish (log) every other read of the begin first, so nothing stays in
+    // flight into a lent row and the ledger hears of every row the begin took.
+    finish_all_locked(lk, error);
+    lk.unlock();
+    throw std::runtime_error(error);
+  }
+}
+
+void FaultTable::finish_all_locked(std::unique_lock<std::mutex>& lk, std::string& error) {
+  if (pending_.empty()) return;
+  read_done_.wait(lk, [&] { return pending_reads_ == 0; });
+  for (Fill& f : pending_) {
+    auto& at = pending_at_[static_cast<size_t>(f.expert)];
+    if (at < 0) continue;  // published already
+    at = -1;
+    publish_locked(f, pending_stamp_, error, true);
+  }
+  pending_.clear();
+  pending_left_ = 0;
+  read_done_.notify_all();  // a finish() waiting for one of them looks again
+}
+
+void FaultTable::settle() {
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
+}
+
+bool FaultTable::pending() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pending_left_ > 0;
+}
+
+void FaultTable::settle_pending_locked(std::unique_lock<std::mutex>& lk) {
+  std::string error;  // a failed read is in the log: the step that began it reports it
+  finish_all_locked(lk, error);
+}
+
 void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  settle_pending_locked(lk);
   absorb_device_uses_locked();
   if (!sink_->stages()) {
     throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) +
@@ -700,6 +839,70 @@ void ExpertRows::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::
 #endif
 }
 
+// The streamed pair's nodes (CPU stream only: the table's sink is a host one).
+class BeginRows : public mx::Primitive {
+ public:
+  BeginRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
+    global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~BeginRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_output_array(out);
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>()]() {
+      std::vector<int64_t> v;
+      read_any_ids(ids, v);
+      table->begin(v, out_ptr);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[asyncside] begin_rows runs on the CPU stream only");
+  }
+  const char* name() const override { return "AsyncsideBeginRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  std::shared_ptr<FaultTable> table_;
+};
+
+class FinishRows : public mx::Primitive {
+ public:
+  FinishRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
+    global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~FinishRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_input_array(inputs[1]);
+    enc.set_output_array(out);
+    enc.dispatch([table = table_, ids = inputs[0], rows = inputs[1], out_ptr = out.data<uint32_t>()]() {
+      std::vector<int64_t> v;
+      read_any_ids(ids, v);
+      table->finish(v);
+      read_any_ids(rows, v);
+      for (size_t i = 0; i < v.size(); ++i) out_ptr[i] = static_cast<uint32_t>(v[i]);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[asyncside] finish_rows runs on the CPU stream only");
+  }
+  const char* name() const override { return "AsyncsideFinishRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
+
+ private:
+  std::shared_ptr<FaultTable> table_;
+};
+
 }  // namespace
 
 mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream, bool staged) {
@@ -721,6 +924,37 @@ mx::array expert_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, m
 #endif
   }
   return mx::array(in.shape(), mx::uint32, std::make_shared<ExpertRows>(stream, std::move(table), staged), {in});
+}
+
+namespace {
+
+void check_streamed(const mx::array& ids, const std::shared_ptr<FaultTable>& table, const mx::Stream& stream,
+                    const char* what) {
+  if (!table) throw std::invalid_argument("table: expected a FaultTable, got None");
+  if (stream.device.type != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(what) + ": the streamed pair runs on a CPU stream only");
+  }
+  if (table->can_stage()) {
+    throw std::invalid_argument(std::string(what) + ": layer " + std::to_string(table->layer()) +
+                                " has a device table; the streamed pair needs host pools");
+  }
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) {
+    throw std::invalid_argument("ids: expected an integer array of expert ids");
+  }
+}
+
+}  // namespace
+
+mx::array begin_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
+  check_streamed(ids, table, stream, "begin_rows");
+  return mx::array(ids.shape(), mx::uint32, std::make_shared<BeginRows>(stream, std::move(table)), {ids});
+}
+
+mx::array finish_rows(const mx::array& ids, const mx::array& rows, std::shared_ptr<FaultTable> table,
+                      mx::Stream stream) {
+  check_streamed(ids, table, stream, "finish_rows");
+  if (!mx::issubdtype(rows.dtype(), mx::integer)) throw std::invalid_argument("rows: expected an integer array");
+  return mx::array(rows.shape(), mx::uint32, std::make_shared<FinishRows>(stream, std::move(table)), {ids, rows});
 }
 
 }  // namespace asyncside::faults

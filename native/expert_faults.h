@@ -16,11 +16,18 @@
 // Threads: the stream thread runs resolve(); the loop thread runs everything else. A mutex guards
 // the state; resolve() drops it while it reads its records (side by side on the read pool when
 // there are several, read_pool.h), so the loop thread never waits for I/O.
+//
+// Streamed resolves (begin() / finish()): a decode step's switch that expects misses maps its
+// experts to rows at once and leaves the misses' reads to background threads, then computes its
+// slots one by one, each waiting only for its own expert. The reads of a layer overlap that
+// layer's expert compute instead of preceding it. The reads still land only in lent rows, and a
+// row is published (table, log) only once its read finished and verified.
 // Plain C++: nothing here knows Python.
 #pragma once
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -42,7 +49,8 @@ struct FaultEvent {
   int64_t expert;  // the expert now in the row (on error: the expert that was being read)
   int64_t ns;      // time the fault took on the stream thread (read + checksum)
   int64_t error;   // 0, or errno of the failed read (-1: checksum mismatch, -2: no lent row left)
-  int64_t source;  // where the bytes came from: 0 the store (a read), 1 the sink's host tier (no read)
+  int64_t source;  // where the bytes came from: 0 the store (a read on the stream), 1 the sink's host
+                   // tier (no read), 2 the store (a streamed resolve's read, in the background)
 };
 
 // Everything recorded since the last drain().
@@ -185,6 +193,22 @@ class FaultTable {
   void stage(const std::vector<int64_t>& ids, uint32_t* out);
   bool can_stage() const { return sink_ && sink_->stages(); }
 
+  // The streamed form of resolve() (host sinks): out[i] is the row ids[i] has, or will have once
+  // its read finished; the misses' reads run on the background read threads (read_pool.h) and
+  // begin() returns at once. finish(ids) waits for the reads of those experts and publishes them
+  // (row, table, log, policy) as resolve() does; when one failed it first waits for every read
+  // still pending, publishes them, then throws resolve()'s error. The next begin(), resolve() or
+  // stage(), and sync() and reclaim(), first settle() whatever is pending, so a step that never
+  // reached its finish() nodes leaves no read in flight and no row unlogged. drain(), table() and
+  // lent() do not wait (mid-step, a pending fill's row is out of the lent list and unpublished,
+  // as resolve()'s are while it reads).
+  void begin(const std::vector<int64_t>& ids, uint32_t* out);
+  void finish(const std::vector<int64_t>& ids);
+  // Loop thread (off the event loop: it waits for reads): wait for every pending streamed read and
+  // publish it, a failure only logged. Call once the steps that began them are done, before drain().
+  void settle();
+  bool pending() const;
+
  private:
   // The distinct experts of `ids` (first-use order) into `uniq`, checking the range; returns the
   // routed pairs (kNoExpert excluded). Logs the resolve's uses.
@@ -198,6 +222,29 @@ class FaultTable {
   // After a record at `offset` was read: the page-cache advice of set_drop_cache.
   void after_read(uint64_t offset);
   double rank_locked(int64_t expert, uint64_t stamp) const;
+
+  // One record fault: its row, what the row held, and the read's outcome.
+  struct Fill {
+    int64_t expert = -1, row = -1, victim = -1;
+    bool held = false;  // the sink holds the expert's verified bytes: no read
+    int err = 0;
+    uint32_t got = 0;
+    int64_t ns = 0;
+    bool done = false;  // streamed: the background read finished (guarded by mu_)
+  };
+  // Rows for `missing` (evicting their experts from the table), appended to `fills`; an expert
+  // left without a row is logged and named in `error`.
+  void assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
+                          std::string& error);
+  // Read and verify one fill (unlocked: its row is out of the lent list and the table).
+  void read_fill(Fill& f);
+  // Log a finished fill and put its row back at the end of the lent list (published on success).
+  // `background`: a streamed resolve's read (its time is not the stream's).
+  void publish_locked(Fill& f, uint64_t stamp, std::string& error, bool background = false);
+  // Wait for every pending streamed read and publish it (the first failure into `error`).
+  void finish_all_locked(std::unique_lock<std::mutex>& lk, std::string& error);
+  // finish_all_locked for loop-thread calls: a failure is only logged (the step reports it).
+  void settle_pending_locked(std::unique_lock<std::mutex>& lk);
 
   const int layer_;
   const int64_t n_experts_;
@@ -223,9 +270,17 @@ class FaultTable {
   uint64_t clock_ = 0;
   Drained log_;
   std::vector<int64_t> absorbed_;  // absorb_device_uses_locked's scratch
+  // Streamed reads begin() started and finish() has not published (stable while any is pending:
+  // background threads write into their elements).
+  std::vector<Fill> pending_;
+  std::vector<int32_t> pending_at_;  // expert -> index into pending_ (-1: none)
+  size_t pending_reads_ = 0;         // of pending_, reads not done yet
+  size_t pending_left_ = 0;          // of pending_, fills not published yet
+  uint64_t pending_stamp_ = 0;       // the stamp of the begin() they belong to
+  std::condition_variable read_done_;
 
   std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
-      fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0};
+      fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0}, streamed_{0}, read_wait_ns_{0}, background_ns_{0};
 };
 
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
@@ -233,6 +288,7 @@ struct GlobalCounters {
   std::atomic<uint64_t> tables_created{0}, tables_destroyed{0}, nodes_created{0}, nodes_destroyed{0};
   std::atomic<uint64_t> fault_errors{0};  // failed faults in every table: a cheap "did any fail?"
   std::atomic<uint64_t> shared_reads{0};  // resolves whose reads went to the read pool's workers too
+  std::atomic<uint64_t> background_reads{0};  // streamed reads handed to the background threads
 };
 GlobalCounters& global_counters();
 uint64_t fault_errors_total();
@@ -255,6 +311,14 @@ namespace asyncside::faults {
 //  are the expert ids, for a gather over the staging arrays).
 mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
                              mlx::core::Stream stream, bool staged = false);
+
+// The streamed pair (CPU stream, host sinks): `begin_rows` maps every id to its row and starts
+// the misses' reads (FaultTable::begin); `finish_rows(ids, rows)` passes `rows` (a part of the
+// begin's output, for the experts `ids`) through once those experts' reads are published
+// (FaultTable::finish). A gather that depends on a finish node reads its rows in place.
+mlx::core::array begin_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
+mlx::core::array finish_rows(const mlx::core::array& ids, const mlx::core::array& rows,
+                             std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 
 // A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
 // happen on the device. `by_expert`: `mirror` has one row per expert of the layer (a host tier:

@@ -100,7 +100,65 @@ Pool& pool() {
   return *p;
 }
 
+size_t default_background_threads() {
+  if (const char* env = std::getenv("ASYNCSIDE_FAULT_BACKGROUND_THREADS")) {
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1) return std::min<size_t>(n, 64);
+  }
+  return std::max<size_t>(2, default_threads());
+}
+
+// A plain FIFO of jobs and workers started on first use (detached, never joined; see Pool).
+class Background {
+ public:
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      jobs_.push_back(std::move(job));
+      if (started_ < threads_ && idle_ < jobs_.size()) {
+        std::thread([this] { work(); }).detach();
+        ++started_;
+        return;
+      }
+    }
+    wake_.notify_one();
+  }
+  const size_t threads_ = default_background_threads();
+
+ private:
+  void work() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        ++idle_;
+        wake_.wait(lk, [&] { return !jobs_.empty(); });
+        --idle_;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> jobs_;
+  size_t started_ = 0;
+  size_t idle_ = 0;
+};
+
+Background& background() {
+  static Background* b = new Background();  // never destroyed, as pool()
+  return *b;
+}
+
 }  // namespace
+
+void submit_background(std::function<void()> job) { background().submit(std::move(job)); }
+
+size_t background_threads() { return background().threads_; }
 
 void parallel_reads(size_t n, const std::function<void(size_t)>& fn) { pool().run(n, fn); }
 

@@ -26,4 +26,11 @@ size_t read_threads();
 // Set the number of workers (tests; a pool already started keeps its threads but uses only n).
 void set_read_threads(size_t n);
 
+// Background reads (streamed resolves, expert_faults.h): `job` runs on one of a few threads of
+// their own and submit_background returns at once. These threads spend their time waiting for
+// the disk, not computing, so there are some even where the compute leaves no core idle:
+// ASYNCSIDE_FAULT_BACKGROUND_THREADS when set (>= 1), else max(2, read_threads()). Jobs must not throw.
+void submit_background(std::function<void()> job);
+size_t background_threads();
+
 }  // namespace asyncside::faults

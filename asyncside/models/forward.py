@@ -76,6 +76,11 @@ class ForwardOptions:
     ``staged_switches``: such a switch, where the source has staging arrays for the layer (device
     pools with a host tier: MLX CUDA), copies its experts into them instead (one resolve, no pool
     row changes, the gather over a whole layer as mlx-lm's); off: slices as above.
+    ``streamed_switch``: a queued step's small switch (fewer pairs than a sorted one) starts its
+    misses' reads at once and computes its experts slot by slot, each slot waiting only for its
+    own experts, so the layer's reads overlap its expert compute (exact: each product is the one
+    the whole gather computes). None (the default): where the source asks for it (a runtime whose
+    memory plan reads past the page cache); True: wherever the source can; False: never.
 
     Prefill chunks run as queued steps where the source can and the mode allows (``auto``,
     ``queued``), else per layer.
@@ -86,6 +91,7 @@ class ForwardOptions:
     lookahead_extra: int = 0
     expert_slices: bool | None = None
     staged_switches: bool = True
+    streamed_switch: bool | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -98,6 +104,8 @@ class ForwardOptions:
             raise ValueError(f"expert_slices: expected True, False or None, got {self.expert_slices!r}")
         if self.staged_switches not in (True, False):
             raise ValueError(f"staged_switches: expected True or False, got {self.staged_switches!r}")
+        if self.streamed_switch not in (None, True, False):
+            raise ValueError(f"streamed_switch: expected True, False or None, got {self.streamed_switch!r}")
 
 
 async def eval_completed(x: mx.array) -> None:
@@ -136,7 +144,7 @@ class AsyncForward:
         self.counters = {"forwards": 0, "capacity_splits": 0, "groups": 0, "subset_groups": 0,
                          "speculated": 0, "speculation_misses": 0, "optimistic": 0, "optimistic_redone": 0,
                          "queued": 0, "queued_prefill": 0, "sorted_parts": 0, "expert_slices": 0, "token_parts": 0,
-                         "staged_switches": 0,
+                         "staged_switches": 0, "streamed_switches": 0,
                          "per_layer": 0,
                          "prefill": 0, "fallbacks": 0}
         # A completion that takes `then` is the bridge's (or wraps it): queue work through the
@@ -161,7 +169,8 @@ class AsyncForward:
         es = self.options.expert_slices
         self.queued = QueuedSteps(self.walk, completed, self.counters, bridged=then_ok,
                                   expert_slices=es if es is not None else on_gpu,
-                                  staged_switches=self.options.staged_switches, arm=arm)
+                                  staged_switches=self.options.staged_switches,
+                                  streamed_switch=self.options.streamed_switch, arm=arm)
         #: routing replay of every step (:class:`asyncside.models.forcing.RoutingReplay`); None: the
         #: router routes. Set through ``StreamingModel.set_routing``.
         self.routing: Any = None

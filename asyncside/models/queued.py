@@ -75,7 +75,10 @@ class QueuedSource(Protocol):
     - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
 
-    Optional (``Runtime`` has them): ``staging(layer)``, the layer's whole-layer staging arrays or
+    Optional (``Runtime`` has them): ``streams_misses(layer)`` / ``can_stream(layer)``, whether a
+    small switch of the layer should / can stream its misses, and ``begin_rows(layer, ids)`` /
+    ``finish_rows(layer, ids, rows)``, the streamed form of ``expert_rows`` (see
+    :func:`_streamed_switch`); ``staging(layer)``, the layer's whole-layer staging arrays or
     None; ``staged_rows(layer, ids)``, lazy rows of the ids in them, every routed expert copied
     there on the stream; ``staged_done(out)``, the output of the switch that read them.
     """
@@ -98,7 +101,7 @@ class QueuedSteps:
     """Decode steps queued whole, misses served by the source inside the stream."""
 
     def __init__(self, walk: DecoderWalk, completed: Completed, counters: dict[str, int], *, bridged: bool,
-                 expert_slices: bool = True, staged_switches: bool = True,
+                 expert_slices: bool = True, staged_switches: bool = True, streamed_switch: bool | None = None,
                  arm: Callable[[mx.array], Armed] | None = None) -> None:
         self.walk = walk
         self.completed = completed
@@ -109,6 +112,7 @@ class QueuedSteps:
         self._bridged = bridged
         self._expert_slices = expert_slices
         self._staged_switches = staged_switches
+        self._streamed_switch = streamed_switch
         self._is_queued: dict[type, bool] = {}
         self._on_cpu = mx.default_device() == mx.cpu
         #: on the CPU, steps go to MLX past its eval throttle (see _schedule)
@@ -154,6 +158,13 @@ class QueuedSteps:
             return False
         ctx.part = part
         return True
+
+    def _streams(self, source: Any, layer: int) -> bool:
+        """Whether a small switch of ``layer`` streams its misses (see ForwardOptions.streamed_switch)."""
+        if self._streamed_switch is False:
+            return False
+        ask = getattr(source, "can_stream" if self._streamed_switch else "streams_misses", None)
+        return ask is not None and bool(ask(layer))
 
     def _stages_every_layer(self, source: Any) -> bool:
         """Whether every MoE layer's switch can stage its experts (one resolve however many)."""
@@ -244,9 +255,13 @@ class QueuedSteps:
             if staged is not None and logits and inputs.size * walk.top_k < STAGE_DECODE_PAIRS_PER_EXPERT * \
                     cast(Any, source).n_experts(i):
                 staged = None  # a decode batch that keeps its working set in the rows
+            streamed = part is None and self._on_cpu and self._streams(source, i)
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
-                      pools: Any = pools, staged: Any = staged) -> mx.array:
+                      pools: Any = pools, staged: Any = staged, streamed: bool = streamed) -> mx.array:
+                if streamed and inds.size < SORT_THRESHOLD:
+                    counters["streamed_switches"] += 1
+                    return _streamed_switch(source, i, spec, activation, x_sw, inds, pools)
                 if part is None or inds.size <= part:
                     return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
                 if staged is not None:
@@ -421,6 +436,25 @@ def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activatio
     assert y is not None
     y = y[inv]
     return y.reshape(*inds.shape, y.shape[-1])
+
+
+def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
+                     pools: Any) -> mx.array:
+    """A small switch layer's output with its misses streamed: one ``begin_rows`` node maps every
+    routed expert to its row and starts the absent ones' reads in the background, then each slot
+    ``s`` (the ``s``-th expert of every token) waits for its own experts alone (``finish_rows``)
+    and computes its products. So the slots whose experts are in compute while the others are
+    still read, and the layer's reads overlap its expert compute instead of preceding it.
+
+    Each pair's product does not depend on which other pairs share its gather, and the slots'
+    outputs are put back in slot order, so the output is bitwise the whole gather's.
+    """
+    rows = source.begin_rows(layer, inds)
+    outs = []
+    for s in range(inds.shape[-1]):
+        mine = source.finish_rows(layer, inds[..., s:s + 1], rows[..., s:s + 1])
+        outs.append(pooled_switch_apply(spec, activation, x_sw, mine, pools, sort=False))
+    return mx.concatenate(outs, axis=-2)
 
 
 def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,

@@ -295,6 +295,22 @@ class Runtime:
         """Lazy uint32 pool rows of the routed ``ids``; absent experts fault in on the stream."""
         return self.queued.expert_rows(layer, ids)
 
+    def streams_misses(self, layer: int) -> bool:
+        """Whether a small switch of ``layer`` streams its misses (:meth:`begin_rows`)."""
+        return self.queued.streams_misses(layer)
+
+    def can_stream(self, layer: int) -> bool:
+        """Whether ``layer`` can take streamed resolves at all (a host fault table)."""
+        return self.queued.can_stream(layer)
+
+    def begin_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy rows of the routed ``ids``, absent experts' reads started in the background."""
+        return self.queued.begin_rows(layer, ids)
+
+    def finish_rows(self, layer: int, ids: mx.array, rows: mx.array) -> mx.array:
+        """``rows`` of ``ids`` (from :meth:`begin_rows`) once those experts' reads landed."""
+        return self.queued.finish_rows(layer, ids, rows)
+
     def staging(self, layer: int) -> dict[str, mx.array] | None:
         """The whole-layer staging arrays of ``layer`` (device pools with a host tier), or None."""
         return self.queued.staging(layer)
@@ -343,6 +359,7 @@ class Runtime:
         """Every counter since start (hits, misses, bytes read, faults, stall time, ...): typed
         parts, and a mapping of flat names (``stats()["hits"]``)."""
         self.queued.reconcile_all()  # queued steps' faults and uses, up to now
+        self._s.queued.read_wait_s = self.queued.read_wait_s()
         plan = self._plan
         return snapshot(self._s.cache, self._s.reads, self._s.queued, reader=self.reader,
                         direct=self._s.scheduler.direct, pool_bytes_planned=plan.pool_bytes if plan else 0,

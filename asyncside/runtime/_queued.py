@@ -59,6 +59,8 @@ class QueuedSide:
         self._errors_seen = 0
         #: whether a step whose experts exceed the lent rows may be queued in slices (see capacity)
         self._slices = True
+        #: whether small switches stream their misses (see streams_misses): the plan's choice
+        self._stream_misses = False
 
     # ---------------------------------------------------------------- setup
 
@@ -74,6 +76,10 @@ class QueuedSide:
         # sliced step's transient buffers, which grow with its tokens (a prefill chunk; see
         # BENCHMARKS.md, "Memory we use"): such steps go layer by layer, whose buffers are one layer's.
         self._slices = not plan.direct
+        # Past the page cache most routed experts miss: a small switch then starts its misses'
+        # reads at once and computes its slots as they land (streamed resolves, see
+        # native/expert_faults.h), so a layer's reads overlap its expert compute.
+        self._stream_misses = plan.direct
         device_ok = _native.device_faults_available()
         host = [(i, st) for i, st in s.layers.items() if not st.pools.device or device_ok]
         if not host:
@@ -257,6 +263,37 @@ class QueuedSide:
         rows: mx.array = _native.expert_rows(ids, st.faults)
         return rows
 
+    def streams_misses(self, layer: int) -> bool:
+        """Whether a small switch of ``layer`` should stream its misses (:meth:`begin_rows` and
+        :meth:`finish_rows`): the plan expects misses (or was told to stream), and the layer's
+        fault table is a host one (:meth:`can_stream`)."""
+        return self._stream_misses and self.can_stream(layer)
+
+    def can_stream(self, layer: int) -> bool:
+        """Whether ``layer`` can take streamed resolves: a host fault table (CPU stream)."""
+        st = self._s.layer(layer)
+        return st.faults is not None and not st.pools.device
+
+    def begin_rows(self, layer: int, ids: mx.array) -> mx.array:
+        """Lazy uint32 pool rows of the routed ``ids`` of ``layer``, the streamed form of
+        :meth:`expert_rows`: when the stream gets there every expert gets its row and the absent
+        ones' reads start in the background. A gather may read a row only through
+        :meth:`finish_rows`."""
+        st = self._s.layer(layer)
+        if st.faults is None or st.pools.device:
+            raise AsyncsideError(f"layer {layer}: streamed resolves need host pools with a fault table")
+        rows: mx.array = _native.begin_rows(ids, st.faults)
+        return rows
+
+    def finish_rows(self, layer: int, ids: mx.array, rows: mx.array) -> mx.array:
+        """``rows`` (part of a :meth:`begin_rows` output, for the experts ``ids``), passed on by
+        the stream once those experts' reads landed and verified."""
+        st = self._s.layer(layer)
+        if st.faults is None:
+            raise AsyncsideError(f"layer {layer}: streamed resolves need host pools with a fault table")
+        out: mx.array = _native.finish_rows(ids, rows, st.faults)
+        return out
+
     def staging(self, layer: int) -> dict[str, mx.array] | None:
         """The staging arrays of ``layer`` (one per segment key, a row per expert), or None."""
         return self._s.layer(layer).staging
@@ -319,6 +356,11 @@ class QueuedSide:
                 # never becomes available: it is done with too, or this loop would never end.
                 failed = out
             self._outs = [o for o in self._outs if o is not failed and not native_available(o)]
+        # A step that failed before its streamed slots finished leaves their reads begun and
+        # unpublished: wait for them (in a worker thread: it is I/O), so the logs say what they did.
+        for st in s.layers.values():
+            if st.faults is not None and st.faults.pending:
+                await anyio.to_thread.run_sync(st.faults.settle)
         self.reconcile_all()
         for st in s.layers.values():
             if st.faults is not None:
@@ -380,11 +422,15 @@ class QueuedSide:
                     queued.faults += 1
                     cache.misses += 1
                     reads.fills += 1
-                    if source == 0:
-                        reads.bytes_read += st.spec.stride
-                    else:  # from the host tier: a device copy, nothing read
+                    if source == 1:  # from the host tier: a device copy, nothing read
                         queued.tier_faults += 1
-                    queued.fault_time_s += ns * 1e-9
+                    else:
+                        reads.bytes_read += st.spec.stride
+                    if source == 2:  # a streamed resolve's read: the stream computed meanwhile
+                        queued.streamed_faults += 1
+                        queued.background_read_s += ns * 1e-9
+                    else:
+                        queued.fault_time_s += ns * 1e-9
                     if victim >= 0:
                         cache.evictions += 1
                     self._fault_ns.append(ns)
@@ -399,6 +445,11 @@ class QueuedSide:
             used = np.frombuffer(raw_used, dtype=np.int32)
             st.ledger.record_uses(used, np.frombuffer(raw_sizes, dtype=np.int32).tolist())
             cache.hits += int(used.size) - n_events
+
+    def read_wait_s(self) -> float:
+        """Seconds the stream waited for streamed resolves' background reads, over every layer."""
+        return float(sum(st.faults.counters()["read_wait_ns"] for st in self._s.layers.values()
+                         if st.faults is not None)) * 1e-9
 
     def fault_latency(self) -> dict[str, float]:
         """Median and p99 of the latest faults' time on the stream (seconds; 0 when none)."""

@@ -45,7 +45,10 @@ class QueuedStats:
 
     queued_steps: int = 0
     faults: int = 0
-    fault_time_s: float = 0.0
+    fault_time_s: float = 0.0  # the stream's time reading faulted records itself
+    streamed_faults: int = 0  # faults a streamed resolve read in the background (see models/queued.py)
+    background_read_s: float = 0.0  # their reads' time, spent while the stream computed
+    read_wait_s: float = 0.0  # the stream's time waiting for them
     tier_faults: int = 0  # faults whose bytes came from the host tier (a device copy, no read)
     staged_copies: int = 0  # experts a staged resolve copied from the host tier (misses, no row taken)
     host_tier_bytes: int = 0
