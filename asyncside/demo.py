@@ -14,6 +14,7 @@ the tokens differ (they must not).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -71,8 +72,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "size such as 2G, or 0 (default auto)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICY_NAMES),
                    help=f"eviction policy of the dynamic rows (default {DEFAULT_POLICY})")
-    p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
-                   help="expert prediction for prefetch (default lookahead)")
+    p.add_argument("--predictor", default=None, choices=["lookahead", "temporal", "trace", "none"],
+                   help="expert prediction for prefetch (default lookahead; with --routing: trace, the trace's own "
+                        "predictions, when it carries them, else temporal); its precision and recall are reported")
     p.add_argument("--lookahead-extra", metavar="N", type=int, default=0,
                    help="lookahead names N experts beyond the router's k per token (default 0; "
                         "fewer misses, more reads: see BENCHMARKS.md)")
@@ -83,11 +85,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
-    p.add_argument("--routing", metavar="FILE", default=None,
-                   help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
                    help="decode steps start a layer's misses' reads at once and compute its experts as they land "
                         "(CPU, host pools); auto: where the memory plan reads past the page cache")
+    p.add_argument("--routing", metavar="FILE", default=None,
+                   help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
     p.add_argument("--record-routing", metavar="FILE", default=None,
                    help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
@@ -167,6 +169,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
     import anyio
 
     from .looplag import measure_loop_lag
+    from .models.predict import PredictionQuality
     from .models.trace import RoutingTrace
     from .runtime import Runtime
 
@@ -178,6 +181,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
             print(rt.plan.describe(), flush=True)
             print(f"{args.prompt}", end="", flush=True)
         record = RoutingTrace() if getattr(args, "record_routing", None) else None
+        counted = dict(sm.forward_with(options).counters)  # the predictions of this run alone, below
         disk_before = disk_read_bytes()
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
@@ -198,6 +202,7 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["memory"] = rt.memory
         stats["peak_rss_bytes"] = peak_rss_bytes()
         stats["disk_read_bytes"] = disk_read_bytes() - disk_before
+        stats["prediction"] = PredictionQuality.from_counters(sm.forward_with(options).counters, counted).as_dict()
     if record is not None:
         meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
@@ -332,6 +337,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     from .models import ForwardOptions, load_reference_model, load_streaming_model
     from .models.embedded import ensure_embedded_default
     from .models.forcing import force_reference
+    from .models.forward import StepMode
+    from .models.predict import choose_predictor
     from .store import ExpertStore
 
     if args.tokens < 1:
@@ -352,6 +359,16 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None
+    args.predictor, note = choose_predictor(args.predictor, replay)
+    notes = [note] if note else []
+    if getattr(args, "record_routing", None) and args.predictor in ("lookahead", "trace") and args.mode == "auto":
+        # Queued steps do not run the predictor: per-layer steps record its prediction of every layer.
+        options = dataclasses.replace(options, mode=StepMode.PER_LAYER)
+        notes.append(f"--record-routing: the streaming run goes per layer, so the file carries the "
+                     f"{args.predictor} predictor's predictions")
+    if not (args.quiet or args.json):
+        for line in notes:
+            print(f"note: {line}", flush=True)
     reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None))
     ref: Run | None = None
     if reference == "all-resident":
@@ -400,6 +417,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "reader": stats.get("reader"),
         "policy": args.policy,
         "predictor": args.predictor,
+        "predictor_notes": notes,
+        # precision = predicted ids the layer then routed / predicted ids; recall = routed ids that
+        # were predicted / routed ids; distinct ids per (token, MoE layer), over the steps that ran
+        # the predictor (per-layer steps; queued steps do not)
+        "prediction": stats.pop("prediction"),
         "lookahead_extra": args.lookahead_extra,
         # "queued": one step queued per token, misses served inside the stream (the default);
         # "whole": queued from row snapshots and checked after; "per-layer": each MoE layer's
@@ -483,6 +505,10 @@ def _table(result: dict[str, Any]) -> None:
                   f"{result['fault_latency_p99_ms']:.2f} ms", "", "")
     lag = result["loop_lag"]
     table.add_row("event-loop lag, max / p99 (5 ms ticker)", f"{lag['max_ms']:.1f} / {lag['p99_ms']:.1f} ms", "", "")
+    pq = result["prediction"]
+    table.add_row("predictions: precision / recall",
+                  f"{pq['precision']:.1%} / {pq['recall']:.1%} over {pq['token_layers']} token-layers"
+                  if pq["token_layers"] else "none counted (no step ran the predictor)", "", "")
     table.add_row("reader / policy / predictor",
                   f"{result['reader']} / {result['policy']} / {result['predictor']}"
                   + (f"+{result['lookahead_extra']}" if result["lookahead_extra"] else "")
@@ -497,6 +523,7 @@ def _table(result: dict[str, Any]) -> None:
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     if args.ranks != 1:
+        args.predictor = args.predictor or "lookahead"
         if getattr(args, "routing", None) or getattr(args, "record_routing", None):
             print("asyncside demo: --routing / --record-routing run in one process (not with --ranks)",
                   file=sys.stderr)

@@ -32,10 +32,11 @@ before each cold run. The method used is in the JSON (``cold_method``).
 ``--load N`` starts N CPU-bound busy processes beside the runs (stopped at the end): every
 system then runs as loaded as the mlx-lm run it is compared with.
 
-Hit rates of the policies: one :class:`RoutingTrace` is recorded (lookahead predictor,
-all-resident), then every ledger policy is replayed over it at each residency (the runtime's
-resident set and side rows), demand only and with the recorded lookahead predictions as
-prefetches, beside Belady's MIN; and with every row dynamic, starting empty (close to the slot
+Hit rates of the policies: one :class:`RoutingTrace` is recorded (per-layer steps, all-resident;
+the lookahead predictor, or under ``--routing`` the trace's own predictions or temporal: see
+:func:`asyncside.models.predict.choose_predictor`), then every ledger policy is replayed over it at
+each residency (the runtime's resident set and side rows), demand only and with the recorded
+predictions as prefetches, beside Belady's MIN; and with every row dynamic, starting empty (close to the slot
 cache's arrangement, which starts holding the resident set), LRU beside Belady's MIN.
 
 Models: the embedded model (default), a converted store (``--model``), or a realistic shape built
@@ -114,7 +115,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", nargs="+", choices=STEP_MODES, default=None,
                    help="asyncside step modes to run, A/B in the same rounds (default: default, the forward's own)")
     p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,
-                   help="asyncside predictors to run (default lookahead)")
+                   help="asyncside predictors to run (default lookahead; with --routing: trace when the trace "
+                        "carries predictions, else temporal)")
     p.add_argument("--verify", nargs="+", choices=("on", "off"), default=None,
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
@@ -539,6 +541,12 @@ def _summarise(runs: list[BenchRun], ref_tokens: list[int], record_bytes: int) -
         out["decode_counters"] = {k: d[k] for k in ("hits", "misses", "bytes_read", "fills", "reads", "evictions",
                                                     "late", "prefetched", "stall_time_s") if k in d}
         out["reader"] = mid.stats.get("reader")
+    if any(r.counters for r in runs):
+        from ..models.predict import PREDICTION_COUNTERS, PredictionQuality
+
+        # Over every round: precision and recall of the predictions the run's steps counted.
+        out["prediction"] = PredictionQuality.from_counters(
+            {k: sum(r.counters.get(k, 0) for r in runs) for k in PREDICTION_COUNTERS}).as_dict()
     if mid.counters:
         out["forward_counters"] = mid.counters
         if mid.counters.get("optimistic"):
@@ -609,6 +617,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
     from ..models import RoutingTrace, load_reference_model, load_streaming_model
+    from ..models.predict import PredictionQuality, choose_predictor
     from ..store import ExpertStore
 
     plot = getattr(args, "plot", None)
@@ -631,6 +640,15 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         replay = sm.set_routing(args.routing)
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)
+    # Under replay the default predictor is the trace's own (or temporal): see choose_predictor.
+    record_predictor, note = choose_predictor(None, sm.routing)
+    predictor_notes = [note] if note else []
+    if args.predictors:
+        predictor_notes += [x for x in (choose_predictor(p, sm.routing)[1] for p in s.predictors) if x]
+    else:
+        s.predictors = (record_predictor,)
+    for line in predictor_notes:
+        _log(verbose, f"note: {line}")
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
@@ -697,13 +715,15 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     # One routing trace (lookahead predictions recorded), policies replayed over it.
     _log(verbose, "recording a routing trace; replaying policies vs Belady")
     trace = RoutingTrace()
-    set_step_mode(sm, "per-layer")  # per-layer steps record the lookahead predictions too
+    set_step_mode(sm, "per-layer")  # per-layer steps record the predictions too
+    counted = dict(sm.forward.counters)
 
     async def record() -> list[int]:
         return [t async for t in sm.generate(prompt_ids, max_tokens=s.tokens, source=resident_src,
-                                             predictor="lookahead", trace=trace)]
+                                             predictor=record_predictor, trace=trace)]
 
     trace_tokens = _anyio_run(record)
+    trace_prediction = PredictionQuality.from_counters(sm.forward.counters, counted).as_dict()
     policies = policy_hit_rates(trace, store, s.residencies)
     reference.clear()
     mx.clear_cache()
@@ -789,7 +809,9 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "policies_vs_belady": policies,
         "trace": {"tokens": len(trace_tokens), "steps": len(trace.steps),
-                  "tokens_identical": trace_tokens == ref_tokens},
+                  "tokens_identical": trace_tokens == ref_tokens, "predictor": record_predictor,
+                  "prediction": trace_prediction},
+        "predictor_notes": predictor_notes,
         "tokens_identical": (ref["tokens_identical"] and res["tokens_identical"]
                              and all(r["tokens_identical"] for r in rows) and trace_tokens == ref_tokens),
     }

@@ -12,6 +12,10 @@ SpeculativeSource`), the layer's expert outputs are gathered in the graph from t
 the stream computes them right after the router while the host checks the ids; only pairs whose
 rows were not sound are recomputed.
 
+*Predictions*: each MoE layer's prediction (made one MoE layer earlier) is counted against the ids
+the layer then routed into the forward's counters (:func:`.predict.count_prediction`; precision
+and recall: :class:`.predict.PredictionQuality`), and recorded beside them when a trace records.
+
 *Capacity groups*: when the routed experts of one step cannot all be resident at once (``ensure``
 raises CapacityError, e.g. a long prefill over a small side region), they are served in groups:
 each group is ensured, leased, computed, awaited and released before the next; the layer output
@@ -41,6 +45,7 @@ from .pooled import (
     pooled_switch_unsorted_pairs,
     route_and_apply,
 )
+from .predict import PREDICTION_COUNTERS, count_prediction
 from .source import ExpertSource
 from .walk import DecoderWalk, StepContext
 
@@ -99,6 +104,8 @@ class PerLayerSteps:
         self.counters = counters
         self.speculate = speculate
         self._then_ok = then_ok
+        for key in PREDICTION_COUNTERS:  # the forward's counters: precision and recall of the predictions
+            counters.setdefault(key, 0)
 
     async def forward(self, ctx: StepContext, inputs: mx.array, *, logits: bool) -> mx.array:
         """Run ``inputs`` (B, L) through the model; the logits (lazy), or with ``logits=False`` the
@@ -111,6 +118,7 @@ class PerLayerSteps:
         masks = walk.masks(h, ctx.cache)
         #: many tokens at once (prefill): schedule the graph block by block, see below
         long_step = inputs.shape[-1] >= LONG_STEP_TOKENS
+        ctx.predictor.begin(ctx.routing, ctx.position)
         p = ctx.predictor.first(walk.first_moe, h)
         if p is not None:
             ctx.source.prefetch(walk.first_moe, p)
@@ -192,11 +200,16 @@ class PerLayerSteps:
                 ctx.predicted[nxt] = p
             inds_np = np.array(inds, copy=True)
             predictor.observe(i, inds_np)
+            pred = ctx.predicted.get(i)
+            if isinstance(pred, mx.array):
+                # The first MoE layer's (made from the embeddings), or any where the native module is
+                # absent: computed by now or soon (scheduled before these ids); read on the host after.
+                await self.completed(pred)
+                pred = ctx.predicted[i] = np.array(pred, copy=True)
+            if pred is not None:
+                count_prediction(self.counters, pred, inds_np)
             if ctx.record is not None:
-                pred = ctx.predicted.get(i)
-                if isinstance(pred, mx.array):
-                    await self.completed(pred)
-                ctx.record.record(i, inds_np, None if pred is None else np.asarray(pred))
+                ctx.record.record(i, inds_np, pred)
             if snap is not None:
                 assert out_spec is not None and y_spec is not None  # a snapshot gather made both
                 y = await self.serve_speculated(ctx, i, x_sw, inds_np, y_spec, snap)

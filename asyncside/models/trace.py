@@ -29,10 +29,13 @@ TRACE_FORMAT = "asyncside-routing-trace"
 
 @dataclass
 class LayerStep:
-    """One MoE layer in one forward step: routed ids (tokens, k) and the prediction (unique ids)."""
+    """One MoE layer in one forward step: routed ids (tokens, k), the prediction (unique ids), and
+    the prediction per token ((tokens, k'), when the predictor named ids per token, as the lookahead
+    and the trace predictor do; None otherwise)."""
 
     ids: np.ndarray
     predicted: np.ndarray | None
+    predicted_tokens: np.ndarray | None = None
 
     @property
     def demand(self) -> np.ndarray:
@@ -45,10 +48,18 @@ class TraceStep:
     layers: dict[int, LayerStep] = field(default_factory=dict)
 
     def record(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None) -> None:
+        """Record ``layer``'s routed ids (..., k) and what the predictor named for it beforehand (host
+        array; kept per token when it has one row of ids per routed token)."""
         ids = np.asarray(ids)
         k = ids.shape[-1] if ids.ndim else 1
-        pred = None if predicted is None else np.unique(np.asarray(predicted).astype(np.int64))
-        self.layers[layer] = LayerStep(ids.reshape(-1, k).astype(np.int64), pred)
+        rows = ids.reshape(-1, k).astype(np.int64)
+        pred = per_token = None
+        if predicted is not None:
+            p = np.asarray(predicted).astype(np.int64)
+            pred = np.unique(p)
+            if p.ndim >= 2 and p.size and p.size // p.shape[-1] == rows.shape[0]:
+                per_token = p.reshape(rows.shape[0], -1)
+        self.layers[layer] = LayerStep(rows, pred, per_token)
 
 
 class RoutingTrace:
@@ -139,7 +150,10 @@ class RoutingTrace:
 
     def to_file_trace(self, n_experts: int, meta: Mapping[str, Any] | None = None) -> Any:
         """This recording as an :class:`asyncside.routing.RoutingTrace` (one sequence, the ``.npz``
-        format of docs/routing-traces.md): ids ``(tokens, MoE layers, k)`` in token order.
+        format of docs/routing-traces.md): ids ``(tokens, MoE layers, k)`` in token order, and
+        ``predicted`` ``(tokens, MoE layers, k')`` when every step recorded a per-token prediction
+        of every layer (per-layer steps with the lookahead or the trace predictor);
+        ``meta["predictions"]`` says which predictor, or why there are none.
 
         Every layer must have routed the same tokens (a recorded generation does: a recording
         step routes every layer). ``meta`` is stored beside ``"source": "recorded"``.
@@ -155,7 +169,26 @@ class RoutingTrace:
             raise ValueError(f"layers routed different token counts: {dict(zip(layers, [a.shape for a in per_layer]))}")
         ids = np.stack(per_layer, axis=1).astype(np.int32)
         info = {**dict(meta or {}), "source": "recorded", "layers": layers}
-        return FileTrace(ids, np.array([ids.shape[0]], dtype=np.int64), int(n_experts), info)
+        predicted, info["predictions"] = self._file_predictions(layers)
+        return FileTrace(ids, np.array([ids.shape[0]], dtype=np.int64), int(n_experts), info, predicted)
+
+    def _file_predictions(self, layers: list[int]) -> tuple[np.ndarray | None, str]:
+        """The per-token predictions as a (tokens, layers, k') array, and what ``meta["predictions"]``
+        says of them: the predictor's name, or why the file has none (a step without per-token
+        predictions of every layer, e.g. a queued step, which does not run the predictor)."""
+        names = sorted({s.predictor for s in self.steps if s.layers})
+        cols = []
+        for layer in layers:
+            parts = [s.layers[layer].predicted_tokens for s in self.steps if layer in s.layers]
+            if any(p is None for p in parts):
+                missing = sum(1 for p in parts if p is None)
+                return None, (f"none: {missing} of {len(parts)} steps of layer {layer} have no per-token "
+                              f"prediction (predictor {'/'.join(names)})")
+            cols.append(np.concatenate([p for p in parts if p is not None]))
+        widths = {c.shape[1] for c in cols}
+        if len(widths) != 1:
+            return None, f"none: layers predicted different numbers of ids per token {sorted(widths)}"
+        return np.stack(cols, axis=1).astype(np.int32), f"per token, predictor {'/'.join(names)}"
 
 
 @dataclass

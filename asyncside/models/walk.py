@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .arch import Arch, decoder_layers, top_k_attribute
 from .pooled import SwitchSpec, route
-from .predict import LookaheadPredictor, Predictor, TemporalPredictor, check_predictor
+from .predict import LookaheadPredictor, Predictor, TemporalPredictor, TracePredictor, check_predictor
 from .source import ExpertSource
 from .trace import RoutingTrace
 
@@ -109,6 +109,8 @@ class DecoderWalk:
             return LookaheadPredictor(lambda layer, x: self.route_ids(layer, x, lookahead_extra), self.first_norm)
         if name == "temporal":
             return TemporalPredictor()
+        if name == "trace":
+            return TracePredictor()
         return Predictor()
 
 
