@@ -15,8 +15,12 @@ is; any other is fitted with :meth:`asyncside.routing.RoutingTrace.map_to` (mode
 replays trace layer ``i mod L``; expert ids spread or folded by a fixed seeded permutation; slots
 beyond the model's top-k dropped): docs/routing-traces.md.
 
-Replay is for batch-1 generation (``generate``, ``demo``, ``bench generate``, the slot cache);
-the lookahead predictor still runs the model's router on the hidden state, which does not know
+``sm.set_routing`` is for batch-1 generation (``generate``, ``demo``, ``bench generate``, the slot
+cache), one position counter per step. A batched step (the serving engine's: rows at different
+positions, prefill chunks beside decode rows) is forced by :class:`RowsReplay`: row ``b`` replays
+its own sequence from its own position, so the step's forced ids are a ``(B, L, k)`` array built
+row by row (:func:`sequence_replays` gives one replay per sequence of a trace). The lookahead
+predictor still runs the model's router on the hidden state, which does not know
 the forced ids (use ``--predictor none`` or ``temporal`` to compare policies without it).
 """
 
@@ -67,6 +71,7 @@ class RoutingReplay:
         if ids.shape[0] < 1:
             raise RoutingReplayError(f"{source}: sequence {sequence} of the trace has no tokens")
         self.source = source
+        self.sequence = int(sequence)
         self.trace = trace
         self.fitted = fitted
         self.ids = ids
@@ -104,10 +109,18 @@ class RoutingReplay:
         pos = (np.arange(start, start + n, dtype=np.int64)) % self.n_tokens
         return self.ids[pos, j, :]
 
+    def with_sequence(self, sequence: int) -> RoutingReplay:
+        """The replay of another sequence of the same trace, fitted the same way (no second fit)."""
+        if sequence == self.sequence:
+            return self
+        return RoutingReplay(self.fitted, moe_layers=self.moe_layers, n_experts=self.n_experts, top_k=self.top_k,
+                             sequence=sequence, source=self.source)
+
     def step_ids(self, layer: int, start: int, shape: Sequence[int]) -> mx.array:
         """Forced ids for a block input of leading shape ``shape`` (B, L[, ...]): ``(*shape, top_k)`` uint32.
 
-        Only batch 1 (``B == 1``) has one position per token; a larger batch is refused.
+        Only batch 1 (``B == 1``) has one position per token; a larger batch is refused (a batch
+        of rows at their own positions: :class:`RowsReplay`).
         """
         shape = tuple(int(s) for s in shape)
         if len(shape) == 2 and shape[0] == 1:
@@ -117,6 +130,47 @@ class RoutingReplay:
         else:
             raise RoutingReplayError(f"routing replay runs batch-1 steps; got a block input of leading shape {shape}")
         return mx.array(self.host_ids(layer, start, n).reshape(*shape, self.top_k))
+
+
+class RowsReplay:
+    """Routing replay of a batched step: row ``b`` of the block input routes to ``rows[b]``'s
+    replay from position ``rows[b][1]`` on (token ``t`` of the row: position ``rows[b][1] + t``).
+
+    Every row of the step gets ids, right padding included (a pad's position is the next one of
+    its row's sequence, wrapped as any position): a padded token routes to valid experts like any
+    token. Passed as a step context's ``routing`` with ``position`` 0 (:class:`StepContext`).
+    """
+
+    def __init__(self, rows: Sequence[tuple[RoutingReplay, int]]) -> None:
+        self.rows = [(replay, int(start)) for replay, start in rows]
+        if not self.rows:
+            raise RoutingReplayError("a batched replay needs at least one row")
+        for b, (replay, start) in enumerate(self.rows):
+            if not isinstance(replay, RoutingReplay):
+                raise RoutingReplayError(f"row {b}: expected a RoutingReplay, got {type(replay).__name__}")
+            if start < 0:
+                raise RoutingReplayError(f"row {b}: position must be >= 0, got {start}")
+        if len({r.top_k for r, _ in self.rows}) != 1:
+            raise RoutingReplayError("the rows' replays route different top-k")
+        self.top_k = self.rows[0][0].top_k
+
+    def host_ids(self, layer: int, start: int, n: int) -> np.ndarray:
+        """The forced ids of MoE layer ``layer`` for each row's tokens ``start .. start+n-1`` (counted
+        from the row's own position): (B, n, top_k)."""
+        return np.stack([replay.host_ids(layer, pos + start, n) for replay, pos in self.rows])
+
+    def step_ids(self, layer: int, start: int, shape: Sequence[int]) -> mx.array:
+        """Forced ids for a block input of leading shape ``(B, L)`` (B: the rows): ``(B, L, top_k)`` uint32."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2 or shape[0] != len(self.rows):
+            raise RoutingReplayError(f"a batched replay of {len(self.rows)} row(s) needs a block input of leading "
+                                     f"shape ({len(self.rows)}, L); got {shape}")
+        return mx.array(self.host_ids(layer, start, shape[1]))
+
+
+def sequence_replays(replay: RoutingReplay) -> list[RoutingReplay]:
+    """One replay per sequence of ``replay``'s trace, in order, fitted once."""
+    return [replay.with_sequence(s) for s in range(replay.fitted.n_sequences)]
 
 
 def load_replay(path: str | os.PathLike[str], model: nn.Module, moe: dict[int, tuple[nn.Module, str]],

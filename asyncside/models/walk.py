@@ -138,8 +138,10 @@ class StepContext:
     #: a queued step's output and its completion, armed as the step was scheduled (see
     #: ``asyncside.bridge.arm``); ``finish`` awaits it
     armed: tuple[mx.array, Any] | None = None
-    #: routing replay (:class:`asyncside.models.forcing.RoutingReplay`) and the position of the
-    #: step's first token in the sequence; None: the router routes
+    #: routing replay (:class:`asyncside.models.forcing.RoutingReplay`, or for a batched step
+    #: :class:`~asyncside.models.forcing.RowsReplay`: each row from its own position, with
+    #: ``position`` 0) and the position of the step's first token in the sequence; None: the
+    #: router routes
     routing: Any = None
     position: int = 0
     _forced: dict[int, mx.array] = field(default_factory=dict)

@@ -387,7 +387,7 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                                   prefill_chunk=settings.prefill_chunk, prompt_cache_size=settings.prompt_cache_size,
                                   prompt_cache_min_tokens=settings.prompt_cache_min_tokens,
                                   joint_prefill=settings.joint_prefill,
-                                  prompt_cache_bytes=settings.prompt_cache_bytes)
+                                  prompt_cache_bytes=settings.prompt_cache_bytes, routing=engine.routing)
                 # An unknown predictor fails startup, not requests.
                 engine.model.forward.make_predictor(settings.predictor)
             if settings.mlx_cache_bytes is not None:

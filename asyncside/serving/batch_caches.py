@@ -42,13 +42,15 @@ def mergeable(cache: list[Any]) -> bool:
 
 
 async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,
-                    predictors: Sequence[Any], sample: Callable[[Any], Any]) -> Any:
+                    predictors: Sequence[Any], sample: Callable[[Any], Any],
+                    routings: Sequence[Any] | None = None) -> Any:
     """One decode step of ``B`` requests, each through its own KV cache ``caches[i]``, one after the
     other (a batch of one: the single-stream step itself; caches without a batched form).
 
     ``tokens`` (B, 1); ``sample`` builds, from the last position's logits (B, vocab), what the
     caller reads (lazy). Returns it, computed: one completion for the last row's forward and the
-    sampling together.
+    sampling together. ``routings``: each row's routing replay (a one-row
+    :class:`~asyncside.models.forcing.RowsReplay`), or None.
     """
     import mlx.core as mx
 
@@ -57,6 +59,8 @@ async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], s
     n = tokens.shape[0]
     for i in range(n):
         ctx = fwd.context(caches[i], source, predictors[i])
+        if routings is not None:
+            ctx.routing, ctx.position = routings[i], 0
         last = (await fwd.step(ctx, tokens[i:i + 1]))[:, -1, :]
         rows.append(last)
         if i < n - 1:
@@ -172,17 +176,20 @@ class BatchCaches:
             out.append(row_cache(c, row, self._pads[n][row], c._idx))
         return out
 
-    async def launch(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any]
-                     ) -> tuple[Any, Any]:
+    async def launch(self, sm: ServedModel, tokens: Any, source: Any, sample: Callable[[Any], Any],
+                     routing: Any = None) -> tuple[Any, Any]:
         """Queue one forward of the whole batch (``tokens``: (size, 1)); ``sample`` builds, from the
         last position's logits (size, vocab), what the caller reads. Returns the step's context
         and that (lazy, scheduled where the step was queued): pass both to ``forward.finish``.
 
         A queued step (the batch's switches resolving their experts in parts when they may not
         fit a layer's rows at once), else per layer with the union of the batch's experts served
-        in groups.
+        in groups. ``routing``: the step's routing replay (a
+        :class:`~asyncside.models.forcing.RowsReplay` of the rows in order), or None.
         """
         assert self.layers is not None and tokens.shape[0] == self.size
         fwd = sm.forward
         ctx = fwd.context(self.layers, source)
+        if routing is not None:
+            ctx.routing, ctx.position = routing, 0
         return ctx, await fwd.step(ctx, tokens, head=lambda logits: sample(logits[:, -1, :]))

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from ..memory import host_tier_arg
+from ..memory import host_tier_arg, memory_arg
 from ..policies import DEFAULT_POLICY
 from .settings import ServeSettings, settings_from_args
 
@@ -31,6 +31,21 @@ def _fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value:g}")
     return value
+
+
+def _resident(text: str) -> float | str:
+    """``--resident``: a fraction in [0, 1], or ``auto`` (the pools sized to the memory budget)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _fraction(text)
+
+
+def _existing_file(text: str) -> str:
+    import os
+
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such routing trace file")
+    return text
 
 
 def _at_least(lo: int) -> Any:
@@ -129,8 +144,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a store written by `asyncside convert`, an mlx-lm model directory or a Hugging Face "
                              "repo id (a model is converted on first use into the cache directory; "
                              "default: the embedded model, built on first run)")
-    parser.add_argument("--resident", type=_fraction, default=0.25,
-                        help="fraction of each layer's experts kept in the pools (default 0.25)")
+    parser.add_argument("--resident", type=_resident, default=0.25,
+                        help="fraction of each layer's experts kept in the pools, or 'auto': sized to the "
+                             "memory budget (default 0.25)")
+    parser.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
+                        help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
+                             "cgroup and MemAvailable allow); reads bypass the page cache when the store does "
+                             "not fit what is left of it")
+    parser.add_argument("--routing", metavar="TRACE.npz", type=_existing_file, default=None,
+                        help="replay a routing trace (docs/routing-traces.md): request n replays the trace's "
+                             "sequence n mod its sequences from its own first prompt token; the prompt cache is "
+                             "off then")
     parser.add_argument("--reader", default="auto", choices=READERS, help="expert read backend (default auto)")
     parser.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
                         help=f"eviction policy of the dynamic rows: lrfu, lru, lfu, aging-lfu, oneshot "
@@ -216,7 +240,8 @@ def engine_factory_from_args(args: argparse.Namespace) -> Any:
     from .engine import open_engine
 
     return lambda: open_engine(args.model, resident=args.resident, reader=args.reader, policy=args.policy,
-                               cache_dir=args.cache_dir, host_tier=getattr(args, "host_tier", "auto"))
+                               cache_dir=args.cache_dir, host_tier=getattr(args, "host_tier", "auto"),
+                               memory=getattr(args, "memory", None), routing=getattr(args, "routing", None))
 
 
 def app_from_args(args: argparse.Namespace) -> Any:
@@ -292,6 +317,12 @@ def serve_main(args: argparse.Namespace) -> int:
             return 2
     if getattr(args, "pipeline", False):
         from ..distributed.serve import serve_pipeline_main
+
+        for option, given in (("--resident auto", args.resident == "auto"), ("--memory", args.memory is not None),
+                              ("--routing", args.routing is not None)):
+            if given:
+                print(f"asyncside serve: {option} is not supported with --pipeline", file=sys.stderr)
+                return 2
 
         return serve_pipeline_main(args)
     try:

@@ -20,6 +20,14 @@ serializes steps (no lock on the model is needed beside it). Each engine step
 4. lets requests leave: finished (EOS or ``max_tokens``), cancelled by their consumer (a client
    that left, a stop sequence) or failed.
 
+Under routing replay (``routing``: a :class:`~asyncside.models.forcing.RoutingReplay`, or one per
+trace sequence, :func:`~asyncside.models.forcing.sequence_replays`) request ``n`` (the ``n``-th
+submitted, from 0) replays sequence ``n mod S`` of the trace from its own position (its first prompt
+token is position 0, as a generation alone replays it): every forward the engine runs carries a
+:class:`~asyncside.models.forcing.RowsReplay` of its rows' (sequence, position), so each row of a
+batched step routes to its own request's ids. The prefix cache is off then (a cached prefix holds
+the keys and values of another request's routing).
+
 Requests join and leave only between steps. A request's prefill chunks have fixed boundaries
 (multiples of ``prefill_chunk`` from where its prefill starts) whatever else is running, so what
 it computes never depends on its neighbours.
@@ -81,6 +89,20 @@ def _log_failure(what: str, exc: BaseException) -> None:
         log.error("%s", what, exc_info=exc)
 
 
+def _replays(routing: Any) -> list[Any]:
+    """The Batcher's ``routing`` as a list of replays, one per trace sequence (see the module docstring)."""
+    if routing is None:
+        return []
+    from ..models.forcing import RoutingReplay, sequence_replays
+
+    if isinstance(routing, RoutingReplay):
+        return sequence_replays(routing)
+    replays = list(routing)
+    if not replays or not all(isinstance(r, RoutingReplay) for r in replays):
+        raise TypeError("routing: expected a RoutingReplay or a non-empty sequence of them")
+    return replays
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 
@@ -128,7 +150,7 @@ class Batcher:
                  max_queue: int = 64, prefill_chunk: int | None = None, prompt_cache_size: int = 8,
                  prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
                  joint_prefill: bool = False, strategy: StepStrategy | None = None,
-                 prompt_cache_bytes: int = 256 << 20) -> None:
+                 prompt_cache_bytes: int = 256 << 20, routing: Any = None) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk()
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
@@ -142,6 +164,15 @@ class Batcher:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        #: routing replay: one replay per trace sequence, request n replaying sequence n mod S (see
+        #: the module docstring); empty: the router routes
+        self.replays: list[Any] = _replays(routing)
+        if self.replays and getattr(model.forward, "routing", None) is not None:
+            raise ValueError("the model replays a batch-1 routing (set_routing): pass the replay to the "
+                             "Batcher's routing= instead, which replays each request's rows on their own")
+        self._submitted = 0  # requests submitted: the next one's number (its replayed sequence)
+        if self.replays:
+            prompt_cache_size = 0  # a cached prefix holds another request's routing
         self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
         config = getattr(model, "config", None) or {}
         vocab = config.get("vocab_size", getattr(model.tokenizer, "vocab_size", None))
@@ -232,6 +263,9 @@ class Batcher:
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         slot = Slot(ids, max_tokens, sampling, send, time.monotonic())
         slot.sampler = RequestSampler(sampling, ids, self.vocab_size)
+        if self.replays:
+            slot.replay = self.replays[self._submitted % len(self.replays)]
+        self._submitted += 1
         self._waiting.append(slot)
         self._wake.set()
         return Generation(self._cancel, slot, receive)
@@ -403,7 +437,7 @@ class Batcher:
         started = time.perf_counter()
         fwd = self.model.forward
         try:
-            ctx = fwd.context(slot.cache, self.source, slot.predictor)
+            ctx = self._context(slot.cache, [(slot, len(slot.fed))], slot.predictor)
             h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
         except Exception as exc:
             _log_failure("prefill failed", exc)
@@ -463,7 +497,7 @@ class Batcher:
             # Plain caches of B rows: every row starts at position 0 and the mask is the plain
             # causal one, exactly as a single prompt's prefill has them.
             batch = [KVCache() for _ in range(layers)]
-            ctx = fwd.context(batch, self.source)
+            ctx = self._context(batch, [(slot, len(slot.fed)) for slot, _ in group])
             h = await fwd.step(ctx, mx.array(rows), logits=False, finish=False)
         except Exception as exc:
             _log_failure("prefill failed", exc)
@@ -553,24 +587,32 @@ class Batcher:
             layout.extend(lay)
             return values
 
+        in_prev = set(prev.batch) if prev is not None else set()
+
+        def rows(slots: list[Slot]) -> list[tuple[Slot, int]]:
+            # A request in prev feeds the token prev is computing: one past the tokens it fed.
+            return [(s, len(s.fed) + (1 if s in in_prev else 0)) for s in slots]
+
         started = time.perf_counter()
         try:
             if len(batch) > 1 and self._can_merge(batch):
                 batch = self._merge(batch)
-                ctx, values = await self._merged.launch(self.model, self._inputs(batch, prev), self.source, sample)
+                ctx, values = await self._merged.launch(self.model, self._inputs(batch, prev), self.source, sample,
+                                                        routing=self._rows_replay(rows(batch)))
             else:
                 self._unmerge()
                 tokens = self._inputs(batch, prev)
                 if len(batch) == 1:
                     (s,) = batch
                     fwd = self.model.forward
-                    ctx = fwd.context(s.cache, self.source, s.predictor)
+                    ctx = self._context(s.cache, rows(batch), s.predictor)
                     values = await fwd.step(ctx, tokens, head=lambda logits: sample(logits[:, -1, :]))
                 else:  # caches without a batched form: one after the other, awaited here
                     caches = [s.cache for s in batch]
                     assert all(c is not None for c in caches), "a decoding slot has its cache when not merged"
+                    routings = [self._rows_replay([r]) for r in rows(batch)] if self.replays else None
                     ctx, values = None, await rows_step(self.model, tokens, caches, self.source,  # type: ignore[arg-type]
-                                                        [s.predictor for s in batch], sample)
+                                                        [s.predictor for s in batch], sample, routings=routings)
         except Exception as exc:
             _log_failure("decode step failed", exc)
             self._forget_merged()  # its rows may be half-updated
@@ -580,6 +622,23 @@ class Batcher:
         finally:
             self.launch_seconds += time.perf_counter() - started
         return Step(batch, ctx, values, layout)
+
+    def _rows_replay(self, rows: list[tuple[Slot, int]]) -> Any:
+        """The replay of a forward over ``rows`` (each request and the position of its first token
+        in the forward); None without routing replay."""
+        if not self.replays:
+            return None
+        from ..models.forcing import RowsReplay
+
+        return RowsReplay([(s.replay, pos) for s, pos in rows])
+
+    def _context(self, cache: list[Any] | None, rows: list[tuple[Slot, int]], predictor: Any = None) -> Any:
+        """A step context over ``cache`` whose forward runs ``rows`` (see :meth:`_rows_replay`)."""
+        ctx = self.model.forward.context(cache, self.source, predictor)
+        routing = self._rows_replay(rows)
+        if routing is not None:
+            ctx.routing, ctx.position = routing, 0
+        return ctx
 
     def _inputs(self, batch: list[Slot], prev: Step | None) -> Any:
         """The step's input tokens (B, 1): each request's last token, lazy from ``prev`` for the

@@ -9,6 +9,7 @@ engine loop needs from a model.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,6 +52,9 @@ class Engine:
     batcher: Any = None
     #: the store's bad experts (:class:`~.health.HealthRegistry`); None: the app keeps one without a store
     health: Any = None
+    #: routing replay of every request (a :class:`~asyncside.models.forcing.RoutingReplay`; request n
+    #: replays sequence n mod S of its trace, see :class:`~.engine.Batcher`); None: the router routes
+    routing: Any = None
 
 
 def embedded_store_dir(cache_dir: str | None = None) -> str:
@@ -64,11 +68,13 @@ def embedded_store_dir(cache_dir: str | None = None) -> str:
 async def open_engine(
     model: str | None = None,
     *,
-    resident: float = 0.25,
+    resident: float | str = 0.25,
     reader: str = "auto",
     policy: str = DEFAULT_POLICY,
     cache_dir: str | None = None,
     host_tier: int | str = "auto",
+    memory: int | str | None = None,
+    routing: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
 
@@ -76,7 +82,9 @@ async def open_engine(
     + config + tokenizer). Runs on the serving loop: the Runtime's reap task and completion
     bridge belong to that loop. Loading is synchronous and happens before the server accepts
     connections, so it blocks nothing that is waiting. ``host_tier`` goes to the Runtime (MLX
-    CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`).
+    CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`);
+    ``memory``, the budget the Runtime plans against (``resident="auto"`` sizes the pools to it);
+    ``routing``, a routing trace file every request replays (docs/routing-traces.md).
     """
     from ..audit import audit_problems
     from ..models import load_streaming_model
@@ -86,12 +94,19 @@ async def open_engine(
     store_dir = model if model is not None else embedded_store_dir(cache_dir)
     streaming = load_streaming_model(store_dir)
     store = streaming.store
+    replay = None
+    if routing is not None:
+        # Fitted to the model as a generation's replay is; the engine replays it row by row, so
+        # the model itself keeps no batch-1 replay.
+        replay = streaming.set_routing(routing)
+        streaming.set_routing(None)
 
     def audit() -> tuple[bool, list[str]]:
         problems = audit_problems(runtime)
         return not problems, problems
 
-    async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier) as runtime:
+    async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier,
+                       memory=memory) as runtime:
         health = HealthRegistry(store, reopen_reader=_reader_reopener(runtime))
         yield Engine(
             model=streaming,
@@ -106,8 +121,13 @@ async def open_engine(
                 "policy": policy,
                 "host_tier_bytes": runtime.memory.get("host_tier_bytes", 0),
                 "staging_bytes": runtime.memory.get("staging_bytes", 0),
+                "memory_budget": memory,
+                "plan": runtime.plan.describe() if runtime.plan is not None else None,
+                "routing": None if replay is None else {"file": os.fspath(routing or ""), "tokens": replay.n_tokens,
+                                                        "sequences": replay.fitted.n_sequences},
             },
             health=health,
+            routing=replay,
         )
 
 

@@ -58,6 +58,8 @@ class Slot:
     cancelled: bool = False
     done: bool = False
     finish_reason: str | None = None
+    #: the routing replay of the request's sequence (the engine's ``routing``); None: the router routes
+    replay: Any = None
 
     @property
     def prefilling(self) -> bool:

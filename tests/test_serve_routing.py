@@ -1,0 +1,173 @@
+"""Routing replay in the serving engine: every row of a batched step routes to its own request's
+trace ids, and a replayed batch's tokens equal each request's tokens generated alone under the
+same replay.
+
+A :class:`~asyncside.serving.Batcher` with ``routing=`` over the embedded model and a Runtime
+keeping a quarter of each layer's experts (misses in every layer): request ``n`` replays trace
+sequence ``n mod S`` from its own first prompt token. The routed ids are read back from a routing
+trace the steps record (what each MoE layer's switch was given), row by row, and compared with
+the trace file's ids at each row's positions, computed here from the file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncside.audit import audit_problems
+from asyncside.models import RoutingTrace, load_streaming_model
+from asyncside.models.forcing import RoutingReplay, RoutingReplayError, RowsReplay, sequence_replays
+from asyncside.routing import RoutingTrace as TraceFile
+from asyncside.routing import synthetic
+from asyncside.runtime import Runtime
+from asyncside.serving import Batcher, embedded_store_dir
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CHUNK = 16
+NEW = 6
+SEQUENCES = 3
+
+
+@pytest.fixture(scope="module")
+def sm() -> Any:
+    return load_streaming_model(embedded_store_dir())
+
+
+def _trace_file(tmp: pathlib.Path, sm: Any) -> pathlib.Path:
+    # The model's own shape (replayed as is), three sequences of different lengths, the shortest
+    # shorter than a prompt plus its tokens (positions wrap).
+    n_experts = sm.store.layer(sm.moe_layers[0]).n_experts
+    trace = synthetic(tokens=23 + 40 + 31, n_layers=len(sm.moe_layers), n_experts=n_experts,
+                      top_k=sm.forward.walk.top_k, skew=0.3, overlap=0.2, layer_corr=0.1, seed=7)
+    path = tmp / "serve-trace.npz"
+    TraceFile(trace.ids, np.array([23, 40, 31]), trace.n_experts, dict(trace.meta)).save(path)
+    return path
+
+
+def _prompts(sm: Any) -> list[list[int]]:
+    tok = sm.tokenizer
+    texts = ["The quick brown fox", "0 1 2 3 4", "MoE",
+             "Mixture-of-Experts models route every token to a few experts out of many. " * 2]
+    return [tok.encode(t) for t in texts]
+
+
+async def _alone(sm: Any, rt: Runtime, path: pathlib.Path, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for n, prompt in enumerate(prompts):
+        sm.set_routing(path, sequence=n % SEQUENCES)
+        try:
+            out.append([t async for t in sm.generate(prompt, max_tokens=NEW, source=rt, predictor="none")])
+        finally:
+            sm.set_routing(None)
+    return out
+
+
+async def _served(b: Batcher, prompts: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in prompts]
+    gens = [b.submit(p, NEW) for p in prompts]
+
+    async def read(i: int) -> None:
+        async for ev in gens[i]:
+            out[i].append(ev.token)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        async with anyio.create_task_group() as readers:
+            for i in range(len(gens)):
+                readers.start_soon(read, i)
+        tg.cancel_scope.cancel()
+    return out
+
+
+@pytest.mark.parametrize("joint_prefill", [False, True])
+def test_a_replayed_batch_routes_each_row_to_its_trace_and_equals_each_request_alone(
+        tmp_path: pathlib.Path, sm: Any, joint_prefill: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _trace_file(tmp_path, sm)
+    trace = TraceFile.load(path)
+    prompts = _prompts(sm)
+    assert len(prompts[-1]) > 2 * CHUNK  # prefilled in chunks beside the others' decode rows
+    replay = sm.set_routing(path)
+    sm.set_routing(None)
+    assert isinstance(replay, RoutingReplay)
+
+    fwd = sm.forward
+    contexts: list[Any] = []
+    record = RoutingTrace()
+    plain_context = fwd.context
+
+    def recording_context(cache: Any, source: Any, predictor: Any = None, trace: Any = None) -> Any:
+        ctx = plain_context(cache, source, predictor, record)
+        contexts.append(ctx)
+        return ctx
+
+    async def main() -> tuple[list[list[int]], list[list[int]], list[list[int]], int]:
+        async with Runtime(sm.store, resident=0.25) as rt:
+            alone = await _alone(sm, rt, path, prompts)
+            free = await _served(Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=0), prompts)
+            with monkeypatch.context() as m:
+                m.setattr(fwd, "context", recording_context)
+                b = Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=8, joint_prefill=joint_prefill,
+                            predictor="none", routing=replay)
+                assert not b.prefix_cache.enabled  # a cached prefix would hold another request's routing
+                served = await _served(b, prompts)
+            await rt.quiesce()
+            misses = sum(rt.ledger(layer).stats["misses"] for layer in sm.moe_layers)
+        assert audit_problems(rt) == []
+        assert b.peak_batch == len(prompts)
+        if joint_prefill:
+            assert b.prefill_joined >= 2
+        return alone, free, served, misses
+
+    alone, free, served, misses = anyio.run(main)
+    assert served == alone
+    assert free != alone  # the replay changed the tokens
+    assert misses > 0
+
+    # Every row of every forward routed to its own request's trace ids at its own positions.
+    batched = mixed = 0
+    for ctx in contexts:
+        rows = ctx.routing
+        if rows is None or not ctx.record.layers:
+            continue  # the engine's probe of what kind a step would be: never run
+        assert isinstance(rows, RowsReplay) and ctx.position == 0
+        batched += len(rows.rows) > 1
+        mixed += len({pos for _r, pos in rows.rows}) > 1
+        for j, layer in enumerate(sm.moe_layers):
+            got = ctx.record.layers[layer].ids.reshape(len(rows.rows), -1, replay.top_k)
+            for b, (row, pos) in enumerate(rows.rows):
+                ids = trace.sequence(row.sequence)
+                want = ids[(pos + np.arange(got.shape[1])) % ids.shape[0], j, :]
+                assert np.array_equal(got[b], want), (layer, b, pos)
+    assert batched > 0 and mixed > 0  # batched steps whose rows sat at different positions
+    # Request n replayed sequence n mod S.
+    seen = {row.sequence for ctx in contexts if ctx.routing is not None for row, _ in ctx.routing.rows}
+    assert seen == set(range(SEQUENCES))
+
+
+def test_rows_replay_refuses_what_it_cannot_force(tmp_path: pathlib.Path, sm: Any) -> None:
+    replay = sm.set_routing(_trace_file(tmp_path, sm))
+    sm.set_routing(None)
+    assert isinstance(replay, RoutingReplay)
+    seqs = sequence_replays(replay)
+    assert [r.sequence for r in seqs] == list(range(SEQUENCES))
+    rows = RowsReplay([(seqs[0], 0), (seqs[2], 29)])
+    out = np.array(rows.step_ids(sm.moe_layers[1], 0, (2, 3)))
+    assert out.shape == (2, 3, replay.top_k)
+    assert np.array_equal(out[1], seqs[2].host_ids(sm.moe_layers[1], 29, 3))  # wraps past its 31 tokens
+    with pytest.raises(RoutingReplayError, match=r"2 row\(s\).*got \(3, 1\)"):
+        rows.step_ids(sm.moe_layers[0], 0, (3, 1))
+    with pytest.raises(RoutingReplayError, match="position must be >= 0"):
+        RowsReplay([(seqs[0], -1)])
+    with pytest.raises(TypeError, match="RoutingReplay"):
+        Batcher(sm, None, routing=["not a replay"])
+    sm.set_routing(replay)
+    try:
+        with pytest.raises(ValueError, match="routing="):
+            Batcher(sm, None, routing=replay)
+    finally:
+        sm.set_routing(None)
