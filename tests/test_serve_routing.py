@@ -171,3 +171,23 @@ def test_rows_replay_refuses_what_it_cannot_force(tmp_path: pathlib.Path, sm: An
             Batcher(sm, None, routing=replay)
     finally:
         sm.set_routing(None)
+
+
+def test_serve_budget_and_routing_options(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import build_parser
+    from asyncside.serving.cli import serve_main
+
+    trace = tmp_path / "t.npz"
+    trace.write_bytes(b"")  # parsing only checks that the file is there; loading it checks the rest
+    for command in (["serve"], ["bench", "serve"]):
+        args = build_parser().parse_args([*command, "--resident", "auto", "--memory", "1.5G", "--routing", str(trace)])
+        assert (args.resident, args.memory, args.routing) == ("auto", 3 << 29, str(trace))
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--routing", str(tmp_path / "missing.npz")])
+    assert info.value.code == 2 and "missing.npz: no such routing trace file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--memory", "lots"])
+    assert "--memory" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--pipeline", "--routing", str(trace)])
+    assert serve_main(args) == 2
+    assert "--routing is not supported with --pipeline" in capsys.readouterr().err
