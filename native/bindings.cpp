@@ -830,7 +830,8 @@ void bind_faults(nb::module_& m) {
                                            {"nodes_destroyed", c.nodes_destroyed.load()},
                                            {"fault_errors", c.fault_errors.load()},
                                            {"shared_reads", c.shared_reads.load()},
-                                           {"background_reads", c.background_reads.load()}};
+                                           {"background_reads", c.background_reads.load()},
+                                           {"direct_in_place", c.direct_in_place.load()}};
   });
 }
 

@@ -93,6 +93,12 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
     end = s.offset + s.nbytes;
     segments_.push_back(s);
   }
+  blocks_only_ = true;
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const auto& seg = segments_[k];
+    const bool adjacent = k == 0 || seg.offset == segments_[k - 1].offset + segments_[k - 1].nbytes;
+    if (!adjacent || seg.offset % 4096 || seg.nbytes % 4096) blocks_only_ = false;
+  }
   if (junk_bytes_) {
     junk_ = static_cast<uint8_t*>(std::malloc(junk_bytes_));
     if (!junk_) throw std::runtime_error("cannot allocate the padding sink");
@@ -130,8 +136,25 @@ struct AlignedScratch {
 }  // namespace
 
 int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
-  // The record's span from its first segment to its last, widened to whole blocks: records are
-  // block aligned in the blob, so the widened span never leaves the record.
+  // Straight into the pool rows when the record is whole blocks end to end (every segment block
+  // aligned and sized, no gap between them) and so are the rows: no copy pass over the record.
+  if (blocks_only_) {
+    std::vector<iovec> iov;
+    iov.reserve(segments_.size());
+    bool aligned = true;
+    for (size_t k = 0; k < segments_.size() && aligned; ++k) {
+      uint8_t* dst = dest_->host_row(order_[k], row);
+      aligned = reinterpret_cast<uintptr_t>(dst) % kDirectAlign == 0;
+      iov.push_back({dst, segments_[k].nbytes});
+    }
+    if (aligned) {
+      global_counters().direct_in_place.fetch_add(1, std::memory_order_relaxed);
+      return preadv_full(fd, std::move(iov), offset + segments_.front().offset);
+    }
+  }
+  // Else the record's span from its first segment to its last, widened to whole blocks, into an
+  // aligned buffer, and the segments copied out: records are block aligned in the blob, so the
+  // widened span never leaves the record.
   thread_local AlignedScratch scratch;
   const uint64_t first = segments_.front().offset / kDirectAlign * kDirectAlign;
   const uint64_t end = (segments_.back().offset + segments_.back().nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;

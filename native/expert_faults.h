@@ -125,6 +125,7 @@ class HostRecordSink final : public RecordSink {
   std::vector<uint64_t> nbytes_;           // per segment, in segment order
   std::vector<size_t> order_;              // segments_[k] is segment order_[k] of the destination
   uint8_t* junk_ = nullptr;                // sink for the padding between segments
+  bool blocks_only_ = false;               // segments are whole 4 KiB blocks end to end (see read_row_direct)
   uint64_t junk_bytes_ = 0;
 };
 
@@ -289,6 +290,7 @@ struct GlobalCounters {
   std::atomic<uint64_t> fault_errors{0};  // failed faults in every table: a cheap "did any fail?"
   std::atomic<uint64_t> shared_reads{0};  // resolves whose reads went to the read pool's workers too
   std::atomic<uint64_t> background_reads{0};  // streamed reads handed to the background threads
+  std::atomic<uint64_t> direct_in_place{0};   // O_DIRECT reads straight into pool rows (no copy)
 };
 GlobalCounters& global_counters();
 uint64_t fault_errors_total();

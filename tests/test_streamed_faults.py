@@ -236,3 +236,39 @@ def test_a_failed_read_in_a_streamed_step_fails_the_step_and_frees_its_rows(tmp_
             assert [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)] == ref
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("layout", ["blocks", "odd"])
+def test_direct_faults_read_whole_block_records_straight_into_the_rows(tmp_path: pathlib.Path, layout: str) -> None:
+    """O_DIRECT faults of a record made of whole 4 KiB blocks end to end land in the pool rows with
+    no copy pass (counted by ``direct_in_place``); any other record goes through the aligned buffer.
+    Either way the rows hold the record's bytes, streamed or not."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    rng = np.random.default_rng(1)
+    width = 4096 if layout == "blocks" else 4000
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "a": rng.integers(0, 255, size=(16, 2 * width), dtype=np.uint8),
+        "b": rng.integers(0, 255, size=(16, width), dtype=np.uint8),
+    }})
+    spec = store.layer(0)
+    pools = PoolSet(spec, 4, device=False)
+    try:
+        fd = os.open(spec.path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
+                               fd, str(spec.path), spec.stride)
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    table.set_direct(True)
+    table.lend([0, 1, 2, 3])
+    before = _native.fault_counters()["direct_in_place"]
+    mx.eval(_native.expert_rows(mx.array([3, 11], dtype=mx.uint32), table, CPU))
+    ids = mx.array([6, 14], dtype=mx.uint32)
+    rows = _native.begin_rows(ids, table, CPU)
+    mx.eval(_native.finish_rows(ids, rows, table, CPU))
+    _rows_hold(store, pools, table, [3, 11, 6, 14])
+    in_place = _native.fault_counters()["direct_in_place"] - before
+    assert spec.stride % 4096 == 0  # records are block aligned in the blob either way
+    assert in_place == (4 if layout == "blocks" else 0), in_place
