@@ -774,9 +774,11 @@ void bind_faults(nb::module_& m) {
         return fa::begin_rows(ids, table.t, stream ? *stream : mx::default_stream(mx::Device::cpu));
       },
       nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
-      "Lazy uint32 pool rows of `ids`, the streamed form of expert_rows (CPU stream, host pools): when "
-      "the stream reaches it, every routed expert gets its row at once and the absent ones' reads start "
-      "in the background; a gather must read a row only behind finish_rows for its expert.");
+      "The streamed form of expert_rows (CPU stream, host pools): when the stream reaches it, every "
+      "routed expert gets its row at once and the absent ones' reads start in the background. Lazy "
+      "uint32, the shape of `ids` with the last axis (a token's k slots) doubled: [rows | order], order "
+      "being the slots to compute first to last (expert in first, then as their reads were issued). A "
+      "gather must read a row only behind finish_rows for its expert.");
   m.def(
       "finish_rows",
       [](const mx::array& ids, const mx::array& rows, PyFaultTable& table, std::optional<mx::Stream> stream) {

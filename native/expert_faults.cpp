@@ -556,7 +556,7 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
   if (!error.empty()) throw std::runtime_error(error);
 }
 
-void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out) {
+void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k, uint32_t* order) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   streamed_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
@@ -594,6 +594,20 @@ void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out) {
     const int32_t p = pending_at_[e];
     const int64_t r = p >= 0 ? pending_[static_cast<size_t>(p)].row : table_[e];
     out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
+  }
+  if (order != nullptr && k > 0) {
+    // Per token (k ids each): the slots whose experts are in first, in slot order, then the
+    // others in the order their reads were issued (and so, about, land).
+    std::vector<std::pair<int64_t, uint32_t>> keyed(k);
+    for (size_t t = 0; t + k <= ids.size(); t += k) {
+      for (size_t j = 0; j < k; ++j) {
+        const int64_t e = ids[t + j];
+        const int32_t p = e == kNoExpert ? -1 : pending_at_[static_cast<size_t>(e)];
+        keyed[j] = {p < 0 ? -1 : p, static_cast<uint32_t>(j)};
+      }
+      std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (size_t j = 0; j < k; ++j) order[t + j] = keyed[j].second;
+    }
   }
   for (Fill& f : pending_) {
     if (f.done) continue;
@@ -876,10 +890,17 @@ class BeginRows : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.set_input_array(inputs[0]);
     enc.set_output_array(out);
-    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>()]() {
+    const size_t k = inputs[0].ndim() ? static_cast<size_t>(inputs[0].shape(-1)) : 1;
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), k]() {
       std::vector<int64_t> v;
       read_any_ids(ids, v);
-      table->begin(v, out_ptr);
+      // Rows and order side by side per token: [rows of its k slots | order of its k slots].
+      std::vector<uint32_t> rows(v.size()), order(v.size());
+      table->begin(v, rows.data(), k, order.data());
+      for (size_t t = 0; t < v.size(); t += k) {
+        std::copy(rows.begin() + t, rows.begin() + t + k, out_ptr + 2 * t);
+        std::copy(order.begin() + t, order.begin() + t + k, out_ptr + 2 * t + k);
+      }
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -887,7 +908,14 @@ class BeginRows : public mx::Primitive {
   }
   const char* name() const override { return "AsyncsideBeginRows"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {doubled(inputs[0].shape())};
+  }
+  static mx::Shape doubled(mx::Shape shape) {
+    if (shape.empty()) shape.push_back(1);
+    shape.back() *= 2;
+    return shape;
+  }
 
  private:
   std::shared_ptr<FaultTable> table_;
@@ -970,7 +998,8 @@ void check_streamed(const mx::array& ids, const std::shared_ptr<FaultTable>& tab
 
 mx::array begin_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
   check_streamed(ids, table, stream, "begin_rows");
-  return mx::array(ids.shape(), mx::uint32, std::make_shared<BeginRows>(stream, std::move(table)), {ids});
+  return mx::array(BeginRows::doubled(ids.shape()), mx::uint32, std::make_shared<BeginRows>(stream, std::move(table)),
+                   {ids});
 }
 
 mx::array finish_rows(const mx::array& ids, const mx::array& rows, std::shared_ptr<FaultTable> table,

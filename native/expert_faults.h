@@ -203,7 +203,9 @@ class FaultTable {
   // reached its finish() nodes leaves no read in flight and no row unlogged. drain(), table() and
   // lent() do not wait (mid-step, a pending fill's row is out of the lent list and unpublished,
   // as resolve()'s are while it reads).
-  void begin(const std::vector<int64_t>& ids, uint32_t* out);
+  // `order` (when given; ids are tokens of `k` slots each): per token, its slots with the expert
+  // in first (slot order), then the rest in the order their reads were issued.
+  void begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
   void finish(const std::vector<int64_t>& ids);
   // Loop thread (off the event loop: it waits for reads): wait for every pending streamed read and
   // publish it, a failure only logged. Call once the steps that began them are done, before drain().
@@ -315,9 +317,11 @@ mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultT
                              mlx::core::Stream stream, bool staged = false);
 
 // The streamed pair (CPU stream, host sinks): `begin_rows` maps every id to its row and starts
-// the misses' reads (FaultTable::begin); `finish_rows(ids, rows)` passes `rows` (a part of the
-// begin's output, for the experts `ids`) through once those experts' reads are published
-// (FaultTable::finish). A gather that depends on a finish node reads its rows in place.
+// the misses' reads (FaultTable::begin); its output is the ids' shape with the last axis (a
+// token's k slots) doubled: [the slots' rows | the order to compute them in: slots whose expert is
+// in first, then the rest as their reads were issued]. `finish_rows(ids, rows)` passes `rows` (a
+// part of the begin's rows, for the experts `ids`) through once those experts' reads are
+// published (FaultTable::finish). A gather that depends on a finish node reads its rows in place.
 mlx::core::array begin_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 mlx::core::array finish_rows(const mlx::core::array& ids, const mlx::core::array& rows,
                              std::shared_ptr<FaultTable> table, mlx::core::Stream stream);

@@ -65,10 +65,13 @@ def test_begin_maps_every_expert_and_finish_publishes_each_slot(tmp_path: pathli
     store, pools, table = _table(tmp_path)
     table.lend([3, 1, 0, 2])
     ids = mx.array([[9, 4, 12]], dtype=mx.int32)
-    rows = _native.begin_rows(ids, table, CPU)
+    both = _native.begin_rows(ids, table, CPU)
+    assert both.shape == (1, 6)  # [rows | order] per token
+    rows = both[:, :3]
     slots = [_native.finish_rows(ids[:, s:s + 1], rows[:, s:s + 1], table, CPU) for s in range(3)]
     got = np.array(mx.concatenate(slots, axis=-1)).tolist()
     assert got == [[3, 1, 0]]  # lent rows in lend order, one per miss
+    assert np.array(both[:, 3:]).tolist() == [[0, 1, 2]]  # all missed: the order their reads were issued
     _rows_hold(store, pools, table, [9, 4, 12])
     ev = _events(table)
     assert sorted(ev[:, [0, 1, 2, 4]].tolist()) == sorted([[3, -1, 9, 0], [1, -1, 4, 0], [0, -1, 12, 0]])
@@ -76,12 +79,14 @@ def test_begin_maps_every_expert_and_finish_publishes_each_slot(tmp_path: pathli
     c = table.counters()
     assert c["streamed"] == 1 and c["faults"] == 3 and c["hits"] == 0
     # A second begin: two hits and a miss evicting the least recently used of the rest.
-    ids = mx.array([12, 9, 5], dtype=mx.uint32)
-    rows = _native.begin_rows(ids, table, CPU)
-    out = np.array(mx.concatenate([_native.finish_rows(ids[s:s + 1], rows[s:s + 1], table, CPU)
-                                   for s in range(3)])).tolist()
-    assert out[:2] == [0, 3] and out[2] in (1, 2)
-    _rows_hold(store, pools, table, [12, 9, 5])
+    ids = mx.array([[5, 12], [9, 6]], dtype=mx.uint32)  # two tokens of two slots
+    both = _native.begin_rows(ids, table, CPU)
+    rows = both[:, :2]
+    out = np.array(mx.concatenate([_native.finish_rows(ids[:, s:s + 1], rows[:, s:s + 1], table, CPU)
+                                   for s in range(2)], axis=-1)).tolist()
+    assert out[0][1] == 0 and out[1][0] == 3 and {out[0][0], out[1][1]} == {1, 2}
+    assert np.array(both[:, 2:]).tolist() == [[1, 0], [0, 1]]  # per token: the hit's slot first
+    _rows_hold(store, pools, table, [12, 9, 5, 6])
     assert table.counters()["hits"] == 2
 
 
@@ -112,7 +117,7 @@ def test_a_failed_streamed_read_fails_at_its_finish_and_logs_every_read(tmp_path
     spec = store.layer(0)
     os.truncate(spec.path, spec.stride * 8)  # experts 8.. now lie past the end of the blob
     ids = mx.array([3, 10, 5], dtype=mx.uint32)
-    rows = _native.begin_rows(ids, table, CPU)
+    rows = _native.begin_rows(ids, table, CPU)[:3]
     first = _native.finish_rows(ids[0:1], rows[0:1], table, CPU)
     mx.eval(first)  # expert 3 is whole: its slot computes
     with pytest.raises(RuntimeError, match="expert 10 .*ended before the record"):
@@ -266,7 +271,7 @@ def test_direct_faults_read_whole_block_records_straight_into_the_rows(tmp_path:
     before = _native.fault_counters()["direct_in_place"]
     mx.eval(_native.expert_rows(mx.array([3, 11], dtype=mx.uint32), table, CPU))
     ids = mx.array([6, 14], dtype=mx.uint32)
-    rows = _native.begin_rows(ids, table, CPU)
+    rows = _native.begin_rows(ids, table, CPU)[:2]
     mx.eval(_native.finish_rows(ids, rows, table, CPU))
     _rows_hold(store, pools, table, [3, 11, 6, 14])
     in_place = _native.fault_counters()["direct_in_place"] - before

@@ -441,20 +441,27 @@ def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activatio
 def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
                      pools: Any) -> mx.array:
     """A small switch layer's output with its misses streamed: one ``begin_rows`` node maps every
-    routed expert to its row and starts the absent ones' reads in the background, then each slot
-    ``s`` (the ``s``-th expert of every token) waits for its own experts alone (``finish_rows``)
-    and computes its products. So the slots whose experts are in compute while the others are
-    still read, and the layer's reads overlap its expert compute instead of preceding it.
+    routed expert to its row, starts the absent ones' reads in the background, and says per token
+    in which order to compute its ``k`` slots (those whose expert is in first, then the others as
+    their reads were issued). Then slot after slot, in that order, waits for its own experts alone
+    (``finish_rows``) and computes its products. So the experts that are in compute while the
+    others are still read, and the layer's reads overlap its expert compute instead of preceding it.
 
-    Each pair's product does not depend on which other pairs share its gather, and the slots'
-    outputs are put back in slot order, so the output is bitwise the whole gather's.
+    Each pair's product does not depend on which other pairs share its gather, and the products
+    are put back in slot order, so the output is bitwise the whole gather's.
     """
-    rows = source.begin_rows(layer, inds)
+    k = inds.shape[-1]
+    both = source.begin_rows(layer, inds)
+    rows, order = both[..., :k], both[..., k:]
     outs = []
-    for s in range(inds.shape[-1]):
-        mine = source.finish_rows(layer, inds[..., s:s + 1], rows[..., s:s + 1])
+    for p in range(k):
+        slot = order[..., p:p + 1]
+        ids_p = mx.take_along_axis(inds, slot, axis=-1)
+        mine = source.finish_rows(layer, ids_p, mx.take_along_axis(rows, slot, axis=-1))
         outs.append(pooled_switch_apply(spec, activation, x_sw, mine, pools, sort=False))
-    return mx.concatenate(outs, axis=-2)
+    y = mx.concatenate(outs, axis=-2)  # (..., k, out), in compute order
+    back = mx.argsort(order, axis=-1)
+    return mx.take_along_axis(y, mx.expand_dims(back, -1), axis=-2)
 
 
 def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
