@@ -78,7 +78,7 @@ DEFAULT_PROMPT = "Only the experts a token needs are read. "
 DEFAULT_RESIDENCIES = (0.25, 0.5, 0.75)
 #: how asyncside's forward runs a decode step (:func:`set_step_mode`)
 STEP_MODES = ("default", "queued", "per-layer", "whole", "per-layer-nospec")
-PREDICTORS = ("lookahead", "temporal", "none")
+PREDICTORS = ("lookahead", "temporal", "trace", "none")
 POLICIES = ("lrfu", "lru", "lfu", "aging-lfu", "oneshot")
 MLX_LM = "mlx-lm"
 SLOT_CACHE = "slot-cache"
