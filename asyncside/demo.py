@@ -187,6 +187,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         async with measure_loop_lag() as lag:
             async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,
                                          options=options, trace=record):
+                if not run.tokens:  # what the prompt read, apart from what decoding reads
+                    at_first = (int(rt.stats()["bytes_read"]), disk_read_bytes())
                 run.first_token()
                 run.tokens.append(tok)
                 echo(run.tokens)
@@ -202,6 +204,9 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats["memory"] = rt.memory
         stats["peak_rss_bytes"] = peak_rss_bytes()
         stats["disk_read_bytes"] = disk_read_bytes() - disk_before
+        if run.tokens:
+            stats["decode_bytes_read"] = int(stats["bytes_read"]) - at_first[0]
+            stats["decode_disk_read_bytes"] = disk_read_bytes() - at_first[1]
         stats["prediction"] = PredictionQuality.from_counters(sm.forward_with(options).counters, counted).as_dict()
     if record is not None:
         meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
@@ -290,8 +295,12 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
     """The two limits a streamed decode is held to and where its time went: the I/O limit (the
     disk's bandwidth over the misses' bytes per token), the compute limit (all-resident tok/s, when
     it ran), and the decode's time split into reads the model waited for and the rest."""
-    tokens = max(1, len(run.tokens))
-    miss_bytes = float(stats.get("bytes_read", 0)) / tokens
+    # Decoding's misses per decode token (the prompt's reads are its own: they bound the first token).
+    decode_tokens = len(run.tokens) - 1
+    if decode_tokens > 0 and "decode_bytes_read" in stats:
+        miss_bytes = float(stats["decode_bytes_read"]) / decode_tokens
+    else:
+        miss_bytes = float(stats.get("bytes_read", 0)) / max(1, len(run.tokens))
     io_limit = (disk["bytes_per_s"] / miss_bytes) if disk and miss_bytes > 0 and disk["bytes_per_s"] > 0 else None
     compute = ref.decode_tokens_per_s if ref is not None else None
     bound = min(x for x in (io_limit, compute) if x is not None) if (io_limit or compute) else None
@@ -439,6 +448,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "reference_why": why,
         "peak_rss_bytes": stats.pop("peak_rss_bytes"),
         "disk_read_bytes": stats.pop("disk_read_bytes"),
+        # decoding alone (after the first token): what the process read from the disk against the
+        # bytes of the records it missed (1.0: every byte read was a miss's)
+        "decode_disk_over_misses": (stats["decode_disk_read_bytes"] / stats["decode_bytes_read"]
+                                    if stats.get("decode_bytes_read") else None),
         "limits": limits(run, stats, disk, ref if reference == "all-resident" else None),
         "routing": None if replay is None else {"file": str(args.routing), "tokens": replay.n_tokens,
                                                 "meta": replay.trace.meta},
@@ -491,9 +504,11 @@ def _table(result: dict[str, Any]) -> None:
                   f"({mem['page_cache_bytes'] / 2**20:.0f} MiB)", "", "")
     table.add_row("peak RSS", f"{result['peak_rss_bytes'] / 2**20:.0f} MiB", "", "")
     table.add_row("read from the disk while generating (process)", f"{result['disk_read_bytes'] / 1e6:.1f} MB", "", "")
+    if result.get("decode_disk_over_misses") is not None:
+        table.add_row("decoding: disk bytes / misses' bytes", f"{result['decode_disk_over_misses']:.3f}x", "", "")
     lim = result["limits"]
     if lim["io_limit_tokens_per_s"] is not None:
-        table.add_row("disk (O_DIRECT, one record at a time) / misses per token",
+        table.add_row("disk (O_DIRECT, one record at a time) / misses per decode token",
                       f"{lim['disk_bytes_per_s'] / 1e9:.2f} GB/s / {lim['miss_bytes_per_token'] / 1e6:.1f} MB", "", "")
         table.add_row("I/O limit (disk / misses per token)", f"{lim['io_limit_tokens_per_s']:.2f} tok/s", "", "")
     if lim["of_limit"] is not None:

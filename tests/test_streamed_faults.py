@@ -179,9 +179,12 @@ def test_streamed_switches_are_exact_with_misses_in_every_layer(tmp_path: pathli
     assert stats["faults"] >= len(sm.moe_layers)
 
 
-def test_the_plan_past_the_page_cache_streams_and_a_plan_in_memory_does_not(
+def test_the_plan_past_the_page_cache_streams_large_records_only(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """streamed_switch None (the default) streams where the memory plan reads past the page cache."""
+    """streamed_switch None (the default) streams where the memory plan reads past the page cache
+    and the records are large enough to repay it; not in memory, and not for small records."""
+    from asyncside.runtime import _queued
+
     if mx.default_device() == mx.gpu:
         pytest.skip("streamed switches are the CPU stream's (host pools)")
     store_dir, model, prompt = _model_store(tmp_path, "qwen3_moe", None)
@@ -201,6 +204,8 @@ def test_the_plan_past_the_page_cache_streams_and_a_plan_in_memory_does_not(
         assert anyio.run(main) == ref
         return int(sm.forward_with(auto).counters["streamed_switches"])
 
+    assert run(True) == 0  # the tiny model's records are far below the threshold
+    monkeypatch.setattr(_queued, "STREAM_MIN_RECORD_BYTES", 0)
     assert run(True) > 0
     assert run(False) == 0
 

@@ -30,6 +30,10 @@ from ._state import LayerState, Shared, native_available
 RECONCILE_EVERY = 32
 #: O_DIRECT's block: a layer whose records are whole blocks is read past the page cache directly
 DIRECT_ALIGN = 4096
+#: a layer streams its misses (when the plan reads past the page cache) only if its records are at
+#: least this large: computing a switch slot by slot costs more graph nodes and waits per layer,
+#: which a smaller record's read does not repay (BENCHMARKS.md, "Streamed switches")
+STREAM_MIN_RECORD_BYTES = 1 << 20
 
 
 class QueuedSide:
@@ -265,9 +269,11 @@ class QueuedSide:
 
     def streams_misses(self, layer: int) -> bool:
         """Whether a small switch of ``layer`` should stream its misses (:meth:`begin_rows` and
-        :meth:`finish_rows`): the plan expects misses (or was told to stream), and the layer's
-        fault table is a host one (:meth:`can_stream`)."""
-        return self._stream_misses and self.can_stream(layer)
+        :meth:`finish_rows`): the plan reads past the page cache (most routed experts miss), the
+        layer's records are large enough to repay it (:data:`STREAM_MIN_RECORD_BYTES`), and its fault
+        table is a host one (:meth:`can_stream`)."""
+        return (self._stream_misses and self._s.layer(layer).spec.stride >= STREAM_MIN_RECORD_BYTES
+                and self.can_stream(layer))
 
     def can_stream(self, layer: int) -> bool:
         """Whether ``layer`` can take streamed resolves: a host fault table (CPU stream)."""
