@@ -265,3 +265,41 @@ def test_choose_predictor_under_replay(tmp_path: pathlib.Path) -> None:
     assert name == "temporal" and note is not None and "not be meaningful" in note
     with pytest.raises(RoutingReplayError, match="plain.npz carries no predictions"):
         choose_predictor("trace", plain)
+
+
+def test_demo_records_predictions_and_replays_them(tmp_path: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --record-routing` (mode auto) runs per layer and writes the lookahead's predictions; `demo
+    --routing` of that file takes the trace predictor by default, and its precision is the recording's
+    (the same routing, the same predictions) over the layers both counted."""
+    from asyncside.bench import generate as bench
+    from asyncside.cli import main
+    from asyncside.models.embedded import ensure_embedded_default
+
+    store = str(ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1])
+    rec = tmp_path / "recorded.npz"
+    base = ["demo", "--model", store, "--tokens", "6", "--json", "--resident", "0.25"]
+    capsys.readouterr()
+    assert main([*base, "--record-routing", str(rec)]) == 0
+    recorded = json.loads(capsys.readouterr().out)
+    assert recorded["predictor"] == "lookahead" and recorded["decode_steps"] == "per-layer"
+    assert any("--record-routing" in n for n in recorded["predictor_notes"])
+    trace = RoutingTrace.load(rec)
+    assert trace.predicted is not None and trace.meta["predictions"] == "per token, predictor lookahead"
+    q = recorded["prediction"]
+    assert q["token_layers"] == trace.n_tokens * trace.n_layers
+    expect: dict[str, int] = {}
+    count_prediction(expect, trace.predicted, trace.ids)
+    assert q == PredictionQuality.from_counters(expect).as_dict()  # the file holds what was counted
+
+    assert main([*base, "--routing", str(rec), "--mode", "per-layer"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["predictor"] == "trace" and replayed["tokens_identical"] is True
+    assert replayed["text"] == recorded["text"]
+    # Without recording, a prefill chunk stops before the last decoder layer: all but its tokens there.
+    last = trace.n_layers - 1
+    n_prefill = recorded["prompt_tokens"] - 1
+    expect = {}
+    count_prediction(expect, trace.predicted[:, :last], trace.ids[:, :last])
+    count_prediction(expect, trace.predicted[n_prefill:, last], trace.ids[n_prefill:, last])
+    assert replayed["prediction"] == PredictionQuality.from_counters(expect).as_dict()
