@@ -191,3 +191,38 @@ def test_serve_budget_and_routing_options(tmp_path: pathlib.Path, capsys: pytest
     args = build_parser().parse_args(["serve", "--pipeline", "--routing", str(trace)])
     assert serve_main(args) == 2
     assert "--routing is not supported with --pipeline" in capsys.readouterr().err
+
+
+def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_row_by_row_queued_and_exact(
+        tmp_path: pathlib.Path, sm: Any) -> None:
+    """Under a plan that reads past the page cache (O_DIRECT) a queued step is not cut in slices:
+    a batch whose experts may not fit a layer's lent rows would go layer by layer. The engine runs
+    it as one-row queued steps instead, and prefills in chunks whose experts fit; tokens stay each
+    request's own."""
+    path = _trace_file(tmp_path, sm)
+    replay = sm.set_routing(path)
+    sm.set_routing(None)
+    assert isinstance(replay, RoutingReplay)
+    prompts = _prompts(sm)
+    counters = sm.forward.counters
+
+    async def main() -> tuple[list[list[int]], list[list[int]], dict[str, int], Batcher]:
+        # One token's experts fit a layer's rows; two tokens' may not.
+        async with Runtime(sm.store, resident=0.0, min_side_rows=replay.top_k, direct=True) as rt:
+            assert rt.plan is not None and rt.plan.direct
+            alone = await _alone(sm, rt, path, prompts)
+            before = dict(counters)
+            b = Batcher(sm, rt, prefill_chunk=CHUNK, predictor="none", routing=replay)
+            served = await _served(b, prompts)
+            spent = {k: counters[k] - before[k] for k in counters}
+        assert audit_problems(rt) == []
+        return alone, served, spent, b
+
+    alone, served, spent, b = anyio.run(main)
+    assert served == alone
+    assert b.peak_batch == len(prompts) and b._fitting_chunk == 1
+    assert spent["per_layer"] == 0 and spent["prefill"] == spent["queued_prefill"] > 0  # nothing went per layer
+    # One row per queued forward: a decode step per request and token after its first, a prefill
+    # chunk per prompt token before its last.
+    assert spent["queued"] >= len(prompts) * (NEW - 1)
+    assert spent["queued_prefill"] >= sum(len(p) - 1 for p in prompts)
