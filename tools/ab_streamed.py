@@ -1,0 +1,85 @@
+"""Streamed switches against plain faults, token by token in one process (paired, ABBA).
+
+One runtime, one KV cache, one routing replay: each decode token is computed by one of the two
+forwards (``ForwardOptions(streamed_switch=True)`` or ``False``) in the order ABBA BAAB ..., so
+the machine's load drifts over both alike. Greedy, teacher-free: the token each step computes is
+the next step's input, whichever forward computed it (both are exact, tests/test_streamed_faults.py).
+Prints one JSON object: per-arm median and mean seconds per token, their ratio, and the runtime's
+read counters.
+
+Run it in the memory cgroup of the benchmark (BENCHMARKS.md, "Larger than memory: reads past the
+page cache"), e.g.::
+
+    python tools/ab_streamed.py --model STORE --memory 780M --resident 0.1 --routing low.npz --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import anyio
+import mlx.core as mx
+
+from asyncside import Runtime
+from asyncside.memory import memory_arg
+from asyncside.models import ForwardOptions, load_streaming_model
+
+
+def _order(n: int) -> list[bool]:
+    """ABBA BAAB ... for n tokens: True means the streamed arm."""
+    block = [True, False, False, True, False, True, True, False]
+    return [block[i % len(block)] for i in range(n)]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    sm = load_streaming_model(args.model)
+    if args.routing:
+        sm.set_routing(args.routing)
+    arms = {True: ForwardOptions(mode="queued", streamed_switch=True),
+            False: ForwardOptions(mode="queued", streamed_switch=False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    async with Runtime(sm.store, resident=args.resident, memory=args.memory) as rt:
+        cache = sm.make_cache()
+        prompt = mx.array([list(range(1, args.prompt + 1))])
+        logits = await sm(prompt, cache, source=rt)  # per layer when the prompt's experts exceed the rows
+        token = int(mx.argmax(logits[0, -1]).item())
+        warm = 4  # the first steps of each forward build and compile; not timed
+        for i, streamed in enumerate([True, False] * (warm // 2) + _order(args.tokens)):
+            t0 = time.perf_counter()
+            logits = await sm.forward_with(arms[streamed])(mx.array([[token]]), cache, rt)
+            token = int(mx.argmax(logits[0, -1]).item())
+            if i >= warm:
+                times[streamed].append(time.perf_counter() - t0)
+        await rt.quiesce()
+        stats = dict(rt.stats())
+        plan = rt.memory
+    med = {arm: statistics.median(v) for arm, v in times.items()}
+    return {
+        "model": str(args.model), "routing": args.routing, "resident": args.resident, "memory": args.memory,
+        "direct": plan.get("direct"), "tokens_per_arm": len(times[True]),
+        "streamed_s_per_token": {"median": med[True], "mean": statistics.fmean(times[True])},
+        "plain_s_per_token": {"median": med[False], "mean": statistics.fmean(times[False])},
+        "streamed_over_plain_tok_s": med[False] / med[True],
+        "hit_rate": stats["hit_rate"], "faults": stats["faults"], "streamed_faults": stats["streamed_faults"],
+        "fault_time_s": stats["fault_time_s"], "read_wait_s": stats["read_wait_s"],
+        "background_read_s": stats["background_read_s"], "bytes_read": stats["bytes_read"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="an expert store directory")
+    p.add_argument("--memory", type=memory_arg, default=None, help="the runtime's memory budget, e.g. 780M")
+    p.add_argument("--resident", type=float, default=0.1)
+    p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
+    p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
+    p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    print(json.dumps(anyio.run(run, p.parse_args()), indent=1))
+
+
+if __name__ == "__main__":
+    main()
