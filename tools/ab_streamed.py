@@ -19,7 +19,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import mlx.core as mx
@@ -27,6 +27,7 @@ import mlx.core as mx
 from asyncside import Runtime
 from asyncside.memory import memory_arg
 from asyncside.models import ForwardOptions, load_streaming_model
+from asyncside.models.forward import StepMode
 
 
 def _order(n: int) -> list[bool]:
@@ -39,19 +40,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sm = load_streaming_model(args.model)
     if args.routing:
         sm.set_routing(args.routing)
-    arms = {True: ForwardOptions(mode="queued", streamed_switch=True),
-            False: ForwardOptions(mode="queued", streamed_switch=False)}
+    arms = {True: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True),
+            False: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=False)}
     times: dict[bool, list[float]] = {True: [], False: []}
     async with Runtime(sm.store, resident=args.resident, memory=args.memory) as rt:
         cache = sm.make_cache()
         prompt = mx.array([list(range(1, args.prompt + 1))])
         logits = await sm(prompt, cache, source=rt)  # per layer when the prompt's experts exceed the rows
-        token = int(mx.argmax(logits[0, -1]).item())
+        token = cast(int, mx.argmax(logits[0, -1]).item())
         warm = 4  # the first steps of each forward build and compile; not timed
         for i, streamed in enumerate([True, False] * (warm // 2) + _order(args.tokens)):
             t0 = time.perf_counter()
             logits = await sm.forward_with(arms[streamed])(mx.array([[token]]), cache, rt)
-            token = int(mx.argmax(logits[0, -1]).item())
+            token = cast(int, mx.argmax(logits[0, -1]).item())
             if i >= warm:
                 times[streamed].append(time.perf_counter() - t0)
         await rt.quiesce()
