@@ -609,96 +609,140 @@ class Ledger:
     # ---- invariants -----------------------------------------------------------------------
 
     def audit(self) -> AuditReport:
-        """Check every invariant; never raises. O(rows + n_experts)."""
+        """Check every invariant; never raises. O(rows + n_experts).
+
+        One helper per invariant; each appends what it finds to ``problems`` in a fixed order.
+        """
         problems: list[str] = []
-        p = problems.append
         try:
-            cap, side = self.cap, self.side_rows
-            free_set = set(self._free)
-            if len(free_set) != len(self._free):
-                p(f"free stack holds duplicate rows: {sorted(self._free)}")
-            for r in self._free:
-                if not cap <= r < self.rows:
-                    p(f"free row {r} is outside the side region [{cap}, {self.rows})")
-                elif self._row_state[r - cap] != FREE:
-                    state = _STATE_NAMES[self._row_state[r - cap]]
-                    p(f"row {r} is on the free stack but {state}({self._row_owner[r - cap]})")
-            owner_of_row: dict[int, int] = {}
-            for e, r in self._live.items():
-                if r in owner_of_row:
-                    p(f"row {r} owned twice: experts {owner_of_row[r]} and {e}")
-                owner_of_row[r] = e
-                if e in self._resident_row:
-                    p(f"expert {e} is both resident and LIVE (row {r})")
-                if e in self._filling:
-                    p(f"expert {e} is both LIVE (row {r}) and FILLING ({self._filling[e]})")
-            for e, f in self._filling.items():
-                if f.expert != e:
-                    p(f"filling[{e}] holds {f}")
-                if f.row in owner_of_row:
-                    p(f"row {f.row} owned twice: experts {owner_of_row[f.row]} and {e} (filling)")
-                owner_of_row[f.row] = e
-                if self._pending.get(f.fill_id) != f:
-                    p(f"FILLING expert {e} row {f.row} has no matching pending fill ({f})")
-            for fid, f in self._pending.items():
-                if fid != f.fill_id or self._filling.get(f.expert) != f:
-                    p(f"pending fill {fid} = {f} is not the fill of a FILLING row")
-            for r in owner_of_row:
-                if r in free_set:
-                    p(f"row {r} is both free and owned by expert {owner_of_row[r]}")
-                if not cap <= r < self.rows:
-                    p(f"expert {owner_of_row[r]} owns row {r} outside the side region")
-            for i in range(side):
-                r, st, own = cap + i, self._row_state[i], self._row_owner[i]
-                if st == FREE and (own != -1 or r not in free_set):
-                    p(f"row {r} is FREE but owner={own}, on free stack={r in free_set}")
-                elif st == LIVE and self._live.get(own) != r:
-                    p(f"row {r} is LIVE({own}) but live[{own}]={self._live.get(own)}")
-                elif st == FILLING and (own not in self._filling or self._filling[own].row != r):
-                    p(f"row {r} is FILLING({own}) without exactly one pending fill for it")
-                elif st == LENT and (own != -1 or r not in self._lent or r in free_set):
-                    p(f"row {r} is LENT but owner={own}, lent={r in self._lent}, on free stack={r in free_set}")
-            for r in self._lent:
-                if not cap <= r < self.rows:
-                    p(f"lent row {r} is outside the side region")
-                elif self._row_state[r - cap] not in (LIVE, LENT):
-                    p(f"lent row {r} is {_STATE_NAMES[self._row_state[r - cap]]}")
-                if self._pins.get(r):
-                    p(f"lent row {r} is pinned by a lease")
+            free_set = self._audit_free_stack(problems)
+            owner_of_row = self._audit_owners(problems)
+            self._audit_owned_rows(problems, owner_of_row, free_set)
+            self._audit_row_states(problems, free_set)
+            self._audit_lent(problems)
             n_free, n_fill, n_live = len(self._free), len(self._filling), len(self._live)
-            n_lent_free = sum(1 for st in self._row_state if st == LENT)
-            if n_free + n_fill + n_live + n_lent_free != side:
-                p(f"counts do not balance: free {n_free} + filling {n_fill} + live {n_live} + lent free "
-                  f"{n_lent_free} != side_rows {side}")
-            expected = np.full(self.n_experts, -1, dtype=np.int32)
-            for e, r in self._resident_row.items():
-                expected[e] = r
-            for e, r in self._live.items():
-                expected[e] = r
-            if not np.array_equal(expected, self._table):
-                bad = np.flatnonzero(expected != self._table)[:8].tolist()
-                p(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, "
-                  f"expected {expected[bad].tolist()}")
-            if self._snapshot is not None and not np.array_equal(self._snapshot, self._table):
-                p("cached lookup snapshot is stale")
-            pins: dict[int, int] = {}
-            for rows in self._leases.values():
-                for r in rows:
-                    pins[r] = pins.get(r, 0) + 1
-            if pins != self._pins:
-                p(f"pin counts {self._pins} do not match the open leases {pins}")
-            held_rows = set(self._resident_row.values()) | set(self._live.values())
-            for r in self._pins:
-                if r not in held_rows:
-                    p(f"pinned row {r} is not resident or LIVE")
-            s = self.stats
-            if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
-                p(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} "
-                  f"+ pending {len(self._pending)}")
+            self._audit_counts_balance(problems)
+            self._audit_lookup_table(problems)
+            self._audit_pins(problems)
+            self._audit_fill_stats(problems)
             problems.extend(self.policy.audit(set(self._live)))
             counts = {"free": n_free, "filling": n_fill, "live": n_live, "lent": len(self._lent),
                       "pinned_rows": len(self._pins), "leases": len(self._leases)}
         except Exception as exc:  # audit must report, never raise
-            p(f"audit crashed: {type(exc).__name__}: {exc}")
+            problems.append(f"audit crashed: {type(exc).__name__}: {exc}")
             counts = {}
         return AuditReport(not problems, problems, counts)
+
+    def _audit_free_stack(self, problems: list[str]) -> set[int]:
+        """The free stack holds distinct side-region rows, each in state FREE; returns it as a set."""
+        cap, p = self.cap, problems.append
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            p(f"free stack holds duplicate rows: {sorted(self._free)}")
+        for r in self._free:
+            if not cap <= r < self.rows:
+                p(f"free row {r} is outside the side region [{cap}, {self.rows})")
+            elif self._row_state[r - cap] != FREE:
+                state = _STATE_NAMES[self._row_state[r - cap]]
+                p(f"row {r} is on the free stack but {state}({self._row_owner[r - cap]})")
+        return free_set
+
+    def _audit_owners(self, problems: list[str]) -> dict[int, int]:
+        """LIVE and FILLING experts own distinct rows and agree with the pending fills; returns row -> owner."""
+        p = problems.append
+        owner_of_row: dict[int, int] = {}
+        for e, r in self._live.items():
+            if r in owner_of_row:
+                p(f"row {r} owned twice: experts {owner_of_row[r]} and {e}")
+            owner_of_row[r] = e
+            if e in self._resident_row:
+                p(f"expert {e} is both resident and LIVE (row {r})")
+            if e in self._filling:
+                p(f"expert {e} is both LIVE (row {r}) and FILLING ({self._filling[e]})")
+        for e, f in self._filling.items():
+            if f.expert != e:
+                p(f"filling[{e}] holds {f}")
+            if f.row in owner_of_row:
+                p(f"row {f.row} owned twice: experts {owner_of_row[f.row]} and {e} (filling)")
+            owner_of_row[f.row] = e
+            if self._pending.get(f.fill_id) != f:
+                p(f"FILLING expert {e} row {f.row} has no matching pending fill ({f})")
+        for fid, f in self._pending.items():
+            if fid != f.fill_id or self._filling.get(f.expert) != f:
+                p(f"pending fill {fid} = {f} is not the fill of a FILLING row")
+        return owner_of_row
+
+    def _audit_owned_rows(self, problems: list[str], owner_of_row: dict[int, int], free_set: set[int]) -> None:
+        """An owned row is not free and lies in the side region."""
+        for r, e in owner_of_row.items():
+            if r in free_set:
+                problems.append(f"row {r} is both free and owned by expert {e}")
+            if not self.cap <= r < self.rows:
+                problems.append(f"expert {e} owns row {r} outside the side region")
+
+    def _audit_row_states(self, problems: list[str], free_set: set[int]) -> None:
+        """Each side row's state and owner agree with the free stack, the LIVE map, the fills and the lent set."""
+        p = problems.append
+        for i in range(self.side_rows):
+            r, st, own = self.cap + i, self._row_state[i], self._row_owner[i]
+            if st == FREE and (own != -1 or r not in free_set):
+                p(f"row {r} is FREE but owner={own}, on free stack={r in free_set}")
+            elif st == LIVE and self._live.get(own) != r:
+                p(f"row {r} is LIVE({own}) but live[{own}]={self._live.get(own)}")
+            elif st == FILLING and (own not in self._filling or self._filling[own].row != r):
+                p(f"row {r} is FILLING({own}) without exactly one pending fill for it")
+            elif st == LENT and (own != -1 or r not in self._lent or r in free_set):
+                p(f"row {r} is LENT but owner={own}, lent={r in self._lent}, on free stack={r in free_set}")
+
+    def _audit_lent(self, problems: list[str]) -> None:
+        """A lent row lies in the side region, is LIVE or LENT, and no lease pins it."""
+        cap, p = self.cap, problems.append
+        for r in self._lent:
+            if not cap <= r < self.rows:
+                p(f"lent row {r} is outside the side region")
+            elif self._row_state[r - cap] not in (LIVE, LENT):
+                p(f"lent row {r} is {_STATE_NAMES[self._row_state[r - cap]]}")
+            if self._pins.get(r):
+                p(f"lent row {r} is pinned by a lease")
+
+    def _audit_counts_balance(self, problems: list[str]) -> None:
+        """Free, filling, LIVE and lent-free rows add up to the side region."""
+        n_free, n_fill, n_live = len(self._free), len(self._filling), len(self._live)
+        n_lent_free = sum(1 for st in self._row_state if st == LENT)
+        if n_free + n_fill + n_live + n_lent_free != self.side_rows:
+            problems.append(f"counts do not balance: free {n_free} + filling {n_fill} + live {n_live} + lent free "
+                            f"{n_lent_free} != side_rows {self.side_rows}")
+
+    def _audit_lookup_table(self, problems: list[str]) -> None:
+        """The expert -> row table (and its cached snapshot) matches the resident and LIVE maps."""
+        expected = np.full(self.n_experts, -1, dtype=np.int32)
+        for e, r in self._resident_row.items():
+            expected[e] = r
+        for e, r in self._live.items():
+            expected[e] = r
+        if not np.array_equal(expected, self._table):
+            bad = np.flatnonzero(expected != self._table)[:8].tolist()
+            problems.append(f"lookup table wrong for experts {bad}: has {self._table[bad].tolist()}, "
+                            f"expected {expected[bad].tolist()}")
+        if self._snapshot is not None and not np.array_equal(self._snapshot, self._table):
+            problems.append("cached lookup snapshot is stale")
+
+    def _audit_pins(self, problems: list[str]) -> None:
+        """Pin counts match the open leases, and only resident or LIVE rows are pinned."""
+        pins: dict[int, int] = {}
+        for rows in self._leases.values():
+            for r in rows:
+                pins[r] = pins.get(r, 0) + 1
+        if pins != self._pins:
+            problems.append(f"pin counts {self._pins} do not match the open leases {pins}")
+        held_rows = set(self._resident_row.values()) | set(self._live.values())
+        for r in self._pins:
+            if r not in held_rows:
+                problems.append(f"pinned row {r} is not resident or LIVE")
+
+    def _audit_fill_stats(self, problems: list[str]) -> None:
+        """Every reserved fill is published, failed or still pending."""
+        s = self.stats
+        if s["reserved"] != s["published"] + s["failed"] + len(self._pending):
+            problems.append(f"reserved {s['reserved']} != published {s['published']} + failed {s['failed']} "
+                            f"+ pending {len(self._pending)}")
