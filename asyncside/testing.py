@@ -436,12 +436,11 @@ def _note_audit(exc: BaseException, runtime: Runtime) -> None:
 
 
 def _scheduler_of(runtime: Any) -> Any:
-    # Looked up at each use: the runtime may replace its scheduler when it opens.
-    scheduler = getattr(runtime, "scheduler", None) or getattr(runtime, "_scheduler", None)
-    if scheduler is None:  # the runtime package keeps it with the rest of its shared state
-        scheduler = getattr(getattr(runtime, "_s", None), "scheduler", None)
+    """The read scheduler of ``runtime`` (:attr:`Runtime.scheduler`), looked up at each use: entering
+    the runtime may replace it."""
+    scheduler = getattr(runtime, "scheduler", None)
     if scheduler is None or not hasattr(scheduler, "set_faults"):
-        raise RuntimeError("this Runtime exposes no scheduler with fault hooks (Scheduler.set_faults)")
+        raise RuntimeError("this Runtime exposes no scheduler with fault hooks (Runtime.scheduler.set_faults)")
     return scheduler
 
 

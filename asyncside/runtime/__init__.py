@@ -22,6 +22,8 @@ and no part touches a ledger from anywhere else. That keeps the ledger a plain s
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ import numpy.ma
 
 import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
 
+from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
 from ..policies import DEFAULT_POLICY
 from ..readers import ReaderOptions
@@ -198,6 +201,29 @@ class Runtime:
                 s.exited = True
                 s.notify()  # an ensure waiting for a change hears that the runtime closed
         return None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The read scheduler in use (entering may replace it: read it at each use). Tests drive its
+        reader's fault hooks through :class:`asyncside.testing.FaultyReader`."""
+        return self._s.scheduler
+
+    async def reopen_blob(self, path: str | os.PathLike[str]) -> bool:
+        """Re-open the reader's handles on the blob at ``path`` (replaced on disk by another file):
+        fills submitted from now on read the new file, fills in flight finish on the old one; a
+        handle that cannot be re-opened keeps the old file. False when no layer reads ``path``;
+        AsyncsideError when the runtime is not running. The queued steps' fault tables keep their
+        own descriptors, opened on entry: they read the new file once the runtime is entered again
+        or their descriptors are re-pointed (:func:`asyncside.serving.health.reopen_blob`)."""
+        s = self._s
+        if s.closed or s.tg is None:
+            raise AsyncsideError(f"reopen_blob({os.fspath(path)!r}): the runtime is not running "
+                                 "(use it inside `async with Runtime(...) as rt`)")
+        want = pathlib.PurePath(path)  # as the store names it: nothing on disk is looked at
+        blobs = {str(st.spec.path) for st in s.layers.values() if pathlib.PurePath(st.spec.path) == want}
+        for blob in blobs:
+            await s.scheduler.reopen(blob)
+        return bool(blobs)
 
     # ---------------------------------------------------------------- the forward's calls
 

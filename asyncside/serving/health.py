@@ -164,7 +164,8 @@ class HealthRegistry:
 
     ``store``: the :class:`~asyncside.store.ExpertStore` (None: nothing to verify or re-open,
     failures are still recorded). ``reopen_reader(path)``: an async hook re-opening the reader's
-    own handles on a replaced blob (the scheduler's layouts), beside :func:`reopen_blob`.
+    own handles on a replaced blob (:meth:`Runtime.reopen_blob <asyncside.Runtime.reopen_blob>`: io_uring's
+    registered files are not reached by re-pointing descriptors), beside :func:`reopen_blob`.
     """
 
     def __init__(self, store: Any = None, reopen_reader: Callable[[str], Any] | None = None) -> None:

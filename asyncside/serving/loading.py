@@ -107,7 +107,7 @@ async def open_engine(
 
     async with Runtime(store, resident=resident, reader=reader, policy=policy, host_tier=host_tier,
                        memory=memory) as runtime:
-        health = HealthRegistry(store, reopen_reader=_reader_reopener(runtime))
+        health = HealthRegistry(store, reopen_reader=runtime.reopen_blob)
         yield Engine(
             model=streaming,
             source=runtime,
@@ -130,10 +130,3 @@ async def open_engine(
             routing=replay,
         )
 
-
-def _reader_reopener(runtime: Any) -> Callable[[str], Any] | None:
-    """The runtime's scheduler's ``reopen`` (a replaced blob's reads through the reader: io_uring's
-    registered files are not reached by re-pointing descriptors), None if it has none."""
-    shared = getattr(runtime, "_s", None)
-    scheduler = getattr(shared, "scheduler", None) or getattr(runtime, "_scheduler", None)
-    return getattr(scheduler, "reopen", None)
