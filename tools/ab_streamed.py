@@ -4,8 +4,10 @@ One runtime, one KV cache, one routing replay: each decode token is computed by 
 forwards (``ForwardOptions(streamed_switch=True)`` or ``False``) in the order ABBA BAAB ..., so
 the machine's load drifts over both alike. Greedy, teacher-free: the token each step computes is
 the next step's input, whichever forward computed it (both are exact, tests/test_streamed_faults.py).
-Prints one JSON object: per-arm median and mean seconds per token, their ratio, and the runtime's
-read counters.
+With ``--versus-mlx-lm`` a third arm decodes its own sequence with mlx-lm's model, every expert in
+memory and the same routing forced (the compute limit; it needs the whole model in memory, so run
+it outside the cgroup). Prints one JSON object: per-arm median and mean seconds per token, the
+ratios, and the runtime's read counters.
 
 Run it in the memory cgroup of the benchmark (BENCHMARKS.md, "Larger than memory: reads past the
 page cache"), e.g.::
@@ -36,10 +38,27 @@ def _order(n: int) -> list[bool]:
     return [block[i % len(block)] for i in range(n)]
 
 
+def _reference(args: argparse.Namespace, sm: Any, replay: Any) -> tuple[Any, list[Any]]:
+    """mlx-lm's model of the store with every expert in memory, forced to the same routing."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from asyncside.models import load_reference_model
+    from asyncside.models.forcing import force_reference
+
+    model, _config = load_reference_model(args.model)
+    if replay is not None:
+        force_reference(model, sm.arch.block_attr, replay)
+    return model, make_prompt_cache(model)
+
+
+def _reference_step(model: Any, cache: list[Any], token: int) -> int:
+    logits = model(mx.array([[token]]), cache)
+    return cast(int, mx.argmax(logits[0, -1]).item())
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     sm = load_streaming_model(args.model)
-    if args.routing:
-        sm.set_routing(args.routing)
+    replay = sm.set_routing(args.routing) if args.routing else None
     arms = {True: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True),
             False: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=False)}
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -48,6 +67,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         prompt = mx.array([list(range(1, args.prompt + 1))])
         logits = await sm(prompt, cache, source=rt)  # per layer when the prompt's experts exceed the rows
         token = cast(int, mx.argmax(logits[0, -1]).item())
+        ref: list[float] = []
+        if args.versus_mlx_lm:
+            model, ref_cache = _reference(args, sm, replay)
+            mx.eval(model(prompt, ref_cache))
+            ref_token = token
         warm = 4  # the first steps of each forward build and compile; not timed
         for i, streamed in enumerate([True, False] * (warm // 2) + _order(args.tokens)):
             t0 = time.perf_counter()
@@ -55,6 +79,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             token = cast(int, mx.argmax(logits[0, -1]).item())
             if i >= warm:
                 times[streamed].append(time.perf_counter() - t0)
+            if args.versus_mlx_lm and i % 2:  # one mlx-lm token per pair of ours
+                t0 = time.perf_counter()
+                ref_token = await anyio.to_thread.run_sync(_reference_step, model, ref_cache, ref_token)
+                if i >= warm:
+                    ref.append(time.perf_counter() - t0)
         await rt.quiesce()
         stats = dict(rt.stats())
         plan = rt.memory
@@ -68,6 +97,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "hit_rate": stats["hit_rate"], "faults": stats["faults"], "streamed_faults": stats["streamed_faults"],
         "fault_time_s": stats["fault_time_s"], "read_wait_s": stats["read_wait_s"],
         "background_read_s": stats["background_read_s"], "bytes_read": stats["bytes_read"],
+        "mlx_lm_s_per_token": {"median": statistics.median(ref), "mean": statistics.fmean(ref)} if ref else None,
+        "streamed_over_mlx_lm_tok_s": statistics.median(ref) / med[True] if ref else None,
+        "plain_over_mlx_lm_tok_s": statistics.median(ref) / med[False] if ref else None,
     }
 
 
@@ -79,6 +111,8 @@ def main() -> None:
     p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
     p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    p.add_argument("--versus-mlx-lm", action="store_true",
+                   help="a third arm: mlx-lm's model with every expert in memory (needs the whole model in memory)")
     print(json.dumps(anyio.run(run, p.parse_args()), indent=1))
 
 
