@@ -617,7 +617,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
     from ..models import RoutingTrace, load_reference_model, load_streaming_model
-    from ..models.predict import PredictionQuality, choose_predictor
+    from ..models.predict import PredictionQuality
     from ..store import ExpertStore
 
     plot = getattr(args, "plot", None)
@@ -640,15 +640,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         replay = sm.set_routing(args.routing)
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)
-    # Under replay the default predictor is the trace's own (or temporal): see choose_predictor.
-    record_predictor, note = choose_predictor(None, sm.routing)
-    predictor_notes = [note] if note else []
-    if args.predictors:
-        predictor_notes += [x for x in (choose_predictor(p, sm.routing)[1] for p in s.predictors) if x]
-    else:
-        s.predictors = (record_predictor,)
-    for line in predictor_notes:
-        _log(verbose, f"note: {line}")
+    record_predictor, predictor_notes = _choose_predictors(args, s, sm, verbose)
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
@@ -656,20 +648,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     labels = {c.key: _label(c, sm) for c in configs}
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
 
-    # Cold-run method.
-    s.direct_ok = o_direct_works(first.path)
-    s.drop = not args.no_drop_caches and _can_drop_caches()
-    if s.cold_repeats:
-        parts = []
-        if s.direct_ok:
-            parts.append("O_DIRECT reads (runtime direct=True; slot cache O_DIRECT whole-record reads)")
-        if s.drop:
-            parts.append("page cache dropped before each cold run (sync; echo 3 > /proc/sys/vm/drop_caches)")
-        cold_method = " + ".join(parts) if parts else "unavailable: no O_DIRECT on this filesystem and not root"
-        if not parts:
-            s.cold_repeats = 0
-    else:
-        cold_method = "skipped"
+    cold_method = _cold_method(args, s, first.path)
 
     def one(cfg: Config, frac: float, cold: bool, tokens: int) -> BenchRun:
         if cold and s.drop and cfg.system != MLX_LM:
@@ -731,36 +710,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     ref_all = [r for (c, _f, k), runs in table.items() if c == "warm" and k == MLX_LM for r in runs]
     ref = _summarise(ref_all, ref_tokens, record_bytes)
     res = _summarise(res_runs, ref_tokens, record_bytes)
-    rows = []
-    for cache_state, n in (("warm", s.repeats), ("cold", s.cold_repeats)):
-        if not n:
-            continue
-        for frac in s.residencies:
-            refs = table[(cache_state, frac, MLX_LM)]
-            slots = table[(cache_state, frac, SLOT_CACHE)]
-            for cfg in configs:
-                runs = table[(cache_state, frac, cfg.key)]
-                row: dict[str, Any] = {"cache": cache_state, "residency": frac, "system": cfg.system,
-                                       "config": cfg.key, "label": labels[cfg.key],
-                                       **_summarise(runs, ref_tokens, record_bytes)}
-                if cfg.system == "asyncside":
-                    row["step_mode"] = cfg.mode
-                    set_step_mode(sm, cfg.mode)
-                    row["step_mode_resolved"] = step_mode_of(sm)
-                    row["predictor"] = cfg.predictor
-                    row["verify"] = cfg.verify
-                # Paired: each round's run over the same round's mlx-lm and slot-cache runs.
-                row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
-                                                    if b.decode_tokens_per_s else None for r, b in zip(runs, refs)]
-                row["vs_slot_cache_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
-                                                  if b.decode_tokens_per_s else None for r, b in zip(runs, slots)]
-                cpu = [(r.decode_figures(record_bytes)["loop_cpu_ms_per_token"],
-                        b.decode_figures(record_bytes)["loop_cpu_ms_per_token"]) for r, b in zip(runs, refs)]
-                row["loop_cpu_vs_mlx_lm_per_round"] = [a / b if a is not None and b else None for a, b in cpu]
-                for k in ("vs_all_resident", "vs_slot_cache", "loop_cpu_vs_mlx_lm"):
-                    row[k] = _median(row[k + "_per_round"])
-                rows.append(row)
-    set_step_mode(sm, "default")
+    rows = _paired_rows(table, s, configs, labels, sm, ref_tokens, record_bytes)
 
     plan = {str(frac): dict(zip(("resident_per_layer", "side_rows"),
                                 (lambda p: (len(p[0]), p[1]))(_plan(store, frac))))
@@ -827,6 +777,77 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     elif verbose:
         render_table(result)
     return result
+
+
+def _choose_predictors(args: argparse.Namespace, s: Any, sm: Any, verbose: bool) -> tuple[str, list[str]]:
+    """The predictor the routing trace is recorded with and the notes about the chosen ones; with no
+    ``--predictors``, the recording one is the only one run (``s.predictors``)."""
+    from ..models.predict import choose_predictor
+
+    # Under replay the default predictor is the trace's own (or temporal): see choose_predictor.
+    record_predictor, note = choose_predictor(None, sm.routing)
+    predictor_notes = [note] if note else []
+    if args.predictors:
+        predictor_notes += [x for x in (choose_predictor(p, sm.routing)[1] for p in s.predictors) if x]
+    else:
+        s.predictors = (record_predictor,)
+    for line in predictor_notes:
+        _log(verbose, f"note: {line}")
+    return record_predictor, predictor_notes
+
+
+def _cold_method(args: argparse.Namespace, s: Any, blob: Any) -> str:
+    """How cold runs bypass the page cache (sets ``s.direct_ok`` and ``s.drop``; no cold rounds when
+    neither O_DIRECT nor dropping the cache is possible); the sentence the result records."""
+    s.direct_ok = o_direct_works(blob)
+    s.drop = not args.no_drop_caches and _can_drop_caches()
+    if not s.cold_repeats:
+        return "skipped"
+    parts = []
+    if s.direct_ok:
+        parts.append("O_DIRECT reads (runtime direct=True; slot cache O_DIRECT whole-record reads)")
+    if s.drop:
+        parts.append("page cache dropped before each cold run (sync; echo 3 > /proc/sys/vm/drop_caches)")
+    if not parts:
+        s.cold_repeats = 0
+    return " + ".join(parts) if parts else "unavailable: no O_DIRECT on this filesystem and not root"
+
+
+def _paired_rows(table: dict[tuple[str, float, str], list[BenchRun]], s: Any, configs: Any, labels: dict[str, str],
+                 sm: Any, ref_tokens: list[int], record_bytes: int) -> list[dict[str, Any]]:
+    """One result row per (cache state, residency, configuration): its medians and its ratios paired
+    by round with the same round's mlx-lm and slot-cache runs."""
+    rows = []
+    for cache_state, n in (("warm", s.repeats), ("cold", s.cold_repeats)):
+        if not n:
+            continue
+        for frac in s.residencies:
+            refs = table[(cache_state, frac, MLX_LM)]
+            slots = table[(cache_state, frac, SLOT_CACHE)]
+            for cfg in configs:
+                runs = table[(cache_state, frac, cfg.key)]
+                row: dict[str, Any] = {"cache": cache_state, "residency": frac, "system": cfg.system,
+                                       "config": cfg.key, "label": labels[cfg.key],
+                                       **_summarise(runs, ref_tokens, record_bytes)}
+                if cfg.system == "asyncside":
+                    row["step_mode"] = cfg.mode
+                    set_step_mode(sm, cfg.mode)
+                    row["step_mode_resolved"] = step_mode_of(sm)
+                    row["predictor"] = cfg.predictor
+                    row["verify"] = cfg.verify
+                # Paired: each round's run over the same round's mlx-lm and slot-cache runs.
+                row["vs_all_resident_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
+                                                    if b.decode_tokens_per_s else None for r, b in zip(runs, refs)]
+                row["vs_slot_cache_per_round"] = [r.decode_tokens_per_s / b.decode_tokens_per_s
+                                                  if b.decode_tokens_per_s else None for r, b in zip(runs, slots)]
+                cpu = [(r.decode_figures(record_bytes)["loop_cpu_ms_per_token"],
+                        b.decode_figures(record_bytes)["loop_cpu_ms_per_token"]) for r, b in zip(runs, refs)]
+                row["loop_cpu_vs_mlx_lm_per_round"] = [a / b if a is not None and b else None for a, b in cpu]
+                for k in ("vs_all_resident", "vs_slot_cache", "loop_cpu_vs_mlx_lm"):
+                    row[k] = _median(row[k + "_per_round"])
+                rows.append(row)
+    set_step_mode(sm, "default")
+    return rows
 
 
 def _plan(store: Any, frac: float) -> tuple[list[int], int]:
