@@ -71,6 +71,51 @@ def _busy(before: dict[int, tuple[str, float, int, float]], after: dict[int, tup
     return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
+def _stream_gaps(events: list[tuple[str, int, int]],
+                 posted: dict[int, int]) -> tuple[list[float], list[float], list[float]]:
+    """From the recorded events and the stream's completion timestamps: per speculative gather, the
+    stream's time on the expert outputs and its idle time until the host queued more; per plain
+    await, the idle time until the host queued more (milliseconds each)."""
+    experts_ms, idle_ms, boundary_ms = [], [], []
+    for k, (kind, t, tk) in enumerate(events):
+        if kind != "ids" or not t or tk not in posted:
+            continue
+        experts_ms.append((posted[tk] - t) / 1e6)
+        nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
+        if nxt is not None:
+            idle_ms.append(max(0, nxt[1] - posted[tk]) / 1e6)
+    for k, (kind, t, _tk) in enumerate(events):
+        # The stream finished something the host awaited plainly (the token's argmax, a recompute):
+        # it idles until the host queues the next work.
+        if kind == "done":
+            nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
+            if nxt is not None:
+                boundary_ms.append(max(0, nxt[1] - t) / 1e6)
+    return experts_ms, idle_ms, boundary_ms
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    """The human-readable report of :func:`main`'s result."""
+    for name in ("mlx_lm", "asyncside"):
+        r = result[name]
+        print(f"{name}: decode {r['decode_tok_s']} tok/s")
+        for t in r["threads"]:
+            print(f"    {t['thread']:<16} cpu {t['cpu_s']:7.2f} s   busy {t['busy'] * 100:5.1f}% of the wall time"
+                  f"   went to sleep {t['sleeps']} times   runnable, waiting for a CPU "
+                  f"{t['runnable_waiting'] * 100:4.1f}%")
+    a = result["asyncside"]
+    print(f"tokens identical: {result['tokens_identical']}")
+    print("speculative expert outputs on the stream: "
+          f"{a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
+    print("stream idle between them and the next layer: "
+          f"{a['stream_idle_after_experts_ms_per_token']} ms per token")
+    print(f"stream idle after a plain await (the token, a recompute) until the host queued more: "
+          f"{a['stream_idle_after_plain_awaits_ms_per_token']} ms per token")
+    print(f"host waiting for fills (stall): {a['stall_ms_per_token']} ms per token")
+    for k, v in sorted(a["routed_experts"].items()):
+        print(f"    {v:6d}  {k}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--resident", type=float, default=0.25)
@@ -101,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     pl = sm.forward_with(options).per_layer
     recorder = _native.CompletionQueue()  # nobody watches it: it only timestamps the stream
     events: list[tuple[str, int, int]] = []  # (kind, host ns, ticket or posted ns)
-    spec = collections.Counter()
+    spec: collections.Counter[str] = collections.Counter()
     ticket = [0]
 
     async def completed_then(x: mx.array, *then: mx.array) -> None:
@@ -149,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec["unsound, not in the snapshot: not predicted"] += 1
         return await serve(ctx, layer, x_sw, inds, y_spec, snap)
 
-    pl._completed_then = completed_then  # type: ignore[method-assign]
+    pl._completed_then = completed_then  # type: ignore[method-assign, assignment]
     pl.schedule = scheduled
     pl.completed = completed_any
     pl.serve_speculated = serve_speculated  # type: ignore[method-assign]
@@ -184,21 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     run = anyio.run(streamed, backend="asyncio", backend_options={"use_uvloop": True})
     posted = dict(recorder.drain())
     recorder.close()
-    experts_ms, idle_ms, boundary_ms = [], [], []
-    for k, (kind, t, tk) in enumerate(events):
-        if kind != "ids" or not t or tk not in posted:
-            continue
-        experts_ms.append((posted[tk] - t) / 1e6)
-        nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
-        if nxt is not None:
-            idle_ms.append(max(0, nxt[1] - posted[tk]) / 1e6)
-    for k, (kind, t, _tk) in enumerate(events):
-        # The stream finished something the host awaited plainly (the token's argmax, a recompute):
-        # it idles until the host queues the next work.
-        if kind == "done":
-            nxt = next((e for e in events[k + 1 :] if e[0] == "queue"), None)
-            if nxt is not None:
-                boundary_ms.append(max(0, nxt[1] - t) / 1e6)
+    experts_ms, idle_ms, boundary_ms = _stream_gaps(events, posted)
     n_dec = len(run["tokens"]) - 1
     result = {
         "resident": args.resident,
@@ -219,24 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        for name in ("mlx_lm", "asyncside"):
-            r = result[name]
-            print(f"{name}: decode {r['decode_tok_s']} tok/s")
-            for t in r["threads"]:
-                print(f"    {t['thread']:<16} cpu {t['cpu_s']:7.2f} s   busy {t['busy'] * 100:5.1f}% of the wall time"
-                      f"   went to sleep {t['sleeps']} times   runnable, waiting for a CPU "
-                      f"{t['runnable_waiting'] * 100:4.1f}%")
-        a = result["asyncside"]
-        print(f"tokens identical: {result['tokens_identical']}")
-        print("speculative expert outputs on the stream: "
-              f"{a['speculative_experts_ms_per_layer_median']} ms per layer (median)")
-        print("stream idle between them and the next layer: "
-              f"{a['stream_idle_after_experts_ms_per_token']} ms per token")
-        print(f"stream idle after a plain await (the token, a recompute) until the host queued more: "
-              f"{a['stream_idle_after_plain_awaits_ms_per_token']} ms per token")
-        print(f"host waiting for fills (stall): {a['stall_ms_per_token']} ms per token")
-        for k, v in sorted(a["routed_experts"].items()):
-            print(f"    {v:6d}  {k}")
+        _print_result(result)
     return 0
 
 

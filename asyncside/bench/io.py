@@ -598,27 +598,7 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
             pools = pools_for(n_rows)
             # Cells of one (mode, depth) run interleaved, round-robin, so that the noise of a shared
             # machine lands on every method alike.
-            # (label, reader, async_threshold, direct_rows, verify, mapped_reads)
-            verify = s["verify"]
-            methods: list[tuple[str, str, int, bool, bool, bool]] = [
-                (r, r, default_threshold, True, verify, True) for r in readers]
-            if verify and depth == max(depths) and mode != "cold_buffered":
-                # Ablation: the same reads without checksum verification (what it costs).
-                methods += [(f"{r} no-verify", r, default_threshold, True, False, True) for r in readers]
-            if mode == "warm" and depth == max(depths):
-                # Ablation: preadv only (the kernel's copy; verified: in windows checksummed as they
-                # land), no copy from the blob's mapping.
-                native_readers = [r for r in readers if r != "aiofiles"]
-                methods += [(f"{r} no-map", r, default_threshold, True, verify, False) for r in native_readers]
-                if verify and "threads" in readers:
-                    methods.append(("threads no-verify no-map", "threads", default_threshold, True, False, False))
-            if "io_uring" in readers and depth == max(depths) and mode != "cold_buffered":
-                # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
-                # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
-                methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify, True))
-            if mode == "cold_direct" and "io_uring" in readers and depth == max(depths):
-                # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
-                methods.append(("io_uring staged", "io_uring", default_threshold, False, verify, True))
+            methods = _read_methods(readers, mode, depth == max(depths), s["verify"], default_threshold)
             passes: dict[str, list[dict[str, float]]] = {}
             fio_vals: list[float] = []
             fio_cmd = ""
@@ -647,6 +627,32 @@ def _bench_layout(layout: ModelLayout, s: dict[str, Any], root: str, readers: li
                                    "passes_GBps": [round(v, 3) for v in fio_vals], "command": fio_cmd})
     pools_by_rows.clear()
     return out
+
+
+def _read_methods(readers: list[str], mode: str, deepest: bool, verify: bool,
+                  default_threshold: int) -> list[tuple[str, str, int, bool, bool, bool]]:
+    """The methods of one (mode, depth) cell, as (label, reader, async_threshold, direct_rows, verify,
+    mapped_reads): every reader, plus the ablations at the deepest queue."""
+    methods: list[tuple[str, str, int, bool, bool, bool]] = [
+        (r, r, default_threshold, True, verify, True) for r in readers]
+    if verify and deepest and mode != "cold_buffered":
+        # Ablation: the same reads without checksum verification (what it costs).
+        methods += [(f"{r} no-verify", r, default_threshold, True, False, True) for r in readers]
+    if mode == "warm" and deepest:
+        # Ablation: preadv only (the kernel's copy; verified: in windows checksummed as they
+        # land), no copy from the blob's mapping.
+        native_readers = [r for r in readers if r != "aiofiles"]
+        methods += [(f"{r} no-map", r, default_threshold, True, verify, False) for r in native_readers]
+        if verify and "threads" in readers:
+            methods.append(("threads no-verify no-map", "threads", default_threshold, True, False, False))
+    if "io_uring" in readers and deepest and mode != "cold_buffered":
+        # Ablation: the same reads without IOSQE_ASYNC: page-cache copies (warm) or page
+        # pinning + bio setup (O_DIRECT) then run inside io_uring_enter on the loop thread.
+        methods.append(("io_uring no-ASYNC", "io_uring", 1 << 62, True, verify, True))
+    if mode == "cold_direct" and "io_uring" in readers and deepest:
+        # Ablation: O_DIRECT through staging slots + native scatter instead of into the rows.
+        methods.append(("io_uring staged", "io_uring", default_threshold, False, verify, True))
+    return methods
 
 
 def _cell(reader: str, mode: str, depth: int, passes: list[dict[str, float]]) -> dict[str, Any]:
