@@ -110,29 +110,25 @@ def _resolve(stub: Stub) -> tuple[Any, Any]:
         raise AssertionError(f"{stub.id}: {stub.cls} has no member {name!r}") from None
 
 
-def signature_differences(stub_node: ast.FunctionDef | ast.AsyncFunctionDef, code: Any, namespace: dict[str, Any]) -> list[str]:
-    """How the stub and the code's function differ (empty: they agree)."""
-    problems: list[str] = []
+def _unwrapped(stub_node: ast.FunctionDef | ast.AsyncFunctionDef, code: Any) -> tuple[Any, str | None]:
+    """The function under the code's descriptor, as the stub's decorators say it is wrapped, or why not."""
     decorators = {ast.unparse(d) for d in stub_node.decorator_list}
-    fn = code
     if "property" in decorators:
         if not isinstance(code, property):
-            return [f"documented as a property, is {type(code).__name__}"]
-        fn = code.fget
-    elif "classmethod" in decorators or "staticmethod" in decorators:
+            return None, f"documented as a property, is {type(code).__name__}"
+        return code.fget, None
+    if "classmethod" in decorators or "staticmethod" in decorators:
         kind = classmethod if "classmethod" in decorators else staticmethod
         if not isinstance(code, kind):
-            return [f"documented as a {kind.__name__}, is {type(code).__name__}"]
-        fn = code.__func__
-    elif isinstance(code, (property, classmethod, staticmethod)):
-        return [f"is a {type(code).__name__}, documented as a plain function"]
-    if not callable(fn):
-        return [f"is not callable ({type(fn).__name__})"]
-    is_async = isinstance(stub_node, ast.AsyncFunctionDef)
-    if is_async != (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
-        problems.append(f"documented {'async' if is_async else 'sync'}, code is {'async' if not is_async else 'sync'}")
-    sig = inspect.signature(fn)
-    a = stub_node.args
+            return None, f"documented as a {kind.__name__}, is {type(code).__name__}"
+        return code.__func__, None
+    if isinstance(code, (property, classmethod, staticmethod)):
+        return None, f"is a {type(code).__name__}, documented as a plain function"
+    return code, None
+
+
+def _documented_parameters(a: ast.arguments) -> list[tuple[str, inspect._ParameterKind, ast.expr | None, ast.expr | None]]:
+    """The stub's parameters in order: (name, kind, default, annotation)."""
     positional = [*a.posonlyargs, *a.args]
     pos_defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
     documented: list[tuple[str, inspect._ParameterKind, ast.expr | None, ast.expr | None]] = []
@@ -145,28 +141,52 @@ def signature_differences(stub_node: ast.FunctionDef | ast.AsyncFunctionDef, cod
         documented.append((arg.arg, inspect.Parameter.KEYWORD_ONLY, default, arg.annotation))
     if a.kwarg:
         documented.append((a.kwarg.arg, inspect.Parameter.VAR_KEYWORD, None, a.kwarg.annotation))
+    return documented
+
+
+def _parameter_differences(name: str, kind: inspect._ParameterKind, default: ast.expr | None,
+                           annotation: ast.expr | None, p: inspect.Parameter, namespace: dict[str, Any]) -> list[str]:
+    """How one documented parameter differs from the code's (kind, default, annotation)."""
+    problems: list[str] = []
+    if kind != p.kind:
+        problems.append(f"parameter {name}: documented {kind.description}, code {p.kind.description}")
+    if default is None and p.default is not inspect.Parameter.empty:
+        problems.append(f"parameter {name}: the code has a default ({p.default!r}), the page none")
+    elif default is not None:
+        if p.default is inspect.Parameter.empty:
+            problems.append(f"parameter {name}: documented default {ast.unparse(default)}, the code has none")
+        else:
+            value = eval(compile(ast.Expression(default), "<doc>", "eval"), namespace)
+            if not (value is p.default or value == p.default):
+                problems.append(f"parameter {name}: documented default {ast.unparse(default)} = {value!r}, "
+                                f"code {p.default!r}")
+    doc_ann = ast.unparse(annotation) if annotation is not None else None
+    code_ann = _code_annotation(p.annotation)
+    if doc_ann != code_ann:
+        problems.append(f"parameter {name}: documented annotation {doc_ann!r}, code {code_ann!r}")
+    return problems
+
+
+def signature_differences(stub_node: ast.FunctionDef | ast.AsyncFunctionDef, code: Any, namespace: dict[str, Any]) -> list[str]:
+    """How the stub and the code's function differ (empty: they agree)."""
+    problems: list[str] = []
+    fn, wrong = _unwrapped(stub_node, code)
+    if wrong is not None:
+        return [wrong]
+    if not callable(fn):
+        return [f"is not callable ({type(fn).__name__})"]
+    is_async = isinstance(stub_node, ast.AsyncFunctionDef)
+    if is_async != (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
+        problems.append(f"documented {'async' if is_async else 'sync'}, code is {'async' if not is_async else 'sync'}")
+    sig = inspect.signature(fn)
+    documented = _documented_parameters(stub_node.args)
     params = list(sig.parameters.values())
     names_doc = [d[0] for d in documented]
     names_code = [p.name for p in params]
     if names_doc != names_code:
         return problems + [f"parameters {names_doc} documented, code has {names_code}"]
     for (name, kind, default, annotation), p in zip(documented, params):
-        if kind != p.kind:
-            problems.append(f"parameter {name}: documented {kind.description}, code {p.kind.description}")
-        if default is None and p.default is not inspect.Parameter.empty:
-            problems.append(f"parameter {name}: the code has a default ({p.default!r}), the page none")
-        elif default is not None:
-            if p.default is inspect.Parameter.empty:
-                problems.append(f"parameter {name}: documented default {ast.unparse(default)}, the code has none")
-            else:
-                value = eval(compile(ast.Expression(default), "<doc>", "eval"), namespace)
-                if not (value is p.default or value == p.default):
-                    problems.append(f"parameter {name}: documented default {ast.unparse(default)} = {value!r}, "
-                                    f"code {p.default!r}")
-        doc_ann = ast.unparse(annotation) if annotation is not None else None
-        code_ann = _code_annotation(p.annotation)
-        if doc_ann != code_ann:
-            problems.append(f"parameter {name}: documented annotation {doc_ann!r}, code {code_ann!r}")
+        problems += _parameter_differences(name, kind, default, annotation, p, namespace)
     doc_ret = ast.unparse(stub_node.returns) if stub_node.returns is not None else None
     code_ret = _code_annotation(sig.return_annotation)
     if doc_ret != code_ret:
