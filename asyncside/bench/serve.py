@@ -23,6 +23,14 @@ token is reported alone), and each asyncside phase's aggregate over mlx_lm.serve
 clients. Both servers decode greedily with ``max_tokens`` tokens per request. RSS of this process
 (which hosts the asyncside server) is read before the model is loaded, with the server idle, and at
 the end; the ledgers must audit clean at the end.
+
+Under a memory budget (``--memory SIZE``, the Runtime's, with ``--resident auto`` sizing the pools
+to it) and a routing trace every request replays (``--routing FILE``; request n replays the trace's
+sequence n mod S, docs/routing-traces.md) each asyncside phase also reports its hit rate, the bytes
+the process read from the disk per token (``/proc/self/io``), the misses' bytes per token, and the
+peak RSS over the phase (VmHWM, reset before it where the kernel allows, else since start). Client
+counts may repeat (``--clients 1,8,1,8``: two rounds); each phase's ``vs_round_single`` is its
+aggregate over the latest one-client phase of the same server before it.
 """
 
 from __future__ import annotations
@@ -63,6 +71,16 @@ def read_rss_bytes(pid: int | str = "self") -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux: ``/proc/self/clear_refs``); whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -417,6 +435,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine["joint_prefill"] = state.batcher.joint_prefill
         ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
         rss_ml_idle = ml.rss() if ml is not None else {}
+        from ..memory import proc_self_bytes
+
         for clients in args.clients:
             warmed = 0
             if args.warmup > 0:  # the same load, untimed: kernels compiled, pools warm (see --warmup)
@@ -424,12 +444,18 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
                                  _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers))
                 srv.call(_idle_of(state), timeout=args.warmup * 10 + 600)
             prompts = _prompts(tokenizer, args.prompt_lengths, long_at(clients), numbers)
+            peak_reset = reset_peak_rss()
             before = srv.call(_counters_of(state))
+            disk_before = proc_self_bytes("io", "read_bytes")
             res = uvloop.run(run_phase("asyncside", srv.url, model_id, clients, args.duration, args.max_tokens,
                                        prompts))
             srv.call(_idle_of(state), timeout=args.duration * 10 + 600)
             spent = _spent(before, srv.call(_counters_of(state)))
-            phases.append(res.summary() | {"warmup_rounds": warmed, "engine": spent})
+            spent["disk_read_bytes"] = float(proc_self_bytes("io", "read_bytes") - disk_before)
+            phases.append(res.summary() | {"warmup_rounds": warmed, "engine": spent,
+                                           "peak_rss_bytes": proc_self_bytes("status", "VmHWM"),
+                                           "peak_rss_since": "phase" if peak_reset else "start"}
+                          | _io_per_token(spent))
             if ml is None:
                 continue
             warmed = 0
@@ -456,6 +482,12 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
 
     base = {p["clients"]: p["tokens_per_s"] for p in phases if p["server"] == "mlx_lm.server"}
     single = next((p["tokens_per_s"] for p in phases if p["server"] == "asyncside" and p["clients"] == 1), None)
+    latest_single: dict[str, float] = {}
+    for p in sorted(phases, key=lambda p: p["order"]):
+        if p["clients"] == 1:
+            latest_single[p["server"]] = p["tokens_per_s"]
+        one = latest_single.get(p["server"])
+        p["vs_round_single"] = p["tokens_per_s"] / one if one else None
     for p in phases:
         b = base.get(p["clients"])
         p["vs_mlx_lm"] = p["tokens_per_s"] / b if b else None
@@ -471,6 +503,9 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "prompt_lengths": args.prompt_lengths,
         "long_prompt": args.long_prompt,
         "long_prompt_clients": with_long,
+        "memory_budget_bytes": getattr(args, "memory", None),
+        "routing": engine.get("routing"),
+        "plan": engine.get("plan"),
         "phases": phases,
         "mlx_lm": mlx_lm,
         "rss_bytes": {"before_load": rss_before.get("VmRSS"), "server_idle": rss_idle.get("VmRSS"),
@@ -483,6 +518,18 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     if not getattr(args, "json", False):  # with --json the CLI prints the returned dict
         print_table(out)
     return out
+
+
+def _io_per_token(spent: dict[str, float]) -> dict[str, float | None]:
+    """A phase's hit rate, and the disk's and the misses' bytes per generated token (MB)."""
+    tokens = spent.get("tokens", 0.0)
+    hits, misses = spent.get("hits"), spent.get("misses")
+    looked = (hits or 0.0) + (misses or 0.0)
+    return {
+        "hit_rate": (hits or 0.0) / looked if looked else None,
+        "disk_mb_per_token": spent["disk_read_bytes"] / 1e6 / tokens if tokens else None,
+        "read_mb_per_token": spent["bytes_read"] / 1e6 / tokens if tokens and "bytes_read" in spent else None,
+    }
 
 
 def _embedded_model_dir(args: argparse.Namespace) -> str | None:
@@ -561,8 +608,9 @@ def print_table(out: dict[str, Any]) -> None:
                         f"{out['max_tokens']} tokens/request, prompts {out['prompt_lengths']} (+ one "
                         f"{out['long_prompt']} with {out['long_prompt_clients']} clients), "
                         f"{out['duration_s']:g}s per phase")
-    cols = ("server", "clients", "requests", "tokens", "tok/s", "vs mlx_lm", "per-stream tok/s", "TTFT p50 ms",
-            "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "long TTFT s", "errors")
+    cols = ("server", "clients", "requests", "tokens", "tok/s", "vs mlx_lm", "vs 1 client", "per-stream tok/s",
+            "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "long TTFT s", "hits", "disk MB/tok",
+            "peak RSS MiB", "errors")
     for col in cols:
         table.add_column(col, justify="left" if col == "server" else "right")
     for p in out["phases"]:
@@ -570,11 +618,20 @@ def print_table(out: dict[str, Any]) -> None:
             "not reached" if p["long_prompt_ttft_s"] is None else f"{p['long_prompt_ttft_s']:.1f}")
         table.add_row(
             p["server"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut", str(p["tokens"]),
-            f"{p['tokens_per_s']:.2f}", num(p["vs_mlx_lm"], "{:.2f}x"), num(p["per_stream_tokens_per_s_p50"]),
+            f"{p['tokens_per_s']:.2f}", num(p["vs_mlx_lm"], "{:.2f}x"), num(p.get("vs_round_single"), "{:.2f}x"),
+            num(p["per_stream_tokens_per_s_p50"]),
             ms(p["ttft_p50_s"]), ms(p["ttft_p99_s"]), ms(p["itl_p50_s"]), ms(p["itl_p99_s"]), long,
+            num(p.get("hit_rate"), "{:.1%}"), num(p.get("disk_mb_per_token"), "{:.1f}"),
+            num(None if p.get("peak_rss_bytes") is None else p["peak_rss_bytes"] / 2**20, "{:.0f}"),
             str(p["error_count"]),
         )
-    console = Console(width=max(Console().width, 160))
+    console = Console(width=max(Console().width, 200))
+    if out.get("plan"):
+        console.print(out["plan"])
+    if out.get("routing"):
+        r = out["routing"]
+        console.print(f"routing replay: {r['file']} ({r['sequences']} sequence(s); request n replays sequence "
+                      f"n mod {r['sequences']})")
     console.print(table)
     rss = out["rss_bytes"]
 
