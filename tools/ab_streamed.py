@@ -62,7 +62,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     arms = {True: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True),
             False: ForwardOptions(mode=StepMode.QUEUED, streamed_switch=False)}
     times: dict[bool, list[float]] = {True: [], False: []}
-    async with Runtime(sm.store, resident=args.resident, memory=args.memory) as rt:
+    async with Runtime(sm.store, resident=args.resident, memory=args.memory, verify=not args.no_verify) as rt:
         cache = sm.make_cache()
         prompt = mx.array([list(range(1, args.prompt + 1))])
         logits = await sm(prompt, cache, source=rt)  # per layer when the prompt's experts exceed the rows
@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     med = {arm: statistics.median(v) for arm, v in times.items()}
     return {
         "model": str(args.model), "routing": args.routing, "resident": args.resident, "memory": args.memory,
-        "direct": plan.get("direct"), "tokens_per_arm": len(times[True]),
+        "direct": plan.get("direct"), "verify": not args.no_verify, "tokens_per_arm": len(times[True]),
         "streamed_s_per_token": {"median": med[True], "mean": statistics.fmean(times[True])},
         "plain_s_per_token": {"median": med[False], "mean": statistics.fmean(times[False])},
         "streamed_over_plain_tok_s": med[False] / med[True],
@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
     p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    p.add_argument("--no-verify", action="store_true", help="skip the records' checksums (the runtime's verify=False)")
     p.add_argument("--versus-mlx-lm", action="store_true",
                    help="a third arm: mlx-lm's model with every expert in memory (needs the whole model in memory)")
     print(json.dumps(anyio.run(run, p.parse_args()), indent=1))
