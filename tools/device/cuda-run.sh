@@ -5,7 +5,7 @@
 # .devwheels/a, .devwheels/w1 and .devwheels/b), the fmt headers in .devwheels/fmt, and the other
 # wheels the machine lacks in .whl. Writes logs and JSON
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
-# Env: TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
+# Env: SETUP_ONLY=1 (stop once the extension is built), TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
@@ -38,6 +38,7 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
 python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
+[ -n "${SETUP_ONLY:-}" ] && { log "set up (SETUP_ONLY)"; exit 0; }
 
 log "embedded model (a fresh machine builds it: not inside a test's timeout)"
 python3 -c "from asyncside.models.embedded import ensure_embedded_default as e; print(e(None)[0])"
