@@ -47,7 +47,7 @@ from ..store import ExpertStore
 from ._audit import audit as _audit
 from ._fills import HostFills, Ids
 from ._leases import Leases
-from ._plan import MemoryPlan, choose_resident, plan_layer, plan_memory, warm_experts
+from ._plan import MemoryPlan, RowsProfile, choose_resident, plan_layer, plan_memory, warm_experts
 from ._queued import RECONCILE_EVERY, QueuedSide
 from ._state import PrefetchHandle, Shared, host_ids
 from ._stats import CacheStats, QueuedStats, ReadStats, RuntimeStats, snapshot
@@ -78,6 +78,12 @@ class Runtime:
     a layer in the tier keeps every record its queued steps faulted in, verified, so a later fault
     of that expert is a copy to the device alone. Whole layers in order while they fit; ``"auto"``
     a quarter of what the budget leaves beside the pools; 0 none. The plan is :attr:`plan`.
+
+    ``rows_profile`` (a :class:`~asyncside.routing.RoutingTrace` or the path of one, of the
+    runtime's layers and experts; every row dynamic) splits the pools' rows between the layers by
+    their miss curves on that trace instead of evenly, the same total (``profile_rows`` in
+    :mod:`asyncside.runtime._plan`).
+    Plan from one sequence and run another: a profile of the very routing replayed flatters it.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class Runtime:
         completed: Completed | None = None,
         verify: bool = True,
         host_tier: int | str = "auto",
+        rows_profile: RowsProfile | None = None,
     ) -> None:
         if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
                                         and host_tier >= 0)):
@@ -108,6 +115,7 @@ class Runtime:
         self.policy = policy
         self._resident, self._pinned, self._memory = resident, pinned, memory
         self._side_rows, self._min_side_rows, self._host_tier = side_rows, min_side_rows, host_tier
+        self._rows_profile = rows_profile
         # reader_options that say direct=... are an explicit choice too
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
@@ -151,7 +159,7 @@ class Runtime:
             self._plan = plan_memory(
                 self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
                 side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
-                direct=self._direct, host_tier=self._host_tier,
+                direct=self._direct, host_tier=self._host_tier, rows_profile=self._rows_profile,
                 tier_possible=_pools.device_pools_default() and _native.device_faults_available())
             if self._plan.direct != s.scheduler.direct:
                 reader, options, verify = self._reader_args

@@ -44,7 +44,10 @@ class HostFills:
         pinned_sets: dict[int, list[int]] = {}
         for index in plan.rows:
             spec = s.store.layer(index)
-            chosen, side = plan_layer(s.store, index, fraction, side_rows, min_side_rows, pinned)
+            if plan.split is not None:  # rows split between layers by a profile: all dynamic
+                chosen, side = list[int](), plan.rows[index]
+            else:
+                chosen, side = plan_layer(s.store, index, fraction, side_rows, min_side_rows, pinned)
             ledger = Ledger(spec.n_experts, chosen, side, policy=policy)
             pools = await PoolSet.allocate(spec, ledger.rows)
             try:

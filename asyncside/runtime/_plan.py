@@ -6,6 +6,11 @@ will hold: the pools, the host tier and its staging arrays (device pools), the h
 non-expert weights and MLX's buffers, and what is left for the page cache. When the streamed
 records cannot stay in that page cache, buffered reads would only evict each other (and, in a
 memory cgroup, be charged to the process): the plan then reads with O_DIRECT, bypassing it.
+
+With a rows profile (a routing trace recorded or generated earlier, :func:`profile_rows`), the
+same total of pool rows is split between the layers by their LRU miss curves on that trace
+(:func:`asyncside.policy_replay.split_rows`) instead of evenly, every layer keeping at least the
+rows a step needs.
 """
 
 from __future__ import annotations
@@ -13,17 +18,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 from .. import memory as _memory
-from ..errors import AsyncsideError
+from ..errors import AsyncsideError, TraceError
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..store import ExpertStore, LayerSpec
 
-__all__ = ["MemoryPlan", "choose_resident", "layer_rows", "plan_layer", "plan_memory", "tier_bytes",
-           "warm_experts"]
+if TYPE_CHECKING:
+    from ..routing import RoutingTrace
+
+__all__ = ["MemoryPlan", "choose_resident", "layer_rows", "plan_layer", "plan_memory", "profile_rows",
+           "tier_bytes", "warm_experts"]
+
+#: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
+RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
 
 
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
@@ -133,6 +144,7 @@ class MemoryPlan:
     direct: bool  # reads bypass the page cache (O_DIRECT)
     direct_reason: str
     notes: tuple[str, ...] = field(default=())
+    split: str | None = None  # how the rows were split between layers by a profile (None: evenly)
 
     @property
     def held_bytes(self) -> int:
@@ -153,6 +165,8 @@ class MemoryPlan:
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
+        if self.split is not None:
+            lines.append(self.split)
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -166,7 +180,59 @@ class MemoryPlan:
             "page_cache_bytes": self.page_cache_bytes, "direct": self.direct, "direct_reason": self.direct_reason,
             # the figure a budget check compares with (kept under its older name too)
             "available_bytes": self.budget,
+            "rows": {str(i): r for i, r in self.rows.items()}, "split": self.split,
         }
+
+
+def _load_profile(profile: RowsProfile) -> tuple[RoutingTrace, str]:
+    """(the trace, where it came from) of a ``rows_profile`` argument."""
+    from ..routing import RoutingTrace
+
+    if isinstance(profile, RoutingTrace):
+        return profile, "<in memory>"
+    if isinstance(profile, (str, os.PathLike)):
+        return RoutingTrace.load(profile), os.fspath(profile)
+    raise TypeError(f"rows_profile: expected a RoutingTrace or the path of one (.npz), got {type(profile).__name__}")
+
+
+def profile_rows(store: ExpertStore, layers: Sequence[int], even: Mapping[int, int], profile: RowsProfile,
+                 min_rows: int = 8) -> tuple[dict[int, int], str]:
+    """Split the rows of ``even`` (layer -> rows, the even plan) between ``layers`` by ``profile``.
+
+    ``profile``: a :class:`~asyncside.routing.RoutingTrace` or its path, of the runtime's shape:
+    one trace layer per runtime layer (in order), each with that layer's number of experts. Each
+    layer's LRU miss curve on it (:func:`asyncside.policy_replay.trace_miss_curves`) drives
+    :func:`asyncside.policy_replay.split_rows` over the same total. Every layer keeps at least
+    ``min(n_experts, max(min_rows, top_k))`` rows (the profile's ``top_k``): a queued decode step
+    lends a layer its rows for the token's ``top_k`` distinct experts, and ``min_rows`` is the even
+    plan's own floor (where the pools are too small for that, no layer goes below its even rows).
+    Returns (layer -> rows, a line for :meth:`MemoryPlan.describe`); TraceError naming the file and
+    field for a profile of another shape.
+    """
+    from ..policy_replay import split_rows, trace_miss_curves
+
+    trace, where = _load_profile(profile)
+    order = list(layers)
+    if trace.n_layers != len(order):
+        raise TraceError(where, f"rows_profile: expected {len(order)} MoE layers (the runtime's), got "
+                                f"{trace.n_layers} (ids shape {tuple(trace.ids.shape)})", field="ids")
+    for i in order:
+        n = store.layer(i).n_experts
+        if trace.n_experts != n:
+            raise TraceError(where, f"rows_profile: expected {n} experts (layer {i} of the store), got "
+                                    f"{trace.n_experts}", field="n_experts")
+    total_rows = sum(int(even[i]) for i in order)
+    mins = [min(store.layer(i).n_experts, max(int(min_rows), trace.top_k)) for i in order]
+    if sum(mins) > total_rows:
+        # Pools smaller than every layer's need: no layer goes below its even share either.
+        mins = [min(m, int(even[i])) for m, i in zip(mins, order)]
+    curves = trace_miss_curves(trace)
+    split = split_rows(curves, total_rows, min_rows=mins)
+    rows = {i: int(r) for i, r in zip(order, split)}
+    line = (f"rows split by profile {where} ({trace.n_tokens} tokens, LRU miss curves): "
+            f"{[rows[i] for i in order]} (even: {int(even[order[0]]) if order else 0} each, "
+            f"{total_rows} in all; at least {min(mins) if mins else 0} a layer)")
+    return rows, line
 
 
 def _resident_now() -> int:
@@ -204,9 +270,12 @@ def plan_memory(
     direct: bool | None,
     host_tier: int | str,
     tier_possible: bool,
+    rows_profile: RowsProfile | None = None,
 ) -> MemoryPlan:
     """Plan the runtime's memory (see the module docstring); AsyncsideError when nothing sensible
-    fits: the pools, the tier's staging and the headroom must fit the budget.
+    fits: the pools, the tier's staging and the headroom must fit the budget. ``rows_profile``
+    splits the pools' rows between the layers (:func:`profile_rows`; dynamic rows only: not with
+    ``pinned`` or ``side_rows``).
 
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
     fault path can keep a host tier."""
@@ -242,6 +311,12 @@ def plan_memory(
     elif isinstance(resident, str):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     rows = rows_at(float(resident))
+    split = None
+    if rows_profile is not None:
+        if pinned is not None or side_rows is not None:
+            raise ValueError("rows_profile splits the dynamic rows between layers: it takes no pinned experts "
+                             "and no side_rows")
+        rows, split = profile_rows(store, list(specs), rows, rows_profile, min_side_rows)
     pools = sum(r * record_bytes(specs[i]) for i, r in rows.items())
 
     # The host tier (device pools): whole layers in order while their records fit its bound.
@@ -287,4 +362,4 @@ def plan_memory(
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
-                      direct=use_direct, direct_reason=why, notes=tuple(notes))
+                      direct=use_direct, direct_reason=why, notes=tuple(notes), split=split)
