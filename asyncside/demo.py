@@ -91,6 +91,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", metavar="FILE", default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
+    p.add_argument("--rows-profile", metavar="FILE", default=None,
+                   help="split the pools' rows between layers by this routing trace's miss curves (a trace "
+                        "of the model's shape; record or generate it from another sequence than --routing's)")
     p.add_argument("--record-routing", metavar="FILE", default=None,
                    help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
                         "(.npz, docs/routing-traces.md)")
@@ -176,7 +179,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
     async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
                        reader=args.reader, direct=True if args.direct else None,
                        verify=not getattr(args, "no_verify", False), memory=getattr(args, "memory", None),
-                       host_tier=getattr(args, "host_tier", "auto")) as rt:
+                       host_tier=getattr(args, "host_tier", "auto"),
+                       rows_profile=getattr(args, "rows_profile", None)) as rt:
         if rt.plan is not None and not (args.quiet or args.json):
             print(rt.plan.describe(), flush=True)
             print(f"{args.prompt}", end="", flush=True)

@@ -14,7 +14,8 @@ hits over all demanded experts of all layers.
 - :func:`compare_policies` tabulates all of them per trace and cache size (``asyncside bench policy``).
 - :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass
   (:func:`trace_miss_curves`: every layer's); :func:`split_rows` splits a total row budget across
-  layers from such curves.
+  layers from such curves; :func:`holdout_pair` and :func:`compare_split` measure such a split
+  planned on one sequence and replayed on another (a holdout).
 
 Pure Python and numpy, no MLX, no I/O.
 """
@@ -299,3 +300,47 @@ def split_rows(miss_curves: Sequence[Sequence[float] | np.ndarray], total_rows: 
         left -= 1
         i += 1
     return alloc
+
+
+def holdout_pair(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
+    """(profile, holdout) of ``trace``: its first and second sequence when it has several, else its
+    first and second half. A split planned on the profile is measured on the holdout, never on the
+    routing it was planned from."""
+    if trace.n_sequences >= 2:
+        a, b = trace.sequence(0), trace.sequence(1)
+    else:
+        if trace.n_tokens < 2:
+            raise ValueError("holdout_pair: a trace of one sequence needs at least two tokens")
+        half = trace.n_tokens // 2
+        a, b = trace.ids[:half], trace.ids[half:]
+    meta = dict(trace.meta)
+    return (RoutingTrace(np.ascontiguousarray(a), np.array([len(a)]), trace.n_experts, {**meta, "part": "profile"}),
+            RoutingTrace(np.ascontiguousarray(b), np.array([len(b)]), trace.n_experts, {**meta, "part": "holdout"}))
+
+
+def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fractions: Sequence[float] = (0.25, 0.5),
+                  policy: PolicySpec = "lrfu", min_rows: int | None = None) -> list[dict[str, Any]]:
+    """One row per (trace, fraction): ``policy`` on the holdout with even rows per layer
+    (``even``) and with the same total split by :func:`split_rows` over the profile's LRU miss
+    curves (``split``), beside MIN with bypass at even rows (``min``), and the split's gain
+    (``split/even``) and fraction of MIN (``split/min``, ``even/min``). ``min_rows``: each layer's
+    floor in the split (default the trace's top-k). ``traces`` maps a label to (profile, holdout)."""
+    out: list[dict[str, Any]] = []
+    for name, (profile, holdout) in traces.items():
+        if (profile.n_layers, profile.n_experts) != (holdout.n_layers, holdout.n_experts):
+            raise ValueError(f"{name}: the profile's shape {(profile.n_layers, profile.n_experts)} differs from "
+                             f"the holdout's {(holdout.n_layers, holdout.n_experts)}")
+        curves = trace_miss_curves(profile)
+        floor = holdout.top_k if min_rows is None else int(min_rows)
+        for frac in fractions:
+            n_rows = trace_rows(holdout, frac)
+            split = split_rows(curves, n_rows * holdout.n_layers, min_rows=min(floor, n_rows))
+            even = total(replay_trace(holdout, n_rows, policy)).hit_rate
+            got = total(replay_trace(holdout, split, policy)).hit_rate
+            best = total(replay_trace(holdout, n_rows, method="min")).hit_rate
+            out.append({"trace": name, "experts": holdout.n_experts, "top_k": holdout.top_k,
+                        "layers": holdout.n_layers, "profile_tokens": profile.n_tokens,
+                        "holdout_tokens": holdout.n_tokens, "fraction": frac, "rows": n_rows, "split": split,
+                        "even": even, "split_hit_rate": got, "min": best, "split/even": got / even,
+                        "even/min": even / best, "split/min": got / best})
+    return out

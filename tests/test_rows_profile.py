@@ -131,3 +131,27 @@ def test_tokens_stay_exact_with_a_split_plan(tmp_path: pathlib.Path) -> None:
     assert rows[first] == 4 and all(rows[i] > n_experts // 2 for i in rest), rows  # the split reached the pools
     assert sum(rows.values()) == n_layers * (n_experts // 2)
     mx.clear_cache()
+
+
+def test_split_measured_on_a_holdout() -> None:
+    from asyncside.policy_replay import compare_split, holdout_pair
+
+    both = _skewed_profile(3, tokens=400)
+    profile, holdout = holdout_pair(both)
+    assert profile.n_tokens == holdout.n_tokens == 200
+    assert np.array_equal(np.concatenate([profile.ids, holdout.ids]), both.ids)
+    (row,) = compare_split({"skewed": (profile, holdout)}, fractions=(0.25,))
+    assert sum(row["split"]) == 3 * row["rows"] and min(row["split"]) >= 4
+    # Layer 0 needs four rows, so the split gives its spare rows to the random layers, which hit more.
+    assert row["split"][0] == 4 and row["split_hit_rate"] > row["even"]
+    two = preset("middle", tokens=60, n_layers=2, n_experts=16, top_k=2, sequences=2)
+    p2, h2 = holdout_pair(two)
+    assert np.array_equal(p2.ids, two.sequence(0)) and np.array_equal(h2.ids, two.sequence(1))
+
+
+def test_bench_policy_split_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    assert main(["bench", "policy", "--split", "--quick", "--presets", "middle"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "split from profile" in out and "middle 64x6 s0" in out

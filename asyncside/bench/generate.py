@@ -123,6 +123,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--routing", metavar="FILE", default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
+    p.add_argument("--rows-profile", metavar="FILE", default=None,
+                   help="split asyncside's pool rows between layers by this routing trace's miss curves "
+                        "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of asyncside's runs (default {DEFAULT_POLICY})")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
@@ -364,7 +367,7 @@ async def _asyncside_run(sm: Any, store: Any, prompt_ids: list[int], tokens: int
     set_step_mode(sm, cfg.mode)
     direct = True if (cold and s.direct_ok) else None
     async with Runtime(store, resident=residency, policy=s.policy, reader=s.reader, direct=direct,
-                       verify=cfg.verify) as rt:
+                       verify=cfg.verify, rows_profile=s.rows_profile) as rt:
         run = await _generate(sm, rt, prompt_ids, tokens, cfg.predictor)
         await rt.drain()
         run.stats = rt.stats().as_dict()
@@ -416,6 +419,7 @@ class Settings:
     verify: tuple[bool, ...] = (True,)
     direct_ok: bool = True
     drop: bool = True
+    rows_profile: str | None = None  # Runtime(rows_profile=...): rows split between layers
 
     @property
     def configs(self) -> list[Config]:
@@ -454,7 +458,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--policy must be one of {sorted(POLICY_NAMES)}, got {args.policy!r}")
     return Settings(tokens=tokens, repeats=repeats, cold_repeats=cold_repeats, residencies=residencies,
                     modes=modes, predictors=predictors, policy=args.policy, reader=args.reader, load=load,
-                    verify=verify)
+                    verify=verify, rows_profile=getattr(args, "rows_profile", None))
 
 
 def _vocab(value: str | None) -> int | None:

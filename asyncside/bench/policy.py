@@ -4,7 +4,14 @@ Per trace (the synthetic locality presets at several shapes and seeds, plus any 
 per cache size (a fraction of the experts, per MoE layer), per policy: the hit rate replayed
 through the real Ledger, beside Belady's MIN with and without bypass and the best static set in
 hindsight, and each policy's fraction of MIN. Prints a table (unless ``--json``), writes JSON with
-``--out``. Pure Python and numpy (no MLX); docs/policies.md explains the columns.
+``--out``.
+
+``--split``: rows split between layers from a profile instead. Each trace is cut in two (its first
+two sequences, or halves): the split (:func:`asyncside.policy_replay.split_rows` over the first
+part's LRU miss curves, the total of an even cache) is replayed on the second part (a holdout)
+with the default policy, beside even rows and MIN at even rows.
+
+Pure Python and numpy (no MLX); docs/policies.md explains the columns.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", action="append", default=[], metavar="NPZ",
                         help="also replay this routing trace file (docs/routing-traces.md); repeatable")
     parser.add_argument("--out", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--split", action="store_true",
+                        help="rows split between layers from a profile (the first sequence or half of each "
+                             "trace), replayed on a holdout (the second), against even rows and MIN")
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only (numbers are noise)")
 
@@ -47,8 +57,9 @@ def _ints(text: str, what: str) -> list[int]:
         raise SystemExit(f"--{what}: expected comma-separated integers, got {text!r}") from None
 
 
-def build_traces(args: argparse.Namespace) -> dict[str, Any]:
-    """The traces the arguments name, by label."""
+def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]:
+    """The traces the arguments name, by label (synthetic ones of ``sequences`` sequences of
+    ``--tokens`` each)."""
     from ..routing import LOCALITIES, RoutingTrace, preset
 
     traces: dict[str, Any] = {}
@@ -66,8 +77,8 @@ def build_traces(args: argparse.Namespace) -> dict[str, Any]:
     for seed in _ints(args.seeds, "seeds"):
         for e, k in shapes:
             for p in presets:
-                traces[f"{p} {e}x{k} s{seed}"] = preset(p, tokens=args.tokens, n_layers=args.layers, n_experts=e,
-                                                         top_k=k, seed=seed)
+                traces[f"{p} {e}x{k} s{seed}"] = preset(p, tokens=args.tokens * sequences, n_layers=args.layers,
+                                                         n_experts=e, top_k=k, seed=seed, sequences=sequences)
     for path in args.trace:
         tr = RoutingTrace.load(path)
         traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
@@ -86,6 +97,49 @@ def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def format_split_table(rows: list[dict[str, Any]], policy: str) -> str:
+    """The ``--split`` rows as a Markdown table: hit rates on the holdout, ratios in brackets."""
+    head = ["trace", "cache", "MIN (even)", f"{policy} even", f"{policy} split from profile", "split/even",
+            "rows per layer (split)"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"])
+             + " |"]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}",
+            f"{r['even']:.3f} ({r['even/min']:.2f} of MIN)", f"{r['split_hit_rate']:.3f} ({r['split/min']:.2f} of MIN)",
+            f"{r['split/even']:.3f}x", " ".join(str(x) for x in r["split"])]) + " |")
+    return "\n".join(lines)
+
+
+def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[str, Any]:
+    """``--split``: each trace's profile part plans the split, its holdout part is replayed."""
+    from ..policies import DEFAULT_POLICY
+    from ..policy_replay import compare_split, holdout_pair
+
+    started = time.time()
+    traces = build_traces(args, sequences=2)
+    pairs = {name: holdout_pair(t) for name, t in traces.items()}
+    rows = compare_split(pairs, fractions, DEFAULT_POLICY)
+    result: dict[str, Any] = {
+        "bench": "policy --split",
+        "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step, "
+                    "on the holdout part",
+        "policy": DEFAULT_POLICY,
+        "split": "split_rows over the profile part's LRU miss curves, the total of an even cache, each layer at "
+                 "least top_k",
+        "traces": {name: {"experts": t.n_experts, "top_k": t.top_k, "layers": t.n_layers, "tokens": t.n_tokens,
+                          "sequences": t.n_sequences, "meta": t.meta} for name, t in traces.items()},
+        "fractions": fractions,
+        "rows": rows,
+        "seconds": round(time.time() - started, 1),
+    }
+    if not getattr(args, "json", False):
+        print(format_split_table(rows, DEFAULT_POLICY))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    return result
+
+
 def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Replay every policy on every trace; print the table unless ``args.json``; return the result."""
     from ..policies import make_policy
@@ -100,11 +154,13 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not 0 < v <= 1:
             raise SystemExit(f"--fractions: expected numbers in (0, 1], got {f!r}")
         fractions.append(v)
+    if getattr(args, "quick", False):
+        args.tokens, args.layers, args.shapes = 256, 2, "64x6"
+    if getattr(args, "split", False):
+        return run_split_bench(args, fractions)
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         make_policy(p)  # an unknown name fails here, naming the known ones
-    if getattr(args, "quick", False):
-        args.tokens, args.layers, args.shapes = 256, 2, "64x6"
     started = time.time()
     traces = build_traces(args)
     rows = compare_policies(traces, fractions, policies)
