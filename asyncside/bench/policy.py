@@ -36,7 +36,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-layer cache sizes as fractions of the experts (default 0.25,0.5)")
     parser.add_argument("--policies", default="lru,lfu,aging-lfu,lrfu,adaptive-lrfu",
                         help="policies to replay, comma-separated (default: every named policy but one-shot)")
-    parser.add_argument("--presets", default="low,middle,high", help="synthetic locality presets (default all)")
+    parser.add_argument("--presets", default="low,middle,high",
+                        help="synthetic locality presets (default low,middle,high); 'mixed' takes its layers in "
+                             "turn from low, middle and high (layers that differ)")
     parser.add_argument("--shapes", default=",".join(f"{e}x{k}" for e, k in DEFAULT_SHAPES),
                         help="synthetic shapes EXPERTSxTOP_K, comma-separated (default 64x6,128x8,256x8)")
     parser.add_argument("--seeds", default="0", help="seeds of the synthetic traces, comma-separated (default 0)")
@@ -57,6 +59,19 @@ def _ints(text: str, what: str) -> list[int]:
         raise SystemExit(f"--{what}: expected comma-separated integers, got {text!r}") from None
 
 
+def mixed_preset(_name: str = "mixed", **kw: Any) -> Any:
+    """A synthetic trace whose layers differ: layer l is layer l of the ``low``, ``middle`` or
+    ``high`` preset (in turn, l mod 3) of the same shape, seed and sequences."""
+    from ..routing import RoutingTrace, preset
+
+    parts = [preset(name, **kw) for name in ("low", "middle", "high")]
+    ids = parts[0].ids.copy()
+    for layer in range(ids.shape[1]):
+        ids[:, layer] = parts[layer % 3].ids[:, layer]
+    return RoutingTrace(ids, parts[0].lengths.copy(), parts[0].n_experts,
+                        {**parts[0].meta, "locality": "mixed (layers in turn from low, middle, high)"})
+
+
 def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]:
     """The traces the arguments name, by label (synthetic ones of ``sequences`` sequences of
     ``--tokens`` each)."""
@@ -65,7 +80,7 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
     traces: dict[str, Any] = {}
     presets = [p for p in args.presets.split(",") if p]
     for p in presets:
-        if p not in LOCALITIES:
+        if p not in LOCALITIES and p != "mixed":
             raise SystemExit(f"--presets: unknown preset {p!r}; known: {sorted(LOCALITIES)}")
     shapes = []
     for s in args.shapes.split(","):
@@ -77,8 +92,9 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
     for seed in _ints(args.seeds, "seeds"):
         for e, k in shapes:
             for p in presets:
-                traces[f"{p} {e}x{k} s{seed}"] = preset(p, tokens=args.tokens * sequences, n_layers=args.layers,
-                                                         n_experts=e, top_k=k, seed=seed, sequences=sequences)
+                make = mixed_preset if p == "mixed" else preset
+                traces[f"{p} {e}x{k} s{seed}"] = make(p, tokens=args.tokens * sequences, n_layers=args.layers,
+                                                       n_experts=e, top_k=k, seed=seed, sequences=sequences)
     for path in args.trace:
         tr = RoutingTrace.load(path)
         traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
