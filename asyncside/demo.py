@@ -202,6 +202,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         stats: dict[str, Any] = dict(rt.stats())  # the runtime's counters, then the demo's own figures
         layers = list(store.layers)
         stats["pool_rows_per_layer"] = rt.ledger(layers[0]).rows if layers else 0
+        split = rt.plan is not None and rt.plan.split is not None
+        stats["pool_rows_split"] = [rt.ledger(i).rows for i in layers] if split else None
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
@@ -426,6 +428,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "resident_fraction": stats["memory"]["resident"],
         "memory": stats.pop("memory"),
         "pool_rows_per_layer": stats.pop("pool_rows_per_layer"),
+        "pool_rows_split": stats.pop("pool_rows_split", None),  # per layer, when a rows profile split them
         "experts_per_layer": stats.pop("experts_per_layer"),
         "reader": stats.get("reader"),
         "policy": args.policy,
@@ -478,13 +481,21 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def rows_note(result: dict[str, Any]) -> str:
+    """The pools' rows per layer for the table's title: one figure, or the split by a profile."""
+    split = result.get("pool_rows_split")
+    if split:
+        return f"rows per layer split by a profile: {' '.join(str(r) for r in split)} of {result['experts_per_layer']}"
+    return f"{result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer"
+
+
 def _table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     s, r = result["streaming"], result["all_resident"]
     table = Table(title=(f"asyncside demo — {result['model']}, {result['resident_fraction']:.0%} of experts "
-                         f"in pools ({result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer)"))
+                         f"in pools ({rows_note(result)})"))
     table.add_column("")
     table.add_column("streaming (asyncside)", justify="right")
     table.add_column({"all-resident": "all-resident (mlx-lm)", "slot-cache": "slot cache (reference)",

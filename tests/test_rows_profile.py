@@ -155,3 +155,31 @@ def test_bench_policy_split_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "policy", "--split", "--quick", "--presets", "middle"]) in (0, None)
     out = capsys.readouterr().out
     assert "split from profile" in out and "middle 64x6 s0" in out
+
+
+def test_demo_rows_profile(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --rows-profile` splits the rows (reported per layer) and the tokens stay identical."""
+    import json
+
+    from asyncside.bench import generate as bench
+    from asyncside.cli import main
+    from asyncside.models.embedded import ensure_embedded_default
+
+    store_dir = ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1]
+    store = ExpertStore.open(store_dir)
+    layers, n = len(store.layers), store.layer(next(iter(store.layers))).n_experts
+    both = preset("middle", tokens=80, n_layers=layers, n_experts=n, top_k=4, sequences=2)
+    ids = both.ids.copy()
+    ids[:, 0, :] = np.arange(4)  # layer 0 keeps four experts: the split gives it the floor only
+    RoutingTrace(ids[:40], np.array([40]), n, {}).save(tmp_path / "routing.npz")
+    RoutingTrace(ids[40:], np.array([40]), n, {}).save(tmp_path / "profile.npz")
+    base = ["demo", "--model", str(store_dir), "--tokens", "6", "--json", "--resident", "0.5",
+            "--routing", str(tmp_path / "routing.npz")]
+    capsys.readouterr()
+    assert main([*base, "--rows-profile", str(tmp_path / "profile.npz")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_identical"] is True and out["audit_clean"] is True
+    split = out["pool_rows_split"]
+    assert split is not None and len(split) == layers and sum(split) == layers * (n // 2)
+    assert split == [out["memory"]["rows"][str(i)] for i in sorted(store.layers)] and split[0] == 8
+    assert "rows split by profile" in out["memory"]["split"]
