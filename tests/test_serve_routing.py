@@ -226,3 +226,20 @@ def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_row_by_row_q
     # chunk per prompt token before its last.
     assert spent["queued"] >= len(prompts) * (NEW - 1)
     assert spent["queued_prefill"] >= sum(len(p) - 1 for p in prompts)
+
+
+def test_open_engine_takes_a_budget_and_a_routing_trace(tmp_path: pathlib.Path, sm: Any) -> None:
+    from asyncside.serving import open_engine
+
+    path = _trace_file(tmp_path, sm)
+
+    async def main() -> None:
+        async with open_engine(embedded_store_dir(), resident="auto", memory="4G", routing=path) as engine:
+            assert isinstance(engine.routing, RoutingReplay)
+            assert engine.routing.fitted.n_sequences == SEQUENCES
+            assert engine.model.forward.routing is None  # replayed per request by the engine, not batch-1
+            d = engine.description
+            assert d["routing"] == {"file": path.name, "tokens": 23, "sequences": SEQUENCES}  # no host path
+            assert d["memory_budget"] == "4G" and "memory budget" in d["plan"]
+
+    anyio.run(main)

@@ -123,7 +123,9 @@ async def open_engine(
                 "staging_bytes": runtime.memory.get("staging_bytes", 0),
                 "memory_budget": memory,
                 "plan": runtime.plan.describe() if runtime.plan is not None else None,
-                "routing": None if replay is None else {"file": os.fspath(routing or ""), "tokens": replay.n_tokens,
+                # The trace's file name only: /health shows the description to any client.
+                "routing": None if replay is None else {"file": os.path.basename(os.fspath(routing or "")),
+                                                        "tokens": replay.n_tokens,
                                                         "sequences": replay.fitted.n_sequences},
             },
             health=health,
