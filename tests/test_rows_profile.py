@@ -183,3 +183,29 @@ def test_demo_rows_profile(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     assert split is not None and len(split) == layers and sum(split) == layers * (n // 2)
     assert split == [out["memory"]["rows"][str(i)] for i in sorted(store.layers)] and split[0] == 8
     assert "rows split by profile" in out["memory"]["split"]
+
+
+def test_bench_generate_rows_profile(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench generate --rows-profile` runs asyncside with the split plan, tokens identical."""
+    import json
+
+    from asyncside.bench import generate as bench
+    from asyncside.cli import main
+    from asyncside.models.embedded import ensure_embedded_default
+
+    store_dir = ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1]
+    store = ExpertStore.open(store_dir)
+    layers, n = len(store.layers), store.layer(next(iter(store.layers))).n_experts
+    profile = tmp_path / "profile.npz"
+    preset("middle", tokens=40, n_layers=layers, n_experts=n, top_k=4).save(profile)
+    capsys.readouterr()
+    assert main(["bench", "generate", "--quick", "--json", "--model", str(store_dir), "--tokens", "4",
+                 "--residency", "0.5", "--no-drop-caches", "--modes", "default",
+                 "--rows-profile", str(profile)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens_identical"] is True and res["settings"]["rows_profile"] == str(profile)
+    bad = tmp_path / "bad.npz"
+    preset("middle", tokens=40, n_layers=layers, n_experts=n + 1, top_k=4).save(bad)
+    assert main(["bench", "generate", "--quick", "--json", "--model", str(store_dir), "--tokens", "4",
+                 "--residency", "0.5", "--no-drop-caches", "--modes", "default", "--rows-profile", str(bad)]) != 0
+    assert f"{bad} [n_experts]: rows_profile: expected {n} experts" in capsys.readouterr().err

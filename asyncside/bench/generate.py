@@ -736,7 +736,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
                      "verify": list(s.verify),
                      "policy": s.policy, "reader": s.reader, "load": s.load, "quick": bool(args.quick),
                      "shape": getattr(args, "shape", None), "layers": getattr(args, "layers", None),
-                     "vocab": getattr(args, "vocab", None)},
+                     "vocab": getattr(args, "vocab", None), "rows_profile": s.rows_profile},
         "configs": [{"config": c.key, "system": c.system, "label": labels[c.key]} for c in configs],
         "pool_plan": plan,
         "definition": (
