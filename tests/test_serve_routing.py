@@ -220,7 +220,7 @@ def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_row_by_row_q
 
     alone, served, spent, b = anyio.run(main)
     assert served == alone
-    assert b.peak_batch == len(prompts) and b._fitting_chunk == 1
+    assert b.peak_batch == len(prompts) and b.shapes._fitting_chunk == 1
     assert spent["per_layer"] == 0 and spent["prefill"] == spent["queued_prefill"] > 0  # nothing went per layer
     # One row per queued forward: a decode step per request and token after its first, a prefill
     # chunk per prompt token before its last.

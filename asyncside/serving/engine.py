@@ -57,6 +57,7 @@ from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache
 from .protocol import SamplingParams
 from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
+from .step_shapes import StepShapes
 
 __all__ = [
     "BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull", "ServedModel",
@@ -171,7 +172,7 @@ class Batcher:
             raise ValueError("the model replays a batch-1 routing (set_routing): pass the replay to the "
                              "Batcher's routing= instead, which replays each request's rows on their own")
         self._submitted = 0  # requests submitted: the next one's number (its replayed sequence)
-        self._fitting_chunk: int | None = None  # see _queued_chunk
+        self.shapes = StepShapes(model, source)  # the forwards' shapes under a memory plan
         if self.replays:
             prompt_cache_size = 0  # a cached prefix holds another request's routing
         self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
@@ -364,7 +365,7 @@ class Batcher:
         self._admit()
         used = 0
         picked: list[tuple[Slot, int]] = []
-        most = self._queued_chunk(self.prefill_chunk)
+        most = self.shapes.queued_chunk(self.prefill_chunk)
         for slot in self._prefill_order():
             n = min(most, len(slot.todo) - 1)
             if used and used + n > self.prefill_chunk:
@@ -597,7 +598,7 @@ class Batcher:
 
         started = time.perf_counter()
         try:
-            if len(batch) > 1 and self._can_merge(batch) and not self._rows_apart(len(batch)):
+            if len(batch) > 1 and self._can_merge(batch) and not self.shapes.rows_apart(len(batch)):
                 batch = self._merge(batch)
                 ctx, values = await self._merged.launch(self.model, self._inputs(batch, prev), self.source, sample,
                                                         routing=self._rows_replay(rows(batch)))
@@ -624,44 +625,6 @@ class Batcher:
         finally:
             self.launch_seconds += time.perf_counter() - started
         return Step(batch, ctx, values, layout)
-
-    def _reads_past_page_cache(self) -> bool:
-        """Whether the source's memory plan reads past the page cache (O_DIRECT): there a queued step
-        whose experts may not fit a layer's lent rows at once is not cut in slices (their transient
-        buffers could take the process past its budget) and runs layer by layer instead."""
-        plan = getattr(self.source, "plan", None)
-        return bool(getattr(plan, "direct", False))
-
-    def _queued_kind(self, shape: tuple[int, int]) -> bool:
-        """Whether a forward over inputs of ``shape`` (B, L) would run as a queued step now."""
-        kind = getattr(self.model.forward, "kind", None)
-        if kind is None:
-            return False
-        import mlx.core as mx
-
-        from ..models.forward import StepMode
-
-        return bool(kind(self.model.forward.context([], self.source), mx.zeros(shape, mx.int32)) is StepMode.QUEUED)
-
-    def _rows_apart(self, n: int) -> bool:
-        """Whether a decode step of ``n`` requests runs as ``n`` one-row queued steps rather than one
-        batched step: under a plan that reads past the page cache, when the batch's experts may not
-        fit the lent rows (the batched step would go layer by layer, each layer's groups of
-        experts read and computed in turn) and one row's do. On a CPU, where every routed pair is
-        its own product, the batched step saves little compute (BENCHMARKS.md, "Serving under a
-        memory budget")."""
-        return self._reads_past_page_cache() and not self._queued_kind((n, 1)) and self._queued_kind((1, 1))
-
-    def _queued_chunk(self, n: int) -> int:
-        """Prompt tokens per prefill forward: ``n``, or under a plan that reads past the page cache
-        the most tokens up to ``n`` whose experts fit the lent rows (a queued chunk), when that
-        is fewer (a chunk of ``n`` would go layer by layer; see :meth:`_rows_apart`)."""
-        if n <= 1 or not self._reads_past_page_cache():
-            return n
-        # Found once and kept: a request's chunk boundaries must not depend on when it prefills.
-        if self._fitting_chunk is None:
-            self._fitting_chunk = next((m for m in range(n, 0, -1) if self._queued_kind((1, m))), None)
-        return n if self._fitting_chunk is None else min(n, self._fitting_chunk)
 
     def _rows_replay(self, rows: list[tuple[Slot, int]]) -> Any:
         """The replay of a forward over ``rows`` (each request and the position of its first token
