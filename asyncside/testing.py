@@ -280,8 +280,10 @@ class _Deadline:
         # An asyncio.Runner (pytest-asyncio's) takes the first SIGINT to cancel its main task and
         # raises KeyboardInterrupt at the second: hence a second interrupt if the first did nothing.
         # A real signal, not _thread.interrupt_main(): a main thread parked in select() only runs
-        # the handler once a signal interrupts the call.
-        for wait in (min(self.grace, 1.0), self.grace):
+        # the handler once a signal interrupts the call. The second wait is long enough for a
+        # loaded machine to run the interrupted test's teardown: exiting the process is the last
+        # resort, and it loses every later test's report.
+        for wait in (min(self.grace, 1.0), max(self.grace, INTERRUPT_WAIT_S)):
             signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
             if self._done.wait(wait):
                 return
@@ -289,6 +291,10 @@ class _Deadline:
                     "every thread's stack, then exit status 1:\n")
         faulthandler.dump_traceback(file=fd, all_threads=True)
         os._exit(1)
+
+
+#: how long the deadline watchdog waits after its second interrupt before it exits the process
+INTERRUPT_WAIT_S = 15.0
 
 
 def random_layers(
