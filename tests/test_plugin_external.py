@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -210,6 +211,15 @@ def write_project(root: pathlib.Path, files: dict[str, str], loop_factories: boo
         (root / name).write_text(text)
 
 
+def _interruptible() -> None:
+    """In the child before it runs Python: SIGINT unblocked and at its default disposition, as in a
+    shell. A child inherits a blocked or ignored SIGINT from this process, and a full suite run
+    left one so (the cause not found yet): the deadline watchdog's interrupts then never reached the
+    external run's main thread, and its last resort ended the run without a report."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_project(root: pathlib.Path, reps: int, extra: list[str] | None = None,
                 deadline_s: float | str = EXTERNAL_DEADLINE_S) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
     """pytest in ``root`` (a subprocess, killed at RUN_TIMEOUT_S); its result and the junit counts."""
@@ -221,7 +231,8 @@ def run_project(root: pathlib.Path, reps: int, extra: list[str] | None = None,
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
            "-o", f"faulthandler_timeout={RUN_TIMEOUT_S - 30}", *(extra or [])]
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              preexec_fn=_interruptible)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
