@@ -68,6 +68,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         logits = await sm(prompt, cache, source=rt)  # per layer when the prompt's experts exceed the rows
         token = cast(int, mx.argmax(logits[0, -1]).item())
         ref: list[float] = []
+        ours, theirs = [token], [token]  # the greedy sequences (mlx-lm decodes one token per pair of ours)
         if args.versus_mlx_lm:
             model, ref_cache = _reference(args, sm, replay)
             mx.eval(model(prompt, ref_cache))
@@ -77,11 +78,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             logits = await sm.forward_with(arms[streamed])(mx.array([[token]]), cache, rt)
             token = cast(int, mx.argmax(logits[0, -1]).item())
+            ours.append(token)
             if i >= warm:
                 times[streamed].append(time.perf_counter() - t0)
             if args.versus_mlx_lm and i % 2:  # one mlx-lm token per pair of ours
                 t0 = time.perf_counter()
                 ref_token = await anyio.to_thread.run_sync(_reference_step, model, ref_cache, ref_token)
+                theirs.append(ref_token)
                 if i >= warm:
                     ref.append(time.perf_counter() - t0)
         await rt.quiesce()
@@ -100,6 +103,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "mlx_lm_s_per_token": {"median": statistics.median(ref), "mean": statistics.fmean(ref)} if ref else None,
         "streamed_over_mlx_lm_tok_s": statistics.median(ref) / med[True] if ref else None,
         "plain_over_mlx_lm_tok_s": statistics.median(ref) / med[False] if ref else None,
+        # mlx-lm's greedy tokens against the first as many of ours (both under the same forced routing)
+        "tokens_equal_mlx_lm": f"{sum(a == b for a, b in zip(ours, theirs))}/{len(theirs)}" if ref else None,
     }
 
 
