@@ -1,9 +1,11 @@
-"""Helpers for the fault-class tests: a hang guard, descriptor counting, ledger checks."""
+"""Helpers for the fault tests: a hang guard, descriptor counting, ledger checks; a bare native fault
+table over a small store and a tiny converted model (tests/test_queued.py, tests/test_streamed_faults.py)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import pathlib
 import sys
 import threading
 import traceback
@@ -13,6 +15,13 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from mlx_lm.utils import save_config, save_model
+
+from asyncside import ExpertStore, _native
+from asyncside.models import convert_model
+from asyncside.pools import PoolSet
+
+from _models_support import tiny_model
 
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -83,3 +92,50 @@ def assert_ledgers_clean(rt: Any) -> None:
         assert not ledger.pending(), (layer, ledger.pending())
         table = np.array(rt.lookup(layer))
         assert np.array_equal(table, ledger.lookup()), (layer, "lookup() is stale")
+
+
+def fault_table(tmp_path: pathlib.Path, rows: int = 4, tag: bool = True) -> tuple[ExpertStore, PoolSet, Any]:
+    """A one-layer store of 16 experts, host pools of ``rows`` rows and a native FaultTable over them
+    (every expert absent). The segments: a uint32 weight, float16 scales and, with ``tag``, a
+    one-byte uint8 segment (segments of several sizes and alignments in one record)."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "w.weight": rng.integers(0, 2**32, size=(16, 5, 7), dtype=np.uint32),
+        "w.scales": rng.standard_normal((16, 3)).astype(np.float16),
+    }
+    if tag:
+        arrays["tag"] = rng.integers(0, 255, size=(16, 1), dtype=np.uint8)
+    store = ExpertStore.create(tmp_path / "s", {0: arrays})
+    spec = store.layer(0)
+    pools = PoolSet(spec, rows, device=False)
+    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
+                               os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride)
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    return store, pools, table
+
+
+def drain_events(table: Any) -> np.ndarray:
+    """The table's fault log since the last drain: one row of six int64 fields per event."""
+    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 6)
+
+
+def assert_rows_hold(store: ExpertStore, pools: PoolSet, table: Any, experts: list[int]) -> None:
+    """Each of ``experts`` is mapped to a row of ``pools`` that holds its record's bytes (layer 0)."""
+    now = np.array(table.table())
+    for e in experts:
+        r = int(now[e])
+        assert r >= 0, e
+        for key, want in store.read_expert(0, e).items():
+            assert bytes(pools.row_view(key, r)) == bytes(memoryview(want).cast("B")), (e, key)
+
+
+def model_store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tuple[pathlib.Path, Any, list[int]]:
+    """A tiny mlx-lm model of ``model_type`` converted into a store under ``tmp`` (a quarter of each
+    layer resident): the store's path, the model, and a fixed 12-token prompt."""
+    model, config = tiny_model(model_type, quantize=quantize)
+    save_model(tmp / "model", model)
+    save_config(dict(config), tmp / "model" / "config.json")
+    convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config["vocab_size"], 12)]
+    return tmp / "store", model, prompt

@@ -22,18 +22,18 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
+from _fault_helpers import drain_events, fault_table, model_store
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import save_config, save_model
 
 from asyncside import ExpertStore, _native
 from asyncside.bridge import completed
 from asyncside.errors import FillError
-from asyncside.models import ForwardOptions, convert_model, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
 from asyncside.pools import PoolSet
 from asyncside.runtime import Runtime
 from asyncside.store import LayerSpec
 
-from _models_support import BASE, tiny_model
+from _models_support import BASE
 
 QUEUED = ForwardOptions(mode="queued")
 CPU = mx.default_stream(mx.cpu)  # the native table tests run on host pools, on the CPU stream
@@ -54,16 +54,6 @@ def read_threads(request: pytest.FixtureRequest) -> object:
         # some resolve had several records to read (a streamed one reads on its own threads)
         assert (now["shared_reads"] > counters["shared_reads"]
                 or now["background_reads"] > counters["background_reads"])
-
-
-def _store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tuple[pathlib.Path, object, list[int]]:
-    model, config = tiny_model(model_type, quantize=quantize)
-    model_dir = tmp / "model"
-    save_model(model_dir, model)
-    save_config(dict(config), model_dir / "config.json")
-    convert_model(model_dir, tmp / "store", resident_fraction=0.25, progress=False)
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config["vocab_size"], 12)]
-    return tmp / "store", model, prompt
 
 
 def _top_k(config: dict) -> int:
@@ -88,7 +78,7 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     if quant == "q4" and mx.default_device() == mx.gpu:
         # MLX CUDA's own quantized prefill depends on evaluation boundaries (tests/test_models.py).
         pytest.skip("MLX CUDA: quantized prefill is not reproducible across evaluation boundaries")
-    store_dir, model, prompt = _store(tmp_path, model_type, {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    store_dir, model, prompt = model_store(tmp_path, model_type, {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     # A prompt long enough for mlx-lm's sorted switch (>= 64 pairs): its prefill and its step
     # resolve their experts in parts of pairs sorted by expert.
@@ -159,7 +149,7 @@ def test_a_steps_head_is_scheduled_with_it_and_is_the_draw_of_its_logits(tmp_pat
     on every path the result is ``draw(logits)``, bit for bit."""
     from asyncside.models.streaming import greedy
 
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     ref_cache = make_prompt_cache(model)
     mx.eval(model(mx.array(prompt)[None], cache=ref_cache))
     ref_logits = [model(mx.array([[t]]), cache=ref_cache) for t in (5, 17)]
@@ -204,7 +194,7 @@ def test_a_queued_steps_completion_is_armed_as_it_is_scheduled(tmp_path: pathlib
     from asyncside import bridge
     from asyncside.models.streaming import greedy
 
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed)
     fwd = sm.forward
 
@@ -277,7 +267,7 @@ def test_a_step_that_fails_while_queued_lets_its_queued_part_run_out_first() -> 
 
 
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
@@ -327,7 +317,7 @@ def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
     the fix it reclaimed them under the step, whose faults then found no lent row."""
     from asyncside.models import queued as queued_mod
 
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
@@ -376,7 +366,7 @@ def test_a_step_mlx_refuses_to_schedule_fails_its_awaiter_and_the_runtime_still_
     completion of it, as MLX's encoder would a second time."""
     from asyncside.models import queued as queued_mod
 
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
@@ -425,7 +415,7 @@ def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
     lent. Then a build that fails gives its hold up (abandon_step): a quiesce after it returns."""
     from asyncside.models import queued as queued_mod
 
-    store_dir, model, _prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, _prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
     prompt = [int(t) for t in np.random.default_rng(8).integers(0, model.model.embed_tokens.weight.shape[0], 40)]
@@ -477,28 +467,8 @@ def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
     anyio.run(main)
 
 
-def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet, object]:
-    rng = np.random.default_rng(0)
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "w.weight": rng.integers(0, 2**32, size=(16, 5, 7), dtype=np.uint32),
-        "w.scales": rng.standard_normal((16, 3)).astype(np.float16),
-        "tag": rng.integers(0, 255, size=(16, 1), dtype=np.uint8),
-    }})
-    spec = store.layer(0)
-    pools = PoolSet(spec, rows, device=False)
-    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
-                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
-                               os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride)
-    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
-    return store, pools, table
-
-
-def _events(table: object) -> np.ndarray:
-    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 6)
-
-
 def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path)
     table.lend([3, 1, 0, 2])
     # Strided ids of several dtypes (an argpartition's first k is a strided view).
     ids = mx.array([[9, 4, 9, 12]], dtype=mx.int32)[:, ::2]
@@ -510,7 +480,7 @@ def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> Non
         r = int(np.array(table.table())[e])
         for key, want in store.read_expert(0, e).items():
             assert bytes(pools.row_view(key, r)) == bytes(memoryview(want).cast("B")), (e, key)
-    ev = _events(table)
+    ev = drain_events(table)
     assert ev[:, [0, 1, 2, 4]].tolist() == [[3, -1, 9, 0], [1, -1, 4, 0], [0, -1, 12, 0]]
     assert ev[:, 5].tolist() == [0, 0, 0]  # every one read from the store (host pools have no tier)
     assert table.lent() == [2, 3, 1, 0]  # filled rows stay lent, at the back
@@ -519,13 +489,13 @@ def test_fault_table_reads_records_into_lent_rows(tmp_path: pathlib.Path) -> Non
     bad = _native.expert_rows(mx.array([5, 6, 7, 8, 10], dtype=mx.uint32), table, CPU) + 0
     with pytest.raises(RuntimeError, match="no lent row is left"):
         mx.eval(bad)
-    assert sorted(_events(table)[:, 4].tolist()) == [-2, 0, 0, 0, 0]
+    assert sorted(drain_events(table)[:, 4].tolist()) == [-2, 0, 0, 0, 0]
     counters = table.counters()
     assert counters["faults"] == 7 and counters["fault_errors"] == 1 and counters["tier_faults"] == 0
 
 
 def test_no_expert_ids_map_to_row_zero_without_a_fault_or_a_use(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path)
     table.lend([3, 1])
     before = table.counters()
     from asyncside.models.queued import NO_EXPERT
@@ -545,7 +515,7 @@ def test_no_expert_ids_map_to_row_zero_without_a_fault_or_a_use(tmp_path: pathli
 
 
 def test_fault_table_refuses_bad_input(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path)
     with pytest.raises(ValueError, match="outside"):
         table.lend([4])
     table.lend([0])
@@ -577,7 +547,7 @@ def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
     # long half-life evicts 2 (its one use outweighed by 1's four); lend order takes the first
     # lent row not routed now (filled rows went to the back in fill order: 1's, 2's, 0's).
     for order, victim in (("recency", 1), ("decayed", 2), ("lend", 1)):
-        store, pools, table = _table(tmp_path / order, rows=3)
+        store, pools, table = fault_table(tmp_path / order, rows=3)
         table.set_order(order, 8.0)
         table.lend([0, 1, 2])
         for ids in ([1], [1], [1], [1], [2], [0]):
@@ -585,7 +555,7 @@ def test_fault_victims_follow_the_policy_order(tmp_path: pathlib.Path) -> None:
         assert np.array(table.table())[[1, 2, 0]].tolist() == [0, 1, 2]
         table.drain()
         mx.eval(_native.expert_rows(mx.array([7, 0], dtype=mx.uint32), table, CPU) + 0)
-        ev = _events(table)
+        ev = drain_events(table)
         assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == victim, (order, ev)
 
 
@@ -789,7 +759,7 @@ def test_device_fault_table_with_a_host_tier_reads_each_record_once(tmp_path: pa
 
     def run(ids: list[int]) -> np.ndarray:
         mx.eval(_native.expert_rows(mx.array(ids, dtype=mx.int32), table) + 0)
-        return _events(table)
+        return drain_events(table)
 
     def check_rows(experts: list[int]) -> None:
         tab = np.array(table.table())
@@ -853,7 +823,7 @@ def test_device_fault_table_stages_routed_experts_without_touching_a_row(tmp_pat
     assert table.can_stage
     table.lend([0, 1, 2, 3])
     mx.eval(_native.expert_rows(mx.array([9, 4], dtype=mx.int32), table) + 0)  # two hits to come
-    _events(table)
+    drain_events(table)
     before = (np.array(table.table()).tolist(), sorted(table.lent()))
     pool_bytes = {(k, r): pools.row_bytes(k, r) for k in pools.arrays for r in range(4)}
 
@@ -869,7 +839,7 @@ def test_device_fault_table_stages_routed_experts_without_touching_a_row(tmp_pat
     ids = mx.array([[9, 12, 4, 12], [5, 9, 0xFFFFFFFF, 15]], dtype=mx.uint32)
     rows = np.array(_native.expert_rows(ids, table, staged=True) + 0)
     assert rows.tolist() == [[9, 12, 4, 12], [5, 9, 0, 15]]
-    ev = _events(table)
+    ev = drain_events(table)
     # Misses only (12, 5, 15: read into the tier), no row; the hits 9 and 4 copied from their rows.
     assert sorted(ev[:, 2].tolist()) == [5, 12, 15] and set(ev[:, 0].tolist()) == {-1}
     assert ev[:, 4].tolist() == [0, 0, 0] and ev[:, 5].tolist() == [0, 0, 0]
@@ -927,7 +897,7 @@ def test_device_lookup_resolves_hits_without_the_host(tmp_path: pathlib.Path) ->
     served = _native.fault_server_counters()["served"]
     check([1, 2, 3, 4], rows([1, 2, 3, 4]))  # four misses: one request
     assert _native.fault_server_counters()["served"] == served + 1
-    _events(table)
+    drain_events(table)
     got = rows([3, 1, 2, 3])  # all hit: resolved on the device
     assert _native.fault_server_counters()["served"] == served + 1
     check([3, 1, 2, 3], got)
@@ -938,7 +908,7 @@ def test_device_lookup_resolves_hits_without_the_host(tmp_path: pathlib.Path) ->
     assert np.frombuffer(raw[2], dtype=np.int32).tolist() == [3]
     # Expert 4 was used longest ago (the device's hits on 1, 2, 3 came after): 5 evicts it.
     got = rows([5, 2])
-    ev = _events(table)
+    ev = drain_events(table)
     assert ev[:, [1, 2]].tolist() == [[4, 5]], ev
     check([5, 2], got)
     # More hit-only nodes than the ring holds (256), with no drain between: the 257th goes to the
@@ -961,13 +931,13 @@ def test_device_lookup_resolves_hits_without_the_host(tmp_path: pathlib.Path) ->
 
 def _events_after(table: object, run: Callable[[], object]) -> np.ndarray:
     run()
-    return _events(table)
+    return drain_events(table)
 
 
 def test_host_fault_tables_do_not_stage(tmp_path: pathlib.Path) -> None:
     """Staging is for device pools with a host tier: a host table says it cannot, a staged node on
     it is refused with the reason, and a Runtime on host pools has no staging arrays."""
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path)
     assert not table.can_stage
     with pytest.raises(ValueError, match="cannot stage"):
         _native.expert_rows(mx.array([1]), table, CPU, staged=True)
@@ -980,7 +950,7 @@ def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Pa
     step with FillError (never a wrong token), and with verify=False the damage is served. (No host
     tier: a record kept there before the flip was verified and is served as it was read, which
     tests/test_queued.py::test_device_fault_table_with_a_host_tier_reads_each_record_once checks.)"""
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
 
@@ -1024,7 +994,7 @@ def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, qua
     segments), and a prompt chunk too large for the lent rows goes layer by layer; the tokens
     equal mlx-lm's with faults in every layer."""
     monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")  # what a budget smaller than the store decides
-    store_dir, model, prompt = _store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)

@@ -16,16 +16,16 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import save_config, save_model
+from _fault_helpers import assert_rows_hold, drain_events, fault_table, model_store
 
 from asyncside import ExpertStore, _native
 from asyncside.bridge import completed
 from asyncside.errors import FillError
-from asyncside.models import ForwardOptions, convert_model, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
 from asyncside.pools import PoolSet
 from asyncside.runtime import Runtime
 
-from _models_support import BASE, tiny_model
+from _models_support import BASE
 
 CPU = mx.default_stream(mx.cpu)
 NEW_TOKENS = 8
@@ -33,36 +33,8 @@ STREAMED = ForwardOptions(mode="queued", streamed_switch=True)
 UNSTREAMED = ForwardOptions(mode="queued", streamed_switch=False)
 
 
-def _table(tmp_path: pathlib.Path, rows: int = 4) -> tuple[ExpertStore, PoolSet, object]:
-    rng = np.random.default_rng(0)
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "w.weight": rng.integers(0, 2**32, size=(16, 5, 7), dtype=np.uint32),
-        "w.scales": rng.standard_normal((16, 3)).astype(np.float16),
-    }})
-    spec = store.layer(0)
-    pools = PoolSet(spec, rows, device=False)
-    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
-                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
-                               os.open(spec.path, os.O_RDONLY), str(spec.path), spec.stride)
-    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
-    return store, pools, table
-
-
-def _events(table: object) -> np.ndarray:
-    return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 6)
-
-
-def _rows_hold(store: ExpertStore, pools: PoolSet, table: object, experts: list[int]) -> None:
-    now = np.array(table.table())
-    for e in experts:
-        r = int(now[e])
-        assert r >= 0, e
-        for key, want in store.read_expert(0, e).items():
-            assert bytes(pools.row_view(key, r)) == bytes(memoryview(want).cast("B")), (e, key)
-
-
 def test_begin_maps_every_expert_and_finish_publishes_each_slot(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path, tag=False)
     table.lend([3, 1, 0, 2])
     ids = mx.array([[9, 4, 12]], dtype=mx.int32)
     both = _native.begin_rows(ids, table, CPU)
@@ -72,8 +44,8 @@ def test_begin_maps_every_expert_and_finish_publishes_each_slot(tmp_path: pathli
     got = np.array(mx.concatenate(slots, axis=-1)).tolist()
     assert got == [[3, 1, 0]]  # lent rows in lend order, one per miss
     assert np.array(both[:, 3:]).tolist() == [[0, 1, 2]]  # all missed: the order their reads were issued
-    _rows_hold(store, pools, table, [9, 4, 12])
-    ev = _events(table)
+    assert_rows_hold(store, pools, table, [9, 4, 12])
+    ev = drain_events(table)
     assert sorted(ev[:, [0, 1, 2, 4]].tolist()) == sorted([[3, -1, 9, 0], [1, -1, 4, 0], [0, -1, 12, 0]])
     assert ev[:, 5].tolist() == [2, 2, 2]  # read in the background
     c = table.counters()
@@ -86,7 +58,7 @@ def test_begin_maps_every_expert_and_finish_publishes_each_slot(tmp_path: pathli
                                    for s in range(2)], axis=-1)).tolist()
     assert out[0][1] == 0 and out[1][0] == 3 and {out[0][0], out[1][1]} == {1, 2}
     assert np.array(both[:, 2:]).tolist() == [[1, 0], [0, 1]]  # per token: the hit's slot first
-    _rows_hold(store, pools, table, [12, 9, 5, 6])
+    assert_rows_hold(store, pools, table, [12, 9, 5, 6])
     assert table.counters()["hits"] == 2
 
 
@@ -94,25 +66,25 @@ def test_a_begin_whose_finish_never_ran_is_settled_by_the_next_call(tmp_path: pa
     """A step that failed before its finish nodes: settle() (what the runtime's quiesce calls, off
     the loop) waits for the reads it began and logs them, and so does the next begin or reclaim, so
     no read is left writing into a row and the ledger hears of every row the begin took."""
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path, tag=False)
     table.lend([0, 1, 2, 3])
     mx.eval(_native.begin_rows(mx.array([7, 8, 9], dtype=mx.uint32), table, CPU))
     assert table.pending
     table.settle()
     assert not table.pending
-    ev = _events(table)
+    ev = drain_events(table)
     assert sorted(ev[:, 2].tolist()) == [7, 8, 9] and (ev[:, 4] == 0).all()
-    _rows_hold(store, pools, table, [7, 8, 9])
+    assert_rows_hold(store, pools, table, [7, 8, 9])
     # The next begin settles too: its own misses' rows are the ones the first left.
     mx.eval(_native.begin_rows(mx.array([1, 2], dtype=mx.uint32), table, CPU))
     mx.eval(_native.begin_rows(mx.array([1], dtype=mx.uint32), table, CPU))
-    assert sorted(_events(table)[:, 2].tolist()) == [1, 2]
+    assert sorted(drain_events(table)[:, 2].tolist()) == [1, 2]
     assert not table.pending  # a begin whose experts all hit leaves nothing pending
     assert sorted(table.reclaim()) == [0, 1, 2, 3]  # every row back, filled ones included
 
 
 def test_a_failed_streamed_read_fails_at_its_finish_and_logs_every_read(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path, tag=False)
     table.lend([0, 1, 2, 3])
     spec = store.layer(0)
     os.truncate(spec.path, spec.stride * 8)  # experts 8.. now lie past the end of the blob
@@ -122,7 +94,7 @@ def test_a_failed_streamed_read_fails_at_its_finish_and_logs_every_read(tmp_path
     mx.eval(first)  # expert 3 is whole: its slot computes
     with pytest.raises(RuntimeError, match="expert 10 .*ended before the record"):
         mx.eval(_native.finish_rows(ids[1:2], rows[1:2], table, CPU))
-    ev = _events(table)
+    ev = drain_events(table)
     by_expert = {int(e[2]): int(e[4]) for e in ev}
     assert by_expert == {3: 0, 10: errno.ENODATA, 5: 0}  # the failure, and the read still in flight, logged
     now = np.array(table.table())
@@ -131,21 +103,12 @@ def test_a_failed_streamed_read_fails_at_its_finish_and_logs_every_read(tmp_path
 
 
 def test_streamed_pair_is_refused_where_it_cannot_run(tmp_path: pathlib.Path) -> None:
-    store, pools, table = _table(tmp_path)
+    store, pools, table = fault_table(tmp_path, tag=False)
     with pytest.raises(ValueError, match="integer"):
         _native.begin_rows(mx.array([1.0]), table, CPU)
     if mx.default_device() == mx.gpu:
         with pytest.raises(ValueError, match="CPU stream"):
             _native.begin_rows(mx.array([1]), table, mx.default_stream(mx.gpu))
-
-
-def _model_store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tuple[pathlib.Path, object, list[int]]:
-    model, config = tiny_model(model_type, quantize=quantize)
-    save_model(tmp / "model", model)
-    save_config(dict(config), tmp / "model" / "config.json")
-    convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config["vocab_size"], 12)]
-    return tmp / "store", model, prompt
 
 
 @pytest.mark.parametrize("quant", ["float", "q4"])
@@ -154,7 +117,7 @@ def test_streamed_switches_are_exact_with_misses_in_every_layer(tmp_path: pathli
                                                                  quant: str) -> None:
     if mx.default_device() == mx.gpu:
         pytest.skip("streamed switches are the CPU stream's (host pools)")
-    store_dir, model, prompt = _model_store(tmp_path, model_type,
+    store_dir, model, prompt = model_store(tmp_path, model_type,
                                             {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm = load_streaming_model(store_dir, completed=completed, options=STREAMED)
@@ -187,7 +150,7 @@ def test_the_plan_past_the_page_cache_streams_large_records_only(
 
     if mx.default_device() == mx.gpu:
         pytest.skip("streamed switches are the CPU stream's (host pools)")
-    store_dir, model, prompt = _model_store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     auto = ForwardOptions(mode="queued")
 
@@ -213,7 +176,7 @@ def test_the_plan_past_the_page_cache_streams_large_records_only(
 def test_a_failed_read_in_a_streamed_step_fails_the_step_and_frees_its_rows(tmp_path: pathlib.Path) -> None:
     if mx.default_device() == mx.gpu:
         pytest.skip("streamed switches are the CPU stream's (host pools)")
-    store_dir, model, prompt = _model_store(tmp_path, "qwen3_moe", None)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=STREAMED)
     k = int(sm.config.get("num_experts_per_tok", 2))
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
@@ -278,7 +241,7 @@ def test_direct_faults_read_whole_block_records_straight_into_the_rows(tmp_path:
     ids = mx.array([6, 14], dtype=mx.uint32)
     rows = _native.begin_rows(ids, table, CPU)[:2]
     mx.eval(_native.finish_rows(ids, rows, table, CPU))
-    _rows_hold(store, pools, table, [3, 11, 6, 14])
+    assert_rows_hold(store, pools, table, [3, 11, 6, 14])
     in_place = _native.fault_counters()["direct_in_place"] - before
     assert spec.stride % 4096 == 0  # records are block aligned in the blob either way
     assert in_place == (4 if layout == "blocks" else 0), in_place
