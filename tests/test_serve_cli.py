@@ -3,6 +3,7 @@ one line naming the option and the choices), never a traceback or a server that 
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -60,3 +61,41 @@ def test_serve_options_become_settings() -> None:
     joint = build_parser().parse_args(["serve", "--joint-prefill"])
     assert settings_from_args(joint).joint_prefill
     assert build_parser().parse_args(["bench", "serve", "--joint-prefill"]).joint_prefill
+
+
+def test_the_trace_predictor_without_a_trace_to_replay_fails_at_start(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--predictor trace`` prefetches a replayed trace's predictions: without ``--routing``, or with a
+    trace that carries none, `asyncside serve` exits 2 at start naming the flag and what it expects
+    (it used to start and then fail every request)."""
+    from asyncside.routing import synthetic
+    from asyncside.serving.cli import predictor_routing_problem, serve_main
+
+    def serve(*argv: str) -> tuple[int, str]:
+        code = serve_main(build_parser().parse_args(["serve", "--model", str(tmp_path / "no-such-model"), *argv]))
+        return code, capsys.readouterr().err
+
+    code, err = serve("--predictor", "trace")
+    assert code == 2 and "Traceback" not in err, err
+    assert "--predictor trace needs --routing TRACE.npz" in err and "lookahead, temporal or none" in err, err
+    assert "no-such-model" not in err  # refused before the model is looked for
+
+    plain, predicted = tmp_path / "plain.npz", tmp_path / "predicted.npz"
+    kw: dict = dict(tokens=8, n_layers=2, n_experts=8, top_k=2, skew=0.5, overlap=0.5, layer_corr=0.0, seed=0)
+    synthetic(**kw).save(plain)
+    synthetic(**kw, prediction_precision=0.5).save(predicted)
+    code, err = serve("--predictor", "trace", "--routing", str(plain))
+    assert code == 2 and f"the routing trace {plain} carries no predictions (no 'predicted' array" in err, err
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"not a zip")
+    code, err = serve("--predictor", "trace", "--routing", str(broken))
+    assert code == 2 and "--routing: " in err and "broken.npz" in err and "Traceback" not in err, err
+
+    # A trace with predictions, or another predictor, passes the check (and the model is looked for next).
+    for argv in (["--predictor", "trace", "--routing", str(predicted)], ["--predictor", "lookahead"], []):
+        assert predictor_routing_problem(build_parser().parse_args(["serve", *argv])) is None, argv
+    code, err = serve("--predictor", "trace", "--routing", str(predicted))
+    assert code == 2 and "no-such-model" in err and "--predictor" not in err, err
+    # Under --pipeline the trace predictor has no routing to replay (--routing is refused there).
+    problem = predictor_routing_problem(build_parser().parse_args(["serve", "--pipeline", "--predictor", "trace"]))
+    assert problem is not None and "not supported with --pipeline" in problem

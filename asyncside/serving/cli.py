@@ -129,6 +129,36 @@ def predictor_name(text: str) -> str:
     return text
 
 
+def predictor_routing_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--predictor`` cannot serve with the ``--routing`` given (None: it can).
+
+    The ``trace`` predictor prefetches what a replayed routing trace predicted, so it needs
+    ``--routing`` with a trace that carries predictions (its ``predicted`` array); checked at start
+    (the trace file is read) so that a server never starts only to fail every request."""
+    if getattr(args, "predictor", None) != "trace":
+        return None
+    if getattr(args, "pipeline", False):
+        return ("--predictor trace is not supported with --pipeline (it replays a routing trace's predictions, "
+                "and --routing is not supported there); choose --predictor lookahead, temporal or none")
+    routing = getattr(args, "routing", None)
+    if routing is None:
+        return ("--predictor trace needs --routing TRACE.npz: it prefetches the predictions a replayed routing "
+                "trace carries (docs/routing-traces.md); without a trace choose --predictor lookahead, "
+                "temporal or none")
+    from ..errors import TraceError
+    from ..routing import RoutingTrace
+
+    try:
+        trace = RoutingTrace.load(routing)
+    except TraceError as exc:
+        return f"--routing: {exc}"
+    if trace.predicted is None:
+        return (f"--predictor trace: the routing trace {routing} carries no predictions (no 'predicted' array; "
+                "`asyncside demo --record-routing FILE` with the lookahead predictor records them); "
+                "choose --predictor lookahead, temporal or none")
+    return None
+
+
 def policy_name(text: str) -> str:
     """A side-region eviction policy name (``asyncside.policies.POLICIES``)."""
     from ..policies import POLICIES
@@ -303,6 +333,10 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from .background import ServeError
 
+    problem = predictor_routing_problem(args)
+    if problem is not None:  # before a model is converted or loaded: say so now, not per request
+        print(f"asyncside serve: error: {problem}", file=sys.stderr)
+        return 2
     if getattr(args, "store", None) is not None and args.model is None:
         args.model = args.store
     if args.model is not None:
