@@ -32,6 +32,7 @@ which loop scope would run one; it works in pytest-asyncio's strict mode.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import itertools
@@ -40,6 +41,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -189,6 +191,71 @@ def _loop_thread_stack(thread_id: int) -> str:
     return "".join(traceback.format_list(summary[first:]))
 
 
+class _DeadlineInterrupt(BaseException):
+    """Raised by the deadline watchdog's SIGINT in a call that blocks the test's event loop thread.
+
+    Not a KeyboardInterrupt: pytest stops the whole run at one of those, and asyncio lets one
+    escape its loop; this one ends the test (as :class:`DeadlineExceeded`) and the run goes on."""
+
+
+class _SigintHook:
+    """The SIGINT handler of the main thread while a deadline test runs on an asyncio loop there.
+
+    It raises :class:`_DeadlineInterrupt` only when the watchdog asked for it (:meth:`arm`) and
+    only where that is safe: inside the test's own task (its coroutine frame is on the interrupted
+    stack) or inside one of the loop's callbacks (asyncio reports the exception and runs on). In
+    the loop's own machinery (its wait for I/O, between callbacks) it lets the loop go on: the
+    loop then takes the cancellation already posted to it. Any other SIGINT (a user's Ctrl-C) goes
+    to the handler it replaced, so the runner's own SIGINT behaviour is unchanged.
+    """
+
+    def __init__(self, task_frame: Any) -> None:
+        self.task_frame = task_frame
+        self.previous: Any = signal.getsignal(signal.SIGINT)
+        self.armed = False
+        self.taken = 0     # armed interrupts the handler has run for
+        self.raised = False
+        self.declined_in = ""  # where an armed interrupt found the loop (when it did not raise)
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self)
+
+    def uninstall(self) -> None:
+        current: object = signal.getsignal(signal.SIGINT)
+        previous = self.previous if self.previous is not None else signal.default_int_handler
+        if current is self:
+            signal.signal(signal.SIGINT, previous)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _safe_to_raise(self, frame: Any) -> bool:
+        while frame is not None:
+            if frame is self.task_frame:
+                return True
+            code = frame.f_code
+            if code.co_name == "_run" and code.co_filename.endswith(os.path.join("asyncio", "events.py")):
+                return True  # a callback of the loop's: Handle._run reports what it raises and goes on
+            frame = frame.f_back
+        return False
+
+    def __call__(self, signum: int, frame: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            self.taken += 1
+            if self._safe_to_raise(frame):
+                self.raised = True
+                raise _DeadlineInterrupt("the asyncside deadline interrupted a call that blocked the event loop")
+            self.declined_in = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+            return None
+        previous = self.previous
+        if callable(previous):
+            return previous(signum, frame)
+        if previous == signal.SIG_IGN:
+            return None
+        return signal.default_int_handler(signum, frame)
+
+
 class _Deadline:
     """A watchdog thread that ends a test which runs past ``seconds``, saying where it was stuck.
 
@@ -196,11 +263,17 @@ class _Deadline:
     cancel the test's scope: a test waiting for something that never comes (the usual hang) then
     fails with :class:`DeadlineExceeded`. A loop that does not answer within the grace period is
     blocked in a call; a test still running a grace period after the cancellation ignores it
-    (a shielded wait). Either way the stacks of every thread go to stderr and the main thread gets
-    SIGINT (twice if need be: an asyncio runner takes the first to cancel its task), which ends the
-    test with :class:`DeadlineExceeded` (or, outside the test's task, stops the pytest run); a
-    process that survives even that writes its stacks again and exits with status 1. Never a
-    silent hang.
+    (a shielded wait). Either way the stacks of every thread go to stderr, and then:
+
+    - on an asyncio loop (uvloop too) that answers, the test's task is cancelled natively
+      (``Task.cancel``, posted to the loop), which a shield does not stop; no signal is sent;
+    - on an asyncio loop blocked in a call in the main thread, one SIGINT to the main thread,
+      taken by :class:`_SigintHook`, raises in the blocked call inside the test's task;
+    - elsewhere (trio; a loop outside the main thread) the main thread gets SIGINT, twice if need
+      be (the runner's own handler takes it: trio raises KeyboardInterrupt in the task).
+
+    Each ends the test with :class:`DeadlineExceeded`. A process that survives even that writes its
+    stacks again and exits with status 1. Never a silent hang.
     """
 
     def __init__(self, nodeid: str, seconds: float) -> None:
@@ -214,12 +287,23 @@ class _Deadline:
         self._answered = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._asyncio_task: asyncio.Task[Any] | None = None
+        self._asyncio_loop: asyncio.AbstractEventLoop | None = None
+        self._hook: _SigintHook | None = None
 
     def start(self, scope: anyio.CancelScope) -> None:
         from .testing_blocking import _current_loop_handle
 
         handle = _current_loop_handle()
         task = anyio.get_current_task()
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            self._asyncio_loop, self._asyncio_task = loop, asyncio.current_task()
+            coro = self._asyncio_task.get_coro() if self._asyncio_task is not None else None
+            frame = getattr(coro, "cr_frame", None)
+            if threading.current_thread() is threading.main_thread() and frame is not None:
+                self._hook = _SigintHook(frame)
+                self._hook.install()
 
         def expire() -> None:  # on the loop
             with self._lock:
@@ -242,18 +326,23 @@ class _Deadline:
                     self.where = "Where its event loop thread was blocked (its stack), outermost first:\n" + stack
                 self.fired = True
                 why = f"its event loop thread did not answer for {self.grace:g} s more: it is blocked in a call"
+                blocked = True
             elif not self._done.wait(self.grace):
                 why = (f"it was cancelled but did not end within {self.grace:g} s: it ignores cancellation "
                        "(a shielded wait?)")
+                blocked = False
             else:
                 return
-            self._hard_stop(why)
+            self._hard_stop(why, blocked)
 
         self._thread = threading.Thread(target=watch, name=f"asyncside deadline {self.nodeid}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """The test has ended (on the loop thread): the watchdog stands down, the SIGINT hook goes."""
         self._done.set()
+        if self._hook is not None and threading.current_thread() is threading.main_thread():
+            self._hook.uninstall()
 
     def report(self) -> str:
         return (f"{self.nodeid} ran past its deadline of {self.seconds:g} s and was cancelled "
@@ -267,7 +356,7 @@ class _Deadline:
         except OSError:
             pass
 
-    def _hard_stop(self, why: str) -> None:
+    def _hard_stop(self, why: str, blocked: bool) -> None:
         import faulthandler
 
         fd = _report_fd if _report_fd is not None else 2
@@ -276,25 +365,88 @@ class _Deadline:
             self._write(self.where)
         self._write("Every thread's stack:\n")
         faulthandler.dump_traceback(file=fd, all_threads=True)
-        self._write("asyncside deadline: interrupting the main thread (SIGINT).\n")
-        # An asyncio.Runner (pytest-asyncio's) takes the first SIGINT to cancel its main task and
-        # raises KeyboardInterrupt at the second: hence a second interrupt if the first did nothing.
-        # A real signal, not _thread.interrupt_main(): a main thread parked in select() only runs
-        # the handler once a signal interrupts the call. The second wait is long enough for a
-        # loaded machine to run the interrupted test's teardown: exiting the process is the last
+        # However it is ended, the test gets time for its teardown: exiting the process is the last
         # resort, and it loses every later test's report.
-        for wait in (min(self.grace, 1.0), max(self.grace, INTERRUPT_WAIT_S)):
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-            if self._done.wait(wait):
-                return
-        self._write(f"\nasyncside deadline: {self.nodeid} still runs {self.grace:g} s after the interrupt; "
-                    "every thread's stack, then exit status 1:\n")
+        wait_s = max(self.grace, INTERRUPT_WAIT_S)
+        if not blocked and self._asyncio_task is not None and self._asyncio_loop is not None:
+            how = "a native cancellation of its task (Task.cancel)"
+            self._write(f"asyncside deadline: ending it with {how}.\n")
+            try:
+                self._asyncio_loop.call_soon_threadsafe(self._asyncio_task.cancel)
+            except RuntimeError:  # the loop is closed
+                pass
+            ended = self._done.wait(wait_s)
+        elif blocked and self._hook is not None:
+            how = "SIGINT to the main thread (raised in the blocked call)"
+            self._write(f"asyncside deadline: ending it with {how}. " + _signal_state())
+            ended = self._interrupt_blocked(self._hook, wait_s)
+        else:
+            how = "SIGINT to the main thread, twice if need be"
+            self._write(f"asyncside deadline: ending it with {how}. " + _signal_state())
+            # A runner's first SIGINT may only cancel its main task (asyncio.Runner's does). A real
+            # signal, not _thread.interrupt_main(): a main thread parked in a wait only runs the
+            # handler once a signal interrupts the call.
+            ended = False
+            for wait in (min(self.grace, 1.0), wait_s):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                if self._done.wait(wait):
+                    ended = True
+                    break
+        if ended:
+            return
+        hook = self._hook
+        taken = (f" (the SIGINT hook: taken {hook.taken} time(s), raised {hook.raised}"
+                 f"{', declined in ' + hook.declined_in if hook.declined_in else ''})") if hook is not None else ""
+        self._write(f"\nasyncside deadline: {self.nodeid} still runs {wait_s:g} s after {how}{taken}; "
+                    "every thread's stack, then exit status 1. " + _signal_state())
         faulthandler.dump_traceback(file=fd, all_threads=True)
         os._exit(1)
 
+    def _interrupt_blocked(self, hook: _SigintHook, wait_s: float) -> bool:
+        """SIGINT to the main thread until the hook has raised in the blocked call (an interrupt it
+        declined, the loop being in its own code, is sent again a second later); then up to
+        ``wait_s`` for the test to end. Whether it ended."""
+        end = time.monotonic() + wait_s
+        while not hook.raised and time.monotonic() < end:
+            hook.arm()
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            if self._done.wait(1.0):
+                return True
+        return self._done.wait(max(0.0, end - time.monotonic()))
 
-#: how long the deadline watchdog waits after its second interrupt before it exits the process
+
+#: how long the deadline watchdog waits, after it has interrupted or cancelled a test that ran past
+#: its deadline, for the test to end before it exits the process
 INTERRUPT_WAIT_S = 15.0
+
+
+def _signal_state() -> str:
+    """SIGINT as this process holds it, for the watchdog's report: the Python-level handler, and
+    each thread's blocked / ignored / caught masks from /proc (Linux; elsewhere only the handler)."""
+    try:
+        handler = repr(signal.getsignal(signal.SIGINT))
+    except Exception as exc:  # the report must not fail on a diagnostic
+        handler = f"(unknown: {exc!r})"
+    main = threading.main_thread().native_id
+    try:
+        cpus = f"{sorted(os.sched_getaffinity(0))}"  # of the calling (watchdog) thread: inherited like the rest
+    except (AttributeError, OSError):
+        cpus = "?"
+    lines = [f"SIGINT handler: {handler}; main thread tid {main}; cpus {cpus}; load {os.getloadavg()}\n"]
+    try:
+        tids = sorted(int(t) for t in os.listdir("/proc/self/task"))
+    except OSError:
+        return "".join(lines)
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        except OSError:
+            continue
+        masks = " ".join(f"{k}={fields.get(k, '?')}" for k in ("SigBlk", "SigIgn", "SigCgt"))
+        lines.append(f"  tid {tid}{' (main)' if tid == main else ''} {fields.get('Name', '?')}: "
+                     f"ShdPnd={fields.get('ShdPnd', '?')} SigPnd={fields.get('SigPnd', '?')} {masks}\n")
+    return "".join(lines)
 
 
 def random_layers(
