@@ -96,6 +96,12 @@ def test_the_trace_predictor_without_a_trace_to_replay_fails_at_start(
         assert predictor_routing_problem(build_parser().parse_args(["serve", *argv])) is None, argv
     code, err = serve("--predictor", "trace", "--routing", str(predicted))
     assert code == 2 and "no-such-model" in err and "--predictor" not in err, err
+    # `bench serve` takes the same model options and refuses the same before any server starts.
+    from asyncside.bench.serve import _check
+
+    with pytest.raises(SystemExit, match="--predictor trace needs --routing TRACE.npz"):
+        _check(build_parser().parse_args(["bench", "serve", "--predictor", "trace"]))
+    _check(build_parser().parse_args(["bench", "serve", "--predictor", "trace", "--routing", str(predicted)]))
     # Under --pipeline the trace predictor has no routing to replay (--routing is refused there).
     problem = predictor_routing_problem(build_parser().parse_args(["serve", "--pipeline", "--predictor", "trace"]))
     assert problem is not None and "not supported with --pipeline" in problem

@@ -371,6 +371,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--warmup must be >= 0 seconds, got {args.warmup}")
     if args.long_prompt < 0:
         raise SystemExit(f"--long-prompt must be >= 0, got {args.long_prompt}")
+    from ..serving.cli import predictor_routing_problem
+
+    problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
+    if problem is not None:
+        raise SystemExit(problem)
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
