@@ -616,6 +616,7 @@ void bind_device_pools_bench(nb::module_& b) {
 // ===== expert faults: the fault table and the expert_rows node (queued decode steps) ==============
 #include <unistd.h>
 
+#include "chunked_read.h"
 #include "expert_faults.h"
 #include "fault_server.h"
 #include "read_pool.h"
@@ -833,8 +834,19 @@ void bind_faults(nb::module_& m) {
                                            {"fault_errors", c.fault_errors.load()},
                                            {"shared_reads", c.shared_reads.load()},
                                            {"background_reads", c.background_reads.load()},
-                                           {"direct_in_place", c.direct_in_place.load()}};
+                                           {"direct_in_place", c.direct_in_place.load()},
+                                           {"chunked_reads", c.chunked_reads.load()},
+                                           {"chunk_ops", c.chunk_ops.load()},
+                                           {"chunk_fallbacks", c.chunk_fallbacks.load()}};
   });
+  // A bad ASYNCSIDE_FAULT_READ_CHUNK fails here, naming the variable, not inside a read.
+  fa::check_fault_read_chunk_env();
+  m.def("fault_read_chunk", &fa::fault_read_chunk,
+        "Bytes an O_DIRECT fault read of a record is split into, all in flight at once (0: one "
+        "request per record). Default ASYNCSIDE_FAULT_READ_CHUNK, else 1 MiB.");
+  m.def("set_fault_read_chunk", &fa::set_fault_read_chunk, nb::arg("n"),
+        "Set the fault reads' chunk in bytes, process-wide: 0 (whole records) or a multiple of 4096 "
+        "up to 1 GiB; ValueError otherwise.");
 }
 
 }  // namespace
@@ -854,6 +866,8 @@ NB_MODULE(_native, m) {
 
   nb::module_ testing = m.def_submodule("testing", "Test hooks; not part of the runtime.");
   bind_bridge_testing(testing);
+  testing.def("set_fault_read_uring", &asyncside::faults::set_fault_read_uring, nb::arg("on"),
+              "False: chunked fault reads take their fallback (one preadv a record), as without io_uring.");
 
   nb::module_ bench = m.def_submodule("bench", "Benchmark baselines and limits; not part of the runtime.");
   bind_bridge_bench(bench);

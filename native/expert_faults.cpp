@@ -18,6 +18,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "chunked_read.h"
 #include "read_pool.h"
 
 namespace mx = mlx::core;
@@ -38,32 +39,6 @@ constexpr uint64_t kMaxSink = 64ull << 10;
 
 std::string errno_text(int e) {
   return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")";
-}
-
-// preadv until every byte of `iov` landed; 0 or an errno (ENODATA: end of file first).
-int preadv_full(int fd, std::vector<iovec> iov, uint64_t offset) {
-  size_t first = 0;
-  while (first < iov.size()) {
-    const int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
-    ssize_t n = ::preadv(fd, iov.data() + first, cnt, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return errno;
-    }
-    if (n == 0) return ENODATA;
-    offset += static_cast<uint64_t>(n);
-    // Advance past what landed (a short read resumes mid-vector).
-    uint64_t left = static_cast<uint64_t>(n);
-    while (first < iov.size() && left >= iov[first].iov_len) {
-      left -= iov[first].iov_len;
-      ++first;
-    }
-    if (left) {
-      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
-  }
-  return 0;
 }
 
 }  // namespace
@@ -149,7 +124,7 @@ int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
     }
     if (aligned) {
       global_counters().direct_in_place.fetch_add(1, std::memory_order_relaxed);
-      return preadv_full(fd, std::move(iov), offset + segments_.front().offset);
+      return read_direct_chunked(fd, iov, offset + segments_.front().offset);
     }
   }
   // Else the record's span from its first segment to its last, widened to whole blocks, into an
@@ -160,7 +135,7 @@ int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
   const uint64_t end = (segments_.back().offset + segments_.back().nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
   uint8_t* buf = scratch.at_least(end - first);
   if (!buf) return ENOMEM;
-  if (int err = preadv_full(fd, {iovec{buf, end - first}}, offset + first)) return err;
+  if (int err = read_direct_chunked(fd, {iovec{buf, end - first}}, offset + first)) return err;
   for (size_t k = 0; k < segments_.size(); ++k) {
     const auto& s = segments_[k];
     std::memcpy(dest_->host_row(order_[k], row), buf + (s.offset - first), s.nbytes);
@@ -471,17 +446,19 @@ void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_
   }
 }
 
-void FaultTable::read_fill(Fill& f) {
+int FaultTable::read_record(int64_t expert, int64_t row, uint32_t& got, int64_t& ns) {
   const auto t0 = std::chrono::steady_clock::now();
-  f.err = sink_->read(fd_, static_cast<uint64_t>(f.expert) * stride_, f.row, f.expert);
-  after_read(static_cast<uint64_t>(f.expert) * stride_);
-  if (f.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
+  const uint64_t offset = static_cast<uint64_t>(expert) * stride_;
+  int err = sink_->read(fd_, offset, row, expert);
+  after_read(offset);
+  if (err == 0 && checksum_kind_ != io::ChecksumKind::None) {
     // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
     // while nothing is queued, so reading them unlocked is safe).
-    f.got = sink_->checksum(checksum_kind_, f.row, f.expert);
-    if (f.got != checksums_[static_cast<size_t>(f.expert)]) f.err = -1;
+    got = sink_->checksum(checksum_kind_, row, expert);
+    if (got != checksums_[static_cast<size_t>(expert)]) err = -1;
   }
-  f.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return err;
 }
 
 void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, bool background) {
@@ -742,14 +719,7 @@ void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
     lk.unlock();
     parallel_reads(reads.size(), [&](size_t i) {
       Read& r = reads[i];
-      const auto t0 = std::chrono::steady_clock::now();
-      r.err = sink_->read(fd_, static_cast<uint64_t>(r.expert) * stride_, -1, r.expert);
-      after_read(static_cast<uint64_t>(r.expert) * stride_);
-      if (r.err == 0 && checksum_kind_ != io::ChecksumKind::None) {
-        r.got = sink_->checksum(checksum_kind_, -1, r.expert);
-        if (r.got != checksums_[static_cast<size_t>(r.expert)]) r.err = -1;
-      }
-      r.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      r.err = read_record(r.expert, -1, r.got, r.ns);  // into the expert's tier row
     });
     lk.lock();
   }

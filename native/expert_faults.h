@@ -84,7 +84,8 @@ class RecordSink {
   virtual bool holds(int64_t expert) const { return false; }
   virtual void keep(int64_t expert) {}
   // Reads come from a descriptor opened with O_DIRECT: read whole aligned spans into an aligned
-  // buffer and copy the segments out (pool rows are not block aligned in general).
+  // buffer and copy the segments out (pool rows are not block aligned in general). Either form
+  // is read in chunks all in flight at once (chunked_read.h).
   virtual void set_direct(bool on) {}
   // Staging (a device sink with a host tier and staging arrays): plan the copy of `expert`'s
   // bytes into its row of the staging arrays (a whole layer, indexed by expert id), from pool
@@ -239,8 +240,11 @@ class FaultTable {
   // left without a row is logged and named in `error`.
   void assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
                           std::string& error);
+  // Read and verify `expert`'s record into `row` (the sink's host tier when < 0), unlocked: 0 or
+  // the read's errno (-1: checksum mismatch, the checksum into `got`); its time into `ns`.
+  int read_record(int64_t expert, int64_t row, uint32_t& got, int64_t& ns);
   // Read and verify one fill (unlocked: its row is out of the lent list and the table).
-  void read_fill(Fill& f);
+  void read_fill(Fill& f) { f.err = read_record(f.expert, f.row, f.got, f.ns); }
   // Log a finished fill and put its row back at the end of the lent list (published on success).
   // `background`: a streamed resolve's read (its time is not the stream's).
   void publish_locked(Fill& f, uint64_t stamp, std::string& error, bool background = false);
@@ -293,6 +297,9 @@ struct GlobalCounters {
   std::atomic<uint64_t> shared_reads{0};  // resolves whose reads went to the read pool's workers too
   std::atomic<uint64_t> background_reads{0};  // streamed reads handed to the background threads
   std::atomic<uint64_t> direct_in_place{0};   // O_DIRECT reads straight into pool rows (no copy)
+  std::atomic<uint64_t> chunked_reads{0};     // O_DIRECT record reads split into chunks (chunked_read.h)
+  std::atomic<uint64_t> chunk_ops{0};         // requests those reads submitted (a short read's rest counts again)
+  std::atomic<uint64_t> chunk_fallbacks{0};   // reads that would have been chunked, read whole (no io_uring ring)
 };
 GlobalCounters& global_counters();
 uint64_t fault_errors_total();

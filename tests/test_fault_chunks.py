@@ -1,0 +1,209 @@
+"""Chunked O_DIRECT fault reads: a record read past the page cache is split into requests of at most
+``_native.fault_read_chunk()`` bytes, all in flight at once (native/chunked_read.h).
+
+The rows hold the same bytes as whole-record reads, resolved or streamed, in place or through the
+aligned buffer; a decode is token for token the same; a chunk that fails (the blob ends inside or
+before the record) fails the fill with the usual error and publishes nothing; chunk 0 is the whole
+record in one request; bad settings are refused naming what was expected.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+from _fault_helpers import assert_rows_hold, drain_events, model_store
+
+from asyncside import ExpertStore, _native
+from asyncside.bridge import completed
+from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
+from asyncside.models.forward import StepMode
+from asyncside.pools import PoolSet
+from asyncside.runtime import Runtime
+
+CPU = mx.default_stream(mx.cpu)
+NEW_TOKENS = 6
+RING = _native.io_uring_available()[0]  # chunked reads submit on an io_uring ring, else fall back
+
+
+@pytest.fixture(autouse=True)
+def _restore_chunk() -> Iterator[None]:
+    chunk = _native.fault_read_chunk()
+    yield
+    _native.set_fault_read_chunk(chunk)
+    _native.testing.set_fault_read_uring(True)
+
+
+def counters() -> dict[str, int]:
+    return {k: v for k, v in _native.fault_counters().items() if k.startswith("chunk")}
+
+
+def delta(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in counters().items()}
+
+
+def direct_table(tmp_path: pathlib.Path, layout: str) -> tuple[ExpertStore, PoolSet, Any]:
+    """A one-layer store of 16 experts of 24 KiB ("blocks": whole 4 KiB blocks end to end, read in
+    place; "odd": segments off the block grid, read through the aligned buffer), host pools of 4
+    rows and an O_DIRECT fault table over them, every expert absent and every row lent."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    rng = np.random.default_rng(3)
+    width = 8192 if layout == "blocks" else 8000
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "a": rng.integers(0, 255, size=(16, 2 * width), dtype=np.uint8),
+        "b": rng.integers(0, 255, size=(16, width), dtype=np.uint8),
+    }})
+    spec = store.layer(0)
+    assert spec.stride % 4096 == 0
+    pools = PoolSet(spec, 4, device=False)
+    try:
+        fd = os.open(spec.path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
+                               fd, str(spec.path), spec.stride)
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    table.set_direct(True)
+    table.lend([0, 1, 2, 3])
+    return store, pools, table
+
+
+def fault_four(table: Any) -> None:
+    """Experts 3 and 11 resolved, 6 and 14 streamed."""
+    mx.eval(_native.expert_rows(mx.array([3, 11], dtype=mx.uint32), table, CPU))
+    ids = mx.array([6, 14], dtype=mx.uint32)
+    rows = _native.begin_rows(ids, table, CPU)[:2]
+    mx.eval(_native.finish_rows(ids, rows, table, CPU))
+
+
+@pytest.mark.parametrize("layout", ["blocks", "odd"])
+@pytest.mark.parametrize("chunk", [4096, 8192])
+def test_chunked_direct_faults_land_the_records_bytes(tmp_path: pathlib.Path, layout: str, chunk: int) -> None:
+    store, pools, table = direct_table(tmp_path, layout)
+    _native.set_fault_read_chunk(chunk)
+    assert _native.fault_read_chunk() == chunk
+    before = counters()
+    fault_four(table)
+    assert_rows_hold(store, pools, table, [3, 11, 6, 14])
+    d = delta(before)
+    # A record's 24 KiB (in place) or its widened span (the same 24 KiB) in 24 KiB / chunk requests.
+    per_record = 24576 // chunk
+    if RING:
+        assert d["chunked_reads"] == 4 and d["chunk_ops"] >= 4 * per_record and d["chunk_fallbacks"] == 0, d
+    else:
+        assert d == {"chunked_reads": 0, "chunk_ops": 0, "chunk_fallbacks": 4}, d
+
+
+def test_chunk_zero_reads_whole_records(tmp_path: pathlib.Path) -> None:
+    store, pools, table = direct_table(tmp_path, "blocks")
+    _native.set_fault_read_chunk(0)
+    before = counters()
+    fault_four(table)
+    assert_rows_hold(store, pools, table, [3, 11, 6, 14])
+    assert delta(before) == {"chunked_reads": 0, "chunk_ops": 0, "chunk_fallbacks": 0}
+
+
+def test_without_a_ring_chunked_reads_fall_back_to_one_request(tmp_path: pathlib.Path) -> None:
+    store, pools, table = direct_table(tmp_path, "blocks")
+    _native.set_fault_read_chunk(4096)
+    _native.testing.set_fault_read_uring(False)
+    before = counters()
+    fault_four(table)
+    assert_rows_hold(store, pools, table, [3, 11, 6, 14])
+    assert delta(before) == {"chunked_reads": 0, "chunk_ops": 0, "chunk_fallbacks": 4}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resolve", "streamed"])
+def test_a_failed_chunk_fails_the_fill_and_publishes_nothing(tmp_path: pathlib.Path, streamed: bool) -> None:
+    store, pools, table = direct_table(tmp_path, "blocks")
+    _native.set_fault_read_chunk(4096)
+    spec = store.layer(0)
+    # Expert 8's record ends mid-block inside the blob's new end; experts 9.. lie past it.
+    os.truncate(spec.path, spec.stride * 8 + 10000)
+    ids = mx.array([2, 8, 12], dtype=mx.uint32)
+    with pytest.raises(RuntimeError, match=r"expert (8|12) .*ended before the record"):
+        if streamed:
+            rows = _native.begin_rows(ids, table, CPU)[:3]
+            mx.eval(_native.finish_rows(ids, rows, table, CPU))
+        else:
+            mx.eval(_native.expert_rows(ids, table, CPU))
+    by_expert = {int(e[2]): int(e[4]) for e in drain_events(table)}
+    assert by_expert == {2: 0, 8: errno.ENODATA, 12: errno.ENODATA}, by_expert
+    now = np.array(table.table())
+    assert now[8] == -1 and now[12] == -1 and now[2] >= 0  # the failed rows published nothing
+    assert_rows_hold(store, pools, table, [2])
+    assert sorted(table.reclaim()) == [0, 1, 2, 3]  # every row comes back: none leaked
+
+
+@pytest.mark.parametrize("bad", [-1, 1000, 4097, 2**31])
+def test_bad_chunks_are_refused(bad: int) -> None:
+    before = _native.fault_read_chunk()
+    with pytest.raises((ValueError, TypeError), match="chunk|incompatible"):
+        _native.set_fault_read_chunk(bad)
+    assert _native.fault_read_chunk() == before
+
+
+def _import_with(value: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, ASYNCSIDE_FAULT_READ_CHUNK=value)
+    return subprocess.run([sys.executable, "-c", "from asyncside import _native; print(_native.fault_read_chunk())"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_environment_sets_the_chunk_and_a_bad_value_is_named() -> None:
+    good = _import_with("8192")
+    assert good.returncode == 0 and good.stdout.strip() == "8192", good.stderr
+    assert _import_with("0").stdout.strip() == "0"
+    bad = _import_with("1M")
+    assert bad.returncode != 0
+    assert "ASYNCSIDE_FAULT_READ_CHUNK" in bad.stderr and "multiple of 4096" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("quant", ["float", "q4"])
+def test_a_direct_decode_is_the_same_with_tiny_chunks(tmp_path: pathlib.Path, quant: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queued decode past the page cache (O_DIRECT), resolved and streamed switches: tokens equal
+    mlx-lm's with 4 KiB chunks and with whole records, and the chunked one did split its reads."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the host pools' fault path (CPU stream)")
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe",
+                                           {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+
+    def decode(chunk: int, streamed: bool) -> tuple[list[int], dict[str, int]]:
+        _native.set_fault_read_chunk(chunk)
+        options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=streamed)
+        sm = load_streaming_model(store_dir, completed=completed, options=options)
+        k = int(sm.config.get("num_experts_per_tok", 2))
+        before = counters()
+
+        async def main() -> list[int]:
+            async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+                if not rt.memory["direct"]:
+                    pytest.skip("this file system refuses O_DIRECT")
+                tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
+                await rt.quiesce()
+                reports = rt.audit()
+                assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+                return tokens
+
+        return anyio.run(main), delta(before)
+
+    for streamed in (False, True):
+        whole, d0 = decode(0, streamed)
+        chunked, d1 = decode(4096, streamed)
+        assert whole == ref and chunked == ref, (streamed, whole, chunked, ref)
+        assert d0["chunked_reads"] == 0 and d0["chunk_ops"] == 0
+        assert (d1["chunked_reads"] if RING else d1["chunk_fallbacks"]) > 0, d1
+        assert d1["chunk_ops"] >= 2 * d1["chunked_reads"], d1
