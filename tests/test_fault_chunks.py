@@ -124,13 +124,17 @@ def test_without_a_ring_chunked_reads_fall_back_to_one_request(tmp_path: pathlib
     assert delta(before) == {"chunked_reads": 0, "chunk_ops": 0, "chunk_fallbacks": 4}
 
 
+@pytest.mark.parametrize("cut", [(4096, 10000), (16384, 8192)], ids=["mid-block", "short-then-eof"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["resolve", "streamed"])
-def test_a_failed_chunk_fails_the_fill_and_publishes_nothing(tmp_path: pathlib.Path, streamed: bool) -> None:
+def test_a_failed_chunk_fails_the_fill_and_publishes_nothing(tmp_path: pathlib.Path, streamed: bool,
+                                                             cut: tuple[int, int]) -> None:
+    """The blob now ends inside expert 8's record (mid-block; or on a block boundary inside a chunk,
+    so that chunk's read comes back short and its rest finds the end) and before experts 9.."""
     store, pools, table = direct_table(tmp_path, "blocks")
-    _native.set_fault_read_chunk(4096)
+    chunk, keep = cut
+    _native.set_fault_read_chunk(chunk)
     spec = store.layer(0)
-    # Expert 8's record ends mid-block inside the blob's new end; experts 9.. lie past it.
-    os.truncate(spec.path, spec.stride * 8 + 10000)
+    os.truncate(spec.path, spec.stride * 8 + keep)
     ids = mx.array([2, 8, 12], dtype=mx.uint32)
     with pytest.raises(RuntimeError, match=r"expert (8|12) .*ended before the record"):
         if streamed:
