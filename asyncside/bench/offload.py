@@ -327,14 +327,22 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 # ---- the parent ---------------------------------------------------------------------------------
 
 
-def _child(spec: dict[str, Any], cgroup: MemoryCgroup | None, timeout: float) -> dict[str, Any]:
-    """Run one system in a subprocess (inside ``cgroup``); its figures, or why it did not finish."""
-    cmd = [sys.executable, "-m", "asyncside.bench.offload", "--child", json.dumps(spec)]
+def _child(spec: dict[str, Any], cgroup: MemoryCgroup | None, timeout: float, *,
+           command: Sequence[str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one system in a subprocess (inside ``cgroup``); its figures, or why it did not finish.
+
+    ``command``: the child's command before ``--child SPEC`` (default this module's, which runs
+    :func:`child_main`; a caller with its own child main passes its own). ``env``: variables set
+    in the child's environment on top of this process's.
+    """
+    head = list(command) if command is not None else [sys.executable, "-m", "asyncside.bench.offload"]
+    cmd = [*head, "--child", json.dumps(spec)]
     if cgroup is not None:
         cmd = cgroup.wrap(cmd)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **env} if env else None)
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc = None
@@ -342,7 +350,10 @@ def _child(spec: dict[str, Any], cgroup: MemoryCgroup | None, timeout: float) ->
                           for x in (exc.stdout, exc.stderr))
     wall = time.perf_counter() - t0
     phases = [line.split()[1] for line in stderr.splitlines() if line.startswith("PHASE ")]
-    res: dict[str, Any] = {"system": spec["system"], "wall_s": wall, "phase": phases[-1] if phases else "starting"}
+    res: dict[str, Any] = {"system": spec["system"], "wall_s": wall, "phase": phases[-1] if phases else "starting",
+                           "env": dict(env or {}),
+                           "stderr_tail": [line for line in stderr.strip().splitlines()
+                                           if not line.startswith("PHASE ")][-12:]}
     if cgroup is not None:
         res["peak_bytes"] = cgroup.peak()
         res["oom_kills"] = cgroup.oom_kills()
@@ -388,6 +399,97 @@ def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int 
         vals.append(anyio.run(_reader_pass, "auto", opts, spec, pools, experts)["GBps"])
     return {"GBps": statistics.median(vals), "passes": vals, "record_bytes": int(spec.stride),
             "queue_depth": int(opts.queue_depth), "records_per_pass": records}
+
+
+#: queue depths of :func:`disk_curve` (one synchronous reader up to the runtime's default depth)
+DISK_DEPTHS = (1, 4, 8, 64)
+
+
+def _direct_pass(fds: dict[str, int], picks: list[tuple[str, int]], stride: int, depth: int,
+                 deadline: float) -> tuple[int, float]:
+    """``picks`` (blob, offset) read whole with O_DIRECT by ``depth`` threads, each one read at a time
+    (so ``depth`` reads in flight); stops early at ``deadline`` (perf_counter). (bytes read, seconds)."""
+    import mmap
+    import threading
+
+    done = [0] * depth
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        buf = mmap.mmap(-1, stride)  # page-aligned, as O_DIRECT needs
+        view = memoryview(buf)
+        try:
+            for path, offset in picks[i::depth]:
+                if time.perf_counter() >= deadline:
+                    break
+                got = os.preadv(fds[path], [view], offset)
+                if got != stride:
+                    raise OSError(f"{path}: short O_DIRECT read, {got} of {stride} bytes at offset {offset}")
+                done[i] += got
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+        finally:
+            view.release()
+            buf.close()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(depth)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return sum(done), seconds
+
+
+def disk_curve(store_dir: str, depths: Sequence[int] = DISK_DEPTHS, *, min_bytes: int = 2_000_000_000,
+               passes: int = 3, cell_seconds: float = 30.0, seed: int = 7) -> dict[str, Any]:
+    """The disk's random-read rate against queue depth: whole records of every layer of the store,
+    picked at random, read with O_DIRECT, ``depth`` reads in flight; per depth the median GB/s of
+    ``passes`` passes of at least ``min_bytes`` each (a pass stops early once its cell has run
+    ``cell_seconds``). ``GBps`` is the best depth's median (the I/O limit's bandwidth)."""
+    import random
+    import statistics
+
+    from ..store import ExpertStore
+
+    if not getattr(os, "O_DIRECT", 0):
+        raise OSError("disk_curve: O_DIRECT is not available on this platform")
+    if not depths or any(int(d) < 1 for d in depths):
+        raise ValueError(f"disk_curve: depths must be integers >= 1, got {list(depths)}")
+    store = ExpertStore.open(store_dir)
+    specs = [store.layer(i) for i in sorted(store.layers)]
+    stride = specs[0].stride
+    if any(sp.stride != stride for sp in specs):
+        raise ValueError(f"{store_dir}: disk_curve expects one record size, got {sorted({sp.stride for sp in specs})}")
+    records = [(str(sp.path), e * stride) for sp in specs for e in range(sp.n_experts)]
+    per_pass = max(1, -(-int(min_bytes) // stride))
+    rng = random.Random(seed)
+    fds = {str(sp.path): os.open(sp.path, os.O_RDONLY | os.O_DIRECT) for sp in specs}
+    cells: list[dict[str, Any]] = []
+    try:
+        for depth in depths:
+            end = time.perf_counter() + cell_seconds
+            vals: list[float] = []
+            nbytes: list[int] = []
+            for _ in range(passes):
+                if vals and time.perf_counter() >= end:
+                    break
+                picks = [records[rng.randrange(len(records))] for _ in range(per_pass)]
+                got, sec = _direct_pass(fds, picks, stride, int(depth), end if vals else float("inf"))
+                vals.append(got / sec / 1e9 if sec > 0 else 0.0)
+                nbytes.append(got)
+            cells.append({"depth": int(depth), "GBps": statistics.median(vals), "passes": vals,
+                          "bytes_per_pass": nbytes})
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    best = max(cells, key=lambda c: c["GBps"])
+    return {"GBps": best["GBps"], "best_depth": best["depth"], "cells": cells, "record_bytes": stride,
+            "records": len(records), "min_bytes_per_pass": per_pass * stride,
+            "reader": "O_DIRECT preadv, one thread per read in flight"}
 
 
 def _belady(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Three tiers under a memory budget on the GPU machine (device pools <- pinned host tier <- SSD):
-# tools/device/three_tier.py (its docstring says what it measures), then optionally a bisection of
-# the GPU-only hang of tests/test_queued.py. Usage, in a warm session:
-#   SETUP=1 tools/device/three-tier.sh   (first: install MLX CUDA and build the extension, cuda-run.sh)
-# Env: MEMORY_MAX (the cgroup's memory.max and the budget, default 12G), LOCALITIES (default middle),
-# TOKENS (default 64), WALL (seconds for the whole call, default 580), BUILD_ONLY=1 (build the store and measure the disk, then stop), RUNS=0 (skip
-# the runs), BISECT="group ..." (after the runs: the page-cache test's q4 cases after each named
-# group of earlier tests; groups below), BISECT_BUDGET (seconds, default 300).
+# Three tiers under a memory budget on the GPU machine (device pools <- pinned host tier <- SSD), beside
+# the slot cache: tools/device/three_tier.py (its docstring says what it measures), in one call that
+# ends inside WALL seconds and prints a markdown table at the end. Usage, in a fresh session:
+#   SETUP=1 tools/device/three-tier.sh   (installs MLX CUDA and builds the extension first: cuda-run.sh)
+# Env: MEMORY_MAX (the cgroup's limit and the budget, default 4200M: the 48-layer store is 4.1x it),
+# RESIDENT (device pools' share of each layer's experts, or auto; default 0.10), TIER_SHARE (host
+# tier's share of the layers, default 0), LOCALITIES (default low,middle,high), ARMS (default
+# asyncside,asyncside-whole,slot-cache), TOKENS (default 48), SECONDS_CAP (decode seconds a run,
+# default 10), DISK_BYTES (each disk pass, default 2G), WALL (seconds for the whole call, default 580),
+# BUILD_ONLY=1 (build the store and measure the disk, then stop), RUNS=0 (skip the runs), BISECT="group
+# ..." (after the runs: the page-cache test's q4 cases after each named group of earlier tests;
+# groups below), BISECT_BUDGET (seconds, default 300).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -19,11 +23,22 @@ export PYTHONPATH=/tmp/site:$PWD
 log() { echo "== $(date +%T) $*"; }
 free -g | head -2; df -h /root | tail -1; nproc
 if [ "${RUNS:-1}" = 1 ]; then
-  log "three tiers: memory.max ${MEMORY_MAX:-12G}, localities ${LOCALITIES:-middle}"
-  name=three-tier-${MEMORY_MAX:-12G}-$(echo "${LOCALITIES:-middle}" | tr , -)
-  timeout $(( T_END - $(date +%s) )) python3 tools/device/three_tier.py --memory-max "${MEMORY_MAX:-12G}" \
-    --localities "${LOCALITIES:-middle}" --tokens "${TOKENS:-64}" ${BUILD_ONLY:+--build-only} \
-    --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  MEM=${MEMORY_MAX:-4200M}
+  LOCS=${LOCALITIES:-low,middle,high}
+  name=three-tier-$MEM-$(echo "$LOCS" | tr , -)
+  log "three tiers: limit $MEM, resident ${RESIDENT:-0.10}, tier share ${TIER_SHARE:-0}, localities $LOCS ($(( T_END - $(date +%s) )) s left)"
+  # three_tier.py stops starting runs before the deadline and prints the table itself; the timeout
+  # (a few seconds later) is the backstop, and the table is printed from the JSON if it fired.
+  left=$(( T_END - $(date +%s) - 3 )); [ $left -lt 10 ] && left=10
+  timeout -k 5 $left python3 tools/device/three_tier.py --memory-max "$MEM" \
+    --resident "${RESIDENT:-0.10}" --tier-share "${TIER_SHARE:-0}" --localities "$LOCS" \
+    --arms "${ARMS:-asyncside,asyncside-whole,slot-cache}" --tokens "${TOKENS:-48}" --seconds "${SECONDS_CAP:-10}" \
+    --disk-bytes "${DISK_BYTES:-2G}" --deadline $(( T_END - 8 )) ${BUILD_ONLY:+--build-only} \
+    --json "$OUT/$name.json" > "$OUT/$name.md" 2> "$OUT/$name.log"
+  rc=$?
+  tail -40 "$OUT/$name.log"
+  log "three_tier.py exit status $rc; the table:"
+  if [ -s "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else python3 tools/device/three_tier.py --markdown-from "$OUT/$name.json"; fi
 fi
 if [ -n "${BISECT:-}" ]; then
   # The q4 cases of the page-cache test hang in mlx-lm's reference generation after the rest of

@@ -1,0 +1,136 @@
+"""tools/device/three_tier.py's pieces that run anywhere (the arguments, each arm's child and
+environment, the table) and bench offload's shared pieces it uses (the child command and its
+environment, the disk's depth curve). The run itself needs a memory cgroup and a GPU machine
+(BENCHMARKS.md, "Three tiers on the H200 (larger than memory)")."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from asyncside.bench import offload
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tt() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("three_tier", ROOT / "tools" / "device" / "three_tier.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def test_arguments_and_their_refusals(tt: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    args = tt.parse_args(["--memory-max", "4200M", "--json", "x.json"])
+    assert args.memory_max_bytes == 4200 * 2**20 and args.disk_bytes_bytes == 2 * 2**30
+    assert args.arm_list == ["asyncside", "asyncside-whole", "slot-cache"]
+    assert args.locality_list == ["low", "middle", "high"] and args.depth_list == [1, 4, 8, 64]
+    assert args.tier_share == 0.0 and args.resident == "0.10" and args.tokens == 48
+    assert tt.parse_args(["--memory-max", "1G", "--json", "x", "--resident", "auto"]).resident == "auto"
+    for bad, flag in ((["--arms", "asyncside,mystery"], "--arms: unknown arm 'mystery'"),
+                      (["--resident", "1.5"], "--resident: expected a fraction"),
+                      (["--resident", "lots"], "--resident: expected a fraction"),
+                      (["--tier-share", "2"], "--tier-share: expected a share in [0, 1]"),
+                      (["--localities", "sideways"], "--localities: unknown preset 'sideways'"),
+                      (["--disk-depths", "1,0"], "--disk-depths: expected depths >= 1"),
+                      (["--disk-bytes", "much"], "--disk-bytes:")):
+        with pytest.raises(SystemExit):
+            tt.parse_args(["--memory-max", "1G", "--json", "x", *bad])
+        assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--memory-max", "a lot", "--json", "x"])
+    assert "--memory-max:" in capsys.readouterr().err
+
+
+def test_each_arm_its_child_and_environment(tt: ModuleType) -> None:
+    base = {"store": "S", "budget": 1 << 30, "fraction": 0.1}
+    spec, env, cmd = tt.arm_spec("asyncside", base, "0.10", 0, 0.2)
+    assert env == {} and spec["resident"] == "0.10" and spec["host_tier"] == 0
+    assert cmd is not None and cmd[-1].endswith("three_tier.py")
+    spec, env, cmd = tt.arm_spec("asyncside-whole", base, "0.10", 5, 0.2)
+    assert env == {"ASYNCSIDE_FAULT_READ_CHUNK": "0"} and spec["host_tier"] == 5 and cmd is not None
+    spec, env, cmd = tt.arm_spec("slot-cache", base, "0.10", 5, 0.2)
+    # bench offload's own slot-cache child, with the rows the asyncside arm's plan chose
+    assert cmd is None and env == {} and spec["system"] == "slot-cache" and spec["fraction"] == 0.2
+    with pytest.raises(ValueError, match="unknown arm 'other'"):
+        tt.arm_spec("other", base, "0.10", 0, 0.2)
+
+
+def test_the_child_gets_its_command_and_environment() -> None:
+    """bench offload's child loop runs another command with extra variables (the arms' knob)."""
+    script = ("import json, os, sys; print(json.dumps({'seen': os.environ.get('ASYNCSIDE_FAULT_READ_CHUNK'), "
+              "'argv': sys.argv[1:]}))")
+    run = offload._child({"system": "probe"}, None, 60, command=[sys.executable, "-c", script],
+                         env={"ASYNCSIDE_FAULT_READ_CHUNK": "0"})
+    assert run["status"] == "ok", run
+    assert run["seen"] == "0" and run["env"] == {"ASYNCSIDE_FAULT_READ_CHUNK": "0"}
+    assert run["argv"][0] == "--child" and json.loads(run["argv"][1]) == {"system": "probe"}
+    failed = offload._child({"system": "probe"}, None, 60, command=[sys.executable, "-c", "raise SystemExit(3)"])
+    assert failed["status"].startswith("exit status 3"), failed
+
+
+def _run(loc: str, arm: str, tps: float, tokens: list[int], **stats: int) -> dict[str, Any]:
+    return {"locality": loc, "arm": arm, "status": "ok", "decode_tokens_per_s": tps, "tokens": tokens,
+            "stats": {"hits": 30, "misses": 10, "bytes_read": 8 * 1_000_000, **stats},
+            "read_bytes": 8 * 1_000_000, "peak_bytes": 600 * 10**6, "limit_bytes": 800 * 10**6,
+            "rows_per_layer": {"0": 13, "1": 13}}
+
+
+def test_figures_ratios_and_the_table(tt: ModuleType) -> None:
+    sh = {"record_bytes": 1_000_000, "io": {"GBps": 2.0, "best_depth": 64, "min_bytes_per_pass": 2e9,
+                                            "cells": [{"depth": 1, "GBps": 0.5}, {"depth": 64, "GBps": 2.0}]},
+          "shape": "qwen3-30b-a3b", "moe_layers": 2, "experts_per_layer": 128, "top_k": 8,
+          "expert_bytes": 256 * 10**6, "host_tier_bytes": 0, "host_tier_layers": 0}
+    compute = {"decode_tokens_per_s": 40.0, "tokens": [1, 2, 3, 4]}
+    runs = [_run("low", "asyncside", 9.0, [1, 2, 3, 4], tier_faults=2), _run("low", "asyncside-whole", 6.0, [1, 2, 3, 5]),
+            _run("low", "slot-cache", 3.0, [1, 2, 3, 4]),
+            {"locality": "middle", "arm": "asyncside", "status": "skipped: 10 s left before --deadline"}]
+    for r in runs:
+        tt._figures(r, sh, compute if r["locality"] == "low" else {})
+    tt._vs_slot_cache(runs)
+    a, whole, slot, skipped = runs
+    assert a["vs_slot_cache"] == pytest.approx(3.0) and whole["vs_slot_cache"] == pytest.approx(2.0)
+    assert slot["vs_slot_cache"] == pytest.approx(1.0) and skipped["vs_slot_cache"] is None
+    # 4 tokens: 2 MB of store reads a token at 2 GB/s -> 1000 tok/s; the compute limit binds
+    assert a["io_limit_tokens_per_s"] == pytest.approx(1000.0) and a["of_limit"] == pytest.approx(9.0 / 40.0)
+    assert a["tier_served_share"] == pytest.approx(0.2) and a["disk_miss_mb_per_token"] == pytest.approx(2.0)
+    assert a["disk_over_misses"] == pytest.approx(1.0) and a["peak_over_limit"] == pytest.approx(0.75)
+    assert a["tokens_match_reference"] is True and whole["tokens_match_reference"] is False
+    table = tt.render_markdown({"shape": sh, "runs": runs, "budget_bytes": 800 * 10**6, "cgroup": "cgroup v1",
+                                "store_over_budget": 4.2, "settings": {"resident": "0.10"}})
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| locality"))
+    assert "vs slot cache" in header and header.count("|") == len(tt.COLUMNS) + 1
+    rows = [line for line in lines if line.startswith("| low") or line.startswith("| middle")]
+    assert len(rows) == 4 and all(row.count("|") == len(tt.COLUMNS) + 1 for row in rows)
+    assert "| 3.00x |" in rows[0] and "| 4/4 |" in rows[0] and "differ (of 4)" in rows[1]
+    assert "skipped: 10 s left" in rows[3]
+    assert "depth 1 0.50, depth 64 2.00" in table and "4.20x" in table
+
+
+def test_the_disk_curve(quick_store: pathlib.Path) -> None:
+    curve = offload.disk_curve(str(quick_store), (1, 3), min_bytes=1 << 20, passes=2)
+    assert [c["depth"] for c in curve["cells"]] == [1, 3]
+    for c in curve["cells"]:
+        assert len(c["passes"]) >= 1 and c["GBps"] > 0
+        assert all(b >= 1 << 20 for b in c["bytes_per_pass"])  # every pass at least min_bytes
+    best = max(curve["cells"], key=lambda c: c["GBps"])
+    assert curve["GBps"] == best["GBps"] and curve["best_depth"] == best["depth"]
+    with pytest.raises(ValueError, match="depths must be integers >= 1"):
+        offload.disk_curve(str(quick_store), (0,))
