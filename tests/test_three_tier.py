@@ -120,6 +120,7 @@ def test_figures_ratios_and_the_table(tt: ModuleType) -> None:
     rows = [line for line in lines if line.startswith("| low") or line.startswith("| middle")]
     assert len(rows) == 4 and all(row.count("|") == len(tt.COLUMNS) + 1 for row in rows)
     assert "| 3.00x |" in rows[0] and "| 4/4 |" in rows[0] and "differ (of 4)" in rows[1]
+    assert rows[0].startswith("| low | asyncside | 13 | 9.00 |") and "| middle | asyncside | — |" in rows[3]
     assert "skipped: 10 s left" in rows[3]
     assert "depth 1 0.50, depth 64 2.00" in table and "4.20x" in table
 

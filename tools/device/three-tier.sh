@@ -10,7 +10,8 @@
 # default 10), DISK_BYTES (each disk pass, default 2G), WALL (seconds for the whole call, default 580),
 # BUILD_ONLY=1 (build the store and measure the disk, then stop), RUNS=0 (skip the runs), BISECT="group
 # ..." (after the runs: the page-cache test's q4 cases after each named group of earlier tests;
-# groups below), BISECT_BUDGET (seconds, default 300).
+# groups below), BISECT_BUDGET (seconds, default 300), EXTRA (more three_tier.py arguments, e.g. a smaller
+# shape for a check on another machine: "--layers 8 --vocab 512").
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -19,6 +20,7 @@ if [ -n "${SETUP:-}" ]; then
   SETUP_ONLY=1 OUT=$OUT bash "$(dirname "$0")/cuda-run.sh" || exit 1
 fi
 . "$(dirname "$0")/bench-env.sh"
+echo "set up; $(( T_END - $(date +%s) )) s of WALL left"
 export PYTHONPATH=/tmp/site:$PWD
 log() { echo "== $(date +%T) $*"; }
 free -g | head -2; df -h /root | tail -1; nproc
@@ -33,7 +35,7 @@ if [ "${RUNS:-1}" = 1 ]; then
   timeout -k 5 $left python3 tools/device/three_tier.py --memory-max "$MEM" \
     --resident "${RESIDENT:-0.10}" --tier-share "${TIER_SHARE:-0}" --localities "$LOCS" \
     --arms "${ARMS:-asyncside,asyncside-whole,slot-cache}" --tokens "${TOKENS:-48}" --seconds "${SECONDS_CAP:-10}" \
-    --disk-bytes "${DISK_BYTES:-2G}" --deadline $(( T_END - 8 )) ${BUILD_ONLY:+--build-only} \
+    --disk-bytes "${DISK_BYTES:-2G}" --deadline $(( T_END - 8 )) ${BUILD_ONLY:+--build-only} ${EXTRA:-} \
     --json "$OUT/$name.json" > "$OUT/$name.md" 2> "$OUT/$name.log"
   rc=$?
   tail -40 "$OUT/$name.log"

@@ -225,16 +225,19 @@ def _f(v: Any, spec: str, suffix: str = "") -> str:
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
-COLUMNS = ["locality", "arm", "decode tok/s", "compute limit", "I/O limit", "of min(limits)", "vs slot cache",
-           "pool hits", "misses the tier served", "misses' MB/tok (to disk)", "disk MB/tok (x to-disk misses)",
-           "disk GB/s drawn", "peak charged MB (of limit)", "tokens = mlx-lm", "status"]
+COLUMNS = ["locality", "arm", "rows/layer", "decode tok/s", "compute limit", "I/O limit", "of min(limits)",
+           "vs slot cache", "pool hits", "misses the tier served", "misses' MB/tok (to disk)",
+           "disk MB/tok (x to-disk misses)", "disk GB/s drawn", "peak charged MB (of limit)", "tokens = mlx-lm",
+           "status"]
 
 
 def _row(r: dict[str, Any]) -> list[str]:
     n, match = r.get("tokens_compared") or 0, r.get("tokens_match_reference")
     tokens = "—" if match is None else f"{n}/{n}" if match else f"differ (of {n})"
     status = str(r.get("status", "?"))
-    return [r["locality"], r["arm"], _f(r.get("decode_tokens_per_s"), ".2f"),
+    rows = sorted(set((r.get("rows_per_layer") or {}).values()))
+    return [r["locality"], r["arm"], "—" if not rows else str(rows[0]) if len(rows) == 1 else f"{rows[0]}-{rows[-1]}",
+            _f(r.get("decode_tokens_per_s"), ".2f"),
             _f(r.get("compute_limit_tokens_per_s"), ".2f"), _f(r.get("io_limit_tokens_per_s"), ".2f"),
             _f(r.get("of_limit"), ".2f", "x"), _f(r.get("vs_slot_cache"), ".2f", "x"), _f(r.get("hit_rate"), ".1%"),
             _f(r.get("tier_served_share"), ".1%"),
@@ -250,7 +253,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     sh = result.get("shape") or {}
     io = sh.get("io") or {}
     curve = ", ".join(f"depth {c['depth']} {c['GBps']:.2f}" for c in io.get("cells", []))
-    plans = sorted({r.get("plan_text") or "" for r in result.get("runs", []) if r.get("plan_text")})
+    planned = [r for r in result.get("runs", []) if r.get("plan_text")]
     lines = [
         f"three tiers: {sh.get('shape')} {sh.get('moe_layers')} layers x {sh.get('experts_per_layer')} experts "
         f"top-{sh.get('top_k')}, {sh.get('expert_bytes', 0) / MB:,.0f} MB of experts (records "
@@ -262,8 +265,15 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{io.get('min_bytes_per_pass', 0) / 1e9:.1f} GB): {curve or '—'}; I/O limit at "
         f"{io.get('GBps', 0):.2f} GB/s (depth {io.get('best_depth')})",
     ]
-    for text in plans:
-        lines.append("plan: " + text.replace("\n", "; "))
+    if planned:
+        # One plan for all: the runs differ only in what the process held when the runtime started.
+        held = [r["rss_before_runtime"] / MB for r in planned if r.get("rss_before_runtime")]
+        lines.append(f"plan ({planned[0]['locality']} / {planned[0]['arm']}): "
+                     + planned[0]["plan_text"].replace("\n", "; ")
+                     + (f"; held before the runtime {min(held):,.0f}-{max(held):,.0f} MB" if held else ""))
+    refused = [r for r in result.get("runs", []) if r.get("plan_refused")]
+    if refused:
+        lines.append(f"refused in {len(refused)} runs, which ran at resident=auto: {refused[0]['plan_refused'][0]}")
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_row(r)) + " |" for r in result.get("runs", [])]
     return "\n".join(lines)
@@ -467,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs"].append(run)
                 _vs_slot_cache(result["runs"])
                 save()
+                if run["status"].startswith("skipped"):
+                    log(f"  {run['status']}")
+                    continue
                 log(f"  {run['status']}: {run.get('decode_tokens_per_s') or 0:.2f} tok/s, of limit "
                     f"{run.get('of_limit')}, hit {run.get('hit_rate')}, peak {(run.get('peak_bytes') or 0) / MB:.0f} "
                     f"MB, match {run.get('tokens_match_reference')}")
