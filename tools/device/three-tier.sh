@@ -40,7 +40,9 @@ if [ "${RUNS:-1}" = 1 ]; then
   rc=$?
   tail -40 "$OUT/$name.log"
   log "three_tier.py exit status $rc; the table:"
-  if [ -s "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else python3 tools/device/three_tier.py --markdown-from "$OUT/$name.json"; fi
+  if [ -s "$OUT/$name.md" ]; then cat "$OUT/$name.md"
+  elif [ -s "$OUT/$name.json" ]; then python3 tools/device/three_tier.py --markdown-from "$OUT/$name.json"
+  else echo "no results: the store build did not finish inside WALL (run again: a built store is reused)"; fi
 fi
 if [ -n "${BISECT:-}" ]; then
   # The q4 cases of the page-cache test hang in mlx-lm's reference generation after the rest of
