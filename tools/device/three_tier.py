@@ -113,10 +113,15 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     stamps: list[float] = []
     rss_peak = [0]
 
+    marks: dict[str, Any] = {}  # the read counters at the first token (what the first step read)
+
     def arrived(tok: int) -> bool:
         tokens.append(tok)
         stamps.append(time.perf_counter())
         rss_peak[0] = max(rss_peak[0], _rss())
+        if len(tokens) == 1 and "rt" in marks:
+            marks["first_token"] = {"read_bytes": _read_bytes() - marks["io1"],
+                                    "bytes_read": int(dict(marks["rt"].stats()).get("bytes_read", 0))}
         return len(tokens) >= max_tokens or stamps[-1] - stamps[0] >= seconds
 
     asked = spec["resident"] if spec["resident"] == "auto" else float(spec["resident"])
@@ -150,6 +155,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
             out["rss_before_generating"] = _rss()
             _phase("generating")
             io1 = _read_bytes()
+            marks.update(rt=rt, io1=io1)
             t0 = time.perf_counter()
             agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=spec["predictor"])
             async with contextlib.aclosing(agen):
@@ -172,6 +178,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     out["decode_tokens_per_s"] = (len(tokens) - 1) / (end - stamps[0]) if len(tokens) > 1 and end > stamps[0] else 0.0
     out["read_bytes"] = _read_bytes() - io1
     out["read_bytes_loading"] = io1 - io0
+    out["first_token_reads"] = marks.get("first_token")
     out["rss_peak_sampled"] = rss_peak[0]
     out["rss_end"] = _rss()
     _phase("done")
