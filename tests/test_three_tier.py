@@ -41,7 +41,7 @@ def test_arguments_and_their_refusals(tt: ModuleType, capsys: pytest.CaptureFixt
     assert args.memory_max_bytes == 4200 * 2**20 and args.disk_bytes_bytes == 2 * 2**30
     assert args.arm_list == ["asyncside", "asyncside-whole", "slot-cache"]
     assert args.locality_list == ["low", "middle", "high"] and args.depth_list == [1, 4, 8, 64]
-    assert args.tier_share == 0.0 and args.resident == "0.10" and args.tokens == 48
+    assert args.tier_share == 0.0 and args.resident == "0.10" and args.tokens == 24
     assert tt.parse_args(["--memory-max", "1G", "--json", "x", "--resident", "auto"]).resident == "auto"
     for bad, flag in ((["--arms", "asyncside,mystery"], "--arms: unknown arm 'mystery'"),
                       (["--resident", "1.5"], "--resident: expected a fraction"),

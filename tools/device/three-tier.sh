@@ -6,8 +6,8 @@
 # Env: MEMORY_MAX (the cgroup's limit and the budget, default 4200M: the 48-layer store is 4.1x it),
 # RESIDENT (device pools' share of each layer's experts, or auto; default 0.10), TIER_SHARE (host
 # tier's share of the layers, default 0), LOCALITIES (default low,middle,high), ARMS (default
-# asyncside,asyncside-whole,slot-cache), TOKENS (default 48), SECONDS_CAP (decode seconds a run,
-# default 10), DISK_BYTES (each disk pass, default 2G), WALL (seconds for the whole call, default 580),
+# asyncside,asyncside-whole,slot-cache), TOKENS (default 24: a run ends by its tokens), SECONDS_CAP
+# (decode seconds a run, default 20), DISK_BYTES (each disk pass, default 2G), WALL (seconds for the whole call, default 580),
 # BUILD_ONLY=1 (build the store and measure the disk, then stop), RUNS=0 (skip the runs), BISECT="group
 # ..." (after the runs: the page-cache test's q4 cases after each named group of earlier tests;
 # groups below), BISECT_BUDGET (seconds, default 300), EXTRA (more three_tier.py arguments, e.g. a smaller
@@ -34,7 +34,7 @@ if [ "${RUNS:-1}" = 1 ]; then
   left=$(( T_END - $(date +%s) - 3 )); [ $left -lt 10 ] && left=10
   timeout -k 5 $left python3 tools/device/three_tier.py --memory-max "$MEM" \
     --resident "${RESIDENT:-0.10}" --tier-share "${TIER_SHARE:-0}" --localities "$LOCS" \
-    --arms "${ARMS:-asyncside,asyncside-whole,slot-cache}" --tokens "${TOKENS:-48}" --seconds "${SECONDS_CAP:-10}" \
+    --arms "${ARMS:-asyncside,asyncside-whole,slot-cache}" --tokens "${TOKENS:-24}" --seconds "${SECONDS_CAP:-20}" \
     --disk-bytes "${DISK_BYTES:-2G}" --deadline $(( T_END - 8 )) ${BUILD_ONLY:+--build-only} ${EXTRA:-} \
     --json "$OUT/$name.json" > "$OUT/$name.md" 2> "$OUT/$name.log"
   rc=$?

@@ -122,7 +122,13 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
         if len(tokens) == 1 and "rt" in marks:
             marks["first_token"] = {"read_bytes": _read_bytes() - marks["io1"],
                                     "bytes_read": int(dict(marks["rt"].stats()).get("bytes_read", 0))}
-        return len(tokens) >= max_tokens or stamps[-1] - stamps[0] >= seconds
+        if len(tokens) >= max_tokens:
+            out["stopped_by"] = "tokens"
+            return True
+        # Stopped by the clock, the step queued after this token has read its misses already
+        # (the process's read_bytes has them, the runtime's counters not): the JSON says so.
+        out["stopped_by"] = "seconds" if stamps[-1] - stamps[0] >= seconds else "tokens"
+        return out["stopped_by"] == "seconds"
 
     asked = spec["resident"] if spec["resident"] == "auto" else float(spec["resident"])
     # The plan refuses pools that do not fit what the budget leaves after what the process holds:
@@ -301,8 +307,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--localities", default=",".join(LOCALITY_ORDER))
     p.add_argument("--arms", default=",".join(ARMS),
                    help=f"arms in a cgroup, comma-separated (default {','.join(ARMS)})")
-    p.add_argument("--tokens", type=int, default=48, help="at most this many tokens a run")
-    p.add_argument("--seconds", type=float, default=15.0, help="at most this many seconds of decoding a run")
+    p.add_argument("--tokens", type=int, default=24, help="at most this many tokens a run")
+    p.add_argument("--seconds", type=float, default=20.0, help="at most this many seconds of decoding a run")
     p.add_argument("--policy", default="lrfu")
     p.add_argument("--predictor", default="none")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds before one run is stopped")
