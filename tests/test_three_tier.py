@@ -135,3 +135,29 @@ def test_the_disk_curve(quick_store: pathlib.Path) -> None:
     assert curve["GBps"] == best["GBps"] and curve["best_depth"] == best["depth"]
     with pytest.raises(ValueError, match="depths must be integers >= 1"):
         offload.disk_curve(str(quick_store), (0,))
+
+
+def test_compute_limits_of_several_localities_in_one_process(tt: ModuleType, quick_store: pathlib.Path,
+                                                             tmp_path: pathlib.Path) -> None:
+    """One model, re-forced per locality: each locality's tokens are those of a process that ran it
+    alone (the previous routing leaves nothing behind)."""
+    from asyncside.routing import preset
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(str(quick_store))
+    layers = sorted(store.layers)
+    first = store.layer(layers[0])
+    traces = {}
+    for loc in ("low", "high"):
+        traces[loc] = str(tmp_path / f"{loc}.npz")
+        preset(loc, tokens=64, n_layers=len(layers), n_experts=first.n_experts,
+               top_k=offload._store_top_k(str(quick_store)), seed=1).save(traces[loc])
+    spec = {"system": "compute", "store": str(quick_store), "prompt": [84], "seconds": 60, "tokens": 6}
+    both = tt.child_main({**spec, "routings": traces})
+    alone = offload._child({**spec, "system": "mlx-lm", "routing": traces["high"], "fraction": 1.0, "budget": 0,
+                            "policy": "lru", "predictor": "none"}, None, 120)
+    assert alone["status"] == "ok", alone
+    assert set(both["localities"]) == {"low", "high"}
+    for loc in ("low", "high"):
+        assert both["localities"][loc]["status"] == "ok" and len(both["localities"][loc]["tokens"]) == 6
+    assert both["localities"]["high"]["tokens"] == alone["tokens"]
