@@ -193,17 +193,24 @@ def test_serve_budget_and_routing_options(tmp_path: pathlib.Path, capsys: pytest
     assert "--routing is not supported with --pipeline" in capsys.readouterr().err
 
 
-def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_row_by_row_queued_and_exact(
-        tmp_path: pathlib.Path, sm: Any) -> None:
-    """Under a plan that reads past the page cache (O_DIRECT) a queued step is not cut in slices:
-    a batch whose experts may not fit a layer's lent rows would go layer by layer. The engine runs
-    it as one-row queued steps instead, and prefills in chunks whose experts fit; tokens stay each
-    request's own."""
+@pytest.mark.parametrize("decode_tokens", [None, "0"])
+def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_queued_and_exact(
+        tmp_path: pathlib.Path, sm: Any, monkeypatch: pytest.MonkeyPatch, decode_tokens: str | None) -> None:
+    """Under a plan that reads past the page cache (O_DIRECT) a prefill chunk is not cut in
+    slices: one whose experts may not fit a layer's lent rows would go layer by layer, so the
+    engine prefills in chunks whose experts fit. A decode batch too large for the rows is cut in
+    parts sorted by expert (one batched queued step); with the decode bound at 0
+    (``ASYNCSIDE_DIRECT_DECODE_TOKENS``) the engine runs it as one-row queued steps instead.
+    Tokens stay each request's own either way."""
+    if decode_tokens is not None:
+        monkeypatch.setenv("ASYNCSIDE_DIRECT_DECODE_TOKENS", decode_tokens)
+    batched = decode_tokens is None
     path = _trace_file(tmp_path, sm)
     replay = sm.set_routing(path)
     sm.set_routing(None)
     assert isinstance(replay, RoutingReplay)
-    prompts = _prompts(sm)
+    # Prompts of one length: their one-token prefill chunks end together, so they decode as a batch.
+    prompts = [p[:3] for p in _prompts(sm)]
     counters = sm.forward.counters
 
     async def main() -> tuple[list[list[int]], list[list[int]], dict[str, int], Batcher]:
@@ -222,10 +229,14 @@ def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_row_by_row_q
     assert served == alone
     assert b.peak_batch == len(prompts) and b.shapes._fitting_chunk == 1
     assert spent["per_layer"] == 0 and spent["prefill"] == spent["queued_prefill"] > 0  # nothing went per layer
-    # One row per queued forward: a decode step per request and token after its first, a prefill
-    # chunk per prompt token before its last.
-    assert spent["queued"] >= len(prompts) * (NEW - 1)
+    assert b.shapes.rows_apart(len(prompts)) is not batched
+    # A prefill chunk per prompt token before its last; decode steps batched in sorted parts, or
+    # one row per queued forward (a step per request and token after its first).
     assert spent["queued_prefill"] >= sum(len(p) - 1 for p in prompts)
+    if batched:
+        assert spent["sorted_parts"] > 0 and spent["queued"] < len(prompts) * (NEW - 1)
+    else:
+        assert spent["sorted_parts"] == 0 and spent["queued"] >= len(prompts) * (NEW - 1)
 
 
 def test_open_engine_takes_a_budget_and_a_routing_trace(tmp_path: pathlib.Path, sm: Any) -> None:

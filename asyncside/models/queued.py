@@ -66,8 +66,9 @@ class QueuedSource(Protocol):
     """What an expert source offers for queued steps (``Runtime`` and ``ResidentSource`` do).
 
     - ``queued_ready(pairs)``: whether a step routing up to ``pairs`` pairs per layer can be queued.
-    - ``queued_capacity()``: how many distinct experts every layer can hold for one expert
-      resolve (a step whose batch routes more is split into resolves of that many at most).
+    - ``queued_capacity(decode_tokens)``: how many distinct experts every layer can hold for one
+      expert resolve (a step whose batch routes more is split into resolves of that many at most);
+      ``decode_tokens`` is the step's tokens when it is a decode step (one per sequence), else None.
     - ``begin_step(pairs)``: called before the step is built (never blocks).
     - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
     - ``end_step(out)``: the step whose last output is ``out`` is built (called before it is scheduled).
@@ -84,7 +85,7 @@ class QueuedSource(Protocol):
     """
 
     def queued_ready(self, pairs: int) -> bool: ...
-    def queued_capacity(self) -> int: ...
+    def queued_capacity(self, decode_tokens: int | None = None) -> int: ...
     def begin_step(self, pairs: int) -> None: ...
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array: ...
     def end_step(self, out: mx.array) -> None: ...
@@ -150,14 +151,23 @@ class QueuedSteps:
         # (see forward). A sorted switch (prefill chunks, large batches) cuts its pairs sorted by
         # expert, so a part holds <= part distinct experts and each expert is read about once per
         # layer; an unsorted one cuts by whole tokens (part = tokens x top_k).
-        capacity = qsource.queued_capacity()
-        part = capacity if pairs >= SORT_THRESHOLD else capacity // self.walk.top_k * self.walk.top_k
+        decode = inputs.shape[-1] == 1
+        capacity = qsource.queued_capacity(int(inputs.size) if decode else None)
+        sort = pairs >= SORT_THRESHOLD or self._sorts_cuts(source, decode)
+        part = capacity if sort else capacity // self.walk.top_k * self.walk.top_k
         if part < 1 or (-(-pairs // part) > MAX_RESOLVES_PER_LAYER and not self._stages_every_layer(source)):
             return False
         if not qsource.queued_ready(part):
             return False
         ctx.part = part
         return True
+
+    def _sorts_cuts(self, source: Any, decode: bool) -> bool:
+        """Whether a decode step cut into parts sorts its pairs by expert however few they are: on
+        the CPU under a plan that reads past the page cache, where a token-cut batch reads an
+        expert two parts route twice from the disk (BENCHMARKS.md, "Serving under a memory
+        budget"). On a GPU the expert-slices form is chosen as before."""
+        return decode and self._on_cpu and bool(getattr(getattr(source, "plan", None), "direct", False))
 
     def _streams(self, source: Any, layer: int) -> bool:
         """Whether a small switch of ``layer`` streams its misses (see ForwardOptions.streamed_switch)."""
@@ -234,6 +244,7 @@ class QueuedSteps:
         masks = walk.masks(h, ctx.cache)
         routed, part, counters = ctx.routed, ctx.part, self.counters
         every = 1 if inputs.shape[-1] >= LONG_STEP_TOKENS else DECODE_CHECKPOINT_LAYERS if self._on_cpu else 0
+        sort_cuts = part is not None and self._sorts_cuts(source, inputs.shape[-1] == 1)
         last = len(walk.layers) - 1
         for i in range(len(walk.layers)):
             if every and i and i % every == 0:
@@ -255,7 +266,8 @@ class QueuedSteps:
             if staged is not None and logits and inputs.size * walk.top_k < STAGE_DECODE_PAIRS_PER_EXPERT * \
                     cast(Any, source).n_experts(i):
                 staged = None  # a decode batch that keeps its working set in the rows
-            streamed = part is None and self._on_cpu and self._streams(source, i)
+            # A step whose pairs fit the lent rows streams whether or not it could be cut in parts
+            streamed = (part is None or inputs.size * walk.top_k <= part) and self._on_cpu and self._streams(source, i)
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
                       pools: Any = pools, staged: Any = staged, streamed: bool = streamed) -> mx.array:
@@ -272,7 +284,7 @@ class QueuedSteps:
                     y = pooled_switch_apply(spec, activation, x_sw, source.staged_rows(i, inds), staged)
                     source.staged_done(y)
                     return y
-                if inds.size >= SORT_THRESHOLD:
+                if inds.size >= SORT_THRESHOLD or sort_cuts:
                     n_experts = getattr(source, "n_experts", None)
                     slices = -(-min(inds.size, n_experts(i)) // part) if n_experts is not None else 0
                     if self._expert_slices and 0 < slices < -(-inds.size // part):

@@ -147,7 +147,7 @@ class ResidentSource:
     def queued_ready(self, pairs: int) -> bool:
         return True
 
-    def queued_capacity(self) -> int:
+    def queued_capacity(self, decode_tokens: int | None = None) -> int:
         return min(self._n.values())
 
     def begin_step(self, pairs: int) -> None:

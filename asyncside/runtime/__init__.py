@@ -317,9 +317,10 @@ class Runtime:
         """Whether a queued step routing up to ``pairs`` pairs per layer can run now."""
         return self.queued.ready(pairs)
 
-    def queued_capacity(self) -> int:
-        """Distinct experts one resolve of a queued step can take in every layer."""
-        return self.queued.capacity()
+    def queued_capacity(self, decode_tokens: int | None = None) -> int:
+        """Distinct experts one resolve of a queued step can take in every layer (``decode_tokens``:
+        the step's tokens when it is a decode step, one token per sequence)."""
+        return self.queued.capacity(decode_tokens)
 
     def begin_step(self, pairs: int) -> None:
         """Before queuing a step: every dynamic row lent; an earlier failed fault raised."""

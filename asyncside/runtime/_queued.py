@@ -34,6 +34,26 @@ DIRECT_ALIGN = 4096
 #: least this large: computing a switch slot by slot costs more graph nodes and waits per layer,
 #: which a smaller record's read does not repay (BENCHMARKS.md, "Streamed switches")
 STREAM_MIN_RECORD_BYTES = 1 << 20
+#: under a plan that reads past the page cache, a decode step (one token per sequence) of at most
+#: this many tokens may still be queued in slices: its transient buffers hold its pairs' activations
+#: (hidden and intermediate widths per routed pair), a few expert rows' worth at this size, while a
+#: prefill chunk's grow with its tokens. ``ASYNCSIDE_DIRECT_DECODE_TOKENS`` overrides it (0: such
+#: batches go row by row, as the serving engine did before; BENCHMARKS.md, "Serving under a memory budget").
+DIRECT_DECODE_TOKENS = 16
+
+
+def direct_decode_tokens() -> int:
+    """:data:`DIRECT_DECODE_TOKENS`, or ``ASYNCSIDE_DIRECT_DECODE_TOKENS`` where set (a count >= 0)."""
+    raw = os.environ.get("ASYNCSIDE_DIRECT_DECODE_TOKENS")
+    if raw is None or raw == "":
+        return DIRECT_DECODE_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise AsyncsideError(f"ASYNCSIDE_DIRECT_DECODE_TOKENS: expected a token count >= 0, got {raw!r}")
+    return value
 
 
 class QueuedSide:
@@ -205,11 +225,13 @@ class QueuedSide:
         self._ready_pairs = max(self._ready_pairs, pairs) if self._lent_all else 0
         return True
 
-    def capacity(self) -> int:
+    def capacity(self, decode_tokens: int | None = None) -> int:
         """How many distinct experts every layer can take for one resolve of a queued step: the
-        fewest rows any layer could lend now (0 without fault tables, and 0 when the memory plan
-        reads past the page cache: a step too large for the rows then goes layer by layer)."""
-        if not self._slices:
+        fewest rows any layer could lend now (0 without fault tables). When the memory plan reads
+        past the page cache it is 0 too (a step too large for the rows then goes layer by layer),
+        except for a decode step of ``decode_tokens`` tokens (one per sequence; None: not a decode
+        step) up to :func:`direct_decode_tokens`, whose transient buffers stay small."""
+        if not self._slices and (decode_tokens is None or decode_tokens > direct_decode_tokens()):
             return 0
         self._leases.release_computed()
         return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._s.layers.values()),

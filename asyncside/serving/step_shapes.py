@@ -1,10 +1,13 @@
 """Which shape each engine forward takes under a memory plan that reads past the page cache.
 
 Under such a plan (O_DIRECT: the store does not fit what the budget leaves for the page cache) a
-queued step whose experts may not fit a layer's lent rows at once is not cut in slices (their
-transient buffers could take the process past its budget): it runs layer by layer, each layer's
-groups of experts read and computed in turn. The engine avoids that where one-row queued steps or
-shorter prefill chunks fit the rows (BENCHMARKS.md, "Serving under a memory budget").
+prefill chunk whose experts may not fit a layer's lent rows at once is not cut in slices (their
+transient buffers grow with its tokens and could take the process past its budget): it runs layer
+by layer, each layer's groups of experts read and computed in turn. The engine avoids that with
+shorter prefill chunks that fit the rows. A decode batch of up to the runtime's direct decode
+tokens is still cut in parts sorted by expert (its buffers stay a few rows' worth), so the batch
+reads each expert it routes once; a larger one runs as one-row queued steps where those fit
+(BENCHMARKS.md, "Serving under a memory budget").
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ class StepShapes:
 
     def rows_apart(self, n: int) -> bool:
         """Whether a decode step of ``n`` requests runs as ``n`` one-row queued steps rather than one
-        batched step: under a plan that reads past the page cache, when the batch's experts may not
-        fit the lent rows and one row's do. On a CPU, where every routed pair is its own product,
-        the batched step saves little compute."""
+        batched step: under a plan that reads past the page cache, when the batch cannot be queued
+        (its experts may not fit the lent rows and it is too large to be cut in parts there) and one
+        row can."""
         return self.reads_past_page_cache() and not self.queued((n, 1)) and self.queued((1, 1))
 
     def queued_chunk(self, n: int) -> int:
