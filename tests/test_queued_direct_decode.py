@@ -1,7 +1,7 @@
 """A decode batch under a memory plan that reads past the page cache (O_DIRECT): cut in parts
 sorted by expert when its experts exceed a layer's lent rows, so each expert the batch routes is
 read once per step; a prefill chunk is not cut (it goes layer by layer); and the bound on such a
-batch's tokens can be set to 0, which leaves the batch to one-row steps again.
+batch's tokens at 0 (the default) leaves the batch to one-row steps.
 
 The embedded model (top-4, four lent rows per layer at ``resident=0.0``) decodes a batch of four
 rows replaying two disjoint sets of experts, A, B, A, B (forced ids): eight distinct experts per
@@ -53,7 +53,9 @@ def _runtime(sm: Any) -> Runtime:
     return Runtime(sm.store, resident=0.0, min_side_rows=sm.forward.walk.top_k, direct=True)
 
 
-def test_a_decode_batch_past_the_page_cache_reads_each_expert_it_routes_once(sm: Any) -> None:
+def test_a_decode_batch_past_the_page_cache_reads_each_expert_it_routes_once(
+        sm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCSIDE_DIRECT_DECODE_TOKENS", "16")  # off by default (see DIRECT_DECODE_TOKENS)
     a, b = _replays(sm)
     rows = [(a, 0), (b, 0), (a, 0), (b, 0)]
     fwd, k, n_layers = sm.forward, sm.forward.walk.top_k, len(sm.moe_layers)
@@ -94,6 +96,8 @@ def test_a_decode_batch_past_the_page_cache_reads_each_expert_it_routes_once(sm:
 
 def test_past_the_page_cache_a_prefill_chunk_is_not_cut_and_the_decode_bound_can_be_zero(
         sm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCSIDE_DIRECT_DECODE_TOKENS", "16")
+
     async def main() -> tuple[bool, bool, bool, bool, int]:
         async with _runtime(sm) as rt:
             shapes = StepShapes(sm, rt)

@@ -193,18 +193,18 @@ def test_serve_budget_and_routing_options(tmp_path: pathlib.Path, capsys: pytest
     assert "--routing is not supported with --pipeline" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("decode_tokens", [None, "0"])
+@pytest.mark.parametrize("decode_tokens", ["16", None])
 def test_past_the_page_cache_a_batch_too_large_for_the_rows_decodes_queued_and_exact(
         tmp_path: pathlib.Path, sm: Any, monkeypatch: pytest.MonkeyPatch, decode_tokens: str | None) -> None:
     """Under a plan that reads past the page cache (O_DIRECT) a prefill chunk is not cut in
     slices: one whose experts may not fit a layer's lent rows would go layer by layer, so the
     engine prefills in chunks whose experts fit. A decode batch too large for the rows is cut in
-    parts sorted by expert (one batched queued step); with the decode bound at 0
-    (``ASYNCSIDE_DIRECT_DECODE_TOKENS``) the engine runs it as one-row queued steps instead.
+    parts sorted by expert (one batched queued step) where ``ASYNCSIDE_DIRECT_DECODE_TOKENS``
+    allows it; with the bound at 0 (the default) the engine runs it as one-row queued steps.
     Tokens stay each request's own either way."""
     if decode_tokens is not None:
         monkeypatch.setenv("ASYNCSIDE_DIRECT_DECODE_TOKENS", decode_tokens)
-    batched = decode_tokens is None
+    batched = decode_tokens is not None
     path = _trace_file(tmp_path, sm)
     replay = sm.set_routing(path)
     sm.set_routing(None)

@@ -35,11 +35,11 @@ DIRECT_ALIGN = 4096
 #: which a smaller record's read does not repay (BENCHMARKS.md, "Streamed switches")
 STREAM_MIN_RECORD_BYTES = 1 << 20
 #: under a plan that reads past the page cache, a decode step (one token per sequence) of at most
-#: this many tokens may still be queued in slices: its transient buffers hold its pairs' activations
-#: (hidden and intermediate widths per routed pair), a few expert rows' worth at this size, while a
-#: prefill chunk's grow with its tokens. ``ASYNCSIDE_DIRECT_DECODE_TOKENS`` overrides it (0: such
-#: batches go row by row, as the serving engine did before; BENCHMARKS.md, "Serving under a memory budget").
-DIRECT_DECODE_TOKENS = 16
+#: this many tokens may still be queued in slices (a prefill chunk's transient buffers grow with its
+#: tokens; a decode batch's were expected to stay a few rows' worth). 0 by default, off: on the CPU
+#: such batches, cut in sorted parts, ran slower than one-row steps, hit less and peaked past the
+#: budget (BENCHMARKS.md, "Serving under a memory budget"). ``ASYNCSIDE_DIRECT_DECODE_TOKENS`` sets it.
+DIRECT_DECODE_TOKENS = 0
 
 
 def direct_decode_tokens() -> int:

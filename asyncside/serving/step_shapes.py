@@ -5,8 +5,8 @@ prefill chunk whose experts may not fit a layer's lent rows at once is not cut i
 transient buffers grow with its tokens and could take the process past its budget): it runs layer
 by layer, each layer's groups of experts read and computed in turn. The engine avoids that with
 shorter prefill chunks that fit the rows. A decode batch of up to the runtime's direct decode
-tokens is still cut in parts sorted by expert (its buffers stay a few rows' worth), so the batch
-reads each expert it routes once; a larger one runs as one-row queued steps where those fit
+tokens (0 unless set) is still cut in parts sorted by expert, so the batch reads each expert it
+routes once; a larger one runs as one-row queued steps where those fit
 (BENCHMARKS.md, "Serving under a memory budget").
 """
 
