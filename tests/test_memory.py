@@ -136,6 +136,25 @@ def test_host_tier_plan_takes_whole_layers_within_its_bound(tmp_path: pathlib.Pa
                                     tier_possible=True).host_tier_layers) == {1}
 
 
+def test_a_host_tier_the_budget_cannot_hold_is_refused(tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier is held like the pools: an explicit size that the budget cannot hold beside the
+    pools, the tier's staging and the headroom is refused, naming both figures; one that fits is
+    planned with everything it holds inside the budget; "auto" never passes the budget."""
+    store = _store(tmp_path / "s")
+    layer = 64 * (1 << 16)  # one layer's tier (and, the layer's shape, its staging)
+    pools = memory.pool_bytes(store, 0.25)
+    fits = pools + memory.MIN_HEADROOM + 2 * layer  # a layer's tier and its staging, no more
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(fits, "a test limit"))
+    plan = _plan(store, host_tier=layer)
+    assert set(plan.host_tier_layers) == {0}
+    assert plan.held_bytes + plan.headroom_bytes <= plan.budget
+    with pytest.raises(AsyncsideError, match=r"host tier \(host_tier=\d+\) takes 8.0 MiB \(2 layers\).*a test limit"):
+        _plan(store, host_tier=2 * layer)
+    auto = _plan(store, host_tier="auto")
+    assert auto.held_bytes + auto.headroom_bytes <= auto.budget
+
+
 def test_an_explicit_budget_is_the_whole_process(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the process holds already (the model loaded first) comes out of an explicit budget."""
     store = _store(tmp_path / "s")

@@ -338,13 +338,22 @@ def plan_memory(
     held = pools + tier_total + staging
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
-    if pools + staging + headroom > budget.available:
+    if pools + headroom > budget.available:
         raise AsyncsideError(
-            f"the pools need {describe_bytes(pools)} (resident={label}"
-            f"{f', plus {describe_bytes(staging)} of staging' if staging else ''}) and "
+            f"the pools need {describe_bytes(pools)} (resident={label}) and "
             f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
             f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): use a smaller "
             f"resident fraction, resident='auto', or a larger memory budget")
+    if page_cache < 0:
+        # The tier is pinned host memory held for the runtime's life, like the pools: a tier the
+        # budget cannot hold beside them would take the process past it. ("auto" bounds itself
+        # to a share of the room, so only an explicit size gets here.)
+        raise AsyncsideError(
+            f"the host tier (host_tier={host_tier!r}) takes {describe_bytes(tier_total)} "
+            f"({len(tier_layers)} layers) plus {describe_bytes(staging)} of staging, but beside the pools' "
+            f"{describe_bytes(pools)} and {describe_bytes(headroom)} of headroom the memory budget of "
+            f"{describe_bytes(budget.available)} ({budget.source}) leaves {describe_bytes(max(room, 0))}: "
+            f"ask for a smaller host_tier, host_tier='auto', or a larger memory budget")
     streamed = max(0, store_bytes - pools)  # records that live only in the store
     if direct is not None:
         use_direct, why = bool(direct), "asked for"
@@ -357,8 +366,6 @@ def plan_memory(
     else:
         use_direct = False
         why = f"the records outside the pools fit the {describe_bytes(page_cache)} left for the page cache"
-    if page_cache < 0:
-        notes.append(f"the host tier leaves no page cache ({describe_bytes(page_cache)})")
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
