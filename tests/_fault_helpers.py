@@ -115,6 +115,35 @@ def fault_table(tmp_path: pathlib.Path, rows: int = 4, tag: bool = True) -> tupl
     return store, pools, table
 
 
+def direct_fault_table(tmp_path: pathlib.Path, layout: str, block: int = 4096,
+                       seed: int = 1) -> tuple[ExpertStore, PoolSet, Any]:
+    """A one-layer store of 16 experts of two segments, ``2 * width`` and ``width`` bytes ("blocks":
+    ``width = block``, whole 4 KiB blocks end to end, read in place; "odd": a width off the block
+    grid, read through the aligned buffer), host pools of 4 rows and an O_DIRECT fault table over
+    them, every expert absent and rows 0-3 lent. Skips where the platform or file system has no O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    rng = np.random.default_rng(seed)
+    width = block if layout == "blocks" else block - 96 * (block // 4096)
+    store = ExpertStore.create(tmp_path / "s", {0: {
+        "a": rng.integers(0, 255, size=(16, 2 * width), dtype=np.uint8),
+        "b": rng.integers(0, 255, size=(16, width), dtype=np.uint8),
+    }})
+    spec = store.layer(0)
+    pools = PoolSet(spec, 4, device=False)
+    try:
+        fd = os.open(spec.path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
+                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
+                               fd, str(spec.path), spec.stride)
+    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
+    table.set_direct(True)
+    table.lend([0, 1, 2, 3])
+    return store, pools, table
+
+
 def drain_events(table: Any) -> np.ndarray:
     """The table's fault log since the last drain: one row of six int64 fields per event."""
     return np.frombuffer(table.drain()[0], dtype=np.int64).reshape(-1, 6)

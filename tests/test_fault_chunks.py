@@ -21,7 +21,7 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import assert_rows_hold, drain_events, model_store
+from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, model_store
 
 from asyncside import ExpertStore, _native
 from asyncside.bridge import completed
@@ -52,30 +52,11 @@ def delta(before: dict[str, int]) -> dict[str, int]:
 
 
 def direct_table(tmp_path: pathlib.Path, layout: str) -> tuple[ExpertStore, PoolSet, Any]:
-    """A one-layer store of 16 experts of 24 KiB ("blocks": whole 4 KiB blocks end to end, read in
-    place; "odd": segments off the block grid, read through the aligned buffer), host pools of 4
-    rows and an O_DIRECT fault table over them, every expert absent and every row lent."""
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
-    rng = np.random.default_rng(3)
-    width = 8192 if layout == "blocks" else 8000
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "a": rng.integers(0, 255, size=(16, 2 * width), dtype=np.uint8),
-        "b": rng.integers(0, 255, size=(16, width), dtype=np.uint8),
-    }})
-    spec = store.layer(0)
-    assert spec.stride % 4096 == 0
-    pools = PoolSet(spec, 4, device=False)
-    try:
-        fd = os.open(spec.path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        pytest.skip("this file system refuses O_DIRECT")
-    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
-                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
-                               fd, str(spec.path), spec.stride)
-    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
-    table.set_direct(True)
-    table.lend([0, 1, 2, 3])
+    """A one-layer O_DIRECT fault table over 16 experts of 24 KiB ("blocks": whole 4 KiB blocks end
+    to end, read in place; "odd": segments off the block grid, read through the aligned buffer),
+    4 host rows, every expert absent and every row lent (``direct_fault_table``)."""
+    store, pools, table = direct_fault_table(tmp_path, layout, block=8192, seed=3)
+    assert store.layer(0).stride % 4096 == 0
     return store, pools, table
 
 

@@ -16,13 +16,12 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import assert_rows_hold, drain_events, fault_table, model_store
+from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, fault_table, model_store
 
-from asyncside import ExpertStore, _native
+from asyncside import _native
 from asyncside.bridge import completed
 from asyncside.errors import FillError
 from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
-from asyncside.pools import PoolSet
 from asyncside.runtime import Runtime
 
 from _models_support import BASE
@@ -216,26 +215,8 @@ def test_direct_faults_read_whole_block_records_straight_into_the_rows(tmp_path:
     """O_DIRECT faults of a record made of whole 4 KiB blocks end to end land in the pool rows with
     no copy pass (counted by ``direct_in_place``); any other record goes through the aligned buffer.
     Either way the rows hold the record's bytes, streamed or not."""
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
-    rng = np.random.default_rng(1)
-    width = 4096 if layout == "blocks" else 4000
-    store = ExpertStore.create(tmp_path / "s", {0: {
-        "a": rng.integers(0, 255, size=(16, 2 * width), dtype=np.uint8),
-        "b": rng.integers(0, 255, size=(16, width), dtype=np.uint8),
-    }})
+    store, pools, table = direct_fault_table(tmp_path, layout)
     spec = store.layer(0)
-    pools = PoolSet(spec, 4, device=False)
-    try:
-        fd = os.open(spec.path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        pytest.skip("this file system refuses O_DIRECT")
-    table = _native.FaultTable(0, spec.n_experts, [pools.arrays[s.key] for s in spec.segments],
-                               [s.offset for s in spec.segments], [s.nbytes for s in spec.segments],
-                               fd, str(spec.path), spec.stride)
-    table.sync(np.full(spec.n_experts, -1, dtype=np.int32))
-    table.set_direct(True)
-    table.lend([0, 1, 2, 3])
     before = _native.fault_counters()["direct_in_place"]
     mx.eval(_native.expert_rows(mx.array([3, 11], dtype=mx.uint32), table, CPU))
     ids = mx.array([6, 14], dtype=mx.uint32)
