@@ -223,6 +223,27 @@ def _phase(name: str) -> None:
     print(f"PHASE {name} rss={_rss()}", file=sys.stderr, flush=True)
 
 
+async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], max_tokens: int, predictor: str,
+                            arrived: Any, started: Any = None) -> tuple[float, int, dict[str, Any]]:
+    """Generate with the entered runtime ``rt`` until ``arrived(token)`` says stop, in the
+    "generating" phase: (the start time, the process's read bytes at the start, ``{"stats": the
+    runtime's stats after its reads drained, "rows": rows of each of ``layers``}``). ``started(read_bytes)`` is
+    called once the start is taken, before the first step."""
+    _phase("generating")
+    io1 = _read_bytes()
+    if started is not None:
+        started(io1)
+    t0 = time.perf_counter()
+    agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=predictor)
+    async with contextlib.aclosing(agen):
+        async for tok in agen:
+            if arrived(tok):
+                break
+    await rt.drain()
+    rows = {str(layer): int(rt.ledger(layer).rows) for layer in layers}
+    return t0, io1, {"stats": dict(rt.stats()), "rows": rows}
+
+
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one system as ``spec`` says (in the current process, usually a cgroup's); its figures."""
     import mlx.core as mx
@@ -292,18 +313,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
                 out["load_s"] = time.perf_counter() - t_load
                 out["memory_plan"] = {k: v for k, v in dict(rt.memory).items()
                                       if isinstance(v, (int, float, str, bool))}
-                _phase("generating")
-                io1 = _read_bytes()
-                t0 = time.perf_counter()
-                agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=spec["predictor"])
-                async with contextlib.aclosing(agen):
-                    async for tok in agen:
-                        if arrived(tok):
-                            break
-                await rt.drain()
-                st = dict(rt.stats())
-                rows = {str(layer): int(rt.ledger(layer).rows) for layer in store.layers}
-            return t0, io1, {"stats": st, "rows": rows}
+                return await generate_measured(rt, sm, store.layers, prompt, max_tokens, spec["predictor"], arrived)
 
         t0, io1, got = anyio.run(run, backend="asyncio")
         st = got["stats"]

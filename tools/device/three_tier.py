@@ -65,6 +65,7 @@ from asyncside.bench.offload import (
     check_cgroups,
     disk_curve,
     drop_caches,
+    generate_measured,
     parse_size,
 )
 
@@ -201,22 +202,11 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
             plan = rt.plan
             out["plan_text"] = plan.describe() if plan is not None else None
             out["rss_before_generating"] = _rss()
-            _phase("generating")
-            io1 = _read_bytes()
-            marks.update(rt=rt, io1=io1)
-            t0 = time.perf_counter()
-            agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=spec["predictor"])
-            async with contextlib.aclosing(agen):
-                async for tok in agen:
-                    if arrived(tok):
-                        break
-            await rt.drain()
-            st = {k: v for k, v in dict(rt.stats()).items() if isinstance(v, (int, float, str, bool))}
-            rows = {str(layer): int(rt.ledger(layer).rows) for layer in store.layers}
-        return t0, io1, {"stats": st, "rows": rows}
+            return await generate_measured(rt, sm, store.layers, prompt, max_tokens, spec["predictor"], arrived,
+                                           started=lambda io1: marks.update(rt=rt, io1=io1))
 
     t0, io1, got = anyio.run(run, backend="asyncio")
-    out["stats"] = got["stats"]
+    out["stats"] = {k: v for k, v in got["stats"].items() if isinstance(v, (int, float, str, bool))}
     out["rows_per_layer"] = got["rows"]
     end = stamps[-1] if stamps else time.perf_counter()
     out["tokens"] = tokens
