@@ -266,8 +266,7 @@ class QueuedSteps:
             if staged is not None and logits and inputs.size * walk.top_k < STAGE_DECODE_PAIRS_PER_EXPERT * \
                     cast(Any, source).n_experts(i):
                 staged = None  # a decode batch that keeps its working set in the rows
-            # A step whose pairs fit the lent rows streams whether or not it could be cut in parts
-            streamed = (part is None or inputs.size * walk.top_k <= part) and self._on_cpu and self._streams(source, i)
+            streamed = part is None and self._on_cpu and self._streams(source, i)
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
                       pools: Any = pools, staged: Any = staged, streamed: bool = streamed) -> mx.array:
