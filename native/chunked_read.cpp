@@ -14,8 +14,6 @@
 #include "expert_faults.h"
 
 #if defined(__linux__)
-#include <sys/mman.h>
-
 #include "io_uring_abi.h"
 #endif
 
@@ -98,7 +96,7 @@ struct Piece {
 };
 
 // The calling thread's ring: set up on its first chunked read, closed when the thread ends.
-class ThreadRing {
+class ThreadRing : private RingMap {
  public:
   ThreadRing() {
     Params p;
@@ -107,28 +105,11 @@ class ThreadRing {
     p.cq_entries = kRingEntries * 2;
     fd_ = static_cast<int>(syscall(kSysSetup, kRingEntries, &p));
     if (fd_ < 0) return;
-    if (!(p.features & kFeatSingleMmap)) { teardown(); return; }
-    sq_entries_ = p.sq_entries;
-    ring_len_ = std::max<size_t>(p.sq_off.array + p.sq_entries * sizeof(uint32_t), p.cq_off.cqes + p.cq_entries * sizeof(Cqe));
-    ring_ = ::mmap(nullptr, ring_len_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, kOffSqRing);
-    if (ring_ == MAP_FAILED) {
-      ring_ = nullptr;
-      { teardown(); return; }
+    if (!(p.features & kFeatSingleMmap) || map_ring(fd_, p) != 0) {
+      teardown();
+      return;
     }
-    sqes_len_ = p.sq_entries * sizeof(Sqe);
-    void* s = ::mmap(nullptr, sqes_len_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, kOffSqes);
-    if (s == MAP_FAILED) { teardown(); return; }
-    sqes_ = static_cast<Sqe*>(s);
-    auto* base = static_cast<uint8_t*>(ring_);
-    sq_head_ = reinterpret_cast<uint32_t*>(base + p.sq_off.head);
-    sq_tail_ = reinterpret_cast<uint32_t*>(base + p.sq_off.tail);
-    sq_mask_ = *reinterpret_cast<uint32_t*>(base + p.sq_off.ring_mask);
-    auto* sq_array = reinterpret_cast<uint32_t*>(base + p.sq_off.array);
-    for (unsigned i = 0; i < sq_entries_; ++i) sq_array[i] = i;
-    cq_head_ = reinterpret_cast<uint32_t*>(base + p.cq_off.head);
-    cq_tail_ = reinterpret_cast<uint32_t*>(base + p.cq_off.tail);
-    cq_mask_ = *reinterpret_cast<uint32_t*>(base + p.cq_off.ring_mask);
-    cqes_ = reinterpret_cast<Cqe*>(base + p.cq_off.cqes);
+    sq_entries_ = p.sq_entries;
     ok_ = true;
   }
   ~ThreadRing() { teardown(); }
@@ -227,24 +208,14 @@ class ThreadRing {
  private:
   void teardown() {
     ok_ = false;
-    if (sqes_ != nullptr) ::munmap(sqes_, sqes_len_);
-    if (ring_ != nullptr) ::munmap(ring_, ring_len_);
+    unmap_ring();
     if (fd_ >= 0) ::close(fd_);
-    sqes_ = nullptr;
-    ring_ = nullptr;
     fd_ = -1;
   }
 
   bool ok_ = false;
   int fd_ = -1;
-  void* ring_ = nullptr;
-  size_t ring_len_ = 0;
-  Sqe* sqes_ = nullptr;
-  size_t sqes_len_ = 0;
   unsigned sq_entries_ = 0;
-  uint32_t *sq_head_ = nullptr, *sq_tail_ = nullptr, *cq_head_ = nullptr, *cq_tail_ = nullptr;
-  uint32_t sq_mask_ = 0, cq_mask_ = 0;
-  Cqe* cqes_ = nullptr;
 };
 
 ThreadRing* thread_ring() {

@@ -5,8 +5,11 @@
 #pragma once
 #if defined(__linux__)
 
+#include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 
 namespace asyncside::uring {
@@ -98,6 +101,56 @@ constexpr long kSysSetup = 425;
 constexpr long kSysEnter = 426;
 constexpr long kSysRegister = 427;
 #endif
+
+// A ring's shared memory (its rings in one mapping: IORING_FEAT_SINGLE_MMAP, and its SQEs) and
+// the pointers into it, for a ring fd that io_uring_setup made with `p`. Each of the project's rings
+// (the host reader's, the fault tables' per-thread ones) keeps one, so the mapping is written once.
+struct RingMap {
+  void* ring_ = nullptr;
+  size_t ring_len_ = 0;
+  Sqe* sqes_ = nullptr;
+  size_t sqes_len_ = 0;
+  uint32_t *sq_head_ = nullptr, *sq_tail_ = nullptr, *cq_head_ = nullptr, *cq_tail_ = nullptr;
+  uint32_t sq_mask_ = 0, cq_mask_ = 0;
+  Cqe* cqes_ = nullptr;
+
+  // Map `ring_fd`'s rings and SQEs; 0, or the errno of the mmap that failed (nothing mapped then).
+  int map_ring(int ring_fd, const Params& p) {
+    const size_t len = std::max<size_t>(p.sq_off.array + p.sq_entries * sizeof(uint32_t),
+                                        p.cq_off.cqes + p.cq_entries * sizeof(Cqe));
+    void* r = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring_fd, kOffSqRing);
+    if (r == MAP_FAILED) return errno;
+    const size_t sqes_len = p.sq_entries * sizeof(Sqe);
+    void* s = ::mmap(nullptr, sqes_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring_fd, kOffSqes);
+    if (s == MAP_FAILED) {
+      const int e = errno;
+      ::munmap(r, len);
+      return e;
+    }
+    ring_ = r;
+    ring_len_ = len;
+    sqes_ = static_cast<Sqe*>(s);
+    sqes_len_ = sqes_len;
+    auto* base = static_cast<uint8_t*>(ring_);
+    sq_head_ = reinterpret_cast<uint32_t*>(base + p.sq_off.head);
+    sq_tail_ = reinterpret_cast<uint32_t*>(base + p.sq_off.tail);
+    sq_mask_ = *reinterpret_cast<uint32_t*>(base + p.sq_off.ring_mask);
+    auto* sq_array = reinterpret_cast<uint32_t*>(base + p.sq_off.array);
+    for (unsigned i = 0; i < p.sq_entries; ++i) sq_array[i] = i;  // SQE slot i <-> ring index i
+    cq_head_ = reinterpret_cast<uint32_t*>(base + p.cq_off.head);
+    cq_tail_ = reinterpret_cast<uint32_t*>(base + p.cq_off.tail);
+    cq_mask_ = *reinterpret_cast<uint32_t*>(base + p.cq_off.ring_mask);
+    cqes_ = reinterpret_cast<Cqe*>(base + p.cq_off.cqes);
+    return 0;
+  }
+
+  void unmap_ring() {
+    if (sqes_ != nullptr) ::munmap(sqes_, sqes_len_);
+    if (ring_ != nullptr) ::munmap(ring_, ring_len_);
+    sqes_ = nullptr;
+    ring_ = nullptr;
+  }
+};
 
 }  // namespace asyncside::uring
 

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <stdexcept>
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 namespace asyncside::io {
@@ -52,7 +51,7 @@ unsigned next_pow2(unsigned x) {
 
 constexpr unsigned kFixedFiles = 256;
 
-class UringReader final : public Reader {
+class UringReader final : public Reader, private RingMap {
  public:
   explicit UringReader(const ReaderOptions& opts) : Reader(opts) {
     const unsigned entries = std::min(4096u, std::max(8u, next_pow2(static_cast<unsigned>(opts_.queue_depth))));
@@ -68,30 +67,10 @@ class UringReader final : public Reader {
     }
     sq_entries_ = p.sq_entries;
     cq_entries_ = p.cq_entries;
-    ring_len_ = std::max<size_t>(p.sq_off.array + p.sq_entries * sizeof(uint32_t), p.cq_off.cqes + p.cq_entries * sizeof(Cqe));
-    ring_ = ::mmap(nullptr, ring_len_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring_fd_, kOffSqRing);
-    if (ring_ == MAP_FAILED) {
+    if (int e = map_ring(ring_fd_, p)) {
       ::close(ring_fd_);
-      throw std::runtime_error(std::string("io_uring: mmap of rings failed: ") + std::strerror(errno));
+      throw std::runtime_error(std::string("io_uring: mmap of the rings failed: ") + std::strerror(e));
     }
-    sqes_len_ = p.sq_entries * sizeof(Sqe);
-    void* s = ::mmap(nullptr, sqes_len_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, ring_fd_, kOffSqes);
-    if (s == MAP_FAILED) {
-      ::munmap(ring_, ring_len_);
-      ::close(ring_fd_);
-      throw std::runtime_error(std::string("io_uring: mmap of SQEs failed: ") + std::strerror(errno));
-    }
-    sqes_ = static_cast<Sqe*>(s);
-    auto* base = static_cast<uint8_t*>(ring_);
-    sq_head_ = reinterpret_cast<uint32_t*>(base + p.sq_off.head);
-    sq_tail_ = reinterpret_cast<uint32_t*>(base + p.sq_off.tail);
-    sq_mask_ = *reinterpret_cast<uint32_t*>(base + p.sq_off.ring_mask);
-    auto* sq_array = reinterpret_cast<uint32_t*>(base + p.sq_off.array);
-    for (unsigned i = 0; i < sq_entries_; ++i) sq_array[i] = i;  // SQE slot i <-> ring index i
-    cq_head_ = reinterpret_cast<uint32_t*>(base + p.cq_off.head);
-    cq_tail_ = reinterpret_cast<uint32_t*>(base + p.cq_off.tail);
-    cq_mask_ = *reinterpret_cast<uint32_t*>(base + p.cq_off.ring_mask);
-    cqes_ = reinterpret_cast<Cqe*>(base + p.cq_off.cqes);
     // Never more ops in the kernel than CQ entries: the CQ cannot overflow.
     max_in_ring_ = cq_entries_;
 
@@ -286,23 +265,13 @@ class UringReader final : public Reader {
   }
 
   void teardown() {
-    if (sqes_) ::munmap(sqes_, sqes_len_);
-    if (ring_) ::munmap(ring_, ring_len_);
+    unmap_ring();
     if (ring_fd_ >= 0) ::close(ring_fd_);
-    sqes_ = nullptr;
-    ring_ = nullptr;
     ring_fd_ = -1;
   }
 
   int ring_fd_ = -1;
-  void* ring_ = nullptr;
-  size_t ring_len_ = 0;
-  Sqe* sqes_ = nullptr;
-  size_t sqes_len_ = 0;
-  uint32_t *sq_head_ = nullptr, *sq_tail_ = nullptr, *cq_head_ = nullptr, *cq_tail_ = nullptr;
-  uint32_t sq_mask_ = 0, cq_mask_ = 0;
   unsigned sq_entries_ = 0, cq_entries_ = 0;
-  Cqe* cqes_ = nullptr;
 
   std::mutex sq_mu_;
   unsigned unsubmitted_ = 0;
