@@ -97,10 +97,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench generate`` (the caller adds ``--json``)."""
     p.add_argument("--model", metavar="STORE_DIR", default=None,
                    help="a converted expert store (default: the embedded Qwen3-MoE model)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="a realistic model shape with seeded weights, built once and cached (see --layers, --vocab)")
+    p.add_argument("--shape", metavar="NAME|CONFIG", default=None,
+                   help=f"a realistic model shape with seeded weights, built once and cached (see --layers, --vocab): "
+                        f"one of {', '.join(SHAPES)}, or a Hugging Face config.json (or its directory) whose MoE "
+                        f"dimensions are built as a qwen3_moe")
     p.add_argument("--layers", metavar="N", type=int, default=None,
-                   help="--shape with N decoder layers instead of all (the full qwen3-30b-a3b has ~18 GB of experts)")
+                   help="--shape with N MoE decoder layers instead of all (the full qwen3-30b-a3b has ~18 GB of "
+                        "experts)")
     p.add_argument("--vocab", metavar="V", default=None,
                    help=f"--shape vocabulary: 'full' (default, the real size), 'small' ({SMALL_VOCAB}) or a number")
     p.add_argument("--quick", action="store_true",
@@ -501,7 +504,9 @@ def _resolve_store(args: argparse.Namespace, verbose: bool) -> tuple[pathlib.Pat
         return pathlib.Path(args.model), {"kind": "store"}
     if shape is not None:
         build = ensure_shape(shape, layers=layers, vocab=_vocab(vocab), cache_dir=args.cache_dir, progress=verbose)
-        info = {"kind": "shape", "shape": shape, "layers": build["layers"], "vocab": build["vocab"],
+        info = {"kind": "shape", "shape": build["shape"], "source": build.get("source"),
+                "built_as": build.get("built_as"), "note": build.get("note"), "layers": build["layers"],
+                "vocab": build["vocab"],
                 "built_now": build["built"], "build_seconds": build["build_seconds"],
                 "store_bytes": build["store_bytes"]}
         return pathlib.Path(build["store"]), info
@@ -1006,10 +1011,14 @@ _COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 def _title(result: dict[str, Any]) -> str:
     s = result["settings"]
     load = f", {s['load']} busy processes beside" if s["load"] else ""
+    info = result.get("model_info") or {}
+    # A shape from a user's config: what it was built as, and what of the model it leaves out.
+    shape = f"; shape {info['shape']}: {info['built_as']}" if info.get("built_as") else ""
+    shape += f"; not represented: {info['note']}" if info.get("note") else ""
     return (f"asyncside bench generate — {result['model']} ({result['moe_layers']} MoE layers x "
             f"{result['experts_per_layer']} experts, record {result['record_bytes'] / 1e6:.2f} MB), "
             f"{result['device']}, {s['tokens']} tokens, "
-            f"paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}")
+            f"paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}{shape}")
 
 
 def render_table(result: dict[str, Any]) -> None:

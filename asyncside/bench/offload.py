@@ -533,20 +533,13 @@ def _dir_bytes(path: str | os.PathLike[str]) -> int:
     return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
 
 
-def _shape_list(text: str) -> list[tuple[str, int | None]]:
-    out = []
-    for part in text.split(","):
-        name, _, layers = part.strip().partition(":")
-        out.append((name, int(layers) if layers else None))
-    return out
-
-
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench offload``."""
     p.add_argument("--memory", metavar="SIZE", default=None,
                    help="the memory budget of every run, e.g. 600M or 1.5G (default: a quarter of the smallest store)")
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                   help=f"model shapes as NAME:LAYERS, comma-separated (default {','.join(DEFAULT_SHAPES)})")
+                   help=f"model shapes as NAME:LAYERS or CONFIG.json:LAYERS (a Hugging Face config, built as a "
+                        f"qwen3_moe of its MoE dimensions), comma-separated (default {','.join(DEFAULT_SHAPES)})")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary of the built shapes (default 512)")
     p.add_argument("--stores", metavar="DIR", nargs="+", default=None,
                    help="converted expert stores to run instead of building --shapes")
@@ -578,7 +571,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..routing import LOCALITIES, preset
     from ..store import ExpertStore
     from .machine import machine_info
-    from .shapes import ensure_shape
+    from .shapes import ensure_shape, parse_shape_list
 
     verbose = not getattr(args, "quiet", False)  # progress goes to stderr, beside --json's stdout too
     started = time.time()
@@ -597,15 +590,17 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         builds += [(pathlib.Path(d).name, None, {"store": pathlib.Path(d), "store_bytes": _dir_bytes(d)})
                    for d in args.stores]
     else:
-        for name, layers in _shape_list(args.shapes):
+        for name, layers in parse_shape_list(args.shapes):  # a name or a config.json path
             _log(verbose, f"shape {name} ({layers or 'all'} layers): building or reusing")
-            builds.append((name, layers, ensure_shape(name, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
-                                                      progress=verbose and not getattr(args, "json", False))))
+            build = ensure_shape(name, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
+                                 progress=verbose and not getattr(args, "json", False))
+            builds.append((build["shape"], layers, build))
     for name, layers, build in builds:
         store = ExpertStore.open(build["store"])
         expert_bytes = sum(sp.blob_bytes for sp in store.layers.values())
         first = store.layer(next(iter(store.layers)))
         shapes.append({"shape": name, "layers": layers, "store": str(build["store"]), "expert_bytes": expert_bytes,
+                       "source": build.get("source"), "built_as": build.get("built_as"), "note": build.get("note"),
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
                        "top_k": _store_top_k(str(build["store"]))})

@@ -19,23 +19,46 @@ model's prompts (the store's resident ranking), converts it to an expert store a
 model directory; the store is kept under ``cache_root()/shape-<name>-L<layers>-V<vocab>-<hash>/``
 (built in a temporary directory and renamed into place, under a file lock). Building needs
 twice the store's size on disk while it runs.
+
+A shape is a name of :data:`SHAPES` or the path of a Hugging Face ``config.json`` (or of a directory
+holding one): :func:`config_shape` reads its MoE dimensions whatever the architecture calls them
+(``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``num_experts_per_tok`` /
+``experts_per_token``, ``moe_intermediate_size`` or, where every FFN is an expert as in Mixtral,
+OLMoE and gpt-oss, ``intermediate_size``; hidden size, heads, KV heads, head dim or hidden / heads,
+vocabulary, RoPE theta, norm eps, ``norm_topk_prob``) and builds a qwen3_moe of those dimensions
+with the construction above. What a qwen3_moe cannot represent (shared experts, dense layers,
+sigmoid or group-limited routing, multi-head latent attention, sliding windows, attention sinks,
+biases, RoPE scaling, the model's own quantization) is listed in the build's ``note``; dense
+layers are left out, so ``layers`` counts the model's MoE layers. The cache directory's hash is
+the effective config's (with the seed and quantization), so two configs never share a store.
+The named presets other than the first two are built the same way from their real configs' fields.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import AsyncsideError
 from ..models.embedded import _file_lock
 from ..models.tokenizer import ByteTokenizer
 
-__all__ = ["SHAPES", "SMALL_VOCAB", "ShapeBuild", "ensure_shape", "estimate_bytes", "shape_spec"]
+__all__ = ["SHAPES", "SMALL_VOCAB", "ShapeBuild", "ShapeError", "ShapeSource", "ShapeTooLargeError", "config_shape",
+           "describe_shape", "ensure_shape", "estimate_bytes", "parse_shape_list", "qwen3_moe_config", "shape_spec"]
+
+
+class ShapeError(AsyncsideError, ValueError):
+    """A shape name is unknown, or a model config cannot be built as a shape (the message names the
+    file and the field)."""
+
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {
@@ -69,35 +92,377 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["deepseek-v3-like"] = {**SHAPES["qwen3-30b-a3b"], "num_experts": 256, "num_experts_per_tok": 8,
                               "num_hidden_layers": 61}
 
+#: The fields of real models' ``config.json`` files that the presets below are built from (through
+#: :func:`qwen3_moe_config`, like a user's config). Fields the construction does not read are kept
+#: where they decide a note (shared experts, dense layers, routing, attention).
+HF_PRESETS: dict[str, dict[str, Any]] = {
+    # allenai/OLMoE-1B-7B-0924: 16 layers, all MoE; 64 experts top-8 of intermediate 1024 (its
+    # ``intermediate_size``: OLMoE has no other FFN), hidden 2048, 16 heads (no GQA), vocabulary
+    # 50304, top-k weights not renormalised.
+    "olmoe-1b-7b": {
+        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "vocab_size": 50304, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "norm_topk_prob": False,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    },
+    # Qwen/Qwen1.5-MoE-A2.7B (model_type qwen2_moe): 24 layers, all MoE; 60 routed experts top-4 of
+    # intermediate 1408 and one shared expert of intermediate 5632 (not represented), hidden 2048,
+    # 16 heads, vocabulary 151936.
+    "qwen2-moe-a2.7b": {
+        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "norm_topk_prob": False, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    },
+    # deepseek-ai/DeepSeek-V2-Lite: 27 layers, the first dense (``first_k_dense_replace`` 1), 26 MoE
+    # of 64 routed experts top-6 of intermediate 1408 plus 2 shared experts; hidden 2048, 16 heads of
+    # multi-head latent attention (``kv_lora_rank`` 512), vocabulary 102400, softmax greedy top-k.
+    "deepseek-v2-lite": {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+        "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False,
+    },
+    # openai/gpt-oss-20b: 24 layers, all MoE; 32 experts top-4 of intermediate 2880, hidden 2880,
+    # 64 query heads over 8 KV heads of dimension 64, vocabulary 201088; attention sinks, sliding
+    # windows on alternate layers, biases and MXFP4 experts (none represented).
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "rope_theta": 150000,
+        "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096},
+        "quantization_config": {"quant_method": "mxfp4"}, "tie_word_embeddings": False,
+    },
+    # mistralai/Mixtral-8x7B-v0.1: 32 layers, all MoE; 8 experts top-2 of intermediate 14336 (its
+    # ``intermediate_size``), hidden 4096, 32 heads over 8 KV heads, vocabulary 32000 (records of
+    # about 110 MB at 4 bits: the full shape is larger than most disks' free space).
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+        "sliding_window": None, "tie_word_embeddings": False,
+    },
+}
+
+#: What each preset's qwen3_moe does not represent (see :func:`qwen3_moe_config`)
+PRESET_NOTES: dict[str, list[str]] = {
+    "qwen3-30b-a3b": [],
+    "deepseek-v3-like": ["DeepSeek-V3's expert count and top-k on qwen3-30b-a3b's dimensions: its 7168-wide "
+                         "experts, shared expert, 3 dense first layers, sigmoid group-limited routing and "
+                         "multi-head latent attention are not represented"],
+}
+
+# The config fields that name each dimension, in the order they are tried.
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k")
+_HIDDEN = ("hidden_size", "d_model", "n_embd")
+_LAYERS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
+_HEADS = ("num_attention_heads", "n_heads", "n_head")
+_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+_VOCAB = ("vocab_size", "padded_vocab_size")
+_EPS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
+#: model types whose router renormalises the top-k weights without a ``norm_topk_prob`` field
+_RENORMALISING = ("mixtral", "gpt_oss", "phimoe", "minimax", "granitemoe")
+
+
+def _pick(raw: dict[str, Any], fields: tuple[str, ...]) -> tuple[str, Any] | None:
+    for f in fields:
+        if raw.get(f) is not None:
+            return f, raw[f]
+    return None
+
+
+def _positive_int(origin: str, field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShapeError(f"{origin}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _required_int(origin: str, raw: dict[str, Any], fields: tuple[str, ...], what: str) -> tuple[str, int]:
+    got = _pick(raw, fields)
+    if got is None:
+        raise ShapeError(f"{origin}: no {what} (looked for {' / '.join(fields)})")
+    return got[0], _positive_int(origin, got[0], got[1])
+
+
+def _number(origin: str, raw: dict[str, Any], fields: tuple[str, ...], default: float, what: str,
+            notes: list[str]) -> float:
+    got = _pick(raw, fields)
+    if got is None:
+        notes.append(f"{what} absent ({' / '.join(fields)}): {default:g}")
+        return default
+    if isinstance(got[1], bool) or not isinstance(got[1], (int, float)) or not math.isfinite(got[1]) or got[1] <= 0:
+        raise ShapeError(f"{origin}: {got[0]} must be a positive number, got {got[1]!r}")
+    return float(got[1])
+
+
+def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
+    """The indices of the model's MoE decoder layers (DeepSeek's ``first_k_dense_replace`` /
+    ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``; else every layer)."""
+    first_dense = raw.get("first_k_dense_replace") or 0
+    freq = raw.get("moe_layer_freq") or 1
+    step = raw.get("decoder_sparse_step") or 1
+    only_mlp = raw.get("mlp_only_layers") or []
+    for field, value in (("first_k_dense_replace", first_dense), ("moe_layer_freq", freq),
+                         ("decoder_sparse_step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ShapeError(f"{origin}: {field} must be a non-negative integer, got {value!r}")
+    if not isinstance(only_mlp, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_mlp):
+        raise ShapeError(f"{origin}: mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
+    return [i for i in range(n_layers) if i >= first_dense and i % freq == 0 and (i + 1) % step == 0
+            and i not in only_mlp]
+
+
+def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers: int, n_moe: int,
+                   head_dim: int) -> list[str]:
+    """The notes on what a qwen3_moe of ``raw``'s dimensions leaves out of the model."""
+    notes: list[str] = []
+    if model_type != "qwen3_moe":
+        notes.append(f"built as a qwen3_moe of these dimensions (per-head q/k norms, no biases), "
+                     f"not as model_type {model_type!r}")
+    if f_field == "intermediate_size" and model_type != "qwen3_moe":
+        notes.append("expert intermediate size from intermediate_size (every FFN of this architecture is an expert)")
+    if n_moe < n_layers:
+        notes.append(f"{n_layers - n_moe} dense decoder layer(s) of the {n_layers} not represented: "
+                     f"{n_moe} MoE layers built")
+    shared = [(f, raw[f]) for f in ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size",
+                                    "moe_shared_expert_intermediate_size") if raw.get(f)]
+    if shared:
+        notes.append("shared expert(s) not represented (" + ", ".join(f"{f} {v}" for f, v in shared) + ")")
+    routing = [(f, raw[f]) for f in ("scoring_func", "topk_method") if raw.get(f) not in (None, "softmax", "greedy")]
+    routing += [(f, raw[f]) for f in ("n_group", "topk_group") if isinstance(raw.get(f), int) and raw[f] > 1]
+    if raw.get("routed_scaling_factor") not in (None, 1, 1.0):
+        routing.append(("routed_scaling_factor", raw["routed_scaling_factor"]))
+    if routing:
+        notes.append("routing built as softmax top-k: " + ", ".join(f"{f} {v}" for f, v in routing) +
+                     " not represented")
+    if raw.get("kv_lora_rank"):
+        notes.append(f"multi-head latent attention (kv_lora_rank {raw['kv_lora_rank']}) built as standard "
+                     f"attention of head_dim {head_dim}")
+    if raw.get("sliding_window") or raw.get("layer_types"):
+        notes.append(f"sliding-window attention (sliding_window {raw.get('sliding_window')}) not represented")
+    if model_type == "gpt_oss" or raw.get("attention_sinks"):
+        notes.append("attention sinks not represented")
+    biases = [f for f in ("attention_bias", "qkv_bias", "mlp_bias") if raw.get(f)]
+    if biases or model_type == "qwen2_moe":
+        notes.append("biases not represented (" + (", ".join(biases) or "qwen2_moe's q/k/v biases") + ")")
+    if raw.get("rope_scaling"):
+        notes.append(f"rope_scaling {json.dumps(raw['rope_scaling'], sort_keys=True)} not represented")
+    if raw.get("tie_word_embeddings"):
+        notes.append("tied embeddings built untied")
+    if raw.get("quantization_config"):
+        qm = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+        notes.append(f"the model's own quantization ({qm or 'quantization_config'}) replaced by the bench's "
+                     f"4-bit affine")
+    return notes
+
+
+def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[dict[str, Any], list[str]]:
+    """(the qwen3_moe config built for ``raw``, the notes on what it does not represent) from a
+    Hugging Face model config (``origin`` names it in errors). A multimodal config's ``text_config``
+    is read when the top level has no expert count. Raises :class:`ShapeError` naming the field for
+    a config that is not a mixture of experts or has a missing or bad dimension."""
+    if not isinstance(raw, dict):
+        raise ShapeError(f"{origin}: a model config is a JSON object, got {type(raw).__name__}")
+    notes: list[str] = []
+    if _pick(raw, _EXPERTS) is None and isinstance(raw.get("text_config"), dict):
+        raw = raw["text_config"]
+        origin = f"{origin} (text_config)"
+        notes.append("read from the config's text_config")
+    model_type = str(raw.get("model_type") or "unknown")
+    got = _pick(raw, _EXPERTS)
+    if got is None or got[1] == 0:
+        why = f"{got[0]} is 0" if got else "no " + " / ".join(_EXPERTS[:3])
+        raise ShapeError(f"{origin}: not a mixture-of-experts config: {why}")
+    n_experts = _positive_int(origin, got[0], got[1])
+    k_field, top_k = _required_int(origin, raw, _TOP_K, "experts per token")
+    if top_k > n_experts:
+        raise ShapeError(f"{origin}: {k_field} {top_k} exceeds {got[0]} {n_experts}")
+    got_f = _pick(raw, ("moe_intermediate_size", "expert_intermediate_size"))
+    if got_f is None:
+        f_field, ffn = _required_int(origin, raw, ("intermediate_size", "ffn_hidden_size"),
+                                     "expert intermediate size")
+    else:
+        f_field, ffn = got_f[0], _positive_int(origin, got_f[0], got_f[1])
+    _, hidden = _required_int(origin, raw, _HIDDEN, "hidden size")
+    l_field, n_layers = _required_int(origin, raw, _LAYERS, "decoder layer count")
+    h_field, heads = _required_int(origin, raw, _HEADS, "attention head count")
+    got_kv = _pick(raw, _KV_HEADS)
+    kv_heads = heads if got_kv is None else _positive_int(origin, got_kv[0], got_kv[1])
+    if heads % kv_heads:
+        raise ShapeError(f"{origin}: {h_field} {heads} is not a multiple of {got_kv[0] if got_kv else ''} {kv_heads}")
+    if raw.get("head_dim") is not None:
+        head_dim = _positive_int(origin, "head_dim", raw["head_dim"])
+    elif hidden % heads:
+        raise ShapeError(f"{origin}: no head_dim, and hidden size {hidden} is not a multiple of {h_field} {heads}")
+    else:
+        head_dim = hidden // heads
+    _, vocab = _required_int(origin, raw, _VOCAB, "vocabulary size")
+    theta = _number(origin, raw, ("rope_theta",), 10000.0, "rope_theta", notes)
+    eps = _number(origin, raw, _EPS, 1e-6, "norm eps", notes)
+    norm_topk = raw.get("norm_topk_prob")
+    if norm_topk is None:
+        norm_topk = model_type in _RENORMALISING
+    elif not isinstance(norm_topk, bool):
+        raise ShapeError(f"{origin}: norm_topk_prob must be true or false, got {norm_topk!r}")
+    moe = _moe_layers(origin, raw, n_layers)
+    if not moe:
+        raise ShapeError(f"{origin}: no MoE layer among the {n_layers} of {l_field} (first_k_dense_replace / "
+                         f"moe_layer_freq / decoder_sparse_step / mlp_only_layers leave none)")
+    max_pos = raw.get("max_position_embeddings")
+    config = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": len(moe),
+        "intermediate_size": ffn,  # the dense MLP size: unused, every layer is MoE
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_experts": n_experts,
+        "num_experts_per_tok": top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": ffn,
+        "rms_norm_eps": eps,
+        "vocab_size": vocab,
+        "rope_theta": theta,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": max_pos if isinstance(max_pos, int) and max_pos > 0 else 4096,
+        "norm_topk_prob": norm_topk,
+        "bos_token_id": ByteTokenizer.BOS,
+        "eos_token_id": ByteTokenizer.EOS,
+        "torch_dtype": "float32",
+    }
+    notes += _unrepresented(raw, model_type, f_field, n_layers, len(moe), head_dim)
+    return config, notes
+
+
+@dataclass(frozen=True)
+class ShapeSource:
+    """A resolved shape: ``name`` (the preset's, or a label from the config's path), the qwen3_moe
+    ``config`` built, the ``notes`` on what it does not represent, the ``source`` config.json (None
+    for a preset) and the quantization ``group_size`` its dimensions allow."""
+
+    name: str
+    config: dict[str, Any]
+    notes: tuple[str, ...]
+    source: str | None = None
+    group_size: int = 64
+
+
+def _group_size(config: dict[str, Any], origin: str) -> int:
+    """The largest of MLX's group sizes dividing every quantized matrix's input width."""
+    widths = {"hidden_size": config["hidden_size"], "moe_intermediate_size": config["moe_intermediate_size"],
+              "num_attention_heads x head_dim": config["num_attention_heads"] * config["head_dim"]}
+    for g in (64, 32):
+        if all(w % g == 0 for w in widths.values()):
+            return g
+    bad = ", ".join(f"{k} {v}" for k, v in widths.items() if v % 32)
+    raise ShapeError(f"{origin}: 4-bit quantization needs widths that are multiples of 32: {bad}")
+
+
+def config_shape(path: str | os.PathLike[str]) -> ShapeSource:
+    """The shape of a Hugging Face ``config.json`` (or of a directory holding one); see
+    :func:`qwen3_moe_config`. Raises :class:`ShapeError` naming the file."""
+    p = pathlib.Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ShapeError(f"{p}: no such config file (a shape is one of {sorted(SHAPES)} or a Hugging Face "
+                         f"config.json / a directory holding one)")
+    try:
+        raw = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShapeError(f"{p}: not a JSON config: {exc}") from None
+    config, notes = qwen3_moe_config(raw, str(p))
+    label = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")[:48] or "config"
+    return ShapeSource(name=label, config=config, notes=tuple(notes), source=str(p.resolve()),
+                       group_size=_group_size(config, str(p)))
+
+
+def _looks_like_path(shape: str) -> bool:
+    return "/" in shape or os.sep in shape or shape.endswith(".json") or shape.startswith((".", "~"))
+
+
+def describe_shape(shape: str | os.PathLike[str]) -> ShapeSource:
+    """The shape named ``shape``: a key of :data:`SHAPES`, or a config.json path (:func:`config_shape`)."""
+    text = os.fspath(shape)
+    if text in SHAPES:
+        return ShapeSource(name=text, config=SHAPES[text], notes=tuple(PRESET_NOTES.get(text, ())))
+    if _looks_like_path(text) or os.path.exists(text):
+        return config_shape(text)
+    raise ShapeError(f"unknown shape {text!r}; known shapes: {sorted(SHAPES)}, or the path of a Hugging Face "
+                     f"config.json")
+
+
+def parse_shape_list(text: str) -> list[tuple[str, int | None]]:
+    """``--shapes``: comma-separated ``SHAPE[:LAYERS]`` (SHAPE a name or a config.json path) as
+    (shape, layers or None). Raises :class:`ShapeError` for an empty entry or a bad layer count."""
+    out: list[tuple[str, int | None]] = []
+    for part in text.split(","):
+        part = part.strip()
+        shape, sep, layers = part.rpartition(":")
+        if not sep:
+            shape, layers = part, ""
+        elif not layers.isdigit() and os.path.exists(part):  # a path holding ':' and no layer count
+            shape, layers = part, ""
+        if not shape:
+            raise ShapeError(f"--shapes: empty shape in {text!r} (expected NAME[:LAYERS] or CONFIG.json[:LAYERS], "
+                             f"comma-separated)")
+        if layers and (not layers.isdigit() or int(layers) < 1):
+            raise ShapeError(f"--shapes: {part!r}: LAYERS must be a positive integer, got {layers!r}")
+        out.append((shape, int(layers) if layers else None))
+    return out
+
+
+for _name, _raw in HF_PRESETS.items():
+    SHAPES[_name], PRESET_NOTES[_name] = qwen3_moe_config(_raw, f"the {_name} preset")
+
 #: ``--vocab small``: the embedded model's vocabulary size
 SMALL_VOCAB = 512
 READY_FILE = "READY"
 BUILD_FILE = "asyncside_shape.json"
 
 
-def shape_spec(name: str, *, layers: int | None = None, vocab: int | None = None) -> Any:
-    """The :class:`~asyncside.models.embedded.EmbeddedSpec` of shape ``name`` (ValueError naming the
-    choices for an unknown name or a bad layer count / vocabulary)."""
+def shape_spec(name: str | os.PathLike[str], *, layers: int | None = None, vocab: int | None = None) -> Any:
+    """The :class:`~asyncside.models.embedded.EmbeddedSpec` of shape ``name`` (a name of :data:`SHAPES`
+    or a config.json path); :class:`ShapeError` naming the choices for an unknown name, the file and
+    field for a bad config, or the bad layer count / vocabulary."""
     from ..models.embedded import EmbeddedSpec
 
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; known shapes: {sorted(SHAPES)}")
-    config = dict(SHAPES[name])
+    src = describe_shape(name)
+    config = dict(src.config)
     if layers is not None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= config["num_hidden_layers"]:
-            raise ValueError(f"--layers must be an integer in [1, {config['num_hidden_layers']}] for {name}, "
-                             f"got {layers!r}")
+            raise ShapeError(f"--layers must be an integer in [1, {config['num_hidden_layers']}] for {src.name} "
+                             f"(its MoE layers), got {layers!r}")
         config["num_hidden_layers"] = layers
     if vocab is not None:
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 258:
-            raise ValueError(f"--vocab must be an integer >= 258 (the byte tokenizer's tokens), 'small' or 'full', "
+            raise ShapeError(f"--vocab must be an integer >= 258 (the byte tokenizer's tokens), 'small' or 'full', "
                              f"got {vocab!r}")
         config["vocab_size"] = vocab
-    return EmbeddedSpec(config=config, resident_fraction=0.25)
+    elif config["vocab_size"] < 258:
+        raise ShapeError(f"{src.source or src.name}: vocab_size {config['vocab_size']} is below the byte tokenizer's "
+                         f"258 tokens (--vocab small or a number)")
+    if src.group_size == 64:  # the default: the presets' cache keys stay the same
+        return EmbeddedSpec(config=config, resident_fraction=0.25)
+    return EmbeddedSpec(config=config, resident_fraction=0.25, group_size=src.group_size)
 
 
 def estimate_bytes(spec: Any) -> dict[str, int]:
-    """Bytes of the built store: experts and the rest (embedding, head, attention), approximately."""
+    """Bytes of the built store: experts and the rest (embedding, head, attention), approximately;
+    ``build_memory``: what the build holds in memory at its peak (the quantized model whole, one
+    layer's float experts as they are generated, the float embedding and head)."""
     c = spec.config
     d, f, e, v = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["vocab_size"]
     dsize = 2 if spec.dtype in ("bfloat16", "float16") else 4
@@ -109,42 +474,61 @@ def estimate_bytes(spec: Any) -> dict[str, int]:
     heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     attn = q(heads * hd, d) + 2 * q(kv * hd, d) + q(d, heads * hd) + q(e, d, 8)
     layers = c["num_hidden_layers"]
-    return {"record": record, "experts": layers * e * record, "non_expert": 2 * q(v, d) + layers * attn}
+    experts, non_expert = layers * e * record, 2 * q(v, d) + layers * attn
+    return {"record": record, "experts": experts, "non_expert": non_expert,
+            "build_memory": experts + non_expert + 3 * e * f * d * 4 + 2 * v * d * 4}
 
 
 class ShapeBuild(dict):  # type: ignore[type-arg]
-    """What :func:`ensure_shape` returns: ``store`` (path) and the build's figures
-    (``built``: whether this call built it, ``build_seconds``, ``store_bytes``, the spec)."""
+    """What :func:`ensure_shape` returns: ``store`` (path) and the build's figures (``built``: whether
+    this call built it, ``build_seconds``, ``store_bytes``, the spec), ``shape`` (the name, or the
+    config's label), ``source`` (the config.json, or None), ``built_as`` (what the weights are) and
+    ``note`` (what the build does not represent of the source, ``"; "``-separated; empty if nothing)."""
+
+
+class ShapeTooLargeError(AsyncsideError, OSError):
+    """The disk or the memory cannot hold a shape's build (the message names the directory or the
+    memory's source, the bytes needed and free, and the way out: fewer layers)."""
 
 
 def _dir_bytes(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def ensure_shape(name: str, *, layers: int | None = None, vocab: int | None = None,
+def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, vocab: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> ShapeBuild:
-    """The expert store of shape ``name`` (see the module docstring), building it on first use.
+    """The expert store of shape ``name`` (a name of :data:`SHAPES` or a config.json path; see the
+    module docstring), building it on first use.
 
-    Refuses (OSError naming the directory, the bytes needed and free) when the disk cannot hold
-    the build. Concurrent callers wait on a file lock; a half-built directory is never visible.
+    Refuses (:class:`ShapeTooLargeError`, an OSError naming the directory or the memory, the bytes
+    needed and free) when the disk or the memory cannot hold the build. Concurrent callers wait on a
+    file lock; a half-built directory is never visible.
     """
     from mlx_lm.utils import save_config, save_model
 
+    from ..memory import available_memory
     from ..models.convert import convert_model, profile_routing
     from ..models.embedded import PROFILE_PROMPTS, build_model, cache_root
 
+    src = describe_shape(name)
     spec = shape_spec(name, layers=layers, vocab=vocab)
     cfg = spec.config
+    # Who asked, not who built: the same effective config reached from another file shares the store.
+    about = {"shape": src.name, "source": src.source,
+             "built_as": f"qwen3_moe ({cfg['num_hidden_layers']} MoE layers x {cfg['num_experts']} experts "
+                         f"top-{cfg['num_experts_per_tok']}, hidden {cfg['hidden_size']}, expert intermediate "
+                         f"{cfg['moe_intermediate_size']}; asyncside's seeded construction)",
+             "note": "; ".join(src.notes)}
     root = cache_root(cache_dir)
-    tag = f"shape-{name}-L{cfg['num_hidden_layers']}-V{cfg['vocab_size']}-{spec.key()}"
+    tag = f"shape-{src.name}-L{cfg['num_hidden_layers']}-V{cfg['vocab_size']}-{spec.key()}"
     final = root / tag
     if (final / READY_FILE).is_file():
         info = json.loads((final / BUILD_FILE).read_text())
-        return ShapeBuild(info, store=final / "store", built=False)
+        return ShapeBuild(info, **about, store=final / "store", built=False)
     with _file_lock(root / f".{tag}.lock"):
         if (final / READY_FILE).is_file():
             info = json.loads((final / BUILD_FILE).read_text())
-            return ShapeBuild(info, store=final / "store", built=False)
+            return ShapeBuild(info, **about, store=final / "store", built=False)
         if final.exists():  # a leftover without READY: never trust it
             shutil.rmtree(final)
         est = estimate_bytes(spec)
@@ -152,9 +536,14 @@ def ensure_shape(name: str, *, layers: int | None = None, vocab: int | None = No
         need = int(2.1 * (est["experts"] + est["non_expert"]))
         free = shutil.disk_usage(root).free
         if free < need:
-            raise OSError(f"{root}: building shape {name} with {cfg['num_hidden_layers']} layers needs about "
-                          f"{need / 1e9:.1f} GB free while it builds, {free / 1e9:.1f} GB are free "
-                          f"(fewer layers: --layers N)")
+            raise ShapeTooLargeError(f"{root}: building shape {src.name} with {cfg['num_hidden_layers']} layers needs "
+                                     f"about {need / 1e9:.1f} GB free while it builds, {free / 1e9:.1f} GB are free "
+                                     f"(fewer layers: --layers N)")
+        room = available_memory()
+        if room.available < est["build_memory"]:
+            raise ShapeTooLargeError(f"building shape {src.name} with {cfg['num_hidden_layers']} layers holds about "
+                                     f"{est['build_memory'] / 1e9:.1f} GB in memory, {room.available / 1e9:.1f} GB "
+                                     f"are available ({room.source}) (fewer layers: --layers N)")
         t0 = time.perf_counter()
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=root))
         try:
@@ -168,10 +557,10 @@ def ensure_shape(name: str, *, layers: int | None = None, vocab: int | None = No
             prof = profile_routing(model, mcfg, prompts, max_tokens=spec.profile_tokens, source="embedded prompts")
             del model
             convert_model(model_dir, tmp / "store", profile=prof, resident_fraction=spec.resident_fraction,
-                          progress=progress, model_id=f"asyncside-shape-{name}-L{cfg['num_hidden_layers']}"
+                          progress=progress, model_id=f"asyncside-shape-{src.name}-L{cfg['num_hidden_layers']}"
                                                         f"-V{cfg['vocab_size']}-{spec.key()[:8]}")
             shutil.rmtree(model_dir)  # the store holds everything the bench loads
-            info = {"shape": name, "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"],
+            info = {**about, "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"],
                     "build_seconds": round(time.perf_counter() - t0, 1), "store_bytes": _dir_bytes(tmp / "store"),
                     "estimate": est, "spec": asdict(spec)}
             (tmp / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
