@@ -322,7 +322,8 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         "architectures": ["Qwen3MoeForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": len(moe),
-        "intermediate_size": ffn,  # the dense MLP size: unused, every layer is MoE
+        # The dense MLP size: unused (every layer is MoE), kept so a qwen3_moe config reads back unchanged.
+        "intermediate_size": raw["intermediate_size"] if got_f is not None and raw.get("intermediate_size") else ffn,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
