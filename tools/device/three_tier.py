@@ -327,8 +327,10 @@ def render_markdown(result: dict[str, Any]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line (see the module docstring); a bad value exits with a usage error naming it."""
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--shape", default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's all)")
+    p.add_argument("--shape", default="qwen3-30b-a3b",
+                   help="a shape name of asyncside.bench.shapes, or a Hugging Face config.json (or its directory): "
+                        "its MoE dimensions built as a qwen3_moe (docs/models.md, 'Bench model shapes')")
+    p.add_argument("--layers", type=int, default=None, help="MoE decoder layers (default: the shape's all)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the shape's own)")
     p.add_argument("--cache-dir", default=None, help="where the shape is built (default ~/.cache/asyncside)")
     p.add_argument("--resident", default="0.10", help="device pools' share of each layer's experts, or auto")
