@@ -76,6 +76,28 @@ def _dims(config: dict[str, Any]) -> tuple[Any, ...]:
      (2, 4, 2, 192, 192, 8, 2, 64, 600), True,
      ["attention sinks", "sliding-window attention (sliding_window 128)", "biases not represented (attention_bias)",
       "mxfp4", "rope_scaling", "tied embeddings built untied"]),
+    # DBRX: the MoE fields nested in ffn_config, the KV heads in attn_config, d_model / n_heads / n_layers.
+    ({"model_type": "dbrx", "d_model": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 400,
+      "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 64},
+      "attn_config": {"kv_n_heads": 2, "rope_theta": 500000}},
+     (2, 4, 2, 128, 64, 4, 2, 32, 400), False,
+     ["read from the config's ffn_config", "expert intermediate size from ffn_hidden_size"]),
+    # Llama 4: text_config, every second layer MoE (interleave_moe_layer_step).
+    ({"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 128, "intermediate_size": 64, "intermediate_size_mlp": 256,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 500}},
+     (2, 16, 1, 128, 64, 4, 2, 32, 500), False,
+     ["read from the config's text_config", "2 dense decoder layer(s) of the 4", "rope_theta absent"]),
+    # Jamba: experts every expert_layer_period layers from expert_layer_offset; no eps field.
+    ({"model_type": "jamba", "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 8,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+      "expert_layer_period": 2, "expert_layer_offset": 1, "vocab_size": 400},
+     (4, 4, 2, 128, 64, 4, 2, 32, 400), False,
+     ["4 dense decoder layer(s) of the 8", "norm eps absent (rms_norm_eps / layer_norm_eps"]),
+    # An explicit moe_layers list (indices past the last layer ignored).
+    ({**TINY_MIXTRAL, "num_hidden_layers": 4, "moe_layers": [0, 2, 9]}, (2, 8, 2, 128, 128, 4, 2, 32, 32000), True,
+     ["2 dense decoder layer(s) of the 4"]),
     # A multimodal wrapper: the MoE dimensions are in text_config.
     ({"model_type": "some_vl", "text_config": {**TINY_MIXTRAL, "model_type": "qwen3_moe",
                                                "moe_intermediate_size": 64, "norm_topk_prob": True}},
@@ -171,6 +193,8 @@ def _no_moe_field(raw: dict[str, Any]) -> dict[str, Any]:
     ({**TINY_MIXTRAL, "norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
     ({**TINY_DEEPSEEK, "first_k_dense_replace": 3}, "no MoE layer among the 3 of num_hidden_layers"),
     ([1, 2], "a model config is a JSON object, got list"),
+    ({**TINY_MIXTRAL, "moe_layers": "all"}, "moe_layers must be a list of layer indices, got 'all'"),
+    ({**TINY_MIXTRAL, "decoder_sparse_step": -1}, "decoder_sparse_step must be a non-negative integer, got -1"),
 ])
 def test_bad_configs_name_the_file_and_the_field(tmp_path: pathlib.Path, raw: Any, message: str) -> None:
     path = _write(tmp_path / "m", raw)

@@ -204,20 +204,29 @@ def _number(origin: str, raw: dict[str, Any], fields: tuple[str, ...], default: 
 
 
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
-    """The indices of the model's MoE decoder layers (DeepSeek's ``first_k_dense_replace`` /
-    ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``; else every layer)."""
-    first_dense = raw.get("first_k_dense_replace") or 0
-    freq = raw.get("moe_layer_freq") or 1
-    step = raw.get("decoder_sparse_step") or 1
-    only_mlp = raw.get("mlp_only_layers") or []
-    for field, value in (("first_k_dense_replace", first_dense), ("moe_layer_freq", freq),
-                         ("decoder_sparse_step", step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
+    DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
+    ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
+    ``expert_layer_offset``; every layer where none is given."""
+    listed = raw.get("moe_layers")
+    if listed is not None:
+        if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
+            raise ShapeError(f"{origin}: moe_layers must be a list of layer indices, got {listed!r}")
+        return sorted({i for i in listed if 0 <= i < n_layers})
+    ints = {f: raw.get(f) for f in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
+                                    "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")}
+    for field, value in ints.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ShapeError(f"{origin}: {field} must be a non-negative integer, got {value!r}")
+    only_mlp = raw.get("mlp_only_layers") or []
     if not isinstance(only_mlp, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_mlp):
         raise ShapeError(f"{origin}: mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
+    first_dense = ints["first_k_dense_replace"] or 0
+    freq = ints["moe_layer_freq"] or 1
+    step = ints["decoder_sparse_step"] or ints["interleave_moe_layer_step"] or 1
+    period, offset = ints["expert_layer_period"] or 1, ints["expert_layer_offset"] or 0
     return [i for i in range(n_layers) if i >= first_dense and i % freq == 0 and (i + 1) % step == 0
-            and i not in only_mlp]
+            and i % period == offset % period and i not in only_mlp]
 
 
 def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers: int, n_moe: int,
@@ -227,8 +236,8 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
     if model_type != "qwen3_moe":
         notes.append(f"built as a qwen3_moe of these dimensions (per-head q/k norms, no biases), "
                      f"not as model_type {model_type!r}")
-    if f_field == "intermediate_size" and model_type != "qwen3_moe":
-        notes.append("expert intermediate size from intermediate_size (every FFN of this architecture is an expert)")
+    if f_field in ("intermediate_size", "ffn_hidden_size") and model_type != "qwen3_moe":
+        notes.append(f"expert intermediate size from {f_field} (every FFN of this architecture is an expert)")
     if n_moe < n_layers:
         notes.append(f"{n_layers - n_moe} dense decoder layer(s) of the {n_layers} not represented: "
                      f"{n_moe} MoE layers built")
@@ -276,6 +285,11 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         raw = raw["text_config"]
         origin = f"{origin} (text_config)"
         notes.append("read from the config's text_config")
+    if _pick(raw, _EXPERTS) is None and isinstance(raw.get("ffn_config"), dict):  # DBRX nests its MoE fields
+        attn: dict[str, Any] = raw["attn_config"] if isinstance(raw.get("attn_config"), dict) else {}
+        raw = {**raw, **raw["ffn_config"], **{k: v for k, v in (("num_key_value_heads", attn.get("kv_n_heads")),
+                                                                  ("rope_theta", attn.get("rope_theta"))) if v}}
+        notes.append("MoE fields read from the config's ffn_config (attn_config: KV heads, rope_theta)")
     model_type = str(raw.get("model_type") or "unknown")
     got = _pick(raw, _EXPERTS)
     if got is None or got[1] == 0:
