@@ -204,7 +204,7 @@ def test_bad_configs_name_the_file_and_the_field(tmp_path: pathlib.Path, raw: An
 
 
 def test_bad_paths_names_and_sizes(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(shapes.ShapeError, match=r"no such config file \(a shape is one of \[.*'olmoe-1b-7b'"):
+    with pytest.raises(shapes.ShapeError, match=r"no such config file \(a shape is one of \[.*'olmoe-1b-7b'.*repo id org/name"):
         shapes.shape_spec(str(tmp_path / "missing" / "config.json"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(shapes.ShapeError, match=r"empty/config\.json: no such config file"):
@@ -221,6 +221,25 @@ def test_bad_paths_names_and_sizes(tmp_path: pathlib.Path) -> None:
     with pytest.raises(shapes.ShapeError, match=r"vocab_size 100 is below the byte tokenizer's 258 tokens"):
         shapes.shape_spec(str(small))
     assert shapes.shape_spec(str(small), vocab=300).config["vocab_size"] == 300
+
+
+def test_a_repo_id_reads_its_config_from_the_hub_cache(tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--shape org/name` (not a local path): the repo's config.json alone, from the local Hugging Face
+    cache here (offline); the shape is named after the repo. Not cached and offline: one clear error."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local path acme/tiny-moe
+    repo = tmp_path / "hub" / "models--acme--tiny-moe"
+    _write(repo / "snapshots" / "0123abcd", TINY_MIXTRAL)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    src = shapes.describe_shape("acme/tiny-moe")
+    assert src.name == "tiny-moe" and src.source is not None and src.source.startswith("acme/tiny-moe (")
+    assert _dims(src.config) == (2, 8, 2, 128, 128, 4, 2, 32, 32000)
+    with pytest.raises(shapes.ShapeError, match=r"acme/other: not a local path, and its config\.json is not in the "
+                                                r"local Hugging Face cache"):
+        shapes.describe_shape("acme/other")
 
 
 def test_shape_lists(tmp_path: pathlib.Path) -> None:

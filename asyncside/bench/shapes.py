@@ -36,6 +36,7 @@ The named presets other than the first two are built the same way from their rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -391,8 +392,8 @@ def config_shape(path: str | os.PathLike[str]) -> ShapeSource:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ShapeError(f"{p}: no such config file (a shape is one of {sorted(SHAPES)} or a Hugging Face "
-                         f"config.json / a directory holding one)")
+        raise ShapeError(f"{p}: no such config file (a shape is one of {sorted(SHAPES)}, a Hugging Face "
+                         f"config.json or a directory holding one, or a Hugging Face repo id org/name)")
     try:
         raw = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -408,11 +409,44 @@ def _looks_like_path(shape: str) -> bool:
     return "/" in shape or os.sep in shape or shape.endswith(".json") or shape.startswith((".", "~"))
 
 
+def _hub_config(repo_id: str) -> pathlib.Path:
+    """The ``config.json`` of Hugging Face repo ``repo_id`` (only that file): the local cache first,
+    then a download unless ``HF_HUB_OFFLINE`` is set. :class:`ShapeError` naming the id otherwise."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    from ..hub import _hub_cache, _offline
+
+    cache = _hub_cache()
+    try:
+        return pathlib.Path(hf_hub_download(repo_id, "config.json", cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if _offline():
+        raise ShapeError(f"{repo_id}: not a local path, and its config.json is not in the local Hugging Face cache "
+                         f"({cache}) with HF_HUB_OFFLINE set") from None
+    try:
+        return pathlib.Path(hf_hub_download(repo_id, "config.json", cache_dir=cache))
+    except EntryNotFoundError:
+        raise ShapeError(f"{repo_id}: the Hugging Face repo has no config.json") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise ShapeError(f"{repo_id}: not a local path, and its config.json could not be fetched from the Hugging "
+                         f"Face Hub ({type(exc).__name__}: {exc})") from None
+
+
 def describe_shape(shape: str | os.PathLike[str]) -> ShapeSource:
-    """The shape named ``shape``: a key of :data:`SHAPES`, or a config.json path (:func:`config_shape`)."""
+    """The shape named ``shape``: a key of :data:`SHAPES`, a config.json path (:func:`config_shape`),
+    or a Hugging Face repo id ``org/name`` that is not a local path (its config.json alone is
+    fetched, the local cache first; the shape is named after the repo)."""
+    from ..hub import is_repo_id
+
     text = os.fspath(shape)
     if text in SHAPES:
         return ShapeSource(name=text, config=SHAPES[text], notes=tuple(PRESET_NOTES.get(text, ())))
+    if not os.path.exists(os.path.expanduser(text)) and is_repo_id(text):
+        src = config_shape(_hub_config(text))
+        return dataclasses.replace(src, name=re.sub(r"[^A-Za-z0-9._-]+", "-", text.split("/")[1])[:48],
+                                   source=f"{text} ({src.source})")
     if _looks_like_path(text) or os.path.exists(text):
         return config_shape(text)
     raise ShapeError(f"unknown shape {text!r}; known shapes: {sorted(SHAPES)}, or the path of a Hugging Face "
