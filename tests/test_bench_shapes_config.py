@@ -95,6 +95,16 @@ def _dims(config: dict[str, Any]) -> tuple[Any, ...]:
       "expert_layer_period": 2, "expert_layer_offset": 1, "vocab_size": 400},
      (4, 4, 2, 128, 64, 4, 2, 32, 400), False,
      ["4 dense decoder layer(s) of the 8", "norm eps absent (rms_norm_eps / layer_norm_eps"]),
+    # Hunyuan: per-layer lists of top-k and expert width (the largest built), moe_topk; rope_theta only in
+    # rope_parameters (newer configs), with its scaling type; mixed attention layer types.
+    ({"model_type": "hunyuan_v1_moe", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "moe_topk": [2, 2],
+      "moe_intermediate_size": [64, 96], "vocab_size": 400, "rms_norm_eps": 1e-5,
+      "rope_parameters": {"rope_theta": 500000.0, "rope_type": "dynamic", "factor": 2.0},
+      "layer_types": ["full_attention", "linear_attention"]},
+     (2, 8, 2, 128, 96, 4, 2, 32, 400), False,
+     ["moe_intermediate_size varies per layer (64 to 96): built with 96 in every layer", '"rope_type": "dynamic"',
+      "per-layer attention types (full_attention, linear_attention) not represented"]),
     # An explicit moe_layers list (indices past the last layer ignored).
     ({**TINY_MIXTRAL, "num_hidden_layers": 4, "moe_layers": [0, 2, 9]}, (2, 8, 2, 128, 128, 4, 2, 32, 32000), True,
      ["2 dense decoder layer(s) of the 4"]),
@@ -113,6 +123,8 @@ def test_naming_schemes(tmp_path: pathlib.Path, raw: dict[str, Any], dims: tuple
     joined = "; ".join(src.notes)
     for note in notes:
         assert note in joined, (note, src.notes)
+    # rope_theta wherever the config holds it (top level, attn_config, rope_parameters), else noted.
+    assert ("rope_theta absent" in joined) == ("rope_theta" not in json.dumps(raw)), src.notes
     # The directory names the same config; the spec is what the build uses.
     assert shapes.describe_shape(str(path.parent)) == src
     spec = shapes.shape_spec(str(path), layers=1, vocab=300)
@@ -131,7 +143,8 @@ def test_the_qwen3_moe_scheme_has_no_notes(tmp_path: pathlib.Path) -> None:
     ("olmoe-1b-7b", (16, 64, 8, 2048, 1024, 16, 16, 128, 50304), "intermediate_size"),
     ("qwen2-moe-a2.7b", (24, 60, 4, 2048, 1408, 16, 16, 128, 151936), "shared expert(s) not represented"),
     ("deepseek-v2-lite", (26, 64, 6, 2048, 1408, 16, 16, 128, 102400), "1 dense decoder layer(s) of the 27"),
-    ("gpt-oss-20b", (24, 32, 4, 2880, 2880, 64, 8, 64, 201088), "attention sinks not represented"),
+    ("gpt-oss-20b", (24, 32, 4, 2880, 2880, 64, 8, 64, 201088), "per-layer attention types (full_attention, "
+                                                                 "sliding_attention)"),
     ("mixtral-8x7b", (32, 8, 2, 4096, 14336, 32, 8, 128, 32000), "not as model_type 'mixtral'"),
 ])
 def test_presets_have_their_models_dimensions(name: str, dims: tuple[Any, ...], note: str) -> None:
@@ -215,7 +228,7 @@ def test_bad_paths_names_and_sizes(tmp_path: pathlib.Path) -> None:
     with pytest.raises(shapes.ShapeError, match=r"unknown shape 'llama'; known shapes: \[.*\], or the path of"):
         shapes.shape_spec("llama")
     path = _write(tmp_path / "ds", TINY_DEEPSEEK)
-    with pytest.raises(shapes.ShapeError, match=r"--layers must be an integer in \[1, 2\] for ds \(its MoE layers\)"):
+    with pytest.raises(shapes.ShapeError, match=r"--layers must be an integer in \[1, 2\] for ds \(its MoE layers; SHAPE:N"):
         shapes.shape_spec(str(path), layers=3)
     small = _write(tmp_path / "small", {**TINY_MIXTRAL, "vocab_size": 100})
     with pytest.raises(shapes.ShapeError, match=r"vocab_size 100 is below the byte tokenizer's 258 tokens"):

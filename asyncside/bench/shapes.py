@@ -137,7 +137,8 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
         "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "num_attention_heads": 64,
         "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "rope_theta": 150000,
-        "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True, "max_position_embeddings": 131072,
         "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096},
         "quantization_config": {"quant_method": "mxfp4"}, "tie_word_embeddings": False,
     },
@@ -162,7 +163,7 @@ PRESET_NOTES: dict[str, list[str]] = {
 
 # The config fields that name each dimension, in the order they are tried.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k")
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k", "moe_topk")
 _HIDDEN = ("hidden_size", "d_model", "n_embd")
 _LAYERS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 _HEADS = ("num_attention_heads", "n_heads", "n_head")
@@ -256,8 +257,12 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
     if raw.get("kv_lora_rank"):
         notes.append(f"multi-head latent attention (kv_lora_rank {raw['kv_lora_rank']}) built as standard "
                      f"attention of head_dim {head_dim}")
-    if raw.get("sliding_window") or raw.get("layer_types"):
-        notes.append(f"sliding-window attention (sliding_window {raw.get('sliding_window')}) not represented")
+    if raw.get("sliding_window"):
+        notes.append(f"sliding-window attention (sliding_window {raw['sliding_window']}) not represented")
+    kinds = raw.get("layer_types")
+    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
+        notes.append(f"per-layer attention types ({', '.join(sorted(set(map(str, kinds))))}) not represented: "
+                     f"every layer is full attention")
     if model_type == "gpt_oss" or raw.get("attention_sinks"):
         notes.append("attention sinks not represented")
     biases = [f for f in ("attention_bias", "qkv_bias", "mlp_bias") if raw.get(f)]
@@ -272,6 +277,26 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
         notes.append(f"the model's own quantization ({qm or 'quantization_config'}) replaced by the bench's "
                      f"4-bit affine")
     return notes
+
+
+def _flatten(raw: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``raw`` with per-layer lists of an MoE dimension (Hunyuan's ``moe_topk``, ``moe_intermediate_size``)
+    made one value, the largest (noted when they differ), and ``rope_theta`` taken from
+    ``rope_parameters`` where only that holds it."""
+    raw = dict(raw)
+    for field in (*_EXPERTS, *_TOP_K, "moe_intermediate_size", "expert_intermediate_size", "intermediate_size"):
+        value = raw.get(field)
+        if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raw[field] = max(value)
+            if min(value) != max(value):
+                notes.append(f"{field} varies per layer ({min(value)} to {max(value)}): built with {max(value)} "
+                             f"in every layer")
+    params = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
+        raw["rope_theta"] = params["rope_theta"]
+    if isinstance(params, dict) and params.get("rope_type") not in (None, "default") and not raw.get("rope_scaling"):
+        raw["rope_scaling"] = params
+    return raw
 
 
 def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[dict[str, Any], list[str]]:
@@ -291,6 +316,7 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         raw = {**raw, **raw["ffn_config"], **{k: v for k, v in (("num_key_value_heads", attn.get("kv_n_heads")),
                                                                   ("rope_theta", attn.get("rope_theta"))) if v}}
         notes.append("MoE fields read from the config's ffn_config (attn_config: KV heads, rope_theta)")
+    raw = _flatten(raw, notes)
     model_type = str(raw.get("model_type") or "unknown")
     got = _pick(raw, _EXPERTS)
     if got is None or got[1] == 0:
@@ -493,7 +519,7 @@ def shape_spec(name: str | os.PathLike[str], *, layers: int | None = None, vocab
     if layers is not None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= config["num_hidden_layers"]:
             raise ShapeError(f"--layers must be an integer in [1, {config['num_hidden_layers']}] for {src.name} "
-                             f"(its MoE layers), got {layers!r}")
+                             f"(its MoE layers; SHAPE:N in --shapes), got {layers!r}")
         config["num_hidden_layers"] = layers
     if vocab is not None:
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 258:
