@@ -136,6 +136,11 @@ def test_the_qwen3_moe_scheme_has_no_notes(tmp_path: pathlib.Path) -> None:
     raw = {**shapes.SHAPES["qwen3-30b-a3b"], "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
     src = shapes.describe_shape(str(_write(tmp_path / "qwen3", raw)))
     assert src.notes == () and src.config == shapes.SHAPES["qwen3-30b-a3b"]
+    # An mlx-lm conversion of it (its "quantization"): the same dimensions, the quantization noted.
+    mlx = shapes.describe_shape(str(_write(tmp_path / "qwen3-4bit", {**raw, "quantization": {"group_size": 64,
+                                                                                               "bits": 4}})))
+    assert mlx.config == src.config
+    assert mlx.notes == ("the model's own quantization (4-bit, group 64) replaced by the bench's 4-bit affine",)
     assert shapes.shape_spec(str(tmp_path / "qwen3"), layers=2).key() == shapes.shape_spec("qwen3-30b-a3b", layers=2).key()
 
 

@@ -272,10 +272,14 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
         notes.append(f"rope_scaling {json.dumps(raw['rope_scaling'], sort_keys=True)} not represented")
     if raw.get("tie_word_embeddings"):
         notes.append("tied embeddings built untied")
-    if raw.get("quantization_config"):
-        qm = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
-        notes.append(f"the model's own quantization ({qm or 'quantization_config'}) replaced by the bench's "
-                     f"4-bit affine")
+    for field in ("quantization_config", "quantization"):  # Hugging Face's, mlx-lm's
+        q = raw.get(field)
+        if not q:
+            continue
+        q = q if isinstance(q, dict) else {}
+        what = q.get("quant_method") or (f"{q['bits']}-bit, group {q.get('group_size')}" if q.get("bits") else field)
+        notes.append(f"the model's own quantization ({what}) replaced by the bench's 4-bit affine")
+        break
     return notes
 
 
