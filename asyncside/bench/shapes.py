@@ -181,6 +181,10 @@ def _pick(raw: dict[str, Any], fields: tuple[str, ...]) -> tuple[str, Any] | Non
     return None
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _positive_int(origin: str, field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ShapeError(f"{origin}: {field} must be a positive integer, got {value!r}")
@@ -359,8 +363,9 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         raise ShapeError(f"{origin}: norm_topk_prob must be true or false, got {norm_topk!r}")
     moe = _moe_layers(origin, raw, n_layers)
     if not moe:
-        raise ShapeError(f"{origin}: no MoE layer among the {n_layers} of {l_field} (first_k_dense_replace / "
-                         f"moe_layer_freq / decoder_sparse_step / mlp_only_layers leave none)")
+        raise ShapeError(f"{origin}: no MoE layer among the {n_layers} of {l_field} (its moe_layers / "
+                         f"first_k_dense_replace / moe_layer_freq / decoder_sparse_step / mlp_only_layers / "
+                         f"interleave_moe_layer_step / expert_layer_period leave none)")
     max_pos = raw.get("max_position_embeddings")
     config = {
         "model_type": "qwen3_moe",
@@ -368,7 +373,7 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         "hidden_size": hidden,
         "num_hidden_layers": len(moe),
         # The dense MLP size: unused (every layer is MoE), kept so a qwen3_moe config reads back unchanged.
-        "intermediate_size": raw["intermediate_size"] if got_f is not None and raw.get("intermediate_size") else ffn,
+        "intermediate_size": dense if got_f is not None and _is_count(dense := raw.get("intermediate_size")) else ffn,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -381,7 +386,7 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         "vocab_size": vocab,
         "rope_theta": theta,
         "tie_word_embeddings": False,
-        "max_position_embeddings": max_pos if isinstance(max_pos, int) and max_pos > 0 else 4096,
+        "max_position_embeddings": max_pos if _is_count(max_pos) else 4096,
         "norm_topk_prob": norm_topk,
         "bos_token_id": ByteTokenizer.BOS,
         "eos_token_id": ByteTokenizer.EOS,
