@@ -55,6 +55,7 @@ def _dims(config: dict[str, Any]) -> tuple[Any, ...]:
     # Qwen2-MoE: num_experts, moe_intermediate_size, a shared expert; no KV-head field means no GQA.
     ({"model_type": "qwen2_moe", "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 64,
       "shared_expert_intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+      "sliding_window": 32768, "use_sliding_window": False,
       "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 2, "vocab_size": 512,
       "rope_theta": 1e6, "rms_norm_eps": 1e-6, "norm_topk_prob": False},
      (2, 60, 4, 256, 64, 8, 8, 32, 512), False,
@@ -123,6 +124,7 @@ def test_naming_schemes(tmp_path: pathlib.Path, raw: dict[str, Any], dims: tuple
     joined = "; ".join(src.notes)
     for note in notes:
         assert note in joined, (note, src.notes)
+    assert ("sliding-window" in joined) == bool(raw.get("sliding_window") and raw.get("use_sliding_window") is not False)
     # rope_theta wherever the config holds it (top level, attn_config, rope_parameters), else noted.
     assert ("rope_theta absent" in joined) == ("rope_theta" not in json.dumps(raw)), src.notes
     # The directory names the same config; the spec is what the build uses.

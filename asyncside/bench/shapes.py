@@ -261,7 +261,7 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
     if raw.get("kv_lora_rank"):
         notes.append(f"multi-head latent attention (kv_lora_rank {raw['kv_lora_rank']}) built as standard "
                      f"attention of head_dim {head_dim}")
-    if raw.get("sliding_window"):
+    if raw.get("sliding_window") and raw.get("use_sliding_window") is not False:  # Qwen's configs switch it off
         notes.append(f"sliding-window attention (sliding_window {raw['sliding_window']}) not represented")
     kinds = raw.get("layer_types")
     if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
