@@ -99,8 +99,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="a converted expert store (default: the embedded Qwen3-MoE model)")
     p.add_argument("--shape", metavar="NAME|CONFIG", default=None,
                    help=f"a realistic model shape with seeded weights, built once and cached (see --layers, --vocab): "
-                        f"one of {', '.join(SHAPES)}, or a Hugging Face config.json (or its directory) whose MoE "
-                        f"dimensions are built as a qwen3_moe")
+                        f"one of {', '.join(SHAPES)}, or a Hugging Face config.json (its directory, or a repo id "
+                        f"org/name) whose MoE dimensions are built as a qwen3_moe (docs/models.md)")
     p.add_argument("--layers", metavar="N", type=int, default=None,
                    help="--shape with N MoE decoder layers instead of all (the full qwen3-30b-a3b has ~18 GB of "
                         "experts)")

@@ -538,8 +538,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", metavar="SIZE", default=None,
                    help="the memory budget of every run, e.g. 600M or 1.5G (default: a quarter of the smallest store)")
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                   help=f"model shapes as NAME:LAYERS or CONFIG.json:LAYERS (a Hugging Face config, built as a "
-                        f"qwen3_moe of its MoE dimensions), comma-separated (default {','.join(DEFAULT_SHAPES)})")
+                   help=f"model shapes as NAME:LAYERS or CONFIG.json:LAYERS (a Hugging Face config, its directory or "
+                        f"repo id, built as a qwen3_moe of its MoE dimensions), comma-separated "
+                        f"(default {','.join(DEFAULT_SHAPES)})")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary of the built shapes (default 512)")
     p.add_argument("--stores", metavar="DIR", nargs="+", default=None,
                    help="converted expert stores to run instead of building --shapes")

@@ -328,7 +328,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line (see the module docstring); a bad value exits with a usage error naming it."""
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b",
-                   help="a shape name of asyncside.bench.shapes, or a Hugging Face config.json (or its directory): "
+                   help="a shape name of asyncside.bench.shapes, or a Hugging Face config.json (its directory, or a "
+                        "repo id): "
                         "its MoE dimensions built as a qwen3_moe (docs/models.md, 'Bench model shapes')")
     p.add_argument("--layers", type=int, default=None, help="MoE decoder layers (default: the shape's all)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the shape's own)")
