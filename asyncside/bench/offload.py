@@ -716,7 +716,8 @@ def _row(r: dict[str, Any]) -> list[str]:
 def _title(result: dict[str, Any]) -> str:
     shapes = "; ".join(f"{s['shape']} {s['moe_layers']} layers x {s['experts_per_layer']} experts top-{s['top_k']}, "
                        f"store {s['store_bytes'] / MB:.0f} MB, disk {s['io']['GBps']:.2f} GB/s at "
-                       f"{s['record_bytes'] / MB:.2f} MB x depth {s['io']['queue_depth']}" for s in result["shapes"])
+                       f"{s['record_bytes'] / MB:.2f} MB x depth {s['io']['queue_depth']}"
+                       + (f" (not represented: {s['note']})" if s.get("note") else "") for s in result["shapes"])
     return f"bench offload: budget {result['budget_bytes'] / MB:.0f} MB ({result['cgroup']}); {shapes}"
 
 
