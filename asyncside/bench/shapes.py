@@ -18,10 +18,12 @@ smaller vocabulary (a faster build; the LM head's cost then no longer matches th
 model's prompts (the store's resident ranking), converts it to an expert store and deletes the
 model directory; the store is kept under ``cache_root()/shape-<name>-L<layers>-V<vocab>-<hash>/``
 (built in a temporary directory and renamed into place, under a file lock). Building needs
-twice the store's size on disk while it runs.
+twice the store's size on disk while it runs and the whole quantized model in memory: both are
+checked before anything is built (:class:`ShapeTooLargeError`).
 
-A shape is a name of :data:`SHAPES` or the path of a Hugging Face ``config.json`` (or of a directory
-holding one): :func:`config_shape` reads its MoE dimensions whatever the architecture calls them
+A shape is a name of :data:`SHAPES`, the path of a Hugging Face ``config.json`` (or of a directory
+holding one) or a Hugging Face repo id (its ``config.json`` alone is fetched, the local cache
+first): :func:`config_shape` reads its MoE dimensions whatever the architecture calls them
 (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``num_experts_per_tok`` /
 ``experts_per_token``, ``moe_intermediate_size`` or, where every FFN is an expert as in Mixtral,
 OLMoE and gpt-oss, ``intermediate_size``; hidden size, heads, KV heads, head dim or hidden / heads,
