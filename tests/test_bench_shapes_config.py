@@ -232,6 +232,15 @@ def test_bad_paths_names_and_sizes(tmp_path: pathlib.Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(shapes.ShapeError, match=r"bad\.json: not a JSON config: Expecting property name"):
         shapes.shape_spec(str(tmp_path / "bad.json"))
+    locked = _write(tmp_path / "locked", TINY_MIXTRAL)
+
+    def refuse(self: pathlib.Path, *args: Any, **kwargs: Any) -> str:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pathlib.Path, "read_text", refuse)
+        with pytest.raises(shapes.ShapeError, match=r"locked/config\.json: cannot be read \(Permission denied\)"):
+            shapes.shape_spec(str(locked))
     with pytest.raises(shapes.ShapeError, match=r"unknown shape 'llama'; known shapes: \[.*\], or the path of"):
         shapes.shape_spec("llama")
     path = _write(tmp_path / "ds", TINY_DEEPSEEK)

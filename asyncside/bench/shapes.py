@@ -435,6 +435,8 @@ def config_shape(path: str | os.PathLike[str]) -> ShapeSource:
         raw = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ShapeError(f"{p}: not a JSON config: {exc}") from None
+    except OSError as exc:
+        raise ShapeError(f"{p}: cannot be read ({exc.strerror or exc})") from None
     config, notes = qwen3_moe_config(raw, str(p))
     label = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
     label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")[:48] or "config"
