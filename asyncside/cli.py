@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bench import BENCHES, add_bench_arguments, run_bench
-from .errors import AsyncsideError
+from .errors import AsyncsideError, TraceError
 
 # command -> (help, module, function adding its options, function running it -> exit status)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -84,9 +84,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args.bench, args)
         _help, module, _add, run = _COMMANDS[args.command]
         return int(_attr(module, run)(args))
+    except TraceError as exc:  # a routing trace file the user named: bad input, as a usage error is
+        print(f"asyncside {args.command}: {exc}", file=sys.stderr)
+        return 2
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
         print(f"asyncside {args.command}: {exc}", file=sys.stderr)
         return 1
+    except ImportError as exc:
+        # The native extension refuses a bad ASYNCSIDE_* environment variable when it loads.
+        if not str(exc).startswith("ASYNCSIDE_"):
+            raise
+        print(f"asyncside {args.command}: environment: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

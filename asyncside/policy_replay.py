@@ -23,6 +23,7 @@ Pure Python and numpy, no MLX, no I/O.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -201,7 +202,8 @@ def compare_policies(traces: Mapping[str, RoutingTrace], fractions: Sequence[flo
                 line[m] = total(replay_trace(tr, n_rows, method=m)).hit_rate
             for label, spec in named.items():
                 line[label] = total(replay_trace(tr, n_rows, spec)).hit_rate
-                line[f"{label}/min"] = line[label] / line["min"]
+                # MIN hits nothing when no expert is used twice (a one-token trace): no ratio.
+                line[f"{label}/min"] = line[label] / line["min"] if line["min"] else math.nan
             rows.append(line)
     return rows
 

@@ -30,12 +30,18 @@ TRACE_FILE_VERSION = 1
 
 _WHERE = "<in memory>"
 
+#: The most experts per layer a trace may name: far above any MoE model's, and low enough that
+#: :meth:`RoutingTrace.map_to`'s permutation of the experts stays small.
+MAX_EXPERTS = 1 << 20
+
 
 def _check(ids: Any, lengths: Any, n_experts: Any, meta: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Validate the four fields of a trace; return ``ids`` as int32 and ``lengths`` as int64."""
     if isinstance(n_experts, bool) or not isinstance(n_experts, (int, np.integer)) or int(n_experts) < 1:
         raise TraceError(where, f"expected a positive int, got {n_experts!r}", field="n_experts")
     n = int(n_experts)
+    if n > MAX_EXPERTS:
+        raise TraceError(where, f"expected at most {MAX_EXPERTS} experts per layer, got {n}", field="n_experts")
     if not isinstance(meta, Mapping):
         raise TraceError(where, f"expected a JSON object (dict), got {type(meta).__name__}", field="meta")
     a = np.asarray(ids)
@@ -114,6 +120,67 @@ def _separate(out: np.ndarray, n_experts: int) -> np.ndarray:
             seen.add(e)
             row[j] = e
     return flat.reshape(out.shape)
+
+
+def _read_npz(where: str) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` archive at ``where``, never unpickled; :class:`TraceError` saying
+    what the file is when it is not one."""
+    if os.path.isdir(where):
+        raise TraceError(where, "is a directory; expected an .npz file (numpy.savez) of the arrays "
+                                "ids, lengths, n_experts, meta")
+    try:
+        with open(where, "rb") as fh:
+            head = fh.read(6)
+    except FileNotFoundError:
+        raise TraceError(where, "no such file") from None
+    except OSError as e:
+        raise TraceError(where, f"cannot be read: {e.strerror or e}") from None
+    if not head.startswith(b"PK"):
+        kind = "a .npy array (numpy.save)" if head.startswith(b"\x93NUMPY") else \
+            "JSON text" if head.lstrip()[:1] in (b"{", b"[") else \
+            "an empty file" if not head else f"a file starting {head!r}"
+        raise TraceError(where, f"expected an .npz archive (numpy.savez or RoutingTrace.save) of the arrays "
+                                f"ids, lengths, n_experts, meta; this is {kind}")
+    data: dict[str, np.ndarray] = {}
+    try:
+        with np.load(where, allow_pickle=False) as z:
+            for name in z.files:
+                try:
+                    data[name] = z[name]
+                except ValueError as e:
+                    if "allow_pickle" in str(e):
+                        raise TraceError(where, "an object array (pickled), which is never loaded; save a "
+                                                "plain numeric array (meta: a JSON string)", field=name) from None
+                    raise
+    except TraceError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise TraceError(where, f"not a readable .npz file: {e}") from None
+    return data
+
+
+def _file_meta(data: dict[str, np.ndarray], where: str) -> dict[str, Any]:
+    """A trace file's ``meta`` (a JSON object, ``{}`` when left out), its format and version checked."""
+    meta: Any = {}
+    if "meta" in data:
+        raw = data["meta"]
+        if raw.shape != () or raw.dtype.kind not in "US":
+            raise TraceError(where, f"expected a 0-d string of JSON text (np.array(json.dumps(...))), got shape "
+                                    f"{raw.shape} dtype {raw.dtype}", field="meta")
+        text = raw.item()
+        try:
+            meta = json.loads(text.decode() if isinstance(text, bytes) else text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TraceError(where, f"not JSON text: {e}", field="meta") from None
+    if not isinstance(meta, dict):
+        raise TraceError(where, f"expected a JSON object, got {type(meta).__name__}", field="meta")
+    if meta.get("format", TRACE_FILE_FORMAT) != TRACE_FILE_FORMAT:
+        raise TraceError(where, f"expected {TRACE_FILE_FORMAT!r} (or no format key), got {meta.get('format')!r}",
+                         field="meta.format")
+    if meta.get("version", TRACE_FILE_VERSION) != TRACE_FILE_VERSION:
+        raise TraceError(where, f"expected version {TRACE_FILE_VERSION} (or no version key), got "
+                                f"{meta.get('version')!r}: a newer asyncside wrote it", field="meta.version")
+    return meta
 
 
 @dataclass(frozen=True)
@@ -246,36 +313,32 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
-        """Read and validate a trace written by :meth:`save`; :class:`TraceError` names the file and field."""
+        """Read and validate a trace file; :class:`TraceError` names the file and field.
+
+        Reads what :meth:`save` writes and what a person writes with ``np.savez``: ``meta`` and
+        ``lengths`` may be left out (no metadata; one sequence), ``n_experts`` may be a 1-element
+        array, ``meta`` may be bytes; docs/routing-traces.md, "Writing a trace by hand".
+        """
         where = os.fspath(path)
-        try:
-            with np.load(where, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        except FileNotFoundError:
-            raise TraceError(where, "no such file") from None
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-            raise TraceError(where, f"not a readable .npz file: {e}") from None
-        for name in ("ids", "lengths", "n_experts", "meta"):
+        data = _read_npz(where)
+        for name in ("ids", "n_experts"):
             if name not in data:
                 raise TraceError(where, f"missing (has {sorted(data)})", field=name)
         n = data["n_experts"]
+        if n.shape == (1,):
+            n = n.reshape(())
         if n.shape != () or not np.issubdtype(n.dtype, np.integer):
             raise TraceError(where, f"expected an integer scalar, got shape {n.shape} dtype {n.dtype}",
                              field="n_experts")
-        try:
-            meta = json.loads(str(data["meta"]))
-        except ValueError as e:
-            raise TraceError(where, f"not JSON text: {e}", field="meta") from None
-        if not isinstance(meta, dict):
-            raise TraceError(where, f"expected a JSON object, got {type(meta).__name__}", field="meta")
-        if meta.get("format") != TRACE_FILE_FORMAT:
-            raise TraceError(where, f"expected {TRACE_FILE_FORMAT!r}, got {meta.get('format')!r}", field="meta.format")
-        if meta.get("version") != TRACE_FILE_VERSION:
-            raise TraceError(where, f"expected version {TRACE_FILE_VERSION}, got {meta.get('version')!r}",
-                             field="meta.version")
-        meta.pop("format")
-        meta.pop("version")
-        ids, lengths = _check(data["ids"], data["lengths"], int(n), meta, where)
+        meta = _file_meta(data, where)
+        meta.pop("format", None)
+        meta.pop("version", None)
+        ids = data["ids"]
+        if ids.ndim == 2:
+            raise TraceError(where, f"expected a (tokens, layers, top_k) array, got 2-d shape {ids.shape}; one "
+                                    "layer's (tokens, top_k) ids are ids[:, None, :]", field="ids")
+        lengths = data["lengths"] if "lengths" in data else np.array([ids.shape[0] if ids.ndim else 0])
+        ids, lengths = _check(ids, lengths, int(n), meta, where)
         predicted = _check_predicted(data["predicted"], ids, int(n), where) if "predicted" in data else None
         return cls(ids, lengths, int(n), meta, predicted)
 

@@ -107,7 +107,7 @@ def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
     for r in rows:
         cells = [r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}", f"{r['min-no-bypass']:.3f}",
-                 f"{r['static']:.3f} ({r['static'] / r['min']:.2f})"]
+                 f"{r['static']:.3f} ({r['static'] / r['min'] if r['min'] else math.nan:.2f})"]
         cells += [f"{r[p]:.3f} ({r[p + '/min']:.2f})" for p in policies]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -134,7 +134,12 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
 
     started = time.time()
     traces = build_traces(args, sequences=2)
-    pairs = {name: holdout_pair(t) for name, t in traces.items()}
+    pairs = {}
+    for name, t in traces.items():
+        try:
+            pairs[name] = holdout_pair(t)
+        except ValueError as exc:  # a trace too short to cut in two
+            raise SystemExit(f"--split: trace {name!r}: {exc}") from None
     rows = compare_split(pairs, fractions, DEFAULT_POLICY)
     result: dict[str, Any] = {
         "bench": "policy --split",

@@ -376,6 +376,10 @@ def _check(args: argparse.Namespace) -> None:
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
     if problem is not None:
         raise SystemExit(problem)
+    if getattr(args, "routing", None) is not None:  # a bad trace file: TraceError now, not a failed startup
+        from ..routing import RoutingTrace
+
+        RoutingTrace.load(args.routing)
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,

@@ -359,6 +359,15 @@ def serve_main(args: argparse.Namespace) -> int:
                 return 2
 
         return serve_pipeline_main(args)
+    if getattr(args, "routing", None) is not None:  # a bad trace file is said before a model loads
+        from ..errors import TraceError
+        from ..routing import RoutingTrace
+
+        try:
+            RoutingTrace.load(args.routing)
+        except TraceError as exc:
+            print(f"asyncside serve: error: --routing: {exc}", file=sys.stderr)
+            return 2
     try:
         settings_from_args(args)
     except ValueError as exc:  # ServeSettings' own checks (an API key from the environment, say)
