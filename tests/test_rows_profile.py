@@ -181,7 +181,8 @@ def test_demo_rows_profile(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture
     assert out["tokens_identical"] is True and out["audit_clean"] is True
     split = out["pool_rows_split"]
     assert split is not None and len(split) == layers and sum(split) == layers * (n // 2)
-    assert split == [out["memory"]["rows"][str(i)] for i in sorted(store.layers)] and split[0] == 8
+    # Layer 0 gets about its floor (the model's top-k, 4: its four experts), far from the even half.
+    assert split == [out["memory"]["rows"][str(i)] for i in sorted(store.layers)] and 4 <= split[0] < n // 4
     assert "rows split by profile" in out["memory"]["split"]
 
 

@@ -11,7 +11,8 @@ handles gpt-oss/deepseek layouts, legacy quantization configs) converts the same
   mlx-lm config, quantization included) and the tokenizer files, so loading the streaming model
   never touches an expert tensor;
 - the manifest metadata (key ``asyncside_model``) records the architecture, each switch layer's
-  layout (quantization, biases), its module path, and per layer the experts ranked hottest-first.
+  layout (quantization, biases), its module path, its router's top-k, and per layer the experts
+  ranked hottest-first.
 
 **Resident set.** With a routing profile (counts of routed experts per layer, from
 :func:`profile_routing` or a run's :class:`RoutingTrace`), experts are ranked by count (ties by
@@ -43,7 +44,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import StoreError
-from .arch import arch_for, moe_layers, segment_keys, switch_meta
+from .arch import arch_for, moe_layers, segment_keys, switch_meta, top_k_attribute
 from .loading import META_KEY, NON_EXPERT_FILE, _module_path
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
@@ -269,6 +270,12 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
                                  f"layer {l} has {len(c)} counts, the model has {n_experts[int(l)]} experts",
                                  f"layers.{l}")
     ranks = {l: rank_experts(prof["layers"].get(str(l)) if prof else None, n) for l, n in n_experts.items()}
+    # The router's top-k per layer: the runtime's least pool rows follow it (runtime._plan.min_rows).
+    top_k = {}
+    for l, (block, _attr) in moe.items():
+        where = top_k_attribute(block)
+        if where is not None:
+            top_k[str(l)] = int(getattr(*where))
     resident = {l: r[: int(round(resident_fraction * len(r)))] for l, r in ranks.items()}
     meta = {
         "version": 1,
@@ -278,6 +285,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         "switch": {str(l): s for l, s in specs.items()},
         "switch_paths": {str(l): p for l, p in paths.items()},
         "expert_rank": {str(l): r for l, r in ranks.items()},
+        "top_k": top_k,
         "resident_fraction": float(resident_fraction),
         "resident": {str(l): r for l, r in resident.items()},
         "profile": None if prof is None else {"tokens": prof.get("tokens"), "source": prof.get("source", "")},

@@ -66,6 +66,8 @@ class Runtime:
     (sized to the memory budget). Every row is dynamic, managed online by ``policy`` (warmed up
     from the store's routing ranking when it has one), unless ``side_rows`` leaves only that many
     dynamic and pins the hottest others, or ``pinned`` names the pinned experts per layer.
+    ``min_side_rows`` is the least rows a layer gets (None: the model's top-k where the store says
+    it, else 8; :func:`~asyncside.runtime._plan.min_rows`).
     ``memory`` is the budget the runtime plans against (bytes or a size such as ``"1.5G"``; None:
     what the memory cgroup and MemAvailable allow): it refuses to start when the pools and their
     headroom do not fit, and reads past the page cache (O_DIRECT) when the records outside the
@@ -93,7 +95,7 @@ class Runtime:
         resident: float | str = 0.25,
         pinned: Mapping[int, Sequence[int]] | None = None,
         side_rows: int | None = None,
-        min_side_rows: int = 8,
+        min_side_rows: int | None = None,
         policy: str = DEFAULT_POLICY,
         reader: str = "auto",
         reader_options: ReaderOptions | None = None,

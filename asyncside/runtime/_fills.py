@@ -35,7 +35,7 @@ class HostFills:
 
     # ---------------------------------------------------------------- setup
 
-    async def setup(self, plan: MemoryPlan, *, policy: str, side_rows: int | None, min_side_rows: int,
+    async def setup(self, plan: MemoryPlan, *, policy: str, side_rows: int | None, min_side_rows: int | None,
                     pinned: Mapping[int, Sequence[int]] | None) -> None:
         """Allocate every layer's pools, open its blob, and load its pinned and warm rows."""
         s = self._s

@@ -30,11 +30,53 @@ from ..store import ExpertStore, LayerSpec
 if TYPE_CHECKING:
     from ..routing import RoutingTrace
 
-__all__ = ["MemoryPlan", "choose_resident", "layer_rows", "plan_layer", "plan_memory", "profile_rows",
-           "tier_bytes", "warm_experts"]
+__all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "min_rows", "plan_layer", "plan_memory",
+           "profile_rows", "tier_bytes", "warm_experts"]
+
+#: The pools' least rows per layer for a store that does not say how many experts its router picks.
+DEFAULT_MIN_ROWS = 8
+#: Where a model's config.json keeps its router's top-k, by architecture family.
+_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
 RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
+
+
+def store_top_k(store: ExpertStore) -> int | None:
+    """How many experts the store's model routes each token to, per MoE layer at most: what
+    ``asyncside convert`` recorded from the blocks (``metadata["asyncside_model"]["top_k"]``), else
+    the model's ``config.json`` beside the manifest; None where neither says."""
+    model_meta = (store.metadata or {}).get("asyncside_model")
+    recorded = model_meta.get("top_k") if isinstance(model_meta, Mapping) else None
+    if isinstance(recorded, Mapping) and recorded:
+        values = [v for v in recorded.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        if values:
+            return max(values)
+    config_path = getattr(store, "path", None)
+    if config_path is None:
+        return None
+    try:
+        import json
+
+        config = json.loads((config_path / "config.json").read_text())
+    except (OSError, ValueError):  # a store written without its model's config (ExpertStore.create)
+        return None
+    for scope in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if isinstance(scope, dict):
+            for key in _TOP_K_KEYS:
+                v = scope.get(key)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+    return None
+
+
+def min_rows(store: ExpertStore) -> int:
+    """The least dynamic rows each layer's pools get unless ``min_side_rows`` says otherwise: the
+    model's top-k (a queued decode step lends one token's k distinct experts a row each), so a
+    model that routes few of few experts (top-2 of 8) can still stream; :data:`DEFAULT_MIN_ROWS`
+    where the store does not say its top-k."""
+    k = store_top_k(store)
+    return DEFAULT_MIN_ROWS if k is None else k
 
 
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
@@ -70,7 +112,8 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
 
 
 def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows: int | None = None,
-               min_side_rows: int = 8, pinned: Mapping[int, Sequence[int]] | None = None) -> tuple[list[int], int]:
+               min_side_rows: int | None = None,
+               pinned: Mapping[int, Sequence[int]] | None = None) -> tuple[list[int], int]:
     """(pinned experts, dynamic rows) of one layer, as ``Runtime`` sizes it. Exposed so other
     expert sources (benchmark baselines) size their pools alike.
 
@@ -79,8 +122,11 @@ def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows
     :func:`warm_experts`). ``side_rows`` pins ``rows - side_rows`` of the hottest experts
     (:func:`choose_resident`) and leaves ``side_rows`` dynamic. ``pinned`` names the pinned experts
     per layer instead (then ``side_rows``, default ``min_side_rows``, rows are dynamic).
+    ``min_side_rows`` None: :func:`min_rows` of the store.
     """
     spec = store.layer(index)
+    if min_side_rows is None:
+        min_side_rows = min_rows(store)
     if isinstance(resident, Mapping):
         raise TypeError("resident: expected a fraction of each layer's experts (the pools' size); "
                         "name pinned experts with pinned={layer: [experts]}")
@@ -265,7 +311,7 @@ def plan_memory(
     resident: float | str,
     pinned: Mapping[int, Sequence[int]] | None,
     side_rows: int | None,
-    min_side_rows: int,
+    min_side_rows: int | None,
     memory: int | str | None,
     direct: bool | None,
     host_tier: int | str,
@@ -280,6 +326,8 @@ def plan_memory(
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
     fault path can keep a host tier."""
     budget = resolve_budget(memory)
+    if min_side_rows is None:
+        min_side_rows = min_rows(store)
     # The non-expert weights are loaded before the runtime plans (their bytes are in the process's
     # usage, which the budget excludes already): the headroom is for MLX's buffers and KV caches.
     headroom = MIN_HEADROOM
