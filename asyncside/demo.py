@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory import host_tier_arg, memory_arg, proc_self_bytes
+from .memory import SIZE_UNITS, fraction_arg, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -34,14 +34,21 @@ EMBEDDED_NOTICE = ("note: the embedded model's weights are generated from a seed
 
 
 def _resident(text: str) -> float | str:
-    if text == "auto":
-        return text
+    """``--resident``: a fraction in (0, 1], a percentage, or ``auto``."""
     try:
-        value = float(text)
+        return fraction_arg(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'auto', got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'auto', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
@@ -51,17 +58,17 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="an expert store, an mlx-lm model directory or a Hugging Face repo id (converted on "
                         "first use into the cache directory; default: the embedded Qwen3-MoE model)")
     p.add_argument("--resident", metavar="FRACTION", type=_resident, default=0.25,
-                   help="share of each layer's experts the pools hold, or 'auto': sized to the memory "
-                        "available (default 0.25)")
+                   help="share of each layer's experts the pools hold (0.25 or 25%%), or 'auto': sized to the "
+                        "memory available (default 0.25)")
     p.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                    help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                         "cgroup and MemAvailable allow); the plan is printed, and reads bypass the page cache "
-                        "when the store does not fit what the budget leaves for it")
+                        "when the store does not fit what the budget leaves for it; " + SIZE_UNITS)
     p.add_argument("--reference", default="auto", choices=["auto", "all-resident", "slot-cache", "none"],
                    help="what the tokens are checked against: mlx-lm with every expert in memory, or the "
                         "slot cache (a plain synchronous reader, bounded memory); auto: all-resident when the "
                         "model fits the budget, else the slot cache")
-    p.add_argument("--tokens", metavar="N", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--tokens", metavar="N", type=positive_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend (default: io_uring where the kernel allows it)")
@@ -232,10 +239,14 @@ def disk_read_bytes() -> int:
     return proc_self_bytes("io", "read_bytes")
 
 
-def choose_reference(store: Any, asked: str, memory: int | None) -> tuple[str, str]:
+def choose_reference(store: Any, asked: str, memory: int | None, resident: float | str | None = None
+                     ) -> tuple[str, str]:
     """Which run checks the tokens, and why: the all-resident model when it fits the budget (its
-    experts and non-expert weights in at most half of it), else the slot cache."""
-    from .memory import available_memory, describe_bytes
+    experts and non-expert weights in at most half of it), else the slot cache. With a fractional
+    ``resident``, the streaming run must fit too after the reference ran: what the process holds
+    now, plus the model (the process keeps its pages after the reference), plus the pools and the
+    runtime's headroom."""
+    from .memory import MIN_HEADROOM, available_memory, describe_bytes, pool_bytes, proc_self_bytes
 
     if asked != "auto":
         return asked, "asked for"
@@ -246,6 +257,13 @@ def choose_reference(store: Any, asked: str, memory: int | None) -> tuple[str, s
         pass
     budget = available_memory().available if memory is None else min(memory, available_memory().available)
     if model_bytes <= budget // 2:
+        if isinstance(resident, float):
+            after = proc_self_bytes("status", "VmRSS") + model_bytes + pool_bytes(store, resident) + MIN_HEADROOM
+            if after > budget:
+                return "slot-cache", (f"the model's {describe_bytes(model_bytes)} fit half of the "
+                                      f"{describe_bytes(budget)} budget, but with them held the streaming run "
+                                      f"would need {describe_bytes(after)}: checked against a plain synchronous "
+                                      "reader instead")
         return "all-resident", f"the model's {describe_bytes(model_bytes)} fit the budget"
     return "slot-cache", (f"the model's {describe_bytes(model_bytes)} do not fit half of the "
                           f"{describe_bytes(budget)} budget: checked against a plain synchronous reader instead")
@@ -384,7 +402,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.quiet or args.json):
         for line in notes:
             print(f"note: {line}", flush=True)
-    reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None))
+    reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None),
+                                      getattr(args, "resident", None))
     ref: Run | None = None
     if reference == "all-resident":
         # First (it also warms MLX's kernels for both runs alike).

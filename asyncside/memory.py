@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
-           "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg"]
+           "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg",
+           "fraction_arg", "SIZE_UNITS"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -172,35 +173,69 @@ def describe_bytes(n: int | float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 1 << 30 else f"{n / 2**20:.1f} MiB"
 
 
+#: What every size option takes, for its help and its errors.
+SIZE_UNITS = "units K, M, G, T are powers of 1024, with or without B or iB: 2G, 2GB and 2GiB are all 2 GiB"
+
+
 def parse_size(value: int | str, *, what: str = "size") -> int:
     """Bytes from an int or a size string with an optional binary unit (``800M``, ``1.5G``,
-    ``4096``); ValueError naming ``what`` and what was expected otherwise."""
+    ``4096``; :data:`SIZE_UNITS`); ValueError naming ``what`` and what was expected otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a size such as 800M or 1.5G, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0, got {value}")
         return value
+    if str(value).strip().startswith("-"):
+        raise ValueError(f"{what} {value!r}: expected a size >= 0")
     match = _SIZE.fullmatch(str(value).strip().lower())
     number, unit = (match.group(1), match.group(2)) if match else ("", "")
     try:
         size = float(number)
     except ValueError:
-        raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 "
-                         f"(units K, M, G, T: powers of 1024)") from None
+        raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 ({SIZE_UNITS})") from None
     if not 0 <= size < float("inf"):
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
     return int(size * _UNITS[unit])
 
 
+#: The smallest ``--memory`` the command line takes (one page): below it a number was surely meant in a
+#: larger unit; above it, a budget the pools cannot fit is refused by the plan, with its figures.
+MIN_MEMORY_ARG = 4096
+
+
 def memory_arg(text: str) -> int:
-    """The argparse type of ``--memory``: :func:`parse_size`, its error as a usage error."""
+    """The argparse type of ``--memory``: :func:`parse_size`, at least :data:`MIN_MEMORY_ARG` (a bare
+    ``16`` is 16 bytes, never a budget), its error as a usage error."""
     import argparse
 
     try:
-        return parse_size(text, what="memory")
+        size = parse_size(text, what="memory")
     except ValueError as exc:
+        if text.strip().lower() == "auto":
+            raise argparse.ArgumentTypeError(f"{exc}; leave --memory out for the default (what the memory cgroup "
+                                             "and MemAvailable allow)") from None
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_MEMORY_ARG:
+        raise argparse.ArgumentTypeError(f"memory {text!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
+    return size
+
+
+def fraction_arg(text: str, *, allow_auto: bool = True, allow_zero: bool = False) -> float | str:
+    """A residency from the command line: a fraction (``0.25``), a percentage (``25%``), or, with
+    ``allow_auto``, ``"auto"``; ValueError saying what was expected otherwise."""
+    low = "[0" if allow_zero else "(0"
+    expected = f"a fraction in {low}, 1] such as 0.25, a percentage such as 25%" + (" or 'auto'" if allow_auto else "")
+    t = text.strip().lower()
+    if allow_auto and t == "auto":
+        return "auto"
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"expected {expected}, got {text!r}") from None
+    if not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
+        raise ValueError(f"expected {expected}, got {text!r}")
+    return value
 
 
 def parse_host_tier(text: str) -> int | str:

@@ -62,7 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..demo import Run
+from ..demo import Run, positive_int
+from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY
 from . import require_extra
 from .machine import machine_info
@@ -93,6 +94,14 @@ TARGETS: dict[str, Any] = {
 }
 
 
+def _residency(text: str) -> float:
+    """``--residency``: a fraction in (0, 1] or a percentage."""
+    try:
+        return float(fraction_arg(text, allow_auto=False))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench generate`` (the caller adds ``--json``)."""
     p.add_argument("--model", metavar="STORE_DIR", default=None,
@@ -108,13 +117,14 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"--shape vocabulary: 'full' (default, the real size), 'small' ({SMALL_VOCAB}) or a number")
     p.add_argument("--quick", action="store_true",
                    help="tiny model and run for CI smoke tests (about a minute; numbers are noise)")
-    p.add_argument("--tokens", metavar="N", type=int, default=None, help="tokens generated per run (default 32)")
+    p.add_argument("--tokens", metavar="N", type=positive_int, default=None,
+                   help="tokens generated per run (default 32)")
     p.add_argument("--repeats", metavar="N", type=int, default=None,
                    help="paired rounds of the warm runs; per-round ratios, medians reported (default 3)")
     p.add_argument("--cold-repeats", metavar="N", type=int, default=None,
                    help="paired rounds of the cold runs (default 2; 0 skips cold runs)")
-    p.add_argument("--residency", metavar="F", type=float, nargs="+", default=None,
-                   help="pool budgets as fractions of each layer's experts (default 0.25 0.5 0.75)")
+    p.add_argument("--residency", metavar="F", type=_residency, nargs="+", default=None,
+                   help="pool budgets as fractions of each layer's experts, 0.25 or 25%% (default 0.25 0.5 0.75)")
     p.add_argument("--modes", nargs="+", choices=STEP_MODES, default=None,
                    help="asyncside step modes to run, A/B in the same rounds (default: default, the forward's own)")
     p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,

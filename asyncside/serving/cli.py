@@ -24,8 +24,9 @@ READERS = ("auto", "io_uring", "threads", "aiofiles")
 
 
 def _fraction(text: str) -> float:
+    t = text.strip()
     try:
-        value = float(text)
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)  # 25% as demo takes it
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:

@@ -1,0 +1,83 @@
+"""The command line given sizes, fractions and environment values nobody in the project typed:
+each is taken with one documented meaning, or refused as a usage error (exit status 2, one line)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from asyncside import memory
+from asyncside.cli import build_parser
+from asyncside.demo import choose_reference
+from asyncside.store import ExpertStore
+
+
+def parse(argv: list[str]) -> Any:
+    return build_parser(argv).parse_args(argv)
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("text, size", [("10M", 10 << 20), ("1.5G", 3 << 29), ("1.5GiB", 3 << 29),
+                                        ("1536MiB", 3 << 29), ("2GB", 2 << 30), ("2 GB", 2 << 30),
+                                        ("1e9", 10**9), ("64G", 64 << 30), ("1T", 1 << 40)])
+def test_memory_sizes_are_binary_everywhere(text: str, size: int) -> None:
+    for argv in (["demo", "--memory", text], ["serve", "--memory", text]):
+        assert parse(argv).memory == size
+
+
+@pytest.mark.parametrize("text, message", [("0", "is 0 bytes; expected at least 4K"),
+                                           ("16", "is 16 bytes; expected at least 4K"),
+                                           ("-1", "expected a size >= 0"),
+                                           ("auto", "leave --memory out for the default"),
+                                           ("1.5.5G", "powers of 1024")])
+def test_memory_sizes_refused(text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("demo", "serve"):
+        err = refused([command, "--memory", text], capsys)
+        assert "argument --memory" in err and message in err
+
+
+def test_fractions_and_percentages(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["demo", "--resident", "25%"]).resident == 0.25
+    assert parse(["serve", "--resident", "25%"]).resident == 0.25
+    assert parse(["demo", "--resident", "auto"]).resident == "auto"
+    assert parse(["bench", "generate", "--residency", "25%", "0.5"]).residency == [0.25, 0.5]
+    for bad in ("0", "1.5", "-0.1", "nan", "110%"):
+        assert "expected a fraction in (0, 1]" in refused(["demo", "--resident", bad], capsys)
+        assert "expected a fraction in (0, 1]" in refused(["bench", "generate", "--residency", bad], capsys)
+    assert "or 'auto'" not in refused(["bench", "generate", "--residency", "auto"], capsys)
+    for argv in (["demo", "--tokens", "0"], ["bench", "generate", "--tokens", "-3"]):
+        assert "expected an integer >= 1" in refused(argv, capsys)
+
+
+def test_reference_leaves_room_for_the_streaming_run(expert_store: ExpertStore,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The all-resident reference is chosen only when the streaming run still fits after it: the
+    process keeps the model's pages, so a budget that holds the model twice but not the model, the
+    pools and the headroom together gets the slot cache."""
+    monkeypatch.setattr(memory, "proc_self_bytes", lambda name, key: 0)
+    model = sum(expert_store.layer(i).blob_bytes for i in expert_store.layers)
+    model += sum(f.stat().st_size for f in expert_store.path.glob("*.safetensors"))
+    pools = memory.pool_bytes(expert_store, 0.5)
+    assert model < memory.MIN_HEADROOM  # a small store: twice the model leaves no room for the runtime
+    kind, why = choose_reference(expert_store, "auto", 2 * model, 0.5)
+    assert kind == "slot-cache" and "streaming run would need" in why
+    assert choose_reference(expert_store, "auto", model + pools + memory.MIN_HEADROOM, 0.5)[0] == "all-resident"
+    assert choose_reference(expert_store, "auto", 2 * model)[0] == "all-resident"  # no fraction: unchanged
+
+
+def test_a_bad_environment_value_is_one_line() -> None:
+    env = {**os.environ, "ASYNCSIDE_FAULT_READ_CHUNK": "abc"}
+    out = subprocess.run([sys.executable, "-m", "asyncside", "demo", "--tokens", "1"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "ASYNCSIDE_FAULT_READ_CHUNK" in out.stderr and "'abc'" in out.stderr
