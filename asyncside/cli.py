@@ -71,6 +71,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _bad_trace(exc: BaseException) -> bool:
+    """Whether ``exc`` refuses a routing trace the user named (bad input, exit status 2 as a usage
+    error): unreadable, or not replayable on the model (RoutingReplayError, whose module loads MLX:
+    looked up only once loaded, as raising it did)."""
+    forcing = sys.modules.get("asyncside.models.forcing")
+    return isinstance(exc, TraceError) or (forcing is not None and isinstance(exc, forcing.RoutingReplayError))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -84,12 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench(args.bench, args)
         _help, module, _add, run = _COMMANDS[args.command]
         return int(_attr(module, run)(args))
-    except TraceError as exc:  # a routing trace file the user named: bad input, as a usage error is
-        print(f"asyncside {args.command}: {exc}", file=sys.stderr)
-        return 2
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
         print(f"asyncside {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if _bad_trace(exc) else 1
     except ImportError as exc:
         # The native extension refuses a bad ASYNCSIDE_* environment variable when it loads.
         if not str(exc).startswith("ASYNCSIDE_"):
