@@ -268,10 +268,16 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     from mlx_lm.utils import load_tokenizer
 
     from .hub import store_for
+    from .memory import parse_size
     from .models import load_streaming_model
 
     if resident is None:
         resident = "auto" if memory is not None else 0.25
+    # Bad arguments are refused here, before a model is converted or loaded, not at the first token.
+    if memory is not None and parse_size(memory, what="memory") <= 0:
+        raise ValueError(f"memory: expected a size > 0, got {memory!r}")
+    if resident != "auto" and (isinstance(resident, (bool, str)) or not 0.0 <= float(resident) <= 1.0):
+        raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)
     eos = streaming.config.get("eos_token_id")

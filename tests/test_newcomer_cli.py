@@ -81,3 +81,16 @@ def test_a_bad_environment_value_is_one_line() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "ASYNCSIDE_FAULT_READ_CHUNK" in out.stderr and "'abc'" in out.stderr
+
+
+@pytest.mark.parametrize("kwargs, message", [({"memory": "abc"}, "memory 'abc': expected a size"),
+                                             ({"memory": 0}, "memory: expected a size > 0"),
+                                             ({"resident": 1.5}, "resident: expected a fraction"),
+                                             ({"resident": float("nan")}, "resident: expected a fraction"),
+                                             ({"resident": True}, "resident: expected a fraction")])
+def test_load_refuses_bad_arguments_before_touching_the_model(kwargs: dict[str, Any], message: str,
+                                                              tmp_path: Any) -> None:
+    import asyncside
+
+    with pytest.raises(ValueError, match=message):
+        asyncside.load(tmp_path / "no-such-model", **kwargs)
