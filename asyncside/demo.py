@@ -41,6 +41,21 @@ def _resident(text: str) -> float | str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def writable_file(text: str) -> str:
+    """An argparse type: a file path whose directory exists and is writable (checked before a run
+    whose end writes it)."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; expected a file name such as trace.npz")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {parent}")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: directory {parent} is not writable")
+    return text
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     try:
@@ -101,7 +116,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows-profile", metavar="FILE", default=None,
                    help="split the pools' rows between layers by this routing trace's miss curves (a trace "
                         "of the model's shape; record or generate it from another sequence than --routing's)")
-    p.add_argument("--record-routing", metavar="FILE", default=None,
+    p.add_argument("--record-routing", metavar="FILE", type=writable_file, default=None,
                    help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
                         "(.npz, docs/routing-traces.md)")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")

@@ -302,14 +302,18 @@ class RoutingTrace:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as an ``.npz`` (``ids``, ``lengths``, ``n_experts``, ``meta`` as JSON text, and
-        ``predicted`` when the trace has predictions)."""
+        ``predicted`` when the trace has predictions); :class:`TraceError` naming the file when it
+        cannot be written."""
         meta = {"format": TRACE_FILE_FORMAT, "version": TRACE_FILE_VERSION, **self.meta}
         arrays: dict[str, Any] = {"ids": self.ids, "lengths": self.lengths,
                                          "n_experts": np.int64(self.n_experts), "meta": np.array(json.dumps(meta))}
         if self.predicted is not None:
             arrays["predicted"] = self.predicted
-        with open(path, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
+        try:
+            with open(path, "wb") as fh:
+                np.savez_compressed(fh, **arrays)
+        except OSError as e:
+            raise TraceError(os.fspath(path), f"cannot be written: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:

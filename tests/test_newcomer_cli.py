@@ -94,3 +94,17 @@ def test_load_refuses_bad_arguments_before_touching_the_model(kwargs: dict[str, 
 
     with pytest.raises(ValueError, match=message):
         asyncside.load(tmp_path / "no-such-model", **kwargs)
+
+
+def test_record_routing_to_an_unwritable_place(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the run, not after it: a missing directory, a directory."""
+    from asyncside.errors import TraceError
+    from asyncside.routing import preset
+
+    err = refused(["demo", "--record-routing", str(tmp_path / "no" / "t.npz")], capsys)
+    assert "no such directory" in err and str(tmp_path / "no") in err
+    assert "is a directory" in refused(["demo", "--record-routing", str(tmp_path)], capsys)
+    assert parse(["demo", "--record-routing", str(tmp_path / "t.npz")]).record_routing == str(tmp_path / "t.npz")
+    with pytest.raises(TraceError, match="cannot be written") as info:
+        preset("low", tokens=2, n_layers=1, n_experts=4, top_k=1).save(tmp_path / "no" / "t.npz")
+    assert info.value.path == str(tmp_path / "no" / "t.npz")
