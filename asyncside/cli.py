@@ -95,9 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
         print(f"asyncside {args.command}: {exc}", file=sys.stderr)
         return 2 if _bad_trace(exc) else 1
-    except ImportError as exc:
-        # The native extension refuses a bad ASYNCSIDE_* environment variable when it loads.
-        if not str(exc).startswith("ASYNCSIDE_"):
+    except (ImportError, ValueError) as exc:
+        # A bad ASYNCSIDE_* environment variable: the native extension refuses it when it loads, the
+        # reader choice when it reads it; both messages start with the variable's name.
+        if not str(exc).lstrip("$").startswith("ASYNCSIDE_"):
             raise
         print(f"asyncside {args.command}: environment: {exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,19 @@ def test_a_bad_environment_value_is_one_line() -> None:
     assert out.stderr.count("\n") == 1 and "ASYNCSIDE_FAULT_READ_CHUNK" in out.stderr and "'abc'" in out.stderr
 
 
+def test_a_bad_reader_variable_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncside.demo
+    from asyncside.cli import main
+    from asyncside.readers import choose_reader
+
+    monkeypatch.setenv("ASYNCSIDE_READER", "bogus")
+    # Where a run first picks its reader (the model load before it is not what is tested here).
+    monkeypatch.setattr(asyncside.demo, "run_demo", lambda args: choose_reader("auto"))
+    assert main(["demo", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "$ASYNCSIDE_READER" in err and "'bogus'" in err
+
+
 @pytest.mark.parametrize("kwargs, message", [({"memory": "abc"}, "memory 'abc': expected a size"),
                                              ({"memory": 0}, "memory: expected a size > 0"),
                                              ({"resident": 1.5}, "resident: expected a fraction"),
