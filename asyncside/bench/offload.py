@@ -533,6 +533,106 @@ def _dir_bytes(path: str | os.PathLike[str]) -> int:
     return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
 
 
+# ---- the user's routing traces (--routing FILE) ------------------------------------------------
+
+
+def routing_labels(paths: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
+    """A locality label per routing file: its stem, with ``-2``, ``-3``... where a stem repeats or
+    is already ``taken`` (e.g. a preset of the same run)."""
+    used = set(taken)
+    labels = []
+    for path in paths:
+        stem = pathlib.Path(path).stem or "routing"
+        label, n = stem, 1
+        while label in used:
+            n += 1
+            label = f"{stem}-{n}"
+        used.add(label)
+        labels.append(label)
+    return labels
+
+
+def load_routings(paths: Sequence[str], taken: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The user's routing files, loaded and validated before anything is built: per file
+    ``{"label", "path", "trace"}``. A file that cannot be read or is malformed raises
+    :class:`asyncside.errors.TraceError` naming the file and the field (exit status 2 from the CLI)."""
+    from ..routing import RoutingTrace
+
+    out = []
+    for path, label in zip(paths, routing_labels(paths, taken), strict=True):
+        out.append({"label": label, "path": os.path.abspath(path), "trace": RoutingTrace.load(path)})
+    return out
+
+
+def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts: int, top_k: int,
+                positions: int, predictor: str) -> tuple[Any, dict[str, Any]]:
+    """(the trace every system of ``shape`` replays, what the JSON records of it) for one loaded
+    user routing file (:func:`load_routings`).
+
+    Sequence 0 is replayed (as ``demo --routing`` does), fitted as every ``--routing`` is
+    (:class:`asyncside.models.forcing.RoutingReplay`: as is when of the model's shape, else
+    :meth:`asyncside.routing.RoutingTrace.map_to`); ``positions``: the positions a run routes
+    (prompt plus tokens), past the sequence's end they wrap around. A trace of smaller top-k than
+    the shape, or ``predictor="trace"`` with a trace that carries no predictions, is refused with
+    a :class:`asyncside.models.forcing.RoutingReplayError` naming the file.
+    """
+    import numpy as np
+
+    from ..models.forcing import RoutingReplay, RoutingReplayError
+    from ..routing import RoutingTrace
+
+    trace, path = user["trace"], user["path"]
+    if trace.top_k < top_k:
+        raise RoutingReplayError(
+            f"--routing {path}: the trace routes top-{trace.top_k} per token, the shape {shape} routes "
+            f"top-{top_k}: a trace cannot be replayed on a model of larger top-k (its lower choices are not "
+            f"in the file); use a trace of top-k >= {top_k} (e.g. one recorded with demo --record-routing) "
+            f"or a shape of top-k <= {trace.top_k}")
+    replay = RoutingReplay(trace, moe_layers=range(moe_layers), n_experts=n_experts, top_k=top_k, sequence=0,
+                           source=f"--routing {path}")
+    fitted = replay.fitted
+    pred = fitted.sequence_predicted(0)
+    if predictor == "trace" and pred is None:
+        raise RoutingReplayError(f"--routing {path}: --predictor trace replays the trace's own predictions, and "
+                                 f"this trace carries none (no 'predicted' array); use --predictor none or temporal")
+    one = RoutingTrace(fitted.sequence(0), np.array([replay.n_tokens], dtype=np.int64), fitted.n_experts, fitted.meta,
+                       pred)
+    info = {"file": path, "label": user["label"], "sequence": 0, "sequences": trace.n_sequences,
+            "sequence_tokens": replay.n_tokens, "positions": int(positions),
+            "wraps": int(positions) > replay.n_tokens,
+            "source_shape": {"n_layers": trace.n_layers, "n_experts": trace.n_experts, "top_k": trace.top_k},
+            "mapped_from": fitted.meta.get("mapped_from") if fitted is not trace else None,
+            "predicted": pred is not None}
+    return one, info
+
+
+def fit_routings(user: list[dict[str, Any]], shapes: list[dict[str, Any]], *, positions: int, predictor: str,
+                 verbose: bool = False) -> dict[str, dict[str, tuple[Any, dict[str, Any]]]]:
+    """Every user routing file fitted onto every shape (:func:`fit_routing`), before any run so that a
+    refusal comes first: shape -> label -> (fitted trace, its record); each shape dict gets
+    ``"routings"`` (label -> record)."""
+    fitted: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {}
+    for sh in shapes:
+        fitted[sh["shape"]] = {u["label"]: fit_routing(u, shape=sh["shape"], moe_layers=sh["moe_layers"],
+                                                       n_experts=sh["experts_per_layer"], top_k=sh["top_k"],
+                                                       positions=positions, predictor=predictor) for u in user}
+        sh["routings"] = {label: info for label, (_t, info) in fitted[sh["shape"]].items()}
+        for info in sh["routings"].values():
+            _log(verbose, f"{sh['shape']}: --routing {routing_note(info)}")
+    return fitted
+
+
+def routing_note(info: dict[str, Any]) -> str:
+    """One line on how a user routing file is replayed (for the progress log and the table's title)."""
+    src = info["source_shape"]
+    parts = [f"{info['label']}: {info['file']} ({src['n_layers']} layers x {src['n_experts']} experts "
+             f"top-{src['top_k']}, " + ("mapped onto the shape" if info["mapped_from"] else "the shape's own") + ")",
+             f"sequence {info['sequence']} of {info['sequences']} replayed ({info['sequence_tokens']} tokens)"]
+    if info["wraps"]:
+        parts.append(f"positions wrap: a run routes {info['positions']} positions")
+    return "; ".join(parts)
+
+
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench offload``."""
     p.add_argument("--memory", metavar="SIZE", default=None,
@@ -547,14 +647,21 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-ratio", type=float, default=STORE_OVER_BUDGET,
                    help=f"refuse a store smaller than this many budgets (default {STORE_OVER_BUDGET:g}; "
                         f"less only for a quick check of the machinery)")
-    p.add_argument("--localities", default=",".join(LOCALITY_NAMES),
-                   help="synthetic routing presets, comma-separated (default low,middle,high)")
+    p.add_argument("--localities", default=None,
+                   help="synthetic routing presets, comma-separated (default low,middle,high; with --routing "
+                        "none unless given: '' runs no preset)")
+    p.add_argument("--routing", metavar="FILE", action="append", default=None,
+                   help="your own routing trace (.npz, docs/routing-traces.md), a locality labelled by the file's "
+                        "stem; repeatable. Fitted onto each shape as demo --routing fits it (sequence 0; other "
+                        "layers, experts, a larger top-k mapped; a smaller top-k refused); every system replays "
+                        "the fitted trace; positions past its end wrap")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
     p.add_argument("--seconds", type=float, default=40.0, help="generation time per run (default 40)")
     p.add_argument("--tokens", type=int, default=256, help="at most this many tokens per run (default 256)")
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"asyncside's eviction policy (default {DEFAULT_POLICY})")
-    p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead"],
-                   help="asyncside's predictor (default none: the router's lookahead does not know replayed ids)")
+    p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead", "trace"],
+                   help="asyncside's predictor (default none: the router's lookahead does not know replayed ids; "
+                        "trace: the replayed trace's own predictions, for --routing files that carry them)")
     p.add_argument("--cache-dir", default=None, help="where the shapes are built (default ~/.cache/asyncside)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
@@ -567,9 +674,29 @@ def _log(enabled: bool, msg: str) -> None:
         print(f"[offload] {msg}", file=sys.stderr, flush=True)
 
 
+def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """(the presets to replay, the user's routing files loaded): ``--localities`` defaults to every
+    preset without ``--routing`` and to none with it."""
+    from ..routing import LOCALITIES
+
+    routing_files = list(getattr(args, "routing", None) or [])
+    loc_text = args.localities if args.localities is not None else ("" if routing_files else ",".join(LOCALITY_NAMES))
+    localities = [s.strip() for s in loc_text.split(",") if s.strip()]
+    for s in localities:
+        if s not in LOCALITIES:
+            raise SystemExit(f"asyncside bench offload: --localities: unknown preset {s!r}; "
+                             f"known: {sorted(LOCALITIES)}")
+    if args.predictor == "trace" and localities:
+        raise SystemExit("asyncside bench offload: --predictor trace replays a --routing file's own predictions; "
+                         f"the presets ({','.join(localities)}) carry none: --localities '' or another predictor")
+    if not localities and not routing_files:
+        raise SystemExit("asyncside bench offload: nothing to replay: --localities is empty and no --routing FILE")
+    return localities, load_routings(routing_files, taken=localities)
+
+
 def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
-    from ..routing import LOCALITIES, preset
+    from ..routing import preset
     from ..store import ExpertStore
     from .machine import machine_info
     from .shapes import ensure_shape, parse_shape_list
@@ -580,11 +707,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"asyncside bench offload: --systems: unknown system {s!r}; known: {list(SYSTEMS)}")
-    localities = [s.strip() for s in args.localities.split(",") if s.strip()]
-    for s in localities:
-        if s not in LOCALITIES:
-            raise SystemExit(f"asyncside bench offload: --localities: unknown preset {s!r}; "
-                             f"known: {sorted(LOCALITIES)}")
+    localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
     shapes: list[dict[str, Any]] = []
     builds: list[tuple[str, int | None, Any]] = []
     if args.stores:
@@ -613,31 +736,39 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"asyncside bench offload: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is "
                              f"less than {ratio:g}x the budget ({budget / MB:.0f} MB): more layers "
                              f"(--shapes {s['shape']}:N) or less --memory")
+    prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
+    fitted = fit_routings(user, shapes, positions=len(prompt) + int(args.tokens), predictor=args.predictor,
+                          verbose=verbose)
     ok, why = check_cgroups(budget)
     if not ok:
         raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why}")
     _log(verbose, f"budget {budget / MB:.0f} MB in a {why}; page cache dropped before every run")
     result: dict[str, Any] = {"bench": "offload", "machine": machine_info(), "budget_bytes": budget, "cgroup": why,
-                              "settings": {k: getattr(args, k) for k in ("seconds", "tokens", "policy", "predictor",
-                                                                          "vocab", "shapes", "localities", "systems")},
+                              "settings": {k: getattr(args, k, None) for k in (
+                                  "seconds", "tokens", "policy", "predictor", "vocab", "shapes", "localities",
+                                  "systems", "routing")},
                               "shapes": shapes, "runs": []}
+    result["settings"]["localities"] = ",".join(localities)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-offload-"))
     try:
         for sh in shapes:
-            prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
             traces = {}
             for loc in localities:
                 path = tmp / f"{sh['shape']}-{loc}.npz"
                 preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
                        top_k=sh["top_k"], seed=1).save(path)
                 traces[loc] = str(path)
+            for label, (trace, _info) in fitted[sh["shape"]].items():
+                path = tmp / f"{sh['shape']}-routing-{len(traces)}.npz"
+                trace.save(path)  # the fitted trace: the shape's own, so every child replays it as is
+                traces[label] = str(path)
             base = {"store": sh["store"], "prompt": prompt, "seconds": args.seconds, "tokens": args.tokens,
                     "policy": args.policy, "predictor": args.predictor, "budget": budget,
                     "fraction": max(0.01, (budget * 0.5) / sh["expert_bytes"])}
             _log(verbose, f"{sh['shape']}: random-read bandwidth (O_DIRECT, record {sh['record_bytes'] / MB:.2f} MB)")
             sh["io"] = _bandwidth(sh["store"], None)
             sh["compute"] = {}
-            for loc in localities:
+            for loc in traces:
                 _log(verbose, f"{sh['shape']} / {loc}: compute limit (all-resident mlx-lm, no memory limit)")
                 compute = _child({**base, "system": "mlx-lm", "routing": traces[loc]}, None, args.timeout)
                 sh["compute"][loc] = {k: compute.get(k) for k in ("status", "decode_tokens_per_s", "tokens", "load_s")}
@@ -653,6 +784,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                         rows = run["rows_per_layer"]
                         fraction = sum(rows.values()) / (sh["experts_per_layer"] * len(rows))
                     run.update(shape=sh["shape"], locality=loc)
+                    if loc in sh["routings"]:
+                        run["routing"] = sh["routings"][loc]
                     _figures(run, sh, traces[loc], compute)
                     result["runs"].append(run)
                     _log(verbose, f"  {run['status']}: {run.get('decode_tokens_per_s', 0):.2f} tok/s")
@@ -718,7 +851,9 @@ def _title(result: dict[str, Any]) -> str:
                        f"store {s['store_bytes'] / MB:.0f} MB, disk {s['io']['GBps']:.2f} GB/s at "
                        f"{s['record_bytes'] / MB:.2f} MB x depth {s['io']['queue_depth']}"
                        + (f" (not represented: {s['note']})" if s.get("note") else "") for s in result["shapes"])
-    return f"bench offload: budget {result['budget_bytes'] / MB:.0f} MB ({result['cgroup']}); {shapes}"
+    notes = "".join(f"; routing {routing_note(info)}" for s in result["shapes"]
+                    for info in s.get("routings", {}).values())
+    return f"bench offload: budget {result['budget_bytes'] / MB:.0f} MB ({result['cgroup']}); {shapes}{notes}"
 
 
 def render_table(result: dict[str, Any]) -> None:
