@@ -161,3 +161,37 @@ def test_compute_limits_of_several_localities_in_one_process(tt: ModuleType, qui
     for loc in ("low", "high"):
         assert both["localities"][loc]["status"] == "ok" and len(both["localities"][loc]["tokens"]) == 6
     assert both["localities"]["high"]["tokens"] == alone["tokens"]
+
+
+def test_user_routing_files(tt: ModuleType, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--routing FILE: loaded at parse time (a bad file is a usage error naming it), no preset unless
+    --localities names one, and the file fitted onto the shape by bench offload's own code."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    ids = np.stack([np.stack([rng.choice(64, 6, replace=False) for _ in range(5)]) for _ in range(9)])
+    mine = tmp_path / "mine.npz"
+    np.savez(mine, ids=ids.astype(np.int32), lengths=np.array([4, 5]), n_experts=np.int64(64))
+    args = tt.parse_args(["--memory-max", "1G", "--json", "x", "--routing", str(mine)])
+    assert args.locality_list == [] and [u["label"] for u in args.user_routings] == ["mine"]
+    both = tt.parse_args(["--memory-max", "1G", "--json", "x", "--routing", str(mine), "--localities", "low",
+                          "--routing", str(mine)])
+    assert both.locality_list == ["low"] and [u["label"] for u in both.user_routings] == ["mine", "mine-2"]
+    sh = {"shape": "s", "moe_layers": 2, "experts_per_layer": 32, "top_k": 4}
+    fitted = offload.fit_routings(both.user_routings, [sh], positions=25, predictor="none")["s"]
+    traces = tt.write_traces(tmp_path, both.locality_list, fitted, sh)
+    assert list(traces) == ["low", "mine", "mine-2"]
+    from asyncside.routing import RoutingTrace
+
+    got = RoutingTrace.load(traces["mine"])
+    assert got.ids.shape == (4, 2, 4) and got.n_experts == 32
+    assert np.array_equal(got.ids, RoutingTrace.load(mine).map_to(2, 32, 4).sequence(0))
+    assert sh["routings"]["mine"]["wraps"] is True and sh["routings"]["mine"]["sequences"] == 2  # type: ignore[index]
+    assert "routing mine:" in tt.render_markdown({"shape": sh, "runs": []})
+    np.savez(tmp_path / "bad.npz", ids=ids.astype(np.int32))  # no n_experts
+    for bad, said in ((["--routing", str(tmp_path / "bad.npz")], "bad.npz [n_experts]"),
+                      (["--localities", ""], "nothing to replay"),
+                      (["--predictor", "trace"], "carry none")):
+        with pytest.raises(SystemExit):
+            tt.parse_args(["--memory-max", "1G", "--json", "x", *bad])
+        assert said in capsys.readouterr().err

@@ -5,7 +5,9 @@
 #   SETUP=1 tools/device/three-tier.sh   (installs MLX CUDA and builds the extension first: cuda-run.sh)
 # Env: MEMORY_MAX (the cgroup's limit and the budget, default 4200M: the 48-layer store is 4.1x it),
 # RESIDENT (device pools' share of each layer's experts, or auto; default 0.10), TIER_SHARE (host
-# tier's share of the layers, default 0), LOCALITIES (default low,middle,high), ARMS (default
+# tier's share of the layers, default 0), LOCALITIES (default low,middle,high; with ROUTING none unless set),
+# ROUTING (your own routing traces, .npz paths separated by spaces or commas: each a locality labelled by
+# its file's stem, fitted onto the shape as bench offload --routing fits it), ARMS (default
 # asyncside,asyncside-whole,slot-cache), TOKENS (default 24: a run ends by its tokens), SECONDS_CAP
 # (decode seconds a run, default 20), DISK_BYTES (each disk pass, default 2G), WALL (seconds for the whole call, default 580),
 # BUILD_ONLY=1 (build the store and measure the disk, then stop), RUNS=0 (skip the runs), BISECT="group
@@ -26,14 +28,16 @@ log() { echo "== $(date +%T) $*"; }
 free -g | head -2; df -h /root | tail -1; nproc
 if [ "${RUNS:-1}" = 1 ]; then
   MEM=${MEMORY_MAX:-4200M}
-  LOCS=${LOCALITIES:-low,middle,high}
-  name=three-tier-$MEM-$(echo "$LOCS" | tr , -)
-  log "three tiers: limit $MEM, resident ${RESIDENT:-0.10}, tier share ${TIER_SHARE:-0}, localities $LOCS ($(( T_END - $(date +%s) )) s left)"
+  ROUTING_ARGS=()
+  for f in $(echo "${ROUTING:-}" | tr , ' '); do ROUTING_ARGS+=(--routing "$f"); done
+  if [ -n "${ROUTING:-}" ]; then LOCS=${LOCALITIES-}; else LOCS=${LOCALITIES:-low,middle,high}; fi
+  name=three-tier-$MEM-$(echo "$LOCS" | tr , -)${ROUTING:+-routing}
+  log "three tiers: limit $MEM, resident ${RESIDENT:-0.10}, tier share ${TIER_SHARE:-0}, localities ${LOCS:-none}, routing ${ROUTING:-none} ($(( T_END - $(date +%s) )) s left)"
   # three_tier.py stops starting runs before the deadline and prints the table itself; the timeout
   # (a few seconds later) is the backstop, and the table is printed from the JSON if it fired.
   left=$(( T_END - $(date +%s) - 3 )); [ $left -lt 10 ] && left=10
   timeout -k 5 $left python3 tools/device/three_tier.py --memory-max "$MEM" \
-    --resident "${RESIDENT:-0.10}" --tier-share "${TIER_SHARE:-0}" --localities "$LOCS" \
+    --resident "${RESIDENT:-0.10}" --tier-share "${TIER_SHARE:-0}" --localities "$LOCS" ${ROUTING_ARGS[@]+"${ROUTING_ARGS[@]}"} \
     --arms "${ARMS:-asyncside,asyncside-whole,slot-cache}" --tokens "${TOKENS:-24}" --seconds "${SECONDS_CAP:-20}" \
     --disk-bytes "${DISK_BYTES:-2G}" --deadline $(( T_END - 8 )) ${BUILD_ONLY:+--build-only} ${EXTRA:-} \
     --json "$OUT/$name.json" > "$OUT/$name.md" 2> "$OUT/$name.log"

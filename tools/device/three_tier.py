@@ -1,7 +1,9 @@
 """Three tiers on MLX CUDA under a memory budget (device pools <- pinned host tier <- SSD), beside the slot cache.
 
-Builds (or reuses) a model shape's expert store, measures the disk, then per synthetic routing
-locality runs these arms, each in its own child process:
+Builds (or reuses) a model shape's expert store, measures the disk, then per routing locality (a
+synthetic preset, or a user's own trace given with ``--routing FILE``, fitted onto the shape by
+bench offload's :func:`~asyncside.bench.offload.fit_routings`) runs these arms, each in its own
+child process:
 
 1. ``compute``: the compute limit, all-resident mlx-lm with no memory limit under the same
    replayed routing (its tokens are the reference every other arm must match). All localities'
@@ -65,8 +67,11 @@ from asyncside.bench.offload import (
     check_cgroups,
     disk_curve,
     drop_caches,
+    fit_routings,
     generate_measured,
+    load_routings,
     parse_size,
+    routing_note,
 )
 
 #: the arms that run in a memory cgroup, in the order they run per locality
@@ -310,6 +315,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{io.get('min_bytes_per_pass', 0) / 1e9:.1f} GB): {curve or '—'}; I/O limit at "
         f"{io.get('GBps', 0):.2f} GB/s (depth {io.get('best_depth')})",
     ]
+    lines += [f"routing {routing_note(info)}" for info in (sh.get("routings") or {}).values()]
     if planned:
         # One plan for all: the runs differ only in what the process held when the runtime started.
         held = [r["rss_before_runtime"] / MB for r in planned if r.get("rss_before_runtime")]
@@ -339,7 +345,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="fail an asyncside arm whose plan refuses --resident (default: run it at resident=auto)")
     p.add_argument("--tier-share", type=float, default=0.0, help="host tier's share of the store's layers (0: none)")
     p.add_argument("--memory-max", required=True, help="the cgroup's limit, also the runtime's budget (e.g. 4200M)")
-    p.add_argument("--localities", default=",".join(LOCALITY_ORDER))
+    p.add_argument("--localities", default=None,
+                   help="synthetic routing presets, comma-separated (default low,middle,high; with --routing none "
+                        "unless given)")
+    p.add_argument("--routing", metavar="FILE", action="append", default=None,
+                   help="your own routing trace (.npz), a locality labelled by its stem; repeatable; fitted onto "
+                        "the shape as bench offload --routing fits it")
     p.add_argument("--arms", default=",".join(ARMS),
                    help=f"arms in a cgroup, comma-separated (default {','.join(ARMS)})")
     p.add_argument("--tokens", type=int, default=24, help="at most this many tokens a run")
@@ -376,13 +387,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if a not in ARMS:
             p.error(f"--arms: unknown arm {a!r}; known: {', '.join(ARMS)}")
     args.arm_list = arms
+    from asyncside.errors import TraceError
     from asyncside.routing import LOCALITIES
 
-    locs = [s.strip() for s in args.localities.split(",") if s.strip()]
+    files = list(args.routing or [])
+    text = args.localities if args.localities is not None else ("" if files else ",".join(LOCALITY_ORDER))
+    locs = [s.strip() for s in text.split(",") if s.strip()]
     for s in locs:
         if s not in LOCALITIES:
             p.error(f"--localities: unknown preset {s!r}; known: {', '.join(sorted(LOCALITIES))}")
     args.locality_list = locs
+    if not locs and not files:
+        p.error("nothing to replay: --localities is empty and no --routing FILE")
+    if args.predictor == "trace" and locs:
+        p.error(f"--predictor trace replays a --routing file's own predictions; the presets ({','.join(locs)}) "
+                "carry none: --localities '' or another predictor")
+    try:
+        args.user_routings = load_routings(files, taken=locs)  # before the store is built: a bad file first
+    except TraceError as exc:
+        p.error(f"--routing: {exc}")
     try:
         args.depth_list = [int(d) for d in args.disk_depths.split(",") if d.strip()]
     except ValueError:
@@ -406,6 +429,23 @@ def arm_spec(arm: str, base: dict[str, Any], resident: str, host_tier: int, slot
     return spec, dict(ARM_ENV[arm]), [sys.executable, str(pathlib.Path(__file__).resolve())]
 
 
+def write_traces(tmp: pathlib.Path, presets: list[str], fitted: dict[str, tuple[Any, dict[str, Any]]],
+                 sh: dict[str, Any]) -> dict[str, pathlib.Path]:
+    """Locality -> the trace file every arm replays: each preset made for the shape ``sh``, then each
+    user routing file as fitted onto it (bench offload's :func:`fit_routings`)."""
+    from asyncside.routing import preset
+
+    traces: dict[str, pathlib.Path] = {}
+    for loc in presets:
+        traces[loc] = tmp / f"{loc}.npz"
+        preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
+               top_k=sh["top_k"], seed=1).save(traces[loc])
+    for label, (fit, _info) in fitted.items():
+        traces[label] = tmp / f"routing-{len(traces)}.npz"
+        fit.save(traces[label])  # the fitted trace, the shape's own: every arm replays it as is
+    return traces
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run every locality (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -420,14 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     from asyncside.bench.shapes import ensure_shape
-    from asyncside.routing import preset
+    from asyncside.models.forcing import RoutingReplayError
     from asyncside.runtime._plan import tier_bytes
     from asyncside.store import ExpertStore
 
     def left() -> float:
         return args.deadline - time.time() if args.deadline else math.inf
 
-    settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    settings = {k: v for k, v in vars(args).items()
+                if k != "user_routings" and isinstance(v, (int, float, str, bool, list, type(None)))}
     result: dict[str, Any] = {"bench": "three-tier", "settings": settings, "runs": [], "compute": {}}
     out = pathlib.Path(args.json)
 
@@ -479,6 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         io_file.write_text(json.dumps({"key": disk_key, "io": sh["io"]}))
     log("  " + ", ".join(f"depth {c['depth']}: {c['GBps']:.2f} GB/s" for c in sh["io"]["cells"]))
     save()
+    try:
+        fitted = fit_routings(args.user_routings, [sh], positions=1 + int(args.tokens), predictor=args.predictor,
+                              verbose=True)[sh["shape"]]  # each file's fit logged: mapped or not, wrapping
+    except RoutingReplayError as exc:
+        print(f"three_tier.py: {exc}", file=sys.stderr)
+        return 2
+    save()
     if args.build_only:
         print(render_markdown(result))
         return 0
@@ -486,28 +534,27 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [ord("T")]  # one token: every step routes one token
     bases: dict[str, dict[str, Any]] = {}
     try:
-        for loc in args.locality_list:
-            trace = tmp / f"{loc}.npz"
-            preset(loc, tokens=TRACE_TOKENS, n_layers=len(layers), n_experts=first.n_experts, top_k=sh["top_k"],
-                   seed=1).save(trace)
+        traces = write_traces(tmp, args.locality_list, fitted, sh)
+        replayed = list(traces)
+        for loc, trace in traces.items():
             bases[loc] = {"store": store_dir, "prompt": prompt, "seconds": args.seconds, "tokens": args.tokens,
                           "policy": args.policy, "predictor": args.predictor, "budget": budget,
                           "routing": str(trace), "fallback_auto": not args.no_fallback,
                           "fraction": float(args.resident) if args.resident != "auto" else 0.1}
         # The compute limits first, in one process: the freshly built store is still in the page cache.
-        log(f"compute limits of {', '.join(args.locality_list)} (all-resident mlx-lm, no memory limit, same routing)")
-        first_loc = args.locality_list[0]
+        log(f"compute limits of {', '.join(replayed)} (all-resident mlx-lm, no memory limit, same routing)")
+        first_loc = replayed[0]
         compute_spec = {**bases[first_loc], "system": "compute",
-                        "routings": {loc: bases[loc]["routing"] for loc in args.locality_list}}
+                        "routings": {loc: bases[loc]["routing"] for loc in replayed}}
         got = _child(compute_spec, None, min(args.timeout, left() - 5),
                      command=[sys.executable, str(pathlib.Path(__file__).resolve())])
-        for loc in args.locality_list:
+        for loc in replayed:
             one = (got.get("localities") or {}).get(loc) or {"status": got["status"]}
             one.update(load_s=got.get("load_s"), wall_s=got.get("wall_s"))
             result["compute"][loc] = one
             log(f"  {loc}: {one['status']}: {one.get('decode_tokens_per_s') or 0:.2f} tok/s")
         save()
-        for loc in args.locality_list:
+        for loc in replayed:
             compute = result["compute"][loc]
             slot_fraction = bases[loc]["fraction"]
             for arm in args.arm_list:
@@ -521,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                         run = _child(spec, cg, min(args.timeout, left() - 5), command=command, env=env)
                     run.update(caches_dropped=dropped, limit_bytes=budget)
                 run.update(locality=loc, arm=arm)
+                run["routing"] = sh["routings"].get(loc)  # a --routing file's record; None for a preset
                 if arm == "asyncside" and run.get("rows_per_layer"):
                     # The slot cache gets the rows the asyncside arm's plan chose for this budget
                     # (half a row under them: layer_rows rounds the fraction's rows up).
