@@ -121,3 +121,16 @@ def test_record_routing_to_an_unwritable_place(tmp_path: Any, capsys: pytest.Cap
     with pytest.raises(TraceError, match="cannot be written") as info:
         preset("low", tokens=2, n_layers=1, n_experts=4, top_k=1).save(tmp_path / "no" / "t.npz")
     assert info.value.path == str(tmp_path / "no" / "t.npz")
+
+
+def test_convert_refuses_a_store(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A store passed to convert is named as one, not read as a model missing its expert weights."""
+    from asyncside.cli import main
+
+    store = tmp_path / "store"
+    store.mkdir()
+    for name in ("manifest.json", "config.json"):
+        (store / name).write_text("{}")
+    assert main(["convert", str(store), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is already an expert store" in err and str(store) in err and not (tmp_path / "out").exists()

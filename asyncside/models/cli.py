@@ -181,6 +181,10 @@ def convert_main(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if is_repo_id(name) and args.model_dir != str(pathlib.Path(name).absolute()):
         args.model_id = name  # a repo id: the store's model id is the id, not the snapshot hash
+    if (pathlib.Path(args.model_dir) / "manifest.json").is_file():
+        # A store's directory also has a config.json and safetensors (without the experts).
+        return _fail(f"{name}: is already an expert store (manifest.json); use it as it is, e.g. "
+                     f"asyncside demo --model {name}")
     problem = _check_args(args)
     if problem is not None:
         return _fail(problem)
