@@ -145,3 +145,13 @@ def test_a_user_trace_end_to_end(quick_store: pathlib.Path, tmp_path: pathlib.Pa
     assert res["tokens_identical"] is True and res["settings"]["localities"] == ""
     json.dumps(res)  # the JSON the CLI prints
     assert "positions wrap" in offload.render_markdown(res)
+
+
+def test_memory_sizes_a_user_types(capsys: pytest.CaptureFixture[str]) -> None:
+    """--memory takes what demo's takes (powers of 1024, with or without B or iB); nonsense is a usage error."""
+    for text, want in (("600M", 600 * 2**20), ("1.5G", 3 * 2**29), ("1536MiB", 3 * 2**29), ("2GB", 2 * 2**30)):
+        assert parse("--memory", text).memory == want
+    for bad in ("nan", "lots", "16", "-1G"):
+        with pytest.raises(SystemExit):
+            parse("--memory", bad)
+        assert "--memory" in capsys.readouterr().err

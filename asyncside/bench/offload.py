@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import AsyncsideError
+from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY
 
 __all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
@@ -67,22 +68,14 @@ class CgroupError(AsyncsideError):
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes of ``text``: an int, or a number with K/M/G/T (powers of 1024), e.g. ``800M``, ``1.5G``."""
-    if isinstance(text, int):
-        return text
-    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    for i, unit in enumerate("KMGT", start=1):
-        if t.endswith(unit):
-            mult, t = 1024 ** i, t[:-1]
-            break
-    try:
-        value = float(t)
-    except ValueError:
-        raise ValueError(f"expected a size such as 800M or 1.5G, got {text!r}") from None
+    """Bytes of ``text``: an int, or a number with K/M/G/T (powers of 1024, with or without B or iB),
+    e.g. ``800M``, ``1.5G``, ``1536MiB``, ``2GB`` (:func:`asyncside.memory.parse_size`); it must be positive."""
+    from ..memory import parse_size as _parse
+
+    value = _parse(text)
     if value <= 0:
         raise ValueError(f"expected a positive size, got {text!r}")
-    return int(value * mult)
+    return value
 
 
 def cgroup_version(root: pathlib.Path = CGROUP_ROOT) -> int:
@@ -635,7 +628,7 @@ def routing_note(info: dict[str, Any]) -> str:
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench offload``."""
-    p.add_argument("--memory", metavar="SIZE", default=None,
+    p.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                    help="the memory budget of every run, e.g. 600M or 1.5G (default: a quarter of the smallest store)")
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                    help=f"model shapes as NAME:LAYERS or CONFIG.json:LAYERS (a Hugging Face config, its directory or "
