@@ -2,7 +2,8 @@
 
 For each model shape (built by :mod:`asyncside.bench.shapes`, with fewer layers on a small
 machine) and each routing locality (the synthetic presets of :data:`asyncside.routing.LOCALITIES`,
-replayed in every MoE layer of every system: :mod:`asyncside.models.forcing`), the same greedy
+and the user's own routing files given with ``--routing``, each fitted onto the shape by
+:func:`fit_routing`; replayed in every MoE layer of every system: :mod:`asyncside.models.forcing`), the same greedy
 generation runs in a subprocess per system, each inside a fresh memory cgroup whose limit (the
 budget, ``--memory``) charges the page cache too, after the page cache was dropped:
 
