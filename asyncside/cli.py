@@ -98,10 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, ValueError) as exc:
         # A bad ASYNCSIDE_* environment variable: the native extension refuses it when it loads, the
         # reader choice when it reads it; both messages start with the variable's name.
-        if not str(exc).lstrip("$").startswith("ASYNCSIDE_"):
-            raise
-        print(f"asyncside {args.command}: environment: {exc}", file=sys.stderr)
-        return 2
+        if str(exc).lstrip("$").startswith("ASYNCSIDE_"):
+            print(f"asyncside {args.command}: environment: {exc}", file=sys.stderr)
+            return 2
+        # A bad combination of options, checked once parsed (bench generate's settings): the message
+        # starts with the option's name.
+        if isinstance(exc, ValueError) and str(exc).startswith("--"):
+            print(f"asyncside {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -169,23 +169,26 @@ def test_busy_load_starts_and_stops_processes() -> None:
             pass
 
 
-def test_bad_settings_are_refused(quick_store: pathlib.Path) -> None:
-    with pytest.raises(ValueError, match="--tokens must be >= 2"):
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--tokens", "1"])
-    with pytest.raises(ValueError, match=r"--residency values must be in \(0, 1\], got 1.5"):
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--residency", "1.5"])
-    with pytest.raises(ValueError, match="--policy must be one of"):
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--policy", "fifo"])
-    with pytest.raises(ValueError, match="--load must be >= 0"):
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--load", "-1"])
-    with pytest.raises(ValueError, match="--layers and --vocab apply to --shape only"):
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--layers", "2"])
-    with pytest.raises(ValueError, match="--model and --shape are exclusive"):
-        main(["bench", "generate", "--model", str(quick_store), "--shape", "qwen3-30b-a3b"])
-    with pytest.raises(ValueError, match="--vocab must be 'full', 'small' or an integer, got 'tiny'"):
-        main(["bench", "generate", "--shape", "qwen3-30b-a3b", "--layers", "1", "--vocab", "tiny"])
-    with pytest.raises(SystemExit):  # argparse: not a step mode
-        main(["bench", "generate", "--quick", "--model", str(quick_store), "--modes", "fastest"])
+def test_bad_settings_are_refused(quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each is one line naming the option, exit status 2 (a usage error), never a traceback."""
+    q = ["bench", "generate", "--quick", "--model", str(quick_store)]
+    for argv, message in [
+        ([*q, "--tokens", "1"], "--tokens must be >= 2"),
+        ([*q, "--policy", "fifo"], "--policy must be one of"),
+        ([*q, "--load", "-1"], "--load must be >= 0"),
+        ([*q, "--layers", "2"], "--layers and --vocab apply to --shape only"),
+        (["bench", "generate", "--model", str(quick_store), "--shape", "qwen3-30b-a3b"],
+         "--model and --shape are exclusive"),
+        (["bench", "generate", "--shape", "qwen3-30b-a3b", "--layers", "1", "--vocab", "tiny"],
+         "--vocab must be 'full', 'small' or an integer, got 'tiny'"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+    for argv in ([*q, "--modes", "fastest"], [*q, "--residency", "1.5"]):  # argparse: not a step mode, a fraction
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
 
 
 def test_shape_description(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
