@@ -155,3 +155,11 @@ def test_a_trace_the_model_cannot_replay_is_a_usage_error() -> None:
 
     assert _bad_trace(RoutingReplayError("t.npz: cannot map the trace")) and _bad_trace(TraceError("t.npz", "x"))
     assert not _bad_trace(AsyncsideError("the pools need more"))
+
+
+def test_serve_names_a_directory_given_as_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser(["serve"]).parse_args(["serve", "--routing", str(tmp_path)])
+    assert info.value.code == 2 and f"{tmp_path}: is a directory" in capsys.readouterr().err

@@ -45,7 +45,9 @@ def _existing_file(text: str) -> str:
     import os
 
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such routing trace file")
+        what = "is a directory; expected a routing trace file (.npz)" if os.path.isdir(text) else \
+            "no such routing trace file"
+        raise argparse.ArgumentTypeError(f"{text}: {what}")
     return text
 
 
