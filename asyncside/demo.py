@@ -56,14 +56,33 @@ def writable_file(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def count_arg(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
     return value
 
 
@@ -97,12 +116,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default=None, choices=["lookahead", "temporal", "trace", "none"],
                    help="expert prediction for prefetch (default lookahead; with --routing: trace, the trace's own "
                         "predictions, when it carries them, else temporal); its precision and recall are reported")
-    p.add_argument("--lookahead-extra", metavar="N", type=int, default=0,
+    p.add_argument("--lookahead-extra", metavar="N", type=count_arg, default=0,
                    help="lookahead names N experts beyond the router's k per token (default 0; "
                         "fewer misses, more reads: see BENCHMARKS.md)")
     p.add_argument("--mode", default="auto", choices=["auto", "queued", "per-layer", "whole"],
                    help="how decode steps run (default auto: queued, misses served inside the stream)")
-    p.add_argument("--side-rows", type=int, default=None,
+    p.add_argument("--side-rows", type=count_arg, default=None,
                    help="rows of the rotating side region per layer (default: half the budget)")
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
@@ -121,12 +140,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "(.npz, docs/routing-traces.md)")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    p.add_argument("--ranks", type=int, default=1, metavar="N",
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                    help="N > 1: run the generation as a pipeline of N ranks on this machine (loopback, ring "
                         "backend) beside the one-process run; see docs/distributed.md")
     p.add_argument("--split", default=None, help="with --ranks: decoder layers per rank, e.g. 4,4 (default even)")
-    p.add_argument("--join-timeout", type=float, default=60.0, help="with --ranks: seconds for the ranks to meet")
-    p.add_argument("--deadline", type=float, default=600.0, help="with --ranks: seconds before every rank is stopped")
+    p.add_argument("--join-timeout", type=_seconds, default=60.0, help="with --ranks: seconds for the ranks to meet")
+    p.add_argument("--deadline", type=_seconds, default=600.0,
+                   help="with --ranks: seconds before every rank is stopped")
 
 
 @dataclass

@@ -134,3 +134,13 @@ def test_convert_refuses_a_store(tmp_path: Any, capsys: pytest.CaptureFixture[st
     assert main(["convert", str(store), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "is already an expert store" in err and str(store) in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, bad, message", [("--side-rows", "-1", "expected an integer >= 0"),
+                                                  ("--lookahead-extra", "-1", "expected an integer >= 0"),
+                                                  ("--ranks", "0", "expected an integer >= 1"),
+                                                  ("--join-timeout", "0", "expected seconds > 0"),
+                                                  ("--deadline", "inf", "expected seconds > 0")])
+def test_demo_counts_and_seconds(option: str, bad: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(["demo", option, bad], capsys)
+    assert f"argument {option}" in err and message in err
