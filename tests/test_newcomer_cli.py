@@ -144,3 +144,13 @@ def test_convert_refuses_a_store(tmp_path: Any, capsys: pytest.CaptureFixture[st
 def test_demo_counts_and_seconds(option: str, bad: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(["demo", option, bad], capsys)
     assert f"argument {option}" in err and message in err
+
+
+@pytest.mark.parametrize("extra, message", [(["--tokens", "0"], "tokens must be a positive int"),
+                                            (["--shapes", "4x8"], "top_k 8 exceeds n_experts 4")])
+def test_policy_bench_names_a_shape_it_cannot_make(extra: list[str], message: str) -> None:
+    from asyncside.cli import main
+
+    with pytest.raises(SystemExit, match=message) as info:
+        main(["bench", "policy", "--presets", "low", "--tokens", "16", "--layers", "2", "--shapes", "16x2", *extra])
+    assert "--shapes" in str(info.value.code)

@@ -93,8 +93,11 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
         for e, k in shapes:
             for p in presets:
                 make = mixed_preset if p == "mixed" else preset
-                traces[f"{p} {e}x{k} s{seed}"] = make(p, tokens=args.tokens * sequences, n_layers=args.layers,
-                                                       n_experts=e, top_k=k, seed=seed, sequences=sequences)
+                try:
+                    traces[f"{p} {e}x{k} s{seed}"] = make(p, tokens=args.tokens * sequences, n_layers=args.layers,
+                                                           n_experts=e, top_k=k, seed=seed, sequences=sequences)
+                except ValueError as exc:  # a shape or size the generator cannot make: the options' fault
+                    raise SystemExit(f"--tokens {args.tokens} --layers {args.layers} --shapes {e}x{k}: {exc}") from None
     for path in args.trace:
         tr = RoutingTrace.load(path)
         traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
