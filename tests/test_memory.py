@@ -274,3 +274,21 @@ def test_queued_faults_leave_no_page_cache_when_the_plan_bypasses_it(tmp_path: p
                 assert bytes(rt.pools(0)[seg.key][row]) == store.read_record(0, e)[seg.offset:seg.offset + seg.nbytes]
 
     anyio.run(main)
+
+
+def test_direct_from_the_environment_and_the_auto_refusal(tmp_path: pathlib.Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """$ASYNCSIDE_DIRECT is read as the readers read it (yes is 1; a value that is neither is
+    refused, never taken as 0); resident='auto' that cannot fit says only memory helps (its pools
+    are the smallest already), not to try 'auto'."""
+    store = _store(tmp_path / "s")
+    roomy = memory.pool_bytes(store, 0.25) + memory.MIN_HEADROOM + (64 << 20)
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "yes")
+    assert _plan(store, memory=roomy).direct_reason == "ASYNCSIDE_DIRECT" and _plan(store, memory=roomy).direct
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "maybe")
+    with pytest.raises(AsyncsideError, match=r"ASYNCSIDE_DIRECT: expected 0 or 1, got 'maybe'"):
+        _plan(store, memory=roomy)
+    monkeypatch.delenv("ASYNCSIDE_DIRECT")
+    with pytest.raises(AsyncsideError, match=r"resident=auto.*smallest pools \(8 rows a layer") as info:
+        _plan(store, resident="auto", memory=memory.MIN_HEADROOM + (512 << 10))  # 8 rows: 1 MiB
+    assert "resident fraction" not in str(info.value)

@@ -254,3 +254,24 @@ def test_open_engine_takes_a_budget_and_a_routing_trace(tmp_path: pathlib.Path, 
             assert d["memory_budget"] == "4G" and "memory budget" in d["plan"]
 
     anyio.run(main)
+
+
+def test_serve_exits_2_on_a_trace_the_model_cannot_replay(tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace of top-1 on a top-4 model fails the server's startup: a usage error (status 2, the
+    reason in one line), as `asyncside demo` says it, not a run that failed (status 1)."""
+    from asyncside import ExpertStore
+    from asyncside.bench import generate as bench
+    from asyncside.cli import build_parser
+    from asyncside.models.embedded import ensure_embedded_default
+    from asyncside.serving.cli import serve_main
+
+    store_dir = ensure_embedded_default(tmp_path / "embedded", spec=bench._quick_spec(), progress=False)[1]
+    store = ExpertStore.open(store_dir)
+    n = store.layer(next(iter(store.layers))).n_experts
+    trace = tmp_path / "top1.npz"
+    TraceFile(np.zeros((4, len(store.layers), 1), dtype=np.int32), np.array([4]), n, {}).save(trace)
+    args = build_parser().parse_args(["serve", "--model", str(store_dir), "--port", "0", "--routing", str(trace)])
+    assert serve_main(args) == 2
+    err = capsys.readouterr().err
+    assert "top" in err and "Traceback" not in err, err

@@ -25,6 +25,7 @@ import numpy as np
 from .. import memory as _memory
 from ..errors import AsyncsideError, TraceError
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
+from ..readers import ENV_DIRECT, _env_direct
 from ..store import ExpertStore, LayerSpec
 
 if TYPE_CHECKING:
@@ -304,6 +305,27 @@ def resolve_budget(memory: int | str | None) -> MemoryBudget:
     return MemoryBudget(room, label)
 
 
+def _choose_direct(direct: bool | None, streamed: int, page_cache: int) -> tuple[bool, str]:
+    """Whether reads bypass the page cache, and why: as asked, else $ASYNCSIDE_DIRECT, else when
+    the ``streamed`` bytes (records outside the pools) exceed the ``page_cache`` the budget leaves."""
+    if direct is not None:
+        use_direct, why = bool(direct), "asked for"
+    elif os.environ.get(ENV_DIRECT) is not None:
+        # The readers' parser: 0/1 (true/false, yes/no), anything else refused, never read as 0.
+        try:
+            use_direct, why = _env_direct(), ENV_DIRECT
+        except ValueError as exc:
+            raise AsyncsideError(str(exc)) from None
+    elif streamed > page_cache:
+        use_direct = True
+        why = (f"the {describe_bytes(streamed)} of records outside the pools exceed the "
+               f"{describe_bytes(max(page_cache, 0))} the budget leaves for the page cache")
+    else:
+        use_direct = False
+        why = f"the records outside the pools fit the {describe_bytes(page_cache)} left for the page cache"
+    return use_direct, why
+
+
 def plan_memory(
     store: ExpertStore,
     layers: Sequence[int],
@@ -344,6 +366,7 @@ def plan_memory(
     def pools_at(fraction: float) -> int:
         return sum(r * record_bytes(specs[i]) for i, r in rows_at(fraction).items())
 
+    asked_auto = resident == "auto"
     if resident == "auto":
         if pinned is not None:
             raise ValueError("resident='auto' sizes the pools itself: it takes no pinned experts")
@@ -387,11 +410,17 @@ def plan_memory(
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
     if pools + headroom > budget.available:
+        if asked_auto:  # already the least rows a step needs: only more memory helps
+            least = max(rows.values()) if rows else 0
+            advice = (f"these are the smallest pools ({least} rows a layer, the model's top-k), so the "
+                      f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
+                      f"holds: a larger memory budget, or fewer layers in this process")
+        else:
+            advice = "use a smaller resident fraction, resident='auto', or a larger memory budget"
         raise AsyncsideError(
-            f"the pools need {describe_bytes(pools)} (resident={label}) and "
+            f"the pools need {describe_bytes(pools)} (resident={'auto' if asked_auto else label}) and "
             f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
-            f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): use a smaller "
-            f"resident fraction, resident='auto', or a larger memory budget")
+            f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): {advice}")
     if page_cache < 0:
         # The tier is pinned host memory held for the runtime's life, like the pools: a tier the
         # budget cannot hold beside them would take the process past it. ("auto" bounds itself
@@ -403,17 +432,7 @@ def plan_memory(
             f"{describe_bytes(budget.available)} ({budget.source}) leaves {describe_bytes(max(room, 0))}: "
             f"ask for a smaller host_tier, host_tier='auto', or a larger memory budget")
     streamed = max(0, store_bytes - pools)  # records that live only in the store
-    if direct is not None:
-        use_direct, why = bool(direct), "asked for"
-    elif os.environ.get("ASYNCSIDE_DIRECT") is not None:
-        use_direct, why = os.environ["ASYNCSIDE_DIRECT"].strip() == "1", "ASYNCSIDE_DIRECT"
-    elif streamed > page_cache:
-        use_direct = True
-        why = (f"the {describe_bytes(streamed)} of records outside the pools exceed the "
-               f"{describe_bytes(max(page_cache, 0))} the budget leaves for the page cache")
-    else:
-        use_direct = False
-        why = f"the records outside the pools fit the {describe_bytes(page_cache)} left for the page cache"
+    use_direct, why = _choose_direct(direct, streamed, page_cache)
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),

@@ -27,7 +27,13 @@ from ..errors import AsyncsideError
 
 
 class ServeError(AsyncsideError):
-    """The server could not start (its startup failed; the cause was logged)."""
+    """The server could not start (its startup failed; the cause was logged). ``startup_error`` is
+    the application's own error when it said one (bad input is an :class:`AsyncsideError`), else
+    None."""
+
+    def __init__(self, message: str, startup_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.startup_error = startup_error
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -200,7 +206,7 @@ class BackgroundServer:
                 if state is not None and state.startup_error is not None:  # expected: said in one line
                     atexit.unregister(self._stop_at_exit)
                     self.sock.close()
-                    raise ServeError(str(state.startup_error)) from None
+                    raise ServeError(str(state.startup_error), state.startup_error) from None
                 raise RuntimeError(f"asyncside server failed to start: {self._error!r}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"asyncside server did not start within {self.startup_timeout}s")
@@ -282,5 +288,5 @@ async def serve(
     if not server.started:
         expected = state.startup_error if state is not None else None
         if expected is not None:
-            raise ServeError(str(expected)) from None
+            raise ServeError(str(expected), expected) from None
         raise ServeError("startup failed (see the log above)")

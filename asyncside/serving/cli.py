@@ -334,6 +334,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """`asyncside serve`: run the server on a uvloop event loop; 0 on a clean shutdown."""
     import uvloop
 
+    from ..errors import AsyncsideError
     from .background import ServeError
 
     problem = predictor_routing_problem(args)
@@ -344,7 +345,6 @@ def serve_main(args: argparse.Namespace) -> int:
         args.model = args.store
     if args.model is not None:
         # A model directory or a repo id becomes a store (converted on first use, then reused).
-        from ..errors import AsyncsideError
         from ..hub import store_for
 
         try:
@@ -384,5 +384,8 @@ def serve_main(args: argparse.Namespace) -> int:
         pass
     except (ServeError, OSError) as exc:
         print(f"asyncside serve: {exc}", file=sys.stderr)
-        return 1
+        # Bad input (a store, a trace the model cannot replay, pools the budget cannot hold) is a
+        # usage error, as in `asyncside demo`; anything else failed while running.
+        bad_input = isinstance(exc, ServeError) and isinstance(exc.startup_error, AsyncsideError)
+        return 2 if bad_input else 1
     return 0
