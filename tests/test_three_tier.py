@@ -178,7 +178,7 @@ def test_user_routing_files(tt: ModuleType, tmp_path: pathlib.Path, capsys: pyte
                           "--routing", str(mine)])
     assert both.locality_list == ["low"] and [u["label"] for u in both.user_routings] == ["mine", "mine-2"]
     sh = {"shape": "s", "moe_layers": 2, "experts_per_layer": 32, "top_k": 4}
-    fitted = offload.fit_routings(both.user_routings, [sh], positions=25, predictor="none")["s"]
+    fitted = offload.fit_routings(both.user_routings, [sh], positions=25, predictor="none")[0]
     traces = tt.write_traces(tmp_path, both.locality_list, fitted, sh)
     assert list(traces) == ["low", "mine", "mine-2"]
     from asyncside.routing import RoutingTrace

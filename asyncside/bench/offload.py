@@ -601,16 +601,16 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
 
 
 def fit_routings(user: list[dict[str, Any]], shapes: list[dict[str, Any]], *, positions: int, predictor: str,
-                 verbose: bool = False) -> dict[str, dict[str, tuple[Any, dict[str, Any]]]]:
+                 verbose: bool = False) -> list[dict[str, tuple[Any, dict[str, Any]]]]:
     """Every user routing file fitted onto every shape (:func:`fit_routing`), before any run so that a
-    refusal comes first: shape -> label -> (fitted trace, its record); each shape dict gets
-    ``"routings"`` (label -> record)."""
-    fitted: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {}
+    refusal comes first: per shape, in order, label -> (fitted trace, its record); each shape dict
+    gets ``"routings"`` (label -> record)."""
+    fitted: list[dict[str, tuple[Any, dict[str, Any]]]] = []
     for sh in shapes:
-        fitted[sh["shape"]] = {u["label"]: fit_routing(u, shape=sh["shape"], moe_layers=sh["moe_layers"],
-                                                       n_experts=sh["experts_per_layer"], top_k=sh["top_k"],
-                                                       positions=positions, predictor=predictor) for u in user}
-        sh["routings"] = {label: info for label, (_t, info) in fitted[sh["shape"]].items()}
+        fitted.append({u["label"]: fit_routing(u, shape=sh["shape"], moe_layers=sh["moe_layers"],
+                                               n_experts=sh["experts_per_layer"], top_k=sh["top_k"],
+                                               positions=positions, predictor=predictor) for u in user})
+        sh["routings"] = {label: info for label, (_t, info) in fitted[-1].items()}
         for info in sh["routings"].values():
             _log(verbose, f"{sh['shape']}: --routing {routing_note(info)}")
     return fitted
@@ -745,14 +745,14 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     result["settings"]["localities"] = ",".join(localities)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-offload-"))
     try:
-        for sh in shapes:
+        for sh, fitted_here in zip(shapes, fitted, strict=True):
             traces = {}
             for loc in localities:
                 path = tmp / f"{sh['shape']}-{loc}.npz"
                 preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
                        top_k=sh["top_k"], seed=1).save(path)
                 traces[loc] = str(path)
-            for label, (trace, _info) in fitted[sh["shape"]].items():
+            for label, (trace, _info) in fitted_here.items():
                 path = tmp / f"{sh['shape']}-routing-{len(traces)}.npz"
                 trace.save(path)  # the fitted trace: the shape's own, so every child replays it as is
                 traces[label] = str(path)

@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     try:
         fitted = fit_routings(args.user_routings, [sh], positions=1 + int(args.tokens), predictor=args.predictor,
-                              verbose=True)[sh["shape"]]  # each file's fit logged: mapped or not, wrapping
+                              verbose=True)[0]  # each file's fit logged: mapped or not, wrapping
     except RoutingReplayError as exc:
         print(f"three_tier.py: {exc}", file=sys.stderr)
         return 2
