@@ -155,3 +155,20 @@ def test_memory_sizes_a_user_types(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             parse("--memory", bad)
         assert "--memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("layers", "experts", "top_k"), [(2, 16, 4), (5, 64, 6), (3, 8, 8), (1, 300, 6)])
+def test_fitting_fewer_or_more_layers_and_experts(tmp_path: pathlib.Path, layers: int, experts: int,
+                                                  top_k: int) -> None:
+    """Onto a 7-layer, 32-expert top-4 shape: layers cycle, experts spread or fold, ids stay distinct
+    and in range, exactly as RoutingTrace.map_to gives them."""
+    from asyncside.routing import RoutingTrace
+
+    path = write_trace(tmp_path / "t.npz", tokens=(5,), layers=layers, experts=experts, top_k=top_k)
+    (user,) = offload.load_routings([str(path)])
+    fitted, info = offload.fit_routing(user, shape="s", moe_layers=7, n_experts=32, top_k=4, positions=5,
+                                       predictor="none")
+    assert fitted.ids.shape == (5, 7, 4) and int(fitted.ids.max()) < 32 and info["wraps"] is False
+    assert all(len(set(row)) == 4 for row in fitted.ids.reshape(-1, 4).tolist())
+    assert np.array_equal(fitted.ids, RoutingTrace.load(path).map_to(7, 32, 4).ids)
+    assert info["mapped_from"] == {"n_layers": layers, "n_experts": experts, "top_k": top_k}
