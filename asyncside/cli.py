@@ -1,4 +1,4 @@
-"""The ``asyncside`` command (also ``python -m asyncside``): demo, convert, serve, bench.
+"""The ``asyncside`` command (also ``python -m asyncside``): demo, convert, serve, routing, bench.
 
 Each subcommand lives in its own module, and only the subcommand being run is imported (its
 options included): ``asyncside --help`` imports no MLX and no mlx-lm, and a broken optional piece
@@ -25,6 +25,8 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
                 "add_convert_arguments", "convert_main"),
     "serve": ("OpenAI-compatible streaming HTTP server (--pipeline: one rank of a pipeline)", "asyncside.serving.cli",
               "add_serve_arguments", "serve_main"),
+    "routing": ("look at, make and widen routing trace files", "asyncside.routing_cli", "add_routing_arguments",
+                "routing_main"),
 }
 
 

@@ -280,7 +280,8 @@ class RoutingTrace:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"map_to: {name} must be a positive int, got {v!r}")
         if top_k > self.top_k:
-            raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} (cannot invent choices)")
+            raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} (cannot invent choices; "
+                             f"`asyncside routing widen FILE OUT --top-k {top_k}` adds them, documented)")
         if top_k > n_experts:
             raise ValueError(f"map_to: top_k {top_k} exceeds n_experts {n_experts}")
         layers = np.arange(n_layers) % self.n_layers
@@ -299,6 +300,64 @@ class RoutingTrace:
         meta = dict(self.meta)
         meta["mapped_from"] = {"n_layers": self.n_layers, "n_experts": self.n_experts, "top_k": self.top_k}
         return RoutingTrace(out.astype(np.int32), self.lengths.copy(), int(n_experts), meta, predicted)
+
+    def widen(self, top_k: int, *, seed: int = 0) -> RoutingTrace:
+        """This trace with ``top_k`` experts per token and layer, more than it routes: for a model
+        whose router picks more than the recorded one did (a top-6 recording on a top-8 model).
+
+        The recorded slots are kept as slots ``0..K-1``; each added slot is, per layer, an expert
+        of the previous token's (widened) set not yet chosen with the probability that the
+        recorded slots of that layer repeat one of the previous token's (their measured reuse), else
+        a draw from that layer's popularity in the trace (its ids' counts; experts it never routes
+        only when too few others remain). So the added slots keep the layer's skew and its
+        token-to-token reuse, not the recording's exact choices: ``meta["widened"]`` says so.
+        Deterministic per ``seed``; predictions (if any) are kept as they are.
+        """
+        n = self.n_experts
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not self.top_k < top_k <= n:
+            raise ValueError(f"widen: top_k must be an int in ({self.top_k}, {n}] (more than the trace's "
+                             f"top-{self.top_k}, at most its {n} experts), got {top_k!r}")
+        top_k = int(top_k)
+        T, L, K = self.ids.shape
+        rng = np.random.default_rng([seed, 2])
+        starts = set(np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64).tolist())
+        firsts = np.array([t in starts for t in range(T)])
+        out = np.empty((T, L, top_k), dtype=np.int32)
+        out[:, :, :K] = self.ids
+        reuse_rates = []
+        for l in range(L):
+            ids = self.ids[:, l, :].astype(np.int64)
+            # The recorded slots' reuse: the share of a token's ids its predecessor also routed.
+            later = np.flatnonzero(~firsts)
+            same = (ids[later][:, :, None] == ids[later - 1][:, None, :]).any(axis=2)
+            reuse = float(same.mean()) if later.size else 0.0
+            reuse_rates.append(round(reuse, 4))
+            counts = np.bincount(ids.ravel(), minlength=n).astype(np.float64)
+            popular = np.cumsum(counts / counts.sum())
+            u = rng.random((T, top_k - K, 2)).tolist()
+            for t in range(T):
+                chosen = out[t, l, :K].tolist()
+                prev = None if firsts[t] else out[t - 1, l].tolist()
+                for j in range(top_k - K):
+                    e = -1
+                    if prev is not None and u[t][j][0] < reuse:
+                        free = [x for x in prev if x not in chosen]
+                        if free:
+                            e = free[int(u[t][j][1] * len(free)) % len(free)]
+                    tries = 0
+                    while e < 0 or e in chosen:
+                        if tries < 64:  # a popularity draw; a layer routing too few experts falls through
+                            e = min(int(np.searchsorted(popular, rng.random(), side="right")), n - 1)
+                        else:
+                            e = int(rng.choice([x for x in range(n) if x not in chosen]))
+                        tries += 1
+                    chosen.append(e)
+                out[t, l] = chosen
+        meta = dict(self.meta)
+        meta["widened"] = {"from_top_k": K, "top_k": top_k, "seed": int(seed), "reuse": reuse_rates,
+                           "rule": "added slots: the previous token's experts at the layer's measured reuse, "
+                                   "else the layer's popularity in the trace"}
+        return RoutingTrace(out, self.lengths.copy(), n, meta, self.predicted)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as an ``.npz`` (``ids``, ``lengths``, ``n_experts``, ``meta`` as JSON text, and

@@ -1,0 +1,132 @@
+"""``asyncside routing``: look at, make and widen routing trace files (docs/routing-traces.md).
+
+- ``info FILE``: the trace's shape, sequences, source, predictions, and the hit rates of per-layer
+  LRU caches and of Belady's MIN (with bypass) at a quarter and at half of the experts: how local
+  its routing is, before a benchmark replays it (``bench policy --trace FILE`` compares policies).
+- ``preset NAME OUT``: a synthetic trace of a locality preset at a given shape.
+- ``widen FILE OUT --top-k K``: a trace for a model whose router picks more experts per token
+  than the recorded one (:meth:`asyncside.routing.RoutingTrace.widen`); replaying a trace of
+  fewer choices than the model routes is refused, since the missing choices cannot be known.
+
+Only numpy is imported until MIN is computed (which loads the trace module of the models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import TraceError
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``routing`` subcommand's own subcommands and options."""
+    from .routing import LOCALITIES
+
+    sub = parser.add_subparsers(dest="routing_command", required=True)
+    info = sub.add_parser("info", help="shape, source and locality (LRU and MIN hit rates) of a trace file")
+    info.add_argument("file", help="a routing trace (.npz)")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.add_argument("--no-min", action="store_true", help="skip Belady's MIN (slow on long traces)")
+    make = sub.add_parser("preset", help="write a synthetic trace of a locality preset")
+    make.add_argument("name", choices=sorted(LOCALITIES), help="the locality preset")
+    make.add_argument("out", help="the .npz to write")
+    make.add_argument("--layers", type=_positive, default=8, help="MoE layers (default 8)")
+    make.add_argument("--experts", type=_positive, default=64, help="experts per layer (default 64)")
+    make.add_argument("--top-k", type=_positive, default=6, help="experts per token and layer (default 6)")
+    make.add_argument("--tokens", type=_positive, default=2048, help="tokens of all sequences (default 2048)")
+    make.add_argument("--sequences", type=_positive, default=1, help="sequences (default 1)")
+    make.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    widen = sub.add_parser("widen", help="add choices per token for a model that routes more experts")
+    widen.add_argument("file", help="a routing trace (.npz)")
+    widen.add_argument("out", help="the .npz to write")
+    widen.add_argument("--top-k", type=_positive, required=True, help="experts per token and layer wanted")
+    widen.add_argument("--seed", type=int, default=0, help="seed of the added choices (default 0)")
+
+
+def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
+    """The figures ``routing info`` prints: shape, source, and per-layer caches' hit rates over
+    all sequences in order (LRU, and Belady's MIN with bypass unless ``with_min`` is False)."""
+    from .policy_replay import lru_miss_curve
+
+    out: dict[str, Any] = {
+        "tokens": trace.n_tokens, "layers": trace.n_layers, "experts": trace.n_experts, "top_k": trace.top_k,
+        "sequences": trace.n_sequences, "source": trace.meta.get("source"),
+        "predicted_per_token": None if trace.predicted is None else int(trace.predicted.shape[2]),
+        "mapped_from": trace.meta.get("mapped_from"), "widened": trace.meta.get("widened"), "caches": []}
+    accesses = trace.n_tokens * trace.top_k * trace.n_layers
+    curves = [lru_miss_curve(trace.layer_steps(layer), trace.n_experts) for layer in range(trace.n_layers)]
+    for fraction in (0.25, 0.5):
+        rows = max(trace.top_k, int(round(fraction * trace.n_experts)))
+        lru = 1.0 - sum(int(c[min(rows, len(c) - 1)]) for c in curves) / accesses
+        entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru, 4)}
+        if with_min:
+            from .policy_replay import belady_bypass
+
+            hits = sum(belady_bypass(trace.layer_steps(layer), (), rows).hits for layer in range(trace.n_layers))
+            entry["min"] = round(hits / accesses, 4)
+        out["caches"].append(entry)
+    return out
+
+
+def _print_info(path: str, info: dict[str, Any]) -> None:
+    print(f"{path}: {info['tokens']} tokens in {info['sequences']} sequence(s), {info['layers']} MoE layers x "
+          f"{info['experts']} experts, top-{info['top_k']}; source {info['source'] or 'not said'}; "
+          f"predictions: {info['predicted_per_token'] or 'none'} per token")
+    if info["mapped_from"]:
+        print(f"  mapped from {info['mapped_from']}")
+    if info["widened"]:
+        print(f"  widened from top-{info['widened']['from_top_k']} ({info['widened']['rule']})")
+    for c in info["caches"]:
+        text = f"  per-layer caches of {c['fraction']:.0%} ({c['rows']} rows): LRU {c['lru']:.1%} hits"
+        if "min" in c:
+            text += f", Belady's MIN {c['min']:.1%} (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else ""
+        print(text)
+
+
+def routing_main(args: argparse.Namespace) -> int:
+    """Run ``asyncside routing``; 0 on success, 2 on a bad file or option (one line, no traceback)."""
+    from .routing import RoutingTrace, preset
+
+    try:
+        if args.routing_command == "info":
+            info = trace_info(RoutingTrace.load(args.file), with_min=not args.no_min)
+            if args.json:
+                print(json.dumps({"file": args.file, **info}, indent=1))
+            else:
+                _print_info(args.file, info)
+            return 0
+        if args.routing_command == "preset":
+            if args.top_k > args.experts or args.tokens < args.sequences:
+                print(f"asyncside routing preset: error: --top-k {args.top_k} must be at most --experts "
+                      f"{args.experts}, and --tokens {args.tokens} at least --sequences {args.sequences}",
+                      file=sys.stderr)
+                return 2
+            trace = preset(args.name, tokens=args.tokens, n_layers=args.layers, n_experts=args.experts,
+                           top_k=args.top_k, sequences=args.sequences, seed=args.seed)
+        else:
+            source = RoutingTrace.load(args.file)
+            try:
+                trace = source.widen(args.top_k, seed=args.seed)
+            except ValueError as exc:
+                print(f"asyncside routing widen: error: {args.file}: --top-k: {exc}", file=sys.stderr)
+                return 2
+        trace.save(args.out)
+    except TraceError as exc:
+        print(f"asyncside routing {args.routing_command}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {trace.n_tokens} tokens, {trace.n_layers} layers x {trace.n_experts} experts, "
+          f"top-{trace.top_k}")
+    return 0
