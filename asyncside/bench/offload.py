@@ -515,6 +515,18 @@ def _belady(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -
     return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
 
 
+def least_budget(shape: dict[str, Any]) -> int:
+    """About the smallest memory budget asyncside's plan accepts for ``shape`` (a row of the
+    bench's shapes): the least pools (the model's top-k rows a layer), the plan's headroom, the
+    non-expert weights a run loads, and what this process holds already (MLX and Python loaded:
+    what every run's process holds before the model)."""
+    from ..memory import MIN_HEADROOM, proc_self_bytes
+
+    pools = shape["moe_layers"] * shape["top_k"] * shape["record_bytes"]
+    non_expert = max(0, shape["store_bytes"] - shape["expert_bytes"])
+    return int(pools + MIN_HEADROOM + non_expert + proc_self_bytes("status", "VmRSS"))
+
+
 def _store_top_k(store_dir: str) -> int:
     """The experts routed per token of the model a store was converted from (its config.json)."""
     from mlx_lm.utils import load_config
@@ -689,6 +701,33 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
     return localities, load_routings(routing_files, taken=localities)
 
 
+def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbose: bool) -> int:
+    """The runs' memory budget: ``--memory``, else the smallest store over ``--store-ratio`` raised
+    to asyncside's smallest plan (:func:`least_budget`); SystemExit naming the store when a store
+    is less than the ratio times the budget (each shape gets ``least_budget_bytes``)."""
+    smallest = min(s["store_bytes"] for s in shapes)
+    ratio = float(args.store_ratio)
+    for s in shapes:
+        s["least_budget_bytes"] = least_budget(s)
+    least = max(s["least_budget_bytes"] for s in shapes)
+    # The default: the smallest store over the ratio, but never below what asyncside's plan needs
+    # (then the ratio check below says which store is too small for it).
+    budget = parse_size(args.memory) if args.memory else max(int(smallest / ratio), least)
+    for s in shapes:
+        more = "a store of more layers" if args.stores else f"more layers (--shapes {s['shape']}:N)"
+        if s["store_bytes"] < ratio * budget:
+            need = "" if args.memory or budget <= int(smallest / ratio) else (
+                f", raised to asyncside's smallest plan, about {least / MB:.0f} MB (the model's top-k rows a layer, "
+                f"the plan's headroom, the non-expert weights and the process)")
+            raise SystemExit(f"asyncside bench offload: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is "
+                             f"less than {ratio:g}x the budget ({budget / MB:.0f} MB{need}): {more} or less --memory")
+        if budget < s["least_budget_bytes"]:
+            _log(verbose, f"warning: the budget ({budget / MB:.0f} MB) is below asyncside's smallest plan for "
+                          f"{s['shape']} (about {s['least_budget_bytes'] / MB:.0f} MB): its runs will likely be "
+                          f"refused at start")
+    return budget
+
+
 def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
     from ..routing import preset
@@ -723,14 +762,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
                        "top_k": _store_top_k(str(build["store"]))})
-    smallest = min(s["store_bytes"] for s in shapes)
-    ratio = float(args.store_ratio)
-    budget = parse_size(args.memory) if args.memory else int(smallest / ratio)
-    for s in shapes:
-        if s["store_bytes"] < ratio * budget:
-            raise SystemExit(f"asyncside bench offload: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is "
-                             f"less than {ratio:g}x the budget ({budget / MB:.0f} MB): more layers "
-                             f"(--shapes {s['shape']}:N) or less --memory")
+    budget = choose_budget(args, shapes, verbose)
     prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
     fitted = fit_routings(user, shapes, positions=len(prompt) + int(args.tokens), predictor=args.predictor,
                           verbose=verbose)
