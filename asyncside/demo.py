@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .argtypes import int_at_least
 from .memory import SIZE_UNITS, fraction_arg, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
@@ -56,24 +57,10 @@ def writable_file(text: str) -> str:
     return text
 
 
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def count_arg(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
+#: An argparse type: an integer >= 1.
+positive_int = int_at_least(1)
+#: An argparse type: an integer >= 0.
+count_arg = int_at_least(0)
 
 
 def _seconds(text: str) -> float:

@@ -18,17 +18,8 @@ import json
 import sys
 from typing import Any
 
+from .argtypes import int_at_least
 from .errors import TraceError
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,16 +34,16 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     make = sub.add_parser("preset", help="write a synthetic trace of a locality preset")
     make.add_argument("name", choices=sorted(LOCALITIES), help="the locality preset")
     make.add_argument("out", help="the .npz to write")
-    make.add_argument("--layers", type=_positive, default=8, help="MoE layers (default 8)")
-    make.add_argument("--experts", type=_positive, default=64, help="experts per layer (default 64)")
-    make.add_argument("--top-k", type=_positive, default=6, help="experts per token and layer (default 6)")
-    make.add_argument("--tokens", type=_positive, default=2048, help="tokens of all sequences (default 2048)")
-    make.add_argument("--sequences", type=_positive, default=1, help="sequences (default 1)")
+    make.add_argument("--layers", type=int_at_least(1), default=8, help="MoE layers (default 8)")
+    make.add_argument("--experts", type=int_at_least(1), default=64, help="experts per layer (default 64)")
+    make.add_argument("--top-k", type=int_at_least(1), default=6, help="experts per token and layer (default 6)")
+    make.add_argument("--tokens", type=int_at_least(1), default=2048, help="tokens of all sequences (default 2048)")
+    make.add_argument("--sequences", type=int_at_least(1), default=1, help="sequences (default 1)")
     make.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     widen = sub.add_parser("widen", help="add choices per token for a model that routes more experts")
     widen.add_argument("file", help="a routing trace (.npz)")
     widen.add_argument("out", help="the .npz to write")
-    widen.add_argument("--top-k", type=_positive, required=True, help="experts per token and layer wanted")
+    widen.add_argument("--top-k", type=int_at_least(1), required=True, help="experts per token and layer wanted")
     widen.add_argument("--seed", type=int, default=0, help="seed of the added choices (default 0)")
 
 

@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from ..argtypes import int_at_least
 from ..memory import host_tier_arg, memory_arg
 from ..policies import DEFAULT_POLICY
 from .settings import ServeSettings, settings_from_args
@@ -51,20 +52,6 @@ def _existing_file(text: str) -> str:
     return text
 
 
-def _at_least(lo: int) -> Any:
-    def check(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
-        return value
-
-    check.__name__ = f"integer >= {lo}"
-    return check
-
-
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -85,7 +72,7 @@ def _size_or_default(text: str) -> int | None:
 
 
 def _port(text: str) -> int:
-    value = int(_at_least(0)(text))
+    value = int(int_at_least(0)(text))
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
     return value
@@ -206,13 +193,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """How the engine batches and admits requests (shared with `bench serve`)."""
     d = ServeSettings()
-    parser.add_argument("--max-batch", type=_at_least(1), default=d.max_batch,
+    parser.add_argument("--max-batch", type=int_at_least(1), default=d.max_batch,
                         help=f"requests generating together (default {d.max_batch})")
-    parser.add_argument("--max-queue", type=_at_least(0), default=d.max_queue,
+    parser.add_argument("--max-queue", type=int_at_least(0), default=d.max_queue,
                         help=f"requests waiting for a slot before new ones get 429 (default {d.max_queue})")
-    parser.add_argument("--prefill-chunk", type=_at_least(1), default=d.prefill_chunk,
+    parser.add_argument("--prefill-chunk", type=int_at_least(1), default=d.prefill_chunk,
                         help="prompt tokens prefilled per engine step (default: 16 on the CPU, 512 on a GPU)")
-    parser.add_argument("--prompt-cache-size", type=_at_least(0), default=d.prompt_cache_size,
+    parser.add_argument("--prompt-cache-size", type=int_at_least(0), default=d.prompt_cache_size,
                         help=f"KV caches kept for prefix reuse, 0 to disable (default {d.prompt_cache_size})")
     parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes, metavar="SIZE",
                         help=f"bytes of KV caches the prompt cache keeps at most, e.g. 256M "
@@ -234,7 +221,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    parser.add_argument("--max-tokens-limit", type=_at_least(1), default=d.max_tokens_limit,
+    parser.add_argument("--max-tokens-limit", type=int_at_least(1), default=d.max_tokens_limit,
                         help=f"largest max_tokens a request may ask for (default {d.max_tokens_limit})")
     parser.add_argument("--request-timeout", type=_positive_seconds, default=d.request_timeout, metavar="SECONDS",
                         help=f"end a request this long after it arrived, queueing included, with 504 "
