@@ -528,11 +528,17 @@ def least_budget(shape: dict[str, Any]) -> int:
 
 
 def _store_top_k(store_dir: str) -> int:
-    """The experts routed per token of the model a store was converted from (its config.json)."""
-    from mlx_lm.utils import load_config
+    """The experts routed per token of the model a store was converted from (what the runtime's
+    plan reads: :func:`asyncside.runtime._plan.store_top_k`); StoreError where the store does not say."""
+    from ..errors import StoreError
+    from ..runtime._plan import store_top_k
+    from ..store import ExpertStore
 
-    config = load_config(pathlib.Path(store_dir))
-    return int(config["num_experts_per_tok"])
+    k = store_top_k(ExpertStore.open(store_dir))
+    if k is None:
+        raise StoreError(pathlib.Path(store_dir) / "config.json", "the store does not say how many experts its model "
+                         "routes per token", "num_experts_per_tok")
+    return k
 
 
 def _dir_bytes(path: str | os.PathLike[str]) -> int:
