@@ -594,13 +594,7 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
     from ..routing import RoutingTrace
 
     trace, path = user["trace"], user["path"]
-    if trace.top_k < top_k:
-        raise RoutingReplayError(
-            f"--routing {path}: the trace routes top-{trace.top_k} per token, the shape {shape} routes "
-            f"top-{top_k}: a trace cannot be replayed on a model of larger top-k (its lower choices are not "
-            f"in the file); widen it (`asyncside routing widen {path} OUT --top-k {top_k}`, "
-            f"docs/routing-traces.md), use a trace of top-k >= {top_k} (e.g. one recorded with demo "
-            f"--record-routing) or a shape of top-k <= {trace.top_k}")
+    # A smaller top-k than the shape's is refused by the fit itself (it names `asyncside routing widen`).
     replay = RoutingReplay(trace, moe_layers=range(moe_layers), n_experts=n_experts, top_k=top_k, sequence=0,
                            source=f"--routing {path}")
     fitted = replay.fitted
