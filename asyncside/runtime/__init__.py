@@ -55,8 +55,34 @@ from ._stats import CacheStats, QueuedStats, ReadStats, RuntimeStats, snapshot
 if TYPE_CHECKING:
     from ..bridge import Completed
 
+
+def drop_store_pages(path: pathlib.Path) -> list[pathlib.Path]:
+    """Evict the regular files of the store directory ``path`` from the page cache
+    (``POSIX_FADV_DONTNEED``; the pages of files mapped by the process stay). Returns the files
+    advised; a platform or file system without the call advises none."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return []
+    done: list[pathlib.Path] = []
+    for f in sorted(path.iterdir()):
+        try:
+            if not f.is_file():
+                continue
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            done.append(f)
+        except OSError:
+            pass  # the hint is not kept there: nothing to drop
+        finally:
+            os.close(fd)
+    return done
+
 __all__ = ["RECONCILE_EVERY", "CacheStats", "MemoryPlan", "PrefetchHandle", "QueuedSide", "QueuedStats",
-           "ReadStats", "Runtime", "RuntimeStats", "choose_resident", "plan_layer", "warm_experts"]
+           "ReadStats", "Runtime", "RuntimeStats", "choose_resident", "drop_store_pages", "plan_layer",
+           "warm_experts"]
 
 
 class Runtime:
@@ -166,6 +192,11 @@ class Runtime:
             if self._plan.direct != s.scheduler.direct:
                 reader, options, verify = self._reader_args
                 s.scheduler = Scheduler(reader, options, direct=self._plan.direct, verify=verify)
+            if self._plan.direct:
+                # Loading the model read its non-expert weights through the page cache; under a plan
+                # that reads past it, a memory cgroup would go on charging those pages while the pools
+                # are allocated (see BENCHMARKS.md, "At 4x the budget on the GPU").
+                await anyio.to_thread.run_sync(drop_store_pages, self.store.path)
             # Cancellable at every await; on any failure the scheduler has already closed itself.
             await s.scheduler.__aenter__()
         except BaseException:
