@@ -22,6 +22,7 @@ from asyncside.models import ForwardOptions, load_streaming_model, reference_gen
 from asyncside.runtime import Runtime
 
 QUEUED = ForwardOptions(mode="queued")
+COUNTERS = ("capacity_splits", "groups", "subset_groups", "prefill", "queued_prefill")
 quant = sys.argv[1] if len(sys.argv) > 1 else "q4"
 tmp = pathlib.Path(tempfile.mkdtemp())
 store_dir, model, prompt = model_store(tmp, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
@@ -48,7 +49,8 @@ def row_mismatches(rt: Runtime, store: object) -> list[tuple[int, int, int, str]
     return bad
 
 
-def case(name: str, direct: str, host_tier: object, threads: int, p: list[int], verify: bool = True) -> None:
+def case(name: str, direct: str, host_tier: object, threads: int, p: list[int], verify: bool = True,
+         rows: int | None = None) -> None:
     os.environ["ASYNCSIDE_DIRECT"] = direct
     ref = reference_generate(model, p, max_tokens=8)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
@@ -56,13 +58,16 @@ def case(name: str, direct: str, host_tier: object, threads: int, p: list[int], 
     _native.set_fault_read_threads(threads)
 
     async def main() -> tuple[list[int], dict]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k, host_tier=host_tier, verify=verify) as rt:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=rows or k, host_tier=host_tier,
+                           verify=verify) as rt:
             toks = [t async for t in sm.generate(p, max_tokens=8, source=rt)]
             await rt.quiesce()
             ok = all(r.ok for r in rt.audit().values())
             bad = row_mismatches(rt, sm.store)
+            c = sm.forward_with(QUEUED).counters
             return toks, {**{x: rt.stats()[x] for x in ("faults", "fills", "direct", "tier_faults", "staged_copies")},
-                          "audit_ok": ok, "rows_wrong": bad}
+                          "audit_ok": ok, "rows_wrong": bad,
+                          **{x: c.get(x) for x in COUNTERS}}
 
     try:
         toks, st = anyio.run(main)
@@ -78,3 +83,5 @@ for direct in ("1", "0"):
 case("direct=1 tier=0 threads=0 one-token prompt", "1", 0, 0, prompt[:1])
 case("direct=1 tier=auto threads=0 one-token prompt", "1", "auto", 0, prompt[:1])
 case("direct=1 tier=0 threads=0 verify=False", "1", 0, 0, prompt, verify=False)
+case("direct=1 tier=0 threads=0 rows=all (no split)", "1", 0, 0, prompt, rows=16)
+case("direct=1 tier=auto threads=0 rows=all (no split)", "1", "auto", 0, prompt, rows=16)
