@@ -18,7 +18,7 @@ from _fault_helpers import model_store
 
 from asyncside import _native
 from asyncside.bridge import completed
-from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_streaming_model, per_layer, reference_generate
 from asyncside.runtime import Runtime
 
 QUEUED = ForwardOptions(mode="queued")
@@ -84,4 +84,11 @@ case("direct=1 tier=0 threads=0 one-token prompt", "1", 0, 0, prompt[:1])
 case("direct=1 tier=auto threads=0 one-token prompt", "1", "auto", 0, prompt[:1])
 case("direct=1 tier=0 threads=0 verify=False", "1", 0, 0, prompt, verify=False)
 case("direct=1 tier=0 threads=0 rows=all (no split)", "1", 0, 0, prompt, rows=16)
+# Split groups each computing only their own pairs (the path of 64 pairs or more) instead of the
+# whole switch input with the other groups' pairs pointed at one of this group's rows.
+saved = per_layer.SORT_THRESHOLD
+per_layer.SORT_THRESHOLD = 0
+case("direct=1 tier=0 threads=0 subset groups", "1", 0, 0, prompt)
+case("direct=1 tier=auto threads=0 subset groups", "1", "auto", 0, prompt)
+per_layer.SORT_THRESHOLD = saved
 case("direct=1 tier=auto threads=0 rows=all (no split)", "1", "auto", 0, prompt, rows=16)
