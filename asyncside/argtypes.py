@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -19,4 +20,30 @@ def int_at_least(low: int) -> Callable[[str], int]:
         return value
 
     check.__name__ = f"integer >= {low}"
+    return check
+
+
+def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str]:
+    """An argparse type for ``--resident``, shared by ``demo``, ``serve`` and ``convert``: a fraction of
+    each layer's experts in [0, 1] (``0.25``) or a percentage (``25%``), and with ``allow_auto`` the word
+    ``auto``; a usage error saying so otherwise.
+
+    0 is a setting, not a mistake: nothing resident, every expert streamed through the least rows the
+    runtime plans (``Runtime(resident=0.0)``), or for ``convert`` an empty recorded resident set.
+    """
+    expected = "a fraction such as 0.25, a percentage such as 25%" + (", or 'auto'" if allow_auto else "")
+
+    def check(text: str) -> float | str:
+        t = text.strip().lower()
+        if allow_auto and t == "auto":
+            return "auto"
+        try:
+            value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value <= 1.0:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}; {expected}")
+        return value
+
+    check.__name__ = "fraction in [0, 1]" + (" or 'auto'" if allow_auto else "")
     return check

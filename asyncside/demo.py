@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .argtypes import int_at_least
-from .memory import SIZE_UNITS, fraction_arg, host_tier_arg, memory_arg, proc_self_bytes
+from .argtypes import int_at_least, resident_fraction
+from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -32,14 +32,6 @@ DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts o
 EMBEDDED_NOTICE = ("note: the embedded model's weights are generated from a seed, so its text reads as noise; "
                    "speed and exactness are the point. On a real model: asyncside demo --model "
                    "mlx-community/Qwen3-30B-A3B-4bit (a Hugging Face repo id or a local directory)")
-
-
-def _resident(text: str) -> float | str:
-    """``--resident``: a fraction in (0, 1], a percentage, or ``auto``."""
-    try:
-        return fraction_arg(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def writable_file(text: str) -> str:
@@ -78,9 +70,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="STORE|DIR|ORG/NAME", default=None,
                    help="an expert store, an mlx-lm model directory or a Hugging Face repo id (converted on "
                         "first use into the cache directory; default: the embedded Qwen3-MoE model)")
-    p.add_argument("--resident", metavar="FRACTION", type=_resident, default=0.25,
-                   help="share of each layer's experts the pools hold (0.25 or 25%%), or 'auto': sized to the "
-                        "memory available (default 0.25)")
+    p.add_argument("--resident", metavar="FRACTION", type=resident_fraction(), default=0.25,
+                   help="share of each layer's experts the pools hold, in [0, 1] (0.25 or 25%%; 0: every expert "
+                        "streamed through the least rows), or 'auto': sized to the memory available (default 0.25)")
     p.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                    help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                         "cgroup and MemAvailable allow); the plan is printed, and reads bypass the page cache "

@@ -121,8 +121,10 @@ def test_convert_bad_model_dirs(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
 def test_convert_bad_options(model_dir: pathlib.Path, tmp_path: pathlib.Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     dest = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as info:  # a usage error, as demo and serve give it
+        main(["convert", str(model_dir), dest, "--resident", "1.5"])
+    assert info.value.code == 2 and "argument --resident: expected a fraction in [0, 1], got 1.5" in capsys.readouterr().err
     cases = [
-        (["--resident", "1.5"], "--resident must be a fraction in [0, 1], got 1.5"),
         (["--profile", str(tmp_path / "missing.json")], "routing profile file does not exist"),
         (["--profile-prompts", "0"], "--profile-prompts must be in 1.."),
     ]

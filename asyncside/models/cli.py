@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from ..argtypes import resident_fraction
+
 #: profiling texts for ``--profile-prompts N``: varied kinds of text (prose, numbers, code, lists)
 PROFILE_PROMPTS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog. ",
@@ -55,8 +57,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                            "needs the model's tokenizer and memory for every expert")
     p.add_argument("--profile-tokens", metavar="N", type=int, default=16,
                    help="tokens generated per prompt when profiling (default 16)")
-    p.add_argument("--resident", metavar="FRACTION", type=float, default=None,
-                   help="share of each layer's experts recorded as resident (default 0.25)")
+    p.add_argument("--resident", metavar="FRACTION", type=resident_fraction(allow_auto=False), default=None,
+                   help="share of each layer's experts recorded as resident, in [0, 1] (0.25 or 25%%; 0: none) "
+                        "(default 0.25)")
     p.add_argument("--overwrite", action="store_true", help="replace STORE_DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
@@ -85,8 +88,6 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"{dest}: already exists (pass --overwrite to replace it)"
     if dest.absolute() == src.absolute():
         return f"{dest}: the store directory must differ from the model directory"
-    if args.resident is not None and not 0.0 <= args.resident <= 1.0:
-        return f"--resident must be a fraction in [0, 1], got {args.resident}"
     if args.profile is not None and not pathlib.Path(args.profile).is_file():
         return f"{args.profile}: routing profile file does not exist"
     if args.profile_prompts is not None and not 1 <= args.profile_prompts <= len(PROFILE_PROMPTS):

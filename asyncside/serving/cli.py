@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from ..argtypes import int_at_least
+from ..argtypes import int_at_least, resident_fraction
 from ..memory import host_tier_arg, memory_arg
 from ..policies import DEFAULT_POLICY
 from .settings import ServeSettings, settings_from_args
@@ -22,24 +22,6 @@ __all__ = ["add_engine_arguments", "add_model_arguments", "add_serve_arguments",
            "engine_factory_from_args", "run_serve", "serve_main", "settings_from_args"]
 
 READERS = ("auto", "io_uring", "threads", "aiofiles")
-
-
-def _fraction(text: str) -> float:
-    t = text.strip()
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)  # 25% as demo takes it
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value:g}")
-    return value
-
-
-def _resident(text: str) -> float | str:
-    """``--resident``: a fraction in [0, 1], or ``auto`` (the pools sized to the memory budget)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return _fraction(text)
 
 
 def _existing_file(text: str) -> str:
@@ -164,9 +146,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a store written by `asyncside convert`, an mlx-lm model directory or a Hugging Face "
                              "repo id (a model is converted on first use into the cache directory; "
                              "default: the embedded model, built on first run)")
-    parser.add_argument("--resident", type=_resident, default=0.25,
-                        help="fraction of each layer's experts kept in the pools, or 'auto': sized to the "
-                             "memory budget (default 0.25)")
+    parser.add_argument("--resident", type=resident_fraction(), default=0.25,
+                        help="fraction of each layer's experts kept in the pools, in [0, 1] (0.25 or 25%%; 0: every "
+                             "expert streamed through the least rows), or 'auto': sized to the memory budget "
+                             "(default 0.25)")
     parser.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                         help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                              "cgroup and MemAvailable allow); reads bypass the page cache when the store does "
