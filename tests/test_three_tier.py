@@ -195,3 +195,26 @@ def test_user_routing_files(tt: ModuleType, tmp_path: pathlib.Path, capsys: pyte
         with pytest.raises(SystemExit):
             tt.parse_args(["--memory-max", "1G", "--json", "x", *bad])
         assert said in capsys.readouterr().err
+
+
+def test_belady_of_a_run_bounds_and_counts(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The fraction of MIN each run reports: MIN over the replayed demands, with a row per expert
+    only the first use of each expert misses, and fewer rows never hit more."""
+    from asyncside.models.forcing import RoutingReplay
+    from asyncside.routing import RoutingTrace, preset
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(quick_store)
+    layers = sorted(store.layers)
+    n_experts = store.layer(layers[0]).n_experts
+    top_k = offload._store_top_k(str(quick_store))
+    trace = tmp_path / "low.npz"
+    preset("low", tokens=64, n_layers=len(layers), n_experts=n_experts, top_k=top_k, seed=1).save(trace)
+    steps = 12
+    replay = RoutingReplay(RoutingTrace.load(trace), moe_layers=layers, n_experts=n_experts, top_k=top_k)
+    accesses = sum(len(ids) for layer in layers for ids in replay.host_ids(layer, 0, steps))
+    distinct = sum(len({int(e) for ids in replay.host_ids(layer, 0, steps) for e in ids}) for layer in layers)
+    every = offload.belady_of_run(str(trace), str(quick_store), steps, {str(layer): n_experts for layer in layers})
+    assert every["accesses"] == accesses and every["misses"] == distinct
+    few = offload.belady_of_run(str(trace), str(quick_store), steps, {str(layer): top_k for layer in layers})
+    assert few["accesses"] == accesses and few["misses"] > distinct

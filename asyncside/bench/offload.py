@@ -496,8 +496,10 @@ def disk_curve(store_dir: str, depths: Sequence[int] = DISK_DEPTHS, *, min_bytes
             "reader": "O_DIRECT preadv, one thread per read in flight"}
 
 
-def _belady(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -> dict[str, Any]:
-    """Belady's MIN over the demands of ``steps`` decode steps (one token each) with ``rows`` per layer."""
+def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -> dict[str, Any]:
+    """Belady's MIN (with bypass, from empty rows) over the demands of ``steps`` decode steps (one
+    token each) of ``trace_file`` replayed on the store ``store_dir``, with ``rows`` per layer
+    (layer index as a string -> rows)."""
     from ..models.forcing import RoutingReplay
     from ..models.trace import CacheResult, belady
     from ..routing import RoutingTrace
@@ -844,7 +846,7 @@ def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: 
     if run.get("rows_per_layer"):
         hits, misses = st.get("hits", 0), st.get("misses", 0)
         run["hit_rate"] = hits / (hits + misses) if hits + misses else None
-        run["belady"] = _belady(trace_file, sh["store"], steps, run["rows_per_layer"])
+        run["belady"] = belady_of_run(trace_file, sh["store"], steps, run["rows_per_layer"])
         mn = run["belady"]["hit_rate"]
         run["of_min"] = run["hit_rate"] / mn if run["hit_rate"] is not None and mn else None
         run["miss_mb_per_token"] = misses * sh["record_bytes"] / steps / MB

@@ -24,8 +24,9 @@ The disk: random whole records of every layer, O_DIRECT, at queue depths 1, 4, 8
 (:func:`asyncside.bench.offload.disk_curve`: at least ``--disk-bytes`` a pass, median of
 ``--disk-passes``); the best depth's rate is the I/O limit's bandwidth.
 
-Per run: decode tok/s (first token to last), pool hits, the misses the host tier served, misses'
-MB per token (those the tier did not serve), the store bytes the arm read per token, the disk's MB
+Per run: decode tok/s (first token to last), pool hits and their fraction of Belady's MIN (with
+bypass, from empty rows, over the same demands and rows per layer), the misses the host tier served,
+misses' MB per token (those the tier did not serve), the store bytes the arm read per token, the disk's MB
 per token (the process's ``read_bytes``) and its ratio to the misses' bytes that reach the disk,
 the I/O limit (bandwidth / store bytes read per token), the compute limit, tok/s over the lower
 limit, tok/s over the slot cache's in the same locality, the peak memory the cgroup charged and
@@ -64,6 +65,7 @@ from asyncside.bench.offload import (
     _read_bytes,
     _rss,
     _store_top_k,
+    belady_of_run,
     check_cgroups,
     disk_curve,
     drop_caches,
@@ -276,7 +278,7 @@ def _f(v: Any, spec: str, suffix: str = "") -> str:
 
 
 COLUMNS = ["locality", "arm", "rows/layer", "decode tok/s", "compute limit", "I/O limit", "of min(limits)",
-           "vs slot cache", "pool hits", "misses the tier served", "misses' MB/tok (to disk)",
+           "vs slot cache", "pool hits", "of MIN", "misses the tier served", "misses' MB/tok (to disk)",
            "disk MB/tok (x to-disk misses)", "disk GB/s drawn", "peak charged MB (of limit)", "tokens = mlx-lm",
            "status"]
 
@@ -290,7 +292,7 @@ def _row(r: dict[str, Any]) -> list[str]:
             _f(r.get("decode_tokens_per_s"), ".2f"),
             _f(r.get("compute_limit_tokens_per_s"), ".2f"), _f(r.get("io_limit_tokens_per_s"), ".2f"),
             _f(r.get("of_limit"), ".2f", "x"), _f(r.get("vs_slot_cache"), ".2f", "x"), _f(r.get("hit_rate"), ".1%"),
-            _f(r.get("tier_served_share"), ".1%"),
+            _f(r.get("of_min"), ".2f", "x"), _f(r.get("tier_served_share"), ".1%"),
             f"{_f(r.get('miss_mb_per_token'), '.1f')} ({_f(r.get('disk_miss_mb_per_token'), '.1f')})",
             f"{_f(r.get('disk_mb_per_token'), '.1f')} ({_f(r.get('disk_over_misses'), '.4f', 'x')})",
             _f(r.get("disk_gbps_drawn"), ".2f"),
@@ -575,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows = statistics.median(run["rows_per_layer"].values())
                     slot_fraction = (rows - 0.5) / sh["experts_per_layer"]
                 _figures(run, sh, compute)
+                if run.get("hit_rate") is not None and run.get("rows_per_layer"):
+                    run["belady"] = belady_of_run(str(traces[loc]), store_dir, len(run["tokens"]),
+                                                  run["rows_per_layer"])
+                    mn = run["belady"]["hit_rate"]
+                    run["of_min"] = run["hit_rate"] / mn if mn else None
                 result["runs"].append(run)
                 _vs_slot_cache(result["runs"])
                 save()
