@@ -993,6 +993,10 @@ def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, qua
     aligned records with O_DIRECT and copy the segments out (quantized records have gaps between
     segments), and a prompt chunk too large for the lent rows goes layer by layer; the tokens
     equal mlx-lm's with faults in every layer."""
+    if quant == "q4" and mx.default_device() == mx.gpu:
+        # The prompt's chunk goes layer by layer here, one evaluation per group of experts, and MLX
+        # CUDA's own quantized prefill depends on evaluation boundaries (tests/test_models.py).
+        pytest.skip("MLX CUDA: quantized prefill is not reproducible across evaluation boundaries")
     monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")  # what a budget smaller than the store decides
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)

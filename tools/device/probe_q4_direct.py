@@ -1,6 +1,9 @@
 """Device probe: which part of a plan that reads past the page cache (ASYNCSIDE_DIRECT=1) changes
 the tokens of a tiny quantized qwen3_moe on MLX CUDA (tests/test_queued.py's
-test_queued_faults_past_the_page_cache_are_exact, q4, fails there and passes on the CPU).
+test_queued_faults_past_the_page_cache_are_exact, q4, differed there from its first token and
+passes on the CPU; it now skips on MLX CUDA like the other quantized prefill tests, whose cause is
+MLX CUDA's quantized prefill depending on evaluation boundaries). This probe tells that cause from
+a fault of the data: ``rows_wrong`` lists every held row whose bytes differ from the store's.
 
 Each case: one Runtime over the same store, tokens against mlx-lm's; cases vary the direct plan,
 the host tier, the fault read threads, the prompt's length (one token: no layer-by-layer prefill)
