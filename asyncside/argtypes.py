@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 
@@ -47,3 +48,16 @@ def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str
 
     check.__name__ = "fraction in [0, 1]" + (" or 'auto'" if allow_auto else "")
     return check
+
+
+def writable_file(text: str) -> str:
+    """An argparse type: a file path whose directory exists and is writable (checked before a run
+    whose end writes it)."""
+    parent = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; expected a file name")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {parent}")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: directory {parent} is not writable")
+    return text

@@ -89,24 +89,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unavailable:
         print(f"asyncside {args.command}: not available: {unavailable}", file=sys.stderr)
         return 2
+    name = f"bench {args.bench}" if args.command == "bench" else args.command  # as argparse names it
     try:
         if args.command == "bench":
             return run_bench(args.bench, args)
         _help, module, _add, run = _COMMANDS[args.command]
         return int(_attr(module, run)(args))
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
-        print(f"asyncside {args.command}: {exc}", file=sys.stderr)
+        print(f"asyncside {name}: {exc}", file=sys.stderr)
         return 2 if _bad_trace(exc) else 1
     except (ImportError, ValueError) as exc:
         # A bad ASYNCSIDE_* environment variable: the native extension refuses it when it loads, the
         # reader choice when it reads it; both messages start with the variable's name.
         if str(exc).lstrip("$").startswith("ASYNCSIDE_"):
-            print(f"asyncside {args.command}: environment: {exc}", file=sys.stderr)
+            print(f"asyncside {name}: environment: {exc}", file=sys.stderr)
             return 2
-        # A bad combination of options, checked once parsed (bench generate's settings): the message
-        # starts with the option's name.
+        # A bad combination of options, checked once parsed (bench generate's settings, a shape bench
+        # policy's generator cannot make): the message starts with the option's name.
         if isinstance(exc, ValueError) and str(exc).startswith("--"):
-            print(f"asyncside {args.command}: error: {exc}", file=sys.stderr)
+            print(f"asyncside {name}: error: {exc}", file=sys.stderr)
             return 2
         raise
 

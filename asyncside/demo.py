@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .argtypes import int_at_least, resident_fraction
+from .argtypes import int_at_least, resident_fraction, writable_file
 from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
@@ -32,21 +32,6 @@ DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts o
 EMBEDDED_NOTICE = ("note: the embedded model's weights are generated from a seed, so its text reads as noise; "
                    "speed and exactness are the point. On a real model: asyncside demo --model "
                    "mlx-community/Qwen3-30B-A3B-4bit (a Hugging Face repo id or a local directory)")
-
-
-def writable_file(text: str) -> str:
-    """An argparse type: a file path whose directory exists and is writable (checked before a run
-    whose end writes it)."""
-    import os
-
-    parent = os.path.dirname(os.path.abspath(text)) or "."
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: is a directory; expected a file name such as trace.npz")
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{text}: no such directory {parent}")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: directory {parent} is not writable")
-    return text
 
 
 #: An argparse type: an integer >= 1.

@@ -343,6 +343,7 @@ def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fract
             out.append({"trace": name, "experts": holdout.n_experts, "top_k": holdout.top_k,
                         "layers": holdout.n_layers, "profile_tokens": profile.n_tokens,
                         "holdout_tokens": holdout.n_tokens, "fraction": frac, "rows": n_rows, "split": split,
-                        "even": even, "split_hit_rate": got, "min": best, "split/even": got / even,
-                        "even/min": even / best, "split/min": got / best})
+                        "even": even, "split_hit_rate": got, "min": best,
+                        "split/even": got / even if even else math.nan, "even/min": even / best if best else math.nan,
+                        "split/min": got / best if best else math.nan})  # no hits on a short holdout: no ratio
     return out

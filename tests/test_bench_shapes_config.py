@@ -329,7 +329,7 @@ def test_cli_says_a_bad_shape_in_one_line(tmp_path: pathlib.Path, capsys: pytest
     capsys.readouterr()
     assert main(["bench", "generate", "--shape", str(path), "--plot", "none"]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == (f"asyncside bench: {path}: not a mixture-of-experts config: no num_experts / "
+    assert err.strip() == (f"asyncside bench generate: {path}: not a mixture-of-experts config: no num_experts / "
                            f"num_local_experts / n_routed_experts")
 
 

@@ -148,11 +148,57 @@ def test_demo_counts_and_seconds(option: str, bad: str, message: str, capsys: py
     assert f"argument {option}" in err and message in err
 
 
-@pytest.mark.parametrize("extra, message", [(["--tokens", "0"], "tokens must be a positive int"),
-                                            (["--shapes", "4x8"], "top_k 8 exceeds n_experts 4")])
-def test_policy_bench_names_a_shape_it_cannot_make(extra: list[str], message: str) -> None:
+POLICY_BENCH = ["bench", "policy", "--presets", "low", "--tokens", "16", "--layers", "2", "--shapes", "16x2"]
+
+
+@pytest.mark.parametrize("option, bad, message", [
+    ("--tokens", "0", "expected an integer >= 1, got '0'"),
+    ("--layers", "-1", "expected an integer >= 1, got '-1'"),
+    ("--shapes", "4x8", "1 <= TOP_K <= EXPERTS, got '4x8'"),
+    ("--shapes", "64by6", "expected EXPERTSxTOP_K like 64x6, got '64by6'"),
+    ("--shapes", ",", "expected at least one comma-separated value"),
+    ("--fractions", "1.5", "expected fractions in (0, 1] such as 0.25 or 25%, got '1.5'"),
+    ("--fractions", "0", "expected fractions in (0, 1]"),
+    ("--fractions", "0.25,lots", "got 'lots'"),
+    ("--policies", "bogus", "unknown policy 'bogus'"),
+    ("--presets", "bogus", "unknown preset 'bogus'"),
+    ("--seeds", "-1", "expected comma-separated integers >= 0, got '-1'"),
+    ("--out", "/no/such/dir/out.json", "no such directory /no/such/dir"),
+])
+def test_policy_bench_refuses_a_bad_option_in_one_line(option: str, bad: str, message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """bench policy's refusals are usage errors like every other subcommand's: exit status 2, the
+    last line naming the option and the value, no traceback."""
     from asyncside.cli import main
 
-    with pytest.raises(SystemExit, match=message) as info:
-        main(["bench", "policy", "--presets", "low", "--tokens", "16", "--layers", "2", "--shapes", "16x2", *extra])
-    assert "--shapes" in str(info.value.code)
+    with pytest.raises(SystemExit) as info:
+        main([*POLICY_BENCH, option, bad])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"asyncside bench policy: error: argument {option}: ")
+    assert message in err.strip().splitlines()[-1]
+
+
+def test_policy_bench_refuses_a_bad_trace_or_nothing_in_one_line(tmp_path: Any,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    (tmp_path / "t.npz").write_text("not an archive")
+    for argv, message in ((["--trace", str(tmp_path / "none.npz")], f"{tmp_path / 'none.npz'}: no such file"),
+                          (["--trace", str(tmp_path / "t.npz")], f"{tmp_path / 't.npz'}: expected an .npz archive"),
+                          (["--presets", ""], "nothing to replay")):
+        assert main([*POLICY_BENCH, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("asyncside bench policy: ") and message in err, err
+
+
+def test_policy_bench_quick_keeps_the_options_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """--quick sizes what is not given; an option given is not silently replaced."""
+    import json
+
+    from asyncside.cli import main
+
+    assert main(["bench", "policy", "--quick", "--json", "--policies", "lru", "--presets", "low",
+                 "--tokens", "32", "--shapes", "16x2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["trace"], r["tokens"], r["layers"]) for r in rows} == {("low 16x2 s0", 32, 2)}

@@ -21,42 +21,118 @@ import json
 import math
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
+
+from ..argtypes import int_at_least, writable_file
 
 #: (experts, top_k) of the default synthetic traces: the recorded public trace's shape (64 experts,
 #: top-6) and two larger ones.
 DEFAULT_SHAPES = ((64, 6), (128, 8), (256, 8))
 
 
+def _listed(parse: Callable[[str], Any], *, allow_empty: bool = False) -> Callable[[str], list[Any]]:
+    """An argparse type: comma-separated items, each through ``parse`` (its error names the item);
+    at least one unless ``allow_empty``."""
+
+    def check(text: str) -> list[Any]:
+        items = [parse(item.strip()) for item in text.split(",") if item.strip()]
+        if not items and not allow_empty:
+            raise argparse.ArgumentTypeError(f"expected at least one comma-separated value, got {text!r}")
+        return items
+
+    check.__name__ = "comma-separated list"
+    return check
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"expected fractions in (0, 1] such as 0.25 or 25%, got {text!r}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        e, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected EXPERTSxTOP_K like 64x6, got {text!r}") from None
+    if not 1 <= k <= e:
+        raise argparse.ArgumentTypeError(f"expected EXPERTSxTOP_K with 1 <= TOP_K <= EXPERTS, got {text!r}")
+    return e, k
+
+
+def _seed(text: str) -> int:
+    try:
+        return int_at_least(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}") from None
+
+
+def _preset(text: str) -> str:
+    from ..routing import LOCALITIES
+
+    if text not in LOCALITIES and text != "mixed":
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; known: {[*sorted(LOCALITIES), 'mixed']}")
+    return text
+
+
+def _policy(text: str) -> str:
+    from ..errors import LedgerError
+    from ..policies import make_policy
+
+    try:
+        make_policy(text)
+    except LedgerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench's options."""
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per synthetic trace (default 2048)")
-    parser.add_argument("--layers", type=int, default=8, help="MoE layers per synthetic trace (default 8)")
-    parser.add_argument("--fractions", default="0.25,0.5",
-                        help="per-layer cache sizes as fractions of the experts (default 0.25,0.5)")
-    parser.add_argument("--policies", default="lru,lfu,aging-lfu,lrfu,adaptive-lrfu",
+    """The bench's options (each checked as it is parsed: a bad value is a usage error naming it)."""
+    parser.add_argument("--tokens", type=int_at_least(1), default=None,
+                        help="tokens per synthetic trace (default 2048, 256 with --quick)")
+    parser.add_argument("--layers", type=int_at_least(1), default=None,
+                        help="MoE layers per synthetic trace (default 8, 2 with --quick)")
+    parser.add_argument("--fractions", type=_listed(_fraction), default="0.25,0.5",
+                        help="per-layer cache sizes as fractions of the experts in (0, 1], or percentages "
+                             "(default 0.25,0.5)")
+    parser.add_argument("--policies", type=_listed(_policy), default="lru,lfu,aging-lfu,lrfu,adaptive-lrfu",
                         help="policies to replay, comma-separated (default: every named policy but one-shot)")
-    parser.add_argument("--presets", default="low,middle,high",
+    parser.add_argument("--presets", type=_listed(_preset, allow_empty=True), default="low,middle,high",
                         help="synthetic locality presets (default low,middle,high); 'mixed' takes its layers in "
-                             "turn from low, middle and high (layers that differ)")
-    parser.add_argument("--shapes", default=",".join(f"{e}x{k}" for e, k in DEFAULT_SHAPES),
-                        help="synthetic shapes EXPERTSxTOP_K, comma-separated (default 64x6,128x8,256x8)")
-    parser.add_argument("--seeds", default="0", help="seeds of the synthetic traces, comma-separated (default 0)")
+                             "turn from low, middle and high (layers that differ); '' for none (--trace files only)")
+    parser.add_argument("--shapes", type=_listed(_shape), default=None,
+                        help="synthetic shapes EXPERTSxTOP_K, comma-separated (default 64x6,128x8,256x8, "
+                             "64x6 with --quick)")
+    parser.add_argument("--seeds", type=_listed(_seed), default="0",
+                        help="seeds of the synthetic traces, comma-separated (default 0)")
     parser.add_argument("--trace", action="append", default=[], metavar="NPZ",
                         help="also replay this routing trace file (docs/routing-traces.md); repeatable")
-    parser.add_argument("--out", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--out", type=writable_file, default=None, help="write the result as JSON to this file")
     parser.add_argument("--split", action="store_true",
                         help="rows split between layers from a profile (the first sequence or half of each "
                              "trace), replayed on a holdout (the second), against even rows and MIN")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only (numbers are noise)")
+                        help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only, unless those options "
+                             "are given (numbers are noise)")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--{what}: expected comma-separated integers, got {text!r}") from None
+def _option(args: argparse.Namespace, name: str, parse: Callable[[str], Any], default: Any, quick: Any) -> Any:
+    """``args.<name>`` as parsed: unset is its default (the ``--quick`` one with ``--quick``); a string
+    (a namespace built without the parser) goes through the option's own type."""
+    value = getattr(args, name, None)
+    if value is None:
+        return quick if getattr(args, "quick", False) else default
+    if isinstance(value, str):
+        try:
+            return parse(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--{name}: {exc}") from None
+    return value
 
 
 def mixed_preset(_name: str = "mixed", **kw: Any) -> Any:
@@ -75,32 +151,27 @@ def mixed_preset(_name: str = "mixed", **kw: Any) -> Any:
 def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]:
     """The traces the arguments name, by label (synthetic ones of ``sequences`` sequences of
     ``--tokens`` each)."""
-    from ..routing import LOCALITIES, RoutingTrace, preset
+    from ..routing import RoutingTrace, preset
 
     traces: dict[str, Any] = {}
-    presets = [p for p in args.presets.split(",") if p]
-    for p in presets:
-        if p not in LOCALITIES and p != "mixed":
-            raise SystemExit(f"--presets: unknown preset {p!r}; known: {sorted(LOCALITIES)}")
-    shapes = []
-    for s in args.shapes.split(","):
-        try:
-            e, k = (int(x) for x in s.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: expected EXPERTSxTOP_K like 64x6, got {s!r}") from None
-        shapes.append((e, k))
-    for seed in _ints(args.seeds, "seeds"):
+    presets = _option(args, "presets", _listed(_preset, allow_empty=True), [], [])
+    shapes = _option(args, "shapes", _listed(_shape), list(DEFAULT_SHAPES), [(64, 6)])
+    tokens = _option(args, "tokens", int_at_least(1), 2048, 256)
+    layers = _option(args, "layers", int_at_least(1), 8, 2)
+    for seed in _option(args, "seeds", _listed(_seed), [0], [0]):
         for e, k in shapes:
             for p in presets:
                 make = mixed_preset if p == "mixed" else preset
                 try:
-                    traces[f"{p} {e}x{k} s{seed}"] = make(p, tokens=args.tokens * sequences, n_layers=args.layers,
+                    traces[f"{p} {e}x{k} s{seed}"] = make(p, tokens=tokens * sequences, n_layers=layers,
                                                            n_experts=e, top_k=k, seed=seed, sequences=sequences)
                 except ValueError as exc:  # a shape or size the generator cannot make: the options' fault
-                    raise SystemExit(f"--tokens {args.tokens} --layers {args.layers} --shapes {e}x{k}: {exc}") from None
+                    raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {exc}") from None
     for path in args.trace:
-        tr = RoutingTrace.load(path)
+        tr = RoutingTrace.load(path)  # a bad file: TraceError naming it
         traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
+    if not traces:
+        raise ValueError("--presets '' and no --trace: nothing to replay; name a preset or a routing trace file")
     return traces
 
 
@@ -142,7 +213,7 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
         try:
             pairs[name] = holdout_pair(t)
         except ValueError as exc:  # a trace too short to cut in two
-            raise SystemExit(f"--split: trace {name!r}: {exc}") from None
+            raise ValueError(f"--split: trace {name!r}: {exc}") from None
     rows = compare_split(pairs, fractions, DEFAULT_POLICY)
     result: dict[str, Any] = {
         "bench": "policy --split",
@@ -166,25 +237,12 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
 
 def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Replay every policy on every trace; print the table unless ``args.json``; return the result."""
-    from ..policies import make_policy
     from ..policy_replay import compare_policies
 
-    fractions = []
-    for f in args.fractions.split(","):
-        try:
-            v = float(f)
-        except ValueError:
-            raise SystemExit(f"--fractions: expected numbers in (0, 1], got {f!r}") from None
-        if not 0 < v <= 1:
-            raise SystemExit(f"--fractions: expected numbers in (0, 1], got {f!r}")
-        fractions.append(v)
-    if getattr(args, "quick", False):
-        args.tokens, args.layers, args.shapes = 256, 2, "64x6"
+    fractions = _option(args, "fractions", _listed(_fraction), [0.25, 0.5], [0.25, 0.5])
     if getattr(args, "split", False):
         return run_split_bench(args, fractions)
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        make_policy(p)  # an unknown name fails here, naming the known ones
+    policies = _option(args, "policies", _listed(_policy), [], [])
     started = time.time()
     traces = build_traces(args)
     rows = compare_policies(traces, fractions, policies)
@@ -214,6 +272,6 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
 if __name__ == "__main__":
     import sys
 
-    from . import bench_main
+    from ..cli import main
 
-    sys.exit(bench_main("policy"))
+    sys.exit(main(["bench", "policy", *sys.argv[1:]]))
