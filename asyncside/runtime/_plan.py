@@ -36,6 +36,9 @@ __all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "m
 
 #: The pools' least rows per layer for a store that does not say how many experts its router picks.
 DEFAULT_MIN_ROWS = 8
+#: Under a memory budget, the share of the headroom that served requests' KV caches may take (the
+#: KV allowance); the rest is MLX's buffers, a cache's growth copy and the forwards' activations.
+KV_SHARE = 0.5
 #: Where a model's config.json keeps its router's top-k, by architecture family.
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
@@ -192,6 +195,8 @@ class MemoryPlan:
     direct_reason: str
     notes: tuple[str, ...] = field(default=())
     split: str | None = None  # how the rows were split between layers by a profile (None: evenly)
+    #: the part of the headroom served requests' KV caches may take (None: no memory budget, no limit)
+    kv_allowance_bytes: int | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -209,7 +214,8 @@ class MemoryPlan:
         if self.host_tier_bytes or self.staging_bytes:
             lines.append(f"host tier {b(self.host_tier_bytes)} ({len(self.host_tier_layers)} layers), "
                          f"staging {b(self.staging_bytes)}")
-        lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches), "
+        kv = "" if self.kv_allowance_bytes is None else f": KV allowance {b(self.kv_allowance_bytes)} of it"
+        lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
         if self.split is not None:
@@ -223,7 +229,8 @@ class MemoryPlan:
             "budget_bytes": self.budget, "source": self.source, "resident": self.resident,
             "pool_bytes": self.pool_bytes, "host_tier_bytes": self.host_tier_bytes,
             "host_tier_layers": len(self.host_tier_layers), "staging_bytes": self.staging_bytes,
-            "headroom_bytes": self.headroom_bytes, "store_bytes": self.store_bytes,
+            "headroom_bytes": self.headroom_bytes, "kv_allowance_bytes": self.kv_allowance_bytes,
+            "store_bytes": self.store_bytes,
             "page_cache_bytes": self.page_cache_bytes, "direct": self.direct, "direct_reason": self.direct_reason,
             # the figure a budget check compares with (kept under its older name too)
             "available_bytes": self.budget,
@@ -436,4 +443,7 @@ def plan_memory(
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
-                      direct=use_direct, direct_reason=why, notes=tuple(notes), split=split)
+                      direct=use_direct, direct_reason=why, notes=tuple(notes), split=split,
+                      # only a budget asked for (memory=) limits the KV caches: without one the
+                      # plan is made against what the machine has now, not a promise to keep
+                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE))
