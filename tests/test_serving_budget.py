@@ -3,12 +3,23 @@ engine's admission against it (asyncside.serving.kv_budget, Batcher.take_waiting
 
 from __future__ import annotations
 
+import contextlib
+import types
+from typing import Any
+
+import anyio
+import httpx
 import mlx.core as mx
 import pytest
+from _serving_support import ScriptedModel, byte_tokenizer
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from asyncside.errors import AsyncsideError
+from asyncside.serving import BackgroundServer, Batcher, Engine, ServeSettings, create_app
 from asyncside.serving.kv_budget import KV_STEP, KVAdmission, KVLayout, dtype_bytes, kv_layout
+from asyncside.serving.protocol import RequestError
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 QWEN3_30B = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "hidden_size": 2048}
@@ -96,3 +107,154 @@ def test_admission_counts_rows_padded_to_the_longest() -> None:
     assert adm.refusal(50, 50, "memory=1 GiB") is None
     message = adm.refusal(5000, 100, "memory=1 GiB")
     assert message is not None and "memory=1 GiB" in message and "KV allowance" in message
+
+
+# --- the engine under a KV allowance (a scripted model, no expert source) ------------------------
+
+# One layer of one head of 32 float16 elements: 128 bytes a position.
+SMALL_MODEL = {"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 32, "torch_dtype": "float16"}
+PER_TOKEN = 2 * 32 * 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return byte_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def budget_source(allowance: int | None) -> Any:
+    """An expert source whose memory plan grants ``allowance`` bytes of KV caches."""
+    plan = types.SimpleNamespace(kv_allowance_bytes=allowance, source="memory=1 GiB, test")
+    return types.SimpleNamespace(plan=plan)
+
+
+def scripted(tokenizer: Any) -> ScriptedModel:
+    model = ScriptedModel(tokenizer, "one two three four five six seven eight nine ten", step_delay=0.001)
+    model.config.update(SMALL_MODEL, max_position_embeddings=8192)
+    return model
+
+
+class Watched(Batcher):
+    """A Batcher that records who it admits and the KV bytes it holds reserved after each admission."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.admitted: list[int] = []
+        self.reserved: list[int] = []
+        self.batch_sizes: list[int] = []
+
+    def take_waiting(self) -> list[Any]:
+        taken = super().take_waiting()
+        self.admitted.extend(id(s) for s in taken)
+        self.reserved.append(self.kv_reserved() + self.prefix_cache.nbytes)
+        self.batch_sizes.append(len(self._active))
+        return taken
+
+
+async def _serve_all(b: Batcher, requests: list[tuple[list[int], int]]) -> list[Any]:
+    """Submit every request at once, read them all to the end; returns the slots in submission order."""
+    gens = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        for ids, n in requests:
+            gens.append(b.submit(ids, n))
+
+        async def drain(g: Any) -> None:
+            async for _ in g:
+                pass
+
+        async with anyio.create_task_group() as readers:
+            for g in gens:
+                readers.start_soon(drain, g)
+        tg.cancel_scope.cancel()
+    return [g._slot for g in gens]
+
+
+@pytest.mark.anyio
+async def test_many_clients_stay_under_the_allowance_in_order(tokenizer: Any) -> None:
+    layout = KVLayout((PER_TOKEN,), (None,))
+    prompt = list(tokenizer.encode("a question of some length, please"))
+    need = layout.bytes_for(len(prompt) + 8, KV_STEP)
+    allowance = 3 * need + need // 2  # room for three requests' worst cases, not four
+    b = Watched(scripted(tokenizer), budget_source(allowance), max_batch=32, prefill_chunk=16, prompt_cache_size=0)
+    assert b.kv_admission is not None and b.kv_admission.need(len(prompt), 8) == need
+    slots = await _serve_all(b, [(prompt, 8)] * 12)
+    assert all(s.finish_reason == "length" for s in slots)
+    assert max(b.reserved) <= allowance
+    assert max(b.batch_sizes) == 3  # the allowance, not max_batch, held the batch
+    assert b.admitted == [id(s) for s in slots]  # first come, first admitted
+    assert b.kv_waits > 0
+
+
+@pytest.mark.anyio
+async def test_a_large_request_at_the_head_is_not_overtaken(tokenizer: Any) -> None:
+    layout = KVLayout((PER_TOKEN,), (None,))
+    small = (list(tokenizer.encode("short one")), 4)
+    large = (list(tokenizer.encode("x" * 300)), 200)
+    allowance = 2 * layout.bytes_for(len(large[0]) + large[1], KV_STEP)  # two large, or more small
+    b = Watched(scripted(tokenizer), budget_source(allowance), max_batch=32, prefill_chunk=16, prompt_cache_size=0)
+    order = [small, small, large, large, small, small, small]
+    slots = await _serve_all(b, order)
+    assert b.admitted == [id(s) for s in slots]
+    assert max(b.reserved) <= allowance
+    assert all(s.finish_reason in ("length", "stop") for s in slots)
+
+
+@pytest.mark.anyio
+async def test_a_request_too_large_for_the_allowance_is_refused(tokenizer: Any) -> None:
+    layout = KVLayout((PER_TOKEN,), (None,))
+    allowance = layout.bytes_for(1000, KV_STEP)
+    b = Batcher(scripted(tokenizer), budget_source(allowance), prefill_chunk=16, prompt_cache_size=0)
+    b.submit([1] * 500, 400)  # fits: admitted later
+    with pytest.raises(RequestError, match=r"KV allowance of .* under the memory budget \(memory=1 GiB, test\)") as e:
+        b.submit([1] * 500, 2000)
+    assert e.value.status == 400 and e.value.param == "max_tokens" and e.value.code == "kv_budget_exceeded"
+    assert b.waiting == 1  # the refused request never queued
+
+
+def test_no_budget_no_admission_limit(tokenizer: Any) -> None:
+    for source in (None, budget_source(None)):
+        b = Batcher(scripted(tokenizer), source, max_batch=4, prefill_chunk=16, prompt_cache_size=0)
+        assert b.kv_admission is None
+        for _ in range(6):
+            b.submit([1] * 4000, 4000)
+        assert len(b.take_waiting()) == 4 and b.kv_reserved() == 0
+
+
+def test_prefix_cache_is_bounded_by_the_allowance_and_gives_way(tokenizer: Any) -> None:
+    layout = KVLayout((PER_TOKEN,), (None,))
+    allowance = 2 * layout.bytes_for(100, KV_STEP)
+    b = Batcher(scripted(tokenizer), budget_source(allowance), prefill_chunk=16, prompt_cache_size=4,
+                prompt_cache_bytes=1 << 30)
+    assert b.prefix_cache.max_bytes == allowance
+    entry = [KVCache()]
+    _feed(entry[0], [64], heads=1, dim=32)  # 256 positions allocated
+    b.prefix_cache.insert(list(range(64)), entry)
+    held = b.prefix_cache.nbytes
+    assert held > 0
+    b.submit([1] * 50, 50)
+    assert len(b.take_waiting()) == 1  # fits beside the entry
+    b.submit([2] * 50, 50)
+    # Two requests' worst cases fill the allowance: the entry is dropped to make room.
+    assert len(b.take_waiting()) == 1 and b.prefix_cache.nbytes == 0
+
+
+def test_http_refusal_names_the_budget(tokenizer: Any) -> None:
+    model = scripted(tokenizer)
+    allowance = KVLayout((PER_TOKEN,), (None,)).bytes_for(600, KV_STEP)
+
+    @contextlib.asynccontextmanager
+    async def factory() -> Any:
+        yield Engine(model=model, source=budget_source(allowance), audit=lambda: (True, []),
+                     description={"model": "scripted"})
+
+    app = create_app(factory, ServeSettings(prompt_cache_size=0, max_tokens_limit=4096, prefill_chunk=16))
+    with BackgroundServer(app) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 2000},
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "KV allowance" in err["message"] and "memory=1 GiB" in err["message"]
+        assert err["code"] == "kv_budget_exceeded" and err["param"] == "max_tokens"
+        ok = httpx.post(f"{srv.url}/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 5},
+                        timeout=30)
+        assert ok.status_code == 200, ok.text

@@ -108,6 +108,11 @@ class PrefixCache:
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
+    def drop_oldest(self) -> None:
+        """Drop the least recently used entry (nothing when empty): room for served requests' KV caches."""
+        if self._entries:
+            self._drop(next(iter(self._entries)))
+
     def _drop(self, key: int) -> None:
         del self._entries[key]
         self.nbytes -= self._sizes.pop(key)

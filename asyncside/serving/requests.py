@@ -60,6 +60,8 @@ class Slot:
     finish_reason: str | None = None
     #: the routing replay of the request's sequence (the engine's ``routing``); None: the router routes
     replay: Any = None
+    #: worst-case bytes of the request's KV cache, counted against a KV allowance (0: none counted)
+    kv_need: int = 0
 
     @property
     def prefilling(self) -> bool:
