@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bench import BENCHES, add_bench_arguments, run_bench
-from .errors import AsyncsideError, TraceError
+from .errors import AsyncsideError, EnvVarError, TraceError
+from .native_env import check_native_env
 
 # command -> (help, module, function adding its options, function running it -> exit status)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -91,10 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = f"bench {args.bench}" if args.command == "bench" else args.command  # as argparse names it
     try:
+        if args.command != "routing":  # refused before a model loads, not when its runtime starts
+            check_native_env()
         if args.command == "bench":
             return run_bench(args.bench, args)
         _help, module, _add, run = _COMMANDS[args.command]
         return int(_attr(module, run)(args))
+    except EnvVarError as exc:  # a bad ASYNCSIDE_* variable: a usage error, as a bad option is
+        print(f"asyncside {name}: environment: {exc}", file=sys.stderr)
+        return 2
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
         print(f"asyncside {name}: {exc}", file=sys.stderr)
         return 2 if _bad_trace(exc) else 1

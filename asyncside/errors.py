@@ -79,3 +79,14 @@ class ModelNotFoundError(AsyncsideError, FileNotFoundError):
     def __init__(self, model: str, message: str) -> None:
         self.model = model
         super().__init__(f"{model}: {message}")
+
+
+class EnvVarError(AsyncsideError, ValueError):
+    """An ``ASYNCSIDE_*`` environment variable holds a value asyncside does not accept.
+
+    ``variable``, ``value`` and ``expected`` (what is accepted, in words) are in the message too.
+    """
+
+    def __init__(self, variable: str, value: str, expected: str) -> None:
+        self.variable, self.value, self.expected = variable, value, expected
+        super().__init__(f"{variable}: expected {expected}, got {value!r}")

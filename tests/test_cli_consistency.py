@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 from typing import Any
 
 import anyio
@@ -60,3 +62,84 @@ def test_resident_zero_runs(expert_store: ExpertStore) -> None:
             return dict(rt.memory["rows"])
 
     assert set(anyio.run(rows).values()) == {min(min_rows(expert_store), expert_store.layer(0).n_experts)}
+
+
+# The ASYNCSIDE_* variables the native extension reads itself: refused from Python, listed in the docs.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GOOD_ENV = {"ASYNCSIDE_FAULT_READ_THREADS": ["0", "4", "64", ""],
+            "ASYNCSIDE_FAULT_BACKGROUND_THREADS": ["1", "64", ""],
+            "ASYNCSIDE_FAULT_READ_CHUNK": ["0", "4096", str(1 << 20), str(1 << 30)],
+            "ASYNCSIDE_GRAPH_RELEASE": ["caller", "thread", ""],
+            "ASYNCSIDE_CUDA_FAULT_NODE": ["device", "host", "child", ""]}
+BAD_ENV = {"ASYNCSIDE_FAULT_READ_THREADS": ["abc", "-1", "65", "4.0", " 4", "1e2"],
+           "ASYNCSIDE_FAULT_BACKGROUND_THREADS": ["0", "x", "-2", "65"],
+           "ASYNCSIDE_FAULT_READ_CHUNK": ["", "abc", "-4096", "4095", "6000", str((1 << 30) + 4096)],
+           "ASYNCSIDE_GRAPH_RELEASE": ["Caller", "yes", "1"],
+           "ASYNCSIDE_CUDA_FAULT_NODE": ["gpu", "HOST", "0"]}
+
+
+def test_every_native_variable_is_checked_and_documented() -> None:
+    """What native/ reads with getenv is what NATIVE_VARIABLES checks; docs/api.md lists each, and
+    every ASYNCSIDE_* variable the package reads from Python too."""
+    from asyncside.native_env import NATIVE_VARIABLES
+
+    native = set()
+    for source in (ROOT / "native").glob("*.[ch]*"):
+        text = source.read_text(errors="replace")
+        native |= set(re.findall(r'getenv\("(ASYNCSIDE_\w+)"\)', text))
+        native |= set(re.findall(r'kEnv = "(ASYNCSIDE_\w+)"', text))
+    assert native == set(NATIVE_VARIABLES) == set(GOOD_ENV) == set(BAD_ENV)
+    api = (ROOT / "docs" / "api.md").read_text()
+    section = api[api.index("## Environment variables"):]
+    documented = set(re.findall(r"^\| `\$(ASYNCSIDE_\w+)` \|", section, re.M))
+    python = set()
+    for source in (ROOT / "asyncside").rglob("*.py"):
+        python |= set(re.findall(r"[\"'](ASYNCSIDE_[A-Z_]+)[\"']", source.read_text()))
+    assert native | python <= documented, sorted((native | python) - documented)
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, values in GOOD_ENV.items() for v in values])
+def test_native_variable_accepted(name: str, value: str) -> None:
+    from asyncside.native_env import check_native_env
+
+    check_native_env({name: value})
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, values in BAD_ENV.items() for v in values])
+def test_native_variable_refused(name: str, value: str) -> None:
+    from asyncside.errors import AsyncsideError, EnvVarError
+    from asyncside.native_env import NATIVE_VARIABLES, check_native_env
+
+    with pytest.raises(EnvVarError) as info:
+        check_native_env({name: value})
+    assert isinstance(info.value, AsyncsideError) and isinstance(info.value, ValueError)
+    assert (info.value.variable, info.value.value) == (name, value)
+    assert str(info.value) == f"{name}: expected {NATIVE_VARIABLES[name].expected}, got {value!r}"
+
+
+def test_runtime_refuses_a_bad_read_threads_value(expert_store: ExpertStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Runtime starts, before its pools or reads: the extension would have run with its default."""
+    from asyncside.errors import EnvVarError
+    from asyncside.runtime import Runtime
+
+    async def enter() -> None:
+        async with Runtime(expert_store, resident=0.5):
+            pass
+
+    monkeypatch.setenv("ASYNCSIDE_FAULT_READ_THREADS", "abc")
+    with pytest.raises(EnvVarError, match=r"ASYNCSIDE_FAULT_READ_THREADS: expected an integer from 0 to 64.*'abc'"):
+        anyio.run(enter)
+    monkeypatch.setenv("ASYNCSIDE_FAULT_READ_THREADS", "2")
+    anyio.run(enter)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--tokens", "1"], ["serve", "--port", "0"],
+                                  ["bench", "policy", "--quick"], ["convert", "no-such-model", "out"]])
+def test_cli_refuses_a_bad_native_variable_before_loading(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import main
+
+    monkeypatch.setenv("ASYNCSIDE_FAULT_BACKGROUND_THREADS", "-3")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "environment: ASYNCSIDE_FAULT_BACKGROUND_THREADS" in err and "'-3'" in err

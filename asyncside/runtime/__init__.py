@@ -175,7 +175,10 @@ class Runtime:
 
     async def __aenter__(self) -> Runtime:
         from .. import pools as _pools
+        from ..native_env import check_native_env
 
+        # The extension reads these itself and falls back quietly on a bad value: refused here first.
+        check_native_env()
         s = self._s
         if s.completed is None:
             from ..bridge import completed

@@ -1,0 +1,84 @@
+"""The ``ASYNCSIDE_*`` environment variables the native extension reads itself, checked from Python.
+
+The extension reads these with ``getenv`` and quietly falls back to its default on a value it cannot
+parse (``ASYNCSIDE_FAULT_READ_THREADS=abc``), or caps one out of range; :func:`check_native_env`
+refuses such a value before a :class:`~asyncside.runtime.Runtime` starts, naming the variable, the
+value and what is accepted (docs/api.md, "Environment variables"). No MLX and no native import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .errors import EnvVarError
+
+#: The largest thread count the native pools take (larger values were capped there, not honoured).
+MAX_THREADS = 64
+#: ASYNCSIDE_FAULT_READ_CHUNK: a multiple of this many bytes (O_DIRECT alignment) ...
+CHUNK_ALIGN = 4096
+#: ... up to this many.
+MAX_CHUNK = 1 << 30
+
+
+def _count(low: int, high: int) -> Callable[[str], bool]:
+    def ok(value: str) -> bool:
+        return re.fullmatch(r"[0-9]+", value) is not None and low <= int(value) <= high
+
+    return ok
+
+
+def _chunk(value: str) -> bool:
+    if re.fullmatch(r"[0-9]+", value) is None:
+        return False
+    n = int(value)
+    return n == 0 or (n % CHUNK_ALIGN == 0 and n <= MAX_CHUNK)
+
+
+def _one_of(*words: str) -> Callable[[str], bool]:
+    return lambda value: value in words
+
+
+@dataclass(frozen=True)
+class NativeVariable:
+    """One variable the extension reads: what it sets, what it accepts (in words), its default."""
+
+    name: str
+    sets: str
+    expected: str
+    default: str
+    accepts: Callable[[str], bool]
+    empty_is_default: bool = True  # the extension reads an empty value as unset
+
+
+#: Every ``ASYNCSIDE_*`` variable the native extension reads (``getenv`` in native/), by name.
+NATIVE_VARIABLES: dict[str, NativeVariable] = {v.name: v for v in (
+    NativeVariable("ASYNCSIDE_FAULT_READ_THREADS", "worker threads of the parallel fault reads",
+                   f"an integer from 0 to {MAX_THREADS} (0: every read on the calling thread)",
+                   "min(7, cores / 2 - 1), 0 below 4 cores", _count(0, MAX_THREADS)),
+    NativeVariable("ASYNCSIDE_FAULT_BACKGROUND_THREADS", "threads of the background (prefetch) fault reads",
+                   f"an integer from 1 to {MAX_THREADS}", "max(2, the fault read threads)", _count(1, MAX_THREADS)),
+    NativeVariable("ASYNCSIDE_FAULT_READ_CHUNK", "bytes an O_DIRECT fault read of a record is split into",
+                   f"0 (whole records) or a multiple of {CHUNK_ALIGN} bytes up to {MAX_CHUNK}", "1 MiB", _chunk,
+                   empty_is_default=False),  # the extension refuses an empty one when it loads
+    NativeVariable("ASYNCSIDE_GRAPH_RELEASE", "which thread drops a step's finished arrays",
+                   "'caller' (every release on the calling thread, a diagnostic switch) or 'thread'",
+                   "thread (the release thread)", _one_of("caller", "thread")),
+    NativeVariable("ASYNCSIDE_CUDA_FAULT_NODE", "how MLX CUDA encodes a fault node",
+                   "'device', 'host' or 'child'", "device", _one_of("device", "host", "child")),
+)}
+
+
+def check_native_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a bad value of any variable in :data:`NATIVE_VARIABLES` (``environ``: default
+    ``os.environ``) with an :class:`~asyncside.errors.EnvVarError` naming the variable, the value and
+    what is accepted. Unset is the default, and so is empty where the extension reads it so."""
+    env = os.environ if environ is None else environ
+    for var in NATIVE_VARIABLES.values():
+        value = env.get(var.name)
+        if value is None or (value == "" and var.empty_is_default):
+            continue
+        if not var.accepts(value):
+            raise EnvVarError(var.name, value, var.expected)
