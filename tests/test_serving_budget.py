@@ -258,3 +258,32 @@ def test_http_refusal_names_the_budget(tokenizer: Any) -> None:
         ok = httpx.post(f"{srv.url}/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 5},
                         timeout=30)
         assert ok.status_code == 200, ok.text
+
+
+# --- the plan's KV allowance --------------------------------------------------------------------
+
+
+def test_plan_grants_a_kv_allowance_only_under_a_budget(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from asyncside import ExpertStore, memory
+    from asyncside.runtime import _plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(1 << 40, "test"))
+    rng = np.random.default_rng(0)
+    store = ExpertStore.create(tmp_path / "s", {layer: {"w": rng.integers(0, 255, size=(16, 4096), dtype=np.uint8)}
+                                                for layer in range(2)})
+
+    def plan(memory_arg: Any) -> Any:
+        return plan_mod.plan_memory(store, list(store.layers), resident=0.25, pinned=None, side_rows=None,
+                                    min_side_rows=4, memory=memory_arg, direct=None, host_tier="auto",
+                                    tier_possible=False)
+
+    budgeted = plan("1G")
+    assert budgeted.kv_allowance_bytes == int(budgeted.headroom_bytes * plan_mod.KV_SHARE) > 0
+    assert budgeted.as_dict()["kv_allowance_bytes"] == budgeted.kv_allowance_bytes
+    assert "KV allowance 128.0 MiB" in budgeted.describe()
+    free = plan(None)
+    assert free.kv_allowance_bytes is None and free.as_dict()["kv_allowance_bytes"] is None
+    assert "KV allowance" not in free.describe()
