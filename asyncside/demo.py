@@ -89,7 +89,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows of the rotating side region per layer (default: half the budget)")
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
-    p.add_argument("--cache-dir", default=None, help="where the embedded model is built (default ~/.cache/asyncside)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the embedded model is built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
+                        "else ~/.cache/asyncside)")
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
                    help="decode steps start a layer's misses' reads at once and compute its experts as they land "
                         "(CPU, host pools); auto: where the memory plan reads past the page cache")

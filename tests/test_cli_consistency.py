@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
 from typing import Any
@@ -143,3 +144,31 @@ def test_cli_refuses_a_bad_native_variable_before_loading(argv: list[str], monke
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "environment: ASYNCSIDE_FAULT_BACKGROUND_THREADS" in err and "'-3'" in err
+
+
+def _options(parser: argparse.ArgumentParser, name: str = "asyncside") -> list[tuple[str, argparse.Action]]:
+    """Every option of every subcommand (and bench), with the command it belongs to."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                out += _options(subparser, f"{name} {sub}")
+        elif action.option_strings:
+            out.append((name, action))
+    return out
+
+
+def test_help_states_the_defaults_the_options_have() -> None:
+    """A number the help gives as the default is the option's default (bench serve's --resident
+    said serve's 0.25 while it ran at 0.5), and every --cache-dir names $ASYNCSIDE_CACHE, which wins
+    over the user cache."""
+    checked = 0
+    for command, action in _options(build_parser()):
+        text = argparse.HelpFormatter("asyncside")._expand_help(action) if action.help else ""
+        said = re.search(r"\(default:? (-?[0-9][0-9.]*)[;,)]", text)
+        if said and isinstance(action.default, (int, float)):
+            checked += 1
+            assert float(said.group(1)) == float(action.default), (command, action.option_strings, text)
+        if "--cache-dir" in action.option_strings:
+            assert "$ASYNCSIDE_CACHE" in text or "ASYNCSIDE_CACHE" in text, (command, text)
+    assert checked > 20  # the check saw the options it is about

@@ -150,7 +150,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="cold runs use O_DIRECT only, without dropping the page cache")
     p.add_argument("--plot", metavar="PATH", default="bench-out/generate.png",
                    help="PNG plot path (default bench-out/generate.png; 'none' to skip)")
-    p.add_argument("--cache-dir", default=None, help="where the embedded model and the shapes are built")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the embedded model and the shapes are built (default: $ASYNCSIDE_CACHE, else "
+                        "$XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for BENCHMARKS.md) instead")
 
 

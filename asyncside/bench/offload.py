@@ -671,7 +671,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead", "trace"],
                    help="asyncside's predictor (default none: the router's lookahead does not know replayed ids; "
                         "trace: the replayed trace's own predictions, for --routing files that carry them)")
-    p.add_argument("--cache-dir", default=None, help="where the shapes are built (default ~/.cache/asyncside)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the shapes are built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
+                        "else ~/.cache/asyncside)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

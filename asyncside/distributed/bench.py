@@ -50,7 +50,9 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reader", default="auto", help="read backend (default auto)")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds before a run is stopped (default 900)")
     p.add_argument("--quick", action="store_true", help="CI smoke run: 1 round, few tokens (numbers are noise)")
-    p.add_argument("--cache-dir", default=None, help="where the embedded model is built")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the embedded model is built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
+                        "else ~/.cache/asyncside)")
 
 
 def _single(store: str, common: list[str], out: str, cpus: list[int] | None, deadline: float) -> dict[str, Any]:

@@ -149,7 +149,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resident", type=resident_fraction(), default=0.25,
                         help="fraction of each layer's experts kept in the pools, in [0, 1] (0.25 or 25%%; 0: every "
                              "expert streamed through the least rows), or 'auto': sized to the memory budget "
-                             "(default 0.25)")
+                             "(default %(default)s)")
     parser.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                         help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                              "cgroup and MemAvailable allow); reads bypass the page cache when the store does "
