@@ -287,3 +287,65 @@ def test_plan_grants_a_kv_allowance_only_under_a_budget(tmp_path: Any, monkeypat
     free = plan(None)
     assert free.kv_allowance_bytes is None and free.as_dict()["kv_allowance_bytes"] is None
     assert "KV allowance" not in free.describe()
+
+
+# --- the real embedded model: mlx-lm's caches never hold more than admission reserved -----------
+
+
+class Measured(Batcher):
+    """A Batcher that measures, after every step, the bytes of every KV cache it holds (the merged
+    batch caches, each request's own, the prefix cache) beside what admission reserved."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held: list[tuple[int, int]] = []
+
+    async def step(self) -> None:
+        from asyncside.serving.prompt_cache import cache_nbytes
+
+        await super().step()
+        if self._inflight is not None:
+            mx.eval([c.keys for c in self._merged.layers or [] if c.keys is not None])
+        own = sum(cache_nbytes(s.cache) for s in self._active if s.cache is not None)
+        merged = cache_nbytes(self._merged.layers or [])
+        self.held.append((own + merged + self.prefix_cache.nbytes, self.kv_reserved() + self.prefix_cache.nbytes))
+
+
+@pytest.mark.asyncio
+async def test_real_caches_stay_within_what_admission_reserved() -> None:
+    import dataclasses
+
+    from asyncside.models import load_streaming_model
+    from asyncside.runtime import Runtime
+    from asyncside.serving import embedded_store_dir
+    from asyncside.serving.kv_budget import model_kv_layout
+
+    sm = load_streaming_model(embedded_store_dir())
+    layout = model_kv_layout(sm)
+    config = sm.config
+    assert layout.bytes_per_token == (config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
+                                      * config["head_dim"] * 4)  # the embedded model computes in float32
+    tok = sm.tokenizer
+    prompts = [tok.encode(p * k) for p, k in (("The quick brown fox ", 3), ("0 1 2 3 4 ", 20), ("MoE ", 2))]
+    worst = max(layout.bytes_for(len(p) + 24, 32) for p in prompts)
+    allowance = 2 * worst  # two of these at a time
+    async with Runtime(sm.store, resident=0.5) as rt:
+        rt._plan = dataclasses.replace(rt._plan, kv_allowance_bytes=allowance)
+        b = Measured(sm, rt, prefill_chunk=32, prompt_cache_size=2, max_batch=8)
+        gens = [b.submit(p, 24) for p in prompts * 3]
+
+        async def read(g: Any) -> None:
+            async for _ in g:
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.run)
+            async with anyio.create_task_group() as readers:
+                for g in gens:
+                    readers.start_soon(read, g)
+            tg.cancel_scope.cancel()
+    assert all(g.finish_reason in ("length", "stop") for g in gens)
+    assert b.held and max(h for h, _ in b.held) > 0
+    over = [(h, r) for h, r in b.held if h > r]
+    assert not over, over
+    assert max(r for _, r in b.held) <= allowance
