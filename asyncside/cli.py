@@ -14,15 +14,17 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import __version__
 from .bench import BENCHES, add_bench_arguments, run_bench
 from .errors import AsyncsideError, EnvVarError, TraceError
 from .native_env import check_native_env
 
 # command -> (help, module, function adding its options, function running it -> exit status)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "demo": ("streaming generation on the embedded default model", "asyncside.demo", "add_demo_arguments",
-             "demo_main"),
-    "convert": ("turn an mlx-lm model directory into an expert store", "asyncside.models.cli",
+    "demo": ("streaming generation beside all-resident (the embedded model, or --model)", "asyncside.demo",
+             "add_demo_arguments", "demo_main"),
+    "convert": ("turn an mlx-lm model (a directory or a Hugging Face repo id) into an expert store",
+                "asyncside.models.cli",
                 "add_convert_arguments", "convert_main"),
     "serve": ("OpenAI-compatible streaming HTTP server (--pipeline: one rank of a pipeline)", "asyncside.serving.cli",
               "add_serve_arguments", "serve_main"),
@@ -58,6 +60,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         prog="asyncside",
         description="Stream MoE expert weights from an SSD expert store into MLX pools.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, module, add, _run) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -15,6 +15,8 @@ from asyncside.store import ExpertStore
 
 # The three subcommands taking --resident, with the positional arguments each needs.
 RESIDENT_COMMANDS = {"demo": ["demo"], "serve": ["serve"], "convert": ["convert", "model", "store"]}
+# Benches taking a plain fraction (no 'auto'): the same type, the same refusals.
+FRACTION_ONLY = {"bench step": ["bench", "step"], "bench pipeline": ["bench", "pipeline"]}
 
 
 def parse(argv: list[str]) -> Any:
@@ -41,6 +43,23 @@ def test_resident_means_the_same_everywhere(command: str, text: str, value: floa
 def test_resident_refused_the_same_everywhere(command: str, bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = refused([*RESIDENT_COMMANDS[command], "--resident", bad], capsys)
     assert err.startswith(f"asyncside {command}: error: argument --resident: expected a fraction in [0, 1], got {bad}")
+
+
+@pytest.mark.parametrize("command", sorted(FRACTION_ONLY))
+def test_resident_of_the_benches_and_ranks(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.distributed.rank import build_parser as rank_parser
+
+    argv = FRACTION_ONLY[command]
+    assert parse([*argv, "--resident", "0"]).resident == 0.0
+    assert parse([*argv, "--resident", "25%"]).resident == 0.25
+    for bad in ("1.5", "-0.1", "nan", "auto"):
+        err = refused([*argv, "--resident", bad], capsys)
+        assert err.startswith(f"asyncside {command}: error: argument --resident: expected a fraction in [0, 1], got {bad}")
+    rank = rank_parser()
+    assert rank.parse_args(["store", "--resident", "0"]).resident == 0.0
+    with pytest.raises(SystemExit):
+        rank.parse_args(["store", "--resident", "1.5"])
+    assert "argument --resident: expected a fraction in [0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_resident_auto_only_where_it_means_something(capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,3 +191,18 @@ def test_help_states_the_defaults_the_options_have() -> None:
         if "--cache-dir" in action.option_strings:
             assert "$ASYNCSIDE_CACHE" in text or "ASYNCSIDE_CACHE" in text, (command, text)
     assert checked > 20  # the check saw the options it is about
+
+
+def test_version_and_what_the_subcommands_take(capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside --version`` answers; the overview does not say demo runs only the embedded model
+    or that convert takes only a directory (both take more)."""
+    import asyncside
+    from asyncside.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"asyncside {asyncside.__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    overview = " ".join(capsys.readouterr().out.split())
+    assert "--model" in overview and "Hugging Face repo id" in overview

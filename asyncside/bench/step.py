@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from ..argtypes import resident_fraction
 from . import bench_main
 from .machine import machine_info
 
@@ -50,7 +51,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per run (default 60)")
     parser.add_argument("--warmup-steps", type=int, default=8, help="untimed steps before them (default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the first is not reported (default 3)")
-    parser.add_argument("--resident", type=float, default=0.5, help="share of experts in pools (default 0.5)")
+    parser.add_argument("--resident", type=resident_fraction(allow_auto=False), default=0.5,
+                        help="share of each layer's experts in the pools, in [0, 1] (default 0.5)")
     parser.add_argument("--model", default=None, help="a converted model directory (default: the embedded one)")
     parser.add_argument("--prefill", type=int, default=0, metavar="L",
                         help="time prefill chunks of L tokens per row instead of decode steps (default: off)")

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
+from ..argtypes import resident_fraction
 from .launcher import LocalLaunch, python_argv
 
 
@@ -43,7 +44,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--warmup", type=int, default=4, help="tokens of an untimed request first (default 4)")
-    p.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts in pools (default 0.25)")
+    p.add_argument("--resident", type=resident_fraction(allow_auto=False), default=0.25,
+                   help="share of each layer's experts in pools, in [0, 1] (default 0.25)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of (one process, pipeline) (default 3)")
     p.add_argument("--ping", type=int, default=300, help="boundary round trips per pipeline run (default 300)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")

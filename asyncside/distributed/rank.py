@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
+from ..argtypes import resident_fraction
 from .errors import DistributedError, PeerLostError, PeerTimeoutError
 
 EXIT_PEER = 3
@@ -76,7 +77,8 @@ def add_stage_arguments(p: Any, *, model_options: bool = True) -> None:
     p.add_argument("--backend", default=None, choices=["ring", "nccl", "jaccl", "jaccl-ring", "mpi"],
                    help="MLX distributed backend (default: from the launch environment)")
     if model_options:
-        p.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts in the pools")
+        p.add_argument("--resident", type=resident_fraction(allow_auto=False), default=0.25,
+                       help="share of each layer's experts in the pools, in [0, 1] (default 0.25)")
         p.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
         p.add_argument("--reader", default="auto", help="read backend (default auto)")
         p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
