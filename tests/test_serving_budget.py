@@ -258,6 +258,10 @@ def test_http_refusal_names_the_budget(tokenizer: Any) -> None:
         ok = httpx.post(f"{srv.url}/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 5},
                         timeout=30)
         assert ok.status_code == 200, ok.text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        assert f"asyncside_kv_allowance_bytes {float(allowance)}" in metrics or \
+            f"asyncside_kv_allowance_bytes {allowance}" in metrics, metrics[:2000]
+        assert "asyncside_kv_reserved_bytes 0" in metrics
 
 
 # --- the plan's KV allowance --------------------------------------------------------------------

@@ -144,6 +144,9 @@ class ServerState:
         if self.batcher is not None:
             out["prompt_cache_bytes"] = self.batcher.prefix_cache.nbytes
             out["prompt_cache_limit_bytes"] = self.batcher.prefix_cache.max_bytes
+            if self.batcher.kv_admission is not None and self.batcher.kv_admission.allowance is not None:
+                out["kv_reserved_bytes"] = self.batcher.kv_reserved()
+                out["kv_allowance_bytes"] = self.batcher.kv_admission.allowance
         if self.engine is not None:
             for key in ("staging_bytes", "host_tier_bytes"):
                 value = self.engine.description.get(key)

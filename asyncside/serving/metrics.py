@@ -235,6 +235,8 @@ _MEMORY_HELP = {
     "mlx_cache_limit_bytes": "Bound of MLX's cache of freed buffers (0: MLX's default, its memory limit)",
     "prompt_cache_bytes": "Bytes of KV caches the prompt cache keeps",
     "prompt_cache_limit_bytes": "Bound of the prompt cache in bytes",
+    "kv_reserved_bytes": "Worst-case bytes of the admitted requests' KV caches (under a memory budget)",
+    "kv_allowance_bytes": "The memory plan's KV allowance: what admitted requests' KV caches may take",
     "staging_bytes": "Bytes of the reader's staging buffers (fixed at startup)",
     "host_tier_bytes": "Bytes of the host tier of expert records (fixed at startup)",
 }
