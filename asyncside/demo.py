@@ -85,13 +85,14 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "fewer misses, more reads: see BENCHMARKS.md)")
     p.add_argument("--mode", default="auto", choices=["auto", "queued", "per-layer", "whole"],
                    help="how decode steps run (default auto: queued, misses served inside the stream)")
-    p.add_argument("--side-rows", type=count_arg, default=None,
-                   help="rows of the rotating side region per layer (default: half the budget)")
+    p.add_argument("--side-rows", metavar="N", type=count_arg, default=None,
+                   help="of each layer's pool rows, N are managed by the eviction policy and the rest hold the "
+                        "store's hottest experts, pinned (default: every row managed, none pinned)")
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
-    p.add_argument("--cache-dir", default=None,
-                   help="where the embedded model is built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
-                        "else ~/.cache/asyncside)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where the embedded model is built and --model converted on first use (default: "
+                        "$ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside)")
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
                    help="decode steps start a layer's misses' reads at once and compute its experts as they land "
                         "(CPU, host pools); auto: where the memory plan reads past the page cache")
@@ -110,9 +111,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="N > 1: run the generation as a pipeline of N ranks on this machine (loopback, ring "
                         "backend) beside the one-process run; see docs/distributed.md")
     p.add_argument("--split", default=None, help="with --ranks: decoder layers per rank, e.g. 4,4 (default even)")
-    p.add_argument("--join-timeout", type=_seconds, default=60.0, help="with --ranks: seconds for the ranks to meet")
-    p.add_argument("--deadline", type=_seconds, default=600.0,
-                   help="with --ranks: seconds before every rank is stopped")
+    p.add_argument("--join-timeout", metavar="SECONDS", type=_seconds, default=60.0,
+                   help="with --ranks: seconds for the ranks to meet (default 60)")
+    p.add_argument("--deadline", metavar="SECONDS", type=_seconds, default=600.0,
+                   help="with --ranks: seconds before every rank is stopped (default 600)")
 
 
 @dataclass

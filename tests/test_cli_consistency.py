@@ -206,3 +206,20 @@ def test_version_and_what_the_subcommands_take(capsys: pytest.CaptureFixture[str
         main(["--help"])
     overview = " ".join(capsys.readouterr().out.split())
     assert "--model" in overview and "Hugging Face repo id" in overview
+
+
+def test_demo_side_rows_help_says_what_leaving_it_out_does(expert_store: ExpertStore) -> None:
+    """Left out, --side-rows pins nothing (every row managed by the policy), as its help says; given,
+    the rest of the rows hold the hottest experts."""
+    from asyncside.runtime._plan import plan_layer
+
+    parser = build_parser(["demo"])
+    (demo,) = [a.choices["demo"] for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    (action,) = [a for a in demo._actions if "--side-rows" in a.option_strings]
+    assert action.help is not None and "default: every row managed, none pinned" in action.help
+    assert parse(["demo"]).side_rows is None
+    layer = next(iter(expert_store.layers))  # a layer index
+    pinned, side = plan_layer(expert_store, layer, 0.5, side_rows=None)
+    assert pinned == [] and side > 0
+    pinned, side = plan_layer(expert_store, layer, 0.5, side_rows=1)
+    assert len(pinned) > 0 and side == 1
