@@ -77,12 +77,15 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _bad_trace(exc: BaseException) -> bool:
-    """Whether ``exc`` refuses a routing trace the user named (bad input, exit status 2 as a usage
-    error): unreadable, or not replayable on the model (RoutingReplayError, whose module loads MLX:
-    looked up only once loaded, as raising it did)."""
+def _bad_input(exc: BaseException) -> bool:
+    """Whether ``exc`` refuses something the user named (bad input, exit status 2 as a usage error):
+    a routing trace unreadable or not replayable on the model (RoutingReplayError), or a bench
+    shape or model config that cannot be built (ShapeError). Their modules load MLX: looked up
+    only once loaded, as raising them did."""
     forcing = sys.modules.get("asyncside.models.forcing")
-    return isinstance(exc, TraceError) or (forcing is not None and isinstance(exc, forcing.RoutingReplayError))
+    shapes = sys.modules.get("asyncside.bench.shapes")
+    return (isinstance(exc, TraceError) or (forcing is not None and isinstance(exc, forcing.RoutingReplayError))
+            or (shapes is not None and isinstance(exc, shapes.ShapeError)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except AsyncsideError as exc:  # expected (a bad store, a bad file): one line, no traceback
         print(f"asyncside {name}: {exc}", file=sys.stderr)
-        return 2 if _bad_trace(exc) else 1
+        return 2 if _bad_input(exc) else 1
     except (ImportError, ValueError) as exc:
         # A bad ASYNCSIDE_* environment variable: the native extension refuses it when it loads, the
         # reader choice when it reads it; both messages start with the variable's name.

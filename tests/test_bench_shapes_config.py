@@ -327,7 +327,7 @@ def test_cli_says_a_bad_shape_in_one_line(tmp_path: pathlib.Path, capsys: pytest
     path = _write(tmp_path / "dense", {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                        "num_attention_heads": 2, "vocab_size": 300, "intermediate_size": 128})
     capsys.readouterr()
-    assert main(["bench", "generate", "--shape", str(path), "--plot", "none"]) == 1
+    assert main(["bench", "generate", "--shape", str(path), "--plot", "none"]) == 2  # bad input: a usage error
     err = capsys.readouterr().err
     assert err.strip() == (f"asyncside bench generate: {path}: not a mixture-of-experts config: no num_experts / "
                            f"num_local_experts / n_routed_experts")

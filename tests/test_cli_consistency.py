@@ -223,3 +223,15 @@ def test_demo_side_rows_help_says_what_leaving_it_out_does(expert_store: ExpertS
     assert pinned == [] and side > 0
     pinned, side = plan_layer(expert_store, layer, 0.5, side_rows=1)
     assert len(pinned) > 0 and side == 1
+
+
+def test_a_shape_that_cannot_be_built_is_a_usage_error(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench generate/offload --shape naming a config that is no MoE model: exit status 2, one line."""
+    from asyncside.cli import main
+
+    config = tmp_path / "dense" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}')
+    assert main(["bench", "generate", "--shape", str(config.parent), "--plot", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("asyncside bench generate: ") and "not a mixture-of-experts" in err

@@ -150,12 +150,12 @@ def test_serving_refuses_a_bad_trace_before_starting(tmp_path: Path, capsys: pyt
 def test_a_trace_the_model_cannot_replay_is_a_usage_error() -> None:
     """A trace with fewer slots than the model's top-k (RoutingReplayError) exits 2 like an unreadable one;
     other errors keep status 1."""
-    from asyncside.cli import _bad_trace
+    from asyncside.cli import _bad_input
     from asyncside.errors import AsyncsideError
     from asyncside.models.forcing import RoutingReplayError
 
-    assert _bad_trace(RoutingReplayError("t.npz: cannot map the trace")) and _bad_trace(TraceError("t.npz", "x"))
-    assert not _bad_trace(AsyncsideError("the pools need more"))
+    assert _bad_input(RoutingReplayError("t.npz: cannot map the trace")) and _bad_input(TraceError("t.npz", "x"))
+    assert not _bad_input(AsyncsideError("the pools need more"))
 
 
 def test_serve_names_a_directory_given_as_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
