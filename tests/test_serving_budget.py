@@ -123,7 +123,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def budget_source(allowance: int | None) -> Any:
     """An expert source whose memory plan grants ``allowance`` bytes of KV caches."""
-    plan = types.SimpleNamespace(kv_allowance_bytes=allowance, source="memory=1 GiB, test")
+    plan = types.SimpleNamespace(kv_allowance_bytes=allowance, source="memory=1 GiB, test",
+                                 headroom_bytes=None if allowance is None else 3 * allowance)
     return types.SimpleNamespace(plan=plan)
 
 
@@ -248,7 +249,11 @@ def test_http_refusal_names_the_budget(tokenizer: Any) -> None:
                      description={"model": "scripted"})
 
     app = create_app(factory, ServeSettings(prompt_cache_size=0, max_tokens_limit=4096, prefill_chunk=16))
-    with BackgroundServer(app) as srv:
+    before = mx.set_cache_limit(0)  # the server sets MLX's process-wide limit: given back after
+    mx.set_cache_limit(before)
+    with contextlib.ExitStack() as restore:
+        restore.callback(mx.set_cache_limit, before)
+        srv = restore.enter_context(BackgroundServer(app))
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 2000},
                        timeout=30)
         assert r.status_code == 400, r.text
@@ -259,9 +264,12 @@ def test_http_refusal_names_the_budget(tokenizer: Any) -> None:
                         timeout=30)
         assert ok.status_code == 200, ok.text
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
-        assert f"asyncside_kv_allowance_bytes {float(allowance)}" in metrics or \
-            f"asyncside_kv_allowance_bytes {allowance}" in metrics, metrics[:2000]
-        assert "asyncside_kv_reserved_bytes 0" in metrics
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("asyncside_") and len(line.split()) == 2}
+        assert values["asyncside_kv_allowance_bytes"] == allowance
+        assert values["asyncside_kv_reserved_bytes"] == 0
+        # MLX's freed buffers get what the headroom leaves beside the KV allowance
+        assert values["asyncside_mlx_cache_limit_bytes"] == 2 * allowance
 
 
 # --- the plan's KV allowance --------------------------------------------------------------------

@@ -69,6 +69,9 @@ class ServerState:
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
         self.started = time.time()
+        #: the bound on MLX's cache of freed buffers in force (the setting, or under a memory
+        #: budget what the headroom leaves beside the KV allowance); None: MLX's default
+        self.mlx_cache_limit: int | None = settings.mlx_cache_bytes
 
         def stats() -> Any:
             return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
@@ -140,7 +143,7 @@ class ServerState:
         import mlx.core as mx
 
         out: dict[str, float] = {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
-                                 "mlx_cache_limit_bytes": float(self.settings.mlx_cache_bytes or 0)}
+                                 "mlx_cache_limit_bytes": float(self.mlx_cache_limit or 0)}
         if self.batcher is not None:
             out["prompt_cache_bytes"] = self.batcher.prefix_cache.nbytes
             out["prompt_cache_limit_bytes"] = self.batcher.prefix_cache.max_bytes
@@ -393,12 +396,22 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                                   prompt_cache_bytes=settings.prompt_cache_bytes, routing=engine.routing)
                 # An unknown predictor fails startup, not requests.
                 engine.model.forward.make_predictor(settings.predictor)
-            if settings.mlx_cache_bytes is not None:
+            cache_limit = settings.mlx_cache_bytes
+            plan = getattr(engine.source, "plan", None)
+            kv_allowance = getattr(plan, "kv_allowance_bytes", None)
+            headroom = getattr(plan, "headroom_bytes", None)
+            if isinstance(kv_allowance, int) and isinstance(headroom, int):
+                # Under a memory budget MLX's freed buffers are held in the headroom beside the KV
+                # caches: at most the part of it the KV allowance leaves.
+                room = max(0, headroom - kv_allowance)
+                cache_limit = room if cache_limit is None else min(cache_limit, room)
+            state.mlx_cache_limit = cache_limit
+            if cache_limit is not None:
                 import mlx.core as mx
 
                 # MLX keeps freed buffers for reuse up to its whole memory limit by default: with
                 # batches of ever new shapes the process's RSS would grow towards that.
-                mx.set_cache_limit(settings.mlx_cache_bytes)
+                mx.set_cache_limit(cache_limit)
             health = engine.health if engine.health is not None else HealthRegistry()
             batcher.on_failure = health.record
             async with anyio.create_task_group() as tg:
