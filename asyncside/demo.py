@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .argtypes import int_at_least, resident_fraction, writable_file
 from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
@@ -50,14 +50,28 @@ def _seconds(text: str) -> float:
     return value
 
 
+#: the pools' share of each layer's experts when neither --resident nor --memory is given
+DEFAULT_RESIDENT = 0.25
+
+
+def resident_of(args: argparse.Namespace) -> float | str:
+    """``--resident`` as given; else ``auto`` under ``--memory`` (a budget asks the plan to size the
+    pools, and a fixed share could refuse a budget that smaller pools fit), else the default share."""
+    given = getattr(args, "resident", None)
+    if given is not None:
+        return cast(float | str, given)
+    return "auto" if getattr(args, "memory", None) is not None else DEFAULT_RESIDENT
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside demo``."""
     p.add_argument("--model", metavar="STORE|DIR|ORG/NAME", default=None,
                    help="an expert store, an mlx-lm model directory or a Hugging Face repo id (converted on "
                         "first use into the cache directory; default: the embedded Qwen3-MoE model)")
-    p.add_argument("--resident", metavar="FRACTION", type=resident_fraction(), default=0.25,
+    p.add_argument("--resident", metavar="FRACTION", type=resident_fraction(), default=None,
                    help="share of each layer's experts the pools hold, in [0, 1] (0.25 or 25%%; 0: every expert "
-                        "streamed through the least rows), or 'auto': sized to the memory available (default 0.25)")
+                        "streamed through the least rows), or 'auto': sized to the memory available (default "
+                        f"{DEFAULT_RESIDENT}, or auto with --memory)")
     p.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                    help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                         "cgroup and MemAvailable allow); the plan is printed, and reads bypass the page cache "
@@ -367,6 +381,7 @@ def _echo_to(stream: Any, tokenizer: Any, enabled: bool) -> Any:
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Both runs; returns every figure as a dict (what ``--json`` prints)."""
+    args.resident = resident_of(args)
     import anyio
     import mlx.core as mx
 
@@ -574,6 +589,7 @@ def _table(result: dict[str, Any]) -> None:
 
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
+    args.resident = resident_of(args)
     if args.ranks != 1:
         args.predictor = args.predictor or "lookahead"
         if getattr(args, "routing", None) or getattr(args, "record_routing", None):

@@ -235,3 +235,19 @@ def test_a_shape_that_cannot_be_built_is_a_usage_error(tmp_path: pathlib.Path, c
     assert main(["bench", "generate", "--shape", str(config.parent), "--plot", "none"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("asyncside bench generate: ") and "not a mixture-of-experts" in err
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    ([], 0.25),
+    (["--memory", "1G"], "auto"),
+    (["--memory", "1G", "--resident", "0.5"], 0.5),
+    (["--resident", "0"], 0.0),
+])
+def test_demo_resident_is_auto_under_a_memory_budget_unless_given(argv: list[str], want: object) -> None:
+    """A budget asks the plan to size the pools: ``demo --memory`` alone must not refuse a budget
+    that smaller pools fit because a fixed share was assumed."""
+    from asyncside.demo import add_demo_arguments, resident_of
+
+    p = argparse.ArgumentParser()
+    add_demo_arguments(p)
+    assert resident_of(p.parse_args(argv)) == want
