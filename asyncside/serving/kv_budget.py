@@ -188,8 +188,8 @@ class KVAdmission:
         need = self.need(prompt_tokens, max_tokens)
         if need <= self.allowance:
             return None
-        per = describe_bytes(self.layout.bytes_per_token)
-        return (f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: its KV cache may need "
-                f"{describe_bytes(need)} ({per} a token, allocated {self.layout.step} tokens at a time), past the "
-                f"KV allowance of {describe_bytes(self.allowance)} under the memory budget ({budget}); "
-                f"ask for fewer tokens, or serve with a larger --memory")
+        per = f"{self.layout.bytes_per_token:,} bytes"
+        return (f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) may need {describe_bytes(need)} "
+                f"of KV cache, past the KV allowance of {describe_bytes(self.allowance)} under the memory budget "
+                f"({budget}); {per} a token, allocated {self.layout.step} tokens at a time: ask for fewer tokens, "
+                f"or serve with a larger --memory")
