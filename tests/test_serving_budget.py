@@ -183,7 +183,7 @@ async def test_many_clients_stay_under_the_allowance_in_order(tokenizer: Any) ->
     assert max(b.reserved) <= allowance
     assert max(b.batch_sizes) == 3  # the allowance, not max_batch, held the batch
     assert b.admitted == [id(s) for s in slots]  # first come, first admitted
-    assert b.kv_waits > 0
+    assert b.kv_admission.waits > 0
 
 
 @pytest.mark.anyio

@@ -28,12 +28,8 @@ token is position 0, as a generation alone replays it): every forward the engine
 batched step routes to its own request's ids. The prefix cache is off then (a cached prefix holds
 the keys and values of another request's routing).
 
-Under a memory budget (the source's :class:`~asyncside.runtime.MemoryPlan` grants a KV allowance)
-a waiting request is admitted only while the worst-case KV caches of the admitted requests, its
-own and the prefix cache's bytes fit that allowance (:class:`.kv_budget.KVAdmission`); otherwise
-it waits, and nobody behind it is admitted first. A request whose worst case alone exceeds the
-allowance is refused when submitted.
-
+Under a memory budget, requests are admitted while their KV caches fit the plan's KV allowance
+(:class:`.kv_budget.KVAdmission`: first come, first admitted; one that can never fit is refused).
 Requests join and leave only between steps. A request's prefill chunks have fixed boundaries
 (multiples of ``prefill_chunk`` from where its prefill starts) whatever else is running, so what
 it computes never depends on its neighbours.
@@ -59,12 +55,12 @@ from anyio.abc import TaskGroup
 from ..errors import AsyncsideError
 from .batch_caches import BatchCaches, fresh_cache, mergeable, row_cache, rows_step
 from .health import describe_failure, fill_errors
-from .kv_budget import KV_STEP, KVAdmission, model_kv_layout
+from .kv_budget import plan_admission
 from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache, cache_nbytes
-from .protocol import RequestError, SamplingParams
+from .protocol import SamplingParams
 from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
-from .step_shapes import StepShapes
+from .step_shapes import StepShapes, default_prefill_chunk
 
 __all__ = [
     "BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull", "ServedModel",
@@ -73,19 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("asyncside.serving")
-
-
-def default_prefill_chunk() -> int:
-    """Prompt tokens per engine step when none is configured: 512 on a GPU, 16 on the CPU.
-
-    On a GPU a chunk of many tokens costs little more than one token, so large chunks keep a long
-    prefill fast. On the CPU a prefilled token costs about as much as a decode step (each routed
-    pair is its own product), so a small chunk gives the same prefill speed while holding the
-    other streams for less time per step.
-    """
-    import mlx.core as mx
-
-    return 512 if mx.default_device() == mx.gpu else 16
 
 
 def _log_failure(what: str, exc: BaseException) -> None:
@@ -183,16 +166,8 @@ class Batcher:
         if self.replays:
             prompt_cache_size = 0  # a cached prefix holds another request's routing
         self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
-        #: admission against the memory plan's KV allowance (see the module docstring); None: no budget
-        self.kv_admission: KVAdmission | None = None
-        plan = getattr(source, "plan", None)
-        allowance = getattr(plan, "kv_allowance_bytes", None)
-        if isinstance(allowance, int):
-            self.kv_admission = KVAdmission(model_kv_layout(model), allowance, max(prefill_chunk, KV_STEP))
-            self._kv_budget = str(getattr(plan, "source", "memory budget"))
-            # the prefix cache's entries count against the same allowance
-            self.prefix_cache.max_bytes = min(self.prefix_cache.max_bytes, allowance)
-        self.kv_waits = 0  # admissions deferred because the KV caches would not fit the allowance
+        #: admission against the memory plan's KV allowance (None: no budget, no limit)
+        self.kv_admission = plan_admission(model, source, prefill_chunk, self.prefix_cache)
         config = getattr(model, "config", None) or {}
         vocab = config.get("vocab_size", getattr(model.tokenizer, "vocab_size", None))
         self.vocab_size: int | None = vocab if isinstance(vocab, int) else None
@@ -279,12 +254,7 @@ class Batcher:
                             f"{len(self._waiting)} waiting); retry after {retry} s", retry)
         sampling = sampling or SamplingParams()
         self.strategy.check(sampling)
-        need = 0
-        if self.kv_admission is not None:
-            refused = self.kv_admission.refusal(len(ids), max_tokens, self._kv_budget)
-            if refused is not None:
-                raise RequestError(refused, param="max_tokens", code="kv_budget_exceeded")
-            need = self.kv_admission.need(len(ids), max_tokens)
+        need = self.kv_admission.check(len(ids), max_tokens) if self.kv_admission is not None else 0
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         slot = Slot(ids, max_tokens, sampling, send, time.monotonic(), kv_need=need)
         slot.sampler = RequestSampler(sampling, ids, self.vocab_size)
@@ -336,13 +306,11 @@ class Batcher:
     # -- what a step strategy uses ------------------------------------------------------------
 
     def take_waiting(self) -> list[Slot]:
-        """Move waiting requests into the engine while slots are free and, under a KV allowance,
-        their KV caches fit it (the oldest first: one that does not fit holds back those behind
-        it); returns them (in order)."""
+        """Move waiting requests into the engine while slots are free (and their KV caches fit);
+        returns them (in order)."""
         taken = []
         while self._waiting and len(self._active) < self.max_batch:
-            if not self._kv_fits(self._waiting[0]):
-                self.kv_waits += 1
+            if self.kv_admission and not self.kv_admission.admits(self._active, self._waiting[0], self.prefix_cache):
                 break
             slot = self._waiting.popleft()
             self._active.append(slot)
@@ -352,22 +320,7 @@ class Batcher:
 
     def kv_reserved(self) -> int:
         """Bytes the admitted requests' KV caches may take at worst (0 without a KV allowance)."""
-        if self.kv_admission is None:
-            return 0
-        return self.kv_admission.reserved([s.kv_need for s in self._active])
-
-    def _kv_fits(self, slot: Slot) -> bool:
-        """Whether ``slot`` fits the KV allowance beside the admitted requests, making room in the
-        prefix cache (least recently used first) when that is what it takes."""
-        adm = self.kv_admission
-        if adm is None:
-            return True
-        needs = [s.kv_need for s in self._active] + [slot.kv_need]
-        if not adm.fits(needs):
-            return False
-        while not adm.fits(needs, self.prefix_cache.nbytes) and len(self.prefix_cache):
-            self.prefix_cache.drop_oldest()
-        return adm.fits(needs, self.prefix_cache.nbytes)
+        return self.kv_admission.reserved([s.kv_need for s in self._active]) if self.kv_admission else 0
 
     def emit(self, slot: Slot, event: TokenEvent) -> None:
         """Hand a request its next token (dropped if its consumer left)."""
@@ -466,8 +419,7 @@ class Batcher:
     def _admit(self) -> None:
         for slot in self.take_waiting():
             cache, reused = self.prefix_cache.fetch(slot.prompt)
-            if cache is not None and self.kv_admission is not None and cache_nbytes(cache) > slot.kv_need:
-                # A cached entry allocated for a longer conversation than this request's worst case.
+            if cache is not None and cache_nbytes(cache) > slot.kv_need > 0:  # allocated past its worst case
                 cache, reused = None, 0
             slot.cache = cache if cache is not None else self.model.make_cache()
             slot.cached_tokens = reused

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import AsyncsideError
 from ..memory import describe_bytes
 
-__all__ = ["KV_STEP", "KVAdmission", "KVLayout", "dtype_bytes", "kv_layout", "model_kv_layout"]
+__all__ = ["KV_STEP", "KVAdmission", "KVLayout", "dtype_bytes", "kv_layout", "model_kv_layout", "plan_admission"]
 
 #: Positions mlx-lm's KV caches grow by (``KVCache.step``, ``BatchKVCache.step``, ``RotatingKVCache.step``).
 KV_STEP = 256
@@ -161,13 +161,19 @@ class KVAdmission:
     The requests decoding together share mlx-lm's merged batch caches, every row padded to the
     longest, so the caches of ``n`` admitted requests are counted as ``n`` times the largest worst
     case among them (:meth:`KVLayout.bytes_for` of prompt + ``max_tokens``); the prefix cache's
-    bytes count beside them. ``allowance`` None: no limit.
+    bytes count beside them. The engine admits the oldest waiting request only while that fits
+    (:meth:`admits`), so one that does not fit holds back those behind it (first come, first
+    admitted); :meth:`check` refuses at submission one whose worst case alone exceeds the
+    allowance. ``allowance`` None: no limit. ``budget``: the memory budget, as refusals name it.
     """
 
-    def __init__(self, layout: KVLayout, allowance: int | None, chunk: int = KV_STEP) -> None:
+    def __init__(self, layout: KVLayout, allowance: int | None, chunk: int = KV_STEP,
+                 budget: str = "memory budget") -> None:
         self.layout = layout
         self.allowance = allowance
         self.chunk = chunk
+        self.budget = budget
+        self.waits = 0  # admissions deferred because the caches would not fit
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """Worst-case bytes of one request's cache (its prompt and every token it may generate)."""
@@ -181,7 +187,19 @@ class KVAdmission:
         """Whether requests with worst cases ``needs`` fit the allowance beside ``extra`` bytes."""
         return self.allowance is None or self.reserved(needs) + extra <= self.allowance
 
-    def refusal(self, prompt_tokens: int, max_tokens: int, budget: str) -> str | None:
+    def admits(self, active: Sequence[Any], slot: Any, prefix_cache: Any) -> bool:
+        """Whether ``slot`` (its ``kv_need``) fits beside the ``active`` requests, making room in
+        ``prefix_cache`` (least recently used entries first) when that is what it takes."""
+        needs = [s.kv_need for s in active] + [slot.kv_need]
+        if self.fits(needs):
+            while not self.fits(needs, prefix_cache.nbytes) and len(prefix_cache):
+                prefix_cache.drop_oldest()
+            if self.fits(needs, prefix_cache.nbytes):
+                return True
+        self.waits += 1
+        return False
+
+    def refusal(self, prompt_tokens: int, max_tokens: int, budget: str | None = None) -> str | None:
         """Why a request can never be admitted (its worst case alone exceeds the allowance), or None."""
         if self.allowance is None:
             return None
@@ -191,5 +209,28 @@ class KVAdmission:
         per = f"{self.layout.bytes_per_token:,} bytes"
         return (f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) may need {describe_bytes(need)} "
                 f"of KV cache, past the KV allowance of {describe_bytes(self.allowance)} under the memory budget "
-                f"({budget}); {per} a token, allocated {self.layout.step} tokens at a time: ask for fewer tokens, "
-                f"or serve with a larger --memory")
+                f"({budget or self.budget}); {per} a token, allocated {self.layout.step} tokens at a time: ask for "
+                f"fewer tokens, or serve with a larger --memory")
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> int:
+        """A request's worst case (its ``kv_need``); a 400 ``RequestError`` (code ``kv_budget_exceeded``)
+        saying why when it can never be admitted."""
+        from .protocol import RequestError
+
+        refused = self.refusal(prompt_tokens, max_tokens)
+        if refused is not None:
+            raise RequestError(refused, param="max_tokens", code="kv_budget_exceeded")
+        return self.need(prompt_tokens, max_tokens)
+
+
+def plan_admission(model: Any, source: Any, chunk: int, prefix_cache: Any) -> KVAdmission | None:
+    """The engine's admission under ``source``'s memory plan (its ``kv_allowance_bytes``), or None
+    where the plan grants none (no memory budget, no plan). The prefix cache is bounded by the
+    allowance too (its entries count against it)."""
+    plan = getattr(source, "plan", None)
+    allowance = getattr(plan, "kv_allowance_bytes", None)
+    if not isinstance(allowance, int):
+        return None
+    prefix_cache.max_bytes = min(prefix_cache.max_bytes, allowance)
+    budget = str(getattr(plan, "source", "memory budget"))
+    return KVAdmission(model_kv_layout(model), allowance, max(chunk, KV_STEP), budget)

@@ -15,6 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 
+def default_prefill_chunk() -> int:
+    """Prompt tokens per engine step when none is configured: 512 on a GPU, 16 on the CPU.
+
+    On a GPU a chunk of many tokens costs little more than one token, so large chunks keep a long
+    prefill fast. On the CPU a prefilled token costs about as much as a decode step (each routed
+    pair is its own product), so a small chunk gives the same prefill speed while holding the
+    other streams for less time per step.
+    """
+    import mlx.core as mx
+
+    return 512 if mx.default_device() == mx.gpu else 16
+
+
 class StepShapes:
     """The engine's questions about ``model``'s forward over ``source``, answered once where stable."""
 
