@@ -61,3 +61,13 @@ def writable_file(text: str) -> str:
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: directory {parent} is not writable")
     return text
+
+
+def policy_name(text: str) -> str:
+    """An eviction policy's name (:data:`asyncside.policies.POLICIES`, aliases included), checked when
+    parsed so a misspelt one is a usage error before any model loads."""
+    from .policies import POLICIES, POLICY_NAMES
+
+    if text.lower() not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose from {', '.join(POLICY_NAMES)}")
+    return text.lower()

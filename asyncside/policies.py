@@ -516,9 +516,12 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "alrfu": AdaptiveLRFU,
 }
 
+#: One name per policy (:data:`POLICIES` also holds aliases), for help texts and choices.
+POLICY_NAMES: tuple[str, ...] = tuple(sorted({factory().name for factory in POLICIES.values()}))
+
 
 def make_policy(policy: Policy | str) -> Policy:
-    """A policy instance from a name (``lfu``, ``oneshot``, ``lru``, ``aging-lfu``) or an instance."""
+    """A policy instance from a name of :data:`POLICIES` (:data:`POLICY_NAMES` or an alias) or an instance."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str) and policy.lower() in POLICIES:

@@ -251,3 +251,19 @@ def test_demo_resident_is_auto_under_a_memory_budget_unless_given(argv: list[str
     p = argparse.ArgumentParser()
     add_demo_arguments(p)
     assert resident_of(p.parse_args(argv)) == want
+
+
+def test_every_policy_option_names_every_policy() -> None:
+    """Each --policy option's help (or choices) names every policy a Runtime takes, aliases aside
+    (serve's help once left adaptive-lrfu out)."""
+    from asyncside.policies import POLICY_NAMES
+
+    seen = 0
+    for command, action in _options(build_parser()):
+        if "--policy" not in action.option_strings:
+            continue
+        seen += 1
+        text = argparse.HelpFormatter("asyncside")._expand_help(action) if action.help else ""
+        listed = set(action.choices or ()) | set(re.findall(r"[a-z][a-z-]+", text))
+        assert set(POLICY_NAMES) <= listed, (command, sorted(set(POLICY_NAMES) - listed))
+    assert seen >= 2

@@ -43,9 +43,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..argtypes import policy_name
 from ..errors import AsyncsideError
 from ..memory import memory_arg
-from ..policies import DEFAULT_POLICY
+from ..policies import DEFAULT_POLICY, POLICY_NAMES
 
 __all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
 
@@ -667,7 +668,8 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
     p.add_argument("--seconds", type=float, default=40.0, help="generation time per run (default 40)")
     p.add_argument("--tokens", type=int, default=256, help="at most this many tokens per run (default 256)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"asyncside's eviction policy (default {DEFAULT_POLICY})")
+    p.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
+                   help=f"asyncside's eviction policy: {', '.join(POLICY_NAMES)} (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead", "trace"],
                    help="asyncside's predictor (default none: the router's lookahead does not know replayed ids; "
                         "trace: the replayed trace's own predictions, for --routing files that carry them)")

@@ -25,7 +25,8 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from ..argtypes import resident_fraction
+from ..argtypes import policy_name, resident_fraction
+from ..policies import POLICY_NAMES
 from .errors import DistributedError, PeerLostError, PeerTimeoutError
 
 EXIT_PEER = 3
@@ -79,7 +80,8 @@ def add_stage_arguments(p: Any, *, model_options: bool = True) -> None:
     if model_options:
         p.add_argument("--resident", type=resident_fraction(allow_auto=False), default=0.25,
                        help="share of each layer's experts in the pools, in [0, 1] (default 0.25)")
-        p.add_argument("--policy", default="lfu", help="side-region eviction policy (default lfu)")
+        p.add_argument("--policy", type=policy_name, default="lfu",
+                       help=f"side-region eviction policy: {', '.join(POLICY_NAMES)} (default lfu)")
         p.add_argument("--reader", default="auto", help="read backend (default auto)")
         p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
     p.add_argument("--side-rows", type=int, default=None, help="rows of the rotating side region per layer")

@@ -13,9 +13,9 @@ import logging
 import sys
 from typing import Any
 
-from ..argtypes import int_at_least, resident_fraction
+from ..argtypes import int_at_least, policy_name, resident_fraction
 from ..memory import host_tier_arg, memory_arg
-from ..policies import DEFAULT_POLICY
+from ..policies import DEFAULT_POLICY, POLICY_NAMES
 from .settings import ServeSettings, settings_from_args
 
 __all__ = ["add_engine_arguments", "add_model_arguments", "add_serve_arguments", "app_from_args",
@@ -131,15 +131,6 @@ def predictor_routing_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def policy_name(text: str) -> str:
-    """A side-region eviction policy name (``asyncside.policies.POLICIES``)."""
-    from ..policies import POLICIES
-
-    if text.lower() not in POLICIES:
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose from {', '.join(sorted(POLICIES))}")
-    return text
-
-
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Which model to serve and how its runtime streams experts (shared with `bench serve`)."""
     parser.add_argument("--model", metavar="STORE|DIR|ORG/NAME", default=None,
@@ -160,7 +151,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "off then")
     parser.add_argument("--reader", default="auto", choices=READERS, help="expert read backend (default auto)")
     parser.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
-                        help=f"eviction policy of the dynamic rows: lrfu, lru, lfu, aging-lfu, oneshot "
+                        help=f"eviction policy of the dynamic rows: {', '.join(POLICY_NAMES)} "
                              f"(default {DEFAULT_POLICY})")
     parser.add_argument("--host-tier", type=host_tier_arg, default="auto", metavar="SIZE",
                         help="MLX CUDA: pinned host memory for the host tier of records (each faulted "
@@ -232,7 +223,8 @@ def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ..distributed.rank import add_stage_arguments
 
     p.add_argument("store", nargs="?", default=None, metavar="STORE",
-                   help="the converted model directory (same as --model)")
+                   help="what --model takes (a store, an mlx-lm model directory or a Hugging Face repo id), "
+                        "given positionally")
     p.add_argument("--pipeline", action="store_true",
                    help="run as one rank of a pipeline (under mlx.launch); rank 0 serves HTTP")
     add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
