@@ -70,4 +70,4 @@ def policy_name(text: str) -> str:
 
     if text.lower() not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose from {', '.join(POLICY_NAMES)}")
-    return text.lower()
+    return text
