@@ -24,6 +24,21 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return check
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, a ratio); a usage error saying so otherwise
+    (0, a negative number, NaN and infinity are refused, not carried into a run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+positive_float.__name__ = "number > 0"
+
+
 def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str]:
     """An argparse type for ``--resident``, shared by ``demo``, ``serve`` and ``convert``: a fraction of
     each layer's experts in [0, 1] (``0.25``) or a percentage (``25%``), and with ``allow_auto`` the word

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..argtypes import policy_name
+from ..argtypes import int_at_least, policy_name, positive_float
 from ..errors import AsyncsideError
 from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -654,7 +654,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=512, help="vocabulary of the built shapes (default 512)")
     p.add_argument("--stores", metavar="DIR", nargs="+", default=None,
                    help="converted expert stores to run instead of building --shapes")
-    p.add_argument("--store-ratio", type=float, default=STORE_OVER_BUDGET,
+    p.add_argument("--store-ratio", type=positive_float, default=STORE_OVER_BUDGET,
                    help=f"refuse a store smaller than this many budgets (default {STORE_OVER_BUDGET:g}; "
                         f"less only for a quick check of the machinery)")
     p.add_argument("--localities", default=None,
@@ -666,8 +666,8 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "layers, experts, a larger top-k mapped; a smaller top-k refused); every system replays "
                         "the fitted trace; positions past its end wrap")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
-    p.add_argument("--seconds", type=float, default=40.0, help="generation time per run (default 40)")
-    p.add_argument("--tokens", type=int, default=256, help="at most this many tokens per run (default 256)")
+    p.add_argument("--seconds", type=positive_float, default=40.0, help="generation time per run (default 40)")
+    p.add_argument("--tokens", type=int_at_least(1), default=256, help="at most this many tokens per run (default 256)")
     p.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
                    help=f"asyncside's eviction policy: {', '.join(POLICY_NAMES)} (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead", "trace"],
@@ -676,7 +676,8 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="where the shapes are built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
                         "else ~/.cache/asyncside)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds before a run is stopped (default 300)")
     p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
