@@ -115,9 +115,9 @@ def test_a_smaller_top_k_is_refused_by_name(tmp_path: pathlib.Path, capsys: pyte
 
 
 def test_predictor_trace_with_presets_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit, match="carry none"):
+    with pytest.raises(ValueError, match="carry none"):
         offload.run_offload_bench(parse("--localities", "low", "--predictor", "trace"))
-    with pytest.raises(SystemExit, match="nothing to replay"):
+    with pytest.raises(ValueError, match="nothing to replay"):
         offload.run_offload_bench(parse("--localities", ""))
 
 

@@ -44,3 +44,23 @@ def test_offload_numbers_are_checked_when_parsed(option: str, value: str, capsys
     assert rc == 2, err
     last = err.strip().splitlines()[-1]
     assert option in last and value in last and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--localities", "lowish"], ["--localities", "lowish", "low, middle, high"]),
+    (["--systems", "vllm"], ["--systems", "vllm", "asyncside"]),
+    (["--localities", ""], ["--localities", "--routing"]),
+])
+def test_offload_unknown_names_are_usage_errors(argv: list[str], words: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown preset or system, or nothing to replay, exited with status 1 like a failed run."""
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", "no-such-shape:2", *argv)
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_python_m_offload_says_a_usage_error_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncside.bench.offload`` refuses as ``asyncside bench offload`` does (no traceback)."""
+    rc = offload.main(["--systems", "vllm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--systems" in err and "Traceback" not in err, err

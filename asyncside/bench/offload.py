@@ -690,7 +690,8 @@ def _log(enabled: bool, msg: str) -> None:
 
 def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
     """(the presets to replay, the user's routing files loaded): ``--localities`` defaults to every
-    preset without ``--routing`` and to none with it."""
+    preset without ``--routing`` and to none with it. An unknown preset, or nothing to replay, is a
+    ValueError naming the option (a usage error from the CLI)."""
     from ..routing import LOCALITIES
 
     routing_files = list(getattr(args, "routing", None) or [])
@@ -698,13 +699,12 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
     localities = [s.strip() for s in loc_text.split(",") if s.strip()]
     for s in localities:
         if s not in LOCALITIES:
-            raise SystemExit(f"asyncside bench offload: --localities: unknown preset {s!r}; "
-                             f"known: {sorted(LOCALITIES)}")
+            raise ValueError(f"--localities: unknown preset {s!r}; known: {', '.join(LOCALITY_NAMES)}")
     if args.predictor == "trace" and localities:
-        raise SystemExit("asyncside bench offload: --predictor trace replays a --routing file's own predictions; "
+        raise ValueError("--predictor trace replays a --routing file's own predictions; "
                          f"the presets ({','.join(localities)}) carry none: --localities '' or another predictor")
     if not localities and not routing_files:
-        raise SystemExit("asyncside bench offload: nothing to replay: --localities is empty and no --routing FILE")
+        raise ValueError("--localities is empty and no --routing FILE: nothing to replay")
     return localities, load_routings(routing_files, taken=localities)
 
 
@@ -747,7 +747,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in SYSTEMS:
-            raise SystemExit(f"asyncside bench offload: --systems: unknown system {s!r}; known: {list(SYSTEMS)}")
+            raise ValueError(f"--systems: unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
     shapes: list[dict[str, Any]] = []
     builds: list[tuple[str, int | None, Any]] = []
@@ -914,9 +914,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         print(json.dumps(child_main(json.loads(argv[1]))), flush=True)
         return 0
-    from . import bench_main
+    from ..cli import main as cli_main
 
-    return bench_main("offload", argv)
+    return cli_main(["bench", "offload", *argv])  # refusals as `asyncside bench offload` says them
 
 
 if __name__ == "__main__":  # pragma: no cover
