@@ -15,7 +15,7 @@ MB = 1_000_000
 def _shape(layers: int, *, top_k: int = 8, record_mb: float = 10.0) -> dict:
     """A store of ``layers`` layers of 64 experts, and 50 MB of other weights."""
     expert = int(layers * 64 * record_mb * MB)
-    return {"shape": "s", "moe_layers": layers, "top_k": top_k, "record_bytes": int(record_mb * MB),
+    return {"shape": "s", "spec": "s", "store": "/s", "moe_layers": layers, "experts_per_layer": 64, "top_k": top_k, "record_bytes": int(record_mb * MB),
             "store_bytes": expert + 50 * MB, "expert_bytes": expert}
 
 
@@ -34,9 +34,9 @@ def test_the_default_budget_is_raised_to_the_smallest_plan(capsys: pytest.Captur
     roomy = _shape(2)  # a quarter (0.35 GB) is below the smallest plan (160 MB of pools, 256 MiB, ...)
     least = offload.least_budget(roomy)
     assert least > roomy["store_bytes"] / 4
-    with pytest.raises(SystemExit, match=r"raised to asyncside's smallest plan.*more layers \(--shapes s:N\)"):
+    with pytest.raises(ValueError, match=r"raised to asyncside's smallest plan.*MoE layers are \(--shapes s:\d+\)"):
         offload.choose_budget(_args(), [roomy], False)
-    with pytest.raises(SystemExit, match=r"a store of more layers"):
+    with pytest.raises(ValueError, match=r"a store of more layers"):
         offload.choose_budget(_args(stores=True), [roomy], False)
 
 

@@ -64,3 +64,73 @@ def test_python_m_offload_says_a_usage_error_in_one_line(capsys: pytest.CaptureF
     rc = offload.main(["--systems", "vllm"])
     err = capsys.readouterr().err
     assert rc == 2 and "--systems" in err and "Traceback" not in err, err
+
+
+def _shape(layers: int, *, experts: int = 64, top_k: int = 8, record_mb: float = 10.0, max_layers: int = 48,
+           spec: str | None = "/models/my-moe") -> dict[str, object]:
+    """A shape's row as bench offload makes it: ``layers`` MoE layers of ``experts`` records of
+    ``record_mb``, 50 MB of other weights, built from ``spec`` (as typed), of ``max_layers`` at most."""
+    expert = int(layers * experts * record_mb * MB)
+    return {"shape": "my-moe", "spec": spec, "moe_layers": layers, "max_layers": max_layers, "top_k": top_k,
+            "record_bytes": int(record_mb * MB), "experts_per_layer": experts, "store_bytes": expert + 50 * MB,
+            "expert_bytes": expert, "store": "/stores/my-moe"}
+
+
+def _budget_args(memory: int | None = None, ratio: float = 4.0, stores: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(memory=memory, store_ratio=ratio, stores=["x"] if stores else None)
+
+
+def _layers_said(message: str, spec: str) -> int:
+    import re
+
+    found = re.search(re.escape(f"(--shapes {spec}:") + r"(\d+)\)", message)
+    assert found, message
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("memory", [None, 3000 * MB])
+def test_a_store_too_small_for_the_budget_says_the_layers_that_fit(memory: int | None) -> None:
+    """The refusal named `--shapes my-moe:N` (the config's label, not the path typed, and no N) and
+    advised `less --memory` where the budget was no --memory but asyncside's smallest plan. It now
+    names the shape as typed and the layer count that passes, and is a usage error (a ValueError
+    naming the option: exit status 2)."""
+    small = _shape(2)
+    with pytest.raises(ValueError) as info:
+        offload.choose_budget(_budget_args(memory), [small], False)
+    message = str(info.value)
+    assert message.startswith("--"), message
+    n = _layers_said(message, "/models/my-moe")
+    assert n > 2
+    if memory is None:
+        assert "less --memory" not in message
+    # What it says fits does, and one layer fewer does not (the count is the least).
+    assert offload.choose_budget(_budget_args(memory), [_shape(n)], False) > 0
+    with pytest.raises(ValueError):
+        offload.choose_budget(_budget_args(memory), [_shape(n - 1)], False)
+
+
+def test_a_shape_whose_top_k_is_a_quarter_of_its_experts_never_fits_four_budgets() -> None:
+    """Mixtral's 8 experts top-2: the smallest pools are a quarter of every layer already, so no
+    layer count makes the store 4x asyncside's smallest plan; the refusal says so and names the
+    --store-ratio that can pass, instead of sending the user after more layers."""
+    mixtral = _shape(2, experts=8, top_k=2, record_mb=110.0, max_layers=32)
+    with pytest.raises(ValueError) as info:
+        offload.choose_budget(_budget_args(), [mixtral], False)
+    message = str(info.value)
+    assert "no number of layers" in message and "--store-ratio" in message and "top-2 of 8" in message, message
+
+
+def test_more_layers_than_the_model_has_is_said() -> None:
+    """A layer count above the model's own is not advised as if it could be built."""
+    few = _shape(2, max_layers=3)
+    with pytest.raises(ValueError) as info:
+        offload.choose_budget(_budget_args(), [few], False)
+    message = str(info.value)
+    assert "has 3 MoE layers" in message and "(--shapes /models/my-moe:" not in message, message
+
+
+def test_stores_too_small_name_the_store_and_the_way_out() -> None:
+    with pytest.raises(ValueError) as info:
+        offload.choose_budget(_budget_args(stores=True), [_shape(2, spec=None)], False)
+    message = str(info.value)
+    assert message.startswith("--stores /stores/my-moe") and "--store-ratio" in message, message

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pathlib
 import shlex
@@ -708,10 +709,55 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
     return localities, load_routings(routing_files, taken=localities)
 
 
+def _fewest_layers(s: dict[str, Any], ratio: float, floor: int, own_plan: bool) -> int | None:
+    """About the fewest MoE layers of shape ``s`` whose store is ``ratio`` times a budget of at least
+    ``floor`` bytes and, with ``own_plan``, of the shape's own smallest plan (which grows by the
+    top-k rows of every layer); None when no number does (the top-k rows are already a
+    ``1/ratio`` share of a layer's experts). The other weights are taken as they are now."""
+    layers = int(s["moe_layers"])
+    per_layer = s["expert_bytes"] / layers
+    other = s["store_bytes"] - s["expert_bytes"]
+    n = math.ceil((ratio * floor - other) / per_layer)
+    if own_plan:
+        rows = s["top_k"] * s["record_bytes"]
+        fixed = s["least_budget_bytes"] - layers * rows
+        gain = per_layer - ratio * rows
+        if gain <= 0:
+            return None
+        n = max(n, math.ceil((ratio * fixed - other) / gain))
+    return max(1, n)
+
+
+def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: str, fewest: int | None) -> str:
+    """The refusal of a store less than ``--store-ratio`` budgets, leading with the option to change
+    (a usage error) and saying what would pass."""
+    ratio = float(args.store_ratio)
+    exact = s["store_bytes"] / budget  # the largest ratio this store passes, shown rounded down to 2 digits
+    scale = 10 ** (1 - math.floor(math.log10(exact)))
+    passes = math.floor(exact * scale) / scale
+    lead = f"--stores {s['store']}" if args.stores else f"--shapes {s['spec']}:{s['moe_layers']}"
+    said = (f"{lead}: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is less than {ratio:g}x the budget "
+            f"({budget / MB:.0f} MB{why})")
+    quick = (f"--store-ratio {passes:g} or less runs these {s['moe_layers']} layers as they are (a quick check of "
+             f"the machinery)")
+    smaller = (f"--memory {s['store_bytes'] / ratio / 2**20:.0f}M or less, "
+               if args.memory and s["store_bytes"] / ratio >= s["least_budget_bytes"] else "")
+    if args.stores:
+        return f"{said}: a store of more layers, {smaller}or {quick}"
+    if fewest is None:
+        return (f"{said}: no number of layers makes it {ratio:g}x, since asyncside's smallest pools, a layer's "
+                f"top-{s['top_k']} of {s['experts_per_layer']} experts, grow with the store; {quick}")
+    if s.get("max_layers") and fewest > s["max_layers"]:
+        return (f"{said}: about {fewest} MoE layers would be, and the model has {s['max_layers']} MoE layers; "
+                f"{smaller}{quick}")
+    return f"{said}: about {fewest} MoE layers are (--shapes {s['spec']}:{fewest}), {smaller}or {quick}"
+
+
 def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbose: bool) -> int:
     """The runs' memory budget: ``--memory``, else the smallest store over ``--store-ratio`` raised
-    to asyncside's smallest plan (:func:`least_budget`); SystemExit naming the store when a store
-    is less than the ratio times the budget (each shape gets ``least_budget_bytes``)."""
+    to asyncside's smallest plan (:func:`least_budget`). A store less than the ratio times the
+    budget is a ValueError leading with ``--shapes SPEC:LAYERS`` (or ``--stores DIR``) that says
+    about how many layers would pass (each shape gets ``least_budget_bytes``)."""
     smallest = min(s["store_bytes"] for s in shapes)
     ratio = float(args.store_ratio)
     for s in shapes:
@@ -721,13 +767,17 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
     # (then the ratio check below says which store is too small for it).
     budget = parse_size(args.memory) if args.memory else max(int(smallest / ratio), least)
     for s in shapes:
-        more = "a store of more layers" if args.stores else f"more layers (--shapes {s['shape']}:N)"
         if s["store_bytes"] < ratio * budget:
-            need = "" if args.memory or budget <= int(smallest / ratio) else (
+            raised = not args.memory and budget > int(smallest / ratio)
+            why = "" if not raised else (
                 f", raised to asyncside's smallest plan, about {least / MB:.0f} MB (the model's top-k rows a layer, "
                 f"the plan's headroom, the non-expert weights and the process)")
-            raise SystemExit(f"asyncside bench offload: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is "
-                             f"less than {ratio:g}x the budget ({budget / MB:.0f} MB{need}): {more} or less --memory")
+            if args.memory:
+                fewest = _fewest_layers(s, ratio, budget, own_plan=False)
+            else:  # the default budget: at least every other shape's plan, and this shape's own as it grows
+                others = max([o["least_budget_bytes"] for o in shapes if o is not s] + [0])
+                fewest = _fewest_layers(s, ratio, others, own_plan=True)
+            raise ValueError(_too_small(args, s, budget, why, fewest))
         if budget < s["least_budget_bytes"]:
             _log(verbose, f"warning: the budget ({budget / MB:.0f} MB) is below asyncside's smallest plan for "
                           f"{s['shape']} (about {s['least_budget_bytes'] / MB:.0f} MB): its runs will likely be "
@@ -740,7 +790,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..routing import preset
     from ..store import ExpertStore
     from .machine import machine_info
-    from .shapes import ensure_shape, parse_shape_list
+    from .shapes import describe_shape, ensure_shape, parse_shape_list
 
     verbose = not getattr(args, "quiet", False)  # progress goes to stderr, beside --json's stdout too
     started = time.time()
@@ -750,21 +800,23 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--systems: unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
     shapes: list[dict[str, Any]] = []
-    builds: list[tuple[str, int | None, Any]] = []
+    builds: list[tuple[str, str | None, int | None, Any]] = []
     if args.stores:
-        builds += [(pathlib.Path(d).name, None, {"store": pathlib.Path(d), "store_bytes": _dir_bytes(d)})
+        builds += [(pathlib.Path(d).name, None, None, {"store": pathlib.Path(d), "store_bytes": _dir_bytes(d)})
                    for d in args.stores]
     else:
-        for name, layers in parse_shape_list(args.shapes):  # a name or a config.json path
-            _log(verbose, f"shape {name} ({layers or 'all'} layers): building or reusing")
-            build = ensure_shape(name, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
+        for typed, layers in parse_shape_list(args.shapes):  # a name or a config.json path
+            _log(verbose, f"shape {typed} ({layers or 'all'} layers): building or reusing")
+            build = ensure_shape(typed, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
                                  progress=verbose and not getattr(args, "json", False))
-            builds.append((build["shape"], layers, build))
-    for name, layers, build in builds:
+            build["max_layers"] = describe_shape(typed).config["num_hidden_layers"]
+            builds.append((build["shape"], typed, layers, build))
+    for name, typed_as, layers, build in builds:
         store = ExpertStore.open(build["store"])
         expert_bytes = sum(sp.blob_bytes for sp in store.layers.values())
         first = store.layer(next(iter(store.layers)))
-        shapes.append({"shape": name, "layers": layers, "store": str(build["store"]), "expert_bytes": expert_bytes,
+        shapes.append({"shape": name, "spec": typed_as, "max_layers": build.get("max_layers"), "layers": layers,
+                       "store": str(build["store"]), "expert_bytes": expert_bytes,
                        "source": build.get("source"), "built_as": build.get("built_as"), "note": build.get("note"),
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
