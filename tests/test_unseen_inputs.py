@@ -134,3 +134,17 @@ def test_stores_too_small_name_the_store_and_the_way_out() -> None:
         offload.choose_budget(_budget_args(stores=True), [_shape(2, spec=None)], False)
     message = str(info.value)
     assert message.startswith("--stores /stores/my-moe") and "--store-ratio" in message, message
+
+
+def test_a_refused_run_keeps_the_whole_refusal_in_its_status() -> None:
+    """A run refused at start (an --memory below asyncside's plan) ends in a traceback whose last
+    line is the refusal; the status kept the last 400 characters of the last three lines, so it
+    began mid-word ('r: the pools need ...'). It is now the error itself, whole: its type and message."""
+    import sys
+
+    reason = "the pools need 45.0 MiB and 256.0 MiB of headroom, " + "so the budget must leave more; " * 12 + "end"
+    script = (f"import sys; print('PHASE loading', file=sys.stderr, flush=True)\n"
+              f"class AsyncsideError(Exception): pass\n"
+              f"raise AsyncsideError({reason!r})")
+    run = offload._child({"system": "probe"}, None, 60, command=[sys.executable, "-c", script])
+    assert run["status"] == f"exit status 1 while loading: AsyncsideError: {reason}", run["status"]

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -374,9 +375,22 @@ def _child(spec: dict[str, Any], cgroup: MemoryCgroup | None, timeout: float, *,
         res["status"] = (f"killed by the cgroup's OOM killer while {res['phase']} (limit "
                          f"{cgroup.limit / MB:.0f} MB)" if cgroup else "killed")
     else:
-        tail = [line for line in stderr.strip().splitlines() if not line.startswith("PHASE ")][-3:]
-        res["status"] = f"exit status {rc} while {res['phase']}: " + " / ".join(tail)[-400:]
+        res["status"] = f"exit status {rc} while {res['phase']}" + _error_of(stderr)
     return res
+
+
+def _error_of(stderr: str) -> str:
+    """``": Type: message"``: the error a child's stderr ends with (a traceback's last line, the
+    exception's module left out), whole; else its last lines, cut at the end; "" when it said nothing."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip() and not line.startswith("PHASE ")]
+    if not lines:
+        return ""
+    last = lines[-1]
+    kind, sep, message = last.partition(": ")
+    if sep and re.fullmatch(r"[A-Za-z_][\w.]*", kind):
+        return f": {kind.rsplit('.', 1)[-1]}: {message}"
+    tail = " / ".join(lines[-3:])
+    return ": " + (tail if len(tail) <= 400 else tail[:397] + "...")
 
 
 def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int = 192) -> dict[str, Any]:
