@@ -148,3 +148,15 @@ def test_a_refused_run_keeps_the_whole_refusal_in_its_status() -> None:
               f"raise AsyncsideError({reason!r})")
     run = offload._child({"system": "probe"}, None, 60, command=[sys.executable, "-c", script])
     assert run["status"] == f"exit status 1 while loading: AsyncsideError: {reason}", run["status"]
+
+
+def test_a_bench_offload_where_no_run_finished_fails() -> None:
+    """``--memory 100M``: every run refused or killed by the OOM killer printed a table of failures
+    and exited 0 ("tokens identical", having compared none). No run finished: exit status 1."""
+    from asyncside.bench import BENCHES
+
+    ok = BENCHES["offload"].ok
+    killed = {"status": "killed by the cgroup's OOM killer while loading (limit 105 MB)", "tokens": []}
+    assert not ok({"tokens_identical": True, "runs": [killed, dict(killed)]})
+    assert ok({"tokens_identical": True, "runs": [killed, {"status": "ok", "tokens": [1, 2]}]})
+    assert not ok({"tokens_identical": False, "runs": [{"status": "ok", "tokens": [1, 2]}]})
