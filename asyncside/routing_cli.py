@@ -22,9 +22,20 @@ from .argtypes import int_at_least
 from .errors import TraceError
 
 
+def _experts(text: str) -> int:
+    """``--experts``: an integer in [1, MAX_EXPERTS], the trace format's range."""
+    from .routing import MAX_EXPERTS
+
+    n = int_at_least(1)(text)
+    if n > MAX_EXPERTS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_EXPERTS} experts per layer (the trace format's "
+                                         f"limit), got {text!r}")
+    return n
+
+
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``routing`` subcommand's own subcommands and options."""
-    from .routing import LOCALITIES
+    from .routing import LOCALITIES, MAX_EXPERTS
 
     sub = parser.add_subparsers(dest="routing_command", required=True)
     info = sub.add_parser("info", help="shape, source and locality (LRU and MIN hit rates) of a trace file")
@@ -35,7 +46,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     make.add_argument("name", choices=sorted(LOCALITIES), help="the locality preset")
     make.add_argument("out", help="the .npz to write")
     make.add_argument("--layers", type=int_at_least(1), default=8, help="MoE layers (default 8)")
-    make.add_argument("--experts", type=int_at_least(1), default=64, help="experts per layer (default 64)")
+    make.add_argument("--experts", type=_experts, default=64,
+                      help=f"experts per layer, at most {MAX_EXPERTS} (default 64)")
     make.add_argument("--top-k", type=int_at_least(1), default=6, help="experts per token and layer (default 6)")
     make.add_argument("--tokens", type=int_at_least(1), default=2048, help="tokens of all sequences (default 2048)")
     make.add_argument("--sequences", type=int_at_least(1), default=1, help="sequences (default 1)")
@@ -100,10 +112,12 @@ def routing_main(args: argparse.Namespace) -> int:
                 _print_info(args.file, info)
             return 0
         if args.routing_command == "preset":
-            if args.top_k > args.experts or args.tokens < args.sequences:
-                print(f"asyncside routing preset: error: --top-k {args.top_k} must be at most --experts "
-                      f"{args.experts}, and --tokens {args.tokens} at least --sequences {args.sequences}",
-                      file=sys.stderr)
+            broken = ([f"--top-k {args.top_k} must be at most --experts {args.experts}"]
+                      if args.top_k > args.experts else []) + (
+                [f"--tokens {args.tokens} must be at least --sequences {args.sequences}"]
+                if args.tokens < args.sequences else [])
+            if broken:
+                print(f"asyncside routing preset: error: {'; '.join(broken)}", file=sys.stderr)
                 return 2
             trace = preset(args.name, tokens=args.tokens, n_layers=args.layers, n_experts=args.experts,
                            top_k=args.top_k, sequences=args.sequences, seed=args.seed)

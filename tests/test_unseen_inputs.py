@@ -6,6 +6,7 @@ one-line usage error (exit status 2) naming the option or the file; nothing ends
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
@@ -160,3 +161,19 @@ def test_a_bench_offload_where_no_run_finished_fails() -> None:
     assert not ok({"tokens_identical": True, "runs": [killed, dict(killed)]})
     assert ok({"tokens_identical": True, "runs": [killed, {"status": "ok", "tokens": [1, 2]}]})
     assert not ok({"tokens_identical": False, "runs": [{"status": "ok", "tokens": [1, 2]}]})
+
+
+@pytest.mark.parametrize(("argv", "said", "unsaid"), [
+    # One condition broken: the message named both, the one that holds as if it did not.
+    (["--experts", "4", "--top-k", "8"], "--top-k 8 must be at most --experts 4", "--sequences"),
+    (["--tokens", "3", "--sequences", "5"], "--tokens 3 must be at least --sequences 5", "--experts"),
+    # Past the format's limit: named '<in memory> [n_experts]' rather than the option.
+    (["--experts", "2000000"], "--experts", "<in memory>"),
+])
+def test_routing_preset_names_the_option_at_fault(argv: list[str], said: str, unsaid: str, tmp_path: pathlib.Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run_cli(capsys, "routing", "preset", "low", str(tmp_path / "out.npz"), *argv)
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert said in last and unsaid not in last, last
+    assert not (tmp_path / "out.npz").exists()
