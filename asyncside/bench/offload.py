@@ -230,6 +230,10 @@ async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], ma
     io1 = _read_bytes()
     if started is not None:
         started(io1)
+    import numpy as np
+
+    # What the rows hold before the first step (the runtime warms them): MIN starts from the same.
+    warm = {str(layer): [int(e) for e in np.flatnonzero(rt.ledger(layer).lookup() >= 0)] for layer in layers}
     t0 = time.perf_counter()
     agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=predictor)
     async with contextlib.aclosing(agen):
@@ -238,7 +242,7 @@ async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], ma
                 break
     await rt.drain()
     rows = {str(layer): int(rt.ledger(layer).rows) for layer in layers}
-    return t0, io1, {"stats": dict(rt.stats()), "rows": rows}
+    return t0, io1, {"stats": dict(rt.stats()), "rows": rows, "warm": warm}
 
 
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +321,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
         out["stats"] = {"hits": int(st["hits"]), "misses": int(st["misses"]), "bytes_read": int(st["bytes_read"]),
                         "direct": bool(st.get("direct", False)), "reader": str(st.get("reader", ""))}
         out["rows_per_layer"] = got["rows"]
+        out["warm_experts"] = got["warm"]
     else:
         raise ValueError(f"unknown system {system!r}; known: {list(SYSTEMS)}")
     end = stamps[-1] if stamps else time.perf_counter()
@@ -512,10 +517,12 @@ def disk_curve(store_dir: str, depths: Sequence[int] = DISK_DEPTHS, *, min_bytes
             "reader": "O_DIRECT preadv, one thread per read in flight"}
 
 
-def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, int]) -> dict[str, Any]:
-    """Belady's MIN (with bypass, from empty rows) over the demands of ``steps`` decode steps (one
-    token each) of ``trace_file`` replayed on the store ``store_dir``, with ``rows`` per layer
-    (layer index as a string -> rows)."""
+def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, int],
+                  warm: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Belady's MIN (with bypass) over the demands of ``steps`` decode steps (one token each) of
+    ``trace_file`` replayed on the store ``store_dir``, with ``rows`` per layer (layer index as a
+    string -> rows), from empty rows or, with ``warm`` (layer -> experts), from the rows the run
+    started with (a runtime warms its rows at start: MIN from empty rows is no bound on it)."""
     from ..models.forcing import RoutingReplay
     from ..models.trace import CacheResult, belady
     from ..routing import RoutingTrace
@@ -529,7 +536,7 @@ def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, i
     total = CacheResult()
     for layer in layers:
         demands = [row for row in replay.host_ids(layer, 0, steps)]
-        total = total + belady(demands, [], int(rows[str(layer)]))
+        total = total + belady(demands, [], int(rows[str(layer)]), (warm or {}).get(str(layer), ()))
     return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
 
 
@@ -917,7 +924,7 @@ def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: 
     if run.get("rows_per_layer"):
         hits, misses = st.get("hits", 0), st.get("misses", 0)
         run["hit_rate"] = hits / (hits + misses) if hits + misses else None
-        run["belady"] = belady_of_run(trace_file, sh["store"], steps, run["rows_per_layer"])
+        run["belady"] = belady_of_run(trace_file, sh["store"], steps, run["rows_per_layer"], run.get("warm_experts"))
         mn = run["belady"]["hit_rate"]
         run["of_min"] = run["hit_rate"] / mn if run["hit_rate"] is not None and mn else None
         run["miss_mb_per_token"] = misses * sh["record_bytes"] / steps / MB

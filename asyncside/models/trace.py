@@ -224,8 +224,12 @@ class CacheResult:
         }
 
 
-def belady(demands: Sequence[Iterable[int]], resident: Iterable[int], side_rows: int) -> CacheResult:
-    """Belady's MIN (with bypass) over set requests: the fewest demand reads any policy can do."""
+def belady(demands: Sequence[Iterable[int]], resident: Iterable[int], side_rows: int,
+           initial: Iterable[int] = ()) -> CacheResult:
+    """Belady's MIN (with bypass) over set requests: the fewest demand reads any policy can do.
+
+    ``initial``: what the ``side_rows`` hold before the first request (a runtime that warms its
+    rows at start is bounded by MIN from the same contents, not from empty rows)."""
     res = set(int(r) for r in resident)
     reqs = [set(int(e) for e in d) - res for d in demands]
     # next_use[t][e]: the first step after t that demands e (absent: never again)
@@ -237,7 +241,7 @@ def belady(demands: Sequence[Iterable[int]], resident: Iterable[int], side_rows:
         for e in reqs[t]:
             upcoming[e] = t
     out = CacheResult()
-    cache: set[int] = set()
+    cache: set[int] = set(int(e) for e in initial) - res
     for t, (d, req) in enumerate(zip(demands, reqs)):
         n = len(set(int(e) for e in d))
         out.accesses += n
