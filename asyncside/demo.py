@@ -412,6 +412,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None
     args.predictor, note = choose_predictor(args.predictor, replay)
     notes = [note] if note else []
+    if replay is not None:  # which sequence, how short, whether mapped: a trace of another shape says so
+        notes.insert(0, f"routing {replay.describe()['note']}")
     if getattr(args, "record_routing", None) and args.predictor in ("lookahead", "trace") and args.mode == "auto":
         # Queued steps do not run the predictor: per-layer steps record its prediction of every layer.
         options = dataclasses.replace(options, mode=StepMode.PER_LAYER)
@@ -498,7 +500,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                                     if stats.get("decode_bytes_read") else None),
         "limits": limits(run, stats, disk, ref if reference == "all-resident" else None),
         "routing": None if replay is None else {"file": str(args.routing), "tokens": replay.n_tokens,
-                                                "meta": replay.trace.meta},
+                                                "meta": replay.trace.meta, **replay.describe()},
         "tokens_identical": identical,
         "audit_clean": audit_ok,
         "streaming": run_f,

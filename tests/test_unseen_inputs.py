@@ -218,3 +218,27 @@ def test_of_min_is_at_most_one_on_a_one_token_trace(quick_store: pathlib.Path, t
     (run,) = res["runs"]
     assert run["status"] == "ok" and run["tokens_match_reference"] is True, run
     assert run["of_min"] is not None and run["of_min"] <= 1.0, (run["hit_rate"], run["belady"], run.get("warm_experts"))
+
+
+def test_demo_says_how_a_trace_of_another_shape_is_replayed(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """40 one-token sequences of a 3-layer, 128-expert top-8 trace on a smaller model: the demo
+    replayed sequence 0 (one token, at every position) mapped onto the model and said neither; its
+    JSON held the file's meta alone. It now says the sequence, the wrap and the mapping."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(128, 8, replace=False) for _ in range(3)]) for _ in range(40)])
+    trace = tmp_path / "short.npz"
+    np.savez(trace, ids=ids, n_experts=128, lengths=np.ones(40, dtype=np.int64))
+    rc = cli.main(["demo", "--model", str(quick_store), "--routing", str(trace), "--tokens", "3", "--json",
+                   "--reference", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    routing = json.loads(out)["routing"]
+    assert routing["sequence"] == 0 and routing["sequences"] == 40 and routing["sequence_tokens"] == 1
+    assert routing["source_shape"] == {"n_layers": 3, "n_experts": 128, "top_k": 8}
+    assert routing["mapped_from"] == routing["source_shape"]
+    assert "sequence 0 of 40" in routing["note"] and "mapped onto" in routing["note"]
