@@ -242,3 +242,50 @@ def test_demo_says_how_a_trace_of_another_shape_is_replayed(quick_store: pathlib
     assert routing["source_shape"] == {"n_layers": 3, "n_experts": 128, "top_k": 8}
     assert routing["mapped_from"] == routing["source_shape"]
     assert "sequence 0 of 40" in routing["note"] and "mapped onto" in routing["note"]
+
+
+def _write_config(directory: pathlib.Path, **fields: object) -> pathlib.Path:
+    import json
+
+    config: dict[str, object] = {
+        "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 128,
+        "num_hidden_layers": 8, "num_experts": 16, "num_experts_per_tok": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": 512, "rope_theta": 1e6, "rms_norm_eps": 1e-6}
+    config.update(fields)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_shape_too_large_to_build_says_the_layers_that_fit(tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal said '(fewer layers: --layers N)', even where one layer alone does not fit (a
+    config of 100,000 experts a layer). It now names the most layers that fit, or says none does."""
+    import types
+
+    import asyncside.memory
+    from asyncside.bench import shapes
+    from asyncside.memory import MemoryBudget
+
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=10**13))
+    monkeypatch.setattr(asyncside.memory, "available_memory", lambda: MemoryBudget(24 * 2**30, "MemAvailable"))
+    with pytest.raises(shapes.ShapeTooLargeError) as info:
+        shapes.ensure_shape("mixtral-8x7b", vocab=512, cache_dir=tmp_path, progress=False)
+    import re
+
+    found = re.search(r"--layers (\d+) or fewer", str(info.value))
+    assert found, str(info.value)
+    k = int(found.group(1))
+    need = [shapes.estimate_bytes(shapes.shape_spec("mixtral-8x7b", layers=n, vocab=512))["build_memory"]
+            for n in (k, k + 1)]
+    assert need[0] <= 24 * 2**30 < need[1]
+
+    huge = _write_config(tmp_path / "huge", num_experts=100_000)
+    with pytest.raises(shapes.ShapeTooLargeError) as info:
+        shapes.ensure_shape(str(huge), layers=2, vocab=512, cache_dir=tmp_path, progress=False)
+    assert "even one layer" in str(info.value) and "--layers N" not in str(info.value), str(info.value)
+
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=10**9))
+    with pytest.raises(shapes.ShapeTooLargeError, match=r"--layers \d+ or fewer"):
+        shapes.ensure_shape("qwen3-30b-a3b", layers=8, vocab=512, cache_dir=tmp_path / "fresh", progress=False)
+    assert not any(p.name.startswith("shape-") for p in tmp_path.iterdir())

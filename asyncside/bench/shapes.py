@@ -47,6 +47,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -583,6 +584,28 @@ def _dir_bytes(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _disk_need(est: dict[str, int]) -> int:
+    """The disk a build needs: the model directory and the store exist side by side until the
+    conversion ends."""
+    return int(2.1 * (est["experts"] + est["non_expert"]))
+
+
+def _fewer(name: str | os.PathLike[str], vocab: int | None, cfg: dict[str, Any],
+           fits: Callable[[dict[str, int]], bool]) -> str:
+    """What a refused build can do instead: the most MoE layers whose estimate ``fits``, or that
+    even one layer does not (its experts alone are too large)."""
+    best = 0
+    for n in range(1, int(cfg["num_hidden_layers"])):
+        if not fits(estimate_bytes(shape_spec(name, layers=n, vocab=vocab))):
+            break  # the estimates grow with the layers
+        best = n
+    if best:
+        return f"fewer layers: --layers {best} or fewer"
+    one = estimate_bytes(shape_spec(name, layers=1, vocab=vocab))
+    return (f"even one layer does not fit: {one['experts'] / 1e9:.1f} GB of experts, {one['build_memory'] / 1e9:.1f} "
+            f"GB held while building it")
+
+
 def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, vocab: int | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> ShapeBuild:
     """The expert store of shape ``name`` (a name of :data:`SHAPES` or a config.json path; see the
@@ -620,18 +643,17 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
         if final.exists():  # a leftover without READY: never trust it
             shutil.rmtree(final)
         est = estimate_bytes(spec)
-        # The model directory and the store exist side by side until the conversion ends.
-        need = int(2.1 * (est["experts"] + est["non_expert"]))
         free = shutil.disk_usage(root).free
-        if free < need:
+        if free < _disk_need(est):
             raise ShapeTooLargeError(f"{root}: building shape {src.name} with {cfg['num_hidden_layers']} layers needs "
-                                     f"about {need / 1e9:.1f} GB free while it builds, {free / 1e9:.1f} GB are free "
-                                     f"(fewer layers: --layers N)")
+                                     f"about {_disk_need(est) / 1e9:.1f} GB free while it builds, {free / 1e9:.1f} GB "
+                                     f"are free ({_fewer(name, vocab, cfg, lambda e: _disk_need(e) <= free)})")
         room = available_memory()
         if room.available < est["build_memory"]:
             raise ShapeTooLargeError(f"building shape {src.name} with {cfg['num_hidden_layers']} layers holds about "
                                      f"{est['build_memory'] / 1e9:.1f} GB in memory, {room.available / 1e9:.1f} GB "
-                                     f"are available ({room.source}) (fewer layers: --layers N)")
+                                     f"are available ({room.source}) "
+                                     f"({_fewer(name, vocab, cfg, lambda e: e['build_memory'] <= room.available)})")
         t0 = time.perf_counter()
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=root))
         try:
