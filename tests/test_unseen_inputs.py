@@ -289,3 +289,21 @@ def test_a_shape_too_large_to_build_says_the_layers_that_fit(tmp_path: pathlib.P
     with pytest.raises(shapes.ShapeTooLargeError, match=r"--layers \d+ or fewer"):
         shapes.ensure_shape("qwen3-30b-a3b", layers=8, vocab=512, cache_dir=tmp_path / "fresh", progress=False)
     assert not any(p.name.startswith("shape-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["bench", "offload", "--localities", "low", "--stores"],
+                                  ["bench", "generate", "--tokens", "2", "--model"]])
+@pytest.mark.parametrize("what", ["missing", "model dir", "empty dir"])
+def test_a_path_that_is_no_store_is_a_usage_error(argv: list[str], what: str, tmp_path: pathlib.Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`--stores DIR` / `--model DIR` naming no expert store ended 'DIR/manifest.json: manifest is
+    missing' with exit status 1, as a failed run; demo --model says what the path is, exit 2."""
+    path = tmp_path / "nothing"
+    if what == "model dir":
+        _write_config(path)
+    elif what == "empty dir":
+        path.mkdir()
+    rc, err = run_cli(capsys, *argv, str(path))
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and str(path) in err and "not an expert store" in err, err
+    assert "asyncside convert" in err or what == "missing", err

@@ -15,6 +15,8 @@ import argparse
 import importlib
 import json
 import math
+import os
+import pathlib
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -24,7 +26,8 @@ from typing import Any
 
 from ..errors import MissingExtraError
 
-__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "median", "require_extra", "run_bench"]
+__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "check_store_dir", "median", "require_extra",
+           "run_bench"]
 
 #: The extra that installs the benchmarks' optional packages (matplotlib, httpx).
 BENCH_EXTRA = "bench"
@@ -89,6 +92,21 @@ def add_bench_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench = BENCHES[name]
     bench.function(bench.add)(parser)
+
+
+def check_store_dir(option: str, path: str | os.PathLike[str]) -> pathlib.Path:
+    """``path`` given to ``option`` as an expert store, checked before anything loads: a ValueError
+    leading with the option (a usage error from the CLI) when it is none, saying what it is."""
+    p = pathlib.Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    if not p.exists():
+        what = "no such directory"
+    elif (p / "config.json").is_file():
+        what = "a model directory (config.json), not an expert store: asyncside convert MODEL_DIR STORE_DIR writes one"
+    else:
+        what = "no manifest.json: asyncside convert MODEL_DIR STORE_DIR writes an expert store"
+    raise ValueError(f"{option} {p}: not an expert store ({what})")
 
 
 def require_extra(module: str, what: str, extra: str = BENCH_EXTRA) -> ModuleType:

@@ -66,7 +66,7 @@ from ..argtypes import policy_name
 from ..demo import Run, positive_int
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
-from . import require_extra
+from . import check_store_dir, require_extra
 from .machine import machine_info
 from .shapes import SHAPES, SMALL_VOCAB
 
@@ -514,7 +514,7 @@ def _resolve_store(args: argparse.Namespace, verbose: bool) -> tuple[pathlib.Pat
     if args.model is not None:
         if shape is not None:
             raise ValueError("--model and --shape are exclusive: a store, or a shape built for the bench")
-        return pathlib.Path(args.model), {"kind": "store"}
+        return check_store_dir("--model", args.model), {"kind": "store"}
     if shape is not None:
         build = ensure_shape(shape, layers=layers, vocab=_vocab(vocab), cache_dir=args.cache_dir, progress=verbose)
         info = {"kind": "shape", "shape": build["shape"], "source": build.get("source"),

@@ -49,6 +49,7 @@ from ..argtypes import int_at_least, policy_name, positive_float
 from ..errors import AsyncsideError
 from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
+from . import check_store_dir
 
 __all__ = ["CgroupError", "MemoryCgroup", "add_offload_arguments", "main", "run_offload_bench"]
 
@@ -820,6 +821,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
+    for d in args.stores or ():
+        check_store_dir("--stores", d)
     shapes: list[dict[str, Any]] = []
     builds: list[tuple[str, str | None, int | None, Any]] = []
     if args.stores:
