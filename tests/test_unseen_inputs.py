@@ -307,3 +307,22 @@ def test_a_path_that_is_no_store_is_a_usage_error(argv: list[str], what: str, tm
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1 and str(path) in err and "not an expert store" in err, err
     assert "asyncside convert" in err or what == "missing", err
+
+
+def test_bench_generate_records_how_a_trace_is_replayed(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """bench generate --routing: its JSON's routing held the file and its meta alone."""
+    import json
+
+    import numpy as np
+
+    trace = tmp_path / "five.npz"
+    np.savez(trace, ids=np.array([[[0, 1, 2, 3, 4, 5]] * 3] * 5, dtype=np.int64) + np.arange(5)[:, None, None],
+             n_experts=64)
+    rc = cli.main(["bench", "generate", "--model", str(quick_store), "--routing", str(trace), "--tokens", "2",
+                   "--repeats", "1", "--cold-repeats", "0", "--residency", "0.5", "--plot", "none", "--json"])
+    routing = json.loads(capsys.readouterr().out)["routing"]
+    assert rc == 0
+    assert routing["sequences"] == 1 and routing["sequence_tokens"] == 5
+    assert routing["mapped_from"] == {"n_layers": 3, "n_experts": 64, "top_k": 6}
+    assert "mapped onto" in routing["note"]

@@ -662,6 +662,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         replay = sm.set_routing(args.routing)
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)
+        _log(verbose, f"routing {replay.describe()['note']}")
     record_predictor, predictor_notes = _choose_predictors(args, s, sm, verbose)
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
@@ -748,7 +749,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes": record_bytes,
         "store_blob_bytes": sum(sp.blob_bytes for sp in store.layers.values()),
         "prompt_tokens": len(prompt_ids),
-        "routing": None if sm.routing is None else {"file": str(args.routing), "meta": sm.routing.trace.meta},
+        "routing": None if sm.routing is None else {"file": str(args.routing), "meta": sm.routing.trace.meta,
+                                                    **sm.routing.describe()},
         "settings": {"tokens": s.tokens, "repeats": s.repeats, "cold_repeats": s.cold_repeats,
                      "residencies": list(s.residencies), "modes": list(s.modes), "predictors": list(s.predictors),
                      "verify": list(s.verify),
