@@ -154,6 +154,12 @@ class StreamingModel:
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+        vocab = _config_vocab(self.config)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            # an id past the embedding table reads whatever lies beyond it: garbage, not an error
+            raise ValueError(f"prompt_ids: {len(bad)} id(s) outside the model's vocabulary [0, {vocab}) "
+                             f"(vocab_size of its config.json), first {bad[0]}")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         check_predictor(predictor)
@@ -164,7 +170,7 @@ class StreamingModel:
         cache = self.make_cache()
         prompt = mx.array(ids)
         while prompt.size > 1:
-            n = min(self.prefill_step_size, prompt.size - 1)
+            n = prompt_chunk(source, min(self.prefill_step_size, prompt.size - 1), cached=len(ids) - prompt.size)
             async with lock:
                 await fwd.step(fwd.context(cache, source, pred, trace), prompt[:n][None], logits=False)
             prompt = prompt[n:]
@@ -197,6 +203,22 @@ class StreamingModel:
                     y = await fwd.step(ctx, mx.array([[tok]]), head=greedy)
             else:
                 ctx, y = ahead
+
+
+def prompt_chunk(source: ExpertSource, want: int, cached: int) -> int:
+    """How many of ``want`` prompt tokens one forward after ``cached`` positions takes: what the
+    source's memory plan allows (:meth:`asyncside.runtime.MemoryPlan.prompt_chunk`), else ``want``."""
+    plan = getattr(source, "plan", None)
+    bound = getattr(plan, "prompt_chunk", None)
+    return int(bound(want, cached)) if callable(bound) else want
+
+
+def _config_vocab(config: dict[str, Any]) -> int | None:
+    """The vocabulary size of an mlx-lm config (its text section where it nests one); None if unsaid."""
+    for scope in (config, config.get("text_config")):
+        if isinstance(scope, dict) and isinstance(scope.get("vocab_size"), int):
+            return int(scope["vocab_size"])
+    return None
 
 
 def _config_experts(config: dict[str, Any]) -> int:

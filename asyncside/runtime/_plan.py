@@ -27,6 +27,7 @@ from ..errors import AsyncsideError, TraceError
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..readers import ENV_DIRECT, _env_direct
 from ..store import ExpertStore, LayerSpec
+from ._forward_cost import FIT, ForwardCost, forward_cost
 
 if TYPE_CHECKING:
     from ..routing import RoutingTrace
@@ -40,10 +41,25 @@ DEFAULT_MIN_ROWS = 8
 #: KV allowance); the rest is MLX's buffers, a cache's growth copy and the forwards' activations.
 KV_SHARE = 0.5
 #: Where a model's config.json keeps its router's top-k, by architecture family.
-_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
 RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
+
+
+def store_config(store: ExpertStore) -> dict[str, Any] | None:
+    """The model's ``config.json`` beside the store's manifest; None where there is none (a store
+    written without its model's config, ``ExpertStore.create``) or it is not a JSON object."""
+    path = getattr(store, "path", None)
+    if path is None:
+        return None
+    try:
+        import json
+
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def store_top_k(store: ExpertStore) -> int | None:
@@ -56,18 +72,10 @@ def store_top_k(store: ExpertStore) -> int | None:
         values = [v for v in recorded.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         if values:
             return max(values)
-    config_path = getattr(store, "path", None)
-    if config_path is None:
-        return None
-    try:
-        import json
-
-        config = json.loads((config_path / "config.json").read_text())
-    except (OSError, ValueError):  # a store written without its model's config (ExpertStore.create)
-        return None
+    config = store_config(store)
     for scope in (config, config.get("text_config") if isinstance(config, dict) else None):
         if isinstance(scope, dict):
-            for key in _TOP_K_KEYS:
+            for key in TOP_K_KEYS:
                 v = scope.get(key)
                 if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                     return v
@@ -197,6 +205,25 @@ class MemoryPlan:
     split: str | None = None  # how the rows were split between layers by a profile (None: evenly)
     #: the part of the headroom served requests' KV caches may take (None: no memory budget, no limit)
     kv_allowance_bytes: int | None = None
+    #: what a forward's transient buffers cost, from the model's config.json (None: unknown)
+    forward: ForwardCost | None = None
+
+    @property
+    def forward_room_bytes(self) -> int | None:
+        """The headroom a forward's buffers may take under a memory budget (the rest is the KV
+        allowance); None without a budget."""
+        if self.kv_allowance_bytes is None:
+            return None
+        return self.headroom_bytes - self.kv_allowance_bytes
+
+    def prompt_chunk(self, want: int, cached: int = 0) -> int:
+        """How many of ``want`` prompt tokens one forward after ``cached`` positions may take:
+        ``want`` without a budget or a known forward cost, else the most whose buffers fit
+        :attr:`forward_room_bytes` by the estimate, with a margin for its error (at least one)."""
+        room = self.forward_room_bytes
+        if room is None or self.forward is None:
+            return want
+        return self.forward.chunk(int(room * FIT), want, cached)
 
     @property
     def held_bytes(self) -> int:
@@ -218,6 +245,10 @@ class MemoryPlan:
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
+        room = self.forward_room_bytes
+        if room is not None and self.forward is not None:
+            lines.append(f"prompt chunks: at most {self.prompt_chunk(1 << 20)} tokens a forward at the start of a "
+                         f"prompt, fewer as its context grows (their buffers within {b(room)} of the headroom)")
         if self.split is not None:
             lines.append(self.split)
         lines.extend(self.notes)
@@ -235,6 +266,8 @@ class MemoryPlan:
             # the figure a budget check compares with (kept under its older name too)
             "available_bytes": self.budget,
             "rows": {str(i): r for i, r in self.rows.items()}, "split": self.split,
+            "prompt_chunk_at_start": (None if self.forward_room_bytes is None or self.forward is None
+                                      else self.prompt_chunk(1 << 20)),
         }
 
 
@@ -446,4 +479,5 @@ def plan_memory(
                       direct=use_direct, direct_reason=why, notes=tuple(notes), split=split,
                       # only a budget asked for (memory=) limits the KV caches: without one the
                       # plan is made against what the machine has now, not a promise to keep
-                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE))
+                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE),
+                      forward=forward_cost(store_config(store), store_top_k(store)))

@@ -60,7 +60,7 @@ from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache, cache_nbytes
 from .protocol import SamplingParams
 from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
-from .step_shapes import StepShapes, default_prefill_chunk
+from .step_shapes import StepShapes, bounded_prefill_chunk, default_prefill_chunk
 
 __all__ = [
     "BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull", "ServedModel",
@@ -142,8 +142,7 @@ class Batcher:
                  prompt_cache_min_tokens: int = 16, run_ahead: bool = True, overlap_prefill: bool = True,
                  joint_prefill: bool = False, strategy: StepStrategy | None = None,
                  prompt_cache_bytes: int = 256 << 20, routing: Any = None) -> None:
-        if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk()
+        prefill_chunk = bounded_prefill_chunk(prefill_chunk, source)
         if max_batch < 1 or prefill_chunk < 1 or max_queue < 0:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1 and max_queue >= 0, got "
                              f"{max_batch}, {prefill_chunk}, {max_queue}")

@@ -28,6 +28,16 @@ def default_prefill_chunk() -> int:
     return 512 if mx.default_device() == mx.gpu else 16
 
 
+def bounded_prefill_chunk(asked: int | None, source: Any) -> int:
+    """The engine's prompt tokens per step: ``asked`` (else :func:`default_prefill_chunk`), and under
+    a memory budget no more than one forward's buffers fit the plan's room for
+    (:meth:`asyncside.runtime.MemoryPlan.prompt_chunk`, at the start of a prompt)."""
+    from ..models.streaming import prompt_chunk
+
+    n = default_prefill_chunk() if asked is None else asked
+    return n if n < 1 else prompt_chunk(source, n, cached=0)
+
+
 class StepShapes:
     """The engine's questions about ``model``'s forward over ``source``, answered once where stable."""
 
