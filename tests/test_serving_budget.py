@@ -361,3 +361,65 @@ async def test_real_caches_stay_within_what_admission_reserved() -> None:
     over = [(h, r) for h, r in b.held if h > r]
     assert not over, over
     assert max(r for _, r in b.held) <= allowance
+
+
+def direct_source(allowance: int, rows: int, direct: bool = True) -> Any:
+    """A source whose plan grants ``allowance`` bytes of KV caches and ``rows`` pool rows a layer,
+    reading past the page cache or not."""
+    plan = types.SimpleNamespace(kv_allowance_bytes=allowance, source="memory=1 GiB, test", headroom_bytes=None,
+                                 direct=direct, rows={0: rows + 3, 1: rows})
+    return types.SimpleNamespace(plan=plan)
+
+
+def test_rows_concurrency_is_what_the_smallest_layer_holds_a_step_of() -> None:
+    from asyncside.serving.kv_budget import rows_concurrency
+
+    model = types.SimpleNamespace(config={"num_experts_per_tok": 8})
+    assert rows_concurrency(direct_source(1, 11).plan, model) == 1   # 11 rows: one request's 8 experts
+    assert rows_concurrency(direct_source(1, 64).plan, model) == 8
+    assert rows_concurrency(direct_source(1, 5).plan, model) == 1    # never none at all
+    assert rows_concurrency(direct_source(1, 64, direct=False).plan, model) is None  # misses are copies
+    nested = types.SimpleNamespace(config={"text_config": {"num_experts_per_tok": 4}})
+    assert rows_concurrency(direct_source(1, 16).plan, nested) == 4
+    assert rows_concurrency(direct_source(1, 16).plan, types.SimpleNamespace(config={})) is None
+
+
+@pytest.mark.anyio
+async def test_past_the_page_cache_the_rows_hold_the_batch(tokenizer: Any) -> None:
+    """Requests beyond what the pools' rows hold a step of wait their turn, in order, and all finish;
+    the same plan reading through the page cache batches them."""
+    model = scripted(tokenizer)
+    model.config.update(num_experts_per_tok=4)
+    prompt = list(tokenizer.encode("a question"))
+    roomy = 1 << 30  # the KV allowance never binds here
+    b = Watched(model, direct_source(roomy, rows=8), max_batch=32, prefill_chunk=16, prompt_cache_size=0)
+    assert b.kv_admission is not None and b.kv_admission.max_active == 2
+    slots = await _serve_all(b, [(prompt, 6)] * 7)
+    assert all(s.finish_reason == "length" for s in slots)
+    assert max(b.batch_sizes) == 2  # the rows, not max_batch, held the batch
+    assert b.admitted == [id(s) for s in slots]
+    assert b.kv_admission.row_waits > 0
+
+    cached = Watched(model, direct_source(roomy, rows=8, direct=False), max_batch=32, prefill_chunk=16,
+                     prompt_cache_size=0)
+    assert cached.kv_admission is not None and cached.kv_admission.max_active is None
+    await _serve_all(cached, [(prompt, 6)] * 7)
+    assert max(cached.batch_sizes) > 2
+
+
+def test_rows_concurrency_can_be_set_or_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncside.errors import AsyncsideError
+    from asyncside.serving.kv_budget import rows_concurrency
+
+    model = types.SimpleNamespace(config={"num_experts_per_tok": 8})
+    plan = direct_source(1, 11).plan
+    monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", "off")
+    assert rows_concurrency(plan, model) is None
+    monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", "3")
+    assert rows_concurrency(plan, model) == 3
+    monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", "auto")
+    assert rows_concurrency(plan, model) == 1
+    for bad in ("0", "-1", "many"):
+        monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", bad)
+        with pytest.raises(AsyncsideError, match="ASYNCSIDE_ROWS_CONCURRENCY"):
+            rows_concurrency(plan, model)

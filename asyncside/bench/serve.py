@@ -441,6 +441,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         engine = dict(state.engine.description)
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
+        admission = state.batcher.kv_admission
+        engine["max_active_by_rows"] = admission.max_active if admission is not None else None
         engine["joint_prefill"] = state.batcher.joint_prefill
         ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
         rss_ml_idle = ml.rss() if ml is not None else {}

@@ -150,6 +150,8 @@ class ServerState:
             if self.batcher.kv_admission is not None and self.batcher.kv_admission.allowance is not None:
                 out["kv_reserved_bytes"] = self.batcher.kv_reserved()
                 out["kv_allowance_bytes"] = self.batcher.kv_admission.allowance
+                if self.batcher.kv_admission.max_active is not None:
+                    out["max_active_by_rows"] = self.batcher.kv_admission.max_active
         if self.engine is not None:
             for key in ("staging_bytes", "host_tier_bytes"):
                 value = self.engine.description.get(key)

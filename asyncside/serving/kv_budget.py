@@ -12,6 +12,11 @@ them from an mlx-lm config (the architectures asyncside serves: keys and values 
 
 Under a memory budget the engine admits a waiting request only while the KV caches fit the plan's
 KV allowance (:attr:`asyncside.runtime.MemoryPlan.kv_allowance_bytes`); see :class:`KVAdmission`.
+Where the plan also reads past the page cache, every row evicted is a disk read: the engine then
+admits no more requests at once than the pools' smallest layer holds one step's experts of
+(:func:`rows_concurrency`). More would evict each other's experts within every step, and on a disk
+that binds, the aggregate fell below one request's alone (BENCHMARKS.md, "Serving under a memory
+budget").
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 from ..errors import AsyncsideError
 from ..memory import describe_bytes
 
-__all__ = ["KV_STEP", "KVAdmission", "KVLayout", "dtype_bytes", "kv_layout", "model_kv_layout", "plan_admission"]
+__all__ = ["KV_STEP", "KVAdmission", "KVLayout", "dtype_bytes", "kv_layout", "model_kv_layout", "plan_admission",
+           "rows_concurrency"]
 
 #: Positions mlx-lm's KV caches grow by (``KVCache.step``, ``BatchKVCache.step``, ``RotatingKVCache.step``).
 KV_STEP = 256
@@ -168,12 +174,15 @@ class KVAdmission:
     """
 
     def __init__(self, layout: KVLayout, allowance: int | None, chunk: int = KV_STEP,
-                 budget: str = "memory budget") -> None:
+                 budget: str = "memory budget", max_active: int | None = None) -> None:
         self.layout = layout
         self.allowance = allowance
         self.chunk = chunk
         self.budget = budget
+        #: requests generating at once that the pools' rows hold a step of (None: no such bound)
+        self.max_active = max_active
         self.waits = 0  # admissions deferred because the caches would not fit
+        self.row_waits = 0  # admissions deferred because the pools' rows would not hold another request
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """Worst-case bytes of one request's cache (its prompt and every token it may generate)."""
@@ -190,6 +199,9 @@ class KVAdmission:
     def admits(self, active: Sequence[Any], slot: Any, prefix_cache: Any) -> bool:
         """Whether ``slot`` (its ``kv_need``) fits beside the ``active`` requests, making room in
         ``prefix_cache`` (least recently used entries first) when that is what it takes."""
+        if self.max_active is not None and len(active) >= self.max_active:
+            self.row_waits += 1
+            return False
         needs = [s.kv_need for s in active] + [slot.kv_need]
         if self.fits(needs):
             while not self.fits(needs, prefix_cache.nbytes) and len(prefix_cache):
@@ -233,4 +245,36 @@ def plan_admission(model: Any, source: Any, chunk: int, prefix_cache: Any) -> KV
         return None
     prefix_cache.max_bytes = min(prefix_cache.max_bytes, allowance)
     budget = str(getattr(plan, "source", "memory budget"))
-    return KVAdmission(model_kv_layout(model), allowance, max(chunk, KV_STEP), budget)
+    return KVAdmission(model_kv_layout(model), allowance, max(chunk, KV_STEP), budget,
+                       max_active=rows_concurrency(plan, model))
+
+
+def rows_concurrency(plan: Any, model: Any) -> int | None:
+    """Under a plan that reads past the page cache (``plan.direct``), how many requests may generate
+    at once: as many as the smallest layer's pool rows hold one decode step's experts of (rows //
+    the model's top-k, at least one). None where the plan reads through the page cache (a miss is
+    then a copy, not a disk read) or the rows or the top-k are unknown.
+
+    ``ASYNCSIDE_ROWS_CONCURRENCY`` overrides it: ``off`` (no bound, for A/B runs) or a count >= 1.
+    """
+    import os
+
+    from ..runtime._plan import TOP_K_KEYS
+
+    raw = os.environ.get("ASYNCSIDE_ROWS_CONCURRENCY", "").strip().lower()
+    if raw == "off":
+        return None
+    if raw not in ("", "auto"):
+        if not raw.isdigit() or int(raw) < 1:
+            raise AsyncsideError(f"ASYNCSIDE_ROWS_CONCURRENCY: expected off, auto or a count >= 1, got {raw!r}")
+        return int(raw)
+    rows = getattr(plan, "rows", None)
+    if not getattr(plan, "direct", False) or not isinstance(rows, Mapping) or not rows:
+        return None
+    config = getattr(model, "config", None) or {}
+    scopes = [config, config.get("text_config") or {}] if isinstance(config, Mapping) else []
+    k = next((int(v) for c in scopes for key in TOP_K_KEYS
+              if isinstance(v := c.get(key), int) and not isinstance(v, bool) and v > 0), None)
+    if k is None:
+        return None
+    return max(1, min(int(r) for r in rows.values()) // k)

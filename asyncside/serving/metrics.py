@@ -237,6 +237,8 @@ _MEMORY_HELP = {
     "prompt_cache_limit_bytes": "Bound of the prompt cache in bytes",
     "kv_reserved_bytes": "Worst-case bytes of the admitted requests' KV caches (under a memory budget)",
     "kv_allowance_bytes": "The memory plan's KV allowance: what admitted requests' KV caches may take",
+    "max_active_by_rows": ("Requests generating at once that the pools' rows hold a decode step of "
+                           "(a plan reading past the page cache)"),
     "staging_bytes": "Bytes of the reader's staging buffers (fixed at startup)",
     "host_tier_bytes": "Bytes of the host tier of expert records (fixed at startup)",
 }
