@@ -326,3 +326,25 @@ def test_bench_generate_records_how_a_trace_is_replayed(quick_store: pathlib.Pat
     assert routing["sequences"] == 1 and routing["sequence_tokens"] == 5
     assert routing["mapped_from"] == {"n_layers": 3, "n_experts": 64, "top_k": 6}
     assert "mapped onto" in routing["note"]
+
+
+def test_a_killed_build_leaves_nothing_the_next_one_keeps(tmp_path: pathlib.Path) -> None:
+    """`timeout 120 asyncside bench offload --shapes qwen3-30b-a3b:6` killed mid-build (SIGTERM: no
+    `finally` runs) left its .tmp- directory, gigabytes, forever: no later build removed it. A
+    build now removes every stale one (a build of any tag whose lock no process holds), never
+    one a running build holds."""
+    import fcntl
+
+    from asyncside.bench import shapes
+
+    stale = tmp_path / ".shape-gone-L6-V512-0123.tmp-abcd1234"
+    (stale / "store").mkdir(parents=True)
+    (stale / "store" / "blob").write_bytes(b"x" * 4096)
+    busy = tmp_path / ".shape-busy-L2-V512-4567.tmp-efgh5678"
+    busy.mkdir()
+    with open(tmp_path / ".shape-busy-L2-V512-4567.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process building that tag right now
+        config = _write_config(tmp_path / "tiny", num_hidden_layers=1)
+        shapes.ensure_shape(str(config), vocab=512, cache_dir=tmp_path, progress=False)
+        assert not stale.exists()
+        assert busy.exists()

@@ -619,7 +619,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
 
     from ..memory import available_memory
     from ..models.convert import convert_model, profile_routing
-    from ..models.embedded import PROFILE_PROMPTS, build_model, cache_root
+    from ..models.embedded import PROFILE_PROMPTS, build_model, cache_root, remove_stale_builds
 
     src = describe_shape(name)
     spec = shape_spec(name, layers=layers, vocab=vocab)
@@ -636,6 +636,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
     if (final / READY_FILE).is_file():
         info = json.loads((final / BUILD_FILE).read_text())
         return ShapeBuild(info, **about, store=final / "store", built=False)
+    remove_stale_builds(root)  # killed builds' halves: before the disk check counts them as used
     with _file_lock(root / f".{tag}.lock"):
         if (final / READY_FILE).is_file():
             info = json.loads((final / BUILD_FILE).read_text())

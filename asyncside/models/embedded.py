@@ -236,6 +236,31 @@ def _file_lock(path: pathlib.Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def remove_stale_builds(root: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the temporary directories of embedded-model and bench-shape builds that died under
+    ``root`` (``.embedded-*.tmp-*``, ``.shape-*.tmp-*``, left where a process was killed without
+    running its cleanup): those of a tag whose lock no process holds, so never a build in
+    progress. Returns what was removed."""
+    removed = []
+    # Only the builders' own (made under their tag's lock), never another writer's (a store's).
+    leftovers = [*root.glob(".embedded-*.tmp-*"), *root.glob(".shape-*.tmp-*")] if root.is_dir() else []
+    for tmp in sorted(leftovers):
+        tag = tmp.name[1:].rsplit(".tmp-", 1)[0]
+        if not tmp.is_dir() or not tag:
+            continue
+        with open(root / f".{tag}.lock", "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a build of this tag is running: its directory is no leftover
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+    return removed
+
+
 def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
                             spec: EmbeddedSpec | None = None, progress: bool = True
                             ) -> tuple[pathlib.Path, pathlib.Path]:
@@ -255,6 +280,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     final = root / f"embedded-{spec.key()}"
     if (final / READY_FILE).is_file():
         return final / "model", final / "store"
+    remove_stale_builds(root)  # before the disk fills up with killed builds' halves
     with _file_lock(root / f".embedded-{spec.key()}.lock"):
         if (final / READY_FILE).is_file():
             return final / "model", final / "store"
