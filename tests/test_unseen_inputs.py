@@ -348,3 +348,13 @@ def test_a_killed_build_leaves_nothing_the_next_one_keeps(tmp_path: pathlib.Path
         shapes.ensure_shape(str(config), vocab=512, cache_dir=tmp_path, progress=False)
         assert not stale.exists()
         assert busy.exists()
+
+
+@pytest.mark.parametrize("text", ["qwen3-30b-a3b:", "qwen3-30b-a3b:2,olmoe-1b-7b:", "/models/my-moe:"])
+def test_a_trailing_colon_is_no_layer_count(text: str) -> None:
+    """`--shapes qwen3-30b-a3b:` (a count forgotten) was read as every layer: a 48-layer, 18 GB
+    build started. An empty count is refused as any bad count is."""
+    from asyncside.bench import shapes
+
+    with pytest.raises(shapes.ShapeError, match="LAYERS must be a positive integer"):
+        shapes.parse_shape_list(text)

@@ -503,11 +503,11 @@ def parse_shape_list(text: str) -> list[tuple[str, int | None]]:
         if not sep:
             shape, layers = part, ""
         elif not layers.isdigit() and os.path.exists(part):  # a path holding ':' and no layer count
-            shape, layers = part, ""
+            shape, sep, layers = part, "", ""
         if not shape:
             raise ShapeError(f"--shapes: empty shape in {text!r} (expected NAME[:LAYERS] or CONFIG.json[:LAYERS], "
                              f"comma-separated)")
-        if layers and (not layers.isdigit() or int(layers) < 1):
+        if sep and (not layers.isdigit() or int(layers) < 1):  # "NAME:" too: a count forgotten is not "all"
             raise ShapeError(f"--shapes: {part!r}: LAYERS must be a positive integer, got {layers!r}")
         out.append((shape, int(layers) if layers else None))
     return out
