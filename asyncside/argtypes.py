@@ -39,6 +39,31 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "number > 0"
 
 
+#: ``--vocab small``: the embedded model's vocabulary; below 258 the byte tokenizer's tokens do not fit
+SMALL_VOCAB, LEAST_VOCAB = 512, 258
+
+
+def vocab_size(text: str) -> int | None:
+    """An argparse type for a bench shape's ``--vocab``: ``full`` (None: the shape's own), ``small``
+    (:data:`SMALL_VOCAB`) or an integer >= 258 (the byte tokenizer's tokens)."""
+    t = text.strip().lower()
+    if t == "full":
+        return None
+    if t == "small":
+        return SMALL_VOCAB
+    try:
+        value = int(t)
+    except ValueError:
+        value = 0
+    if value < LEAST_VOCAB:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {LEAST_VOCAB} (the byte tokenizer's tokens), "
+                                         f"'small' ({SMALL_VOCAB}) or 'full' (the shape's own), got {text!r}")
+    return value
+
+
+vocab_size.__name__ = "vocabulary size"
+
+
 def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str]:
     """An argparse type for ``--resident``, shared by ``demo``, ``serve`` and ``convert``: a fraction of
     each layer's experts in [0, 1] (``0.25``) or a percentage (``25%``), and with ``allow_auto`` the word

@@ -358,3 +358,17 @@ def test_a_trailing_colon_is_no_layer_count(text: str) -> None:
 
     with pytest.raises(shapes.ShapeError, match="LAYERS must be a positive integer"):
         shapes.parse_shape_list(text)
+
+
+@pytest.mark.parametrize(("text", "value"), [("small", 512), ("full", None), ("600", 600), ("512", 512)])
+def test_offload_vocab_takes_what_its_message_names(text: str, value: int | None) -> None:
+    """A bad --vocab is refused as "an integer >= 258, 'small' or 'full'", yet bench offload's
+    --vocab refused 'small' and 'full' as invalid ints (bench generate takes them)."""
+    assert parse_offload("--vocab", text).vocab == value
+
+
+@pytest.mark.parametrize("text", ["100", "tiny", "-1", "nan"])
+def test_offload_vocab_refused_when_parsed(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_offload("--vocab", text)
+    assert "--vocab" in capsys.readouterr().err

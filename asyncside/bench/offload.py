@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..argtypes import int_at_least, policy_name, positive_float
+from ..argtypes import int_at_least, policy_name, positive_float, vocab_size
 from ..errors import AsyncsideError
 from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -674,7 +674,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model shapes as NAME:LAYERS or CONFIG.json:LAYERS (a Hugging Face config, its directory or "
                         f"repo id, built as a qwen3_moe of its MoE dimensions), comma-separated "
                         f"(default {','.join(DEFAULT_SHAPES)})")
-    p.add_argument("--vocab", type=int, default=512, help="vocabulary of the built shapes (default 512)")
+    p.add_argument("--vocab", type=vocab_size, default=512,
+                   help="vocabulary of the built shapes: a number, 'small' (512) or 'full' (the shape's own; "
+                        "default 512)")
     p.add_argument("--stores", metavar="DIR", nargs="+", default=None,
                    help="converted expert stores to run instead of building --shapes")
     p.add_argument("--store-ratio", type=positive_float, default=STORE_OVER_BUDGET,

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..argtypes import SMALL_VOCAB
 from ..errors import AsyncsideError
 from ..models.embedded import _file_lock
 from ..models.tokenizer import ByteTokenizer
@@ -516,8 +517,6 @@ def parse_shape_list(text: str) -> list[tuple[str, int | None]]:
 for _name, _raw in HF_PRESETS.items():
     SHAPES[_name], PRESET_NOTES[_name] = qwen3_moe_config(_raw, f"the {_name} preset")
 
-#: ``--vocab small``: the embedded model's vocabulary size
-SMALL_VOCAB = 512
 READY_FILE = "READY"
 BUILD_FILE = "asyncside_shape.json"
 
