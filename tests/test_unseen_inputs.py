@@ -372,3 +372,16 @@ def test_offload_vocab_refused_when_parsed(text: str, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         parse_offload("--vocab", text)
     assert "--vocab" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "resident"), [(["--memory", "400M"], "auto"), (["--memory", "400M", "--resident",
+                                                 "0.3"], 0.3), ([], 0.25), (["--resident", "auto"], "auto")])
+def test_serve_under_a_budget_sizes_its_pools_as_demo_does(argv: list[str], resident: object) -> None:
+    """`serve --memory 400M` took a quarter of every layer's experts and was refused ("use a smaller
+    resident fraction, resident='auto', ...") where `demo --memory 400M` runs: without --resident a
+    budget now sizes the pools (auto), as demo's does; --resident given still wins."""
+    from asyncside.cli import build_parser
+    from asyncside.serving.cli import resident_of
+
+    args = build_parser(["serve", *argv]).parse_args(["serve", *argv])
+    assert resident_of(args) == resident

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 from ..argtypes import int_at_least, policy_name, resident_fraction
 from ..memory import host_tier_arg, memory_arg
@@ -22,6 +22,18 @@ __all__ = ["add_engine_arguments", "add_model_arguments", "add_serve_arguments",
            "engine_factory_from_args", "run_serve", "serve_main", "settings_from_args"]
 
 READERS = ("auto", "io_uring", "threads", "aiofiles")
+
+#: ``--resident`` without ``--memory`` nor a value given
+DEFAULT_RESIDENT = 0.25
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes it was given (``resident_given``): a default is not a choice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.resident_given = True
 
 
 def _existing_file(text: str) -> str:
@@ -137,10 +149,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a store written by `asyncside convert`, an mlx-lm model directory or a Hugging Face "
                              "repo id (a model is converted on first use into the cache directory; "
                              "default: the embedded model, built on first run)")
-    parser.add_argument("--resident", type=resident_fraction(), default=0.25,
+    parser.add_argument("--resident", type=resident_fraction(), default=DEFAULT_RESIDENT, action=_Given,
                         help="fraction of each layer's experts kept in the pools, in [0, 1] (0.25 or 25%%; 0: every "
                              "expert streamed through the least rows), or 'auto': sized to the memory budget "
-                             "(default %(default)s)")
+                             "(default %(default)s, or auto with --memory)")
+    parser.set_defaults(resident_given=False)
     parser.add_argument("--memory", metavar="SIZE", type=memory_arg, default=None,
                         help="the memory budget the runtime plans against, e.g. 1.5G (default: what the memory "
                              "cgroup and MemAvailable allow); reads bypass the page cache when the store does "
@@ -230,11 +243,21 @@ def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
 
 
+def resident_of(args: argparse.Namespace) -> float | str:
+    """``--resident`` as given; else ``auto`` under ``--memory`` (a budget asks the plan to size the
+    pools: a fixed share could refuse a budget that smaller pools fit, as demo's does), else the
+    default (:data:`DEFAULT_RESIDENT`; ``bench serve``'s own)."""
+    resident = cast(float | str, args.resident)
+    if getattr(args, "resident_given", True) or getattr(args, "memory", None) is None:
+        return resident
+    return "auto"
+
+
 def engine_factory_from_args(args: argparse.Namespace) -> Any:
     """``open_engine`` bound to the model options of ``args``."""
     from .engine import open_engine
 
-    return lambda: open_engine(args.model, resident=args.resident, reader=args.reader, policy=args.policy,
+    return lambda: open_engine(args.model, resident=resident_of(args), reader=args.reader, policy=args.policy,
                                cache_dir=args.cache_dir, host_tier=getattr(args, "host_tier", "auto"),
                                memory=getattr(args, "memory", None), routing=getattr(args, "routing", None))
 
@@ -299,6 +322,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from ..errors import AsyncsideError
     from .background import ServeError
 
+    asked_auto = args.resident == "auto"  # as typed: --memory alone is refused as --memory under --pipeline
+    args.resident = resident_of(args)
     problem = predictor_routing_problem(args)
     if problem is not None:  # before a model is converted or loaded: say so now, not per request
         print(f"asyncside serve: error: {problem}", file=sys.stderr)
@@ -317,7 +342,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if getattr(args, "pipeline", False):
         from ..distributed.serve import serve_pipeline_main
 
-        for option, given in (("--resident auto", args.resident == "auto"), ("--memory", args.memory is not None),
+        for option, given in (("--resident auto", asked_auto), ("--memory", args.memory is not None),
                               ("--routing", args.routing is not None)):
             if given:
                 print(f"asyncside serve: {option} is not supported with --pipeline", file=sys.stderr)
