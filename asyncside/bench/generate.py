@@ -62,7 +62,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..argtypes import policy_name
 from ..demo import Run, positive_int
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -140,7 +139,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows-profile", metavar="FILE", default=None,
                    help="split asyncside's pool rows between layers by this routing trace's miss curves "
                         "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
-    p.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
+    p.add_argument("--policy", default=DEFAULT_POLICY,  # checked after parsing, with the other settings
                    help=f"eviction policy of asyncside's runs: {', '.join(POLICY_NAMES)} (default {DEFAULT_POLICY})")
     p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
                    help="read backend of the runtime (default auto)")
