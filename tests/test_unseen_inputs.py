@@ -385,3 +385,20 @@ def test_serve_under_a_budget_sizes_its_pools_as_demo_does(argv: list[str], resi
 
     args = build_parser(["serve", *argv]).parse_args(["serve", *argv])
     assert resident_of(args) == resident
+
+
+def test_a_budget_above_the_machine_is_said(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench offload --memory 100T`: every run's cgroup limit and plan took 100 TB (the plan capped
+    it to MemAvailable quietly, the table's title said a 100 TB budget). A warning now says the runs
+    are not bounded by it and what the machine has."""
+    import asyncside.memory
+    from asyncside.memory import MemoryBudget
+
+    monkeypatch.setattr(asyncside.memory, "available_memory", lambda: MemoryBudget(8 * 2**30, "MemAvailable"))
+    shape = _shape(64)
+    assert offload.choose_budget(_budget_args(memory=10**14, ratio=1e-9), [shape], True) == 10**14
+    err = capsys.readouterr().err
+    assert "above what this machine has" in err and "8590 MB" in err and "MemAvailable" in err, err
+    assert offload.choose_budget(_budget_args(memory=4 * 2**30, ratio=1e-9), [shape], True) == 4 * 2**30
+    assert "above" not in capsys.readouterr().err

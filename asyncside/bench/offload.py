@@ -806,6 +806,13 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
             _log(verbose, f"warning: the budget ({budget / MB:.0f} MB) is below asyncside's smallest plan for "
                           f"{s['shape']} (about {s['least_budget_bytes'] / MB:.0f} MB): its runs will likely be "
                           f"refused at start")
+    from ..memory import available_memory
+
+    room = available_memory()
+    if budget > room.available:
+        _log(verbose, f"warning: the budget ({budget / MB:.0f} MB) is above what this machine has available "
+                      f"({room.available / MB:.0f} MB, {room.source}): the runs are not bounded by it, and "
+                      f"asyncside's plan takes {room.available / MB:.0f} MB")
     return budget
 
 
