@@ -93,7 +93,9 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
     if info["widened"]:
         print(f"  widened from top-{info['widened']['from_top_k']} ({info['widened']['rule']})")
     for c in info["caches"]:
-        text = f"  per-layer caches of {c['fraction']:.0%} ({c['rows']} rows): LRU {c['lru']:.1%} hits"
+        share = int(round(c["fraction"] * info["experts"]))
+        raised = f", raised to the top-{info['top_k']} from {share}" if c["rows"] > share else ""
+        text = f"  per-layer caches of {c['fraction']:.0%} ({c['rows']} rows{raised}): LRU {c['lru']:.1%} hits"
         if "min" in c:
             text += f", Belady's MIN {c['min']:.1%} (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else ""
         print(text)

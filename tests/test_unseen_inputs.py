@@ -402,3 +402,17 @@ def test_a_budget_above_the_machine_is_said(monkeypatch: pytest.MonkeyPatch,
     assert "above what this machine has" in err and "8590 MB" in err and "MemAvailable" in err, err
     assert offload.choose_budget(_budget_args(memory=4 * 2**30, ratio=1e-9), [shape], True) == 4 * 2**30
     assert "above" not in capsys.readouterr().err
+
+
+def test_routing_info_says_a_cache_raised_to_the_top_k(tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """16 experts top-8: "caches of 25% (8 rows)" and "50% (8 rows)" printed the same figures under
+    two shares with nothing saying the quarter (4 rows) cannot serve a token of 8."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(16, 8, replace=False) for _ in range(2)]) for _ in range(20)])
+    np.savez(tmp_path / "wide.npz", ids=ids, n_experts=16)
+    assert cli.main(["routing", "info", str(tmp_path / "wide.npz"), "--no-min"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "caches of 25%" in line]
+    assert len(lines) == 1 and "8 rows" in lines[0] and "raised to the top-8" in lines[0], lines
