@@ -279,9 +279,12 @@ class RoutingTrace:
         for name, v in (("n_layers", n_layers), ("n_experts", n_experts), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"map_to: {name} must be a positive int, got {v!r}")
+        if top_k > self.top_k and top_k > self.n_experts:
+            raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} and its {self.n_experts} "
+                             f"experts: no widening makes it route {top_k} distinct experts per token")
         if top_k > self.top_k:
             raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} (cannot invent choices; "
-                             f"`asyncside routing widen FILE OUT --top-k {top_k}` adds them, documented)")
+                             f"`asyncside routing widen FILE OUT --top-k {top_k}` adds them (docs/routing-traces.md))")
         if top_k > n_experts:
             raise ValueError(f"map_to: top_k {top_k} exceeds n_experts {n_experts}")
         layers = np.arange(n_layers) % self.n_layers

@@ -416,3 +416,19 @@ def test_routing_info_says_a_cache_raised_to_the_top_k(tmp_path: pathlib.Path,
     assert cli.main(["routing", "info", str(tmp_path / "wide.npz"), "--no-min"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "caches of 25%" in line]
     assert len(lines) == 1 and "8 rows" in lines[0] and "raised to the top-8" in lines[0], lines
+
+
+def test_a_trace_too_narrow_to_widen_is_not_sent_to_widen() -> None:
+    """A 4-expert top-2 trace on a top-8 model: the refusal advised `routing widen --top-k 8`, which
+    then refuses too (a trace of 4 experts cannot route 8). It says no widening can."""
+    import numpy as np
+
+    from asyncside.routing import RoutingTrace
+
+    narrow = RoutingTrace(np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), np.array([2]), 4, {})
+    with pytest.raises(ValueError) as info:
+        narrow.map_to(1, 64, 8)
+    assert "4 experts" in str(info.value) and "routing widen" not in str(info.value), str(info.value)
+    wide_enough = RoutingTrace(np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), np.array([2]), 16, {})
+    with pytest.raises(ValueError, match=r"routing widen FILE OUT --top-k 8` adds them \(docs/routing-traces.md\)"):
+        wide_enough.map_to(1, 64, 8)
