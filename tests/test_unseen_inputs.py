@@ -432,3 +432,24 @@ def test_a_trace_too_narrow_to_widen_is_not_sent_to_widen() -> None:
     wide_enough = RoutingTrace(np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), np.array([2]), 16, {})
     with pytest.raises(ValueError, match=r"routing widen FILE OUT --top-k 8` adds them \(docs/routing-traces.md\)"):
         wide_enough.map_to(1, 64, 8)
+
+
+def test_an_unreachable_hub_is_not_a_repo_without_config(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: pathlib.Path) -> None:
+    """`--shape allenai/OLMoE-1B-7B-0924` with no network said "the Hugging Face repo has no
+    config.json": huggingface_hub's LocalEntryNotFoundError (no connection, nothing cached)
+    derives from EntryNotFoundError (no such file). It now says the config could not be fetched."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from asyncside.bench import shapes
+
+    def unreachable(*args: object, **kwargs: object) -> str:
+        raise LocalEntryNotFoundError("cannot reach the Hub and nothing in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(shapes.ShapeError) as info:
+        shapes.describe_shape("some-org/some-moe")
+    assert "could not be fetched" in str(info.value) and "has no config.json" not in str(info.value), str(info.value)

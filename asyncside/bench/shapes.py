@@ -468,9 +468,12 @@ def _hub_config(repo_id: str) -> pathlib.Path:
                          f"({cache}) with HF_HUB_OFFLINE set") from None
     try:
         return pathlib.Path(hf_hub_download(repo_id, "config.json", cache_dir=cache))
-    except EntryNotFoundError:
-        raise ShapeError(f"{repo_id}: the Hugging Face repo has no config.json") from None
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+    except EntryNotFoundError as exc:
+        if not isinstance(exc, LocalEntryNotFoundError):  # which derives from it: the Hub was not reached
+            raise ShapeError(f"{repo_id}: the Hugging Face repo has no config.json") from None
+        raise ShapeError(f"{repo_id}: not a local path, and its config.json could not be fetched from the Hugging "
+                         f"Face Hub ({type(exc).__name__}: {exc})") from None
+    except (HfHubHTTPError, OSError) as exc:
         raise ShapeError(f"{repo_id}: not a local path, and its config.json could not be fetched from the Hugging "
                          f"Face Hub ({type(exc).__name__}: {exc})") from None
 
