@@ -51,12 +51,12 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     make.add_argument("--top-k", type=int_at_least(1), default=6, help="experts per token and layer (default 6)")
     make.add_argument("--tokens", type=int_at_least(1), default=2048, help="tokens of all sequences (default 2048)")
     make.add_argument("--sequences", type=int_at_least(1), default=1, help="sequences (default 1)")
-    make.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    make.add_argument("--seed", type=int_at_least(0), default=0, help="seed (default 0)")
     widen = sub.add_parser("widen", help="add choices per token for a model that routes more experts")
     widen.add_argument("file", help="a routing trace (.npz)")
     widen.add_argument("out", help="the .npz to write")
     widen.add_argument("--top-k", type=int_at_least(1), required=True, help="experts per token and layer wanted")
-    widen.add_argument("--seed", type=int, default=0, help="seed of the added choices (default 0)")
+    widen.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the added choices (default 0)")
 
 
 def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:

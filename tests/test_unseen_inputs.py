@@ -453,3 +453,18 @@ def test_an_unreachable_hub_is_not_a_repo_without_config(monkeypatch: pytest.Mon
     with pytest.raises(shapes.ShapeError) as info:
         shapes.describe_shape("some-org/some-moe")
     assert "could not be fetched" in str(info.value) and "has no config.json" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("command", [["preset", "low"], ["widen", "TRACE", "--top-k", "9"]])
+def test_routing_seed_is_checked_when_parsed(command: list[str], tmp_path: pathlib.Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`routing preset --seed -5` ended in numpy's traceback; `routing widen --seed -1` blamed
+    --top-k ('--top-k: expected non-negative integer')."""
+    import numpy as np
+
+    trace = tmp_path / "t.npz"
+    np.savez(trace, ids=np.arange(16, dtype=np.int32).reshape(2, 1, 8), n_experts=64)
+    argv = [str(trace) if a == "TRACE" else a for a in command]
+    rc, err = run_cli(capsys, "routing", *argv, str(tmp_path / "out.npz"), "--seed", "-5")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "--seed" in last and "--top-k" not in last and "Traceback" not in err, err
