@@ -35,6 +35,11 @@ _WHERE = "<in memory>"
 MAX_EXPERTS = 1 << 20
 
 
+def _not_json(name: str) -> Any:
+    """``json.loads``' hook for NaN and Infinity, which JSON does not have (nor can a save write them)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _check(ids: Any, lengths: Any, n_experts: Any, meta: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Validate the four fields of a trace; return ``ids`` as int32 and ``lengths`` as int64."""
     if isinstance(n_experts, bool) or not isinstance(n_experts, (int, np.integer)) or int(n_experts) < 1:
@@ -169,9 +174,11 @@ def _file_meta(data: dict[str, np.ndarray], where: str) -> dict[str, Any]:
                                     f"{raw.shape} dtype {raw.dtype}", field="meta")
         text = raw.item()
         try:
-            meta = json.loads(text.decode() if isinstance(text, bytes) else text)
+            meta = json.loads(text.decode() if isinstance(text, bytes) else text, parse_constant=_not_json)
         except (ValueError, UnicodeDecodeError) as e:
             raise TraceError(where, f"not JSON text: {e}", field="meta") from None
+        except RecursionError:
+            raise TraceError(where, "not JSON text this reader takes: nested too deeply", field="meta") from None
     if not isinstance(meta, dict):
         raise TraceError(where, f"expected a JSON object, got {type(meta).__name__}", field="meta")
     if meta.get("format", TRACE_FILE_FORMAT) != TRACE_FILE_FORMAT:
@@ -206,7 +213,7 @@ class RoutingTrace:
     def __post_init__(self) -> None:
         ids, lengths = _check(self.ids, self.lengths, self.n_experts, self.meta, _WHERE)
         try:
-            meta = json.loads(json.dumps(dict(self.meta)))
+            meta = json.loads(json.dumps(dict(self.meta), allow_nan=False))  # what save writes, load reads
         except (TypeError, ValueError) as e:
             raise TraceError(_WHERE, f"not JSON-able: {e}", field="meta") from None
         ids = ids.copy() if ids is self.ids else ids

@@ -468,3 +468,31 @@ def test_routing_seed_is_checked_when_parsed(command: list[str], tmp_path: pathl
     rc, err = run_cli(capsys, "routing", *argv, str(tmp_path / "out.npz"), "--seed", "-5")
     last = err.strip().splitlines()[-1]
     assert rc == 2 and "--seed" in last and "--top-k" not in last and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": NaN}', '{"a": Infinity}'])
+def test_meta_that_is_no_plain_json_is_refused_by_field(text: str, tmp_path: pathlib.Path) -> None:
+    """A deeply nested meta ended in a RecursionError traceback; NaN / Infinity (not JSON, which
+    json.loads takes) were loaded, and a later --json or save of the trace fails or writes non-JSON."""
+    import numpy as np
+
+    from asyncside.errors import TraceError
+    from asyncside.routing import RoutingTrace
+
+    path = tmp_path / "meta.npz"
+    np.savez(path, ids=np.arange(16, dtype=np.int32).reshape(2, 1, 8), n_experts=64, meta=np.array(text))
+    with pytest.raises(TraceError) as info:
+        RoutingTrace.load(path)
+    assert info.value.field == "meta" and str(path) in str(info.value)
+
+
+def test_a_trace_never_saves_meta_it_would_not_load() -> None:
+    import math
+
+    import numpy as np
+
+    from asyncside.errors import TraceError
+    from asyncside.routing import RoutingTrace
+
+    with pytest.raises(TraceError, match="meta"):
+        RoutingTrace(np.arange(8, dtype=np.int32).reshape(1, 1, 8), np.array([1]), 64, {"skew": math.nan})
