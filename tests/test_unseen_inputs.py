@@ -496,3 +496,10 @@ def test_a_trace_never_saves_meta_it_would_not_load() -> None:
 
     with pytest.raises(TraceError, match="meta"):
         RoutingTrace(np.arange(8, dtype=np.int32).reshape(1, 1, 8), np.array([1]), 64, {"skew": math.nan})
+
+
+def test_two_configs_of_one_name_get_distinct_labels() -> None:
+    """`--shapes a/my-moe:1,b/my-moe:1` (two configs, one directory name) gave two rows labelled
+    'my-moe' alike in the table and the JSON; a repeated label gets -2 as a repeated routing stem does."""
+    assert offload.distinct_labels(["my-moe", "my-moe", "qwen3-30b-a3b", "my-moe"]) == [
+        "my-moe", "my-moe-2", "qwen3-30b-a3b", "my-moe-3"]

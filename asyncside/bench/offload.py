@@ -574,6 +574,21 @@ def _dir_bytes(path: str | os.PathLike[str]) -> int:
 # ---- the user's routing traces (--routing FILE) ------------------------------------------------
 
 
+def distinct_labels(names: Sequence[str]) -> list[str]:
+    """``names`` in order, a repeated one given ``-2``, ``-3``... (two shapes' configs in directories
+    of one name, or one shape listed twice, stay apart in the table and the JSON)."""
+    used: set[str] = set()
+    out = []
+    for name in names:
+        label, n = name, 1
+        while label in used:
+            n += 1
+            label = f"{name}-{n}"
+        used.add(label)
+        out.append(label)
+    return out
+
+
 def routing_labels(paths: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
     """A locality label per routing file: its stem, with ``-2``, ``-3``... where a stem repeats or
     is already ``taken`` (e.g. a preset of the same run)."""
@@ -844,11 +859,12 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                                  progress=verbose and not getattr(args, "json", False))
             build["max_layers"] = describe_shape(typed).config["num_hidden_layers"]
             builds.append((build["shape"], typed, layers, build))
-    for name, typed_as, layers, build in builds:
+    labels = distinct_labels([name for name, _typed, _layers, _build in builds])
+    for label, (_name, typed_as, layers, build) in zip(labels, builds, strict=True):
         store = ExpertStore.open(build["store"])
         expert_bytes = sum(sp.blob_bytes for sp in store.layers.values())
         first = store.layer(next(iter(store.layers)))
-        shapes.append({"shape": name, "spec": typed_as, "max_layers": build.get("max_layers"), "layers": layers,
+        shapes.append({"shape": label, "spec": typed_as, "max_layers": build.get("max_layers"), "layers": layers,
                        "store": str(build["store"]), "expert_bytes": expert_bytes,
                        "source": build.get("source"), "built_as": build.get("built_as"), "note": build.get("note"),
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
