@@ -5,25 +5,33 @@
 # direct-plan probe (tools/device/probe_q4_direct.py). Run it in the same warm session after
 # three-tier.sh (SETUP there installed MLX CUDA and built the extension).
 # Env: MEMORY (the budget, default 4200M), LOCALITIES (default high,middle), CLIENTS (default 1,8),
-# DURATION / WARMUP (seconds a phase, default 30 / 10), PROBE (default 1), WALL (default 580).
+# DURATION / WARMUP (seconds a phase, default 30 / 10), PROBE (default 1), WALL (default 580),
+# LAYERS (MoE layers of the shape, default all 48: a fresh machine builds a smaller store faster),
+# ROWS (values of ASYNCSIDE_ROWS_CONCURRENCY to run in turn per locality, default "auto").
 set -uo pipefail
 . "$(dirname "$0")/bench-env.sh"
 export PYTHONPATH=/tmp/site:$PWD
 T_END=$(( $(date +%s) + ${WALL:-580} ))
 log() { echo "== $(date +%T) $*"; }
-STORE=$(python3 -c "from asyncside.bench.shapes import ensure_shape as e; print(e('qwen3-30b-a3b', progress=False)['store'])") || exit 1
+STORE=$(python3 -c "from asyncside.bench.shapes import ensure_shape as e; print(e('qwen3-30b-a3b', layers=${LAYERS:-None}, progress=False)['store'])") || exit 1
+NL=${LAYERS:-48}
 log "store $STORE"
 for loc in $(echo "${LOCALITIES:-high,middle}" | tr , ' '); do
   left=$(( T_END - $(date +%s) - 5 ))
   [ $left -lt 120 ] && { log "no time left for $loc"; break; }
   python3 -c "from asyncside.routing import preset
-preset('$loc', tokens=2048, n_layers=48, n_experts=128, top_k=8, sequences=16).save('/tmp/$loc-16seq.npz')" || exit 1
-  log "bench serve, $loc, memory ${MEMORY:-4200M} ($left s left)"
-  timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$loc" --model "$STORE" --resident auto \
-    --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-16seq.npz" --clients "${CLIENTS:-1,8}" \
-    --duration "${DURATION:-30}" --warmup "${WARMUP:-10}" --max-tokens 16 --prompt-lengths 4 --long-prompt 0 \
-    --no-mlx-lm --predictor none
-  log "serve $loc exit status $?"
+preset('$loc', tokens=2048, n_layers=$NL, n_experts=128, top_k=8, sequences=16).save('/tmp/$loc-16seq.npz')" || exit 1
+  for rows in ${ROWS:-auto}; do
+    left=$(( T_END - $(date +%s) - 5 ))
+    [ $left -lt 60 ] && { log "no time left for $loc rows $rows"; break; }
+    log "bench serve, $loc, memory ${MEMORY:-4200M}, rows bound $rows ($left s left)"
+    ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$loc-L$NL-rows-$rows" \
+      --model "$STORE" --resident auto \
+      --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-16seq.npz" --clients "${CLIENTS:-1,8}" \
+      --duration "${DURATION:-30}" --warmup "${WARMUP:-10}" --max-tokens 16 --prompt-lengths 4 --long-prompt 0 \
+      --no-mlx-lm --predictor none
+    log "serve $loc rows $rows exit status $?"
+  done
 done
 if [ "${PROBE:-1}" = 1 ]; then
   left=$(( T_END - $(date +%s) - 3 ))
