@@ -503,3 +503,18 @@ def test_two_configs_of_one_name_get_distinct_labels() -> None:
     'my-moe' alike in the table and the JSON; a repeated label gets -2 as a repeated routing stem does."""
     assert offload.distinct_labels(["my-moe", "my-moe", "qwen3-30b-a3b", "my-moe"]) == [
         "my-moe", "my-moe-2", "qwen3-30b-a3b", "my-moe-3"]
+
+
+def test_a_shape_that_cannot_pass_the_ratio_is_refused_before_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench offload --shapes mixtral-8x7b:2` built 1.8 GB of Mixtral records (minutes), then
+    refused them: a top-2 of 8 store is never 4x asyncside's smallest plan. The estimate of the
+    build says so before anything is built."""
+    from asyncside.bench import shapes
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built a shape the ratio refuses")
+
+    monkeypatch.setattr(shapes, "ensure_shape", no_build)
+    with pytest.raises(ValueError, match="no number of layers") as info:
+        offload.run_offload_bench(parse_offload("--shapes", "mixtral-8x7b:2", "--localities", "low", "--quiet"))
+    assert str(info.value).startswith("--shapes mixtral-8x7b:2"), str(info.value)

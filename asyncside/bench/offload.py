@@ -831,6 +831,30 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
     return budget
 
 
+def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[str, int | None]]) -> None:
+    """The ``--store-ratio`` check of :func:`choose_budget` on the builds' estimates
+    (:func:`asyncside.bench.shapes.estimate_bytes`), before anything is built: a shape whose
+    estimate fails it even at nine tenths of the ratio is refused as its built store would be
+    (minutes of building later). A closer call is left to the check of the built stores."""
+    from .shapes import describe_shape, estimate_bytes, shape_spec
+
+    estimated = []
+    for typed, layers in planned:
+        src = describe_shape(typed)
+        spec = shape_spec(typed, layers=layers, vocab=args.vocab)
+        est, cfg = estimate_bytes(spec), spec.config
+        estimated.append({"shape": src.name, "spec": typed, "max_layers": src.config["num_hidden_layers"],
+                          "moe_layers": cfg["num_hidden_layers"], "top_k": cfg["num_experts_per_tok"],
+                          "experts_per_layer": cfg["num_experts"], "record_bytes": est["record"],
+                          "store_bytes": est["experts"] + est["non_expert"], "expert_bytes": est["experts"],
+                          "store": typed})
+    lenient = argparse.Namespace(**{**vars(args), "store_ratio": 0.9 * float(args.store_ratio)})
+    try:
+        choose_budget(lenient, estimated, False)
+    except ValueError:
+        choose_budget(args, estimated, False)  # refuses at the ratio asked, with its figures
+
+
 def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
     from ..routing import preset
@@ -853,7 +877,9 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         builds += [(pathlib.Path(d).name, None, None, {"store": pathlib.Path(d), "store_bytes": _dir_bytes(d)})
                    for d in args.stores]
     else:
-        for typed, layers in parse_shape_list(args.shapes):  # a name or a config.json path
+        planned = parse_shape_list(args.shapes)
+        _refuse_before_building(args, planned)
+        for typed, layers in planned:  # a name or a config.json path
             _log(verbose, f"shape {typed} ({layers or 'all'} layers): building or reusing")
             build = ensure_shape(typed, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
                                  progress=verbose and not getattr(args, "json", False))
