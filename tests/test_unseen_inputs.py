@@ -518,3 +518,12 @@ def test_a_shape_that_cannot_pass_the_ratio_is_refused_before_building(monkeypat
     with pytest.raises(ValueError, match="no number of layers") as info:
         offload.run_offload_bench(parse_offload("--shapes", "mixtral-8x7b:2", "--localities", "low", "--quiet"))
     assert str(info.value).startswith("--shapes mixtral-8x7b:2"), str(info.value)
+
+
+def test_a_budget_raised_for_another_shape_names_it() -> None:
+    """Several shapes share one budget, raised to the largest smallest plan: the refusal of the
+    small store said "raised to asyncside's smallest plan" as if it were its own."""
+    wide = dict(_shape(64, record_mb=40.0), shape="wide", spec="wide")
+    with pytest.raises(ValueError) as info:
+        offload.choose_budget(_budget_args(), [_shape(2), wide], False)
+    assert "smallest plan for wide" in str(info.value), str(info.value)

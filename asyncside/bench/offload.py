@@ -808,9 +808,11 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
     for s in shapes:
         if s["store_bytes"] < ratio * budget:
             raised = not args.memory and budget > int(smallest / ratio)
+            setter = max(shapes, key=lambda o: o["least_budget_bytes"])  # one budget for every shape: the largest
+            whose = "" if setter is s or len(shapes) == 1 else f" for {setter['shape']}"
             why = "" if not raised else (
-                f", raised to asyncside's smallest plan, about {least / MB:.0f} MB (the model's top-k rows a layer, "
-                f"the plan's headroom, the non-expert weights and the process)")
+                f", raised to asyncside's smallest plan{whose}, about {least / MB:.0f} MB (the model's top-k rows a "
+                f"layer, the plan's headroom, the non-expert weights and the process)")
             if args.memory:
                 fewest = _fewest_layers(s, ratio, budget, own_plan=False)
             else:  # the default budget: at least every other shape's plan, and this shape's own as it grows
