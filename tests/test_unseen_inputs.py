@@ -527,3 +527,24 @@ def test_a_budget_raised_for_another_shape_names_it() -> None:
     with pytest.raises(ValueError) as info:
         offload.choose_budget(_budget_args(), [_shape(2), wide], False)
     assert "smallest plan for wide" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("option", ["--routing", "--rows-profile"])
+def test_bench_generate_refuses_a_bad_trace_before_building(option: str, tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """bench generate --shape S --routing BAD built S (minutes for a large shape) before reading
+    the file; --rows-profile BAD was read after the warm-up. Both are read first, as bench offload's are."""
+    import numpy as np
+
+    from asyncside.bench import shapes
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built a shape before reading the trace")
+
+    monkeypatch.setattr(shapes, "ensure_shape", no_build)
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, ids=np.zeros((3, 1, 2), dtype=np.int32), n_experts=64)  # an expert twice in a token
+    rc, err = run_cli(capsys, "bench", "generate", "--shape", "qwen3-30b-a3b", "--layers", "1", "--vocab", "small",
+                      option, str(bad), "--plot", "none")
+    assert rc == 2 and str(bad) in err and "[ids]" in err, err

@@ -633,6 +633,16 @@ def _log(enabled: bool, msg: str) -> None:
         print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
 
 
+def _read_traces_first(args: argparse.Namespace) -> None:
+    """Read ``--routing`` and ``--rows-profile``: a bad file is refused (TraceError naming the file and
+    the field) before a shape is built or a model loads, as bench offload's are."""
+    from ..routing import RoutingTrace
+
+    for path in (getattr(args, "routing", None), getattr(args, "rows_profile", None)):
+        if path:
+            RoutingTrace.load(path)
+
+
 def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every configuration in paired rounds; print the tables unless ``args.json``; return the result."""
     import mlx.core as mx
@@ -649,6 +659,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     verbose = not getattr(args, "json", False)
     started = time.time()
     mach = machine_info()
+    _read_traces_first(args)
     store_dir, model_info = _resolve_store(args, verbose)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
