@@ -548,3 +548,20 @@ def test_bench_generate_refuses_a_bad_trace_before_building(option: str, tmp_pat
     rc, err = run_cli(capsys, "bench", "generate", "--shape", "qwen3-30b-a3b", "--layers", "1", "--vocab", "small",
                       option, str(bad), "--plot", "none")
     assert rc == 2 and str(bad) in err and "[ids]" in err, err
+
+
+def test_offload_refuses_a_narrow_trace_before_building(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A top-2 trace for a top-8 shape not built yet: the shape was built, then the trace refused."""
+    import numpy as np
+
+    from asyncside.bench import shapes
+    from asyncside.models.forcing import RoutingReplayError
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built a shape before fitting the trace")
+
+    monkeypatch.setattr(shapes, "ensure_shape", no_build)
+    narrow = tmp_path / "top2.npz"
+    np.savez(narrow, ids=np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), n_experts=128)
+    with pytest.raises(RoutingReplayError, match="top-2"):
+        offload.run_offload_bench(parse_offload("--shapes", "qwen3-30b-a3b:8", "--routing", str(narrow), "--quiet"))

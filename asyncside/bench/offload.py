@@ -833,11 +833,14 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
     return budget
 
 
-def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[str, int | None]]) -> None:
+def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[str, int | None]],
+                            user: list[dict[str, Any]]) -> None:
     """The ``--store-ratio`` check of :func:`choose_budget` on the builds' estimates
     (:func:`asyncside.bench.shapes.estimate_bytes`), before anything is built: a shape whose
     estimate fails it even at nine tenths of the ratio is refused as its built store would be
-    (minutes of building later). A closer call is left to the check of the built stores."""
+    (minutes of building later). A closer call is left to the check of the built stores. The
+    ``user`` routing files are fitted onto the shapes' dimensions too (:func:`fit_routings`: a
+    trace of smaller top-k is refused now, not after the build)."""
     from .shapes import describe_shape, estimate_bytes, shape_spec
 
     estimated = []
@@ -850,6 +853,7 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
                           "experts_per_layer": cfg["num_experts"], "record_bytes": est["record"],
                           "store_bytes": est["experts"] + est["non_expert"], "expert_bytes": est["experts"],
                           "store": typed})
+    fit_routings(user, estimated, positions=1 + int(args.tokens), predictor=args.predictor)
     lenient = argparse.Namespace(**{**vars(args), "store_ratio": 0.9 * float(args.store_ratio)})
     try:
         choose_budget(lenient, estimated, False)
@@ -880,7 +884,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                    for d in args.stores]
     else:
         planned = parse_shape_list(args.shapes)
-        _refuse_before_building(args, planned)
+        _refuse_before_building(args, planned, user)
         for typed, layers in planned:  # a name or a config.json path
             _log(verbose, f"shape {typed} ({layers or 'all'} layers): building or reusing")
             build = ensure_shape(typed, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
