@@ -565,3 +565,20 @@ def test_offload_refuses_a_narrow_trace_before_building(tmp_path: pathlib.Path, 
     np.savez(narrow, ids=np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), n_experts=128)
     with pytest.raises(RoutingReplayError, match="top-2"):
         offload.run_offload_bench(parse_offload("--shapes", "qwen3-30b-a3b:8", "--routing", str(narrow), "--quiet"))
+
+
+def test_generate_refuses_a_narrow_trace_before_building(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    from asyncside.bench import shapes
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built a shape before fitting the trace")
+
+    monkeypatch.setattr(shapes, "ensure_shape", no_build)
+    narrow = tmp_path / "top2.npz"
+    np.savez(narrow, ids=np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), n_experts=128)
+    rc, err = run_cli(capsys, "bench", "generate", "--shape", "qwen3-30b-a3b", "--layers", "1", "--vocab", "small",
+                      "--routing", str(narrow), "--plot", "none")
+    assert rc == 2 and str(narrow) in err and "top-2" in err and "top-8" in err, err

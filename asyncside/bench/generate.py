@@ -635,12 +635,21 @@ def _log(enabled: bool, msg: str) -> None:
 
 def _read_traces_first(args: argparse.Namespace) -> None:
     """Read ``--routing`` and ``--rows-profile``: a bad file is refused (TraceError naming the file and
-    the field) before a shape is built or a model loads, as bench offload's are."""
+    the field), and a ``--routing`` trace that does not fit a ``--shape`` (RoutingReplayError),
+    before a shape is built or a model loads, as bench offload's are."""
+    from ..models.forcing import RoutingReplay
     from ..routing import RoutingTrace
+    from .shapes import shape_spec
 
     for path in (getattr(args, "routing", None), getattr(args, "rows_profile", None)):
         if path:
             RoutingTrace.load(path)
+    shape = getattr(args, "shape", None)
+    if shape is not None and getattr(args, "routing", None) and getattr(args, "model", None) is None:
+        # Fitted onto the shape's dimensions now (a smaller top-k is refused) rather than after its build.
+        cfg = shape_spec(shape, layers=getattr(args, "layers", None), vocab=_vocab(getattr(args, "vocab", None))).config
+        RoutingReplay(RoutingTrace.load(args.routing), moe_layers=range(cfg["num_hidden_layers"]),
+                      n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], source=str(args.routing))
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
