@@ -150,7 +150,7 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
 
 
 #: a number, then an optional unit: K, M, G or T, optionally followed by "iB" or "B"
-_SIZE = re.compile(r"([0-9.e+]+)\s*([kmgt]?)(?:i?b)?")
+_SIZE = re.compile(r"([0-9.e+]+)\s*([kmgt]?)(?:ib|i|b)?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -174,7 +174,8 @@ def describe_bytes(n: int | float) -> str:
 
 
 #: What every size option takes, for its help and its errors.
-SIZE_UNITS = "units K, M, G, T are powers of 1024, with or without B or iB: 2G, 2GB and 2GiB are all 2 GiB"
+SIZE_UNITS = ("units K, M, G, T are powers of 1024, with or without B, i or iB: 2G, 2GB, 2Gi and 2GiB are all "
+              "2 GiB")
 
 
 def parse_size(value: int | str, *, what: str = "size") -> int:
@@ -194,7 +195,9 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
         size = float(number)
     except ValueError:
         raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 ({SIZE_UNITS})") from None
-    if not 0 <= size < float("inf"):
+    if size == float("inf"):
+        raise ValueError(f"{what} {value!r}: expected a finite size (the number overflows)")
+    if not 0 <= size:
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
     return int(size * _UNITS[unit])
 

@@ -92,7 +92,7 @@ def test_sizes_parse_and_bad_ones_are_refused() -> None:
     for bad in ("", "x", "2QB", "-1", "nan", "inf", "1e400", "1.2.3G"):
         with pytest.raises(ValueError, match="host tier"):
             memory.parse_host_tier(bad)
-        with pytest.raises(ValueError, match=r"memory .*expected a size"):
+        with pytest.raises(ValueError, match=r"memory .*expected a (finite )?size"):
             memory.parse_size(bad, what="memory")
     for bad in (-1, "some", True, 1.5):
         with pytest.raises(ValueError, match="host_tier: expected 'auto' or a number of bytes"):
@@ -292,3 +292,35 @@ def test_direct_from_the_environment_and_the_auto_refusal(tmp_path: pathlib.Path
     with pytest.raises(AsyncsideError, match=r"resident=auto.*smallest pools \(8 rows a layer") as info:
         _plan(store, resident="auto", memory=memory.MIN_HEADROOM + (512 << 10))  # 8 rows: 1 MiB
     assert "resident fraction" not in str(info.value)
+
+
+def test_a_refusal_names_the_memory_and_the_fraction_that_fit(tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools that do not fit say what would: the memory= (what the process holds counted, as a
+    budget counts it) and the largest resident fraction; both are taken when given back."""
+    import re
+
+    store = _store(tmp_path / "s")
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 100 << 20)  # what the process holds
+    asked = (100 << 20) + memory.MIN_HEADROOM + memory.pool_bytes(store, 0.5)  # fits 0.5, not 0.9
+    with pytest.raises(AsyncsideError) as info:
+        _plan(store, resident=0.9, memory=asked)
+    text = str(info.value)
+    fraction = float(re.search(r"use resident=([0-9.]+) or less", text).group(1))  # type: ignore[union-attr]
+    assert 0.5 <= fraction < 0.9
+    assert _plan(store, resident=fraction, memory=asked).pool_bytes <= asked - (100 << 20) - memory.MIN_HEADROOM
+    wanted = re.search(r"memory=([0-9.]+) MiB or more", text)
+    assert wanted is not None
+    _plan(store, resident=0.9, memory=f"{float(wanted.group(1)) + 0.1}M")  # the memory= it names fits
+    with pytest.raises(AsyncsideError, match=r"no resident fraction fits beside the headroom.*for the smallest pools"):
+        _plan(store, resident=0.9, memory=(100 << 20) + memory.MIN_HEADROOM // 2)
+
+
+@pytest.mark.parametrize("text", ["2G", "2GB", "2Gi", "2GiB", "2 gib", "2048M"])
+def test_size_spellings(text: str) -> None:
+    assert memory.parse_size(text) == 2 << 30
+
+
+def test_an_overflowing_size_says_so() -> None:
+    with pytest.raises(ValueError, match="finite"):
+        memory.parse_size("1e400")

@@ -345,6 +345,49 @@ def resolve_budget(memory: int | str | None) -> MemoryBudget:
     return MemoryBudget(room, label)
 
 
+def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, headroom: int,
+                   rows: Mapping[int, int], asked_auto: bool, label: Any, pools_at: Any) -> AsyncsideError:
+    """Why the pools and the headroom do not fit the budget, and what would: the memory= that
+    would, and the largest resident fraction that fits where one does."""
+
+    def needed(pool_bytes: int) -> str:
+        """What memory= would have to be for ``pool_bytes`` of pools (a budget counts what the
+        process holds already)."""
+        if memory is None:
+            return ""
+        return f" (memory={describe_bytes(parse_size(memory) - budget.available + pool_bytes + headroom)} or more)"
+
+    if asked_auto:  # already the least rows a step needs: only more memory helps
+        least = max(rows.values()) if rows else 0
+        advice = (f"these are the smallest pools ({least} rows a layer, the model's top-k), so the "
+                  f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
+                  f"holds{needed(pools)}: a larger memory budget, or fewer layers in this process")
+    else:
+        fits = _largest_fraction(pools_at, budget.available - headroom)
+        if fits is None:
+            advice = (f"no resident fraction fits beside the headroom: a larger memory budget"
+                      f"{needed(pools_at(0.0))} for the smallest pools, {needed(pools).strip(' ()')} for these")
+        else:
+            advice = (f"use resident={fits:.3g} or less (the most whose pools fit), resident='auto', or a larger "
+                      f"memory budget{needed(pools)}")
+    return AsyncsideError(
+        f"the pools need {describe_bytes(pools)} (resident={'auto' if asked_auto else label}) and "
+        f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
+        f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): {advice}")
+
+
+def _largest_fraction(pools_at: Any, room: int) -> float | None:
+    """The largest resident fraction (to three figures, rounded down) whose pools ``pools_at(f)``
+    fit ``room`` bytes; None where even the least pools do not."""
+    if room <= 0 or pools_at(0.0) > room:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(30):  # the pools grow with the fraction
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pools_at(mid) <= room else (lo, mid)
+    return float(np.floor(lo * 1000) / 1000)
+
+
 def _choose_direct(direct: bool | None, streamed: int, page_cache: int) -> tuple[bool, str]:
     """Whether reads bypass the page cache, and why: as asked, else $ASYNCSIDE_DIRECT, else when
     the ``streamed`` bytes (records outside the pools) exceed the ``page_cache`` the budget leaves."""
@@ -450,17 +493,7 @@ def plan_memory(
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
     if pools + headroom > budget.available:
-        if asked_auto:  # already the least rows a step needs: only more memory helps
-            least = max(rows.values()) if rows else 0
-            advice = (f"these are the smallest pools ({least} rows a layer, the model's top-k), so the "
-                      f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
-                      f"holds: a larger memory budget, or fewer layers in this process")
-        else:
-            advice = "use a smaller resident fraction, resident='auto', or a larger memory budget"
-        raise AsyncsideError(
-            f"the pools need {describe_bytes(pools)} (resident={'auto' if asked_auto else label}) and "
-            f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
-            f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): {advice}")
+        raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at)
     if page_cache < 0:
         # The tier is pinned host memory held for the runtime's life, like the pools: a tier the
         # budget cannot hold beside them would take the process past it. ("auto" bounds itself

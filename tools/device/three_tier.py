@@ -578,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                     slot_fraction = (rows - 0.5) / sh["experts_per_layer"]
                 _figures(run, sh, compute)
                 if run.get("hit_rate") is not None and run.get("rows_per_layer"):
+                    # MIN from the rows the run started with (asyncside warms its rows at start)
                     run["belady"] = belady_of_run(str(traces[loc]), store_dir, len(run["tokens"]),
-                                                  run["rows_per_layer"])
+                                                  run["rows_per_layer"], run.get("warm_experts"))
                     mn = run["belady"]["hit_rate"]
                     run["of_min"] = run["hit_rate"] / mn if mn else None
                 result["runs"].append(run)
