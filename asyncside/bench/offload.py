@@ -574,10 +574,11 @@ def _dir_bytes(path: str | os.PathLike[str]) -> int:
 # ---- the user's routing traces (--routing FILE) ------------------------------------------------
 
 
-def distinct_labels(names: Sequence[str]) -> list[str]:
-    """``names`` in order, a repeated one given ``-2``, ``-3``... (two shapes' configs in directories
-    of one name, or one shape listed twice, stay apart in the table and the JSON)."""
-    used: set[str] = set()
+def distinct_labels(names: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
+    """``names`` in order, one repeated or already ``taken`` given ``-2``, ``-3``... (two shapes'
+    configs in directories of one name, or one shape listed twice, stay apart in the table and the
+    JSON)."""
+    used = set(taken)
     out = []
     for name in names:
         label, n = name, 1
@@ -592,17 +593,7 @@ def distinct_labels(names: Sequence[str]) -> list[str]:
 def routing_labels(paths: Sequence[str], taken: Sequence[str] = ()) -> list[str]:
     """A locality label per routing file: its stem, with ``-2``, ``-3``... where a stem repeats or
     is already ``taken`` (e.g. a preset of the same run)."""
-    used = set(taken)
-    labels = []
-    for path in paths:
-        stem = pathlib.Path(path).stem or "routing"
-        label, n = stem, 1
-        while label in used:
-            n += 1
-            label = f"{stem}-{n}"
-        used.add(label)
-        labels.append(label)
-    return labels
+    return distinct_labels([pathlib.Path(path).stem or "routing" for path in paths], taken)
 
 
 def load_routings(paths: Sequence[str], taken: Sequence[str] = ()) -> list[dict[str, Any]]:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..argtypes import SMALL_VOCAB
+from ..argtypes import LEAST_VOCAB, SMALL_VOCAB
 from ..errors import AsyncsideError
 from ..models.embedded import _file_lock
 from ..models.tokenizer import ByteTokenizer
@@ -538,13 +538,14 @@ def shape_spec(name: str | os.PathLike[str], *, layers: int | None = None, vocab
                              f"(its MoE layers; SHAPE:N in --shapes), got {layers!r}")
         config["num_hidden_layers"] = layers
     if vocab is not None:
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 258:
-            raise ShapeError(f"--vocab must be an integer >= 258 (the byte tokenizer's tokens), 'small' or 'full', "
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < LEAST_VOCAB:
+            raise ShapeError(f"--vocab must be an integer >= {LEAST_VOCAB} (the byte tokenizer's tokens), 'small' or "
+                             f"'full', "
                              f"got {vocab!r}")
         config["vocab_size"] = vocab
-    elif config["vocab_size"] < 258:
+    elif config["vocab_size"] < LEAST_VOCAB:
         raise ShapeError(f"{src.source or src.name}: vocab_size {config['vocab_size']} is below the byte tokenizer's "
-                         f"258 tokens (--vocab small or a number)")
+                         f"{LEAST_VOCAB} tokens (--vocab small or a number)")
     if src.group_size == 64:  # the default: the presets' cache keys stay the same
         return EmbeddedSpec(config=config, resident_fraction=0.25)
     return EmbeddedSpec(config=config, resident_fraction=0.25, group_size=src.group_size)

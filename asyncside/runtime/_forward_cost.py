@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FIT", "ForwardCost", "forward_cost"]
+__all__ = ["FIT", "TOP_K_KEYS", "ForwardCost", "config_top_k", "forward_cost"]
 
 #: Bytes of one activation element (float32: what the CPU computes in, the worst case).
 ELEMENT_BYTES = 4
@@ -36,6 +36,8 @@ PAIR_COPIES = 3
 FIT = 0.8
 #: Where the config does not say its top-k (the plan's own default).
 DEFAULT_TOP_K = 8
+#: Where a model's config.json keeps its router's top-k, by architecture family.
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,19 @@ def _positive(scope: Mapping[str, Any], *keys: str) -> int | None:
     return None
 
 
+def config_top_k(config: Mapping[str, Any] | None) -> int | None:
+    """The router's top-k an mlx-lm ``config`` names (:data:`TOP_K_KEYS`, its text section too);
+    None where it names none."""
+    if not isinstance(config, Mapping):
+        return None
+    inner = config.get("text_config")
+    for scope in (config, inner if isinstance(inner, Mapping) else {}):
+        k = _positive(scope, *TOP_K_KEYS)
+        if k is not None:
+            return k
+    return None
+
+
 def forward_cost(config: Mapping[str, Any] | None, top_k: int | None = None) -> ForwardCost | None:
     """The :class:`ForwardCost` of an mlx-lm model's ``config`` (its text section where it nests
     one); None where the config lacks the widths it needs (the plan then bounds nothing)."""
@@ -90,7 +105,7 @@ def forward_cost(config: Mapping[str, Any] | None, top_k: int | None = None) -> 
     width = _positive(scope, "moe_intermediate_size", "intermediate_size")
     if hidden is None or heads is None or width is None:
         return None
-    k = top_k or _positive(scope, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k") or DEFAULT_TOP_K
+    k = top_k or _positive(scope, *TOP_K_KEYS) or DEFAULT_TOP_K
     vocab = _positive(scope, "vocab_size") or 0
     per_token = ELEMENT_BYTES * (HIDDEN_COPIES * hidden + EXPERT_COPIES * k * width)
     # the head runs on the last position only (logits and their log-softmax)

@@ -27,7 +27,7 @@ from ..errors import AsyncsideError, TraceError
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..readers import ENV_DIRECT, _env_direct
 from ..store import ExpertStore, LayerSpec
-from ._forward_cost import FIT, ForwardCost, forward_cost
+from ._forward_cost import FIT, ForwardCost, config_top_k, forward_cost
 
 if TYPE_CHECKING:
     from ..routing import RoutingTrace
@@ -40,8 +40,6 @@ DEFAULT_MIN_ROWS = 8
 #: Under a memory budget, the share of the headroom that served requests' KV caches may take (the
 #: KV allowance); the rest is MLX's buffers, a cache's growth copy and the forwards' activations.
 KV_SHARE = 0.5
-#: Where a model's config.json keeps its router's top-k, by architecture family.
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
 RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
@@ -72,14 +70,7 @@ def store_top_k(store: ExpertStore) -> int | None:
         values = [v for v in recorded.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         if values:
             return max(values)
-    config = store_config(store)
-    for scope in (config, config.get("text_config") if isinstance(config, dict) else None):
-        if isinstance(scope, dict):
-            for key in TOP_K_KEYS:
-                v = scope.get(key)
-                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                    return v
-    return None
+    return config_top_k(store_config(store))
 
 
 def min_rows(store: ExpertStore) -> int:

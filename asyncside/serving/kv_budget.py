@@ -259,7 +259,7 @@ def rows_concurrency(plan: Any, model: Any) -> int | None:
     """
     import os
 
-    from ..runtime._plan import TOP_K_KEYS
+    from ..runtime._forward_cost import config_top_k
 
     raw = os.environ.get("ASYNCSIDE_ROWS_CONCURRENCY", "").strip().lower()
     if raw == "off":
@@ -271,10 +271,7 @@ def rows_concurrency(plan: Any, model: Any) -> int | None:
     rows = getattr(plan, "rows", None)
     if not getattr(plan, "direct", False) or not isinstance(rows, Mapping) or not rows:
         return None
-    config = getattr(model, "config", None) or {}
-    scopes = [config, config.get("text_config") or {}] if isinstance(config, Mapping) else []
-    k = next((int(v) for c in scopes for key in TOP_K_KEYS
-              if isinstance(v := c.get(key), int) and not isinstance(v, bool) and v > 0), None)
+    k = config_top_k(getattr(model, "config", None))
     if k is None:
         return None
     return max(1, min(int(r) for r in rows.values()) // k)
