@@ -268,3 +268,20 @@ def test_importing_the_runtime_pays_numpys_lazy_import_up_front() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.anyio
+async def test_an_error_of_the_body_reaches_the_caller_as_raised(store: ExpertStore) -> None:
+    # The runtime's task group is its own: the caller's error is not wrapped in an ExceptionGroup
+    # (a command line catching a refusal would print a traceback instead of the message).
+    with pytest.raises(KeyError, match="mine"):
+        async with Runtime(store, resident=0.25, side_rows=4, reader="threads"):
+            raise KeyError("mine")
+    with pytest.raises(LedgerError):
+        async with Runtime(store, resident=0.25, side_rows=4, reader="threads") as rt:
+            await rt.ensure(0, [store.layer(0).n_experts])  # an id past the layer's experts
+    from asyncside.looplag import measure_loop_lag
+
+    with pytest.raises(KeyError, match="mine"):
+        async with measure_loop_lag():
+            raise KeyError("mine")

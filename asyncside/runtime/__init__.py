@@ -237,7 +237,10 @@ class Runtime:
         try:
             if s.tg is not None:
                 s.tg.cancel_scope.cancel()
-                await s.tg.__aexit__(*exc_info)
+                # Not the body's exception: the task group would wrap it in an ExceptionGroup, and
+                # the caller's own error (a refusal, a KeyError) must reach it as raised. The
+                # group's tasks were cancelled just above; an error of theirs still raises.
+                await s.tg.__aexit__(None, None, None)
         finally:
             try:
                 await s.scheduler.__aexit__(*exc_info)
