@@ -124,7 +124,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def budget_source(allowance: int | None) -> Any:
     """An expert source whose memory plan grants ``allowance`` bytes of KV caches."""
     plan = types.SimpleNamespace(kv_allowance_bytes=allowance, source="memory=1 GiB, test",
-                                 headroom_bytes=None if allowance is None else 3 * allowance)
+                                 headroom_bytes=None if allowance is None else 3 * allowance,
+                                 forward_room_bytes=None if allowance is None else 2 * allowance)
     return types.SimpleNamespace(plan=plan)
 
 

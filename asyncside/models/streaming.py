@@ -19,6 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..bridge import Completed
 from ..errors import AsyncsideError
+from ..kv_layout import model_kv_layout
+from ..memory import describe_bytes
 from .arch import Arch
 from .forcing import RoutingReplay, RoutingReplayError, load_replay
 from .forward import AsyncForward, ForwardOptions, StepMode, default_completed
@@ -68,6 +70,7 @@ class StreamingModel:
         self._lock: tuple[object, anyio.Lock] | None = None
         #: routing replay of every step (see :meth:`set_routing`)
         self.routing: RoutingReplay | None = None
+        self._kv = _KVReservations()
 
     @property
     def moe_layers(self) -> list[int]:
@@ -150,6 +153,11 @@ class StreamingModel:
         log-probabilities), so tokens equal :func:`reference_generate` on the full model. Queued
         steps run one step ahead like mlx-lm does: the next step is queued on the previous step's
         lazy token before that token is awaited.
+
+        Under a memory budget the KV cache of the prompt and ``max_tokens`` is counted against the
+        plan's KV allowance (:attr:`asyncside.runtime.MemoryPlan.kv_allowance_bytes`): a generation
+        whose cache alone would pass it is refused (AsyncsideError, before the first step), and one
+        that does not fit beside generations already running waits for one to end.
         """
         ids = [int(t) for t in prompt_ids]
         if not ids:
@@ -163,10 +171,22 @@ class StreamingModel:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         check_predictor(predictor)
+        kv_need = self._kv_need(source, len(ids), max_tokens)
         fwd = self.forward_with(options)
         pred = fwd.make_predictor(predictor)
         lock = self._step_lock()
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()) or ()) if stop_at_eos else set()
+        if kv_need is not None:
+            await self._kv.acquire(*kv_need)
+        try:
+            async for tok in self._generate(ids, max_tokens, source, fwd, pred, lock, eos, trace):
+                yield tok
+        finally:
+            if kv_need is not None:
+                self._kv.release(kv_need[0])
+
+    async def _generate(self, ids: list[int], max_tokens: int, source: ExpertSource, fwd: AsyncForward, pred: Any,
+                        lock: anyio.Lock, eos: set[int], trace: RoutingTrace | None) -> AsyncIterator[int]:
         cache = self.make_cache()
         prompt = mx.array(ids)
         while prompt.size > 1:
@@ -203,6 +223,61 @@ class StreamingModel:
                     y = await fwd.step(ctx, mx.array([[tok]]), head=greedy)
             else:
                 ctx, y = ahead
+
+
+    def _kv_need(self, source: ExpertSource, prompt_tokens: int, max_tokens: int) -> tuple[int, int] | None:
+        """(this generation's KV cache at worst, the allowance) under ``source``'s memory plan; None
+        where the plan bounds no KV cache (no budget) or the config does not say the cache's size.
+        AsyncsideError where the cache alone would pass the allowance: the budget would not hold
+        the generation, so it is refused before its first step rather than run past the budget."""
+        plan: Any = getattr(source, "plan", None)
+        allowance = getattr(plan, "kv_allowance_bytes", None)
+        if not isinstance(allowance, int):
+            return None
+        try:
+            layout = model_kv_layout(self)
+        except AsyncsideError:
+            return None
+        need = layout.bytes_for(prompt_tokens + max_tokens, self.prefill_step_size)
+        if need > allowance:
+            most = plan.kv_tokens(layout, self.prefill_step_size)
+            fits = (f"at most {most - prompt_tokens} new tokens fit after this prompt" if most > prompt_tokens
+                    else f"not even the prompt fits ({most} positions do)")
+            raise AsyncsideError(
+                f"max_tokens={max_tokens} after a prompt of {prompt_tokens} tokens may need {describe_bytes(need)} of "
+                f"KV cache ({layout.bytes_per_token:,} bytes a position, allocated {layout.step} at a time), past "
+                f"the KV allowance of {describe_bytes(allowance)} under the memory budget "
+                f"({getattr(plan, 'source', 'memory=')}): {fits}; ask for fewer tokens or a larger memory budget")
+        return need, allowance
+
+
+class _KVReservations:
+    """The KV caches of one model's generations running at once, against a plan's allowance: a
+    generation whose cache would not fit beside the others' waits until one ends."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self._waiters: list[anyio.Event] = []
+
+    async def acquire(self, need: int, allowance: int) -> None:
+        """Count ``need`` bytes in, waiting while they do not fit beside what is held."""
+        while self.held and self.held + need > allowance:
+            event = anyio.Event()
+            self._waiters.append(event)
+            try:
+                await event.wait()
+            finally:
+                if event in self._waiters:
+                    self._waiters.remove(event)
+        self.held += need
+
+    def release(self, need: int) -> None:
+        """Count ``need`` bytes out and wake the waiters (each checks again). Synchronous: it runs
+        where an abandoned generation is closed, which may not await."""
+        self.held -= need
+        waiters, self._waiters = self._waiters, []
+        for event in waiters:
+            event.set()
 
 
 def prompt_chunk(source: ExpertSource, want: int, cached: int) -> int:

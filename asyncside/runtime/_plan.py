@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import memory as _memory
 from ..errors import AsyncsideError, TraceError
+from ..kv_layout import KV_STEP, KVLayout
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..readers import ENV_DIRECT, _env_direct
 from ..store import ExpertStore, LayerSpec
@@ -37,8 +38,11 @@ __all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "m
 
 #: The pools' least rows per layer for a store that does not say how many experts its router picks.
 DEFAULT_MIN_ROWS = 8
-#: Under a memory budget, the share of the headroom that served requests' KV caches may take (the
-#: KV allowance); the rest is MLX's buffers, a cache's growth copy and the forwards' activations.
+#: Under a memory budget, the share of the headroom that KV caches may take (the KV allowance); the
+#: rest is MLX's buffers, a cache's growth copy and the forwards' activations. A plan that reads
+#: past the page cache gives the KV caches the same share of the page cache's room, which O_DIRECT
+#: reads leave unused; the other share stays for what the budget does not plan (buffered reads of
+#: the non-expert weights, the allocator's slack).
 KV_SHARE = 0.5
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
@@ -194,18 +198,37 @@ class MemoryPlan:
     direct_reason: str
     notes: tuple[str, ...] = field(default=())
     split: str | None = None  # how the rows were split between layers by a profile (None: evenly)
-    #: the part of the headroom served requests' KV caches may take (None: no memory budget, no limit)
+    #: what KV caches may take, served requests' or a generation's (None: no memory budget, no limit):
+    #: a share of the headroom, plus :attr:`kv_spare_bytes`
     kv_allowance_bytes: int | None = None
     #: what a forward's transient buffers cost, from the model's config.json (None: unknown)
     forward: ForwardCost | None = None
+    #: the part of the KV allowance that lies in the page cache's room, unused by O_DIRECT reads (0
+    #: in a plan that reads through the page cache)
+    kv_spare_bytes: int = 0
 
     @property
     def forward_room_bytes(self) -> int | None:
-        """The headroom a forward's buffers may take under a memory budget (the rest is the KV
-        allowance); None without a budget."""
+        """The headroom a forward's buffers may take under a memory budget (the rest of it is the KV
+        allowance's); None without a budget."""
         if self.kv_allowance_bytes is None:
             return None
-        return self.headroom_bytes - self.kv_allowance_bytes
+        return self.headroom_bytes - (self.kv_allowance_bytes - self.kv_spare_bytes)
+
+    def kv_tokens(self, layout: KVLayout, chunk: int | None = None) -> int | None:
+        """The most positions (prompt and generated tokens) one sequence's KV cache of ``layout``
+        may reach within the KV allowance, at worst (:meth:`KVLayout.bytes_for`, prefill chunks of
+        at most ``chunk`` tokens, default the cache's growth step); None: no limit."""
+        if self.kv_allowance_bytes is None:
+            return None
+        chunk = KV_STEP if chunk is None else chunk
+        lo, hi = 0, 1
+        while layout.bytes_for(hi, chunk) <= self.kv_allowance_bytes and hi < 1 << 40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # bytes_for grows with the tokens: bisect the last that fits
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if layout.bytes_for(mid, chunk) <= self.kv_allowance_bytes else (lo, mid)
+        return lo
 
     def prompt_chunk(self, want: int, cached: int = 0) -> int:
         """How many of ``want`` prompt tokens one forward after ``cached`` positions may take:
@@ -232,7 +255,12 @@ class MemoryPlan:
         if self.host_tier_bytes or self.staging_bytes:
             lines.append(f"host tier {b(self.host_tier_bytes)} ({len(self.host_tier_layers)} layers), "
                          f"staging {b(self.staging_bytes)}")
-        kv = "" if self.kv_allowance_bytes is None else f": KV allowance {b(self.kv_allowance_bytes)} of it"
+        kv = ""
+        if self.kv_allowance_bytes is not None:
+            own = self.kv_allowance_bytes - self.kv_spare_bytes
+            kv = f": KV allowance {b(own)} of it" + (
+                f" and {b(self.kv_spare_bytes)} of the page cache's room, unused by O_DIRECT reads"
+                if self.kv_spare_bytes else "")
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
@@ -252,7 +280,7 @@ class MemoryPlan:
             "pool_bytes": self.pool_bytes, "host_tier_bytes": self.host_tier_bytes,
             "host_tier_layers": len(self.host_tier_layers), "staging_bytes": self.staging_bytes,
             "headroom_bytes": self.headroom_bytes, "kv_allowance_bytes": self.kv_allowance_bytes,
-            "store_bytes": self.store_bytes,
+            "kv_spare_bytes": self.kv_spare_bytes, "store_bytes": self.store_bytes,
             "page_cache_bytes": self.page_cache_bytes, "direct": self.direct, "direct_reason": self.direct_reason,
             # the figure a budget check compares with (kept under its older name too)
             "available_bytes": self.budget,
@@ -497,11 +525,12 @@ def plan_memory(
             f"ask for a smaller host_tier, host_tier='auto', or a larger memory budget")
     streamed = max(0, store_bytes - pools)  # records that live only in the store
     use_direct, why = _choose_direct(direct, streamed, page_cache)
+    kv_spare = int(max(page_cache, 0) * KV_SHARE) if use_direct and memory is not None else 0
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
                       direct=use_direct, direct_reason=why, notes=tuple(notes), split=split,
                       # only a budget asked for (memory=) limits the KV caches: without one the
                       # plan is made against what the machine has now, not a promise to keep
-                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE),
-                      forward=forward_cost(store_config(store), store_top_k(store)))
+                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE) + kv_spare,
+                      kv_spare_bytes=kv_spare, forward=forward_cost(store_config(store), store_top_k(store)))

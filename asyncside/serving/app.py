@@ -400,12 +400,11 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
                 engine.model.forward.make_predictor(settings.predictor)
             cache_limit = settings.mlx_cache_bytes
             plan = getattr(engine.source, "plan", None)
-            kv_allowance = getattr(plan, "kv_allowance_bytes", None)
-            headroom = getattr(plan, "headroom_bytes", None)
-            if isinstance(kv_allowance, int) and isinstance(headroom, int):
+            room = getattr(plan, "forward_room_bytes", None)
+            if isinstance(room, int):
                 # Under a memory budget MLX's freed buffers are held in the headroom beside the KV
                 # caches: at most the part of it the KV allowance leaves.
-                room = max(0, headroom - kv_allowance)
+                room = max(0, room)
                 cache_limit = room if cache_limit is None else min(cache_limit, room)
             state.mlx_cache_limit = cache_limit
             if cache_limit is not None:
