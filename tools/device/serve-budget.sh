@@ -7,7 +7,9 @@
 # Env: MEMORY (the budget, default 4200M), LOCALITIES (default high,middle), CLIENTS (default 1,8),
 # DURATION / WARMUP (seconds a phase, default 30 / 10), PROBE (default 1), WALL (default 580),
 # LAYERS (MoE layers of the shape, default all 48: a fresh machine builds a smaller store faster),
-# ROWS (values of ASYNCSIDE_ROWS_CONCURRENCY to run in turn per locality, default "auto").
+# ROWS (values of ASYNCSIDE_ROWS_CONCURRENCY to run in turn per locality, default "auto"), RESIDENT
+# (the pools' share of each layer, default auto: sized to the budget; a fraction keeps the rows a
+# layer of the 48-layer run on a smaller store).
 set -uo pipefail
 . "$(dirname "$0")/bench-env.sh"
 export PYTHONPATH=/tmp/site:$PWD
@@ -26,7 +28,7 @@ preset('$loc', tokens=2048, n_layers=$NL, n_experts=128, top_k=8, sequences=16).
     [ $left -lt 60 ] && { log "no time left for $loc rows $rows"; break; }
     log "bench serve, $loc, memory ${MEMORY:-4200M}, rows bound $rows ($left s left)"
     ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$loc-L$NL-rows-$rows" \
-      --model "$STORE" --resident auto \
+      --model "$STORE" --resident "${RESIDENT:-auto}" \
       --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-16seq.npz" --clients "${CLIENTS:-1,8}" \
       --duration "${DURATION:-30}" --warmup "${WARMUP:-10}" --max-tokens 16 --prompt-lengths 4 --long-prompt 0 \
       --no-mlx-lm --predictor none
