@@ -127,6 +127,10 @@ def _separate(out: np.ndarray, n_experts: int) -> np.ndarray:
     return flat.reshape(out.shape)
 
 
+#: The arrays a trace file may hold (others are ignored).
+_TRACE_ARRAYS = ("ids", "lengths", "n_experts", "meta", "predicted")
+
+
 def _read_npz(where: str) -> dict[str, np.ndarray]:
     """Every array of the ``.npz`` archive at ``where``, never unpickled; :class:`TraceError` saying
     what the file is when it is not one."""
@@ -151,12 +155,20 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
         with np.load(where, allow_pickle=False) as z:
             for name in z.files:
                 try:
-                    data[name] = z[name]
+                    value = z[name]
                 except ValueError as e:
                     if "allow_pickle" in str(e):
                         raise TraceError(where, "an object array (pickled), which is never loaded; save a "
                                                 "plain numeric array (meta: a JSON string)", field=name) from None
                     raise
+                # np.load hands a member that is no .npy array (no NUMPY magic) back as raw bytes: one
+                # of the trace's own arrays is refused, anything else left out as extra arrays are.
+                if not isinstance(value, np.ndarray):
+                    if name in _TRACE_ARRAYS:
+                        raise TraceError(where, f"member {name}.npy of the archive is no .npy array (numpy.save), "
+                                                f"it starts {bytes(value[:6])!r}", field=name)
+                    continue
+                data[name] = value
     except TraceError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
