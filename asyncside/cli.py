@@ -17,7 +17,7 @@ from typing import Any
 from . import __version__
 from .bench import BENCHES, add_bench_arguments, run_bench
 from .errors import AsyncsideError, EnvVarError, TraceError
-from .native_env import check_native_env
+from .native_env import check_env
 
 # command -> (help, module, function adding its options, function running it -> exit status)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = f"bench {args.bench}" if args.command == "bench" else args.command  # as argparse names it
     try:
         if args.command != "routing":  # refused before a model loads, not when its runtime starts
-            check_native_env()
+            check_env()
         if args.command == "bench":
             return run_bench(args.bench, args)
         _help, module, _add, run = _COMMANDS[args.command]

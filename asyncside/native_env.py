@@ -82,3 +82,46 @@ def check_native_env(environ: Mapping[str, str] | None = None) -> None:
             continue
         if not var.accepts(value):
             raise EnvVarError(var.name, value, var.expected)
+
+
+def _reader(value: str) -> bool:
+    return value.strip() in ("", "io_uring", "threads", "aiofiles")
+
+
+def _switch(value: str) -> bool:
+    return value.strip().lower() in ("", "0", "false", "no", "1", "true", "yes")
+
+
+def _tokens(value: str) -> bool:
+    try:
+        return value == "" or int(value) >= 0
+    except ValueError:
+        return False
+
+
+def _rows_concurrency(value: str) -> bool:
+    raw = value.strip().lower()
+    return raw in ("", "auto", "off") or (re.fullmatch(r"[0-9]+", raw) is not None and int(raw) >= 1)
+
+
+#: The ``ASYNCSIDE_*`` variables read from Python that take a fixed set of values, with what each
+#: accepts in words (as its reader's error says it) and the check; read where they are used, so a bad
+#: value would otherwise surface only once a model has loaded (or, for a serve-only one, never in demo).
+PYTHON_VARIABLES: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "ASYNCSIDE_READER": ("one of ['io_uring', 'threads', 'aiofiles']", _reader),
+    "ASYNCSIDE_DIRECT": ("1/true/yes or 0/false/no", _switch),
+    "ASYNCSIDE_DIRECT_DECODE_TOKENS": ("a token count >= 0", _tokens),
+    "ASYNCSIDE_ROWS_CONCURRENCY": ("off, auto or a count >= 1", _rows_concurrency),
+}
+
+
+def check_env(environ: Mapping[str, str] | None = None) -> None:
+    """:func:`check_native_env`, then the variables of :data:`PYTHON_VARIABLES`: an
+    :class:`~asyncside.errors.EnvVarError` for the first bad value. The command line calls it before
+    anything loads, a :class:`~asyncside.runtime.Runtime` when it is entered."""
+    env = os.environ if environ is None else environ
+    check_native_env(env)
+    for name, (expected, accepts) in PYTHON_VARIABLES.items():
+        value = env.get(name)
+        if value is not None and not accepts(value):
+            raise EnvVarError(name, value, expected)

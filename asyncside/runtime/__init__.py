@@ -175,10 +175,11 @@ class Runtime:
 
     async def __aenter__(self) -> Runtime:
         from .. import pools as _pools
-        from ..native_env import check_native_env
+        from ..native_env import check_env
 
-        # The extension reads these itself and falls back quietly on a bad value: refused here first.
-        check_native_env()
+        # The extension reads some itself and falls back quietly on a bad value; the others are read
+        # where they are used, once a model has loaded: refused here first.
+        check_env()
         s = self._s
         if s.completed is None:
             from ..bridge import completed

@@ -21,7 +21,7 @@ import numpy as np
 
 import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
 
-from ..errors import AsyncsideError, FillError
+from ..errors import AsyncsideError, EnvVarError, FillError
 from ._leases import Leases
 from ._plan import MemoryPlan, tier_bytes
 from ._state import LayerState, Shared, native_available
@@ -52,7 +52,7 @@ def direct_decode_tokens() -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise AsyncsideError(f"ASYNCSIDE_DIRECT_DECODE_TOKENS: expected a token count >= 0, got {raw!r}")
+        raise EnvVarError("ASYNCSIDE_DIRECT_DECODE_TOKENS", raw, "a token count >= 0")
     return value
 
 

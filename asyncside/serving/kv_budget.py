@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import AsyncsideError
+from ..errors import EnvVarError
 from ..kv_layout import KV_STEP, KVLayout, dtype_bytes, kv_layout, model_kv_layout
 from ..memory import describe_bytes
 
@@ -122,14 +122,17 @@ def rows_concurrency(plan: Any, model: Any) -> int | None:
     """
     import os
 
+    from ..native_env import PYTHON_VARIABLES
     from ..runtime._forward_cost import config_top_k
 
-    raw = os.environ.get("ASYNCSIDE_ROWS_CONCURRENCY", "").strip().lower()
+    value = os.environ.get("ASYNCSIDE_ROWS_CONCURRENCY", "")
+    raw = value.strip().lower()
     if raw == "off":
         return None
     if raw not in ("", "auto"):
-        if not raw.isdigit() or int(raw) < 1:
-            raise AsyncsideError(f"ASYNCSIDE_ROWS_CONCURRENCY: expected off, auto or a count >= 1, got {raw!r}")
+        expected, accepts = PYTHON_VARIABLES["ASYNCSIDE_ROWS_CONCURRENCY"]
+        if not accepts(value):
+            raise EnvVarError("ASYNCSIDE_ROWS_CONCURRENCY", value, expected)
         return int(raw)
     rows = getattr(plan, "rows", None)
     if not getattr(plan, "direct", False) or not isinstance(rows, Mapping) or not rows:

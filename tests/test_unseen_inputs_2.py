@@ -1,0 +1,109 @@
+"""Inputs the repository never made, second sweep: trace archives put together by hand, environment
+variables, the serve benchmark's options and the ``load`` front door's arguments. Every bad input is
+refused in one line naming the file, field, variable or option; nothing ends in a traceback, and a
+run that measured nothing does not pass.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import zipfile
+
+import numpy as np
+import pytest
+
+from asyncside import cli
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``asyncside ARGV``: (exit status, stderr); a SystemExit from argparse is its code."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 1
+    return rc, capsys.readouterr().err
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def test_an_archive_member_that_is_no_npy_array_is_named(tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A zip whose ids.npy holds no .npy data: np.load hands its bytes back, and routing info ended
+    in AttributeError ('bytes' object has no attribute 'ndim'). A member that is none of the trace's
+    arrays (a README) is left out as extra arrays are."""
+    bad = tmp_path / "bad.npz"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr("ids.npy", b"garbage")
+        z.writestr("n_experts.npy", _npy(np.array(16)))
+    rc, err = run_cli(capsys, "routing", "info", str(bad))
+    assert rc == 2 and "bad.npz [ids]" in err and "no .npy array" in err and "Traceback" not in err, err
+
+    extra = tmp_path / "extra.npz"
+    ids = np.array([[[0, 1]], [[2, 3]]], dtype=np.int64)
+    with zipfile.ZipFile(extra, "w") as z:
+        z.writestr("README.txt", b"recorded by hand")
+        z.writestr("ids.npy", _npy(ids))
+        z.writestr("n_experts.npy", _npy(np.array(16)))
+    rc, err = run_cli(capsys, "routing", "info", str(extra), "--no-min")
+    assert rc == 0, err
+
+
+def test_a_preset_too_large_to_generate_is_refused_before_it_starts(tmp_path: pathlib.Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``routing preset high OUT --tokens 100000000`` ended in numpy's MemoryError traceback (71.5
+    GiB of random draws); it is refused with the ids it asked for and the memory they need."""
+    from asyncside import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(64 << 20, "test"))
+    out = tmp_path / "p.npz"
+    rc, err = run_cli(capsys, "routing", "preset", "high", str(out), "--tokens", "100000")
+    assert rc == 2 and "--tokens 100000 x --layers 8 x --top-k 6" in err and "fewer --tokens" in err, err
+    assert "Traceback" not in err and not out.exists()
+    rc, err = run_cli(capsys, "routing", "preset", "high", str(out), "--tokens", "20")
+    assert rc == 0 and out.exists(), err
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("ASYNCSIDE_ROWS_CONCURRENCY", "abc"), ("ASYNCSIDE_ROWS_CONCURRENCY", "0"), ("ASYNCSIDE_ROWS_CONCURRENCY", "-1"),
+    ("ASYNCSIDE_ROWS_CONCURRENCY", "\u00b2"), ("ASYNCSIDE_DIRECT_DECODE_TOKENS", "-1"),
+    ("ASYNCSIDE_DIRECT_DECODE_TOKENS", "x"), ("ASYNCSIDE_DIRECT", "maybe"), ("ASYNCSIDE_READER", "spdk"),
+])
+def test_python_read_variables_are_refused_before_anything_loads(variable: str, value: str, tmp_path: pathlib.Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/api.md: a bad ASYNCSIDE_* value is a one-line usage error before anything loads. The
+    variables read from Python were read where used: ``serve`` with ASYNCSIDE_ROWS_CONCURRENCY=abc
+    loaded the model, then failed its startup with a traceback group (exit status 1); ``demo``
+    ignored it; a superscript digit passed str.isdigit and ended in int()'s ValueError."""
+    from asyncside.errors import EnvVarError
+    from asyncside.native_env import check_env
+
+    monkeypatch.setenv(variable, value)
+    missing = tmp_path / "no-such-store"  # never reached: the variable is refused first
+    for command in (["serve", "--model", str(missing)], ["demo", "--model", str(missing)]):
+        rc, err = run_cli(capsys, *command)
+        assert rc == 2 and f"environment: {variable}: expected" in err and repr(value) in err, (command, err)
+        assert "no-such-store" not in err and "Traceback" not in err
+    with pytest.raises(EnvVarError, match=variable):
+        check_env()
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("ASYNCSIDE_ROWS_CONCURRENCY", " 3 "), ("ASYNCSIDE_ROWS_CONCURRENCY", "OFF"), ("ASYNCSIDE_ROWS_CONCURRENCY", ""),
+    ("ASYNCSIDE_DIRECT_DECODE_TOKENS", "0"), ("ASYNCSIDE_DIRECT", "Yes"), ("ASYNCSIDE_READER", "threads"),
+])
+def test_python_read_variables_accept_what_their_readers_take(variable: str, value: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncside.native_env import check_env
+    from asyncside.serving.kv_budget import rows_concurrency
+
+    monkeypatch.setenv(variable, value)
+    check_env()
+    if variable == "ASYNCSIDE_ROWS_CONCURRENCY":
+        assert rows_concurrency(None, None) == {" 3 ": 3, "OFF": None, "": None}[value]
