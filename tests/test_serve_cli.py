@@ -99,7 +99,7 @@ def test_the_trace_predictor_without_a_trace_to_replay_fails_at_start(
     # `bench serve` takes the same model options and refuses the same before any server starts.
     from asyncside.bench.serve import _check
 
-    with pytest.raises(SystemExit, match="--predictor trace needs --routing TRACE.npz"):
+    with pytest.raises(ValueError, match="--predictor trace needs --routing TRACE.npz"):
         _check(build_parser().parse_args(["bench", "serve", "--predictor", "trace"]))
     _check(build_parser().parse_args(["bench", "serve", "--predictor", "trace", "--routing", str(predicted)]))
     # Under --pipeline the trace predictor has no routing to replay (--routing is refused there).

@@ -107,3 +107,41 @@ def test_python_read_variables_accept_what_their_readers_take(variable: str, val
     check_env()
     if variable == "ASYNCSIDE_ROWS_CONCURRENCY":
         assert rows_concurrency(None, None) == {" 3 ": 3, "OFF": None, "": None}[value]
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--duration", "0"), ("--duration", "nan"), ("--duration", "inf"), ("--warmup", "-1"), ("--warmup", "nan"),
+    ("--max-tokens", "0"), ("--long-prompt", "-1"),
+])
+def test_bench_serve_numbers_are_checked_when_parsed(option: str, value: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench serve --duration 0`` printed a bare message and exited 1 once its options were checked
+    (--duration inf was taken); now a usage error (exit status 2) naming the option."""
+    rc, err = run_cli(capsys, "bench", "serve", option, value)
+    assert rc == 2 and f"argument {option}" in err and "Traceback" not in err, err
+
+
+def test_bench_serve_refusals_after_parsing_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run_cli(capsys, "bench", "serve", "--predictor", "trace", "--no-mlx-lm")
+    assert rc == 2 and err.startswith("asyncside bench serve: error: --predictor trace needs --routing"), err
+
+
+def test_bench_serve_refuses_prompts_past_the_context() -> None:
+    """``bench serve --prompt-lengths 5000`` on a model of 4096 positions: every request came back
+    400 context_length_exceeded, the table said 0 tokens/s, and the exit status was 0."""
+    import argparse
+
+    from asyncside.bench import BENCHES
+    from asyncside.bench.serve import _check_context
+
+    args = argparse.Namespace(prompt_lengths=[8, 5000], max_tokens=4, long_prompt=4093)
+    with pytest.raises(ValueError, match=r"^--prompt-lengths 5000, --long-prompt 4093 with --max-tokens 4: .*"
+                                         r"context of 4096 .* at most 4092 prompt tokens"):
+        _check_context(args, 4096, [0, 4093])
+    args.prompt_lengths = [8, 4092]
+    _check_context(args, 4096, [0, 0])  # the long prompt not sent, the rest fits
+    _check_context(args, None, [4093])  # no context known: the server refuses nothing either
+    ok = BENCHES["serve"].ok
+    assert not ok({"phases": [{"server": "asyncside", "requests_done": 0, "errors": ["HTTP 400"]},
+                              {"server": "asyncside", "requests_done": 3}]})
+    assert ok({"phases": [{"server": "asyncside", "requests_done": 2}, {"server": "mlx_lm.server", "requests_done": 0}]})

@@ -69,7 +69,10 @@ BENCHES: dict[str, Bench] = {
               "add_generate_arguments", "run_generate_bench",
               ok=lambda result: bool(result.get("tokens_identical", False))),
         Bench("serve", "concurrent streaming clients against `asyncside serve`",
-              "add_serve_bench_arguments", "run_serve_bench"),
+              "add_serve_bench_arguments", "run_serve_bench",
+              # Failed when a phase of asyncside's finished no request (every one refused or failed).
+              ok=lambda result: all(p.get("requests_done", 0) > 0 for p in result.get("phases", [])
+                                    if p.get("server") == "asyncside")),
         Bench("step", "host time per decode step, phase by phase, beside mlx-lm's",
               "add_step_arguments", "run_step_bench"),
         Bench("policy", "cache policies' hit rates against Belady's MIN on routing traces",

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -51,6 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..argtypes import int_at_least, positive_float
 from . import require_extra
 from .machine import machine_info
 
@@ -273,6 +275,17 @@ def _parse_counts(text: str) -> list[int]:
     return counts
 
 
+def _seconds_at_least_0(text: str) -> float:
+    """``--warmup``: a finite number of seconds >= 0 (0: no warm-up)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench serve`` (the model and engine options are the server's)."""
     from ..serving.cli import add_engine_arguments, add_model_arguments
@@ -282,16 +295,16 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(resident=0.5)
     parser.add_argument("--clients", type=_parse_counts, default=[1, 8, 32],
                         help="client counts, one phase each (default 1,8,32)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds per phase (default 60)")
-    parser.add_argument("--warmup", type=float, default=10.0,
+    parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds per phase (default 60)")
+    parser.add_argument("--warmup", type=_seconds_at_least_0, default=10.0,
                         help="seconds of the same load before each phase, not measured (default 10; 0: none), "
                              "repeated until a request has completed. A GPU compiles kernels for each new shape "
                              "on first use, and MLX keeps them on disk: without a warm-up the server run first "
                              "pays for both")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=32, help="tokens per request (default 32)")
     parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
-    parser.add_argument("--long-prompt", type=int, default=2000,
+    parser.add_argument("--long-prompt", type=int_at_least(0), default=2000,
                         help="tokens of the one long prompt client 0 sends first (default 2000; 0: none)")
     parser.add_argument("--long-prompt-clients", type=_parse_counts, default=None, metavar="N,...",
                         help="the phases (client counts) that include the long prompt (default: the largest "
@@ -363,23 +376,40 @@ class MlxLmServer:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """The options' values and combinations, before a server starts: a ValueError leading with the
+    option (the command line's usage error, exit status 2) for a bad one."""
     if args.max_tokens < 1:
-        raise SystemExit(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if not args.duration > 0:
-        raise SystemExit(f"--duration must be positive, got {args.duration}")
-    if not args.warmup >= 0:
-        raise SystemExit(f"--warmup must be >= 0 seconds, got {args.warmup}")
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise ValueError(f"--duration must be a finite number of seconds > 0, got {args.duration}")
+    if not (math.isfinite(args.warmup) and args.warmup >= 0):
+        raise ValueError(f"--warmup must be a finite number of seconds >= 0, got {args.warmup}")
     if args.long_prompt < 0:
-        raise SystemExit(f"--long-prompt must be >= 0, got {args.long_prompt}")
+        raise ValueError(f"--long-prompt must be >= 0, got {args.long_prompt}")
     from ..serving.cli import predictor_routing_problem
 
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
     if problem is not None:
-        raise SystemExit(problem)
+        raise ValueError(problem)
     if getattr(args, "routing", None) is not None:  # a bad trace file: TraceError now, not a failed startup
         from ..routing import RoutingTrace
 
         RoutingTrace.load(args.routing)
+
+
+def _check_context(args: argparse.Namespace, context: int | None, long_prompts: Sequence[int]) -> None:
+    """Refuse prompts that the server would refuse, every one of them (``context_length_exceeded``):
+    a prompt length, or the long prompt of a phase that sends it, plus ``--max-tokens`` past the
+    model's context. Such a run measured nothing and said so only in its phases' errors."""
+    if context is None:
+        return
+    over = [f"--prompt-lengths {n}" for n in sorted(set(args.prompt_lengths)) if n + args.max_tokens > context]
+    if any(n + args.max_tokens > context for n in long_prompts):
+        over.append(f"--long-prompt {args.long_prompt}")
+    if over:
+        raise ValueError(f"{', '.join(over)} with --max-tokens {args.max_tokens}: past the model's context of "
+                         f"{context} tokens (every such request is refused); ask for at most "
+                         f"{context - args.max_tokens} prompt tokens")
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
@@ -435,6 +465,7 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(BackgroundServer(app))
         state = app.state.asyncside
+        _check_context(args, state.context_length, [long_at(c) for c in args.clients])
         rss_idle = read_rss_bytes()
         model_id = state.model_id
         tokenizer = state.batcher.tokenizer
@@ -528,6 +559,11 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     }
     if not getattr(args, "json", False):  # with --json the CLI prints the returned dict
         print_table(out)
+    for p in phases:  # such a run fails (asyncside.bench.BENCHES): say why
+        if p["server"] == "asyncside" and not p.get("requests_done"):
+            errors = p.get("errors") or []
+            print(f"asyncside bench serve: the {p['clients']}-client phase finished no request in {p['seconds']} s"
+                  + (f"; first error: {errors[0]}" if errors else " (a longer --duration?)"), file=sys.stderr)
     return out
 
 
