@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import numbers
 import os
 import threading
 import weakref
@@ -268,15 +269,18 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     from mlx_lm.utils import load_tokenizer
 
     from .hub import store_for
-    from .memory import parse_size
+    from .memory import MIN_MEMORY_ARG, SIZE_UNITS, parse_size
     from .models import load_streaming_model
 
     if resident is None:
         resident = "auto" if memory is not None else 0.25
     # Bad arguments are refused here, before a model is converted or loaded, not at the first token.
-    if memory is not None and parse_size(memory, what="memory") <= 0:
-        raise ValueError(f"memory: expected a size > 0, got {memory!r}")
-    if resident != "auto" and (isinstance(resident, (bool, str)) or not 0.0 <= float(resident) <= 1.0):
+    if memory is not None:
+        size = parse_size(memory, what="memory")
+        if size < MIN_MEMORY_ARG:  # as --memory refuses it: "1.5" is a byte and a half, never a budget
+            raise ValueError(f"memory {memory!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
+    if resident != "auto" and (isinstance(resident, (bool, str)) or not isinstance(resident, numbers.Real)
+                               or not 0.0 <= float(resident) <= 1.0):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)

@@ -143,8 +143,16 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
     if is_store_dir(directory):
         return directory
     if not directory.is_dir() or not (directory / "config.json").is_file():
-        raise ModelNotFoundError(text, f"{directory} is neither an expert store (manifest.json) nor an mlx-lm "
-                                       "model directory (config.json)")
+        expected = "an expert store (manifest.json) or an mlx-lm model directory (config.json)"
+        if directory.is_file() and directory.name in ("manifest.json", "config.json"):
+            why = f"is a file: pass its directory, {directory.parent}"  # the store's or model's own file
+        elif directory.is_file():
+            why = f"is a file; expected {expected}"
+        elif directory.is_dir() and not any(directory.iterdir()):
+            why = f"is an empty directory; expected {expected}"
+        else:
+            why = ("is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)")
+        raise ModelNotFoundError(text, f"{directory} {why}")
     root = stores_root(cache_dir)
     dest = root / _cached_store_name(text, directory)
     if is_store_dir(dest):

@@ -95,11 +95,11 @@ def test_a_bad_reader_variable_is_one_line(monkeypatch: pytest.MonkeyPatch, caps
     monkeypatch.setattr(asyncside.demo, "run_demo", lambda args: choose_reader("auto"))
     assert main(["demo", "--tokens", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "$ASYNCSIDE_READER" in err and "'bogus'" in err
+    assert err.count("\n") == 1 and "ASYNCSIDE_READER" in err and "'bogus'" in err
 
 
 @pytest.mark.parametrize("kwargs, message", [({"memory": "abc"}, "memory 'abc': expected a size"),
-                                             ({"memory": 0}, "memory: expected a size > 0"),
+                                             ({"memory": 0}, "memory 0 is 0 bytes; expected at least 4K"),
                                              ({"resident": 1.5}, "resident: expected a fraction"),
                                              ({"resident": float("nan")}, "resident: expected a fraction"),
                                              ({"resident": True}, "resident: expected a fraction")])

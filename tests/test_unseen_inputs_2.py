@@ -145,3 +145,44 @@ def test_bench_serve_refuses_prompts_past_the_context() -> None:
     assert not ok({"phases": [{"server": "asyncside", "requests_done": 0, "errors": ["HTTP 400"]},
                               {"server": "asyncside", "requests_done": 3}]})
     assert ok({"phases": [{"server": "asyncside", "requests_done": 2}, {"server": "mlx_lm.server", "requests_done": 0}]})
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"memory": "1.5"}, "memory '1.5' is 1 bytes; expected at least 4K"),
+    ({"memory": 1.5}, "memory 1.5 is 1 bytes; expected at least 4K"),
+    ({"memory": "0"}, "memory '0' is 0 bytes"),
+    ({"resident": [0.5]}, "resident: expected a fraction in [0, 1] or 'auto', got [0.5]"),
+    ({"resident": "half"}, "resident: expected a fraction"),
+])
+def test_load_refuses_what_the_command_line_refuses(kwargs: dict[str, object], said: str,
+                                                    tmp_path: pathlib.Path) -> None:
+    """``load(store, memory="1.5")`` (a byte and a half) got past the arguments' check and failed in
+    the plan ("the memory budget is 0.0 MiB"), where ``--memory 1.5`` says what was meant;
+    ``resident=[0.5]`` raised float()'s TypeError naming no argument. Both are refused before the
+    model is looked for (the path here does not exist)."""
+    import asyncside
+
+    with pytest.raises(ValueError) as info:
+        asyncside.load(tmp_path / "never-looked-for", progress=False, **kwargs)  # type: ignore[arg-type]
+    assert said in str(info.value)
+
+
+def test_load_says_what_a_path_that_is_no_model_is(tmp_path: pathlib.Path) -> None:
+    """A file (a trace, a store's own manifest.json) or an empty directory was "neither an expert
+    store (manifest.json) nor an mlx-lm model directory (config.json)"."""
+    import asyncside
+    from asyncside.hub import ModelNotFoundError
+
+    trace = tmp_path / "trace.npz"
+    trace.write_bytes(b"PK")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text("{}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, said in ((trace, "trace.npz is a file; expected an expert store"),
+                       (store / "manifest.json", f"manifest.json is a file: pass its directory, {store}"),
+                       (empty, "empty is an empty directory; expected an expert store")):
+        with pytest.raises(ModelNotFoundError) as info:
+            asyncside.load(path, progress=False)
+        assert said in str(info.value), str(info.value)
