@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +92,18 @@ def _bad_input(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a closed pipe is met here, not in the interpreter's own flush at exit
+        return rc
+    except BrokenPipeError:
+        # The reader went away (``asyncside routing info T --json | head``): no traceback, and the
+        # interpreter's flush at exit must not meet the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     unavailable = getattr(args, "_unavailable", None)

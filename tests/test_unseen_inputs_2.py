@@ -186,3 +186,18 @@ def test_load_says_what_a_path_that_is_no_model_is(tmp_path: pathlib.Path) -> No
         with pytest.raises(ModelNotFoundError) as info:
             asyncside.load(path, progress=False)
         assert said in str(info.value), str(info.value)
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path: pathlib.Path) -> None:
+    """``asyncside routing info T --json | head -2`` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.npz"
+    np.savez(trace, ids=np.array([[[0, 1]], [[2, 3]]], dtype=np.int64), n_experts=4)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncside", "routing", "info", str(trace), "--json", "--no-min"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes: its first write meets a pipe nobody reads
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
