@@ -201,3 +201,41 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path: 
     proc.stdout.close()  # before the command writes: its first write meets a pipe nobody reads
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_offload_says_no_cgroup_before_building(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no memory cgroup can be made, bench offload built every shape (minutes, GBs) before
+    saying so; now it says so first and builds nothing."""
+    import argparse
+
+    from asyncside.bench import offload, shapes
+
+    config = tmp_path / "my-moe" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 1024, '
+                      '"moe_intermediate_size": 128, "num_hidden_layers": 8, "num_experts": 16, '
+                      '"num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 2, '
+                      '"vocab_size": 512, "rope_theta": 1e6, "rms_norm_eps": 1e-6}')
+    built: list[object] = []
+    monkeypatch.setattr(shapes, "ensure_shape", lambda *a, **k: built.append(a) or pytest.fail("built"))
+    monkeypatch.setattr(offload, "check_cgroups", lambda limit: (False, "no cgroup here"))
+    p = argparse.ArgumentParser()
+    offload.add_offload_arguments(p)
+    args = p.parse_args(["--shapes", f"{config}:2", "--store-ratio", "0.001", "--cache-dir", str(tmp_path / "c"),
+                         "--quiet"])
+    args.json = True
+    with pytest.raises(offload.CgroupError, match="no cgroup here .nothing was built"):
+        offload.run_offload_bench(args)
+    assert built == []
+
+
+def test_a_budget_too_small_for_any_process_is_not_called_a_cgroup_failure() -> None:
+    """``bench offload --memory 64K``: /bin/true, moved into the cgroup, is killed by its OOM killer;
+    that was reported as "cannot move a process into ...: " with no reason."""
+    from asyncside.bench import offload
+
+    ok, why = offload.check_cgroups(1 << 30)
+    if not ok:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    ok, why = offload.check_cgroups(64 << 10)
+    assert not ok and "killed (out of memory)" in why and "65536 bytes" in why, why

@@ -38,6 +38,7 @@ import os
 import pathlib
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -187,6 +188,9 @@ def check_cgroups(limit: int) -> tuple[bool, str]:
     try:
         with MemoryCgroup(limit) as cg:
             out = subprocess.run(cg.wrap(["/bin/true"]), capture_output=True, text=True, timeout=30)
+            if out.returncode == -signal.SIGKILL:  # the cgroup's OOM killer: the limit, not the cgroup
+                return False, (f"a process moved into {cg.path} was killed (out of memory): a budget of "
+                               f"{limit} bytes does not hold even /bin/true")
             if out.returncode != 0:
                 return False, f"cannot move a process into {cg.path}: {out.stderr.strip()}"
         return True, f"cgroup v{cg.version}"
@@ -876,6 +880,12 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         planned = parse_shape_list(args.shapes)
         _refuse_before_building(args, planned, user)
+        # Whether a memory cgroup can be made at all, before minutes of building: the budget is
+        # known only once the stores are (checked again with it below).
+        ok, why = check_cgroups(1 << 30)
+        if not ok:
+            raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why} "
+                              "(nothing was built)")
         for typed, layers in planned:  # a name or a config.json path
             _log(verbose, f"shape {typed} ({layers or 'all'} layers): building or reusing")
             build = ensure_shape(typed, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
