@@ -239,3 +239,46 @@ def test_a_budget_too_small_for_any_process_is_not_called_a_cgroup_failure() -> 
         pytest.skip(f"no memory cgroup can be made here: {why}")
     ok, why = offload.check_cgroups(64 << 10)
     assert not ok and "killed (out of memory)" in why and "65536 bytes" in why, why
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+@pytest.mark.parametrize(("breakage", "file", "said"), [
+    ("no config", "config.json", "the model's config is missing"),
+    ("config not JSON", "config.json", "cannot be loaded from this store: Expecting"),
+    ("weights truncated", "model.safetensors", "cannot be loaded from this store: [load_safetensors]"),
+    ("a weight left out", "model.safetensors", "cannot be loaded from this store: Missing 1 parameters: lm_head"),
+])
+def test_a_store_whose_model_files_are_broken_names_the_file(breakage: str, file: str, said: str,
+                                                             quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A store without its config.json, or with a truncated model.safetensors, ended demo in a
+    FileNotFoundError or MLX RuntimeError traceback and failed serve's startup with one in the log."""
+    import shutil
+
+    import mlx.core as mx
+
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    if breakage == "no config":
+        (store / "config.json").unlink()
+    elif breakage == "config not JSON":
+        (store / "config.json").write_text("{")
+    elif breakage == "weights truncated":
+        data = (store / "model.safetensors").read_bytes()
+        (store / "model.safetensors").write_bytes(data[:1000])
+    else:
+        weights = mx.load(str(store / "model.safetensors"))
+        assert isinstance(weights, dict)
+        del weights["lm_head.biases"]
+        mx.save_safetensors(str(store / "model.safetensors"), weights)
+    for command in (["demo", "--tokens", "2"], ["serve", "--port", "0"]):
+        rc, err = run_cli(capsys, *command, "--model", str(store))
+        assert rc in (1, 2) and f"{store / file}: " in err and said in err, (command, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -10,6 +10,7 @@ through mlx-lm's own ``load_model`` (same sanitize/quantization path as ``mlx_lm
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -111,7 +112,16 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
                          f"metadata.{META_KEY}.switch")
     if not (path / NON_EXPERT_FILE).is_file():
         raise StoreError(path / NON_EXPERT_FILE, "non-expert weights are missing")
-    model, config = load_model(path, lazy=False, strict=True, get_model_classes=_stripped_classes(specs))
+    if not (path / "config.json").is_file():
+        raise StoreError(path / "config.json", "the model's config is missing (asyncside convert writes it beside "
+                                               "the manifest)")
+    try:
+        model, config = load_model(path, lazy=False, strict=True, get_model_classes=_stripped_classes(specs))
+    except (RuntimeError, ValueError) as exc:  # MLX's and mlx-lm's words for a file they cannot read
+        text = " ".join(str(exc).split())  # one line (mlx-lm lists missing parameters on the next)
+        at_fault = (path / "config.json" if isinstance(exc, json.JSONDecodeError)
+                    else path / NON_EXPERT_FILE if "safetensors" in text or "arameters" in text else path)
+        raise StoreError(at_fault, f"the model cannot be loaded from this store: {text}") from None
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
     return StreamingModel(
