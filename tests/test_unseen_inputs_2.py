@@ -282,3 +282,17 @@ def test_a_store_whose_model_files_are_broken_names_the_file(breakage: str, file
         rc, err = run_cli(capsys, *command, "--model", str(store))
         assert rc in (1, 2) and f"{store / file}: " in err and said in err, (command, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("stop", "said"), [
+    (["a", None], "'stop[1]' must be a string"), ([5], "'stop[0]' must be a string"),
+    (5, "'stop' must be a string or a list of strings, got int"),
+])
+def test_a_stop_list_names_the_entry_at_fault(stop: object, said: str) -> None:
+    """``"stop": ["a", null]`` was refused as "'stop' must be a string or a list of strings, got
+    list": a list it was."""
+    from asyncside.serving.protocol import RequestError, parse_completion
+
+    with pytest.raises(RequestError) as info:
+        parse_completion({"model": "m", "prompt": "hi", "stop": stop}, served_models=["m"])
+    assert said in str(info.value) and info.value.param == "stop", str(info.value)

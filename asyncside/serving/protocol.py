@@ -182,8 +182,12 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, list):
         raise RequestError(f"'stop' must be a string or a list of strings, got {_type_name(value)}", param="stop")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise RequestError(f"'stop[{i}]' must be a string ('stop' is a string or a list of strings), got "
+                               f"{_type_name(s)}", param="stop")
     if len(value) > MAX_STOP_SEQUENCES:
         raise RequestError(f"'stop' has {len(value)} sequences; at most {MAX_STOP_SEQUENCES} are allowed", param="stop")
     if any(s == "" for s in value):
