@@ -438,6 +438,24 @@ LOCALITIES: dict[str, dict[str, float]] = {
 }
 
 
+#: What generating one expert id of a synthetic trace holds at once (its random draws as Python
+#: objects, the ids): an estimate with a margin, to refuse a trace that cannot be made here.
+SYNTHETIC_BYTES_PER_ID = 256
+
+
+def synthetic_too_large(ids: int) -> str | None:
+    """Why a synthetic trace of ``ids`` expert ids (tokens x layers x top-k) cannot be generated in
+    the memory available now (None: it can); the generator itself does not check."""
+    from .memory import available_memory, describe_bytes
+
+    need = ids * SYNTHETIC_BYTES_PER_ID
+    room = available_memory()
+    if need <= room.available:
+        return None
+    return (f"{ids} expert ids take about {describe_bytes(need)} to generate, more than the "
+            f"{describe_bytes(room.available)} available ({room.source}); ask for fewer tokens or layers")
+
+
 def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: float, overlap: float,
               layer_corr: float, sequences: int = 1, seed: int = 0,
               prediction_precision: float | None = None) -> RoutingTrace:

@@ -101,26 +101,9 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
         print(text)
 
 
-#: What generating one expert id of a synthetic trace holds at once (its random draws as Python
-#: objects, the ids): an estimate with a margin, to refuse a trace that cannot be made here.
-SYNTHETIC_BYTES_PER_ID = 256
-
-
-def _preset_too_large(ids: int) -> str | None:
-    """Why a synthetic trace of ``ids`` expert ids cannot be generated in the memory available (None: it can)."""
-    from .memory import available_memory, describe_bytes
-
-    need = ids * SYNTHETIC_BYTES_PER_ID
-    room = available_memory()
-    if need <= room.available:
-        return None
-    return (f"{ids} expert ids take about {describe_bytes(need)} to generate, more than the "
-            f"{describe_bytes(room.available)} available ({room.source}); ask for fewer --tokens")
-
-
 def routing_main(args: argparse.Namespace) -> int:
     """Run ``asyncside routing``; 0 on success, 2 on a bad file or option (one line, no traceback)."""
-    from .routing import RoutingTrace, preset
+    from .routing import RoutingTrace, preset, synthetic_too_large
 
     try:
         if args.routing_command == "info":
@@ -135,7 +118,7 @@ def routing_main(args: argparse.Namespace) -> int:
                       if args.top_k > args.experts else []) + (
                 [f"--tokens {args.tokens} must be at least --sequences {args.sequences}"]
                 if args.tokens < args.sequences else [])
-            too_large = _preset_too_large(args.tokens * args.layers * args.top_k)
+            too_large = synthetic_too_large(args.tokens * args.layers * args.top_k)
             if too_large:
                 broken.append(f"--tokens {args.tokens} x --layers {args.layers} x --top-k {args.top_k}: {too_large}")
             if broken:

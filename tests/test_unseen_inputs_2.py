@@ -63,10 +63,13 @@ def test_a_preset_too_large_to_generate_is_refused_before_it_starts(tmp_path: pa
     monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(64 << 20, "test"))
     out = tmp_path / "p.npz"
     rc, err = run_cli(capsys, "routing", "preset", "high", str(out), "--tokens", "100000")
-    assert rc == 2 and "--tokens 100000 x --layers 8 x --top-k 6" in err and "fewer --tokens" in err, err
+    assert rc == 2 and "--tokens 100000 x --layers 8 x --top-k 6" in err and "fewer tokens" in err, err
     assert "Traceback" not in err and not out.exists()
     rc, err = run_cli(capsys, "routing", "preset", "high", str(out), "--tokens", "20")
     assert rc == 0 and out.exists(), err
+    # bench policy's synthetic traces: --layers 100000 was killed by the OOM killer.
+    rc, err = run_cli(capsys, "bench", "policy", "--quick", "--layers", "100000")
+    assert rc == 2 and "--layers 100000 --shapes 64x6" in err and "fewer tokens or layers" in err, err
 
 
 @pytest.mark.parametrize(("variable", "value"), [

@@ -151,13 +151,17 @@ def mixed_preset(_name: str = "mixed", **kw: Any) -> Any:
 def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]:
     """The traces the arguments name, by label (synthetic ones of ``sequences`` sequences of
     ``--tokens`` each)."""
-    from ..routing import RoutingTrace, preset
+    from ..routing import RoutingTrace, preset, synthetic_too_large
 
     traces: dict[str, Any] = {}
     presets = _option(args, "presets", _listed(_preset, allow_empty=True), [], [])
     shapes = _option(args, "shapes", _listed(_shape), list(DEFAULT_SHAPES), [(64, 6)])
     tokens = _option(args, "tokens", int_at_least(1), 2048, 256)
     layers = _option(args, "layers", int_at_least(1), 8, 2)
+    for e, k in shapes:  # before minutes of generating, or the OOM killer
+        too_large = synthetic_too_large(tokens * sequences * layers * k) if presets else None
+        if too_large:
+            raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {too_large}")
     for seed in _option(args, "seeds", _listed(_seed), [0], [0]):
         for e, k in shapes:
             for p in presets:
