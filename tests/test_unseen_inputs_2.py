@@ -299,3 +299,29 @@ def test_a_stop_list_names_the_entry_at_fault(stop: object, said: str) -> None:
     with pytest.raises(RequestError) as info:
         parse_completion({"model": "m", "prompt": "hi", "stop": stop}, served_models=["m"])
     assert said in str(info.value) and info.value.param == "stop", str(info.value)
+
+
+def test_the_slot_cache_gets_a_fraction_when_asyncside_gives_it_no_rows(quick_store: pathlib.Path) -> None:
+    """On a store far smaller than the budget (--store-ratio for a quick check), with asyncside's
+    run refused (a --tokens whose KV cache passes the plan's allowance), the slot cache was given
+    budget / 2 / store = 541 of each layer's experts and refused: "resident: expected a fraction in
+    [0, 1], got 541.75"."""
+    from asyncside.bench import offload
+
+    budget = 700 * 2**20
+    ok, why = offload.check_cgroups(budget)
+    if not ok:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    import argparse
+
+    p = argparse.ArgumentParser()
+    offload.add_offload_arguments(p)
+    args = p.parse_args(["--stores", str(quick_store), "--memory", str(budget), "--store-ratio", "0.001",
+                         "--seconds", "1", "--tokens", "100000000", "--systems", "asyncside,slot-cache",
+                         "--localities", "low", "--quiet"])
+    args.json = True
+    runs = {r["system"]: r for r in offload.run_offload_bench(args)["runs"]}
+    if runs["asyncside"]["status"] == "ok":
+        pytest.skip("asyncside's run was not refused here: the slot cache got its rows")
+    assert "resident" not in runs["slot-cache"]["status"], runs["slot-cache"]["status"]
+    assert runs["slot-cache"]["status"] == "ok", runs["slot-cache"]["status"]
