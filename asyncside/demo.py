@@ -407,6 +407,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     streamed = {"auto": None, "on": True, "off": False}[getattr(args, "streamed_switch", "auto")]
     options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra, streamed_switch=streamed)
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
+    if not prompt_ids:  # generation needs a token to start from (a tokenizer without BOS encodes "" to none)
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give a prompt of at least one token")
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None

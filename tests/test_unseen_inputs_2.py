@@ -325,3 +325,12 @@ def test_the_slot_cache_gets_a_fraction_when_asyncside_gives_it_no_rows(quick_st
         pytest.skip("asyncside's run was not refused here: the slot cache got its rows")
     assert "resident" not in runs["slot-cache"]["status"], runs["slot-cache"]["status"]
     assert runs["slot-cache"]["status"] == "ok", runs["slot-cache"]["status"]
+
+
+@pytest.mark.parametrize("command", [["demo", "--reference", "none"], ["bench", "generate", "--modes", "default"]])
+def test_a_prompt_of_no_tokens_is_refused(command: list[str], quick_store: pathlib.Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --prompt ''`` and ``bench generate --prompt ''`` ended in generate's ValueError
+    traceback (prompt_ids is empty)."""
+    rc, err = run_cli(capsys, *command, "--model", str(quick_store), "--prompt", "", "--tokens", "2")
+    assert rc == 2 and "--prompt '' encodes to no tokens" in err and "Traceback" not in err, err

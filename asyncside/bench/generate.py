@@ -673,6 +673,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
     prompt_ids = list(sm.tokenizer.encode(args.prompt))
+    if not prompt_ids:  # generation needs a token to start from (a tokenizer without BOS encodes "" to none)
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give a prompt of at least one token")
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
     if getattr(args, "routing", None):
