@@ -334,3 +334,30 @@ def test_a_prompt_of_no_tokens_is_refused(command: list[str], quick_store: pathl
     traceback (prompt_ids is empty)."""
     rc, err = run_cli(capsys, *command, "--model", str(quick_store), "--prompt", "", "--tokens", "2")
     assert rc == 2 and "--prompt '' encodes to no tokens" in err and "Traceback" not in err, err
+
+
+def test_serve_says_a_trace_of_another_shape_is_mapped(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``serve --routing`` with an 8-layer, 64-expert top-6 trace on a 2-layer, 32-expert top-4
+    model replayed it mapped onto the model and said nothing (demo says so since the first sweep):
+    the engine's description (/health, bench serve's JSON) holds the file's shape and a note, and
+    serve prints the note at start."""
+    import anyio
+
+    from asyncside.routing import preset
+    from asyncside.serving import open_engine
+
+    other = tmp_path / "other.npz"
+    preset("high", tokens=20, n_layers=8, n_experts=64, top_k=6).save(other)
+
+    async def described(trace: pathlib.Path) -> dict[str, object]:
+        async with open_engine(str(quick_store), routing=trace, resident=0.5) as engine:
+            return dict(engine.description["routing"])
+
+    routing = anyio.run(described, other)
+    assert routing["file"] == "other.npz" and routing["source_shape"] == {"n_layers": 8, "n_experts": 64, "top_k": 6}
+    assert routing["mapped_from"] == routing["source_shape"]
+    assert "8 layers x 64 experts top-6 mapped onto the model's 2 MoE layers x 32 experts top-4" in str(routing["note"])
+    own = tmp_path / "own.npz"
+    preset("high", tokens=20, n_layers=2, n_experts=32, top_k=4).save(own)
+    routing = anyio.run(described, own)
+    assert routing["mapped_from"] is None and routing["note"] is None

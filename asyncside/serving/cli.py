@@ -278,6 +278,9 @@ async def run_serve(args: argparse.Namespace) -> None:
         st = app.state.asyncside
         print(f"asyncside serve: {url} model={st.model_id} reader={st.engine.description.get('reader')}",
               flush=True)
+        routing = st.engine.description.get("routing") or {}
+        if routing.get("note"):  # a trace of another model's shape: replayed, but not as recorded
+            print(f"asyncside serve: routing {routing['file']}: {routing['note']}", flush=True)
 
     await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
 

@@ -64,6 +64,22 @@ def embedded_store_dir(cache_dir: str | None = None) -> str:
     return str(ensure_embedded_default(cache_dir)[1])
 
 
+def _routing_description(replay: Any, routing: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The engine's description of its routing replay: the trace's file name only (/health shows
+    it to any client), its tokens and sequences, its shape, and, where it was mapped onto the
+    model's (a trace of another model), the shape it came from and a note saying so."""
+    described = replay.describe()
+    out = {"file": os.path.basename(os.fspath(routing or "")), "tokens": replay.n_tokens,
+           "sequences": replay.fitted.n_sequences, "source_shape": described["source_shape"],
+           "mapped_from": described["mapped_from"], "note": None}
+    if described["mapped_from"] is not None:
+        src = described["source_shape"]
+        out["note"] = (f"its {src['n_layers']} layers x {src['n_experts']} experts top-{src['top_k']} mapped onto "
+                       f"the model's {len(replay.moe_layers)} MoE layers x {replay.n_experts} experts "
+                       f"top-{replay.top_k}")
+    return out
+
+
 @contextlib.asynccontextmanager
 async def open_engine(
     model: str | None = None,
@@ -124,9 +140,7 @@ async def open_engine(
                 "memory_budget": memory,
                 "plan": runtime.plan.describe() if runtime.plan is not None else None,
                 # The trace's file name only: /health shows the description to any client.
-                "routing": None if replay is None else {"file": os.path.basename(os.fspath(routing or "")),
-                                                        "tokens": replay.n_tokens,
-                                                        "sequences": replay.fitted.n_sequences},
+                "routing": None if replay is None else _routing_description(replay, routing),
             },
             health=health,
             routing=replay,
