@@ -339,6 +339,8 @@ class RoutingTrace:
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not self.top_k < top_k <= n:
             raise ValueError(f"widen: top_k must be an int in ({self.top_k}, {n}] (more than the trace's "
                              f"top-{self.top_k}, at most its {n} experts), got {top_k!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"widen: seed must be an int >= 0, got {seed!r}")
         top_k = int(top_k)
         T, L, K = self.ids.shape
         rng = np.random.default_rng([seed, 2])

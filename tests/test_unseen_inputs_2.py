@@ -361,3 +361,14 @@ def test_serve_says_a_trace_of_another_shape_is_mapped(quick_store: pathlib.Path
     preset("high", tokens=20, n_layers=2, n_experts=32, top_k=4).save(own)
     routing = anyio.run(described, own)
     assert routing["mapped_from"] is None and routing["note"] is None
+
+
+def test_widen_names_a_bad_seed() -> None:
+    """``RoutingTrace.widen(3, seed=-1)`` raised numpy's "expected non-negative integer"."""
+    from asyncside import RoutingTrace
+
+    trace = RoutingTrace(np.array([[[0, 1]]]), np.array([1]), 4, {})
+    for seed in (-1, 1.5, "0"):
+        with pytest.raises(ValueError, match="widen: seed must be an int >= 0"):
+            trace.widen(3, seed=seed)  # type: ignore[arg-type]
+    assert trace.widen(3, seed=np.int64(7)).top_k == 3
