@@ -372,3 +372,29 @@ def test_widen_names_a_bad_seed() -> None:
         with pytest.raises(ValueError, match="widen: seed must be an int >= 0"):
             trace.widen(3, seed=seed)  # type: ignore[arg-type]
     assert trace.widen(3, seed=np.int64(7)).top_k == 3
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"num_experts": None}, "config.json: mlx-lm cannot build a 'qwen3_moe' model from it: TypeError"),
+    ({"model_type": "llama4_weird"}, "model_type 'llama4_weird' is not supported"),
+])
+def test_converting_a_model_whose_config_mlx_lm_cannot_take_is_one_line(
+        change: dict[str, object], said: str, quick_store: pathlib.Path, tmp_path: pathlib.Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A model directory whose config.json lacks num_experts (or names an architecture mlx-lm does
+    not know) ended demo, on its first-use conversion, in mlx-lm's TypeError or ValueError traceback."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(quick_store.parent / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (model / "config.json").write_text(json.dumps(config))
+    rc, err = run_cli(capsys, "demo", "--model", str(model), "--cache-dir", str(tmp_path / "cache"), "--tokens", "2")
+    assert rc == 2 and said in err and "Traceback" not in err, err
+    assert not any(p.is_dir() for p in (tmp_path / "cache" / "stores").glob("*")), "no store left behind"
