@@ -9,6 +9,7 @@ import argparse
 import pathlib
 
 import pytest
+from _cli_support import run_cli
 
 from asyncside import cli
 from asyncside.bench import offload
@@ -22,15 +23,6 @@ def parse_offload(*argv: str) -> argparse.Namespace:
     args = p.parse_args(list(argv))
     args.json = True
     return args
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    """``asyncside ARGV``: (exit status, stderr); a SystemExit from argparse is its code."""
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code if isinstance(exc.code, int) else 1
-    return rc, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("option", "value"), [

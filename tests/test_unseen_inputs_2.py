@@ -12,17 +12,7 @@ import zipfile
 
 import numpy as np
 import pytest
-
-from asyncside import cli
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    """``asyncside ARGV``: (exit status, stderr); a SystemExit from argparse is its code."""
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = exc.code if isinstance(exc.code, int) else 1
-    return rc, capsys.readouterr().err
+from _cli_support import run_cli
 
 
 def _npy(array: np.ndarray) -> bytes:
