@@ -90,3 +90,20 @@ def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
     assert res["tokens_identical"] is True
     md = offload.render_markdown(res)
     assert md.count("\n| store") == len(res["runs"]) and "of MIN" in md
+
+
+def test_the_bench_fails_when_a_run_of_asyncsides_did_not_finish() -> None:
+    # mlx-lm killed under the limit is a finding; asyncside refused (a generation whose KV cache
+    # passes the budget, pools that do not fit) is the bench not measuring what it is for
+    from asyncside.bench import BENCHES
+
+    ok = BENCHES["offload"].ok
+    fine = {"system": "asyncside", "status": "ok"}
+    slot = {"system": "slot-cache", "status": "ok"}
+    killed = {"system": "mlx-lm", "status": "killed by the cgroup's OOM killer while loading"}
+    refused = {"system": "asyncside", "status": "exit status 2 while starting: AsyncsideError: max_tokens=..."}
+    assert ok({"tokens_identical": True, "runs": [fine, slot, killed]})
+    assert not ok({"tokens_identical": True, "runs": [refused, slot, killed]})
+    assert not ok({"tokens_identical": True, "runs": [fine, refused]})
+    assert not ok({"tokens_identical": False, "runs": [fine, slot]})
+    assert not ok({"tokens_identical": True, "runs": [killed]})
