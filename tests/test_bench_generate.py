@@ -305,3 +305,32 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
     kind, why = choose_reference(store, "auto", model)
     assert kind == "slot-cache" and "do not fit" in why
     assert choose_reference(store, "none", None) == ("none", "asked for")
+
+
+@pytest.mark.parametrize(("extra", "want"), [([], (2, "small")), (["--layers", "3"], (3, "small")),
+                                             (["--vocab", "full"], (2, None)), (["--layers", "1", "--vocab", "600"],
+                                                                              (1, 600))])
+def test_quick_on_a_shape_builds_a_few_layers_and_a_small_vocabulary(
+        extra: list[str], want: tuple[int, str | int | None], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: pathlib.Path) -> None:
+    # --quick with --shape built the whole shape with its full vocabulary (qwen3-30b-a3b: 48
+    # layers, 151,936 tokens): not a smoke run
+    asked: list[dict[str, object]] = []
+
+    def fake(shape: str, **kw: object) -> dict[str, object]:
+        asked.append(kw)
+        raise RuntimeError("stop before building")
+
+    monkeypatch.setattr(shapes, "ensure_shape", fake)
+    p = argparse.ArgumentParser()
+    bench.add_generate_arguments(p)
+    args = p.parse_args(["--shape", "qwen3-30b-a3b", "--quick", "--cache-dir", str(tmp_path), *extra])
+    with pytest.raises(RuntimeError, match="stop before building"):
+        bench._resolve_store(args, verbose=False)
+    layers, vocab = want
+    assert asked[0]["layers"] == layers
+    assert asked[0]["vocab"] == (bench.SMALL_VOCAB if vocab == "small" else vocab)
+    args = p.parse_args(["--shape", "qwen3-30b-a3b", "--cache-dir", str(tmp_path)])  # not quick: as asked
+    with pytest.raises(RuntimeError):
+        bench._resolve_store(args, verbose=False)
+    assert asked[1]["layers"] is None and asked[1]["vocab"] is None

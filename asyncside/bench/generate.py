@@ -116,7 +116,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", metavar="V", default=None,
                    help=f"--shape vocabulary: 'full' (default, the real size), 'small' ({SMALL_VOCAB}) or a number")
     p.add_argument("--quick", action="store_true",
-                   help="tiny model and run for CI smoke tests (about a minute; numbers are noise)")
+                   help="tiny model and run for CI smoke tests (about a minute; numbers are noise); with "
+                        "--shape, 2 layers and the small vocabulary unless --layers / --vocab say otherwise")
     p.add_argument("--tokens", metavar="N", type=positive_int, default=None,
                    help="tokens generated per run (default 32)")
     p.add_argument("--repeats", metavar="N", type=int, default=None,
@@ -488,6 +489,10 @@ def _vocab(value: str | None) -> int | None:
         raise ValueError(f"--vocab must be 'full', 'small' or an integer, got {value!r}") from None
 
 
+#: ``--quick`` with ``--shape``: the shape's MoE layers built unless ``--layers`` says otherwise
+QUICK_SHAPE_LAYERS = 2
+
+
 #: the quick model: the embedded architecture, shrunk (2 layers, 32 experts)
 def _quick_spec() -> EmbeddedSpec:
     from ..models.embedded import EmbeddedSpec
@@ -515,6 +520,9 @@ def _resolve_store(args: argparse.Namespace, verbose: bool) -> tuple[pathlib.Pat
             raise ValueError("--model and --shape are exclusive: a store, or a shape built for the bench")
         return check_store_dir("--model", args.model), {"kind": "store"}
     if shape is not None:
+        if args.quick:  # a smoke run of the shape: a few layers and a small vocabulary unless asked
+            layers = QUICK_SHAPE_LAYERS if layers is None else layers
+            vocab = "small" if vocab is None else vocab
         build = ensure_shape(shape, layers=layers, vocab=_vocab(vocab), cache_dir=args.cache_dir, progress=verbose)
         info = {"kind": "shape", "shape": build["shape"], "source": build.get("source"),
                 "built_as": build.get("built_as"), "note": build.get("note"), "layers": build["layers"],
