@@ -24,6 +24,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return check
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: integers >= 1 separated by commas (client counts, rows, batch sizes); a
+    usage error saying so otherwise."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return counts
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (seconds, a ratio); a usage error saying so otherwise
     (0, a negative number, NaN and infinity are refused, not carried into a run)."""

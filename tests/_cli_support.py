@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from asyncside import cli
@@ -14,3 +16,14 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1
     return rc, capsys.readouterr().err
+
+
+def offload_args(*argv: str) -> argparse.Namespace:
+    """``asyncside bench offload ARGV`` parsed as the command parses it, with ``--json``."""
+    from asyncside.bench import offload
+
+    p = argparse.ArgumentParser()
+    offload.add_offload_arguments(p)
+    args = p.parse_args(list(argv))
+    args.json = True
+    return args

@@ -6,10 +6,10 @@ with the reason, where none can be made.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
 import pytest
+from _cli_support import offload_args
 
 from asyncside.bench import offload
 
@@ -65,11 +65,8 @@ def test_a_process_over_the_limit_is_reported_killed(cgroups: None, quick_store:
 def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
     """Every system runs in its own cgroup under the budget, never above it, with every column, and
     the tokens of every system equal the all-resident reference's under the same replayed routing."""
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(["--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio", "0.001",
-                         "--seconds", "2", "--tokens", "10", "--localities", "low,high"])
-    args.json = True
+    args = offload_args("--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio", "0.001",
+                        "--seconds", "2", "--tokens", "10", "--localities", "low,high")
     res = offload.run_offload_bench(args)
     assert res["budget_bytes"] == BUDGET and res["cgroup"].startswith("cgroup v")
     (shape,) = res["shapes"]

@@ -7,13 +7,13 @@ refusals come before any cgroup is made and run anywhere.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 from typing import Any
 
 import numpy as np
 import pytest
+from _cli_support import offload_args
 
 from asyncside import cli
 from asyncside.bench import offload
@@ -40,14 +40,6 @@ def write_trace(path: pathlib.Path, *, tokens: tuple[int, ...] = (7, 5), layers:
     arrays.update(override)
     np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
     return path
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(list(argv))
-    args.json = True
-    return args
 
 
 def test_labels_are_stems_made_distinct() -> None:
@@ -116,9 +108,9 @@ def test_a_smaller_top_k_is_refused_by_name(tmp_path: pathlib.Path, capsys: pyte
 
 def test_predictor_trace_with_presets_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="carry none"):
-        offload.run_offload_bench(parse("--localities", "low", "--predictor", "trace"))
+        offload.run_offload_bench(offload_args("--localities", "low", "--predictor", "trace"))
     with pytest.raises(ValueError, match="nothing to replay"):
-        offload.run_offload_bench(parse("--localities", ""))
+        offload.run_offload_bench(offload_args("--localities", ""))
 
 
 def test_a_user_trace_end_to_end(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -129,7 +121,7 @@ def test_a_user_trace_end_to_end(quick_store: pathlib.Path, tmp_path: pathlib.Pa
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
     trace = write_trace(tmp_path / "recorded.npz", tokens=(6, 9))
-    res = offload.run_offload_bench(parse("--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio",
+    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio",
                                           "0.001", "--seconds", "2", "--tokens", "10", "--routing", str(trace)))
     (shape,) = res["shapes"]
     assert list(shape["compute"]) == ["recorded"] and shape["compute"]["recorded"]["status"] == "ok"
@@ -150,10 +142,10 @@ def test_a_user_trace_end_to_end(quick_store: pathlib.Path, tmp_path: pathlib.Pa
 def test_memory_sizes_a_user_types(capsys: pytest.CaptureFixture[str]) -> None:
     """--memory takes what demo's takes (powers of 1024, with or without B or iB); nonsense is a usage error."""
     for text, want in (("600M", 600 * 2**20), ("1.5G", 3 * 2**29), ("1536MiB", 3 * 2**29), ("2GB", 2 * 2**30)):
-        assert parse("--memory", text).memory == want
+        assert offload_args("--memory", text).memory == want
     for bad in ("nan", "lots", "16", "-1G"):
         with pytest.raises(SystemExit):
-            parse("--memory", bad)
+            offload_args("--memory", bad)
         assert "--memory" in capsys.readouterr().err
 
 

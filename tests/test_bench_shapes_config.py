@@ -7,7 +7,6 @@ tools/device/three_tier.py load and decode.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import pathlib
@@ -15,6 +14,7 @@ import types
 from typing import Any
 
 import pytest
+from _cli_support import offload_args
 
 from asyncside.bench import shapes
 from asyncside.cli import main
@@ -341,12 +341,9 @@ def test_offload_takes_a_config_path(tmp_path: pathlib.Path) -> None:
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
     path = _write(tmp_path / "tiny-mixtral", TINY_MIXTRAL)
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(["--shapes", f"{path}:1", "--vocab", "300", "--cache-dir", str(tmp_path / "cache"),
-                         "--memory", "700M", "--store-ratio", "0.0001", "--seconds", "2", "--tokens", "6",
-                         "--localities", "high", "--systems", "asyncside", "--quiet"])
-    args.json = True
+    args = offload_args("--shapes", f"{path}:1", "--vocab", "300", "--cache-dir", str(tmp_path / "cache"),
+                        "--memory", "700M", "--store-ratio", "0.0001", "--seconds", "2", "--tokens", "6",
+                        "--localities", "high", "--systems", "asyncside", "--quiet")
     res = offload.run_offload_bench(args)
     (shape,) = res["shapes"]
     assert shape["shape"] == "tiny-mixtral" and shape["moe_layers"] == 1 and shape["experts_per_layer"] == 8

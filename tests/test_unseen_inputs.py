@@ -9,20 +9,12 @@ import argparse
 import pathlib
 
 import pytest
-from _cli_support import run_cli
+from _cli_support import offload_args, run_cli
 
 from asyncside import cli
 from asyncside.bench import offload
 
 MB = 1_000_000
-
-
-def parse_offload(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(list(argv))
-    args.json = True
-    return args
 
 
 @pytest.mark.parametrize(("option", "value"), [
@@ -204,7 +196,7 @@ def test_of_min_is_at_most_one_on_a_one_token_trace(quick_store: pathlib.Path, t
         pytest.skip(f"no memory cgroup can be made here: {why}")
     trace = tmp_path / "one.npz"
     np.savez(trace, ids=np.array([[[0, 1, 2, 3]] * 2], dtype=np.int64), n_experts=32)
-    res = offload.run_offload_bench(parse_offload("--stores", str(quick_store), "--memory", str(budget),
+    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(budget),
                                                   "--store-ratio", "0.001", "--seconds", "2", "--tokens", "8",
                                                   "--systems", "asyncside", "--routing", str(trace), "--quiet"))
     (run,) = res["runs"]
@@ -356,13 +348,13 @@ def test_a_trailing_colon_is_no_layer_count(text: str) -> None:
 def test_offload_vocab_takes_what_its_message_names(text: str, value: int | None) -> None:
     """A bad --vocab is refused as "an integer >= 258, 'small' or 'full'", yet bench offload's
     --vocab refused 'small' and 'full' as invalid ints (bench generate takes them)."""
-    assert parse_offload("--vocab", text).vocab == value
+    assert offload_args("--vocab", text).vocab == value
 
 
 @pytest.mark.parametrize("text", ["100", "tiny", "-1", "nan"])
 def test_offload_vocab_refused_when_parsed(text: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        parse_offload("--vocab", text)
+        offload_args("--vocab", text)
     assert "--vocab" in capsys.readouterr().err
 
 
@@ -508,7 +500,7 @@ def test_a_shape_that_cannot_pass_the_ratio_is_refused_before_building(monkeypat
 
     monkeypatch.setattr(shapes, "ensure_shape", no_build)
     with pytest.raises(ValueError, match="no number of layers") as info:
-        offload.run_offload_bench(parse_offload("--shapes", "mixtral-8x7b:2", "--localities", "low", "--quiet"))
+        offload.run_offload_bench(offload_args("--shapes", "mixtral-8x7b:2", "--localities", "low", "--quiet"))
     assert str(info.value).startswith("--shapes mixtral-8x7b:2"), str(info.value)
 
 
@@ -556,7 +548,7 @@ def test_offload_refuses_a_narrow_trace_before_building(tmp_path: pathlib.Path, 
     narrow = tmp_path / "top2.npz"
     np.savez(narrow, ids=np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), n_experts=128)
     with pytest.raises(RoutingReplayError, match="top-2"):
-        offload.run_offload_bench(parse_offload("--shapes", "qwen3-30b-a3b:8", "--routing", str(narrow), "--quiet"))
+        offload.run_offload_bench(offload_args("--shapes", "qwen3-30b-a3b:8", "--routing", str(narrow), "--quiet"))
 
 
 def test_generate_refuses_a_narrow_trace_before_building(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,

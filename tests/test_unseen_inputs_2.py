@@ -12,7 +12,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from _cli_support import run_cli
+from _cli_support import offload_args, run_cli
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -199,8 +199,6 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path: 
 def test_offload_says_no_cgroup_before_building(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no memory cgroup can be made, bench offload built every shape (minutes, GBs) before
     saying so; now it says so first and builds nothing."""
-    import argparse
-
     from asyncside.bench import offload, shapes
 
     config = tmp_path / "my-moe" / "config.json"
@@ -219,11 +217,8 @@ def test_offload_says_no_cgroup_before_building(tmp_path: pathlib.Path, monkeypa
     held = memory.proc_self_bytes
     monkeypatch.setattr(memory, "proc_self_bytes",
                         lambda f, k: 100 << 20 if (f, k) == ("status", "VmRSS") else held(f, k))
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(["--shapes", f"{config}:2", "--store-ratio", "0.001", "--cache-dir", str(tmp_path / "c"),
-                         "--quiet"])
-    args.json = True
+    args = offload_args("--shapes", f"{config}:2", "--store-ratio", "0.001", "--cache-dir", str(tmp_path / "c"),
+                        "--quiet")
     with pytest.raises(offload.CgroupError, match="no cgroup here .nothing was built"):
         offload.run_offload_bench(args)
     assert built == []
@@ -309,14 +304,10 @@ def test_the_slot_cache_gets_a_fraction_when_asyncside_gives_it_no_rows(quick_st
     ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
-    import argparse
 
-    p = argparse.ArgumentParser()
-    offload.add_offload_arguments(p)
-    args = p.parse_args(["--stores", str(quick_store), "--memory", str(budget), "--store-ratio", "0.001",
-                         "--seconds", "1", "--tokens", "100000000", "--systems", "asyncside,slot-cache",
-                         "--localities", "low", "--quiet"])
-    args.json = True
+    args = offload_args("--stores", str(quick_store), "--memory", str(budget), "--store-ratio", "0.001",
+                        "--seconds", "1", "--tokens", "100000000", "--systems", "asyncside,slot-cache",
+                        "--localities", "low", "--quiet")
     runs = {r["system"]: r for r in offload.run_offload_bench(args)["runs"]}
     if runs["asyncside"]["status"] == "ok":
         pytest.skip("asyncside's run was not refused here: the slot cache got its rows")

@@ -17,9 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+from asyncside.argtypes import positive_ints
 
 
 def timed(x: mx.array, w: tuple[mx.array, mx.array, mx.array], idx: mx.array, bits: int, sort: bool,
@@ -47,7 +45,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--tokens", type=_ints, default=[1, 8])
+    ap.add_argument("--tokens", type=positive_ints, default=[1, 8])
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)

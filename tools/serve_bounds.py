@@ -25,19 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncside.argtypes import positive_ints
 from asyncside.models.trace import belady
 from asyncside.policy_replay import replay_steps
 from asyncside.routing import RoutingTrace, preset
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return out
 
 
 def batch_demands(trace: RoutingTrace, layer: int, group: list[int]) -> list[set[int]]:
@@ -108,8 +99,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--sequences", type=int, default=16)
-    ap.add_argument("--rows", type=_ints, default=[11, 32], help="rows a layer keeps (comma-separated)")
-    ap.add_argument("--batches", type=_ints, default=[1, 2, 4, 8], help="requests at once (comma-separated)")
+    ap.add_argument("--rows", type=positive_ints, default=[11, 32], help="rows a layer keeps (comma-separated)")
+    ap.add_argument("--batches", type=positive_ints, default=[1, 2, 4, 8], help="requests at once (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     traces: dict[str, RoutingTrace] = {}

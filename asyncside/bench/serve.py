@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..argtypes import int_at_least, positive_float
+from ..argtypes import int_at_least, positive_float, positive_ints
 from . import require_extra
 from .machine import machine_info
 
@@ -265,16 +265,6 @@ def wait_quiet(pid: int, *, busy: float = 0.2, interval: float = 0.5, timeout: f
     return time.perf_counter() - start
 
 
-def _parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return counts
-
-
 def _seconds_at_least_0(text: str) -> float:
     """``--warmup``: a finite number of seconds >= 0 (0: no warm-up)."""
     try:
@@ -293,7 +283,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_engine_arguments(parser)
     parser.set_defaults(resident=0.5)
-    parser.add_argument("--clients", type=_parse_counts, default=[1, 8, 32],
+    parser.add_argument("--clients", type=positive_ints, default=[1, 8, 32],
                         help="client counts, one phase each (default 1,8,32)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds per phase (default 60)")
     parser.add_argument("--warmup", type=_seconds_at_least_0, default=10.0,
@@ -302,11 +292,11 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "on first use, and MLX keeps them on disk: without a warm-up the server run first "
                              "pays for both")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=32, help="tokens per request (default 32)")
-    parser.add_argument("--prompt-lengths", type=_parse_counts, default=[8, 32, 128],
+    parser.add_argument("--prompt-lengths", type=positive_ints, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
     parser.add_argument("--long-prompt", type=int_at_least(0), default=2000,
                         help="tokens of the one long prompt client 0 sends first (default 2000; 0: none)")
-    parser.add_argument("--long-prompt-clients", type=_parse_counts, default=None, metavar="N,...",
+    parser.add_argument("--long-prompt-clients", type=positive_ints, default=None, metavar="N,...",
                         help="the phases (client counts) that include the long prompt (default: the largest "
                              "client count, when it is more than 1)")
     parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false",
