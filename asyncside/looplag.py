@@ -51,16 +51,13 @@ async def measure_loop_lag(interval: float = 0.005) -> AsyncIterator[LoopLag]:
     if interval <= 0:
         raise ValueError(f"interval must be > 0, got {interval}")
     lag = LoopLag(interval)
+    tg = anyio.create_task_group()
+    await tg.__aenter__()
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_tick, lag)
-            try:
-                yield lag
-            finally:
-                tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The sampler never fails: a lone error is the body's own, and its caller expects it as
-        # raised (a refusal the command line prints), not wrapped by the task group.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        tg.start_soon(_tick, lag)
+        yield lag
+    finally:
+        tg.cancel_scope.cancel()
+        # Not the body's exception: the task group would wrap it in an ExceptionGroup, and its
+        # caller expects it as raised (a refusal the command line prints), as Runtime does.
+        await tg.__aexit__(None, None, None)
