@@ -257,14 +257,13 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise StoreError(src / "config.json", f"not a readable JSON config: {exc}") from None
     if not isinstance(raw, dict):
         raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
-    arch_for(str(raw.get("model_type", "")))  # an architecture asyncside cannot stream: refused before mlx-lm builds it
+    arch = arch_for(str(raw.get("model_type", "")))  # one asyncside cannot stream: refused before mlx-lm builds it
     try:
         model, config = load_model(src, lazy=True)
     except (TypeError, ValueError, KeyError) as exc:  # mlx-lm's ModelArgs on a config it cannot take
         text = " ".join(str(exc).split())
         raise StoreError(src / "config.json", f"mlx-lm cannot build a {raw.get('model_type')!r} model from it: "
                                               f"{type(exc).__name__}: {text}") from None
-    arch = arch_for(config.get("model_type", ""))
     moe = moe_layers(model, arch)
     specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
     paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}

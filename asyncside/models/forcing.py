@@ -107,14 +107,20 @@ class RoutingReplay:
         src = {"n_layers": int(self.trace.n_layers), "n_experts": int(self.trace.n_experts),
                "top_k": int(self.trace.top_k)}
         mapped = self.fitted is not self.trace
-        shape = f"{src['n_layers']} layers x {src['n_experts']} experts top-{src['top_k']}"
-        fit = (f"its {shape} mapped onto the model's {len(self.moe_layers)} MoE layers x {self.n_experts} experts "
-               f"top-{self.top_k}" if mapped else f"its {shape}, the model's own")
         note = (f"{self.source}: sequence {self.sequence} of {self.trace.n_sequences} replayed ({self.n_tokens} "
-                f"token{'s' if self.n_tokens != 1 else ''}; later positions wrap around); {fit}")
+                f"token{'s' if self.n_tokens != 1 else ''}; later positions wrap around); {self.fit_note()}")
         return {"sequence": self.sequence, "sequences": int(self.trace.n_sequences), "sequence_tokens": self.n_tokens,
                 "source_shape": src, "mapped_from": self.fitted.meta.get("mapped_from", src) if mapped else None,
                 "note": note}
+
+    def fit_note(self) -> str:
+        """The trace's shape and whether it was mapped onto the model's, in words."""
+        t = self.trace
+        shape = f"{t.n_layers} layers x {t.n_experts} experts top-{t.top_k}"
+        if self.fitted is t:
+            return f"its {shape}, the model's own"
+        return (f"its {shape} mapped onto the model's {len(self.moe_layers)} MoE layers x {self.n_experts} experts "
+                f"top-{self.top_k}")
 
     def host_ids(self, layer: int, start: int, n: int) -> np.ndarray:
         """The forced ids of MoE decoder layer ``layer`` for positions ``start .. start+n-1``: (n, top_k)."""

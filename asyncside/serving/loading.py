@@ -71,12 +71,8 @@ def _routing_description(replay: Any, routing: str | os.PathLike[str] | None) ->
     described = replay.describe()
     out = {"file": os.path.basename(os.fspath(routing or "")), "tokens": replay.n_tokens,
            "sequences": replay.fitted.n_sequences, "source_shape": described["source_shape"],
-           "mapped_from": described["mapped_from"], "note": None}
-    if described["mapped_from"] is not None:
-        src = described["source_shape"]
-        out["note"] = (f"its {src['n_layers']} layers x {src['n_experts']} experts top-{src['top_k']} mapped onto "
-                       f"the model's {len(replay.moe_layers)} MoE layers x {replay.n_experts} experts "
-                       f"top-{replay.top_k}")
+           "mapped_from": described["mapped_from"],
+           "note": replay.fit_note() if described["mapped_from"] is not None else None}
     return out
 
 
