@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from .errors import EnvVarError
 
@@ -84,34 +85,69 @@ def check_native_env(environ: Mapping[str, str] | None = None) -> None:
             raise EnvVarError(var.name, value, var.expected)
 
 
-def _reader(value: str) -> bool:
-    return value.strip() in ("", "io_uring", "threads", "aiofiles")
+#: The read backends, by name (``reader=`` and ``$ASYNCSIDE_READER`` name one; asyncside.readers).
+READERS = ("io_uring", "threads", "aiofiles")
+ENV_READER = "ASYNCSIDE_READER"
+ENV_DIRECT = "ASYNCSIDE_DIRECT"
+ENV_DIRECT_DECODE_TOKENS = "ASYNCSIDE_DIRECT_DECODE_TOKENS"
+ENV_ROWS_CONCURRENCY = "ASYNCSIDE_ROWS_CONCURRENCY"
+_SWITCH = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
 
 
-def _switch(value: str) -> bool:
-    return value.strip().lower() in ("", "0", "false", "no", "1", "true", "yes")
+def env_reader(value: str) -> str | None:
+    """A value of ``$ASYNCSIDE_READER``: the backend it names, None where it is blank (the choice is
+    automatic). An :class:`~asyncside.errors.EnvVarError` where it names no backend."""
+    name = value.strip()
+    if name and name not in READERS:
+        raise EnvVarError(ENV_READER, value, f"one of {list(READERS)}")
+    return name or None
 
 
-def _tokens(value: str) -> bool:
+def env_direct(value: str) -> bool:
+    """A value of ``$ASYNCSIDE_DIRECT``: True for 1/true/yes, False for 0/false/no or blank (any
+    case, spaces around ignored). An :class:`~asyncside.errors.EnvVarError` for anything else."""
+    switch = _SWITCH.get(value.strip().lower())
+    if switch is None:
+        raise EnvVarError(ENV_DIRECT, value, "1/true/yes or 0/false/no")
+    return switch
+
+
+def env_direct_decode_tokens(value: str) -> int | None:
+    """A value of ``$ASYNCSIDE_DIRECT_DECODE_TOKENS``: the token count, None where it is empty (the
+    default). An :class:`~asyncside.errors.EnvVarError` for anything but a count >= 0."""
+    if value == "":
+        return None
     try:
-        return value == "" or int(value) >= 0
+        count = int(value)
     except ValueError:
-        return False
+        count = -1
+    if count < 0:
+        raise EnvVarError(ENV_DIRECT_DECODE_TOKENS, value, "a token count >= 0")
+    return count
 
 
-def _rows_concurrency(value: str) -> bool:
+def env_rows_concurrency(value: str) -> int | Literal["auto", "off"]:
+    """A value of ``$ASYNCSIDE_ROWS_CONCURRENCY``: ``"auto"`` (also blank), ``"off"`` (any case) or
+    a count >= 1. An :class:`~asyncside.errors.EnvVarError` for anything else."""
     raw = value.strip().lower()
-    return raw in ("", "auto", "off") or (re.fullmatch(r"[0-9]+", raw) is not None and int(raw) >= 1)
+    if raw in ("", "auto"):
+        return "auto"
+    if raw == "off":
+        return "off"
+    # fullmatch on ASCII digits: str.isdigit takes a superscript digit, which int() refuses
+    if re.fullmatch(r"[0-9]+", raw) is None or int(raw) < 1:
+        raise EnvVarError(ENV_ROWS_CONCURRENCY, value, "off, auto or a count >= 1")
+    return int(raw)
 
 
-#: The ``ASYNCSIDE_*`` variables read from Python that take a fixed set of values, with what each
-#: accepts in words (as its reader's error says it) and the check; read where they are used, so a bad
+#: The ``ASYNCSIDE_*`` variables read from Python that take a fixed set of values, each with the
+#: parse its reader uses (an EnvVarError for a value outside them); read where they are used, so a bad
 #: value would otherwise surface only once a model has loaded (or, for a serve-only one, never in demo).
-PYTHON_VARIABLES: dict[str, tuple[str, Callable[[str], bool]]] = {
-    "ASYNCSIDE_READER": ("one of ['io_uring', 'threads', 'aiofiles']", _reader),
-    "ASYNCSIDE_DIRECT": ("1/true/yes or 0/false/no", _switch),
-    "ASYNCSIDE_DIRECT_DECODE_TOKENS": ("a token count >= 0", _tokens),
-    "ASYNCSIDE_ROWS_CONCURRENCY": ("off, auto or a count >= 1", _rows_concurrency),
+PYTHON_VARIABLES: dict[str, Callable[[str], object]] = {
+    ENV_READER: env_reader,
+    ENV_DIRECT: env_direct,
+    ENV_DIRECT_DECODE_TOKENS: env_direct_decode_tokens,
+    ENV_ROWS_CONCURRENCY: env_rows_concurrency,
 }
 
 
@@ -121,7 +157,7 @@ def check_env(environ: Mapping[str, str] | None = None) -> None:
     anything loads, a :class:`~asyncside.runtime.Runtime` when it is entered."""
     env = os.environ if environ is None else environ
     check_native_env(env)
-    for name, (expected, accepts) in PYTHON_VARIABLES.items():
+    for name, parse in PYTHON_VARIABLES.items():
         value = env.get(name)
-        if value is not None and not accepts(value):
-            raise EnvVarError(name, value, expected)
+        if value is not None:
+            parse(value)

@@ -37,15 +37,16 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._native import ReaderOptions as ReaderOptions  # re-exported: the one options struct
-from .errors import AsyncsideError
+from .errors import AsyncsideError, EnvVarError
+from .native_env import ENV_DIRECT as ENV_DIRECT  # re-exported: defined with their environment checks
+from .native_env import ENV_READER as ENV_READER
+from .native_env import READERS as READERS
+from .native_env import env_direct, env_reader
 from .pools import PoolSet
 from .store import LayerSpec
 
 log = logging.getLogger(__name__)
 
-READERS = ("io_uring", "threads", "aiofiles")
-ENV_READER = "ASYNCSIDE_READER"
-ENV_DIRECT = "ASYNCSIDE_DIRECT"
 #: Gaps between segments up to this are read into a sink (one vectored read); larger ones split it.
 JUNK_BYTES = 64 * 1024
 DIRECT_ALIGN = 4096
@@ -76,13 +77,14 @@ def choose_reader(requested: str = "auto") -> str:
     if requested not in (*READERS, "auto"):
         raise ValueError(f"reader: expected one of {['auto', *READERS]}, got {requested!r}")
     if requested == "auto":
-        env = os.environ.get(ENV_READER, "").strip()
-        if env:
-            if env not in READERS:
-                raise ValueError(f"${ENV_READER}: expected one of {list(READERS)}, got {env!r}")
-            requested = env
-        else:
+        env = os.environ.get(ENV_READER, "")
+        try:
+            named = env_reader(env)
+        except EnvVarError:
+            raise ValueError(f"${ENV_READER}: expected one of {list(READERS)}, got {env.strip()!r}") from None
+        if named is None:
             return "io_uring" if io_uring_status()[0] else "threads"
+        requested = named
     if requested == "io_uring":
         ok, why = io_uring_status()
         if not ok:
@@ -91,12 +93,11 @@ def choose_reader(requested: str = "auto") -> str:
 
 
 def _env_direct() -> bool:
-    env = os.environ.get(ENV_DIRECT, "").strip().lower()
-    if env in ("", "0", "false", "no"):
-        return False
-    if env in ("1", "true", "yes"):
-        return True
-    raise ValueError(f"${ENV_DIRECT}: expected 0 or 1, got {env!r}")
+    env = os.environ.get(ENV_DIRECT, "")
+    try:
+        return env_direct(env)
+    except EnvVarError:
+        raise ValueError(f"${ENV_DIRECT}: expected 0 or 1, got {env.strip().lower()!r}") from None
 
 
 def reader_options(options: ReaderOptions | None = None, *, direct: bool | None = None) -> ReaderOptions:

@@ -102,6 +102,41 @@ def test_python_read_variables_accept_what_their_readers_take(variable: str, val
         assert rows_concurrency(None, None) == {" 3 ": 3, "OFF": None, "": None}[value]
 
 
+_READ_AS_CHECKED = {
+    "ASYNCSIDE_READER": ["threads", " aiofiles ", "", " ", "AIOFILES", "mmap", "auto"],
+    "ASYNCSIDE_DIRECT": ["1", " TRUE ", "no", "", "2", "on", "maybe"],
+    "ASYNCSIDE_DIRECT_DECODE_TOKENS": ["0", " 7 ", "", "-1", "1.5", "x", "\u00b2"],
+    "ASYNCSIDE_ROWS_CONCURRENCY": ["auto", " Off ", "", "4", "0", "-2", "+3", "\u00b2", "many"],
+}
+
+
+@pytest.mark.parametrize(("variable", "value"), [(v, x) for v, xs in _READ_AS_CHECKED.items() for x in xs])
+def test_python_read_variables_are_read_as_they_are_checked(variable: str, value: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_env refuses a value exactly when the variable's reader would: the command line checks
+    before anything loads, the reader when the value is used."""
+    from asyncside.native_env import check_env
+    from asyncside.readers import _env_direct, choose_reader
+    from asyncside.runtime._queued import direct_decode_tokens
+    from asyncside.serving.kv_budget import rows_concurrency
+
+    readers = {"ASYNCSIDE_READER": lambda: choose_reader("auto"), "ASYNCSIDE_DIRECT": _env_direct,
+               "ASYNCSIDE_DIRECT_DECODE_TOKENS": direct_decode_tokens,
+               "ASYNCSIDE_ROWS_CONCURRENCY": lambda: rows_concurrency(None, None)}
+    monkeypatch.setenv(variable, value)
+    try:
+        check_env()
+        checked = True
+    except ValueError:
+        checked = False
+    try:
+        readers[variable]()
+        read = True
+    except ValueError:
+        read = False
+    assert checked == read, (variable, value, checked, read)
+
+
 @pytest.mark.parametrize(("option", "value"), [
     ("--duration", "0"), ("--duration", "nan"), ("--duration", "inf"), ("--warmup", "-1"), ("--warmup", "nan"),
     ("--max-tokens", "0"), ("--long-prompt", "-1"),

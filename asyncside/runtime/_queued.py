@@ -21,7 +21,8 @@ import numpy as np
 
 import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
 
-from ..errors import AsyncsideError, EnvVarError, FillError
+from ..errors import AsyncsideError, FillError
+from ..native_env import ENV_DIRECT_DECODE_TOKENS, env_direct_decode_tokens
 from ._leases import Leases
 from ._plan import MemoryPlan, tier_bytes
 from ._state import LayerState, Shared, native_available
@@ -44,16 +45,8 @@ DIRECT_DECODE_TOKENS = 0
 
 def direct_decode_tokens() -> int:
     """:data:`DIRECT_DECODE_TOKENS`, or ``ASYNCSIDE_DIRECT_DECODE_TOKENS`` where set (a count >= 0)."""
-    raw = os.environ.get("ASYNCSIDE_DIRECT_DECODE_TOKENS")
-    if raw is None or raw == "":
-        return DIRECT_DECODE_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise EnvVarError("ASYNCSIDE_DIRECT_DECODE_TOKENS", raw, "a token count >= 0")
-    return value
+    value = env_direct_decode_tokens(os.environ.get(ENV_DIRECT_DECODE_TOKENS, ""))
+    return DIRECT_DECODE_TOKENS if value is None else value
 
 
 class QueuedSide:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import EnvVarError
 from ..kv_layout import KV_STEP, KVLayout, dtype_bytes, kv_layout, model_kv_layout
 from ..memory import describe_bytes
 
@@ -122,18 +121,14 @@ def rows_concurrency(plan: Any, model: Any) -> int | None:
     """
     import os
 
-    from ..native_env import PYTHON_VARIABLES
+    from ..native_env import ENV_ROWS_CONCURRENCY, env_rows_concurrency
     from ..runtime._forward_cost import config_top_k
 
-    value = os.environ.get("ASYNCSIDE_ROWS_CONCURRENCY", "")
-    raw = value.strip().lower()
-    if raw == "off":
+    setting = env_rows_concurrency(os.environ.get(ENV_ROWS_CONCURRENCY, ""))
+    if setting == "off":
         return None
-    if raw not in ("", "auto"):
-        expected, accepts = PYTHON_VARIABLES["ASYNCSIDE_ROWS_CONCURRENCY"]
-        if not accepts(value):
-            raise EnvVarError("ASYNCSIDE_ROWS_CONCURRENCY", value, expected)
-        return int(raw)
+    if isinstance(setting, int):
+        return setting
     rows = getattr(plan, "rows", None)
     if not getattr(plan, "direct", False) or not isinstance(rows, Mapping) or not rows:
         return None
