@@ -269,16 +269,15 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     from mlx_lm.utils import load_tokenizer
 
     from .hub import store_for
-    from .memory import MIN_MEMORY_ARG, SIZE_UNITS, parse_size
+    from .memory import check_memory, parse_size
     from .models import load_streaming_model
 
     if resident is None:
         resident = "auto" if memory is not None else 0.25
     # Bad arguments are refused here, before a model is converted or loaded, not at the first token.
     if memory is not None:
-        size = parse_size(memory, what="memory")
-        if size < MIN_MEMORY_ARG:  # as --memory refuses it: "1.5" is a byte and a half, never a budget
-            raise ValueError(f"memory {memory!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
+        # as --memory refuses it: "1.5" is a byte and a half, never a budget
+        check_memory(parse_size(memory, what="memory"), memory)
     if resident != "auto" and (isinstance(resident, (bool, str)) or not isinstance(resident, numbers.Real)
                                or not 0.0 <= float(resident) <= 1.0):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
            "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg",
-           "fraction_arg", "SIZE_UNITS"]
+           "check_memory", "fraction_arg", "SIZE_UNITS"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -207,9 +207,17 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
 MIN_MEMORY_ARG = 4096
 
 
+def check_memory(size: int, text: int | str) -> int:
+    """``size``, the bytes of a memory budget given as ``text``, where it is at least
+    :data:`MIN_MEMORY_ARG` (a bare ``16`` is 16 bytes, never a budget); ValueError otherwise."""
+    if size < MIN_MEMORY_ARG:
+        raise ValueError(f"memory {text!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
+    return size
+
+
 def memory_arg(text: str) -> int:
-    """The argparse type of ``--memory``: :func:`parse_size`, at least :data:`MIN_MEMORY_ARG` (a bare
-    ``16`` is 16 bytes, never a budget), its error as a usage error."""
+    """The argparse type of ``--memory``: :func:`parse_size`, then :func:`check_memory`, its error as
+    a usage error."""
     import argparse
 
     try:
@@ -219,9 +227,10 @@ def memory_arg(text: str) -> int:
             raise argparse.ArgumentTypeError(f"{exc}; leave --memory out for the default (what the memory cgroup "
                                              "and MemAvailable allow)") from None
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if size < MIN_MEMORY_ARG:
-        raise argparse.ArgumentTypeError(f"memory {text!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
-    return size
+    try:
+        return check_memory(size, text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def fraction_arg(text: str, *, allow_auto: bool = True, allow_zero: bool = False) -> float | str:

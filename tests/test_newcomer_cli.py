@@ -111,6 +111,19 @@ def test_load_refuses_bad_arguments_before_touching_the_model(kwargs: dict[str, 
         asyncside.load(tmp_path / "no-such-model", **kwargs)
 
 
+def test_the_memory_floor_is_one_check_for_load_and_memory(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Any) -> None:
+    """--memory and load(memory=) refuse a budget under 4K with the same words (memory.check_memory)."""
+    import asyncside
+    from asyncside.memory import SIZE_UNITS, check_memory
+
+    assert check_memory(4096, "4K") == 4096
+    with pytest.raises(ValueError) as info:
+        asyncside.load(tmp_path / "no-such-model", memory="16")
+    assert str(info.value) == f"memory '16' is 16 bytes; expected at least 4K ({SIZE_UNITS})"
+    assert f"argument --memory: {info.value}" in refused(["demo", "--memory", "16"], capsys)
+
+
 def test_record_routing_to_an_unwritable_place(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before the run, not after it: a missing directory, a directory."""
     from asyncside.errors import TraceError
