@@ -51,6 +51,21 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "number > 0"
 
 
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (seconds where 0 means none); a usage error saying so
+    otherwise (a negative number, NaN and infinity are refused, not carried into a run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+nonnegative_float.__name__ = "number >= 0"
+
+
 #: ``--vocab small``: the embedded model's vocabulary; below 258 the byte tokenizer's tokens do not fit
 SMALL_VOCAB, LEAST_VOCAB = 512, 258
 

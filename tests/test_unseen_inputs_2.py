@@ -139,7 +139,7 @@ def test_python_read_variables_are_read_as_they_are_checked(variable: str, value
 
 @pytest.mark.parametrize(("option", "value"), [
     ("--duration", "0"), ("--duration", "nan"), ("--duration", "inf"), ("--warmup", "-1"), ("--warmup", "nan"),
-    ("--max-tokens", "0"), ("--long-prompt", "-1"),
+    ("--warmup", "inf"), ("--warmup", "soon"), ("--max-tokens", "0"), ("--long-prompt", "-1"),
 ])
 def test_bench_serve_numbers_are_checked_when_parsed(option: str, value: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -147,6 +147,22 @@ def test_bench_serve_numbers_are_checked_when_parsed(option: str, value: str,
     (--duration inf was taken); now a usage error (exit status 2) naming the option."""
     rc, err = run_cli(capsys, "bench", "serve", option, value)
     assert rc == 2 and f"argument {option}" in err and "Traceback" not in err, err
+
+
+def test_bench_serve_warmup_takes_a_finite_number_at_least_0() -> None:
+    """--warmup is argtypes.nonnegative_float: 0 is no warm-up; worded as --duration's positive_float."""
+    import argparse
+
+    from asyncside.argtypes import nonnegative_float
+    from asyncside.bench.serve import add_serve_bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_bench_arguments(parser)
+    assert parser.parse_args(["--warmup", "0"]).warmup == 0.0
+    assert parser.parse_args(["--warmup", "2.5"]).warmup == 2.5
+    for bad in ("-0.5", "nan", "inf", "-inf", "soon", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected a finite number >= 0, got {bad!r}"):
+            nonnegative_float(bad)
 
 
 def test_bench_serve_refusals_after_parsing_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

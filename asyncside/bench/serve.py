@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..argtypes import int_at_least, positive_float, positive_ints
+from ..argtypes import int_at_least, nonnegative_float, positive_float, positive_ints
 from . import require_extra
 from .machine import machine_info
 
@@ -265,17 +265,6 @@ def wait_quiet(pid: int, *, busy: float = 0.2, interval: float = 0.5, timeout: f
     return time.perf_counter() - start
 
 
-def _seconds_at_least_0(text: str) -> float:
-    """``--warmup``: a finite number of seconds >= 0 (0: no warm-up)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
-
-
 def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``asyncside bench serve`` (the model and engine options are the server's)."""
     from ..serving.cli import add_engine_arguments, add_model_arguments
@@ -286,7 +275,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=positive_ints, default=[1, 8, 32],
                         help="client counts, one phase each (default 1,8,32)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds per phase (default 60)")
-    parser.add_argument("--warmup", type=_seconds_at_least_0, default=10.0,
+    parser.add_argument("--warmup", type=nonnegative_float, default=10.0,
                         help="seconds of the same load before each phase, not measured (default 10; 0: none), "
                              "repeated until a request has completed. A GPU compiles kernels for each new shape "
                              "on first use, and MLX keeps them on disk: without a warm-up the server run first "
