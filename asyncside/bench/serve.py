@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import math
 import os
 import pathlib
 import signal
@@ -355,16 +354,9 @@ class MlxLmServer:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """The options' values and combinations, before a server starts: a ValueError leading with the
-    option (the command line's usage error, exit status 2) for a bad one."""
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if not (math.isfinite(args.duration) and args.duration > 0):
-        raise ValueError(f"--duration must be a finite number of seconds > 0, got {args.duration}")
-    if not (math.isfinite(args.warmup) and args.warmup >= 0):
-        raise ValueError(f"--warmup must be a finite number of seconds >= 0, got {args.warmup}")
-    if args.long_prompt < 0:
-        raise ValueError(f"--long-prompt must be >= 0, got {args.long_prompt}")
+    """What the options' argparse types cannot check, before a server starts (a combination of
+    options, the trace file's contents): a ValueError leading with the option (the command line's
+    usage error, exit status 2) for a bad one."""
     from ..serving.cli import predictor_routing_problem
 
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
