@@ -172,6 +172,15 @@ class Run:
         }
 
 
+def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
+    """``--prompt`` encoded by ``tokenizer``; a ValueError naming the option where it encodes to no
+    tokens (generation needs a token to start from; a tokenizer without BOS encodes "" to none)."""
+    ids = list(tokenizer.encode(prompt))
+    if not ids:
+        raise ValueError(f"--prompt {prompt!r} encodes to no tokens; give a prompt of at least one token")
+    return ids
+
+
 def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> Run:
     """Greedy tokens of the plain mlx-lm model through its own ``generate_step``, timed."""
     import mlx.core as mx
@@ -406,9 +415,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     sm = load_streaming_model(store_dir)
     streamed = {"auto": None, "on": True, "off": False}[getattr(args, "streamed_switch", "auto")]
     options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra, streamed_switch=streamed)
-    prompt_ids = list(sm.tokenizer.encode(args.prompt))
-    if not prompt_ids:  # generation needs a token to start from (a tokenizer without BOS encodes "" to none)
-        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give a prompt of at least one token")
+    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..demo import Run, positive_int
+from ..demo import Run, positive_int, prompt_tokens
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
 from . import check_store_dir, require_extra
@@ -680,9 +680,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     store_dir, model_info = _resolve_store(args, verbose)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
-    prompt_ids = list(sm.tokenizer.encode(args.prompt))
-    if not prompt_ids:  # generation needs a token to start from (a tokenizer without BOS encodes "" to none)
-        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give a prompt of at least one token")
+    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
     if getattr(args, "routing", None):
