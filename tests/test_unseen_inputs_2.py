@@ -62,6 +62,20 @@ def test_a_preset_too_large_to_generate_is_refused_before_it_starts(tmp_path: pa
     assert rc == 2 and "--layers 100000 --shapes 64x6" in err and "fewer tokens or layers" in err, err
 
 
+def test_bench_policy_names_the_first_shape_too_large_to_generate(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The ids grow with each shape's top-k: the refusal names the first shape whose trace does not
+    fit, and without presets (traces from files only) nothing is generated, so nothing is refused."""
+    from asyncside import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(64 << 20, "test"))
+    shape_args = ["--tokens", "1000", "--layers", "100", "--shapes", "64x1,64x2,64x4,64x8"]  # 256 B an id
+    rc, err = run_cli(capsys, "bench", "policy", *shape_args)
+    assert rc == 2 and "--shapes 64x4:" in err and "400000 expert ids" in err and "Traceback" not in err, err
+    rc, err = run_cli(capsys, "bench", "policy", *shape_args, "--presets", "")
+    assert rc == 2 and "nothing to replay" in err and "expert ids" not in err, err
+
+
 @pytest.mark.parametrize(("variable", "value"), [
     ("ASYNCSIDE_ROWS_CONCURRENCY", "abc"), ("ASYNCSIDE_ROWS_CONCURRENCY", "0"), ("ASYNCSIDE_ROWS_CONCURRENCY", "-1"),
     ("ASYNCSIDE_ROWS_CONCURRENCY", "\u00b2"), ("ASYNCSIDE_DIRECT_DECODE_TOKENS", "-1"),

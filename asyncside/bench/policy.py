@@ -158,10 +158,12 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
     shapes = _option(args, "shapes", _listed(_shape), list(DEFAULT_SHAPES), [(64, 6)])
     tokens = _option(args, "tokens", int_at_least(1), 2048, 256)
     layers = _option(args, "layers", int_at_least(1), 8, 2)
-    for e, k in shapes:  # before minutes of generating, or the OOM killer
-        too_large = synthetic_too_large(tokens * sequences * layers * k) if presets else None
-        if too_large:
-            raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {too_large}")
+    if presets:  # before minutes of generating, or the OOM killer
+        ids_per_slot = tokens * sequences * layers
+        for e, k in shapes:
+            too_large = synthetic_too_large(ids_per_slot * k)
+            if too_large:
+                raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {too_large}")
     for seed in _option(args, "seeds", _listed(_seed), [0], [0]):
         for e, k in shapes:
             for p in presets:
