@@ -105,3 +105,45 @@ def test_the_trace_predictor_without_a_trace_to_replay_fails_at_start(
     # Under --pipeline the trace predictor has no routing to replay (--routing is refused there).
     problem = predictor_routing_problem(build_parser().parse_args(["serve", "--pipeline", "--predictor", "trace"]))
     assert problem is not None and "not supported with --pipeline" in problem
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--pipeline", "--memory", "4G"], "--memory is not supported with --pipeline"),
+    (["--pipeline", "--resident", "auto"], "--resident auto is not supported with --pipeline"),
+    (["--pipeline", "--split", "two,one"], "--split 'two,one': expected comma-separated layer counts"),
+    (["--pipeline", "--split", "0,5"], "--split 0,5: expected a count >= 1 of decoder layers for each rank"),
+    (["--pipeline", "--side-rows", "-3"], "--side-rows -3: expected a number of rows >= 0"),
+    (["--pipeline", "--join-timeout", "-1"], "--join-timeout -1: expected a finite number of seconds > 0"),
+    (["--pipeline", "--peer-timeout", "nan"], "--peer-timeout nan: expected a finite number of seconds > 0"),
+    (["--split", "2,1"], "--split only applies with --pipeline"),
+    (["--backend", "ring", "--side-rows", "4"], "--backend, --side-rows only apply with --pipeline"),
+])
+def test_pipeline_option_combinations_are_refused_before_anything_loads(
+        argv: list[str], words: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --pipeline`` checked --memory, --resident auto and --routing only once the model was
+    found (or converted), and --split and the timeouts only after the launch environment (each rank
+    then failed with exit status 1); a pipeline option without --pipeline was ignored and a plain
+    server started. Now one usage error before the model is looked for or any rank launches."""
+    from _cli_support import run_cli
+
+    rc, err = run_cli(capsys, "serve", "--model", str(tmp_path / "no-such-model"), *argv)
+    assert rc == 2 and err.count("\n") == 1 and words in err, err
+    assert "no-such-model" not in err and "launch environment" not in err and "Traceback" not in err, err
+
+
+def test_pipeline_settings_are_checked_before_the_ranks_launch(tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The server's settings (an API key from the environment) were checked under --pipeline only
+    on rank 0, after the ranks had met and loaded their stages."""
+    from _cli_support import run_cli
+
+    from asyncside.serving.cli import pipeline_problem
+
+    monkeypatch.setenv("ASYNCSIDE_API_KEY", "two words")
+    rc, err = run_cli(capsys, "serve", "--model", str(tmp_path / "no-such-model"), "--pipeline")
+    assert rc == 2 and err.count("\n") == 1 and "api_key must be" in err and "no-such-model" not in err, err
+    monkeypatch.delenv("ASYNCSIDE_API_KEY")
+    for argv in ([], ["--pipeline"],
+                 ["--pipeline", "--split", "2,1", "--side-rows", "0", "--join-timeout", "30", "--backend", "ring"]):
+        assert pipeline_problem(build_parser().parse_args(["serve", *argv])) is None, argv

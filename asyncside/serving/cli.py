@@ -243,6 +243,42 @@ def add_pipeline_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_stage_arguments(p.add_argument_group("pipeline (with --pipeline)"), model_options=False)
 
 
+#: The options only a rank of a pipeline reads (None unless given), by their destinations.
+PIPELINE_ONLY = {"split": "--split", "backend": "--backend", "side_rows": "--side-rows"}
+
+
+def pipeline_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``--pipeline`` options given cannot run together (None: they can): checked before a
+    model is converted or loaded and before the ranks meet, so a bad combination is one usage error,
+    not a failure of each rank after the launch. ``args.resident`` as typed (before
+    :func:`resident_of`)."""
+    if not getattr(args, "pipeline", False):
+        given = [option for dest, option in PIPELINE_ONLY.items() if getattr(args, dest, None) is not None]
+        if given:
+            return (f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --pipeline "
+                    "(one rank of a pipeline, under mlx.launch); add --pipeline or leave "
+                    f"{'it' if len(given) == 1 else 'them'} out")
+        return None
+    for option, given in (("--resident auto", args.resident == "auto"), ("--memory", args.memory is not None),
+                          ("--routing", args.routing is not None)):
+        if given:
+            return f"{option} is not supported with --pipeline"
+    from ..distributed.plan import PlanError, parse_split
+
+    try:
+        split = parse_split(args.split)
+    except PlanError as exc:
+        return str(exc)
+    if split is not None and min(split) < 1:
+        return f"--split {args.split}: expected a count >= 1 of decoder layers for each rank"
+    if args.side_rows is not None and args.side_rows < 0:
+        return f"--side-rows {args.side_rows}: expected a number of rows >= 0"
+    for option, seconds in (("--join-timeout", args.join_timeout), ("--peer-timeout", args.peer_timeout)):
+        if not 0 < seconds < float("inf"):  # NaN fails this too
+            return f"{option} {seconds:g}: expected a finite number of seconds > 0"
+    return None
+
+
 def resident_of(args: argparse.Namespace) -> float | str:
     """``--resident`` as given; else ``auto`` under ``--memory`` (a budget asks the plan to size the
     pools: a fixed share could refuse a budget that smaller pools fit, as demo's does), else the
@@ -325,10 +361,17 @@ def serve_main(args: argparse.Namespace) -> int:
     from ..errors import AsyncsideError
     from .background import ServeError
 
-    asked_auto = args.resident == "auto"  # as typed: --memory alone is refused as --memory under --pipeline
+    # Before a model is converted or loaded, and before the ranks of a pipeline meet: say so now,
+    # not per request or per rank. --resident as typed: --memory alone is refused as --memory there.
+    problem = pipeline_problem(args)
     args.resident = resident_of(args)
-    problem = predictor_routing_problem(args)
-    if problem is not None:  # before a model is converted or loaded: say so now, not per request
+    problem = problem or predictor_routing_problem(args)
+    if problem is None:
+        try:
+            settings_from_args(args)
+        except ValueError as exc:  # ServeSettings' own checks (an API key from the environment, say)
+            problem = str(exc)
+    if problem is not None:
         print(f"asyncside serve: error: {problem}", file=sys.stderr)
         return 2
     if getattr(args, "store", None) is not None and args.model is None:
@@ -345,12 +388,6 @@ def serve_main(args: argparse.Namespace) -> int:
     if getattr(args, "pipeline", False):
         from ..distributed.serve import serve_pipeline_main
 
-        for option, given in (("--resident auto", asked_auto), ("--memory", args.memory is not None),
-                              ("--routing", args.routing is not None)):
-            if given:
-                print(f"asyncside serve: {option} is not supported with --pipeline", file=sys.stderr)
-                return 2
-
         return serve_pipeline_main(args)
     if getattr(args, "routing", None) is not None:  # a bad trace file is said before a model loads
         from ..errors import TraceError
@@ -361,11 +398,6 @@ def serve_main(args: argparse.Namespace) -> int:
         except TraceError as exc:
             print(f"asyncside serve: error: --routing: {exc}", file=sys.stderr)
             return 2
-    try:
-        settings_from_args(args)
-    except ValueError as exc:  # ServeSettings' own checks (an API key from the environment, say)
-        print(f"asyncside serve: {exc}", file=sys.stderr)
-        return 2
     _configure_logging(args)
     bound_malloc()
     try:
