@@ -253,11 +253,11 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
     not a failure of each rank after the launch. ``args.resident`` as typed (before
     :func:`resident_of`)."""
     if not getattr(args, "pipeline", False):
-        given = [option for dest, option in PIPELINE_ONLY.items() if getattr(args, dest, None) is not None]
-        if given:
-            return (f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --pipeline "
+        stray = [option for dest, option in PIPELINE_ONLY.items() if getattr(args, dest, None) is not None]
+        if stray:
+            return (f"{', '.join(stray)} only {'applies' if len(stray) == 1 else 'apply'} with --pipeline "
                     "(one rank of a pipeline, under mlx.launch); add --pipeline or leave "
-                    f"{'it' if len(given) == 1 else 'them'} out")
+                    f"{'it' if len(stray) == 1 else 'them'} out")
         return None
     for option, given in (("--resident auto", args.resident == "auto"), ("--memory", args.memory is not None),
                           ("--routing", args.routing is not None)):
