@@ -214,7 +214,19 @@ def _no_moe_field(raw: dict[str, Any]) -> dict[str, Any]:
     ({**TINY_DEEPSEEK, "first_k_dense_replace": 3}, "no MoE layer among the 3 of num_hidden_layers"),
     ([1, 2], "a model config is a JSON object, got list"),
     ({**TINY_MIXTRAL, "moe_layers": "all"}, "moe_layers must be a list of layer indices, got 'all'"),
-    ({**TINY_MIXTRAL, "decoder_sparse_step": -1}, "decoder_sparse_step must be a non-negative integer, got -1"),
+    ({**TINY_MIXTRAL, "decoder_sparse_step": -1}, "decoder_sparse_step must be a positive integer (a MoE layer "
+                                                   "every that many layers), got -1"),
+    ({**TINY_DEEPSEEK, "first_k_dense_replace": -1}, "first_k_dense_replace must be a non-negative integer, got -1"),
+    # A period of 0 was read as absent (every layer MoE); the model's own code divides by it.
+    ({**TINY_MIXTRAL, "decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer (a MoE layer "
+                                                  "every that many layers), got 0"),
+    ({**TINY_DEEPSEEK, "moe_layer_freq": 0}, "moe_layer_freq must be a positive integer"),
+    ({**TINY_MIXTRAL, "interleave_moe_layer_step": 0}, "interleave_moe_layer_step must be a positive integer"),
+    ({**TINY_MIXTRAL, "expert_layer_period": 0}, "expert_layer_period must be a positive integer"),
+    # mlp_only_layers past the last layer (or negative) were ignored: every layer stayed MoE.
+    ({**TINY_MIXTRAL, "mlp_only_layers": [1, 2]},
+     "mlp_only_layers [2] fall outside the model's 2 decoder layers; expected layer indices from 0 to 1"),
+    ({**TINY_MIXTRAL, "mlp_only_layers": [-1, 5]}, "mlp_only_layers [-1, 5] fall outside the model's 2 decoder layers"),
 ])
 def test_bad_configs_name_the_file_and_the_field(tmp_path: pathlib.Path, raw: Any, message: str) -> None:
     path = _write(tmp_path / "m", raw)

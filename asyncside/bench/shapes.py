@@ -223,14 +223,23 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
             raise ShapeError(f"{origin}: moe_layers must be a list of layer indices, got {listed!r}")
         return sorted({i for i in listed if 0 <= i < n_layers})
-    ints = {f: raw.get(f) for f in ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
-                                    "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")}
+    # The least value of each field: a count of layers may be 0; a period (a MoE layer every that
+    # many layers) may not, where the model's own code divides by it (0 was read as absent).
+    least = {"first_k_dense_replace": 0, "moe_layer_freq": 1, "decoder_sparse_step": 1,
+             "interleave_moe_layer_step": 1, "expert_layer_period": 1, "expert_layer_offset": 0}
+    ints = {f: raw.get(f) for f in least}
     for field, value in ints.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ShapeError(f"{origin}: {field} must be a non-negative integer, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least[field]):
+            what = ("a non-negative integer" if least[field] == 0 else
+                    "a positive integer (a MoE layer every that many layers)")
+            raise ShapeError(f"{origin}: {field} must be {what}, got {value!r}")
     only_mlp = raw.get("mlp_only_layers") or []
     if not isinstance(only_mlp, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_mlp):
         raise ShapeError(f"{origin}: mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
+    outside = sorted({i for i in only_mlp if not 0 <= i < n_layers})
+    if outside:  # else silently no layer of the model's: a config cut to fewer layers, say
+        raise ShapeError(f"{origin}: mlp_only_layers {outside} fall outside the model's {n_layers} decoder layers; "
+                         f"expected layer indices from 0 to {n_layers - 1}")
     first_dense = ints["first_k_dense_replace"] or 0
     freq = ints["moe_layer_freq"] or 1
     step = ints["decoder_sparse_step"] or ints["interleave_moe_layer_step"] or 1
