@@ -545,16 +545,32 @@ def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, i
     return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
 
 
+def process_baseline() -> int:
+    """What a run's process holds before its model: this process's resident size with MLX and
+    mlx-lm loaded. Taken before any shape is built: what a build leaves behind in this process
+    (freed memory the allocator keeps) is no part of a run's process, and counting it would raise
+    the smallest plan of a build above that of the same store reused."""
+    import mlx.core  # noqa: F401
+    import mlx_lm  # noqa: F401
+
+    from ..memory import proc_self_bytes
+
+    return proc_self_bytes("status", "VmRSS")
+
+
 def least_budget(shape: dict[str, Any]) -> int:
     """About the smallest memory budget asyncside's plan accepts for ``shape`` (a row of the
     bench's shapes): the least pools (the model's top-k rows a layer), the plan's headroom, the
-    non-expert weights a run loads, and what this process holds already (MLX and Python loaded:
-    what every run's process holds before the model)."""
+    non-expert weights a run loads, and what a run's process holds before its model (the shape's
+    ``process_bytes``, from :func:`process_baseline`; else what this process holds now)."""
     from ..memory import MIN_HEADROOM, proc_self_bytes
 
     pools = shape["moe_layers"] * shape["top_k"] * shape["record_bytes"]
     non_expert = max(0, shape["store_bytes"] - shape["expert_bytes"])
-    return int(pools + MIN_HEADROOM + non_expert + proc_self_bytes("status", "VmRSS"))
+    held = shape.get("process_bytes")
+    if held is None:
+        held = proc_self_bytes("status", "VmRSS")
+    return int(pools + MIN_HEADROOM + non_expert + held)
 
 
 def _store_top_k(store_dir: str) -> int:
@@ -829,7 +845,7 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
 
 
 def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[str, int | None]],
-                            user: list[dict[str, Any]]) -> None:
+                            user: list[dict[str, Any]], held: int) -> None:
     """The ``--store-ratio`` check of :func:`choose_budget` on the builds' estimates
     (:func:`asyncside.bench.shapes.estimate_bytes`), before anything is built: a shape whose
     estimate fails it even at nine tenths of the ratio is refused as its built store would be
@@ -847,7 +863,7 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
                           "moe_layers": cfg["num_hidden_layers"], "top_k": cfg["num_experts_per_tok"],
                           "experts_per_layer": cfg["num_experts"], "record_bytes": est["record"],
                           "store_bytes": est["experts"] + est["non_expert"], "expert_bytes": est["experts"],
-                          "store": typed})
+                          "store": typed, "process_bytes": held})
     fit_routings(user, estimated, positions=1 + int(args.tokens), predictor=args.predictor)
     lenient = argparse.Namespace(**{**vars(args), "store_ratio": 0.9 * float(args.store_ratio)})
     try:
@@ -872,6 +888,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
     for d in args.stores or ():
         check_store_dir("--stores", d)
+    held = process_baseline()  # before anything is built
     shapes: list[dict[str, Any]] = []
     builds: list[tuple[str, str | None, int | None, Any]] = []
     if args.stores:
@@ -879,7 +896,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                    for d in args.stores]
     else:
         planned = parse_shape_list(args.shapes)
-        _refuse_before_building(args, planned, user)
+        _refuse_before_building(args, planned, user, held)
         # Whether a memory cgroup can be made at all, before minutes of building: the budget is
         # known only once the stores are (checked again with it below).
         ok, why = check_cgroups(1 << 30)
@@ -902,7 +919,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                        "source": build.get("source"), "built_as": build.get("built_as"), "note": build.get("note"),
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
-                       "top_k": _store_top_k(str(build["store"]))})
+                       "top_k": _store_top_k(str(build["store"])), "process_bytes": held})
     budget = choose_budget(args, shapes, verbose)
     prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
     fitted = fit_routings(user, shapes, positions=len(prompt) + int(args.tokens), predictor=args.predictor,

@@ -1,0 +1,83 @@
+"""Valid but unusual inputs run end to end: tiny models of every architecture, pools at their
+edges, budgets just above the smallest plan, routing traces of other shapes than the model. What
+runs is exact and stays under its budget; what must be refused is refused early, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+from _cli_support import offload_args
+
+from asyncside.bench import offload
+
+MB = 1_000_000
+
+#: a tiny Mixtral-style config (the experts' width is ``intermediate_size``): built in a second
+TINY_MIXTRAL: dict[str, Any] = {
+    "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 1000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+}
+
+
+class _ReachedTheRuns(Exception):
+    """The bench got past its budget checks to the runs' cgroup (the budget it chose)."""
+
+
+def _store_bytes(store_dir: Any) -> tuple[int, int]:
+    """(a record's bytes, every record's bytes) of the store at ``store_dir``."""
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(store_dir)
+    return store.layer(next(iter(store.layers))).stride, sum(sp.blob_bytes for sp in store.layers.values())
+
+
+def test_a_built_shape_gets_the_smallest_plan_of_the_same_store_reused(tmp_path: pathlib.Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench offload --shapes olmoe-1b-7b:2 --store-ratio 1`` built the shape (a minute), then
+    refused its 526 MB store as less than the budget "raised to asyncside's smallest plan, about
+    657 MB": the plan counted what the bench's own process held, grown by the build by some 230 MB.
+    The same command again, the store reused, ran with a 526 MB budget. The process a run starts
+    is measured before anything is built."""
+    from asyncside import memory
+    from asyncside.bench import shapes
+
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TINY_MIXTRAL))
+    built = shapes.ensure_shape(config, layers=2, vocab=512, cache_dir=tmp_path / "cache", progress=False)
+    store_bytes = int(built["store_bytes"])
+
+    grown = {"by": 0}
+    real_ensure, real_rss = shapes.ensure_shape, memory.proc_self_bytes
+
+    def ensure_and_grow(*args: Any, **kwargs: Any) -> Any:
+        grown["by"] = 300 * MB  # what a build of a larger shape leaves in the process
+        return real_ensure(*args, **kwargs)
+
+    def rss(name: str, key: str) -> int:
+        return 100 * MB + grown["by"] if (name, key) == ("status", "VmRSS") else real_rss(name, key)
+
+    def cgroups(budget: int) -> tuple[bool, str]:
+        if budget == 1 << 30:  # the check before building
+            return True, "a cgroup"
+        raise _ReachedTheRuns(budget)
+
+    monkeypatch.setattr(shapes, "ensure_shape", ensure_and_grow)
+    monkeypatch.setattr(memory, "proc_self_bytes", rss)
+    monkeypatch.setattr(offload, "check_cgroups", cgroups)
+    record, experts = _store_bytes(built["store"])
+    least = offload.least_budget({"moe_layers": 2, "top_k": 2, "record_bytes": record, "store_bytes": store_bytes,
+                                  "expert_bytes": experts})
+    # A ratio the store passes against its smallest plan with room to spare, and fails against a
+    # plan 300 MB larger.
+    ratio = store_bytes / (least + 100 * MB)
+    args = offload_args("--shapes", f"{config}:2", "--store-ratio", repr(ratio), "--cache-dir",
+                        str(tmp_path / "cache"), "--localities", "low", "--quiet")
+    with pytest.raises(_ReachedTheRuns) as info:
+        offload.run_offload_bench(args)
+    assert info.value.args[0] == int(store_bytes / ratio), info.value.args
