@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .argtypes import int_at_least, resident_fraction, writable_file
+from .errors import AsyncsideError
 from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
@@ -200,6 +201,14 @@ def reference_run(model: Any, prompt_ids: list[int], max_tokens: int, eos: set[i
     return run
 
 
+def as_tokens_option(exc: AsyncsideError, tokens: int) -> AsyncsideError:
+    """``exc`` in the command line's words: the model's refusal of a generation its KV allowance
+    cannot hold names the API's ``max_tokens=``, which the demo takes as ``--tokens``."""
+    api = f"max_tokens={tokens} "
+    text = str(exc)
+    return AsyncsideError(f"--tokens {tokens} {text[len(api):]}") if text.startswith(api) else exc
+
+
 async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
                          echo: Any, options: Any) -> tuple[Run, dict[str, Any], bool]:
     import anyio
@@ -222,13 +231,16 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
         disk_before = disk_read_bytes()
         run = Run(start=time.perf_counter())
         async with measure_loop_lag() as lag:
-            async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt, predictor=args.predictor,
-                                         options=options, trace=record):
-                if not run.tokens:  # what the prompt read, apart from what decoding reads
-                    at_first = (int(rt.stats()["bytes_read"]), disk_read_bytes())
-                run.first_token()
-                run.tokens.append(tok)
-                echo(run.tokens)
+            try:
+                async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt,
+                                             predictor=args.predictor, options=options, trace=record):
+                    if not run.tokens:  # what the prompt read, apart from what decoding reads
+                        at_first = (int(rt.stats()["bytes_read"]), disk_read_bytes())
+                    run.first_token()
+                    run.tokens.append(tok)
+                    echo(run.tokens)
+            except AsyncsideError as exc:
+                raise as_tokens_option(exc, args.tokens) from None
         run.end = time.perf_counter()
         await rt.drain()
         audit_ok = all(report.ok for report in rt.audit().values())
@@ -610,8 +622,6 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
-    from .errors import AsyncsideError
-
     try:
         result = run_demo(args)
     except AsyncsideError as exc:  # e.g. pools that cannot fit the memory available: say so, no traceback

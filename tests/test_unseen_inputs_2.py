@@ -451,3 +451,14 @@ def test_converting_a_model_whose_config_mlx_lm_cannot_take_is_one_line(
     rc, err = run_cli(capsys, "demo", "--model", str(model), "--cache-dir", str(tmp_path / "cache"), "--tokens", "2")
     assert rc == 2 and said in err and "Traceback" not in err, err
     assert not any(p.is_dir() for p in (tmp_path / "cache" / "stores").glob("*")), "no store left behind"
+
+
+def test_the_demo_names_tokens_when_the_kv_allowance_cannot_hold_them(quick_store: pathlib.Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --memory 3G --tokens 10000000``: the refusal named the API's ``max_tokens=``, an
+    argument the command line does not have; it names --tokens (the API keeps its own word)."""
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--memory", "3G", "--tokens", "10000000",
+                      "--reference", "none", "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("asyncside demo: --tokens 10000000 after a prompt of ") and "new tokens fit" in err, err
+    assert "max_tokens" not in err, err
