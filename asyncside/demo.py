@@ -240,6 +240,8 @@ async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argpa
                     run.tokens.append(tok)
                     echo(run.tokens)
             except AsyncsideError as exc:
+                if rt.plan is not None and not (args.quiet or args.json):
+                    print(flush=True)  # the prompt echoed above: the refusal on a line of its own
                 raise as_tokens_option(exc, args.tokens) from None
         run.end = time.perf_counter()
         await rt.drain()

@@ -462,3 +462,10 @@ def test_the_demo_names_tokens_when_the_kv_allowance_cannot_hold_them(quick_stor
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("asyncside demo: --tokens 10000000 after a prompt of ") and "new tokens fit" in err, err
     assert "max_tokens" not in err, err
+    # Without --quiet the plan and the prompt are printed first: the line ends before the refusal.
+    from asyncside import cli
+
+    assert cli.main(["demo", "--model", str(quick_store), "--memory", "3G", "--tokens", "10000000",
+                     "--reference", "none"]) == 2
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and "--tokens" not in out, out
