@@ -10,7 +10,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from _cli_support import offload_args
+from _cli_support import offload_args, run_cli
 
 from asyncside.bench import offload
 
@@ -81,3 +81,27 @@ def test_a_built_shape_gets_the_smallest_plan_of_the_same_store_reused(tmp_path:
     with pytest.raises(_ReachedTheRuns) as info:
         offload.run_offload_bench(args)
     assert info.value.args[0] == int(store_bytes / ratio), info.value.args
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+@pytest.mark.parametrize(("argv", "given"), [
+    (["--memory", "300M"], "--memory (300.0 MiB) with --ranks 2"),
+    (["--resident", "auto"], "--resident auto with --ranks 2"),
+    (["--memory", "300M", "--resident", "0.5"], "--memory (300.0 MiB) with --ranks 2"),
+])
+def test_ranks_refuse_a_budget_they_would_not_keep(argv: list[str], given: str, quick_store: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --ranks 2 --memory 300M`` ran the one-process generation without the budget, started
+    ranks that refused ``--resident auto`` (exit status 2, their usage on stderr), then ended in a
+    traceback formatting 'auto' as a percentage; with ``--resident 0.5`` the budget bounded
+    nothing and nothing said so."""
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--ranks", "2", "--tokens", "2", "--quiet", *argv)
+    assert rc == 2 and given in err and "--resident 0.25 and no --memory" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -58,6 +58,15 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"asyncside demo: --ranks must be >= 2 for a pipeline, got {args.ranks}")
     if args.tokens < 1:
         raise SystemExit(f"asyncside demo: --tokens must be >= 1, got {args.tokens}")
+    if getattr(args, "memory", None) is not None or not isinstance(args.resident, float):
+        # The ranks take no budget: one given here would bound neither the ranks nor the one-process run.
+        from ..memory import describe_bytes
+
+        memory = getattr(args, "memory", None)
+        given = f"--memory ({describe_bytes(memory)})" if memory is not None else "--resident auto"
+        raise ValueError(f"{given} with --ranks {args.ranks}: a memory budget sizes the pools of one process, and "
+                         "every rank holds --resident FRACTION of its own layers' experts: give a fraction such "
+                         "as --resident 0.25 and no --memory")
     if args.model is None:
         _model_dir, store_path = ensure_embedded_default(args.cache_dir, progress=not args.json)
     else:
