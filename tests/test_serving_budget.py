@@ -16,7 +16,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from asyncside.errors import AsyncsideError
 from asyncside.serving import BackgroundServer, Batcher, Engine, ServeSettings, create_app
-from asyncside.serving.kv_budget import KV_STEP, KVAdmission, KVLayout, dtype_bytes, kv_layout
+from asyncside.serving.concurrency import ConcurrencyTuner
+from asyncside.serving.kv_budget import KV_STEP, KVAdmission, KVLayout, dtype_bytes, kv_layout, plan_admission
+from asyncside.serving.prompt_cache import PrefixCache
 from asyncside.serving.protocol import RequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -395,11 +397,22 @@ async def test_past_the_page_cache_the_rows_hold_the_batch(tokenizer: Any) -> No
     roomy = 1 << 30  # the KV allowance never binds here
     b = Watched(model, direct_source(roomy, rows=8), max_batch=32, prefill_chunk=16, prompt_cache_size=0)
     assert b.kv_admission is not None and b.kv_admission.max_active == 2
+    # The rows' bound is the tuner's ceiling; it starts at one request and climbs only on measurements.
+    assert b.kv_admission.tuner is not None and b.kv_admission.tuner.limit == 1
+    # A tuner that judges every turn: its first probe (to the ceiling) admits a second request.
+    b.kv_admission.tuner = ConcurrencyTuner(2, window_s=0.0, window_tokens=1)
     slots = await _serve_all(b, [(prompt, 6)] * 7)
     assert all(s.finish_reason == "length" for s in slots)
     assert max(b.batch_sizes) == 2  # the rows, not max_batch, held the batch
     assert b.admitted == [id(s) for s in slots]
     assert b.kv_admission.row_waits > 0
+    assert b.kv_admission.tuner.windows > 0 and b.kv_admission.tuner.probes > 0  # the engine fed it
+
+    held = Watched(model, direct_source(roomy, rows=8), max_batch=32, prefill_chunk=16, prompt_cache_size=0)
+    assert held.kv_admission is not None and held.kv_admission.tuner is not None
+    held.kv_admission.tuner.window_s = 3600.0  # no window ends: the limit stays at its start
+    await _serve_all(held, [(prompt, 6)] * 7)
+    assert max(held.batch_sizes) == 1
 
     cached = Watched(model, direct_source(roomy, rows=8, direct=False), max_batch=32, prefill_chunk=16,
                      prompt_cache_size=0)
@@ -418,6 +431,15 @@ def test_rows_concurrency_can_be_set_or_switched_off(monkeypatch: pytest.MonkeyP
     assert rows_concurrency(plan, model) is None
     monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", "3")
     assert rows_concurrency(plan, model) == 3
+    # A count set is held as it is (no tuning), past the rows' own bound too.
+    shaped = types.SimpleNamespace(config={"num_experts_per_tok": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 16,
+                                           "head_dim": 8, "torch_dtype": "float16"})
+    admission = plan_admission(shaped, direct_source(1 << 30, rows=11), 16, PrefixCache(0, 16))
+    assert admission is not None and admission.tuner is not None and admission.tuner.fixed
+    assert admission.limit == 3
+    admission.observe(0.0, 0, True)
+    admission.observe(100.0, 1000, True)
+    assert admission.limit == 3 and admission.tuner.windows == 0
     monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", "auto")
     assert rows_concurrency(plan, model) == 1
     for bad in ("0", "-1", "many"):

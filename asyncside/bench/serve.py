@@ -467,7 +467,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
             spent["disk_read_bytes"] = float(proc_self_bytes("io", "read_bytes") - disk_before)
             phases.append(res.summary() | {"warmup_rounds": warmed, "engine": spent,
                                            "peak_rss_bytes": proc_self_bytes("status", "VmHWM"),
-                                           "peak_rss_since": "phase" if peak_reset else "start"}
+                                           "peak_rss_since": "phase" if peak_reset else "start",
+                                           "concurrency": srv.call(_concurrency_of(state))}
                           | _io_per_token(spent))
             if ml is None:
                 continue
@@ -594,6 +595,17 @@ def _counters_of(state: Any) -> Callable[[], Any]:
             if isinstance(v, (int, float)):
                 out[k] = float(v)
         return out
+
+    return get
+
+
+def _concurrency_of(state: Any) -> Callable[[], Any]:
+    """The engine's concurrency tuner after a phase (None: no rows' bound): the limit it chose and
+    the tokens per second it measured at each level (:mod:`asyncside.serving.concurrency`)."""
+    async def get() -> dict[str, Any] | None:
+        admission = state.batcher.kv_admission
+        tuner = admission.tuner if admission is not None else None
+        return tuner.snapshot() if tuner is not None else None
 
     return get
 

@@ -152,6 +152,9 @@ class ServerState:
                 out["kv_allowance_bytes"] = self.batcher.kv_admission.allowance
                 if self.batcher.kv_admission.max_active is not None:
                     out["max_active_by_rows"] = self.batcher.kv_admission.max_active
+                limit = self.batcher.kv_admission.limit
+                if limit is not None:
+                    out["active_limit"] = limit
         if self.engine is not None:
             for key in ("staging_bytes", "host_tier_bytes"):
                 value = self.engine.description.get(key)

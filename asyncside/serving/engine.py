@@ -298,6 +298,8 @@ class Batcher:
                         await self._wake.wait()
                     async with self._turn:
                         await strategy.step(self, tasks)
+                    if self.kv_admission is not None:  # the rows' limit is tuned on what the turns make
+                        self.kv_admission.observe(time.monotonic(), self.tokens, bool(self._waiting))
                     await anyio.lowlevel.checkpoint()
         finally:
             self._fail_all(AsyncsideError("the server is shutting down"))

@@ -8,7 +8,9 @@ Where the plan also reads past the page cache, every row evicted is a disk read:
 admits no more requests at once than the pools' smallest layer holds one step's experts of
 (:func:`rows_concurrency`). More would evict each other's experts within every step, and on a disk
 that binds, the aggregate fell below one request's alone (BENCHMARKS.md, "Serving under a memory
-budget").
+budget"). Within that ceiling, how many pay depends on how much the requests' experts overlap:
+:class:`~asyncside.serving.concurrency.ConcurrencyTuner` starts at one and climbs while the
+measured tokens per second say so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..kv_layout import KV_STEP, KVLayout, dtype_bytes, kv_layout, model_kv_layout
 from ..memory import describe_bytes
+from .concurrency import ConcurrencyTuner
 
 __all__ = ["KV_STEP", "KVAdmission", "KVLayout", "dtype_bytes", "kv_layout", "model_kv_layout", "plan_admission",
            "rows_concurrency"]
@@ -36,13 +39,16 @@ class KVAdmission:
     """
 
     def __init__(self, layout: KVLayout, allowance: int | None, chunk: int = KV_STEP,
-                 budget: str = "memory budget", max_active: int | None = None) -> None:
+                 budget: str = "memory budget", max_active: int | None = None,
+                 tuner: ConcurrencyTuner | None = None) -> None:
         self.layout = layout
         self.allowance = allowance
         self.chunk = chunk
         self.budget = budget
         #: requests generating at once that the pools' rows hold a step of (None: no such bound)
         self.max_active = max_active
+        #: the limit within ``max_active`` that measurements choose (None: ``max_active`` itself)
+        self.tuner = tuner
         self.waits = 0  # admissions deferred because the caches would not fit
         self.row_waits = 0  # admissions deferred because the pools' rows would not hold another request
 
@@ -58,10 +64,21 @@ class KVAdmission:
         """Whether requests with worst cases ``needs`` fit the allowance beside ``extra`` bytes."""
         return self.allowance is None or self.reserved(needs) + extra <= self.allowance
 
+    @property
+    def limit(self) -> int | None:
+        """Requests that may generate at once now (None: no bound but the KV allowance)."""
+        return self.tuner.limit if self.tuner is not None else self.max_active
+
+    def observe(self, now: float, tokens: int, waiting: bool) -> None:
+        """One engine turn, for the tuner (see :meth:`ConcurrencyTuner.observe`)."""
+        if self.tuner is not None:
+            self.tuner.observe(now, tokens, waiting)
+
     def admits(self, active: Sequence[Any], slot: Any, prefix_cache: Any) -> bool:
         """Whether ``slot`` (its ``kv_need``) fits beside the ``active`` requests, making room in
         ``prefix_cache`` (least recently used entries first) when that is what it takes."""
-        if self.max_active is not None and len(active) >= self.max_active:
+        limit = self.limit
+        if limit is not None and len(active) >= limit:
             self.row_waits += 1
             return False
         needs = [s.kv_need for s in active] + [slot.kv_need]
@@ -107,8 +124,23 @@ def plan_admission(model: Any, source: Any, chunk: int, prefix_cache: Any) -> KV
         return None
     prefix_cache.max_bytes = min(prefix_cache.max_bytes, allowance)
     budget = str(getattr(plan, "source", "memory budget"))
-    return KVAdmission(model_kv_layout(model), allowance, max(chunk, KV_STEP), budget,
-                       max_active=rows_concurrency(plan, model))
+    ceiling = rows_concurrency(plan, model)
+    tuner = None
+    if ceiling is not None:
+        # A count set by ASYNCSIDE_ROWS_CONCURRENCY is held as it is; the rows' own bound is a ceiling.
+        fixed = isinstance(_rows_setting(), int)
+        tuner = ConcurrencyTuner(ceiling, start=ceiling, fixed=True) if fixed else ConcurrencyTuner(ceiling)
+    return KVAdmission(model_kv_layout(model), allowance, max(chunk, KV_STEP), budget, max_active=ceiling,
+                       tuner=tuner)
+
+
+def _rows_setting() -> int | str:
+    """``ASYNCSIDE_ROWS_CONCURRENCY`` as read: ``"auto"`` (also unset), ``"off"`` or a count."""
+    import os
+
+    from ..native_env import ENV_ROWS_CONCURRENCY, env_rows_concurrency
+
+    return env_rows_concurrency(os.environ.get(ENV_ROWS_CONCURRENCY, ""))
 
 
 def rows_concurrency(plan: Any, model: Any) -> int | None:
@@ -119,12 +151,9 @@ def rows_concurrency(plan: Any, model: Any) -> int | None:
 
     ``ASYNCSIDE_ROWS_CONCURRENCY`` overrides it: ``off`` (no bound, for A/B runs) or a count >= 1.
     """
-    import os
-
-    from ..native_env import ENV_ROWS_CONCURRENCY, env_rows_concurrency
     from ..runtime._forward_cost import config_top_k
 
-    setting = env_rows_concurrency(os.environ.get(ENV_ROWS_CONCURRENCY, ""))
+    setting = _rows_setting()
     if setting == "off":
         return None
     if isinstance(setting, int):

@@ -239,6 +239,8 @@ _MEMORY_HELP = {
     "kv_allowance_bytes": "The memory plan's KV allowance: what admitted requests' KV caches may take",
     "max_active_by_rows": ("Requests generating at once that the pools' rows hold a decode step of "
                            "(a plan reading past the page cache)"),
+    "active_limit": ("Requests the engine lets generate at once now, within max_active_by_rows (chosen by "
+                     "measured tokens per second)"),
     "staging_bytes": "Bytes of the reader's staging buffers (fixed at startup)",
     "host_tier_bytes": "Bytes of the host tier of expert records (fixed at startup)",
 }
