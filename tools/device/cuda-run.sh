@@ -3,7 +3,8 @@
 # Runs in the repository root on the GPU machine. Expects /root/stage to hold both halves of the
 # MLX CUDA wheel and the transformers wheel (staged on the machine before the run; carried as
 # .devwheels/a, .devwheels/w1 and .devwheels/b), the fmt headers in .devwheels/fmt, and the other
-# wheels the machine lacks in .whl. Writes logs and JSON
+# wheels the machine lacks in .whl or /root/stage/whl (staged by an earlier call where one call
+# cannot carry them all). Writes logs and JSON
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
 # Env: SETUP_ONLY=1 (stop once the extension is built), TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
@@ -22,7 +23,7 @@ log() { echo "== $(date +%T) $*"; }
 log "install MLX CUDA and carried wheels"
 (cd /root/stage && cat part.aa part.ab > "$(cat NAME)" && sha256sum -c <(echo "$(cat SHA256)  $(cat NAME)")) || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl \
-  /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl .whl/*.whl || exit 1
+  /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl $(ls .whl/*.whl /root/stage/whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site
 # The extension finds libmlx through its RPATH when installed beside mlx; copied into the checkout
 # (below) it needs the library path.

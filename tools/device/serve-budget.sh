@@ -6,7 +6,8 @@
 # three-tier.sh (SETUP there installed MLX CUDA and built the extension).
 # Env: MEMORY (the budget, default 4200M), LOCALITIES (default high,middle), CLIENTS (default 1,8),
 # DURATION / WARMUP (seconds a phase, default 30 / 10), PROBE (default 1), WALL (default 580),
-# LAYERS (MoE layers of the shape, default all 48: a fresh machine builds a smaller store faster),
+# SHAPE (default qwen3-30b-a3b), LAYERS (MoE layers of the shape, default all: a fresh machine builds
+# a smaller store faster), VOCAB (the store's vocabulary as three-tier.sh's EXTRA built it, default the shape's),
 # ROWS (values of ASYNCSIDE_ROWS_CONCURRENCY to run in turn per locality, default "auto"), RESIDENT
 # (the pools' share of each layer, default auto: sized to the budget; a fraction keeps the rows a
 # layer of the 48-layer run on a smaller store).
@@ -15,19 +16,22 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
 T_END=$(( $(date +%s) + ${WALL:-580} ))
 log() { echo "== $(date +%T) $*"; }
-STORE=$(python3 -c "from asyncside.bench.shapes import ensure_shape as e; print(e('qwen3-30b-a3b', layers=${LAYERS:-None}, progress=False)['store'])") || exit 1
-NL=${LAYERS:-48}
+SHAPE=${SHAPE:-qwen3-30b-a3b}
+read -r STORE NL NE K < <(python3 -c "from asyncside.bench.shapes import ensure_shape as e
+s = e('$SHAPE', layers=${LAYERS:-None}, vocab=${VOCAB:-None}, progress=False)
+import json, os; c = json.load(open(os.path.join(s['store'], 'config.json')))
+print(s['store'], c['num_hidden_layers'], c.get('num_experts') or c.get('n_routed_experts'), c['num_experts_per_tok'])") || exit 1
 log "store $STORE"
 for loc in $(echo "${LOCALITIES:-high,middle}" | tr , ' '); do
   left=$(( T_END - $(date +%s) - 5 ))
   [ $left -lt 120 ] && { log "no time left for $loc"; break; }
   python3 -c "from asyncside.routing import preset
-preset('$loc', tokens=2048, n_layers=$NL, n_experts=128, top_k=8, sequences=16).save('/tmp/$loc-16seq.npz')" || exit 1
+preset('$loc', tokens=2048, n_layers=$NL, n_experts=$NE, top_k=$K, sequences=16).save('/tmp/$loc-16seq.npz')" || exit 1
   for rows in ${ROWS:-auto}; do
     left=$(( T_END - $(date +%s) - 5 ))
     [ $left -lt 60 ] && { log "no time left for $loc rows $rows"; break; }
     log "bench serve, $loc, memory ${MEMORY:-4200M}, rows bound $rows ($left s left)"
-    ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$loc-L$NL-rows-$rows" \
+    ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$SHAPE-$loc-L$NL-rows-$rows" \
       --model "$STORE" --resident "${RESIDENT:-auto}" \
       --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-16seq.npz" --clients "${CLIENTS:-1,8}" \
       --duration "${DURATION:-30}" --warmup "${WARMUP:-10}" --max-tokens 16 --prompt-lengths 4 --long-prompt 0 \
