@@ -105,3 +105,25 @@ def test_ranks_refuse_a_budget_they_would_not_keep(argv: list[str], given: str, 
     rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--ranks", "2", "--tokens", "2", "--quiet", *argv)
     assert rc == 2 and given in err and "--resident 0.25 and no --memory" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pools_without_a_dynamic_row_are_refused_at_the_start(quick_store: pathlib.Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --side-rows 0`` pinned a quarter of each layer's experts and left no row to read the
+    others into: the demo ran its reference, then failed at the first token routed elsewhere with
+    "demand needs 1 distinct non-resident experts at once but the side region has 0 rows", naming
+    no option. The plan refuses it; pinning every expert still runs."""
+    from asyncside.errors import AsyncsideError
+    from asyncside.runtime import _plan
+    from asyncside.store import ExpertStore
+
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--side-rows", "0", "--tokens", "2", "--quiet")
+    assert rc == 2 and "side_rows=0 with 8 of layer 0's 32 experts pinned (by resident=0.25)" in err, err
+    assert "side_rows of at least 1" in err and len(err.strip().splitlines()) == 1, err
+    store = ExpertStore.open(quick_store)
+    plan = dict(resident=0.25, side_rows=0, min_side_rows=None, memory=None, direct=None, host_tier=0,
+                tier_possible=False)
+    with pytest.raises(AsyncsideError, match=r"^side_rows=0 with 2 of layer 0's 32 experts pinned \(as named by pinned\) leaves no row"):
+        _plan.plan_memory(store, list(store.layers), **{**plan, "pinned": {0: [1, 2], 1: [3]}})  # type: ignore[arg-type]
+    everything = _plan.plan_memory(store, list(store.layers), **{**plan, "resident": 1.0, "pinned": None})  # type: ignore[arg-type]
+    assert set(everything.rows.values()) == {32}

@@ -395,6 +395,22 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
         f"but the memory budget is {describe_bytes(budget.available)} ({budget.source}): {advice}")
 
 
+def _refuse_no_dynamic_rows(store: ExpertStore, specs: Mapping[int, LayerSpec], resident: float,
+                            side_rows: int | None, min_side_rows: int,
+                            pinned: Mapping[int, Sequence[int]] | None) -> None:
+    """AsyncsideError where a layer pins some of its experts and has no dynamic row: the first
+    token routed to another could not be read anywhere (it failed then, mid-generation)."""
+    for i, spec in specs.items():
+        chosen, side = plan_layer(store, i, resident, side_rows, min_side_rows, pinned)
+        if side == 0 and len(chosen) < spec.n_experts:
+            how = "as named by pinned" if pinned is not None else f"by resident={resident:g}"
+            raise AsyncsideError(
+                f"side_rows=0 with {len(chosen)} of layer {i}'s {spec.n_experts} experts pinned ({how}) leaves "
+                f"no row for the other {spec.n_experts - len(chosen)}: a token routed to one of them could not "
+                f"be served; give side_rows of at least 1 (the model's top-k, {min_side_rows}, reads a token's "
+                f"experts at once) or pin every expert (resident=1)")
+
+
 def _largest_fraction(pools_at: Any, room: int) -> float | None:
     """The largest resident fraction (to three figures, rounded down) whose pools ``pools_at(f)``
     fit ``room`` bytes; None where even the least pools do not."""
@@ -484,6 +500,8 @@ def plan_memory(
     elif isinstance(resident, str):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     rows = rows_at(float(resident))
+    if side_rows is not None or pinned is not None:
+        _refuse_no_dynamic_rows(store, specs, float(resident), side_rows, min_side_rows, pinned)
     split = None
     if rows_profile is not None:
         if pinned is not None or side_rows is not None:
