@@ -127,3 +127,31 @@ def test_pools_without_a_dynamic_row_are_refused_at_the_start(quick_store: pathl
         _plan.plan_memory(store, list(store.layers), **{**plan, "pinned": {0: [1, 2], 1: [3]}})  # type: ignore[arg-type]
     everything = _plan.plan_memory(store, list(store.layers), **{**plan, "resident": 1.0, "pinned": None})  # type: ignore[arg-type]
     assert set(everything.rows.values()) == {32}
+
+
+def test_offload_prompts_a_model_whose_vocabulary_ends_before_its_prompt(tmp_path: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run of ``bench offload`` prompted the byte tokenizer's "T" (id 84): on a store of a
+    64-token vocabulary asyncside refused the id (exit status 1) while mlx-lm and the slot cache
+    embedded whatever lay past the table and reported tokens unlike the reference's."""
+    from mlx_lm.utils import save_config, save_model
+
+    from asyncside.models.convert import convert_model
+
+    from _models_support import BASE, tiny_model
+
+    ok, why = offload.check_cgroups(1 << 30)
+    if not ok:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    monkeypatch.setitem(BASE, "qwen3_moe", {**BASE["qwen3_moe"], "vocab_size": 64})
+    model, config = tiny_model("qwen3_moe")
+    save_model(tmp_path / "model", model)
+    save_config(dict(config), tmp_path / "model" / "config.json")
+    store = tmp_path / "store"
+    convert_model(tmp_path / "model", store, progress=False)
+    assert offload.prompt_for(str(store)) == [63]
+    res = offload.run_offload_bench(offload_args("--stores", str(store), "--store-ratio", "0.00001", "--memory", "1G",
+                                                 "--seconds", "1", "--tokens", "3", "--localities", "low",
+                                                 "--systems", "asyncside,mlx-lm", "--quiet"))
+    for run in res["runs"]:
+        assert run["status"] == "ok" and run["tokens_match_reference"] is True, run

@@ -573,6 +573,23 @@ def least_budget(shape: dict[str, Any]) -> int:
     return int(pools + MIN_HEADROOM + non_expert + held)
 
 
+#: the prompt of every run: one token, so every step routes one token
+PROMPT_TOKENS = 1
+
+
+def prompt_for(store_dir: str) -> list[int]:
+    """The runs' prompt on the store at ``store_dir``: the byte tokenizer's "T", or the model's last
+    token id where its vocabulary ends before that (an id past the embedding table reads what lies
+    beyond it: asyncside refuses it, mlx-lm and the slot cache computed garbage)."""
+    from ..models.streaming import _config_vocab
+    from ..runtime._plan import store_config
+    from ..store import ExpertStore
+
+    vocab = _config_vocab(store_config(ExpertStore.open(store_dir)) or {})
+    token = ord("T")
+    return [token if vocab is None or token < vocab else vocab - 1]
+
+
 def _store_top_k(store_dir: str) -> int:
     """The experts routed per token of the model a store was converted from (what the runtime's
     plan reads: :func:`asyncside.runtime._plan.store_top_k`); StoreError where the store does not say."""
@@ -921,8 +938,9 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
                        "top_k": _store_top_k(str(build["store"])), "process_bytes": held})
     budget = choose_budget(args, shapes, verbose)
-    prompt = [ord("T")]  # one token (the byte tokenizer's "T"): every step routes one token
-    fitted = fit_routings(user, shapes, positions=len(prompt) + int(args.tokens), predictor=args.predictor,
+    for sh in shapes:
+        sh["prompt"] = prompt_for(sh["store"])
+    fitted = fit_routings(user, shapes, positions=PROMPT_TOKENS + int(args.tokens), predictor=args.predictor,
                           verbose=verbose)
     ok, why = check_cgroups(budget)
     if not ok:
@@ -947,7 +965,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                 path = tmp / f"{sh['shape']}-routing-{len(traces)}.npz"
                 trace.save(path)  # the fitted trace: the shape's own, so every child replays it as is
                 traces[label] = str(path)
-            base = {"store": sh["store"], "prompt": prompt, "seconds": args.seconds, "tokens": args.tokens,
+            base = {"store": sh["store"], "prompt": sh["prompt"], "seconds": args.seconds, "tokens": args.tokens,
                     "policy": args.policy, "predictor": args.predictor, "budget": budget,
                     # Until asyncside's run says its rows; a fraction, whatever the budget over the store.
                     "fraction": min(1.0, max(0.01, (budget * 0.5) / sh["expert_bytes"]))}
