@@ -155,3 +155,31 @@ def test_offload_prompts_a_model_whose_vocabulary_ends_before_its_prompt(tmp_pat
                                                  "--systems", "asyncside,mlx-lm", "--quiet"))
     for run in res["runs"]:
         assert run["status"] == "ok" and run["tokens_match_reference"] is True, run
+
+
+def test_a_store_without_a_tokenizer_is_refused_before_serving(quick_store: pathlib.Path,
+                                                               tmp_path: pathlib.Path) -> None:
+    """A store converted from a model directory without tokenizer files (a model written by
+    ``save_model`` alone) was served: ``/v1/models`` answered, and every completion, a text prompt
+    or token ids, was a 500 "internal error: AttributeError: 'NoneType' object has no attribute
+    'encode'" (or 'decode')."""
+    import shutil
+
+    import anyio
+
+    from asyncside.errors import StoreError
+    from asyncside.models.tokenizer import BYTE_TOKENIZER_FILE, TOKENIZER_FILES
+    from asyncside.serving.loading import open_engine
+
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    for name in (*TOKENIZER_FILES, BYTE_TOKENIZER_FILE):
+        (store / name).unlink(missing_ok=True)
+
+    async def main() -> None:
+        async with open_engine(str(store)):
+            pass
+
+    with pytest.raises(StoreError, match=r"holds no tokenizer files .*: the server encodes prompts") as info:
+        anyio.run(main)
+    assert str(info.value).startswith(f"{store}: "), str(info.value)

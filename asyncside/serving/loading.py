@@ -99,12 +99,18 @@ async def open_engine(
     ``routing``, a routing trace file every request replays (docs/routing-traces.md).
     """
     from ..audit import audit_problems
+    from ..errors import StoreError
     from ..models import load_streaming_model
     from ..runtime import Runtime
     from .health import HealthRegistry
 
     store_dir = model if model is not None else embedded_store_dir(cache_dir)
     streaming = load_streaming_model(store_dir)
+    if streaming.tokenizer is None:
+        # Before the runtime starts: every request would otherwise fail with an internal error.
+        raise StoreError(store_dir, "holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                         "tokenizer.model or asyncside_tokenizer.json): the server encodes prompts and decodes "
+                         "tokens with them; convert a model directory that has them")
     store = streaming.store
     replay = None
     if routing is not None:
