@@ -209,20 +209,38 @@ def as_tokens_option(exc: AsyncsideError, tokens: int) -> AsyncsideError:
     return AsyncsideError(f"--tokens {tokens} {text[len(api):]}") if text.startswith(api) else exc
 
 
-async def _streaming_run(sm: Any, store: Any, prompt_ids: list[int], args: argparse.Namespace,
+def demo_runtime(store: Any, args: argparse.Namespace) -> Any:
+    """The streaming run's Runtime (not entered) as the demo's options ask for it."""
+    from .runtime import Runtime
+
+    return Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
+                   reader=args.reader, direct=True if args.direct else None,
+                   verify=not getattr(args, "no_verify", False), memory=getattr(args, "memory", None),
+                   host_tier=getattr(args, "host_tier", "auto"), rows_profile=getattr(args, "rows_profile", None))
+
+
+def refuse_early(sm: Any, runtime: Any, prompt_ids: list[int], args: argparse.Namespace) -> None:
+    """Under ``--memory``, what the streaming run would refuse (pools that cannot fit, a generation
+    whose KV cache passes the plan's allowance) refused before the reference run, which may take
+    minutes: an AsyncsideError in the command line's words. The plan made now is never tighter than
+    the one the run makes after the reference (the process only grows meanwhile)."""
+    if getattr(args, "memory", None) is None:
+        return
+    try:
+        sm.kv_need(runtime.plan_now(), len(prompt_ids), args.tokens)
+    except AsyncsideError as exc:
+        raise as_tokens_option(exc, args.tokens) from None
+
+
+async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int], args: argparse.Namespace,
                          echo: Any, options: Any) -> tuple[Run, dict[str, Any], bool]:
     import anyio
 
     from .looplag import measure_loop_lag
     from .models.predict import PredictionQuality
     from .models.trace import RoutingTrace
-    from .runtime import Runtime
 
-    async with Runtime(store, resident=args.resident, side_rows=args.side_rows, policy=args.policy,
-                       reader=args.reader, direct=True if args.direct else None,
-                       verify=not getattr(args, "no_verify", False), memory=getattr(args, "memory", None),
-                       host_tier=getattr(args, "host_tier", "auto"),
-                       rows_profile=getattr(args, "rows_profile", None)) as rt:
+    async with runtime as rt:
         if rt.plan is not None and not (args.quiet or args.json):
             print(rt.plan.describe(), flush=True)
             print(f"{args.prompt}", end="", flush=True)
@@ -445,6 +463,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.quiet or args.json):
         for line in notes:
             print(f"note: {line}", flush=True)
+    runtime = demo_runtime(store, args)
+    refuse_early(sm, runtime, prompt_ids, args)
     reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None),
                                       getattr(args, "resident", None))
     ref: Run | None = None
@@ -465,7 +485,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None and not (args.quiet or args.json):
         print(EMBEDDED_NOTICE, flush=True)
     run, stats, audit_ok = anyio.run(
-        _streaming_run, sm, store, prompt_ids, args, echo, options,
+        _streaming_run, sm, store, runtime, prompt_ids, args, echo, options,
         backend="asyncio", backend_options={"use_uvloop": sys.platform != "win32"},
     )
     if not (args.quiet or args.json):

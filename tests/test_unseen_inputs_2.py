@@ -454,7 +454,8 @@ def test_converting_a_model_whose_config_mlx_lm_cannot_take_is_one_line(
 
 
 def test_the_demo_names_tokens_when_the_kv_allowance_cannot_hold_them(quick_store: pathlib.Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``demo --memory 3G --tokens 10000000``: the refusal named the API's ``max_tokens=``, an
     argument the command line does not have; it names --tokens (the API keeps its own word)."""
     rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--memory", "3G", "--tokens", "10000000",
@@ -462,10 +463,32 @@ def test_the_demo_names_tokens_when_the_kv_allowance_cannot_hold_them(quick_stor
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("asyncside demo: --tokens 10000000 after a prompt of ") and "new tokens fit" in err, err
     assert "max_tokens" not in err, err
-    # Without --quiet the plan and the prompt are printed first: the line ends before the refusal.
+    # Without --quiet the plan and the prompt are printed first: the line ends before the refusal
+    # (the streaming run's own refusal, here without the early one before the reference).
+    import asyncside.demo as demo
     from asyncside import cli
+
+    monkeypatch.setattr(demo, "refuse_early", lambda *a: None)
 
     assert cli.main(["demo", "--model", str(quick_store), "--memory", "3G", "--tokens", "10000000",
                      "--reference", "none"]) == 2
     out = capsys.readouterr().out
     assert out.endswith("\n") and "--tokens" not in out, out
+
+
+def test_the_demo_refuses_tokens_the_kv_allowance_cannot_hold_before_its_reference_run(
+        quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the all-resident reference, ``demo --memory 3G --tokens 10000000`` generated the
+    reference's ten million tokens (minutes of silence) before the streaming run refused them: the
+    plan's refusal now comes before any reference run."""
+    import asyncside.demo as demo
+
+    def no_reference(*a: object, **k: object) -> None:
+        raise AssertionError("the reference ran before the refusal")
+
+    monkeypatch.setattr(demo, "reference_run", no_reference)
+    monkeypatch.setattr(demo, "slot_cache_run", no_reference)
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--memory", "3G", "--tokens", "10000000",
+                      "--reference", "all-resident", "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("asyncside demo: --tokens 10000000 after a prompt of ") and "new tokens fit" in err, err

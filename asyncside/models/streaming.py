@@ -171,7 +171,7 @@ class StreamingModel:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         check_predictor(predictor)
-        kv_need = self._kv_need(source, len(ids), max_tokens)
+        kv_need = self.kv_need(getattr(source, "plan", None), len(ids), max_tokens)
         fwd = self.forward_with(options)
         pred = fwd.make_predictor(predictor)
         lock = self._step_lock()
@@ -225,12 +225,12 @@ class StreamingModel:
                 ctx, y = ahead
 
 
-    def _kv_need(self, source: ExpertSource, prompt_tokens: int, max_tokens: int) -> tuple[int, int] | None:
-        """(this generation's KV cache at worst, the allowance) under ``source``'s memory plan; None
-        where the plan bounds no KV cache (no budget) or the config does not say the cache's size.
-        AsyncsideError where the cache alone would pass the allowance: the budget would not hold
-        the generation, so it is refused before its first step rather than run past the budget."""
-        plan: Any = getattr(source, "plan", None)
+    def kv_need(self, plan: Any, prompt_tokens: int, max_tokens: int) -> tuple[int, int] | None:
+        """(a generation's KV cache at worst, the allowance) under the memory ``plan`` (a
+        :class:`~asyncside.runtime.MemoryPlan`; None: no plan); None where the plan bounds no KV
+        cache (no budget) or the config does not say the cache's size. AsyncsideError where the
+        cache alone would pass the allowance: the budget would not hold the generation, so
+        :meth:`generate` refuses it before its first step rather than run past the budget."""
         allowance = getattr(plan, "kv_allowance_bytes", None)
         if not isinstance(allowance, int):
             return None

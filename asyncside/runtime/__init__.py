@@ -173,8 +173,19 @@ class Runtime:
         """The memory plan's figures (see :class:`MemoryPlan`; empty until entered)."""
         return self._plan.as_dict() if self._plan is not None else {}
 
-    async def __aenter__(self) -> Runtime:
+    def plan_now(self) -> MemoryPlan:
+        """The memory plan entering would make now, with nothing opened or allocated: an
+        AsyncsideError where nothing sensible fits. Entering plans again, against what the process
+        holds then (a process that grew meanwhile gets a tighter plan, never a roomier one)."""
         from .. import pools as _pools
+
+        return plan_memory(
+            self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
+            side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
+            direct=self._direct, host_tier=self._host_tier, rows_profile=self._rows_profile,
+            tier_possible=_pools.device_pools_default() and _native.device_faults_available())
+
+    async def __aenter__(self) -> Runtime:
         from ..native_env import check_env
 
         # The extension reads some itself and falls back quietly on a bad value; the others are read
@@ -187,12 +198,7 @@ class Runtime:
             s.completed = completed
         s.start(s.completed)
         try:
-            # Before anything is opened: refuses pools that cannot fit.
-            self._plan = plan_memory(
-                self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
-                side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
-                direct=self._direct, host_tier=self._host_tier, rows_profile=self._rows_profile,
-                tier_possible=_pools.device_pools_default() and _native.device_faults_available())
+            self._plan = self.plan_now()  # before anything is opened: refuses pools that cannot fit
             if self._plan.direct != s.scheduler.direct:
                 reader, options, verify = self._reader_args
                 s.scheduler = Scheduler(reader, options, direct=self._plan.direct, verify=verify)
