@@ -106,8 +106,8 @@ def _dims(config: dict[str, Any]) -> tuple[Any, ...]:
      (2, 8, 2, 128, 96, 4, 2, 32, 400), False,
      ["moe_intermediate_size varies per layer (64 to 96): built with 96 in every layer", '"rope_type": "dynamic"',
       "per-layer attention types (full_attention, linear_attention) not represented"]),
-    # An explicit moe_layers list (indices past the last layer ignored).
-    ({**TINY_MIXTRAL, "num_hidden_layers": 4, "moe_layers": [0, 2, 9]}, (2, 8, 2, 128, 128, 4, 2, 32, 32000), True,
+    # An explicit moe_layers list.
+    ({**TINY_MIXTRAL, "num_hidden_layers": 4, "moe_layers": [0, 2]}, (2, 8, 2, 128, 128, 4, 2, 32, 32000), True,
      ["2 dense decoder layer(s) of the 4"]),
     # A multimodal wrapper: the MoE dimensions are in text_config.
     ({"model_type": "some_vl", "text_config": {**TINY_MIXTRAL, "model_type": "qwen3_moe",
@@ -214,6 +214,9 @@ def _no_moe_field(raw: dict[str, Any]) -> dict[str, Any]:
     ({**TINY_DEEPSEEK, "first_k_dense_replace": 3}, "no MoE layer among the 3 of num_hidden_layers"),
     ([1, 2], "a model config is a JSON object, got list"),
     ({**TINY_MIXTRAL, "moe_layers": "all"}, "moe_layers must be a list of layer indices, got 'all'"),
+    # Indices past the last layer were dropped without a word (mlp_only_layers' are refused).
+    ({**TINY_MIXTRAL, "num_hidden_layers": 4, "moe_layers": [0, 2, 9]},
+     "moe_layers [9] fall outside the model's 4 decoder layers; expected layer indices from 0 to 3"),
     ({**TINY_MIXTRAL, "decoder_sparse_step": -1}, "decoder_sparse_step must be a positive integer (a MoE layer "
                                                    "every that many layers), got -1"),
     ({**TINY_DEEPSEEK, "first_k_dense_replace": -1}, "first_k_dense_replace must be a non-negative integer, got -1"),

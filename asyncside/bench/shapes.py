@@ -213,6 +213,15 @@ def _number(origin: str, raw: dict[str, Any], fields: tuple[str, ...], default: 
     return float(got[1])
 
 
+def _refuse_outside(origin: str, field: str, indices: list[int], n_layers: int) -> None:
+    """A ShapeError for layer indices outside the config's layers (else silently no layer of the
+    model's: a list written for a config cut to fewer layers, say)."""
+    outside = sorted({i for i in indices if not 0 <= i < n_layers})
+    if outside:
+        raise ShapeError(f"{origin}: {field} {outside} fall outside the model's {n_layers} decoder layers; "
+                         f"expected layer indices from 0 to {n_layers - 1}")
+
+
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
     DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
@@ -222,7 +231,8 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     if listed is not None:
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
             raise ShapeError(f"{origin}: moe_layers must be a list of layer indices, got {listed!r}")
-        return sorted({i for i in listed if 0 <= i < n_layers})
+        _refuse_outside(origin, "moe_layers", listed, n_layers)
+        return sorted(set(listed))
     # The least value of each field: a count of layers may be 0; a period (a MoE layer every that
     # many layers) may not, where the model's own code divides by it (0 was read as absent).
     least = {"first_k_dense_replace": 0, "moe_layer_freq": 1, "decoder_sparse_step": 1,
@@ -236,10 +246,7 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     only_mlp = raw.get("mlp_only_layers") or []
     if not isinstance(only_mlp, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only_mlp):
         raise ShapeError(f"{origin}: mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
-    outside = sorted({i for i in only_mlp if not 0 <= i < n_layers})
-    if outside:  # else silently no layer of the model's: a config cut to fewer layers, say
-        raise ShapeError(f"{origin}: mlp_only_layers {outside} fall outside the model's {n_layers} decoder layers; "
-                         f"expected layer indices from 0 to {n_layers - 1}")
+    _refuse_outside(origin, "mlp_only_layers", only_mlp, n_layers)
     first_dense = ints["first_k_dense_replace"] or 0
     freq = ints["moe_layer_freq"] or 1
     step = ints["decoder_sparse_step"] or ints["interleave_moe_layer_step"] or 1
