@@ -131,3 +131,30 @@ def test_bench_pipeline_quick(store: pathlib.Path, capsys: pytest.CaptureFixture
     assert 0 < floor["idle_p10"] <= floor["idle_median"] <= floor["idle_p90"] and floor["back_to_back_median"] > 0
     assert s["wake_floor_ms_median"] == floor["idle_median"] and s["raw_transfer_ms_median"] == ping["raw_median"]
     assert s["pool_bytes"]["single"] == sum(s["pool_bytes"]["ranks"]) and all(s["max_rss_bytes"]["ranks"])
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--peer-timeout", "0"], "--peer-timeout 0: expected a finite number of seconds > 0"),
+    (["--join-timeout", "-1"], "--join-timeout -1: expected a finite number of seconds > 0"),
+    (["--side-rows", "-3"], "--side-rows -3: expected a number of rows >= 0"),
+    (["--split", "2,0"], "--split 2,0: expected a count >= 1 of decoder layers for each rank"),
+    (["--tokens", "0"], "--tokens"),
+    (["--requests", "0"], "--requests"),
+    (["--ping", "-1"], "--ping"),
+])
+def test_a_rank_refuses_bad_stage_options_before_it_joins(argv: list[str], said: str, tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m asyncside.distributed STORE --peer-timeout 0`` (and the others) were taken unchecked:
+    a rank refuses them as a usage error (exit 2) before it looks for its peers."""
+    from asyncside.distributed import group, rank
+
+    def no_join(*a: Any, **k: Any) -> None:
+        raise AssertionError("the rank went on to meet its peers")
+
+    monkeypatch.setattr(group.LaunchEnv, "from_environ", no_join)
+    with pytest.raises(SystemExit) as exited:
+        rank.main([str(tmp_path), *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from ..argtypes import policy_name, resident_fraction
+from ..argtypes import int_at_least, policy_name, resident_fraction
 from ..policies import POLICY_NAMES
 from .errors import DistributedError, PeerLostError, PeerTimeoutError
 
@@ -91,6 +91,26 @@ def add_stage_arguments(p: Any, *, model_options: bool = True) -> None:
                    help="seconds of silence after which a peer counts as hung (default 4)")
 
 
+def stage_problem(args: argparse.Namespace) -> str | None:
+    """Why the stage options of :func:`add_stage_arguments` cannot run (None: they can): a split
+    that does not parse or gives a rank no layer, negative side rows, a timeout that is not a finite
+    number of seconds > 0. Checked before the ranks meet, by each rank and by ``serve --pipeline``."""
+    from .plan import PlanError, parse_split
+
+    try:
+        split = parse_split(args.split)
+    except PlanError as exc:
+        return str(exc)
+    if split is not None and min(split) < 1:
+        return f"--split {args.split}: expected a count >= 1 of decoder layers for each rank"
+    if args.side_rows is not None and args.side_rows < 0:
+        return f"--side-rows {args.side_rows}: expected a number of rows >= 0"
+    for option, seconds in (("--join-timeout", args.join_timeout), ("--peer-timeout", args.peer_timeout)):
+        if not 0 < seconds < float("inf"):  # NaN fails this too
+            return f"{option} {seconds:g}: expected a finite number of seconds > 0"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncside.distributed",
                                 description="one rank of a pipelined generation job")
@@ -98,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_stage_arguments(p)
     p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     p.add_argument("--prompt", default=None, help="prompt text (when --prompt-ids is not given)")
-    p.add_argument("--tokens", type=int, default=16, help="tokens per request")
-    p.add_argument("--requests", type=int, default=1, help="concurrent requests (prompt rotated by i tokens)")
-    p.add_argument("--warmup", type=int, default=0, help="tokens of one untimed request first")
+    p.add_argument("--tokens", type=int_at_least(1), default=16, help="tokens per request")
+    p.add_argument("--requests", type=int_at_least(1), default=1, help="concurrent requests (prompt rotated by i tokens)")
+    p.add_argument("--warmup", type=int_at_least(0), default=0, help="tokens of one untimed request first")
     p.add_argument("--keep-logits", action="store_true", help="last rank: write every logits array")
     p.add_argument("--echo", action="store_true", help="rank 0: print each token id on stdout as it comes")
-    p.add_argument("--ping", type=int, default=0, metavar="N",
+    p.add_argument("--ping", type=int_at_least(0), default=0, metavar="N",
                    help="rank 0: N boundary round trips of one decode step's messages, no compute")
     p.add_argument("--out", default=None, help="directory for rank<r>.json")
     p.add_argument("--single", action="store_true",
@@ -288,7 +308,11 @@ async def _job(args: argparse.Namespace, group: Any, plan: Any, sm: Any) -> dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = stage_problem(args)
+    if problem is not None:
+        parser.error(problem)
     import anyio
 
     from .group import LaunchEnv, join

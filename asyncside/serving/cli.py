@@ -263,20 +263,9 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
                           ("--routing", args.routing is not None)):
         if given:
             return f"{option} is not supported with --pipeline"
-    from ..distributed.plan import PlanError, parse_split
+    from ..distributed.rank import stage_problem
 
-    try:
-        split = parse_split(args.split)
-    except PlanError as exc:
-        return str(exc)
-    if split is not None and min(split) < 1:
-        return f"--split {args.split}: expected a count >= 1 of decoder layers for each rank"
-    if args.side_rows is not None and args.side_rows < 0:
-        return f"--side-rows {args.side_rows}: expected a number of rows >= 0"
-    for option, seconds in (("--join-timeout", args.join_timeout), ("--peer-timeout", args.peer_timeout)):
-        if not 0 < seconds < float("inf"):  # NaN fails this too
-            return f"{option} {seconds:g}: expected a finite number of seconds > 0"
-    return None
+    return stage_problem(args)
 
 
 def resident_of(args: argparse.Namespace) -> float | str:
