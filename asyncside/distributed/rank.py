@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     p.add_argument("--prompt", default=None, help="prompt text (when --prompt-ids is not given)")
     p.add_argument("--tokens", type=int_at_least(1), default=16, help="tokens per request")
-    p.add_argument("--requests", type=int_at_least(1), default=1, help="concurrent requests (prompt rotated by i tokens)")
+    p.add_argument("--requests", type=int_at_least(1), default=1,
+                   help="concurrent requests (prompt rotated by i tokens)")
     p.add_argument("--warmup", type=int_at_least(0), default=0, help="tokens of one untimed request first")
     p.add_argument("--keep-logits", action="store_true", help="last rank: write every logits array")
     p.add_argument("--echo", action="store_true", help="rank 0: print each token id on stdout as it comes")
