@@ -110,6 +110,9 @@ def test_the_trace_predictor_without_a_trace_to_replay_fails_at_start(
 @pytest.mark.parametrize("argv, words", [
     (["--pipeline", "--memory", "4G"], "--memory is not supported with --pipeline"),
     (["--pipeline", "--resident", "auto"], "--resident auto is not supported with --pipeline"),
+    # The ranks keep no host tier: an explicit --host-tier (even auto) was ignored without a word.
+    (["--pipeline", "--host-tier", "1G"], "--host-tier is not supported with --pipeline"),
+    (["--pipeline", "--host-tier", "auto"], "--host-tier is not supported with --pipeline"),
     (["--pipeline", "--split", "two,one"], "--split 'two,one': expected comma-separated layer counts"),
     (["--pipeline", "--split", "0,5"], "--split 0,5: expected a count >= 1 of decoder layers for each rank"),
     (["--pipeline", "--side-rows", "-3"], "--side-rows -3: expected a number of rows >= 0"),

@@ -28,12 +28,13 @@ DEFAULT_RESIDENT = 0.25
 
 
 class _Given(argparse.Action):
-    """Stores the value and notes it was given (``resident_given``): a default is not a choice."""
+    """Stores the value and notes it was given (``DEST_given``, e.g. ``resident_given``): a default
+    is not a choice."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
-        namespace.resident_given = True
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _existing_file(text: str) -> str:
@@ -166,10 +167,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=policy_name, default=DEFAULT_POLICY,
                         help=f"eviction policy of the dynamic rows: {', '.join(POLICY_NAMES)} "
                              f"(default {DEFAULT_POLICY})")
-    parser.add_argument("--host-tier", type=host_tier_arg, default="auto", metavar="SIZE",
+    parser.add_argument("--host-tier", type=host_tier_arg, default="auto", metavar="SIZE", action=_Given,
                         help="MLX CUDA: pinned host memory for the host tier of records (each faulted "
                              "record read and verified once, then copied from there): auto (a quarter of "
                              "the memory left beside the pools), a size such as 2G, or 0 for none (default auto)")
+    parser.set_defaults(host_tier_given=False)
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
     parser.add_argument("--cache-dir", default=None,
@@ -259,8 +261,10 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
                     "(one rank of a pipeline, under mlx.launch); add --pipeline or leave "
                     f"{'it' if len(stray) == 1 else 'them'} out")
         return None
+    # The pipeline's ranks plan no memory budget and keep no host tier: taking these would ignore them.
     for option, given in (("--resident auto", args.resident == "auto"), ("--memory", args.memory is not None),
-                          ("--routing", args.routing is not None)):
+                          ("--routing", args.routing is not None),
+                          ("--host-tier", getattr(args, "host_tier_given", False))):
         if given:
             return f"{option} is not supported with --pipeline"
     from ..distributed.rank import stage_problem
