@@ -183,3 +183,13 @@ def test_a_store_without_a_tokenizer_is_refused_before_serving(quick_store: path
     with pytest.raises(StoreError, match=r"holds no tokenizer files .*: the server encodes prompts") as info:
         anyio.run(main)
     assert str(info.value).startswith(f"{store}: "), str(info.value)
+
+
+def test_ranks_refuse_a_plan_as_the_one_process_demo_does(quick_store: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --side-rows 0`` is refused with exit status 2; with ``--ranks 2`` the same refusal of
+    the one-process run's plan exited with status 1, as a run that failed."""
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--ranks", "2", "--side-rows", "0",
+                      "--tokens", "2", "--quiet")
+    assert rc == 2 and "side_rows=0 with 8 of layer 0's 32 experts pinned" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -160,7 +160,13 @@ def _table(result: dict[str, Any]) -> None:
 
 def ranks_demo_main(args: argparse.Namespace) -> int:
     """Run the demo over ``args.ranks`` ranks; 0 when every rank succeeded and the tokens are identical."""
-    result = run_ranks_demo(args)
+    from ..errors import AsyncsideError
+
+    try:
+        result = run_ranks_demo(args)
+    except AsyncsideError as exc:  # refused as the one-process demo refuses it (a plan that cannot be)
+        print(f"asyncside demo: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:
