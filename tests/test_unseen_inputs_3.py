@@ -193,3 +193,23 @@ def test_ranks_refuse_a_plan_as_the_one_process_demo_does(quick_store: pathlib.P
                       "--tokens", "2", "--quiet")
     assert rc == 2 and "side_rows=0 with 8 of layer 0's 32 experts pinned" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_rows_profile_beside_side_rows_is_one_line(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --rows-profile F --side-rows 2`` (each valid alone) ended in the plan's ValueError
+    traceback; it is refused in one line (exit status 2), and stays a ValueError from Python."""
+    from asyncside.routing import preset
+    from asyncside.runtime import _plan
+    from asyncside.store import ExpertStore
+
+    profile = tmp_path / "profile.npz"
+    preset("middle", tokens=32, n_layers=2, n_experts=32, top_k=4).save(profile)
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--rows-profile", str(profile), "--side-rows", "2",
+                      "--tokens", "2", "--quiet")
+    assert rc == 2 and "rows_profile splits the dynamic rows between layers" in err and "no side_rows" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    store = ExpertStore.open(quick_store)
+    with pytest.raises(ValueError, match="takes no pinned experts"):
+        _plan.plan_memory(store, list(store.layers), resident="auto", pinned={0: [1]}, side_rows=None,
+                          min_side_rows=None, memory=None, direct=None, host_tier=0, tier_possible=False)

@@ -49,6 +49,12 @@ KV_SHARE = 0.5
 RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
 
 
+class PlanArgumentError(AsyncsideError, ValueError):
+    """Runtime sizing arguments that are not valid, or do not go together: a ValueError, as a bad
+    argument is, and an AsyncsideError, so a command refuses it in one line as the plan's other
+    refusals."""
+
+
 def store_config(store: ExpertStore) -> dict[str, Any] | None:
     """The model's ``config.json`` beside the store's manifest; None where there is none (a store
     written without its model's config, ``ExpertStore.create``) or it is not a JSON object."""
@@ -487,7 +493,7 @@ def plan_memory(
     asked_auto = resident == "auto"
     if resident == "auto":
         if pinned is not None:
-            raise ValueError("resident='auto' sizes the pools itself: it takes no pinned experts")
+            raise PlanArgumentError("resident='auto' sizes the pools itself: it takes no pinned experts")
         target = max(0, budget.available - headroom) * AUTO_SHARE
         fraction = 1.0
         if pools_at(1.0) > target:
@@ -498,15 +504,15 @@ def plan_memory(
             fraction = lo
         resident = fraction
     elif isinstance(resident, str):
-        raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+        raise PlanArgumentError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+    if rows_profile is not None and (pinned is not None or side_rows is not None):
+        raise PlanArgumentError("rows_profile splits the dynamic rows between layers: it takes no pinned experts "
+                                "and no side_rows")
     rows = rows_at(float(resident))
     if side_rows is not None or pinned is not None:
         _refuse_no_dynamic_rows(store, specs, float(resident), side_rows, min_side_rows, pinned)
     split = None
     if rows_profile is not None:
-        if pinned is not None or side_rows is not None:
-            raise ValueError("rows_profile splits the dynamic rows between layers: it takes no pinned experts "
-                             "and no side_rows")
         rows, split = profile_rows(store, list(specs), rows, rows_profile, min_side_rows)
     pools = sum(r * record_bytes(specs[i]) for i, r in rows.items())
 
