@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .argtypes import int_at_least, resident_fraction, writable_file
-from .errors import AsyncsideError
+from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
@@ -173,9 +173,14 @@ class Run:
         }
 
 
-def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_tokens(tokenizer: Any, prompt: str, store: Any = None) -> list[int]:
     """``--prompt`` encoded by ``tokenizer``; a ValueError naming the option where it encodes to no
-    tokens (generation needs a token to start from; a tokenizer without BOS encodes "" to none)."""
+    tokens (generation needs a token to start from; a tokenizer without BOS encodes "" to none), an
+    AsyncsideError naming ``store`` where the model has no tokenizer at all."""
+    if tokenizer is None:
+        raise StoreError(store or "the model", "holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                         "tokenizer.model or asyncside_tokenizer.json): --prompt cannot be encoded; convert a "
+                         "model directory that has them")
     ids = list(tokenizer.encode(prompt))
     if not ids:
         raise ValueError(f"--prompt {prompt!r} encodes to no tokens; give a prompt of at least one token")
@@ -300,11 +305,13 @@ def disk_read_bytes() -> int:
 def choose_reference(store: Any, asked: str, memory: int | None, resident: float | str | None = None
                      ) -> tuple[str, str]:
     """Which run checks the tokens, and why: the all-resident model when it fits the budget (its
-    experts and non-expert weights in at most half of it), else the slot cache. With a fractional
-    ``resident``, the streaming run must fit too after the reference ran: what the process holds
-    now, plus the model (the process keeps its pages after the reference), plus the pools and the
-    runtime's headroom."""
+    experts and non-expert weights in at most half of it), else the slot cache. The streaming run
+    must fit too after the reference ran: what the process holds now, plus the model (the process
+    keeps its pages after the reference), plus the pools (a fractional ``resident``'s, else the
+    smallest the plan may choose) and the runtime's headroom. Under a ``memory`` budget that is
+    checked whatever ``resident`` is: the reference must not take the process past the budget."""
     from .memory import MIN_HEADROOM, available_memory, describe_bytes, pool_bytes, proc_self_bytes
+    from .runtime._plan import min_rows
 
     if asked != "auto":
         return asked, "asked for"
@@ -315,8 +322,9 @@ def choose_reference(store: Any, asked: str, memory: int | None, resident: float
         pass
     budget = available_memory().available if memory is None else min(memory, available_memory().available)
     if model_bytes <= budget // 2:
-        if isinstance(resident, float):
-            after = proc_self_bytes("status", "VmRSS") + model_bytes + pool_bytes(store, resident) + MIN_HEADROOM
+        if isinstance(resident, float) or memory is not None:
+            pools = pool_bytes(store, resident if isinstance(resident, float) else 0.0, min_rows=min_rows(store))
+            after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + MIN_HEADROOM
             if after > budget:
                 return "slot-cache", (f"the model's {describe_bytes(model_bytes)} fit half of the "
                                       f"{describe_bytes(budget)} budget, but with them held the streaming run "
@@ -447,7 +455,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     sm = load_streaming_model(store_dir)
     streamed = {"auto": None, "on": True, "off": False}[getattr(args, "streamed_switch", "auto")]
     options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra, streamed_switch=streamed)
-    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt)
+    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt, store_dir)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
     replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None

@@ -492,3 +492,44 @@ def test_the_demo_refuses_tokens_the_kv_allowance_cannot_hold_before_its_referen
                       "--reference", "all-resident", "--quiet")
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("asyncside demo: --tokens 10000000 after a prompt of ") and "new tokens fit" in err, err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "generate", "--quick", "--plot", "none"]])
+def test_a_store_without_tokenizer_files_is_one_line_naming_the_store(command: list[str], quick_store: pathlib.Path,
+                                                                     tmp_path: pathlib.Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """demo and bench generate on a store whose tokenizer files were left out ended in an
+    AttributeError traceback (the prompt encoded by None); serve already refused such a store."""
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    for f in [*store.glob("tokenizer*"), *store.glob("special_tokens_map.json")]:
+        f.unlink()
+    rc, err = run_cli(capsys, *command, "--model", str(store), "--tokens", "2")
+    assert rc in (1, 2) and err.count("\n") == 1 and "Traceback" not in err, err  # as other broken stores
+    assert str(store) in err and "holds no tokenizer files" in err and "--prompt cannot be encoded" in err, err
+
+
+def test_under_a_budget_the_reference_runs_all_resident_only_if_the_streaming_run_fits_after_it(
+        quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo --memory`` with the pools sized by the plan (``resident`` auto) chose the all-resident
+    reference on the model's size alone: the process then held the model's pages beside what it
+    held before, past the budget (the streaming run was refused after the reference, or the
+    reference's peak passed the budget). The smallest pools and the headroom now count as a
+    fractional ``resident``'s pools did."""
+    import asyncside.memory as memory
+    from asyncside.demo import choose_reference
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(quick_store)
+    model = sum(store.layer(i).blob_bytes for i in store.layers) + sum(
+        f.stat().st_size for f in quick_store.glob("*.safetensors"))
+    monkeypatch.setattr(memory, "proc_self_bytes", lambda *a: 100 << 20)
+    tight = 2 * model + (64 << 20)  # the model fits half of it, not the process, pools and headroom beside it
+    chosen, why = choose_reference(store, "auto", tight, "auto")
+    assert chosen == "slot-cache" and "streaming run would need" in why, why
+    roomy = min(8 << 30, memory.available_memory().available)
+    if 100 * (1 << 20) + model + memory.MIN_HEADROOM + (256 << 20) < roomy:
+        assert choose_reference(store, "auto", roomy, "auto")[0] == "all-resident"
+    assert choose_reference(store, "auto", None, "auto")[0] == "all-resident"  # no budget: as before

@@ -680,7 +680,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     store_dir, model_info = _resolve_store(args, verbose)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
-    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt)
+    prompt_ids = prompt_tokens(sm.tokenizer, args.prompt, store_dir)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
     reference = {"model": load_reference_model(store_dir)[0]}  # dropped before the trace is replayed
     if getattr(args, "routing", None):
