@@ -446,3 +446,26 @@ def test_rows_concurrency_can_be_set_or_switched_off(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("ASYNCSIDE_ROWS_CONCURRENCY", bad)
         with pytest.raises(AsyncsideError, match="ASYNCSIDE_ROWS_CONCURRENCY"):
             rows_concurrency(plan, model)
+
+
+def test_metrics_show_the_rows_ceiling_and_the_tuned_limit(tokenizer: Any) -> None:
+    """Past the page cache, /metrics gauges the rows' ceiling and the limit the tuner holds now."""
+    model = scripted(tokenizer)
+    model.config.update(num_experts_per_tok=4)
+
+    @contextlib.asynccontextmanager
+    async def factory() -> Any:
+        yield Engine(model=model, source=direct_source(1 << 30, rows=16), audit=lambda: (True, []),
+                     description={"model": "scripted"})
+
+    app = create_app(factory, ServeSettings(prompt_cache_size=0, max_tokens_limit=4096, prefill_chunk=16))
+    before = mx.set_cache_limit(0)
+    mx.set_cache_limit(before)
+    with contextlib.ExitStack() as restore:
+        restore.callback(mx.set_cache_limit, before)
+        srv = restore.enter_context(BackgroundServer(app))
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("asyncside_") and len(line.split()) == 2}
+    assert values["asyncside_max_active_by_rows"] == 4  # 16 rows, top-4
+    assert values["asyncside_active_limit"] == 1  # the tuner starts at one request
