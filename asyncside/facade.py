@@ -9,7 +9,8 @@
 ``load`` takes what :func:`asyncside.hub.store_for` takes (an expert store, an mlx-lm model
 directory or a Hugging Face repo id; a model is converted on first use into asyncside's cache)
 and returns ``(model, tokenizer)``: ``tokenizer`` is mlx-lm's ``TokenizerWrapper`` of the model's
-tokenizer files, ``model`` a :class:`StreamingLM`, whose synchronous ``model(inputs, cache=cache)``
+tokenizer files (of the byte-level tokenizer for a store that names asyncside's byte tokenizer, as
+a bench shape's does), ``model`` a :class:`StreamingLM`, whose synchronous ``model(inputs, cache=cache)``
 returns the logits an mlx-lm model returns. That is all ``generate``, ``stream_generate``,
 ``batch_generate`` and ``make_prompt_cache`` need of a model (with ``layers`` and
 ``make_cache``), so they run unchanged, and their tokens equal the all-resident model's.
@@ -38,6 +39,8 @@ import atexit
 import concurrent.futures
 import numbers
 import os
+import pathlib
+import tempfile
 import threading
 import weakref
 from collections.abc import Coroutine
@@ -266,8 +269,6 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     what the machine has available), as :class:`~asyncside.runtime.Runtime` takes it. Other
     keyword arguments go to the Runtime too (``reader``, ``policy``, ``verify``, ...).
     """
-    from mlx_lm.utils import load_tokenizer
-
     from .hub import store_for
     from .memory import check_memory, parse_size
     from .models import load_streaming_model
@@ -283,7 +284,35 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)
-    eos = streaming.config.get("eos_token_id")
-    tokenizer = load_tokenizer(store_dir, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    tokenizer = _mlx_tokenizer(store_dir, streaming)
     model = StreamingLM(streaming, {"resident": resident, "memory": memory, **runtime})
     return model, tokenizer
+
+
+def _mlx_tokenizer(store_dir: str | os.PathLike[str], streaming: Any) -> Any:
+    """mlx-lm's ``TokenizerWrapper`` of the tokenizer the streaming model encodes with (the one the
+    demo and the server use); a StoreError naming ``store_dir`` where it has none.
+
+    A store whose tokenizer is asyncside's byte tokenizer (a bench shape's) gets the byte-level
+    tokenizer of the same ids as standard files would give it: mlx-lm, handed the directory alone,
+    picks a tokenizer class by the model type and encodes with no vocabulary (or fails to build).
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    from .errors import StoreError
+    from .models.tokenizer import ByteTokenizer, save_byte_level_tokenizer
+
+    tok = streaming.tokenizer
+    if tok is None:
+        raise StoreError(store_dir, "holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                         "tokenizer.model or asyncside_tokenizer.json): load() returns the model's tokenizer "
+                         "for mlx-lm's generate; convert a model directory that has them")
+    if not isinstance(tok, ByteTokenizer):
+        return tok
+    limit = streaming.config.get("max_position_embeddings")
+    with tempfile.TemporaryDirectory(prefix="asyncside-tokenizer-") as tmp:
+        if isinstance(limit, int):
+            save_byte_level_tokenizer(tmp, model_max_length=limit)
+        else:
+            save_byte_level_tokenizer(tmp)
+        return load_tokenizer(pathlib.Path(tmp), eos_token_ids=sorted(tok.eos_token_ids))

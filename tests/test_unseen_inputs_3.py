@@ -213,3 +213,43 @@ def test_a_rows_profile_beside_side_rows_is_one_line(quick_store: pathlib.Path, 
     with pytest.raises(ValueError, match="takes no pinned experts"):
         _plan.plan_memory(store, list(store.layers), resident="auto", pinned={0: [1]}, side_rows=None,
                           min_side_rows=None, memory=None, direct=None, host_tier=0, tier_possible=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_shape_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A bench shape's store (the byte tokenizer's asyncside_tokenizer.json, no tokenizer.json)."""
+    from asyncside.bench import shapes
+
+    config = tmp_path_factory.mktemp("shape") / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TINY_MIXTRAL))
+    built = shapes.ensure_shape(config, layers=2, vocab=512, cache_dir=config.parent.parent / "cache", progress=False)
+    return pathlib.Path(built["store"])
+
+
+def test_load_gives_a_shape_store_the_byte_tokenizer(tiny_shape_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``asyncside.load`` on a bench shape's store handed the directory to mlx-lm's tokenizer
+    loader, which picked a class by the model type: "hello" encoded to ``[]`` (qwen3_moe), or
+    "Couldn't instantiate the backend tokenizer" (mixtral, deepseek_v3). It returns the byte
+    tokenizer's ids, as the demo encodes them; a store without tokenizer files is refused."""
+    import shutil
+
+    from mlx_lm import generate
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from asyncside import load
+    from asyncside.errors import StoreError
+    from asyncside.models.tokenizer import BYTE_TOKENIZER_FILE, ByteTokenizer
+
+    model, tok = load(tiny_shape_store, resident=0.5)
+    with model:
+        assert isinstance(tok, TokenizerWrapper)
+        assert tok.encode("hello") == ByteTokenizer().encode("hello") == list(b"hello")
+        assert tok.eos_token_ids == {ByteTokenizer.EOS} and tok.decode(list(b"hi")) == "hi"
+        assert isinstance(generate(model, tok, "hello", max_tokens=2), str)
+    bare = tmp_path / "store"
+    shutil.copytree(tiny_shape_store, bare)
+    (bare / BYTE_TOKENIZER_FILE).unlink()
+    with pytest.raises(StoreError, match=r"holds no tokenizer files .*: load\(\) returns the model's tokenizer") as info:
+        load(bare)
+    assert str(info.value).startswith(f"{bare}: "), str(info.value)
