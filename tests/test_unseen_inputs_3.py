@@ -253,3 +253,28 @@ def test_load_gives_a_shape_store_the_byte_tokenizer(tiny_shape_store: pathlib.P
     with pytest.raises(StoreError, match=r"holds no tokenizer files .*: load\(\) returns the model's tokenizer") as info:
         load(bare)
     assert str(info.value).startswith(f"{bare}: "), str(info.value)
+
+
+def test_a_hidden_size_the_router_cannot_be_quantized_in_is_refused_before_building(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config of hidden_size 160 (a multiple of 32, not of 64) passed the width check, took the
+    group size 32, and ended the build in MLX's quantize traceback: mlx-lm's qwen3_moe quantizes
+    its router at 8 bits in groups of 64 whatever group the rest takes. It is refused naming the
+    field, before anything is built; hidden_size 192 with a 96-wide expert still takes group 32."""
+    from asyncside.bench import shapes
+
+    odd = {"model_type": "qwen3_moe", "hidden_size": 160, "num_hidden_layers": 2, "num_attention_heads": 5,
+           "num_key_value_heads": 1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+           "vocab_size": 600}
+    config = tmp_path / "odd" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(odd))
+    cache = tmp_path / "cache"
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:2", "--store-ratio", "0.0001",
+                      "--cache-dir", str(cache), "--quiet")
+    assert rc == 2 and f"{config}: 4-bit quantization needs widths that are multiples of 32 and hidden_size a " \
+                       "multiple of 64 (the router's input width" in err and err.rstrip().endswith(": hidden_size 160"), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not cache.exists() or not any(cache.iterdir())
+    config.write_text(json.dumps({**odd, "hidden_size": 192, "num_attention_heads": 6}))
+    assert shapes.describe_shape(str(config)).group_size == 32

@@ -429,15 +429,25 @@ class ShapeSource:
     group_size: int = 64
 
 
+#: the group size mlx-lm's qwen3_moe quantizes its router (``mlp.gate``, 8 bits) in, whatever group
+#: the other matrices take: the hidden size, the router's input width, must be a multiple of it
+ROUTER_GROUP_SIZE = 64
+
+
 def _group_size(config: dict[str, Any], origin: str) -> int:
-    """The largest of MLX's group sizes dividing every quantized matrix's input width."""
+    """The largest of MLX's group sizes dividing every quantized matrix's input width; a
+    :class:`ShapeError` naming each width that no group size divides, or that the router's breaks."""
     widths = {"hidden_size": config["hidden_size"], "moe_intermediate_size": config["moe_intermediate_size"],
               "num_attention_heads x head_dim": config["num_attention_heads"] * config["head_dim"]}
-    for g in (64, 32):
-        if all(w % g == 0 for w in widths.values()):
-            return g
-    bad = ", ".join(f"{k} {v}" for k, v in widths.items() if v % 32)
-    raise ShapeError(f"{origin}: 4-bit quantization needs widths that are multiples of 32: {bad}")
+    if config["hidden_size"] % ROUTER_GROUP_SIZE == 0:
+        for g in (64, 32):
+            if all(w % g == 0 for w in widths.values()):
+                return g
+    router = config["hidden_size"] % ROUTER_GROUP_SIZE != 0
+    bad = ", ".join(f"{k} {v}" for k, v in widths.items() if v % 32 or (router and k == "hidden_size"))
+    need = (f" and hidden_size a multiple of {ROUTER_GROUP_SIZE} (the router's input width: mlx-lm's qwen3_moe "
+            f"quantizes the router at 8 bits in groups of {ROUTER_GROUP_SIZE})" if router else "")
+    raise ShapeError(f"{origin}: 4-bit quantization needs widths that are multiples of 32{need}: {bad}")
 
 
 def config_shape(path: str | os.PathLike[str]) -> ShapeSource:
