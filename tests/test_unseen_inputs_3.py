@@ -278,3 +278,33 @@ def test_a_hidden_size_the_router_cannot_be_quantized_in_is_refused_before_build
     assert not cache.exists() or not any(cache.iterdir())
     config.write_text(json.dumps({**odd, "hidden_size": 192, "num_attention_heads": 6}))
     assert shapes.describe_shape(str(config)).group_size == 32
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_policy_ratios_without_a_figure_are_null_and_dashes(split: bool, tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench policy --split`` on a trace of one-token sequences (no hit on the holdout, MIN's
+    included) wrote NaN into the JSON, which no JSON parser takes, and "nanx" / "(nan of MIN)" into
+    the table; without --split a one-token trace did the same. Ratios with nothing to divide by
+    are null in the JSON and "-" in the table."""
+    from asyncside.routing import preset
+
+    trace = tmp_path / "short.npz"
+    tokens, sequences = (8, 8) if split else (1, 1)
+    preset("low", tokens=tokens, n_layers=3, n_experts=16, top_k=4, sequences=sequences).save(trace)
+    common = ["bench", "policy", "--quick", "--presets", "", "--trace", str(trace), "--policies", "lru",
+              *(["--split"] if split else [])]
+    out = tmp_path / "policy.json"
+    assert run_cli(capsys, *common, "--json", "--out", str(out))[0] == 0
+
+    def no_constant(name: str) -> Any:
+        raise AssertionError(f"{name} in the JSON")
+
+    rows = json.loads(out.read_text(), parse_constant=no_constant)["rows"]
+    ratios = ("split/even", "even/min", "split/min") if split else ("lru/min",)
+    assert rows and all(r[k] is None for r in rows for k in ratios), rows
+    from asyncside import cli
+
+    assert cli.main(common) == 0
+    table = capsys.readouterr().out
+    assert "nan" not in table and ("(- of MIN) | - |" if split else "(-) | 0.000 (-) |") in table, table

@@ -181,14 +181,31 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
     return traces
 
 
+def _no_nan(value: Any) -> Any:
+    """``value`` with each NaN as None: a ratio over a hit rate of zero (MIN's, or the even cache's, on
+    a trace whose sequences are a token long) has no figure, and JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _ratio(value: float | None, fmt: str) -> str:
+    """A table's ratio cell: ``-`` where there is no figure."""
+    return "-" if value is None or math.isnan(value) else format(value, fmt)
+
+
 def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     """The rows as a Markdown table: hit rates, and each policy's fraction of MIN in brackets."""
     head = ["trace", "cache", "MIN", "MIN no bypass", "static", *policies]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
     for r in rows:
         cells = [r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}", f"{r['min-no-bypass']:.3f}",
-                 f"{r['static']:.3f} ({r['static'] / r['min'] if r['min'] else math.nan:.2f})"]
-        cells += [f"{r[p]:.3f} ({r[p + '/min']:.2f})" for p in policies]
+                 f"{r['static']:.3f} ({_ratio(r['static'] / r['min'] if r['min'] else None, '.2f')})"]
+        cells += [f"{r[p]:.3f} ({_ratio(r[p + '/min'], '.2f')})" for p in policies]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -202,8 +219,10 @@ def format_split_table(rows: list[dict[str, Any]], policy: str) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}",
-            f"{r['even']:.3f} ({r['even/min']:.2f} of MIN)", f"{r['split_hit_rate']:.3f} ({r['split/min']:.2f} of MIN)",
-            f"{r['split/even']:.3f}x", " ".join(str(x) for x in r["split"])]) + " |")
+            f"{r['even']:.3f} ({_ratio(r['even/min'], '.2f')} of MIN)",
+            f"{r['split_hit_rate']:.3f} ({_ratio(r['split/min'], '.2f')} of MIN)",
+            "-" if r["split/even"] is None else f"{r['split/even']:.3f}x",
+            " ".join(str(x) for x in r["split"])]) + " |")
     return "\n".join(lines)
 
 
@@ -220,7 +239,7 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
             pairs[name] = holdout_pair(t)
         except ValueError as exc:  # a trace too short to cut in two
             raise ValueError(f"--split: trace {name!r}: {exc}") from None
-    rows = compare_split(pairs, fractions, DEFAULT_POLICY)
+    rows = _no_nan(compare_split(pairs, fractions, DEFAULT_POLICY))
     result: dict[str, Any] = {
         "bench": "policy --split",
         "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step, "
@@ -252,7 +271,10 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     traces = build_traces(args)
     rows = compare_policies(traces, fractions, policies)
-    worst = {p: {f: min(r[f"{p}/min"] for r in rows if r["fraction"] == f) for f in fractions} for p in policies}
+    # Over the rows with a figure: min() over a NaN answers NaN or not by the rows' order.
+    worst = {p: {f: min((r[f"{p}/min"] for r in rows if r["fraction"] == f and not math.isnan(r[f"{p}/min"])),
+                        default=None) for f in fractions} for p in policies}
+    rows = _no_nan(rows)
     result: dict[str, Any] = {
         "bench": "policy",
         "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step",
@@ -268,8 +290,8 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(format_table(rows, policies))
         print()
         for p in policies:
-            print(f"{p}: worst fraction of MIN " + ", ".join(
-                f"{f:.0%} {v:.2f}" for f, v in worst[p].items() if not math.isnan(v)))
+            print(f"{p}: worst fraction of MIN " + (", ".join(
+                f"{f:.0%} {v:.2f}" for f, v in worst[p].items() if v is not None) or "-"))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     return result
