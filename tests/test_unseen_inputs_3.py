@@ -308,3 +308,30 @@ def test_policy_ratios_without_a_figure_are_null_and_dashes(split: bool, tmp_pat
     assert cli.main(common) == 0
     table = capsys.readouterr().out
     assert "nan" not in table and ("(- of MIN) | - |" if split else "(-) | 0.000 (-) |") in table, table
+
+
+def test_bench_serve_fits_its_default_long_prompt_to_the_context(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench serve`` on a model of a 512-token context was refused for "--long-prompt 2000", an
+    option nobody typed. The default long prompt is cut to what the context leaves beside
+    --max-tokens, and a note says so; a --long-prompt given past the context is still refused."""
+    import shutil
+
+    pytest.importorskip("httpx")
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    config = json.loads((store / "config.json").read_text())
+    (store / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    common = ["bench", "serve", "--model", str(store), "--clients", "2", "--duration", "0.5", "--warmup", "0",
+              "--max-tokens", "2", "--prompt-lengths", "4", "--no-mlx-lm"]
+    from asyncside import cli
+
+    rc = cli.main([*common, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "note: the long prompt is 510 tokens, not the default 2000: the model's context is 512" in err, err
+    result = json.loads(out)
+    assert result["long_prompt"] == 510 and result["long_prompt_note"], result
+    assert [p["long_prompt_sent"] for p in result["phases"]] == [True], result["phases"]
+    rc, err = run_cli(capsys, *common, "--long-prompt", "600")
+    assert rc == 2 and "--long-prompt 600 with --max-tokens 2: past the model's context of 512 tokens" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -55,6 +55,8 @@ from ..argtypes import int_at_least, nonnegative_float, positive_float, positive
 from . import require_extra
 from .machine import machine_info
 
+#: the long prompt's tokens when ``--long-prompt`` is not given (fewer where the model's context is shorter)
+LONG_PROMPT = 2000
 PASSAGE = ("The quick brown fox jumps over the lazy dog while experts stream in from the disk; "
            "a Mixture-of-Experts model routes every token to a few experts out of many. ")
 
@@ -282,8 +284,9 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int_at_least(1), default=32, help="tokens per request (default 32)")
     parser.add_argument("--prompt-lengths", type=positive_ints, default=[8, 32, 128],
                         help="prompt lengths in tokens that each client cycles through (default 8,32,128)")
-    parser.add_argument("--long-prompt", type=int_at_least(0), default=2000,
-                        help="tokens of the one long prompt client 0 sends first (default 2000; 0: none)")
+    parser.add_argument("--long-prompt", type=int_at_least(0), default=None,
+                        help=f"tokens of the one long prompt client 0 sends first (default {LONG_PROMPT}, or as "
+                             f"many as the model's context leaves beside --max-tokens where that is fewer; 0: none)")
     parser.add_argument("--long-prompt-clients", type=positive_ints, default=None, metavar="N,...",
                         help="the phases (client counts) that include the long prompt (default: the largest "
                              "client count, when it is more than 1)")
@@ -368,6 +371,19 @@ def _check(args: argparse.Namespace) -> None:
         RoutingTrace.load(args.routing)
 
 
+def _fit_long_prompt(args: argparse.Namespace, context: int | None, sent: bool) -> tuple[int, str | None]:
+    """(the long prompt's tokens, a note where the default was cut): ``--long-prompt`` as given, else
+    the default, cut to what the model's context leaves beside ``--max-tokens`` where a phase sends
+    it. An explicit ``--long-prompt`` past the context is left for :func:`_check_context` to refuse."""
+    if args.long_prompt is not None:
+        return args.long_prompt, None
+    if not sent or context is None or LONG_PROMPT + args.max_tokens <= context:
+        return LONG_PROMPT, None
+    fit = max(context - args.max_tokens, 0)
+    return fit, (f"the long prompt is {fit} tokens, not the default {LONG_PROMPT}: the model's context is {context} "
+                 f"tokens, --max-tokens {args.max_tokens} of them generated (--long-prompt sets it)")
+
+
 def _check_context(args: argparse.Namespace, context: int | None, long_prompts: Sequence[int]) -> None:
     """Refuse prompts that the server would refuse, every one of them (``context_length_exceeded``):
     a prompt length, or the long prompt of a phase that sends it, plus ``--max-tokens`` past the
@@ -375,7 +391,7 @@ def _check_context(args: argparse.Namespace, context: int | None, long_prompts: 
     if context is None:
         return
     over = [f"--prompt-lengths {n}" for n in sorted(set(args.prompt_lengths)) if n + args.max_tokens > context]
-    if any(n + args.max_tokens > context for n in long_prompts):
+    if any(n > 0 and n + args.max_tokens > context for n in long_prompts):
         over.append(f"--long-prompt {args.long_prompt}")
     if over:
         raise ValueError(f"{', '.join(over)} with --max-tokens {args.max_tokens}: past the model's context of "
@@ -418,8 +434,10 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     with_long = args.long_prompt_clients if args.long_prompt_clients is not None else (
         [max(args.clients)] if max(args.clients) > 1 else [])
 
+    long_prompt = LONG_PROMPT if args.long_prompt is None else args.long_prompt
+
     def long_at(clients: int) -> int:
-        return args.long_prompt if clients in with_long else 0
+        return long_prompt if clients in with_long else 0
 
     numbers = itertools.count()
     mlx_lm: dict[str, Any] = {"ran": False}
@@ -436,6 +454,10 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(BackgroundServer(app))
         state = app.state.asyncside
+        long_prompt, long_note = _fit_long_prompt(args, state.context_length,
+                                                  any(c in with_long for c in args.clients))
+        if long_note is not None:
+            print(f"note: {long_note}", file=sys.stderr, flush=True)
         _check_context(args, state.context_length, [long_at(c) for c in args.clients])
         rss_idle = read_rss_bytes()
         model_id = state.model_id
@@ -515,7 +537,8 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         "warmup_s": args.warmup,
         "max_tokens": args.max_tokens,
         "prompt_lengths": args.prompt_lengths,
-        "long_prompt": args.long_prompt,
+        "long_prompt": long_prompt,
+        "long_prompt_note": long_note,
         "long_prompt_clients": with_long,
         "memory_budget_bytes": getattr(args, "memory", None),
         "routing": engine.get("routing"),
