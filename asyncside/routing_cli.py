@@ -22,6 +22,11 @@ from .argtypes import int_at_least
 from .errors import TraceError
 
 
+def _count(n: int, noun: str) -> str:
+    """``n noun``, the noun plural unless ``n`` is one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _experts(text: str) -> int:
     """``--experts``: an integer in [1, MAX_EXPERTS], the trace format's range."""
     from .routing import MAX_EXPERTS
@@ -85,8 +90,9 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
 
 
 def _print_info(path: str, info: dict[str, Any]) -> None:
-    print(f"{path}: {info['tokens']} tokens in {info['sequences']} sequence(s), {info['layers']} MoE layers x "
-          f"{info['experts']} experts, top-{info['top_k']}; source {info['source'] or 'not said'}; "
+    print(f"{path}: {_count(info['tokens'], 'token')} in {_count(info['sequences'], 'sequence')}, "
+          f"{_count(info['layers'], 'MoE layer')} x {_count(info['experts'], 'expert')}, top-{info['top_k']}; "
+          f"source {info['source'] or 'not said'}; "
           f"predictions: {info['predicted_per_token'] or 'none'} per token")
     if info["mapped_from"]:
         print(f"  mapped from {info['mapped_from']}")
@@ -95,7 +101,8 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
     for c in info["caches"]:
         share = int(round(c["fraction"] * info["experts"]))
         raised = f", raised to the top-{info['top_k']} from {share}" if c["rows"] > share else ""
-        text = f"  per-layer caches of {c['fraction']:.0%} ({c['rows']} rows{raised}): LRU {c['lru']:.1%} hits"
+        text = (f"  per-layer caches of {c['fraction']:.0%} ({_count(c['rows'], 'row')}{raised}): "
+                f"LRU {c['lru']:.1%} hits")
         if "min" in c:
             text += f", Belady's MIN {c['min']:.1%} (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else ""
         print(text)
@@ -137,6 +144,6 @@ def routing_main(args: argparse.Namespace) -> int:
     except TraceError as exc:
         print(f"asyncside routing {args.routing_command}: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {trace.n_tokens} tokens, {trace.n_layers} layers x {trace.n_experts} experts, "
-          f"top-{trace.top_k}")
+    print(f"wrote {args.out}: {_count(trace.n_tokens, 'token')}, {_count(trace.n_layers, 'layer')} x "
+          f"{_count(trace.n_experts, 'expert')}, top-{trace.top_k}")
     return 0

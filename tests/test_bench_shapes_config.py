@@ -365,7 +365,7 @@ def test_offload_takes_a_config_path(tmp_path: pathlib.Path) -> None:
     assert shape["top_k"] == 2 and shape["source"] == str(path.resolve()) and "mixtral" in shape["note"]
     (run,) = res["runs"]
     assert run["status"] == "ok" and run["shape"] == "tiny-mixtral", run
-    assert "tiny-mixtral 1 layers x 8 experts top-2" in offload.render_markdown(res)
+    assert "tiny-mixtral 1 layer x 8 experts top-2" in offload.render_markdown(res)
     assert "(not represented: built as a qwen3_moe" in offload.render_markdown(res)
 
 

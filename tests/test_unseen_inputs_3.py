@@ -335,3 +335,26 @@ def test_bench_serve_fits_its_default_long_prompt_to_the_context(quick_store: pa
     rc, err = run_cli(capsys, *common, "--long-prompt", "600")
     assert rc == 2 and "--long-prompt 600 with --max-tokens 2: past the model's context of 512 tokens" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_counts_of_one_are_singular(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace of one token, one layer and one expert was "1 tokens, 1 layers x 1 experts" in the
+    routing commands, the replay's note and bench offload's log, and "(1 rows, ...)" in
+    ``routing info``."""
+    from asyncside import cli
+    from asyncside.models.forcing import RoutingReplay
+    from asyncside.routing import RoutingTrace
+
+    trace = tmp_path / "one.npz"
+    assert cli.main(["routing", "preset", "low", str(trace), "--experts", "1", "--top-k", "1", "--layers", "1",
+                     "--tokens", "1", "--sequences", "1"]) == 0
+    assert cli.main(["routing", "info", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {trace}: 1 token, 1 layer x 1 expert, top-1" in out, out
+    assert f"{trace}: 1 token in 1 sequence, 1 MoE layer x 1 expert, top-1;" in out and "(1 row, " in out, out
+    note = RoutingReplay(RoutingTrace.load(trace), moe_layers=[0], n_experts=1, top_k=1).describe()["note"]
+    assert "(1 token; " in note and "its 1 layer x 1 expert top-1, the model's own" in note, note
+    line = offload.routing_note({"label": "r", "file": str(trace), "mapped_from": None, "sequence": 0, "sequences": 1,
+                                 "sequence_tokens": 1, "wraps": False,
+                                 "source_shape": {"n_layers": 1, "n_experts": 1, "top_k": 1}})
+    assert "(1 layer x 1 expert top-1, the shape's own)" in line and "replayed (1 token)" in line, line

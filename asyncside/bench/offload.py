@@ -701,9 +701,11 @@ def fit_routings(user: list[dict[str, Any]], shapes: list[dict[str, Any]], *, po
 def routing_note(info: dict[str, Any]) -> str:
     """One line on how a user routing file is replayed (for the progress log and the table's title)."""
     src = info["source_shape"]
-    parts = [f"{info['label']}: {info['file']} ({src['n_layers']} layers x {src['n_experts']} experts "
-             f"top-{src['top_k']}, " + ("mapped onto the shape" if info["mapped_from"] else "the shape's own") + ")",
-             f"sequence {info['sequence']} of {info['sequences']} replayed ({info['sequence_tokens']} tokens)"]
+    parts = [f"{info['label']}: {info['file']} ({_count(src['n_layers'], 'layer')} x "
+             f"{_count(src['n_experts'], 'expert')} top-{src['top_k']}, "
+             + ("mapped onto the shape" if info["mapped_from"] else "the shape's own") + ")",
+             f"sequence {info['sequence']} of {info['sequences']} replayed "
+             f"({_count(info['sequence_tokens'], 'token')})"]
     if info["wraps"]:
         parts.append(f"positions wrap: a run routes {info['positions']} positions")
     return "; ".join(parts)
@@ -749,6 +751,11 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="print a markdown table (for BENCHMARKS.md)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def _count(n: int, noun: str) -> str:
+    """``n noun``, the noun plural unless ``n`` is one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _log(enabled: bool, msg: str) -> None:
@@ -921,7 +928,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why} "
                               "(nothing was built)")
         for typed, layers in planned:  # a name or a config.json path
-            _log(verbose, f"shape {typed} ({layers or 'all'} layers): building or reusing")
+            _log(verbose, f"shape {typed} ({_count(layers, 'layer') if layers else 'all layers'}): building or reusing")
             build = ensure_shape(typed, layers=layers, vocab=args.vocab, cache_dir=args.cache_dir,
                                  progress=verbose and not getattr(args, "json", False))
             build["max_layers"] = describe_shape(typed).config["num_hidden_layers"]
@@ -1051,7 +1058,8 @@ def _row(r: dict[str, Any]) -> list[str]:
 
 
 def _title(result: dict[str, Any]) -> str:
-    shapes = "; ".join(f"{s['shape']} {s['moe_layers']} layers x {s['experts_per_layer']} experts top-{s['top_k']}, "
+    shapes = "; ".join(f"{s['shape']} {_count(s['moe_layers'], 'layer')} x {_count(s['experts_per_layer'], 'expert')} "
+                       f"top-{s['top_k']}, "
                        f"store {s['store_bytes'] / MB:.0f} MB, disk {s['io']['GBps']:.2f} GB/s at "
                        f"{s['record_bytes'] / MB:.2f} MB x depth {s['io']['queue_depth']}"
                        + (f" (not represented: {s['note']})" if s.get("note") else "") for s in result["shapes"])

@@ -655,7 +655,8 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
     cfg = spec.config
     # Who asked, not who built: the same effective config reached from another file shares the store.
     about = {"shape": src.name, "source": src.source,
-             "built_as": f"qwen3_moe ({cfg['num_hidden_layers']} MoE layers x {cfg['num_experts']} experts "
+             "built_as": f"qwen3_moe ({cfg['num_hidden_layers']} MoE "
+                         f"layer{'s' if cfg['num_hidden_layers'] != 1 else ''} x {cfg['num_experts']} experts "
                          f"top-{cfg['num_experts_per_tok']}, hidden {cfg['hidden_size']}, expert intermediate "
                          f"{cfg['moe_intermediate_size']}; asyncside's seeded construction)",
              "note": "; ".join(src.notes)}

@@ -116,11 +116,13 @@ class RoutingReplay:
     def fit_note(self) -> str:
         """The trace's shape and whether it was mapped onto the model's, in words."""
         t = self.trace
-        shape = f"{t.n_layers} layers x {t.n_experts} experts top-{t.top_k}"
+        shape = (f"{t.n_layers} layer{'s' if t.n_layers != 1 else ''} x {t.n_experts} "
+                 f"expert{'s' if t.n_experts != 1 else ''} top-{t.top_k}")
         if self.fitted is t:
             return f"its {shape}, the model's own"
-        return (f"its {shape} mapped onto the model's {len(self.moe_layers)} MoE layers x {self.n_experts} experts "
-                f"top-{self.top_k}")
+        n = len(self.moe_layers)
+        return (f"its {shape} mapped onto the model's {n} MoE layer{'s' if n != 1 else ''} x {self.n_experts} "
+                f"experts top-{self.top_k}")
 
     def host_ids(self, layer: int, start: int, n: int) -> np.ndarray:
         """The forced ids of MoE decoder layer ``layer`` for positions ``start .. start+n-1``: (n, top_k)."""
