@@ -231,7 +231,8 @@ def test_load_gives_a_shape_store_the_byte_tokenizer(tiny_shape_store: pathlib.P
     """``asyncside.load`` on a bench shape's store handed the directory to mlx-lm's tokenizer
     loader, which picked a class by the model type: "hello" encoded to ``[]`` (qwen3_moe), or
     "Couldn't instantiate the backend tokenizer" (mixtral, deepseek_v3). It returns the byte
-    tokenizer's ids, as the demo encodes them; a store without tokenizer files is refused."""
+    tokenizer's ids, as the demo encodes them; a store without tokenizer files, or whose files hold
+    no vocabulary (they encoded every text to no tokens), is refused."""
     import shutil
 
     from mlx_lm import generate
@@ -253,6 +254,9 @@ def test_load_gives_a_shape_store_the_byte_tokenizer(tiny_shape_store: pathlib.P
     with pytest.raises(StoreError, match=r"holds no tokenizer files .*: load\(\) returns the model's tokenizer") as info:
         load(bare)
     assert str(info.value).startswith(f"{bare}: "), str(info.value)
+    (bare / "tokenizer_config.json").write_text("{}")  # tokenizer files without a vocabulary
+    with pytest.raises(StoreError, match=r"its tokenizer files hold no vocabulary \(they encode 'hello' to no tokens"):
+        load(bare)
 
 
 def test_a_hidden_size_the_router_cannot_be_quantized_in_is_refused_before_building(
