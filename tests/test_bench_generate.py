@@ -19,7 +19,9 @@ from asyncside.bench import shapes
 from asyncside.cli import main
 from asyncside.models import load_streaming_model
 from asyncside.models.embedded import ensure_embedded_default
+from asyncside import memory
 from asyncside.runtime import plan_layer
+from asyncside.runtime._plan import min_rows
 from asyncside.store import ExpertStore
 
 
@@ -299,9 +301,14 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
     assert main(["demo", "--model", str(quick_store), "--tokens", "2", "--memory", str(pools // 2), "--json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the pools need" in err and "memory budget" in err
-    # auto: the all-resident model when it fits half of the budget, else the slot cache.
+    # auto: the all-resident model when it fits half of the budget and the streaming run still fits
+    # after it (what the process holds, the model, the smallest pools, the headroom), else the slot cache.
     model = sum(store.layer(i).blob_bytes for i in store.layers) + side
-    assert choose_reference(store, "auto", 2 * model + 4096)[0] == "all-resident"
+    monkeypatch.setattr(memory, "proc_self_bytes", lambda *a: 64 << 20)  # what the process holds, fixed
+    after = (64 << 20) + model + memory.pool_bytes(store, 0.0, min_rows=min_rows(store)) + memory.MIN_HEADROOM
+    if max(2 * model, after) <= memory.available_memory().available:
+        assert choose_reference(store, "auto", max(2 * model, after))[0] == "all-resident"
+        assert choose_reference(store, "auto", max(2 * model, after) - 1)[0] == "slot-cache"
     kind, why = choose_reference(store, "auto", model)
     assert kind == "slot-cache" and "do not fit" in why
     assert choose_reference(store, "none", None) == ("none", "asked for")
