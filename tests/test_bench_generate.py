@@ -14,12 +14,12 @@ import types
 
 import pytest
 
+from asyncside import memory
 from asyncside.bench import generate as bench
 from asyncside.bench import shapes
 from asyncside.cli import main
 from asyncside.models import load_streaming_model
 from asyncside.models.embedded import ensure_embedded_default
-from asyncside import memory
 from asyncside.runtime import plan_layer
 from asyncside.runtime._plan import min_rows
 from asyncside.store import ExpertStore
@@ -276,7 +276,7 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
     page cache, the tokens are checked against the slot cache (the whole model is never loaded),
     and the run reports the disk's bandwidth, the I/O limit, the bytes read and peak RSS; a budget
     the pools cannot fit is one clear line and status 2."""
-    from asyncside import ExpertStore, memory
+    from asyncside import ExpertStore
     from asyncside.demo import choose_reference
 
     monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
