@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from _fault_helpers import drain_events, fault_table, model_store
+from _isolation import ran_in_child
 from mlx_lm.models.cache import make_prompt_cache
 
 from asyncside import ExpertStore, _native
@@ -266,7 +267,10 @@ def test_a_step_that_fails_while_queued_lets_its_queued_part_run_out_first() -> 
     anyio.run(main)
 
 
-def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
+def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int,
+                                                        request: pytest.FixtureRequest) -> None:
+    if ran_in_child(request):  # the failed step leaves MLX's count of tasks one high (tests/_isolation.py)
+        return
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
     k = _top_k(sm.config)
