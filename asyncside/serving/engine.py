@@ -307,8 +307,7 @@ class Batcher:
     # -- what a step strategy uses ------------------------------------------------------------
 
     def take_waiting(self) -> list[Slot]:
-        """Move waiting requests into the engine while slots are free (and their KV caches fit);
-        returns them (in order)."""
+        """Move waiting requests into the engine while slots are free (and their KV caches fit); returns them."""
         taken = []
         while self._waiting and len(self._active) < self.max_batch:
             if self.kv_admission and not self.kv_admission.admits(self._active, self._waiting[0], self.prefix_cache):
@@ -526,9 +525,8 @@ class Batcher:
         return chunk
 
     async def _finish_chunk(self, chunk: Chunk) -> None:
-        """Await a prefill forward queued by :meth:`_prefill` or :meth:`_prefill_joint`; its
-        requests fail if it did (a decode step queued on their caches hands them nothing: they
-        are done)."""
+        """Await a prefill forward queued by :meth:`_prefill` or :meth:`_prefill_joint`; its requests
+        fail if it did (a decode step queued on their caches hands them nothing: they are done)."""
         if self._inflight is not None:
             self.chunks_overlapped += 1
         started = time.perf_counter()
