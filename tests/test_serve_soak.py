@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from asyncside.serving import embedded_store_dir
-from asyncside.serving.soak import growth, soak, start_server
+from asyncside.serving.soak import growth, quarter_means, soak, start_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -48,9 +48,7 @@ def test_soak_rss_is_flat_after_warm_up_and_caches_report_their_bounds() -> None
     # Flat: the mean RSS of the last quarter is within 5% of the second quarter's, or has grown by no
     # more than the two bounded caches may still take (their bounds: a cache that was not yet full in
     # the second quarter fills by the last; the 32M MLX cache alone is most of 5% of this process).
-    end = out["samples"][-1][0]
-    q2 = [r for t, r in out["samples"] if end / 4 <= t < end / 2]
-    q4 = [r for t, r in out["samples"] if t >= 3 * end / 4]
-    grew = sum(q4) / len(q4) - sum(q2) / len(q2)
+    second, last = quarter_means(out["samples"])
+    grew = last - second
     caches = bounds["asyncside_mlx_cache_limit_bytes"] + bounds["asyncside_prompt_cache_limit_bytes"]
     assert out["growth"] < 0.05 or grew <= caches, [(t, r >> 20) for t, r in out["samples"]]

@@ -132,14 +132,20 @@ async def soak(url: str, pid: int, clients: int, duration: float, sample_every: 
     return {"samples": samples, "requests": counts, "growth": growth(samples), "bounds": bounds}
 
 
-def growth(samples: list[tuple[float, int]]) -> float:
-    """Relative change of the mean RSS from the second quarter of the run to the last."""
+def quarter_means(samples: list[tuple[float, int]]) -> tuple[float, float]:
+    """The mean RSS of the run's second quarter and of its last."""
     end = samples[-1][0]
     q2 = [r for t, r in samples if end / 4 <= t < end / 2]
     q4 = [r for t, r in samples if t >= 3 * end / 4]
     if not q2 or not q4:
         raise ValueError("too few RSS samples for quarters: sample more often or run longer")
-    return (sum(q4) / len(q4)) / (sum(q2) / len(q2)) - 1.0
+    return sum(q2) / len(q2), sum(q4) / len(q4)
+
+
+def growth(samples: list[tuple[float, int]]) -> float:
+    """Relative change of the mean RSS from the second quarter of the run to the last."""
+    second, last = quarter_means(samples)
+    return last / second - 1.0
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
