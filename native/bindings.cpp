@@ -719,6 +719,8 @@ void bind_faults(nb::module_& m) {
       .def("settle", [](PyFaultTable& p) { p.t->settle(); }, nb::call_guard<nb::gil_scoped_release>(),
            "Wait for the reads streamed resolves began and publish them (their events go to the log); "
            "blocks for that I/O: call it off the event loop, once the steps that began them are done.")
+      .def_prop_ro("failure", [](PyFaultTable& p) { return p.t->failure(); },
+                   "The message of the latest fault node that failed as a whole (error -4 in the log), or ''.")
       .def_prop_ro("pending", [](PyFaultTable& p) { return p.t->pending(); },
                    "Whether streamed reads are begun and not yet published.")
       .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
@@ -866,6 +868,13 @@ NB_MODULE(_native, m) {
 
   nb::module_ testing = m.def_submodule("testing", "Test hooks; not part of the runtime.");
   bind_bridge_testing(testing);
+  testing.def(
+      "failing_rows",
+      [](const mx::array& ids, PyFaultTable& table, std::string message) {
+        return asyncside::faults::testing_failing_rows(ids, table.t, std::move(message));
+      },
+      nb::arg("ids"), nb::arg("table"), nb::arg("message"),
+      "A fault node of `table` (CPU stream) whose task throws `message`: logged as error -4, rows 0.");
   testing.def("set_fault_read_uring", &asyncside::faults::set_fault_read_uring, nb::arg("on"),
               "False: chunked fault reads take their fallback (one preadv a record), as without io_uring.");
 

@@ -258,6 +258,23 @@ std::vector<int64_t> FaultTable::reclaim() {
   return out;
 }
 
+void FaultTable::failed(const char* what) noexcept {
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    log_.events.push_back({-1, -1, -1, 0, kNodeFailed, 0});
+    node_failure_ = std::string("[asyncside] layer ") + std::to_string(layer_) + ": a fault node failed: " + what;
+  } catch (...) {
+    // Out of memory for the log itself: the counters below still fail the step.
+  }
+  fault_errors_.fetch_add(1, std::memory_order_relaxed);
+  global_counters().fault_errors.fetch_add(1, std::memory_order_release);
+}
+
+std::string FaultTable::failure() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return node_failure_;
+}
+
 Drained FaultTable::drain() {
   std::lock_guard<std::mutex> lk(mu_);
   absorb_device_uses_locked();
@@ -385,15 +402,25 @@ int64_t FaultTable::pick_row_locked(uint64_t stamp) {
   return row;
 }
 
-uint64_t FaultTable::collect_locked(const std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq) {
+uint64_t FaultTable::collect_locked(std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq,
+                                   std::string& error) {
   uint64_t pairs = 0;
-  for (int64_t e : ids) {
+  for (int64_t& e : ids) {
     if (e == kNoExpert) continue;
-    ++pairs;
     if (e < 0 || e >= n_experts_) {
-      throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) + ": routed expert id " +
-                               std::to_string(e) + " is outside [0, " + std::to_string(n_experts_) + ")");
+      // A router (or a replayed trace) named no expert of this layer: logged as a failed fault of
+      // row -1, so the step's awaiter raises it, and routed nowhere (row 0) from here on.
+      log_.events.push_back({-1, -1, e, 0, kOutsideExperts, 0});
+      fault_errors_.fetch_add(1, std::memory_order_relaxed);
+      global_counters().fault_errors.fetch_add(1, std::memory_order_release);
+      if (error.empty()) {
+        error = "[asyncside] layer " + std::to_string(layer_) + ": routed expert id " + std::to_string(e) +
+                " is outside [0, " + std::to_string(n_experts_) + ")";
+      }
+      e = kNoExpert;
+      continue;
     }
+    ++pairs;
     if (seen_[static_cast<size_t>(e)] != stamp) {
       seen_[static_cast<size_t>(e)] = stamp;
       uniq.push_back(e);
@@ -488,14 +515,15 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
   }
 }
 
-void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
+std::string FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   settle_pending_locked(lk);
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
-  collect_locked(ids, stamp, uniq);
+  std::string error;
+  collect_locked(ids, stamp, uniq, error);
   std::vector<int64_t> missing;
   for (int64_t e : uniq) {
     if (table_[static_cast<size_t>(e)] >= 0) {
@@ -505,7 +533,6 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
       missing.push_back(e);
     }
   }
-  std::string error;
   // Rows first, then the reads, unlocked and side by side, then the results, in miss order.
   std::vector<Fill> reads;
   reads.reserve(missing.size());
@@ -530,10 +557,10 @@ void FaultTable::resolve(const std::vector<int64_t>& ids, uint32_t* out) {
     out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
   }
   lk.unlock();
-  if (!error.empty()) throw std::runtime_error(error);
+  return error;
 }
 
-void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k, uint32_t* order) {
+std::string FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32_t* order) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   streamed_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
@@ -541,7 +568,8 @@ void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k,
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
-  collect_locked(ids, stamp, uniq);
+  std::string error;
+  collect_locked(ids, stamp, uniq, error);
   std::vector<int64_t> missing;
   for (int64_t e : uniq) {
     if (table_[static_cast<size_t>(e)] >= 0) {
@@ -551,7 +579,6 @@ void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k,
       missing.push_back(e);
     }
   }
-  std::string error;
   pending_.clear();
   pending_.reserve(missing.size());  // never reallocated while reads run: they write into it
   assign_rows_locked(missing, stamp, pending_, error);
@@ -601,10 +628,10 @@ void FaultTable::begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k,
     });
   }
   lk.unlock();
-  if (!error.empty()) throw std::runtime_error(error);
+  return error;
 }
 
-void FaultTable::finish(const std::vector<int64_t>& ids) {
+std::string FaultTable::finish(const std::vector<int64_t>& ids) {
   std::unique_lock<std::mutex> lk(mu_);
   std::string error;
   const auto t0 = std::chrono::steady_clock::now();
@@ -635,9 +662,8 @@ void FaultTable::finish(const std::vector<int64_t>& ids) {
     // The step fails: publish (log) every other read of the begin first, so nothing stays in
     // flight into a lent row and the ledger hears of every row the begin took.
     finish_all_locked(lk, error);
-    lk.unlock();
-    throw std::runtime_error(error);
   }
+  return error;
 }
 
 void FaultTable::finish_all_locked(std::unique_lock<std::mutex>& lk, std::string& error) {
@@ -669,7 +695,7 @@ void FaultTable::settle_pending_locked(std::unique_lock<std::mutex>& lk) {
   finish_all_locked(lk, error);
 }
 
-void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
+std::string FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
@@ -681,8 +707,8 @@ void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
   }
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
-  collect_locked(ids, stamp, uniq);
   std::string error;
+  collect_locked(ids, stamp, uniq, error);
   auto fail = [&](int64_t e, int err, uint32_t got, int64_t ns) {
     log_.events.push_back({-1, -1, e, ns, err, 0});
     fault_errors_.fetch_add(1, std::memory_order_relaxed);
@@ -749,7 +775,7 @@ void FaultTable::stage(const std::vector<int64_t>& ids, uint32_t* out) {
     out[i] = ids[i] == kNoExpert ? 0u : static_cast<uint32_t>(ids[i]);
   }
   lk.unlock();
-  if (!error.empty()) throw std::runtime_error(error);
+  return error;
 }
 
 // ---- the graph node ----------------------------------------------------------------------------
@@ -793,6 +819,21 @@ void read_any_ids(const mx::array& a, std::vector<int64_t>& out) {
   }
 }
 
+// Run a fault node's task on the stream thread, never letting it throw there (see kNodeFailed):
+// what it throws fails the step through the table's log, and its `n` output rows read row 0.
+template <class F>
+void guarded(FaultTable& table, uint32_t* out, size_t n, F&& task) noexcept {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    std::fill(out, out + n, 0u);
+    table.failed(e.what());
+  } catch (...) {
+    std::fill(out, out + n, 0u);
+    table.failed("an exception that is not a std::exception");
+  }
+}
+
 class ExpertRows : public mx::Primitive {
  public:
   ExpertRows(mx::Stream s, std::shared_ptr<FaultTable> table, bool staged)
@@ -808,14 +849,17 @@ class ExpertRows : public mx::Primitive {
     enc.set_input_array(inputs[0]);
     enc.set_output_array(out);
     // The task holds the ids array (its buffer) and the table; both are plain C++ objects.
-    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), staged = staged_]() {
-      std::vector<int64_t> v;
-      read_any_ids(ids, v);
-      if (staged) {
-        table->stage(v, out_ptr);
-      } else {
-        table->resolve(v, out_ptr);
-      }
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), n = out.size(),
+                  staged = staged_]() noexcept {
+      guarded(*table, out_ptr, n, [&] {
+        std::vector<int64_t> v;
+        read_any_ids(ids, v);
+        if (staged) {
+          table->stage(std::move(v), out_ptr);
+        } else {
+          table->resolve(std::move(v), out_ptr);
+        }
+      });
     });
   }
 
@@ -861,16 +905,18 @@ class BeginRows : public mx::Primitive {
     enc.set_input_array(inputs[0]);
     enc.set_output_array(out);
     const size_t k = inputs[0].ndim() ? static_cast<size_t>(inputs[0].shape(-1)) : 1;
-    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), k]() {
-      std::vector<int64_t> v;
-      read_any_ids(ids, v);
-      // Rows and order side by side per token: [rows of its k slots | order of its k slots].
-      std::vector<uint32_t> rows(v.size()), order(v.size());
-      table->begin(v, rows.data(), k, order.data());
-      for (size_t t = 0; t < v.size(); t += k) {
-        std::copy(rows.begin() + t, rows.begin() + t + k, out_ptr + 2 * t);
-        std::copy(order.begin() + t, order.begin() + t + k, out_ptr + 2 * t + k);
-      }
+    enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), n = out.size(), k]() noexcept {
+      guarded(*table, out_ptr, n, [&] {
+        std::vector<int64_t> v;
+        read_any_ids(ids, v);
+        // Rows and order side by side per token: [rows of its k slots | order of its k slots].
+        std::vector<uint32_t> rows(v.size()), order(v.size());
+        table->begin(std::move(v), rows.data(), k, order.data());
+        for (size_t t = 0; t + k <= rows.size(); t += k) {
+          std::copy(rows.begin() + t, rows.begin() + t + k, out_ptr + 2 * t);
+          std::copy(order.begin() + t, order.begin() + t + k, out_ptr + 2 * t + k);
+        }
+      });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -905,12 +951,15 @@ class FinishRows : public mx::Primitive {
     enc.set_input_array(inputs[0]);
     enc.set_input_array(inputs[1]);
     enc.set_output_array(out);
-    enc.dispatch([table = table_, ids = inputs[0], rows = inputs[1], out_ptr = out.data<uint32_t>()]() {
-      std::vector<int64_t> v;
-      read_any_ids(ids, v);
-      table->finish(v);
-      read_any_ids(rows, v);
-      for (size_t i = 0; i < v.size(); ++i) out_ptr[i] = static_cast<uint32_t>(v[i]);
+    enc.dispatch([table = table_, ids = inputs[0], rows = inputs[1], out_ptr = out.data<uint32_t>(),
+                  n = out.size()]() noexcept {
+      guarded(*table, out_ptr, n, [&] {
+        std::vector<int64_t> v;
+        read_any_ids(ids, v);
+        table->finish(v);
+        read_any_ids(rows, v);
+        for (size_t i = 0; i < v.size() && i < n; ++i) out_ptr[i] = static_cast<uint32_t>(v[i]);
+      });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -964,6 +1013,37 @@ void check_streamed(const mx::array& ids, const std::shared_ptr<FaultTable>& tab
   }
 }
 
+// A test hook: a fault node whose task throws `message` the way a real one could (an allocation
+// failing), through the same guard.
+class FailingRows : public mx::Primitive {
+ public:
+  FailingRows(mx::Stream s, std::shared_ptr<FaultTable> table, std::string message)
+      : mx::Primitive(s), table_(std::move(table)), message_(std::move(message)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_output_array(out);
+    enc.dispatch([table = table_, message = message_, out_ptr = out.data<uint32_t>(), n = out.size()]() noexcept {
+      guarded(*table, out_ptr, n, [&] {
+        std::fill(out_ptr, out_ptr + n, 7u);  // rows a half-done task left behind
+        throw std::runtime_error(message);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[asyncside] failing_rows runs on CPU streams only");
+  }
+  const char* name() const override { return "AsyncsideTestingFailingRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  std::shared_ptr<FaultTable> table_;
+  std::string message_;
+};
+
 }  // namespace
 
 mx::array begin_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
@@ -977,6 +1057,13 @@ mx::array finish_rows(const mx::array& ids, const mx::array& rows, std::shared_p
   check_streamed(ids, table, stream, "finish_rows");
   if (!mx::issubdtype(rows.dtype(), mx::integer)) throw std::invalid_argument("rows: expected an integer array");
   return mx::array(rows.shape(), mx::uint32, std::make_shared<FinishRows>(stream, std::move(table)), {ids, rows});
+}
+
+mx::array testing_failing_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, std::string message) {
+  if (!table) throw std::invalid_argument("table: expected a FaultTable, got None");
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  return mx::array(ids.shape(), mx::uint32, std::make_shared<FailingRows>(cpu, std::move(table), std::move(message)),
+                   {ids});
 }
 
 }  // namespace asyncside::faults

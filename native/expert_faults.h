@@ -48,10 +48,20 @@ struct FaultEvent {
   int64_t victim;  // the expert the row held before (-1: it was free)
   int64_t expert;  // the expert now in the row (on error: the expert that was being read)
   int64_t ns;      // time the fault took on the stream thread (read + checksum)
-  int64_t error;   // 0, or errno of the failed read (-1: checksum mismatch, -2: no lent row left)
+  int64_t error;   // 0, or errno of the failed read, or one of the codes below (negative)
   int64_t source;  // where the bytes came from: 0 the store (a read on the stream), 1 the sink's host
                    // tier (no read), 2 the store (a streamed resolve's read, in the background)
 };
+
+// FaultEvent::error codes that are not a read's errno. Nothing on the stream thread throws: a
+// failure thrown there is kept by MLX and raised at the next call that queues work on the stream,
+// and when that call is one of the dispatches that count a task, MLX's count of tasks in flight
+// goes up and never comes down (its throttle then waits forever). Failures go to the log instead,
+// and the step's awaiter raises them.
+inline constexpr int kChecksumMismatch = -1;
+inline constexpr int kNoLentRow = -2;
+inline constexpr int kOutsideExperts = -3;  // a routed id outside [0, n_experts): no read, row 0
+inline constexpr int kNodeFailed = -4;      // a fault node failed as a whole (FaultTable::failed)
 
 // Everything recorded since the last drain().
 struct Drained {
@@ -181,42 +191,51 @@ class FaultTable {
   void set_direct(bool on) { sink_->set_direct(on); }
 
   // ---- stream thread ----
-  // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else).
-  // Throws std::runtime_error naming the layer, expert and row when a fault fails (the step
-  // fails; the event log says which row the ledger must free).
-  void resolve(const std::vector<int64_t>& ids, uint32_t* out);
+  // These never throw a failed fault: they log it (the step's awaiter raises it from the log,
+  // see the error codes above) and return the first failure's message, empty when none.
+  //
+  // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else). An
+  // id outside [0, n_experts) is logged (kOutsideExperts) and mapped to row 0. When a fault fails,
+  // the log says which row the ledger must free, and its ids read row 0.
+  std::string resolve(std::vector<int64_t> ids, uint32_t* out);
   // The staged form, for a switch whose experts would not fit the lent rows (a prefill chunk, a
   // large batch) on a device sink that stages: every routed expert's bytes are copied into the
   // sink's staging arrays at its own index, from its pool row when it has one (a hit, touched
   // as resolve touches it), else from the host tier, read and verified into the tier first when
   // the tier lacks it; out[i] = ids[i] (the gather indexes the staging arrays by expert id).
-  // No row is taken, lent, filled or evicted. A failure is logged as an event of row -1 and
-  // thrown as resolve's are; a staged copy is logged as an event of row -1 and error 0.
-  void stage(const std::vector<int64_t>& ids, uint32_t* out);
+  // No row is taken, lent, filled or evicted. A failure is logged as an event of row -1, as
+  // resolve's are; a staged copy is logged as an event of row -1 and error 0.
+  std::string stage(std::vector<int64_t> ids, uint32_t* out);
   bool can_stage() const { return sink_ && sink_->stages(); }
 
   // The streamed form of resolve() (host sinks): out[i] is the row ids[i] has, or will have once
   // its read finished; the misses' reads run on the background read threads (read_pool.h) and
   // begin() returns at once. finish(ids) waits for the reads of those experts and publishes them
   // (row, table, log, policy) as resolve() does; when one failed it first waits for every read
-  // still pending, publishes them, then throws resolve()'s error. The next begin(), resolve() or
+  // still pending and publishes them, and returns the first failure's message. The next begin(), resolve() or
   // stage(), and sync() and reclaim(), first settle() whatever is pending, so a step that never
   // reached its finish() nodes leaves no read in flight and no row unlogged. drain(), table() and
   // lent() do not wait (mid-step, a pending fill's row is out of the lent list and unpublished,
   // as resolve()'s are while it reads).
   // `order` (when given; ids are tokens of `k` slots each): per token, its slots with the expert
   // in first (slot order), then the rest in the order their reads were issued.
-  void begin(const std::vector<int64_t>& ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
-  void finish(const std::vector<int64_t>& ids);
+  std::string begin(std::vector<int64_t> ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
+  std::string finish(const std::vector<int64_t>& ids);
+  // A fault node failed as a whole (its task caught what it threw: an allocation, a table the
+  // node cannot use): logged as an event of row -1, expert -1 and error kNodeFailed; failure()
+  // is the latest such message (empty when none).
+  void failed(const char* what) noexcept;
+  std::string failure() const;
   // Loop thread (off the event loop: it waits for reads): wait for every pending streamed read and
   // publish it, a failure only logged. Call once the steps that began them are done, before drain().
   void settle();
   bool pending() const;
 
  private:
-  // The distinct experts of `ids` (first-use order) into `uniq`, checking the range; returns the
-  // routed pairs (kNoExpert excluded). Logs the resolve's uses.
-  uint64_t collect_locked(const std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq);
+  // The distinct experts of `ids` (first-use order) into `uniq`; returns the routed pairs
+  // (kNoExpert excluded). Logs the resolve's uses. An id outside the layer's experts is logged as
+  // a failure (its message into `error`, when the first) and replaced in `ids` by kNoExpert.
+  uint64_t collect_locked(std::vector<int64_t>& ids, uint64_t stamp, std::vector<int64_t>& uniq, std::string& error);
   // The message of a failed read of `expert` (into pool row `row`, or the host tier when < 0).
   std::string read_error(int64_t expert, int64_t row, int err, uint32_t got) const;
   // Replay the resolves the device answered alone (hits) into the policy and the log, in order.
@@ -262,6 +281,7 @@ class FaultTable {
   const int64_t rows_;
 
   mutable std::mutex mu_;
+  std::string node_failure_;  // guarded by mu_
   std::vector<int32_t> table_;      // expert -> row
   std::vector<int64_t> owner_;      // row -> expert (-1: none, or a fill in progress)
   std::vector<uint8_t> lent_flag_;  // row -> lent (and not being filled right now)
@@ -332,6 +352,9 @@ mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultT
 mlx::core::array begin_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 mlx::core::array finish_rows(const mlx::core::array& ids, const mlx::core::array& rows,
                              std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
+// Test hook (CPU stream): a fault node of `table` whose task throws `message` (FaultTable::failed).
+mlx::core::array testing_failing_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
+                                      std::string message);
 
 // A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
 // happen on the device. `by_expert`: `mirror` has one row per expert of the layer (a host tier:

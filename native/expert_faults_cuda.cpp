@@ -264,9 +264,13 @@ class DeviceRecordSink final : public RecordSink {
     for (uint32_t i = 0; i < n && i < max_pairs_; ++i) ids[i] = src[i];
     begin_plan();
     try {
-      table.resolve(ids, rows_host_);
+      table.resolve(std::move(ids), rows_host_);  // a failed fault: logged, its rows read row 0
+    } catch (const std::exception& e) {
+      std::fill(rows_host_, rows_host_ + std::min(n, max_pairs_), 0u);
+      table.failed(e.what());
     } catch (...) {
-      // As for a host node: the fault log holds the failure, the rows it could not get read row 0.
+      std::fill(rows_host_, rows_host_ + std::min(n, max_pairs_), 0u);
+      table.failed("an exception that is not a std::exception");
     }
     served_ = req;
     std::atomic_thread_fence(std::memory_order_release);  // rows, plan and table before the answer
@@ -330,15 +334,20 @@ void CUDART_CB host_fault(void* data) {
   sink->begin_plan();
   std::vector<int64_t> ids(call->n);
   for (uint32_t i = 0; i < call->n; ++i) ids[i] = sink->ids_host()[i];
+  // A failed fault is in the fault log; the host raises it as FillError when it learns of the
+  // step (a host node cannot fail its graph). Rows the step could not get read row 0.
   try {
     if (call->staged) {
-      call->table->stage(ids, sink->rows_host());
+      call->table->stage(std::move(ids), sink->rows_host());
     } else {
-      call->table->resolve(ids, sink->rows_host());
+      call->table->resolve(std::move(ids), sink->rows_host());
     }
+  } catch (const std::exception& e) {
+    std::fill(sink->rows_host(), sink->rows_host() + call->n, 0u);
+    call->table->failed(e.what());
   } catch (...) {
-    // The fault log holds the failure; the host raises it as FillError when it learns of the
-    // step (a host node cannot fail its graph). Rows the step could not get read row 0.
+    std::fill(sink->rows_host(), sink->rows_host() + call->n, 0u);
+    call->table->failed("an exception that is not a std::exception");
   }
 }
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.utils import save_config, save_model
@@ -142,6 +143,15 @@ def direct_fault_table(tmp_path: pathlib.Path, layout: str, block: int = 4096,
     table.set_direct(True)
     table.lend([0, 1, 2, 3])
     return store, pools, table
+
+
+def eval_failed_step(node: mx.array) -> list[Any]:
+    """Evaluate a fault node whose fault fails and return the rows it gave (row 0 where a fault
+    failed). The node completes: a failed fault goes to the table's log, never thrown on MLX's
+    stream thread, so MLX keeps no failure for a later call to raise (synchronize would)."""
+    mx.eval(node)
+    mx.synchronize(mx.default_stream(mx.cpu))
+    return np.array(node).tolist()
 
 
 def drain_events(table: Any) -> np.ndarray:

@@ -21,7 +21,7 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, model_store
+from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, eval_failed_step, model_store
 
 from asyncside import ExpertStore, _native
 from asyncside.bridge import completed
@@ -117,12 +117,11 @@ def test_a_failed_chunk_fails_the_fill_and_publishes_nothing(tmp_path: pathlib.P
     spec = store.layer(0)
     os.truncate(spec.path, spec.stride * 8 + keep)
     ids = mx.array([2, 8, 12], dtype=mx.uint32)
-    with pytest.raises(RuntimeError, match=r"expert (8|12) .*ended before the record"):
-        if streamed:
-            rows = _native.begin_rows(ids, table, CPU)[:3]
-            mx.eval(_native.finish_rows(ids, rows, table, CPU))
-        else:
-            mx.eval(_native.expert_rows(ids, table, CPU))
+    if streamed:  # the failed reads' slots read the lent rows begin gave them (left unpublished)
+        rows = _native.begin_rows(ids, table, CPU)[:3]
+        assert all(0 <= r < 4 for r in eval_failed_step(_native.finish_rows(ids, rows, table, CPU)))
+    else:  # the failed faults' ids read row 0
+        assert eval_failed_step(_native.expert_rows(ids, table, CPU))[1:] == [0, 0]
     by_expert = {int(e[2]): int(e[4]) for e in drain_events(table)}
     assert by_expert == {2: 0, 8: errno.ENODATA, 12: errno.ENODATA}, by_expert
     now = np.array(table.table())

@@ -249,9 +249,9 @@ class AsyncForward:
         try:
             return await self.queued.forward(ctx, inputs, logits=logits, head=head)
         except RuntimeError:
-            # MLX raises a stream's failure at the next call that schedules on it: when a fault
-            # of an earlier queued step failed, its FillError (from the fault log) is the error
-            # to raise; anything else stays as it is.
+            # MLX raises a stream's failure at the next call that schedules on it. When a fault
+            # failed meanwhile (logged, never thrown there: native/expert_faults.h), its FillError
+            # is the error to raise; anything else stays as it is.
             ctx.source.after_step()  # type: ignore[attr-defined]
             raise
 

@@ -226,7 +226,7 @@ class QueuedSteps:
             # the one after while the stream stands idle.
             try:
                 ctx.armed = (out, self.arm(out))
-            except RuntimeError:  # queuing the signal met a failure MLX stored: see _schedule
+            except RuntimeError:  # queuing the signal met a failure MLX kept: see _schedule
                 if self._on_cpu:
                     await _run_out(mx.default_stream(mx.cpu))
                 raise
@@ -334,12 +334,12 @@ class QueuedSteps:
                     await self.completed(wait_on)
                 t1 = time.perf_counter_ns()
         except RuntimeError:
-            # MLX raises a failure on the stream (a fault of this step or of the one before) at
-            # the next call that queues work, part of the step may be queued by then, and
-            # queued work runs whatever failed before it: a later fault node (on ids computed
-            # from unwritten rows) may fail too. Let it all run, so that every fault this step
-            # makes is logged before its awaiter hears of the failure, not left for a later
-            # step or quiesce().
+            # MLX raises a failure thrown on the stream at the next call that queues work there.
+            # Our fault nodes never throw there (a failed fault goes to the fault log, raised as
+            # FillError once the step is awaited), but other work on the stream may. Part of the
+            # step may be queued by then, and queued work runs whatever failed before it: let it
+            # all run, so that every fault this step makes is logged before its awaiter hears of
+            # the failure, not left for a later step or quiesce().
             if plan.scheduled and self._on_cpu:
                 await _run_out(mx.default_stream(mx.cpu))
             raise

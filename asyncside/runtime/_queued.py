@@ -457,8 +457,8 @@ class QueuedSide:
                     self._fault_ns.append(ns)
                 else:
                     reads.failed_fills += 1
-                    self._errors.append(FillError(st.spec.index, expert, row,
-                                                  f"fault in a queued step: {_fault_cause(err)}",
+                    cause = faults.failure if err == _NODE_FAILED else _fault_cause(err, st.spec.n_experts)
+                    self._errors.append(FillError(st.spec.index, expert, row, f"fault in a queued step: {cause}",
                                                   errno=err if err > 0 else None))
             if len(self._fault_ns) > 4096:
                 del self._fault_ns[:-2048]
@@ -481,8 +481,14 @@ class QueuedSide:
         return {"p50_s": float(np.percentile(a, 50)), "p99_s": float(np.percentile(a, 99)), "count": int(a.size)}
 
 
-def _fault_cause(err: int) -> str:
-    """What a fault log's error code means, for a FillError's message."""
+_NODE_FAILED = -4  # a fault node failed as a whole: its message is the table's `failure`
+
+
+def _fault_cause(err: int, n_experts: int) -> str:
+    """What a fault log's error code means, for a FillError's message (the codes below zero are
+    native/expert_faults.h's)."""
+    if err == -3:
+        return f"the router named an expert outside the layer's [0, {n_experts})"
     if err == -2:
         return "no lent row was left for it (the step needed more rows than were lent)"
     if err == -1:
