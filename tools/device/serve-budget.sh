@@ -10,7 +10,9 @@
 # a smaller store faster), VOCAB (the store's vocabulary as three-tier.sh's EXTRA built it, default the shape's),
 # ROWS (values of ASYNCSIDE_ROWS_CONCURRENCY to run in turn per locality, default "auto"), RESIDENT
 # (the pools' share of each layer, default auto: sized to the budget; a fraction keeps the rows a
-# layer of the 48-layer run on a smaller store).
+# layer of the 48-layer run on a smaller store), SEQUENCES (the trace's sequences, default 16: request n
+# replays sequence n mod SEQUENCES; 1 makes every request route as the first, a workload whose
+# requests share their experts, as parallel samples of one prompt do).
 set -uo pipefail
 . "$(dirname "$0")/bench-env.sh"
 export PYTHONPATH=/tmp/site:$PWD
@@ -26,14 +28,14 @@ for loc in $(echo "${LOCALITIES:-high,middle}" | tr , ' '); do
   left=$(( T_END - $(date +%s) - 5 ))
   [ $left -lt 120 ] && { log "no time left for $loc"; break; }
   python3 -c "from asyncside.routing import preset
-preset('$loc', tokens=2048, n_layers=$NL, n_experts=$NE, top_k=$K, sequences=16).save('/tmp/$loc-16seq.npz')" || exit 1
+preset('$loc', tokens=2048, n_layers=$NL, n_experts=$NE, top_k=$K, sequences=${SEQUENCES:-16}).save('/tmp/$loc-seq.npz')" || exit 1
   for rows in ${ROWS:-auto}; do
     left=$(( T_END - $(date +%s) - 5 ))
     [ $left -lt 60 ] && { log "no time left for $loc rows $rows"; break; }
     log "bench serve, $loc, memory ${MEMORY:-4200M}, rows bound $rows ($left s left)"
-    ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$SHAPE-$loc-L$NL-rows-$rows" \
+    ASYNCSIDE_ROWS_CONCURRENCY=$rows timeout -k 5 $left bash "$(dirname "$0")/serve-run.sh" "memory-$SHAPE-$loc-L$NL-seq${SEQUENCES:-16}-rows-$rows" \
       --model "$STORE" --resident "${RESIDENT:-auto}" \
-      --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-16seq.npz" --clients "${CLIENTS:-1,8}" \
+      --memory "${MEMORY:-4200M}" --routing "/tmp/$loc-seq.npz" --clients "${CLIENTS:-1,8}" \
       --duration "${DURATION:-30}" --warmup "${WARMUP:-10}" --max-tokens 16 --prompt-lengths 4 --long-prompt 0 \
       --no-mlx-lm --predictor none
     log "serve $loc rows $rows exit status $?"

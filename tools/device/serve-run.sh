@@ -19,6 +19,8 @@ keys = ("server", "clients", "tokens_per_s", "per_stream_tokens_per_s_p50", "ttf
         "itl_p50_s", "itl_p99_s", "requests_done", "error_count", "vs_mlx_lm", "vs_own_single")
 for p in d["phases"]:
     print({k: (round(p[k], 3) if isinstance(p.get(k), float) else p.get(k)) for k in keys})
+    if p.get("concurrency"):
+        print("   concurrency:", json.dumps(p["concurrency"])[:400])
     if p.get("engine"):
         print("   engine:", {k: round(v, 3) for k, v in p["engine"].items()})
 print("audit_ok_after:", d.get("audit_ok_after"), "stats:", json.dumps(d.get("runtime_stats"))[:600])
