@@ -362,3 +362,43 @@ def test_counts_of_one_are_singular(tmp_path: pathlib.Path, capsys: pytest.Captu
                                  "sequence_tokens": 1, "wraps": False,
                                  "source_shape": {"n_layers": 1, "n_experts": 1, "top_k": 1}})
     assert "(1 layer x 1 expert top-1, the shape's own)" in line and "replayed (1 token)" in line, line
+
+
+@pytest.mark.parametrize(("tokenizer_config", "said"), [
+    ({"tokenizer_class": "PreTrainedTokenizerFast"}, "its tokenizer files cannot be loaded (it has "
+                                                     "tokenizer_config.json; it lacks tokenizer.json, tokenizer.model"),
+    ({}, "its tokenizer files hold no vocabulary (they encode 'hello' to no tokens; it has tokenizer_config.json; "
+         "it lacks tokenizer.json, tokenizer.model"),
+])
+def test_tokenizer_files_without_a_vocabulary_are_refused_naming_the_store(
+        tokenizer_config: dict[str, Any], said: str, quick_store: pathlib.Path, tmp_path: pathlib.Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A store whose tokenizer_config.json names a tokenizer class beside no vocabulary ended
+    ``demo --model STORE`` and ``serve STORE`` in transformers' "Couldn't instantiate the backend
+    tokenizer" traceback, naming no store; a tokenizer_config.json of no class loaded a tokenizer
+    that encoded every text to nothing, and the demo blamed --prompt. Both are one line naming the
+    store and which tokenizer files it has and lacks."""
+    import shutil
+
+    import anyio
+
+    from asyncside.errors import StoreError
+    from asyncside.models.tokenizer import BYTE_TOKENIZER_FILE, TOKENIZER_FILES
+    from asyncside.serving.loading import open_engine
+
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    for name in (*TOKENIZER_FILES, BYTE_TOKENIZER_FILE):
+        (store / name).unlink(missing_ok=True)
+    (store / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    rc, err = run_cli(capsys, "demo", "--model", str(store), "--tokens", "2", "--quiet")
+    assert rc == 2 and f"asyncside demo: {store}: {said}" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+    async def main() -> None:
+        async with open_engine(str(store)):
+            pass
+
+    with pytest.raises(StoreError) as info:
+        anyio.run(main)
+    assert str(info.value).startswith(f"{store}: {said}"), str(info.value)

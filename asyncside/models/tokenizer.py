@@ -128,7 +128,8 @@ def save_byte_level_tokenizer(directory: str | pathlib.Path, *, model_max_length
 
 def load_tokenizer(directory: str | os.PathLike[str], config: dict[str, Any] | None = None) -> Any | None:
     """The tokenizer of a model or store directory: ByteTokenizer if the directory says so, else
-    mlx-lm's TokenizerWrapper; None when the directory holds no tokenizer files at all."""
+    mlx-lm's TokenizerWrapper; None when the directory holds no tokenizer files at all. A StoreError
+    naming the directory where its tokenizer files cannot be loaded or hold no vocabulary."""
     d = pathlib.Path(directory)
     byte_file = d / BYTE_TOKENIZER_FILE
     if byte_file.exists():
@@ -140,10 +141,34 @@ def load_tokenizer(directory: str | os.PathLike[str], config: dict[str, Any] | N
         return None
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
+    from ..errors import StoreError
+
     eos = (config or {}).get("eos_token_id")
     if isinstance(eos, int):
         eos = [eos]
-    return mlx_load_tokenizer(d, eos_token_ids=eos)
+    try:
+        tok = mlx_load_tokenizer(d, eos_token_ids=eos)
+    except (ValueError, OSError, ImportError) as exc:
+        # transformers' words (several lines) name neither the directory nor its files.
+        text = " ".join(str(exc).split())
+        raise StoreError(d, f"its tokenizer files cannot be loaded ({_files_note(d)}): {text}") from None
+    # Tokenizer files without a vocabulary (a tokenizer_config.json alone) can load, and encode
+    # every text to no tokens: generation would then fail at its first step, naming nothing.
+    if not tok.encode("hello", add_special_tokens=False):
+        raise StoreError(d, f"its tokenizer files hold no vocabulary (they encode 'hello' to no tokens; "
+                         f"{_files_note(d)}); convert a model directory whose tokenizer files are complete")
+    return tok
+
+
+#: files that carry a tokenizer's vocabulary, beside which a tokenizer_config.json means something
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _files_note(directory: pathlib.Path) -> str:
+    """Which tokenizer files ``directory`` has, and which vocabulary files it lacks."""
+    has = [n for n in TOKENIZER_FILES if (directory / n).exists()]
+    lacks = [n for n in VOCABULARY_FILES if not (directory / n).exists()]
+    return f"it has {', '.join(has) or 'none'}" + (f"; it lacks {', '.join(lacks)}" if lacks else "")
 
 
 TOKENIZER_FILES = (
