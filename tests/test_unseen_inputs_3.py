@@ -402,3 +402,24 @@ def test_tokenizer_files_without_a_vocabulary_are_refused_naming_the_store(
     with pytest.raises(StoreError) as info:
         anyio.run(main)
     assert str(info.value).startswith(f"{store}: {said}"), str(info.value)
+
+
+def test_a_store_of_one_layer_is_this_layer(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --shapes CONFIG:1`` refused below its --store-ratio with "runs these 1 layers
+    as they are", and a model of one MoE layer was "the model has 1 MoE layers"."""
+    import argparse
+
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({**TINY_MIXTRAL, "num_hidden_layers": 1}))
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:1", "--store-ratio", "100",
+                      "--cache-dir", str(tmp_path / "cache"), "--quiet")
+    assert rc == 2 and "or less runs this layer as it is (a quick check" in err and "1 layers" not in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    shape = {"spec": str(config), "shape": "tiny", "store": None, "moe_layers": 1, "max_layers": 1, "store_bytes": MB,
+             "least_budget_bytes": 300 * MB, "top_k": 2, "experts_per_layer": 8}
+    args = argparse.Namespace(store_ratio=2.0, stores=None, memory=None)
+    said = offload._too_small(args, shape, 300 * MB, "", 3)
+    assert "about 3 MoE layers would be, and the model has 1 MoE layer; " in said and "1 layers" not in said, said
+    said = offload._too_small(args, {**shape, "moe_layers": 2, "max_layers": 2}, 300 * MB, "", 3)
+    assert "the model has 2 MoE layers; " in said and "runs these 2 layers as they are" in said, said

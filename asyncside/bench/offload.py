@@ -812,8 +812,9 @@ def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: st
     lead = f"--stores {s['store']}" if args.stores else f"--shapes {s['spec']}:{s['moe_layers']}"
     said = (f"{lead}: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is less than {ratio:g}x the budget "
             f"({budget / MB:.0f} MB{why})")
-    quick = (f"--store-ratio {passes:g} or less runs these {s['moe_layers']} layers as they are (a quick check of "
-             f"the machinery)")
+    layers = int(s["moe_layers"])
+    these = "this layer as it is" if layers == 1 else f"these {layers} layers as they are"
+    quick = f"--store-ratio {passes:g} or less runs {these} (a quick check of the machinery)"
     smaller = (f"--memory {s['store_bytes'] / ratio / 2**20:.0f}M or less, "
                if args.memory and s["store_bytes"] / ratio >= s["least_budget_bytes"] else "")
     if args.stores:
@@ -822,8 +823,8 @@ def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: st
         return (f"{said}: no number of layers makes it {ratio:g}x, since asyncside's smallest pools, a layer's "
                 f"top-{s['top_k']} of {s['experts_per_layer']} experts, grow with the store; {quick}")
     if s.get("max_layers") and fewest > s["max_layers"]:
-        return (f"{said}: about {fewest} MoE layers would be, and the model has {s['max_layers']} MoE layers; "
-                f"{smaller}{quick}")
+        return (f"{said}: about {fewest} MoE layers would be, and the model has "
+                f"{_count(s['max_layers'], 'MoE layer')}; {smaller}{quick}")
     return f"{said}: about {fewest} MoE layers are (--shapes {s['spec']}:{fewest}), {smaller}or {quick}"
 
 
