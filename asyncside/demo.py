@@ -275,6 +275,10 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         split = rt.plan is not None and rt.plan.split is not None
         stats["pool_rows_split"] = [rt.ledger(i).rows for i in layers] if split else None
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
+        rows = {i: rt.ledger(i).rows for i in layers}
+        stats["pools_fraction"] = sum(rows.values()) / max(1, sum(store.layer(i).n_experts for i in layers))
+        stats["rows_raised"] = None if split else rows_raised(store, rt.memory["resident"], rows, args.side_rows,
+                                                             auto=args.resident == "auto")
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
         stats["memory"] = rt.memory
@@ -289,6 +293,32 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
                                        args.record_routing)
     return run, stats, audit_ok
+
+
+def rows_raised(store: Any, resident: float | str, rows: dict[int, int], side_rows: int | None, *,
+                auto: bool = False) -> dict[str, Any] | None:
+    """Where the pools hold more rows a layer than ``resident`` of its experts asks for: the rows,
+    the fraction asked (``auto``: the one the plan chose for the budget) and why (the model's
+    top-k, which a queued step lends a row each, or ``--side-rows``); None where every layer
+    holds what was asked."""
+    import math
+
+    from .runtime._plan import min_rows, store_top_k
+
+    if isinstance(resident, (bool, str)) or not rows:
+        return None
+    asked = {i: max(1, math.ceil(resident * store.layer(i).n_experts)) for i in rows}
+    raised = {i: r for i, r in rows.items() if r > asked[i]}
+    if not raised:
+        return None
+    least = min(raised.values())
+    if side_rows is not None and least == side_rows:
+        why = f"--side-rows {side_rows}"
+    elif least == min_rows(store) and store_top_k(store) is not None:
+        why = "top-k"
+    else:
+        why = "the least rows a layer"
+    return {"asked": float(resident), "asked_by": "auto" if auto else "--resident", "rows": least, "why": why}
 
 
 def peak_rss_bytes() -> int:
@@ -516,6 +546,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "note": EMBEDDED_NOTICE if args.model is None else None,
         "prompt_tokens": len(prompt_ids),
         "resident_fraction": stats["memory"]["resident"],
+        # what the pools hold, of every layer's experts (more than asked where rows_raised says why)
+        "pools_fraction": stats.pop("pools_fraction"),
+        "rows_raised": stats.pop("rows_raised"),
         "memory": stats.pop("memory"),
         "pool_rows_per_layer": stats.pop("pool_rows_per_layer"),
         "pool_rows_split": stats.pop("pool_rows_split", None),  # per layer, when a rows profile split them
@@ -572,11 +605,25 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rows_note(result: dict[str, Any]) -> str:
-    """The pools' rows per layer for the table's title: one figure, or the split by a profile."""
+    """The pools' rows per layer for the table's title: one figure, or the split by a profile; and,
+    where they hold more than asked, what was asked and why it was raised."""
     split = result.get("pool_rows_split")
     if split:
         return f"rows per layer split by a profile: {' '.join(str(r) for r in split)} of {result['experts_per_layer']}"
-    return f"{result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer"
+    note = f"{result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer"
+    raised = result.get("rows_raised")
+    if raised:
+        rows = raised["rows"]
+        asked = "chosen for the budget" if raised.get("asked_by") == "auto" else "asked"
+        note += (f"; {raised['asked']:.0%} {asked}, raised to {rows} {'row' if rows == 1 else 'rows'} a layer "
+                 f"({raised['why']})")
+    return note
+
+
+def title(result: dict[str, Any]) -> str:
+    """The table's title: the model, and what its pools hold."""
+    held = result.get("pools_fraction", result["resident_fraction"])
+    return f"asyncside demo — {result['model']}, {held:.0%} of experts in pools ({rows_note(result)})"
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -584,8 +631,7 @@ def _table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     s, r = result["streaming"], result["all_resident"]
-    table = Table(title=(f"asyncside demo — {result['model']}, {result['resident_fraction']:.0%} of experts "
-                         f"in pools ({rows_note(result)})"))
+    table = Table(title=title(result))
     table.add_column("")
     table.add_column("streaming (asyncside)", justify="right")
     table.add_column({"all-resident": "all-resident (mlx-lm)", "slot-cache": "slot cache (reference)",

@@ -423,3 +423,24 @@ def test_a_store_of_one_layer_is_this_layer(tmp_path: pathlib.Path, capsys: pyte
     assert "about 3 MoE layers would be, and the model has 1 MoE layer; " in said and "1 layers" not in said, said
     said = offload._too_small(args, {**shape, "moe_layers": 2, "max_layers": 2}, 300 * MB, "", 3)
     assert "the model has 2 MoE layers; " in said and "runs these 2 layers as they are" in said, said
+
+
+@pytest.mark.parametrize(("argv", "raised", "said"), [
+    (["--resident", "0.05"], {"asked": 0.05, "asked_by": "--resident", "rows": 4, "why": "top-k"},
+     "12% of experts in pools (4/32 rows per layer; 5% asked, raised to 4 rows a layer (top-k))"),
+    (["--resident", "0.05", "--side-rows", "6"], {"asked": 0.05, "asked_by": "--resident", "rows": 6,
+                                                  "why": "--side-rows 6"},
+     "19% of experts in pools (6/32 rows per layer; 5% asked, raised to 6 rows a layer (--side-rows 6))"),
+    (["--resident", "0.5"], None, "50% of experts in pools (16/32 rows per layer)"),
+])
+def test_the_demo_title_says_what_the_pools_hold(argv: list[str], raised: dict[str, Any] | None, said: str,
+                                                 quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --resident 0.05`` on a top-4 model of 32 experts a layer titled its table "5% of
+    experts in pools (4/32 rows per layer)": the plan raises the rows to the model's top-k, and the
+    pools held 12%. The title says what they hold and, where more than asked, what was asked and why."""
+    from asyncside import cli, demo
+
+    assert cli.main(["demo", "--model", str(quick_store), "--tokens", "2", "--json", *argv]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows_raised"] == raised and result["pools_fraction"] == result["pool_rows_per_layer"] / 32, result
+    assert demo.title(result) == f"asyncside demo — {result['model']}, {said}", demo.title(result)
