@@ -444,3 +444,22 @@ def test_the_demo_title_says_what_the_pools_hold(argv: list[str], raised: dict[s
     result = json.loads(capsys.readouterr().out)
     assert result["rows_raised"] == raised and result["pools_fraction"] == result["pool_rows_per_layer"] / 32, result
     assert demo.title(result) == f"asyncside demo — {result['model']}, {said}", demo.title(result)
+
+
+def test_bench_generate_takes_residency_zero_as_the_demo_does(quick_store: pathlib.Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --resident 0`` runs (every expert streamed through the model's top-k rows) while
+    ``bench generate --residency 0`` was refused: "expected a fraction in (0, 1]". It runs, its
+    pools raised to the top-k as the demo's; a residency outside [0, 1] is still refused."""
+    from asyncside import cli
+
+    argv = ["bench", "generate", "--model", str(quick_store), "--quick", "--no-cold", "--tokens", "2",
+            "--plot", "none"]
+    assert cli.main([*argv, "--residency", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["residencies"] == [0.0], result["settings"]
+    assert {r["residency"] for r in result["rows"]} == {0.0} and result["tokens_identical"], \
+        result["rows"]
+    assert [(p["resident_per_layer"], p["side_rows"]) for p in result["policies_vs_belady"]] == [(0, 4)]
+    rc, err = run_cli(capsys, *argv, "--residency", "1.5")
+    assert rc == 2 and "expected a fraction in [0, 1] such as 0.25" in err, err

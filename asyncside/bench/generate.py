@@ -95,9 +95,10 @@ TARGETS: dict[str, Any] = {
 
 
 def _residency(text: str) -> float:
-    """``--residency``: a fraction in (0, 1] or a percentage."""
+    """``--residency``: a fraction in [0, 1] or a percentage. 0 is a setting, as ``demo --resident 0``
+    takes it: every expert streamed through the least rows the runtime plans (the model's top-k)."""
     try:
-        return float(fraction_arg(text, allow_auto=False))
+        return float(fraction_arg(text, allow_auto=False, allow_zero=True))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -125,7 +126,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-repeats", metavar="N", type=int, default=None,
                    help="paired rounds of the cold runs (default 2; 0 skips cold runs)")
     p.add_argument("--residency", metavar="F", type=_residency, nargs="+", default=None,
-                   help="pool budgets as fractions of each layer's experts, 0.25 or 25%% (default 0.25 0.5 0.75)")
+                   help="pool budgets as fractions of each layer's experts, 0.25 or 25%% (0: every expert streamed "
+                        "through the least rows, the model's top-k; default 0.25 0.5 0.75)")
     p.add_argument("--modes", nargs="+", choices=STEP_MODES, default=None,
                    help="asyncside step modes to run, A/B in the same rounds (default: default, the forward's own)")
     p.add_argument("--predictors", nargs="+", choices=PREDICTORS, default=None,
@@ -463,8 +465,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     if cold_repeats < 0:
         raise ValueError(f"--cold-repeats must be >= 0, got {cold_repeats}")
     for r in residencies:
-        if not 0.0 < r <= 1.0:
-            raise ValueError(f"--residency values must be in (0, 1], got {r}")
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"--residency values must be in [0, 1], got {r}")
     load = getattr(args, "load", 0) or 0
     if load < 0:
         raise ValueError(f"--load must be >= 0, got {load}")
@@ -795,7 +797,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
             "once; bytes_read_per_token = bytes the source read (demand and prefetch) per step; "
             "miss_bytes_per_token = misses x record_bytes per step. tokens_per_s = tokens / whole run "
             "(prefill included). Medians over rounds. residency = pool rows per layer / experts per layer "
-            "(the runtime's plan: a resident set and side rows; the slot cache has as many slots, starting "
+            "as asked (the runtime's plan: a resident set and side rows, at least the model's top-k rows a "
+            "layer, which 0 and small shares are raised to; the slot cache has as many slots, starting "
             "with the same resident set). Ratios are paired by round: vs_all_resident = the run's decode "
             "tokens/s over the mlx-lm run of the same round and residency, vs_slot_cache over the slot "
             "cache's, loop_cpu_vs_mlx_lm = loop CPU per step over mlx-lm's; the row reports the median of "
