@@ -124,7 +124,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                    help="N > 1: run the generation as a pipeline of N ranks on this machine (loopback, ring "
-                        "backend) beside the one-process run; see docs/distributed.md")
+                        "backend) beside the one-process run; the ranks take --resident, --side-rows, --policy, "
+                        "--reader and --predictor, and refuse one-process options; see docs/distributed.md")
     p.add_argument("--split", default=None, help="with --ranks: decoder layers per rank, e.g. 4,4 (default even)")
     p.add_argument("--join-timeout", metavar="SECONDS", type=_seconds, default=60.0,
                    help="with --ranks: seconds for the ranks to meet (default 60)")
@@ -686,6 +687,34 @@ def _table(result: dict[str, Any]) -> None:
     Console(stderr=False).print(table)
 
 
+def ranks_problem(args: argparse.Namespace) -> str | None:
+    """Why the options given beside ``--ranks N`` cannot run as asked (None: they can): the ranks
+    take only the pools' share, side rows, policy, reader and predictor, and step per layer; an
+    option they would ignore is named, with why, rather than dropped."""
+    mode, switch = getattr(args, "mode", "auto"), getattr(args, "streamed_switch", "auto")
+    reference, extra = getattr(args, "reference", "auto"), getattr(args, "lookahead_extra", 0)
+    per_layer = "each rank's stage steps its layers one at a time, handing the activations on"
+    ignored = [
+        (mode != "auto", f"--mode {mode}", f"{per_layer}, whatever the mode"),
+        (switch != "auto", f"--streamed-switch {switch}", f"{per_layer}, and the streamed switch is a queued step's"),
+        (bool(getattr(args, "direct", False)), "--direct",
+         "the ranks' runtimes read as the memory plan chooses and take no O_DIRECT"),
+        (reference != "auto", f"--reference {reference}",
+         "the pipeline's tokens are checked against the one-process streaming run, not another reference"),
+        (getattr(args, "rows_profile", None) is not None, "--rows-profile", "each rank's pools hold --resident of its "
+         "own layers' experts; a profile's split of the rows between layers is a one-process plan"),
+        (extra != 0, f"--lookahead-extra {extra}", "the ranks' lookahead names the router's k experts"),
+        (getattr(args, "predictor", None) == "trace", "--predictor trace",
+         "it replays a --routing file's predictions, and the ranks replay no routing"),
+        (bool(getattr(args, "no_verify", False)), "--no-verify", "the ranks check every record they read"),
+        (getattr(args, "host_tier", "auto") != "auto", "--host-tier", "the ranks' runtimes size their own host tier"),
+    ]
+    for given, option, why in ignored:
+        if given:
+            return f"{option} with --ranks {args.ranks}: {why}; leave it out, or run without --ranks"
+    return None
+
+
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     args.resident = resident_of(args)
@@ -694,6 +723,10 @@ def demo_main(args: argparse.Namespace) -> int:
         if getattr(args, "routing", None) or getattr(args, "record_routing", None):
             print("asyncside demo: --routing / --record-routing run in one process (not with --ranks)",
                   file=sys.stderr)
+            return 2
+        problem = ranks_problem(args)
+        if problem is not None:
+            print(f"asyncside demo: error: {problem}", file=sys.stderr)
             return 2
         from .distributed.demo import ranks_demo_main
 

@@ -463,3 +463,27 @@ def test_bench_generate_takes_residency_zero_as_the_demo_does(quick_store: pathl
     assert [(p["resident_per_layer"], p["side_rows"]) for p in result["policies_vs_belady"]] == [(0, 4)]
     rc, err = run_cli(capsys, *argv, "--residency", "1.5")
     assert rc == 2 and "expected a fraction in [0, 1] such as 0.25" in err, err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--mode", "queued"], "--mode queued with --ranks 2: each rank's stage steps its layers one at a time"),
+    (["--direct"], "--direct with --ranks 2: the ranks' runtimes read as the memory plan chooses"),
+    (["--reference", "slot-cache"], "--reference slot-cache with --ranks 2: the pipeline's tokens are checked "
+                                    "against the one-process streaming run"),
+    (["--rows-profile", "profile.npz"], "--rows-profile with --ranks 2: each rank's pools hold --resident"),
+    (["--streamed-switch", "on"], "--streamed-switch on with --ranks 2: each rank's stage steps its layers"),
+    (["--lookahead-extra", "2"], "--lookahead-extra 2 with --ranks 2: the ranks' lookahead names the router's k"),
+    (["--no-verify"], "--no-verify with --ranks 2: the ranks check every record they read"),
+    (["--host-tier", "0"], "--host-tier with --ranks 2: the ranks' runtimes size their own host tier"),
+    (["--predictor", "trace"], "--predictor trace with --ranks 2: it replays a --routing file's predictions"),
+])
+def test_ranks_refuse_the_options_they_would_ignore(argv: list[str], said: str, quick_store: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --ranks 2`` ran its one-process run and the pipeline as if --mode, --direct,
+    --reference, --rows-profile, --streamed-switch (and --lookahead-extra, --no-verify, --host-tier)
+    had not been given: neither run passed them on, and nothing said so; --predictor trace ran the
+    one-process run, then every rank ended in its own usage error. Each is refused in one line
+    naming it, before anything runs."""
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--ranks", "2", "--tokens", "2", "--quiet", *argv)
+    assert rc == 2 and f"asyncside demo: error: {said}" in err and "run without --ranks" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
