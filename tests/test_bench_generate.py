@@ -142,6 +142,15 @@ def test_loaded_run_and_markdown(quick_store: pathlib.Path, capsys: pytest.Captu
     assert any(c["target"].startswith("loaded_vs_all_resident") for c in res["targets"]["checks"]) or res["device"] == "gpu"
     md = bench.render_markdown(res)
     assert md.count("| warm | 50% |") == 3 and "slot cache (sync, LRU)" in md and "all rows dynamic" in md
+    # Three tokens a run are two decode steps: the figures are flagged, in the JSON and the markdown.
+    assert len(res["notes"]) == 1 and "cover 2 step(s)" in res["notes"][0] and "smoke test" in res["notes"][0]
+    assert "Note: 3 token(s) a run" in md
+
+
+def test_only_short_runs_are_flagged_as_a_smoke_test() -> None:
+    assert bench.short_run_note(bench.SHORT_RUN_TOKENS) is None
+    note = bench.short_run_note(2)
+    assert note is not None and "cover 1 step(s)" in note and f"--tokens {bench.SHORT_RUN_TOKENS}" in note
 
 
 def test_step_modes(quick_store: pathlib.Path) -> None:
