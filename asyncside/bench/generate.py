@@ -1122,13 +1122,14 @@ def render_table(result: dict[str, Any]) -> None:
 
 def short_run_note(tokens: int) -> str | None:
     """Why decode figures of runs this short are not figures, or None. A pipelined loop (asyncside's,
-    mlx-lm's generate_step) builds its second step before its first token arrives, so the window from
-    the first token to the last holds one build fewer than it has steps: over a few steps that one
-    build is a large share, and the slot cache's synchronous loop has no such head start."""
+    mlx-lm's generate_step) queues its second step before its first token arrives, and on a small
+    model the stream may have run it by then, so the window from the first token to the last can
+    hold up to one step fewer than it counts: over a few steps that step is a large share, and the
+    slot cache's synchronous loop has no such head start."""
     if tokens >= SHORT_RUN_TOKENS:
         return None
     return (f"{tokens} token(s) a run: the decode figures cover {max(tokens - 1, 0)} step(s) and overstate the "
-            "pipelined loops (asyncside, mlx-lm), which build their second step before the first token arrives; "
+            "pipelined loops (asyncside, mlx-lm), which queue their second step before the first token arrives; "
             f"read them as a smoke test (--tokens {SHORT_RUN_TOKENS} or more for figures)")
 
 
