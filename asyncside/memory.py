@@ -149,8 +149,9 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
     return lo
 
 
-#: a number, then an optional unit: K, M, G or T, optionally followed by "iB" or "B"
-_SIZE = re.compile(r"([0-9.e+]+)\s*([kmgt]?)(?:ib|i|b)?")
+#: a number (a decimal, an exponent of either sign allowed), then an optional unit: K, M, G or T,
+#: optionally followed by "iB" or "B"
+_SIZE = re.compile(r"(\+?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:ib|i|b)?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -195,10 +196,10 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
         size = float(number)
     except ValueError:
         raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 ({SIZE_UNITS})") from None
-    if size == float("inf"):
-        raise ValueError(f"{what} {value!r}: expected a finite size (the number overflows)")
     if not 0 <= size:
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
+    if math.isinf(size * _UNITS[unit]):  # the number, or the number in that unit, overflows a float
+        raise ValueError(f"{what} {value!r}: expected a finite size (the number overflows)")
     return int(size * _UNITS[unit])
 
 
@@ -211,7 +212,8 @@ def check_memory(size: int, text: int | str) -> int:
     """``size``, the bytes of a memory budget given as ``text``, where it is at least
     :data:`MIN_MEMORY_ARG` (a bare ``16`` is 16 bytes, never a budget); ValueError otherwise."""
     if size < MIN_MEMORY_ARG:
-        raise ValueError(f"memory {text!r} is {size} bytes; expected at least 4K ({SIZE_UNITS})")
+        bytes_ = "byte" if size == 1 else "bytes"
+        raise ValueError(f"memory {text!r} is {size} {bytes_}; expected at least 4K ({SIZE_UNITS})")
     return size
 
 
