@@ -336,6 +336,9 @@ class RoutingTrace:
         Deterministic per ``seed``; predictions (if any) are kept as they are.
         """
         n = self.n_experts
+        if self.top_k >= n:
+            raise ValueError(f"widen: the trace routes every one of its {n} experts per token already "
+                             f"(top-{self.top_k}): there is no choice to add, got top_k {top_k!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not self.top_k < top_k <= n:
             raise ValueError(f"widen: top_k must be an int in ({self.top_k}, {n}] (more than the trace's "
                              f"top-{self.top_k}, at most its {n} experts), got {top_k!r}")

@@ -93,7 +93,7 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
     print(f"{path}: {_count(info['tokens'], 'token')} in {_count(info['sequences'], 'sequence')}, "
           f"{_count(info['layers'], 'MoE layer')} x {_count(info['experts'], 'expert')}, top-{info['top_k']}; "
           f"source {info['source'] or 'not said'}; "
-          f"predictions: {info['predicted_per_token'] or 'none'} per token")
+          f"predictions: {_count(info['predicted_per_token'], 'id') + ' per token' if info['predicted_per_token'] else 'none'}")
     if info["mapped_from"]:
         print(f"  mapped from {info['mapped_from']}")
     if info["widened"]:
@@ -103,8 +103,8 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
         raised = f", raised to the top-{info['top_k']} from {share}" if c["rows"] > share else ""
         text = (f"  per-layer caches of {c['fraction']:.0%} ({_count(c['rows'], 'row')}{raised}): "
                 f"LRU {c['lru']:.1%} hits")
-        if "min" in c:
-            text += f", Belady's MIN {c['min']:.1%} (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else ""
+        if "min" in c:  # no hit at all (a trace of one token a layer): no ratio to MIN
+            text += f", Belady's MIN {c['min']:.1%}" + (f" (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else "")
         print(text)
 
 

@@ -6,7 +6,9 @@ what it did; what is refused is one line naming the option, file or field and wh
 
 from __future__ import annotations
 
+import pathlib
 
+import numpy as np
 import pytest
 from _cli_support import run_cli
 
@@ -40,3 +42,35 @@ def test_a_budget_of_one_byte_is_one_byte() -> None:
         memory_arg("1")
     with pytest.raises(argparse.ArgumentTypeError, match=r"memory '1K' is 1024 bytes; expected at least 4K"):
         memory_arg("1K")
+
+
+def _trace(path: pathlib.Path, ids: np.ndarray, n_experts: int, **arrays: object) -> str:
+    np.savez(path, ids=ids, n_experts=n_experts, **arrays)
+    return str(path)
+
+
+def test_routing_info_gives_min_where_no_access_hits(tmp_path: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace of one token: LRU said 0.0% and Belady's MIN was left out without a word (its ratio
+    to LRU divides by it). "predictions: none per token" is "predictions: none"."""
+    from asyncside import cli
+
+    path = _trace(tmp_path / "one.npz", np.array([[[0, 1]]]), 8)
+    assert cli.main(["routing", "info", path]) == 0
+    out = capsys.readouterr().out
+    assert "predictions: none\n" in out and "none per token" not in out, out
+    assert out.count("LRU 0.0% hits, Belady's MIN 0.0%") == 2, out
+    _trace(tmp_path / "pred.npz", np.array([[[0, 1]]]), 8, predicted=np.array([[[0, 1, 2]]]))
+    assert cli.main(["routing", "info", str(tmp_path / "pred.npz"), "--no-min"]) == 0
+    assert "predictions: 3 ids per token" in capsys.readouterr().out
+
+
+def test_widening_a_trace_that_routes_every_expert_says_so(tmp_path: pathlib.Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A top-16 trace of 16 experts: ``routing widen --top-k 17`` said "top_k must be an int in (16,
+    16]", an empty range."""
+    ids = np.tile(np.arange(16), (3, 1, 1))
+    path = _trace(tmp_path / "all.npz", ids, 16)
+    rc, err = run_cli(capsys, "routing", "widen", path, str(tmp_path / "out.npz"), "--top-k", "17")
+    assert rc == 2 and "routes every one of its 16 experts per token already" in err, err
+    assert "(16, 16]" not in err and len(err.strip().splitlines()) == 1, err
