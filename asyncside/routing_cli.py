@@ -90,10 +90,11 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
 
 
 def _print_info(path: str, info: dict[str, Any]) -> None:
+    predicted = info["predicted_per_token"]
     print(f"{path}: {_count(info['tokens'], 'token')} in {_count(info['sequences'], 'sequence')}, "
           f"{_count(info['layers'], 'MoE layer')} x {_count(info['experts'], 'expert')}, top-{info['top_k']}; "
           f"source {info['source'] or 'not said'}; "
-          f"predictions: {_count(info['predicted_per_token'], 'id') + ' per token' if info['predicted_per_token'] else 'none'}")
+          f"predictions: {_count(predicted, 'id') + ' per token' if predicted else 'none'}")
     if info["mapped_from"]:
         print(f"  mapped from {info['mapped_from']}")
     if info["widened"]:
