@@ -6,7 +6,9 @@ what it did; what is refused is one line naming the option, file or field and wh
 
 from __future__ import annotations
 
+import json
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,3 +76,47 @@ def test_widening_a_trace_that_routes_every_expert_says_so(tmp_path: pathlib.Pat
     rc, err = run_cli(capsys, "routing", "widen", path, str(tmp_path / "out.npz"), "--top-k", "17")
     assert rc == 2 and "routes every one of its 16 experts per token already" in err, err
     assert "(16, 16]" not in err and len(err.strip().splitlines()) == 1, err
+
+
+#: a tiny Mixtral-style config; what each test changes is its point
+TINY: dict[str, Any] = {
+    "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 1000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+}
+
+
+def _config(tmp_path: pathlib.Path, **changes: Any) -> str:
+    path = tmp_path / "my-moe" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({k: v for k, v in {**TINY, **changes}.items() if v is not None}))
+    return str(path)
+
+
+def test_more_layers_than_a_config_has_names_the_shapes_option(tmp_path: pathlib.Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --shapes my-moe/config.json:3`` of a two-layer model said "--layers must be an
+    integer in [1, 2] for my-moe": bench offload has no --layers."""
+    config = _config(tmp_path)
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:3", "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and f"--shapes {config}:3: my-moe has 2 MoE layers; LAYERS must be in [1, 2]" in err, err
+    assert "--layers" not in err and "Traceback" not in err and not (tmp_path / "cache").exists(), err
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"model_type": "qwen2_moe", "num_experts": 8, "num_local_experts": None, "decoder_sparse_step": 3},
+     "its decoder_sparse_step 3 leaves none"),
+    ({"model_type": "deepseek_v2", "n_routed_experts": 8, "num_local_experts": None, "first_k_dense_replace": 1,
+      "moe_layer_freq": 2}, "its first_k_dense_replace 1, moe_layer_freq 2 leave none"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_local_experts": None, "mlp_only_layers": [0, 1]},
+     "its mlp_only_layers [0, 1] leaves none"),
+    ({"moe_layers": []}, "its moe_layers [] leaves none"),
+])
+def test_a_config_of_no_moe_layer_names_its_fields(changes: dict[str, Any], said: str, tmp_path: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused, but the message listed every field of every model type ("its moe_layers /
+    first_k_dense_replace / ... leave none"), not the config's own."""
+    config = _config(tmp_path, **changes)
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:1")
+    assert rc == 2 and f"{config}: no MoE layer among the 2 of num_hidden_layers: {said}" in err, err
+    assert "interleave_moe_layer_step" not in err and len(err.strip().splitlines()) == 1, err

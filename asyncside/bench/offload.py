@@ -877,11 +877,15 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
     (minutes of building later). A closer call is left to the check of the built stores. The
     ``user`` routing files are fitted onto the shapes' dimensions too (:func:`fit_routings`: a
     trace of smaller top-k is refused now, not after the build)."""
-    from .shapes import describe_shape, estimate_bytes, shape_spec
+    from .shapes import ShapeError, describe_shape, estimate_bytes, shape_spec
 
     estimated = []
     for typed, layers in planned:
         src = describe_shape(typed)
+        most = src.config["num_hidden_layers"]
+        if layers is not None and layers > most:  # shape_spec would name --layers, which this command has not
+            raise ShapeError(f"--shapes {typed}:{layers}: {src.name} has {_count(most, 'MoE layer')}; LAYERS must be "
+                             f"in [1, {most}] (or left out: every layer)")
         spec = shape_spec(typed, layers=layers, vocab=args.vocab)
         est, cfg = estimate_bytes(spec), spec.config
         estimated.append({"shape": src.name, "spec": typed, "max_layers": src.config["num_hidden_layers"],

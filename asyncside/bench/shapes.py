@@ -222,6 +222,11 @@ def _refuse_outside(origin: str, field: str, indices: list[int], n_layers: int) 
                          f"expected layer indices from 0 to {n_layers - 1}")
 
 
+#: The fields that say which decoder layers are MoE layers (:func:`_moe_layers`).
+_MOE_LAYER_FIELDS = ("moe_layers", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers",
+                     "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")
+
+
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
     DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
@@ -383,9 +388,10 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         raise ShapeError(f"{origin}: norm_topk_prob must be true or false, got {norm_topk!r}")
     moe = _moe_layers(origin, raw, n_layers)
     if not moe:
-        raise ShapeError(f"{origin}: no MoE layer among the {n_layers} of {l_field} (its moe_layers / "
-                         f"first_k_dense_replace / moe_layer_freq / decoder_sparse_step / mlp_only_layers / "
-                         f"interleave_moe_layer_step / expert_layer_period leave none)")
+        given = [f"{f} {json.dumps(raw[f])}" for f in _MOE_LAYER_FIELDS
+                 if raw.get(f) is not None and (raw[f] != [] or f == "moe_layers")]
+        raise ShapeError(f"{origin}: no MoE layer among the {n_layers} of {l_field}: its {', '.join(given)} "
+                         f"leave{'s' if len(given) == 1 else ''} none (a shape streams the experts of MoE layers)")
     max_pos = raw.get("max_position_embeddings")
     config = {
         "model_type": "qwen3_moe",
