@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..routing import RoutingTrace
 
 __all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "min_rows", "plan_layer", "plan_memory",
-           "profile_rows", "tier_bytes", "warm_experts"]
+           "profile_rows", "rows_raised", "tier_bytes", "warm_experts"]
 
 #: The pools' least rows per layer for a store that does not say how many experts its router picks.
 DEFAULT_MIN_ROWS = 8
@@ -212,6 +212,18 @@ class MemoryPlan:
     #: the part of the KV allowance that lies in the page cache's room, unused by O_DIRECT reads (0
     #: in a plan that reads through the page cache)
     kv_spare_bytes: int = 0
+    #: layer -> its experts (what :attr:`pools_fraction` counts the rows against)
+    experts: Mapping[int, int] = field(default_factory=dict)
+    #: where the pools hold more rows a layer than ``resident`` asks for (:func:`rows_raised`); None
+    #: where every layer holds what was asked
+    rows_raised: Mapping[str, Any] | None = None
+
+    @property
+    def pools_fraction(self) -> float | None:
+        """What the pools hold: their rows over the experts of every layer (more than
+        :attr:`resident` where :attr:`rows_raised` says why); None without layers."""
+        total = sum(self.experts.get(i, 0) for i in self.rows)
+        return sum(self.rows.values()) / total if total else None
 
     @property
     def forward_room_bytes(self) -> int | None:
@@ -255,8 +267,7 @@ class MemoryPlan:
         b = describe_bytes
         lines = [
             f"memory budget {b(self.budget)} ({self.source})",
-            f"pools {b(self.pool_bytes)} (resident {self.resident}, {sum(self.rows.values())} rows in "
-            f"{len(self.rows)} layers) of a {b(self.store_bytes)} store",
+            f"pools {b(self.pool_bytes)} ({self._pools_note()}) of a {b(self.store_bytes)} store",
         ]
         if self.host_tier_bytes or self.staging_bytes:
             lines.append(f"host tier {b(self.host_tier_bytes)} ({len(self.host_tier_layers)} layers), "
@@ -279,6 +290,21 @@ class MemoryPlan:
         lines.extend(self.notes)
         return "\n".join(lines)
 
+    def _pools_note(self) -> str:
+        """What the pools hold (of every layer's experts, their rows) and what was asked: where the
+        plan raised the rows above ``resident``, to how many a layer and why."""
+        held = self.pools_fraction
+        rows = f"{sum(self.rows.values())} rows in {len(self.rows)} {'layer' if len(self.rows) == 1 else 'layers'}"
+        note = rows if held is None else f"{held:.0%} of experts, {rows}"
+        asked = self.resident if isinstance(self.resident, str) else f"{self.resident:g}"
+        raised = self.rows_raised
+        if not raised:
+            return f"{note}; resident {asked}"
+        how = "chosen for the budget" if raised["asked_by"] == "auto" else "asked"
+        least = raised["rows"]
+        return (f"{note}; resident {asked} {how}, raised to {least} {'row' if least == 1 else 'rows'} a layer "
+                f"({raised['why']})")
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready figures (what ``Runtime.memory`` reports)."""
         return {
@@ -291,6 +317,9 @@ class MemoryPlan:
             # the figure a budget check compares with (kept under its older name too)
             "available_bytes": self.budget,
             "rows": {str(i): r for i, r in self.rows.items()}, "split": self.split,
+            # what the pools hold ("resident" is what was asked, or chosen for the budget)
+            "pools_fraction": self.pools_fraction,
+            "rows_raised": None if self.rows_raised is None else dict(self.rows_raised),
             "prompt_chunk_at_start": (None if self.forward_room_bytes is None or self.forward is None
                                       else self.prompt_chunk(1 << 20)),
         }
@@ -429,6 +458,30 @@ def _largest_fraction(pools_at: Any, room: int) -> float | None:
     return float(np.floor(lo * 1000) / 1000)
 
 
+def rows_raised(store: ExpertStore, rows: Mapping[int, int], resident: float, *, side_rows: int | None,
+                min_side_rows: int | None, auto: bool = False) -> dict[str, Any] | None:
+    """Where the pools' ``rows`` (layer -> rows, the even plan) hold more a layer than ``resident``
+    of its experts asks for: the least such rows, the fraction asked (``auto``: the one chosen for
+    the budget) and why (``side_rows``, ``min_side_rows`` as given, or the model's top-k, which a
+    queued step lends a row each); None where every layer holds what was asked."""
+    import math
+
+    asked = {i: max(1, math.ceil(resident * store.layer(i).n_experts)) for i in rows}
+    raised = [r for i, r in rows.items() if r > asked[i]]
+    if not raised:
+        return None
+    least = min(raised)
+    if side_rows is not None and least == int(side_rows):
+        why = f"side_rows={int(side_rows)}"
+    elif min_side_rows is not None and least == int(min_side_rows):
+        why = f"min_side_rows={int(min_side_rows)}"
+    elif least == min_rows(store) and store_top_k(store) is not None:
+        why = "top-k"
+    else:
+        why = "the least rows a layer"
+    return {"asked": float(resident), "asked_by": "auto" if auto else "resident", "rows": least, "why": why}
+
+
 def _choose_direct(direct: bool | None, streamed: int, page_cache: int) -> tuple[bool, str]:
     """Whether reads bypass the page cache, and why: as asked, else $ASYNCSIDE_DIRECT, else when
     the ``streamed`` bytes (records outside the pools) exceed the ``page_cache`` the budget leaves."""
@@ -472,6 +525,7 @@ def plan_memory(
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
     fault path can keep a host tier."""
     budget = resolve_budget(memory)
+    min_given = min_side_rows
     if min_side_rows is None:
         min_side_rows = min_rows(store)
     # The non-expert weights are loaded before the runtime plans (their bytes are in the process's
@@ -511,6 +565,8 @@ def plan_memory(
     rows = rows_at(float(resident))
     if side_rows is not None or pinned is not None:
         _refuse_no_dynamic_rows(store, specs, float(resident), side_rows, min_side_rows, pinned)
+    raised = None if pinned is not None else rows_raised(store, rows, float(resident), side_rows=side_rows,
+                                                          min_side_rows=min_given, auto=asked_auto)
     split = None
     if rows_profile is not None:
         rows, split = profile_rows(store, list(specs), rows, rows_profile, min_side_rows)
@@ -557,4 +613,5 @@ def plan_memory(
                       # only a budget asked for (memory=) limits the KV caches: without one the
                       # plan is made against what the machine has now, not a promise to keep
                       kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE) + kv_spare,
-                      kv_spare_bytes=kv_spare, forward=forward_cost(store_config(store), store_top_k(store)))
+                      kv_spare_bytes=kv_spare, forward=forward_cost(store_config(store), store_top_k(store)),
+                      experts={i: spec.n_experts for i, spec in specs.items()}, rows_raised=raised)

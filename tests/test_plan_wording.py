@@ -1,0 +1,67 @@
+"""What the runtime's plan, the ranks demo's title and bench policy say of the pools' share: what
+the pools hold, and where the plan raised the rows above what was asked, what was asked and why.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from asyncside import ExpertStore, memory
+from asyncside.runtime import _plan
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def _plan_of(store_dir: pathlib.Path, **args: Any) -> _plan.MemoryPlan:
+    store = ExpertStore.open(store_dir)
+    plan = {"resident": 0.25, "pinned": None, "side_rows": None, "min_side_rows": None, "memory": None,
+            "direct": None, "host_tier": 0, "tier_possible": False, **args}
+    return _plan.plan_memory(store, list(store.layers), **plan)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("args", "raised", "said"), [
+    ({"resident": 0.05}, {"asked": 0.05, "asked_by": "resident", "rows": 4, "why": "top-k"},
+     "(12% of experts, 8 rows in 2 layers; resident 0.05 asked, raised to 4 rows a layer (top-k))"),
+    ({"resident": 0.0}, {"asked": 0.0, "asked_by": "resident", "rows": 4, "why": "top-k"},
+     "(12% of experts, 8 rows in 2 layers; resident 0 asked, raised to 4 rows a layer (top-k))"),
+    ({"resident": 0.05, "side_rows": 6}, {"asked": 0.05, "asked_by": "resident", "rows": 6, "why": "side_rows=6"},
+     "(19% of experts, 12 rows in 2 layers; resident 0.05 asked, raised to 6 rows a layer (side_rows=6))"),
+    ({"resident": 0.05, "min_side_rows": 5}, {"asked": 0.05, "asked_by": "resident", "rows": 5,
+                                              "why": "min_side_rows=5"},
+     "(16% of experts, 10 rows in 2 layers; resident 0.05 asked, raised to 5 rows a layer (min_side_rows=5))"),
+    ({"resident": 0.5}, None, "(50% of experts, 32 rows in 2 layers; resident 0.5)"),
+])
+def test_the_plan_says_what_the_pools_hold(args: dict[str, Any], raised: dict[str, Any] | None, said: str,
+                                           quick_store: pathlib.Path) -> None:
+    """``demo --resident 0.05`` on a top-4 model of 32 experts a layer printed "pools 0.2 MiB
+    (resident 0.05, 8 rows in 2 layers)": the plan raises the rows to the model's top-k, and the
+    pools held 12%. The plan line says what they hold and, where more than asked, what was asked
+    and why; ``Runtime.memory`` keeps ``resident`` (what was asked) and gains what they hold."""
+    plan = _plan_of(quick_store, **args)
+    assert f" {said} of a " in plan.describe().splitlines()[1], plan.describe()
+    figures = plan.as_dict()
+    assert figures["resident"] == args["resident"] and figures["rows_raised"] == raised, figures
+    assert figures["pools_fraction"] == sum(plan.rows.values()) / 64, figures
+    json.dumps(figures)
+
+
+def test_the_plan_says_a_fraction_chosen_for_the_budget(quick_store: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resident="auto"`` under a budget that leaves less than the least pools: the fraction the
+    plan chose is raised to the model's top-k, and the line says it was chosen, not asked."""
+    least = _plan_of(quick_store, resident=0.0).pool_bytes
+    tight = memory.MemoryBudget(memory.MIN_HEADROOM + least, "a test limit")
+    monkeypatch.setattr(memory, "available_memory", lambda: tight)
+    plan = _plan_of(quick_store, resident="auto")
+    assert plan.rows_raised == {"asked": 0.0, "asked_by": "auto", "rows": 4, "why": "top-k"}, plan.rows_raised
+    assert "; resident 0 chosen for the budget, raised to 4 rows a layer (top-k))" in plan.describe(), plan.describe()
