@@ -65,3 +65,21 @@ def test_the_plan_says_a_fraction_chosen_for_the_budget(quick_store: pathlib.Pat
     plan = _plan_of(quick_store, resident="auto")
     assert plan.rows_raised == {"asked": 0.0, "asked_by": "auto", "rows": 4, "why": "top-k"}, plan.rows_raised
     assert "; resident 0 chosen for the budget, raised to 4 rows a layer (top-k))" in plan.describe(), plan.describe()
+
+
+def test_the_ranks_title_says_what_the_pools_hold(quick_store: pathlib.Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --ranks 2 --resident 0.05`` titled its table "5% of experts in pools" while the
+    pools held 12% (the rows raised to the model's top-k): the title says it as the one-process
+    demo's does."""
+    from asyncside import cli
+    from asyncside.distributed import demo
+
+    argv = ["demo", "--model", str(quick_store), "--ranks", "2", "--resident", "0.05", "--tokens", "2", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pools_fraction"] == 0.125 and result["resident_fraction"] == 0.05, result
+    assert result["rows_raised"] == {"asked": 0.05, "asked_by": "--resident", "rows": 4, "why": "top-k"}, result
+    assert demo.title(result) == (
+        f"asyncside demo --ranks 2 — split {result['split']}, 12% of experts in pools (4/32 rows per layer; 5% asked, "
+        f"raised to 4 rows a layer (top-k)), {result['transport']}"), demo.title(result)

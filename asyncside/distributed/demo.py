@@ -39,9 +39,23 @@ async def _single(store_dir: str, prompt_ids: list[int], args: argparse.Namespac
         seconds = time.perf_counter() - t0
         stats = rt.stats()
         pools = pool_bytes(rt)
+        held = _pools_held(sm.store, {i: rt.ledger(i).rows for i in sm.store.layers}, args)
     return {"tokens": tokens, "seconds": seconds, "ttft_s": first,
             "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0, "pool_bytes": pools,
-            "hit_rate": stats["hit_rate"], "bytes_read": int(stats["bytes_read"])}
+            "hit_rate": stats["hit_rate"], "bytes_read": int(stats["bytes_read"]), "pools": held}
+
+
+def _pools_held(store: Any, rows: dict[int, int], args: argparse.Namespace) -> dict[str, Any]:
+    """What the pools hold, as the one-process demo reports it: rows per layer over experts, the
+    fraction of every layer's experts, and where the plan raised the rows above ``--resident``, what
+    was asked and why (every rank sizes its layers' pools by the same rule)."""
+    from ..demo import rows_raised
+
+    layers = list(rows)
+    return {"pool_rows_per_layer": rows[layers[0]] if layers else 0,
+            "experts_per_layer": store.layer(layers[0]).n_experts if layers else 0,
+            "pools_fraction": sum(rows.values()) / max(1, sum(store.layer(i).n_experts for i in layers)),
+            "rows_raised": rows_raised(store, args.resident, rows, args.side_rows)}
 
 
 def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +138,8 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
         "split": list(plan.split),
         "stages": [s.to_json() for s in plan.stages],
         "resident_fraction": args.resident,
+        # what the pools hold, of every layer's experts (more than asked where rows_raised says why)
+        **single.pop("pools"),
         "prompt_tokens": len(prompt_ids),
         "tokens_identical": identical,
         "launch": {"returncode": res.returncode, "reason": res.reason, "seconds": res.seconds},
@@ -136,13 +152,23 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def title(result: dict[str, Any]) -> str:
+    """The table's title: the split, what the pools hold (as the one-process demo's title says it)
+    and the transport."""
+    from ..demo import rows_note
+
+    held = result.get("pools_fraction", result["resident_fraction"])
+    rows = f" ({rows_note(result)})" if "pool_rows_per_layer" in result else ""
+    return (f"asyncside demo --ranks {result['ranks']} — split {result['split']}, {held:.0%} of experts in "
+            f"pools{rows}, {result['transport']}")
+
+
 def _table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     s, p = result["single_process"], result["pipeline"]
-    table = Table(title=f"asyncside demo --ranks {result['ranks']} — split {result['split']}, "
-                        f"{result['resident_fraction']:.0%} of experts in pools, {result['transport']}")
+    table = Table(title=title(result))
     table.add_column("")
     table.add_column("pipeline", justify="right")
     table.add_column("one process", justify="right")
