@@ -9,9 +9,12 @@ import pathlib
 from typing import Any
 
 import pytest
+from _cli_support import run_cli
 
 from asyncside import ExpertStore, memory
 from asyncside.runtime import _plan
+
+QUICK_POLICY = ("bench", "policy", "--presets", "low", "--tokens", "16", "--layers", "2", "--shapes", "16x2")
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +86,27 @@ def test_the_ranks_title_says_what_the_pools_hold(quick_store: pathlib.Path,
     assert demo.title(result) == (
         f"asyncside demo --ranks 2 — split {result['split']}, 12% of experts in pools (4/32 rows per layer; 5% asked, "
         f"raised to 4 rows a layer (top-k)), {result['transport']}"), demo.title(result)
+
+
+@pytest.mark.parametrize("given", ["0", "0%", "0.5,0"])
+def test_bench_policy_says_why_a_replay_needs_rows(given: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench policy --fractions 0`` was refused "expected fractions in (0, 1]" where demo and
+    bench generate take 0. A replayed cache holds at least its trace's top-k rows, so a row
+    labelled 0% would misstate it: the refusal says so and how to ask for the least cache."""
+    rc, err = run_cli(capsys, *QUICK_POLICY, "--fractions", given)
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err
+    assert last.startswith("asyncside bench policy: error: argument --fractions: expected fractions in (0, 1]"), err
+    assert "a replay needs a cache, and each layer's holds at least its trace's top-k rows" in last, err
+    assert "give top_k/experts of the shape, such as 0.0938 for 64x6" in last, err
+    rc, err = run_cli(capsys, *QUICK_POLICY, "--fractions", "-0.1")
+    assert rc == 2 and err.strip().endswith("expected fractions in (0, 1] such as 0.25 or 25%, got '-0.1'"), err
+
+
+def test_top_k_over_experts_replays_the_least_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    """The fraction the refusal points to, top_k/experts, replays the least cache: top-k rows."""
+    from asyncside import cli
+
+    assert cli.main([*QUICK_POLICY, "--fractions", "0.125", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["fraction"], r["rows"]) for r in result["rows"]] == [(0.125, 2)], result["rows"]

@@ -50,6 +50,14 @@ def _fraction(text: str) -> float:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         value = math.nan
+    if value == 0.0:
+        # A replayed cache holds at least its trace's top-k rows (policy_replay.trace_rows): a row
+        # labelled 0% would state a cache it did not replay.
+        raise argparse.ArgumentTypeError(
+            f"expected fractions in (0, 1] such as 0.25 or 25%, got {text!r}: a replay needs a cache, and each "
+            "layer's holds at least its trace's top-k rows (one token's experts; demo --resident 0 streams "
+            "through as many), which a row labelled 0% would misstate: for the least cache give top_k/experts "
+            "of the shape, such as 0.0938 for 64x6")
     if not 0.0 < value <= 1.0:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"expected fractions in (0, 1] such as 0.25 or 25%, got {text!r}")
     return value
