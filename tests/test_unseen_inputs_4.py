@@ -120,3 +120,18 @@ def test_a_config_of_no_moe_layer_names_its_fields(changes: dict[str, Any], said
     rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:1")
     assert rc == 2 and f"{config}: no MoE layer among the 2 of num_hidden_layers: {said}" in err, err
     assert "interleave_moe_layer_step" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--clients", "1,8", "--long-prompt-clients", "32"], "--long-prompt-clients 32: no phase of 32 clients "
+                                                          "(--clients 1,8)"),
+    (["--clients", "1,8", "--long-prompt-clients", "1,8,16"], "--long-prompt-clients 1,8,16: no phase of 16 clients"),
+    (["--long-prompt-clients", "32", "--long-prompt", "0"], "--long-prompt-clients 32 with --long-prompt 0"),
+])
+def test_bench_serve_long_prompt_phases_are_among_the_phases(argv: list[str], said: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench serve --clients 1,8 --long-prompt-clients 32`` ran both phases without the long prompt,
+    and nothing said the option named no phase; with ``--long-prompt 0`` it had nothing to send."""
+    rc, err = run_cli(capsys, "bench", "serve", "--no-mlx-lm", *argv)
+    assert rc == 2 and err.startswith(f"asyncside bench serve: error: {said}"), err
+    assert len(err.strip().splitlines()) == 1, err

@@ -365,6 +365,16 @@ def _check(args: argparse.Namespace) -> None:
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
     if problem is not None:
         raise ValueError(problem)
+    named = getattr(args, "long_prompt_clients", None)
+    if named is not None:
+        # A phase named here but not run would send the long prompt nowhere, and the table would not say.
+        missing = sorted(set(named) - set(args.clients))
+        if missing:
+            raise ValueError(f"--long-prompt-clients {','.join(map(str, named))}: no phase of "
+                             f"{','.join(map(str, missing))} clients (--clients {','.join(map(str, args.clients))})")
+        if args.long_prompt == 0:
+            raise ValueError(f"--long-prompt-clients {','.join(map(str, named))} with --long-prompt 0: no long "
+                             "prompt to send (leave one of them out)")
     if getattr(args, "routing", None) is not None:  # a bad trace file: TraceError now, not a failed startup
         from ..routing import RoutingTrace
 
