@@ -276,10 +276,8 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         split = rt.plan is not None and rt.plan.split is not None
         stats["pool_rows_split"] = [rt.ledger(i).rows for i in layers] if split else None
         stats["experts_per_layer"] = store.layer(layers[0]).n_experts if layers else 0
-        rows = {i: rt.ledger(i).rows for i in layers}
-        stats["pools_fraction"] = sum(rows.values()) / max(1, sum(store.layer(i).n_experts for i in layers))
-        stats["rows_raised"] = None if split else rows_raised(store, rt.memory["resident"], rows, args.side_rows,
-                                                             auto=args.resident == "auto")
+        stats["pools_fraction"] = rt.memory.get("pools_fraction")
+        stats["rows_raised"] = None if split else cli_rows_raised(rt.memory.get("rows_raised"))
         stats["loop_lag"] = lag.summary()
         stats["fault_latency"] = rt.fault_latency()
         stats["memory"] = rt.memory
@@ -296,30 +294,16 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
     return run, stats, audit_ok
 
 
-def rows_raised(store: Any, resident: float | str, rows: dict[int, int], side_rows: int | None, *,
-                auto: bool = False) -> dict[str, Any] | None:
-    """Where the pools hold more rows a layer than ``resident`` of its experts asks for: the rows,
-    the fraction asked (``auto``: the one the plan chose for the budget) and why (the model's
-    top-k, which a queued step lends a row each, or ``--side-rows``); None where every layer
-    holds what was asked."""
-    import math
-
-    from .runtime._plan import min_rows, store_top_k
-
-    if isinstance(resident, (bool, str)) or not rows:
-        return None
-    asked = {i: max(1, math.ceil(resident * store.layer(i).n_experts)) for i in rows}
-    raised = {i: r for i, r in rows.items() if r > asked[i]}
+def cli_rows_raised(raised: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The runtime plan's ``rows_raised`` (see ``MemoryPlan.rows_raised``) in the command line's
+    words: ``--resident`` asked, ``--side-rows N`` raised."""
     if not raised:
         return None
-    least = min(raised.values())
-    if side_rows is not None and least == side_rows:
-        why = f"--side-rows {side_rows}"
-    elif least == min_rows(store) and store_top_k(store) is not None:
-        why = "top-k"
-    else:
-        why = "the least rows a layer"
-    return {"asked": float(resident), "asked_by": "auto" if auto else "--resident", "rows": least, "why": why}
+    why = str(raised["why"])
+    if why.startswith("side_rows="):
+        why = f"--side-rows {why.split('=', 1)[1]}"
+    asked_by = "auto" if raised["asked_by"] == "auto" else "--resident"
+    return {**raised, "asked_by": asked_by, "why": why}
 
 
 def peak_rss_bytes() -> int:
@@ -623,7 +607,8 @@ def rows_note(result: dict[str, Any]) -> str:
 
 def title(result: dict[str, Any]) -> str:
     """The table's title: the model, and what its pools hold."""
-    held = result.get("pools_fraction", result["resident_fraction"])
+    held = result.get("pools_fraction")
+    held = result["resident_fraction"] if held is None else held
     return f"asyncside demo — {result['model']}, {held:.0%} of experts in pools ({rows_note(result)})"
 
 

@@ -39,23 +39,24 @@ async def _single(store_dir: str, prompt_ids: list[int], args: argparse.Namespac
         seconds = time.perf_counter() - t0
         stats = rt.stats()
         pools = pool_bytes(rt)
-        held = _pools_held(sm.store, {i: rt.ledger(i).rows for i in sm.store.layers}, args)
+        held = _pools_held(sm.store, {i: rt.ledger(i).rows for i in sm.store.layers}, rt.memory)
     return {"tokens": tokens, "seconds": seconds, "ttft_s": first,
             "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0, "pool_bytes": pools,
             "hit_rate": stats["hit_rate"], "bytes_read": int(stats["bytes_read"]), "pools": held}
 
 
-def _pools_held(store: Any, rows: dict[int, int], args: argparse.Namespace) -> dict[str, Any]:
-    """What the pools hold, as the one-process demo reports it: rows per layer over experts, the
-    fraction of every layer's experts, and where the plan raised the rows above ``--resident``, what
-    was asked and why (every rank sizes its layers' pools by the same rule)."""
-    from ..demo import rows_raised
+def _pools_held(store: Any, rows: dict[int, int], memory: dict[str, Any]) -> dict[str, Any]:
+    """What the pools hold, as the one-process demo reports it: rows per layer over experts, and from
+    the runtime's plan (``memory``) the fraction of every layer's experts and where the plan raised
+    the rows above ``--resident``, what was asked and why (every rank sizes its layers' pools by the
+    same rule)."""
+    from ..demo import cli_rows_raised
 
     layers = list(rows)
     return {"pool_rows_per_layer": rows[layers[0]] if layers else 0,
             "experts_per_layer": store.layer(layers[0]).n_experts if layers else 0,
-            "pools_fraction": sum(rows.values()) / max(1, sum(store.layer(i).n_experts for i in layers)),
-            "rows_raised": rows_raised(store, args.resident, rows, args.side_rows)}
+            "pools_fraction": memory.get("pools_fraction"),
+            "rows_raised": cli_rows_raised(memory.get("rows_raised"))}
 
 
 def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
