@@ -206,8 +206,8 @@ def test_bench_serve_refuses_prompts_past_the_context() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "said"), [
-    ({"memory": "1.5"}, "memory '1.5' is 1 bytes; expected at least 4K"),
-    ({"memory": 1.5}, "memory 1.5 is 1 bytes; expected at least 4K"),
+    ({"memory": "1.5"}, "memory '1.5' is 1 byte; expected at least 4K"),
+    ({"memory": 1.5}, "memory 1.5 is 1 byte; expected at least 4K"),
     ({"memory": "0"}, "memory '0' is 0 bytes"),
     ({"resident": [0.5]}, "resident: expected a fraction in [0, 1] or 'auto', got [0.5]"),
     ({"resident": "half"}, "resident: expected a fraction"),
