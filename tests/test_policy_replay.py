@@ -200,7 +200,7 @@ def test_bench_policy_prints_a_table_and_writes_json(tmp_path: Path, capsys: pyt
                               "--out", str(tmp_path / "out.json")])
     assert run_bench("policy", args) == 0
     table = capsys.readouterr().out
-    assert "| high 16x2 s0 | 25% (4) |" in table and "| t 16x2 | 50% (8) |" in table
+    assert "| high 16x2 s0 | 25% (4/16) |" in table and "| t 16x2 | 50% (8/16) |" in table
     data = json.loads((tmp_path / "out.json").read_text())
     assert [r["trace"] for r in data["rows"]] == ["high 16x2 s0"] * 2 + ["t 16x2"] * 2
     assert all(0 < r["adaptive-lrfu"] <= r["min"] for r in data["rows"])
@@ -212,3 +212,13 @@ def test_bench_policy_prints_a_table_and_writes_json(tmp_path: Path, capsys: pyt
     with pytest.raises(SystemExit) as info:  # a usage error, named as argparse names it
         parser.parse_args(["--shapes", "16by2"])
     assert info.value.code == 2 and "argument --shapes: expected EXPERTSxTOP_K" in capsys.readouterr().err
+
+
+def test_a_cache_raised_to_the_top_k_is_labelled_with_what_it_holds() -> None:
+    """``--fractions 0.01`` of 16 experts at top-2 replays 2 rows: the table said "1% (2)"."""
+    from asyncside.bench.policy import format_table
+
+    row = {"trace": "t", "experts": 16, "fraction": 0.01, "rows": 2, "min": 0.5, "min-no-bypass": 0.4,
+           "static": 0.3, "lru": 0.2, "lru/min": 0.4}
+    assert "| t | 12% (2/16), 1% asked, raised to top-k |" in format_table([row], ["lru"])
+    assert "| t | 25% (4/16) |" in format_table([{**row, "fraction": 0.25, "rows": 4}], ["lru"])

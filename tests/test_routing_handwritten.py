@@ -131,7 +131,7 @@ def test_cli_refuses_a_bad_trace_with_status_2(tmp_path: Path, capsys: pytest.Ca
 def test_cli_reports_a_one_token_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     preset("low", tokens=1, n_layers=2, n_experts=16, top_k=2).save(tmp_path / "one.npz")
     assert main(["bench", "policy", "--presets", "", "--fractions", "0.5", "--trace", str(tmp_path / "one.npz")]) == 0
-    assert "| one 16x2 | 50% (8) | 0.000 |" in capsys.readouterr().out
+    assert "| one 16x2 | 50% (8/16) | 0.000 |" in capsys.readouterr().out
     assert main(["bench", "policy", "--presets", "", "--split", "--trace", str(tmp_path / "one.npz")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("asyncside bench policy: error: --split:") and "needs at least two tokens" in err

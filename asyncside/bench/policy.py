@@ -206,12 +206,20 @@ def _ratio(value: float | None, fmt: str) -> str:
     return "-" if value is None or math.isnan(value) else format(value, fmt)
 
 
+def _cache_cell(r: dict[str, Any]) -> str:
+    """A row's cache: what it holds of the layer's experts, its rows, and the share asked where the
+    rows were raised to the trace's top-k (a replayed cache never holds fewer)."""
+    rows, experts, asked = r["rows"], r["experts"], r["fraction"]
+    cell = f"{rows / experts:.0%} ({rows}/{experts})"
+    return cell if rows <= round(asked * experts) else f"{cell}, {asked:.0%} asked, raised to top-k"
+
+
 def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     """The rows as a Markdown table: hit rates, and each policy's fraction of MIN in brackets."""
     head = ["trace", "cache", "MIN", "MIN no bypass", "static", *policies]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
     for r in rows:
-        cells = [r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}", f"{r['min-no-bypass']:.3f}",
+        cells = [r["trace"], _cache_cell(r), f"{r['min']:.3f}", f"{r['min-no-bypass']:.3f}",
                  f"{r['static']:.3f} ({_ratio(r['static'] / r['min'] if r['min'] else None, '.2f')})"]
         cells += [f"{r[p]:.3f} ({_ratio(r[p + '/min'], '.2f')})" for p in policies]
         lines.append("| " + " | ".join(cells) + " |")
@@ -226,7 +234,7 @@ def format_split_table(rows: list[dict[str, Any]], policy: str) -> str:
              + " |"]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["trace"], f"{r['fraction']:.0%} ({r['rows']})", f"{r['min']:.3f}",
+            r["trace"], _cache_cell(r), f"{r['min']:.3f}",
             f"{r['even']:.3f} ({_ratio(r['even/min'], '.2f')} of MIN)",
             f"{r['split_hit_rate']:.3f} ({_ratio(r['split/min'], '.2f')} of MIN)",
             "-" if r["split/even"] is None else f"{r['split/even']:.3f}x",
