@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from .argtypes import int_at_least, resident_fraction, writable_file
 from .errors import AsyncsideError, StoreError
-from .memory import SIZE_UNITS, host_tier_arg, memory_arg, proc_self_bytes
+from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
 
@@ -637,8 +637,8 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
     mem = result["memory"]
     table.add_row("pools / memory budget (page cache left)",
-                  f"{mem['pool_bytes'] / 2**20:.0f} MiB / {mem['budget_bytes'] / 2**30:.2f} GiB "
-                  f"({mem['page_cache_bytes'] / 2**20:.0f} MiB)", "", "")
+                  f"{describe_bytes(mem['pool_bytes'])} / {describe_bytes(mem['budget_bytes'])} "
+                  f"({describe_bytes(mem['page_cache_bytes'])})", "", "")
     table.add_row("peak RSS", f"{result['peak_rss_bytes'] / 2**20:.0f} MiB", "", "")
     table.add_row("read from the disk while generating (process)", f"{result['disk_read_bytes'] / 1e6:.1f} MB", "", "")
     if result.get("decode_disk_over_misses") is not None:

@@ -487,3 +487,15 @@ def test_ranks_refuse_the_options_they_would_ignore(argv: list[str], said: str, 
     rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--ranks", "2", "--tokens", "2", "--quiet", *argv)
     assert rc == 2 and f"asyncside demo: error: {said}" in err and "run without --ranks" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_demo_table_gives_small_pools_in_tenths_of_a_mib(quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The pools / memory budget row rounded to whole MiB: 0.2 MiB of pools read "0 MiB"."""
+    from asyncside import cli
+
+    monkeypatch.setenv("COLUMNS", "200")  # the row on one line
+
+    assert cli.main(["demo", "--model", str(quick_store), "--tokens", "2", "--resident", "0.05"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "pools / memory budget" in line)
+    assert " 0 MiB" not in row and "0.2 MiB /" in row, row
