@@ -135,3 +135,28 @@ def test_bench_serve_long_prompt_phases_are_among_the_phases(argv: list[str], sa
     rc, err = run_cli(capsys, "bench", "serve", "--no-mlx-lm", *argv)
     assert rc == 2 and err.startswith(f"asyncside bench serve: error: {said}"), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def test_a_budget_no_process_fits_is_a_usage_error(quick_store: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --memory 8K`` (taken: at least 4K) ended in exit status 1, "bench offload needs
+    a memory cgroup that charges the page cache: ...", where the cgroup worked and the budget was at
+    fault; now a usage error leading with --memory and saying what asyncside's plan needs."""
+    from asyncside.bench import offload
+
+    ok, why = offload.check_cgroups(1 << 30)
+    if not ok:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    rc, err = run_cli(capsys, "bench", "offload", "--stores", str(quick_store), "--memory", "8K", "--store-ratio",
+                      "0.0001", "--systems", "slot-cache", "--localities", "low", "--quiet")
+    assert rc == 2 and "error: --memory 8192 bytes is too small for any run" in err, err
+    assert "does not hold even /bin/true" in err and "smallest plan here is about" in err, err
+    assert "needs a memory cgroup" not in err and len(err.strip().splitlines()) == 1, err

@@ -183,13 +183,17 @@ class MemoryCgroup:
                 time.sleep(0.1)
 
 
+#: :func:`check_cgroups`' words for a limit too small for any process (the cgroup itself works)
+_OOM_KILLED = "was killed (out of memory)"
+
+
 def check_cgroups(limit: int) -> tuple[bool, str]:
     """(whether a memory cgroup of ``limit`` bytes can be made and used here, the reason if not)."""
     try:
         with MemoryCgroup(limit) as cg:
             out = subprocess.run(cg.wrap(["/bin/true"]), capture_output=True, text=True, timeout=30)
             if out.returncode == -signal.SIGKILL:  # the cgroup's OOM killer: the limit, not the cgroup
-                return False, (f"a process moved into {cg.path} was killed (out of memory): a budget of "
+                return False, (f"a process moved into {cg.path} {_OOM_KILLED}: a budget of "
                                f"{limit} bytes does not hold even /bin/true")
             if out.returncode != 0:
                 return False, f"cannot move a process into {cg.path}: {out.stderr.strip()}"
@@ -901,6 +905,19 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
         choose_budget(args, estimated, False)  # refuses at the ratio asked, with its figures
 
 
+def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, Any]]) -> str:
+    """The memory cgroup the runs get (:func:`check_cgroups` at ``budget``): a ValueError leading
+    with ``--memory`` where the cgroup works but kills any process under that budget, CgroupError
+    where none can be made."""
+    ok, why = check_cgroups(budget)
+    if not ok and args.memory and _OOM_KILLED in why:  # the cgroup works: the budget is at fault
+        raise ValueError(f"--memory {budget} bytes is too small for any run: {why}; asyncside's smallest plan "
+                         f"here is about {max(s['least_budget_bytes'] for s in shapes) / MB:.0f} MB")
+    if not ok:
+        raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why}")
+    return why
+
+
 def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
     from ..routing import preset
@@ -954,9 +971,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         sh["prompt"] = prompt_for(sh["store"])
     fitted = fit_routings(user, shapes, positions=PROMPT_TOKENS + int(args.tokens), predictor=args.predictor,
                           verbose=verbose)
-    ok, why = check_cgroups(budget)
-    if not ok:
-        raise CgroupError(f"asyncside bench offload needs a memory cgroup that charges the page cache: {why}")
+    why = _runs_cgroup(args, budget, shapes)
     _log(verbose, f"budget {budget / MB:.0f} MB in a {why}; page cache dropped before every run")
     result: dict[str, Any] = {"bench": "offload", "machine": machine_info(), "budget_bytes": budget, "cgroup": why,
                               "settings": {k: getattr(args, k, None) for k in (
