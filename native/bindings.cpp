@@ -869,12 +869,10 @@ NB_MODULE(_native, m) {
   nb::module_ testing = m.def_submodule("testing", "Test hooks; not part of the runtime.");
   bind_bridge_testing(testing);
   testing.def(
-      "failing_rows",
-      [](const mx::array& ids, PyFaultTable& table, std::string message) {
-        return asyncside::faults::testing_failing_rows(ids, table.t, std::move(message));
-      },
-      nb::arg("ids"), nb::arg("table"), nb::arg("message"),
-      "A fault node of `table` (CPU stream) whose task throws `message`: logged as error -4, rows 0.");
+      "fail_next_fault_node",
+      [](PyFaultTable& table, std::string message) { table.t->testing_fail_next(std::move(message)); },
+      nb::arg("table"), nb::arg("message"),
+      "The next fault node of `table` to run throws `message` on the stream, once: logged as error -4, its rows 0.");
   testing.def("set_fault_read_uring", &asyncside::faults::set_fault_read_uring, nb::arg("on"),
               "False: chunked fault reads take their fallback (one preadv a record), as without io_uring.");
 

@@ -270,6 +270,18 @@ void FaultTable::failed(const char* what) noexcept {
   global_counters().fault_errors.fetch_add(1, std::memory_order_release);
 }
 
+void FaultTable::testing_fail_next(std::string message) {
+  std::lock_guard<std::mutex> lk(mu_);
+  fail_next_ = std::move(message);
+}
+
+void FaultTable::throw_injected_locked() {
+  if (fail_next_.empty()) return;
+  std::string message = std::move(fail_next_);
+  fail_next_.clear();
+  throw std::runtime_error(message);
+}
+
 std::string FaultTable::failure() const {
   std::lock_guard<std::mutex> lk(mu_);
   return node_failure_;
@@ -518,6 +530,7 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
 std::string FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  throw_injected_locked();
   settle_pending_locked(lk);
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
@@ -564,6 +577,7 @@ std::string FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k,
   resolves_.fetch_add(1, std::memory_order_relaxed);
   streamed_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  throw_injected_locked();
   settle_pending_locked(lk);
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
@@ -699,6 +713,7 @@ std::string FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
+  throw_injected_locked();
   settle_pending_locked(lk);
   absorb_device_uses_locked();
   if (!sink_->stages()) {
@@ -1013,37 +1028,6 @@ void check_streamed(const mx::array& ids, const std::shared_ptr<FaultTable>& tab
   }
 }
 
-// A test hook: a fault node whose task throws `message` the way a real one could (an allocation
-// failing), through the same guard.
-class FailingRows : public mx::Primitive {
- public:
-  FailingRows(mx::Stream s, std::shared_ptr<FaultTable> table, std::string message)
-      : mx::Primitive(s), table_(std::move(table)), message_(std::move(message)) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_output_array(out);
-    enc.dispatch([table = table_, message = message_, out_ptr = out.data<uint32_t>(), n = out.size()]() noexcept {
-      guarded(*table, out_ptr, n, [&] {
-        std::fill(out_ptr, out_ptr + n, 7u);  // rows a half-done task left behind
-        throw std::runtime_error(message);
-      });
-    });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[asyncside] failing_rows runs on CPU streams only");
-  }
-  const char* name() const override { return "AsyncsideTestingFailingRows"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
-
- private:
-  std::shared_ptr<FaultTable> table_;
-  std::string message_;
-};
-
 }  // namespace
 
 mx::array begin_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx::Stream stream) {
@@ -1057,13 +1041,6 @@ mx::array finish_rows(const mx::array& ids, const mx::array& rows, std::shared_p
   check_streamed(ids, table, stream, "finish_rows");
   if (!mx::issubdtype(rows.dtype(), mx::integer)) throw std::invalid_argument("rows: expected an integer array");
   return mx::array(rows.shape(), mx::uint32, std::make_shared<FinishRows>(stream, std::move(table)), {ids, rows});
-}
-
-mx::array testing_failing_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, std::string message) {
-  if (!table) throw std::invalid_argument("table: expected a FaultTable, got None");
-  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
-  return mx::array(ids.shape(), mx::uint32, std::make_shared<FailingRows>(cpu, std::move(table), std::move(message)),
-                   {ids});
 }
 
 }  // namespace asyncside::faults

@@ -226,12 +226,17 @@ class FaultTable {
   // is the latest such message (empty when none).
   void failed(const char* what) noexcept;
   std::string failure() const;
+  // Test hook: the next resolve(), begin() or stage() throws `message` (as an allocation could),
+  // once, before it touches anything.
+  void testing_fail_next(std::string message);
   // Loop thread (off the event loop: it waits for reads): wait for every pending streamed read and
   // publish it, a failure only logged. Call once the steps that began them are done, before drain().
   void settle();
   bool pending() const;
 
  private:
+  // Throws (and clears) what testing_fail_next() set, if anything.
+  void throw_injected_locked();
   // The distinct experts of `ids` (first-use order) into `uniq`; returns the routed pairs
   // (kNoExpert excluded). Logs the resolve's uses. An id outside the layer's experts is logged as
   // a failure (its message into `error`, when the first) and replaced in `ids` by kNoExpert.
@@ -282,6 +287,7 @@ class FaultTable {
 
   mutable std::mutex mu_;
   std::string node_failure_;  // guarded by mu_
+  std::string fail_next_;     // guarded by mu_ (testing_fail_next)
   std::vector<int32_t> table_;      // expert -> row
   std::vector<int64_t> owner_;      // row -> expert (-1: none, or a fill in progress)
   std::vector<uint8_t> lent_flag_;  // row -> lent (and not being filled right now)
@@ -352,9 +358,6 @@ mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultT
 mlx::core::array begin_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 mlx::core::array finish_rows(const mlx::core::array& ids, const mlx::core::array& rows,
                              std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
-// Test hook (CPU stream): a fault node of `table` whose task throws `message` (FaultTable::failed).
-mlx::core::array testing_failing_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table,
-                                      std::string message);
 
 // A sink for device pools (MLX CUDA): reads land in `mirror` (pinned, mapped), copies to `pools`
 // happen on the device. `by_expert`: `mirror` has one row per expert of the layer (a host tier:

@@ -351,7 +351,9 @@ def test_failed_faults_leave_mlx_count_of_tasks_as_it_was(tmp_path: pathlib.Path
             assert _native.mlx_active_tasks() == base
             # A node that fails as a whole reaches the awaiter the same way, with its message.
             layer = sm.moe_layers[0]
-            mx.eval(_native.testing.failing_rows(mx.array([0], dtype=mx.uint32), rt._s.layers[layer].faults, "no memory"))
+            faults = rt._s.layers[layer].faults
+            _native.testing.fail_next_fault_node(faults, "no memory")
+            mx.eval(_native.expert_rows(mx.array([0], dtype=mx.uint32), faults, cpu))
             with pytest.raises(FillError, match=f"layer {layer}: a fault node failed: no memory"):
                 rt.after_step()
             assert rt.audit()[layer].ok
@@ -572,8 +574,9 @@ def test_a_fault_node_that_throws_fails_the_step_through_the_log(tmp_path: pathl
     stream thread: the node's rows read row 0, the log says -4, the table keeps the message."""
     store, pools, table = fault_table(tmp_path)
     before = table.counters()
-    node = _native.testing.failing_rows(mx.array([1, 2, 3], dtype=mx.uint32), table, "allocation failed (a test)")
-    assert eval_failed_step(node) == [0, 0, 0]
+    table.lend([0, 1])
+    _native.testing.fail_next_fault_node(table, "allocation failed (a test)")
+    assert eval_failed_step(_native.expert_rows(mx.array([1, 2, 3], dtype=mx.uint32), table, CPU)) == [0, 0, 0]
     assert drain_events(table)[:, [0, 2, 4]].tolist() == [[-1, -1, -4]]
     assert table.failure.endswith("a fault node failed: allocation failed (a test)"), table.failure
     assert table.counters()["fault_errors"] - before["fault_errors"] == 1
