@@ -364,21 +364,25 @@ class RoutingTrace:
             u = rng.random((T, top_k - K, 2)).tolist()
             for t in range(T):
                 chosen = out[t, l, :K].tolist()
+                taken = set(chosen)  # chosen's ids, for membership at any top-k
                 prev = None if firsts[t] else out[t - 1, l].tolist()
                 for j in range(top_k - K):
                     e = -1
                     if prev is not None and u[t][j][0] < reuse:
-                        free = [x for x in prev if x not in chosen]
+                        free = [x for x in prev if x not in taken]
                         if free:
                             e = free[int(u[t][j][1] * len(free)) % len(free)]
                     tries = 0
-                    while e < 0 or e in chosen:
+                    while e < 0 or e in taken:
                         if tries < 64:  # a popularity draw; a layer routing too few experts falls through
                             e = min(int(np.searchsorted(popular, rng.random(), side="right")), n - 1)
                         else:
-                            e = int(rng.choice([x for x in range(n) if x not in chosen]))
+                            others = np.ones(n, dtype=bool)
+                            others[chosen] = False
+                            e = int(rng.choice(np.flatnonzero(others)))
                         tries += 1
                     chosen.append(e)
+                    taken.add(e)
                 out[t, l] = chosen
         meta = dict(self.meta)
         meta["widened"] = {"from_top_k": K, "top_k": top_k, "seed": int(seed), "reuse": reuse_rates,
@@ -461,6 +465,25 @@ def synthetic_too_large(ids: int) -> str | None:
             f"{describe_bytes(room.available)} available ({room.source}); ask for fewer tokens or layers")
 
 
+def _draw_free(rng: np.random.Generator, popularity: np.ndarray, taken: set[int]) -> int:
+    """A draw from a layer's ``popularity`` (cumulative, one entry an expert) among the experts not
+    in ``taken``."""
+    n = len(popularity)
+    for _ in range(64):
+        e = min(int(np.searchsorted(popularity, rng.random(), side="right")), n - 1)
+        if e not in taken:
+            return e
+    # Redrawing until a free expert comes can take millions of draws where the token has taken
+    # nearly every expert (a top-k near the experts, a steep skew): draw among the free ones.
+    held = list(taken)
+    probs = np.diff(popularity, prepend=0.0)
+    probs[held] = 0.0
+    if probs.sum() <= 0:  # the free experts' share rounds to nothing: uniform among them
+        probs = np.ones(n)
+        probs[held] = 0.0
+    return int(rng.choice(n, p=probs / probs.sum()))
+
+
 def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: float, overlap: float,
               layer_corr: float, sequences: int = 1, seed: int = 0,
               prediction_precision: float | None = None) -> RoutingTrace:
@@ -472,7 +495,8 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
     reuse; not at a sequence's first token); else with probability ``layer_corr`` by the image of
     the same slot's expert one layer up under a fixed per-layer permutation (correlation between
     layers); else by a draw from the layer's popularity. A choice already in the token's set is
-    redrawn from the popularity. ``tokens`` are split into ``sequences`` near-equal sequences.
+    redrawn from the popularity (after 64 draws, among the experts not yet taken). ``tokens`` are
+    split into ``sequences`` near-equal sequences.
 
     ``prediction_precision`` p (None: no predictions) adds ``predicted``, ``top_k`` ids per token
     and layer: each slot is the routed id of that slot with probability p, else an expert the token
@@ -511,29 +535,26 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
     u = rng.random((tokens, n_layers, top_k, 2)).tolist()
     picks = rng.integers(0, 1 << 30, size=(tokens, n_layers, top_k)).tolist()
 
-    def draw(l: int) -> int:
-        return min(int(np.searchsorted(pops[l], rng.random(), side="right")), n_experts - 1)
-
     for t in range(tokens):
         first = t in starts
         for l in range(n_layers):
             chosen: list[int] = []
+            taken: set[int] = set()  # chosen's ids, for membership at any top-k
             prev = None if first else ids[t - 1, l].tolist()
             above = ids[t, l - 1].tolist() if l else None
             for k in range(top_k):
                 r_overlap, r_corr = u[t][l][k]
                 e = -1
                 if prev is not None and r_overlap < overlap:
-                    free = [x for x in prev if x not in chosen]
+                    free = [x for x in prev if x not in taken]
                     if free:
                         e = free[picks[t][l][k] % len(free)]
                 elif above is not None and r_corr < layer_corr:
                     e = int(layer_map[l][above[k]])
-                if e < 0 or e in chosen:
-                    e = draw(l)
-                    while e in chosen:
-                        e = draw(l)
+                if e < 0 or e in taken:
+                    e = _draw_free(rng, pops[l], taken)
                 chosen.append(e)
+                taken.add(e)
             ids[t, l] = chosen
     meta: dict[str, Any] = {"source": "synthetic", "generator": {
         "tokens": tokens, "n_layers": n_layers, "n_experts": n_experts, "top_k": top_k, "skew": float(skew),

@@ -160,3 +160,46 @@ def test_a_budget_no_process_fits_is_a_usage_error(quick_store: pathlib.Path,
     assert rc == 2 and "error: --memory 8192 bytes is too small for any run" in err, err
     assert "does not hold even /bin/true" in err and "smallest plan here is about" in err, err
     assert "needs a memory cgroup" not in err and len(err.strip().splitlines()) == 1, err
+
+
+#: the first two tokens of layer 0 of ``preset("low", tokens=64, n_layers=2, n_experts=64, top_k=6)``
+LOW_FIRST_IDS = [[0, 30, 28, 27, 14, 45], [24, 39, 11, 33, 14, 41]]
+
+
+class _CountedDraws:
+    """A numpy Generator whose single draws (``random()``) are counted, and refused past ``most``."""
+
+    def __init__(self, generator: np.random.Generator, most: int) -> None:
+        self.generator, self.most, self.draws = generator, most, 0
+
+    def random(self, *args: Any, **kwargs: Any) -> Any:
+        self.draws += 1
+        assert self.draws <= self.most, f"more than {self.most} draws"
+        return self.generator.random(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.generator, name)
+
+
+def test_a_preset_whose_top_k_is_every_expert_draws_each_slot_a_bounded_number_of_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``routing preset high OUT --experts 4096 --top-k 4096 --tokens 2 --layers 1`` ran for minutes: a
+    slot redrew from the popularity until an expert the token had not taken came, and with a steep
+    skew the last ones are drawn once in tens of thousands. After 64 draws a slot now draws among
+    the experts left; the presets of fewer slots than experts are drawn as before."""
+    from asyncside import routing
+
+    real = np.random.default_rng
+    made: list[_CountedDraws] = []
+
+    def counted(*args: Any, **kwargs: Any) -> _CountedDraws:
+        made.append(_CountedDraws(real(*args, **kwargs), most=65 * 4096))
+        return made[-1]
+
+    monkeypatch.setattr(np.random, "default_rng", counted)
+    trace = routing.preset("high", tokens=1, n_layers=1, n_experts=4096, top_k=4096)
+    assert sorted(trace.ids[0, 0].tolist()) == list(range(4096))
+    monkeypatch.setattr(np.random, "default_rng", real)
+    # Fewer slots than experts: the figures docs/routing-traces.md gives are drawn as they were.
+    low = routing.preset("low", tokens=64, n_layers=2, n_experts=64, top_k=6)
+    assert low.ids[:2, 0].tolist() == LOW_FIRST_IDS, low.ids[:2, 0].tolist()
