@@ -203,3 +203,23 @@ def test_a_preset_whose_top_k_is_every_expert_draws_each_slot_a_bounded_number_o
     # Fewer slots than experts: the figures docs/routing-traces.md gives are drawn as they were.
     low = routing.preset("low", tokens=64, n_layers=2, n_experts=64, top_k=6)
     assert low.ids[:2, 0].tolist() == LOW_FIRST_IDS, low.ids[:2, 0].tolist()
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("my-moe/config.json: 2", [("my-moe/config.json", 2)]), ("my-moe/config.json :2", [("my-moe/config.json", 2)]),
+    ("qwen3-30b-a3b: 4, mixtral-8x7b", [("qwen3-30b-a3b", 4), ("mixtral-8x7b", None)]),
+])
+def test_spaces_around_a_layer_count_are_left_out(text: str, parsed: list[tuple[str, int | None]]) -> None:
+    """``--shapes "my-moe/config.json: 2"`` was "LAYERS must be a positive integer, got ' 2'", and a
+    space before the colon made the path one that does not exist."""
+    from asyncside.bench.shapes import parse_shape_list
+
+    assert parse_shape_list(text) == parsed
+
+
+@pytest.mark.parametrize("count", ["²", "³"])
+def test_a_layer_count_of_no_ascii_digits_is_one_line(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--shapes qwen3-30b-a3b:²`` ended in a traceback (ValueError: invalid literal for int()):
+    str.isdigit takes superscript digits, int() does not."""
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"qwen3-30b-a3b:{count}")
+    assert rc == 2 and f"LAYERS must be a positive integer, got {count!r}" in err and "Traceback" not in err, err

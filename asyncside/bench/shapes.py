@@ -536,14 +536,17 @@ def parse_shape_list(text: str) -> list[tuple[str, int | None]]:
     for part in text.split(","):
         part = part.strip()
         shape, sep, layers = part.rpartition(":")
+        shape, layers = shape.strip(), layers.strip()  # "config.json: 2" as "config.json:2"
+        # ASCII digits only: str.isdigit takes superscripts ("²"), which int() does not
+        count = layers.isascii() and layers.isdigit()
         if not sep:
             shape, layers = part, ""
-        elif not layers.isdigit() and os.path.exists(part):  # a path holding ':' and no layer count
+        elif not count and os.path.exists(part):  # a path holding ':' and no layer count
             shape, sep, layers = part, "", ""
         if not shape:
             raise ShapeError(f"--shapes: empty shape in {text!r} (expected NAME[:LAYERS] or CONFIG.json[:LAYERS], "
                              f"comma-separated)")
-        if sep and (not layers.isdigit() or int(layers) < 1):  # "NAME:" too: a count forgotten is not "all"
+        if sep and (not count or int(layers) < 1):  # "NAME:" too: a count forgotten is not "all"
             raise ShapeError(f"--shapes: {part!r}: LAYERS must be a positive integer, got {layers!r}")
         out.append((shape, int(layers) if layers else None))
     return out
