@@ -223,3 +223,17 @@ def test_a_layer_count_of_no_ascii_digits_is_one_line(count: str, capsys: pytest
     str.isdigit takes superscript digits, int() does not."""
     rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"qwen3-30b-a3b:{count}")
     assert rc == 2 and f"LAYERS must be a positive integer, got {count!r}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_bench_serve_refuses_an_mlx_lm_model_it_cannot_serve(what: str, tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench serve --mlx-lm-model /nonexist`` started both servers; mlx_lm.server answered 503 (its
+    loading thread had died) and the bench waited out its ten-minute startup timeout, saying nothing."""
+    model = tmp_path / "model"
+    if what == "empty":
+        model.mkdir()
+    rc, err = run_cli(capsys, "bench", "serve", "--mlx-lm-model", str(model))
+    said = "no such directory" if what == "missing" else "no config.json there"
+    assert rc == 2 and err.startswith(f"asyncside bench serve: error: --mlx-lm-model {model}: {said}"), err
+    assert "--no-mlx-lm" in err and len(err.strip().splitlines()) == 1, err

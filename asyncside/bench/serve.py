@@ -365,6 +365,16 @@ def _check(args: argparse.Namespace) -> None:
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
     if problem is not None:
         raise ValueError(problem)
+    model_dir = getattr(args, "mlx_lm_model", None)
+    if getattr(args, "mlx_lm", False) and model_dir is not None:
+        # mlx_lm.server starts without its model and answers 503 until it loads: a directory it
+        # cannot load would keep the bench waiting for its startup timeout, saying nothing.
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"--mlx-lm-model {model_dir}: no such directory (an mlx-lm model directory; --no-mlx-lm "
+                             "skips mlx_lm.server)")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ValueError(f"--mlx-lm-model {model_dir}: no config.json there, so no mlx-lm model directory "
+                             "(--no-mlx-lm skips mlx_lm.server)")
     named = getattr(args, "long_prompt_clients", None)
     if named is not None:
         # A phase named here but not run would send the long prompt nowhere, and the table would not say.
