@@ -97,8 +97,11 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
           f"predictions: {_count(predicted, 'id') + ' per token' if predicted else 'none'}")
     if info["mapped_from"]:
         print(f"  mapped from {info['mapped_from']}")
-    if info["widened"]:
-        print(f"  widened from top-{info['widened']['from_top_k']} ({info['widened']['rule']})")
+    widened = info["widened"]
+    if isinstance(widened, dict) and "from_top_k" in widened:
+        print(f"  widened from top-{widened['from_top_k']}" + (f" ({widened['rule']})" if "rule" in widened else ""))
+    elif widened:  # a "widened" key some other writer put in the meta: shown as it is
+        print(f"  widened: {json.dumps(widened)}")
     for c in info["caches"]:
         share = int(round(c["fraction"] * info["experts"]))
         raised = f", raised to the top-{info['top_k']} from {share}" if c["rows"] > share else ""

@@ -237,3 +237,19 @@ def test_bench_serve_refuses_an_mlx_lm_model_it_cannot_serve(what: str, tmp_path
     said = "no such directory" if what == "missing" else "no config.json there"
     assert rc == 2 and err.startswith(f"asyncside bench serve: error: --mlx-lm-model {model}: {said}"), err
     assert "--no-mlx-lm" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("widened", "said"), [
+    ("yes", '  widened: "yes"'), (True, "  widened: true"), ({"from_top_k": 1}, "  widened from top-1\n"),
+    ({"by": "my tool"}, '  widened: {"by": "my tool"}'),
+])
+def test_routing_info_shows_a_hand_written_widened_as_it_is(widened: object, said: str, tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace whose JSON meta has a "widened" key of another form than ``widen`` writes (a string,
+    true, a dict without "rule"): ``routing info`` ended in TypeError or KeyError."""
+    from asyncside import cli
+
+    path = _trace(tmp_path / "mine.npz", np.array([[[0, 1]], [[2, 3]]]), 8,
+                  meta=np.array(json.dumps({"widened": widened})))
+    assert cli.main(["routing", "info", path, "--no-min"]) == 0
+    assert said in capsys.readouterr().out
