@@ -450,19 +450,25 @@ LOCALITIES: dict[str, dict[str, float]] = {
 #: What generating one expert id of a synthetic trace holds at once (its random draws as Python
 #: objects, the ids): an estimate with a margin, to refuse a trace that cannot be made here.
 SYNTHETIC_BYTES_PER_ID = 256
+#: What each layer's tables of a synthetic trace hold an expert (its popularity, its permutation
+#: to the next layer, the draws' transient copies): an estimate with a margin.
+SYNTHETIC_BYTES_PER_EXPERT = 32
 
 
-def synthetic_too_large(ids: int) -> str | None:
-    """Why a synthetic trace of ``ids`` expert ids (tokens x layers x top-k) cannot be generated in
-    the memory available now (None: it can); the generator itself does not check."""
+def synthetic_too_large(ids: int, experts: int = 0) -> str | None:
+    """Why a synthetic trace of ``ids`` expert ids (tokens x layers x top-k) and ``experts`` per-layer
+    table entries (layers x experts; 0: not counted) cannot be generated in the memory available now
+    (None: it can); the generator itself does not check."""
     from .memory import available_memory, describe_bytes
 
-    need = ids * SYNTHETIC_BYTES_PER_ID
+    need = ids * SYNTHETIC_BYTES_PER_ID + experts * SYNTHETIC_BYTES_PER_EXPERT
     room = available_memory()
     if need <= room.available:
         return None
-    return (f"{ids} expert ids take about {describe_bytes(need)} to generate, more than the "
-            f"{describe_bytes(room.available)} available ({room.source}); ask for fewer tokens or layers")
+    what = f"{ids} expert ids" + (f" and {experts} layer-expert entries (layers x experts)" if experts else "")
+    fewer = "fewer tokens, layers or experts" if experts else "fewer tokens or layers"
+    return (f"{what} take about {describe_bytes(need)} to generate, more than the "
+            f"{describe_bytes(room.available)} available ({room.source}); ask for {fewer}")
 
 
 def _draw_free(rng: np.random.Generator, popularity: np.ndarray, taken: set[int]) -> int:

@@ -129,9 +129,10 @@ def routing_main(args: argparse.Namespace) -> int:
                       if args.top_k > args.experts else []) + (
                 [f"--tokens {args.tokens} must be at least --sequences {args.sequences}"]
                 if args.tokens < args.sequences else [])
-            too_large = synthetic_too_large(args.tokens * args.layers * args.top_k)
+            too_large = synthetic_too_large(args.tokens * args.layers * args.top_k, args.layers * args.experts)
             if too_large:
-                broken.append(f"--tokens {args.tokens} x --layers {args.layers} x --top-k {args.top_k}: {too_large}")
+                broken.append(f"--tokens {args.tokens} x --layers {args.layers} x --top-k {args.top_k}, --layers "
+                              f"{args.layers} x --experts {args.experts}: {too_large}")
             if broken:
                 print(f"asyncside routing preset: error: {'; '.join(broken)}", file=sys.stderr)
                 return 2

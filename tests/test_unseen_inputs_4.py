@@ -253,3 +253,18 @@ def test_routing_info_shows_a_hand_written_widened_as_it_is(widened: object, sai
                   meta=np.array(json.dumps({"widened": widened})))
     assert cli.main(["routing", "info", path, "--no-min"]) == 0
     assert said in capsys.readouterr().out
+
+
+def test_a_preset_of_too_many_experts_to_generate_is_refused_before_it_starts(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``routing preset low OUT --layers 2000 --experts 1048576 --tokens 1`` was let through (2000
+    ids), and the generator's tables of every layer's experts (about 17 bytes an expert) took 34 GB:
+    the ids were counted, the experts were not."""
+    from asyncside import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(64 << 20, "test"))
+    out = tmp_path / "p.npz"
+    rc, err = run_cli(capsys, "routing", "preset", "low", str(out), "--layers", "8", "--experts", "1048576",
+                      "--top-k", "1", "--tokens", "1")
+    assert rc == 2 and "--layers 8 x --experts 1048576: 8 expert ids and 8388608 layer-expert entries" in err, err
+    assert "fewer tokens, layers or experts" in err and not out.exists() and len(err.strip().splitlines()) == 1, err
