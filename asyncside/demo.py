@@ -26,6 +26,7 @@ from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
+from .pools_note import cli_rows_raised, rows_note
 
 DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
 
@@ -292,18 +293,6 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
                                        args.record_routing)
     return run, stats, audit_ok
-
-
-def cli_rows_raised(raised: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The runtime plan's ``rows_raised`` (see ``MemoryPlan.rows_raised``) in the command line's
-    words: ``--resident`` asked, ``--side-rows N`` raised."""
-    if not raised:
-        return None
-    why = str(raised["why"])
-    if why.startswith("side_rows="):
-        why = f"--side-rows {why.split('=', 1)[1]}"
-    asked_by = "auto" if raised["asked_by"] == "auto" else "--resident"
-    return {**raised, "asked_by": asked_by, "why": why}
 
 
 def peak_rss_bytes() -> int:
@@ -587,22 +576,6 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "reference_text": sm.tokenizer.decode(ref.tokens) if ref is not None else None,
     }
     return result
-
-
-def rows_note(result: dict[str, Any]) -> str:
-    """The pools' rows per layer for the table's title: one figure, or the split by a profile; and,
-    where they hold more than asked, what was asked and why it was raised."""
-    split = result.get("pool_rows_split")
-    if split:
-        return f"rows per layer split by a profile: {' '.join(str(r) for r in split)} of {result['experts_per_layer']}"
-    note = f"{result['pool_rows_per_layer']}/{result['experts_per_layer']} rows per layer"
-    raised = result.get("rows_raised")
-    if raised:
-        rows = raised["rows"]
-        asked = "chosen for the budget" if raised.get("asked_by") == "auto" else "asked"
-        note += (f"; {raised['asked']:.0%} {asked}, raised to {rows} {'row' if rows == 1 else 'rows'} a layer "
-                 f"({raised['why']})")
-    return note
 
 
 def title(result: dict[str, Any]) -> str:

@@ -50,7 +50,7 @@ def _pools_held(store: Any, rows: dict[int, int], memory: dict[str, Any]) -> dic
     the runtime's plan (``memory``) the fraction of every layer's experts and where the plan raised
     the rows above ``--resident``, what was asked and why (every rank sizes its layers' pools by the
     same rule)."""
-    from ..demo import cli_rows_raised
+    from ..pools_note import cli_rows_raised
 
     layers = list(rows)
     return {"pool_rows_per_layer": rows[layers[0]] if layers else 0,
@@ -156,7 +156,7 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
 def title(result: dict[str, Any]) -> str:
     """The table's title: the split, what the pools hold (as the one-process demo's title says it)
     and the transport."""
-    from ..demo import rows_note
+    from ..pools_note import rows_note
 
     held = result.get("pools_fraction", result["resident_fraction"])
     rows = f" ({rows_note(result)})" if "pool_rows_per_layer" in result else ""
