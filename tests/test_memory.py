@@ -314,6 +314,13 @@ def test_a_refusal_names_the_memory_and_the_fraction_that_fit(tmp_path: pathlib.
     _plan(store, resident=0.9, memory=f"{float(wanted.group(1)) + 0.1}M")  # the memory= it names fits
     with pytest.raises(AsyncsideError, match=r"no resident fraction fits beside the headroom.*for the smallest pools"):
         _plan(store, resident=0.9, memory=(100 << 20) + memory.MIN_HEADROOM // 2)
+    # A memory= below what the process holds: the memory= named still counts all it holds (it named
+    # the pools and headroom on top of the memory= asked, 50 MiB short).
+    with pytest.raises(AsyncsideError) as info:
+        _plan(store, resident=0.9, memory=50 << 20)
+    wanted = re.search(r"memory=([0-9.]+) MiB or more for these", str(info.value))
+    assert wanted is not None, str(info.value)
+    _plan(store, resident=0.9, memory=f"{float(wanted.group(1)) + 0.1}M")
 
 
 @pytest.mark.parametrize("text", ["2G", "2GB", "2Gi", "2GiB", "2 gib", "2048M"])

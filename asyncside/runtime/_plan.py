@@ -409,7 +409,9 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
         process holds already)."""
         if memory is None:
             return ""
-        return f" (memory={describe_bytes(parse_size(memory) - budget.available + pool_bytes + headroom)} or more)"
+        # What the process holds now, not memory= less the budget: a memory= below what it holds
+        # left a budget of 0, which would hide the difference.
+        return f" (memory={describe_bytes(_resident_now() + pool_bytes + headroom)} or more)"
 
     if asked_auto:  # already the least rows a step needs: only more memory helps
         least = max(rows.values()) if rows else 0
