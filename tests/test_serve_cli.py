@@ -23,6 +23,8 @@ from asyncside.serving.cli import settings_from_args
     (["--temp", "9"], ["--temp", "[0, 2]"]),
     (["--reader", "nope"], ["--reader", "invalid choice"]),
     (["--host-tier", "2QB"], ["--host-tier", "host tier '2QB'", "800M"]),
+    (["--prompt-cache-bytes", "1e300T"], ["--prompt-cache-bytes", "finite"]),
+    (["--mlx-cache-limit=-2G"], ["--mlx-cache-limit", ">= 0"]),
 ])
 def test_bad_serve_arguments_are_parse_errors(argv: list[str], words: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,6 +59,9 @@ def test_serve_options_become_settings() -> None:
         None, 0.7, ("*",), False, 100)
     assert args.policy == "LRU"
     assert args.host_tier == "auto" and build_parser().parse_args(["serve", "--host-tier", "1G"]).host_tier == 1 << 30
+    # The cache sizes take every SIZE spelling (T included: it was refused there alone).
+    big = build_parser().parse_args(["serve", "--prompt-cache-bytes", "1T", "--mlx-cache-limit", "2GiB"])
+    assert (big.prompt_cache_bytes, big.mlx_cache_bytes) == (1 << 40, 2 << 30)
     assert not s.joint_prefill  # off unless asked for (a seeded request's draws never depend on its neighbours)
     joint = build_parser().parse_args(["serve", "--joint-prefill"])
     assert settings_from_args(joint).joint_prefill

@@ -47,19 +47,14 @@ def _existing_file(text: str) -> str:
     return text
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def _size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
+    """A size as every SIZE option takes it (asyncside.memory.parse_size: units up to T)."""
+    from ..memory import parse_size
+
     try:
-        value = float(t[: len(t) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}") from None
-    if not 0 <= value < 1 << 50:
-        raise argparse.ArgumentTypeError(f"expected a size >= 0, got {text!r}")
-    return int(value)
+        return parse_size(text, what="size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size_or_default(text: str) -> int | None:
