@@ -268,3 +268,15 @@ def test_a_preset_of_too_many_experts_to_generate_is_refused_before_it_starts(
                       "--top-k", "1", "--tokens", "1")
     assert rc == 2 and "--layers 8 x --experts 1048576: 8 expert ids and 8388608 layer-expert entries" in err, err
     assert "fewer tokens, layers or experts" in err and not out.exists() and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_policy_counts_the_per_layer_tables_before_it_generates(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench policy --shapes 1048576x1 --layers 2000 --tokens 1`` passed the size check (it counted
+    the expert ids alone) and would have needed tens of GB for the layers' expert tables."""
+    from asyncside import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(64 << 20, "test"))
+    rc, err = run_cli(capsys, "bench", "policy", "--presets", "low", "--shapes", "1048576x1", "--layers", "8",
+                      "--tokens", "1")
+    assert rc == 2 and "8388608 layer-expert entries" in err and "fewer tokens, layers or experts" in err, err

@@ -169,7 +169,7 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
     if presets:  # before minutes of generating, or the OOM killer
         ids_per_slot = tokens * sequences * layers
         for e, k in shapes:
-            too_large = synthetic_too_large(ids_per_slot * k)
+            too_large = synthetic_too_large(ids_per_slot * k, layers * e)  # the per-layer tables too
             if too_large:
                 raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {too_large}")
     for seed in _option(args, "seeds", _listed(_seed), [0], [0]):
