@@ -93,7 +93,9 @@ def measure(store_dir: str | pathlib.Path, *, prompt: str = DEFAULT_PROMPT, max_
                 hit = len(np.intersect1d(d, p))
                 rec.append(hit / len(d))
                 prec.append(hit / len(p))
-        quality[pred] = {"recall": float(np.mean(rec)), "precision": float(np.mean(prec))}
+        # None where the predictor named nothing on a decode step (a short run): no figure, not NaN
+        quality[pred] = {"recall": float(np.mean(rec)) if rec else None,
+                         "precision": float(np.mean(prec)) if prec else None}
     out["predictor_decode_quality"] = quality
 
     tr = traces["lookahead"]
@@ -120,6 +122,10 @@ def measure(store_dir: str | pathlib.Path, *, prompt: str = DEFAULT_PROMPT, max_
     return out
 
 
+def _figure(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_table(res: dict[str, Any]) -> str:
     lines = [
         f"model {res['model_id']}: prompt {res['prompt_tokens']} tokens, {res['generated']} generated, "
@@ -127,7 +133,7 @@ def format_table(res: dict[str, Any]) -> str:
         "decode tok/s: mlx-lm {mlx_lm_reference:.1f} | async resident {async_resident:.1f} | ratio {ratio:.2f}".format(
             **res["decode_tok_s"]),
         "predictors (decode): " + ", ".join(
-            f"{k} recall {v['recall']:.2f} precision {v['precision']:.2f}"
+            f"{k} recall {_figure(v['recall'])} precision {_figure(v['precision'])}"
             for k, v in res["predictor_decode_quality"].items()),
     ]
     cols = [c for c in res["hit_rates"][0] if not c.endswith("_reads")]
