@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
-import warnings
 import pathlib
+import warnings
 
 import anyio
 import mlx.core as mx
