@@ -59,7 +59,7 @@ def test_a_preset_too_large_to_generate_is_refused_before_it_starts(tmp_path: pa
     assert rc == 0 and out.exists(), err
     # bench policy's synthetic traces: --layers 100000 was killed by the OOM killer.
     rc, err = run_cli(capsys, "bench", "policy", "--quick", "--layers", "100000")
-    assert rc == 2 and "--layers 100000 --shapes 64x6" in err and "fewer tokens or layers" in err, err
+    assert rc == 2 and "--layers 100000 --shapes 64x6" in err and "fewer tokens, layers or experts" in err, err
 
 
 def test_bench_policy_names_the_first_shape_too_large_to_generate(monkeypatch: pytest.MonkeyPatch,
