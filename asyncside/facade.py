@@ -307,13 +307,7 @@ def _mlx_tokenizer(store_dir: str | os.PathLike[str], streaming: Any) -> Any:
         raise StoreError(store_dir, "holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
                          "tokenizer.model or asyncside_tokenizer.json): load() returns the model's tokenizer "
                          "for mlx-lm's generate; convert a model directory that has them")
-    if not isinstance(tok, ByteTokenizer):
-        # Tokenizer files without a vocabulary (a tokenizer_config.json alone) load, and encode
-        # every text to no tokens: generate would then fail at its first step, naming nothing.
-        if not tok.encode("hello", add_special_tokens=False):
-            raise StoreError(store_dir, "its tokenizer files hold no vocabulary (they encode 'hello' to no tokens; "
-                             "a tokenizer_config.json needs a tokenizer.json or tokenizer.model beside it); convert "
-                             "a model directory whose tokenizer files are complete")
+    if not isinstance(tok, ByteTokenizer):  # files without a vocabulary: refused by load_tokenizer
         return tok
     limit = streaming.config.get("max_position_embeddings")
     with tempfile.TemporaryDirectory(prefix="asyncside-tokenizer-") as tmp:

@@ -527,7 +527,7 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
   }
 }
 
-std::string FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
+void FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   throw_injected_locked();
@@ -570,10 +570,9 @@ std::string FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
     out[i] = r >= 0 ? static_cast<uint32_t>(r) : 0u;  // 0 only when the step fails below
   }
   lk.unlock();
-  return error;
 }
 
-std::string FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32_t* order) {
+void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32_t* order) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   streamed_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
@@ -642,10 +641,9 @@ std::string FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k,
     });
   }
   lk.unlock();
-  return error;
 }
 
-std::string FaultTable::finish(const std::vector<int64_t>& ids) {
+void FaultTable::finish(const std::vector<int64_t>& ids) {
   std::unique_lock<std::mutex> lk(mu_);
   std::string error;
   const auto t0 = std::chrono::steady_clock::now();
@@ -677,7 +675,6 @@ std::string FaultTable::finish(const std::vector<int64_t>& ids) {
     // flight into a lent row and the ledger hears of every row the begin took.
     finish_all_locked(lk, error);
   }
-  return error;
 }
 
 void FaultTable::finish_all_locked(std::unique_lock<std::mutex>& lk, std::string& error) {
@@ -709,7 +706,7 @@ void FaultTable::settle_pending_locked(std::unique_lock<std::mutex>& lk) {
   finish_all_locked(lk, error);
 }
 
-std::string FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
+void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
@@ -790,7 +787,6 @@ std::string FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
     out[i] = ids[i] == kNoExpert ? 0u : static_cast<uint32_t>(ids[i]);
   }
   lk.unlock();
-  return error;
 }
 
 // ---- the graph node ----------------------------------------------------------------------------

@@ -192,12 +192,12 @@ class FaultTable {
 
   // ---- stream thread ----
   // These never throw a failed fault: they log it (the step's awaiter raises it from the log,
-  // see the error codes above) and return the first failure's message, empty when none.
+  // see the error codes above).
   //
   // Map ids[i] to rows in out[i], faulting absent experts in (kNoExpert: row 0, nothing else). An
   // id outside [0, n_experts) is logged (kOutsideExperts) and mapped to row 0. When a fault fails,
   // the log says which row the ledger must free, and its ids read row 0.
-  std::string resolve(std::vector<int64_t> ids, uint32_t* out);
+  void resolve(std::vector<int64_t> ids, uint32_t* out);
   // The staged form, for a switch whose experts would not fit the lent rows (a prefill chunk, a
   // large batch) on a device sink that stages: every routed expert's bytes are copied into the
   // sink's staging arrays at its own index, from its pool row when it has one (a hit, touched
@@ -205,22 +205,22 @@ class FaultTable {
   // the tier lacks it; out[i] = ids[i] (the gather indexes the staging arrays by expert id).
   // No row is taken, lent, filled or evicted. A failure is logged as an event of row -1, as
   // resolve's are; a staged copy is logged as an event of row -1 and error 0.
-  std::string stage(std::vector<int64_t> ids, uint32_t* out);
+  void stage(std::vector<int64_t> ids, uint32_t* out);
   bool can_stage() const { return sink_ && sink_->stages(); }
 
   // The streamed form of resolve() (host sinks): out[i] is the row ids[i] has, or will have once
   // its read finished; the misses' reads run on the background read threads (read_pool.h) and
   // begin() returns at once. finish(ids) waits for the reads of those experts and publishes them
   // (row, table, log, policy) as resolve() does; when one failed it first waits for every read
-  // still pending and publishes them, and returns the first failure's message. The next begin(), resolve() or
+  // still pending and publishes them. The next begin(), resolve() or
   // stage(), and sync() and reclaim(), first settle() whatever is pending, so a step that never
   // reached its finish() nodes leaves no read in flight and no row unlogged. drain(), table() and
   // lent() do not wait (mid-step, a pending fill's row is out of the lent list and unpublished,
   // as resolve()'s are while it reads).
   // `order` (when given; ids are tokens of `k` slots each): per token, its slots with the expert
   // in first (slot order), then the rest in the order their reads were issued.
-  std::string begin(std::vector<int64_t> ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
-  std::string finish(const std::vector<int64_t>& ids);
+  void begin(std::vector<int64_t> ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
+  void finish(const std::vector<int64_t>& ids);
   // A fault node failed as a whole (its task caught what it threw: an allocation, a table the
   // node cannot use): logged as an event of row -1, expert -1 and error kNodeFailed; failure()
   // is the latest such message (empty when none).

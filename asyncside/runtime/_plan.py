@@ -466,9 +466,7 @@ def rows_raised(store: ExpertStore, rows: Mapping[int, int], resident: float, *,
     of its experts asks for: the least such rows, the fraction asked (``auto``: the one chosen for
     the budget) and why (``side_rows``, ``min_side_rows`` as given, or the model's top-k, which a
     queued step lends a row each); None where every layer holds what was asked."""
-    import math
-
-    asked = {i: max(1, math.ceil(resident * store.layer(i).n_experts)) for i in rows}
+    asked = {i: layer_rows(store.layer(i).n_experts, resident, min_side_rows=1) for i in rows}
     raised = [r for i, r in rows.items() if r > asked[i]]
     if not raised:
         return None
