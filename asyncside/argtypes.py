@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -138,3 +141,48 @@ def policy_name(text: str) -> str:
     if text.lower() not in POLICIES:
         raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose from {', '.join(POLICY_NAMES)}")
     return text
+
+
+#: Where a word starts as a negative number (``-1G``, ``-.5G``): argparse takes it for an option unless it
+#: is a plain number (``-1``, ``-.5``), and says the option before it "expected one argument".
+_NEGATIVE_VALUE = re.compile(r"-[0-9.]")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of every ``asyncside`` command (its subcommands' parsers are of this class too).
+
+    A size option (shown as ``SIZE`` in ``--help``) followed by a value starting as a negative number
+    (``--memory -1G``) is read as ``--memory=-1G``: the option's own type refuses it, saying what a
+    size is, instead of argparse's "expected one argument". An option as the next word
+    (``--memory --tokens 4``) is still a missing value.
+    """
+
+    def parse_known_args(self, args: Iterable[str] | None = None,
+                         namespace: Any = None) -> tuple[Any, list[str]]:
+        words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._join_negative_sizes(words), namespace)
+
+    def _join_negative_sizes(self, words: list[str]) -> list[str]:
+        sized = {o for a in self._actions if a.metavar == "SIZE" and a.nargs is None for o in a.option_strings}
+        every = [o for a in self._actions for o in a.option_strings]
+        out: list[str] = []
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word == "--":  # what follows is positional
+                return out + words[i:]
+            if i + 1 < len(words) and _NEGATIVE_VALUE.match(words[i + 1]) and self._names(word, sized, every):
+                out.append(f"{word}={words[i + 1]}")
+                i += 2
+            else:
+                out.append(word)
+                i += 1
+        return out
+
+    def _names(self, word: str, sized: set[str], every: list[str]) -> bool:
+        """Whether ``word`` names one of the options ``sized``, in full or, as argparse takes it, by
+        an unambiguous abbreviation (``--mem``)."""
+        if word in every or not (self.allow_abbrev and word.startswith("--")):
+            return word in sized
+        matches = [o for o in every if o.startswith(word)]
+        return len(matches) == 1 and matches[0] in sized

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import __version__
+from .argtypes import CommandParser
 from .bench import BENCHES, add_bench_arguments, run_bench
 from .errors import AsyncsideError, EnvVarError, TraceError
 from .native_env import check_env
@@ -58,7 +59,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     every subcommand does (tests, documentation).
     """
     chosen = [a for a in argv if not a.startswith("-")][:2] if argv is not None else None
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="asyncside",
         description="Stream MoE expert weights from an SSD expert store into MLX pools.",
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ..argtypes import CommandParser
 from ..errors import MissingExtraError
 
 __all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "check_store_dir", "median", "require_extra",
@@ -147,7 +148,7 @@ def bench_main(name: str, argv: Sequence[str] | None = None) -> int:
     """``python -m asyncside.bench.<name> [--json] ...``: parse, run, exit status."""
     module = importlib.import_module(BENCHES[name].module)
     doc = (module.__doc__ or "").strip().splitlines()
-    parser = argparse.ArgumentParser(prog=f"python -m {BENCHES[name].module}", description=doc[0] if doc else None)
+    parser = CommandParser(prog=f"python -m {BENCHES[name].module}", description=doc[0] if doc else None)
     add_bench_arguments(name, parser)
     return run_bench(name, parser.parse_args(argv))
 
