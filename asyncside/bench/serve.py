@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..argtypes import int_at_least, nonnegative_float, positive_float, positive_ints
+from ..errors import AsyncsideError
 from . import require_extra
 from .machine import machine_info
 
@@ -306,6 +307,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: What mlx_lm.server logs when its model did not load: the thread that loads it, then generates, died;
+#: the process lives on and its /health answers 503 for good.
+LOAD_FAILED = "mlx_lm.server generation thread died:"
+
+
+class MlxLmServerError(AsyncsideError):
+    """mlx_lm.server did not come up for ``model_dir``: ``error`` is its own error line (the
+    exception that ended its model's load, or the last line it printed before it exited)."""
+
+    def __init__(self, model_dir: str, error: str, log: pathlib.Path) -> None:
+        super().__init__(f"mlx_lm.server could not serve {model_dir}: {error} (its log: {log})")
+        self.model_dir, self.error, self.log = model_dir, error, log
+
+
+def load_error(log_text: str) -> str | None:
+    """The error line in mlx_lm.server's log ``log_text`` where its model did not load
+    (``FileNotFoundError: No safetensors found in DIR``), None where it logged no such failure."""
+    lines = log_text.splitlines()
+    at = next((i for i in reversed(range(len(lines))) if LOAD_FAILED in lines[i]), None)
+    if at is None:
+        return None
+    message = lines[at].split(LOAD_FAILED, 1)[1].strip()
+    # The traceback follows: its exception's line is "Type: message", after its cause's where one is chained.
+    return next((line for line in lines[at + 1:] if not line[:1].isspace() and line.endswith(f": {message}")),
+                message or lines[at].strip())
+
+
+def _last_line(log_text: str) -> str:
+    return next((line.strip() for line in reversed(log_text.splitlines()) if line.strip()), "it printed nothing")
+
+
 class MlxLmServer:
     """``python -m mlx_lm.server`` on a free port, as a child process."""
 
@@ -318,6 +350,8 @@ class MlxLmServer:
         self.log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncside-bench-mlx-lm-{self.port}.log"
 
     def __enter__(self) -> MlxLmServer:
+        """Start the server and wait until it answers; :class:`MlxLmServerError` (the server
+        stopped) as soon as it exits, logs that its model did not load, or the startup timeout passes."""
         httpx = require_extra("httpx", "asyncside bench serve")
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
@@ -326,17 +360,27 @@ class MlxLmServer:
                 stdout=fh, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited with {self.proc.returncode}; see {self.log}")
+            # Read before polling: a server that logged its failure and then exited is told by its log.
+            failed = load_error(self._log_text())
+            if failed is None and self.proc.poll() is not None:
+                failed = f"it exited with status {self.proc.returncode}: {_last_line(self._log_text())}"
+            if failed is None and time.monotonic() > deadline:
+                failed = f"it did not answer within {self.startup_timeout:g}s"
+            if failed is not None:
+                self.__exit__()
+                raise MlxLmServerError(self.model_dir, failed, self.log)
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise TimeoutError(f"mlx_lm.server did not answer within {self.startup_timeout}s; see {self.log}")
             time.sleep(0.5)
+
+    def _log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
 
     @property
     def pid(self) -> int:
@@ -488,7 +532,13 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
         admission = state.batcher.kv_admission
         engine["max_active_by_rows"] = admission.max_active if admission is not None else None
         engine["joint_prefill"] = state.batcher.joint_prefill
-        ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
+        try:
+            ml = stack.enter_context(MlxLmServer(model_dir)) if model_dir is not None else None
+        except MlxLmServerError as exc:
+            if args.mlx_lm_model is None:
+                raise
+            raise ValueError(f"--mlx-lm-model {model_dir}: mlx_lm.server could not load it: {exc.error} (its log: "
+                             f"{exc.log}; --no-mlx-lm skips mlx_lm.server)") from None
         rss_ml_idle = ml.rss() if ml is not None else {}
         from ..memory import proc_self_bytes
 
