@@ -22,6 +22,8 @@ MAX_THREADS = 64
 CHUNK_ALIGN = 4096
 #: ... up to this many.
 MAX_CHUNK = 1 << 30
+#: ASYNCSIDE_FAULT_READ_WINDOW: pieces in flight at most (the size of a reading thread's ring).
+MAX_WINDOW = 32
 
 
 def _count(low: int, high: int) -> Callable[[str], bool]:
@@ -64,6 +66,10 @@ NATIVE_VARIABLES: dict[str, NativeVariable] = {v.name: v for v in (
     NativeVariable("ASYNCSIDE_FAULT_READ_CHUNK", "bytes an O_DIRECT fault read of a record is split into",
                    f"0 (whole records) or a multiple of {CHUNK_ALIGN} bytes up to {MAX_CHUNK}", "1 MiB", _chunk,
                    empty_is_default=False),  # the extension refuses an empty one when it loads
+    NativeVariable("ASYNCSIDE_FAULT_READ_WINDOW",
+                   "pieces a streamed resolve keeps in flight while it reads its O_DIRECT records in order",
+                   f"an integer from 0 to {MAX_WINDOW} (0: a background job per record, side by side)", "4",
+                   _count(0, MAX_WINDOW), empty_is_default=False),
     NativeVariable("ASYNCSIDE_GRAPH_RELEASE", "which thread drops a step's finished arrays",
                    "'caller' (every release on the calling thread, a diagnostic switch) or 'thread'",
                    "thread (the release thread)", _one_of("caller", "thread")),

@@ -839,10 +839,18 @@ void bind_faults(nb::module_& m) {
                                            {"direct_in_place", c.direct_in_place.load()},
                                            {"chunked_reads", c.chunked_reads.load()},
                                            {"chunk_ops", c.chunk_ops.load()},
-                                           {"chunk_fallbacks", c.chunk_fallbacks.load()}};
+                                           {"chunk_fallbacks", c.chunk_fallbacks.load()},
+                                           {"ordered_reads", c.ordered_reads.load()}};
   });
   // A bad ASYNCSIDE_FAULT_READ_CHUNK fails here, naming the variable, not inside a read.
   fa::check_fault_read_chunk_env();
+  fa::check_fault_read_window_env();
+  m.def("fault_read_window", &fa::fault_read_window,
+        "Pieces a streamed resolve keeps in flight while it reads its records in order (O_DIRECT: "
+        "one ring, each record landing before the next); 0: a background job per record, side by "
+        "side. Default ASYNCSIDE_FAULT_READ_WINDOW, else 4.");
+  m.def("set_fault_read_window", &fa::set_fault_read_window, nb::arg("pieces"),
+        "Set the streamed reads' window, process-wide: 0, or 1 to 32 pieces in flight.");
   m.def("fault_read_chunk", &fa::fault_read_chunk,
         "Bytes an O_DIRECT fault read of a record is split into, all in flight at once (0: one "
         "request per record). Default ASYNCSIDE_FAULT_READ_CHUNK, else 1 MiB.");

@@ -79,6 +79,38 @@ std::atomic<uint64_t>& chunk_setting() {
   return chunk;
 }
 
+constexpr unsigned kDefaultWindow = 4;
+constexpr unsigned kMaxWindow = 32;  // the ring's size (kRingEntries)
+constexpr const char* kWindowEnv = "ASYNCSIDE_FAULT_READ_WINDOW";
+
+void check_window(unsigned long long pieces, const std::string& what) {
+  if (pieces > kMaxWindow) {
+    throw std::invalid_argument(what + ": expected 0 (a background job per record) or 1 to " +
+                                std::to_string(kMaxWindow) + " pieces in flight, got " + std::to_string(pieces));
+  }
+}
+
+// ASYNCSIDE_FAULT_READ_WINDOW's value; throws on a bad one when `strict`, else the default.
+unsigned window_from_env(bool strict) {
+  const char* env = std::getenv(kWindowEnv);
+  if (env == nullptr) return kDefaultWindow;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(env, &end, 10);
+  const bool number = end != env && *end == '\0' && errno == 0 && env[0] != '-';
+  if (!number || n > kMaxWindow) {
+    if (!strict) return kDefaultWindow;
+    throw std::invalid_argument(std::string(kWindowEnv) + ": expected 0 (a background job per record) or 1 to " +
+                                std::to_string(kMaxWindow) + " pieces in flight, got '" + env + "'");
+  }
+  return static_cast<unsigned>(n);
+}
+
+std::atomic<unsigned>& window_setting() {
+  static std::atomic<unsigned> window{window_from_env(false)};
+  return window;
+}
+
 std::atomic<bool> g_uring_on{true};
 
 #if defined(__linux__)
@@ -89,11 +121,7 @@ using namespace asyncside::uring;
 constexpr unsigned kRingEntries = 32;
 
 // One file range of the read, as one request at a time (a short read resumes).
-struct Piece {
-  std::vector<iovec> iov;
-  uint64_t off = 0;
-  uint64_t left = 0;
-};
+using Piece = ReadPiece;
 
 // The calling thread's ring: set up on its first chunked read, closed when the thread ends.
 class ThreadRing : private RingMap {
@@ -121,18 +149,35 @@ class ThreadRing : private RingMap {
   // Every piece read, at most sq_entries_ in flight; 0 or the first error. Returns only once the
   // kernel holds none of them (a failed piece does not leave the others writing into the rows).
   int read(int fd, std::vector<Piece>& pieces) {
-    std::vector<size_t> ready;  // pieces to (re)submit
-    ready.reserve(pieces.size());
-    for (size_t i = pieces.size(); i-- > 0;) ready.push_back(i);  // popped from the back: file order
+    return run(fd, pieces.size(), sq_entries_, [&](size_t i) -> Piece& { return pieces[i]; }, nullptr);
+  }
+
+  // read_ordered (chunked_read.h): pieces submitted in index order, at most `window` in flight.
+  int run(int fd, size_t n, unsigned window, const std::function<Piece&(size_t)>& prepare,
+          const std::function<void(size_t, int)>& landed) {
+    window = std::max(1u, std::min(window, sq_entries_));
+    std::vector<Piece*> at(n, nullptr);
+    std::vector<size_t> retry;  // pieces to submit again (interrupted, or short), before new ones
+    size_t next = 0;            // the next piece never submitted
     size_t inflight = 0;
     unsigned unsubmitted = 0;
     int err = 0;
     int fatal = 0;  // io_uring_enter failures other than a retry
-    while (inflight > 0 || (err == 0 && !ready.empty())) {
-      while (err == 0 && !ready.empty() && inflight < sq_entries_) {
-        const size_t i = ready.back();
-        ready.pop_back();
-        Piece& pc = pieces[i];
+    auto end = [&](size_t i, int e) {
+      if (e != 0 && err == 0) err = e;
+      if (landed) landed(i, e);
+    };
+    while (inflight > 0 || (err == 0 && (!retry.empty() || next < n))) {
+      while (err == 0 && (!retry.empty() || next < n) && inflight < window) {
+        size_t i;
+        if (!retry.empty()) {
+          i = retry.back();
+          retry.pop_back();
+        } else {
+          i = next++;
+          at[i] = &prepare(i);
+        }
+        Piece& pc = *at[i];
         const uint32_t tail = *sq_tail_;
         Sqe* sqe = &sqes_[tail & sq_mask_];
         std::memset(sqe, 0, sizeof *sqe);
@@ -167,38 +212,40 @@ class ThreadRing : private RingMap {
       for (; head != tail; ++head) {
         const Cqe& c = cqes_[head & cq_mask_];
         --inflight;
-        Piece& pc = pieces[static_cast<size_t>(c.user_data)];
+        const auto i = static_cast<size_t>(c.user_data);
+        Piece& pc = *at[i];
         if (c.res < 0) {
           if (c.res == -EINTR || c.res == -EAGAIN) {
-            ready.push_back(static_cast<size_t>(c.user_data));
-          } else if (err == 0) {
-            err = -c.res;
+            retry.push_back(i);
+          } else {
+            end(i, -c.res);
           }
           continue;
         }
         if (c.res == 0) {
-          if (err == 0) err = ENODATA;
+          end(i, ENODATA);
           continue;
         }
-        auto n = static_cast<uint64_t>(c.res);
-        if (n >= pc.left) {
+        auto done = static_cast<uint64_t>(c.res);
+        if (done >= pc.left) {
           pc.left = 0;
+          end(i, 0);
           continue;
         }
         // Short: O_DIRECT stops short only at the end of the file; resume where it stopped while
         // that is block aligned (an unaligned end is the file's: the record is cut).
-        pc.left -= n;
-        pc.off += n;
+        pc.left -= done;
+        pc.off += done;
         if (pc.off % kChunkAlign != 0) {
-          if (err == 0) err = ENODATA;
+          end(i, ENODATA);
           continue;
         }
         size_t k = 0;
-        while (n >= pc.iov[k].iov_len) n -= pc.iov[k++].iov_len;
+        while (done >= pc.iov[k].iov_len) done -= pc.iov[k++].iov_len;
         pc.iov.erase(pc.iov.begin(), pc.iov.begin() + static_cast<std::ptrdiff_t>(k));
-        pc.iov[0].iov_base = static_cast<uint8_t*>(pc.iov[0].iov_base) + n;
-        pc.iov[0].iov_len -= n;
-        ready.push_back(static_cast<size_t>(c.user_data));
+        pc.iov[0].iov_base = static_cast<uint8_t*>(pc.iov[0].iov_base) + done;
+        pc.iov[0].iov_len -= done;
+        retry.push_back(i);
       }
       __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
     }
@@ -235,7 +282,36 @@ void set_fault_read_chunk(uint64_t bytes) {
 
 void check_fault_read_chunk_env() { (void)chunk_from_env(true); }
 
+
 void set_fault_read_uring(bool on) { g_uring_on.store(on, std::memory_order_relaxed); }
+
+bool ordered_reads_ready() {
+#if defined(__linux__)
+  return g_uring_on.load(std::memory_order_relaxed) && thread_ring() != nullptr;
+#else
+  return false;
+#endif
+}
+
+int read_ordered(int fd, size_t n, unsigned window, const std::function<ReadPiece&(size_t)>& prepare,
+                 const std::function<void(size_t, int)>& landed) {
+#if defined(__linux__)
+  if (ThreadRing* ring = thread_ring()) {
+    global_counters().ordered_reads.fetch_add(1, std::memory_order_relaxed);
+    return ring->run(fd, n, window, prepare, landed);
+  }
+#endif
+  return ENOSYS;  // callers ask ordered_reads_ready() first
+}
+
+unsigned fault_read_window() { return window_setting().load(std::memory_order_relaxed); }
+
+void set_fault_read_window(unsigned pieces) {
+  check_window(pieces, "window");
+  window_setting().store(pieces, std::memory_order_relaxed);
+}
+
+void check_fault_read_window_env() { (void)window_from_env(true); }
 
 int read_direct_chunked(int fd, const std::vector<iovec>& iov, uint64_t offset) {
   const uint64_t chunk = fault_read_chunk();

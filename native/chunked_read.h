@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,37 @@ void set_fault_read_chunk(uint64_t bytes);
 // Check ASYNCSIDE_FAULT_READ_CHUNK (throws std::invalid_argument naming it on a bad value);
 // called when the extension loads, so a bad value fails there and not inside a read.
 void check_fault_read_chunk_env();
+// One file range of an ordered read: `left` bytes at `off` into `iov` (O_DIRECT aligned).
+struct ReadPiece {
+  std::vector<iovec> iov;
+  uint64_t off = 0;
+  uint64_t left = 0;
+};
+
+// Whether read_ordered can run on the calling thread (io_uring on and this thread's ring set up).
+bool ordered_reads_ready();
+
+// Read `n` pieces through the calling thread's ring, submitted in index order with at most
+// `window` in flight, so that the disk serves them about in that order: a streamed resolve's
+// first record lands first instead of sharing the disk with every other one. `prepare(i)` builds
+// piece i just before its first submission (a caller reuses a landed piece's buffer for a later
+// one); `landed(i, err)` is called on this thread as each piece ends, 0 or its errno (ENODATA: the
+// file ended first). Stops submitting at the first failure and returns once the kernel holds no
+// piece: 0 or the first errno. A piece never submitted, or taken back, gets no landed() call.
+// Only where ordered_reads_ready().
+int read_ordered(int fd, size_t n, unsigned window, const std::function<ReadPiece&(size_t)>& prepare,
+                 const std::function<void(size_t, int)>& landed);
+
+// Pieces a streamed resolve's ordered read keeps in flight; 0: no ordered reads, each record its
+// own background job, side by side. Its default is ASYNCSIDE_FAULT_READ_WINDOW when set, else 4:
+// with 1 MiB pieces, enough depth for the disks measured (BENCHMARKS.md, "Streamed reads in
+// order"), few enough that the first record is not slowed by the next ones.
+unsigned fault_read_window();
+// Set it: 0, or 1 to 32 (the ring's size); throws std::invalid_argument otherwise.
+void set_fault_read_window(unsigned pieces);
+// Check ASYNCSIDE_FAULT_READ_WINDOW (throws std::invalid_argument naming it on a bad value).
+void check_fault_read_window_env();
+
 // Test hook: false makes every chunked read take the fallback (one preadv), as where io_uring is
 // unavailable.
 void set_fault_read_uring(bool on);

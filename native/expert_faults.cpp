@@ -143,6 +143,116 @@ int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
   return 0;
 }
 
+HostRecordSink* HostRecordSink::ordered_reader() {
+  return direct_.load(std::memory_order_relaxed) && fault_read_chunk() > 0 && fault_read_window() > 0 ? this : nullptr;
+}
+
+void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint64_t, int64_t>>& records,
+                                       const std::function<void(size_t, int, int64_t)>& landed) {
+  using clock = std::chrono::steady_clock;
+  auto since = [](clock::time_point t0) {
+    return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count());
+  };
+  if (!ordered_reads_ready()) {
+    // No ring on this thread: one record after another, still in order.
+    for (size_t k = 0; k < records.size(); ++k) {
+      const auto t0 = clock::now();
+      const int err = read_row(fd, records[k].first, records[k].second);
+      landed(k, err, since(t0));
+    }
+    return;
+  }
+  // The record's bytes as read: its first segment to its last, widened to whole blocks (records
+  // are block aligned in the blob, so the span never leaves the record).
+  const uint64_t first = segments_.front().offset / kDirectAlign * kDirectAlign;
+  const uint64_t end = (segments_.back().offset + segments_.back().nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  const uint64_t chunk = std::min<uint64_t>(fault_read_chunk(), end - first);
+  const unsigned window = fault_read_window();
+  // Where a record's segments are whole blocks end to end, and so are its rows, its pieces read
+  // straight into them; else each piece lands in one of `window` bounce buffers (one per piece in
+  // flight, so memory does not grow with the record) and its bytes are copied into the rows.
+  std::vector<uint8_t> in_place(records.size(), 0);
+  for (size_t k = 0; k < records.size(); ++k) {
+    bool aligned = blocks_only_ && records[k].first % kDirectAlign == 0;
+    for (size_t s = 0; s < segments_.size() && aligned; ++s) {
+      aligned = reinterpret_cast<uintptr_t>(dest_->host_row(order_[s], records[k].second)) % kDirectAlign == 0;
+    }
+    in_place[k] = aligned ? 1 : 0;
+    if (aligned) global_counters().direct_in_place.fetch_add(1, std::memory_order_relaxed);
+  }
+  thread_local AlignedScratch bounce;
+  uint8_t* buffers = bounce.at_least(chunk * window);
+  const size_t per_record = static_cast<size_t>((end - first + chunk - 1) / chunk);
+  const size_t n = per_record * records.size();
+  std::vector<ReadPiece> pieces(n);
+  std::vector<int> slot_of(n, -1);           // piece -> bounce buffer
+  std::vector<int> free_slots;               // bounce buffers no piece in flight holds
+  for (unsigned b = window; b-- > 0;) free_slots.push_back(static_cast<int>(b));
+  std::vector<size_t> left(records.size(), per_record);  // pieces not landed, per record
+  std::vector<int> failed(records.size(), 0);
+  std::vector<uint8_t> told(records.size(), 0);
+  std::vector<clock::time_point> started(records.size());
+  // The file range [lo, hi) of record k's bytes (relative to the record) overlapping segment s,
+  // handed to `fn(segment, lo, hi)` for every segment piece p's range meets.
+  auto overlaps = [&](size_t p, const auto& fn) {
+    const uint64_t a = first + (p % per_record) * chunk;
+    const uint64_t b = std::min(a + chunk, end);
+    for (size_t s = 0; s < segments_.size(); ++s) {
+      const uint64_t lo = std::max(a, segments_[s].offset);
+      const uint64_t hi = std::min(b, segments_[s].offset + segments_[s].nbytes);
+      if (lo < hi) fn(s, lo, hi);
+    }
+  };
+  auto prepare = [&](size_t p) -> ReadPiece& {
+    const size_t k = p / per_record;
+    if (p % per_record == 0) started[k] = clock::now();
+    const uint64_t a = first + (p % per_record) * chunk;
+    const uint64_t b = std::min(a + chunk, end);
+    ReadPiece& pc = pieces[p];
+    pc.off = records[k].first + a;
+    pc.left = b - a;
+    if (in_place[k]) {
+      overlaps(p, [&](size_t s, uint64_t lo, uint64_t hi) {
+        pc.iov.push_back({dest_->host_row(order_[s], records[k].second) + (lo - segments_[s].offset), hi - lo});
+      });
+    } else {
+      slot_of[p] = free_slots.back();
+      free_slots.pop_back();
+      pc.iov.push_back({buffers + static_cast<uint64_t>(slot_of[p]) * chunk, b - a});
+    }
+    return pc;
+  };
+  auto piece_landed = [&](size_t p, int err) {
+    const size_t k = p / per_record;
+    if (slot_of[p] >= 0) {
+      uint8_t* buf = buffers + static_cast<uint64_t>(slot_of[p]) * chunk;
+      if (err == 0) {
+        const uint64_t a = first + (p % per_record) * chunk;
+        overlaps(p, [&](size_t s, uint64_t lo, uint64_t hi) {
+          std::memcpy(dest_->host_row(order_[s], records[k].second) + (lo - segments_[s].offset), buf + (lo - a), hi - lo);
+        });
+      }
+      free_slots.push_back(slot_of[p]);
+      slot_of[p] = -1;
+    }
+    if (err != 0 && failed[k] == 0) failed[k] = err;
+    if (--left[k] == 0) {
+      told[k] = 1;
+      landed(k, failed[k], since(started[k]));
+    }
+  };
+  if (buffers == nullptr) {
+    for (size_t k = 0; k < records.size(); ++k) landed(k, ENOMEM, 0);
+    return;
+  }
+  read_ordered(fd, n, window, prepare, piece_landed);
+  // A failure stops the submissions: the records it left unread (wholly or in part) are not
+  // read, and say so (ECANCELED), not the failure's errno, which is another record's.
+  for (size_t k = 0; k < records.size(); ++k) {
+    if (!told[k]) landed(k, failed[k] != 0 ? failed[k] : ECANCELED, 0);
+  }
+}
+
 int HostRecordSink::read_row(int fd, uint64_t offset, int64_t row) {
   if (direct_.load(std::memory_order_relaxed) && offset % kDirectAlign == 0) return read_row_direct(fd, offset, row);
   // Segments in file order, each straight into its pool row; small gaps into the sink, large
@@ -448,10 +558,11 @@ std::string FaultTable::read_error(int64_t expert, int64_t row, int err, uint32_
   return "[asyncside] layer " + std::to_string(layer_) + ": reading expert " + std::to_string(expert) +
          (row >= 0 ? " into row " + std::to_string(row) : std::string(" into the host tier")) + " from " + path_ +
          " failed: " +
-         (err == ENODATA ? std::string("the file ended before the record did")
-          : err == -1    ? "checksum mismatch (expected " + std::to_string(checksums_[static_cast<size_t>(expert)]) +
-                            ", got " + std::to_string(got) + ")"
-                         : errno_text(err));
+         (err == ENODATA     ? std::string("the file ended before the record did")
+          : err == ECANCELED ? std::string("not read: an earlier record of the same streamed read failed first")
+          : err == -1        ? "checksum mismatch (expected " + std::to_string(checksums_[static_cast<size_t>(expert)]) +
+                                   ", got " + std::to_string(got) + ")"
+                             : errno_text(err));
 }
 
 void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
@@ -488,15 +599,19 @@ void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_
 int FaultTable::read_record(int64_t expert, int64_t row, uint32_t& got, int64_t& ns) {
   const auto t0 = std::chrono::steady_clock::now();
   const uint64_t offset = static_cast<uint64_t>(expert) * stride_;
-  int err = sink_->read(fd_, offset, row, expert);
-  after_read(offset);
+  const int err = verify_record(expert, row, sink_->read(fd_, offset, row, expert), got);
+  ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return err;
+}
+
+int FaultTable::verify_record(int64_t expert, int64_t row, int err, uint32_t& got) {
+  after_read(static_cast<uint64_t>(expert) * stride_);
   if (err == 0 && checksum_kind_ != io::ChecksumKind::None) {
     // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
     // while nothing is queued, so reading them unlocked is safe).
     got = sink_->checksum(checksum_kind_, row, expert);
     if (got != checksums_[static_cast<size_t>(expert)]) err = -1;
   }
-  ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return err;
 }
 
@@ -626,19 +741,48 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       for (size_t j = 0; j < k; ++j) order[t + j] = keyed[j].second;
     }
   }
+  std::vector<Fill*> to_read;
   for (Fill& f : pending_) {
-    if (f.done) continue;
-    ++pending_reads_;
-    global_counters().background_reads.fetch_add(1, std::memory_order_relaxed);
-    // The job touches this table until it signals under the lock; every path that ends the
-    // table (the destructor included) waits for pending_reads_ to reach 0 first.
-    submit_background([this, fp = &f] {
-      read_fill(*fp);
+    if (!f.done) to_read.push_back(&f);
+  }
+  global_counters().background_reads.fetch_add(to_read.size(), std::memory_order_relaxed);
+  // A job touches this table until it signals under the lock; every path that ends the table
+  // (the destructor included) waits for pending_reads_ to reach 0 first.
+  if (HostRecordSink* reader = to_read.empty() ? nullptr : sink_->ordered_reader()) {
+    // One job reads them all in order through one ring, each record landing before the next
+    // (read_rows_ordered): the step's first slot can compute after one record's time, not after
+    // every record read side by side shared the disk. It holds one more count than its reads,
+    // dropped last, so the table outlives the job's last touch of it.
+    pending_reads_ += to_read.size() + 1;
+    submit_background([this, reader, to_read = std::move(to_read)] {
+      std::vector<std::pair<uint64_t, int64_t>> records;
+      records.reserve(to_read.size());
+      for (const Fill* f : to_read) records.emplace_back(static_cast<uint64_t>(f->expert) * stride_, f->row);
+      reader->read_rows_ordered(fd_, records, [&](size_t k, int err, int64_t ns) {
+        Fill& f = *to_read[k];
+        const auto t0 = std::chrono::steady_clock::now();
+        f.err = verify_record(f.expert, f.row, err, f.got);
+        f.ns = ns + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        std::lock_guard<std::mutex> g(mu_);
+        f.done = true;
+        --pending_reads_;
+        read_done_.notify_all();
+      });
       std::lock_guard<std::mutex> g(mu_);
-      fp->done = true;
       --pending_reads_;
       read_done_.notify_all();
     });
+  } else {
+    for (Fill* fp : to_read) {
+      ++pending_reads_;
+      submit_background([this, fp] {
+        read_fill(*fp);
+        std::lock_guard<std::mutex> g(mu_);
+        fp->done = true;
+        --pending_reads_;
+        read_done_.notify_all();
+      });
+    }
   }
   lk.unlock();
 }

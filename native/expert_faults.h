@@ -29,10 +29,12 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checksum.h"
@@ -70,6 +72,8 @@ struct Drained {
   std::vector<int32_t> used_sizes;  // how many of `used` each resolve contributed
 };
 
+class HostRecordSink;
+
 // Where the bytes of a faulted record come from and go to. The host implementation reads the
 // record straight into the pool rows (preadv, one vector per record); a device implementation
 // stages in host memory and copies to the device (compiled with the GPU backend).
@@ -97,6 +101,9 @@ class RecordSink {
   // buffer and copy the segments out (pool rows are not block aligned in general). Either form
   // is read in chunks all in flight at once (chunked_read.h).
   virtual void set_direct(bool on) {}
+  // A sink that reads its records one after another through one ring (HostRecordSink, with
+  // O_DIRECT and io_uring on): the streamed resolve's reader. Null: one read per record instead.
+  virtual HostRecordSink* ordered_reader() { return nullptr; }
   // Staging (a device sink with a host tier and staging arrays): plan the copy of `expert`'s
   // bytes into its row of the staging arrays (a whole layer, indexed by expert id), from pool
   // row `row`, or from the host tier when `row` < 0 (the tier must hold the expert). Called one
@@ -122,6 +129,14 @@ class HostRecordSink final : public RecordSink {
   int read(int fd, uint64_t offset, int64_t row, int64_t) override { return read_row(fd, offset, row); }
   uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t) override { return checksum_row(kind, row); }
   void set_direct(bool on) override { direct_.store(on, std::memory_order_relaxed); }
+  HostRecordSink* ordered_reader() override;
+  // Read records (file offset, pool row) in their order, `fault_read_window()` pieces in flight
+  // through the calling thread's ring (chunked_read.h: read_ordered), and call `landed(k, err, ns)`
+  // as record k's last byte is in its row: 0 or an errno, and the time since its first piece was
+  // submitted. Every record gets one landed() call, in the order they land; a failure stops the
+  // submissions, and a record it left unread gets ECANCELED. Only with O_DIRECT (ordered_reader()).
+  void read_rows_ordered(int fd, const std::vector<std::pair<uint64_t, int64_t>>& records,
+                         const std::function<void(size_t, int, int64_t)>& landed);
   // The same, by the destination's row alone (a device sink reads into a row of its mirror or
   // of its tier through these).
   int read_row(int fd, uint64_t offset, int64_t row);
@@ -267,6 +282,9 @@ class FaultTable {
   // Read and verify `expert`'s record into `row` (the sink's host tier when < 0), unlocked: 0 or
   // the read's errno (-1: checksum mismatch, the checksum into `got`); its time into `ns`.
   int read_record(int64_t expert, int64_t row, uint32_t& got, int64_t& ns);
+  // After `expert`'s record was read into `row` (`err`: the read's result): drop it from the page
+  // cache where asked, and check it; returns `err`, or -1 on a checksum mismatch (into `got`).
+  int verify_record(int64_t expert, int64_t row, int err, uint32_t& got);
   // Read and verify one fill (unlocked: its row is out of the lent list and the table).
   void read_fill(Fill& f) { f.err = read_record(f.expert, f.row, f.got, f.ns); }
   // Log a finished fill and put its row back at the end of the lent list (published on success).
@@ -307,7 +325,7 @@ class FaultTable {
   // background threads write into their elements).
   std::vector<Fill> pending_;
   std::vector<int32_t> pending_at_;  // expert -> index into pending_ (-1: none)
-  size_t pending_reads_ = 0;         // of pending_, reads not done yet
+  size_t pending_reads_ = 0;         // of pending_, reads not done yet (+1 while an ordered read's job runs)
   size_t pending_left_ = 0;          // of pending_, fills not published yet
   uint64_t pending_stamp_ = 0;       // the stamp of the begin() they belong to
   std::condition_variable read_done_;
@@ -326,6 +344,7 @@ struct GlobalCounters {
   std::atomic<uint64_t> chunked_reads{0};     // O_DIRECT record reads split into chunks (chunked_read.h)
   std::atomic<uint64_t> chunk_ops{0};         // requests those reads submitted (a short read's rest counts again)
   std::atomic<uint64_t> chunk_fallbacks{0};   // reads that would have been chunked, read whole (no io_uring ring)
+  std::atomic<uint64_t> ordered_reads{0};     // streamed resolves whose records were read in order (read_ordered)
 };
 GlobalCounters& global_counters();
 uint64_t fault_errors_total();

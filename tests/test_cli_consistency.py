@@ -89,11 +89,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOOD_ENV = {"ASYNCSIDE_FAULT_READ_THREADS": ["0", "4", "64", ""],
             "ASYNCSIDE_FAULT_BACKGROUND_THREADS": ["1", "64", ""],
             "ASYNCSIDE_FAULT_READ_CHUNK": ["0", "4096", str(1 << 20), str(1 << 30)],
+            "ASYNCSIDE_FAULT_READ_WINDOW": ["0", "1", "8", "32"],
             "ASYNCSIDE_GRAPH_RELEASE": ["caller", "thread", ""],
             "ASYNCSIDE_CUDA_FAULT_NODE": ["device", "host", "child", ""]}
 BAD_ENV = {"ASYNCSIDE_FAULT_READ_THREADS": ["abc", "-1", "65", "4.0", " 4", "1e2"],
            "ASYNCSIDE_FAULT_BACKGROUND_THREADS": ["0", "x", "-2", "65"],
            "ASYNCSIDE_FAULT_READ_CHUNK": ["", "abc", "-4096", "4095", "6000", str((1 << 30) + 4096)],
+           "ASYNCSIDE_FAULT_READ_WINDOW": ["", "33", "-1", "x", "8.0", " 8"],
            "ASYNCSIDE_GRAPH_RELEASE": ["Caller", "yes", "1"],
            "ASYNCSIDE_CUDA_FAULT_NODE": ["gpu", "HOST", "0"]}
 
@@ -107,7 +109,7 @@ def test_every_native_variable_is_checked_and_documented() -> None:
     for source in (ROOT / "native").glob("*.[ch]*"):
         text = source.read_text(errors="replace")
         native |= set(re.findall(r'getenv\("(ASYNCSIDE_\w+)"\)', text))
-        native |= set(re.findall(r'kEnv = "(ASYNCSIDE_\w+)"', text))
+        native |= set(re.findall(r'k\w*Env = "(ASYNCSIDE_\w+)"', text))
     assert native == set(NATIVE_VARIABLES) == set(GOOD_ENV) == set(BAD_ENV)
     api = (ROOT / "docs" / "api.md").read_text()
     section = api[api.index("## Environment variables"):]

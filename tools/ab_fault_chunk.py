@@ -1,14 +1,21 @@
-"""Chunked O_DIRECT fault reads against whole-record reads, token by token in one process (ABBA).
+"""Two settings of the O_DIRECT fault reads, token by token in one process (ABBA).
 
-One runtime, one KV cache, one routing replay: each decode token is computed with the fault reads'
-chunk (``_native.set_fault_read_chunk``, process-wide) set to 0 (one request a record) or to
-``--chunk`` bytes, in the order ABBA BAAB ..., so the machine's load drifts over both alike. Both
-arms use one forward (streamed switches, or plain faults with ``--plain``); greedy, the token each
-step computes is the next step's input (both arms are exact: tests/test_fault_chunks.py). Prints
-one JSON object: per-arm median and mean seconds per token, the ratio, and the chunk counters.
-Meaningful only where the plan reads past the page cache (``direct`` true in the output), e.g.::
+``--compare chunk`` (the default): chunked reads against whole-record reads, the fault reads' chunk
+(``_native.set_fault_read_chunk``, process-wide) set to ``--chunk`` bytes or to 0 (one request a
+record). ``--compare window``: a streamed resolve's records read in order with ``--window`` pieces in
+flight against one background job per record, side by side (``_native.set_fault_read_window`` to
+``--window`` or 0; BENCHMARKS.md, "Streamed reads in order").
+
+One runtime, one KV cache, one routing replay: each decode token is computed with one arm's setting,
+in the order ABBA BAAB ..., so the machine's load drifts over both alike. Both arms use one forward
+(streamed switches, or plain faults with ``--plain``); greedy, the token each step computes is the
+next step's input (both arms are exact: tests/test_fault_chunks.py, tests/test_ordered_reads.py).
+Prints one JSON object: per-arm median and mean seconds per token, the ratio, and the read
+counters. Meaningful only where the plan reads past the page cache (``direct`` true in the
+output), e.g.::
 
     python tools/ab_fault_chunk.py --model STORE --memory 780M --resident 0.1 --routing low.npz --tokens 64
+    python tools/ab_fault_chunk.py --compare window --model STORE --memory 980M --resident 0 --routing low.npz
 """
 
 from __future__ import annotations
@@ -29,13 +36,20 @@ from asyncside.models.forward import StepMode
 
 
 def _order(n: int) -> list[bool]:
-    """ABBA BAAB ... for n tokens: True means the chunked arm."""
+    """ABBA BAAB ... for n tokens: True means arm A (the chunked or ordered one)."""
     block = [True, False, False, True, False, True, True, False]
     return [block[i % len(block)] for i in range(n)]
 
 
 def _chunk_counters() -> dict[str, int]:
-    return {k: v for k, v in _native.fault_counters().items() if k.startswith("chunk")}
+    return {k: v for k, v in _native.fault_counters().items() if k.startswith("chunk") or k == "ordered_reads"}
+
+
+def _set(args: argparse.Namespace, arm_a: bool) -> None:
+    if args.compare == "window":
+        _native.set_fault_read_window(args.window if arm_a else 0)
+    else:
+        _native.set_fault_read_chunk(args.chunk if arm_a else 0)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +67,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         token = cast(int, mx.argmax(logits[0, -1]).item())
         warm = 4  # the first steps build and compile; not timed
         for i, chunked in enumerate([True, False] * (warm // 2) + _order(args.tokens)):
-            _native.set_fault_read_chunk(args.chunk if chunked else 0)
+            _set(args, chunked)
             f0 = rt.stats()["faults"]
             t0 = time.perf_counter()
             logits = await forward(mx.array([[token]]), cache, rt)
@@ -66,14 +80,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = rt.memory
     med = {arm: statistics.median(v) for arm, v in times.items()}
     after = _chunk_counters()
+    a, b = ("ordered", "side_by_side") if args.compare == "window" else ("chunked", "whole")
     return {
         "model": str(args.model), "routing": args.routing, "resident": args.resident, "memory": args.memory,
-        "direct": plan.get("direct"), "forward": "plain" if args.plain else "streamed", "chunk": args.chunk,
+        "direct": plan.get("direct"), "forward": "plain" if args.plain else "streamed", "compare": args.compare,
+        "chunk": args.chunk if args.compare == "chunk" else _native.fault_read_chunk(),
+        "window": args.window if args.compare == "window" else _native.fault_read_window(),
         "tokens_per_arm": len(times[True]),
-        "chunked_s_per_token": {"median": med[True], "mean": statistics.fmean(times[True])},
-        "whole_s_per_token": {"median": med[False], "mean": statistics.fmean(times[False])},
-        "chunked_over_whole_tok_s": med[False] / med[True],
-        "faults_per_arm": {"chunked": faults[True], "whole": faults[False]},
+        f"{a}_s_per_token": {"median": med[True], "mean": statistics.fmean(times[True])},
+        f"{b}_s_per_token": {"median": med[False], "mean": statistics.fmean(times[False])},
+        f"{a}_over_{b}_tok_s": med[False] / med[True],
+        "faults_per_arm": {a: faults[True], b: faults[False]},
         "hit_rate": stats["hit_rate"], "bytes_read": stats["bytes_read"],
         "chunk_counters": {k: after[k] - before[k] for k in after},
     }
@@ -87,7 +104,11 @@ def main() -> None:
     p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
     p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    p.add_argument("--compare", choices=["chunk", "window"], default="chunk",
+                   help="chunked against whole-record reads, or ordered against side-by-side streamed reads")
     p.add_argument("--chunk", type=int, default=1 << 20, help="the chunked arm's chunk in bytes (default 1 MiB)")
+    p.add_argument("--window", type=int, default=_native.fault_read_window(),
+                   help="the ordered arm's pieces in flight (default: the process's)")
     p.add_argument("--plain", action="store_true", help="plain faults (reads before the gather), not streamed")
     p.add_argument("--no-verify", action="store_true", help="skip the records' checksums (the runtime's verify=False)")
     print(json.dumps(anyio.run(run, p.parse_args()), indent=1))

@@ -495,4 +495,6 @@ def _fault_cause(err: int, n_experts: int) -> str:
         return "its bytes did not match the store's checksum"
     if err == errno.ENODATA:
         return "the blob ended before the record did"
+    if err == errno.ECANCELED:
+        return "not read: an earlier record of the same streamed read failed first"
     return f"the read failed: {os.strerror(err)} (errno {err})"

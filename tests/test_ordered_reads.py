@@ -1,0 +1,205 @@
+"""Streamed resolves read their O_DIRECT records in order (native/chunked_read.h, ``read_ordered``).
+
+One background job reads a begin's absent records through one ring, at most
+``_native.fault_read_window()`` pieces in flight, so the first record lands first instead of sharing
+the disk with every other one (BENCHMARKS.md, "Streamed reads in order"). The rows hold the records'
+bytes at every window, in place or through the bounce buffers; a failure stops what follows it, and
+the records it left unread say so; a table dropped while the read runs waits for it; a decode is
+token for token mlx-lm's; window 0 is the former side-by-side reads; bad windows are refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, eval_failed_step, model_store
+
+from asyncside import _native
+from asyncside.bridge import completed
+from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
+from asyncside.models.forward import StepMode
+from asyncside.runtime import Runtime
+
+CPU = mx.default_stream(mx.cpu)
+RING = _native.io_uring_available()[0]
+RECORD = 3 * 8192  # direct_fault_table(block=8192): 24 KiB records
+
+
+@pytest.fixture(autouse=True)
+def _restore() -> Iterator[None]:
+    chunk, window = _native.fault_read_chunk(), _native.fault_read_window()
+    yield
+    _native.set_fault_read_chunk(chunk)
+    _native.set_fault_read_window(window)
+    _native.testing.set_fault_read_uring(True)
+
+
+def ordered_reads() -> int:
+    return int(_native.fault_counters()["ordered_reads"])
+
+
+def stream(table: object, experts: list[int]) -> list[int]:
+    """One begin of ``experts`` (absent) and a finish of them all; the rows it gave."""
+    ids = mx.array(experts, dtype=mx.uint32)
+    rows = _native.begin_rows(ids, table, CPU)[: len(experts)]
+    return eval_failed_step(_native.finish_rows(ids, rows, table, CPU))
+
+
+@pytest.mark.parametrize("layout", ["blocks", "odd"])
+@pytest.mark.parametrize("window", [1, 2, 5, 32])
+def test_an_ordered_read_lands_every_records_bytes(tmp_path: pathlib.Path, layout: str, window: int) -> None:
+    """Four records of six 4 KiB pieces each: a window smaller than a record, one that straddles
+    records, and one larger than the whole read; in place ("blocks") and through the bounce
+    buffers, reused piece after piece ("odd")."""
+    store, pools, table = direct_fault_table(tmp_path, layout, block=8192, seed=5)
+    _native.set_fault_read_chunk(4096)
+    _native.set_fault_read_window(window)
+    before, chunk_ops = ordered_reads(), _native.fault_counters()["chunk_ops"]
+    in_place = _native.fault_counters()["direct_in_place"]
+    assert sorted(stream(table, [6, 14, 1, 9])) == [0, 1, 2, 3]
+    assert_rows_hold(store, pools, table, [6, 14, 1, 9])
+    assert all(int(e[4]) == 0 and int(e[5]) == 2 for e in drain_events(table))  # read in the background
+    if RING:
+        assert ordered_reads() - before == 1
+        assert _native.fault_counters()["chunk_ops"] - chunk_ops >= 4 * RECORD // 4096
+    expected_in_place = 4 if layout == "blocks" and RING else 0
+    assert _native.fault_counters()["direct_in_place"] - in_place == expected_in_place
+
+
+def test_window_zero_reads_each_record_on_its_own_job(tmp_path: pathlib.Path) -> None:
+    store, pools, table = direct_fault_table(tmp_path, "odd", block=8192, seed=6)
+    _native.set_fault_read_window(0)
+    before = ordered_reads()
+    stream(table, [2, 7, 11])
+    assert_rows_hold(store, pools, table, [2, 7, 11])
+    assert ordered_reads() == before
+
+
+def test_without_a_ring_the_records_are_read_one_after_another(tmp_path: pathlib.Path) -> None:
+    store, pools, table = direct_fault_table(tmp_path, "blocks", block=8192, seed=7)
+    _native.set_fault_read_chunk(4096)
+    _native.testing.set_fault_read_uring(False)
+    before = _native.fault_counters()
+    stream(table, [0, 5, 10, 15])
+    assert_rows_hold(store, pools, table, [0, 5, 10, 15])
+    after = _native.fault_counters()
+    assert after["ordered_reads"] == before["ordered_reads"]
+    assert after["chunk_fallbacks"] - before["chunk_fallbacks"] == 4
+
+
+@pytest.mark.skipif(not RING, reason="ordered reads need io_uring")
+@pytest.mark.parametrize("window", [0, 1])
+def test_a_failure_stops_the_records_after_it(tmp_path: pathlib.Path, window: int) -> None:
+    """The blob ends inside expert 14's record, the third of the begin. One piece in flight at a
+    time, expert 2's record (whole in the file, but after 14 in the begin) is never read, and its
+    log says so; side by side (window 0) it is read. Either way nothing failed is published and
+    every row comes back."""
+    store, pools, table = direct_fault_table(tmp_path, "blocks", block=8192, seed=8)
+    _native.set_fault_read_chunk(4096)
+    _native.set_fault_read_window(window)
+    spec = store.layer(0)
+    os.truncate(spec.path, spec.stride * 14 + 8192)
+    stream(table, [12, 13, 14, 2])
+    by_expert = {int(e[2]): int(e[4]) for e in drain_events(table)}
+    assert by_expert == {12: 0, 13: 0, 14: errno.ENODATA, 2: errno.ECANCELED if window else 0}, by_expert
+    now = np.array(table.table())
+    assert now[14] == -1 and (now[2] == -1) == bool(window)
+    assert_rows_hold(store, pools, table, [12, 13] + ([] if window else [2]))
+    assert sorted(table.reclaim()) == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(not RING, reason="ordered reads need io_uring")
+def test_a_table_dropped_while_its_ordered_read_runs_waits_for_it(tmp_path: pathlib.Path) -> None:
+    """The begin's node is evaluated (its reads start) and everything is dropped before any finish:
+    the table's end waits for the job's last touch of it (the job holds a count of its own)."""
+    created = _native.fault_counters()["tables_destroyed"]
+    store, pools, table = direct_fault_table(tmp_path, "odd", block=8192, seed=9)
+    _native.set_fault_read_chunk(4096)
+    _native.set_fault_read_window(1)
+    ids = mx.array([3, 4, 5, 6], dtype=mx.uint32)
+    mx.eval(_native.begin_rows(ids, table, CPU))
+    del table, ids
+    gc.collect()
+    mx.synchronize(CPU)
+    assert _native.fault_counters()["tables_destroyed"] == created + 1
+    del pools, store
+
+
+def test_bad_windows_are_refused() -> None:
+    before = _native.fault_read_window()
+    with pytest.raises(ValueError, match="window: expected 0 .* or 1 to 32 pieces in flight, got 33"):
+        _native.set_fault_read_window(33)
+    with pytest.raises(TypeError):
+        _native.set_fault_read_window(-1)
+    assert _native.fault_read_window() == before
+
+
+def _import_with(value: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, ASYNCSIDE_FAULT_READ_WINDOW=value)
+    return subprocess.run([sys.executable, "-c", "from asyncside import _native; print(_native.fault_read_window())"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_environment_sets_the_window_and_a_bad_value_is_named() -> None:
+    assert _import_with("3").stdout.strip() == "3"
+    assert _import_with("0").stdout.strip() == "0"
+    bad = _import_with("64")
+    assert bad.returncode != 0
+    assert "ASYNCSIDE_FAULT_READ_WINDOW" in bad.stderr and "got '64'" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("quant", ["float", "q4"])
+def test_a_direct_streamed_decode_is_exact_in_order_and_side_by_side(tmp_path: pathlib.Path, quant: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queued decode past the page cache with streamed switches, every expert read on demand: tokens
+    equal mlx-lm's with one piece in flight, the default window and side-by-side reads, and the
+    ordered windows did read in order."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the host pools' fault path (CPU stream)")
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe",
+                                           {"group_size": 64, "bits": 4} if quant == "q4" else None)
+    ref = reference_generate(model, prompt, max_tokens=6)
+    _native.set_fault_read_chunk(4096)
+
+    def decode(window: int) -> tuple[list[int], int]:
+        _native.set_fault_read_window(window)
+        options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True)
+        sm = load_streaming_model(store_dir, completed=completed, options=options)
+        k = int(sm.config.get("num_experts_per_tok", 2))
+        before = ordered_reads()
+
+        async def main() -> list[int]:
+            async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+                if not rt.memory["direct"]:
+                    pytest.skip("this file system refuses O_DIRECT")
+                tokens = [t async for t in sm.generate(prompt, max_tokens=6, source=rt)]
+                await rt.quiesce()
+                reports = rt.audit()
+                assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+                return tokens
+
+        return anyio.run(main), ordered_reads() - before
+
+    for window in (1, 8, 0):
+        tokens, ordered = decode(window)
+        assert tokens == ref, (window, tokens, ref)
+        assert (ordered > 0) == (bool(window) and RING), (window, ordered)
+
+
+def test_a_record_left_unread_is_named_so_in_the_step_error() -> None:
+    """The FillError of a record a failure left unread says it was not read, not that its own read
+    failed (its record may be whole in the file)."""
+    from asyncside.runtime._queued import _fault_cause
+
+    assert _fault_cause(errno.ECANCELED, 16) == "not read: an earlier record of the same streamed read failed first"
