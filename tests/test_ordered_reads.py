@@ -203,3 +203,26 @@ def test_a_record_left_unread_is_named_so_in_the_step_error() -> None:
     from asyncside.runtime._queued import _fault_cause
 
     assert _fault_cause(errno.ECANCELED, 16) == "not read: an earlier record of the same streamed read failed first"
+
+
+@pytest.mark.parametrize("layout", ["blocks", "odd"])
+def test_a_damaged_record_fails_alone_and_the_others_verify(tmp_path: pathlib.Path, layout: str) -> None:
+    """Checksums on, two tokens of three experts routing four distinct absent records (each read
+    once), one of them damaged in the file: its check fails (-1), the reads after it go on (a
+    mismatch is not a read error), and every other record lands verified."""
+    store, pools, table = direct_fault_table(tmp_path, layout, block=8192, seed=10)
+    spec = store.layer(0)
+    table.set_checksums(spec.checksum, list(spec.checksums))
+    _native.set_fault_read_chunk(4096)
+    _native.set_fault_read_window(2)
+    with open(spec.path, "r+b") as fh:  # one byte of expert 7's record, in its last piece
+        fh.seek(spec.stride * 7 + spec.stride - 4096)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    stream(table, [5, 7, 9, 9, 11, 5])
+    by_expert = {int(e[2]): int(e[4]) for e in drain_events(table)}
+    assert by_expert == {5: 0, 7: -1, 9: 0, 11: 0}, by_expert
+    assert_rows_hold(store, pools, table, [5, 9, 11])
+    assert np.array(table.table())[7] == -1
+    assert sorted(table.reclaim()) == [0, 1, 2, 3]
