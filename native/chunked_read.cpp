@@ -285,6 +285,11 @@ void check_fault_read_chunk_env() { (void)chunk_from_env(true); }
 
 void set_fault_read_uring(bool on) { g_uring_on.store(on, std::memory_order_relaxed); }
 
+bool ordered_reads_possible() {
+  static const bool kernel = io::io_uring_available(nullptr);
+  return kernel && g_uring_on.load(std::memory_order_relaxed);
+}
+
 bool ordered_reads_ready() {
 #if defined(__linux__)
   return g_uring_on.load(std::memory_order_relaxed) && thread_ring() != nullptr;

@@ -49,6 +49,10 @@ struct ReadPiece {
   uint64_t left = 0;
 };
 
+// Whether this process reads in order at all: io_uring exists here (Linux; probed once) and is on.
+// Elsewhere (macOS) a streamed resolve's records keep a background job each, side by side, since
+// one thread reading them one after another would have a single request in flight.
+bool ordered_reads_possible();
 // Whether read_ordered can run on the calling thread (io_uring on and this thread's ring set up).
 bool ordered_reads_ready();
 

@@ -144,7 +144,10 @@ int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
 }
 
 HostRecordSink* HostRecordSink::ordered_reader() {
-  return direct_.load(std::memory_order_relaxed) && fault_read_chunk() > 0 && fault_read_window() > 0 ? this : nullptr;
+  return direct_.load(std::memory_order_relaxed) && fault_read_chunk() > 0 && fault_read_window() > 0 &&
+                 ordered_reads_possible()
+             ? this
+             : nullptr;
 }
 
 void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint64_t, int64_t>>& records,

@@ -85,7 +85,9 @@ def test_window_zero_reads_each_record_on_its_own_job(tmp_path: pathlib.Path) ->
     assert ordered_reads() == before
 
 
-def test_without_a_ring_the_records_are_read_one_after_another(tmp_path: pathlib.Path) -> None:
+def test_without_io_uring_each_record_keeps_its_own_job(tmp_path: pathlib.Path) -> None:
+    """Without io_uring (off here; absent on macOS) one thread would read the records one request
+    at a time: they keep a background job each, side by side, each read whole."""
     store, pools, table = direct_fault_table(tmp_path, "blocks", block=8192, seed=7)
     _native.set_fault_read_chunk(4096)
     _native.testing.set_fault_read_uring(False)
