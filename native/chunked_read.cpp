@@ -50,28 +50,34 @@ constexpr uint64_t kDefaultChunk = 1ull << 20;
 constexpr uint64_t kMaxChunk = 1ull << 30;
 constexpr const char* kEnv = "ASYNCSIDE_FAULT_READ_CHUNK";
 
-void check_chunk(uint64_t bytes, const std::string& what) {
-  if (bytes != 0 && (bytes % kChunkAlign != 0 || bytes > kMaxChunk)) {
-    throw std::invalid_argument(what + ": expected 0 (whole records) or a multiple of " + std::to_string(kChunkAlign) +
-                                " bytes up to " + std::to_string(kMaxChunk) + ", got " + std::to_string(bytes));
-  }
-}
-
-// ASYNCSIDE_FAULT_READ_CHUNK's value; throws on a bad one when `strict`, else falls back to the default.
-uint64_t chunk_from_env(bool strict) {
-  const char* env = std::getenv(kEnv);
-  if (env == nullptr) return kDefaultChunk;
+// The count in environment variable `name`: `fallback` where it is unset, or where it is not a
+// count that `accepts` when not `strict`; a bad value when `strict` throws, saying what was
+// `expected`.
+unsigned long long count_from_env(const char* name, unsigned long long fallback, bool (*accepts)(unsigned long long),
+                                  const std::string& expected, bool strict) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return fallback;
   char* end = nullptr;
   errno = 0;
   const unsigned long long n = std::strtoull(env, &end, 10);
   const bool number = end != env && *end == '\0' && errno == 0 && env[0] != '-';
-  if (!number || (n != 0 && (n % kChunkAlign != 0 || n > kMaxChunk))) {
-    if (!strict) return kDefaultChunk;
-    throw std::invalid_argument(std::string(kEnv) + ": expected 0 (whole records) or a multiple of " +
-                                std::to_string(kChunkAlign) + " bytes up to " + std::to_string(kMaxChunk) +
-                                ", got '" + env + "'");
-  }
-  return n;
+  if (number && accepts(n)) return n;
+  if (!strict) return fallback;
+  throw std::invalid_argument(std::string(name) + ": expected " + expected + ", got '" + env + "'");
+}
+
+bool chunk_ok(unsigned long long n) { return n == 0 || (n % kChunkAlign == 0 && n <= kMaxChunk); }
+
+std::string chunk_expected() {
+  return "0 (whole records) or a multiple of " + std::to_string(kChunkAlign) + " bytes up to " +
+         std::to_string(kMaxChunk);
+}
+
+// ASYNCSIDE_FAULT_READ_CHUNK's value; throws on a bad one when `strict`, else falls back to the default.
+uint64_t chunk_from_env(bool strict) { return count_from_env(kEnv, kDefaultChunk, chunk_ok, chunk_expected(), strict); }
+
+void check_chunk(uint64_t bytes, const std::string& what) {
+  if (!chunk_ok(bytes)) throw std::invalid_argument(what + ": expected " + chunk_expected() + ", got " + std::to_string(bytes));
 }
 
 std::atomic<uint64_t>& chunk_setting() {
@@ -83,27 +89,19 @@ constexpr unsigned kDefaultWindow = 4;
 constexpr unsigned kMaxWindow = 32;  // the ring's size (kRingEntries)
 constexpr const char* kWindowEnv = "ASYNCSIDE_FAULT_READ_WINDOW";
 
+bool window_ok(unsigned long long n) { return n <= kMaxWindow; }
+
+std::string window_expected() {
+  return "0 (a background job per record) or 1 to " + std::to_string(kMaxWindow) + " pieces in flight";
+}
+
 void check_window(unsigned long long pieces, const std::string& what) {
-  if (pieces > kMaxWindow) {
-    throw std::invalid_argument(what + ": expected 0 (a background job per record) or 1 to " +
-                                std::to_string(kMaxWindow) + " pieces in flight, got " + std::to_string(pieces));
-  }
+  if (!window_ok(pieces)) throw std::invalid_argument(what + ": expected " + window_expected() + ", got " + std::to_string(pieces));
 }
 
 // ASYNCSIDE_FAULT_READ_WINDOW's value; throws on a bad one when `strict`, else the default.
 unsigned window_from_env(bool strict) {
-  const char* env = std::getenv(kWindowEnv);
-  if (env == nullptr) return kDefaultWindow;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long n = std::strtoull(env, &end, 10);
-  const bool number = end != env && *end == '\0' && errno == 0 && env[0] != '-';
-  if (!number || n > kMaxWindow) {
-    if (!strict) return kDefaultWindow;
-    throw std::invalid_argument(std::string(kWindowEnv) + ": expected 0 (a background job per record) or 1 to " +
-                                std::to_string(kMaxWindow) + " pieces in flight, got '" + env + "'");
-  }
-  return static_cast<unsigned>(n);
+  return static_cast<unsigned>(count_from_env(kWindowEnv, kDefaultWindow, window_ok, window_expected(), strict));
 }
 
 std::atomic<unsigned>& window_setting() {

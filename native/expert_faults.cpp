@@ -195,11 +195,15 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
   std::vector<int> failed(records.size(), 0);
   std::vector<uint8_t> told(records.size(), 0);
   std::vector<clock::time_point> started(records.size());
-  // The file range [lo, hi) of record k's bytes (relative to the record) overlapping segment s,
-  // handed to `fn(segment, lo, hi)` for every segment piece p's range meets.
-  auto overlaps = [&](size_t p, const auto& fn) {
+  // Piece p's bytes within its record: [a, b).
+  auto span = [&](size_t p) {
     const uint64_t a = first + (p % per_record) * chunk;
-    const uint64_t b = std::min(a + chunk, end);
+    return std::pair<uint64_t, uint64_t>{a, std::min(a + chunk, end)};
+  };
+  // The part [lo, hi) of piece p's range (relative to the record) in segment s, handed to
+  // `fn(segment, lo, hi)` for every segment the range meets.
+  auto overlaps = [&](size_t p, const auto& fn) {
+    const auto [a, b] = span(p);
     for (size_t s = 0; s < segments_.size(); ++s) {
       const uint64_t lo = std::max(a, segments_[s].offset);
       const uint64_t hi = std::min(b, segments_[s].offset + segments_[s].nbytes);
@@ -209,8 +213,7 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
   auto prepare = [&](size_t p) -> ReadPiece& {
     const size_t k = p / per_record;
     if (p % per_record == 0) started[k] = clock::now();
-    const uint64_t a = first + (p % per_record) * chunk;
-    const uint64_t b = std::min(a + chunk, end);
+    const auto [a, b] = span(p);
     ReadPiece& pc = pieces[p];
     pc.off = records[k].first + a;
     pc.left = b - a;
@@ -230,7 +233,7 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
     if (slot_of[p] >= 0) {
       uint8_t* buf = buffers + static_cast<uint64_t>(slot_of[p]) * chunk;
       if (err == 0) {
-        const uint64_t a = first + (p % per_record) * chunk;
+        const uint64_t a = span(p).first;
         overlaps(p, [&](size_t s, uint64_t lo, uint64_t hi) {
           std::memcpy(dest_->host_row(order_[s], records[k].second) + (lo - segments_[s].offset), buf + (lo - a), hi - lo);
         });
@@ -766,28 +769,27 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
         const auto t0 = std::chrono::steady_clock::now();
         f.err = verify_record(f.expert, f.row, err, f.got);
         f.ns = ns + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-        std::lock_guard<std::mutex> g(mu_);
-        f.done = true;
-        --pending_reads_;
-        read_done_.notify_all();
+        read_done(&f);
       });
-      std::lock_guard<std::mutex> g(mu_);
-      --pending_reads_;
-      read_done_.notify_all();
+      read_done(nullptr);
     });
   } else {
     for (Fill* fp : to_read) {
       ++pending_reads_;
       submit_background([this, fp] {
         read_fill(*fp);
-        std::lock_guard<std::mutex> g(mu_);
-        fp->done = true;
-        --pending_reads_;
-        read_done_.notify_all();
+        read_done(fp);
       });
     }
   }
   lk.unlock();
+}
+
+void FaultTable::read_done(Fill* f) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (f != nullptr) f->done = true;
+  --pending_reads_;
+  read_done_.notify_all();
 }
 
 void FaultTable::finish(const std::vector<int64_t>& ids) {

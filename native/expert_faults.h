@@ -287,6 +287,9 @@ class FaultTable {
   int verify_record(int64_t expert, int64_t row, int err, uint32_t& got);
   // Read and verify one fill (unlocked: its row is out of the lent list and the table).
   void read_fill(Fill& f) { f.err = read_record(f.expert, f.row, f.got, f.ns); }
+  // A background read is over (takes the lock): `f` done (none: an ordered read's job ending),
+  // one pending read less, and its waiters woken. A job's last touch of the table.
+  void read_done(Fill* f);
   // Log a finished fill and put its row back at the end of the lent list (published on success).
   // `background`: a streamed resolve's read (its time is not the stream's).
   void publish_locked(Fill& f, uint64_t stamp, std::string& error, bool background = false);

@@ -178,3 +178,39 @@ def model_store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tu
     convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, config["vocab_size"], 12)]
     return tmp / "store", model, prompt
+
+
+def direct_decode(store_dir: pathlib.Path, prompt: list[int], max_tokens: int, *, streamed: bool) -> list[int]:
+    """Greedy queued decode of ``store_dir`` past the page cache (O_DIRECT: the caller sets
+    ASYNCSIDE_DIRECT), nothing resident, streamed or resolved switches: the tokens, after the
+    ledgers audited clean. Skips where the file system refuses O_DIRECT."""
+    from asyncside.bridge import completed
+    from asyncside.models import ForwardOptions, load_streaming_model
+    from asyncside.models.forward import StepMode
+    from asyncside.runtime import Runtime
+
+    options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=streamed)
+    sm = load_streaming_model(store_dir, completed=completed, options=options)
+    k = int(sm.config.get("num_experts_per_tok", 2))
+
+    async def main() -> list[int]:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+            if not rt.memory["direct"]:
+                pytest.skip("this file system refuses O_DIRECT")
+            tokens = [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=rt)]
+            await rt.quiesce()
+            reports = rt.audit()
+            assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
+            return tokens
+
+    return anyio.run(main)
+
+
+def import_native_with(variable: str, value: str, expression: str) -> Any:
+    """A fresh interpreter that imports the extension with ``variable=value`` in its environment and
+    prints ``expression`` (of ``_native``): its completed process (stdout, stderr, returncode)."""
+    import subprocess
+
+    env = dict(os.environ, **{variable: value})
+    return subprocess.run([sys.executable, "-c", f"from asyncside import _native; print({expression})"],
+                          env=env, capture_output=True, text=True, timeout=300)

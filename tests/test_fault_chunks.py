@@ -12,23 +12,25 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, eval_failed_step, model_store
+from _fault_helpers import (
+    assert_rows_hold,
+    direct_decode,
+    direct_fault_table,
+    drain_events,
+    eval_failed_step,
+    import_native_with,
+    model_store,
+)
 
 from asyncside import ExpertStore, _native
-from asyncside.bridge import completed
-from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
-from asyncside.models.forward import StepMode
+from asyncside.models import reference_generate
 from asyncside.pools import PoolSet
-from asyncside.runtime import Runtime
 
 CPU = mx.default_stream(mx.cpu)
 NEW_TOKENS = 6
@@ -143,10 +145,8 @@ def test_bad_chunks_are_refused(bad: int) -> None:
     assert _native.fault_read_chunk() == before
 
 
-def _import_with(value: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, ASYNCSIDE_FAULT_READ_CHUNK=value)
-    return subprocess.run([sys.executable, "-c", "from asyncside import _native; print(_native.fault_read_chunk())"],
-                          env=env, capture_output=True, text=True, timeout=300)
+def _import_with(value: str) -> Any:
+    return import_native_with("ASYNCSIDE_FAULT_READ_CHUNK", value, "_native.fault_read_chunk()")
 
 
 def test_the_environment_sets_the_chunk_and_a_bad_value_is_named() -> None:
@@ -172,22 +172,8 @@ def test_a_direct_decode_is_the_same_with_tiny_chunks(tmp_path: pathlib.Path, qu
 
     def decode(chunk: int, streamed: bool) -> tuple[list[int], dict[str, int]]:
         _native.set_fault_read_chunk(chunk)
-        options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=streamed)
-        sm = load_streaming_model(store_dir, completed=completed, options=options)
-        k = int(sm.config.get("num_experts_per_tok", 2))
         before = counters()
-
-        async def main() -> list[int]:
-            async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
-                if not rt.memory["direct"]:
-                    pytest.skip("this file system refuses O_DIRECT")
-                tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt)]
-                await rt.quiesce()
-                reports = rt.audit()
-                assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
-                return tokens
-
-        return anyio.run(main), delta(before)
+        return direct_decode(store_dir, prompt, NEW_TOKENS, streamed=streamed), delta(before)
 
     for streamed in (False, True):
         whole, d0 = decode(0, streamed)

@@ -14,21 +14,24 @@ import errno
 import gc
 import os
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
+from typing import Any
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import assert_rows_hold, direct_fault_table, drain_events, eval_failed_step, model_store
+from _fault_helpers import (
+    assert_rows_hold,
+    direct_decode,
+    direct_fault_table,
+    drain_events,
+    eval_failed_step,
+    import_native_with,
+    model_store,
+)
 
 from asyncside import _native
-from asyncside.bridge import completed
-from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
-from asyncside.models.forward import StepMode
-from asyncside.runtime import Runtime
+from asyncside.models import reference_generate
 
 CPU = mx.default_stream(mx.cpu)
 RING = _native.io_uring_available()[0]
@@ -146,10 +149,8 @@ def test_bad_windows_are_refused() -> None:
     assert _native.fault_read_window() == before
 
 
-def _import_with(value: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, ASYNCSIDE_FAULT_READ_WINDOW=value)
-    return subprocess.run([sys.executable, "-c", "from asyncside import _native; print(_native.fault_read_window())"],
-                          env=env, capture_output=True, text=True, timeout=300)
+def _import_with(value: str) -> Any:
+    return import_native_with("ASYNCSIDE_FAULT_READ_WINDOW", value, "_native.fault_read_window()")
 
 
 def test_the_environment_sets_the_window_and_a_bad_value_is_named() -> None:
@@ -161,10 +162,10 @@ def test_the_environment_sets_the_window_and_a_bad_value_is_named() -> None:
 
 
 @pytest.mark.parametrize("quant", ["float", "q4"])
-def test_a_direct_streamed_decode_is_exact_in_order_and_side_by_side(tmp_path: pathlib.Path, quant: str,
+def test_a_direct_decode_is_exact_in_order_and_side_by_side(tmp_path: pathlib.Path, quant: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Queued decode past the page cache with streamed switches, every expert read on demand: tokens
-    equal mlx-lm's with one piece in flight, the default window and side-by-side reads, and the
+    equal mlx-lm's with one piece in flight, eight, and side-by-side reads, and the
     ordered windows did read in order."""
     if mx.default_device() == mx.gpu:
         pytest.skip("the host pools' fault path (CPU stream)")
@@ -176,22 +177,8 @@ def test_a_direct_streamed_decode_is_exact_in_order_and_side_by_side(tmp_path: p
 
     def decode(window: int) -> tuple[list[int], int]:
         _native.set_fault_read_window(window)
-        options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True)
-        sm = load_streaming_model(store_dir, completed=completed, options=options)
-        k = int(sm.config.get("num_experts_per_tok", 2))
         before = ordered_reads()
-
-        async def main() -> list[int]:
-            async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
-                if not rt.memory["direct"]:
-                    pytest.skip("this file system refuses O_DIRECT")
-                tokens = [t async for t in sm.generate(prompt, max_tokens=6, source=rt)]
-                await rt.quiesce()
-                reports = rt.audit()
-                assert all(r.ok for r in reports.values()), {l: r.problems for l, r in reports.items()}
-                return tokens
-
-        return anyio.run(main), ordered_reads() - before
+        return direct_decode(store_dir, prompt, 6, streamed=True), ordered_reads() - before
 
     for window in (1, 8, 0):
         tokens, ordered = decode(window)
