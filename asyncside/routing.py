@@ -76,6 +76,15 @@ def _check(ids: Any, lengths: Any, n_experts: Any, meta: Any, where: str) -> tup
                          field="lengths")
     if (ln < 1).any():
         raise TraceError(where, f"every sequence needs at least one token, got {ln.tolist()[:8]}", field="lengths")
+    # Each count within the tokens, and no more counts than tokens, before the sum: numpy's sum
+    # wraps around (two int64 counts near their largest value summed to a small, matching total).
+    if (ln > a.shape[0]).any():
+        first = int(np.argmax(ln > a.shape[0]))
+        raise TraceError(where, f"sequence {first} has {int(ln[first])} tokens, but ids has {a.shape[0]} tokens",
+                         field="lengths")
+    if len(ln) > a.shape[0]:
+        raise TraceError(where, f"{len(ln)} sequences of at least one token each, but ids has {a.shape[0]} tokens",
+                         field="lengths")
     if int(ln.sum()) != a.shape[0]:
         raise TraceError(where, f"lengths sum to {int(ln.sum())}, but ids has {a.shape[0]} tokens", field="lengths")
     return a.astype(np.int32, copy=False), ln.astype(np.int64, copy=False)

@@ -1,0 +1,126 @@
+"""Inputs the repository never made, sixth sweep: hand-written configs of public MoE models and
+configs that JSON reads but Python does not take (``bench offload --shapes CONFIG:LAYERS``),
+sequence lengths of a trace that overflow their sum, and ``demo --reference none``'s table. What
+runs says what it did; what is refused is one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from _cli_support import run_cli
+
+from asyncside.bench.shapes import describe_shape
+from asyncside.errors import TraceError
+from asyncside.routing import RoutingTrace
+
+#: a two-layer Mixtral-like config small enough to build in a second
+TINY = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 1000}
+
+
+def _write(tmp_path: pathlib.Path, text: str) -> str:
+    path = tmp_path / "my-moe" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    # json reads an integer of any length, and int() refuses past sys.get_int_max_str_digits()
+    (json.dumps(TINY)[:-1] + ', "vocab_size": 1' + "0" * 5000 + "}",
+     f"not a JSON config this reader takes: an integer of more than {sys.get_int_max_str_digits()} digits"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a JSON config this reader takes: nested too deeply"),
+])
+def test_a_config_json_reads_and_python_does_not_is_one_line(text: str, said: str, tmp_path: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A config with a 5001-digit number ended in json's ValueError traceback ("Exceeds the limit
+    (4300 digits) for integer string conversion ... use sys.set_int_max_str_digits()"), one nested
+    a hundred thousand deep in a RecursionError traceback."""
+    config = _write(tmp_path, text)
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:1", "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and f"{config}: {said}" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "cache").exists(), err
+
+
+def test_granite_multipliers_are_noted_as_not_represented(tmp_path: pathlib.Path) -> None:
+    """ibm-granite/granite-3.0-1b-a400m's config (granitemoe: 32 experts top-8, hidden 1024, expert
+    intermediate 512) was built and described without a word of its embedding, residual, attention
+    and logits multipliers, which a qwen3_moe does not apply."""
+    config = _write(tmp_path, json.dumps({
+        "model_type": "granitemoe", "hidden_size": 1024, "intermediate_size": 512, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "num_local_experts": 32, "num_experts_per_tok": 8,
+        "vocab_size": 49155, "rope_theta": 10000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "embedding_multiplier": 12.0, "logits_scaling": 6.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625}))
+    src = describe_shape(config)
+    assert (src.config["num_experts"], src.config["num_experts_per_tok"], src.config["moe_intermediate_size"]) == \
+        (32, 8, 512)
+    assert ("scaling multipliers not represented (embedding_multiplier 12.0, residual_multiplier 0.22, "
+            "attention_multiplier 0.015625, logits_scaling 6.0)") in src.notes, src.notes
+
+
+def test_granite_shared_experts_are_noted_as_not_represented(tmp_path: pathlib.Path) -> None:
+    """granitemoeshared names its shared expert's size ``shared_intermediate_size``: no note said
+    that the shared expert is left out, as it does for DeepSeek's and Qwen's."""
+    config = _write(tmp_path, json.dumps({**TINY, "model_type": "granitemoeshared", "shared_intermediate_size": 1024}))
+    assert "shared expert(s) not represented (shared_intermediate_size 1024)" in describe_shape(config).notes
+
+
+@pytest.mark.parametrize(("lengths", "said"), [
+    # int64 counts near the largest int64 whose numpy sum wraps to the 20 tokens
+    (np.array([2**63 - 1, 2**63 - 1, 22], dtype=np.int64), "sequence 0 has 9223372036854775807 tokens"),
+    # a uint64 count whose sum wraps, then read back as -1 by the in-memory check
+    (np.array([2**64 - 1, 21], dtype=np.uint64), "sequence 0 has 18446744073709551615 tokens"),
+    (np.array([4, 30], dtype=np.int64), "sequence 1 has 30 tokens"),
+])
+def test_lengths_whose_sum_overflows_are_refused_naming_the_file(lengths: np.ndarray, said: str,
+                                                                  tmp_path: pathlib.Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """int64 lengths [2**63-1, 2**63-1, 22] summed (numpy wraps) to the 20 tokens of ids: the trace
+    loaded with a first sequence of 9.2e18 tokens; uint64 lengths passed the file's check and were
+    refused by the in-memory one as "<in memory> [lengths]: ... got [-1, 21]", the file unnamed."""
+    path = tmp_path / "mine.npz"
+    ids = np.tile(np.arange(4, dtype=np.int32), (20, 2, 1))
+    np.savez(path, ids=ids, n_experts=32, lengths=lengths)
+    with pytest.raises(TraceError) as info:
+        RoutingTrace.load(path)
+    assert info.value.field == "lengths" and str(path) in str(info.value), info.value
+    assert f"{said}, but ids has 20 tokens" in str(info.value), info.value
+    rc, err = run_cli(capsys, "routing", "info", str(path))
+    assert rc == 2 and f"{path} [lengths]: {said}" in err and "<in memory>" not in err, err
+
+
+def test_more_sequences_than_tokens_are_refused() -> None:
+    """Counted before their sum: each at least one token, so more of them than tokens cannot fit."""
+    with pytest.raises(TraceError, match=r"3 sequences of at least one token each, but ids has 2 tokens"):
+        RoutingTrace(np.zeros((2, 1, 1), np.int32), np.ones(3, np.int64), 4, {})
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def test_the_demo_without_a_reference_shows_no_reference_figures(quick_store: pathlib.Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --reference none`` printed its "no reference" column as 0.00 tokens/s, 0 ms, 0.0
+    tokens, and a ratio of 0.000x: figures of a run that never ran."""
+    from asyncside import cli
+
+    rc = cli.main(["demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = captured.out
+    assert "no reference" in out and "0.000x" not in out, out
+    for label in ("tokens/s (whole run)", "decode tokens/s ", "time to first token"):
+        row = next(line for line in out.splitlines() if label in line)
+        assert "—" in row and " 0.00 " not in row and " 0 ms" not in row, row
