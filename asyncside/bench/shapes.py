@@ -30,9 +30,10 @@ OLMoE and gpt-oss, ``intermediate_size``; hidden size, heads, KV heads, head dim
 vocabulary, RoPE theta, norm eps, ``norm_topk_prob``) and builds a qwen3_moe of those dimensions
 with the construction above. What a qwen3_moe cannot represent (shared experts, dense layers,
 sigmoid or group-limited routing, multi-head latent attention, sliding windows, attention sinks,
-biases, RoPE scaling, the model's own quantization) is listed in the build's ``note``; dense
-layers are left out, so ``layers`` counts the model's MoE layers. The cache directory's hash is
-the effective config's (with the seed and quantization), so two configs never share a store.
+biases, RoPE scaling, scaling multipliers, ``clip_qkv``, the model's own quantization) is listed
+in the build's ``note``; dense layers are left out, so ``layers`` counts the model's MoE layers.
+The cache directory's hash is the effective config's (with the seed and quantization), so two
+configs never share a store.
 The named presets other than the first two are built the same way from their real configs' fields.
 """
 
@@ -45,6 +46,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -260,6 +262,10 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
             and i % period == offset % period and i not in only_mlp]
 
 
+#: per-model scalings a qwen3_moe leaves out (Granite's; each 1 where the model does not scale)
+_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
 def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers: int, n_moe: int,
                    head_dim: int) -> list[str]:
     """The notes on what a qwen3_moe of ``raw``'s dimensions leaves out of the model."""
@@ -273,7 +279,7 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
         notes.append(f"{n_layers - n_moe} dense decoder layer(s) of the {n_layers} not represented: "
                      f"{n_moe} MoE layers built")
     shared = [(f, raw[f]) for f in ("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size",
-                                    "moe_shared_expert_intermediate_size") if raw.get(f)]
+                                    "moe_shared_expert_intermediate_size", "shared_intermediate_size") if raw.get(f)]
     if shared:
         notes.append("shared expert(s) not represented (" + ", ".join(f"{f} {v}" for f, v in shared) + ")")
     routing = [(f, raw[f]) for f in ("scoring_func", "topk_method") if raw.get(f) not in (None, "softmax", "greedy")]
@@ -299,6 +305,12 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
         notes.append("biases not represented (" + (", ".join(biases) or "qwen2_moe's q/k/v biases") + ")")
     if raw.get("rope_scaling"):
         notes.append(f"rope_scaling {json.dumps(raw['rope_scaling'], sort_keys=True)} not represented")
+    # Granite's scalings of the embeddings, residuals, attention scores and logits
+    scaled = [(f, raw[f]) for f in _MULTIPLIERS if raw.get(f) is not None and raw[f] != 1]
+    if scaled:
+        notes.append("scaling multipliers not represented (" + ", ".join(f"{f} {v}" for f, v in scaled) + ")")
+    if raw.get("clip_qkv"):
+        notes.append(f"clip_qkv {raw['clip_qkv']} not represented")
     if raw.get("tie_word_embeddings"):
         notes.append("tied embeddings built untied")
     for field in ("quantization_config", "quantization"):  # Hugging Face's, mlx-lm's
@@ -469,6 +481,11 @@ def config_shape(path: str | os.PathLike[str]) -> ShapeSource:
         raw = json.loads(p.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ShapeError(f"{p}: not a JSON config: {exc}") from None
+    except ValueError:  # json's own ValueError: an integer of more digits than int() converts
+        raise ShapeError(f"{p}: not a JSON config this reader takes: an integer of more than "
+                         f"{sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise ShapeError(f"{p}: not a JSON config this reader takes: nested too deeply") from None
     except OSError as exc:
         raise ShapeError(f"{p}: cannot be read ({exc.strerror or exc})") from None
     config, notes = qwen3_moe_config(raw, str(p))
