@@ -596,18 +596,24 @@ def _table(result: dict[str, Any]) -> None:
     table.add_column({"all-resident": "all-resident (mlx-lm)", "slot-cache": "slot cache (reference)",
                       "none": "no reference"}[result["reference"]], justify="right")
     table.add_column("ratio", justify="right")
-    table.add_row("tokens/s (whole run)", f"{s['tokens_per_s']:.2f}", f"{r['tokens_per_s']:.2f}",
-                  f"{result['speed_ratio']:.3f}x")
-    table.add_row("decode tokens/s", f"{s['decode_tokens_per_s']:.2f}", f"{r['decode_tokens_per_s']:.2f}",
-                  f"{result['decode_speed_ratio']:.3f}x")
-    table.add_row("time to first token", f"{s['ttft_s'] * 1e3:.0f} ms", f"{r['ttft_s'] * 1e3:.0f} ms", "")
-    table.add_row("tokens", str(s["tokens"]), str(r["tokens"]), "")
+    # --reference none ran no reference: its figures are placeholders (zeros), shown as dashes
+    ran = result["reference"] != "none"
+
+    def ref(text: str) -> str:
+        return text if ran else "—"
+
+    table.add_row("tokens/s (whole run)", f"{s['tokens_per_s']:.2f}", ref(f"{r['tokens_per_s']:.2f}"),
+                  ref(f"{result['speed_ratio']:.3f}x"))
+    table.add_row("decode tokens/s", f"{s['decode_tokens_per_s']:.2f}", ref(f"{r['decode_tokens_per_s']:.2f}"),
+                  ref(f"{result['decode_speed_ratio']:.3f}x"))
+    table.add_row("time to first token", f"{s['ttft_s'] * 1e3:.0f} ms", ref(f"{r['ttft_s'] * 1e3:.0f} ms"), "")
+    table.add_row("tokens", str(s["tokens"]), ref(str(r["tokens"])), "")
     rt = result["runtime"]
     table.add_row("hit rate (demand)", f"{result['hit_rate']:.1%}",
                   "100%" if result["reference"] == "all-resident" else "", "")
-    table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", "0", "")
+    table.add_row("bytes read while generating", f"{result['bytes_read'] / 1e6:.1f} MB", ref("0"), "")
     table.add_row("fills / evictions", f"{int(rt['fills'])} / {int(rt['evictions'])}", "", "")
-    table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", "0", "")
+    table.add_row("stall time (awaiting reads)", f"{result['stall_time_s'] * 1e3:.1f} ms", ref("0"), "")
     mem = result["memory"]
     table.add_row("pools / memory budget (page cache left)",
                   f"{describe_bytes(mem['pool_bytes'])} / {describe_bytes(mem['budget_bytes'])} "
