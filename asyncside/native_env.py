@@ -68,7 +68,8 @@ NATIVE_VARIABLES: dict[str, NativeVariable] = {v.name: v for v in (
                    empty_is_default=False),  # the extension refuses an empty one when it loads
     NativeVariable("ASYNCSIDE_FAULT_READ_WINDOW",
                    "pieces a streamed resolve keeps in flight while it reads its O_DIRECT records in order",
-                   f"an integer from 0 to {MAX_WINDOW} (0: a background job per record, side by side)", "4",
+                   f"an integer from 0 to {MAX_WINDOW} (0: a background job per record, side by side)",
+                   "each runtime's, measured on its store's disk; else 4",
                    _count(0, MAX_WINDOW), empty_is_default=False),
     NativeVariable("ASYNCSIDE_GRAPH_RELEASE", "which thread drops a step's finished arrays",
                    "'caller' (every release on the calling thread, a diagnostic switch) or 'thread'",

@@ -742,6 +742,10 @@ void bind_faults(nb::module_& m) {
           "The table's descriptor was opened with O_DIRECT: read whole aligned record spans through an "
           "aligned buffer.")
       .def(
+          "set_read_window", [](PyFaultTable& p, int pieces) { p.t->set_read_window(pieces); }, nb::arg("pieces"),
+          "The window of this table's ordered reads: 0 to 32 pieces in flight, or -1 for the process's "
+          "fault_read_window(); ValueError otherwise.")
+      .def(
           "set_order",
           [](PyFaultTable& p, const std::string& order, double half_life) {
             fa::VictimOrder o;
@@ -850,7 +854,36 @@ void bind_faults(nb::module_& m) {
         "one ring, each record landing before the next); 0: a background job per record, side by "
         "side. Default ASYNCSIDE_FAULT_READ_WINDOW, else 4.");
   m.def("set_fault_read_window", &fa::set_fault_read_window, nb::arg("pieces"),
-        "Set the streamed reads' window, process-wide: 0, or 1 to 32 pieces in flight.");
+        "Set the streamed reads' window, process-wide: 0, or 1 to 32 pieces in flight. A window set "
+        "here (or by ASYNCSIDE_FAULT_READ_WINDOW) is kept by every runtime instead of the one it "
+        "would measure for its disk.");
+  m.def("fault_read_window_chosen", &fa::fault_read_window_chosen,
+        "Whether the streamed reads' window was chosen for the process (ASYNCSIDE_FAULT_READ_WINDOW "
+        "or set_fault_read_window).");
+  m.def("ordered_reads_possible", &fa::ordered_reads_possible,
+        "Whether streamed resolves read their O_DIRECT records in order here (io_uring present and on).");
+  m.def(
+      "time_ordered_reads",
+      [](int fd, const std::vector<std::pair<uint64_t, uint64_t>>& records, uint64_t piece, unsigned window) {
+        if (piece == 0 || piece % fa::kChunkAlign != 0) {
+          throw std::invalid_argument("piece: expected a multiple of 4096 bytes, got " + std::to_string(piece));
+        }
+        if (window == 0 || window > fa::kMaxFaultReadWindow) {
+          throw std::invalid_argument("window: expected 1 to " + std::to_string(fa::kMaxFaultReadWindow) +
+                                      " pieces in flight, got " + std::to_string(window));
+        }
+        int64_t ns = 0;
+        int err;
+        {
+          nb::gil_scoped_release release;
+          err = fa::time_ordered_reads(fd, records, piece, window, ns);
+        }
+        return std::make_pair(err, static_cast<double>(ns) * 1e-9);
+      },
+      nb::arg("fd"), nb::arg("records"), nb::arg("piece"), nb::arg("window"),
+      "Read records (offset, bytes) of an O_DIRECT descriptor one after another as a streamed "
+      "resolve's ordered read does (pieces of `piece` bytes, `window` in flight, into scratch "
+      "buffers), on the calling thread; returns (0 or an errno, seconds). ENOSYS without io_uring.");
   m.def("fault_read_chunk", &fa::fault_read_chunk,
         "Bytes an O_DIRECT fault read of a record is split into, all in flight at once (0: one "
         "request per record). Default ASYNCSIDE_FAULT_READ_CHUNK, else 1 MiB.");
@@ -881,6 +914,9 @@ NB_MODULE(_native, m) {
       [](PyFaultTable& table, std::string message) { table.t->testing_fail_next(std::move(message)); },
       nb::arg("table"), nb::arg("message"),
       "The next fault node of `table` to run throws `message` on the stream, once: logged as error -4, its rows 0.");
+  testing.def("reset_fault_read_window", &asyncside::faults::reset_fault_read_window,
+              "The streamed reads' window back to its default (ASYNCSIDE_FAULT_READ_WINDOW where set, "
+              "else 4), not chosen for the process.");
   testing.def("set_fault_read_uring", &asyncside::faults::set_fault_read_uring, nb::arg("on"),
               "False: chunked fault reads take their fallback (one preadv a record), as without io_uring.");
 

@@ -3,10 +3,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include <unistd.h>
@@ -86,7 +88,7 @@ std::atomic<uint64_t>& chunk_setting() {
 }
 
 constexpr unsigned kDefaultWindow = 4;
-constexpr unsigned kMaxWindow = 32;  // the ring's size (kRingEntries)
+constexpr unsigned kMaxWindow = kMaxFaultReadWindow;  // the ring's size (kRingEntries)
 constexpr const char* kWindowEnv = "ASYNCSIDE_FAULT_READ_WINDOW";
 
 bool window_ok(unsigned long long n) { return n <= kMaxWindow; }
@@ -109,6 +111,11 @@ std::atomic<unsigned>& window_setting() {
   return window;
 }
 
+std::atomic<bool>& window_chosen() {
+  static std::atomic<bool> chosen{std::getenv(kWindowEnv) != nullptr};
+  return chosen;
+}
+
 std::atomic<bool> g_uring_on{true};
 
 #if defined(__linux__)
@@ -116,7 +123,7 @@ using namespace asyncside::uring;
 
 // Ops one thread keeps in flight at most (the ring's size): a record at the smallest chunk is
 // many more ops than the disk has queue for.
-constexpr unsigned kRingEntries = 32;
+constexpr unsigned kRingEntries = kMaxFaultReadWindow;
 
 // One file range of the read, as one request at a time (a short read resumes).
 using Piece = ReadPiece;
@@ -151,8 +158,9 @@ class ThreadRing : private RingMap {
   }
 
   // read_ordered (chunked_read.h): pieces submitted in index order, at most `window` in flight.
+  // `count`: the requests go to fault_counters()["chunk_ops"] (a probe's do not).
   int run(int fd, size_t n, unsigned window, const std::function<Piece&(size_t)>& prepare,
-          const std::function<void(size_t, int)>& landed) {
+          const std::function<void(size_t, int)>& landed, bool count = true) {
     window = std::max(1u, std::min(window, sq_entries_));
     std::vector<Piece*> at(n, nullptr);
     std::vector<size_t> retry;  // pieces to submit again (interrupted, or short), before new ones
@@ -188,7 +196,7 @@ class ThreadRing : private RingMap {
         __atomic_store_n(sq_tail_, tail + 1, __ATOMIC_RELEASE);
         ++inflight;
         ++unsubmitted;
-        global_counters().chunk_ops.fetch_add(1, std::memory_order_relaxed);
+        if (count) global_counters().chunk_ops.fetch_add(1, std::memory_order_relaxed);
       }
       const int got = static_cast<int>(syscall(kSysEnter, fd_, unsubmitted, 1u, kEnterGetEvents, nullptr, 0));
       if (got < 0) {
@@ -307,11 +315,54 @@ int read_ordered(int fd, size_t n, unsigned window, const std::function<ReadPiec
   return ENOSYS;  // callers ask ordered_reads_ready() first
 }
 
+int time_ordered_reads(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& records, uint64_t piece,
+                       unsigned window, int64_t& ns) {
+  ns = 0;
+  if (piece == 0 || piece % kChunkAlign != 0 || window == 0) return EINVAL;
+  if (!ordered_reads_ready()) return ENOSYS;
+  std::vector<ReadPiece> pieces;
+  for (const auto& [off, bytes] : records) {
+    if (off % kChunkAlign != 0) return EINVAL;
+    const uint64_t end = off + (bytes + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    for (uint64_t a = off; a < end; a += piece) pieces.push_back(ReadPiece{{}, a, std::min(piece, end - a)});
+  }
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, kChunkAlign, piece * window) != 0) return ENOMEM;
+  std::unique_ptr<uint8_t, decltype(&std::free)> buffers(static_cast<uint8_t*>(raw), &std::free);
+  std::vector<unsigned> free_slots;
+  for (unsigned b = window; b-- > 0;) free_slots.push_back(b);
+  std::vector<unsigned> slot_of(pieces.size(), 0);
+  auto prepare = [&](size_t i) -> ReadPiece& {
+    slot_of[i] = free_slots.back();
+    free_slots.pop_back();
+    pieces[i].iov.push_back({buffers.get() + static_cast<uint64_t>(slot_of[i]) * piece, pieces[i].left});
+    return pieces[i];
+  };
+  auto landed = [&](size_t i, int) { free_slots.push_back(slot_of[i]); };
+#if defined(__linux__)
+  // The ring itself, not read_ordered: a probe is not a streamed resolve's read (its counters).
+  const auto t0 = std::chrono::steady_clock::now();
+  const int err = thread_ring()->run(fd, pieces.size(), window, prepare, landed, false);
+  ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return err;
+#else
+  return ENOSYS;
+#endif
+}
+
 unsigned fault_read_window() { return window_setting().load(std::memory_order_relaxed); }
 
 void set_fault_read_window(unsigned pieces) {
   check_window(pieces, "window");
   window_setting().store(pieces, std::memory_order_relaxed);
+  window_chosen().store(true, std::memory_order_relaxed);
+}
+
+bool fault_read_window_chosen() { return window_chosen().load(std::memory_order_relaxed); }
+
+void reset_fault_read_window() {
+  window_setting().store(window_from_env(false), std::memory_order_relaxed);
+  window_chosen().store(std::getenv(kWindowEnv) != nullptr, std::memory_order_relaxed);
 }
 
 void check_fault_read_window_env() { (void)window_from_env(true); }

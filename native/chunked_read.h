@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <sys/uio.h>
@@ -22,6 +23,8 @@ namespace asyncside::faults {
 
 // O_DIRECT's block: chunk sizes and split points are multiples of it.
 inline constexpr uint64_t kChunkAlign = 4096;
+// The most pieces an ordered read keeps in flight (a reading thread's ring holds no more).
+inline constexpr unsigned kMaxFaultReadWindow = 32;
 
 // preadv until every byte of `iov` landed, from `offset`; 0 or an errno (ENODATA: end of file
 // first).
@@ -67,6 +70,15 @@ bool ordered_reads_ready();
 int read_ordered(int fd, size_t n, unsigned window, const std::function<ReadPiece&(size_t)>& prepare,
                  const std::function<void(size_t, int)>& landed);
 
+// Read `records` (file offset, bytes: O_DIRECT aligned, a partial last block rounded up) one after
+// another through the calling thread's ring, as a streamed resolve's ordered read does: pieces of
+// at most `piece` bytes, `window` in flight, into scratch buffers whose bytes are dropped. The
+// disk's answer to a window, for choosing one (asyncside/read_window.py). 0 or the first errno;
+// the time from the first submission to the last landing into `ns`. Only where
+// ordered_reads_ready() (else ENOSYS).
+int time_ordered_reads(int fd, const std::vector<std::pair<uint64_t, uint64_t>>& records, uint64_t piece,
+                       unsigned window, int64_t& ns);
+
 // Pieces a streamed resolve's ordered read keeps in flight; 0: no ordered reads, each record its
 // own background job, side by side. Its default is ASYNCSIDE_FAULT_READ_WINDOW when set, else 4:
 // with 1 MiB pieces, enough depth for the disks measured (BENCHMARKS.md, "Streamed reads in
@@ -74,6 +86,12 @@ int read_ordered(int fd, size_t n, unsigned window, const std::function<ReadPiec
 unsigned fault_read_window();
 // Set it: 0, or 1 to 32 (the ring's size); throws std::invalid_argument otherwise.
 void set_fault_read_window(unsigned pieces);
+// Whether the window was chosen for the process (ASYNCSIDE_FAULT_READ_WINDOW, or
+// set_fault_read_window since the last reset): a runtime then keeps it instead of measuring its
+// disk for one of its own.
+bool fault_read_window_chosen();
+// Back to the default (the variable's value where set), as when the extension loaded.
+void reset_fault_read_window();
 // Check ASYNCSIDE_FAULT_READ_WINDOW (throws std::invalid_argument naming it on a bad value).
 void check_fault_read_window_env();
 

@@ -143,8 +143,13 @@ int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
   return 0;
 }
 
+unsigned HostRecordSink::read_window() const {
+  const int own = window_.load(std::memory_order_relaxed);
+  return own < 0 ? fault_read_window() : static_cast<unsigned>(own);
+}
+
 HostRecordSink* HostRecordSink::ordered_reader() {
-  return direct_.load(std::memory_order_relaxed) && fault_read_chunk() > 0 && fault_read_window() > 0 &&
+  return direct_.load(std::memory_order_relaxed) && fault_read_chunk() > 0 && read_window() > 0 &&
                  ordered_reads_possible()
              ? this
              : nullptr;
@@ -170,7 +175,7 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
   const uint64_t first = segments_.front().offset / kDirectAlign * kDirectAlign;
   const uint64_t end = (segments_.back().offset + segments_.back().nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
   const uint64_t chunk = std::min<uint64_t>(fault_read_chunk(), end - first);
-  const unsigned window = fault_read_window();
+  const unsigned window = read_window();
   // Where a record's segments are whole blocks end to end, and so are its rows, its pieces read
   // straight into them; else each piece lands in one of `window` bounce buffers (one per piece in
   // flight, so memory does not grow with the record) and its bytes are copied into the rows.
@@ -474,6 +479,14 @@ void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expe
 }
 
 void FaultTable::set_drop_cache(bool on) { drop_cache_.store(on, std::memory_order_relaxed); }
+
+void FaultTable::set_read_window(int pieces) {
+  if (pieces < -1 || pieces > static_cast<int>(kMaxFaultReadWindow)) {
+    throw std::invalid_argument("read window: expected -1 (the process's), 0 (a background job per record) or 1 to " +
+                                std::to_string(kMaxFaultReadWindow) + " pieces in flight, got " + std::to_string(pieces));
+  }
+  sink_->set_read_window(pieces);
+}
 
 void FaultTable::after_read(uint64_t offset) {
   // Advice only: a failure leaves the pages cached, nothing else.

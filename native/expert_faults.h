@@ -104,6 +104,9 @@ class RecordSink {
   // A sink that reads its records one after another through one ring (HostRecordSink, with
   // O_DIRECT and io_uring on): the streamed resolve's reader. Null: one read per record instead.
   virtual HostRecordSink* ordered_reader() { return nullptr; }
+  // The ordered reads' window for this sink's table: 0 to 32 pieces in flight, or -1 for the
+  // process's fault_read_window() (a runtime sets the one it chose for its disk).
+  virtual void set_read_window(int pieces) {}
   // Staging (a device sink with a host tier and staging arrays): plan the copy of `expert`'s
   // bytes into its row of the staging arrays (a whole layer, indexed by expert id), from pool
   // row `row`, or from the host tier when `row` < 0 (the tier must hold the expert). Called one
@@ -130,6 +133,9 @@ class HostRecordSink final : public RecordSink {
   uint32_t checksum(io::ChecksumKind kind, int64_t row, int64_t) override { return checksum_row(kind, row); }
   void set_direct(bool on) override { direct_.store(on, std::memory_order_relaxed); }
   HostRecordSink* ordered_reader() override;
+  void set_read_window(int pieces) override { window_.store(pieces, std::memory_order_relaxed); }
+  // Pieces in flight for this sink's ordered reads (its own window, else the process's).
+  unsigned read_window() const;
   // Read records (file offset, pool row) in their order, `fault_read_window()` pieces in flight
   // through the calling thread's ring (chunked_read.h: read_ordered), and call `landed(k, err, ns)`
   // as record k's last byte is in its row: 0 or an errno, and the time since its first piece was
@@ -145,6 +151,7 @@ class HostRecordSink final : public RecordSink {
  private:
   int read_row_direct(int fd, uint64_t offset, int64_t row);
   std::atomic<bool> direct_{false};
+  std::atomic<int> window_{-1};
   std::shared_ptr<io::Destination> dest_;
   uint64_t stride_;
   std::vector<io::SegmentSpan> segments_;  // sorted by offset
@@ -204,6 +211,9 @@ class FaultTable {
   void set_drop_cache(bool on);
   // The table's descriptor was opened with O_DIRECT: the sink reads aligned spans (see RecordSink).
   void set_direct(bool on) { sink_->set_direct(on); }
+  // The ordered reads' window of this table (RecordSink::set_read_window); throws
+  // std::invalid_argument outside -1 to 32.
+  void set_read_window(int pieces);
 
   // ---- stream thread ----
   // These never throw a failed fault: they log it (the step's awaiter raises it from the log,

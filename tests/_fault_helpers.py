@@ -180,10 +180,12 @@ def model_store(tmp: pathlib.Path, model_type: str, quantize: dict | None) -> tu
     return tmp / "store", model, prompt
 
 
-def direct_decode(store_dir: pathlib.Path, prompt: list[int], max_tokens: int, *, streamed: bool) -> list[int]:
+def direct_decode(store_dir: pathlib.Path, prompt: list[int], max_tokens: int, *, streamed: bool,
+                  read_window: int | None = None, plans: list[Any] | None = None) -> list[int]:
     """Greedy queued decode of ``store_dir`` past the page cache (O_DIRECT: the caller sets
-    ASYNCSIDE_DIRECT), nothing resident, streamed or resolved switches: the tokens, after the
-    ledgers audited clean. Skips where the file system refuses O_DIRECT."""
+    ASYNCSIDE_DIRECT), nothing resident, streamed or resolved switches, the runtime given
+    ``read_window``: the tokens, after the ledgers audited clean (the runtime's plan appended to
+    ``plans``). Skips where the file system refuses O_DIRECT."""
     from asyncside.bridge import completed
     from asyncside.models import ForwardOptions, load_streaming_model
     from asyncside.models.forward import StepMode
@@ -194,9 +196,11 @@ def direct_decode(store_dir: pathlib.Path, prompt: list[int], max_tokens: int, *
     k = int(sm.config.get("num_experts_per_tok", 2))
 
     async def main() -> list[int]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=k, read_window=read_window) as rt:
             if not rt.memory["direct"]:
                 pytest.skip("this file system refuses O_DIRECT")
+            if plans is not None:
+                plans.append(rt.plan)
             tokens = [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=rt)]
             await rt.quiesce()
             reports = rt.audit()

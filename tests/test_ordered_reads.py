@@ -40,10 +40,13 @@ RECORD = 3 * 8192  # direct_fault_table(block=8192): 24 KiB records
 
 @pytest.fixture(autouse=True)
 def _restore() -> Iterator[None]:
-    chunk, window = _native.fault_read_chunk(), _native.fault_read_window()
+    chunk, window, chosen = _native.fault_read_chunk(), _native.fault_read_window(), _native.fault_read_window_chosen()
     yield
     _native.set_fault_read_chunk(chunk)
-    _native.set_fault_read_window(window)
+    if chosen:
+        _native.set_fault_read_window(window)
+    else:  # as it was: the runtimes that follow choose their own
+        _native.testing.reset_fault_read_window()
     _native.testing.set_fault_read_uring(True)
 
 

@@ -22,6 +22,7 @@ and no part touches a ledger from anywhere else. That keeps the ledger a plain s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +41,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
 from ..policies import DEFAULT_POLICY
+from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
 from ..scheduler import Scheduler
 from ..snapshot import RowSnapshot, make_snapshot
@@ -107,6 +109,12 @@ class Runtime:
     of that expert is a copy to the device alone. Whole layers in order while they fit; ``"auto"``
     a quarter of what the budget leaves beside the pools; 0 none. The plan is :attr:`plan`.
 
+    ``read_window`` is how many pieces a streamed resolve's reads past the page cache keep in
+    flight (0 to 32; 0: a background read per record, side by side). None (the default): the
+    process's where it was chosen (``ASYNCSIDE_FAULT_READ_WINDOW``), else the least window at which
+    the store's disk reaches its rate, measured once per disk in the process when the plan reads
+    O_DIRECT (:mod:`asyncside.read_window`; the plan says which and why).
+
     ``rows_profile`` (a :class:`~asyncside.routing.RoutingTrace` or the path of one, of the
     runtime's layers and experts; every row dynamic) splits the pools' rows between the layers by
     their miss curves on that trace instead of evenly, the same total (``profile_rows`` in
@@ -132,10 +140,15 @@ class Runtime:
         verify: bool = True,
         host_tier: int | str = "auto",
         rows_profile: RowsProfile | None = None,
+        read_window: int | None = None,
     ) -> None:
         if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
                                         and host_tier >= 0)):
             raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
+        if read_window is not None and (isinstance(read_window, bool) or not isinstance(read_window, int)
+                                        or not 0 <= read_window <= MAX_READ_WINDOW):
+            raise ValueError(f"read_window: expected None (the process's, else measured on the store's disk) or "
+                             f"0 to {MAX_READ_WINDOW} pieces in flight, got {read_window!r}")
         if isinstance(resident, Mapping):
             raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
                             "size); name pinned experts with pinned={layer: [experts]}")
@@ -144,6 +157,7 @@ class Runtime:
         self._resident, self._pinned, self._memory = resident, pinned, memory
         self._side_rows, self._min_side_rows, self._host_tier = side_rows, min_side_rows, host_tier
         self._rows_profile = rows_profile
+        self._read_window = read_window
         # reader_options that say direct=... are an explicit choice too
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
@@ -207,6 +221,11 @@ class Runtime:
                 # that reads past it, a memory cgroup would go on charging those pages while the pools
                 # are allocated (see BENCHMARKS.md, "At 4x the budget on the GPU").
                 await anyio.to_thread.run_sync(drop_store_pages, self.store.path)
+                # How many pieces its ordered reads keep in flight: the disk's own answer, measured
+                # once per disk in this process (asyncside/read_window.py).
+                specs = [self.store.layers[i] for i in self._layer_ids]
+                chosen = await anyio.to_thread.run_sync(choose_read_window, specs, self._read_window)
+                self._plan = dataclasses.replace(self._plan, read_window=chosen)
             # Cancellable at every await; on any failure the scheduler has already closed itself.
             await s.scheduler.__aenter__()
         except BaseException:

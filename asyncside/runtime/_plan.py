@@ -31,6 +31,7 @@ from ..store import ExpertStore, LayerSpec
 from ._forward_cost import FIT, ForwardCost, config_top_k, forward_cost
 
 if TYPE_CHECKING:
+    from ..read_window import ReadWindow
     from ..routing import RoutingTrace
 
 __all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "min_rows", "plan_layer", "plan_memory",
@@ -217,6 +218,9 @@ class MemoryPlan:
     #: where the pools hold more rows a layer than ``resident`` asks for (:func:`rows_raised`); None
     #: where every layer holds what was asked
     rows_raised: Mapping[str, Any] | None = None
+    #: how many pieces the ordered reads past the page cache keep in flight, and why (set once the
+    #: runtime is entered: the disk may be measured for it; None in a plan that reads buffered)
+    read_window: ReadWindow | None = None
 
     @property
     def pools_fraction(self) -> float | None:
@@ -281,6 +285,8 @@ class MemoryPlan:
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
+        if self.read_window is not None:
+            lines.append(self.read_window.describe())
         room = self.forward_room_bytes
         if room is not None and self.forward is not None:
             lines.append(f"prompt chunks: at most {self.prompt_chunk(1 << 20)} tokens a forward at the start of a "
@@ -322,6 +328,7 @@ class MemoryPlan:
             "rows_raised": None if self.rows_raised is None else dict(self.rows_raised),
             "prompt_chunk_at_start": (None if self.forward_room_bytes is None or self.forward is None
                                       else self.prompt_chunk(1 << 20)),
+            "read_window": None if self.read_window is None else self.read_window.as_dict(),
         }
 
 

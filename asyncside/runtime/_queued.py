@@ -156,6 +156,8 @@ class QueuedSide:
                 if index in direct:
                     # The plan reads past the page cache: O_DIRECT, through an aligned buffer.
                     st.faults.set_direct(True)
+                    if plan.read_window is not None:
+                        st.faults.set_read_window(plan.read_window.table_window)
                 elif plan.direct:
                     # O_DIRECT could not be had here: a faulted record's pages are dropped once
                     # read instead, so cached records never evict each other (see MemoryPlan).

@@ -1,0 +1,197 @@
+"""The ordered reads' window, chosen from the disk the store is on.
+
+Past the page cache, a streamed resolve reads a layer's missing records one after another through
+one io_uring ring, a window of pieces in flight (``native/chunked_read.h``). Too small a window
+leaves a disk that gives more with depth idle between pieces; too large a one lets the next
+records share the disk with the first, which the layer's first slot is waiting for. The window a
+disk wants is the least depth at which it reaches its rate, and disks differ (a virtio disk, a
+local NVMe drive, a network volume): so the runtime measures it, once per disk per process,
+reading records of the store the way the ordered reads do, and says what it measured
+(BENCHMARKS.md, "The read window from the disk").
+
+A window chosen for the process (``ASYNCSIDE_FAULT_READ_WINDOW``, or
+``_native.set_fault_read_window``) is kept as it is, and so is one a runtime is given
+(``Runtime(read_window=...)``); neither is measured.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the most pieces an ordered read keeps in flight (a reading thread's ring holds no more)
+MAX_READ_WINDOW = 32
+
+#: the windows measured (pieces in flight). Not 1: with one piece in flight the disk waits, between
+#: pieces, for the reading thread to reap one and submit the next; alone on a core (as when
+#: measuring) that gap is small, but in a decode whose compute keeps every core busy it is not
+#: (BENCHMARKS.md, "The read window from the disk")
+WINDOWS: tuple[int, ...] = (2, 4, 8, 16, MAX_READ_WINDOW)
+
+#: the window chosen is the least that reaches this share of the best rate measured: a wider one
+#: would buy the rest of the rate with the first record's latency
+KNEE = 0.9
+
+#: bytes one measured pass reads (whole records, one after another); each window gets ``ROUNDS``
+#: passes, in alternating order, so that a drift of the machine's load meets every window alike
+PASS_BYTES = 48 << 20
+ROUNDS = 2
+
+#: a store whose records hold fewer bytes than one pass is not measured: re-reading the same
+#: records would measure the device's own cache, not the disk
+MIN_STORE_BYTES = PASS_BYTES
+
+_lock = threading.Lock()
+_measured: dict[tuple[int, int], ReadWindow] = {}  # (st_dev, piece bytes) -> what the disk gave
+
+
+@dataclass(frozen=True)
+class ReadWindow:
+    """The window a runtime's ordered reads keep in flight, and where it comes from.
+
+    ``source``: ``"measured"`` (this disk's rates, in :attr:`rates`), ``"process"`` (chosen for
+    the process: the variable or the setter), ``"argument"`` (``Runtime(read_window=...)``) or
+    ``"default"`` (nothing measured; :attr:`why` says why).
+    """
+
+    window: int
+    piece_bytes: int
+    source: str
+    why: str
+    #: window -> bytes per second, the best of the rounds (measured only)
+    rates: Mapping[int, float] = field(default_factory=dict)
+    seconds: float = 0.0  # what measuring took
+
+    @property
+    def table_window(self) -> int:
+        """What the runtime's fault tables are told: the window measured or given, else -1 (follow
+        the process's setting, which may change while they run)."""
+        return self.window if self.source in ("measured", "argument") else -1
+
+    def describe(self) -> str:
+        """One line for the plan."""
+        what = (f"{self.window} {'piece' if self.window == 1 else 'pieces'} of {self.piece_bytes >> 10} KiB in flight"
+                if self.window else "none (a background read per record)")
+        return f"read window: {what} ({self.why})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures."""
+        return {"window": self.window, "piece_bytes": self.piece_bytes, "source": self.source, "why": self.why,
+                "rates": {str(w): r for w, r in self.rates.items()}, "seconds": self.seconds}
+
+
+def knee(rates: Mapping[int, float], share: float = KNEE) -> int:
+    """The least window whose rate reaches ``share`` of the best in ``rates`` (window -> bytes/s)."""
+    if not rates:
+        raise ValueError("knee: expected at least one window's rate")
+    best = max(rates.values())
+    return min(w for w, r in rates.items() if r >= share * best)
+
+
+def describe_rates(rates: Mapping[int, float]) -> str:
+    """``0.41 / 1.52 GB/s at 1 / 4``: the rates in window order."""
+    ws = sorted(rates)
+    return f"{' / '.join(f'{rates[w] / 1e9:.2f}' for w in ws)} GB/s at {' / '.join(str(w) for w in ws)}"
+
+
+def measure_rates(records: Sequence[tuple[pathlib.Path, int, int]], piece_bytes: int, *,
+                  windows: Sequence[int] = WINDOWS, pass_bytes: int = PASS_BYTES, rounds: int = ROUNDS,
+                  seed: int = 0) -> dict[int, float]:
+    """The disk's rate at each window (bytes per second, the best of ``rounds`` passes): passes of
+    about ``pass_bytes`` of ``records`` (path, offset, bytes; block aligned), read O_DIRECT one
+    after another in pieces of ``piece_bytes``, as a streamed resolve reads them. A pass takes
+    records of one file in a random order, none read twice while unread ones remain. Blocks the
+    calling thread (a worker's). OSError where a file cannot be opened O_DIRECT or a read fails."""
+    from . import _native
+
+    if not records:
+        raise ValueError("measure_rates: expected records to read")
+    by_file: dict[pathlib.Path, list[tuple[int, int]]] = {}
+    for path, off, n in records:
+        by_file.setdefault(pathlib.Path(path), []).append((off, n))
+    rng = random.Random(seed)
+    unread = {p: rng.sample(rs, len(rs)) for p, rs in by_file.items()}
+    files = sorted(by_file)
+    fds: dict[pathlib.Path, int] = {}
+    best: dict[int, float] = {}
+    try:
+        for p in files:
+            fds[p] = os.open(p, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+        passes = 0
+        for r in range(rounds):
+            for w in (windows if r % 2 == 0 else list(reversed(windows))):
+                path = files[passes % len(files)]
+                passes += 1
+                picked: list[tuple[int, int]] = []
+                while sum(n for _, n in picked) < pass_bytes:
+                    if not unread[path]:
+                        unread[path] = rng.sample(by_file[path], len(by_file[path]))
+                    picked.append(unread[path].pop())
+                err, seconds = _native.time_ordered_reads(fds[path], picked, piece_bytes, w)
+                if err:
+                    raise OSError(err, f"reading records to measure the disk: {os.strerror(err)}", str(path))
+                rate = sum(n for _, n in picked) / max(seconds, 1e-9)
+                best[w] = max(best.get(w, 0.0), rate)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return best
+
+
+def store_records(specs: Sequence[Any]) -> list[tuple[pathlib.Path, int, int]]:
+    """Every record of the layers ``specs`` (:class:`~asyncside.store.LayerSpec`), as
+    (blob, offset, bytes): the whole stride, block aligned where the store is."""
+    return [(spec.path, e * spec.stride, spec.stride) for spec in specs for e in range(spec.n_experts)]
+
+
+def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWindow:
+    """The window for a runtime reading the layers ``specs`` past the page cache: ``given`` where
+    one is, the process's where it was chosen, else what the store's disk measures (once per disk
+    and piece size in this process), else the default with the reason. Blocks while it measures
+    (call it from a worker thread)."""
+    from . import _native
+
+    piece = int(_native.fault_read_chunk())
+    if given is not None:
+        return ReadWindow(given, piece, "argument", "Runtime(read_window=...)")
+    if _native.fault_read_window_chosen():
+        return ReadWindow(int(_native.fault_read_window()), piece, "process",
+                          "chosen for the process: ASYNCSIDE_FAULT_READ_WINDOW or set_fault_read_window")
+    default = int(_native.fault_read_window())
+    if not _native.ordered_reads_possible():
+        return ReadWindow(default, piece, "default", "not measured: no io_uring here, each record reads on its own")
+    if piece == 0:
+        return ReadWindow(default, piece, "default", "not measured: fault reads are whole records (a chunk of 0)")
+    records = store_records(specs)
+    total = sum(n for _, _, n in records)
+    if total < MIN_STORE_BYTES or any(n % 4096 for _, _, n in records):
+        return ReadWindow(default, piece, "default",
+                          f"not measured: the store's records ({total / 1e6:.1f} MB) are too few, or not "
+                          f"block aligned, to measure the disk with")
+    key = (os.stat(records[0][0]).st_dev, piece)
+    with _lock:
+        if key in _measured:
+            return _measured[key]
+        t0 = time.perf_counter()
+        try:
+            rates = measure_rates(records, piece)
+        except OSError as exc:
+            return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
+        window = knee(rates)
+        chosen = ReadWindow(window, piece, "measured",
+                            f"the least within {KNEE:.0%} of the disk's best, {describe_rates(rates)}",
+                            rates, time.perf_counter() - t0)
+        _measured[key] = chosen
+        return chosen
+
+
+def forget_measured() -> None:
+    """Measure every disk again at its next runtime (tests; a disk that changed under a long process)."""
+    with _lock:
+        _measured.clear()

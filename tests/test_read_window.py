@@ -1,0 +1,188 @@
+"""The ordered reads' window, chosen from the store's disk (asyncside/read_window.py).
+
+The runtime measures the rate of its store's disk at each window, the way a streamed resolve
+reads (``_native.time_ordered_reads``), takes the least window within ``KNEE`` of the best, and
+tells its fault tables; a window chosen for the process, or given to the runtime, is kept and not
+measured; a store too small to measure keeps the default and says why; a disk is measured once per
+process. Bad windows are refused, and a failed measuring read names its file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from _fault_helpers import direct_decode, model_store
+
+from asyncside import ExpertStore, Runtime, _native
+from asyncside import read_window as rw
+from asyncside.models import reference_generate
+
+RING = _native.io_uring_available()[0]
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    """Each test starts as a process does: no window chosen for it, no disk measured."""
+    chunk = _native.fault_read_chunk()
+    _native.testing.reset_fault_read_window()
+    rw.forget_measured()
+    yield
+    _native.set_fault_read_chunk(chunk)
+    _native.testing.reset_fault_read_window()
+    rw.forget_measured()
+
+
+def direct_file(tmp_path: pathlib.Path, nbytes: int) -> pathlib.Path:
+    """A file of ``nbytes`` random bytes; skips where its file system refuses O_DIRECT."""
+    path = tmp_path / "blob.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip("this file system refuses O_DIRECT")
+        raise
+    return path
+
+
+def test_the_knee_is_the_least_window_within_the_share_of_the_best() -> None:
+    rates = {1: 0.5e9, 2: 1.0e9, 4: 1.45e9, 8: 1.5e9, 16: 1.55e9}
+    assert rw.knee(rates) == 4  # 1.45 >= 0.9 x 1.55; 1.0 is not
+    assert rw.knee(rates, share=0.6) == 2
+    assert rw.knee(rates, share=1.0) == 16
+    assert rw.knee({1: 1.6e9, 2: 1.5e9, 4: 1.2e9}) == 1  # a disk that gains nothing from depth
+    with pytest.raises(ValueError, match="at least one window"):
+        rw.knee({})
+
+
+@pytest.mark.skipif(not RING, reason="no io_uring here")
+def test_time_ordered_reads_reads_the_disk_and_refuses_bad_arguments(tmp_path: pathlib.Path) -> None:
+    path = direct_file(tmp_path, 8 << 20)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        records = [(k << 20, 1 << 20) for k in (3, 0, 5)]
+        err, seconds = _native.time_ordered_reads(fd, records, 256 << 10, 4)
+        assert err == 0 and seconds > 0
+        # A record past the end of the file: its first piece reads nothing (ENODATA).
+        err, _ = _native.time_ordered_reads(fd, [(16 << 20, 1 << 20)], 1 << 20, 2)
+        assert err == errno.ENODATA
+        with pytest.raises(ValueError, match="piece: expected a multiple of 4096 bytes, got 1000"):
+            _native.time_ordered_reads(fd, records, 1000, 4)
+        with pytest.raises(ValueError, match="window: expected 1 to 32 pieces in flight, got 0"):
+            _native.time_ordered_reads(fd, records, 1 << 20, 0)
+        with pytest.raises(ValueError, match="got 33"):
+            _native.time_ordered_reads(fd, records, 1 << 20, 33)
+    finally:
+        os.close(fd)
+    before = _native.fault_counters()
+    rw.measure_rates([(path, k << 20, 1 << 20) for k in range(8)], 1 << 20, pass_bytes=2 << 20, rounds=1)
+    after = _native.fault_counters()
+    # Measuring is not a streamed resolve's read: the fault counters do not move.
+    assert after["ordered_reads"] == before["ordered_reads"] and after["chunk_ops"] == before["chunk_ops"]
+
+
+@pytest.mark.skipif(not RING, reason="no io_uring here")
+def test_measure_rates_gives_every_window_a_rate_and_names_a_failed_file(tmp_path: pathlib.Path) -> None:
+    path = direct_file(tmp_path, 4 << 20)
+    records = [(path, k * 262144, 262144) for k in range(16)]
+    rates = rw.measure_rates(records, 65536, windows=(1, 2, 4), pass_bytes=1 << 20, rounds=2)
+    assert set(rates) == {1, 2, 4} and all(r > 0 for r in rates.values())
+    with pytest.raises(OSError) as info:  # the file ends before the last record
+        rw.measure_rates([(path, 8 << 20, 262144)], 65536, windows=(1,), pass_bytes=1, rounds=1)
+    assert info.value.filename == str(path) and info.value.errno == errno.ENODATA
+    with pytest.raises(ValueError, match="expected records"):
+        rw.measure_rates([], 65536)
+
+
+def test_a_window_given_or_chosen_for_the_process_is_kept_unmeasured(tmp_path: pathlib.Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(rw, "measure_rates", lambda *a, **k: calls.append(1) or {4: 1.0})
+    store = ExpertStore.open(model_store(tmp_path, "qwen3_moe", None)[0])
+    specs = [store.layer(i) for i in store.layers]
+    given = rw.choose_read_window(specs, 6)
+    assert (given.window, given.source, given.table_window) == (6, "argument", 6)
+    _native.set_fault_read_window(3)
+    process = rw.choose_read_window(specs)
+    # The tables follow the process's setting (-1), which a tool may switch while they run.
+    assert (process.window, process.source, process.table_window) == (3, "process", -1)
+    assert "ASYNCSIDE_FAULT_READ_WINDOW" in process.describe()
+    assert calls == []
+
+
+def test_a_store_too_small_to_measure_keeps_the_default_and_says_why(tmp_path: pathlib.Path) -> None:
+    store = ExpertStore.open(model_store(tmp_path, "qwen3_moe", None)[0])
+    chosen = rw.choose_read_window([store.layer(i) for i in store.layers])
+    assert chosen.source == "default" and chosen.window == _native.fault_read_window()
+    assert chosen.table_window == -1  # the tables follow the process's setting
+    assert "not measured" in chosen.why and chosen.rates == {}
+
+
+@pytest.mark.skipif(not RING, reason="no io_uring here")
+def test_a_disk_is_measured_once_per_process(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = direct_file(tmp_path, 4 << 20)
+    monkeypatch.setattr(rw, "MIN_STORE_BYTES", 0)
+    real = rw.measure_rates
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> dict[int, float]:
+        calls.append(1)
+        return real(*args, pass_bytes=512 << 10, rounds=1, windows=(2, 4, 8))
+
+    monkeypatch.setattr(rw, "measure_rates", counted)
+    _native.set_fault_read_chunk(65536)
+    spec = type("Spec", (), {"path": path, "stride": 262144, "n_experts": 16})()
+    first = rw.choose_read_window([spec])
+    assert first.source == "measured" and set(first.rates) == {2, 4, 8}
+    assert first.window == rw.knee(first.rates) and first.piece_bytes == 65536 and first.seconds > 0
+    assert "GB/s at 2 / 4 / 8" in first.describe()
+    assert rw.choose_read_window([spec]) is first and calls == [1]
+    rw.forget_measured()
+    rw.choose_read_window([spec])
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [-1, 33, 2.0, True, "4"])
+def test_the_runtime_refuses_a_bad_read_window(tmp_path: pathlib.Path, bad: Any) -> None:
+    store = ExpertStore.open(model_store(tmp_path, "qwen3_moe", None)[0])
+    with pytest.raises(ValueError, match="read_window: expected None .* or 0 to 32 pieces in flight"):
+        Runtime(store, read_window=bad)
+
+
+def ordered_reads() -> int:
+    return int(_native.fault_counters()["ordered_reads"])
+
+
+@pytest.mark.skipif(not RING, reason="no io_uring here")
+def test_the_runtime_measures_its_disk_and_its_tables_read_with_the_window(tmp_path: pathlib.Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct decode with the window measured (the store made large enough to measure by
+    lowering the floor), given, and given as 0: tokens equal mlx-lm's; the plan says where its
+    window came from; reads go in order exactly where the window is not 0."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the host pools' fault path (CPU stream)")
+    monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")
+    monkeypatch.setattr(rw, "MIN_STORE_BYTES", 0)
+    monkeypatch.setattr(rw, "PASS_BYTES", 256 << 10)
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
+    ref = reference_generate(model, prompt, max_tokens=5)
+    _native.set_fault_read_chunk(4096)
+    for given, source in ((None, "measured"), (2, "argument"), (0, "argument")):
+        plans: list[Any] = []
+        before = ordered_reads()
+        tokens = direct_decode(store_dir, prompt, 5, streamed=True, read_window=given, plans=plans)
+        assert tokens == ref, (given, tokens, ref)
+        chosen = plans[0].read_window
+        assert chosen.source == source, chosen
+        assert "read window: " in plans[0].describe()
+        assert plans[0].as_dict()["read_window"]["source"] == source
+        assert (ordered_reads() > before) == (chosen.window > 0), (given, chosen)
+        if given is not None:
+            assert chosen.window == given
