@@ -153,23 +153,28 @@ class QueuedSide:
                 else:
                     st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
                                                    str(spec.path), spec.stride)
-                if index in direct:
-                    # The plan reads past the page cache: O_DIRECT, through an aligned buffer.
-                    st.faults.set_direct(True)
-                    if plan.read_window is not None:
-                        st.faults.set_read_window(plan.read_window.table_window)
-                elif plan.direct:
-                    # O_DIRECT could not be had here: a faulted record's pages are dropped once
-                    # read instead, so cached records never evict each other (see MemoryPlan).
-                    st.faults.set_drop_cache(True)
-                if s.scheduler.verify and spec.checksum is not None and spec.checksums is not None:
-                    # A faulted record is used only after its bytes verified, as a read one is.
-                    st.faults.set_checksums(spec.checksum, list(spec.checksums))
+                self._configure(st, plan, o_direct=index in direct)
             except BaseException:
                 for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
                     os.close(fd)
                 raise
         self._setup_staging(plan)
+
+    def _configure(self, st: LayerState, plan: MemoryPlan, *, o_direct: bool) -> None:
+        """How a layer's new fault table reads: past the page cache or not, the read window, checksums."""
+        if o_direct:
+            # The plan reads past the page cache: O_DIRECT, through an aligned buffer.
+            st.faults.set_direct(True)
+            if plan.read_window is not None:
+                st.faults.set_read_window(plan.read_window.table_window)
+        elif plan.direct:
+            # O_DIRECT could not be had here: a faulted record's pages are dropped once
+            # read instead, so cached records never evict each other (see MemoryPlan).
+            st.faults.set_drop_cache(True)
+        spec = st.spec
+        if self._s.scheduler.verify and spec.checksum is not None and spec.checksums is not None:
+            # A faulted record is used only after its bytes verified, as a read one is.
+            st.faults.set_checksums(spec.checksum, list(spec.checksums))
 
     def _setup_staging(self, plan: MemoryPlan) -> None:
         """Give each device fault table with a host tier its staging arrays: one whole layer per
