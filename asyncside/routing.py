@@ -309,7 +309,8 @@ class RoutingTrace:
                 raise ValueError(f"map_to: {name} must be a positive int, got {v!r}")
         if top_k > self.top_k and top_k > self.n_experts:
             raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} and its {self.n_experts} "
-                             f"experts: no widening makes it route {top_k} distinct experts per token")
+                             f"expert{'s' if self.n_experts != 1 else ''}: no widening makes it route {top_k} "
+                             f"distinct experts per token")
         if top_k > self.top_k:
             raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} (cannot invent choices; "
                              f"`asyncside routing widen FILE OUT --top-k {top_k}` adds them (docs/routing-traces.md))")

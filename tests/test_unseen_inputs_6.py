@@ -111,16 +111,61 @@ def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def test_the_demo_without_a_reference_shows_no_reference_figures(quick_store: pathlib.Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``demo --reference none`` printed its "no reference" column as 0.00 tokens/s, 0 ms, 0.0
     tokens, and a ratio of 0.000x: figures of a run that never ran."""
     from asyncside import cli
 
+    monkeypatch.setenv("COLUMNS", "200")  # one line a row, whatever the terminal
+
     rc = cli.main(["demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none", "--quiet"])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
+    assert rc == 0, (captured.err, captured.out)
     out = captured.out
-    assert "no reference" in out and "0.000x" not in out, out
+    assert "no reference" in out, out
     for label in ("tokens/s (whole run)", "decode tokens/s ", "time to first token"):
         row = next(line for line in out.splitlines() if label in line)
-        assert "—" in row and " 0.00 " not in row and " 0 ms" not in row, row
+        assert "—" in row and " 0.00 " not in row and "0.000x" not in row and " 0 ms" not in row, row
+
+
+def test_olmoe_clip_qkv_is_noted_as_not_represented(tmp_path: pathlib.Path) -> None:
+    """OLMoE's ``clip_qkv`` (its queries, keys and values clipped) was left out without a word."""
+    config = _write(tmp_path, json.dumps({**TINY, "model_type": "olmoe", "num_experts": 8, "num_local_experts": None,
+                                          "clip_qkv": 8.0}))
+    assert "clip_qkv 8.0 not represented" in describe_shape(config).notes
+
+
+def test_one_of_a_count_is_singular_where_a_trace_cannot_be_replayed(tmp_path: pathlib.Path) -> None:
+    """A top-1 trace of one expert on a top-4 model: "(2 layers x 1 experts, top-1)" and "its 1
+    experts"; a one-layer model: "(1 MoE layers x ...)"."""
+    from asyncside.models.forcing import RoutingReplay, RoutingReplayError
+
+    trace = RoutingTrace(np.zeros((3, 2, 1), np.int32), np.array([3]), 1, {})
+    with pytest.raises(RoutingReplayError) as info:
+        RoutingReplay(trace, moe_layers=range(1), n_experts=32, top_k=4, sequence=0, source="--routing T")
+    said = str(info.value)
+    assert "(2 layers x 1 expert, top-1) onto the model (1 MoE layer x 32 experts, top-4)" in said, said
+    assert "its 1 expert: no widening" in said, said
+
+
+def test_a_one_layer_build_too_large_says_one_layer(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench generate --shape CONFIG --layers 1`` past the disk: "building shape S with 1 layers"."""
+    import shutil as shutil_module
+
+    from asyncside.bench import shapes
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
+    config = _write(tmp_path, json.dumps(TINY))
+    with pytest.raises(shapes.ShapeTooLargeError, match=r"building shape my-moe with 1 layer needs about"):
+        shapes.ensure_shape(config, layers=1, vocab=512, cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_a_shape_of_one_expert_a_layer_is_said_in_the_singular(tmp_path: pathlib.Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --shapes CONFIG`` of one expert top-1: "a layer's top-1 of 1 experts"."""
+    config = _write(tmp_path, json.dumps({**TINY, "num_local_experts": 1, "num_experts_per_tok": 1}))
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:2", "--vocab", "small",
+                      "--cache-dir", str(tmp_path / "cache"))
+    assert rc == 2 and "a layer's top-1 of 1 expert, grow with the store" in err, err

@@ -825,7 +825,7 @@ def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: st
         return f"{said}: a store of more layers, {smaller}or {quick}"
     if fewest is None:
         return (f"{said}: no number of layers makes it {ratio:g}x, since asyncside's smallest pools, a layer's "
-                f"top-{s['top_k']} of {s['experts_per_layer']} experts, grow with the store; {quick}")
+                f"top-{s['top_k']} of {_count(s['experts_per_layer'], 'expert')}, grow with the store; {quick}")
     if s.get("max_layers") and fewest > s["max_layers"]:
         return (f"{said}: about {fewest} MoE layers would be, and the model has "
                 f"{_count(s['max_layers'], 'MoE layer')}; {smaller}{quick}")

@@ -700,14 +700,15 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
         if final.exists():  # a leftover without READY: never trust it
             shutil.rmtree(final)
         est = estimate_bytes(spec)
+        layer_count = f"{cfg['num_hidden_layers']} layer{'s' if cfg['num_hidden_layers'] != 1 else ''}"
         free = shutil.disk_usage(root).free
         if free < _disk_need(est):
-            raise ShapeTooLargeError(f"{root}: building shape {src.name} with {cfg['num_hidden_layers']} layers needs "
+            raise ShapeTooLargeError(f"{root}: building shape {src.name} with {layer_count} needs "
                                      f"about {_disk_need(est) / 1e9:.1f} GB free while it builds, {free / 1e9:.1f} GB "
                                      f"are free ({_fewer(name, vocab, cfg, lambda e: _disk_need(e) <= free)})")
         room = available_memory()
         if room.available < est["build_memory"]:
-            raise ShapeTooLargeError(f"building shape {src.name} with {cfg['num_hidden_layers']} layers holds about "
+            raise ShapeTooLargeError(f"building shape {src.name} with {layer_count} holds about "
                                      f"{est['build_memory'] / 1e9:.1f} GB in memory, {room.available / 1e9:.1f} GB "
                                      f"are available ({room.source}) "
                                      f"({_fewer(name, vocab, cfg, lambda e: e['build_memory'] <= room.available)})")

@@ -42,6 +42,11 @@ class RoutingReplayError(AsyncsideError, ValueError):
     """A routing trace cannot be replayed on this model or this step (the message says why)."""
 
 
+def _count(n: int, noun: str) -> str:
+    """``n noun``, the noun plural unless ``n`` is one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class RoutingReplay:
     """One sequence of a routing trace fitted to a model: ids ``(T, MoE layers, top_k)``.
 
@@ -64,9 +69,10 @@ class RoutingReplay:
             else:
                 fitted = trace.map_to(len(layers), int(n_experts), int(top_k))
         except ValueError as exc:
-            raise RoutingReplayError(f"{source}: cannot map the trace ({trace.n_layers} layers x "
-                                     f"{trace.n_experts} experts, top-{trace.top_k}) onto the model "
-                                     f"({len(layers)} MoE layers x {n_experts} experts, top-{top_k}): {exc}") from None
+            raise RoutingReplayError(f"{source}: cannot map the trace ({_count(trace.n_layers, 'layer')} x "
+                                     f"{_count(trace.n_experts, 'expert')}, top-{trace.top_k}) onto the model "
+                                     f"({_count(len(layers), 'MoE layer')} x {_count(int(n_experts), 'expert')}, "
+                                     f"top-{top_k}): {exc}") from None
         ids = np.ascontiguousarray(fitted.sequence(sequence), dtype=np.uint32)
         if ids.shape[0] < 1:
             raise RoutingReplayError(f"{source}: sequence {sequence} of the trace has no tokens")
