@@ -169,3 +169,41 @@ def test_a_shape_of_one_expert_a_layer_is_said_in_the_singular(tmp_path: pathlib
     rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:2", "--vocab", "small",
                       "--cache-dir", str(tmp_path / "cache"))
     assert rc == 2 and "a layer's top-1 of 1 expert, grow with the store" in err, err
+
+
+#: allenai/OLMoE-1B-7B-0924's config.json as far as a shape reads it: 16 layers of 64 experts top-8
+OLMOE = {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+         "vocab_size": 50304, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "norm_topk_prob": False,
+         "max_position_embeddings": 4096, "clip_qkv": None, "tie_word_embeddings": False}
+
+
+def test_the_layer_count_a_refusal_names_passes(tmp_path: pathlib.Path) -> None:
+    """``bench offload --shapes olmoe/config.json:2`` said "about 12 MoE layers are (--shapes ...:12)";
+    at 12 the refusal said 15, at 15 it said 16: each layer's attention adds to the store once and
+    to asyncside's smallest plan (which loads it) --store-ratio times, and the count was worked out
+    as if the other weights stayed as they were. The count named now passes, one fewer does not."""
+    import re
+
+    from _cli_support import offload_args
+
+    from asyncside.bench import offload
+
+    config = _write(tmp_path, json.dumps(OLMOE))
+    held = 100 << 20  # about what a run holds before its model here
+
+    def refusal(layers: int) -> str | None:
+        args = offload_args("--shapes", f"{config}:{layers}")
+        try:
+            offload.choose_budget(args, [offload._estimated_shape(args, config, layers, held)], False)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    said = refusal(2)
+    assert said is not None
+    found = re.search(re.escape(f"(--shapes {config}:") + r"(\d+)\)", said)
+    assert found, said
+    n = int(found.group(1))
+    assert refusal(n) is None, (n, refusal(n))
+    assert refusal(n - 1) is not None, n

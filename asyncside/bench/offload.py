@@ -790,19 +790,24 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
 def _fewest_layers(s: dict[str, Any], ratio: float, floor: int, own_plan: bool) -> int | None:
     """About the fewest MoE layers of shape ``s`` whose store is ``ratio`` times a budget of at least
     ``floor`` bytes and, with ``own_plan``, of the shape's own smallest plan (which grows by the
-    top-k rows of every layer); None when no number does (the top-k rows are already a
-    ``1/ratio`` share of a layer's experts). The other weights are taken as they are now."""
+    top-k rows and the other weights of every layer); None when no number does (the top-k rows are
+    already a ``1/ratio`` share of a layer's experts). The other weights grow by the shape's
+    ``layer_other_bytes`` a layer (attention, norms, router) where the row says, else are taken as
+    they are now."""
     layers = int(s["moe_layers"])
     per_layer = s["expert_bytes"] / layers
     other = s["store_bytes"] - s["expert_bytes"]
-    n = math.ceil((ratio * floor - other) / per_layer)
+    # A layer's other weights add to the store once, and to the plan's budget (which loads them)
+    # ratio times: left out, the count said was refused again with a larger one.
+    grows = float(s.get("layer_other_bytes") or 0)
+    n = math.ceil((ratio * floor - other + layers * grows) / (per_layer + grows))
     if own_plan:
         rows = s["top_k"] * s["record_bytes"]
-        fixed = s["least_budget_bytes"] - layers * rows
-        gain = per_layer - ratio * rows
+        fixed = s["least_budget_bytes"] - layers * (rows + grows)
+        gain = per_layer + grows - ratio * (rows + grows)
         if gain <= 0:
             return None
-        n = max(n, math.ceil((ratio * fixed - other) / gain))
+        n = max(n, math.ceil((ratio * fixed - other + layers * grows) / gain))
     return max(1, n)
 
 
@@ -873,6 +878,38 @@ def choose_budget(args: argparse.Namespace, shapes: list[dict[str, Any]], verbos
     return budget
 
 
+def _layer_other_bytes(spec: Any) -> int:
+    """The bytes besides the experts that one more MoE layer adds to the store of the shape built
+    from ``spec`` (its attention, norms and router), by :func:`asyncside.bench.shapes.estimate_bytes`."""
+    import dataclasses
+
+    from .shapes import estimate_bytes
+
+    def other(n: int) -> int:
+        return estimate_bytes(dataclasses.replace(spec, config={**spec.config, "num_hidden_layers": n}))["non_expert"]
+
+    return other(1) - other(0)
+
+
+def _estimated_shape(args: argparse.Namespace, typed: str, layers: int | None, held: int) -> dict[str, Any]:
+    """The row :func:`choose_budget` takes for shape ``typed`` of ``layers`` MoE layers (None: all),
+    from its build's estimates (:func:`asyncside.bench.shapes.estimate_bytes`), before it is built;
+    ``held``: what a run's process holds before its model (:func:`process_baseline`)."""
+    from .shapes import ShapeError, describe_shape, estimate_bytes, shape_spec
+
+    src = describe_shape(typed)
+    most = src.config["num_hidden_layers"]
+    if layers is not None and layers > most:  # shape_spec would name --layers, which this command has not
+        raise ShapeError(f"--shapes {typed}:{layers}: {src.name} has {_count(most, 'MoE layer')}; LAYERS must be "
+                         f"in [1, {most}] (or left out: every layer)")
+    spec = shape_spec(typed, layers=layers, vocab=args.vocab)
+    est, cfg = estimate_bytes(spec), spec.config
+    return {"shape": src.name, "spec": typed, "max_layers": most, "moe_layers": cfg["num_hidden_layers"],
+            "top_k": cfg["num_experts_per_tok"], "experts_per_layer": cfg["num_experts"], "record_bytes": est["record"],
+            "store_bytes": est["experts"] + est["non_expert"], "expert_bytes": est["experts"],
+            "layer_other_bytes": _layer_other_bytes(spec), "store": typed, "process_bytes": held}
+
+
 def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[str, int | None]],
                             user: list[dict[str, Any]], held: int) -> None:
     """The ``--store-ratio`` check of :func:`choose_budget` on the builds' estimates
@@ -881,22 +918,7 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
     (minutes of building later). A closer call is left to the check of the built stores. The
     ``user`` routing files are fitted onto the shapes' dimensions too (:func:`fit_routings`: a
     trace of smaller top-k is refused now, not after the build)."""
-    from .shapes import ShapeError, describe_shape, estimate_bytes, shape_spec
-
-    estimated = []
-    for typed, layers in planned:
-        src = describe_shape(typed)
-        most = src.config["num_hidden_layers"]
-        if layers is not None and layers > most:  # shape_spec would name --layers, which this command has not
-            raise ShapeError(f"--shapes {typed}:{layers}: {src.name} has {_count(most, 'MoE layer')}; LAYERS must be "
-                             f"in [1, {most}] (or left out: every layer)")
-        spec = shape_spec(typed, layers=layers, vocab=args.vocab)
-        est, cfg = estimate_bytes(spec), spec.config
-        estimated.append({"shape": src.name, "spec": typed, "max_layers": src.config["num_hidden_layers"],
-                          "moe_layers": cfg["num_hidden_layers"], "top_k": cfg["num_experts_per_tok"],
-                          "experts_per_layer": cfg["num_experts"], "record_bytes": est["record"],
-                          "store_bytes": est["experts"] + est["non_expert"], "expert_bytes": est["experts"],
-                          "store": typed, "process_bytes": held})
+    estimated = [_estimated_shape(args, typed, layers, held) for typed, layers in planned]
     fit_routings(user, estimated, positions=1 + int(args.tokens), predictor=args.predictor)
     lenient = argparse.Namespace(**{**vars(args), "store_ratio": 0.9 * float(args.store_ratio)})
     try:
@@ -923,7 +945,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     from ..routing import preset
     from ..store import ExpertStore
     from .machine import machine_info
-    from .shapes import describe_shape, ensure_shape, parse_shape_list
+    from .shapes import describe_shape, ensure_shape, parse_shape_list, shape_spec
 
     verbose = not getattr(args, "quiet", False)  # progress goes to stderr, beside --json's stdout too
     started = time.time()
@@ -966,6 +988,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                        "store_bytes": int(build["store_bytes"]), "record_bytes": first.stride,
                        "moe_layers": len(store.layers), "experts_per_layer": first.n_experts,
                        "top_k": _store_top_k(str(build["store"])), "process_bytes": held})
+        if typed_as is not None:  # a built shape: what another layer of it would add besides experts
+            shapes[-1]["layer_other_bytes"] = _layer_other_bytes(shape_spec(typed_as, layers=layers, vocab=args.vocab))
     budget = choose_budget(args, shapes, verbose)
     for sh in shapes:
         sh["prompt"] = prompt_for(sh["store"])
