@@ -207,3 +207,26 @@ def test_the_layer_count_a_refusal_names_passes(tmp_path: pathlib.Path) -> None:
     n = int(found.group(1))
     assert refusal(n) is None, (n, refusal(n))
     assert refusal(n - 1) is not None, n
+
+
+def test_qwen3_next_linear_attention_is_noted_as_not_represented(tmp_path: pathlib.Path) -> None:
+    """Qwen/Qwen3-Next-80B-A3B's config (512 experts top-10, one full-attention layer in four, the
+    rest linear attention, a quarter of each head rotated) was described as if a qwen3_moe with a
+    shared expert were all it left out."""
+    config = _write(tmp_path, json.dumps({
+        "model_type": "qwen3_next", "decoder_sparse_step": 1, "full_attention_interval": 4, "head_dim": 256,
+        "hidden_size": 2048, "intermediate_size": 5120, "linear_num_value_heads": 32, "linear_num_key_heads": 16,
+        "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+        "num_hidden_layers": 48, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
+        "shared_expert_intermediate_size": 512, "vocab_size": 151936, "rope_theta": 10000000}))
+    notes = describe_shape(config).notes
+    assert ("linear-attention layers (full_attention_interval 4: one layer in 4 is full attention) not "
+            "represented: every layer is full attention") in notes, notes
+    assert "partial rotary embeddings (partial_rotary_factor 0.25) not represented" in notes, notes
+
+
+def test_phimoe_lm_head_bias_is_among_the_biases(tmp_path: pathlib.Path) -> None:
+    """microsoft/Phi-3.5-MoE-instruct's ``lm_head_bias`` was left out of the biases noted."""
+    config = _write(tmp_path, json.dumps({**TINY, "model_type": "phimoe", "attention_bias": True,
+                                          "lm_head_bias": True}))
+    assert "biases not represented (attention_bias, lm_head_bias)" in describe_shape(config).notes

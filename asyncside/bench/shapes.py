@@ -30,10 +30,10 @@ OLMoE and gpt-oss, ``intermediate_size``; hidden size, heads, KV heads, head dim
 vocabulary, RoPE theta, norm eps, ``norm_topk_prob``) and builds a qwen3_moe of those dimensions
 with the construction above. What a qwen3_moe cannot represent (shared experts, dense layers,
 sigmoid or group-limited routing, multi-head latent attention, sliding windows, attention sinks,
-biases, RoPE scaling, scaling multipliers, ``clip_qkv``, the model's own quantization) is listed
-in the build's ``note``; dense layers are left out, so ``layers`` counts the model's MoE layers.
-The cache directory's hash is the effective config's (with the seed and quantization), so two
-configs never share a store.
+biases, RoPE scaling, scaling multipliers, ``clip_qkv``, linear attention, partial rotary embeddings,
+the model's own quantization) is listed in the build's ``note``; dense layers are left out, so
+``layers`` counts the model's MoE layers. The cache directory's hash is the effective config's
+(with the seed and quantization), so two configs never share a store.
 The named presets other than the first two are built the same way from their real configs' fields.
 """
 
@@ -298,9 +298,16 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
     if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
         notes.append(f"per-layer attention types ({', '.join(sorted(set(map(str, kinds))))}) not represented: "
                      f"every layer is full attention")
+    interval = raw.get("full_attention_interval")  # Qwen3-Next: linear attention between full-attention layers
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > 1:
+        notes.append(f"linear-attention layers (full_attention_interval {interval}: one layer in {interval} is full "
+                     f"attention) not represented: every layer is full attention")
+    rotary = raw.get("partial_rotary_factor")
+    if rotary is not None and rotary != 1:
+        notes.append(f"partial rotary embeddings (partial_rotary_factor {rotary}) not represented")
     if model_type == "gpt_oss" or raw.get("attention_sinks"):
         notes.append("attention sinks not represented")
-    biases = [f for f in ("attention_bias", "qkv_bias", "mlp_bias") if raw.get(f)]
+    biases = [f for f in ("attention_bias", "qkv_bias", "mlp_bias", "lm_head_bias") if raw.get(f)]
     if biases or model_type == "qwen2_moe":
         notes.append("biases not represented (" + (", ".join(biases) or "qwen2_moe's q/k/v biases") + ")")
     if raw.get("rope_scaling"):
