@@ -153,6 +153,8 @@ def auto_fraction(store: Any, budget: MemoryBudget, layers: list[int] | None = N
 #: optionally followed by "iB" or "B"
 _SIZE = re.compile(r"(\+?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:ib|i|b)?")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+#: a number in a unit past T (P, E, Z, Y), which no size option takes (a bare "e" is an exponent's)
+_BEYOND = re.compile(r"\+?[0-9.]+(?:e[+-]?[0-9]+)?\s*(?:([pzy])(?:ib|i|b)?|(e)(?:ib|i|b))")
 
 
 def proc_self_bytes(name: str, key: str) -> int:
@@ -191,6 +193,11 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     if str(value).strip().startswith("-"):
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
     match = _SIZE.fullmatch(str(value).strip().lower())
+    beyond = _BEYOND.fullmatch(str(value).strip().lower())
+    if beyond:
+        unit = (beyond.group(1) or beyond.group(2)).upper()
+        raise ValueError(f"{what} {value!r}: no unit {unit}, the largest is T (1{unit} is "
+                         f"{1 << 10 * ('PEZY'.index(unit) + 1)}T); {SIZE_UNITS}")
     number, unit = (match.group(1), match.group(2)) if match else ("", "")
     try:
         size = float(number)

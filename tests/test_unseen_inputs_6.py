@@ -230,3 +230,23 @@ def test_phimoe_lm_head_bias_is_among_the_biases(tmp_path: pathlib.Path) -> None
     config = _write(tmp_path, json.dumps({**TINY, "model_type": "phimoe", "attention_bias": True,
                                           "lm_head_bias": True}))
     assert "biases not represented (attention_bias, lm_head_bias)" in describe_shape(config).notes
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("1P", "no unit P, the largest is T (1P is 1024T)"), ("2PiB", "no unit P, the largest is T (1P is 1024T)"),
+    ("1EB", "no unit E, the largest is T (1E is 1048576T)"),
+])
+def test_a_size_in_a_unit_past_t_says_the_unit(text: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --memory 1P`` was "expected a size such as 800M, 1.5G or 4096" while ``--memory
+    1024T`` was taken (and capped by the machine): the unit at fault was not named."""
+    rc, err = run_cli(capsys, "demo", "--memory", text)
+    last = err.strip().splitlines()[-1]  # argparse's usage, then the error in one line
+    assert rc == 2 and f"argument --memory: memory {text!r}: {said}" in last and "Traceback" not in err, err
+
+
+def test_a_bare_e_is_still_an_unfinished_exponent() -> None:
+    """``1e`` is no exabyte: it is refused as a size that is not one, as before."""
+    from asyncside.memory import parse_size
+
+    with pytest.raises(ValueError, match=r"expected a size such as 800M"):
+        parse_size("1e")
