@@ -347,7 +347,8 @@ class RoutingTrace:
         """
         n = self.n_experts
         if self.top_k >= n:
-            raise ValueError(f"widen: the trace routes every one of its {n} experts per token already "
+            every = "its only expert" if n == 1 else f"every one of its {n} experts"
+            raise ValueError(f"widen: the trace routes {every} per token already "
                              f"(top-{self.top_k}): there is no choice to add, got top_k {top_k!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not self.top_k < top_k <= n:
             raise ValueError(f"widen: top_k must be an int in ({self.top_k}, {n}] (more than the trace's "

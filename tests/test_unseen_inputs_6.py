@@ -250,3 +250,12 @@ def test_a_bare_e_is_still_an_unfinished_exponent() -> None:
 
     with pytest.raises(ValueError, match=r"expected a size such as 800M"):
         parse_size("1e")
+
+
+def test_widening_a_trace_of_one_expert_says_its_only_expert(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: pathlib.Path) -> None:
+    """``routing widen`` of a top-1 trace of one expert: "every one of its 1 experts"."""
+    path = tmp_path / "one.npz"
+    np.savez(path, ids=np.zeros((3, 2, 1), np.int32), n_experts=1)
+    rc, err = run_cli(capsys, "routing", "widen", str(path), str(tmp_path / "out.npz"), "--top-k", "4")
+    assert rc == 2 and "the trace routes its only expert per token already (top-1)" in err, err
