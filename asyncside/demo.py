@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -679,6 +680,20 @@ def ranks_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _record_clash(args: argparse.Namespace) -> str | None:
+    """Why ``--record-routing FILE`` cannot be written (None: it can): FILE is the trace that
+    ``--routing`` or ``--rows-profile`` reads, which the recording would replace."""
+    out = getattr(args, "record_routing", None)
+    if not out or not os.path.exists(out):
+        return None
+    for option in ("routing", "rows_profile"):
+        given = getattr(args, option, None)
+        if given and os.path.exists(given) and os.path.samefile(given, out):
+            return (f"--record-routing {out} is the --{option.replace('_', '-')} file {given}: the recording would "
+                    f"replace the trace it reads; record to another file")
+    return None
+
+
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     args.resident = resident_of(args)
@@ -695,6 +710,10 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
+    clash = _record_clash(args)
+    if clash is not None:
+        print(f"asyncside demo: error: {clash}", file=sys.stderr)
+        return 2
     try:
         result = run_demo(args)
     except AsyncsideError as exc:  # e.g. pools that cannot fit the memory available: say so, no traceback

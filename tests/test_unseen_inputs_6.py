@@ -259,3 +259,18 @@ def test_widening_a_trace_of_one_expert_says_its_only_expert(capsys: pytest.Capt
     np.savez(path, ids=np.zeros((3, 2, 1), np.int32), n_experts=1)
     rc, err = run_cli(capsys, "routing", "widen", str(path), str(tmp_path / "out.npz"), "--top-k", "4")
     assert rc == 2 and "the trace routes its only expert per token already (top-1)" in err, err
+
+
+@pytest.mark.parametrize("option", ["--routing", "--rows-profile"])
+def test_recording_over_the_trace_a_demo_reads_is_refused(option: str, quick_store: pathlib.Path,
+                                                          tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --routing T.npz --record-routing T.npz`` replayed T, then wrote the run's own routing
+    over it: a 12-layer hand-written trace became the 2-layer recording, without a word."""
+    trace = tmp_path / "mine.npz"
+    RoutingTrace(np.tile(np.arange(4, dtype=np.int32), (6, 2, 1)), np.array([6]), 32, {}).save(trace)
+    before = trace.read_bytes()
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), option, str(trace),
+                      "--record-routing", str(tmp_path / "." / "mine.npz"), "--tokens", "2", "--quiet")
+    assert rc == 2 and f"is the {option} file {trace}: the recording would replace the trace it reads" in err, err
+    assert len(err.strip().splitlines()) == 1 and trace.read_bytes() == before, err
