@@ -28,11 +28,14 @@ from typing import Any
 #: the most pieces an ordered read keeps in flight (a reading thread's ring holds no more)
 MAX_READ_WINDOW = 32
 
-#: the windows measured (pieces in flight). Not 1: with one piece in flight the disk waits, between
-#: pieces, for the reading thread to reap one and submit the next; alone on a core (as when
-#: measuring) that gap is small, but in a decode whose compute keeps every core busy it is not
-#: (BENCHMARKS.md, "The read window from the disk")
-WINDOWS: tuple[int, ...] = (2, 4, 8, 16, MAX_READ_WINDOW)
+#: the least window chosen. A disk whose rate is flat from one or two pieces in flight still
+#: decoded faster at this one: between pieces the disk waits for the reading thread to reap one
+#: and submit the next, a gap that measuring (the thread alone on a core) hardly sees and a decode
+#: (its compute on every core) does (BENCHMARKS.md, "The read window from the disk")
+MIN_WINDOW = 4
+
+#: the windows measured (pieces in flight)
+WINDOWS: tuple[int, ...] = (MIN_WINDOW, 8, 16, MAX_READ_WINDOW)
 
 #: the window chosen is the least that reaches this share of the best rate measured: a wider one
 #: would buy the rest of the rate with the first record's latency
@@ -87,7 +90,8 @@ class ReadWindow:
 
 
 def knee(rates: Mapping[int, float], share: float = KNEE) -> int:
-    """The least window whose rate reaches ``share`` of the best in ``rates`` (window -> bytes/s)."""
+    """The least window whose rate reaches ``share`` of the best in ``rates`` (window -> bytes/s).
+    The runtime takes it from windows of at least :data:`MIN_WINDOW`."""
     if not rates:
         raise ValueError("knee: expected at least one window's rate")
     best = max(rates.values())
@@ -183,9 +187,10 @@ def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWi
             rates = measure_rates(records, piece)
         except OSError as exc:
             return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
-        window = knee(rates)
+        window = knee({w: r for w, r in rates.items() if w >= MIN_WINDOW} or rates)
         chosen = ReadWindow(window, piece, "measured",
-                            f"the least within {KNEE:.0%} of the disk's best, {describe_rates(rates)}",
+                            f"the least from {MIN_WINDOW} within {KNEE:.0%} of the disk's best, "
+                            f"{describe_rates(rates)}",
                             rates, time.perf_counter() - t0)
         _measured[key] = chosen
         return chosen

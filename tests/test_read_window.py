@@ -141,7 +141,9 @@ def test_a_disk_is_measured_once_per_process(tmp_path: pathlib.Path, monkeypatch
     spec = type("Spec", (), {"path": path, "stride": 262144, "n_experts": 16})()
     first = rw.choose_read_window([spec])
     assert first.source == "measured" and set(first.rates) == {2, 4, 8}
-    assert first.window == rw.knee(first.rates) and first.piece_bytes == 65536 and first.seconds > 0
+    # The least window is MIN_WINDOW, even where the disk is as fast with fewer pieces in flight.
+    assert first.window == rw.knee({w: r for w, r in first.rates.items() if w >= rw.MIN_WINDOW})
+    assert first.window >= rw.MIN_WINDOW and first.piece_bytes == 65536 and first.seconds > 0
     assert "GB/s at 2 / 4 / 8" in first.describe()
     assert rw.choose_read_window([spec]) is first and calls == [1]
     rw.forget_measured()
@@ -186,3 +188,18 @@ def test_the_runtime_measures_its_disk_and_its_tables_read_with_the_window(tmp_p
         assert (ordered_reads() > before) == (chosen.window > 0), (given, chosen)
         if given is not None:
             assert chosen.window == given
+
+
+@pytest.mark.skipif(not _native.ordered_reads_possible(), reason="no io_uring here: nothing is measured")
+@pytest.mark.parametrize("rates, window", [
+    ({4: 0.6e9, 8: 1.1e9, 16: 1.45e9, 32: 1.5e9}, 16),  # a disk that wants depth (a network volume)
+    ({4: 1.6e9, 8: 1.6e9, 16: 1.4e9, 32: 1.2e9}, 4),    # flat from the least window: the least
+    ({2: 1.7e9, 4: 1.5e9, 8: 1.6e9}, 4),                 # never below MIN_WINDOW, whatever 2 gave
+])
+def test_the_window_follows_the_disks_rates(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                            rates: dict[int, float], window: int) -> None:
+    monkeypatch.setattr(rw, "MIN_STORE_BYTES", 0)
+    monkeypatch.setattr(rw, "measure_rates", lambda *a, **k: rates)
+    store = ExpertStore.open(model_store(tmp_path, "qwen3_moe", None)[0])
+    chosen = rw.choose_read_window([store.layer(i) for i in store.layers])
+    assert (chosen.window, chosen.source, chosen.table_window) == (window, "measured", window)
