@@ -274,3 +274,24 @@ def test_recording_over_the_trace_a_demo_reads_is_refused(option: str, quick_sto
                       "--record-routing", str(tmp_path / "." / "mine.npz"), "--tokens", "2", "--quiet")
     assert rc == 2 and f"is the {option} file {trace}: the recording would replace the trace it reads" in err, err
     assert len(err.strip().splitlines()) == 1 and trace.read_bytes() == before, err
+
+
+def test_the_slot_cache_reference_shows_its_own_reads(quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo --reference slot-cache`` (the reference ``--memory`` picks where the model does not fit)
+    printed 0 bytes read and 0 stall time in the slot cache's column, the all-resident run's
+    figures, while the slot cache reads every miss synchronously; its hit rate was left blank."""
+    from asyncside import cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ["demo", "--model", str(quick_store), "--tokens", "4", "--reference", "slot-cache", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "bytes read while generating" in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert cells[2].endswith(" MB") and cells[2] != "0.0 MB", row  # the slot cache read its misses
+    hits = next(line for line in out.splitlines() if "hit rate (demand)" in line)
+    assert [c.strip() for c in hits.split("│") if c.strip()][2].endswith("%"), hits
+    assert cli.main([*argv, "--json"]) == 0
+    reads = json.loads(capsys.readouterr().out)["reference_reads"]
+    assert reads["bytes_read"] > 0 and 0 <= reads["hit_rate"] < 1 and reads["stall_time_s"] >= 0, reads
