@@ -914,6 +914,8 @@ NB_MODULE(_native, m) {
       [](PyFaultTable& table, std::string message) { table.t->testing_fail_next(std::move(message)); },
       nb::arg("table"), nb::arg("message"),
       "The next fault node of `table` to run throws `message` on the stream, once: logged as error -4, its rows 0.");
+  testing.def("set_direct_in_place", &asyncside::faults::set_direct_in_place, nb::arg("on"),
+              "False: every O_DIRECT fault read lands in an aligned buffer and is copied into its rows.");
   testing.def("reset_fault_read_window", &asyncside::faults::reset_fault_read_window,
               "The streamed reads' window back to its default (ASYNCSIDE_FAULT_READ_WINDOW where set, "
               "else 4), not chosen for the process.");

@@ -108,12 +108,16 @@ struct AlignedScratch {
   }
 };
 
+std::atomic<bool> g_direct_in_place{true};  // testing: false sends every O_DIRECT read through a buffer
+
 }  // namespace
+
+void set_direct_in_place(bool on) { g_direct_in_place.store(on, std::memory_order_relaxed); }
 
 int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
   // Straight into the pool rows when the record is whole blocks end to end (every segment block
   // aligned and sized, no gap between them) and so are the rows: no copy pass over the record.
-  if (blocks_only_) {
+  if (blocks_only_ && g_direct_in_place.load(std::memory_order_relaxed)) {
     std::vector<iovec> iov;
     iov.reserve(segments_.size());
     bool aligned = true;
@@ -181,7 +185,7 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
   // flight, so memory does not grow with the record) and its bytes are copied into the rows.
   std::vector<uint8_t> in_place(records.size(), 0);
   for (size_t k = 0; k < records.size(); ++k) {
-    bool aligned = blocks_only_ && records[k].first % kDirectAlign == 0;
+    bool aligned = blocks_only_ && g_direct_in_place.load(std::memory_order_relaxed) && records[k].first % kDirectAlign == 0;
     for (size_t s = 0; s < segments_.size() && aligned; ++s) {
       aligned = reinterpret_cast<uintptr_t>(dest_->host_row(order_[s], records[k].second)) % kDirectAlign == 0;
     }

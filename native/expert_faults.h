@@ -360,6 +360,9 @@ struct GlobalCounters {
   std::atomic<uint64_t> ordered_reads{0};     // streamed resolves whose records were read in order (read_ordered)
 };
 GlobalCounters& global_counters();
+// Test hook: false reads every O_DIRECT record through an aligned buffer and copies it into the
+// rows, never straight into them.
+void set_direct_in_place(bool on);
 uint64_t fault_errors_total();
 
 }  // namespace asyncside::faults
