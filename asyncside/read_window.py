@@ -44,7 +44,7 @@ KNEE = 0.9
 #: bytes one measured pass reads (whole records, one after another); each window gets ``ROUNDS``
 #: passes, in alternating order, so that a drift of the machine's load meets every window alike
 PASS_BYTES = 48 << 20
-ROUNDS = 2
+ROUNDS = 3
 
 #: a store whose records hold fewer bytes than one pass is not measured: re-reading the same
 #: records would measure the device's own cache, not the disk
