@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .argtypes import int_at_least, resident_fraction, writable_file
+from .argtypes import file_name, int_at_least, resident_fraction, writable_file
 from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
@@ -113,10 +113,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
                    help="decode steps start a layer's misses' reads at once and compute its experts as they land "
                         "(CPU, host pools); auto: where the memory plan reads past the page cache")
-    p.add_argument("--routing", metavar="FILE", default=None,
+    p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
-    p.add_argument("--rows-profile", metavar="FILE", default=None,
+    p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
                    help="split the pools' rows between layers by this routing trace's miss curves (a trace "
                         "of the model's shape; record or generate it from another sequence than --routing's)")
     p.add_argument("--record-routing", metavar="FILE", type=writable_file, default=None,

@@ -295,3 +295,16 @@ def test_the_slot_cache_reference_shows_its_own_reads(quick_store: pathlib.Path,
     assert cli.main([*argv, "--json"]) == 0
     reads = json.loads(capsys.readouterr().out)["reference_reads"]
     assert reads["bytes_read"] > 0 and 0 <= reads["hit_rate"] < 1 and reads["stall_time_s"] >= 0, reads
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--routing"], ["demo", "--rows-profile"], ["demo", "--record-routing"],
+    ["bench", "generate", "--routing"], ["bench", "generate", "--rows-profile"], ["bench", "offload", "--routing"],
+    ["bench", "policy", "--trace"], ["bench", "policy", "--out"],
+])
+def test_an_empty_file_name_is_refused_when_parsed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --routing "$TRACE"`` with TRACE unset ran the model's own routing, as if the option were
+    left out (``--rows-profile ''`` and ``--record-routing ''`` alike); ``bench offload --routing ''``
+    said ": no such file"."""
+    rc, err = run_cli(capsys, *argv, "")
+    assert rc == 2 and f"argument {argv[-1]}: expected a file name, got ''" in err, err

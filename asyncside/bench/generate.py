@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..argtypes import file_name
 from ..demo import Run, positive_int, prompt_tokens
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -139,9 +140,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--routing", metavar="FILE", default=None,
+    p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
-    p.add_argument("--rows-profile", metavar="FILE", default=None,
+    p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
                    help="split asyncside's pool rows between layers by this routing trace's miss curves "
                         "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
     p.add_argument("--policy", default=DEFAULT_POLICY,  # checked after parsing, with the other settings

@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..argtypes import int_at_least, policy_name, positive_float, vocab_size
+from ..argtypes import file_name, int_at_least, policy_name, positive_float, vocab_size
 from ..errors import AsyncsideError
 from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -734,7 +734,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--localities", default=None,
                    help="synthetic routing presets, comma-separated (default low,middle,high; with --routing "
                         "none unless given: '' runs no preset)")
-    p.add_argument("--routing", metavar="FILE", action="append", default=None,
+    p.add_argument("--routing", metavar="FILE", type=file_name, action="append", default=None,
                    help="your own routing trace (.npz, docs/routing-traces.md), a locality labelled by the file's "
                         "stem; repeatable. Fitted onto each shape as demo --routing fits it (sequence 0; other "
                         "layers, experts, a larger top-k mapped; a smaller top-k refused); every system replays "

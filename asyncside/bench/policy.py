@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..argtypes import int_at_least, writable_file
+from ..argtypes import file_name, int_at_least, writable_file
 
 #: (experts, top_k) of the default synthetic traces: the recorded public trace's shape (64 experts,
 #: top-6) and two larger ones.
@@ -118,7 +118,7 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                              "64x6 with --quick)")
     parser.add_argument("--seeds", type=_listed(_seed), default="0",
                         help="seeds of the synthetic traces, comma-separated (default 0)")
-    parser.add_argument("--trace", action="append", default=[], metavar="NPZ",
+    parser.add_argument("--trace", action="append", type=file_name, default=[], metavar="NPZ",
                         help="also replay this routing trace file (docs/routing-traces.md); repeatable")
     parser.add_argument("--out", type=writable_file, default=None, help="write the result as JSON to this file")
     parser.add_argument("--split", action="store_true",
