@@ -308,3 +308,21 @@ def test_an_empty_file_name_is_refused_when_parsed(argv: list[str], capsys: pyte
     said ": no such file"."""
     rc, err = run_cli(capsys, *argv, "")
     assert rc == 2 and f"argument {argv[-1]}: expected a file name, got ''" in err, err
+
+
+def test_a_vocabulary_too_large_to_build_is_named(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench offload --shapes CONFIG:2 --vocab 1000000000`` was refused for the disk with "even one
+    layer does not fit: 0.0 GB of experts, 2368.0 GB held while building it": the layers were
+    blamed for the embedding and LM head that the vocabulary sizes."""
+    import shutil as shutil_module
+
+    from asyncside.bench import shapes
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda _p: usage._replace(free=10**9))
+    config = _write(tmp_path, json.dumps(TINY))
+    with pytest.raises(shapes.ShapeTooLargeError) as info:
+        shapes.ensure_shape(config, layers=2, vocab=10**7, cache_dir=tmp_path / "cache", progress=False)
+    said = str(info.value)
+    assert ("the vocabulary alone does not fit: the embedding and LM head of vocab_size 10000000 x hidden 256 are "
+            "3.2 GB") in said and "a smaller --vocab (small: 512)" in said and "one layer" not in said, said

@@ -663,7 +663,16 @@ def _fewer(name: str | os.PathLike[str], vocab: int | None, cfg: dict[str, Any],
         best = n
     if best:
         return f"fewer layers: --layers {best} or fewer"
-    one = estimate_bytes(shape_spec(name, layers=1, vocab=vocab))
+    one_spec = shape_spec(name, layers=1, vocab=vocab)
+    # No layer at all: the embedding and the LM head, which the vocabulary sizes
+    bare = estimate_bytes(dataclasses.replace(one_spec, config={**one_spec.config, "num_hidden_layers": 0}))
+    if not fits(bare):
+        c = one_spec.config
+        return (f"the vocabulary alone does not fit: the embedding and LM head of vocab_size {c['vocab_size']} x "
+                f"hidden {c['hidden_size']} are {bare['non_expert'] / 1e9:.1f} GB, "
+                f"{bare['build_memory'] / 1e9:.1f} GB held while building them; a smaller --vocab (small: "
+                f"{SMALL_VOCAB})")
+    one = estimate_bytes(one_spec)
     return (f"even one layer does not fit: {one['experts'] / 1e9:.1f} GB of experts, {one['build_memory'] / 1e9:.1f} "
             f"GB held while building it")
 
