@@ -664,8 +664,10 @@ def _fewer(name: str | os.PathLike[str], vocab: int | None, cfg: dict[str, Any],
     if best:
         return f"fewer layers: --layers {best} or fewer"
     one_spec = shape_spec(name, layers=1, vocab=vocab)
-    # No layer at all: the embedding and the LM head, which the vocabulary sizes
-    bare = estimate_bytes(dataclasses.replace(one_spec, config={**one_spec.config, "num_hidden_layers": 0}))
+    # No layer and no expert (whose float weights a build generates a layer at a time): the
+    # embedding and the LM head, which the vocabulary sizes
+    bare = estimate_bytes(dataclasses.replace(one_spec, config={**one_spec.config, "num_hidden_layers": 0,
+                                                                "num_experts": 0}))
     if not fits(bare):
         c = one_spec.config
         return (f"the vocabulary alone does not fit: the embedding and LM head of vocab_size {c['vocab_size']} x "
