@@ -22,7 +22,7 @@ for shape in ${SHAPES:-qwen3-30b-a3b gpt-oss-20b}; do
   log "$shape: store"
   store=$(timeout $(( T_END - $(date +%s) - 5 )) python3 -c "
 from asyncside.bench.shapes import ensure_shape
-print(ensure_shape('$shape', layers=8, vocab=512, progress=False).store)" 2> "$OUT/build-$shape.log" | tail -1)
+print(ensure_shape('$shape', layers=8, vocab=512, progress=False)['store'])" 2> "$OUT/build-$shape.log" | tail -1)
   [ -d "$store" ] || { tail -5 "$OUT/build-$shape.log"; continue; }
   python3 -c "
 from asyncside.routing import preset
