@@ -289,8 +289,12 @@ def test_direct_from_the_environment_and_the_auto_refusal(tmp_path: pathlib.Path
     with pytest.raises(AsyncsideError, match=r"ASYNCSIDE_DIRECT: expected 0 or 1, got 'maybe'"):
         _plan(store, memory=roomy)
     monkeypatch.delenv("ASYNCSIDE_DIRECT")
-    with pytest.raises(AsyncsideError, match=r"resident=auto.*smallest pools \(8 rows a layer") as info:
+    # min_side_rows=8 as given (the helper's default): a smaller one is named as what helps too.
+    with pytest.raises(AsyncsideError, match=r"resident=auto.*8 rows a layer \(min_side_rows=8 as given\)") as info:
         _plan(store, resident="auto", memory=memory.MIN_HEADROOM + (512 << 10))  # 8 rows: 1 MiB
+    assert "resident fraction" not in str(info.value)
+    with pytest.raises(AsyncsideError, match=r"resident=auto.*smallest pools \(8 rows a layer") as info:
+        _plan(store, resident="auto", min_side_rows=None, memory=memory.MIN_HEADROOM + (512 << 10))
     assert "resident fraction" not in str(info.value)
 
 
@@ -331,3 +335,23 @@ def test_size_spellings(text: str) -> None:
 def test_an_overflowing_size_says_so() -> None:
     with pytest.raises(ValueError, match="finite"):
         memory.parse_size("1e400")
+
+
+def test_a_refusal_of_rows_given_names_them_and_its_memory_leaves_a_margin(tmp_path: pathlib.Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """resident='auto' whose pools hold the side_rows given (not the model's top-k) says so, and that
+    a smaller side_rows helps; the memory= a refusal names still fits a later run of the command
+    whose process holds a few MiB more before it plans."""
+    import re
+
+    store = _store(tmp_path / "s")
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 100 << 20)
+    with pytest.raises(AsyncsideError) as info:
+        _plan(store, resident="auto", side_rows=48, memory=(100 << 20) + memory.MIN_HEADROOM + (512 << 10))
+    text = str(info.value)
+    assert "these pools hold 48 rows a layer (side_rows=48 as given)" in text and "a smaller side_rows" in text
+    assert "top-k" not in text and "smallest pools" not in text
+    wanted = re.search(r"memory=([0-9.]+) MiB or more", text)
+    assert wanted is not None, text
+    monkeypatch.setattr(plan_mod, "_resident_now", lambda: 108 << 20)  # the next run holds 8 MiB more
+    _plan(store, resident="auto", side_rows=48, memory=f"{wanted.group(1)}M")

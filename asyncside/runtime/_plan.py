@@ -406,10 +406,17 @@ def resolve_budget(memory: int | str | None) -> MemoryBudget:
     return MemoryBudget(room, label)
 
 
+#: what a refusal's "memory=... or more" adds to what the process holds now: a later run of the
+#: same command holds a few MiB more or less before it plans, and the figure named must fit it too
+NEED_MARGIN = 16 << 20
+
+
 def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, headroom: int,
-                   rows: Mapping[int, int], asked_auto: bool, label: Any, pools_at: Any) -> AsyncsideError:
+                   rows: Mapping[int, int], asked_auto: bool, label: Any, pools_at: Any,
+                   raised: Mapping[str, Any] | None = None) -> AsyncsideError:
     """Why the pools and the headroom do not fit the budget, and what would: the memory= that
-    would, and the largest resident fraction that fits where one does."""
+    would, and the largest resident fraction that fits where one does. ``raised``
+    (:func:`rows_raised`) says why the pools hold the rows they do."""
 
     def needed(pool_bytes: int) -> str:
         """What memory= would have to be for ``pool_bytes`` of pools (a budget counts what the
@@ -418,13 +425,23 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
             return ""
         # What the process holds now, not memory= less the budget: a memory= below what it holds
         # left a budget of 0, which would hide the difference.
-        return f" (memory={describe_bytes(_resident_now() + pool_bytes + headroom)} or more)"
+        need = _resident_now() + pool_bytes + headroom + NEED_MARGIN
+        return f" (memory={describe_bytes(-(-need // (1 << 20)) << 20)} or more)"
 
-    if asked_auto:  # already the least rows a step needs: only more memory helps
+    if asked_auto:
         least = max(rows.values()) if rows else 0
-        advice = (f"these are the smallest pools ({least} rows a layer, the model's top-k), so the "
-                  f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
-                  f"holds{needed(pools)}: a larger memory budget, or fewer layers in this process")
+        why = raised["why"] if raised else "top-k"
+        if why.startswith(("side_rows=", "min_side_rows=")):
+            # Rows the caller asked for: fewer of them fit where the model's top-k allows.
+            name = why.split("=")[0]
+            advice = (f"these pools hold {least} rows a layer ({why} as given), so the budget must leave "
+                      f"at least {describe_bytes(pools + headroom)} beside what the process holds"
+                      f"{needed(pools)}: a smaller {name}, a larger memory budget, or fewer layers in this process")
+        else:  # already the least rows a step needs: only more memory helps
+            reason = "the model's top-k" if why == "top-k" else "the least a layer may hold"
+            advice = (f"these are the smallest pools ({least} rows a layer, {reason}), so the "
+                      f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
+                      f"holds{needed(pools)}: a larger memory budget, or fewer layers in this process")
     else:
         fits = _largest_fraction(pools_at, budget.available - headroom)
         if fits is None:
@@ -599,7 +616,7 @@ def plan_memory(
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
     if pools + headroom > budget.available:
-        raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at)
+        raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at, raised)
     if page_cache < 0:
         # The tier is pinned host memory held for the runtime's life, like the pools: a tier the
         # budget cannot hold beside them would take the process past it. ("auto" bounds itself
