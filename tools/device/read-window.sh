@@ -10,10 +10,6 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 T_END=$(( $(date +%s) + ${WALL:-560} ))
-if [ -n "${SETUP:-}" ]; then
-  SETUP_ONLY=1 OUT=$OUT bash "$(dirname "$0")/cuda-run.sh" || exit 1
-fi
-BENCH=0
 . "$(dirname "$0")/bench-env.sh"
 export PYTHONPATH=/tmp/site:$PWD
 log() { echo "== $(date +%T) $*"; }

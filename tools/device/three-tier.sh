@@ -18,9 +18,6 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 T_END=$(( $(date +%s) + ${WALL:-580} ))  # the whole call's wall time: the runs get what is left
-if [ -n "${SETUP:-}" ]; then
-  SETUP_ONLY=1 OUT=$OUT bash "$(dirname "$0")/cuda-run.sh" || exit 1
-fi
 . "$(dirname "$0")/bench-env.sh"
 echo "set up; $(( T_END - $(date +%s) )) s of WALL left"
 export PYTHONPATH=/tmp/site:$PWD
