@@ -79,7 +79,9 @@ class ReadWindow:
 
     def describe(self) -> str:
         """One line for the plan."""
-        what = (f"{self.window} {'piece' if self.window == 1 else 'pieces'} of {self.piece_bytes >> 10} KiB in flight"
+        piece = (f"{self.piece_bytes >> 20} MiB" if self.piece_bytes % (1 << 20) == 0
+                 else f"{self.piece_bytes >> 10} KiB")
+        what = (f"{self.window} {'piece' if self.window == 1 else 'pieces'} of {piece} in flight"
                 if self.window else "none (a background read per record)")
         return f"read window: {what} ({self.why})"
 
