@@ -84,6 +84,11 @@ def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
             assert 0 <= r["hit_rate"] <= 1 and 0 <= r["belady"]["hit_rate"] <= 1
             assert r["of_min"] is not None and r["miss_mb_per_token"] >= 0
             assert r["rows_per_layer"] and all(n > 0 for n in r["rows_per_layer"].values())
+        if r["system"] == "asyncside":  # a plan that reads past the page cache states its read window
+            window = r["read_window"]
+            assert (window is not None) == r["memory_plan"]["direct"], (window, r["memory_plan"])
+            if window is not None:
+                assert window["source"] in ("measured", "default", "process") and window["why"], window
     assert res["tokens_identical"] is True
     md = offload.render_markdown(res)
     assert md.count("\n| store") == len(res["runs"]) and "of MIN" in md

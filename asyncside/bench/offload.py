@@ -323,6 +323,8 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
                 out["load_s"] = time.perf_counter() - t_load
                 out["memory_plan"] = {k: v for k, v in dict(rt.memory).items()
                                       if isinstance(v, (int, float, str, bool))}
+                # the ordered reads' window and the disk's rates it came from (None: reads buffered)
+                out["read_window"] = rt.memory.get("read_window")
                 return await generate_measured(rt, sm, store.layers, prompt, max_tokens, spec["predictor"], arrived)
 
         t0, io1, got = anyio.run(run, backend="asyncio")
