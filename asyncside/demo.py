@@ -116,6 +116,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
+    p.add_argument("--routing-sequence", metavar="N", type=count_arg, default=0,
+                   help="which sequence of a --routing trace of several to replay (default 0, the first)")
     p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
                    help="split the pools' rows between layers by this routing trace's miss curves (a trace "
                         "of the model's shape; record or generate it from another sequence than --routing's)")
@@ -464,7 +466,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = prompt_tokens(sm.tokenizer, args.prompt, store_dir)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
-    replay = sm.set_routing(args.routing) if getattr(args, "routing", None) else None
+    replay = (sm.set_routing(args.routing, sequence=getattr(args, "routing_sequence", 0))
+              if getattr(args, "routing", None) else None)
     args.predictor, note = choose_predictor(args.predictor, replay)
     notes = [note] if note else []
     if replay is not None:  # which sequence, how short, whether mapped: a trace of another shape says so
@@ -722,6 +725,10 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
+    if getattr(args, "routing_sequence", 0) and not getattr(args, "routing", None):
+        print("asyncside demo: error: --routing-sequence picks a sequence of a --routing trace: give --routing FILE",
+              file=sys.stderr)
+        return 2
     clash = _record_clash(args)
     if clash is not None:
         print(f"asyncside demo: error: {clash}", file=sys.stderr)

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..argtypes import file_name
+from ..argtypes import file_name, int_at_least
 from ..demo import Run, positive_int, prompt_tokens
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -142,6 +142,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
+    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=0,
+                   help="which sequence of a --routing trace of several to replay (default 0, the first)")
     p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
                    help="split asyncside's pool rows between layers by this routing trace's miss curves "
                         "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
@@ -650,19 +652,26 @@ def _read_traces_first(args: argparse.Namespace) -> None:
     """Read ``--routing`` and ``--rows-profile``: a bad file is refused (TraceError naming the file and
     the field), and a ``--routing`` trace that does not fit a ``--shape`` (RoutingReplayError),
     before a shape is built or a model loads, as bench offload's are."""
-    from ..models.forcing import RoutingReplay
+    from ..models.forcing import RoutingReplay, RoutingReplayError
     from ..routing import RoutingTrace
     from .shapes import shape_spec
 
+    sequence = getattr(args, "routing_sequence", 0)
+    if sequence and not getattr(args, "routing", None):
+        raise RoutingReplayError("--routing-sequence picks a sequence of a --routing trace: give --routing FILE")
     for path in (getattr(args, "routing", None), getattr(args, "rows_profile", None)):
         if path:
-            RoutingTrace.load(path)
+            trace = RoutingTrace.load(path)
+            if path == getattr(args, "routing", None) and not sequence < trace.n_sequences:
+                raise RoutingReplayError(f"{path}: --routing-sequence {sequence} out of range: the trace has "
+                                         f"{trace.n_sequences} sequence{'s' if trace.n_sequences != 1 else ''}")
     shape = getattr(args, "shape", None)
     if shape is not None and getattr(args, "routing", None) and getattr(args, "model", None) is None:
         # Fitted onto the shape's dimensions now (a smaller top-k is refused) rather than after its build.
         cfg = shape_spec(shape, layers=getattr(args, "layers", None), vocab=_vocab(getattr(args, "vocab", None))).config
         RoutingReplay(RoutingTrace.load(args.routing), moe_layers=range(cfg["num_hidden_layers"]),
-                      n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], source=str(args.routing))
+                      n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], sequence=sequence,
+                      source=str(args.routing))
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -691,7 +700,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "routing", None):
         from ..models.forcing import force_reference
 
-        replay = sm.set_routing(args.routing)
+        replay = sm.set_routing(args.routing, sequence=getattr(args, "routing_sequence", 0))
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)
         _log(verbose, f"routing {replay.describe()['note']}")
