@@ -725,10 +725,19 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
-    if getattr(args, "routing_sequence", 0) and not getattr(args, "routing", None):
+    sequence = getattr(args, "routing_sequence", 0)
+    if sequence and not getattr(args, "routing", None):
         print("asyncside demo: error: --routing-sequence picks a sequence of a --routing trace: give --routing FILE",
               file=sys.stderr)
         return 2
+    if sequence:
+        from .routing import RoutingTrace
+
+        n = RoutingTrace.load(args.routing).n_sequences  # a bad file: TraceError, one line naming it
+        if sequence >= n:
+            print(f"asyncside demo: error: {args.routing}: --routing-sequence {sequence} out of range: the trace "
+                  f"has {n} sequence{'s' if n != 1 else ''}", file=sys.stderr)
+            return 2
     clash = _record_clash(args)
     if clash is not None:
         print(f"asyncside demo: error: {clash}", file=sys.stderr)
