@@ -914,8 +914,12 @@ NB_MODULE(_native, m) {
       [](PyFaultTable& table, std::string message) { table.t->testing_fail_next(std::move(message)); },
       nb::arg("table"), nb::arg("message"),
       "The next fault node of `table` to run throws `message` on the stream, once: logged as error -4, its rows 0.");
-  testing.def("set_direct_in_place", &asyncside::faults::set_direct_in_place, nb::arg("on"),
-              "False: every O_DIRECT fault read lands in an aligned buffer and is copied into its rows.");
+  testing.def("set_direct_in_place", &asyncside::faults::set_direct_in_place, nb::arg("on"), nb::arg("force") = false,
+              "False: every O_DIRECT fault read lands in an aligned buffer and is copied into its rows; "
+              "force: straight into rows even where they are CUDA managed memory.");
+  testing.def("direct_reads_land_in_pool", [](const mx::array& pool) {
+        return asyncside::faults::direct_reads_land_in(const_cast<mx::array&>(pool).data<uint8_t>());
+      }, nb::arg("pool"), "Whether O_DIRECT fault reads may land straight in this evaluated pool array.");
   testing.def("reset_fault_read_window", &asyncside::faults::reset_fault_read_window,
               "The streamed reads' window back to its default (ASYNCSIDE_FAULT_READ_WINDOW where set, "
               "else 4), not chosen for the process.");

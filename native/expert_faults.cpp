@@ -74,6 +74,7 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
     const bool adjacent = k == 0 || seg.offset == segments_[k - 1].offset + segments_[k - 1].nbytes;
     if (!adjacent || seg.offset % 4096 || seg.nbytes % 4096) blocks_only_ = false;
   }
+  rows_take_direct_ = dest_->rows() == 0 || direct_reads_land_in(dest_->host_row(0, 0));
   if (junk_bytes_) {
     junk_ = static_cast<uint8_t*>(std::malloc(junk_bytes_));
     if (!junk_) throw std::runtime_error("cannot allocate the padding sink");
@@ -109,15 +110,24 @@ struct AlignedScratch {
 };
 
 std::atomic<bool> g_direct_in_place{true};  // testing: false sends every O_DIRECT read through a buffer
+std::atomic<bool> g_force_in_place{false};  // testing: true reads in place where direct_reads_land_in says no
 
 }  // namespace
 
-void set_direct_in_place(bool on) { g_direct_in_place.store(on, std::memory_order_relaxed); }
+void set_direct_in_place(bool on, bool force) {
+  g_direct_in_place.store(on, std::memory_order_relaxed);
+  g_force_in_place.store(on && force, std::memory_order_relaxed);
+}
+
+bool HostRecordSink::in_place_allowed() const {
+  return g_direct_in_place.load(std::memory_order_relaxed) &&
+         (rows_take_direct_ || g_force_in_place.load(std::memory_order_relaxed));
+}
 
 int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {
   // Straight into the pool rows when the record is whole blocks end to end (every segment block
   // aligned and sized, no gap between them) and so are the rows: no copy pass over the record.
-  if (blocks_only_ && g_direct_in_place.load(std::memory_order_relaxed)) {
+  if (blocks_only_ && in_place_allowed()) {
     std::vector<iovec> iov;
     iov.reserve(segments_.size());
     bool aligned = true;
@@ -185,7 +195,7 @@ void HostRecordSink::read_rows_ordered(int fd, const std::vector<std::pair<uint6
   // flight, so memory does not grow with the record) and its bytes are copied into the rows.
   std::vector<uint8_t> in_place(records.size(), 0);
   for (size_t k = 0; k < records.size(); ++k) {
-    bool aligned = blocks_only_ && g_direct_in_place.load(std::memory_order_relaxed) && records[k].first % kDirectAlign == 0;
+    bool aligned = blocks_only_ && in_place_allowed() && records[k].first % kDirectAlign == 0;
     for (size_t s = 0; s < segments_.size() && aligned; ++s) {
       aligned = reinterpret_cast<uintptr_t>(dest_->host_row(order_[s], records[k].second)) % kDirectAlign == 0;
     }

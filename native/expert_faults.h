@@ -150,6 +150,8 @@ class HostRecordSink final : public RecordSink {
 
  private:
   int read_row_direct(int fd, uint64_t offset, int64_t row);
+  // Whether O_DIRECT reads may land straight in this sink's rows (else through a buffer).
+  bool in_place_allowed() const;
   std::atomic<bool> direct_{false};
   std::atomic<int> window_{-1};
   std::shared_ptr<io::Destination> dest_;
@@ -159,6 +161,7 @@ class HostRecordSink final : public RecordSink {
   std::vector<size_t> order_;              // segments_[k] is segment order_[k] of the destination
   uint8_t* junk_ = nullptr;                // sink for the padding between segments
   bool blocks_only_ = false;               // segments are whole 4 KiB blocks end to end (see read_row_direct)
+  bool rows_take_direct_ = true;           // direct_reads_land_in(the rows): reads may land in them
   uint64_t junk_bytes_ = 0;
 };
 
@@ -361,8 +364,15 @@ struct GlobalCounters {
 };
 GlobalCounters& global_counters();
 // Test hook: false reads every O_DIRECT record through an aligned buffer and copies it into the
-// rows, never straight into them.
-void set_direct_in_place(bool on);
+// rows, never straight into them; `force` reads in place even into rows direct_reads_land_in()
+// refuses (to show why it refuses them).
+void set_direct_in_place(bool on, bool force = false);
+// Whether an O_DIRECT read may land straight in host memory at `p`: false for CUDA managed memory
+// (every array of an MLX CUDA build, its CPU arrays too), which the driver may migrate while the
+// disk writes into it; such rows are read through a buffer and copied. Decodes that read in place
+// into them failed their checksums where reads through a buffer never did (BENCHMARKS.md, "O_DIRECT
+// into CUDA managed memory"). Always true without CUDA.
+bool direct_reads_land_in(const void* p) noexcept;
 uint64_t fault_errors_total();
 
 }  // namespace asyncside::faults

@@ -413,6 +413,15 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
 
 bool device_faults_available() noexcept { return true; }
 
+bool direct_reads_land_in(const void* p) noexcept {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // plain host memory on older runtimes: clear the sticky error
+    return true;
+  }
+  return attr.type != cudaMemoryTypeManaged;
+}
+
 const char* device_fault_node_form() noexcept {
   switch (fault_node_form()) {
     case NodeForm::Device: return "device";
@@ -552,6 +561,8 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, st
 }
 
 bool device_faults_available() noexcept { return false; }
+
+bool direct_reads_land_in(const void*) noexcept { return true; }
 
 const char* device_fault_node_form() noexcept { return "none"; }
 

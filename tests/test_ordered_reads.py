@@ -48,6 +48,7 @@ def _restore() -> Iterator[None]:
     else:  # as it was: the runtimes that follow choose their own
         _native.testing.reset_fault_read_window()
     _native.testing.set_fault_read_uring(True)
+    _native.testing.set_direct_in_place(True)
 
 
 def ordered_reads() -> int:
@@ -218,3 +219,24 @@ def test_a_damaged_record_fails_alone_and_the_others_verify(tmp_path: pathlib.Pa
     assert_rows_hold(store, pools, table, [5, 9, 11])
     assert np.array(table.table())[7] == -1
     assert sorted(table.reclaim()) == [0, 1, 2, 3]
+
+
+def test_rows_that_refuse_direct_reads_are_read_through_a_buffer(tmp_path: pathlib.Path) -> None:
+    """Host pools of this build take O_DIRECT reads in place; where they may not (CUDA managed
+    memory, or the test hook saying so) a whole-blocks record lands through the bounce buffers
+    instead, with the same bytes, streamed and resolved alike."""
+    store, pools, table = direct_fault_table(tmp_path, "blocks", block=8192, seed=11)
+    assert all(_native.testing.direct_reads_land_in_pool(a) for a in pools.arrays.values())
+    _native.set_fault_read_chunk(4096)
+    _native.testing.set_direct_in_place(False)
+    in_place = _native.fault_counters()["direct_in_place"]
+    assert sorted(stream(table, [3, 12, 7])) == [0, 1, 2]
+    assert_rows_hold(store, pools, table, [3, 12, 7])
+    assert _native.fault_counters()["direct_in_place"] == in_place
+    _native.testing.set_direct_in_place(True)
+    table.reclaim()
+    table.sync(np.full(store.layer(0).n_experts, -1, dtype=np.int32))
+    table.lend([0, 1, 2])
+    assert sorted(stream(table, [5, 2, 9])) == [0, 1, 2]
+    assert_rows_hold(store, pools, table, [5, 2, 9])
+    assert _native.fault_counters()["direct_in_place"] - in_place == (3 if RING else 0)

@@ -43,7 +43,8 @@ def _order(n: int) -> list[bool]:
 
 
 def _chunk_counters() -> dict[str, int]:
-    return {k: v for k, v in _native.fault_counters().items() if k.startswith("chunk") or k == "ordered_reads"}
+    return {k: v for k, v in _native.fault_counters().items()
+            if k.startswith("chunk") or k in ("ordered_reads", "direct_in_place")}
 
 
 def _set(args: argparse.Namespace, arm_a: bool) -> None:
