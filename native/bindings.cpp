@@ -918,7 +918,7 @@ NB_MODULE(_native, m) {
               "False: every O_DIRECT fault read lands in an aligned buffer and is copied into its rows; "
               "force: straight into rows even where they are CUDA managed memory.");
   testing.def("direct_reads_land_in_pool", [](const mx::array& pool) {
-        return asyncside::faults::direct_reads_land_in(const_cast<mx::array&>(pool).data<uint8_t>());
+        return asyncside::io::direct_reads_land_in(const_cast<mx::array&>(pool).data<uint8_t>());
       }, nb::arg("pool"), "Whether O_DIRECT fault reads may land straight in this evaluated pool array.");
   testing.def("reset_fault_read_window", &asyncside::faults::reset_fault_read_window,
               "The streamed reads' window back to its default (ASYNCSIDE_FAULT_READ_WINDOW where set, "

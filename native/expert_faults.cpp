@@ -74,7 +74,7 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
     const bool adjacent = k == 0 || seg.offset == segments_[k - 1].offset + segments_[k - 1].nbytes;
     if (!adjacent || seg.offset % 4096 || seg.nbytes % 4096) blocks_only_ = false;
   }
-  rows_take_direct_ = dest_->rows() == 0 || direct_reads_land_in(dest_->host_row(0, 0));
+  rows_take_direct_ = dest_->rows() == 0 || io::direct_reads_land_in(dest_->host_row(0, 0));
   if (junk_bytes_) {
     junk_ = static_cast<uint8_t*>(std::malloc(junk_bytes_));
     if (!junk_) throw std::runtime_error("cannot allocate the padding sink");

@@ -367,12 +367,7 @@ GlobalCounters& global_counters();
 // rows, never straight into them; `force` reads in place even into rows direct_reads_land_in()
 // refuses (to show why it refuses them).
 void set_direct_in_place(bool on, bool force = false);
-// Whether an O_DIRECT read may land straight in host memory at `p`: false for CUDA managed memory
-// (every array of an MLX CUDA build, its CPU arrays too), which the driver may migrate while the
-// disk writes into it; such rows are read through a buffer and copied. Decodes that read in place
-// into them failed their checksums where reads through a buffer never did (BENCHMARKS.md, "O_DIRECT
-// into CUDA managed memory"). Always true without CUDA.
-bool direct_reads_land_in(const void* p) noexcept;
+
 uint64_t fault_errors_total();
 
 }  // namespace asyncside::faults

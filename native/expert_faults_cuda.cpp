@@ -413,14 +413,6 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
 
 bool device_faults_available() noexcept { return true; }
 
-bool direct_reads_land_in(const void* p) noexcept {
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // plain host memory on older runtimes: clear the sticky error
-    return true;
-  }
-  return attr.type != cudaMemoryTypeManaged;
-}
 
 const char* device_fault_node_form() noexcept {
   switch (fault_node_form()) {
@@ -549,6 +541,17 @@ void eval_device_faults(const std::shared_ptr<FaultTable>& table, const mx::arra
 
 }  // namespace asyncside::faults
 
+namespace asyncside::io {
+bool direct_reads_land_in(const void* p) noexcept {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // memory CUDA does not know: clear the error, it is plain host memory
+    return true;
+  }
+  return attr.type != cudaMemoryTypeManaged;
+}
+}  // namespace asyncside::io
+
 #else  // no CUDA in this build
 
 namespace asyncside::faults {
@@ -562,8 +565,6 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror>, st
 
 bool device_faults_available() noexcept { return false; }
 
-bool direct_reads_land_in(const void*) noexcept { return true; }
-
 const char* device_fault_node_form() noexcept { return "none"; }
 
 void set_device_staging(FaultTable&, std::vector<mlx::core::array>) {
@@ -572,5 +573,9 @@ void set_device_staging(FaultTable&, std::vector<mlx::core::array>) {
 }
 
 }  // namespace asyncside::faults
+
+namespace asyncside::io {
+bool direct_reads_land_in(const void*) noexcept { return true; }
+}  // namespace asyncside::io
 
 #endif  // ASYNCSIDE_CUDA

@@ -107,6 +107,14 @@ struct Faults {
 // Where the segments of a record land. A host-addressable destination gives the address of a
 // segment's row; a device destination (CUDA, later) would return nullptr and be fed from staging
 // through a copy hook instead.
+// Whether an O_DIRECT read may land straight in host memory at `p`: false for CUDA managed memory
+// (every array of an MLX CUDA build, its CPU arrays too), which the driver may migrate while the
+// disk writes into it; such rows are read through a buffer and copied (the fault tables' reads and
+// the Reader's alike). Decodes that read in place into them failed their checksums where reads
+// through a buffer never did (BENCHMARKS.md, "O_DIRECT into CUDA managed memory"). Always true
+// without CUDA (defined in expert_faults_cuda.cpp).
+bool direct_reads_land_in(const void* p) noexcept;
+
 class Destination {
  public:
   virtual ~Destination() = default;
