@@ -274,6 +274,11 @@ def test_serve_exits_2_on_a_trace_the_model_cannot_replay(tmp_path: pathlib.Path
     trace = tmp_path / "top1.npz"
     TraceFile(np.zeros((4, len(store.layers), 1), dtype=np.int32), np.array([4]), n, {}).save(trace)
     args = build_parser().parse_args(["serve", "--model", str(store_dir), "--port", "0", "--routing", str(trace)])
+    import logging
+
+    handlers = list(logging.getLogger("asyncside").handlers)
     assert serve_main(args) == 2
     err = capsys.readouterr().err
     assert "top" in err and "Traceback" not in err, err
+    # The server's log handler went with it: none left behind writing to this test's closed stderr.
+    assert logging.getLogger("asyncside").handlers == handlers

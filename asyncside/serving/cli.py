@@ -9,8 +9,10 @@ the option is parsed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any, cast
 
 from ..argtypes import int_at_least, policy_name, resident_fraction
@@ -331,15 +333,27 @@ def bound_malloc() -> bool:
     return bool(mallopt(m_mmap_threshold, 128 * 1024))
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def _serve_logging(args: argparse.Namespace) -> Iterator[None]:
+    """The server's log lines to stderr while it runs. Taken back when it returns: a process that
+    serves more than once (tests, an embedding application) would otherwise keep a handler per run,
+    each writing to the stderr of its time, which may have been closed since."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
     base = logging.getLogger("asyncside")
+    access = logging.getLogger("asyncside.access")
+    before = base.level, access.level
     base.addHandler(handler)
     base.setLevel(level if isinstance(level, int) else logging.WARNING)
     if args.access_log:
-        logging.getLogger("asyncside.access").setLevel(logging.INFO)
+        access.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        base.removeHandler(handler)
+        base.setLevel(before[0])
+        access.setLevel(before[1])
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -386,10 +400,10 @@ def serve_main(args: argparse.Namespace) -> int:
         except TraceError as exc:
             print(f"asyncside serve: error: --routing: {exc}", file=sys.stderr)
             return 2
-    _configure_logging(args)
     bound_malloc()
     try:
-        uvloop.run(run_serve(args))
+        with _serve_logging(args):
+            uvloop.run(run_serve(args))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown
         pass
     except (ServeError, OSError) as exc:
