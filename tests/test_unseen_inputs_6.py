@@ -326,3 +326,18 @@ def test_a_vocabulary_too_large_to_build_is_named(tmp_path: pathlib.Path, monkey
     said = str(info.value)
     assert ("the vocabulary alone does not fit: the embedding and LM head of vocab_size 10000000 x hidden 256 are "
             "3.2 GB") in said and "a smaller --vocab (small: 512)" in said and "one layer" not in said, said
+
+
+def test_a_model_config_nested_too_deeply_is_one_error_naming_it(tmp_path: pathlib.Path) -> None:
+    """``asyncside convert`` of a model directory whose config.json nests past Python's recursion
+    limit raised RecursionError with its traceback; it is a StoreError naming the file now."""
+    from asyncside.errors import StoreError
+    from asyncside.models.convert import convert_model
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(StoreError) as info:
+        convert_model(model, tmp_path / "store", progress=False)
+    assert "config.json" in str(info.value) and "nested too deeply" in str(info.value), str(info.value)

@@ -255,6 +255,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raw = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise StoreError(src / "config.json", f"not a readable JSON config: {exc}") from None
+    except RecursionError:  # json parses nesting by recursion: a file nested past Python's limit
+        raise StoreError(src / "config.json", "not a JSON config this reader takes: nested too deeply") from None
     if not isinstance(raw, dict):
         raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
     arch = arch_for(str(raw.get("model_type", "")))  # one asyncside cannot stream: refused before mlx-lm builds it
