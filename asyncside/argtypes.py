@@ -157,6 +157,20 @@ def policy_name(text: str) -> str:
 _NEGATIVE_VALUE = re.compile(r"-[0-9.]")
 
 
+class Once(argparse.Action):
+    """An option that takes one value and may be given once: a second ``--routing B`` after
+    ``--routing A`` is refused (argparse would keep B and drop A without a word)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        seen = f"_given_{self.dest}"
+        if getattr(namespace, seen, None) is not None:
+            raise argparse.ArgumentError(self, f"given twice ({getattr(namespace, seen)} and {values}): "
+                                               f"it takes one file; give it once")
+        setattr(namespace, seen, values)
+        setattr(namespace, self.dest, values)
+
+
 class CommandParser(argparse.ArgumentParser):
     """The parser of every ``asyncside`` command (its subcommands' parsers are of this class too).
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .argtypes import file_name, int_at_least, resident_fraction, writable_file
+from .argtypes import Once, file_name, int_at_least, resident_fraction, writable_file
 from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
@@ -113,15 +113,15 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],
                    help="decode steps start a layer's misses' reads at once and compute its experts as they land "
                         "(CPU, host pools); auto: where the memory plan reads past the page cache")
-    p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
+    p.add_argument("--routing", metavar="FILE", type=file_name, action=Once, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
     p.add_argument("--routing-sequence", metavar="N", type=count_arg, default=0,
                    help="which sequence of a --routing trace of several to replay (default 0, the first)")
-    p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
+    p.add_argument("--rows-profile", metavar="FILE", type=file_name, action=Once, default=None,
                    help="split the pools' rows between layers by this routing trace's miss curves (a trace "
                         "of the model's shape; record or generate it from another sequence than --routing's)")
-    p.add_argument("--record-routing", metavar="FILE", type=writable_file, default=None,
+    p.add_argument("--record-routing", metavar="FILE", type=writable_file, action=Once, default=None,
                    help="write the streaming run's routing (every MoE layer's ids per token) as a routing trace "
                         "(.npz, docs/routing-traces.md)")
     p.add_argument("--quiet", action="store_true", help="do not print tokens as they come")

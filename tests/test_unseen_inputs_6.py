@@ -341,3 +341,16 @@ def test_a_model_config_nested_too_deeply_is_one_error_naming_it(tmp_path: pathl
     with pytest.raises(StoreError) as info:
         convert_model(model, tmp_path / "store", progress=False)
     assert "config.json" in str(info.value) and "nested too deeply" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--routing"], ["demo", "--rows-profile"], ["demo", "--record-routing"],
+    ["bench", "generate", "--routing"], ["bench", "generate", "--rows-profile"],
+])
+def test_a_file_option_given_twice_is_refused(argv: list[str], tmp_path: pathlib.Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --routing A --routing B`` replayed B and dropped A without a word (argparse keeps the
+    last); the option takes one file, so a second one is refused when parsed, naming both."""
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    rc, err = run_cli(capsys, *argv, str(a), argv[-1], str(b))
+    assert rc == 2 and f"argument {argv[-1]}: given twice ({a} and {b}): it takes one file; give it once" in err, err

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..argtypes import file_name, int_at_least
+from ..argtypes import Once, file_name, int_at_least
 from ..demo import Run, positive_int, prompt_tokens
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -140,11 +140,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="asyncside runs with record checksums verified (on, the default) and/or not (off), "
                         "A/B in the same rounds (the slot cache never verifies)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--routing", metavar="FILE", type=file_name, default=None,
+    p.add_argument("--routing", metavar="FILE", type=file_name, action=Once, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
     p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=0,
                    help="which sequence of a --routing trace of several to replay (default 0, the first)")
-    p.add_argument("--rows-profile", metavar="FILE", type=file_name, default=None,
+    p.add_argument("--rows-profile", metavar="FILE", type=file_name, action=Once, default=None,
                    help="split asyncside's pool rows between layers by this routing trace's miss curves "
                         "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
     p.add_argument("--policy", default=DEFAULT_POLICY,  # checked after parsing, with the other settings
