@@ -709,6 +709,24 @@ def _record_clash(args: argparse.Namespace) -> str | None:
     return None
 
 
+def routing_sequence_problem(routing: str | None, sequence: int, trace: Any = None) -> str | None:
+    """Why ``--routing-sequence sequence`` cannot be replayed from ``--routing routing`` (None: it
+    can), said before a model loads: no trace given, or one without that sequence. ``trace``: the
+    file already loaded, else it is loaded here; a bad file raises its TraceError (one line naming it)."""
+    if not sequence:
+        return None
+    if not routing:
+        return "--routing-sequence picks a sequence of a --routing trace: give --routing FILE"
+    if trace is None:
+        from .routing import RoutingTrace
+
+        trace = RoutingTrace.load(routing)
+    n = int(trace.n_sequences)
+    if sequence < n:
+        return None
+    return f"{routing}: --routing-sequence {sequence} out of range: the trace has {n} sequence{'s' if n != 1 else ''}"
+
+
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     args.resident = resident_of(args)
@@ -725,22 +743,10 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
-    sequence = getattr(args, "routing_sequence", 0)
-    if sequence and not getattr(args, "routing", None):
-        print("asyncside demo: error: --routing-sequence picks a sequence of a --routing trace: give --routing FILE",
-              file=sys.stderr)
-        return 2
-    if sequence:
-        from .routing import RoutingTrace
-
-        n = RoutingTrace.load(args.routing).n_sequences  # a bad file: TraceError, one line naming it
-        if sequence >= n:
-            print(f"asyncside demo: error: {args.routing}: --routing-sequence {sequence} out of range: the trace "
-                  f"has {n} sequence{'s' if n != 1 else ''}", file=sys.stderr)
-            return 2
-    clash = _record_clash(args)
-    if clash is not None:
-        print(f"asyncside demo: error: {clash}", file=sys.stderr)
+    problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", 0))
+               or _record_clash(args))
+    if problem is not None:
+        print(f"asyncside demo: error: {problem}", file=sys.stderr)
         return 2
     try:
         result = run_demo(args)

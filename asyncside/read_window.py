@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the most pieces an ordered read keeps in flight (a reading thread's ring holds no more)
-MAX_READ_WINDOW = 32
+# the most pieces an ordered read keeps in flight (a reading thread's ring holds no more): defined
+# once, beside the check of ASYNCSIDE_FAULT_READ_WINDOW
+from .native_env import MAX_WINDOW as MAX_READ_WINDOW
 
 #: the least window chosen. A disk whose rate is flat from one or two pieces in flight still
 #: decoded faster at this one: between pieces the disk waits for the reading thread to reap one
@@ -135,14 +136,16 @@ def measure_rates(records: Sequence[tuple[pathlib.Path, int, int]], piece_bytes:
                 path = files[passes % len(files)]
                 passes += 1
                 picked: list[tuple[int, int]] = []
-                while sum(n for _, n in picked) < pass_bytes:
+                nbytes = 0
+                while nbytes < pass_bytes:
                     if not unread[path]:
                         unread[path] = rng.sample(by_file[path], len(by_file[path]))
                     picked.append(unread[path].pop())
+                    nbytes += picked[-1][1]
                 err, seconds = _native.time_ordered_reads(fds[path], picked, piece_bytes, w)
                 if err:
                     raise OSError(err, f"reading records to measure the disk: {os.strerror(err)}", str(path))
-                rate = sum(n for _, n in picked) / max(seconds, 1e-9)
+                rate = nbytes / max(seconds, 1e-9)
                 best[w] = max(best.get(w, 0.0), rate)
     finally:
         for fd in fds.values():

@@ -74,7 +74,6 @@ HostRecordSink::HostRecordSink(std::shared_ptr<io::Destination> dest, uint64_t s
     const bool adjacent = k == 0 || seg.offset == segments_[k - 1].offset + segments_[k - 1].nbytes;
     if (!adjacent || seg.offset % 4096 || seg.nbytes % 4096) blocks_only_ = false;
   }
-  rows_take_direct_ = dest_->rows() == 0 || io::direct_reads_land_in(dest_->host_row(0, 0));
   if (junk_bytes_) {
     junk_ = static_cast<uint8_t*>(std::malloc(junk_bytes_));
     if (!junk_) throw std::runtime_error("cannot allocate the padding sink");
@@ -110,7 +109,7 @@ struct AlignedScratch {
 };
 
 std::atomic<bool> g_direct_in_place{true};  // testing: false sends every O_DIRECT read through a buffer
-std::atomic<bool> g_force_in_place{false};  // testing: true reads in place where direct_reads_land_in says no
+std::atomic<bool> g_force_in_place{false};  // testing: true reads in place where the rows take no direct reads
 
 }  // namespace
 
@@ -121,7 +120,7 @@ void set_direct_in_place(bool on, bool force) {
 
 bool HostRecordSink::in_place_allowed() const {
   return g_direct_in_place.load(std::memory_order_relaxed) &&
-         (rows_take_direct_ || g_force_in_place.load(std::memory_order_relaxed));
+         (dest_->takes_direct_reads() || g_force_in_place.load(std::memory_order_relaxed));
 }
 
 int HostRecordSink::read_row_direct(int fd, uint64_t offset, int64_t row) {

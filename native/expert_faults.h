@@ -161,7 +161,6 @@ class HostRecordSink final : public RecordSink {
   std::vector<size_t> order_;              // segments_[k] is segment order_[k] of the destination
   uint8_t* junk_ = nullptr;                // sink for the padding between segments
   bool blocks_only_ = false;               // segments are whole 4 KiB blocks end to end (see read_row_direct)
-  bool rows_take_direct_ = true;           // direct_reads_land_in(the rows): reads may land in them
   uint64_t junk_bytes_ = 0;
 };
 
@@ -364,8 +363,8 @@ struct GlobalCounters {
 };
 GlobalCounters& global_counters();
 // Test hook: false reads every O_DIRECT record through an aligned buffer and copies it into the
-// rows, never straight into them; `force` reads in place even into rows direct_reads_land_in()
-// refuses (to show why it refuses them).
+// rows, never straight into them; `force` reads in place even into rows that do not take direct
+// reads (io::Destination::takes_direct_reads: to show why they do not).
 void set_direct_in_place(bool on, bool force = false);
 
 uint64_t fault_errors_total();

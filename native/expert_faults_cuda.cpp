@@ -413,7 +413,6 @@ std::unique_ptr<RecordSink> make_device_sink(std::shared_ptr<io::HostMirror> mir
 
 bool device_faults_available() noexcept { return true; }
 
-
 const char* device_fault_node_form() noexcept {
   switch (fault_node_form()) {
     case NodeForm::Device: return "device";

@@ -21,7 +21,6 @@ struct Layout {
   uint64_t span_begin = 0;        // first byte of any segment inside the record
   uint64_t span_end = 0;          // one past the last byte of any segment
   std::shared_ptr<Destination> dest;
-  bool rows_take_direct = true;  // direct_reads_land_in(dest's rows): O_DIRECT may land in them
   // Verification (set_checksums): a fill completes only after its segments, in table order,
   // checksum to checksums[expert]; a mismatch completes it with -EBADMSG.
   ChecksumKind checksum = ChecksumKind::None;

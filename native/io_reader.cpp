@@ -253,6 +253,7 @@ MlxPoolDestination::MlxPoolDestination(std::vector<mx::array> pools,
     }
     base_.push_back(a.data<uint8_t>());
     row_nbytes_.push_back(segment_nbytes[i]);
+    takes_direct_ = takes_direct_ && direct_reads_land_in(base_.back());
   }
 }
 
@@ -401,7 +402,6 @@ uint32_t Reader::add_layout(const std::string& path, uint64_t stride, int64_t n_
   L->n_experts = n_experts;
   L->segs = std::move(segments);
   L->dest = std::move(dest);
-  L->rows_take_direct = L->dest->rows() == 0 || direct_reads_land_in(L->dest->host_row(0, 0));
   L->order.resize(L->segs.size());
   for (uint32_t i = 0; i < L->order.size(); ++i) L->order[i] = i;
   std::sort(L->order.begin(), L->order.end(),
@@ -514,7 +514,7 @@ void Reader::submit(uint32_t layout, const std::vector<FillRequest>& fills) {
       const bool verify = L.checksum != ChecksumKind::None;
 
       // Can the O_DIRECT read land in the rows themselves (every piece block aligned)?
-      bool rows_ok = !direct || (opts_.direct_rows && L.rows_take_direct);
+      bool rows_ok = !direct || (opts_.direct_rows && L.dest->takes_direct_reads());
       if (direct && rows_ok) {
         for (size_t i = 0; i < L.segs.size() && rows_ok; ++i) {
           uint8_t* p = L.dest->host_row(i, r.row);

@@ -104,22 +104,24 @@ struct Faults {
                                  // make a mapped copy touch pages past a truncated end: SIGBUS)
 };
 
+// Whether an O_DIRECT read may land straight in host memory at `p`: false for CUDA managed memory
+// (every array of an MLX CUDA build, its CPU arrays too), which the driver may migrate while the
+// disk writes into it. Decodes that read in place into such rows failed their checksums where
+// reads through a buffer never did (BENCHMARKS.md, "O_DIRECT into CUDA managed memory"). Always
+// true without CUDA (defined in expert_faults_cuda.cpp).
+bool direct_reads_land_in(const void* p) noexcept;
+
 // Where the segments of a record land. A host-addressable destination gives the address of a
 // segment's row; a device destination (CUDA, later) would return nullptr and be fed from staging
 // through a copy hook instead.
-// Whether an O_DIRECT read may land straight in host memory at `p`: false for CUDA managed memory
-// (every array of an MLX CUDA build, its CPU arrays too), which the driver may migrate while the
-// disk writes into it; such rows are read through a buffer and copied (the fault tables' reads and
-// the Reader's alike). Decodes that read in place into them failed their checksums where reads
-// through a buffer never did (BENCHMARKS.md, "O_DIRECT into CUDA managed memory"). Always true
-// without CUDA (defined in expert_faults_cuda.cpp).
-bool direct_reads_land_in(const void* p) noexcept;
-
 class Destination {
  public:
   virtual ~Destination() = default;
   virtual int64_t rows() const = 0;
   virtual uint8_t* host_row(size_t segment, int64_t row) = 0;
+  // Whether O_DIRECT reads may land straight in the rows (direct_reads_land_in); where not, every
+  // reader (the Reader's fills, the fault tables) reads them through a buffer and copies.
+  virtual bool takes_direct_reads() const { return true; }
 };
 
 // Pools that are evaluated, row-contiguous MLX CPU arrays, one per segment. Holding the arrays
@@ -132,9 +134,11 @@ class MlxPoolDestination final : public Destination {
   uint8_t* host_row(size_t segment, int64_t row) override {
     return base_[segment] + static_cast<uint64_t>(row) * row_nbytes_[segment];
   }
+  bool takes_direct_reads() const override { return takes_direct_; }
 
  private:
   std::vector<mx::array> pools_;
+  bool takes_direct_ = true;  // every pool's memory takes O_DIRECT reads (asked once, at construction)
   std::vector<uint8_t*> base_;
   std::vector<uint64_t> row_nbytes_;
   int64_t rows_ = 0;

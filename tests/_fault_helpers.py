@@ -3,13 +3,14 @@ table over a small store and a tiny converted model (tests/test_queued.py, tests
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -23,6 +24,25 @@ from asyncside.models import convert_model
 from asyncside.pools import PoolSet
 
 from _models_support import tiny_model
+
+
+@contextlib.contextmanager
+def native_read_settings_kept() -> Iterator[None]:
+    """Put the process-wide fault-read settings back as they were: the chunk, the window (chosen
+    for the process or not: a runtime that follows measures its disk when it was not), io_uring
+    and reads in place (the test hooks)."""
+    chunk, window, chosen = _native.fault_read_chunk(), _native.fault_read_window(), _native.fault_read_window_chosen()
+    try:
+        yield
+    finally:
+        _native.set_fault_read_chunk(chunk)
+        if chosen:
+            _native.set_fault_read_window(window)
+        else:
+            _native.testing.reset_fault_read_window()
+        _native.testing.set_fault_read_uring(True)
+        _native.testing.set_direct_in_place(True)
+
 
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),

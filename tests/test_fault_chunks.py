@@ -26,6 +26,7 @@ from _fault_helpers import (
     eval_failed_step,
     import_native_with,
     model_store,
+    native_read_settings_kept,
 )
 
 from asyncside import ExpertStore, _native
@@ -39,10 +40,8 @@ RING = _native.io_uring_available()[0]  # chunked reads submit on an io_uring ri
 
 @pytest.fixture(autouse=True)
 def _restore_chunk() -> Iterator[None]:
-    chunk = _native.fault_read_chunk()
-    yield
-    _native.set_fault_read_chunk(chunk)
-    _native.testing.set_fault_read_uring(True)
+    with native_read_settings_kept():
+        yield
 
 
 def counters() -> dict[str, int]:

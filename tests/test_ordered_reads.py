@@ -28,6 +28,7 @@ from _fault_helpers import (
     eval_failed_step,
     import_native_with,
     model_store,
+    native_read_settings_kept,
 )
 
 from asyncside import _native
@@ -40,15 +41,8 @@ RECORD = 3 * 8192  # direct_fault_table(block=8192): 24 KiB records
 
 @pytest.fixture(autouse=True)
 def _restore() -> Iterator[None]:
-    chunk, window, chosen = _native.fault_read_chunk(), _native.fault_read_window(), _native.fault_read_window_chosen()
-    yield
-    _native.set_fault_read_chunk(chunk)
-    if chosen:
-        _native.set_fault_read_window(window)
-    else:  # as it was: the runtimes that follow choose their own
-        _native.testing.reset_fault_read_window()
-    _native.testing.set_fault_read_uring(True)
-    _native.testing.set_direct_in_place(True)
+    with native_read_settings_kept():
+        yield
 
 
 def ordered_reads() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from _fault_helpers import direct_decode, model_store
+from _fault_helpers import direct_decode, model_store, native_read_settings_kept
 
 from asyncside import ExpertStore, Runtime, _native
 from asyncside import read_window as rw
@@ -30,12 +30,10 @@ RING = _native.io_uring_available()[0]
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
     """Each test starts as a process does: no window chosen for it, no disk measured."""
-    chunk = _native.fault_read_chunk()
     _native.testing.reset_fault_read_window()
     rw.forget_measured()
-    yield
-    _native.set_fault_read_chunk(chunk)
-    _native.testing.reset_fault_read_window()
+    with native_read_settings_kept():
+        yield
     rw.forget_measured()
 
 

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..argtypes import Once, file_name, int_at_least
-from ..demo import Run, positive_int, prompt_tokens
+from ..demo import Run, positive_int, prompt_tokens, routing_sequence_problem
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
 from . import check_store_dir, require_extra
@@ -656,20 +656,18 @@ def _read_traces_first(args: argparse.Namespace) -> None:
     from ..routing import RoutingTrace
     from .shapes import shape_spec
 
-    sequence = getattr(args, "routing_sequence", 0)
-    if sequence and not getattr(args, "routing", None):
-        raise RoutingReplayError("--routing-sequence picks a sequence of a --routing trace: give --routing FILE")
-    for path in (getattr(args, "routing", None), getattr(args, "rows_profile", None)):
-        if path:
-            trace = RoutingTrace.load(path)
-            if path == getattr(args, "routing", None) and not sequence < trace.n_sequences:
-                raise RoutingReplayError(f"{path}: --routing-sequence {sequence} out of range: the trace has "
-                                         f"{trace.n_sequences} sequence{'s' if trace.n_sequences != 1 else ''}")
+    routing, sequence = getattr(args, "routing", None), getattr(args, "routing_sequence", 0)
+    trace = RoutingTrace.load(routing) if routing else None
+    if getattr(args, "rows_profile", None):
+        RoutingTrace.load(args.rows_profile)
+    problem = routing_sequence_problem(routing, sequence, trace)
+    if problem is not None:
+        raise RoutingReplayError(problem)
     shape = getattr(args, "shape", None)
-    if shape is not None and getattr(args, "routing", None) and getattr(args, "model", None) is None:
+    if shape is not None and trace is not None and getattr(args, "model", None) is None:
         # Fitted onto the shape's dimensions now (a smaller top-k is refused) rather than after its build.
         cfg = shape_spec(shape, layers=getattr(args, "layers", None), vocab=_vocab(getattr(args, "vocab", None))).config
-        RoutingReplay(RoutingTrace.load(args.routing), moe_layers=range(cfg["num_hidden_layers"]),
+        RoutingReplay(trace, moe_layers=range(cfg["num_hidden_layers"]),
                       n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], sequence=sequence,
                       source=str(args.routing))
 
