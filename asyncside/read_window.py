@@ -47,6 +47,13 @@ KNEE = 0.9
 PASS_BYTES = 48 << 20
 ROUNDS = 3
 
+#: measuring should take about this long at most (seconds): a runtime waits for it when entered.
+#: On a disk slow enough that full passes would take longer, the first pass is
+#: :data:`FIRST_PASS_BYTES` and the others shrink to fit what is left, down to :data:`LEAST_PASS_BYTES`
+MEASURE_SECONDS = 2.0
+FIRST_PASS_BYTES = 16 << 20
+LEAST_PASS_BYTES = 8 << 20
+
 #: a store whose records hold fewer bytes than one pass is not measured: re-reading the same
 #: records would measure the device's own cache, not the disk
 MIN_STORE_BYTES = PASS_BYTES
@@ -107,14 +114,31 @@ def describe_rates(rates: Mapping[int, float]) -> str:
     return f"{' / '.join(f'{rates[w] / 1e9:.2f}' for w in ws)} GB/s at {' / '.join(str(w) for w in ws)}"
 
 
+def pass_budget(spent_s: float, passes_left: int, rate: float, *, budget_s: float = MEASURE_SECONDS,
+                pass_bytes: int = PASS_BYTES, least_bytes: int = LEAST_PASS_BYTES) -> int:
+    """Bytes for each of the ``passes_left`` passes still to read, ``spent_s`` seconds into a
+    measurement that should take ``budget_s``, on a disk that has given ``rate`` bytes/s (the
+    slowest pass so far): ``pass_bytes`` where that fits, else what does, never below
+    ``least_bytes`` (a pass of a record or two says little of a window), nor above ``pass_bytes``."""
+    if passes_left <= 0:
+        return pass_bytes
+    fits = (budget_s - spent_s) / passes_left * rate
+    return int(min(pass_bytes, max(least_bytes, fits)))
+
+
 def measure_rates(records: Sequence[tuple[pathlib.Path, int, int]], piece_bytes: int, *,
                   windows: Sequence[int] = WINDOWS, pass_bytes: int = PASS_BYTES, rounds: int = ROUNDS,
-                  seed: int = 0) -> dict[int, float]:
+                  seed: int = 0, budget_s: float | None = None,
+                  read: list[int] | None = None) -> dict[int, float]:
     """The disk's rate at each window (bytes per second, the best of ``rounds`` passes): passes of
     about ``pass_bytes`` of ``records`` (path, offset, bytes; block aligned), read O_DIRECT one
     after another in pieces of ``piece_bytes``, as a streamed resolve reads them. A pass takes
     records of one file in a random order, none read twice while unread ones remain. Blocks the
-    calling thread (a worker's). OSError where a file cannot be opened O_DIRECT or a read fails."""
+    calling thread (a worker's). OSError where a file cannot be opened O_DIRECT or a read fails.
+
+    With ``budget_s``, a slow disk is measured in about that long: the first pass reads at most
+    :data:`FIRST_PASS_BYTES` and the others what :func:`pass_budget` allows. ``read``, when given,
+    gets each pass's bytes, in order."""
     from . import _native
 
     if not records:
@@ -130,14 +154,17 @@ def measure_rates(records: Sequence[tuple[pathlib.Path, int, int]], piece_bytes:
     try:
         for p in files:
             fds[p] = os.open(p, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
-        passes = 0
+        passes, total = 0, rounds * len(windows)
+        size = pass_bytes if budget_s is None else min(pass_bytes, FIRST_PASS_BYTES)
+        slowest = float("inf")
+        t0 = time.perf_counter()
         for r in range(rounds):
             for w in (windows if r % 2 == 0 else list(reversed(windows))):
                 path = files[passes % len(files)]
                 passes += 1
                 picked: list[tuple[int, int]] = []
                 nbytes = 0
-                while nbytes < pass_bytes:
+                while nbytes < size:
                     if not unread[path]:
                         unread[path] = rng.sample(by_file[path], len(by_file[path]))
                     picked.append(unread[path].pop())
@@ -147,6 +174,12 @@ def measure_rates(records: Sequence[tuple[pathlib.Path, int, int]], piece_bytes:
                     raise OSError(err, f"reading records to measure the disk: {os.strerror(err)}", str(path))
                 rate = nbytes / max(seconds, 1e-9)
                 best[w] = max(best.get(w, 0.0), rate)
+                if read is not None:
+                    read.append(nbytes)
+                if budget_s is not None:
+                    slowest = min(slowest, rate)
+                    size = pass_budget(time.perf_counter() - t0, total - passes, slowest, budget_s=budget_s,
+                                       pass_bytes=pass_bytes)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -188,14 +221,22 @@ def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWi
         if key in _measured:
             return _measured[key]
         t0 = time.perf_counter()
+        read: list[int] = []
         try:
-            rates = measure_rates(records, piece)
+            rates = measure_rates(records, piece, budget_s=MEASURE_SECONDS, read=read)
         except OSError as exc:
             return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
         window = knee({w: r for w, r in rates.items() if w >= MIN_WINDOW} or rates)
+        # A disk too slow for full passes in the time allowed: say how little was read per pass.
+        later = read[1:]  # the first pass is short by design
+        cut = ""
+        if later and min(later) < PASS_BYTES * 0.9:
+            least, most = f"{min(later) / 2**20:.0f}", f"{max(later) / 2**20:.0f}"
+            cut = (f"; a slow disk: passes of {least if least == most else least + '-' + most} MiB to "
+                   f"measure in about {MEASURE_SECONDS:g} s")
         chosen = ReadWindow(window, piece, "measured",
                             f"the least from {MIN_WINDOW} within {KNEE:.0%} of the disk's best, "
-                            f"{describe_rates(rates)}",
+                            f"{describe_rates(rates)}{cut}",
                             rates, time.perf_counter() - t0)
         _measured[key] = chosen
         return chosen

@@ -201,3 +201,72 @@ def test_the_window_follows_the_disks_rates(tmp_path: pathlib.Path, monkeypatch:
     store = ExpertStore.open(model_store(tmp_path, "qwen3_moe", None)[0])
     chosen = rw.choose_read_window([store.layer(i) for i in store.layers])
     assert (chosen.window, chosen.source, chosen.table_window) == (window, "measured", window)
+
+
+def test_a_pass_shrinks_to_fit_the_time_left_on_a_slow_disk() -> None:
+    mib = 1 << 20
+    # A fast disk: whole passes fit the time left.
+    assert rw.pass_budget(0.1, 11, 1.5e9) == rw.PASS_BYTES
+    # 20 MB/s with 1.0 s spent: 1.0 s over 10 passes is 2 MB each, below the least pass.
+    assert rw.pass_budget(1.0, 10, 20e6) == rw.LEAST_PASS_BYTES
+    # 200 MB/s with 0.2 s spent: 1.8 s over 9 passes, 40 MB each.
+    assert rw.pass_budget(0.2, 9, 200e6) == 40_000_000
+    # The time already spent: still the least pass, never a negative one.
+    assert rw.pass_budget(5.0, 3, 1e9) == rw.LEAST_PASS_BYTES
+    assert rw.pass_budget(0.0, 2, 1e12, pass_bytes=mib, least_bytes=4 * mib) == mib  # never above a pass
+    assert rw.pass_budget(0.0, 0, 1.0) == rw.PASS_BYTES
+
+
+class _SlowDisk:
+    """``time_ordered_reads`` of a disk of ``rate`` bytes/s on a clock of its own (``now``)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.now = rate, 0.0
+
+    def reads(self, fd: int, records: list[tuple[int, int]], piece: int, window: int) -> tuple[int, float]:
+        seconds = sum(n for _, n in records) / self.rate
+        self.now += seconds
+        return 0, seconds
+
+
+@pytest.mark.parametrize("rate", [20e6, 100e6, 1.5e9])
+def test_measuring_a_slow_disk_takes_about_the_time_allowed(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                            rate: float) -> None:
+    """A disk of ``rate`` (a stand-in for the reads, on its own clock): the first pass is short, the
+    others fit what is left of MEASURE_SECONDS down to the least pass; a fast disk reads whole passes."""
+    disk = _SlowDisk(rate)
+    monkeypatch.setattr(_native, "time_ordered_reads", disk.reads)
+    monkeypatch.setattr(rw.time, "perf_counter", lambda: disk.now)
+    path = direct_file(tmp_path, 4096)
+    records = [(path, k << 22, 4 << 20) for k in range(64)]  # 256 MiB of records, never read here
+    read: list[int] = []
+    rates = rw.measure_rates(records, 1 << 20, budget_s=rw.MEASURE_SECONDS, read=read)
+    assert set(rates) == set(rw.WINDOWS) and len(read) == rw.ROUNDS * len(rw.WINDOWS)
+    assert read[0] == rw.FIRST_PASS_BYTES
+    assert all(rw.LEAST_PASS_BYTES <= n <= rw.PASS_BYTES for n in read[1:])
+    if rate >= 1e9:
+        assert read[1:] == [rw.PASS_BYTES] * (len(read) - 1)
+    else:
+        # Within the time allowed, but for the first pass and the least passes' floor.
+        floor = rw.FIRST_PASS_BYTES / rate + (len(read) - 1) * rw.LEAST_PASS_BYTES / rate
+        assert disk.now <= max(rw.MEASURE_SECONDS * 1.05, floor * 1.05), (disk.now, read)
+        assert min(read[1:]) < rw.PASS_BYTES
+    # Without a budget every pass is whole.
+    read.clear()
+    rw.measure_rates(records, 1 << 20, read=read, rounds=1)
+    assert read == [rw.PASS_BYTES] * len(rw.WINDOWS)
+
+
+@pytest.mark.skipif(not _native.ordered_reads_possible(), reason="no io_uring here: nothing is measured")
+def test_the_plan_says_when_a_slow_disk_was_measured_in_short_passes(tmp_path: pathlib.Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = _SlowDisk(20e6)
+    monkeypatch.setattr(_native, "time_ordered_reads", disk.reads)
+    monkeypatch.setattr(rw.time, "perf_counter", lambda: disk.now)
+    monkeypatch.setattr(rw, "MIN_STORE_BYTES", 0)
+    _native.set_fault_read_chunk(1 << 20)
+    path = direct_file(tmp_path, 4096)
+    spec = type("Spec", (), {"path": path, "stride": 4 << 20, "n_experts": 64})()
+    chosen = rw.choose_read_window([spec])
+    assert chosen.source == "measured"
+    assert "; a slow disk: passes of 8 MiB to measure in about 2 s" in chosen.why, chosen.why
