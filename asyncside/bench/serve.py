@@ -312,6 +312,12 @@ def _free_port() -> int:
 LOAD_FAILED = "mlx_lm.server generation thread died:"
 
 
+#: the request that tells mlx_lm.server serves (its /health does not wait for its model), and how
+#: long one try of it may take before the log is read again
+READY_PROBE: dict[str, Any] = {"prompt": "ready", "max_tokens": 1, "temperature": 0.0}
+READY_PROBE_S = 10.0
+
+
 class MlxLmServerError(AsyncsideError):
     """mlx_lm.server did not come up for ``model_dir``: ``error`` is its own error line (the
     exception that ended its model's load, or the last line it printed before it exited)."""
@@ -350,7 +356,8 @@ class MlxLmServer:
         self.log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncside-bench-mlx-lm-{self.port}.log"
 
     def __enter__(self) -> MlxLmServer:
-        """Start the server and wait until it answers; :class:`MlxLmServerError` (the server
+        """Start the server and wait until it answers a one-token completion (its model loaded);
+        :class:`MlxLmServerError` (the server
         stopped) as soon as it exits, logs that its model did not load, or the startup timeout passes."""
         httpx = require_extra("httpx", "asyncside bench serve")
         with open(self.log, "wb") as fh:
@@ -370,7 +377,12 @@ class MlxLmServer:
                 self.__exit__()
                 raise MlxLmServerError(self.model_dir, failed, self.log)
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # mlx_lm.server loads its model in its generation thread and answers /health with
+                # 200 while that thread lives, loading included: a request answered is the sign it
+                # serves. Without it the first clients' requests would wait for the load, timed.
+                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and httpx.post(self.url + "/v1/completions", timeout=READY_PROBE_S,
+                                       json=READY_PROBE).status_code == 200):
                     return self
             except httpx.HTTPError:
                 pass
