@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from asyncside.bench.serve import MlxLmServer  # noqa: E402
+from asyncside.bench.serve import MlxLmServer
 
 #: answers /health at once; a completion only once the file "loaded" exists, and notes each one
 STAND_IN = textwrap.dedent('''
