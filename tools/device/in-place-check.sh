@@ -5,7 +5,7 @@
 # forced in place (IN_PLACE=force), as the extension decides (auto: through a buffer where the rows
 # are managed memory) and always through a buffer (0); each says whether every record verified and
 # how many read in place. After tools/device/cuda-run.sh built the extension (or SETUP=1). Env: RUNS (default 2
-# per setting), TOKENS (default 48).
+# per setting), TOKENS (default 48), SETTINGS (default "force auto 0"), VOCABS (default "512 1024").
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -21,7 +21,7 @@ from asyncside.bench.shapes import ensure_shape
 b = ensure_shape('qwen3-30b-a3b', layers=8, vocab=$vocab, progress=False); print(b['built'], b['store'])" 2> "$OUT/build-$vocab.log" | tail -1)
   echo "built now, path: $store"; store=${store#* }
   for run in $(seq ${RUNS:-2}); do
-    for inplace in force auto 0; do
+    for inplace in ${SETTINGS:-force auto 0}; do
       log "vocab $vocab run $run in place $inplace"
       IN_PLACE=$inplace ASYNCSIDE_DIRECT=1 timeout 150 python3 tools/device/on_cpu.py tools/ab_fault_chunk.py --compare window \
         --window 4 --baseline-window 8 --model "$store" --resident 0 --routing "$OUT/low.npz" --tokens ${TOKENS:-48} \
