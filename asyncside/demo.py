@@ -27,7 +27,7 @@ from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes
 from .policies import DEFAULT_POLICY
 from .policies import POLICIES as POLICY_NAMES
-from .pools_note import cli_rows_raised, rows_note
+from .pools_note import cli_rows_raised, rows_note, side_rows_refused
 
 DEFAULT_PROMPT = "Mixture-of-Experts models route every token to a few experts out of many. "
 
@@ -460,6 +460,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
         store_dir = store_for(args.model, cache_dir=args.cache_dir, progress=not args.json)
     store = ExpertStore.open(store_dir)
+    side_rows_refused(store, getattr(args, "side_rows", None))  # before a model loads or the reference runs
     sm = load_streaming_model(store_dir)
     streamed = {"auto": None, "on": True, "off": False}[getattr(args, "streamed_switch", "auto")]
     options = ForwardOptions(mode=args.mode, lookahead_extra=args.lookahead_extra, streamed_switch=streamed)

@@ -1,12 +1,13 @@
 """What a demo's pools hold, in the command line's words: the title's rows per layer and, where the
-runtime's plan raised the rows above ``--resident``, what was asked and why. Shared by the
-one-process demo (:mod:`asyncside.demo`) and the ranks' (:mod:`asyncside.distributed.demo`)."""
+runtime's plan raised the rows above ``--resident``, what was asked and why; a ``--side-rows`` they
+cannot hold, refused. Shared by the one-process demo (:mod:`asyncside.demo`) and the ranks'
+(:mod:`asyncside.distributed.demo`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["cli_rows_raised", "rows_note"]
+__all__ = ["cli_rows_raised", "rows_note", "side_rows_refused"]
 
 
 def cli_rows_raised(raised: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -35,3 +36,14 @@ def rows_note(result: dict[str, Any]) -> str:
         note += (f"; {raised['asked']:.0%} {asked}, raised to {rows} {'row' if rows == 1 else 'rows'} a layer "
                  f"({raised['why']})")
     return note
+
+
+def side_rows_refused(store: Any, side_rows: int | None) -> None:
+    """A PlanArgumentError naming ``--side-rows`` where ``side_rows`` is more dynamic rows than a
+    layer of ``store`` has experts (the most it can be, and why), as the runtime refuses
+    ``side_rows=``: said before a model loads."""
+    from .runtime._plan import PlanArgumentError, side_rows_problem
+
+    problem = side_rows_problem(store, list(store.layers), side_rows, name="--side-rows ")
+    if problem is not None:
+        raise PlanArgumentError(problem)

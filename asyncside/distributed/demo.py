@@ -66,6 +66,8 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..models.embedded import ensure_embedded_default
     from ..models.tokenizer import load_tokenizer
+    from ..pools_note import side_rows_refused
+    from ..store import ExpertStore
     from .plan import PlanError, parse_split
     from .stage import plan_for_store
 
@@ -87,6 +89,7 @@ def run_ranks_demo(args: argparse.Namespace) -> dict[str, Any]:
     else:
         store_path = pathlib.Path(args.model)
     store_dir = str(store_path.absolute())
+    side_rows_refused(ExpertStore.open(store_dir), args.side_rows)  # the one-process run and every rank's
     try:
         plan = plan_for_store(store_dir, args.ranks, parse_split(args.split))  # before anything starts
     except PlanError as exc:

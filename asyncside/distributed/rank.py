@@ -111,6 +111,21 @@ def stage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_side_rows(store_dir: str | pathlib.Path, side_rows: int | None) -> None:
+    """A ValueError naming ``--side-rows`` where it is more dynamic rows than a layer of the store at
+    ``store_dir`` has experts (the most it can be, and why): said by each rank before the ranks
+    meet, not by the runtime of some after they have."""
+    if side_rows is None:
+        return
+    from ..runtime._plan import PlanArgumentError, side_rows_problem
+    from ..store import ExpertStore
+
+    store = ExpertStore.open(store_dir)
+    problem = side_rows_problem(store, list(store.layers), side_rows, name="--side-rows ")
+    if problem is not None:
+        raise PlanArgumentError(problem)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncside.distributed",
                                 description="one rank of a pipelined generation job")
@@ -337,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env = LaunchEnv.from_environ(args.backend)
         plan = plan_for_store(args.store, env.size, parse_split(args.split))
+        check_side_rows(args.store, args.side_rows)
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)

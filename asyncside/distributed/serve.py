@@ -23,7 +23,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .rank import EXIT_PEER, exit_after_peer_loss, exits_on_failure, find_error
+from .rank import EXIT_PEER, check_side_rows, exit_after_peer_loss, exits_on_failure, find_error
 
 
 class PipelineModel:
@@ -146,6 +146,7 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     try:
         env = LaunchEnv.from_environ(args.backend)
         plan = plan_for_store(store, env.size, parse_split(args.split))
+        check_side_rows(store, args.side_rows)
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)

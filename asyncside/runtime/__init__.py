@@ -49,7 +49,16 @@ from ..store import ExpertStore
 from ._audit import audit as _audit
 from ._fills import HostFills, Ids
 from ._leases import Leases
-from ._plan import MemoryPlan, RowsProfile, choose_resident, plan_layer, plan_memory, warm_experts
+from ._plan import (
+    MemoryPlan,
+    PlanArgumentError,
+    RowsProfile,
+    choose_resident,
+    plan_layer,
+    plan_memory,
+    side_rows_problem,
+    warm_experts,
+)
 from ._queued import RECONCILE_EVERY, QueuedSide
 from ._state import PrefetchHandle, Shared, host_ids
 from ._stats import CacheStats, QueuedStats, ReadStats, RuntimeStats, snapshot
@@ -162,6 +171,11 @@ class Runtime:
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
+        # Refused here, not when entered: more dynamic rows than a layer has experts to stream
+        # would otherwise be cut down to what fits without a word.
+        problem = side_rows_problem(store, self._layer_ids, side_rows, pinned)
+        if problem is not None:
+            raise PlanArgumentError(problem)
         self._plan: MemoryPlan | None = None
         self._s = Shared(store, Scheduler(reader, reader_options, direct=direct, verify=verify))
         self._s.completed = completed

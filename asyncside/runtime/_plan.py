@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..routing import RoutingTrace
 
 __all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "min_rows", "plan_layer", "plan_memory",
-           "profile_rows", "rows_raised", "tier_bytes", "warm_experts"]
+           "profile_rows", "rows_raised", "side_rows_problem", "tier_bytes", "warm_experts"]
 
 #: The pools' least rows per layer for a store that does not say how many experts its router picks.
 DEFAULT_MIN_ROWS = 8
@@ -125,6 +125,35 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     return list(range(count))
 
 
+def side_rows_problem(store: ExpertStore, layers: Sequence[int], side_rows: int | None,
+                      pinned: Mapping[int, Sequence[int]] | None = None, *, name: str = "side_rows=") -> str | None:
+    """Why ``side_rows`` cannot be the dynamic rows of each of ``layers`` (None: it can): not a
+    number of rows >= 0, or more than a layer has experts to stream (its experts, less those
+    ``pinned`` names). ``name`` is how the setting is named, ``"--side-rows "`` on a command line."""
+    if side_rows is None:
+        return None
+    if isinstance(side_rows, bool) or not isinstance(side_rows, int) or side_rows < 0:
+        return f"{name.rstrip('= ')}: expected a number of rows >= 0, got {side_rows!r}"
+    most: tuple[int, int, int, int] | None = None  # (rows, layer, experts, pinned)
+    for i in layers:
+        n = store.layer(i).n_experts
+        held = len(set(int(e) for e in pinned.get(i, ()))) if pinned is not None else 0
+        if most is None or n - held < most[0]:
+            most = (n - held, i, n, held)
+    if most is None or side_rows <= most[0]:
+        return None
+    rows, layer, n, held = most
+    if held:
+        why = (f"layer {layer} pins {held} of its {n} experts, which leaves {rows} to stream "
+               f"through its dynamic rows")
+    elif all(store.layer(i).n_experts == n for i in layers):
+        why = (f"this model's layers have {n} experts each; at {n} every row is dynamic and "
+               f"none pinned")
+    else:
+        why = f"layer {layer} has {n} experts; at {n} its every row is dynamic and none pinned"
+    return f"{name}{side_rows}: at most {rows} dynamic rows a layer ({why})"
+
+
 def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows: int | None = None,
                min_side_rows: int | None = None,
                pinned: Mapping[int, Sequence[int]] | None = None) -> tuple[list[int], int]:
@@ -136,9 +165,13 @@ def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows
     :func:`warm_experts`). ``side_rows`` pins ``rows - side_rows`` of the hottest experts
     (:func:`choose_resident`) and leaves ``side_rows`` dynamic. ``pinned`` names the pinned experts
     per layer instead (then ``side_rows``, default ``min_side_rows``, rows are dynamic).
-    ``min_side_rows`` None: :func:`min_rows` of the store.
+    ``min_side_rows`` None: :func:`min_rows` of the store. A ``side_rows`` the layer cannot hold
+    (:func:`side_rows_problem`) is a :class:`PlanArgumentError`.
     """
     spec = store.layer(index)
+    problem = side_rows_problem(store, [index], side_rows, pinned)
+    if problem is not None:
+        raise PlanArgumentError(problem)
     if min_side_rows is None:
         min_side_rows = min_rows(store)
     if isinstance(resident, Mapping):
