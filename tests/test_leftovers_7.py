@@ -80,3 +80,99 @@ def test_a_rank_refuses_side_rows_past_the_experts_before_the_ranks_meet(tmp_pat
         check_side_rows(store.path, 17)
     check_side_rows(store.path, 16)
     check_side_rows(store.path, None)
+
+
+# ---- bench offload --routing-sequence N --------------------------------------------------------
+
+OFFLOAD_BUDGET = 700 * 2**20
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def _two_sequences(path: pathlib.Path, n_layers: int = 2, n_experts: int = 32, top_k: int = 4) -> pathlib.Path:
+    """A trace of two sequences routed differently (a low- and a high-locality preset)."""
+    from asyncside.routing import RoutingTrace, preset
+
+    a = preset("low", tokens=12, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=1)
+    b = preset("high", tokens=9, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=2)
+    RoutingTrace(np.concatenate([a.ids, b.ids]), np.array([12, 9]), n_experts, {"source": "test"}).save(path)
+    return path
+
+
+def test_bench_offload_refuses_a_sequence_the_trace_lacks(tmp_path: pathlib.Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's one line (the file, the sequence, how many it has), before anything is built; the
+    option without --routing, and a negative N, are usage errors naming it."""
+    two = _two_sequences(tmp_path / "two.npz")
+    base = ("bench", "offload", "--json", "--quiet", "--memory", str(OFFLOAD_BUDGET))
+    rc, err = run_cli(capsys, *base, "--routing", str(two), "--routing-sequence", "2")
+    assert rc == 2 and err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert f"{two}: --routing-sequence 2 out of range: the trace has 2 sequences" in err, err
+    rc, err = run_cli(capsys, *base, "--routing-sequence", "1")
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert "--routing-sequence picks a sequence of a --routing trace: give --routing FILE" in err, err
+    rc, err = run_cli(capsys, *base, "--routing", str(two), "--routing-sequence", "-1")
+    assert rc == 2 and "argument --routing-sequence: expected an integer >= 0, got '-1'" in err, err
+
+
+def test_bench_offload_names_the_file_that_lacks_the_sequence(tmp_path: pathlib.Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.routing import RoutingTrace
+
+    two = _two_sequences(tmp_path / "two.npz")
+    whole = RoutingTrace.load(two)
+    single = tmp_path / "single.npz"
+    RoutingTrace(whole.sequence(0), np.array([12]), whole.n_experts, {"source": "test"}).save(single)
+    rc, err = run_cli(capsys, "bench", "offload", "--json", "--quiet", "--routing", str(two), "--routing", str(single),
+                      "--routing-sequence", "1")
+    assert rc == 2 and f"{single}: --routing-sequence 1 out of range: the trace has 1 sequence" in err, err
+    assert str(two) not in err
+
+
+def test_every_arm_of_bench_offload_replays_the_sequence_asked_for(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each arm is a child process given a spec (``--child SPEC``) naming the routing file it replays:
+    with --routing-sequence 1 the mlx-lm reference, asyncside and the slot cache all replay sequence 1
+    of the file (not 0), Belady's MIN reads the same file, and the JSON records the sequence. The
+    children and the cgroup are stood in (no benchmark runs)."""
+    import contextlib
+    import json
+
+    from _cli_support import offload_args
+
+    from asyncside.bench import offload
+    from asyncside.routing import RoutingTrace
+
+    two = _two_sequences(tmp_path / "two.npz")
+    whole = RoutingTrace.load(two)
+    assert not np.array_equal(whole.sequence(0)[:9], whole.sequence(1))
+    arms: list[tuple[str, np.ndarray, int]] = []
+
+    def child(spec: dict[str, object], cgroup: object, timeout: float, **_kw: object) -> dict[str, object]:
+        json.dumps(spec)  # what --child SPEC carries
+        replayed = RoutingTrace.load(str(spec["routing"]))  # the file is gone once the bench returns
+        arms.append((str(spec["system"]), replayed.sequence(0), replayed.n_sequences))
+        return {"system": spec["system"], "status": "stood in"}
+
+    monkeypatch.setattr(offload, "_child", child)
+    monkeypatch.setattr(offload, "_runs_cgroup", lambda *a: "a stand-in cgroup")
+    monkeypatch.setattr(offload, "_bandwidth", lambda *a, **k: {"GBps": 1.0})
+    monkeypatch.setattr(offload, "drop_caches", lambda: True)
+    monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
+    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(OFFLOAD_BUDGET),
+                                                 "--store-ratio", "0.001", "--routing", str(two),
+                                                 "--routing-sequence", "1"))
+    assert [system for system, _ids, _n in arms] == ["mlx-lm", *offload.SYSTEMS]
+    for system, ids, n in arms:
+        assert n == 1 and np.array_equal(ids, whole.sequence(1)), system
+    assert res["settings"]["routing_sequence"] == 1
+    (shape,) = res["shapes"]
+    assert shape["routings"]["two"]["sequence"] == 1 and shape["routings"]["two"]["sequence_tokens"] == 9
+    assert all(r["routing"]["sequence"] == 1 for r in res["runs"])
+    assert "sequence 1 of 2 replayed (9 tokens)" in offload.routing_note(shape["routings"]["two"])

@@ -639,15 +639,24 @@ def routing_labels(paths: Sequence[str], taken: Sequence[str] = ()) -> list[str]
     return distinct_labels([pathlib.Path(path).stem or "routing" for path in paths], taken)
 
 
-def load_routings(paths: Sequence[str], taken: Sequence[str] = ()) -> list[dict[str, Any]]:
+def load_routings(paths: Sequence[str], taken: Sequence[str] = (), sequence: int = 0) -> list[dict[str, Any]]:
     """The user's routing files, loaded and validated before anything is built: per file
-    ``{"label", "path", "trace"}``. A file that cannot be read or is malformed raises
-    :class:`asyncside.errors.TraceError` naming the file and the field (exit status 2 from the CLI)."""
+    ``{"label", "path", "trace", "sequence"}``, ``sequence`` the one every system replays
+    (``--routing-sequence``). A file that cannot be read or is malformed raises
+    :class:`asyncside.errors.TraceError` naming the file and the field, one without that sequence a
+    :class:`asyncside.models.forcing.RoutingReplayError` as ``demo --routing-sequence`` says it (exit
+    status 2 from the CLI)."""
+    from ..demo import routing_sequence_problem
+    from ..models.forcing import RoutingReplayError
     from ..routing import RoutingTrace
 
     out = []
     for path, label in zip(paths, routing_labels(paths, taken), strict=True):
-        out.append({"label": label, "path": os.path.abspath(path), "trace": RoutingTrace.load(path)})
+        trace = RoutingTrace.load(path)
+        problem = routing_sequence_problem(path, sequence, trace)
+        if problem is not None:
+            raise RoutingReplayError(problem)
+        out.append({"label": label, "path": os.path.abspath(path), "trace": trace, "sequence": int(sequence)})
     return out
 
 
@@ -656,7 +665,8 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
     """(the trace every system of ``shape`` replays, what the JSON records of it) for one loaded
     user routing file (:func:`load_routings`).
 
-    Sequence 0 is replayed (as ``demo --routing`` does), fitted as every ``--routing`` is
+    Sequence ``user["sequence"]`` (default 0; ``--routing-sequence``) is replayed, as ``demo
+    --routing`` replays it, and fitted as every ``--routing`` is
     (:class:`asyncside.models.forcing.RoutingReplay`: as is when of the model's shape, else
     :meth:`asyncside.routing.RoutingTrace.map_to`); ``positions``: the positions a run routes
     (prompt plus tokens), past the sequence's end they wrap around. A trace of smaller top-k than
@@ -668,18 +678,19 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
     from ..models.forcing import RoutingReplay, RoutingReplayError
     from ..routing import RoutingTrace
 
-    trace, path = user["trace"], user["path"]
+    trace, path, sequence = user["trace"], user["path"], int(user.get("sequence", 0))
     # A smaller top-k than the shape's is refused by the fit itself (it names `asyncside routing widen`).
-    replay = RoutingReplay(trace, moe_layers=range(moe_layers), n_experts=n_experts, top_k=top_k, sequence=0,
+    replay = RoutingReplay(trace, moe_layers=range(moe_layers), n_experts=n_experts, top_k=top_k, sequence=sequence,
                            source=f"--routing {path}")
     fitted = replay.fitted
-    pred = fitted.sequence_predicted(0)
+    pred = fitted.sequence_predicted(sequence)
     if predictor == "trace" and pred is None:
         raise RoutingReplayError(f"--routing {path}: --predictor trace replays the trace's own predictions, and "
                                  f"this trace carries none (no 'predicted' array); use --predictor none or temporal")
-    one = RoutingTrace(fitted.sequence(0), np.array([replay.n_tokens], dtype=np.int64), fitted.n_experts, fitted.meta,
-                       pred)
-    info = {"file": path, "label": user["label"], "sequence": 0, "sequences": trace.n_sequences,
+    # The one sequence alone: every system and Belady's MIN read this file, so they replay the same ids.
+    one = RoutingTrace(fitted.sequence(sequence), np.array([replay.n_tokens], dtype=np.int64), fitted.n_experts,
+                       fitted.meta, pred)
+    info = {"file": path, "label": user["label"], "sequence": sequence, "sequences": trace.n_sequences,
             "sequence_tokens": replay.n_tokens, "positions": int(positions),
             "wraps": int(positions) > replay.n_tokens,
             "source_shape": {"n_layers": trace.n_layers, "n_experts": trace.n_experts, "top_k": trace.top_k},
@@ -738,9 +749,12 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "none unless given: '' runs no preset)")
     p.add_argument("--routing", metavar="FILE", type=file_name, action="append", default=None,
                    help="your own routing trace (.npz, docs/routing-traces.md), a locality labelled by the file's "
-                        "stem; repeatable. Fitted onto each shape as demo --routing fits it (sequence 0; other "
-                        "layers, experts, a larger top-k mapped; a smaller top-k refused); every system replays "
-                        "the fitted trace; positions past its end wrap")
+                        "stem; repeatable. Fitted onto each shape as demo --routing fits it (--routing-sequence's "
+                        "sequence; other layers, experts, a larger top-k mapped; a smaller top-k refused); every "
+                        "system replays the fitted trace; positions past its end wrap")
+    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=0,
+                   help="which sequence of each --routing trace of several every system replays (default 0, the "
+                        "first)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
     p.add_argument("--seconds", type=positive_float, default=40.0, help="generation time per run (default 40)")
     p.add_argument("--tokens", type=int_at_least(1), default=256, help="at most this many tokens per run (default 256)")
@@ -786,7 +800,12 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
                          f"the presets ({','.join(localities)}) carry none: --localities '' or another predictor")
     if not localities and not routing_files:
         raise ValueError("--localities is empty and no --routing FILE: nothing to replay")
-    return localities, load_routings(routing_files, taken=localities)
+    sequence = int(getattr(args, "routing_sequence", 0))
+    if sequence and not routing_files:
+        from ..demo import routing_sequence_problem
+
+        raise ValueError(routing_sequence_problem(None, sequence))
+    return localities, load_routings(routing_files, taken=localities, sequence=sequence)
 
 
 def _fewest_layers(s: dict[str, Any], ratio: float, floor: int, own_plan: bool) -> int | None:
@@ -942,9 +961,39 @@ def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, A
     return why
 
 
+def arm_traces(sh: dict[str, Any], localities: Sequence[str], fitted: dict[str, tuple[Any, dict[str, Any]]],
+               tmp: pathlib.Path) -> dict[str, str]:
+    """Per locality of shape ``sh``, the routing file every arm replays, written under ``tmp``: each
+    preset of ``localities``, and each user trace as :func:`fit_routings` fitted it (label ->
+    (trace, record)), the one sequence ``--routing-sequence`` picked, of the shape's own dimensions:
+    every child replays its sequence 0 as is, so the arms and Belady's MIN see the same ids."""
+    from ..routing import preset
+
+    traces = {}
+    for loc in localities:
+        path = tmp / f"{sh['shape']}-{loc}.npz"
+        preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
+               top_k=sh["top_k"], seed=1).save(path)
+        traces[loc] = str(path)
+    for label, (trace, _info) in fitted.items():
+        path = tmp / f"{sh['shape']}-routing-{len(traces)}.npz"
+        trace.save(path)
+        traces[label] = str(path)
+    return traces
+
+
+def arm_spec(base: dict[str, Any], system: str, routing: str, fraction: float | None = None) -> dict[str, Any]:
+    """What one arm's child runs (``--child SPEC``, :func:`child_main`): ``base`` (the shape's store,
+    prompt and settings), the ``system``, the ``routing`` file it replays (:func:`arm_traces`) and,
+    where given, the slot cache's ``fraction``."""
+    spec = {**base, "system": system, "routing": routing}
+    if fraction is not None:
+        spec["fraction"] = fraction
+    return spec
+
+
 def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x locality x system (see the module docstring); prints the table unless ``args.json``."""
-    from ..routing import preset
     from ..store import ExpertStore
     from .machine import machine_info
     from .shapes import describe_shape, ensure_shape, parse_shape_list, shape_spec
@@ -1002,22 +1051,13 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"bench": "offload", "machine": machine_info(), "budget_bytes": budget, "cgroup": why,
                               "settings": {k: getattr(args, k, None) for k in (
                                   "seconds", "tokens", "policy", "predictor", "vocab", "shapes", "localities",
-                                  "systems", "routing")},
+                                  "systems", "routing", "routing_sequence")},
                               "shapes": shapes, "runs": []}
     result["settings"]["localities"] = ",".join(localities)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-offload-"))
     try:
         for sh, fitted_here in zip(shapes, fitted, strict=True):
-            traces = {}
-            for loc in localities:
-                path = tmp / f"{sh['shape']}-{loc}.npz"
-                preset(loc, tokens=TRACE_TOKENS, n_layers=sh["moe_layers"], n_experts=sh["experts_per_layer"],
-                       top_k=sh["top_k"], seed=1).save(path)
-                traces[loc] = str(path)
-            for label, (trace, _info) in fitted_here.items():
-                path = tmp / f"{sh['shape']}-routing-{len(traces)}.npz"
-                trace.save(path)  # the fitted trace: the shape's own, so every child replays it as is
-                traces[label] = str(path)
+            traces = arm_traces(sh, localities, fitted_here, tmp)
             base = {"store": sh["store"], "prompt": sh["prompt"], "seconds": args.seconds, "tokens": args.tokens,
                     "policy": args.policy, "predictor": args.predictor, "budget": budget,
                     # Until asyncside's run says its rows; a fraction, whatever the budget over the store.
@@ -1027,13 +1067,13 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
             sh["compute"] = {}
             for loc in traces:
                 _log(verbose, f"{sh['shape']} / {loc}: compute limit (all-resident mlx-lm, no memory limit)")
-                compute = _child({**base, "system": "mlx-lm", "routing": traces[loc]}, None, args.timeout)
+                compute = _child(arm_spec(base, "mlx-lm", traces[loc]), None, args.timeout)
                 sh["compute"][loc] = {k: compute.get(k) for k in ("status", "decode_tokens_per_s", "tokens", "load_s")}
                 fraction = base["fraction"]
                 for system in systems:
                     drop_caches()
                     _log(verbose, f"{sh['shape']} / {loc} / {system}")
-                    spec = {**base, "system": system, "routing": traces[loc], "fraction": fraction}
+                    spec = arm_spec(base, system, traces[loc], fraction)
                     with MemoryCgroup(budget) as cg:
                         run = _child(spec, cg, args.timeout)
                     if system == "asyncside" and run.get("rows_per_layer"):
