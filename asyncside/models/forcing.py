@@ -60,6 +60,9 @@ class RoutingReplay:
         layers = [int(i) for i in moe_layers]
         if not layers:
             raise RoutingReplayError(f"{source}: the model has no MoE layer to replay routing on")
+        if isinstance(sequence, bool) or not isinstance(sequence, (int, np.integer)):
+            raise RoutingReplayError(f"{source}: sequence: expected an int, which of the trace's "
+                                     f"{_count(trace.n_sequences, 'sequence')} to replay, got {sequence!r}")
         if not 0 <= sequence < trace.n_sequences:
             raise RoutingReplayError(f"{source}: sequence {sequence} out of range: the trace has "
                                      f"{trace.n_sequences}")

@@ -21,6 +21,7 @@ from ..bridge import Completed
 from ..errors import AsyncsideError
 from ..kv_layout import model_kv_layout
 from ..memory import describe_bytes
+from ..routing import RoutingTrace as TraceFile
 from .arch import Arch
 from .forcing import RoutingReplay, RoutingReplayError, load_replay
 from .forward import AsyncForward, ForwardOptions, StepMode, default_completed
@@ -77,14 +78,21 @@ class StreamingModel:
         """Decoder layer indices that route experts (the store's layer indices)."""
         return sorted(self._moe)
 
-    def set_routing(self, routing: RoutingReplay | str | os.PathLike[str] | None, *, sequence: int = 0
-                    ) -> RoutingReplay | None:
-        """Replay a routing trace in every later step (a :class:`RoutingReplay`, or a trace file fitted
-        to this model); None: the router routes again. Returns the replay (:mod:`.forcing`)."""
+    def set_routing(self, routing: RoutingReplay | TraceFile | str | os.PathLike[str] | None, *,
+                    sequence: int = 0) -> RoutingReplay | None:
+        """Replay a routing trace in every later step (a :class:`RoutingReplay`, or a trace, in memory
+        (:class:`asyncside.RoutingTrace`) or a file, fitted to this model); None: the router routes
+        again. Returns the replay (:mod:`.forcing`)."""
         if routing is not None and not isinstance(routing, RoutingReplay):
             n_experts = int(self.store.layer(self.moe_layers[0]).n_experts) if self.store is not None \
                 else _config_experts(self.config)
-            routing = load_replay(routing, self.model, self._moe, n_experts, sequence=sequence)
+            if isinstance(routing, TraceFile):
+                routing = RoutingReplay.for_model(routing, self.model, self._moe, n_experts, sequence=sequence)
+            elif isinstance(routing, (str, os.PathLike)):
+                routing = load_replay(routing, self.model, self._moe, n_experts, sequence=sequence)
+            else:
+                raise TypeError(f"set_routing: expected a RoutingReplay, an asyncside.RoutingTrace, a trace file's "
+                                f"path or None, got {type(routing).__name__}")
         self.routing = routing
         for fwd in self._forwards.values():
             fwd.routing = routing

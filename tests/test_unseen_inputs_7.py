@@ -1,0 +1,71 @@
+"""Inputs the repository never made, seventh sweep: a routing trace built in Python and handed to
+``StreamingModel.set_routing`` as it is, sequence numbers that are no int, residencies typed as -0,
+True or None, a hand-written trace whose ``meta.version`` is no number, and ``demo
+--lookahead-extra`` beside a predictor it does not widen. What runs gives the tokens it should;
+what is refused says which argument, field or option, and what was expected.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncside.routing import RoutingTrace
+
+
+@pytest.fixture(scope="module")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
+
+
+def _generate(sm: Any, routing: Any, sequence: int) -> list[int]:
+    from asyncside.runtime import Runtime
+
+    async def main() -> list[int]:
+        async with Runtime(sm.store, resident=0.25) as rt:
+            sm.set_routing(routing, sequence=sequence)
+            try:
+                prompt = sm.tokenizer.encode("Mixture of experts")
+                return [t async for t in sm.generate(prompt, max_tokens=4, source=rt, predictor="none")]
+            finally:
+                sm.set_routing(None)
+
+    return anyio.run(main)
+
+
+def test_a_trace_in_memory_replays_as_its_file_does(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``sm.set_routing(trace)`` with the ``asyncside.RoutingTrace`` just generated or loaded ended in
+    ``TypeError: expected str, bytes or os.PathLike object, not RoutingTrace`` from inside the file
+    reader: only a path or a RoutingReplay was taken. A trace in memory is fitted to the model as
+    its file is; anything else is refused naming what is taken, and a sequence that is no int
+    (1.0 and True ended in numpy's "slice indices must be integers", "only 0-dimensional arrays")
+    names the argument."""
+    from asyncside.models import load_streaming_model
+    from asyncside.models.forcing import RoutingReplayError
+    from asyncside.routing import synthetic
+
+    sm = load_streaming_model(quick_store)
+    # another shape than the model (3 layers x 64 experts top-8 onto 2 x 32 top-4), two sequences
+    made = synthetic(tokens=24, n_layers=3, n_experts=64, top_k=8, skew=0.5, overlap=0.3, layer_corr=0.1, seed=3)
+    trace = RoutingTrace(made.ids, np.array([10, 14]), made.n_experts, dict(made.meta))
+    path = tmp_path / "made.npz"
+    trace.save(path)
+    assert _generate(sm, trace, 1) == _generate(sm, path, 1)
+    assert sm.set_routing(trace).fitted.n_experts == 32 and sm.routing is not None
+    sm.set_routing(None)
+
+    with pytest.raises(TypeError, match=r"set_routing: expected a RoutingReplay, an asyncside.RoutingTrace, a trace "
+                                        r"file's path or None, got int"):
+        sm.set_routing(3)  # type: ignore[arg-type]
+    for sequence in (1.0, True, "1"):
+        with pytest.raises(RoutingReplayError, match=r"sequence: expected an int, which of the trace's 2 sequences "
+                                                     r"to replay, got " + repr(sequence).replace(".", r"\.")):
+            sm.set_routing(path, sequence=sequence)  # type: ignore[arg-type]
+    assert sm.routing is None
