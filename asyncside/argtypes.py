@@ -114,7 +114,7 @@ def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str
             value = math.nan
         if not 0.0 <= value <= 1.0:  # NaN fails this too
             raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}; {expected}")
-        return value
+        return value + 0.0  # a negative zero loses its sign, which the titles showed
 
     check.__name__ = "fraction in [0, 1]" + (" or 'auto'" if allow_auto else "")
     return check

@@ -256,7 +256,7 @@ def fraction_arg(text: str, *, allow_auto: bool = True, allow_zero: bool = False
         raise ValueError(f"expected {expected}, got {text!r}") from None
     if not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
         raise ValueError(f"expected {expected}, got {text!r}")
-    return value
+    return value + 0.0  # a negative zero loses its sign, which the titles showed
 
 
 def parse_host_tier(text: str) -> int | str:

@@ -7,6 +7,7 @@ what is refused says which argument, field or option, and what was expected.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Any
 
@@ -69,3 +70,45 @@ def test_a_trace_in_memory_replays_as_its_file_does(quick_store: pathlib.Path, t
                                                      r"to replay, got " + repr(sequence).replace(".", r"\.")):
             sm.set_routing(path, sequence=sequence)  # type: ignore[arg-type]
     assert sm.routing is None
+
+
+def test_a_residency_of_minus_zero_is_zero() -> None:
+    """``demo --resident -0`` titled its run "-0% asked" and its plan "resident -0 asked", and
+    ``bench generate --residency -0`` keyed its pool plan ``"-0.0"``: the sign of a zero kept."""
+    from asyncside.argtypes import resident_fraction
+    from asyncside.memory import fraction_arg
+
+    for value in (resident_fraction()("-0"), resident_fraction(allow_auto=False)("-0%"),
+                  fraction_arg("-0.0", allow_zero=True)):
+        assert value == 0.0 and math.copysign(1.0, float(value)) == 1.0, value
+
+
+@pytest.mark.parametrize("resident", [True, None, "25%", "0.5", float("nan"), 1.5, np.bool_(True)])
+def test_a_runtime_refuses_a_residency_that_is_no_fraction_when_made(resident: object,
+                                                                    quick_store: pathlib.Path) -> None:
+    """``Runtime(store, resident=True)`` ran with every expert in the pools (True taken as 1.0);
+    ``resident=None`` ended in ``float() argument must be ... not 'NoneType'`` when entered, and a
+    string or 1.5 was refused only then. Each is refused when the Runtime is made, as
+    ``asyncside.load`` refuses them."""
+    from asyncside.runtime import PlanArgumentError, Runtime
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(quick_store)
+    with pytest.raises(PlanArgumentError, match=r"resident: expected a fraction in \[0, 1\] or 'auto', got "):
+        Runtime(store, resident=resident)  # type: ignore[arg-type]
+
+
+def test_a_runtime_of_residency_minus_zero_plans_zero(quick_store: pathlib.Path) -> None:
+    from asyncside.runtime import Runtime
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(quick_store)
+
+    async def main() -> tuple[str, Any]:
+        async with Runtime(store, resident=-0.0) as rt:
+            assert rt.plan is not None
+            return rt.plan.describe(), rt.memory["resident"]
+
+    described, resident = anyio.run(main)
+    assert "resident 0 asked" in described and "-0" not in described, described
+    assert math.copysign(1.0, resident) == 1.0

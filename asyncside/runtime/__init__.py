@@ -23,6 +23,7 @@ and no part touches a ledger from anywhere else. That keeps the ledger a plain s
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -161,6 +162,11 @@ class Runtime:
         if isinstance(resident, Mapping):
             raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
                             "size); name pinned experts with pinned={layer: [experts]}")
+        if resident != "auto":
+            # A bool is no fraction, None failed inside float() when entered; a negative zero loses its sign.
+            if isinstance(resident, bool) or not isinstance(resident, numbers.Real) or not 0.0 <= resident <= 1.0:
+                raise PlanArgumentError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+            resident = float(resident) + 0.0
         self.store = store
         self.policy = policy
         self._resident, self._pinned, self._memory = resident, pinned, memory
