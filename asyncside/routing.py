@@ -205,9 +205,13 @@ def _file_meta(data: dict[str, np.ndarray], where: str) -> dict[str, Any]:
     if meta.get("format", TRACE_FILE_FORMAT) != TRACE_FILE_FORMAT:
         raise TraceError(where, f"expected {TRACE_FILE_FORMAT!r} (or no format key), got {meta.get('format')!r}",
                          field="meta.format")
-    if meta.get("version", TRACE_FILE_VERSION) != TRACE_FILE_VERSION:
+    version = meta.get("version", TRACE_FILE_VERSION)
+    if isinstance(version, bool) or version != TRACE_FILE_VERSION:
+        # Only a later number is a newer format; a string, null or true is a hand-written mistake.
+        newer = isinstance(version, (int, float)) and not isinstance(version, bool) and version > TRACE_FILE_VERSION
+        why = ": a newer asyncside wrote it" if newer else f", not the number {TRACE_FILE_VERSION}"
         raise TraceError(where, f"expected version {TRACE_FILE_VERSION} (or no version key), got "
-                                f"{meta.get('version')!r}: a newer asyncside wrote it", field="meta.version")
+                                f"{json.dumps(version)}{why}", field="meta.version")
     return meta
 
 

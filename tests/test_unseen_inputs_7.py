@@ -7,6 +7,7 @@ what is refused says which argument, field or option, and what was expected.
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 from typing import Any
@@ -15,6 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
+from asyncside.errors import TraceError
 from asyncside.routing import RoutingTrace
 
 
@@ -112,3 +114,19 @@ def test_a_runtime_of_residency_minus_zero_plans_zero(quick_store: pathlib.Path)
     described, resident = anyio.run(main)
     assert "resident 0 asked" in described and "-0" not in described, described
     assert math.copysign(1.0, resident) == 1.0
+
+
+@pytest.mark.parametrize(("version", "said"), [
+    ("1", 'got "1", not the number 1'),
+    (None, "got null, not the number 1"),
+    (True, "got true, not the number 1"),
+    (2, "got 2: a newer asyncside wrote it"),
+])
+def test_a_version_that_is_no_number_is_not_called_newer(version: object, said: str, tmp_path: pathlib.Path) -> None:
+    """A hand-written ``meta`` of ``{"version": "1"}`` or ``null`` was refused as "a newer asyncside
+    wrote it", and ``true`` was taken as version 1 (True == 1 in Python)."""
+    path = tmp_path / "hand.npz"
+    np.savez(path, ids=np.zeros((2, 1, 1), np.int32), n_experts=4, meta=np.array(json.dumps({"version": version})))
+    with pytest.raises(TraceError) as info:
+        RoutingTrace.load(path)
+    assert info.value.field == "meta.version" and said in str(info.value), str(info.value)
