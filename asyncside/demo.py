@@ -710,6 +710,19 @@ def _record_clash(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _lookahead_extra_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--lookahead-extra N`` would do nothing (None: it widens the predictor that runs): only the
+    lookahead names experts beyond the router's k, and it is neither asked for nor, with ``--routing``,
+    the default."""
+    extra, asked = getattr(args, "lookahead_extra", 0), getattr(args, "predictor", None)
+    if not extra or asked == "lookahead" or (asked is None and not getattr(args, "routing", None)):
+        return None
+    runs = (f"this run's predictor is {asked} (--predictor {asked})" if asked is not None else
+            "this run's predictor is the --routing trace's own predictions, or temporal where it carries none")
+    return (f"--lookahead-extra {extra} widens the lookahead predictor's sets, and {runs}: give --predictor "
+            f"lookahead, or leave --lookahead-extra out")
+
+
 def routing_sequence_problem(routing: str | None, sequence: int, trace: Any = None) -> str | None:
     """Why ``--routing-sequence sequence`` cannot be replayed from ``--routing routing`` (None: it
     can), said before a model loads: no trace given, or one without that sequence. ``trace``: the
@@ -745,7 +758,7 @@ def demo_main(args: argparse.Namespace) -> int:
 
         return ranks_demo_main(args)
     problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", 0))
-               or _record_clash(args))
+               or _record_clash(args) or _lookahead_extra_problem(args))
     if problem is not None:
         print(f"asyncside demo: error: {problem}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _cli_support import run_cli
 
 from asyncside.errors import TraceError
 from asyncside.routing import RoutingTrace
@@ -130,3 +131,22 @@ def test_a_version_that_is_no_number_is_not_called_newer(version: object, said: 
     with pytest.raises(TraceError) as info:
         RoutingTrace.load(path)
     assert info.value.field == "meta.version" and said in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--predictor", "temporal"], "this run's predictor is temporal (--predictor temporal)"),
+    (["--predictor", "none"], "this run's predictor is none (--predictor none)"),
+    (["--routing", "TRACE"], "this run's predictor is the --routing trace's own predictions, or temporal"),
+])
+def test_lookahead_extra_beside_another_predictor_is_refused(argv: list[str], said: str, tmp_path: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --predictor temporal --lookahead-extra 2`` ran the temporal predictor, ignored the 2 and
+    showed the predictor as "temporal+2"; under ``--routing`` the default predictor (the trace's,
+    else temporal) ignored it likewise. Refused before anything loads (the store here is none)."""
+    trace = tmp_path / "t.npz"
+    np.savez(trace, ids=np.zeros((2, 1, 1), np.int32), n_experts=4)
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    rc, err = run_cli(capsys, "demo", "--model", str(tmp_path / "no-store"), "--lookahead-extra", "2", *argv)
+    assert rc == 2 and f"--lookahead-extra 2 widens the lookahead predictor's sets, and {said}" in err, err
+    assert "give --predictor lookahead, or leave --lookahead-extra out" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
