@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import warnings
 from typing import Any
 
 import anyio
@@ -150,3 +151,29 @@ def test_lookahead_extra_beside_another_predictor_is_refused(argv: list[str], sa
     assert rc == 2 and f"--lookahead-extra 2 widens the lookahead predictor's sets, and {said}" in err, err
     assert "give --predictor lookahead, or leave --lookahead-extra out" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_shape_of_one_expert_a_layer_builds_a_finite_router(tmp_path: pathlib.Path) -> None:
+    """``bench generate --shape CONFIG`` of one expert a layer (top-1) built a router of NaN scales:
+    the experts' seeded popularity was standardised by its spread, 0 for one expert ("invalid value
+    encountered in divide"), and every token came out as id 0, in asyncside and mlx-lm alike (so
+    they still compared identical)."""
+    import mlx.core as mx
+
+    from asyncside.bench import shapes
+
+    config = tmp_path / "one-expert" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 1, "num_experts_per_tok": 1,
+        "vocab_size": 512}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        built = shapes.ensure_shape(config, layers=1, vocab=512, cache_dir=tmp_path / "cache", progress=False)
+    files = sorted(pathlib.Path(built["store"]).glob("*.safetensors"))
+    assert files
+    for file in files:
+        for name, value in mx.load(str(file)).items():
+            if mx.issubdtype(value.dtype, mx.floating):
+                assert bool(mx.isfinite(value.astype(mx.float32)).all()), (file.name, name)

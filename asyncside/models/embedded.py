@@ -183,7 +183,9 @@ def build_model(spec: EmbeddedSpec) -> tuple[Any, dict[str, Any]]:
             raise AssertionError(f"unexpected parameter {k} {v.shape}")
     for l in range(L):
         hot = rng.lognormal(0.0, spec.hot_sigma, size=E)
-        hot = (hot - hot.mean()) / hot.std()
+        spread = hot.std()
+        # A layer of one expert has no spread to standardise: dividing by it made the router NaN.
+        hot = (hot - hot.mean()) / spread if spread > 0 else np.zeros_like(hot)
         router = normal(E, D, std=D**-0.5)
         router += spec.hot_scale * hot[:, None] * u_hat[None, :]
         router += spec.class_scale * cls_hat[expert_cls[l]]
