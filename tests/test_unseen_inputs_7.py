@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import warnings
 from typing import Any
 
@@ -177,3 +178,16 @@ def test_a_shape_of_one_expert_a_layer_builds_a_finite_router(tmp_path: pathlib.
         for name, value in mx.load(str(file)).items():
             if mx.issubdtype(value.dtype, mx.floating):
                 assert bool(mx.isfinite(value.astype(mx.float32)).all()), (file.name, name)
+
+
+@pytest.mark.parametrize("least", [-3, 2.0, True])
+def test_a_runtime_refuses_a_least_rows_that_is_no_count_when_made(least: object, quick_store: pathlib.Path) -> None:
+    """``Runtime(store, min_side_rows=-3)`` (and ``asyncside.load(..., min_side_rows=-3)``) ran as if
+    it were left out and 2.0 as 2, where ``side_rows=-1`` is refused: the least rows a layer gets
+    is a count."""
+    from asyncside.runtime import PlanArgumentError, Runtime
+    from asyncside.store import ExpertStore
+
+    with pytest.raises(PlanArgumentError, match=r"min_side_rows: expected a number of rows >= 0 \(None: the "
+                                                r"model's top-k\), got " + re.escape(repr(least))):
+        Runtime(ExpertStore.open(quick_store), min_side_rows=least)  # type: ignore[arg-type]

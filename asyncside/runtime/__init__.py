@@ -182,6 +182,11 @@ class Runtime:
         problem = side_rows_problem(store, self._layer_ids, side_rows, pinned)
         if problem is not None:
             raise PlanArgumentError(problem)
+        # A negative or fractional least was taken without a word (the rows a layer gets are whole).
+        if min_side_rows is not None and (isinstance(min_side_rows, bool) or not isinstance(min_side_rows, int)
+                                          or min_side_rows < 0):
+            raise PlanArgumentError(f"min_side_rows: expected a number of rows >= 0 (None: the model's top-k), "
+                                    f"got {min_side_rows!r}")
         self._plan: MemoryPlan | None = None
         self._s = Shared(store, Scheduler(reader, reader_options, direct=direct, verify=verify))
         self._s.completed = completed
