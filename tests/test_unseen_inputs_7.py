@@ -191,3 +191,21 @@ def test_a_runtime_refuses_a_least_rows_that_is_no_count_when_made(least: object
     with pytest.raises(PlanArgumentError, match=r"min_side_rows: expected a number of rows >= 0 \(None: the "
                                                 r"model's top-k\), got " + re.escape(repr(least))):
         Runtime(ExpertStore.open(quick_store), min_side_rows=least)  # type: ignore[arg-type]
+
+
+def test_lookahead_extra_past_the_layers_experts_names_every_expert(quick_store: pathlib.Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --lookahead-extra 40 --mode per-layer`` on layers of 32 experts top-4 (or 5 on a
+    2-expert model) ended in mlx's "[argpartition] Received invalid kth" traceback, in every
+    architecture: the router was asked for more experts than the layer has. The lookahead names
+    at most every expert."""
+    from asyncside import cli
+
+    rc = cli.main(["demo", "--model", str(quick_store), "--tokens", "2", "--mode", "per-layer",
+                   "--lookahead-extra", "40", "--json", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["tokens_identical"] is True and result["experts_per_layer"] == 32, result
+    pq = result["prediction"]
+    assert pq["token_layers"] > 0 and pq["predicted"] == 32 * pq["token_layers"], pq

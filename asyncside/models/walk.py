@@ -23,6 +23,16 @@ from .source import ExpertSource
 from .trace import RoutingTrace
 
 
+def _experts_of(*holders: object) -> int | None:
+    """The experts an MoE block routes among, as mlx-lm's blocks and gates name them (None: unnamed)."""
+    for holder in holders:
+        for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
 class DecoderWalk:
     """An mlx-lm MoE model seen as the sequence of operations a forward walks through."""
 
@@ -85,7 +95,8 @@ class DecoderWalk:
         """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router.
 
         ``extra`` > 0 asks the router for that many more experts than it routes to (a wider
-        prediction); blocks without a known top-k attribute give their usual k.
+        prediction), at most every expert of the layer; blocks without a known top-k attribute give
+        their usual k.
         """
         block, attr = self.moe[layer]
         where = top_k_attribute(block) if extra > 0 else None
@@ -93,6 +104,12 @@ class DecoderWalk:
             return route(block, attr, x)[1]
         obj, name = where
         k = getattr(obj, name)
+        # Past the layer's experts the router's top-k partition fails ("invalid kth").
+        experts = _experts_of(obj, block)
+        if experts is not None:
+            extra = min(extra, experts - k)
+        if extra <= 0:
+            return route(block, attr, x)[1]
         setattr(obj, name, k + extra)  # read while the graph is built, restored right after
         try:
             return route(block, attr, x)[1]
