@@ -540,6 +540,9 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
         raise ValueError(f"synthetic: skew must be >= 0, got {skew!r}")
     if prediction_precision is not None and not 0.0 <= prediction_precision <= 1.0:
         raise ValueError(f"synthetic: prediction_precision must be in [0, 1] or None, got {prediction_precision!r}")
+    # numpy's own refusal names no argument ("expected non-negative integer", "SeedSequence expects int")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"synthetic: seed must be an int >= 0, got {seed!r}")
     rng = np.random.default_rng(seed)
     lengths = np.full(sequences, tokens // sequences, dtype=np.int64)
     lengths[: tokens % sequences] += 1
@@ -579,7 +582,7 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
             ids[t, l] = chosen
     meta: dict[str, Any] = {"source": "synthetic", "generator": {
         "tokens": tokens, "n_layers": n_layers, "n_experts": n_experts, "top_k": top_k, "skew": float(skew),
-        "overlap": float(overlap), "layer_corr": float(layer_corr), "sequences": sequences, "seed": seed}}
+        "overlap": float(overlap), "layer_corr": float(layer_corr), "sequences": sequences, "seed": int(seed)}}
     predicted = None
     if prediction_precision is not None:
         meta["generator"]["prediction_precision"] = float(prediction_precision)

@@ -209,3 +209,24 @@ def test_lookahead_extra_past_the_layers_experts_names_every_expert(quick_store:
     assert result["tokens_identical"] is True and result["experts_per_layer"] == 32, result
     pq = result["prediction"]
     assert pq["token_layers"] > 0 and pq["predicted"] == 32 * pq["token_layers"], pq
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
+def test_a_synthetic_trace_names_a_bad_seed(seed: object) -> None:
+    """``synthetic(..., seed=-1)`` (and ``preset``) ended in numpy's "expected non-negative integer",
+    1.5 in "SeedSequence expects int or sequence of ints", neither naming the argument; widen's
+    seed was already checked."""
+    from asyncside.routing import preset
+
+    with pytest.raises(ValueError, match=r"synthetic: seed must be an int >= 0, got " + re.escape(repr(seed))):
+        preset("low", n_layers=1, n_experts=4, top_k=1, tokens=4, seed=seed)  # type: ignore[arg-type]
+
+
+def test_a_synthetic_trace_of_a_numpy_seed_is_that_seed() -> None:
+    """A seed that is a numpy integer (one drawn from another generator) was written into ``meta``
+    as it was, and the trace refused itself: "[meta]: not JSON-able: Object of type int64"."""
+    from asyncside.routing import preset
+
+    trace = preset("middle", n_layers=2, n_experts=8, top_k=2, tokens=16, seed=np.int64(3))  # type: ignore[arg-type]
+    same = preset("middle", n_layers=2, n_experts=8, top_k=2, tokens=16, seed=3)
+    assert np.array_equal(trace.ids, same.ids) and trace.meta == same.meta
