@@ -230,3 +230,28 @@ def test_a_synthetic_trace_of_a_numpy_seed_is_that_seed() -> None:
     trace = preset("middle", n_layers=2, n_experts=8, top_k=2, tokens=16, seed=np.int64(3))  # type: ignore[arg-type]
     same = preset("middle", n_layers=2, n_experts=8, top_k=2, tokens=16, seed=3)
     assert np.array_equal(trace.ids, same.ids) and trace.meta == same.meta
+
+
+def test_a_replay_fitted_to_another_model_is_refused(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``sm.set_routing(replay)`` with the RoutingReplay another model's ``set_routing`` returned was
+    taken as it was: on a model of the same layers it routed to the other model's ids and top-k
+    without a word (top-1 where the model routes 4), elsewhere a step ended in a ZeroDivisionError.
+    It is refused naming both shapes and the way out; the same model's replay is taken."""
+    from _fault_helpers import model_store
+
+    from asyncside.models import load_streaming_model
+    from asyncside.models.forcing import RoutingReplayError
+    from asyncside.routing import synthetic
+
+    quick = load_streaming_model(quick_store)  # 2 MoE layers x 32 experts, top-4
+    other = load_streaming_model(model_store(tmp_path, "mixtral", None)[0])  # 2 MoE layers x 8 experts, top-2
+    trace = synthetic(tokens=12, n_layers=2, n_experts=64, top_k=8, skew=0.5, overlap=0.3, layer_corr=0.1)
+    replay = quick.set_routing(trace)
+    quick.set_routing(None)
+    assert replay is not None and load_streaming_model(quick_store).set_routing(replay) is replay
+    with pytest.raises(RoutingReplayError, match=r"<in memory>: this replay was fitted to MoE layers \[0, 1\] x 32 "
+                                                 r"experts, top-4, and this model has MoE layers \[0, 1\] x 8 experts, "
+                                                 r"top-2: pass the trace itself \(its file or RoutingTrace\)"):
+        other.set_routing(replay)
+    assert other.routing is None
+    assert other.set_routing(trace) is not None  # the trace itself is fitted to it

@@ -104,6 +104,18 @@ class RoutingReplay:
         return cls(trace, moe_layers=sorted(moe), n_experts=n_experts, top_k=ks.pop(), sequence=sequence,
                    source=source)
 
+    def misfit(self, moe: dict[int, tuple[nn.Module, str]], n_experts: int) -> str | None:
+        """Why this replay cannot drive a model of MoE blocks ``moe``, ``n_experts`` experts a layer
+        (None: it was fitted to that shape): it routes the layers, experts and top-k it was fitted to."""
+        ks = sorted({int(getattr(*where)) for block, _attr in moe.values()
+                     if (where := top_k_attribute(block)) is not None})
+        if sorted(moe) == self.moe_layers and int(n_experts) == self.n_experts and ks in ([], [self.top_k]):
+            return None
+        return (f"{self.source}: this replay was fitted to MoE layers {self.moe_layers} x "
+                f"{_count(self.n_experts, 'expert')}, top-{self.top_k}, and this model has MoE layers "
+                f"{sorted(moe)} x {_count(int(n_experts), 'expert')}, top-{'/'.join(map(str, ks)) or '?'}: pass "
+                f"the trace itself (its file or RoutingTrace) to fit it to this model")
+
     @property
     def n_tokens(self) -> int:
         """T: positions of the replayed sequence (later positions wrap around)."""

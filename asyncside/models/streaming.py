@@ -83,10 +83,16 @@ class StreamingModel:
         """Replay a routing trace in every later step (a :class:`RoutingReplay`, or a trace, in memory
         (:class:`asyncside.RoutingTrace`) or a file, fitted to this model); None: the router routes
         again. Returns the replay (:mod:`.forcing`)."""
-        if routing is not None and not isinstance(routing, RoutingReplay):
+        if routing is not None:
             n_experts = int(self.store.layer(self.moe_layers[0]).n_experts) if self.store is not None \
                 else _config_experts(self.config)
-            if isinstance(routing, TraceFile):
+            if isinstance(routing, RoutingReplay):
+                # Another model's replay routed this one to its ids and top-k without a word (or
+                # failed deep in a step).
+                problem = routing.misfit(self._moe, n_experts)
+                if problem is not None:
+                    raise RoutingReplayError(problem)
+            elif isinstance(routing, TraceFile):
                 routing = RoutingReplay.for_model(routing, self.model, self._moe, n_experts, sequence=sequence)
             elif isinstance(routing, (str, os.PathLike)):
                 routing = load_replay(routing, self.model, self._moe, n_experts, sequence=sequence)
