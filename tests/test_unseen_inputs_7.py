@@ -255,3 +255,20 @@ def test_a_replay_fitted_to_another_model_is_refused(quick_store: pathlib.Path, 
         other.set_routing(replay)
     assert other.routing is None
     assert other.set_routing(trace) is not None  # the trace itself is fitted to it
+
+
+def test_a_profile_for_one_layer_is_said_in_the_singular(quick_store: pathlib.Path) -> None:
+    """A two-layer profile for a runtime of one layer (``Runtime(layers=[1])``, a one-layer model)
+    was refused as "expected 1 MoE layers"."""
+    from asyncside.routing import preset
+    from asyncside.runtime import Runtime
+    from asyncside.store import ExpertStore
+
+    profile = preset("low", n_layers=2, n_experts=32, top_k=4, tokens=8)
+
+    async def main() -> None:
+        async with Runtime(ExpertStore.open(quick_store), layers=[1], rows_profile=profile):
+            pass
+
+    with pytest.raises(TraceError, match=r"rows_profile: expected 1 MoE layer \(the runtime's\), got 2"):
+        anyio.run(main)

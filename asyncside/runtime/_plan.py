@@ -395,13 +395,14 @@ def profile_rows(store: ExpertStore, layers: Sequence[int], even: Mapping[int, i
     trace, where = _load_profile(profile)
     order = list(layers)
     if trace.n_layers != len(order):
-        raise TraceError(where, f"rows_profile: expected {len(order)} MoE layers (the runtime's), got "
-                                f"{trace.n_layers} (ids shape {tuple(trace.ids.shape)})", field="ids")
+        raise TraceError(where, f"rows_profile: expected {len(order)} MoE layer{'s' if len(order) != 1 else ''} "
+                                f"(the runtime's), got {trace.n_layers} (ids shape {tuple(trace.ids.shape)})",
+                         field="ids")
     for i in order:
         n = store.layer(i).n_experts
         if trace.n_experts != n:
-            raise TraceError(where, f"rows_profile: expected {n} experts (layer {i} of the store), got "
-                                    f"{trace.n_experts}", field="n_experts")
+            raise TraceError(where, f"rows_profile: expected {n} expert{'s' if n != 1 else ''} (layer {i} of the "
+                                    f"store), got {trace.n_experts}", field="n_experts")
     total_rows = sum(int(even[i]) for i in order)
     mins = [min(store.layer(i).n_experts, max(int(min_rows), trace.top_k)) for i in order]
     if sum(mins) > total_rows:
