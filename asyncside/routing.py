@@ -275,19 +275,27 @@ class RoutingTrace:
         """S, the sequences."""
         return int(len(self.lengths))
 
-    def sequence(self, s: int) -> np.ndarray:
-        """The ``(T_s, L, K)`` read-only view of sequence ``s``."""
+    def _check_sequence(self, s: int) -> None:
+        """TypeError for an ``s`` that is no int (numpy's own said 'slice indices must be integers'),
+        IndexError for one the trace lacks."""
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            n = self.n_sequences
+            raise TypeError(f"sequence: expected an int, which of the trace's {n} sequence{'s' if n != 1 else ''}, "
+                            f"got {s!r}")
         if not 0 <= s < self.n_sequences:
             raise IndexError(f"sequence {s} out of range: the trace has {self.n_sequences}")
+
+    def sequence(self, s: int) -> np.ndarray:
+        """The ``(T_s, L, K)`` read-only view of sequence ``s``."""
+        self._check_sequence(s)
         start = int(self.lengths[:s].sum())
         return self.ids[start:start + int(self.lengths[s])]
 
     def sequence_predicted(self, s: int) -> np.ndarray | None:
         """The ``(T_s, L, K')`` read-only view of sequence ``s``'s predictions (None: the trace has none)."""
+        self._check_sequence(s)
         if self.predicted is None:
             return None
-        if not 0 <= s < self.n_sequences:
-            raise IndexError(f"sequence {s} out of range: the trace has {self.n_sequences}")
         start = int(self.lengths[:s].sum())
         return self.predicted[start:start + int(self.lengths[s])]
 

@@ -272,3 +272,15 @@ def test_a_profile_for_one_layer_is_said_in_the_singular(quick_store: pathlib.Pa
 
     with pytest.raises(TraceError, match=r"rows_profile: expected 1 MoE layer \(the runtime's\), got 2"):
         anyio.run(main)
+
+
+@pytest.mark.parametrize("s", [1.0, True, "1", None])
+def test_a_trace_sequence_that_is_no_int_is_named(s: object) -> None:
+    """``trace.sequence(1.0)`` ended in numpy's "slice indices must be integers", ``sequence(True)``
+    in "only 0-dimensional arrays can be converted", ``sequence("1")`` in a comparison's TypeError."""
+    trace = RoutingTrace(np.zeros((3, 1, 1), np.int32), np.array([1, 2]), 4, {})
+    for view in (trace.sequence, trace.sequence_predicted):
+        with pytest.raises(TypeError, match=r"sequence: expected an int, which of the trace's 2 sequences, got "
+                                            + re.escape(repr(s))):
+            view(s)  # type: ignore[arg-type]
+    assert trace.sequence(np.int64(1)).shape == (2, 1, 1)
