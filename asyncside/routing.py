@@ -70,6 +70,9 @@ def _check(ids: Any, lengths: Any, n_experts: Any, meta: Any, where: str) -> tup
             t, l = int(dup[0][0]), int(dup[1][0])
             raise TraceError(where, f"token {t}, layer {l} lists an expert twice: {a[t, l].tolist()}",
                              field="ids")
+    if lengths is None:  # np.asarray made it "shape () dtype object"
+        raise TraceError(where, f"expected a non-empty 1-d integer array, got None; one sequence of every token is "
+                                f"np.array([{a.shape[0]}])", field="lengths")
     ln = np.asarray(lengths)
     if ln.ndim != 1 or len(ln) < 1 or not np.issubdtype(ln.dtype, np.integer):
         raise TraceError(where, f"expected a non-empty 1-d integer array, got shape {ln.shape} dtype {ln.dtype}",

@@ -284,3 +284,11 @@ def test_a_trace_sequence_that_is_no_int_is_named(s: object) -> None:
                                             + re.escape(repr(s))):
             view(s)  # type: ignore[arg-type]
     assert trace.sequence(np.int64(1)).shape == (2, 1, 1)
+
+
+def test_lengths_left_out_in_python_say_how_to_write_one_sequence() -> None:
+    """``RoutingTrace(ids, None, n_experts, {})`` (a file may leave ``lengths`` out) was refused as
+    "got shape () dtype object"."""
+    with pytest.raises(TraceError, match=r"\[lengths\]: expected a non-empty 1-d integer array, got None; one "
+                                         r"sequence of every token is np.array\(\[3\]\)"):
+        RoutingTrace(np.zeros((3, 1, 1), np.int32), None, 4, {})  # type: ignore[arg-type]
