@@ -173,6 +173,9 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
                         raise TraceError(where, "an object array (pickled), which is never loaded; save a "
                                                 "plain numeric array (meta: a JSON string)", field=name) from None
                     raise
+                except MemoryError:  # numpy allocates what the member's header claims before reading it
+                    raise TraceError(where, "the array's header gives a shape too large to allocate; the member is "
+                                            "not the array it claims to be", field=name) from None
                 # np.load hands a member that is no .npy array (no NUMPY magic) back as raw bytes: one
                 # of the trace's own arrays is refused, anything else left out as extra arrays are.
                 if not isinstance(value, np.ndarray):

@@ -292,3 +292,30 @@ def test_lengths_left_out_in_python_say_how_to_write_one_sequence() -> None:
     with pytest.raises(TraceError, match=r"\[lengths\]: expected a non-empty 1-d integer array, got None; one "
                                          r"sequence of every token is np.array\(\[3\]\)"):
         RoutingTrace(np.zeros((3, 1, 1), np.int32), None, 4, {})  # type: ignore[arg-type]
+
+
+def test_an_array_whose_header_claims_more_than_memory_is_named(tmp_path: pathlib.Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace archive whose ``ids.npy`` header gives a shape of petabytes over a few bytes of data
+    ended in numpy's ``_ArrayMemoryError: Unable to allocate ... TiB`` traceback: numpy allocates
+    what the header says before it reads the data (a header a little past its data is numpy's
+    "EOF: reading array data", named as an unreadable file already)."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    header = io.BytesIO()
+    npy.write_array_header_1_0(header, {"descr": "<i4", "fortran_order": False, "shape": (10**15, 1, 1)})
+    n_experts = io.BytesIO()
+    np.save(n_experts, np.array(8))
+    path = tmp_path / "liar.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("ids.npy", header.getvalue() + bytes(64))
+        z.writestr("n_experts.npy", n_experts.getvalue())
+    with pytest.raises(TraceError) as info:
+        RoutingTrace.load(path)
+    assert info.value.field == "ids" and "header gives a shape too large to allocate" in str(info.value)
+    rc, err = run_cli(capsys, "routing", "info", str(path))
+    assert rc == 2 and f"{path} [ids]: the array's header gives a shape too large" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
