@@ -319,3 +319,11 @@ def test_an_array_whose_header_claims_more_than_memory_is_named(tmp_path: pathli
     rc, err = run_cli(capsys, "routing", "info", str(path))
     assert rc == 2 and f"{path} [ids]: the array's header gives a shape too large" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_of_one_layer_for_two_ranks_is_said_in_the_singular() -> None:
+    """``demo --ranks 2`` on a one-layer model: "the model has 1 decoder layers"."""
+    from asyncside.distributed.plan import PlanError, make_plan
+
+    with pytest.raises(PlanError, match=r"the model has 1 decoder layer, fewer than the 2 ranks: every stage"):
+        make_plan(1, [0], 2)

@@ -101,7 +101,8 @@ def make_plan(n_layers: int, moe_layers: Sequence[int], size: int, split: Sequen
     if size < 1:
         raise PlanError(f"a pipeline needs at least one rank, got {size}")
     if n_layers < size:
-        raise PlanError(f"the model has {n_layers} decoder layers, fewer than the {size} ranks: "
+        raise PlanError(f"the model has {n_layers} decoder layer{'s' if n_layers != 1 else ''}, fewer than the "
+                        f"{size} ranks: "
                         "every stage needs at least one layer")
     counts = list(split) if split is not None else even_split(n_layers, size)
     if len(counts) != size:
