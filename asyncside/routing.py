@@ -448,11 +448,11 @@ class RoutingTrace:
             if name not in data:
                 raise TraceError(where, f"missing (has {sorted(data)})", field=name)
         n = data["n_experts"]
-        if n.shape == (1,):
+        if n.size == 1:  # any 1-element array, as the format says: [[64]] was refused
             n = n.reshape(())
         if n.shape != () or not np.issubdtype(n.dtype, np.integer):
-            raise TraceError(where, f"expected an integer scalar, got shape {n.shape} dtype {n.dtype}",
-                             field="n_experts")
+            raise TraceError(where, f"expected a 1-element array or an integer scalar, got shape {n.shape} dtype "
+                                    f"{n.dtype}", field="n_experts")
         meta = _file_meta(data, where)
         meta.pop("format", None)
         meta.pop("version", None)

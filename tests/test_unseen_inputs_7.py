@@ -327,3 +327,15 @@ def test_a_model_of_one_layer_for_two_ranks_is_said_in_the_singular() -> None:
 
     with pytest.raises(PlanError, match=r"the model has 1 decoder layer, fewer than the 2 ranks: every stage"):
         make_plan(1, [0], 2)
+
+
+def test_n_experts_in_any_one_element_array_is_read(tmp_path: pathlib.Path) -> None:
+    """The format takes ``n_experts`` as "an integer scalar or 1-element array", and ``[[64]]`` (a
+    1-element array written from a 2-d table) was refused as "expected an integer scalar"."""
+    path = tmp_path / "t.npz"
+    np.savez(path, ids=np.zeros((2, 1, 1), np.int32), n_experts=np.array([[64]]))
+    assert RoutingTrace.load(path).n_experts == 64
+    np.savez(path, ids=np.zeros((2, 1, 1), np.int32), n_experts=np.array([64, 64]))
+    with pytest.raises(TraceError, match=r"\[n_experts\]: expected a 1-element array or an integer scalar, got "
+                                         r"shape \(2,\)"):
+        RoutingTrace.load(path)
