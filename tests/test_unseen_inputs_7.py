@@ -236,7 +236,9 @@ def test_a_replay_fitted_to_another_model_is_refused(quick_store: pathlib.Path, 
     """``sm.set_routing(replay)`` with the RoutingReplay another model's ``set_routing`` returned was
     taken as it was: on a model of the same layers it routed to the other model's ids and top-k
     without a word (top-1 where the model routes 4), elsewhere a step ended in a ZeroDivisionError.
-    It is refused naming both shapes and the way out; the same model's replay is taken."""
+    It is refused naming both shapes and the way out, by ``set_routing`` and by the serving engine
+    (``Batcher(routing=replay)``, which replayed it per request likewise); the same model's replay
+    is taken."""
     from _fault_helpers import model_store
 
     from asyncside.models import load_streaming_model
@@ -255,6 +257,13 @@ def test_a_replay_fitted_to_another_model_is_refused(quick_store: pathlib.Path, 
         other.set_routing(replay)
     assert other.routing is None
     assert other.set_routing(trace) is not None  # the trace itself is fitted to it
+    other.set_routing(None)
+
+    from asyncside.runtime import Runtime
+    from asyncside.serving import Batcher
+
+    with pytest.raises(RoutingReplayError, match=r"this replay was fitted to MoE layers \[0, 1\] x 32 experts"):
+        Batcher(other, Runtime(other.store, resident=0.25), routing=replay)  # the server's engine, alike
 
 
 def test_a_profile_for_one_layer_is_said_in_the_singular(quick_store: pathlib.Path) -> None:

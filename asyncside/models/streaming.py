@@ -89,7 +89,7 @@ class StreamingModel:
             if isinstance(routing, RoutingReplay):
                 # Another model's replay routed this one to its ids and top-k without a word (or
                 # failed deep in a step).
-                problem = routing.misfit(self._moe, n_experts)
+                problem = self.routing_misfit(routing)
                 if problem is not None:
                     raise RoutingReplayError(problem)
             elif isinstance(routing, TraceFile):
@@ -103,6 +103,13 @@ class StreamingModel:
         for fwd in self._forwards.values():
             fwd.routing = routing
         return routing
+
+    def routing_misfit(self, replay: RoutingReplay) -> str | None:
+        """Why ``replay`` cannot drive this model (None: it was fitted to its MoE layers, experts and
+        top-k), in the words a refusal gives."""
+        n_experts = int(self.store.layer(self.moe_layers[0]).n_experts) if self.store is not None \
+            else _config_experts(self.config)
+        return replay.misfit(self._moe, n_experts)
 
     def forward_with(self, options: ForwardOptions | None = None) -> AsyncForward:
         """The forward for ``options`` (this model's own by default); one per distinct options."""

@@ -157,6 +157,11 @@ class Batcher:
         #: routing replay: one replay per trace sequence, request n replaying sequence n mod S (see
         #: the module docstring); empty: the router routes
         self.replays: list[Any] = _replays(routing)
+        misfit = getattr(model, "routing_misfit", None)  # a pipeline's stages check their own layers
+        if self.replays and callable(misfit) and (problem := misfit(self.replays[0])) is not None:
+            from ..models.forcing import RoutingReplayError
+
+            raise RoutingReplayError(problem)  # another model's replay: its ids and top-k, without a word
         if self.replays and getattr(model.forward, "routing", None) is not None:
             raise ValueError("the model replays a batch-1 routing (set_routing): pass the replay to the "
                              "Batcher's routing= instead, which replays each request's rows on their own")
