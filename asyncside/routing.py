@@ -247,6 +247,11 @@ class RoutingTrace:
             meta = json.loads(json.dumps(dict(self.meta), allow_nan=False))  # what save writes, load reads
         except (TypeError, ValueError) as e:
             raise TraceError(_WHERE, f"not JSON-able: {e}", field="meta") from None
+        # save writes meta over the file's own keys: {"version": "v2"} saved a file load refuses
+        for key, own in (("format", TRACE_FILE_FORMAT), ("version", TRACE_FILE_VERSION)):
+            if key in meta and (isinstance(meta[key], bool) or meta[key] != own):
+                raise TraceError(_WHERE, f"{key!r} is the trace file's own key ({json.dumps(own)}), which load checks; "
+                                         f"got {json.dumps(meta[key])}: name yours otherwise", field=f"meta.{key}")
         ids = ids.copy() if ids is self.ids else ids
         ids.flags.writeable = False
         lengths = lengths.copy() if lengths is self.lengths else lengths

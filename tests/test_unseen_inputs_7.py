@@ -348,3 +348,17 @@ def test_n_experts_in_any_one_element_array_is_read(tmp_path: pathlib.Path) -> N
     with pytest.raises(TraceError, match=r"\[n_experts\]: expected a 1-element array or an integer scalar, got "
                                          r"shape \(2,\)"):
         RoutingTrace.load(path)
+
+
+@pytest.mark.parametrize("meta", [{"version": "2024-05"}, {"version": 2}, {"format": "mine"}])
+def test_a_trace_never_saves_a_file_version_it_would_not_load(meta: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """A trace whose own metadata had a "version" key ({"version": "2024-05"}, the model's) was saved
+    over the file format's version and the file was then refused by load ("expected version 1")."""
+    ids = np.zeros((2, 1, 1), np.int32)
+    key = next(iter(meta))
+    with pytest.raises(TraceError, match=rf"\[meta\.{key}\]: '{key}' is the trace file's own key .*: name yours "
+                                         r"otherwise") as info:
+        RoutingTrace(ids, np.array([2]), 4, meta)
+    assert info.value.field == f"meta.{key}"
+    RoutingTrace(ids, np.array([2]), 4, {"version": 1, "model": "m"}).save(tmp_path / "ok.npz")
+    assert RoutingTrace.load(tmp_path / "ok.npz").meta == {"model": "m"}
