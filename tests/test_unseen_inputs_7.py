@@ -1,8 +1,10 @@
-"""Inputs the repository never made, seventh sweep: a routing trace built in Python and handed to
-``StreamingModel.set_routing`` as it is, sequence numbers that are no int, residencies typed as -0,
-True or None, a hand-written trace whose ``meta.version`` is no number, and ``demo
---lookahead-extra`` beside a predictor it does not widen. What runs gives the tokens it should;
-what is refused says which argument, field or option, and what was expected.
+"""Inputs the repository never made, seventh sweep: routing traces built in Python and handed to
+``set_routing`` as they are (or another model's replay), hand-written trace files of odd make
+(``meta.version`` that is no number, ``n_experts`` in a 2-d array, an array header that claims
+petabytes), sequence numbers and seeds that are no int, residencies and least rows typed as -0,
+True, None or -3, a shape of one expert a layer, and ``--lookahead-extra`` past a layer's experts
+or beside a predictor it does not widen. What runs gives the tokens it should; what is refused
+says which argument, field or option, and what was expected.
 """
 
 from __future__ import annotations
