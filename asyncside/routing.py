@@ -13,8 +13,10 @@ docs/routing-traces.md. Pure numpy: no MLX, no I/O beyond :meth:`RoutingTrace.lo
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import stat
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -149,9 +151,17 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
     if os.path.isdir(where):
         raise TraceError(where, "is a directory; expected an .npz file (numpy.savez) of the arrays "
                                 "ids, lengths, n_experts, meta")
+    source: str | io.BytesIO = where
+    pipe = False
     try:
         with open(where, "rb") as fh:
-            head = fh.read(6)
+            mode = os.fstat(fh.fileno()).st_mode
+            pipe = stat.S_ISFIFO(mode)
+            if stat.S_ISREG(mode):
+                head = fh.read(6)
+            else:  # a pipe (a shell's <(...)) reads once and cannot seek, as np.load must: read it whole
+                source = io.BytesIO(fh.read())
+                head = source.getvalue()[:6]
     except FileNotFoundError:
         raise TraceError(where, "no such file") from None
     except OSError as e:
@@ -159,12 +169,14 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
     if not head.startswith(b"PK"):
         kind = "a .npy array (numpy.save)" if head.startswith(b"\x93NUMPY") else \
             "JSON text" if head.lstrip()[:1] in (b"{", b"[") else \
-            "an empty file" if not head else f"a file starting {head!r}"
+            "nothing: a pipe such as <(...) reads once, and this one was read (give a file)" if not head and pipe \
+            else "an empty file" if not head else \
+            f"a file starting {head!r}"
         raise TraceError(where, f"expected an .npz archive (numpy.savez or RoutingTrace.save) of the arrays "
                                 f"ids, lengths, n_experts, meta; this is {kind}")
     data: dict[str, np.ndarray] = {}
     try:
-        with np.load(where, allow_pickle=False) as z:
+        with np.load(source, allow_pickle=False) as z:
             for name in z.files:
                 try:
                     value = z[name]

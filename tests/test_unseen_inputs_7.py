@@ -364,3 +364,30 @@ def test_a_trace_never_saves_a_file_version_it_would_not_load(meta: dict[str, An
     assert info.value.field == f"meta.{key}"
     RoutingTrace(ids, np.array([2]), 4, {"version": 1, "model": "m"}).save(tmp_path / "ok.npz")
     assert RoutingTrace.load(tmp_path / "ok.npz").meta == {"model": "m"}
+
+
+def test_a_trace_from_a_pipe_is_read_once_whole(tmp_path: pathlib.Path) -> None:
+    """``asyncside routing info <(gunzip -c trace.npz.gz)``, ``demo --routing <(...)``: the file's
+    first bytes were read to tell what it is, then numpy opened the pipe again to read the archive
+    and said "not a readable .npz file: No data left in file". A pipe is read once, whole; one
+    read already is named as such, not as an empty file."""
+    import os
+
+    path = tmp_path / "t.npz"
+    RoutingTrace(np.arange(8, dtype=np.int32).reshape(2, 1, 4), np.array([2]), 8, {"model": "m"}).save(path)
+    r, w = os.pipe()
+    try:
+        os.write(w, path.read_bytes())  # a few hundred bytes: within the pipe's buffer
+        os.close(w)
+        w = -1
+        where = f"/dev/fd/{r}"
+        trace = RoutingTrace.load(where)
+        assert trace.n_experts == 8 and trace.meta == {"model": "m"} and trace.ids.tolist() == [[[0, 1, 2, 3]],
+                                                                                                 [[4, 5, 6, 7]]]
+        with pytest.raises(TraceError, match=r"this is nothing: a pipe such as <\(\.\.\.\) reads once, and this "
+                                             r"one was read \(give a file\)"):
+            RoutingTrace.load(where)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
