@@ -467,7 +467,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = prompt_tokens(sm.tokenizer, args.prompt, store_dir)
     eos = set(getattr(sm.tokenizer, "eos_token_ids", ()) or ())
 
-    replay = (sm.set_routing(args.routing, sequence=getattr(args, "routing_sequence", 0))
+    # The trace demo_main read (a pipe such as <(...) reads once), else the file.
+    replay = (sm.set_routing(getattr(args, "routing_trace", None) or args.routing,
+                             sequence=getattr(args, "routing_sequence", 0), source=str(args.routing))
               if getattr(args, "routing", None) else None)
     args.predictor, note = choose_predictor(args.predictor, replay)
     notes = [note] if note else []
@@ -757,7 +759,12 @@ def demo_main(args: argparse.Namespace) -> int:
         from .distributed.demo import ranks_demo_main
 
         return ranks_demo_main(args)
-    problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", 0))
+    if getattr(args, "routing", None):  # read once, before anything loads: a bad file is refused now
+        from .routing import RoutingTrace
+
+        args.routing_trace = RoutingTrace.load(args.routing)
+    problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", 0),
+                                        getattr(args, "routing_trace", None))
                or _record_clash(args) or _lookahead_extra_problem(args))
     if problem is not None:
         print(f"asyncside demo: error: {problem}", file=sys.stderr)

@@ -391,3 +391,37 @@ def test_a_trace_from_a_pipe_is_read_once_whole(tmp_path: pathlib.Path) -> None:
         os.close(r)
         if w >= 0:
             os.close(w)
+
+
+@pytest.mark.parametrize("command", [["demo", "--quiet"],
+                                     ["bench", "generate", "--repeats", "1", "--cold-repeats", "0", "--residency",
+                                      "0.5", "--plot", "none"]])
+def test_a_routing_pipe_is_read_once_by_the_commands(command: list[str], quick_store: pathlib.Path,
+                                                     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --routing <(...) --routing-sequence 1`` and ``bench generate --routing <(...)`` read the
+    file before anything loads, to refuse a bad one, then again to replay it: the pipe was empty
+    by then. Each reads it once and replays what it read, named by its path."""
+    import os
+
+    from asyncside import cli
+    from asyncside.routing import synthetic
+
+    made = synthetic(tokens=12, n_layers=2, n_experts=32, top_k=4, skew=0.5, overlap=0.3, layer_corr=0.1, seed=5)
+    path = tmp_path / "t.npz"
+    RoutingTrace(made.ids, np.array([5, 7]), 32, {}).save(path)
+    r, w = os.pipe()
+    try:
+        os.write(w, path.read_bytes())
+        os.close(w)
+        w = -1
+        rc = cli.main([*command, "--model", str(quick_store), "--tokens", "2", "--json", "--routing", f"/dev/fd/{r}",
+                       "--routing-sequence", "1"])
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    routing = json.loads(captured.out)["routing"]
+    assert routing["sequence"] == 1 and routing["sequence_tokens"] == 7, routing
+    assert routing["note"].startswith(f"/dev/fd/{r}: sequence 1 of 2 replayed"), routing

@@ -648,10 +648,11 @@ def _log(enabled: bool, msg: str) -> None:
         print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
 
 
-def _read_traces_first(args: argparse.Namespace) -> None:
+def _read_traces_first(args: argparse.Namespace) -> Any:
     """Read ``--routing`` and ``--rows-profile``: a bad file is refused (TraceError naming the file and
     the field), and a ``--routing`` trace that does not fit a ``--shape`` (RoutingReplayError),
-    before a shape is built or a model loads, as bench offload's are."""
+    before a shape is built or a model loads, as bench offload's are. Returns the ``--routing``
+    trace (None without), which the run replays: the file is read once (a pipe reads once)."""
     from ..models.forcing import RoutingReplay, RoutingReplayError
     from ..routing import RoutingTrace
     from .shapes import shape_spec
@@ -670,6 +671,7 @@ def _read_traces_first(args: argparse.Namespace) -> None:
         RoutingReplay(trace, moe_layers=range(cfg["num_hidden_layers"]),
                       n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], sequence=sequence,
                       source=str(args.routing))
+    return trace
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -688,7 +690,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     verbose = not getattr(args, "json", False)
     started = time.time()
     mach = machine_info()
-    _read_traces_first(args)
+    routing_trace = _read_traces_first(args)
     store_dir, model_info = _resolve_store(args, verbose)
     store = ExpertStore.open(store_dir)
     sm = load_streaming_model(store_dir)
@@ -698,7 +700,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "routing", None):
         from ..models.forcing import force_reference
 
-        replay = sm.set_routing(args.routing, sequence=getattr(args, "routing_sequence", 0))
+        replay = sm.set_routing(routing_trace, sequence=getattr(args, "routing_sequence", 0),
+                                source=str(args.routing))
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)
         _log(verbose, f"routing {replay.describe()['note']}")

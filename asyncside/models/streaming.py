@@ -79,10 +79,11 @@ class StreamingModel:
         return sorted(self._moe)
 
     def set_routing(self, routing: RoutingReplay | TraceFile | str | os.PathLike[str] | None, *,
-                    sequence: int = 0) -> RoutingReplay | None:
+                    sequence: int = 0, source: str | None = None) -> RoutingReplay | None:
         """Replay a routing trace in every later step (a :class:`RoutingReplay`, or a trace, in memory
         (:class:`asyncside.RoutingTrace`) or a file, fitted to this model); None: the router routes
-        again. Returns the replay (:mod:`.forcing`)."""
+        again. Returns the replay (:mod:`.forcing`). ``source``: how messages name a trace in memory
+        (the file it was read from; default ``<in memory>``)."""
         if routing is not None:
             n_experts = int(self.store.layer(self.moe_layers[0]).n_experts) if self.store is not None \
                 else _config_experts(self.config)
@@ -93,7 +94,8 @@ class StreamingModel:
                 if problem is not None:
                     raise RoutingReplayError(problem)
             elif isinstance(routing, TraceFile):
-                routing = RoutingReplay.for_model(routing, self.model, self._moe, n_experts, sequence=sequence)
+                routing = RoutingReplay.for_model(routing, self.model, self._moe, n_experts, sequence=sequence,
+                                                  source=source or "<in memory>")
             elif isinstance(routing, (str, os.PathLike)):
                 routing = load_replay(routing, self.model, self._moe, n_experts, sequence=sequence)
             else:
