@@ -425,3 +425,24 @@ def test_a_routing_pipe_is_read_once_by_the_commands(command: list[str], quick_s
     routing = json.loads(captured.out)["routing"]
     assert routing["sequence"] == 1 and routing["sequence_tokens"] == 7, routing
     assert routing["note"].startswith(f"/dev/fd/{r}: sequence 1 of 2 replayed"), routing
+
+
+def test_serve_takes_a_routing_pipe_for_a_file(tmp_path: pathlib.Path) -> None:
+    """``serve --routing <(...)`` was refused as "/dev/fd/63: no such routing trace file": the option
+    took regular files only. A pipe passes the option (the trace says what it holds when read);
+    a missing path and a directory are still refused, naming the path."""
+    import argparse
+    import os
+
+    from asyncside.serving.cli import _existing_file
+
+    r, w = os.pipe()
+    try:
+        assert _existing_file(f"/dev/fd/{r}") == f"/dev/fd/{r}"
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"nope\.npz: no such routing trace file"):
+        _existing_file(str(tmp_path / "nope.npz"))
+    with pytest.raises(argparse.ArgumentTypeError, match=r": is a directory; expected a routing trace file"):
+        _existing_file(str(tmp_path))

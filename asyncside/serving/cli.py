@@ -42,7 +42,8 @@ class _Given(argparse.Action):
 def _existing_file(text: str) -> str:
     import os
 
-    if not os.path.isfile(text):
+    # exists, not isfile: a pipe (--routing <(...)) is a trace file too, read once when the engine opens
+    if not os.path.exists(text) or os.path.isdir(text):
         what = "is a directory; expected a routing trace file (.npz)" if os.path.isdir(text) else \
             "no such routing trace file"
         raise argparse.ArgumentTypeError(f"{text}: {what}")
