@@ -716,6 +716,10 @@ void bind_faults(nb::module_& m) {
           "the distinct experts of "
           "each resolve (int32) and "
           "used_sizes how many each resolve added (int32).")
+      .def("prefetch", [](PyFaultTable& p, std::vector<int64_t> ids) { p.t->prefetch(std::move(ids)); },
+           nb::arg("ids"), nb::call_guard<nb::gil_scoped_release>(),
+           "Start reading the predicted experts `ids` this layer lacks into lent rows (what a "
+           "prefetch_rows node does on the stream; tests). Waits first for reads still pending.")
       .def("settle", [](PyFaultTable& p) { p.t->settle(); }, nb::call_guard<nb::gil_scoped_release>(),
            "Wait for the reads streamed resolves began and publish them (their events go to the log); "
            "blocks for that I/O: call it off the event loop, once the steps that began them are done.")
@@ -794,6 +798,16 @@ void bind_faults(nb::module_& m) {
       nb::arg("ids"), nb::arg("rows"), nb::arg("table"), nb::arg("stream") = nb::none(),
       "`rows` (begin_rows' rows of the experts `ids`, any part of them) passed through once those "
       "experts' reads finished and were published; a failed read fails the step here.");
+  m.def(
+      "prefetch_rows",
+      [](const mx::array& after, const mx::array& ids, PyFaultTable& table, std::optional<mx::Stream> stream) {
+        return fa::prefetch_rows(after, ids, table.t, stream ? *stream : mx::default_stream(mx::Device::cpu));
+      },
+      nb::arg("after"), nb::arg("ids"), nb::arg("table"), nb::arg("stream") = nb::none(),
+      "`after` (integer rows, passed through as uint32) once the stream got there and `table`'s "
+      "layer started reading the predicted experts `ids` it lacks into lent rows (a hint: no use "
+      "logged, no step failed; its next begin_rows adopts the reads of the experts it routes, "
+      "expert_rows settles them first).");
   m.def("fault_background_threads", &fa::background_threads,
         "Threads the streamed resolves' background reads run on.");
   nb::class_<asyncside::plan::StepPlan>(

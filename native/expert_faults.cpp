@@ -321,6 +321,7 @@ FaultTable::FaultTable(int layer, int64_t n_experts, std::unique_ptr<RecordSink>
   last_use_.assign(static_cast<size_t>(n_experts_), 0);
   score_.assign(static_cast<size_t>(n_experts_), 0.0);
   seen_.assign(static_cast<size_t>(n_experts_), 0);
+  prefetched_.assign(static_cast<size_t>(n_experts_), 0);
   sink_->table_reset(table_);
   global_counters().tables_created.fetch_add(1, std::memory_order_relaxed);
 }
@@ -451,7 +452,9 @@ std::map<std::string, uint64_t> FaultTable::counters() {
           {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()},
           {"staged", staged_.load()},             {"staged_copies", staged_copies_.load()},
           {"device_resolves", device_resolves_.load()}, {"streamed", streamed_.load()},
-          {"read_wait_ns", read_wait_ns_.load()}, {"background_ns", background_ns_.load()}};
+          {"read_wait_ns", read_wait_ns_.load()}, {"background_ns", background_ns_.load()},
+          {"prefetches", prefetches_.load()},     {"prefetch_reads", prefetch_reads_.load()},
+          {"prefetch_hits", prefetch_hits_.load()}, {"prefetch_errors", prefetch_errors_.load()}};
 }
 
 void FaultTable::absorb_device_uses_locked() {
@@ -597,12 +600,13 @@ std::string FaultTable::read_error(int64_t expert, int64_t row, int err, uint32_
                              : errno_text(err));
 }
 
-void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
-                                    std::string& error) {
+void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::deque<Fill>& fills,
+                                    std::string& error, bool hint) {
   // Rows for every miss first (each leaves the lent list until its fault is logged, so no two
   // misses get one row, and no row of an expert this resolve routes is taken).
   for (int64_t e : missing) {
     const int64_t row = pick_row_locked(stamp);
+    if (row < 0 && hint) return;  // a prediction takes what rows there are, and fails nothing
     if (row < 0) {
       log_.events.push_back({-1, -1, e, 0, -2, 0});
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
@@ -616,6 +620,7 @@ void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_
     const int64_t victim = owner_[static_cast<size_t>(row)];
     if (victim >= 0) {
       table_[static_cast<size_t>(victim)] = -1;
+      prefetched_[static_cast<size_t>(victim)] = 0;
       sink_->table_changed(victim, -1);
     }
     owner_[static_cast<size_t>(row)] = -1;  // its bytes are about to change
@@ -624,6 +629,7 @@ void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_
     f.row = row;
     f.victim = victim;
     f.held = sink_->holds(e);
+    f.stamp = stamp;
     fills.push_back(f);
   }
 }
@@ -651,7 +657,10 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
   (background ? background_ns_ : fault_ns_).fetch_add(static_cast<uint64_t>(f.ns), std::memory_order_relaxed);
   if (f.err == 0 && !f.held) sink_->keep(f.expert);
   if (f.err == 0) f.err = sink_->publish(f.row, f.expert);
-  log_.events.push_back({f.row, f.victim, f.expert, f.ns, f.err, f.held ? 1 : background ? 2 : 0});
+  // A prefetch's read is not a miss (source 3), unless it was routed and failed: that fails the
+  // step as a miss's failed read does (source 2).
+  const bool hint = f.prefetch && !(f.routed && f.err != 0);
+  log_.events.push_back({f.row, f.victim, f.expert, f.ns, f.err, hint ? 3 : f.held ? 1 : background ? 2 : 0});
   // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
   // run), at the back of the lend order: it was just filled.
   lent_flag_[static_cast<size_t>(f.row)] = 1;
@@ -661,12 +670,21 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
     table_[static_cast<size_t>(f.expert)] = static_cast<int32_t>(f.row);
     sink_->table_changed(f.expert, static_cast<int32_t>(f.row));
     touch_locked(f.expert, stamp);
-    faults_.fetch_add(1, std::memory_order_relaxed);
+    if (f.prefetch) {
+      prefetched_[static_cast<size_t>(f.expert)] = f.routed ? 0 : 1;  // a routed one counted its hit
+      prefetch_reads_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      faults_.fetch_add(1, std::memory_order_relaxed);
+    }
     if (f.held) {
       tier_faults_.fetch_add(1, std::memory_order_relaxed);
     } else {
       bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
     }
+  } else if (hint) {
+    // A hint's read failed: its row is free again (the log says so), and the expert is read again
+    // if it is routed; nothing fails the step.
+    prefetch_errors_.fetch_add(1, std::memory_order_relaxed);
   } else {
     fault_errors_.fetch_add(1, std::memory_order_relaxed);
     global_counters().fault_errors.fetch_add(1, std::memory_order_release);
@@ -674,11 +692,20 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
   }
 }
 
+void FaultTable::note_hit_locked(int64_t expert) {
+  hits_.fetch_add(1, std::memory_order_relaxed);
+  auto& p = prefetched_[static_cast<size_t>(expert)];
+  if (p) {
+    p = 0;
+    prefetch_hits_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 void FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   throw_injected_locked();
-  settle_pending_locked(lk);
+  settle_on_stream_locked(lk);
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
@@ -688,14 +715,13 @@ void FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   for (int64_t e : uniq) {
     if (table_[static_cast<size_t>(e)] >= 0) {
       touch_locked(e, stamp);
-      hits_.fetch_add(1, std::memory_order_relaxed);
+      note_hit_locked(e);
     } else {
       missing.push_back(e);
     }
   }
   // Rows first, then the reads, unlocked and side by side, then the results, in miss order.
-  std::vector<Fill> reads;
-  reads.reserve(missing.size());
+  std::deque<Fill> reads;
   assign_rows_locked(missing, stamp, reads, error);
   std::vector<size_t> to_read;  // the reads that go to the store (the others the sink holds)
   for (size_t i = 0; i < reads.size(); ++i) {
@@ -724,28 +750,53 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
   streamed_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   throw_injected_locked();
-  settle_pending_locked(lk);
+  // A prefetch's pending fills are adopted below; any other (a step that never reached its
+  // finish nodes) is settled first.
+  bool prefetched_only = true;
+  for (const Fill& f : pending_) {
+    if (pending_at_[static_cast<size_t>(f.expert)] >= 0) prefetched_only = prefetched_only && f.prefetch && !f.routed;
+  }
+  if (!prefetched_only) settle_on_stream_locked(lk);
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;
   std::string error;
   collect_locked(ids, stamp, uniq, error);
   std::vector<int64_t> missing;
+  size_t adopted = 0;
   for (int64_t e : uniq) {
+    const int32_t at = pending_at_.empty() ? -1 : pending_at_[static_cast<size_t>(e)];
     if (table_[static_cast<size_t>(e)] >= 0) {
       touch_locked(e, stamp);
+      note_hit_locked(e);
+    } else if (at >= 0) {
+      // Predicted right: a hit whose read may still be landing (its finish() waits for it).
+      Fill& f = pending_[static_cast<size_t>(at)];
+      f.routed = true;
+      f.stamp = stamp;
       hits_.fetch_add(1, std::memory_order_relaxed);
+      prefetch_hits_.fetch_add(1, std::memory_order_relaxed);
+      ++adopted;
     } else {
       missing.push_back(e);
     }
   }
-  pending_.clear();
-  pending_.reserve(missing.size());  // never reallocated while reads run: they write into it
+  if (!missing.empty() && pending_left_ > adopted) {
+    // The unrouted prefetches hold rows out of the lent list: publish them first where the
+    // misses would otherwise run out of rows (a row whose expert this begin routes is not one).
+    size_t free_rows = 0;
+    for (int64_t row : lent_) {
+      const int64_t owner = owner_[static_cast<size_t>(row)];
+      if (owner < 0 || seen_[static_cast<size_t>(owner)] != stamp) ++free_rows;
+    }
+    if (free_rows < missing.size()) settle_unrouted_locked(lk);
+  }
+  if (pending_left_ == 0) pending_.clear();
+  const size_t first_new = pending_.size();
   assign_rows_locked(missing, stamp, pending_, error);
-  pending_stamp_ = stamp;
-  pending_left_ = pending_.size();
+  pending_left_ += pending_.size() - first_new;
   if (pending_at_.empty()) pending_at_.assign(static_cast<size_t>(n_experts_), -1);
-  for (size_t i = 0; i < pending_.size(); ++i) {
+  for (size_t i = first_new; i < pending_.size(); ++i) {
     pending_at_[static_cast<size_t>(pending_[i].expert)] = static_cast<int32_t>(i);
     if (pending_[i].held) pending_[i].done = true;
   }
@@ -773,9 +824,17 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       for (size_t j = 0; j < k; ++j) order[t + j] = keyed[j].second;
     }
   }
+  start_pending_reads_locked();
+  lk.unlock();
+}
+
+void FaultTable::start_pending_reads_locked() {
   std::vector<Fill*> to_read;
   for (Fill& f : pending_) {
-    if (!f.done) to_read.push_back(&f);
+    if (!f.done && !f.started) {
+      f.started = true;
+      to_read.push_back(&f);
+    }
   }
   global_counters().background_reads.fetch_add(to_read.size(), std::memory_order_relaxed);
   // A job touches this table until it signals under the lock; every path that ends the table
@@ -808,7 +867,37 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       });
     }
   }
-  lk.unlock();
+}
+
+void FaultTable::prefetch(std::vector<int64_t> ids) {
+  prefetches_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::mutex> lk(mu_);
+  settle_on_stream_locked(lk);
+  absorb_device_uses_locked();
+  // A stamp of its own: no predicted expert evicts another, and none is touched (recency and use
+  // counts stay those of the routing).
+  const uint64_t stamp = ++clock_;
+  std::vector<int64_t> missing;
+  for (int64_t e : ids) {
+    if (e < 0 || e >= n_experts_) continue;  // kNoExpert included: a hint names what it names
+    auto& seen = seen_[static_cast<size_t>(e)];
+    if (seen == stamp) continue;
+    seen = stamp;
+    if (table_[static_cast<size_t>(e)] < 0) missing.push_back(e);
+  }
+  if (missing.empty()) return;
+  std::string error;  // never set: a hint takes the rows there are
+  pending_.clear();  // settled above
+  assign_rows_locked(missing, stamp, pending_, error, true);
+  pending_left_ = pending_.size();
+  if (pending_at_.empty()) pending_at_.assign(static_cast<size_t>(n_experts_), -1);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Fill& f = pending_[i];
+    f.prefetch = true;
+    pending_at_[static_cast<size_t>(f.expert)] = static_cast<int32_t>(i);
+    if (f.held) f.done = true;
+  }
+  start_pending_reads_locked();
 }
 
 void FaultTable::read_done(Fill* f) {
@@ -835,7 +924,7 @@ void FaultTable::finish(const std::vector<int64_t>& ids) {
     }
     Fill& f = pending_[static_cast<size_t>(at)];
     at = -1;
-    publish_locked(f, pending_stamp_, error, true);
+    publish_locked(f, f.stamp, error, true);
     if (--pending_left_ == 0) pending_.clear();
     if (!error.empty()) break;
   }
@@ -859,7 +948,7 @@ void FaultTable::finish_all_locked(std::unique_lock<std::mutex>& lk, std::string
     auto& at = pending_at_[static_cast<size_t>(f.expert)];
     if (at < 0) continue;  // published already
     at = -1;
-    publish_locked(f, pending_stamp_, error, true);
+    publish_locked(f, f.stamp, error, true);
   }
   pending_.clear();
   pending_left_ = 0;
@@ -881,12 +970,40 @@ void FaultTable::settle_pending_locked(std::unique_lock<std::mutex>& lk) {
   finish_all_locked(lk, error);
 }
 
+namespace {
+uint64_t ns_since(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+}
+}  // namespace
+
+void FaultTable::settle_on_stream_locked(std::unique_lock<std::mutex>& lk) {
+  if (pending_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  settle_pending_locked(lk);
+  read_wait_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
+}
+
+void FaultTable::settle_unrouted_locked(std::unique_lock<std::mutex>& lk) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string error;  // a hint's failure sets none
+  for (Fill& f : pending_) {
+    auto& at = pending_at_[static_cast<size_t>(f.expert)];
+    if (at < 0 || !f.prefetch || f.routed) continue;
+    read_done_.wait(lk, [&] { return f.done; });
+    at = -1;
+    publish_locked(f, f.stamp, error, true);
+    --pending_left_;
+  }
+  read_wait_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
+}
+
 void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   resolves_.fetch_add(1, std::memory_order_relaxed);
   staged_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lk(mu_);
   throw_injected_locked();
-  settle_pending_locked(lk);
+  settle_on_stream_locked(lk);
   absorb_device_uses_locked();
   if (!sink_->stages()) {
     throw std::runtime_error("[asyncside] layer " + std::to_string(layer_) +
@@ -1076,13 +1193,31 @@ void ExpertRows::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::
 #endif
 }
 
-// The streamed pair's nodes (CPU stream only: the table's sink is a host one).
-class BeginRows : public mx::Primitive {
+// What the streamed nodes share (CPU stream only: the table's sink is a host one): their table,
+// the node counters, and no GPU form.
+class HostTableNode : public mx::Primitive {
  public:
-  BeginRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
+  HostTableNode(mx::Stream s, std::shared_ptr<FaultTable> table, const char* what)
+      : mx::Primitive(s), table_(std::move(table)), what_(what) {
     global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
   }
-  ~BeginRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+  ~HostTableNode() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[asyncside] ") + what_ + " runs on the CPU stream only");
+  }
+  // Every node resolves (and may read) on its own: never merged by compile's CSE.
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ protected:
+  std::shared_ptr<FaultTable> table_;
+
+ private:
+  const char* what_;
+};
+
+class BeginRows : public HostTableNode {
+ public:
+  BeginRows(mx::Stream s, std::shared_ptr<FaultTable> table) : HostTableNode(s, std::move(table), "begin_rows") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1105,11 +1240,7 @@ class BeginRows : public mx::Primitive {
       });
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[asyncside] begin_rows runs on the CPU stream only");
-  }
   const char* name() const override { return "AsyncsideBeginRows"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {doubled(inputs[0].shape())};
   }
@@ -1118,17 +1249,11 @@ class BeginRows : public mx::Primitive {
     shape.back() *= 2;
     return shape;
   }
-
- private:
-  std::shared_ptr<FaultTable> table_;
 };
 
-class FinishRows : public mx::Primitive {
+class FinishRows : public HostTableNode {
  public:
-  FinishRows(mx::Stream s, std::shared_ptr<FaultTable> table) : mx::Primitive(s), table_(std::move(table)) {
-    global_counters().nodes_created.fetch_add(1, std::memory_order_relaxed);
-  }
-  ~FinishRows() override { global_counters().nodes_destroyed.fetch_add(1, std::memory_order_relaxed); }
+  FinishRows(mx::Stream s, std::shared_ptr<FaultTable> table) : HostTableNode(s, std::move(table), "finish_rows") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -1148,15 +1273,42 @@ class FinishRows : public mx::Primitive {
       });
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[asyncside] finish_rows runs on the CPU stream only");
-  }
   const char* name() const override { return "AsyncsideFinishRows"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
+};
 
- private:
-  std::shared_ptr<FaultTable> table_;
+// A prefetch: `after` passed through (a few uint32 rows), the prediction handed to the table.
+class PrefetchRows : public HostTableNode {
+ public:
+  PrefetchRows(mx::Stream s, std::shared_ptr<FaultTable> table)
+      : HostTableNode(s, std::move(table), "prefetch_rows") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_input_array(inputs[1]);
+    enc.set_output_array(out);
+    enc.dispatch([table = table_, after = inputs[0], ids = inputs[1], out_ptr = out.data<uint32_t>(),
+                  n = out.size()]() noexcept {
+      std::vector<int64_t> v;
+      try {
+        read_any_ids(after, v);
+      } catch (...) {
+        v.assign(n, 0);  // not reached: prefetch_rows() takes integer arrays only
+      }
+      for (size_t i = 0; i < n; ++i) out_ptr[i] = i < v.size() ? static_cast<uint32_t>(v[i]) : 0u;
+      // A prediction is a hint: whatever it throws (an allocation) only costs the prefetch.
+      try {
+        read_any_ids(ids, v);
+        table->prefetch(std::move(v));
+      } catch (...) {
+      }
+    });
+  }
+  const char* name() const override { return "AsyncsidePrefetchRows"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
 }  // namespace
@@ -1205,6 +1357,13 @@ mx::array begin_rows(const mx::array& ids, std::shared_ptr<FaultTable> table, mx
   check_streamed(ids, table, stream, "begin_rows");
   return mx::array(BeginRows::doubled(ids.shape()), mx::uint32, std::make_shared<BeginRows>(stream, std::move(table)),
                    {ids});
+}
+
+mx::array prefetch_rows(const mx::array& after, const mx::array& ids, std::shared_ptr<FaultTable> table,
+                        mx::Stream stream) {
+  check_streamed(ids, table, stream, "prefetch_rows");
+  if (!mx::issubdtype(after.dtype(), mx::integer)) throw std::invalid_argument("after: expected an integer array");
+  return mx::array(after.shape(), mx::uint32, std::make_shared<PrefetchRows>(stream, std::move(table)), {after, ids});
 }
 
 mx::array finish_rows(const mx::array& ids, const mx::array& rows, std::shared_ptr<FaultTable> table,

@@ -29,6 +29,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -52,7 +53,8 @@ struct FaultEvent {
   int64_t ns;      // time the fault took on the stream thread (read + checksum)
   int64_t error;   // 0, or errno of the failed read, or one of the codes below (negative)
   int64_t source;  // where the bytes came from: 0 the store (a read on the stream), 1 the sink's host
-                   // tier (no read), 2 the store (a streamed resolve's read, in the background)
+                   // tier (no read), 2 the store (a streamed resolve's read, in the background),
+                   // 3 the store (a prefetch's read, in the background: not a miss)
 };
 
 // FaultEvent::error codes that are not a read's errno. Nothing on the stream thread throws: a
@@ -248,6 +250,17 @@ class FaultTable {
   // in first (slot order), then the rest in the order their reads were issued.
   void begin(std::vector<int64_t> ids, uint32_t* out, size_t k = 0, uint32_t* order = nullptr);
   void finish(const std::vector<int64_t>& ids);
+  // A prediction of the experts this layer will route next (host sinks): the absent ones get lent
+  // rows and their reads start in the background, as begin()'s misses do, while the stream goes on.
+  // Nothing is routed: no use is logged, no hit or resolve counted, and a prediction that finds no
+  // lent row left takes none (a hint never fails a step). The layer's next begin() adopts
+  // them: a predicted expert it routes is a hit whose read may still be landing (its finish()
+  // waits for it alone, and a failed read then fails the step as a miss's does); the others stay
+  // pending (their rows out of the lent list) until the next settle publishes them, or at once
+  // where the begin's misses need their rows. resolve() and stage() settle them first. Published
+  // prefetches are logged as FaultEvent::source 3 (not a miss). A failed read of an expert nothing
+  // routed frees its row and is logged, not raised: the expert is read again if it is routed.
+  void prefetch(std::vector<int64_t> ids);
   // A fault node failed as a whole (its task caught what it threw: an allocation, a table the
   // node cannot use): logged as an event of row -1, expert -1 and error kNodeFailed; failure()
   // is the latest such message (empty when none).
@@ -286,11 +299,23 @@ class FaultTable {
     uint32_t got = 0;
     int64_t ns = 0;
     bool done = false;  // streamed: the background read finished (guarded by mu_)
+    bool prefetch = false;  // a prefetch's fill (prefetch()), not a miss
+    bool routed = false;    // a prefetch's fill a begin() then routed (adopted: a hit whose read may be landing)
+    bool started = false;   // its read was handed to the background threads
+    uint64_t stamp = 0;     // the stamp it is published (touched) with
   };
   // Rows for `missing` (evicting their experts from the table), appended to `fills`; an expert
-  // left without a row is logged and named in `error`.
-  void assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::vector<Fill>& fills,
-                          std::string& error);
+  // left without a row is logged and named in `error` (`hint`: the rest take none, silently).
+  void assign_rows_locked(const std::vector<int64_t>& missing, uint64_t stamp, std::deque<Fill>& fills,
+                          std::string& error, bool hint = false);
+  // Start the background reads of pending_'s fills not started yet and not done (begin(), prefetch()).
+  void start_pending_reads_locked();
+  // On the stream thread: settle_pending_locked, its wait counted as the stream's (read_wait_ns).
+  void settle_on_stream_locked(std::unique_lock<std::mutex>& lk);
+  // Wait for the pending prefetch fills nothing routed and publish them (their rows lent again).
+  void settle_unrouted_locked(std::unique_lock<std::mutex>& lk);
+  // A routed expert found in its row: counted as a prefetch's hit when a prefetch put it there.
+  void note_hit_locked(int64_t expert);
   // Read and verify `expert`'s record into `row` (the sink's host tier when < 0), unlocked: 0 or
   // the read's errno (-1: checksum mismatch, the checksum into `got`); its time into `ns`.
   int read_record(int64_t expert, int64_t row, uint32_t& got, int64_t& ns);
@@ -327,6 +352,7 @@ class FaultTable {
   std::vector<int64_t> lent_;       // lent rows, lend order (a filled row goes to the back)
   std::vector<uint64_t> last_use_;  // expert -> stamp of the last resolve that routed it
   std::vector<double> score_;       // expert -> decayed use count as of last_use_ (Decayed order)
+  std::vector<uint8_t> prefetched_; // expert -> in its row by a prefetch, not routed since
   VictimOrder order_ = VictimOrder::Recency;
   io::ChecksumKind checksum_kind_ = io::ChecksumKind::None;
   std::atomic<bool> drop_cache_{false};
@@ -338,15 +364,15 @@ class FaultTable {
   std::vector<int64_t> absorbed_;  // absorb_device_uses_locked's scratch
   // Streamed reads begin() started and finish() has not published (stable while any is pending:
   // background threads write into their elements).
-  std::vector<Fill> pending_;
+  std::deque<Fill> pending_;  // a deque: appending never moves what running reads write into
   std::vector<int32_t> pending_at_;  // expert -> index into pending_ (-1: none)
   size_t pending_reads_ = 0;         // of pending_, reads not done yet (+1 while an ordered read's job runs)
   size_t pending_left_ = 0;          // of pending_, fills not published yet
-  uint64_t pending_stamp_ = 0;       // the stamp of the begin() they belong to
   std::condition_variable read_done_;
 
   std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
-      fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0}, streamed_{0}, read_wait_ns_{0}, background_ns_{0};
+      fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0}, streamed_{0}, read_wait_ns_{0}, background_ns_{0},
+      prefetches_{0}, prefetch_reads_{0}, prefetch_hits_{0}, prefetch_errors_{0};
 };
 
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.
@@ -395,6 +421,11 @@ mlx::core::array expert_rows(const mlx::core::array& ids, std::shared_ptr<FaultT
 // part of the begin's rows, for the experts `ids`) through once those experts' reads are
 // published (FaultTable::finish). A gather that depends on a finish node reads its rows in place.
 mlx::core::array begin_rows(const mlx::core::array& ids, std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
+// A prefetch node (CPU stream, host sinks): `after` passed through, and when the stream gets there
+// `table`'s layer prefetches the experts `ids` (FaultTable::prefetch). Placed where its layer's
+// reads should start: the output must feed what comes next, or the node is never run.
+mlx::core::array prefetch_rows(const mlx::core::array& after, const mlx::core::array& ids,
+                               std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 mlx::core::array finish_rows(const mlx::core::array& ids, const mlx::core::array& rows,
                              std::shared_ptr<FaultTable> table, mlx::core::Stream stream);
 

@@ -270,6 +270,7 @@ class AsyncForward:
             if ctx.routed and self.queued.is_queued_source(ctx.source):
                 cast(QueuedSource, ctx.source).after_step()
         if ctx.routed:
+            self.queued.count_predictions(ctx)
             QueuedSteps.record_routes(ctx)
 
     async def __call__(self, inputs: mx.array, cache: list[Any], source: ExpertSource,

@@ -26,6 +26,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 
 from ..bridge import Armed, Completed, current_queue
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
+from .predict import PREDICTION_COUNTERS, Predictor, count_prediction
 from .walk import DecoderWalk, StepContext
 
 #: a queued step routes at most this many tokens (B x L) at once; longer steps go per layer
@@ -46,6 +47,19 @@ MAX_RESOLVES_PER_LAYER = 64
 #: usual, so that its working set stays in the pools (staged, a step's misses would be copied
 #: from the host tier again every step). A prefill chunk is always staged.
 STAGE_DECODE_PAIRS_PER_EXPERT = 2
+
+#: a streamed switch prefetches the next MoE layer's predicted experts only while at least this
+#: share of the records its prefetches read were then routed (decayed over steps): a read nobody
+#: routes costs the disk time this layer's own reads wait for, and evicts a row that might have
+#: hit; one routed saves only the wait for its read. Below it, prefetching lost on this machine's
+#: CPU and above it gained (BENCHMARKS.md, "Prefetch inside queued steps").
+PREFETCH_MIN_USE = 0.65
+#: prefetch reads counted before that share is trusted (until then the prefetch runs)
+PREFETCH_PROBATION_READS = 64
+#: per step, the counts keep this much of their weight, prefetching or not: a predictor that
+#: turned poor is followed within tens of steps, and one switched off is tried again once its
+#: counts decayed below the probation (about every hundred steps)
+PREFETCH_DECAY = 0.98
 
 #: on the CPU, a decode step's graph is built with a checkpoint every this many layers (0: none).
 #: A whole step's build is more Python on the loop thread than a loop should stay blocked; of none,
@@ -77,11 +91,13 @@ class QueuedSource(Protocol):
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
 
     Optional (``Runtime`` has them): ``streams_misses(layer)`` / ``can_stream(layer)``, whether a
-    small switch of the layer should / can stream its misses, and ``begin_rows(layer, ids)`` /
-    ``finish_rows(layer, ids, rows)``, the streamed form of ``expert_rows`` (see
-    :func:`_streamed_switch`); ``staging(layer)``, the layer's whole-layer staging arrays or
-    None; ``staged_rows(layer, ids)``, lazy rows of the ids in them, every routed expert copied
-    there on the stream; ``staged_done(out)``, the output of the switch that read them.
+    small switch of the layer should / can stream its misses; ``begin_rows(layer, ids)`` /
+    ``finish_rows(layer, ids, rows)``, the streamed form of ``expert_rows``;
+    ``prefetch_rows(layer, ids, after)``, a prediction's reads started on the stream (see
+    :func:`_streamed_switch`), and ``prefetch_counts()``, the records prefetched and of them
+    routed; ``staging(layer)``, the layer's whole-layer staging arrays or None;
+    ``staged_rows(layer, ids)``, lazy rows of the ids in them, every routed expert copied there on
+    the stream; ``staged_done(out)``, the output of the switch that read them.
     """
 
     def queued_ready(self, pairs: int) -> bool: ...
@@ -123,6 +139,13 @@ class QueuedSteps:
         #: (source.end_step), ``plan`` (walking the graph), ``schedule`` (handing it to MLX:
         #: ``async_eval``, on a GPU the encoding of every kernel), and ``steps``
         self.host_ns = {"begin": 0, "build": 0, "end": 0, "plan": 0, "schedule": 0, "steps": 0}
+        for key in PREDICTION_COUNTERS:  # precision and recall of the predictions prefetched from
+            counters.setdefault(key, 0)
+        #: the prefetches' recent use (decayed counts: records read, of them routed), which decides
+        #: whether streamed switches prefetch (see :meth:`prefetching`); the source's totals at the
+        #: last count
+        self._recent = [0.0, 0.0]
+        self._totals = (0, 0)
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -246,6 +269,7 @@ class QueuedSteps:
         every = 1 if inputs.shape[-1] >= LONG_STEP_TOKENS else DECODE_CHECKPOINT_LAYERS if self._on_cpu else 0
         sort_cuts = part is not None and self._sorts_cuts(source, inputs.shape[-1] == 1)
         last = len(walk.layers) - 1
+        predicting = False  # the predictor began this step (at its first streamed switch)
         for i in range(len(walk.layers)):
             if every and i and i % every == 0:
                 await between_layers()
@@ -267,12 +291,26 @@ class QueuedSteps:
                     cast(Any, source).n_experts(i):
                 staged = None  # a decode batch that keeps its working set in the rows
             streamed = part is None and self._on_cpu and self._streams(source, i)
+            # The next MoE layer's prediction, prefetched by this layer's streamed switch once its
+            # own reads landed (see _streamed_switch): only into a layer that streams too (a host
+            # table whose next resolve settles the prefetch first).
+            ahead = None
+            nxt = walk.next_moe[i]
+            if streamed and nxt is not None and self._streams(source, nxt) and self.prefetching(ctx):
+                if not predicting:
+                    ctx.predictor.begin(ctx.routing, ctx.position)
+                    predicting = True
+                predicted = ctx.predictor.next(nxt, xn)
+                if predicted is not None:
+                    ctx.predicted[nxt] = predicted
+                    ahead = (nxt, predicted if isinstance(predicted, mx.array) else mx.array(predicted))
 
             def apply(x_sw: mx.array, inds: mx.array, i: int = i, spec: Any = spec, activation: Any = activation,
-                      pools: Any = pools, staged: Any = staged, streamed: bool = streamed) -> mx.array:
+                      pools: Any = pools, staged: Any = staged, streamed: bool = streamed,
+                      ahead: Any = ahead) -> mx.array:
                 if streamed and inds.size < SORT_THRESHOLD:
                     counters["streamed_switches"] += 1
-                    return _streamed_switch(source, i, spec, activation, x_sw, inds, pools)
+                    return _streamed_switch(source, i, spec, activation, x_sw, inds, pools, ahead)
                 if part is None or inds.size <= part:
                     return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
                 if staged is not None:
@@ -344,13 +382,43 @@ class QueuedSteps:
                 await _run_out(mx.default_stream(mx.cpu))
             raise
 
+    def prefetching(self, ctx: StepContext) -> bool:
+        """Whether this step's streamed switches prefetch the next layer's predicted experts: a
+        predictor that predicts, on a source that counts its prefetches, whose recent prefetch
+        reads are not known to be routed less than :data:`PREFETCH_MIN_USE` of the time."""
+        if type(ctx.predictor).next is Predictor.next:  # "none", or a predictor that never predicts
+            return False
+        if not hasattr(ctx.source, "prefetch_counts"):
+            return False
+        read, used = self._recent
+        return read < PREFETCH_PROBATION_READS or used >= PREFETCH_MIN_USE * read
+
+    def count_predictions(self, ctx: StepContext) -> None:
+        """After a computed queued step: count its predictions against what its layers routed (the
+        forward's precision and recall counters), and the source's prefetch reads and the routed
+        ones among them into the recent counts :meth:`prefetching` reads."""
+        for layer, inds in ctx.routed if ctx.predicted else ():
+            pred = ctx.predicted.get(layer)
+            if pred is not None:
+                count_prediction(self.counters, np.array(pred, copy=False), np.array(inds, copy=False))
+        counts = getattr(ctx.source, "prefetch_counts", None)
+        if counts is None:
+            return
+        totals = counts()
+        recent = self._recent
+        for j in range(2):
+            recent[j] = recent[j] * PREFETCH_DECAY + max(totals[j] - self._totals[j], 0)
+        self._totals = totals
+
     @staticmethod
     def record_routes(ctx: StepContext) -> None:
-        """Trace the routing of a queued step whose logits were awaited (only when tracing)."""
+        """Trace the routing of a queued step whose logits were awaited (only when tracing), with
+        the predictions its prefetches used."""
         if ctx.record is None:
             return
         for layer, inds in ctx.routed:
-            ctx.record.record(layer, np.array(inds, copy=True), None)
+            pred = ctx.predicted.get(layer)
+            ctx.record.record(layer, np.array(inds, copy=True), None if pred is None else np.array(pred, copy=True))
 
 
 async def _run_out(stream: mx.Stream) -> None:
@@ -450,13 +518,21 @@ def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activatio
 
 
 def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
-                     pools: Any) -> mx.array:
+                     pools: Any, ahead: tuple[int, mx.array] | None = None) -> mx.array:
     """A small switch layer's output with its misses streamed: one ``begin_rows`` node maps every
     routed expert to its row, starts the absent ones' reads in the background, and says per token
     in which order to compute its ``k`` slots (those whose expert is in first, then the others as
     their reads were issued). Then slot after slot, in that order, waits for its own experts alone
     (``finish_rows``) and computes its products. So the experts that are in compute while the
     others are still read, and the layer's reads overlap its expert compute instead of preceding it.
+
+    With ``ahead`` (the next MoE layer and its predicted ids), the first slot's rows pass through a
+    ``prefetch_rows`` node before its gather: once that slot's experts are in, the next layer's
+    predicted experts start reading, while this layer's slots, the next attention and its router
+    compute. They share the disk with this layer's later records, which its later slots wait for;
+    started after the last slot's record instead, they had less time to land, and the next
+    layer's first slot waited for them more than that cost (BENCHMARKS.md, "Prefetch inside
+    queued steps").
 
     Each pair's product does not depend on which other pairs share its gather, and the products
     are put back in slot order, so the output is bitwise the whole gather's.
@@ -469,6 +545,8 @@ def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: 
         slot = order[..., p:p + 1]
         ids_p = mx.take_along_axis(inds, slot, axis=-1)
         mine = source.finish_rows(layer, ids_p, mx.take_along_axis(rows, slot, axis=-1))
+        if ahead is not None and p == 0:
+            mine = source.prefetch_rows(ahead[0], ahead[1], mine)
         outs.append(pooled_switch_apply(spec, activation, x_sw, mine, pools, sort=False))
     y = mx.concatenate(outs, axis=-2)  # (..., k, out), in compute order
     back = mx.argsort(order, axis=-1)

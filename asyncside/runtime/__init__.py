@@ -432,6 +432,15 @@ class Runtime:
         """Lazy rows of the routed ``ids``, absent experts' reads started in the background."""
         return self.queued.begin_rows(layer, ids)
 
+    def prefetch_rows(self, layer: int, ids: mx.array, after: mx.array) -> mx.array:
+        """``after`` passed through once the stream started reading the predicted experts ``ids``
+        of ``layer`` that are absent (a prefetch inside a queued step; see ``QueuedSource``)."""
+        return self.queued.prefetch_rows(layer, ids, after)
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        """Records queued steps' prefetches read so far, and how many of them were routed."""
+        return self.queued.prefetch_counts()
+
     def finish_rows(self, layer: int, ids: mx.array, rows: mx.array) -> mx.array:
         """``rows`` of ``ids`` (from :meth:`begin_rows`) once those experts' reads landed."""
         return self.queued.finish_rows(layer, ids, rows)
@@ -485,6 +494,7 @@ class Runtime:
         parts, and a mapping of flat names (``stats()["hits"]``)."""
         self.queued.reconcile_all()  # queued steps' faults and uses, up to now
         self._s.queued.read_wait_s = self.queued.read_wait_s()
+        self._s.queued.prefetch_hits = self.queued.prefetch_counts()[1]
         plan = self._plan
         return snapshot(self._s.cache, self._s.reads, self._s.queued, reader=self.reader,
                         direct=self._s.scheduler.direct, pool_bytes_planned=plan.pool_bytes if plan else 0,

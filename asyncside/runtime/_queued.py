@@ -313,6 +313,17 @@ class QueuedSide:
         rows: mx.array = _native.begin_rows(ids, st.faults)
         return rows
 
+    def prefetch_rows(self, layer: int, ids: mx.array, after: mx.array) -> mx.array:
+        """``after`` (integer rows of another layer's switch), passed on by the stream once it
+        started reading the predicted experts ``ids`` of ``layer`` that are absent into lent rows
+        (a hint: nothing is routed, nothing fails the step; ``layer``'s next resolve settles them
+        first, so the ones predicted right are hits there)."""
+        st = self._s.layer(layer)
+        if st.faults is None or st.pools.device:
+            raise AsyncsideError(f"layer {layer}: prefetches on the stream need host pools with a fault table")
+        out: mx.array = _native.prefetch_rows(after, ids, st.faults)
+        return out
+
     def finish_rows(self, layer: int, ids: mx.array, rows: mx.array) -> mx.array:
         """``rows`` (part of a :meth:`begin_rows` output, for the experts ``ids``), passed on by
         the stream once those experts' reads landed and verified."""
@@ -430,7 +441,7 @@ class QueuedSide:
             return
         raw_events, raw_used, raw_sizes = faults.drain()
         cache, reads, queued = self._s.cache, self._s.reads, self._s.queued
-        n_events = 0
+        n_events = prefetches = 0
         if raw_events:
             events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
             n_events = int(events.shape[0])
@@ -438,7 +449,22 @@ class QueuedSide:
                 if row >= 0:
                     st.ledger.settle_fault(row, victim, expert, err == 0)
                     st.version += 1
-                elif err == 0:
+                if source == _PREFETCHED:
+                    # A prediction read in the background: not a miss (nothing routed it yet), and
+                    # a failed one only frees its row (the expert is read again if routed).
+                    prefetches += 1
+                    if err == 0:
+                        queued.prefetch_reads += 1
+                        reads.prefetched += 1
+                        reads.fills += 1
+                        reads.bytes_read += st.spec.stride
+                        queued.background_read_s += ns * 1e-9
+                        if victim >= 0:
+                            cache.evictions += 1
+                    else:
+                        queued.prefetch_failures += 1
+                    continue
+                if row < 0 and err == 0:
                     # A staged resolve's copy from the host tier (read into it first when source
                     # is 0): a miss that took no row.
                     cache.misses += 1
@@ -472,7 +498,17 @@ class QueuedSide:
         if raw_used:
             used = np.frombuffer(raw_used, dtype=np.int32)
             st.ledger.record_uses(used, np.frombuffer(raw_sizes, dtype=np.int32).tolist())
-            cache.hits += int(used.size) - n_events
+            cache.hits += int(used.size) - (n_events - prefetches)
+
+    def prefetch_counts(self) -> tuple[int, int]:
+        """Records queued steps' prefetches read, and the routed experts found in a row a
+        prefetch filled (or adopted from one still reading), over every layer."""
+        reads = hits = 0
+        for st in self._s.layers.values():
+            if st.faults is not None:
+                c = st.faults.counters()
+                reads, hits = reads + int(c["prefetch_reads"]), hits + int(c["prefetch_hits"])
+        return reads, hits
 
     def read_wait_s(self) -> float:
         """Seconds the stream waited for streamed resolves' background reads, over every layer."""
@@ -489,6 +525,7 @@ class QueuedSide:
 
 
 _NODE_FAILED = -4  # a fault node failed as a whole: its message is the table's `failure`
+_PREFETCHED = 3  # FaultEvent::source of a prefetch's read (native/expert_faults.h)
 
 
 def _fault_cause(err: int, n_experts: int) -> str:

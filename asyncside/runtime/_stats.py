@@ -49,6 +49,9 @@ class QueuedStats:
     streamed_faults: int = 0  # faults a streamed resolve read in the background (see models/queued.py)
     background_read_s: float = 0.0  # their reads' time, spent while the stream computed
     read_wait_s: float = 0.0  # the stream's time waiting for them
+    prefetch_reads: int = 0  # predicted experts a queued step's prefetch read (verified; not misses)
+    prefetch_failures: int = 0  # prefetch reads that failed (the row freed; the expert read again if routed)
+    prefetch_hits: int = 0  # routed experts found in a row a queued step's prefetch filled
     tier_faults: int = 0  # faults whose bytes came from the host tier (a device copy, no read)
     staged_copies: int = 0  # experts a staged resolve copied from the host tier (misses, no row taken)
     host_tier_bytes: int = 0
