@@ -753,8 +753,9 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
   // A prefetch's pending fills are adopted below; any other (a step that never reached its
   // finish nodes) is settled first.
   bool prefetched_only = true;
-  for (const Fill& f : pending_) {
-    if (pending_at_[static_cast<size_t>(f.expert)] >= 0) prefetched_only = prefetched_only && f.prefetch && !f.routed;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const Fill& f = pending_[i];
+    if (still_pending_locked(i)) prefetched_only = prefetched_only && f.prefetch && !f.routed;
   }
   if (!prefetched_only) settle_on_stream_locked(lk);
   absorb_device_uses_locked();
@@ -900,6 +901,12 @@ void FaultTable::prefetch(std::vector<int64_t> ids) {
   start_pending_reads_locked();
 }
 
+bool FaultTable::still_pending_locked(size_t i) const {
+  // The expert's entry names its latest fill: an earlier one of the same expert (published, the
+  // expert evicted since and read again while an unrouted prefetch kept the list) is not pending.
+  return pending_at_[static_cast<size_t>(pending_[i].expert)] == static_cast<int32_t>(i);
+}
+
 void FaultTable::read_done(Fill* f) {
   std::lock_guard<std::mutex> g(mu_);
   if (f != nullptr) f->done = true;
@@ -916,6 +923,8 @@ void FaultTable::finish(const std::vector<int64_t>& ids) {
     if (e == kNoExpert || e < 0 || e >= n_experts_ || pending_at_.empty()) continue;
     auto& at = pending_at_[static_cast<size_t>(e)];
     if (at < 0) continue;  // published already (an earlier slot, or settle())
+    waited = publish_evictor_locked(lk, e, error) || waited;
+    if (at < 0) continue;
     if (!pending_[static_cast<size_t>(at)].done) {
       waited = true;
       // settle() on the loop thread may publish it meanwhile (and clear pending_): look again.
@@ -941,13 +950,34 @@ void FaultTable::finish(const std::vector<int64_t>& ids) {
   }
 }
 
+bool FaultTable::publish_evictor_locked(std::unique_lock<std::mutex>& lk, int64_t expert, std::string& error) {
+  // A prefetch's fill took `expert`'s row, and a begin routed `expert` since and read it into
+  // another: the log says it left that row before it says it filled another (the ledger applies
+  // the log in order). Only a prefetch's fill evicts an expert a later begin reads again.
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!pending_[i].prefetch || pending_[i].victim != expert || !still_pending_locked(i)) continue;
+    const int32_t want = static_cast<int32_t>(i);
+    const auto& at = pending_at_[static_cast<size_t>(pending_[i].expert)];
+    const bool wait = !pending_[i].done;
+    // settle() on the loop thread may publish it meanwhile (and clear pending_): look again.
+    read_done_.wait(lk, [&] { return at != want || pending_[i].done; });
+    if (at != want) return wait;
+    Fill& f = pending_[i];
+    pending_at_[static_cast<size_t>(f.expert)] = -1;
+    publish_locked(f, f.stamp, error, true);
+    --pending_left_;  // the fill finish() publishes next is still pending: never the last
+    return wait;
+  }
+  return false;
+}
+
 void FaultTable::finish_all_locked(std::unique_lock<std::mutex>& lk, std::string& error) {
   if (pending_.empty()) return;
   read_done_.wait(lk, [&] { return pending_reads_ == 0; });
-  for (Fill& f : pending_) {
-    auto& at = pending_at_[static_cast<size_t>(f.expert)];
-    if (at < 0) continue;  // published already
-    at = -1;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!still_pending_locked(i)) continue;  // published already
+    Fill& f = pending_[i];
+    pending_at_[static_cast<size_t>(f.expert)] = -1;
     publish_locked(f, f.stamp, error, true);
   }
   pending_.clear();
@@ -987,11 +1017,11 @@ void FaultTable::settle_on_stream_locked(std::unique_lock<std::mutex>& lk) {
 void FaultTable::settle_unrouted_locked(std::unique_lock<std::mutex>& lk) {
   const auto t0 = std::chrono::steady_clock::now();
   std::string error;  // a hint's failure sets none
-  for (Fill& f : pending_) {
-    auto& at = pending_at_[static_cast<size_t>(f.expert)];
-    if (at < 0 || !f.prefetch || f.routed) continue;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Fill& f = pending_[i];
+    if (!still_pending_locked(i) || !f.prefetch || f.routed) continue;
     read_done_.wait(lk, [&] { return f.done; });
-    at = -1;
+    pending_at_[static_cast<size_t>(f.expert)] = -1;
     publish_locked(f, f.stamp, error, true);
     --pending_left_;
   }

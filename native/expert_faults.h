@@ -314,6 +314,11 @@ class FaultTable {
   void settle_on_stream_locked(std::unique_lock<std::mutex>& lk);
   // Wait for the pending prefetch fills nothing routed and publish them (their rows lent again).
   void settle_unrouted_locked(std::unique_lock<std::mutex>& lk);
+  // Publish the pending prefetch fill that evicted `expert` (if any), waiting for its read: before
+  // `expert`'s own fill is logged (finish()). True when it waited.
+  bool publish_evictor_locked(std::unique_lock<std::mutex>& lk, int64_t expert, std::string& error);
+  // pending_[i] is not published yet (pending_at_ names it; an expert may have older, published fills).
+  bool still_pending_locked(size_t i) const;
   // A routed expert found in its row: counted as a prefetch's hit when a prefetch put it there.
   void note_hit_locked(int64_t expert);
   // Read and verify `expert`'s record into `row` (the sink's host tier when < 0), unlocked: 0 or

@@ -236,3 +236,62 @@ def test_a_failed_prefetch_read_fails_the_step_only_where_its_expert_is_routed(t
     assert ev[:, [2, 4, 5]].tolist() == [[12, errno.ENODATA, STREAMED]]
     assert np.array(table.table())[12] == -1 and table.counters()["fault_errors"] == 1
     assert sorted(table.reclaim()) == [0, 1, 2, 3]
+
+
+def test_a_settle_mid_step_publishes_a_re_read_expert_once(tmp_path: pathlib.Path) -> None:
+    """An unrouted prefetch keeps the begins' published fills in the pending list; an expert one of
+    them published, evicted since and read again has two fills there. A settle before the later
+    read's finish (a failed read of its step, the loop thread's settle) publishes the later fill,
+    not the earlier one again: every row is lent once and each expert maps to its own bytes."""
+    store, pools, table = fault_table(tmp_path, tag=False)
+    table.lend([0, 1, 2, 3])
+    table.prefetch([7, 8])  # 8 is never routed: it stays pending through the begins below
+    for step in ([[7]], [[9, 10, 11]]):  # the second evicts 7
+        ids = mx.array(step, dtype=mx.uint32)
+        finish_all(table, ids, _native.begin_rows(ids, table, CPU))
+    assert np.array(table.table())[7] == -1 and table.pending
+    ids = mx.array([[7, 11]], dtype=mx.uint32)
+    mx.eval(_native.begin_rows(ids, table, CPU))  # 7 read again (into 10's row); its finish never runs
+    table.settle()
+    ev = drain_events(table)
+    assert (ev[:, 4] == 0).all(), ev
+    assert sorted(int(e[2]) for e in ev) == [7, 7, 8, 9, 10, 11]
+    assert [int(e[1]) for e in ev if e[2] == 7] == [-1, 10]  # the second read's row was 10's
+    assert_rows_hold(store, pools, table, [7, 8, 9, 11])
+    assert not table.pending
+    assert sorted(table.reclaim()) == [0, 1, 2, 3]
+
+
+def test_a_prefetch_s_eviction_is_logged_before_its_victim_is_read_again(tmp_path: pathlib.Path) -> None:
+    """The prefetch takes a routed expert's row; the next begin routes that expert (a miss, read
+    into another row) and not the predicted 7. The log says it left its row before it says it was
+    read into another (the ledger applies them in order, and refuses an expert filled while live)."""
+    store, pools, table = fault_table(tmp_path, tag=False)
+    table.lend([0, 1, 2, 3])
+    ids = mx.array([[5, 6, 9, 10]], dtype=mx.uint32)
+    finish_all(table, ids, _native.begin_rows(ids, table, CPU))
+    drain_events(table)
+    table.prefetch([7])
+    victim = [e for e in (5, 6, 9, 10) if np.array(table.table())[e] == -1]
+    assert len(victim) == 1
+    ids = mx.array([victim], dtype=mx.uint32)
+    finish_all(table, ids, _native.begin_rows(ids, table, CPU))
+    table.settle()
+    ev = drain_events(table).tolist()
+    assert [(e[1], e[2]) for e in ev][0] == (victim[0], 7), ev  # first the prefetch that evicted it
+    assert [e[2] for e in ev] == [7, victim[0]], ev
+    assert_rows_hold(store, pools, table, [7, victim[0]])
+    assert sorted(table.reclaim()) == [0, 1, 2, 3]
+
+
+def test_rows_to_spare_keep_mispredictions_pending_and_the_ledgers_clean(tmp_path: pathlib.Path, built: Any) -> None:
+    """With rows to spare a misprediction stays pending past its layer's begin, which may route the
+    expert the prefetch evicted: its ledger hears of that eviction first (else the decode raised
+    LedgerError: the expert filled into another row while still live), and the tokens stay exact."""
+    store_dir, model, prompt, shape = built
+    trace = tmp_path / "low30.npz"
+    preset("low", tokens=64, n_layers=shape["moe_layers"], n_experts=shape["n_experts"], top_k=shape["top_k"],
+           prediction_precision=0.3).save(trace)
+    tokens, stats, _ = decode(store_dir, prompt, trace, "trace", 2 * shape["top_k"])
+    assert tokens == reference(store_dir, model, prompt, trace)
+    assert stats["prefetch_reads"] > 0 and stats["prefetch_failures"] == 0
