@@ -541,8 +541,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "predictor_notes": notes,
         # precision = predicted ids the layer then routed / predicted ids; recall = routed ids that
         # were predicted / routed ids; distinct ids per (token, MoE layer), over the steps that ran
-        # the predictor (per-layer steps; queued steps do not)
+        # the predictor (per-layer steps, and queued steps while they prefetch)
         "prediction": stats.pop("prediction"),
+        # queued steps' prefetches: records read, of them routed (hits they brought), failed reads
+        "prefetch": {"reads": stats.get("prefetch_reads", 0), "routed": stats.get("prefetch_hits", 0),
+                     "failed": stats.get("prefetch_failures", 0)},
         "lookahead_extra": args.lookahead_extra,
         # "queued": one step queued per token, misses served inside the stream (the default);
         # "whole": queued from row snapshots and checked after; "per-layer": each MoE layer's
@@ -659,6 +662,11 @@ def _table(result: dict[str, Any]) -> None:
     table.add_row("predictions: precision / recall",
                   f"{pq['precision']:.1%} / {pq['recall']:.1%} over {pq['token_layers']} token-layers"
                   if pq["token_layers"] else "none counted (no step ran the predictor)", "", "")
+    pf = result["prefetch"]
+    if pf["reads"] or pf["failed"]:
+        table.add_row("prefetched in queued steps: records / routed",
+                      f"{pf['reads']} / {pf['routed']} ({pf['routed'] / max(pf['reads'], 1):.0%})"
+                      + (f", {pf['failed']} failed" if pf["failed"] else ""), "", "")
     table.add_row("reader / policy / predictor",
                   f"{result['reader']} / {result['policy']} / {result['predictor']}"
                   + (f"+{result['lookahead_extra']}" if result["lookahead_extra"] else "")
