@@ -7,6 +7,7 @@ with the reason, where none can be made.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 from _cli_support import offload_args
@@ -109,3 +110,20 @@ def test_the_bench_fails_when_a_run_of_asyncsides_did_not_finish() -> None:
     assert not ok({"tokens_identical": True, "runs": [fine, refused]})
     assert not ok({"tokens_identical": False, "runs": [fine, slot]})
     assert not ok({"tokens_identical": True, "runs": [killed]})
+
+
+def test_the_io_limit_counts_the_prefetches_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a predictor, queued steps also read predicted records (right or wrong): the I/O limit
+    divides the disk's rate by the misses' and the prefetches' bytes, not the misses' alone."""
+    monkeypatch.setattr(offload, "belady_of_run", lambda *a, **k: {"hit_rate": 0.5})
+    mb = offload.MB
+    sh = {"record_bytes": mb, "io": {"GBps": 1000 * mb / 1e9}, "store": "store"}  # 1000 records a second
+    run: dict[str, Any] = {"status": "ok", "tokens": [1] * 10, "rows_per_layer": 4, "read_bytes": 0,
+                           "decode_tokens_per_s": 5.0,
+                           "stats": {"hits": 50, "misses": 100, "prefetch_reads": 100, "prefetch_hits": 40}}
+    offload._figures(run, sh, "trace.npz", {"tokens": [1] * 10, "decode_tokens_per_s": 1000.0})
+    assert run["miss_mb_per_token"] == 10.0 and run["prefetch_mb_per_token"] == 10.0
+    assert run["io_limit_tokens_per_s"] == 50.0  # 1000 records / s over 20 a token
+    del run["stats"]["prefetch_reads"]  # no predictor: the misses alone
+    offload._figures(run, sh, "trace.npz", {"tokens": [1] * 10, "decode_tokens_per_s": 1000.0})
+    assert run["io_limit_tokens_per_s"] == 100.0

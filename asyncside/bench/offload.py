@@ -19,7 +19,8 @@ run: decode tok/s; hit rate and its fraction of Belady's MIN over the same deman
 rows per layer; misses' MB per token (misses x record size); disk MB per token (the process's
 ``read_bytes``); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
 at the record size and the runtime's queue depth, with O_DIRECT (``bench io``'s reader pass) in
-the same run; the I/O limit (that bandwidth / misses' bytes per token); the compute limit
+the same run; the I/O limit (that bandwidth / the bytes per token the misses and, under a
+predictor, queued steps' prefetches read); the compute limit
 (all-resident mlx-lm tok/s with no limit, same routing); and tok/s / min(the two limits).
 
 Memory cgroups: v2 (a directory under the unified hierarchy with the memory controller enabled,
@@ -330,7 +331,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
         t0, io1, got = anyio.run(run, backend="asyncio")
         st = got["stats"]
         out["stats"] = {"hits": int(st["hits"]), "misses": int(st["misses"]), "bytes_read": int(st["bytes_read"]),
-                        "direct": bool(st.get("direct", False)), "reader": str(st.get("reader", ""))}
+                        "direct": bool(st.get("direct", False)), "reader": str(st.get("reader", "")),
+                        # queued steps' prefetch reads (a predictor under --predictor): read, not misses
+                        "prefetch_reads": int(st.get("prefetch_reads", 0)),
+                        "prefetch_hits": int(st.get("prefetch_hits", 0))}
         out["rows_per_layer"] = got["rows"]
         out["warm_experts"] = got["warm"]
     else:
@@ -1118,8 +1122,11 @@ def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: 
         mn = run["belady"]["hit_rate"]
         run["of_min"] = run["hit_rate"] / mn if run["hit_rate"] is not None and mn else None
         run["miss_mb_per_token"] = misses * sh["record_bytes"] / steps / MB
+        # What the disk must give a token: the misses' records and the prefetches' (right or wrong)
+        run["prefetch_mb_per_token"] = st.get("prefetch_reads", 0) * sh["record_bytes"] / steps / MB
+        need = run["miss_mb_per_token"] + run["prefetch_mb_per_token"]
         bw = sh["io"]["GBps"] * 1e9
-        run["io_limit_tokens_per_s"] = bw / (run["miss_mb_per_token"] * MB) if run["miss_mb_per_token"] else None
+        run["io_limit_tokens_per_s"] = bw / (need * MB) if need else None
     run["disk_mb_per_token"] = run.get("read_bytes", 0) / steps / MB
     run["compute_limit_tokens_per_s"] = compute.get("decode_tokens_per_s")
     limits = [x for x in (run.get("io_limit_tokens_per_s"), run["compute_limit_tokens_per_s"]) if x]
