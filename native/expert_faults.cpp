@@ -671,7 +671,11 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
     sink_->table_changed(f.expert, static_cast<int32_t>(f.row));
     touch_locked(f.expert, stamp);
     if (f.prefetch) {
-      prefetched_[static_cast<size_t>(f.expert)] = f.routed ? 0 : 1;  // a routed one counted its hit
+      prefetched_[static_cast<size_t>(f.expert)] = f.routed ? 0 : 1;  // a routed one counts its hit here
+      if (f.routed) {
+        hits_.fetch_add(1, std::memory_order_relaxed);
+        prefetch_hits_.fetch_add(1, std::memory_order_relaxed);
+      }
       prefetch_reads_.fetch_add(1, std::memory_order_relaxed);
     } else {
       faults_.fetch_add(1, std::memory_order_relaxed);
@@ -775,9 +779,7 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       Fill& f = pending_[static_cast<size_t>(at)];
       f.routed = true;
       f.stamp = stamp;
-      hits_.fetch_add(1, std::memory_order_relaxed);
-      prefetch_hits_.fetch_add(1, std::memory_order_relaxed);
-      ++adopted;
+      ++adopted;  // a hit once its read verified (publish_locked)
     } else {
       missing.push_back(e);
     }

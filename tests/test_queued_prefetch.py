@@ -235,6 +235,9 @@ def test_a_failed_prefetch_read_fails_the_step_only_where_its_expert_is_routed(t
     ev = drain_events(table)
     assert ev[:, [2, 4, 5]].tolist() == [[12, errno.ENODATA, STREAMED]]
     assert np.array(table.table())[12] == -1 and table.counters()["fault_errors"] == 1
+    # Not a hit: the routed expert was never in its row (the prefetches' use stays that of reads that landed).
+    c = table.counters()
+    assert (c["hits"], c["prefetch_hits"], c["prefetch_reads"]) == (0, 0, 0)
     assert sorted(table.reclaim()) == [0, 1, 2, 3]
 
 
