@@ -442,11 +442,13 @@ std::vector<int64_t> FaultTable::lent() const {
 }
 
 std::map<std::string, uint64_t> FaultTable::counters() {
+  uint64_t pending_fills = 0;
   {
     std::lock_guard<std::mutex> lk(mu_);
     absorb_device_uses_locked();
+    pending_fills = pending_.size();
   }
-  return {{"resolves", resolves_.load()},         {"pairs", pairs_.load()},
+  return {{"pending_fills", pending_fills},       {"resolves", resolves_.load()},         {"pairs", pairs_.load()},
           {"hits", hits_.load()},                 {"faults", faults_.load()},
           {"fault_errors", fault_errors_.load()}, {"bytes_read", bytes_read_.load()},
           {"fault_ns", fault_ns_.load()},         {"tier_faults", tier_faults_.load()},
@@ -761,7 +763,20 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
     const Fill& f = pending_[i];
     if (still_pending_locked(i)) prefetched_only = prefetched_only && f.prefetch && !f.routed;
   }
-  if (!prefetched_only) settle_on_stream_locked(lk);
+  if (!prefetched_only) {
+    settle_on_stream_locked(lk);
+  } else if (pending_.size() > pending_left_ && pending_reads_ == 0) {
+    // Unrouted prefetches keep the list (it is cleared once none is pending): drop the fills
+    // published since, or it grows by every miss while no prefetch or settle comes. No read
+    // runs, so none writes into what moves.
+    std::deque<Fill> kept;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (!still_pending_locked(i)) continue;
+      pending_at_[static_cast<size_t>(pending_[i].expert)] = static_cast<int32_t>(kept.size());
+      kept.push_back(pending_[i]);
+    }
+    pending_.swap(kept);
+  }
   absorb_device_uses_locked();
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> uniq;

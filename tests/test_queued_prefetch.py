@@ -298,3 +298,22 @@ def test_rows_to_spare_keep_mispredictions_pending_and_the_ledgers_clean(tmp_pat
     tokens, stats, _ = decode(store_dir, prompt, trace, "trace", 2 * shape["top_k"])
     assert tokens == reference(store_dir, model, prompt, trace)
     assert stats["prefetch_reads"] > 0 and stats["prefetch_failures"] == 0
+
+
+def test_an_unrouted_prefetch_left_pending_keeps_no_growing_list(tmp_path: pathlib.Path) -> None:
+    """A prediction nothing routes stays pending while no prefetch or settle comes (the gate turned
+    prefetching off): the begins after it drop the fills published since from the pending list
+    instead of keeping every miss's, and the prediction is still published when settled."""
+    store, pools, table = fault_table(tmp_path, rows=8, tag=False)
+    table.lend(list(range(8)))
+    table.prefetch([15])
+    for step in range(200):
+        ids = mx.array([[step % 14]], dtype=mx.uint32)
+        finish_all(table, ids, _native.begin_rows(ids, table, CPU))
+        assert table.pending
+    # The prediction's read landed long before the last begins (each waited for a read of its own).
+    assert table.counters()["pending_fills"] <= 3, table.counters()["pending_fills"]
+    table.settle()
+    assert_rows_hold(store, pools, table, [15, 13, 12])
+    assert not table.pending and table.counters()["pending_fills"] == 0
+    assert sorted(table.reclaim()) == list(range(8))
