@@ -892,8 +892,8 @@ void FaultTable::prefetch(std::vector<int64_t> ids) {
   std::unique_lock<std::mutex> lk(mu_);
   settle_on_stream_locked(lk);
   absorb_device_uses_locked();
-  // A stamp of its own: no predicted expert evicts another, and none is touched (recency and use
-  // counts stay those of the routing).
+  // A stamp of its own: no predicted expert evicts another. None is touched here; a fill is
+  // touched with this stamp once published (a predicted expert ranks as recent as its prediction).
   const uint64_t stamp = ++clock_;
   std::vector<int64_t> missing;
   for (int64_t e : ids) {
@@ -1035,9 +1035,13 @@ void FaultTable::settle_unrouted_locked(std::unique_lock<std::mutex>& lk) {
   const auto t0 = std::chrono::steady_clock::now();
   std::string error;  // a hint's failure sets none
   for (size_t i = 0; i < pending_.size(); ++i) {
+    if (!still_pending_locked(i) || !pending_[i].prefetch || pending_[i].routed) continue;
+    const int32_t want = static_cast<int32_t>(i);
+    const auto& at = pending_at_[static_cast<size_t>(pending_[i].expert)];
+    // settle() on the loop thread may publish it meanwhile (and clear pending_): look again.
+    read_done_.wait(lk, [&] { return at != want || pending_[i].done; });
+    if (at != want) break;  // settled: nothing of the list is pending any more
     Fill& f = pending_[i];
-    if (!still_pending_locked(i) || !f.prefetch || f.routed) continue;
-    read_done_.wait(lk, [&] { return f.done; });
     pending_at_[static_cast<size_t>(f.expert)] = -1;
     publish_locked(f, f.stamp, error, true);
     --pending_left_;

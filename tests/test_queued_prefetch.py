@@ -123,7 +123,7 @@ def predicting_one_expert(tmp_path: pathlib.Path, shape: dict[str, int]) -> tupl
     return path, never
 
 
-def test_a_failed_prefetch_read_fails_nothing(tmp_path: pathlib.Path, built: Any) -> None:
+def test_a_failed_prefetch_read_fails_nothing(tmp_path: pathlib.Path, built: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The predicted expert's record is corrupt (its checksum fails) and nothing routes it: every
     prefetch of it fails, counted, its row freed each time; the decode goes on, exact."""
     store_dir, model, prompt, shape = built
@@ -141,6 +141,12 @@ def test_a_failed_prefetch_read_fails_nothing(tmp_path: pathlib.Path, built: Any
     assert tokens == ref
     assert stats["prefetch_failures"] > 0 and stats["prefetch_reads"] == 0 and stats["prefetch_hits"] == 0
     assert stats["failed_fills"] == 0  # no routed expert's read failed
+    # Failed reads count against the prefetches' use: past the probation, no more of them.
+    ungated = stats["prefetch_failures"]
+    monkeypatch.setattr(queued_mod, "PREFETCH_PROBATION_READS", 4)
+    tokens, stats, _ = decode(store_dir, prompt, trace, "trace", shape["top_k"])
+    assert tokens == ref
+    assert ungated >= TOKENS - 2 and 4 <= stats["prefetch_failures"] <= TOKENS // 2, (ungated, stats["prefetch_failures"])
 
 
 def test_a_predictor_known_to_miss_stops_prefetching(tmp_path: pathlib.Path, built: Any,

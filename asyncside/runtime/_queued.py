@@ -501,13 +501,14 @@ class QueuedSide:
             cache.hits += int(used.size) - (n_events - prefetches)
 
     def prefetch_counts(self) -> tuple[int, int]:
-        """Records queued steps' prefetches read, and the routed experts found in a row a
-        prefetch filled (or adopted from one still reading), over every layer."""
+        """Records queued steps' prefetches read (failed reads too: they cost the disk and brought
+        nothing), and the routed experts found in a row a prefetch filled, over every layer."""
         reads = hits = 0
         for st in self._s.layers.values():
             if st.faults is not None:
                 c = st.faults.counters()
-                reads, hits = reads + int(c["prefetch_reads"]), hits + int(c["prefetch_hits"])
+                reads += int(c["prefetch_reads"]) + int(c["prefetch_errors"])
+                hits += int(c["prefetch_hits"])
         return reads, hits
 
     def read_wait_s(self) -> float:
