@@ -218,6 +218,24 @@ def sequence_replays(replay: RoutingReplay) -> list[RoutingReplay]:
     return [replay.with_sequence(s) for s in range(replay.fitted.n_sequences)]
 
 
+def batch_replays(routing: Any, model: Any = None) -> list[RoutingReplay]:
+    """A serving batch's ``routing`` (None, a RoutingReplay, or a non-empty sequence of them) as a
+    list of replays, one per trace sequence; RoutingReplayError where they were fitted to another
+    model than ``model`` (its ``routing_misfit``; a pipeline's stages check their own layers)."""
+    if routing is None:
+        return []
+    if isinstance(routing, RoutingReplay):
+        replays = sequence_replays(routing)
+    else:
+        replays = list(routing)
+        if not replays or not all(isinstance(r, RoutingReplay) for r in replays):
+            raise TypeError("routing: expected a RoutingReplay or a non-empty sequence of them")
+    misfit = getattr(model, "routing_misfit", None)
+    if callable(misfit) and (problem := misfit(replays[0])) is not None:
+        raise RoutingReplayError(problem)  # another model's replay: its ids and top-k, without a word
+    return replays
+
+
 def load_replay(path: str | os.PathLike[str], model: nn.Module, moe: dict[int, tuple[nn.Module, str]],
                 n_experts: int, *, sequence: int = 0) -> RoutingReplay:
     """Load a routing trace file (:meth:`asyncside.routing.RoutingTrace.load`) and fit it to a model."""

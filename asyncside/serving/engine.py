@@ -53,6 +53,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from ..errors import AsyncsideError
+from ..models.forcing import batch_replays
 from .batch_caches import BatchCaches, fresh_cache, mergeable, row_cache, rows_step
 from .health import describe_failure, fill_errors
 from .kv_budget import plan_admission
@@ -78,20 +79,6 @@ def _log_failure(what: str, exc: BaseException) -> None:
         log.error("%s: %s", what, describe_failure(exc))
     else:
         log.error("%s", what, exc_info=exc)
-
-
-def _replays(routing: Any) -> list[Any]:
-    """The Batcher's ``routing`` as a list of replays, one per trace sequence (see the module docstring)."""
-    if routing is None:
-        return []
-    from ..models.forcing import RoutingReplay, sequence_replays
-
-    if isinstance(routing, RoutingReplay):
-        return sequence_replays(routing)
-    replays = list(routing)
-    if not replays or not all(isinstance(r, RoutingReplay) for r in replays):
-        raise TypeError("routing: expected a RoutingReplay or a non-empty sequence of them")
-    return replays
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -156,12 +143,7 @@ class Batcher:
         self.prefill_chunk = prefill_chunk
         #: routing replay: one replay per trace sequence, request n replaying sequence n mod S (see
         #: the module docstring); empty: the router routes
-        self.replays: list[Any] = _replays(routing)
-        misfit = getattr(model, "routing_misfit", None)  # a pipeline's stages check their own layers
-        if self.replays and callable(misfit) and (problem := misfit(self.replays[0])) is not None:
-            from ..models.forcing import RoutingReplayError
-
-            raise RoutingReplayError(problem)  # another model's replay: its ids and top-k, without a word
+        self.replays: list[Any] = batch_replays(routing, model)
         if self.replays and getattr(model.forward, "routing", None) is not None:
             raise ValueError("the model replays a batch-1 routing (set_routing): pass the replay to the "
                              "Batcher's routing= instead, which replays each request's rows on their own")
