@@ -1260,6 +1260,15 @@ class HostTableNode : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  protected:
+  // Allocate `out` and register the node's arrays with its stream's encoder, returned for the task.
+  mx::cpu::CommandEncoder& encode(const std::vector<mx::array>& inputs, mx::array& out) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    return enc;
+  }
+
   std::shared_ptr<FaultTable> table_;
 
  private:
@@ -1272,10 +1281,7 @@ class BeginRows : public HostTableNode {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_output_array(out);
+    auto& enc = encode(inputs, out);
     const size_t k = inputs[0].ndim() ? static_cast<size_t>(inputs[0].shape(-1)) : 1;
     enc.dispatch([table = table_, ids = inputs[0], out_ptr = out.data<uint32_t>(), n = out.size(), k]() noexcept {
       guarded(*table, out_ptr, n, [&] {
@@ -1308,11 +1314,7 @@ class FinishRows : public HostTableNode {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_input_array(inputs[1]);
-    enc.set_output_array(out);
+    auto& enc = encode(inputs, out);
     enc.dispatch([table = table_, ids = inputs[0], rows = inputs[1], out_ptr = out.data<uint32_t>(),
                   n = out.size()]() noexcept {
       guarded(*table, out_ptr, n, [&] {
@@ -1336,20 +1338,16 @@ class PrefetchRows : public HostTableNode {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_input_array(inputs[1]);
-    enc.set_output_array(out);
+    auto& enc = encode(inputs, out);
     enc.dispatch([table = table_, after = inputs[0], ids = inputs[1], out_ptr = out.data<uint32_t>(),
                   n = out.size()]() noexcept {
       std::vector<int64_t> v;
-      try {
+      // The rows passed through are what the gather after reads: a failure there fails the step,
+      // as any fault node's does (never row 0 without a word).
+      guarded(*table, out_ptr, n, [&] {
         read_any_ids(after, v);
-      } catch (...) {
-        v.assign(n, 0);  // not reached: prefetch_rows() takes integer arrays only
-      }
-      for (size_t i = 0; i < n; ++i) out_ptr[i] = i < v.size() ? static_cast<uint32_t>(v[i]) : 0u;
+        for (size_t i = 0; i < n; ++i) out_ptr[i] = static_cast<uint32_t>(v[i]);
+      });
       // A prediction is a hint: whatever it throws (an allocation) only costs the prefetch.
       try {
         read_any_ids(ids, v);

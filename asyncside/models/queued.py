@@ -396,19 +396,24 @@ class QueuedSteps:
     def count_predictions(self, ctx: StepContext) -> None:
         """After a computed queued step: count its predictions against what its layers routed (the
         forward's precision and recall counters), and the source's prefetch reads and the routed
-        ones among them into the recent counts :meth:`prefetching` reads."""
-        for layer, inds in ctx.routed if ctx.predicted else ():
+        ones among them into the recent counts :meth:`prefetching` reads. Only a step that predicted
+        reads the source's counts (every layer's table): the others only decay them, and a
+        prefetch published late is counted at the next step that predicts (the counts are totals)."""
+        recent = self._recent
+        recent[0] *= PREFETCH_DECAY
+        recent[1] *= PREFETCH_DECAY
+        if not ctx.predicted:
+            return
+        for layer, inds in ctx.routed:
             pred = ctx.predicted.get(layer)
             if pred is not None:
                 count_prediction(self.counters, np.array(pred, copy=False), np.array(inds, copy=False))
         counts = getattr(ctx.source, "prefetch_counts", None)
-        if counts is None:
-            return
-        totals = counts()
-        recent = self._recent
-        for j in range(2):
-            recent[j] = recent[j] * PREFETCH_DECAY + max(totals[j] - self._totals[j], 0)
-        self._totals = totals
+        if counts is not None:
+            totals = counts()
+            for j in range(2):
+                recent[j] += max(totals[j] - self._totals[j], 0)
+            self._totals = totals
 
     @staticmethod
     def record_routes(ctx: StepContext) -> None:
