@@ -60,3 +60,24 @@ def test_the_server_is_up_once_it_answered_a_completion(tmp_path: pathlib.Path, 
     with MlxLmServer(str(tmp_path / "model"), startup_timeout=60):
         # /health said 200 at once; it was up only once a completion was answered (the second try).
         assert (tmp_path / "asked").read_text().splitlines() == ["/v1/completions", "/v1/completions"]
+
+
+def test_a_server_that_served_leaves_no_log_and_one_that_failed_keeps_it(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bench serve run left its mlx_lm.server log in the temporary directory: one that served
+    now removes it; one whose block raised keeps it (it is what tells why)."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    (tmp_path / "loaded").touch()
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with MlxLmServer(str(tmp_path / "model"), startup_timeout=60) as served:
+        assert served.log.exists()
+    assert not served.log.exists()
+    with pytest.raises(RuntimeError, match="a client failed"), \
+            MlxLmServer(str(tmp_path / "model"), startup_timeout=60) as failed:
+        raise RuntimeError("a client failed")
+    assert failed.log.exists()

@@ -374,7 +374,7 @@ class MlxLmServer:
             if failed is None and time.monotonic() > deadline:
                 failed = f"it did not answer within {self.startup_timeout:g}s"
             if failed is not None:
-                self.__exit__()
+                self._stop()
                 raise MlxLmServerError(self.model_dir, failed, self.log)
             try:
                 # mlx_lm.server loads its model in its generation thread and answers /health with
@@ -402,7 +402,14 @@ class MlxLmServer:
     def rss(self) -> dict[str, int]:
         return read_rss_bytes(self.proc.pid) if self.proc is not None else {}
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None = None, *exc: object) -> None:
+        """Stop the server; its log is removed unless the block ended in an exception (the log is
+        then what says why). A server that never came up keeps its log: the error names it."""
+        self._stop()
+        if exc_type is None:
+            self.log.unlink(missing_ok=True)
+
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
