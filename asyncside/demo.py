@@ -116,8 +116,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", metavar="FILE", type=file_name, action=Once, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md): every MoE layer of both runs "
                         "routes to the trace's experts instead of its router's top-k")
-    p.add_argument("--routing-sequence", metavar="N", type=count_arg, default=0,
-                   help="which sequence of a --routing trace of several to replay (default 0, the first)")
+    p.add_argument("--routing-sequence", metavar="N", type=count_arg, default=None,
+                   help="which sequence of a --routing trace of several to replay (default 0, the first; "
+                        "needs --routing)")
     p.add_argument("--rows-profile", metavar="FILE", type=file_name, action=Once, default=None,
                    help="split the pools' rows between layers by this routing trace's miss curves (a trace "
                         "of the model's shape; record or generate it from another sequence than --routing's)")
@@ -469,7 +470,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
     # The trace demo_main read (a pipe such as <(...) reads once), else the file.
     replay = (sm.set_routing(getattr(args, "routing_trace", None) or args.routing,
-                             sequence=getattr(args, "routing_sequence", 0), source=str(args.routing))
+                             sequence=getattr(args, "routing_sequence", None) or 0, source=str(args.routing))
               if getattr(args, "routing", None) else None)
     args.predictor, note = choose_predictor(args.predictor, replay)
     notes = [note] if note else []
@@ -733,14 +734,17 @@ def _lookahead_extra_problem(args: argparse.Namespace) -> str | None:
             f"lookahead, or leave --lookahead-extra out")
 
 
-def routing_sequence_problem(routing: str | None, sequence: int, trace: Any = None) -> str | None:
+def routing_sequence_problem(routing: str | None, sequence: int | None, trace: Any = None) -> str | None:
     """Why ``--routing-sequence sequence`` cannot be replayed from ``--routing routing`` (None: it
-    can), said before a model loads: no trace given, or one without that sequence. ``trace``: the
-    file already loaded, else it is loaded here; a bad file raises its TraceError (one line naming it)."""
-    if not sequence:
+    can), said before a model loads: the option given without a trace (``sequence`` None: not
+    given, so a given 0 is refused too), or a trace without that sequence. ``trace``: the file
+    already loaded, else it is loaded here; a bad file raises its TraceError (one line naming it)."""
+    if sequence is None:
         return None
     if not routing:
         return "--routing-sequence picks a sequence of a --routing trace: give --routing FILE"
+    if not sequence:
+        return None
     if trace is None:
         from .routing import RoutingTrace
 
@@ -754,6 +758,11 @@ def routing_sequence_problem(routing: str | None, sequence: int, trace: Any = No
 def demo_main(args: argparse.Namespace) -> int:
     """Run the demo; 0 when tokens are identical and every ledger audits clean, else 1."""
     args.resident = resident_of(args)
+    if not getattr(args, "routing", None):  # --ranks too: the option is never silently ignored
+        problem = routing_sequence_problem(None, getattr(args, "routing_sequence", None))
+        if problem is not None:
+            print(f"asyncside demo: error: {problem}", file=sys.stderr)
+            return 2
     if args.ranks != 1:
         args.predictor = args.predictor or "lookahead"
         if getattr(args, "routing", None) or getattr(args, "record_routing", None):
@@ -771,7 +780,7 @@ def demo_main(args: argparse.Namespace) -> int:
         from .routing import RoutingTrace
 
         args.routing_trace = RoutingTrace.load(args.routing)
-    problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", 0),
+    problem = (routing_sequence_problem(getattr(args, "routing", None), getattr(args, "routing_sequence", None),
                                         getattr(args, "routing_trace", None))
                or _record_clash(args) or _lookahead_extra_problem(args))
     if problem is not None:

@@ -142,8 +142,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--routing", metavar="FILE", type=file_name, action=Once, default=None,
                    help="replay a routing trace (.npz, docs/routing-traces.md) in every system, mlx-lm's too")
-    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=0,
-                   help="which sequence of a --routing trace of several to replay (default 0, the first)")
+    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=None,
+                   help="which sequence of a --routing trace of several to replay (default 0, the first; needs "
+                        "--routing)")
     p.add_argument("--rows-profile", metavar="FILE", type=file_name, action=Once, default=None,
                    help="split asyncside's pool rows between layers by this routing trace's miss curves "
                         "(Runtime(rows_profile=...); plan from another sequence than the one replayed)")
@@ -657,7 +658,7 @@ def _read_traces_first(args: argparse.Namespace) -> Any:
     from ..routing import RoutingTrace
     from .shapes import shape_spec
 
-    routing, sequence = getattr(args, "routing", None), getattr(args, "routing_sequence", 0)
+    routing, sequence = getattr(args, "routing", None), getattr(args, "routing_sequence", None)
     trace = RoutingTrace.load(routing) if routing else None
     if getattr(args, "rows_profile", None):
         RoutingTrace.load(args.rows_profile)
@@ -669,7 +670,7 @@ def _read_traces_first(args: argparse.Namespace) -> Any:
         # Fitted onto the shape's dimensions now (a smaller top-k is refused) rather than after its build.
         cfg = shape_spec(shape, layers=getattr(args, "layers", None), vocab=_vocab(getattr(args, "vocab", None))).config
         RoutingReplay(trace, moe_layers=range(cfg["num_hidden_layers"]),
-                      n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], sequence=sequence,
+                      n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], sequence=sequence or 0,
                       source=str(args.routing))
     return trace
 
@@ -700,7 +701,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "routing", None):
         from ..models.forcing import force_reference
 
-        replay = sm.set_routing(routing_trace, sequence=getattr(args, "routing_sequence", 0),
+        replay = sm.set_routing(routing_trace, sequence=getattr(args, "routing_sequence", None) or 0,
                                 source=str(args.routing))
         assert replay is not None
         force_reference(reference["model"], sm.arch.block_attr, replay)

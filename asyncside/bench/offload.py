@@ -756,9 +756,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "stem; repeatable. Fitted onto each shape as demo --routing fits it (--routing-sequence's "
                         "sequence; other layers, experts, a larger top-k mapped; a smaller top-k refused); every "
                         "system replays the fitted trace; positions past its end wrap")
-    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=0,
+    p.add_argument("--routing-sequence", metavar="N", type=int_at_least(0), default=None,
                    help="which sequence of each --routing trace of several every system replays (default 0, the "
-                        "first)")
+                        "first; needs --routing)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems, comma-separated (default all three)")
     p.add_argument("--seconds", type=positive_float, default=40.0, help="generation time per run (default 40)")
     p.add_argument("--tokens", type=int_at_least(1), default=256, help="at most this many tokens per run (default 256)")
@@ -804,12 +804,12 @@ def _replayed(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]
                          f"the presets ({','.join(localities)}) carry none: --localities '' or another predictor")
     if not localities and not routing_files:
         raise ValueError("--localities is empty and no --routing FILE: nothing to replay")
-    sequence = int(getattr(args, "routing_sequence", 0))
-    if sequence and not routing_files:
+    given = getattr(args, "routing_sequence", None)
+    if given is not None and not routing_files:
         from ..demo import routing_sequence_problem
 
-        raise ValueError(routing_sequence_problem(None, sequence))
-    return localities, load_routings(routing_files, taken=localities, sequence=sequence)
+        raise ValueError(routing_sequence_problem(None, given))
+    return localities, load_routings(routing_files, taken=localities, sequence=int(given or 0))
 
 
 def _fewest_layers(s: dict[str, Any], ratio: float, floor: int, own_plan: bool) -> int | None:
@@ -1058,6 +1058,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                                   "systems", "routing", "routing_sequence")},
                               "shapes": shapes, "runs": []}
     result["settings"]["localities"] = ",".join(localities)
+    result["settings"]["routing_sequence"] = int(args.routing_sequence or 0) if user else None  # the one replayed
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="asyncside-offload-"))
     try:
         for sh, fitted_here in zip(shapes, fitted, strict=True):
