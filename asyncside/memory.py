@@ -115,7 +115,9 @@ def layer_rows(n_experts: int, resident: float, side_rows: int | None = None, mi
     """Pool rows of a layer of ``n_experts`` at residency ``resident`` (a fraction of its experts):
     ``ceil(resident * n_experts)``, at least ``min_side_rows`` (and ``side_rows`` when larger), at
     most every expert. The one sizing rule: the runtime's allocation, its budget check,
-    ``resident="auto"`` and the benchmark baselines use it."""
+    ``resident="auto"`` and the benchmark baselines use it. The cap is meant: the default floor
+    (the model's top-k, else 8) may pass a small layer's experts; ``Runtime`` refuses a
+    ``min_side_rows`` given above them before it sizes anything."""
     if isinstance(resident, bool) or not 0.0 <= float(resident) <= 1.0:
         raise ValueError(f"resident: expected a fraction in [0, 1], got {resident!r}")
     budget = max(1, math.ceil(float(resident) * n_experts))

@@ -5,8 +5,14 @@ PlanArgumentError naming the most), before any work."""
 
 from __future__ import annotations
 
+import pathlib
+
+import numpy as np
 import pytest
 from _cli_support import run_cli
+
+from asyncside import ExpertStore
+from asyncside.runtime import PlanArgumentError, Runtime, plan_layer
 
 
 def _never(*_args: object, **_kwargs: object) -> None:
@@ -61,3 +67,37 @@ def test_routing_sequence_not_given_is_no_problem() -> None:
 
     assert routing_sequence_problem(None, None) is None
     assert routing_sequence_problem(None, 0) == ROUTING_NEEDED
+
+
+# ---- min_side_rows above a layer's experts ----------------------------------------------------
+
+def _store(path: pathlib.Path, experts: tuple[int, ...] = (16, 16)) -> ExpertStore:
+    rng = np.random.default_rng(0)
+    return ExpertStore.create(path, {layer: {"w": rng.integers(0, 255, size=(n, 256), dtype=np.uint8)}
+                                     for layer, n in enumerate(experts)})
+
+
+def test_runtime_refuses_min_side_rows_past_a_layers_experts_when_made(tmp_path: pathlib.Path) -> None:
+    """min_side_rows=17 on layers of 16 experts was cut to 16 and the plan said the rows were
+    raised to "the least rows a layer": refused as side_rows=17 is, naming the most."""
+    store = _store(tmp_path / "s")
+    with pytest.raises(PlanArgumentError, match=r"^min_side_rows=17: at most 16 dynamic rows a layer "
+                       r"\(this model's layers have 16 experts each"):
+        Runtime(store, min_side_rows=17)
+    Runtime(store, min_side_rows=16)
+    with pytest.raises(PlanArgumentError, match=r"^min_side_rows=14: at most 13 dynamic rows a layer "
+                       r"\(layer 0 pins 3 of its 16 experts"):
+        Runtime(store, pinned={0: [1, 2, 3], 1: []}, min_side_rows=14)
+    with pytest.raises(PlanArgumentError, match=r"^min_side_rows=9: at most 8 dynamic rows a layer \(layer 1 has 8"):
+        Runtime(_store(tmp_path / "mixed", experts=(16, 8)), min_side_rows=9)
+
+
+def test_the_default_least_rows_is_still_capped_at_a_small_layer(tmp_path: pathlib.Path) -> None:
+    """The default floor (8 where the store says no top-k) passes a layer of 4 experts: capped, as
+    memory.layer_rows documents, not refused."""
+    from asyncside.memory import layer_rows
+
+    store = _store(tmp_path / "s", experts=(4, 4))
+    Runtime(store)
+    assert plan_layer(store, 0, 0.25) == ([], 4)
+    assert layer_rows(4, 0.25) == 4

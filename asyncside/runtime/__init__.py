@@ -105,7 +105,9 @@ class Runtime:
     from the store's routing ranking when it has one), unless ``side_rows`` leaves only that many
     dynamic and pins the hottest others, or ``pinned`` names the pinned experts per layer.
     ``min_side_rows`` is the least rows a layer gets (None: the model's top-k where the store says
-    it, else 8; :func:`~asyncside.runtime._plan.min_rows`).
+    it, else 8, at most a layer's experts; :func:`~asyncside.runtime._plan.min_rows`); one given
+    above what a layer has to stream (its experts, less those ``pinned`` names) is refused as
+    ``side_rows`` is.
     ``memory`` is the budget the runtime plans against (bytes or a size such as ``"1.5G"``; None:
     what the memory cgroup and MemAvailable allow): it refuses to start when the pools and their
     headroom do not fit, and reads past the page cache (O_DIRECT) when the records outside the
@@ -187,6 +189,12 @@ class Runtime:
                                           or min_side_rows < 0):
             raise PlanArgumentError(f"min_side_rows: expected a number of rows >= 0 (None: the model's top-k), "
                                     f"got {min_side_rows!r}")
+        # A least above what a layer has to stream was cut down to every expert, and the plan said the
+        # rows were raised to "the least rows a layer": refused as side_rows is. The default (the
+        # model's top-k, else DEFAULT_MIN_ROWS) is still capped at a small layer's experts.
+        problem = side_rows_problem(store, self._layer_ids, min_side_rows, pinned, name="min_side_rows=")
+        if problem is not None:
+            raise PlanArgumentError(problem)
         self._plan: MemoryPlan | None = None
         self._s = Shared(store, Scheduler(reader, reader_options, direct=direct, verify=verify))
         self._s.completed = completed
