@@ -117,7 +117,8 @@ def predictor_routing_problem(args: argparse.Namespace) -> str | None:
 
     The ``trace`` predictor prefetches what a replayed routing trace predicted, so it needs
     ``--routing`` with a trace that carries predictions (its ``predicted`` array); checked at start
-    (the trace file is read) so that a server never starts only to fail every request."""
+    (the trace file is read, unless ``args.routing_trace`` holds it read) so that a server never
+    starts only to fail every request."""
     if getattr(args, "predictor", None) != "trace":
         return None
     if getattr(args, "pipeline", False):
@@ -128,13 +129,15 @@ def predictor_routing_problem(args: argparse.Namespace) -> str | None:
         return ("--predictor trace needs --routing TRACE.npz: it prefetches the predictions a replayed routing "
                 "trace carries (docs/routing-traces.md); without a trace choose --predictor lookahead, "
                 "temporal or none")
-    from ..errors import TraceError
-    from ..routing import RoutingTrace
+    trace = getattr(args, "routing_trace", None)
+    if trace is None:
+        from ..errors import TraceError
+        from ..routing import RoutingTrace
 
-    try:
-        trace = RoutingTrace.load(routing)
-    except TraceError as exc:
-        return f"--routing: {exc}"
+        try:
+            trace = RoutingTrace.load(routing)
+        except TraceError as exc:
+            return f"--routing: {exc}"
     if trace.predicted is None:
         return (f"--predictor trace: the routing trace {routing} carries no predictions (no 'predicted' array; "
                 "`asyncside demo --record-routing FILE` with the lookahead predictor records them); "
@@ -281,12 +284,16 @@ def resident_of(args: argparse.Namespace) -> float | str:
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> Any:
-    """``open_engine`` bound to the model options of ``args``."""
+    """``open_engine`` bound to the model options of ``args`` (``args.routing_trace``, where set,
+    the ``--routing`` trace already read)."""
     from .engine import open_engine
 
+    # The trace as read once (a pipe reads once) where the command read it; else its file.
+    routing = getattr(args, "routing_trace", None) or getattr(args, "routing", None)
     return lambda: open_engine(args.model, resident=resident_of(args), reader=args.reader, policy=args.policy,
                                cache_dir=args.cache_dir, host_tier=getattr(args, "host_tier", "auto"),
-                               memory=getattr(args, "memory", None), routing=getattr(args, "routing", None))
+                               memory=getattr(args, "memory", None), routing=routing,
+                               routing_source=getattr(args, "routing", None))
 
 
 def app_from_args(args: argparse.Namespace) -> Any:
@@ -368,6 +375,16 @@ def serve_main(args: argparse.Namespace) -> int:
     # not per request or per rank. --resident as typed: --memory alone is refused as --memory there.
     problem = pipeline_problem(args)
     args.resident = resident_of(args)
+    if problem is None and getattr(args, "routing", None) is not None:
+        # Read once, before a model loads (a bad file is said now); the engine replays what was
+        # read: a pipe (--routing <(...)) cannot be read again.
+        from ..errors import TraceError
+        from ..routing import RoutingTrace
+
+        try:
+            args.routing_trace = RoutingTrace.load(args.routing)
+        except TraceError as exc:
+            problem = f"--routing: {exc}"
     problem = problem or predictor_routing_problem(args)
     if problem is None:
         try:
@@ -392,15 +409,6 @@ def serve_main(args: argparse.Namespace) -> int:
         from ..distributed.serve import serve_pipeline_main
 
         return serve_pipeline_main(args)
-    if getattr(args, "routing", None) is not None:  # a bad trace file is said before a model loads
-        from ..errors import TraceError
-        from ..routing import RoutingTrace
-
-        try:
-            RoutingTrace.load(args.routing)
-        except TraceError as exc:
-            print(f"asyncside serve: error: --routing: {exc}", file=sys.stderr)
-            return 2
     bound_malloc()
     try:
         with _serve_logging(args):

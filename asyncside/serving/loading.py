@@ -12,9 +12,12 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..policies import DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    from ..routing import RoutingTrace
 
 
 class ServedModel(Protocol):
@@ -64,12 +67,12 @@ def embedded_store_dir(cache_dir: str | None = None) -> str:
     return str(ensure_embedded_default(cache_dir)[1])
 
 
-def _routing_description(replay: Any, routing: str | os.PathLike[str] | None) -> dict[str, Any]:
+def _routing_description(replay: Any, source: str) -> dict[str, Any]:
     """The engine's description of its routing replay: the trace's file name only (/health shows
     it to any client), its tokens and sequences, its shape, and, where it was mapped onto the
     model's (a trace of another model), the shape it came from and a note saying so."""
     described = replay.describe()
-    out = {"file": os.path.basename(os.fspath(routing or "")), "tokens": replay.n_tokens,
+    out = {"file": os.path.basename(source), "tokens": replay.n_tokens,
            "sequences": replay.fitted.n_sequences, "source_shape": described["source_shape"],
            "mapped_from": described["mapped_from"],
            "note": replay.fit_note() if described["mapped_from"] is not None else None}
@@ -86,7 +89,8 @@ async def open_engine(
     cache_dir: str | None = None,
     host_tier: int | str = "auto",
     memory: int | str | None = None,
-    routing: str | os.PathLike[str] | None = None,
+    routing: str | os.PathLike[str] | RoutingTrace | None = None,
+    routing_source: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Load a converted model (the embedded default when ``model`` is None) and open its Runtime.
 
@@ -96,7 +100,10 @@ async def open_engine(
     connections, so it blocks nothing that is waiting. ``host_tier`` goes to the Runtime (MLX
     CUDA: pinned host memory for records faulted in, see :class:`~asyncside.runtime.Runtime`);
     ``memory``, the budget the Runtime plans against (``resident="auto"`` sizes the pools to it);
-    ``routing``, a routing trace file every request replays (docs/routing-traces.md).
+    ``routing``, a routing trace every request replays (docs/routing-traces.md): a file, or a
+    :class:`~asyncside.routing.RoutingTrace` already read from one (a pipe reads once: `serve
+    --routing <(...)` hands the engine what it read); ``routing_source``, the file a trace in
+    memory was read from (its name is what messages and the description show).
     """
     from ..audit import audit_problems
     from ..errors import StoreError
@@ -113,10 +120,11 @@ async def open_engine(
                          "tokens with them; convert a model directory that has them")
     store = streaming.store
     replay = None
+    source = os.fspath(routing) if isinstance(routing, (str, os.PathLike)) else routing_source or "<in memory>"
     if routing is not None:
         # Fitted to the model as a generation's replay is; the engine replays it row by row, so
         # the model itself keeps no batch-1 replay.
-        replay = streaming.set_routing(routing)
+        replay = streaming.set_routing(routing, source=source)
         streaming.set_routing(None)
 
     def audit() -> tuple[bool, list[str]]:
@@ -142,7 +150,7 @@ async def open_engine(
                 "memory_budget": memory,
                 "plan": runtime.plan.describe() if runtime.plan is not None else None,
                 # The trace's file name only: /health shows the description to any client.
-                "routing": None if replay is None else _routing_description(replay, routing),
+                "routing": None if replay is None else _routing_description(replay, source),
             },
             health=health,
             routing=replay,
