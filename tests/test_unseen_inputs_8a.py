@@ -101,3 +101,36 @@ def test_the_default_least_rows_is_still_capped_at_a_small_layer(tmp_path: pathl
     Runtime(store)
     assert plan_layer(store, 0, 0.25) == ([], 4)
     assert layer_rows(4, 0.25) == 4
+
+
+# ---- a distributed rank's --side-rows past the experts -----------------------------------------
+
+@pytest.fixture()
+def no_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No distributed launch environment: the usage error must come before it is looked for."""
+    for name in ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT",
+                 "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_a_rank_refuses_side_rows_past_the_experts_as_a_usage_error(
+        single: bool, tmp_path: pathlib.Path, no_launch_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncside.distributed STORE --side-rows 17`` on layers of 16 experts ended with
+    status 1 (after the launch environment was looked for; --single in a traceback): one line, 2."""
+    from asyncside.distributed.rank import main as rank_main
+
+    store = _store(tmp_path / "s")
+    rc = rank_main([str(store.path), "--side-rows", "17", *(["--single"] if single else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["asyncside rank ?: --side-rows 17: at most 16 dynamic rows a layer (this model's "
+                               "layers have 16 experts each; at 16 every row is dynamic and none pinned)"], err
+
+
+def test_serve_pipeline_refuses_side_rows_past_the_experts_as_a_usage_error(
+        tmp_path: pathlib.Path, no_launch_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    store = _store(tmp_path / "s")
+    rc, err = run_cli(capsys, "serve", "--pipeline", "--model", str(store.path), "--side-rows", "17")
+    assert rc == 2 and err.strip().splitlines() == [
+        "asyncside serve: --side-rows 17: at most 16 dynamic rows a layer (this model's layers have 16 experts "
+        "each; at 16 every row is dynamic and none pinned)"], err

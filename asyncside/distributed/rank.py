@@ -337,6 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.keep_logits and not args.out:
         raise SystemExit("--keep-logits needs --out")
+    from ..runtime._plan import PlanArgumentError
+
+    try:  # --single too: before the launch environment, a model or the ranks
+        check_side_rows(args.store, args.side_rows)
+    except PlanArgumentError as exc:  # a usage error, as argparse's: status 2
+        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except ValueError as exc:  # a store that cannot be opened, as below
+        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        return 1
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.single:
@@ -352,7 +362,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         env = LaunchEnv.from_environ(args.backend)
         plan = plan_for_store(args.store, env.size, parse_split(args.split))
-        check_side_rows(args.store, args.side_rows)
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)

@@ -135,6 +135,7 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     import anyio
     import uvloop
 
+    from ..runtime._plan import PlanArgumentError
     from .errors import DistributedError, PeerLostError, PeerTimeoutError
     from .group import LaunchEnv, join
     from .plan import parse_split
@@ -144,12 +145,15 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--resident must be a fraction in [0, 1], got {args.resident}")
     store = _store_dir(args)
     try:
+        check_side_rows(store, args.side_rows)  # a usage error: said before the launch environment
         env = LaunchEnv.from_environ(args.backend)
         plan = plan_for_store(store, env.size, parse_split(args.split))
-        check_side_rows(store, args.side_rows)
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)
+    except PlanArgumentError as exc:  # the options, not the launch or the store: status 2, as argparse's
+        print(f"asyncside serve: {exc}", file=sys.stderr)
+        return 2
     except (DistributedError, ValueError) as exc:
         print(f"asyncside serve: rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr)
         return 1
