@@ -134,3 +134,34 @@ def test_serve_pipeline_refuses_side_rows_past_the_experts_as_a_usage_error(
     assert rc == 2 and err.strip().splitlines() == [
         "asyncside serve: --side-rows 17: at most 16 dynamic rows a layer (this model's layers have 16 experts "
         "each; at 16 every row is dynamic and none pinned)"], err
+
+
+# ---- bench device: impossible combinations ---------------------------------------------------
+
+def test_bench_device_refuses_more_side_rows_than_experts_before_any_work(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncside.bench.device --experts 4 --side-rows 32`` measured the copy limit and
+    built the store, then ended in the runtime's PlanArgumentError traceback: one line, status 2."""
+    from asyncside.bench import device
+
+    monkeypatch.setattr(device, "_run", _never)
+    assert device.main(["--experts", "4", "--side-rows", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m asyncside.bench.device: error: --side-rows 32: at most --experts (4) rows: each "
+                   "row holds a distinct expert of the bench layer"], err
+
+
+@pytest.mark.parametrize("option, value", [("--experts", "0"), ("--side-rows", "0"), ("--repeats", "0"),
+                                           ("--upload-queue", "0"), ("--bridge-samples", "-1"),
+                                           ("--reader", "bogus")])
+def test_bench_device_refuses_counts_it_cannot_run_with(option: str, value: str, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """No repeats (min() of nothing), no queued upload (an empty list's last), no side rows (a
+    range step of 0), no experts: each a traceback after the store was built; now argparse's."""
+    from asyncside.bench import device
+
+    monkeypatch.setattr(device, "_run", _never)
+    with pytest.raises(SystemExit) as info:
+        device.main([f"{option}={value}"])
+    assert info.value.code == 2
+    assert f"argument {option}:" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -150,7 +150,15 @@ def bench_main(name: str, argv: Sequence[str] | None = None) -> int:
     doc = (module.__doc__ or "").strip().splitlines()
     parser = CommandParser(prog=f"python -m {BENCHES[name].module}", description=doc[0] if doc else None)
     add_bench_arguments(name, parser)
-    return run_bench(name, parser.parse_args(argv))
+    try:
+        return run_bench(name, parser.parse_args(argv))
+    except ValueError as exc:
+        # A bad combination of options, checked once parsed: a usage error in one line, as the
+        # asyncside command says it (the message starts with the option's name).
+        if not str(exc).startswith("--"):
+            raise
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def median(values: Sequence[float]) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..argtypes import int_at_least
 from . import bench_main
 
 
@@ -41,13 +42,25 @@ def _qwen3_30b_layer(n_experts: int, rng: np.random.Generator) -> dict[str, np.n
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--experts", type=int, default=64, help="experts in the bench layer (default 64)")
-    p.add_argument("--side-rows", type=int, default=32, help="side region rows (default 32)")
-    p.add_argument("--reader", default="auto")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--upload-queue", type=int, default=10,
+    """Options of the device bench; counts of at least one, a reader the runtime knows."""
+    p.add_argument("--experts", type=int_at_least(1), default=64, help="experts in the bench layer (default 64)")
+    p.add_argument("--side-rows", type=int_at_least(1), default=32,
+                   help="side region rows, at most --experts (default 32)")
+    p.add_argument("--reader", default="auto", choices=["auto", "io_uring", "threads", "aiofiles"],
+                   help="read backend (default: io_uring where the kernel allows it)")
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
+    p.add_argument("--upload-queue", type=int_at_least(1), default=10,
                    help="uploads queued back to back per timed pass, as the limit's 10 copies (default 10)")
-    p.add_argument("--bridge-samples", type=int, default=300)
+    p.add_argument("--bridge-samples", type=int_at_least(1), default=300)
+
+
+def _device_problem(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run together (None: they can), said before anything is measured or
+    built: more side rows than the bench layer has experts (every row holds a distinct expert)."""
+    if args.side_rows > args.experts:
+        return (f"--side-rows {args.side_rows}: at most --experts ({args.experts}) rows: each row holds a "
+                f"distinct expert of the bench layer")
+    return None
 
 
 async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
@@ -117,7 +130,11 @@ async def _measure(args: argparse.Namespace, store: Any) -> dict[str, Any]:
 
 
 def run_device_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the measurements; print them (one per line) unless ``args.json``; return the result."""
+    """Run the measurements; print them (one per line) unless ``args.json``; return the result. Options
+    that cannot run together are a ValueError naming the option (a usage error), before any work."""
+    problem = _device_problem(args)
+    if problem is not None:
+        raise ValueError(problem)
     result = _run(args)
     if not getattr(args, "json", False):
         for k, v in result.items():
