@@ -230,15 +230,17 @@ def demo_runtime(store: Any, args: argparse.Namespace) -> Any:
                    host_tier=getattr(args, "host_tier", "auto"), rows_profile=getattr(args, "rows_profile", None))
 
 
-def refuse_early(sm: Any, runtime: Any, prompt_ids: list[int], args: argparse.Namespace) -> None:
+def refuse_early(sm: Any, runtime: Any, prompt_ids: list[int], args: argparse.Namespace,
+                 reference_keeps: int = 0) -> None:
     """Under ``--memory``, what the streaming run would refuse (pools that cannot fit, a generation
     whose KV cache passes the plan's allowance) refused before the reference run, which may take
-    minutes: an AsyncsideError in the command line's words. The plan made now is never tighter than
-    the one the run makes after the reference (the process only grows meanwhile)."""
+    minutes: an AsyncsideError in the command line's words. The plan made now counts the
+    ``reference_keeps`` bytes (:func:`reference_keeps`) as held already, so a memory= it names
+    still fits once the reference has run."""
     if getattr(args, "memory", None) is None:
         return
     try:
-        sm.kv_need(runtime.plan_now(), len(prompt_ids), args.tokens)
+        sm.kv_need(runtime.plan_now(grows_by=reference_keeps), len(prompt_ids), args.tokens)
     except AsyncsideError as exc:
         raise as_tokens_option(exc, args.tokens) from None
 
@@ -310,29 +312,46 @@ def disk_read_bytes() -> int:
     return proc_self_bytes("io", "read_bytes")
 
 
-def choose_reference(store: Any, asked: str, memory: int | None, resident: float | str | None = None
-                     ) -> tuple[str, str]:
-    """Which run checks the tokens, and why: the all-resident model when it fits the budget (its
-    experts and non-expert weights in at most half of it), else the slot cache. The streaming run
-    must fit too after the reference ran: what the process holds now, plus the model (the process
-    keeps its pages after the reference), plus the pools (a fractional ``resident``'s, else the
-    smallest the plan may choose) and the runtime's headroom. Under a ``memory`` budget that is
-    checked whatever ``resident`` is: the reference must not take the process past the budget."""
-    from .memory import MIN_HEADROOM, available_memory, describe_bytes, pool_bytes, proc_self_bytes
-    from .runtime._plan import min_rows
-
-    if asked != "auto":
-        return asked, "asked for"
+def reference_model_bytes(store: Any) -> int:
+    """The all-resident model's bytes: every expert record and the non-expert weights."""
     model_bytes = sum(store.layer(i).blob_bytes for i in store.layers)
     try:
         model_bytes += sum(f.stat().st_size for f in store.path.glob("*.safetensors"))
     except OSError:
         pass
+    return int(model_bytes)
+
+
+def reference_keeps(store: Any, reference: str) -> int:
+    """What ``reference`` leaves in the process until the streaming run plans: the all-resident
+    model's weights (:func:`reference_model_bytes`: freed after its run, their pages stay in the
+    process's heap), nothing for the slot cache (it runs after the streaming run) or none."""
+    return reference_model_bytes(store) if reference == "all-resident" else 0
+
+
+def choose_reference(store: Any, asked: str, memory: int | None, resident: float | str | None = None
+                     ) -> tuple[str, str]:
+    """Which run checks the tokens, and why: the all-resident model when it fits the budget (its
+    experts and non-expert weights in at most half of it), else the slot cache. The streaming run
+    must fit too after the reference ran: what the process holds now, plus the model (the process
+    keeps its pages after the reference, :func:`reference_keeps`), plus the pools (a fractional
+    ``resident``'s, else the smallest the plan may choose), the runtime's headroom and the margin a
+    refusal's memory= leaves. Under a ``memory`` budget that is checked whatever ``resident`` is:
+    the reference must not take the process past the budget."""
+    from .memory import MIN_HEADROOM, available_memory, describe_bytes, pool_bytes, proc_self_bytes
+    from .runtime._plan import NEED_MARGIN, min_rows
+
+    if asked != "auto":
+        return asked, "asked for"
+    model_bytes = reference_model_bytes(store)
     budget = available_memory().available if memory is None else min(memory, available_memory().available)
     if model_bytes <= budget // 2:
         if isinstance(resident, float) or memory is not None:
             pools = pool_bytes(store, resident if isinstance(resident, float) else 0.0, min_rows=min_rows(store))
-            after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + MIN_HEADROOM
+            # The reference's run also leaves its code (the modules it imports, the kernels MLX
+            # compiles), which no figure names: the margin a refusal's memory= adds is kept for it
+            # (a memory= named without the model leaves no room for the model beside that margin).
+            after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + MIN_HEADROOM + NEED_MARGIN
             if after > budget:
                 return "slot-cache", (f"the model's {describe_bytes(model_bytes)} fit half of the "
                                       f"{describe_bytes(budget)} budget, but with them held the streaming run "
@@ -485,9 +504,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         for line in notes:
             print(f"note: {line}", flush=True)
     runtime = demo_runtime(store, args)
-    refuse_early(sm, runtime, prompt_ids, args)
+    # The reference first: what it leaves in the process counts in the plan made before it runs.
     reference, why = choose_reference(store, getattr(args, "reference", "auto"), getattr(args, "memory", None),
                                       getattr(args, "resident", None))
+    refuse_early(sm, runtime, prompt_ids, args, reference_keeps(store, reference))
     ref: Run | None = None
     if reference == "all-resident":
         # First (it also warms MLX's kernels for both runs alike).

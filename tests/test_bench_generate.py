@@ -311,10 +311,12 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the pools need" in err and "memory budget" in err
     # auto: the all-resident model when it fits half of the budget and the streaming run still fits
-    # after it (what the process holds, the model, the smallest pools, the headroom), else the slot cache.
+    # after it (what the process holds, the model, the smallest pools, the headroom and the margin a
+    # refusal's memory= adds, kept for the reference's code), else the slot cache.
     model = sum(store.layer(i).blob_bytes for i in store.layers) + side
     monkeypatch.setattr(memory, "proc_self_bytes", lambda *a: 64 << 20)  # what the process holds, fixed
-    after = (64 << 20) + model + memory.pool_bytes(store, 0.0, min_rows=min_rows(store)) + memory.MIN_HEADROOM
+    after = ((64 << 20) + model + memory.pool_bytes(store, 0.0, min_rows=min_rows(store)) + memory.MIN_HEADROOM
+             + _plan.NEED_MARGIN)
     if max(2 * model, after) <= memory.available_memory().available:
         assert choose_reference(store, "auto", max(2 * model, after))[0] == "all-resident"
         assert choose_reference(store, "auto", max(2 * model, after) - 1)[0] == "slot-cache"

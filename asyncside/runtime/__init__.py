@@ -220,17 +220,18 @@ class Runtime:
         """The memory plan's figures (see :class:`MemoryPlan`; empty until entered)."""
         return self._plan.as_dict() if self._plan is not None else {}
 
-    def plan_now(self) -> MemoryPlan:
+    def plan_now(self, grows_by: int = 0) -> MemoryPlan:
         """The memory plan entering would make now, with nothing opened or allocated: an
         AsyncsideError where nothing sensible fits. Entering plans again, against what the process
-        holds then (a process that grew meanwhile gets a tighter plan, never a roomier one)."""
+        holds then (a process that grew meanwhile gets a tighter plan, never a roomier one);
+        ``grows_by`` is what the caller will still take before it enters, planned as held already."""
         from .. import pools as _pools
 
         return plan_memory(
             self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
             side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
             direct=self._direct, host_tier=self._host_tier, rows_profile=self._rows_profile,
-            tier_possible=_pools.device_pools_default() and _native.device_faults_available())
+            tier_possible=_pools.device_pools_default() and _native.device_faults_available(), grows_by=grows_by)
 
     async def __aenter__(self) -> Runtime:
         from ..native_env import check_env

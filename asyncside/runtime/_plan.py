@@ -422,19 +422,23 @@ def _resident_now() -> int:
     return _memory.proc_self_bytes("status", "VmRSS")
 
 
-def resolve_budget(memory: int | str | None) -> MemoryBudget:
+def resolve_budget(memory: int | str | None, grows_by: int = 0) -> MemoryBudget:
     """What the runtime may add to this process: ``memory`` (the process's whole budget, bytes or
-    a size such as ``"1.5G"``) less what the process holds already, capped by what it can still
-    use; or (None) what the memory cgroup and MemAvailable allow (their usage counts already)."""
+    a size such as ``"1.5G"``) less what the process holds already and the ``grows_by`` bytes it
+    will still take before the runtime enters, capped by what it can still use; or (None) what
+    the memory cgroup and MemAvailable allow (their usage counts already)."""
     available = _memory.available_memory()  # through the module: tests stand in a budget
     if memory is None:
         return available
     wanted = parse_size(memory, what="memory")
     if wanted <= 0:
         raise ValueError(f"memory: expected a size > 0, got {memory!r}")
-    held = _resident_now()
+    now = _resident_now()
+    held = now + max(0, int(grows_by))
     room = max(0, wanted - held)
-    label = f"memory={describe_bytes(wanted)}, {describe_bytes(held)} of it held by the process already"
+    label = f"memory={describe_bytes(wanted)}, {describe_bytes(now)} of it held by the process already"
+    if held > now:
+        label += f" and {describe_bytes(held - now)} it will take before the runtime enters"
     if room > available.available:
         return MemoryBudget(available.available, f"{label}, capped by {available.source}")
     return MemoryBudget(room, label)
@@ -442,15 +446,17 @@ def resolve_budget(memory: int | str | None) -> MemoryBudget:
 
 #: what a refusal's "memory=... or more" adds to what the process holds now: a later run of the
 #: same command holds a few MiB more or less before it plans, and the figure named must fit it too
+#: (``asyncside demo`` also keeps it for the code an all-resident reference leaves: demo.choose_reference)
 NEED_MARGIN = 16 << 20
 
 
 def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, headroom: int,
                    rows: Mapping[int, int], asked_auto: bool, label: Any, pools_at: Any,
-                   raised: Mapping[str, Any] | None = None) -> AsyncsideError:
+                   raised: Mapping[str, Any] | None = None, grows_by: int = 0) -> AsyncsideError:
     """Why the pools and the headroom do not fit the budget, and what would: the memory= that
     would, and the largest resident fraction that fits where one does. ``raised``
-    (:func:`rows_raised`) says why the pools hold the rows they do."""
+    (:func:`rows_raised`) says why the pools hold the rows they do; ``grows_by`` is what the process
+    will take before the runtime enters (:func:`resolve_budget`), which the memory= named includes."""
 
     def needed(pool_bytes: int) -> str:
         """What memory= would have to be for ``pool_bytes`` of pools (a budget counts what the
@@ -458,8 +464,9 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
         if memory is None:
             return ""
         # What the process holds now, not memory= less the budget: a memory= below what it holds
-        # left a budget of 0, which would hide the difference.
-        need = _resident_now() + pool_bytes + headroom + NEED_MARGIN
+        # left a budget of 0, which would hide the difference. What the process will still take
+        # before the runtime enters counts as held: a figure without it is refused again then.
+        need = _resident_now() + max(0, int(grows_by)) + pool_bytes + headroom + NEED_MARGIN
         return f" (memory={describe_bytes(-(-need // (1 << 20)) << 20)} or more)"
 
     if asked_auto:
@@ -574,6 +581,7 @@ def plan_memory(
     host_tier: int | str,
     tier_possible: bool,
     rows_profile: RowsProfile | None = None,
+    grows_by: int = 0,
 ) -> MemoryPlan:
     """Plan the runtime's memory (see the module docstring); AsyncsideError when nothing sensible
     fits: the pools, the tier's staging and the headroom must fit the budget. ``rows_profile``
@@ -581,8 +589,9 @@ def plan_memory(
     ``pinned`` or ``side_rows``).
 
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
-    fault path can keep a host tier."""
-    budget = resolve_budget(memory)
+    fault path can keep a host tier; ``grows_by`` is what the process will take before the runtime
+    enters (:func:`resolve_budget`)."""
+    budget = resolve_budget(memory, grows_by)
     min_given = min_side_rows
     if min_side_rows is None:
         min_side_rows = min_rows(store)
@@ -650,7 +659,7 @@ def plan_memory(
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
     if pools + headroom > budget.available:
-        raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at, raised)
+        raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at, raised, grows_by)
     if page_cache < 0:
         # The tier is pinned host memory held for the runtime's life, like the pools: a tier the
         # budget cannot hold beside them would take the process past it. ("auto" bounds itself
