@@ -5,6 +5,7 @@ PlanArgumentError naming the most), before any work."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -165,3 +166,59 @@ def test_bench_device_refuses_counts_it_cannot_run_with(option: str, value: str,
         device.main([f"{option}={value}"])
     assert info.value.code == 2
     assert f"argument {option}:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ---- bench shapes cached by older code -------------------------------------------------------
+
+def _one_expert_config(tmp_path: pathlib.Path) -> pathlib.Path:
+    config = tmp_path / "one-expert" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 1, "num_experts_per_tok": 1,
+        "vocab_size": 512}))
+    return config
+
+
+def _finite_store(store: pathlib.Path) -> bool:
+    import mlx.core as mx
+
+    files = sorted(store.glob("*.safetensors"))
+    return bool(files) and all(bool(mx.isfinite(v.astype(mx.float32)).all()) for f in files
+                               for v in mx.load(str(f)).values() if mx.issubdtype(v.dtype, mx.floating))
+
+
+def test_a_one_expert_shape_cached_by_older_code_is_rebuilt(tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A shape of one expert a layer built before its router was made finite (READY holding the
+    spec's key alone, as older code wrote it) was reused forever, NaN router and all: its key did
+    not change. Its marker now names the build, and an older one of such a shape is rebuilt."""
+    from asyncside.bench import shapes
+
+    config, cache = _one_expert_config(tmp_path), tmp_path / "cache"
+    first = shapes.ensure_shape(config, layers=1, vocab=512, cache_dir=cache, progress=False)
+    final = pathlib.Path(first["store"]).parent
+    key = (final / "READY").read_text().splitlines()[0]
+    # What older code left: the marker without a build, a store of NaN weights (here: none at all).
+    (final / "READY").write_text(key + "\n")
+    for f in pathlib.Path(first["store"]).glob("*.safetensors"):
+        f.unlink()
+    again = shapes.ensure_shape(config, layers=1, vocab=512, cache_dir=cache, progress=True)
+    assert again["built"] is True and _finite_store(pathlib.Path(again["store"]))
+    assert "built by older code" in capsys.readouterr().err
+    assert shapes.ensure_shape(config, layers=1, vocab=512, cache_dir=cache, progress=False)["built"] is False
+
+
+def test_older_builds_of_other_shapes_are_still_reused(tmp_path: pathlib.Path) -> None:
+    """Only the specs whose weights changed are rebuilt: an older marker of a shape of several
+    experts (drawn the same before and after) is a finished build, however large the shape."""
+    from asyncside.models.embedded import EmbeddedSpec, build_is_current, ready_marker
+
+    many, one = EmbeddedSpec(), EmbeddedSpec(config={**EmbeddedSpec().config, "num_experts": 1})
+    (tmp_path / "READY").write_text(many.key() + "\n")
+    assert build_is_current(tmp_path, many) and not build_is_current(tmp_path, one)
+    (tmp_path / "READY").write_text(ready_marker(one))
+    assert build_is_current(tmp_path, one)
+    (tmp_path / "READY").write_text(many.key() + "\nbuild two\n")
+    assert not build_is_current(tmp_path, many)  # a marker that cannot be read is no build
+    assert not build_is_current(tmp_path / "missing", many)

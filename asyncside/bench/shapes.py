@@ -17,7 +17,9 @@ smaller vocabulary (a faster build; the LM head's cost then no longer matches th
 :func:`ensure_shape` builds the mlx-lm model directory, profiles its routing on the embedded
 model's prompts (the store's resident ranking), converts it to an expert store and deletes the
 model directory; the store is kept under ``cache_root()/shape-<name>-L<layers>-V<vocab>-<hash>/``
-(built in a temporary directory and renamed into place, under a file lock). Building needs
+(built in a temporary directory and renamed into place, under a file lock). Its READY marker
+names the build code's version (``models.embedded.BUILD_VERSION``): a store that older code built
+unlike this code's (a shape of one expert a layer before its router was made finite) is rebuilt. Building needs
 twice the store's size on disk while it runs and the whole quantized model in memory: both are
 checked before anything is built (:class:`ShapeTooLargeError`).
 
@@ -692,7 +694,14 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
 
     from ..memory import available_memory
     from ..models.convert import convert_model, profile_routing
-    from ..models.embedded import PROFILE_PROMPTS, build_model, cache_root, remove_stale_builds
+    from ..models.embedded import (
+        PROFILE_PROMPTS,
+        build_is_current,
+        build_model,
+        cache_root,
+        ready_marker,
+        remove_stale_builds,
+    )
 
     src = describe_shape(name)
     spec = shape_spec(name, layers=layers, vocab=vocab)
@@ -707,15 +716,18 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
     root = cache_root(cache_dir)
     tag = f"shape-{src.name}-L{cfg['num_hidden_layers']}-V{cfg['vocab_size']}-{spec.key()}"
     final = root / tag
-    if (final / READY_FILE).is_file():
+    if build_is_current(final, spec):
         info = json.loads((final / BUILD_FILE).read_text())
         return ShapeBuild(info, **about, store=final / "store", built=False)
     remove_stale_builds(root)  # killed builds' halves: before the disk check counts them as used
     with _file_lock(root / f".{tag}.lock"):
-        if (final / READY_FILE).is_file():
+        if build_is_current(final, spec):
             info = json.loads((final / BUILD_FILE).read_text())
             return ShapeBuild(info, **about, store=final / "store", built=False)
-        if final.exists():  # a leftover without READY: never trust it
+        if (final / READY_FILE).is_file() and progress:
+            print(f"[shapes] {final}: built by older code whose weights of this shape differ "
+                  f"(models.embedded.BUILD_VERSION): rebuilding it", file=sys.stderr, flush=True)
+        if final.exists():  # a leftover without READY, or built by older code unlike this one: never trust it
             shutil.rmtree(final)
         est = estimate_bytes(spec)
         layer_count = f"{cfg['num_hidden_layers']} layer{'s' if cfg['num_hidden_layers'] != 1 else ''}"
@@ -750,7 +762,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
                     "build_seconds": round(time.perf_counter() - t0, 1), "store_bytes": _dir_bytes(tmp / "store"),
                     "estimate": est, "spec": asdict(spec)}
             (tmp / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
-            (tmp / READY_FILE).write_text(spec.key() + "\n")
+            (tmp / READY_FILE).write_text(ready_marker(spec))
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -51,6 +51,11 @@ from .tokenizer import ByteTokenizer, load_tokenizer, save_byte_level_tokenizer
 #: 2: a standard tokenizer.json + tokenizer_config.json (chat template) instead of asyncside_tokenizer.json
 SPEC_VERSION = 2
 READY_FILE = "READY"
+#: What :func:`build_model` makes of a spec, where that changed for some specs only (a new
+#: SPEC_VERSION would rebuild every cached model): 2, a layer of one expert gets a finite router
+#: (its popularity has no spread to standardise; build 1 made it NaN). Written in the READY marker;
+#: a marker without it is of build 1.
+BUILD_VERSION = 2
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -227,6 +232,35 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     return base / "asyncside"
 
 
+def least_build(spec: EmbeddedSpec) -> int:
+    """The oldest :data:`BUILD_VERSION` whose model of ``spec`` is the one :func:`build_model` makes
+    now: 2 for layers of one expert (build 1's router was NaN), 1 for every other spec."""
+    return 2 if int(spec.config.get("num_experts", 0)) <= 1 else 1
+
+
+def ready_marker(spec: EmbeddedSpec) -> str:
+    """The READY file's text of a build of ``spec`` by this code: its key and :data:`BUILD_VERSION`."""
+    return f"{spec.key()}\nbuild {BUILD_VERSION}\n"
+
+
+def build_is_current(directory: pathlib.Path, spec: EmbeddedSpec) -> bool:
+    """Whether ``directory`` holds a finished build of ``spec`` (its READY marker) that this code
+    would make alike: built by a :data:`BUILD_VERSION` at least :func:`least_build`. A marker that
+    names no build is of build 1, as older code wrote it; one that cannot be read is no build."""
+    try:
+        lines = (directory / READY_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    version = 1
+    for line in lines:
+        if line.startswith("build "):
+            try:
+                version = int(line.split()[1])
+            except (IndexError, ValueError):
+                return False
+    return version >= least_build(spec)
+
+
 @contextlib.contextmanager
 def _file_lock(path: pathlib.Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,13 +314,13 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     spec = spec or EmbeddedSpec()
     root = cache_root(cache_dir)
     final = root / f"embedded-{spec.key()}"
-    if (final / READY_FILE).is_file():
+    if build_is_current(final, spec):
         return final / "model", final / "store"
     remove_stale_builds(root)  # before the disk fills up with killed builds' halves
     with _file_lock(root / f".embedded-{spec.key()}.lock"):
-        if (final / READY_FILE).is_file():
+        if build_is_current(final, spec):
             return final / "model", final / "store"
-        if final.exists():  # a leftover without READY: never trust it
+        if final.exists():  # a leftover without READY, or built by older code unlike this one: never trust it
             shutil.rmtree(final)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".embedded-{spec.key()}.tmp-", dir=root))
         try:
@@ -303,7 +337,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
             del model
             convert_model(model_dir, tmp / "store", profile=prof, resident_fraction=spec.resident_fraction,
                           progress=progress, model_id=f"asyncside-embedded-qwen3moe-{spec.key()[:8]}")
-            (tmp / READY_FILE).write_text(spec.key() + "\n")
+            (tmp / READY_FILE).write_text(ready_marker(spec))
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
