@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:  # --single too: before the launch environment, a model or the ranks
         check_side_rows(args.store, args.side_rows)
-    except PlanArgumentError as exc:  # a usage error, as argparse's: status 2
+    except PlanArgumentError as exc:  # a usage error: the exit status argparse gives one
         print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
         return 2
     except ValueError as exc:  # a store that cannot be opened, as below

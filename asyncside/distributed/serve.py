@@ -151,7 +151,7 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)
-    except PlanArgumentError as exc:  # the options, not the launch or the store: status 2, as argparse's
+    except PlanArgumentError as exc:  # the options, not the launch or the store: a usage error's exit status
         print(f"asyncside serve: {exc}", file=sys.stderr)
         return 2
     except (DistributedError, ValueError) as exc:

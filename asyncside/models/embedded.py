@@ -52,9 +52,8 @@ from .tokenizer import ByteTokenizer, load_tokenizer, save_byte_level_tokenizer
 SPEC_VERSION = 2
 READY_FILE = "READY"
 #: What :func:`build_model` makes of a spec, where that changed for some specs only (a new
-#: SPEC_VERSION would rebuild every cached model): 2, a layer of one expert gets a finite router
-#: (its popularity has no spread to standardise; build 1 made it NaN). Written in the READY marker;
-#: a marker without it is of build 1.
+#: SPEC_VERSION would rebuild every cached model); each bump is listed in :func:`least_build`.
+#: Written in the READY marker; a marker without it is of the first build.
 BUILD_VERSION = 2
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -234,7 +233,8 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
 
 def least_build(spec: EmbeddedSpec) -> int:
     """The oldest :data:`BUILD_VERSION` whose model of ``spec`` is the one :func:`build_model` makes
-    now: 2 for layers of one expert (build 1's router was NaN), 1 for every other spec."""
+    now: the second for layers of one expert (the first build's router was NaN: their popularity has
+    no spread to standardise), the first for every other spec."""
     return 2 if int(spec.config.get("num_experts", 0)) <= 1 else 1
 
 
