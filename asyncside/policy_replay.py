@@ -13,9 +13,11 @@ hits over all demanded experts of all layers.
   routing drawn independently per token; docs/policies.md).
 - :func:`compare_policies` tabulates all of them per trace and cache size (``asyncside bench policy``).
 - :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass
-  (:func:`trace_miss_curves`: every layer's); :func:`split_rows` splits a total row budget across
-  layers from such curves; :func:`holdout_pair` and :func:`compare_split` measure such a split
-  planned on one sequence and replayed on another (a holdout).
+  (:func:`trace_miss_curves`: every layer's), :func:`trace_min_hits` MIN's hits of every layer at
+  given row counts (both vectorised with numpy, for ``asyncside routing info``);
+  :func:`split_rows` splits a total row budget across layers from such curves;
+  :func:`holdout_pair` and :func:`compare_split` measure such a split planned on one sequence and
+  replayed on another (a holdout).
 
 Pure Python and numpy, no MLX, no I/O.
 """
@@ -208,35 +210,157 @@ def compare_policies(traces: Mapping[str, RoutingTrace], fractions: Sequence[flo
     return rows
 
 
-def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarray:
-    """Misses of an LRU cache of r rows over ``demands``, for every r in ``0..n_experts`` (one pass,
-    Mattson's stack algorithm on set requests: a demanded expert hits with r rows iff fewer than r
-    other experts were used since its last use). ``out[r]`` is non-increasing; ``out[0]`` counts
-    every access; ``out[n_experts]`` the first uses."""
-    stack: list[int] = []  # most recent first
-    hist = np.zeros(n_experts + 1, dtype=np.int64)  # hist[d]: accesses at stack distance d
-    cold = 0
+#: Elements (steps x experts) one block of the vectorised LRU pass compares at once: its memory
+#: stays bounded whatever a trace's length or experts.
+_BLOCK_ELEMENTS = 1 << 22
+#: The most (cache sizes x layers) x experts :func:`trace_min_hits` steps through together (more
+#: layers go in groups); a trace of more experts than one layer's sizes fit runs
+#: :func:`belady_bypass` layer by layer (the same hits, slower).
+_MIN_VECTOR_ELEMENTS = 1 << 16
+
+
+def _lru_distances(steps: np.ndarray, n_experts: int) -> tuple[np.ndarray, int]:
+    """(hist, accesses) of one layer's ``steps`` ``(T, K)`` (distinct ids in a row, -1 pads a row of
+    fewer): ``hist[d]`` counts the accesses at LRU stack distance ``d`` (a first use counts in none).
+
+    The stack orders experts by their last use (latest first) and, within one step, by id, as
+    :func:`lru_miss_curve` updates it; an access's distance is then the experts used later than
+    its expert's previous use, plus those of that same step with smaller ids: counted here for a
+    block of steps at once from each expert's last use before every step."""
+    n_steps = steps.shape[0]
+    width = max(steps.shape[1], 1)
+    hist = np.zeros(n_experts + 1, dtype=np.int64)
+    last = np.full(n_experts, -1, dtype=np.int64)  # each expert's last use before the block
+    cols = np.arange(n_experts)
+    block = max(1, _BLOCK_ELEMENTS // (n_experts * width))
     accesses = 0
-    for d in demands:
-        req = sorted({int(e) for e in d})
-        for e in req:
-            if not 0 <= e < n_experts:
-                raise ValueError(f"expert id {e} outside [0, {n_experts})")
-            accesses += 1
-            try:
-                hist[stack.index(e)] += 1
-            except ValueError:
-                cold += 1
-        keep = [e for e in stack if e not in req]
-        stack = req + keep
+    for start in range(0, n_steps, block):
+        chunk = steps[start:start + block]
+        r, c = np.nonzero(chunk >= 0)
+        e = chunk[r, c]
+        accesses += len(e)
+        used = np.full((len(chunk) + 1, n_experts), -1, dtype=np.int64)
+        used[0] = last
+        used[r + 1, e] = start + r
+        np.maximum.accumulate(used, axis=0, out=used)
+        before = used[:-1]  # row i: each expert's last use before step start + i
+        last = used[-1].copy()
+        # Keys in stack order (a later use, then a smaller id, is a larger key): an access's
+        # distance is how many keys of its step's row exceed its expert's.
+        key = before * n_experts + (n_experts - 1 - cols)[None, :]
+        order = np.argsort(key, axis=1)
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(cols, order.shape), axis=1)
+        warm = before[r, e] >= 0
+        d = n_experts - 1 - rank[r[warm], e[warm]]
+        hist += np.bincount(d, minlength=n_experts + 1)
+    return hist, accesses
+
+
+def _curve(hist: np.ndarray, accesses: int, n_experts: int) -> np.ndarray:
     # hits with r rows = accesses at distance < r
     hits = np.concatenate([[0], np.cumsum(hist)[:n_experts]])
     return np.asarray(accesses - hits, dtype=np.int64)
 
 
+def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarray:
+    """Misses of an LRU cache of r rows over ``demands``, for every r in ``0..n_experts`` (one pass,
+    Mattson's stack algorithm on set requests: a demanded expert hits with r rows iff fewer than r
+    other experts were used since its last use). ``out[r]`` is non-increasing; ``out[0]`` counts
+    every access; ``out[n_experts]`` the first uses. Vectorised with numpy (:func:`_lru_distances`)."""
+    reqs = [sorted({int(e) for e in d}) for d in demands]
+    width = max((len(q) for q in reqs), default=0)
+    steps = np.full((len(reqs), width), -1, dtype=np.int64)  # -1: no demand in that slot
+    for t, q in enumerate(reqs):
+        for e in (q[0], q[-1]) if q else ():
+            if not 0 <= e < n_experts:
+                raise ValueError(f"expert id {e} outside [0, {n_experts})")
+        steps[t, :len(q)] = q
+    hist, accesses = _lru_distances(steps, n_experts)
+    return _curve(hist, accesses, n_experts)
+
+
 def trace_miss_curves(trace: RoutingTrace) -> list[np.ndarray]:
     """:func:`lru_miss_curve` of every MoE layer of ``trace`` (the input :func:`split_rows` takes)."""
-    return [lru_miss_curve(trace.ids[:, layer, :].tolist(), trace.n_experts) for layer in range(trace.n_layers)]
+    out = []
+    for layer in range(trace.n_layers):
+        hist, accesses = _lru_distances(trace.ids[:, layer, :].astype(np.int64), trace.n_experts)
+        out.append(_curve(hist, accesses, trace.n_experts))
+    return out
+
+
+def _next_uses_of(ids: np.ndarray, never: int) -> np.ndarray:
+    """``out[t, l, k]``: the first step after ``t`` whose layer ``l`` demands ``ids[t, l, k]``
+    (``never``: none does)."""
+    n_steps, n_layers, k = ids.shape
+    out = np.empty(ids.shape, dtype=np.int64)
+    small = int(ids.max()) < (1 << 16)  # a stable sort of 16-bit keys is a radix sort
+    for layer in range(n_layers):
+        e = ids[:, layer, :].ravel()  # step-major: a stable sort by id keeps each id's steps in order
+        order = np.argsort(e.astype(np.uint16 if small else np.int64), kind="stable")
+        se = e[order]
+        nxt = np.full(len(order), never, dtype=np.int64)
+        same = se[1:] == se[:-1]
+        nxt[:-1][same] = order[1:][same] // k
+        flat = np.empty(len(order), dtype=np.int64)
+        flat[order] = nxt
+        out[:, layer, :] = flat.reshape(n_steps, k)
+    return out
+
+
+def trace_min_hits(trace: RoutingTrace, rows: Sequence[int]) -> list[int]:
+    """Hits of Belady's MIN with bypass (:func:`belady_bypass`: nothing resident, empty rows at
+    the start) summed over ``trace``'s layers, one total per cache size in ``rows``.
+
+    Layers and cache sizes step through the trace together, each step a few numpy operations over
+    a (sizes x layers, experts) array, making the choice :func:`asyncside.models.trace.belady`
+    makes: keep the ``r`` cached or demanded experts used again soonest (ties: the smaller id),
+    none that is never used again. A trace of many experts falls back to :func:`belady_bypass`."""
+    sizes = [int(r) for r in rows]
+    n_layers, n = trace.n_layers, trace.n_experts
+    group = _MIN_VECTOR_ELEMENTS // max(len(sizes) * n, 1)
+    if group < 1:
+        return [sum(belady_bypass(trace.layer_steps(layer), (), r).hits for layer in range(n_layers))
+                for r in sizes]
+    totals = [0] * len(sizes)
+    for first in range(0, n_layers, group):
+        part = _min_hits(np.ascontiguousarray(trace.ids[:, first:first + group, :]), n, sizes)
+        totals = [a + b for a, b in zip(totals, part)]
+    return totals
+
+
+def _min_hits(ids: np.ndarray, n: int, sizes: list[int]) -> list[int]:
+    """:func:`trace_min_hits` of ``ids`` ``(T, L, K)`` (ids distinct in a row) at once."""
+    n_steps, n_layers, k = ids.shape
+    width = len(sizes) * n_layers
+    never = n_steps + 1
+    # One key per (row, expert): next use x n + id while cached, ``absent`` while not; row b is
+    # cache size b // L at layer b % L. A step's demands take their new keys (a hit is one cached
+    # before), then each row keeps its r smallest keys, none of them never used again.
+    wide = ids.astype(np.int64)
+    demand_keys = _next_uses_of(ids, never) * n + wide
+    base = (np.arange(width, dtype=np.int64) * n)[:, None]
+    keep = np.array([max(min(r, n), 0) for r in sizes], dtype=np.int64).repeat(n_layers)
+    at = np.maximum(keep - 1, 0) + np.arange(width) * n  # each row's r-th smallest key, in the flat sort
+    limit = np.where(keep > 0, never * n - 1, -1)
+    absent = (never + 1) * n
+    state = np.full(width * n, absent, dtype=np.int64)
+    hits = np.zeros(width, dtype=np.int64)
+    block = max(1, _BLOCK_ELEMENTS // max(width * k, 1))
+    for start in range(0, n_steps, block):
+        stop = min(start + block, n_steps)
+        flats = (base[None] + np.tile(wide[start:stop], (1, len(sizes), 1))).reshape(stop - start, -1)
+        new_keys = np.tile(demand_keys[start:stop], (1, len(sizes), 1)).reshape(stop - start, -1)
+        hit = np.empty(flats.shape, dtype=bool)
+        for i in range(stop - start):
+            flat = flats[i]
+            hit[i] = state[flat] < absent
+            state[flat] = new_keys[i]
+            table = state.reshape(width, n)
+            bound = np.minimum(np.sort(table, axis=1).ravel()[at], limit)
+            state = np.where(table <= bound[:, None], table, absent).ravel()
+        hits += hit.reshape(-1, width, k).sum(axis=(0, 2))
+    return [int(h) for h in hits.reshape(len(sizes), n_layers).sum(axis=1)]
 
 
 def split_rows(miss_curves: Sequence[Sequence[float] | np.ndarray], total_rows: int, *,

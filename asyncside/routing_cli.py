@@ -8,7 +8,8 @@
   than the recorded one (:meth:`asyncside.routing.RoutingTrace.widen`); replaying a trace of
   fewer choices than the model routes is refused, since the missing choices cannot be known.
 
-Only numpy is imported until MIN is computed (which loads the trace module of the models).
+Only numpy is imported (MIN on a trace of more experts than its vectorised pass takes loads the
+trace module of the models).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
     """The figures ``routing info`` prints: shape, source, and per-layer caches' hit rates over
     all sequences in order (LRU, and Belady's MIN with bypass unless ``with_min`` is False)."""
-    from .policy_replay import lru_miss_curve
+    from .policy_replay import trace_min_hits, trace_miss_curves
 
     out: dict[str, Any] = {
         "tokens": trace.n_tokens, "layers": trace.n_layers, "experts": trace.n_experts, "top_k": trace.top_k,
@@ -75,16 +76,14 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
         "predicted_per_token": None if trace.predicted is None else int(trace.predicted.shape[2]),
         "mapped_from": trace.meta.get("mapped_from"), "widened": trace.meta.get("widened"), "caches": []}
     accesses = trace.n_tokens * trace.top_k * trace.n_layers
-    curves = [lru_miss_curve(trace.layer_steps(layer), trace.n_experts) for layer in range(trace.n_layers)]
-    for fraction in (0.25, 0.5):
-        rows = max(trace.top_k, int(round(fraction * trace.n_experts)))
+    curves = trace_miss_curves(trace)
+    sizes = [max(trace.top_k, int(round(fraction * trace.n_experts))) for fraction in (0.25, 0.5)]
+    min_hits = trace_min_hits(trace, sizes) if with_min else None
+    for i, (fraction, rows) in enumerate(zip((0.25, 0.5), sizes)):
         lru = 1.0 - sum(int(c[min(rows, len(c) - 1)]) for c in curves) / accesses
         entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru, 4)}
-        if with_min:
-            from .policy_replay import belady_bypass
-
-            hits = sum(belady_bypass(trace.layer_steps(layer), (), rows).hits for layer in range(trace.n_layers))
-            entry["min"] = round(hits / accesses, 4)
+        if min_hits is not None:
+            entry["min"] = round(min_hits[i] / accesses, 4)
         out["caches"].append(entry)
     return out
 
