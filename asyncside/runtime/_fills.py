@@ -292,6 +292,7 @@ class HostFills:
         horizon = s.horizon
         while any(op < horizon for st in layers for op in st.outstanding):
             await s.wait_change()
+        await self._queued.settle_idle(layers)
         errors: list[FillError] = []
         for st in layers:
             errors.extend(st.errors)

@@ -408,6 +408,18 @@ class QueuedSide:
         self._ready_pairs = 0
         self._raise_errors()
 
+    async def settle_idle(self, layers: list[LayerState]) -> None:
+        """Publish the reads ``layers``' fault tables still hold unpublished (a last step's
+        prefetches nobody routed, which the next step's begin would publish) and apply the fault
+        logs, once no queued step is built or computing: a drained runtime's ledgers, native
+        tables and counters then say the same."""
+        if self._building or not self.idle():
+            return  # a step in flight publishes them itself (begin, quiesce)
+        for st in layers:
+            if st.faults is not None and st.faults.pending:
+                await anyio.to_thread.run_sync(st.faults.settle)  # I/O: in a worker thread
+                self.reconcile(st)
+
     def idle(self) -> bool:
         """No queued step is still computing (their outputs all available)."""
         return not [o for o in self._outs if not native_available(o)]
