@@ -133,3 +133,25 @@ def test_a_refusal_counts_what_the_process_will_take_before_the_runtime_enters(
     process["rss"] = BASE + grows
     plan = Runtime(store, resident="auto", memory=f"{wanted.group(1)}M").plan_now()
     assert plan.budget >= plan.pool_bytes + plan.headroom_bytes
+
+
+def test_bench_offload_smallest_plan_is_accepted_by_a_run(store_dir: pathlib.Path, process: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench offload`` names asyncside's smallest plan ("about N MB") as a budget to try; a run's
+    process holds a few MiB more than the baseline and the non-expert weights when it plans (its
+    tokenizer, what loading leaves: less than a refusal's margin), and the figure named fit no
+    such run."""
+    from asyncside import ExpertStore
+    from asyncside.bench import offload
+    from asyncside.runtime import Runtime
+
+    store = ExpertStore.open(store_dir)
+    first = store.layer(min(store.layers))
+    model = _model_bytes(store_dir)
+    expert = sum(store.layer(i).blob_bytes for i in store.layers)
+    shape = {"moe_layers": len(store.layers), "top_k": _plan.min_rows(store), "record_bytes": _plan.record_bytes(first),
+             "store_bytes": model, "expert_bytes": expert, "process_bytes": BASE}
+    least = offload.least_budget(shape)
+    process["rss"] = BASE + (model - expert) + _plan.NEED_MARGIN // 2  # the run's process when it plans
+    plan = Runtime(store, resident="auto", memory=least).plan_now()
+    assert plan.budget >= plan.pool_bytes + plan.headroom_bytes

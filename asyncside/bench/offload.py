@@ -556,13 +556,15 @@ def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, i
 
 
 def process_baseline() -> int:
-    """What a run's process holds before its model: this process's resident size with MLX and
-    mlx-lm loaded. Taken before any shape is built: what a build leaves behind in this process
-    (freed memory the allocator keeps) is no part of a run's process, and counting it would raise
-    the smallest plan of a build above that of the same store reused."""
+    """What a run's process holds before its model: this process's resident size with MLX, mlx-lm
+    and the asyncside modules a run imports before it plans (its models and runtime) loaded. Taken
+    before any shape is built: what a build leaves behind in this process (freed memory the
+    allocator keeps) is no part of a run's process, and counting it would raise the smallest plan
+    of a build above that of the same store reused."""
     import mlx.core  # noqa: F401
     import mlx_lm  # noqa: F401
 
+    from .. import models, runtime  # noqa: F401
     from ..memory import proc_self_bytes
 
     return proc_self_bytes("status", "VmRSS")
@@ -571,16 +573,21 @@ def process_baseline() -> int:
 def least_budget(shape: dict[str, Any]) -> int:
     """About the smallest memory budget asyncside's plan accepts for ``shape`` (a row of the
     bench's shapes): the least pools (the model's top-k rows a layer), the plan's headroom, the
-    non-expert weights a run loads, and what a run's process holds before its model (the shape's
-    ``process_bytes``, from :func:`process_baseline`; else what this process holds now)."""
+    non-expert weights a run loads, what a run's process holds before its model (the shape's
+    ``process_bytes``, from :func:`process_baseline`; else what this process holds now), and the
+    margin a refusal's memory= adds (``runtime._plan.NEED_MARGIN``)."""
     from ..memory import MIN_HEADROOM, proc_self_bytes
+    from ..runtime._plan import NEED_MARGIN
 
     pools = shape["moe_layers"] * shape["top_k"] * shape["record_bytes"]
     non_expert = max(0, shape["store_bytes"] - shape["expert_bytes"])
     held = shape.get("process_bytes")
     if held is None:
         held = proc_self_bytes("status", "VmRSS")
-    return int(pools + MIN_HEADROOM + non_expert + held)
+    # A run's process also holds what loading its model leaves beside the non-expert weights (the
+    # tokenizer, MLX's state), which no figure here names: the figure this names is offered as a
+    # --memory to try, so it keeps the margin a runtime's refusal keeps for such bytes.
+    return int(pools + MIN_HEADROOM + non_expert + held + NEED_MARGIN)
 
 
 #: the prompt of every run: one token, so every step routes one token
