@@ -13,7 +13,7 @@ import pytest
 from asyncside import memory
 from asyncside.cli import build_parser
 from asyncside.demo import choose_reference
-from asyncside.runtime._plan import min_rows
+from asyncside.runtime._plan import NEED_MARGIN, min_rows
 from asyncside.store import ExpertStore
 
 
@@ -74,12 +74,15 @@ def test_reference_leaves_room_for_the_streaming_run(expert_store: ExpertStore,
     assert model < memory.MIN_HEADROOM  # a small store: twice the model leaves no room for the runtime
     kind, why = choose_reference(expert_store, "auto", 2 * model, 0.5)
     assert kind == "slot-cache" and "streaming run would need" in why
-    assert choose_reference(expert_store, "auto", model + pools + memory.MIN_HEADROOM, 0.5)[0] == "all-resident"
+    # beside them the margin a refusal's memory= adds, kept for the code the reference leaves
+    beside = memory.MIN_HEADROOM + NEED_MARGIN
+    assert choose_reference(expert_store, "auto", model + pools + beside, 0.5)[0] == "all-resident"
+    assert choose_reference(expert_store, "auto", model + pools + beside - 1, 0.5)[0] == "slot-cache"
     # The pools sized by the plan (no fraction): its smallest pools count, so the budget the fraction
     # passed with (the model, the pools, the headroom) is checked again, with the smallest pools.
     smallest = memory.pool_bytes(expert_store, 0.0, min_rows=min_rows(expert_store))
     assert choose_reference(expert_store, "auto", 2 * model)[0] == "slot-cache"
-    enough = max(2 * model, model + smallest + memory.MIN_HEADROOM)
+    enough = max(2 * model, model + smallest + beside)
     assert choose_reference(expert_store, "auto", enough)[0] == "all-resident"
     assert choose_reference(expert_store, "auto", None)[0] == "all-resident"  # no budget: the model's size alone
 
