@@ -141,13 +141,108 @@ def _separate(out: np.ndarray, n_experts: int) -> np.ndarray:
     return flat.reshape(out.shape)
 
 
-#: The arrays a trace file may hold (others are ignored).
+#: The arrays a trace file may hold (others are ignored, never read).
 _TRACE_ARRAYS = ("ids", "lengths", "n_experts", "meta", "predicted")
+
+#: The most bytes a trace file's ``ids`` may inflate to (docs/routing-traces.md, "Size limits"):
+#: a million tokens of a 64-layer top-8 model are half of it. A member that declares more, or
+#: whose header gives a shape of more, is refused before it is read.
+MAX_IDS_BYTES = 4 << 30
+#: The most bytes a trace file's ``meta`` (JSON text) may inflate to.
+MAX_META_BYTES = 16 << 20
+#: Room for an ``.npy`` member's header beside its data (numpy's own limit on a header it reads).
+_NPY_HEADER_ROOM = 1 << 16
+#: How much of a member is inflated at a time.
+_READ_CHUNK = 1 << 20
+
+
+class _Bounded:
+    """A member's stream that yields at most ``limit`` bytes (what its ZipInfo declares), whatever
+    its compressed data would inflate to; ``count``: bytes yielded so far."""
+
+    def __init__(self, fh: Any, limit: int) -> None:
+        self.fh = fh
+        self.left = limit
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.fh.read(n) if n else b""
+        self.left -= len(data)
+        self.count += len(data)
+        return bytes(data)
+
+
+def _member_bounds(data: dict[str, np.ndarray], ids_shape: tuple[int, ...]) -> dict[str, int]:
+    """The most bytes each trace array's data may take, from ``ids``' shape (and ``n_experts``
+    once read): ``lengths`` one count a token, ``predicted`` at most every expert a (token, layer),
+    each entry at most 8 bytes (the widest integer)."""
+    tokens = ids_shape[0] if ids_shape else 1
+    rows = int(np.prod(ids_shape[:-1], dtype=object)) if len(ids_shape) > 1 else tokens
+    n = MAX_EXPERTS
+    ne = data.get("n_experts")
+    if ne is not None and ne.size == 1 and np.issubdtype(ne.dtype, np.integer):
+        n = min(max(int(ne.reshape(())), 1), MAX_EXPERTS)
+    return {"ids": MAX_IDS_BYTES, "n_experts": 16, "lengths": 8 * tokens, "meta": MAX_META_BYTES,
+            "predicted": 8 * rows * n}
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, bound: int,
+                 where: str) -> np.ndarray:
+    """The array of member ``info`` (trace array ``name``), refused unless its declared size and
+    its header's shape fit ``bound`` bytes of data; read through a stream bounded by the declared
+    size, so a member whose data inflates to more yields no more."""
+    member = info.filename
+
+    def refuse(why: str) -> TraceError:
+        return TraceError(where, f"member {member} of the archive {why}", field=name)
+
+    if info.file_size > bound + _NPY_HEADER_ROOM:
+        raise refuse(f"declares {info.file_size} bytes inflated, more than a trace's {name} takes "
+                     f"(at most {bound} bytes of data here; docs/routing-traces.md, \"Size limits\")")
+    with zf.open(info) as raw:
+        fh = _Bounded(raw, info.file_size)
+        magic = fh.read(len(np.lib.format.MAGIC_PREFIX))
+        if magic != np.lib.format.MAGIC_PREFIX:
+            raise refuse(f"is no .npy array (numpy.save), it starts {magic!r}")
+        version = (fh.read(1) + fh.read(1))
+        if version == b"\x01\x00":
+            header = np.lib.format.read_array_header_1_0
+        elif version == b"\x02\x00":
+            header = np.lib.format.read_array_header_2_0
+        else:
+            raise refuse(f"is an .npy of format version {tuple(version)}, which this reader does not take "
+                         "(numpy.save writes 1.0)")
+        shape, fortran, dtype = header(fh, max_header_size=_NPY_HEADER_ROOM)
+        if dtype.hasobject:
+            raise TraceError(where, "an object array (pickled), which is never loaded; save a plain numeric "
+                                    "array (meta: a JSON string)", field=name)
+        count = int(np.prod(shape, dtype=object))
+        nbytes = count * dtype.itemsize
+        if nbytes > bound:
+            raise TraceError(where, f"the array's header gives a shape too large to allocate for a trace's {name}: "
+                                    f"member {member} gives {shape} of {dtype}, {nbytes} bytes (at most {bound} "
+                                    f"here; docs/routing-traces.md, \"Size limits\")", field=name)
+        if fh.count + nbytes > info.file_size:
+            raise refuse(f"has a header giving shape {shape} of {dtype}: {nbytes} bytes, more than the "
+                         f"{info.file_size - fh.count} bytes of data the member declares")
+        buf = np.empty(nbytes, dtype=np.uint8)
+        done = 0
+        while done < nbytes:
+            chunk = fh.read(min(_READ_CHUNK, nbytes - done))
+            if not chunk:
+                raise refuse(f"ends after {done} of its {nbytes} bytes of data")
+            buf[done:done + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            done += len(chunk)
+    if dtype.itemsize == 0:
+        return np.empty(shape, dtype=dtype)
+    return buf.view(dtype).reshape(shape, order="F" if fortran else "C")
 
 
 def _read_npz(where: str) -> dict[str, np.ndarray]:
-    """Every array of the ``.npz`` archive at ``where``, never unpickled; :class:`TraceError` saying
-    what the file is when it is not one."""
+    """The trace arrays of the ``.npz`` archive at ``where`` (others are not read), never unpickled,
+    none inflated past its bound (:func:`_member_bounds`); :class:`TraceError` saying what the file
+    is when it is not one."""
     if os.path.isdir(where):
         raise TraceError(where, "is a directory; expected an .npz file (numpy.savez) of the arrays "
                                 "ids, lengths, n_experts, meta")
@@ -159,7 +254,7 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
             pipe = stat.S_ISFIFO(mode)
             if stat.S_ISREG(mode):
                 head = fh.read(6)
-            else:  # a pipe (a shell's <(...)) reads once and cannot seek, as np.load must: read it whole
+            else:  # a pipe (a shell's <(...)) reads once and cannot seek, as a zip must: read it whole
                 source = io.BytesIO(fh.read())
                 head = source.getvalue()[:6]
     except FileNotFoundError:
@@ -176,29 +271,21 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
                                 f"ids, lengths, n_experts, meta; this is {kind}")
     data: dict[str, np.ndarray] = {}
     try:
-        with np.load(source, allow_pickle=False) as z:
-            for name in z.files:
-                try:
-                    value = z[name]
-                except ValueError as e:
-                    if "allow_pickle" in str(e):
-                        raise TraceError(where, "an object array (pickled), which is never loaded; save a "
-                                                "plain numeric array (meta: a JSON string)", field=name) from None
-                    raise
-                except MemoryError:  # numpy allocates what the member's header claims before reading it
-                    raise TraceError(where, "the array's header gives a shape too large to allocate; the member is "
-                                            "not the array it claims to be", field=name) from None
-                # np.load hands a member that is no .npy array (no NUMPY magic) back as raw bytes: one
-                # of the trace's own arrays is refused, anything else left out as extra arrays are.
-                if not isinstance(value, np.ndarray):
-                    if name in _TRACE_ARRAYS:
-                        raise TraceError(where, f"member {name}.npy of the archive is no .npy array (numpy.save), "
-                                                f"it starts {bytes(value[:6])!r}", field=name)
-                    continue
-                data[name] = value
+        with zipfile.ZipFile(source) as zf:
+            # np.load's names: a member "x.npy" is the array "x" (the last of a repeated name wins)
+            members = {(i.filename[:-4] if i.filename.endswith(".npy") else i.filename): i for i in zf.infolist()}
+            if "ids" not in members:
+                raise TraceError(where, f"missing (has {sorted(members)})", field="ids")
+            # ids first: the other arrays' bounds follow from its shape (and n_experts')
+            ids_shape: tuple[int, ...] = ()
+            for name in ("ids", "n_experts", "lengths", "meta", "predicted"):
+                if name in members:
+                    data[name] = _read_member(zf, members[name], name, _member_bounds(data, ids_shape)[name], where)
+                    if name == "ids":
+                        ids_shape = tuple(int(x) for x in data["ids"].shape)
     except TraceError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
         raise TraceError(where, f"not a readable .npz file: {e}") from None
     return data
 

@@ -4,6 +4,7 @@ a zip bomb in a trace file refused before it is inflated."""
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import pathlib
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asyncside.errors import TraceError
 from asyncside.routing import RoutingTrace, preset
 
 
@@ -167,3 +169,137 @@ def test_routing_info_does_not_walk_the_trace_per_layer(monkeypatch: pytest.Monk
     curves = [_reference_lru_miss_curve(trace.ids[:, layer, :].tolist(), 16) for layer in range(3)]
     assert [c["lru"] for c in info["caches"]] == [round(1 - sum(int(c[r]) for c in curves) / accesses, 4)
                                                   for r in (4, 8)]
+
+
+# -- zip bombs: no member of a trace file inflates past what a trace of its shape takes --
+
+_ZEROS = bytes(1 << 20)
+
+
+def _npy_header(shape: tuple[int, ...], descr: str) -> bytes:
+    from numpy.lib import format as npy
+
+    out = io.BytesIO()
+    npy.write_array_header_1_0(out, {"descr": descr, "fortran_order": False, "shape": shape})
+    return out.getvalue()
+
+
+def _archive(path: pathlib.Path, bomb: str, bomb_mib: int, shape: tuple[int, ...] | None = None,
+             descr: str = "<i8") -> None:
+    """A valid trace (10 tokens, 2 layers, top-4 of 16 experts) as an .npz, plus member ``bomb``:
+    an .npy header (``shape``, default the zeros' own) over ``bomb_mib`` MiB of zeros, written a
+    MiB at a time (they deflate to about a thousandth)."""
+    import zipfile
+
+    trace = preset("middle", tokens=10, n_layers=2, n_experts=16, top_k=4)
+    arrays = {"ids": trace.ids, "lengths": trace.lengths, "n_experts": np.array(16)}
+    itemsize = np.dtype(descr).itemsize
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        for name, a in arrays.items():
+            if name != bomb:
+                buf = io.BytesIO()
+                np.save(buf, a)
+                z.writestr(f"{name}.npy", buf.getvalue())
+        with z.open(f"{bomb}.npy", "w") as fh:
+            fh.write(_npy_header(shape or ((bomb_mib << 20) // itemsize,), descr))
+            for _ in range(bomb_mib):
+                fh.write(_ZEROS)
+
+
+def _inflated(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes every zip member read has yielded, appended per read."""
+    import zipfile
+
+    reads: list[int] = []
+    read = zipfile.ZipExtFile.read
+
+    def counted(self: Any, n: int = -1) -> bytes:
+        data = read(self, n)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", counted)
+    return reads
+
+
+def _declare(path: pathlib.Path, member: str, size: int) -> None:
+    """Make the central directory of ``path`` declare ``size`` inflated bytes for ``member`` (a lie)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x01\x02")
+    while True:
+        name_len = int.from_bytes(raw[at + 28:at + 30], "little")
+        if raw[at + 46:at + 46 + name_len] == member.encode():
+            raw[at + 24:at + 28] = size.to_bytes(4, "little")
+            break
+        at = raw.index(b"PK\x01\x02", at + 46)
+    path.write_bytes(bytes(raw))
+
+
+def test_a_zip_bomb_member_is_refused_before_it_is_inflated(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``lengths.npy`` of 200 MiB of zeros (about 200 KiB in the file) was inflated whole by
+    np.load before anything looked at it; a trace of 10 tokens has at most 10 counts: the member's
+    declared size is refused first, naming the file and the member, and nothing is inflated."""
+    from asyncside.cli import main
+
+    path = tmp_path / "bomb.npz"
+    _archive(path, "lengths", 200)
+    assert path.stat().st_size < 2 << 20
+    reads = _inflated(monkeypatch)
+    with pytest.raises(TraceError) as info:
+        RoutingTrace.load(path)
+    assert info.value.field == "lengths" and str(path) in str(info.value)
+    assert "member lengths.npy of the archive declares 209715328 bytes inflated" in str(info.value)
+    assert sum(reads) < 1 << 20, sum(reads)
+    assert main(["routing", "info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "lengths.npy" in err and "Traceback" not in err, err
+
+
+def test_a_member_lying_about_its_size_inflates_no_more_than_it_declares(tmp_path: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ids.npy``'s ZipInfo declares a MiB while its data inflate to 64 MiB and its header says so:
+    refused from the header, and the stream yields no more than the member declared. (One that
+    declares less than zipfile's first read ends in its bad-CRC error, a readable-file refusal.)"""
+    path = tmp_path / "liar.npz"
+    _archive(path, "ids", 64, shape=(1 << 20, 4, 4), descr="<i4")
+    _declare(path, "ids.npy", 1 << 20)
+    reads = _inflated(monkeypatch)
+    with pytest.raises(TraceError, match=r"\[ids\]: member ids.npy of the archive has a header giving shape "
+                                         r"\(1048576, 4, 4\) of int32: 67108864 bytes, more than the \d+ bytes of "
+                                         r"data the member declares"):
+        RoutingTrace.load(path)
+    assert sum(reads) <= 1 << 20, sum(reads)
+
+
+def test_ids_past_the_documented_maximum_are_refused_unread(tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """ids bound no other array: they are held to MAX_IDS_BYTES (lowered here), by the size their
+    member declares and, where that lies, by their header."""
+    from asyncside import routing
+
+    path = tmp_path / "big.npz"
+    _archive(path, "ids", 8, shape=(1 << 19, 2, 2), descr="<i4")
+    monkeypatch.setattr(routing, "MAX_IDS_BYTES", 1 << 20)
+    reads = _inflated(monkeypatch)
+    with pytest.raises(TraceError, match=r"\[ids\]: member ids.npy of the archive declares 8388736 bytes inflated, "
+                                         r"more than a trace's ids takes \(at most 1048576 bytes of data here"):
+        RoutingTrace.load(path)
+    assert sum(reads) == 0
+    _declare(path, "ids.npy", 1 << 16)
+    with pytest.raises(TraceError, match=r"\[ids\]: the array's header gives a shape too large to allocate for a "
+                                         r"trace's ids: member ids.npy gives \(524288, 2, 2\) of int32, 8388608 "
+                                         r"bytes \(at most 1048576 here"):
+        RoutingTrace.load(path)
+    assert sum(reads) < 1 << 16, sum(reads)
+
+
+def test_an_extra_member_is_never_inflated(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrays a trace file holds beside its own are ignored: they are no longer read at all, so a
+    bomb among them costs nothing and the trace loads."""
+    path = tmp_path / "extra.npz"
+    _archive(path, "notes", 64)
+    reads = _inflated(monkeypatch)
+    trace = RoutingTrace.load(path)
+    assert trace.n_tokens == 10 and trace.n_layers == 2
+    assert sum(reads) < 1 << 16, sum(reads)
