@@ -173,6 +173,26 @@ def proc_self_bytes(name: str, key: str) -> int:
     return 0
 
 
+def release_freed_heap() -> bool:
+    """Hand the pages of freed C-heap memory back to the system (glibc's ``malloc_trim``); False
+    where the C library has no such call (musl, macOS). A model freed in this process (the demo's
+    all-resident reference) otherwise stays in its resident size, which a memory budget charges and
+    the runtime's plan, made from what the process holds, takes from the pools and page cache."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def describe_bytes(n: int | float) -> str:
     """``n`` bytes for a person: GiB from one GiB up, else MiB."""
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 1 << 30 else f"{n / 2**20:.1f} MiB"

@@ -5,6 +5,8 @@
   this fixture locally.
 - ``reader``: a test that takes it runs once per reader backend (io_uring, threads, aiofiles;
   io_uring skips where the kernel refuses rings); ``native_reader``: the two native ones.
+- ``quick_store``: the bench's quick embedded model as a store, built once per run (read it only:
+  a test that damages a store builds its own).
 - ``no_blocking``: fails an async test whose event loop thread blocks (see
   asyncside/testing_blocking.py); configure with ``@pytest.mark.no_blocking(threshold=...,
   strict=...)``. Works with pytest-asyncio (``@pytest.mark.asyncio``) and anyio tests alike. The
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Any
 
 import numpy.testing  # noqa: F401  (see below)
@@ -67,3 +70,12 @@ def reader(request: pytest.FixtureRequest) -> str:
 def native_reader(request: pytest.FixtureRequest) -> str:
     """Each native reader backend in turn."""
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench import generate as bench
+    from asyncside.models.embedded import ensure_embedded_default
+
+    cache = tmp_path_factory.mktemp("embedded")
+    return ensure_embedded_default(cache, spec=bench._quick_spec(), progress=False)[1]
