@@ -475,6 +475,7 @@ void FaultTable::absorb_device_uses_locked() {
       log_.used.push_back(static_cast<int32_t>(e));
     }
     log_.used_sizes.push_back(static_cast<int32_t>(absorbed_.size()));
+    log_.missed.resize(log_.used.size(), 0);  // a device resolve is all hits
   }
 }
 
@@ -588,6 +589,7 @@ uint64_t FaultTable::collect_locked(std::vector<int64_t>& ids, uint64_t stamp, s
   pairs_.fetch_add(pairs, std::memory_order_relaxed);
   for (int64_t e : uniq) log_.used.push_back(static_cast<int32_t>(e));
   log_.used_sizes.push_back(static_cast<int32_t>(uniq.size()));
+  log_.missed.resize(log_.used.size(), 0);  // hits until the caller marks its misses
   return pairs;
 }
 
@@ -717,13 +719,16 @@ void FaultTable::resolve(std::vector<int64_t> ids, uint32_t* out) {
   std::vector<int64_t> uniq;
   std::string error;
   collect_locked(ids, stamp, uniq, error);
+  const size_t logged = log_.missed.size() - uniq.size();  // this resolve's entries in the log
   std::vector<int64_t> missing;
-  for (int64_t e : uniq) {
+  for (size_t j = 0; j < uniq.size(); ++j) {
+    const int64_t e = uniq[j];
     if (table_[static_cast<size_t>(e)] >= 0) {
       touch_locked(e, stamp);
       note_hit_locked(e);
     } else {
       missing.push_back(e);
+      log_.missed[logged + j] = 1;
     }
   }
   // Rows first, then the reads, unlocked and side by side, then the results, in miss order.
@@ -782,9 +787,11 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
   std::vector<int64_t> uniq;
   std::string error;
   collect_locked(ids, stamp, uniq, error);
+  const size_t logged = log_.missed.size() - uniq.size();  // this begin's entries in the log
   std::vector<int64_t> missing;
   size_t adopted = 0;
-  for (int64_t e : uniq) {
+  for (size_t j = 0; j < uniq.size(); ++j) {
+    const int64_t e = uniq[j];
     const int32_t at = pending_at_.empty() ? -1 : pending_at_[static_cast<size_t>(e)];
     if (table_[static_cast<size_t>(e)] >= 0) {
       touch_locked(e, stamp);
@@ -797,6 +804,7 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       ++adopted;  // a hit once its read verified (publish_locked)
     } else {
       missing.push_back(e);
+      log_.missed[logged + j] = 1;
     }
   }
   if (!missing.empty() && pending_left_ > adopted) {
@@ -1080,13 +1088,18 @@ void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   };
   std::vector<Read> reads;
   std::vector<int64_t> from_tier;
-  for (int64_t e : uniq) {
+  const size_t logged = log_.missed.size() - uniq.size();  // this resolve's entries in the log
+  for (size_t j = 0; j < uniq.size(); ++j) {
+    const int64_t e = uniq[j];
     const int32_t row = table_[static_cast<size_t>(e)];
     if (row >= 0) {
       touch_locked(e, stamp);
       hits_.fetch_add(1, std::memory_order_relaxed);
       if (const int err = sink_->stage(e, row); err != 0) fail(e, err, 0, 0);
-    } else if (sink_->holds(e)) {
+      continue;
+    }
+    log_.missed[logged + j] = 1;
+    if (sink_->holds(e)) {
       from_tier.push_back(e);
     } else {
       reads.push_back({e});

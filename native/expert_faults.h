@@ -72,6 +72,11 @@ struct Drained {
   std::vector<FaultEvent> events;
   std::vector<int32_t> used;        // each resolve's distinct experts, in call order, concatenated
   std::vector<int32_t> used_sizes;  // how many of `used` each resolve contributed
+  // Beside `used`, one per entry: 1 where that resolve found the expert absent (a miss: faulted
+  // into a row, staged from the host tier, or failed), 0 where it was a hit (in its row, or a
+  // prefetch's fill it adopted). Several resolves of one step's layer (a split switch) each log
+  // their own experts; the ledger counts an expert once per step, by its first resolve's entry.
+  std::vector<uint8_t> missed;
 };
 
 class HostRecordSink;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import deque
 from typing import Any
 
 import anyio
@@ -73,6 +74,17 @@ class QueuedSide:
         self._lent_all = False
         self._ready_pairs = 0  # ready() answered yes for this many pairs since _lent_all
         self._since_reconcile = 0
+        # Counting a step's uses once per layer (reconcile): a layer's resolves of one step (a
+        # switch split in parts) are consecutive in its fault log, and the log does not say where
+        # a step ends, so the steps built say it: per layer, the resolves each built step queued,
+        # in build (= stream) order, and the step the last drain left partway through (resolves
+        # still to come, the experts it counted so far). Off (each resolve counted as a step of
+        # its own) from when builds overlap or a fault node failed as a whole (either can leave
+        # the log and the counts out of step) until everything queued was learned (quiesce).
+        self._resolves: dict[int, int] = {}  # the step being built: layer -> resolves queued
+        self._step_resolves: dict[int, deque[int]] = {}
+        self._partial: dict[int, tuple[int, dict[int, None]]] = {}
+        self._grouping = True
         self._errors_seen = 0
         #: whether a step whose experts exceed the lent rows may be queued in slices (see capacity)
         self._slices = True
@@ -243,6 +255,8 @@ class QueuedSide:
         every row is lent this costs the host next to nothing: the fault logs are applied every
         :data:`RECONCILE_EVERY` steps (and before anything reads the ledgers), failures at once."""
         self._lend()
+        if self._building:
+            self._grouping = False  # two builds at once: their resolves' order in the logs is unknown
         self._building += 1
 
     def _lend(self) -> None:
@@ -287,6 +301,7 @@ class QueuedSide:
         if st.faults is None:
             raise AsyncsideError(f"layer {layer}: queued steps need host pools with a fault table")
         rows: mx.array = _native.expert_rows(ids, st.faults)
+        self._queued_resolve(layer)
         return rows
 
     def streams_misses(self, layer: int) -> bool:
@@ -311,6 +326,7 @@ class QueuedSide:
         if st.faults is None or st.pools.device:
             raise AsyncsideError(f"layer {layer}: streamed resolves need host pools with a fault table")
         rows: mx.array = _native.begin_rows(ids, st.faults)
+        self._queued_resolve(layer)
         return rows
 
     def prefetch_rows(self, layer: int, ids: mx.array, after: mx.array) -> mx.array:
@@ -354,7 +370,13 @@ class QueuedSide:
             first = tail.reshape(-1)[:1]
             ids = mx.where(first == first, ids, ids)
         rows: mx.array = _native.expert_rows(ids, st.faults, staged=True)
+        self._queued_resolve(layer)
         return rows
+
+    def _queued_resolve(self, layer: int) -> None:
+        """A resolve node of ``layer`` was built into the step being built (one use entry in the log)."""
+        if self._building:
+            self._resolves[layer] = self._resolves.get(layer, 0) + 1
 
     def staged_done(self, out: mx.array) -> None:
         self._staged_tail = out
@@ -362,6 +384,9 @@ class QueuedSide:
     def end(self, out: mx.array) -> None:
         """A step whose last output is ``out`` is built and about to be scheduled."""
         self._outs.append(out)
+        if self._grouping:
+            for layer, n in self._resolves.items():
+                self._step_resolves.setdefault(layer, deque()).append(n)
         self._built()
 
     def abandon(self) -> None:
@@ -369,6 +394,7 @@ class QueuedSide:
         self._built()
 
     def _built(self) -> None:
+        self._resolves = {}
         self._building -= 1
         if self._building == 0 and self._build_done is not None:
             self._build_done.set()
@@ -401,6 +427,11 @@ class QueuedSide:
             if st.faults is not None and st.faults.pending:
                 await anyio.to_thread.run_sync(st.faults.settle)
         self.reconcile_all()
+        # Everything queued is learned: what the steps built still expect never ran (a failed
+        # schedule), and counting by steps starts afresh.
+        self._step_resolves.clear()
+        self._partial.clear()
+        self._grouping = True
         for st in s.layers.values():
             if st.faults is not None:
                 st.ledger.reclaim(st.faults.reclaim())
@@ -451,12 +482,10 @@ class QueuedSide:
         faults = st.faults
         if faults is None:
             return
-        raw_events, raw_used, raw_sizes = faults.drain()
+        raw_events, raw_used, raw_sizes, raw_missed = faults.drain()
         cache, reads, queued = self._s.cache, self._s.reads, self._s.queued
-        n_events = prefetches = 0
         if raw_events:
             events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
-            n_events = int(events.shape[0])
             for row, victim, expert, ns, err, source in events.tolist():
                 if row >= 0:
                     st.ledger.settle_fault(row, victim, expert, err == 0)
@@ -464,7 +493,6 @@ class QueuedSide:
                 if source == _PREFETCHED:
                     # A prediction read in the background: not a miss (nothing routed it yet), and
                     # a failed one only frees its row (the expert is read again if routed).
-                    prefetches += 1
                     if err == 0:
                         queued.prefetch_reads += 1
                         reads.prefetched += 1
@@ -501,6 +529,8 @@ class QueuedSide:
                         cache.evictions += 1
                     self._fault_ns.append(ns)
                 else:
+                    if err == _NODE_FAILED:
+                        self._grouping = False  # the node logged no uses: the steps' resolves are off
                     reads.failed_fills += 1
                     cause = faults.failure if err == _NODE_FAILED else _fault_cause(err, st.spec.n_experts)
                     self._errors.append(FillError(st.spec.index, expert, row, f"fault in a queued step: {cause}",
@@ -508,9 +538,54 @@ class QueuedSide:
             if len(self._fault_ns) > 4096:
                 del self._fault_ns[:-2048]
         if raw_used:
-            used = np.frombuffer(raw_used, dtype=np.int32)
-            st.ledger.record_uses(used, np.frombuffer(raw_sizes, dtype=np.int32).tolist())
-            cache.hits += int(used.size) - (n_events - prefetches)
+            self._count_uses(st, np.frombuffer(raw_used, dtype=np.int32), np.frombuffer(raw_sizes, dtype=np.int32),
+                             np.frombuffer(raw_missed, dtype=np.uint8))
+
+    def _count_uses(self, st: LayerState, used: np.ndarray, sizes: np.ndarray, missed: np.ndarray) -> None:
+        """A fault log's uses into the ledger's policy and the hits: each distinct expert a step's
+        layer routed counted once, as the per-layer path counts it, a hit when the step's first
+        resolve of it found it in place, however many resolves the step split the layer's switch
+        into; the policy hears of it once per step too. (The misses are the faults and staged
+        copies, counted from the events: a token part's resolve may fault an expert an earlier
+        part of the step used and a later one evicted, a read of its own.)"""
+        cache, layer = self._s.cache, st.spec.index
+        steps = self._step_resolves.get(layer)
+        partial = self._partial.pop(layer, None)
+        if not self._grouping:
+            steps, partial = None, None
+            self._step_resolves.clear()
+            self._partial.clear()
+        n_groups = int(sizes.size)
+        if partial is None and (not steps or all(steps[i] == 1 for i in range(min(n_groups, len(steps))))):
+            # Each resolve a step of its own (an unsplit step per layer): the log's entries as they are.
+            for _ in range(min(n_groups, len(steps) if steps else 0)):
+                steps.popleft()  # type: ignore[union-attr]
+            cache.hits += int(used.size) - int(missed.sum())
+            st.ledger.record_uses(used, sizes.tolist())
+            return
+        ids, miss = used.tolist(), missed.tolist()
+        flat: list[int] = []
+        reserves: list[int] = []
+        hits = pos = 0
+        left, seen = partial if partial is not None else (0, {})
+        for k, n in enumerate(sizes.tolist()):
+            starts = left == 0
+            if starts:
+                left, seen = (steps.popleft() if steps else 1), {}
+            if starts or k == 0:
+                reserves.append(0)  # a step's uses (or their rest, after an earlier drain): one reserve
+            for e, m in zip(ids[pos:pos + n], miss[pos:pos + n]):
+                if e not in seen:
+                    seen[e] = None
+                    flat.append(e)
+                    reserves[-1] += 1
+                    hits += 1 - m
+            pos += n
+            left -= 1
+        if left > 0:
+            self._partial[layer] = (left, seen)
+        cache.hits += hits
+        st.ledger.record_uses(np.asarray(flat, dtype=np.int32), reserves)
 
     def prefetch_counts(self) -> tuple[int, int]:
         """Records queued steps' prefetches read (failed reads too: they cost the disk and brought

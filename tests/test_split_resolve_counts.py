@@ -1,0 +1,91 @@
+"""Queued steps count a layer's uses once per step, however many resolves split its switch.
+
+A step whose experts do not fit a layer's rows at once (a prefill chunk, a decode batch) resolves
+the layer in parts; each part logs its own distinct experts. The ledger's hits and misses count
+each distinct expert a layer used in a step once (a hit when the step first found it in place),
+as the per-layer path counts it: on the same steps both paths' hits + misses agree.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from asyncside.bridge import completed
+from asyncside.models import ForwardOptions, load_streaming_model
+from asyncside.runtime import Runtime
+
+#: the reviewer's reproducer: 8 experts top-1, two MoE layers, rows for a quarter of the experts
+CONFIG = {"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 320, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 1,
+          "intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from asyncside.bench.shapes import ensure_shape
+
+    root = tmp_path_factory.mktemp("split-counts")
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    return pathlib.Path(ensure_shape(root / "config.json", cache_dir=root / "cache", progress=False)["store"])
+
+
+def _demo(store: pathlib.Path, mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "asyncside", "demo", "--model", str(store), "--tokens", "10",
+                          "--predictor", "none", "--json", "--mode", mode], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout)
+
+
+def test_demo_queued_counts_as_many_uses_as_per_layer(store: pathlib.Path) -> None:
+    """The reproducer: the prompt's chunk splits every layer's switch in parts; queued counted
+    every part's experts again (hits 45, misses 13 where per-layer counted 27 uses in all)."""
+    queued, per_layer = _demo(store, "queued"), _demo(store, "per-layer")
+    assert queued["tokens_identical"] and per_layer["tokens_identical"]
+    assert queued["audit_clean"] and per_layer["audit_clean"]
+    q, p = queued["runtime"], per_layer["runtime"]
+    assert q["hits"] + q["misses"] == p["hits"] + p["misses"], (q, p)
+    assert q["misses"] == q["faults"]
+
+
+def _step_uses(store: pathlib.Path, mode: str, batches: list[np.ndarray]) -> tuple[list[int], dict[str, int]]:
+    """hits + misses each step added (the runtime quiesced after each), and the forward's counters."""
+    options = ForwardOptions(mode=mode, staged_switches=False)
+    sm = load_streaming_model(store, completed=completed, options=options)
+
+    async def main() -> list[int]:
+        uses: list[int] = []
+        async with Runtime(sm.store, resident=0.0, min_side_rows=2) as rt:
+            cache = sm.make_cache()
+            for batch in batches:
+                before = rt.stats()
+                mx.eval(await sm(mx.array(batch), cache, source=rt))
+                await rt.quiesce()
+                after = rt.stats()
+                uses.append(after["hits"] + after["misses"] - before["hits"] - before["misses"])
+            assert all(r.ok for r in rt.audit().values())
+        return uses
+
+    uses = anyio.run(main)
+    return uses, dict(sm.forward_with(options).counters)
+
+
+def test_split_steps_count_each_expert_once_per_layer(store: pathlib.Path) -> None:
+    """A prefill chunk of 4 x 24 tokens (sorted parts or expert slices) and decode steps of a batch
+    of 4: every step's switches split (more distinct experts than the 2 rows), and each step's
+    hits + misses equal the per-layer path's, the distinct experts its layers routed."""
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, CONFIG["vocab_size"], (4, 24))] + [rng.integers(0, CONFIG["vocab_size"], (4, 1))
+                                                                 for _ in range(4)]
+    queued, counters = _step_uses(store, "queued", batches)
+    per_layer, _ = _step_uses(store, "per-layer", batches)
+    assert counters["queued"] + counters.get("queued_prefill", 0) == len(batches), counters
+    assert counters["expert_slices"] + counters["sorted_parts"] > 0 and counters["token_parts"] > 0, counters
+    assert queued == per_layer
