@@ -13,8 +13,10 @@ hits over all demanded experts of all layers.
   routing drawn independently per token; docs/policies.md).
 - :func:`compare_policies` tabulates all of them per trace and cache size (``asyncside bench policy``).
 - :func:`lru_miss_curve` gives a layer's LRU misses at every row count in one pass
-  (:func:`trace_miss_curves`: every layer's), :func:`trace_min_hits` MIN's hits of every layer at
-  given row counts (both vectorised with numpy, for ``asyncside routing info``);
+  (:func:`trace_miss_curves`: every layer's; a stack LRU, ties within a step by id);
+  :func:`lru_hits` and :func:`trace_lru_hits` the runtime's LRU hits (:func:`replay_steps`'s) at
+  given row counts, :func:`trace_min_hits` MIN's hits of every layer at given row counts (all
+  vectorised with numpy, for ``asyncside routing info``);
   :func:`split_rows` splits a total row budget across layers from such curves;
   :func:`holdout_pair` and :func:`compare_split` measure such a split planned on one sequence and
   replayed on another (a holdout).
@@ -267,7 +269,12 @@ def lru_miss_curve(demands: Iterable[Iterable[int]], n_experts: int) -> np.ndarr
     """Misses of an LRU cache of r rows over ``demands``, for every r in ``0..n_experts`` (one pass,
     Mattson's stack algorithm on set requests: a demanded expert hits with r rows iff fewer than r
     other experts were used since its last use). ``out[r]`` is non-increasing; ``out[0]`` counts
-    every access; ``out[n_experts]`` the first uses. Vectorised with numpy (:func:`_lru_distances`)."""
+    every access; ``out[n_experts]`` the first uses. Vectorised with numpy (:func:`_lru_distances`).
+
+    The stack orders a step's experts by id, so that every size shares one order; the ledger's
+    LRU orders them by whether they hit at its own size, so ``out[r]`` can differ from its misses
+    (by a few points on hand-made traces): a curve for :func:`split_rows` to compare layers by,
+    not the runtime's figure (:func:`lru_hits` is)."""
     reqs = [sorted({int(e) for e in d}) for d in demands]
     width = max((len(q) for q in reqs), default=0)
     steps = np.full((len(reqs), width), -1, dtype=np.int64)  # -1: no demand in that slot
@@ -287,6 +294,130 @@ def trace_miss_curves(trace: RoutingTrace) -> list[np.ndarray]:
         hist, accesses = _lru_distances(trace.ids[:, layer, :].astype(np.int64), trace.n_experts)
         out.append(_curve(hist, accesses, trace.n_experts))
     return out
+
+
+def _uses(steps: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prev, nxt) of each slot ``t * W + k`` of ``steps`` ``(T, W)`` (-1 pads): the slot of the
+    same expert's previous and next use (-1: none; a pad has none)."""
+    flat = steps.ravel()
+    small = n_experts < (1 << 16)  # a stable sort of 16-bit keys is a radix sort
+    keys = np.where(flat >= 0, flat, n_experts)  # pads sort last, after every expert
+    order = np.argsort(keys.astype(np.uint16 if small else np.int64), kind="stable")
+    same = (keys[order][1:] == keys[order][:-1]) & (keys[order][1:] < n_experts)
+    prev = np.full(len(flat), -1, dtype=np.int64)
+    nxt = np.full(len(flat), -1, dtype=np.int64)
+    prev[order[1:][same]] = order[:-1][same]
+    nxt[order[:-1][same]] = order[1:][same]
+    return prev, nxt
+
+
+def _used_between(steps: np.ndarray, n_experts: int) -> np.ndarray:
+    """``out[t * W + k]``: how many distinct experts the steps strictly between ``t`` and the
+    previous use of ``steps[t, k]`` demand (-1 for a first use or a pad), counted from each
+    expert's last use before every step, a block of steps at a time."""
+    n_steps, width = steps.shape
+    out = np.full(n_steps * width, -1, dtype=np.int64)
+    last = np.full(n_experts, -1, dtype=np.int32)  # each expert's last use before the block
+    block = max(1, _BLOCK_ELEMENTS // (n_experts * max(width, 1)))
+    for start in range(0, n_steps, block):
+        chunk = steps[start:start + block]
+        r, c = np.nonzero(chunk >= 0)
+        e = chunk[r, c]
+        used = np.full((len(chunk) + 1, n_experts), -1, dtype=np.int32)
+        used[0] = last
+        used[r + 1, e] = start + r
+        np.maximum.accumulate(used, axis=0, out=used)
+        before = used[:-1]  # row i: each expert's last use before step start + i
+        last = used[-1].copy()
+        s = before[r, e]
+        later = np.count_nonzero(before[r] > s[:, None], axis=1)  # experts used since
+        warm = s >= 0
+        out[((start + r) * width + c)[warm]] = later[warm]
+    return out
+
+
+def _ledger_lru_hits(steps: np.ndarray, n_experts: int, rows: Sequence[int]) -> list[int]:
+    """Hits of the ledger's LRU (:func:`replay_steps` with ``"lru"``) on one layer's ``steps``
+    ``(T, W)`` (distinct ids in a row, -1 pads), one count per cache size in ``rows`` (each at
+    least every step's demand).
+
+    The ledger's cache holds the ``r`` experts highest in its recency order, in which a step's
+    demand goes on top, its misses above its hits (hits are bumped in the reserve, misses when
+    their fills publish), each group's higher ids above. An expert demanded at step t and last at
+    step s hits iff fewer than ``r`` experts are above it at t: those used strictly between
+    (``a``, the LRU stack distance, whatever the order within a step) plus those of step s that
+    step s put above it and nobody used since (``b``, which depends on which of step s's demands
+    hit at that size: no inclusion across sizes). Only accesses with ``a < r <= a + W - 1`` can
+    go either way; their hits are solved as a fixed point, each pass over those not yet settled:
+    a pass that changes nothing before step t leaves every step before t settled (each step's
+    hits follow from earlier steps' alone), so each pass settles at least one more step."""
+    n_steps, width = steps.shape
+    prev, nxt = _uses(steps, n_experts)
+    between = _used_between(steps, n_experts)
+    ids = steps.ravel().astype(np.int64)
+    out = []
+    for r in rows:
+        hit = (between >= 0) & (between + width - 1 < r)
+        maybe = np.nonzero((between >= 0) & (between < r) & ~hit)[0]
+        if len(maybe):
+            p = prev[maybe]
+            s, t = p // width, maybe // width
+            mates = s[:, None] * width + np.arange(width)[None, :]  # step s's slots
+            mate_next = nxt[mates]
+            # a mate counts if it is another expert of step s not used again before t
+            counted = ((mates != p[:, None]) & (ids[mates] >= 0)
+                       & ((mate_next < 0) | (mate_next // width >= t[:, None])))
+            higher = ids[mates] > ids[maybe][:, None]
+            a = between[maybe]
+            while len(maybe):
+                mine, theirs = hit[p][:, None], hit[mates]
+                above = (mine & ~theirs) | ((mine == theirs) & higher)
+                now = a + (counted & above).sum(axis=1) < r
+                changed = np.nonzero(now != hit[maybe])[0]
+                hit[maybe] = now
+                if not len(changed):
+                    break
+                keep = t >= t[changed[0]]  # steps before the first change are settled
+                maybe, p, t, mates, counted, higher, a = (x[keep] for x in (maybe, p, t, mates, counted, higher, a))
+        out.append(int(hit.sum()))
+    return out
+
+
+def lru_hits(demands: Iterable[Iterable[int]], n_experts: int, rows: Sequence[int]) -> list[Counts]:
+    """The :class:`Counts` :func:`replay_steps` gets with ``"lru"`` (the runtime's LRU: one layer,
+    nothing resident) at each cache size in ``rows``, without replaying a :class:`Ledger` per size
+    (:func:`_ledger_lru_hits`). Repeats within a step count once, as there. Raises ValueError for
+    an id outside ``[0, n_experts)`` or a size below a step's distinct demand (the ledger's
+    CapacityError)."""
+    reqs = [sorted({int(e) for e in d}) for d in demands]
+    sizes = [int(r) for r in rows]
+    width = max((len(q) for q in reqs), default=0)
+    steps = np.full((len(reqs), max(width, 1)), -1, dtype=np.int64)  # -1: no demand in that slot
+    for t, q in enumerate(reqs):
+        if q and not (0 <= q[0] and q[-1] < n_experts):
+            raise ValueError(f"step {t}: expert id {q[0] if q[0] < 0 else q[-1]} outside [0, {n_experts})")
+        steps[t, :len(q)] = q
+    for r in sizes:
+        if width > r:
+            t = next(i for i, q in enumerate(reqs) if len(q) > r)
+            raise ValueError(f"step {t} demands {len(reqs[t])} distinct experts but the cache has {r} rows")
+    accesses = sum(len(q) for q in reqs)
+    return [Counts(h, accesses) for h in _ledger_lru_hits(steps, n_experts, sizes)]
+
+
+def trace_lru_hits(trace: RoutingTrace, rows: Sequence[int]) -> list[int]:
+    """Hits of the runtime's LRU (:func:`replay_steps` with ``"lru"``, nothing resident) summed
+    over ``trace``'s layers, one total per cache size in ``rows`` (each at least the top-k), as
+    ``asyncside routing info`` shows them. Unlike :func:`trace_miss_curves` these are the ledger's
+    own hits: its order within a step (misses above hits) depends on the cache size."""
+    sizes = [int(r) for r in rows]
+    if any(r < trace.top_k for r in sizes):
+        raise ValueError(f"rows: each must be at least the trace's top-k ({trace.top_k}), got {sizes}")
+    totals = [0] * len(sizes)
+    for layer in range(trace.n_layers):
+        hits = _ledger_lru_hits(trace.ids[:, layer, :].astype(np.int64), trace.n_experts, sizes)
+        totals = [a + b for a, b in zip(totals, hits)]
+    return totals
 
 
 def _next_uses_of(ids: np.ndarray, never: int) -> np.ndarray:

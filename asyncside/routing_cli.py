@@ -1,8 +1,9 @@
 """``asyncside routing``: look at, make and widen routing trace files (docs/routing-traces.md).
 
 - ``info FILE``: the trace's shape, sequences, source, predictions, and the hit rates of per-layer
-  LRU caches and of Belady's MIN (with bypass) at a quarter and at half of the experts: how local
-  its routing is, before a benchmark replays it (``bench policy --trace FILE`` compares policies).
+  caches under the runtime's LRU and Belady's MIN (with bypass) at a quarter and at half of the
+  experts: how local its routing is, before a benchmark replays it (``bench policy --trace FILE``
+  compares policies).
 - ``preset NAME OUT``: a synthetic trace of a locality preset at a given shape.
 - ``widen FILE OUT --top-k K``: a trace for a model whose router picks more experts per token
   than the recorded one (:meth:`asyncside.routing.RoutingTrace.widen`); replaying a trace of
@@ -67,8 +68,9 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 
 def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
     """The figures ``routing info`` prints: shape, source, and per-layer caches' hit rates over
-    all sequences in order (LRU, and Belady's MIN with bypass unless ``with_min`` is False)."""
-    from .policy_replay import trace_min_hits, trace_miss_curves
+    all sequences in order (the runtime's LRU, :func:`asyncside.policy_replay.trace_lru_hits`,
+    and Belady's MIN with bypass unless ``with_min`` is False)."""
+    from .policy_replay import trace_lru_hits, trace_min_hits
 
     out: dict[str, Any] = {
         "tokens": trace.n_tokens, "layers": trace.n_layers, "experts": trace.n_experts, "top_k": trace.top_k,
@@ -76,12 +78,11 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
         "predicted_per_token": None if trace.predicted is None else int(trace.predicted.shape[2]),
         "mapped_from": trace.meta.get("mapped_from"), "widened": trace.meta.get("widened"), "caches": []}
     accesses = trace.n_tokens * trace.top_k * trace.n_layers
-    curves = trace_miss_curves(trace)
     sizes = [max(trace.top_k, int(round(fraction * trace.n_experts))) for fraction in (0.25, 0.5)]
+    lru_hits = trace_lru_hits(trace, sizes)  # the runtime's LRU, as bench policy replays it
     min_hits = trace_min_hits(trace, sizes) if with_min else None
     for i, (fraction, rows) in enumerate(zip((0.25, 0.5), sizes)):
-        lru = 1.0 - sum(int(c[min(rows, len(c) - 1)]) for c in curves) / accesses
-        entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru, 4)}
+        entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru_hits[i] / accesses, 4)}
         if min_hits is not None:
             entry["min"] = round(min_hits[i] / accesses, 4)
         out["caches"].append(entry)

@@ -1,0 +1,113 @@
+"""Unseen inputs, round 8b: `routing info`'s LRU is the runtime's LRU (the ledger's order within a
+step, not a stack's), `bench serve --routing` reads a pipe once, and a distributed rank's bad
+--split or a path that is no store is a usage error (one line, exit status 2)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncside.errors import CapacityError
+from asyncside.policy_replay import lru_hits, replay_steps, trace_lru_hits
+from asyncside.routing import RoutingTrace, preset
+
+# ---- routing info's LRU is replay_steps(..., "lru") --------------------------------------------
+
+#: One layer of 8 experts, top-2: at 4 rows the ledger's LRU hits once, a stack with ties by id twice.
+HAND = [[4, 6], [5, 7], [2, 3], [0, 2], [1, 5], [3, 6]]
+
+
+def _replayed(demands: list[list[int]], n_experts: int, rows: int) -> int:
+    return replay_steps(demands, n_experts, rows, "lru").hits
+
+
+def test_the_minimal_case_hits_as_the_ledger_does() -> None:
+    """Step 1's misses 1 and 2 evict 0 (the ledger keeps 3, used at step 0 with the higher id);
+    the stack kept 0 and lost 3, so it counted one hit where the ledger has two."""
+    demands = [[0, 3], [1, 2], [2, 3]]
+    assert _replayed(demands, 4, 3) == 2
+    assert [c.hits for c in lru_hits(demands, 4, [3])] == [2]
+    assert lru_hits(demands, 4, [3])[0].accesses == 6
+
+
+def _random_demands(rng: np.random.Generator) -> tuple[list[list[int]], int]:
+    n = int(rng.integers(1, 10))
+    width = int(rng.integers(1, n + 1))
+    demands = []
+    for _ in range(int(rng.integers(0, 16))):
+        d = rng.choice(n, size=int(rng.integers(0, width + 1)), replace=False).tolist()
+        if d and rng.random() < 0.3:
+            d += d[: int(rng.integers(1, len(d) + 1))]  # repeats within a step count once
+        demands.append([int(e) for e in rng.permutation(d)])
+    return demands, n
+
+
+def test_lru_hits_equal_the_ledgers_on_random_traces() -> None:
+    """Ragged steps, repeats, empty steps, ids in any order, every row count 0..experts: the same
+    hits as a Ledger replayed with "lru", and a refusal where the ledger refuses (a step demands
+    more distinct experts than rows)."""
+    rng = np.random.default_rng(8)
+    for _ in range(400):
+        demands, n = _random_demands(rng)
+        widest = max((len(set(d)) for d in demands), default=0)
+        fits = [r for r in range(n + 1) if r >= widest]
+        got = lru_hits(demands, n, fits)
+        for r, counts in zip(fits, got):
+            want = replay_steps(demands, n, r, "lru")
+            assert (counts.hits, counts.accesses) == (want.hits, want.accesses), (demands, n, r)
+        for r in range(widest):
+            with pytest.raises(CapacityError):
+                replay_steps(demands, n, r, "lru")
+            with pytest.raises(ValueError, match=f"distinct experts but the cache has {r} rows"):
+                lru_hits(demands, n, [r])
+
+
+def test_lru_hits_refuse_an_id_outside_the_experts() -> None:
+    for bad in ([[0, 4]], [[-1, 2]]):
+        with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+            lru_hits(bad, 4, [2])
+    assert lru_hits([], 4, [0, 4])[0].accesses == 0
+
+
+@pytest.mark.parametrize("name", ["high", "middle", "low"])
+def test_trace_lru_hits_equal_the_ledgers_on_presets(name: str) -> None:
+    trace = preset(name, tokens=400, n_layers=3, n_experts=16, top_k=4, seed=5)
+    want = [sum(_replayed(trace.layer_steps(layer), 16, r) for layer in range(3)) for r in (4, 8)]
+    assert trace_lru_hits(trace, [4, 8]) == want
+
+
+def test_routing_info_shows_the_runtimes_lru(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It showed the stack's 2 hits of 12 at 4 rows; the runtime's LRU (bench policy's) hits once."""
+    from asyncside.cli import main
+    from asyncside.policy_replay import replay_trace, total
+
+    ids = np.array(HAND, dtype=np.int32)[:, None, :]
+    trace = RoutingTrace(ids, np.array([len(HAND)]), 8, {"source": "hand"})
+    path = tmp_path / "hand.npz"
+    trace.save(path)
+    assert main(["routing", "info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [c["rows"] for c in info["caches"]] == [2, 4]
+    for c in info["caches"]:
+        assert c["lru"] == round(total(replay_trace(trace, c["rows"], "lru")).hit_rate, 4)
+    assert info["caches"][1]["lru"] == round(1 / 12, 4)
+
+
+def test_routing_info_replays_no_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime's figure without a Ledger per layer and size (slow on long traces)."""
+    from asyncside import policy_replay
+    from asyncside.routing_cli import trace_info
+
+    trace = preset("low", tokens=300, n_layers=2, n_experts=16, top_k=4, seed=2)
+    want = [sum(_replayed(trace.layer_steps(layer), 16, r) for layer in range(2)) for r in (4, 8)]
+
+    def replayed(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("replayed a Ledger")
+
+    monkeypatch.setattr(policy_replay, "Ledger", replayed)
+    info = trace_info(trace, with_min=False)
+    assert [c["lru"] for c in info["caches"]] == [round(h / (300 * 2 * 4), 4) for h in want]
