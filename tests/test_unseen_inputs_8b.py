@@ -111,3 +111,15 @@ def test_routing_info_replays_no_ledger(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(policy_replay, "Ledger", replayed)
     info = trace_info(trace, with_min=False)
     assert [c["lru"] for c in info["caches"]] == [round(h / (300 * 2 * 4), 4) for h in want]
+
+
+def test_no_min_help_says_what_min_costs_now(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said MIN was "slow on long traces", true of the per-layer walk before aa595df: the
+    vectorised pass takes about as long as the LRU figures; only layers too wide for it walk."""
+    from asyncside.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["routing", "info", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "slow on long traces" not in text
+    assert "about as long again as the LRU figures" in text and "steps each layer in Python" in text
