@@ -19,16 +19,9 @@ from asyncside.bench import generate as bench
 from asyncside.bench import shapes
 from asyncside.cli import main
 from asyncside.models import load_streaming_model
-from asyncside.models.embedded import ensure_embedded_default
 from asyncside.runtime import plan_layer
 from asyncside.runtime._plan import min_rows
 from asyncside.store import ExpertStore
-
-
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    cache = tmp_path_factory.mktemp("embedded")
-    return ensure_embedded_default(cache, spec=bench._quick_spec(), progress=False)[1]
 
 
 def _check_row(r: dict, res: dict) -> None:

@@ -18,14 +18,6 @@ BUDGET = 700 * 2**20
 
 
 @pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
-@pytest.fixture(scope="module")
 def cgroups() -> None:
     ok, why = offload.check_cgroups(BUDGET)
     if not ok:

@@ -21,14 +21,6 @@ from asyncside.bench import offload
 BUDGET = 700 * 2**20
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def write_trace(path: pathlib.Path, *, tokens: tuple[int, ...] = (7, 5), layers: int = 5, experts: int = 64,
                 top_k: int = 6, seed: int = 3, **override: Any) -> pathlib.Path:
     """A trace as a person writes one: np.savez of ids (T, L, K) int32, lengths, n_experts (not our save())."""

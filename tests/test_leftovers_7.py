@@ -87,14 +87,6 @@ def test_a_rank_refuses_side_rows_past_the_experts_before_the_ranks_meet(tmp_pat
 OFFLOAD_BUDGET = 700 * 2**20
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def _two_sequences(path: pathlib.Path, n_layers: int = 2, n_experts: int = 32, top_k: int = 4) -> pathlib.Path:
     """A trace of two sequences routed differently (a low- and a high-locality preset)."""
     from asyncside.routing import RoutingTrace, preset

@@ -17,14 +17,6 @@ from asyncside.runtime import _plan
 QUICK_POLICY = ("bench", "policy", "--presets", "low", "--tokens", "16", "--layers", "2", "--shapes", "16x2")
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def _plan_of(store_dir: pathlib.Path, **args: Any) -> _plan.MemoryPlan:
     store = ExpertStore.open(store_dir)
     plan = {"resident": 0.25, "pinned": None, "side_rows": None, "min_side_rows": None, "memory": None,

@@ -16,15 +16,6 @@ from asyncside.errors import TraceError
 from asyncside.routing import RoutingTrace, preset
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    cache = tmp_path_factory.mktemp("embedded")
-    return ensure_embedded_default(cache, spec=bench._quick_spec(), progress=False)[1]
-
-
 def test_serve_replays_a_trace_from_a_pipe(quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --routing <(cat t.npz)` read the pipe to check it, then the engine opened it again and
     found it empty ("a pipe such as <(...) reads once"): the command now reads the trace once and

@@ -10,16 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from asyncside.bench import generate as bench
 from asyncside.cli import main
-from asyncside.models.embedded import ensure_embedded_default
 from asyncside.routing import RoutingTrace, preset
-
-
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(),
-                                       progress=False)[1])
 
 
 def two_sequences(path: pathlib.Path, n_experts: int, top_k: int) -> pathlib.Path:
@@ -30,10 +22,10 @@ def two_sequences(path: pathlib.Path, n_experts: int, top_k: int) -> pathlib.Pat
     return path
 
 
-def test_demo_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store: str,
+def test_demo_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store: pathlib.Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     rec = tmp_path / "rec.npz"
-    base = ["demo", "--model", quick_store, "--tokens", "5", "--json", "--resident", "0.25"]
+    base = ["demo", "--model", str(quick_store), "--tokens", "5", "--json", "--resident", "0.25"]
     capsys.readouterr()
     assert main([*base, "--record-routing", str(rec)]) == 0  # the model's own shape
     shape = RoutingTrace.load(rec)
@@ -56,10 +48,10 @@ def test_demo_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store
                    "give --routing FILE"], err
 
 
-def test_bench_generate_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store: str,
+def test_bench_generate_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store: pathlib.Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     trace = two_sequences(tmp_path / "two.npz", 40, 8)
-    args = ["bench", "generate", "--quick", "--json", "--model", quick_store, "--plot", "none", "--tokens", "3",
+    args = ["bench", "generate", "--quick", "--json", "--model", str(quick_store), "--plot", "none", "--tokens", "3",
             "--residency", "0.25", "--no-drop-caches", "--modes", "default", "--routing", str(trace)]
     capsys.readouterr()
     assert main([*args, "--routing-sequence", "1"]) == 0

@@ -15,7 +15,6 @@ from asyncside.bench.slot_cache import SlotCache, slot_generate
 from asyncside.errors import FillError
 from asyncside.models import load_reference_model, load_streaming_model, reference_generate
 from asyncside.models.convert import convert_model
-from asyncside.models.embedded import ensure_embedded_default
 from asyncside.runtime import plan_layer
 from asyncside.store import ExpertStore
 
@@ -31,12 +30,6 @@ def write_model_dir(path: pathlib.Path, model_type: str) -> tuple[pathlib.Path, 
     save_config(dict(config), path / "config.json")
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, config["vocab_size"], 30)]
     return path, prompt
-
-
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    cache = tmp_path_factory.mktemp("embedded")
-    return ensure_embedded_default(cache, spec=bench._quick_spec(), progress=False)[1]
 
 
 def _check_slots(sc: SlotCache) -> None:

@@ -28,14 +28,6 @@ def tt() -> ModuleType:
     return mod
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def test_arguments_and_their_refusals(tt: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     args = tt.parse_args(["--memory-max", "4200M", "--json", "x.json"])
     assert args.memory_max_bytes == 4200 * 2**20 and args.disk_bytes_bytes == 2 * 2**30

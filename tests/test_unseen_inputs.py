@@ -177,14 +177,6 @@ def test_min_starts_from_the_rows_a_run_starts_with() -> None:
     assert belady([{3, 4}, {3, 4}], [], 2, initial=[1, 2]).misses == 2
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def test_of_min_is_at_most_one_on_a_one_token_trace(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """End to end under a cgroup: a trace whose single token repeats at every position (the rows
     the runtime warms at start may already hold some of its experts)."""

@@ -301,14 +301,6 @@ def test_a_budget_too_small_for_any_process_is_not_called_a_cgroup_failure() -> 
     assert not ok and "killed (out of memory)" in why and "65536 bytes" in why, why
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 @pytest.mark.parametrize(("breakage", "file", "said"), [
     ("no config", "config.json", "the model's config is missing"),
     ("config not JSON", "config.json", "cannot be loaded from this store: Expecting"),

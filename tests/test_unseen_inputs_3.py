@@ -83,14 +83,6 @@ def test_a_built_shape_gets_the_smallest_plan_of_the_same_store_reused(tmp_path:
     assert info.value.args[0] == int(store_bytes / ratio), info.value.args
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 @pytest.mark.parametrize(("argv", "given"), [
     (["--memory", "300M"], "--memory (300.0 MiB) with --ranks 2"),
     (["--resident", "auto"], "--resident auto with --ranks 2"),

@@ -137,14 +137,6 @@ def test_bench_serve_long_prompt_phases_are_among_the_phases(argv: list[str], sa
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def test_a_budget_no_process_fits_is_a_usage_error(quick_store: pathlib.Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """``bench offload --memory 8K`` (taken: at least 4K) ended in exit status 1, "bench offload needs

@@ -102,14 +102,6 @@ def test_more_sequences_than_tokens_are_refused() -> None:
         RoutingTrace(np.zeros((2, 1, 1), np.int32), np.ones(3, np.int64), 4, {})
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def test_the_demo_without_a_reference_shows_no_reference_figures(quick_store: pathlib.Path,
                                                                  capsys: pytest.CaptureFixture[str],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

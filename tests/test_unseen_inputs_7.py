@@ -25,14 +25,6 @@ from asyncside.errors import TraceError
 from asyncside.routing import RoutingTrace
 
 
-@pytest.fixture(scope="module")
-def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from asyncside.bench import generate as bench
-    from asyncside.models.embedded import ensure_embedded_default
-
-    return ensure_embedded_default(tmp_path_factory.mktemp("embedded"), spec=bench._quick_spec(), progress=False)[1]
-
-
 def _generate(sm: Any, routing: Any, sequence: int) -> list[int]:
     from asyncside.runtime import Runtime
 
