@@ -1,6 +1,5 @@
 """Unseen inputs, round 8b: `routing info`'s LRU is the runtime's LRU (the ledger's order within a
-step, not a stack's), `bench serve --routing` reads a pipe once, and a distributed rank's bad
---split or a path that is no store is a usage error (one line, exit status 2)."""
+step, not a stack's), and `bench serve --routing` reads a pipe once."""
 
 from __future__ import annotations
 
@@ -123,3 +122,60 @@ def test_no_min_help_says_what_min_costs_now(capsys: pytest.CaptureFixture[str])
     text = " ".join(capsys.readouterr().out.split())
     assert "slow on long traces" not in text
     assert "about as long again as the LRU figures" in text and "steps each layer in Python" in text
+
+
+# ---- bench serve --routing reads a pipe once ------------------------------------------------
+
+
+def _saved(trace: RoutingTrace, tmp_path: pathlib.Path) -> bytes:
+    path = tmp_path / "t.npz"
+    trace.save(path)
+    return path.read_bytes()
+
+
+class _EngineOpened(Exception):
+    """Raised where the engine would open its model: the test stops there."""
+
+
+def test_bench_serve_replays_a_trace_from_a_pipe(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench serve --routing <(cat t.npz)` read the pipe to check it, then the engine opened the
+    path again and found it empty: the trace read once is what the engine gets. Through the
+    command's own argument handling, up to where the engine opens (no server starts)."""
+    import os
+
+    import asyncside.serving as serving
+    from asyncside.bench import serve as bench_serve
+    from asyncside.cli import build_parser
+    from asyncside.serving import engine
+
+    trace = preset("high", tokens=20, n_layers=2, n_experts=32, top_k=4, sequences=2)
+    seen: dict[str, Any] = {}
+
+    def open_engine(model: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise _EngineOpened
+
+    def create_app(factory: Any, settings: Any) -> Any:
+        factory()  # what the server does as it starts
+
+    monkeypatch.setattr(engine, "open_engine", open_engine)
+    monkeypatch.setattr(serving, "create_app", create_app)
+    monkeypatch.setattr(bench_serve, "require_extra", lambda *_a: None)
+    data = _saved(trace, tmp_path)
+    r, w = os.pipe()
+    try:
+        assert len(data) < 16 << 10  # fits the pipe's buffer: written whole before it is read
+        os.write(w, data)
+        os.close(w)
+        w = -1
+        args = build_parser().parse_args(["bench", "serve", "--no-mlx-lm", "--routing", f"/dev/fd/{r}"])
+        with pytest.raises(_EngineOpened):
+            bench_serve.run_serve_bench(args)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    routing = seen["routing"]
+    assert isinstance(routing, RoutingTrace), routing  # not the path of a pipe already read
+    assert np.array_equal(routing.ids, trace.ids) and seen["routing_source"] == f"/dev/fd/{r}"
+

@@ -422,9 +422,14 @@ class MlxLmServer:
 def _check(args: argparse.Namespace) -> None:
     """What the options' argparse types cannot check, before a server starts (a combination of
     options, the trace file's contents): a ValueError leading with the option (the command line's
-    usage error, exit status 2) for a bad one."""
+    usage error, exit status 2) for a bad one. The ``--routing`` trace is read once, into
+    ``args.routing_trace``, which the engine replays (a pipe such as ``<(...)`` reads once)."""
     from ..serving.cli import predictor_routing_problem
 
+    if getattr(args, "routing", None) is not None and getattr(args, "routing_trace", None) is None:
+        from ..routing import RoutingTrace
+
+        args.routing_trace = RoutingTrace.load(args.routing)
     problem = predictor_routing_problem(args)  # what `asyncside serve` refuses at start, refused here too
     if problem is not None:
         raise ValueError(problem)
@@ -448,10 +453,6 @@ def _check(args: argparse.Namespace) -> None:
         if args.long_prompt == 0:
             raise ValueError(f"--long-prompt-clients {','.join(map(str, named))} with --long-prompt 0: no long "
                              "prompt to send (leave one of them out)")
-    if getattr(args, "routing", None) is not None:  # a bad trace file: TraceError now, not a failed startup
-        from ..routing import RoutingTrace
-
-        RoutingTrace.load(args.routing)
 
 
 def _fit_long_prompt(args: argparse.Namespace, context: int | None, sent: bool) -> tuple[int, str | None]:
