@@ -1,5 +1,6 @@
 """Unseen inputs, round 8b: `routing info`'s LRU is the runtime's LRU (the ledger's order within a
-step, not a stack's), and `bench serve --routing` reads a pipe once."""
+step, not a stack's), `bench serve --routing` reads a pipe once, and a distributed rank's bad
+--split or a path that is no store is a usage error (one line, exit status 2)."""
 
 from __future__ import annotations
 
@@ -179,3 +180,94 @@ def test_bench_serve_replays_a_trace_from_a_pipe(tmp_path: pathlib.Path, monkeyp
     assert isinstance(routing, RoutingTrace), routing  # not the path of a pipe already read
     assert np.array_equal(routing.ids, trace.ids) and seen["routing_source"] == f"/dev/fd/{r}"
 
+
+# ---- a distributed rank: a path that is no store, a --split that does not fit -----------------
+
+_LAUNCH_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "NCCL_HOST_IP", "NCCL_PORT",
+                "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES")
+
+
+@pytest.fixture()
+def no_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No distributed launch environment: the usage error must come before it is looked for."""
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _never(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the rank went on past its usage error")
+
+
+def _no_store(tmp_path: pathlib.Path, what: str) -> pathlib.Path:
+    path = tmp_path / "nothing"
+    if what == "model dir":
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 2}))
+    elif what == "empty dir":
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("single", [False, True])
+@pytest.mark.parametrize("what", ["missing", "model dir", "empty dir"])
+def test_a_rank_on_a_path_that_is_no_store_is_a_usage_error(
+        what: str, single: bool, tmp_path: pathlib.Path, no_launch_env: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncside.distributed PATH`` ended with status 1 ('no distributed launch
+    environment', or the plan's error under one; --single in a traceback): one line, status 2,
+    naming the path, as `asyncside demo --model PATH` does."""
+    from asyncside.distributed.rank import main as rank_main
+
+    path = _no_store(tmp_path, what)
+    rc = rank_main([str(path), *(["--single"] if single else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and str(path) in err[0] and "not an expert store" in err[0], err
+    assert err[0].startswith("asyncside rank ?: "), err
+
+
+def _layers(store: pathlib.Path) -> int:
+    from asyncside.distributed.stage import model_layout
+
+    return model_layout(store)[0]
+
+
+def test_a_rank_refuses_a_split_that_does_not_fit_the_model(
+        quick_store: pathlib.Path, no_launch_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --split whose counts do not sum to the model's layers ended with status 1, and only once
+    a launch environment was found: now one line, status 2, before it is looked for."""
+    from asyncside.distributed.rank import main as rank_main
+
+    n = _layers(quick_store)
+    rc = rank_main([str(quick_store), "--split", f"{n},1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"asyncside rank ?: --split {n},1: the counts must sum to the model's {n} decoder "
+                               f"layers (they sum to {n + 1})"], err
+
+
+def test_a_rank_refuses_a_split_of_another_rank_count(
+        quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a launch of one rank, a split of two that fits the model: status 2 (it was 1), and
+    the ranks never meet."""
+    import types
+
+    from asyncside.distributed import group
+    from asyncside.distributed.rank import main as rank_main
+
+    monkeypatch.setattr(group.LaunchEnv, "from_environ",
+                        classmethod(lambda cls, backend=None: types.SimpleNamespace(size=1, backend="ring")))
+    monkeypatch.setattr(group, "join", _never)
+    n = _layers(quick_store)
+    rc = rank_main([str(quick_store), "--split", f"{n - 1},1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"--split {n - 1},1 has 2 entries for 1 ranks" in err[0], err
+
+
+def test_serve_pipeline_refuses_a_split_that_does_not_fit_the_model(
+        quick_store: pathlib.Path, no_launch_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from _cli_support import run_cli
+
+    n = _layers(quick_store)
+    rc, err = run_cli(capsys, "serve", "--pipeline", "--model", str(quick_store), "--split", f"{n},1")
+    assert rc == 2 and err.strip().splitlines() == [
+        f"asyncside serve: --split {n},1: the counts must sum to the model's {n} decoder layers "
+        f"(they sum to {n + 1})"], err

@@ -6,8 +6,9 @@ greedy generations of ``--tokens`` tokens) and every rank writes what it measure
 ``--out DIR/rank<r>.json`` (rank 0 adds the tokens; the last rank with ``--keep-logits`` writes
 every logits array to ``DIR/logits.npz``).
 
-Exit status: 0 done; 1 the job failed; 3 a peer was lost or never came up (the message on stderr
-names it). After a lost peer the process ends at once (``os._exit``): a transfer with the dead
+Exit status: 0 done; 1 the job failed; 2 a usage error (an option, a path that is no expert store,
+a --split that does not fit the model or the ranks: one line); 3 a peer was lost or never came up
+(the message on stderr names it). After a lost peer the process ends at once (``os._exit``): a transfer with the dead
 peer can never complete, and MLX would wait for it at interpreter exit.
 """
 
@@ -124,6 +125,25 @@ def check_side_rows(store_dir: str | pathlib.Path, side_rows: int | None) -> Non
     problem = side_rows_problem(store, list(store.layers), side_rows, name="--side-rows ")
     if problem is not None:
         raise PlanArgumentError(problem)
+
+
+def layout_problem(store_dir: str | pathlib.Path, split: str | None) -> str | None:
+    """Why the store at ``store_dir`` and ``--split`` cannot make a pipeline whatever the ranks
+    (None: they can): a path that is no expert store of the converter's, or a split whose counts do
+    not sum to the model's decoder layers. Said by each rank and by ``serve --pipeline`` before the
+    launch environment is looked for (a split of the wrong rank count needs it: said after)."""
+    from .plan import PlanError, parse_split
+    from .stage import model_layout
+
+    try:
+        n_layers, _moe = model_layout(store_dir)
+        counts = parse_split(split)
+    except (PlanError, ValueError) as exc:  # StoreError is a ValueError
+        return str(exc)
+    if counts is not None and sum(counts) != n_layers:
+        return (f"--split {split}: the counts must sum to the model's {n_layers} decoder layers "
+                f"(they sum to {sum(counts)})")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,21 +352,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     import anyio
 
     from .group import LaunchEnv, join
-    from .plan import parse_split
+    from .plan import PlanError, parse_split
     from .stage import load_stage_model, plan_for_store
 
     if args.keep_logits and not args.out:
         raise SystemExit("--keep-logits needs --out")
-    from ..runtime._plan import PlanArgumentError
-
     try:  # --single too: before the launch environment, a model or the ranks
         check_side_rows(args.store, args.side_rows)
-    except PlanArgumentError as exc:  # a usage error: the exit status argparse gives one
-        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        # (--single plans no stages: its --split is not looked at)
+        problem = layout_problem(args.store, None if args.single else args.split)
+    except ValueError as exc:  # PlanArgumentError, or a store that cannot be opened
+        problem = str(exc)
+    if problem is not None:  # a usage error: the exit status argparse gives one
+        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {problem}", file=sys.stderr, flush=True)
         return 2
-    except ValueError as exc:  # a store that cannot be opened, as below
-        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
-        return 1
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.single:
@@ -365,6 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)
+    except PlanError as exc:  # a --split of another rank count than the launch's: a usage error too
+        print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        return 2
     except (DistributedError, ValueError) as exc:
         print(f"asyncside rank {os.environ.get('MLX_RANK', '?')}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -23,7 +23,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .rank import EXIT_PEER, check_side_rows, exit_after_peer_loss, exits_on_failure, find_error
+from .rank import EXIT_PEER, check_side_rows, exit_after_peer_loss, exits_on_failure, find_error, layout_problem
 
 
 class PipelineModel:
@@ -138,20 +138,23 @@ def serve_pipeline_main(args: argparse.Namespace) -> int:
     from ..runtime._plan import PlanArgumentError
     from .errors import DistributedError, PeerLostError, PeerTimeoutError
     from .group import LaunchEnv, join
-    from .plan import parse_split
+    from .plan import PlanError, parse_split
     from .stage import load_stage_model, plan_for_store
 
     if not 0.0 <= args.resident <= 1.0:
         raise SystemExit(f"--resident must be a fraction in [0, 1], got {args.resident}")
     store = _store_dir(args)
     try:
-        check_side_rows(store, args.side_rows)  # a usage error: said before the launch environment
+        check_side_rows(store, args.side_rows)  # usage errors: said before the launch environment
+        problem = layout_problem(store, args.split)
+        if problem is not None:
+            raise PlanArgumentError(problem)
         env = LaunchEnv.from_environ(args.backend)
         plan = plan_for_store(store, env.size, parse_split(args.split))
         group = join(plan.fingerprint(), env=env, timeout=args.join_timeout)
     except (PeerTimeoutError, PeerLostError) as exc:
         exit_after_peer_loss(exc)
-    except PlanArgumentError as exc:  # the options, not the launch or the store: a usage error's exit status
+    except (PlanArgumentError, PlanError) as exc:  # the options, not the launch: a usage error's exit status
         print(f"asyncside serve: {exc}", file=sys.stderr)
         return 2
     except (DistributedError, ValueError) as exc:
