@@ -359,28 +359,38 @@ def _ledger_lru_hits(steps: np.ndarray, n_experts: int, rows: Sequence[int]) -> 
     for r in rows:
         hit = (between >= 0) & (between + width - 1 < r)
         maybe = np.nonzero((between >= 0) & (between < r) & ~hit)[0]
-        if len(maybe):
-            p = prev[maybe]
-            s, t = p // width, maybe // width
-            mates = s[:, None] * width + np.arange(width)[None, :]  # step s's slots
-            mate_next = nxt[mates]
-            # a mate counts if it is another expert of step s not used again before t
-            counted = ((mates != p[:, None]) & (ids[mates] >= 0)
-                       & ((mate_next < 0) | (mate_next // width >= t[:, None])))
-            higher = ids[mates] > ids[maybe][:, None]
-            a = between[maybe]
-            while len(maybe):
-                mine, theirs = hit[p][:, None], hit[mates]
-                above = (mine & ~theirs) | ((mine == theirs) & higher)
-                now = a + (counted & above).sum(axis=1) < r
-                changed = np.nonzero(now != hit[maybe])[0]
-                hit[maybe] = now
-                if not len(changed):
-                    break
-                keep = t >= t[changed[0]]  # steps before the first change are settled
-                maybe, p, t, mates, counted, higher, a = (x[keep] for x in (maybe, p, t, mates, counted, higher, a))
+        # In blocks of slots in step order (each slot's hit depends on earlier steps' alone, so a
+        # block is solved once those before it are): memory stays bounded whatever the trace.
+        block = max(1, _BLOCK_ELEMENTS // (4 * width))
+        for start in range(0, len(maybe), block):
+            _settle(hit, maybe[start:start + block], prev, nxt, ids, between, width, r)
         out.append(int(hit.sum()))
     return out
+
+
+def _settle(hit: np.ndarray, maybe: np.ndarray, prev: np.ndarray, nxt: np.ndarray, ids: np.ndarray,
+            between: np.ndarray, width: int, r: int) -> None:
+    """Set ``hit`` at slots ``maybe`` (in step order, every earlier step's hits settled) to the
+    ledger's LRU hits at ``r`` rows (:func:`_ledger_lru_hits`), passes until none changes."""
+    p = prev[maybe]
+    s, t = p // width, maybe // width
+    mates = s[:, None] * width + np.arange(width)[None, :]  # step s's slots
+    mate_next = nxt[mates]
+    # a mate counts if it is another expert of step s not used again before t
+    counted = ((mates != p[:, None]) & (ids[mates] >= 0)
+               & ((mate_next < 0) | (mate_next // width >= t[:, None])))
+    higher = ids[mates] > ids[maybe][:, None]
+    a = between[maybe]
+    while len(maybe):
+        mine, theirs = hit[p][:, None], hit[mates]
+        above = (mine & ~theirs) | ((mine == theirs) & higher)
+        now = a + (counted & above).sum(axis=1) < r
+        changed = np.nonzero(now != hit[maybe])[0]
+        hit[maybe] = now
+        if not len(changed):
+            return
+        keep = t >= t[changed[0]]  # steps before the first change are settled
+        maybe, p, t, mates, counted, higher, a = (x[keep] for x in (maybe, p, t, mates, counted, higher, a))
 
 
 def lru_hits(demands: Iterable[Iterable[int]], n_experts: int, rows: Sequence[int]) -> list[Counts]:

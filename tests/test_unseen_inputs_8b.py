@@ -66,6 +66,43 @@ def test_lru_hits_equal_the_ledgers_on_random_traces() -> None:
                 lru_hits(demands, n, [r])
 
 
+
+@pytest.mark.parametrize("elements", [1, 40])
+def test_lru_hits_in_small_blocks_equal_the_ledgers(elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes go a block of steps (and of undecided accesses) at a time, to bound memory on
+    long or wide traces: blocks of one step or one access, or cutting steps apart, change nothing."""
+    from asyncside import policy_replay
+
+    monkeypatch.setattr(policy_replay, "_BLOCK_ELEMENTS", elements)
+    rng = np.random.default_rng(80)
+    for _ in range(60):
+        demands, n = _random_demands(rng)
+        widest = max((len(set(d)) for d in demands), default=0)
+        fits = list(range(widest, n + 1))
+        assert [c.hits for c in lru_hits(demands, n, fits)] == [_replayed(demands, n, r) for r in fits], demands
+
+
+def test_undecided_accesses_are_solved_a_bounded_block_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each access that can go either way holds its step's W slots while it is solved: all of a
+    long top-32 layer's at once took arrays of millions x 32. The solve takes a block at a time,
+    each within _BLOCK_ELEMENTS (the same figures: test above)."""
+    from asyncside import policy_replay
+
+    monkeypatch.setattr(policy_replay, "_BLOCK_ELEMENTS", 4096)
+    sizes: list[int] = []
+    settle = policy_replay._settle
+
+    def counted(hit: Any, maybe: Any, *args: Any) -> None:
+        sizes.append(len(maybe))
+        settle(hit, maybe, *args)
+
+    monkeypatch.setattr(policy_replay, "_settle", counted)
+    rng = np.random.default_rng(3)
+    ids = np.array([rng.choice(64, 32, replace=False) for _ in range(400)])[:, None, :].astype(np.int32)
+    trace = RoutingTrace(ids, np.array([400]), 64, {})
+    assert trace_lru_hits(trace, [48]) == [_replayed(trace.layer_steps(0), 64, 48)]
+    assert len(sizes) > 1 and max(sizes) * 32 * 4 <= 4096, sizes
+
 def test_lru_hits_refuse_an_id_outside_the_experts() -> None:
     for bad in ([[0, 4]], [[-1, 2]]):
         with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
