@@ -186,6 +186,7 @@ class Batcher:
         self._inflight: Step | None = None  # the decode step queued last and not completed yet
         #: called with every error a request fails with (the server's health registry)
         self.on_failure: Callable[[BaseException], None] | None = None
+        self._read_failure: BaseException | None = None  # a failed read raised during this engine step
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
         self.tokens = 0           # tokens generated
@@ -350,6 +351,8 @@ class Batcher:
         """
         self._leave()
         self._admit()
+        self._read_failure = None
+        clean: set[Slot] = set()  # requests whose forward was awaited before any failed read was raised
         used = 0
         picked: list[tuple[Slot, int]] = []
         most = self.shapes.queued_chunk(self.prefill_chunk)
@@ -371,6 +374,7 @@ class Batcher:
         if prev is not None:
             self._inflight = await self._launch_ahead(prev)
             failure = await self._complete(prev)
+            clean.update(prev.batch if self._read_failure is None else ())
             if failure is not None and self._inflight is not None:
                 # The step behind it was queued on its tokens: it goes with it.
                 nxt, self._inflight = self._inflight, None
@@ -379,6 +383,15 @@ class Batcher:
         # requests whose prompts they completed, on their lazy caches): awaited in that order.
         for chunk in chunks:
             await self._finish_chunk(chunk)
+            clean.update(chunk.slots if self._read_failure is None else ())
+        if self._read_failure is not None:
+            # A failed read is raised at the next forward awaited, not its own: all then queued may have read it.
+            for s in [s for c in chunks for s in c.slots] + (prev.batch if prev is not None else []):
+                if s not in clean:
+                    self._fail(s, self._read_failure)
+            if self._inflight is not None:
+                nxt, self._inflight = self._inflight, None
+                await self._abandon(nxt, self._read_failure)
         if self._inflight is None:
             batch = self._decoding()
             if batch:
@@ -777,6 +790,7 @@ class Batcher:
                 self.on_failure(exc)
             except Exception:  # the health registry must not take a request's failure path down
                 log.exception("recording a failure failed")
+        self._read_failure = exc if fill_errors(exc) else self._read_failure
         slot.done = True
         slot.finish_reason = "error"
         slot.todo = []
