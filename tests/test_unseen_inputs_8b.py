@@ -296,7 +296,7 @@ def test_a_rank_refuses_a_split_of_another_rank_count(
     n = _layers(quick_store)
     rc = rank_main([str(quick_store), "--split", f"{n - 1},1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and f"--split {n - 1},1 has 2 entries for 1 ranks" in err[0], err
+    assert rc == 2 and len(err) == 1 and f"--split {n - 1},1 has 2 entries for 1 rank" in err[0], err
 
 
 def test_serve_pipeline_refuses_a_split_that_does_not_fit_the_model(
@@ -308,3 +308,14 @@ def test_serve_pipeline_refuses_a_split_that_does_not_fit_the_model(
     assert rc == 2 and err.strip().splitlines() == [
         f"asyncside serve: --split {n},1: the counts must sum to the model's {n} decoder layers "
         f"(they sum to {n + 1})"], err
+
+
+def test_a_rank_asked_to_keep_logits_without_out_is_a_usage_error(
+        quick_store: pathlib.Path, no_launch_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--keep-logits`` without ``--out`` ended with status 1 (a SystemExit of its message): one
+    line, status 2, as the rank's other usage errors."""
+    from asyncside.distributed.rank import main as rank_main
+
+    rc = rank_main([str(quick_store), "--keep-logits"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["asyncside rank ?: --keep-logits needs --out (the directory its logits.npz goes to)"], err

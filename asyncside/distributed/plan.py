@@ -106,7 +106,8 @@ def make_plan(n_layers: int, moe_layers: Sequence[int], size: int, split: Sequen
                         "every stage needs at least one layer")
     counts = list(split) if split is not None else even_split(n_layers, size)
     if len(counts) != size:
-        raise PlanError(f"--split {','.join(map(str, counts))} has {len(counts)} entries for {size} ranks")
+        raise PlanError(f"--split {','.join(map(str, counts))} has {len(counts)} "
+                        f"{'entry' if len(counts) == 1 else 'entries'} for {size} {'rank' if size == 1 else 'ranks'}")
     if any(c < 1 for c in counts) or sum(counts) != n_layers:
         raise PlanError(f"--split {','.join(map(str, counts))}: every count must be >= 1 and they must sum to "
                         f"the model's {n_layers} decoder layers (they sum to {sum(counts)})")

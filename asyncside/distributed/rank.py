@@ -355,12 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .plan import PlanError, parse_split
     from .stage import load_stage_model, plan_for_store
 
-    if args.keep_logits and not args.out:
-        raise SystemExit("--keep-logits needs --out")
+    problem = "--keep-logits needs --out (the directory its logits.npz goes to)" if (
+        args.keep_logits and not args.out) else None
     try:  # --single too: before the launch environment, a model or the ranks
-        check_side_rows(args.store, args.side_rows)
-        # (--single plans no stages: its --split is not looked at)
-        problem = layout_problem(args.store, None if args.single else args.split)
+        if problem is None:
+            check_side_rows(args.store, args.side_rows)
+            # (--single plans no stages: its --split is not looked at)
+            problem = layout_problem(args.store, None if args.single else args.split)
     except ValueError as exc:  # PlanArgumentError, or a store that cannot be opened
         problem = str(exc)
     if problem is not None:  # a usage error: the exit status argparse gives one
