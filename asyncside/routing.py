@@ -13,6 +13,7 @@ docs/routing-traces.md. Pure numpy: no MLX, no I/O beyond :meth:`RoutingTrace.lo
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -604,12 +605,13 @@ def synthetic_too_large(ids: int, experts: int = 0) -> str | None:
             f"{describe_bytes(room.available)} available ({room.source}); ask for {fewer}")
 
 
-def _draw_free(rng: np.random.Generator, popularity: np.ndarray, taken: set[int]) -> int:
-    """A draw from a layer's ``popularity`` (cumulative, one entry an expert) among the experts not
-    in ``taken``."""
-    n = len(popularity)
+def _draw_free(rng: np.random.Generator, popularity: np.ndarray, cumulative: list[float], taken: set[int]) -> int:
+    """A draw from a layer's ``popularity`` (cumulative, one entry an expert; ``cumulative`` the
+    same as Python floats) among the experts not in ``taken``."""
+    n = len(cumulative)
     for _ in range(64):
-        e = min(int(np.searchsorted(popularity, rng.random(), side="right")), n - 1)
+        # bisect on the list: np.searchsorted's (same answer) per-call overhead was most of a preset's time
+        e = min(bisect.bisect_right(cumulative, rng.random()), n - 1)
         if e not in taken:
             return e
     # Redrawing until a free expert comes can take millions of draws where the token has taken
@@ -671,6 +673,7 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
         probs = np.zeros(n_experts)
         probs[rng.permutation(n_experts)] = weights / weights.sum()
         pops.append(np.cumsum(probs))
+    cumulative = [p.tolist() for p in pops]
     layer_map = [rng.permutation(n_experts) for _ in range(n_layers)]
     ids = np.zeros((tokens, n_layers, top_k), dtype=np.int32)
     # Random numbers drawn in bulk (per-call numpy overhead would dominate a per-slot loop).
@@ -694,7 +697,7 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
                 elif above is not None and r_corr < layer_corr:
                     e = int(layer_map[l][above[k]])
                 if e < 0 or e in taken:
-                    e = _draw_free(rng, pops[l], taken)
+                    e = _draw_free(rng, pops[l], cumulative[l], taken)
                 chosen.append(e)
                 taken.add(e)
             ids[t, l] = chosen

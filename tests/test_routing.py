@@ -207,3 +207,18 @@ def test_presets_span_the_locality_range() -> None:
     assert 0.45 <= mid_lru <= 0.80 and mid_min > mid_lru, (mid_lru, mid_min)
     high_lru, high_min = lru_and_min(preset("high", tokens=1024), 0.25)
     assert high_lru > 0.90 and high_min >= high_lru, (high_lru, high_min)
+
+
+@pytest.mark.parametrize(("name", "digest"), [
+    ("low", "4b99798cb2d0a0a2"), ("middle", "2bac51b4f6abdfeb"), ("high", "87afd3d48b814bfd")])
+def test_a_presets_ids_for_a_seed_stay_what_they_were(name: str, digest: str) -> None:
+    """The benchmarks name their traces by preset and seed: a change to the generator's code (its
+    draws made faster) must not change the ids or predictions a seed gives."""
+    import hashlib
+
+    t = preset(name, tokens=400, n_layers=3, n_experts=32, top_k=4, seed=5, prediction_precision=0.6)
+    assert t.predicted is not None
+    assert hashlib.sha256(t.ids.tobytes() + t.predicted.tobytes()).hexdigest()[:16] == digest
+    # a top-k near the experts: many redraws of taken experts
+    tight = preset("low", tokens=200, n_layers=2, n_experts=8, top_k=7, seed=1)
+    assert hashlib.sha256(tight.ids.tobytes()).hexdigest()[:16] == "4958238914eebe63"
