@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -221,6 +221,25 @@ _BLOCK_ELEMENTS = 1 << 22
 _MIN_VECTOR_ELEMENTS = 1 << 16
 
 
+def _last_uses(steps: np.ndarray, n_experts: int, dtype: type[np.signedinteger[Any]]
+               ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """One layer's ``steps`` ``(T, W)`` (-1 pads) a block at a time (:data:`_BLOCK_ELEMENTS`):
+    ``(start, r, c, e, before)``, the block's first step, its accesses (row in the block, slot,
+    expert) and ``before[i, x]``, expert ``x``'s last use before step ``start + i`` (-1: none)."""
+    last = np.full(n_experts, -1, dtype=dtype)  # each expert's last use before the block
+    block = max(1, _BLOCK_ELEMENTS // (n_experts * max(steps.shape[1], 1)))
+    for start in range(0, steps.shape[0], block):
+        chunk = steps[start:start + block]
+        r, c = np.nonzero(chunk >= 0)
+        e = chunk[r, c]
+        used = np.full((len(chunk) + 1, n_experts), -1, dtype=dtype)
+        used[0] = last
+        used[r + 1, e] = start + r
+        np.maximum.accumulate(used, axis=0, out=used)
+        last = used[-1].copy()
+        yield start, r, c, e, used[:-1]
+
+
 def _lru_distances(steps: np.ndarray, n_experts: int) -> tuple[np.ndarray, int]:
     """(hist, accesses) of one layer's ``steps`` ``(T, K)`` (distinct ids in a row, -1 pads a row of
     fewer): ``hist[d]`` counts the accesses at LRU stack distance ``d`` (a first use counts in none).
@@ -229,24 +248,12 @@ def _lru_distances(steps: np.ndarray, n_experts: int) -> tuple[np.ndarray, int]:
     :func:`lru_miss_curve` updates it; an access's distance is then the experts used later than
     its expert's previous use, plus those of that same step with smaller ids: counted here for a
     block of steps at once from each expert's last use before every step."""
-    n_steps = steps.shape[0]
-    width = max(steps.shape[1], 1)
     hist = np.zeros(n_experts + 1, dtype=np.int64)
-    last = np.full(n_experts, -1, dtype=np.int64)  # each expert's last use before the block
     cols = np.arange(n_experts)
-    block = max(1, _BLOCK_ELEMENTS // (n_experts * width))
     accesses = 0
-    for start in range(0, n_steps, block):
-        chunk = steps[start:start + block]
-        r, c = np.nonzero(chunk >= 0)
-        e = chunk[r, c]
+    # int64: the keys below multiply a step by the experts
+    for _start, r, _c, e, before in _last_uses(steps, n_experts, np.int64):
         accesses += len(e)
-        used = np.full((len(chunk) + 1, n_experts), -1, dtype=np.int64)
-        used[0] = last
-        used[r + 1, e] = start + r
-        np.maximum.accumulate(used, axis=0, out=used)
-        before = used[:-1]  # row i: each expert's last use before step start + i
-        last = used[-1].copy()
         # Keys in stack order (a later use, then a smaller id, is a larger key): an access's
         # distance is how many keys of its step's row exceed its expert's.
         key = before * n_experts + (n_experts - 1 - cols)[None, :]
@@ -317,18 +324,7 @@ def _used_between(steps: np.ndarray, n_experts: int) -> np.ndarray:
     expert's last use before every step, a block of steps at a time."""
     n_steps, width = steps.shape
     out = np.full(n_steps * width, -1, dtype=np.int64)
-    last = np.full(n_experts, -1, dtype=np.int32)  # each expert's last use before the block
-    block = max(1, _BLOCK_ELEMENTS // (n_experts * max(width, 1)))
-    for start in range(0, n_steps, block):
-        chunk = steps[start:start + block]
-        r, c = np.nonzero(chunk >= 0)
-        e = chunk[r, c]
-        used = np.full((len(chunk) + 1, n_experts), -1, dtype=np.int32)
-        used[0] = last
-        used[r + 1, e] = start + r
-        np.maximum.accumulate(used, axis=0, out=used)
-        before = used[:-1]  # row i: each expert's last use before step start + i
-        last = used[-1].copy()
+    for start, r, c, e, before in _last_uses(steps, n_experts, np.int32):
         s = before[r, e]
         later = np.count_nonzero(before[r] > s[:, None], axis=1)  # experts used since
         warm = s >= 0
