@@ -145,9 +145,9 @@ def _separate(out: np.ndarray, n_experts: int) -> np.ndarray:
 #: The arrays a trace file may hold (others are ignored, never read).
 _TRACE_ARRAYS = ("ids", "lengths", "n_experts", "meta", "predicted")
 
-#: The most bytes a trace file's ``ids`` may inflate to (docs/routing-traces.md, "Size limits"):
-#: a million tokens of a 64-layer top-8 model are half of it. A member that declares more, or
-#: whose header gives a shape of more, is refused before it is read.
+#: The most bytes a trace file's ``ids`` may inflate to (docs/routing-traces.md, "Size limits",
+#: says what trace that holds). A member that declares more, or whose header gives a shape of
+#: more, is refused before it is read.
 MAX_IDS_BYTES = 4 << 30
 #: The most bytes a trace file's ``meta`` (JSON text) may inflate to.
 MAX_META_BYTES = 16 << 20
