@@ -238,8 +238,16 @@ class Runtime:
 
         # The extension reads some itself and falls back quietly on a bad value; the others are read
         # where they are used, once a model has loaded: refused here first.
-        check_env()
         s = self._s
+        # Entered already (and running, or closed): a second entry failed deep in the scheduler
+        # ("a Scheduler can be entered once") after it had replaced the running runtime's change
+        # event and marked it closed, so the outer `async with` went on with a runtime that refused
+        # every call and waiters that were never woken.
+        if s.tg is not None or s.closed:
+            state = "is running" if not s.closed else "was entered before and is closed"
+            raise AsyncsideError(f"this Runtime {state}: a Runtime is entered once, by one `async with "
+                                 "Runtime(...)`; make a new Runtime(store, ...) to run again")
+        check_env()
         if s.completed is None:
             from ..bridge import completed
 

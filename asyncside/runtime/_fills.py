@@ -215,8 +215,10 @@ class HostFills:
         import anyio
 
         s = self._s
-        st = s.layer(layer)
+        # Running first: before entering, no layer is set up, and "layer 0 is not streamed by this
+        # runtime (layers: [])" sent the caller looking for a wrong layer.
         s.check_running()
+        st = s.layer(layer)
         handle = PrefetchHandle(layer=layer, _done=anyio.Event())
         if self._queued.active:
             # Queued steps own the rows' placement until quiesce(): a prediction is only a hint.
@@ -304,8 +306,8 @@ class HostFills:
     async def ensure(self, layer: int, ids: Ids) -> None:
         """Return once every expert in ``ids`` has its bytes in a row of ``layer``'s pools (see Runtime)."""
         s = self._s
+        s.check_running()  # before the layer's lookup, as prefetch does
         st = s.layer(layer)
-        s.check_running()
         if isinstance(ids, mx.array):
             await s.computed(ids)
             s.check_running()
