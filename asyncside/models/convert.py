@@ -233,7 +233,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     input (missing config.json, no safetensors, a profile that does not fit the model) and
     UnsupportedModelError for architectures without supported MoE layers.
     """
-    from mlx_lm.utils import load_model, save_config
+    from mlx_lm.utils import save_config
 
     from ..store import ExpertStore
 
@@ -260,12 +260,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     if not isinstance(raw, dict):
         raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
     arch = arch_for(str(raw.get("model_type", "")))  # one asyncside cannot stream: refused before mlx-lm builds it
-    try:
-        model, config = load_model(src, lazy=True)
-    except (TypeError, ValueError, KeyError) as exc:  # mlx-lm's ModelArgs on a config it cannot take
-        text = " ".join(str(exc).split())
-        raise StoreError(src / "config.json", f"mlx-lm cannot build a {raw.get('model_type')!r} model from it: "
-                                              f"{type(exc).__name__}: {text}") from None
+    model, config = _load_lazily(src, raw)
     moe = moe_layers(model, arch)
     specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
     paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}
@@ -336,6 +331,91 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
     return ExpertStore.open(dest)
+
+
+def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """mlx-lm's lazily loaded model of ``src`` and its config; a StoreError naming config.json, or
+    the weight file at fault, where mlx-lm cannot build it."""
+    from mlx_lm.utils import load_model
+
+    tensors = _checked_weight_files(src)
+    try:
+        model, config = load_model(src, lazy=True)
+    except (TypeError, ValueError, KeyError) as exc:  # mlx-lm's ModelArgs on a config it cannot take
+        text = " ".join(str(exc).split())
+        if _about_weights(exc, tensors):
+            want = f"mlx-lm's {raw.get('model_type')!r} model of config.json"
+            raise StoreError(src / "model*.safetensors",
+                             f"no weight file holds tensor {exc.args[0]!r}, which {want} needs"
+                             if isinstance(exc, KeyError) else
+                             f"the weight files do not match {want}: {text}") from None
+        raise StoreError(src / "config.json", f"mlx-lm cannot build a {raw.get('model_type')!r} model from it: "
+                                              f"{type(exc).__name__}: {text}") from None
+    return model, config
+
+
+#: the index a sharded checkpoint lists its tensors' shards in
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_names(path: pathlib.Path) -> set[str]:
+    """The tensor names in a safetensors file's header, after checking that the header parses and
+    every tensor's bytes lie inside the file (so mlx-lm's loader never meets a cut-short file)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"its header length {n} exceeds the file's {size} bytes")
+            header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        names = set()
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            end = int(entry["data_offsets"][1])
+            if end > size - 8 - n:
+                raise ValueError(f"tensor {name!r} ends at byte {end} of a data section of {size - 8 - n}")
+            names.add(name)
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise StoreError(path, "not a complete safetensors file (an incomplete download, or another file "
+                               f"named model*.safetensors?): {exc}") from None
+    return names
+
+
+def _checked_weight_files(src: pathlib.Path) -> set[str]:
+    """Every tensor name in ``src``'s ``model*.safetensors`` (the files mlx-lm loads), after checking
+    each file's header and, where :data:`SHARD_INDEX` is there, that every shard it names exists and
+    holds the tensors its ``weight_map`` places in it. An index that does not parse is left alone,
+    as mlx-lm's loader ignores the index."""
+    per_file = {p.name: _safetensors_names(p) for p in sorted(src.glob("model*.safetensors"))}
+    try:
+        index = json.loads((src / SHARD_INDEX).read_text())
+        weight_map = index["weight_map"] if isinstance(index, dict) else None
+    except (OSError, ValueError, KeyError, RecursionError):
+        weight_map = None
+    if isinstance(weight_map, dict):
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str):
+                continue
+            if shard not in per_file:
+                listed = sum(1 for v in weight_map.values() if v == shard)
+                raise StoreError(src / shard, f"is missing: {SHARD_INDEX}'s weight_map places {listed} tensors "
+                                              f"in it (e.g. {name!r})")
+            if name not in per_file[shard]:
+                raise StoreError(src / shard, f"lacks tensor {name!r}, which {SHARD_INDEX}'s weight_map places in it")
+    return set().union(*per_file.values())
+
+
+def _about_weights(exc: BaseException, tensors: set[str]) -> bool:
+    """Whether mlx-lm's loader failed on the weight files rather than on config.json: a tensor it
+    looked up that no file holds, or its strict load's parameter mismatch."""
+    if isinstance(exc, KeyError):
+        key = exc.args[0] if exc.args else None
+        return isinstance(key, str) and "." in key and key not in tensors
+    text = str(exc)
+    return "parameters not in model" in text or "Missing" in text and "parameters" in text
 
 
 #: a lock file each staging directory holds while its conversion runs

@@ -1,0 +1,124 @@
+"""Checkpoints' variety: sharded checkpoints whose weight files do not match their index, or are
+cut short, are refused by ``asyncside convert`` in one line naming the weight file (status 2)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from asyncside.cli import main
+
+from _models_support import tiny_model
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A tiny 4-bit qwen3_moe in three shards with the index mlx-lm conversions write."""
+    d = tmp_path_factory.mktemp("sharded")
+    model, config = tiny_model("qwen3_moe", quantize={"group_size": 64, "bits": 4})
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    weights = mx.load(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    (d / INDEX).unlink(missing_ok=True)
+    keys = sorted(weights)
+    per = -(-len(keys) // 3)
+    weight_map = {}
+    for i in range(3):
+        name = f"model-{i + 1:05d}-of-00003.safetensors"
+        part = {k: weights[k] for k in keys[i * per:(i + 1) * per]}
+        mx.save_safetensors(str(d / name), part, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(part, name))
+    (d / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+def _copy(src: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    d = tmp_path / "model"
+    shutil.copytree(src, d)
+    return d
+
+
+def _convert(d: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["convert", str(d), str(tmp_path / "store"), "--json"])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_sharded_with_unrelated_files_converts(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(sharded, tmp_path)
+    (d / "README.md").write_text("notes\n")
+    shutil.copy(d / "model-00001-of-00003.safetensors", d / "consolidated.safetensors")
+    assert _convert(d, tmp_path, capsys)[0] == 0
+
+
+def test_missing_shard_is_named(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(sharded, tmp_path)
+    (d / "model-00002-of-00003.safetensors").unlink()
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model-00002-of-00003.safetensors" in err and INDEX in err and "/config.json:" not in err
+
+
+def test_shard_missing_a_tensor_is_named(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(sharded, tmp_path)
+    shard = d / "model-00002-of-00003.safetensors"
+    weights = mx.load(str(shard))
+    gone = sorted(weights)[0]
+    del weights[gone]
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert shard.name in err and gone in err and "/config.json:" not in err
+
+
+def test_missing_tensor_without_index_blames_the_weights(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(sharded, tmp_path)
+    (d / INDEX).unlink()
+    shard = d / "model-00002-of-00003.safetensors"
+    weights = mx.load(str(shard))
+    gone = sorted(weights)[0]
+    del weights[gone]
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model*.safetensors" in err and gone in err and "/config.json:" not in err
+
+
+def test_shard_with_an_extra_tensor_blames_the_weights(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(sharded, tmp_path)
+    shard = d / "model-00002-of-00003.safetensors"
+    weights = mx.load(str(shard))
+    weights["model.layers.0.foo.weight"] = mx.zeros((4, 4))
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model*.safetensors" in err and "model.layers.0.foo.weight" in err and "/config.json:" not in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-safetensors"])
+def test_damaged_weight_file_is_named(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                      capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    d = _copy(sharded, tmp_path)
+    if damage == "truncated":
+        bad = d / "model-00002-of-00003.safetensors"
+        with open(bad, "r+b") as fh:
+            fh.truncate(bad.stat().st_size // 2)
+    else:
+        bad = d / "model-notes.safetensors"
+        bad.write_text("not a safetensors file\n")
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert bad.name in err
