@@ -122,3 +122,29 @@ def test_damaged_weight_file_is_named(sharded: pathlib.Path, tmp_path: pathlib.P
     code, err = _convert(d, tmp_path, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert bad.name in err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_unquantized_experts(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                            dtype: str) -> None:
+    """Unquantized half-precision experts convert; where MLX's device cannot multiply them gathered
+    (the CPU backend's gather_mm takes float32 only) the demo refuses in one line naming the store's
+    dtype field (status 2), else its tokens match mlx-lm's."""
+    from asyncside.models.loading import _gather_mm_takes
+    from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+    d = tmp_path / "model"
+    model, config = tiny_model("mixtral", dtype=getattr(mx, dtype))
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    save_byte_level_tokenizer(d)
+    store = tmp_path / "store"
+    assert main(["convert", str(d), str(store), "--json"]) == 0
+    capsys.readouterr()
+    code = main(["demo", "--model", str(store), "--tokens", "2", "--prompt", "ab", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    if _gather_mm_takes(getattr(mx, dtype)):
+        assert code == 0 and json.loads(out)["tokens_identical"], err
+    else:
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "manifest.json" in err and "segments[0].dtype" in err and dtype in err

@@ -110,6 +110,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     if sorted(specs) != sorted(store.layers):
         raise StoreError(path / "manifest.json", f"switch layers {sorted(specs)} != store layers {list(store.layers)}",
                          f"metadata.{META_KEY}.switch")
+    _check_gathered_dtypes(store, path)
     if not (path / NON_EXPERT_FILE).is_file():
         raise StoreError(path / NON_EXPERT_FILE, "non-expert weights are missing")
     if not (path / "config.json").is_file():
@@ -129,6 +130,36 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
         model_id=model_id or meta.get("model_id") or path.name, store=store, completed=completed,
         options=options,
     )
+
+
+def _gather_mm_takes(dtype: mx.Dtype) -> bool:
+    """Whether MLX's default device multiplies gathered unquantized experts (``gather_mm``, as
+    mlx-lm's switch linears do) of ``dtype``; MLX's CPU backend takes only float32."""
+    x = mx.zeros((1, 1, 2), dtype=dtype)
+    try:
+        mx.eval(mx.gather_mm(x, mx.zeros((1, 2, 2), dtype=dtype), rhs_indices=mx.zeros((1,), dtype=mx.uint32)))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_gathered_dtypes(store: Any, path: pathlib.Path) -> None:
+    """Refuse a store whose unquantized expert weights this device cannot multiply gathered: the
+    forward (and mlx-lm's own) would fail at its first MoE layer with MLX's error."""
+    takes: dict[str, bool] = {"float32": True}
+    for layer, spec in store.layers.items():
+        keys = {seg.key for seg in spec.segments}
+        for i, seg in enumerate(spec.segments):
+            if not seg.key.endswith(".weight") or seg.key[: -len("weight")] + "scales" in keys:
+                continue  # quantized weights are multiplied by gather_qmm
+            if seg.dtype not in takes:
+                takes[seg.dtype] = _gather_mm_takes(getattr(mx, seg.dtype))
+            if not takes[seg.dtype]:
+                device = mx.default_device().type.name
+                raise StoreError(path / "manifest.json",
+                                 f"the experts are unquantized {seg.dtype}, which MLX's {device} backend cannot "
+                                 "multiply gathered (its gather_mm takes float32 only): convert a float32 or a "
+                                 "quantized checkpoint, or run on a GPU", f"layers[{layer}].segments[{i}].dtype")
 
 
 def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer: Any = None,
