@@ -427,6 +427,7 @@ Drained FaultTable::drain() {
   absorb_device_uses_locked();
   Drained out;
   std::swap(out, log_);
+  ++drains_;
   return out;
 }
 
@@ -694,6 +695,8 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
     // if it is routed; nothing fails the step.
     prefetch_errors_.fetch_add(1, std::memory_order_relaxed);
   } else {
+    // A routed prefetch was logged a hit when adopted; it never reached its row.
+    if (f.prefetch && f.log_drain == drains_ && f.log_at < log_.missed.size()) log_.missed[f.log_at] = 1;
     fault_errors_.fetch_add(1, std::memory_order_relaxed);
     global_counters().fault_errors.fetch_add(1, std::memory_order_release);
     if (error.empty()) error = read_error(f.expert, f.row, f.err, f.got);
@@ -801,6 +804,8 @@ void FaultTable::begin(std::vector<int64_t> ids, uint32_t* out, size_t k, uint32
       Fill& f = pending_[static_cast<size_t>(at)];
       f.routed = true;
       f.stamp = stamp;
+      f.log_at = logged + j;
+      f.log_drain = drains_;
       ++adopted;  // a hit once its read verified (publish_locked)
     } else {
       missing.push_back(e);

@@ -74,8 +74,9 @@ struct Drained {
   std::vector<int32_t> used_sizes;  // how many of `used` each resolve contributed
   // Beside `used`, one per entry: 1 where that resolve found the expert absent (a miss: faulted
   // into a row, staged from the host tier, or failed), 0 where it was a hit (in its row, or a
-  // prefetch's fill it adopted). Several resolves of one step's layer (a split switch) each log
-  // their own experts; the ledger counts an expert once per step, by its first resolve's entry.
+  // prefetch's fill it adopted and whose read verified). Several resolves of one step's layer (a
+  // split switch) each log their own experts; the ledger counts an expert once per step, by its
+  // first resolve's entry.
   std::vector<uint8_t> missed;
 };
 
@@ -308,6 +309,10 @@ class FaultTable {
     bool routed = false;    // a prefetch's fill a begin() then routed (adopted: a hit whose read may be landing)
     bool started = false;   // its read was handed to the background threads
     uint64_t stamp = 0;     // the stamp it is published (touched) with
+    // A routed prefetch's entry in log_.missed (logged a hit) and the drain it belongs to: a
+    // failed read marks it a miss there, unless that log was drained meanwhile.
+    size_t log_at = 0;
+    uint64_t log_drain = 0;
   };
   // Rows for `missing` (evicting their experts from the table), appended to `fills`; an expert
   // left without a row is logged and named in `error` (`hint`: the rest take none, silently).
@@ -371,6 +376,7 @@ class FaultTable {
   std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)
   uint64_t clock_ = 0;
   Drained log_;
+  uint64_t drains_ = 0;  // drain() calls: which log_ a Fill's log_at points into
   std::vector<int64_t> absorbed_;  // absorb_device_uses_locked's scratch
   // Streamed reads begin() started and finish() has not published (stable while any is pending:
   // background threads write into their elements).

@@ -89,3 +89,31 @@ def test_split_steps_count_each_expert_once_per_layer(store: pathlib.Path) -> No
     assert counters["queued"] + counters.get("queued_prefill", 0) == len(batches), counters
     assert counters["expert_slices"] + counters["sorted_parts"] > 0 and counters["token_parts"] > 0, counters
     assert queued == per_layer
+
+
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="streamed resolves: the host pools' path")
+def test_a_routed_prefetch_whose_read_failed_is_logged_a_miss_not_a_hit(tmp_path: pathlib.Path) -> None:
+    """A begin that adopts a pending prefetch logs the expert a hit; if the prefetch's read then
+    fails, the expert was never in its row (the table counts no hit): the log must not say hit,
+    or reconcile counts one (it counted none before the log marked misses)."""
+    import os
+
+    from _fault_helpers import eval_failed_step, fault_table
+
+    from asyncside import _native
+
+    cpu = mx.default_stream(mx.cpu)
+    store, _pools, table = fault_table(tmp_path, tag=False)
+    table.lend([0, 1, 2, 3])
+    spec = store.layer(0)
+    os.truncate(spec.path, spec.stride * 8)  # experts 8.. now lie past the end of the blob
+    table.prefetch([12])
+    ids = mx.array([[12, 3]], dtype=mx.uint32)
+    both = _native.begin_rows(ids, table, cpu)
+    slots = [_native.finish_rows(ids[:, s:s + 1], both[:, s:s + 1], table, cpu) for s in range(2)]
+    eval_failed_step(mx.concatenate(slots, axis=-1))
+    _events, used, sizes, missed = table.drain()
+    assert np.frombuffer(sizes, dtype=np.int32).tolist() == [2]
+    got = dict(zip(np.frombuffer(used, dtype=np.int32).tolist(), np.frombuffer(missed, dtype=np.uint8).tolist()))
+    assert got == {12: 1, 3: 1}, got
+    assert table.counters()["hits"] == 0
