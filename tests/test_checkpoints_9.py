@@ -148,3 +148,30 @@ def test_half_precision_unquantized_experts(tmp_path: pathlib.Path, capsys: pyte
     else:
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "manifest.json" in err and "segments[0].dtype" in err and dtype in err
+
+
+def test_config_transformers_rejects_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deepseek_v3 config with ``n_shared_experts: null`` builds in mlx-lm and converts, but
+    transformers' config class (read to load the tokenizer) rejects it: the demo refuses in one
+    line naming config.json and the field (status 2), not with huggingface_hub's traceback."""
+    from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+    import _models_support as ms
+
+    d = tmp_path / "model"
+    base = dict(ms.BASE["deepseek_v3"])
+    try:
+        ms.BASE["deepseek_v3"] = {**base, "n_shared_experts": None}
+        model, config = tiny_model("deepseek_v3")
+    finally:
+        ms.BASE["deepseek_v3"] = base
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    save_byte_level_tokenizer(d)
+    store = tmp_path / "store"
+    assert main(["convert", str(d), str(store), "--json"]) == 0
+    capsys.readouterr()
+    code = main(["demo", "--model", str(store), "--tokens", "2", "--prompt", "ab", "--json", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert str(store / "config.json") in err and "n_shared_experts" in err

@@ -146,8 +146,20 @@ def load_tokenizer(directory: str | os.PathLike[str], config: dict[str, Any] | N
     eos = (config or {}).get("eos_token_id")
     if isinstance(eos, int):
         eos = [eos]
+    import huggingface_hub.errors
+
+    # A huggingface_hub from before strict dataclasses has no such error: its configs do not validate.
+    strict: tuple[type[BaseException], ...] = tuple(
+        c for c in (getattr(huggingface_hub.errors, "StrictDataclassError", None),) if isinstance(c, type))
+
     try:
         tok = mlx_load_tokenizer(d, eos_token_ids=eos)
+    except strict as exc:
+        # transformers reads config.json to pick the tokenizer class, and its config classes
+        # validate fields mlx-lm takes (e.g. deepseek_v3's n_shared_experts: null).
+        text = " ".join(str(exc).split())
+        raise StoreError(d / "config.json", f"transformers' config class, read to load the tokenizer, refuses it: "
+                                            f"{text}") from None
     except (ValueError, OSError, ImportError) as exc:
         # transformers' words (several lines) name neither the directory nor its files.
         text = " ".join(str(exc).split())
