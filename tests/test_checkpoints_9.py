@@ -175,3 +175,17 @@ def test_config_transformers_rejects_is_named(tmp_path: pathlib.Path, capsys: py
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert str(store / "config.json") in err and "n_shared_experts" in err
+
+
+def test_stale_index_beside_complete_files_converts(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """mlx-lm's loader reads every model*.safetensors and ignores the index: an index whose
+    weight_map is stale (here: one tensor moved to another shard) does not stop a conversion."""
+    d = _copy(sharded, tmp_path)
+    a, b = d / "model-00001-of-00003.safetensors", d / "model-00002-of-00003.safetensors"
+    wa, wb = mx.load(str(a)), mx.load(str(b))
+    moved = sorted(wb)[0]
+    wa[moved] = wb.pop(moved)
+    mx.save_safetensors(str(a), wa, metadata={"format": "mlx"})
+    mx.save_safetensors(str(b), wb, metadata={"format": "mlx"})
+    assert _convert(d, tmp_path, capsys)[0] == 0

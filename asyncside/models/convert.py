@@ -338,12 +338,15 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
     the weight file at fault, where mlx-lm cannot build it."""
     from mlx_lm.utils import load_model
 
-    tensors = _checked_weight_files(src)
+    per_file = _weight_files(src)
     try:
         model, config = load_model(src, lazy=True)
     except (TypeError, ValueError, KeyError) as exc:  # mlx-lm's ModelArgs on a config it cannot take
         text = " ".join(str(exc).split())
-        if _about_weights(exc, tensors):
+        if _about_weights(exc, set().union(*per_file.values())):
+            fault = _index_fault(src, per_file)
+            if fault is not None:
+                raise fault from None
             want = f"mlx-lm's {raw.get('model_type')!r} model of config.json"
             raise StoreError(src / "model*.safetensors",
                              f"no weight file holds tensor {exc.args[0]!r}, which {want} needs"
@@ -384,28 +387,33 @@ def _safetensors_names(path: pathlib.Path) -> set[str]:
     return names
 
 
-def _checked_weight_files(src: pathlib.Path) -> set[str]:
-    """Every tensor name in ``src``'s ``model*.safetensors`` (the files mlx-lm loads), after checking
-    each file's header and, where :data:`SHARD_INDEX` is there, that every shard it names exists and
-    holds the tensors its ``weight_map`` places in it. An index that does not parse is left alone,
-    as mlx-lm's loader ignores the index."""
-    per_file = {p.name: _safetensors_names(p) for p in sorted(src.glob("model*.safetensors"))}
+def _weight_files(src: pathlib.Path) -> dict[str, set[str]]:
+    """File name -> tensor names of ``src``'s ``model*.safetensors`` (the files mlx-lm loads), each
+    file's header checked."""
+    return {p.name: _safetensors_names(p) for p in sorted(src.glob("model*.safetensors"))}
+
+
+def _index_fault(src: pathlib.Path, per_file: Mapping[str, set[str]]) -> StoreError | None:
+    """Where loading failed on the weights: the shard :data:`SHARD_INDEX` blames (one it names that
+    is missing, or one without a tensor its ``weight_map`` places there), if any. mlx-lm's loader
+    ignores the index, so it only explains a failure: a stale index beside complete files loads."""
     try:
         index = json.loads((src / SHARD_INDEX).read_text())
         weight_map = index["weight_map"] if isinstance(index, dict) else None
     except (OSError, ValueError, KeyError, RecursionError):
-        weight_map = None
-    if isinstance(weight_map, dict):
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str):
-                continue
-            if shard not in per_file:
-                listed = sum(1 for v in weight_map.values() if v == shard)
-                raise StoreError(src / shard, f"is missing: {SHARD_INDEX}'s weight_map places {listed} tensors "
-                                              f"in it (e.g. {name!r})")
-            if name not in per_file[shard]:
-                raise StoreError(src / shard, f"lacks tensor {name!r}, which {SHARD_INDEX}'s weight_map places in it")
-    return set().union(*per_file.values())
+        return None
+    if not isinstance(weight_map, dict):
+        return None
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            continue
+        if shard not in per_file:
+            listed = sum(1 for v in weight_map.values() if v == shard)
+            return StoreError(src / shard, f"is missing: {SHARD_INDEX}'s weight_map places {listed} tensors "
+                                           f"in it (e.g. {name!r})")
+        if name not in per_file[shard]:
+            return StoreError(src / shard, f"lacks tensor {name!r}, which {SHARD_INDEX}'s weight_map places in it")
+    return None
 
 
 def _about_weights(exc: BaseException, tensors: set[str]) -> bool:
