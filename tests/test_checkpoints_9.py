@@ -108,7 +108,7 @@ def test_shard_with_an_extra_tensor_blames_the_weights(sharded: pathlib.Path, tm
     assert "model*.safetensors" in err and "model.layers.0.foo.weight" in err and "/config.json:" not in err
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not-safetensors"])
+@pytest.mark.parametrize("damage", ["truncated", "not-safetensors", "lfs-pointer"])
 def test_damaged_weight_file_is_named(sharded: pathlib.Path, tmp_path: pathlib.Path,
                                       capsys: pytest.CaptureFixture[str], damage: str) -> None:
     d = _copy(sharded, tmp_path)
@@ -116,12 +116,16 @@ def test_damaged_weight_file_is_named(sharded: pathlib.Path, tmp_path: pathlib.P
         bad = d / "model-00002-of-00003.safetensors"
         with open(bad, "r+b") as fh:
             fh.truncate(bad.stat().st_size // 2)
+    elif damage == "lfs-pointer":
+        bad = d / "model-00003-of-00003.safetensors"
+        bad.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 4096\n")
     else:
         bad = d / "model-notes.safetensors"
         bad.write_text("not a safetensors file\n")
     code, err = _convert(d, tmp_path, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert bad.name in err
+    assert ("git lfs pull" in err) == (damage == "lfs-pointer")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -361,10 +361,17 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
 SHARD_INDEX = "model.safetensors.index.json"
 
 
+#: how a Git LFS pointer file (a clone without its large files) begins
+_LFS_POINTER = b"version https://git-lfs"
+
+
 def _safetensors_names(path: pathlib.Path) -> set[str]:
     """The tensor names in a safetensors file's header, after checking that the header parses and
     every tensor's bytes lie inside the file (so mlx-lm's loader never meets a cut-short file)."""
     size = path.stat().st_size
+    with open(path, "rb") as fh:
+        if fh.read(len(_LFS_POINTER)) == _LFS_POINTER:
+            raise StoreError(path, "is a Git LFS pointer, not the weights: fetch them (git lfs pull) and convert again")
     try:
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
