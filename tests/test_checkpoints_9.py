@@ -193,3 +193,28 @@ def test_stale_index_beside_complete_files_converts(sharded: pathlib.Path, tmp_p
     mx.save_safetensors(str(a), wa, metadata={"format": "mlx"})
     mx.save_safetensors(str(b), wb, metadata={"format": "mlx"})
     assert _convert(d, tmp_path, capsys)[0] == 0
+
+
+@pytest.mark.parametrize(("model_type", "fields"), [
+    ("qwen3_moe", {"mlp_only_layers": [0, 1, 2]}),
+    ("deepseek_v3", {"first_k_dense_replace": 3}),
+])
+def test_no_moe_layer_names_config_fields(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                          model_type: str, fields: dict) -> None:
+    """A config whose layer fields leave no MoE layer is refused naming config.json and those fields."""
+    import _models_support as ms
+
+    d = tmp_path / "model"
+    base = dict(ms.BASE[model_type])
+    try:
+        ms.BASE[model_type] = {**base, **fields}
+        model, config = tiny_model(model_type)
+    finally:
+        ms.BASE[model_type] = base
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert str(d / "config.json") in err and "no MoE layer" in err
+    for name, value in fields.items():
+        assert f"{name} {json.dumps(value)}" in err
