@@ -44,8 +44,16 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import StoreError
-from .arch import (UnsupportedModelError, arch_for, decoder_layers, find_switch, moe_layers, segment_keys,
-                   switch_meta, top_k_attribute)
+from .arch import (
+    UnsupportedModelError,
+    arch_for,
+    decoder_layers,
+    find_switch,
+    moe_layers,
+    segment_keys,
+    switch_meta,
+    top_k_attribute,
+)
 from .loading import META_KEY, NON_EXPERT_FILE, _module_path
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
