@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import StoreError
 from .arch import (
+    Arch,
     UnsupportedModelError,
     arch_for,
     decoder_layers,
@@ -270,17 +271,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
     arch = arch_for(str(raw.get("model_type", "")))  # one asyncside cannot stream: refused before mlx-lm builds it
     model, config = _load_lazily(src, raw)
-    try:
-        moe = moe_layers(model, arch)
-    except UnsupportedModelError as exc:
-        blocks = [getattr(layer, arch.block_attr, None) for layer in decoder_layers(model)]
-        if all(b is not None and find_switch(b) is None for b in blocks):
-            given = [f"{f} {json.dumps(raw[f])}" for f in _MOE_LAYER_FIELDS if f in raw]
-            raise StoreError(src / "config.json",
-                             f"no MoE layer among its num_hidden_layers {raw.get('num_hidden_layers')}"
-                             + (f" (its {', '.join(given)})" if given else "")
-                             + ": asyncside streams the experts of MoE layers, a dense model has none") from None
-        raise exc
+    moe = _moe_layers_of(model, arch, src, raw)
     specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
     paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}
     n_experts = {l: _n_experts(getattr(block, attr)) for l, (block, attr) in moe.items()}
@@ -374,6 +365,23 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
         raise StoreError(src / "config.json", f"mlx-lm cannot build a {raw.get('model_type')!r} model from it: "
                                               f"{type(exc).__name__}: {text}") from None
     return model, config
+
+
+def _moe_layers_of(model: nn.Module, arch: Arch, src: pathlib.Path,
+                   raw: Mapping[str, Any]) -> dict[int, tuple[nn.Module, str]]:
+    """The model's MoE layers (:func:`moe_layers`); a StoreError naming config.json and its layer
+    fields where they leave none."""
+    try:
+        return moe_layers(model, arch)
+    except UnsupportedModelError as exc:
+        blocks = [getattr(layer, arch.block_attr, None) for layer in decoder_layers(model)]
+        if all(b is not None and find_switch(b) is None for b in blocks):
+            given = [f"{f} {json.dumps(raw[f])}" for f in _MOE_LAYER_FIELDS if f in raw]
+            raise StoreError(src / "config.json",
+                             f"no MoE layer among its num_hidden_layers {raw.get('num_hidden_layers')}"
+                             + (f" (its {', '.join(given)})" if given else "")
+                             + ": asyncside streams the experts of MoE layers, a dense model has none") from None
+        raise exc
 
 
 #: config.json fields that say which decoder layers are MoE layers
