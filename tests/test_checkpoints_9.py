@@ -218,3 +218,17 @@ def test_no_moe_layer_names_config_fields(tmp_path: pathlib.Path, capsys: pytest
     assert str(d / "config.json") in err and "no MoE layer" in err
     for name, value in fields.items():
         assert f"{name} {json.dumps(value)}" in err
+
+
+def test_quantized_weights_without_quantization_config(sharded: pathlib.Path, tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Quantized weight files beside a config.json without its quantization: one line naming
+    config.json's quantization field, not mlx-lm's list of every unexpected parameter."""
+    d = _copy(sharded, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    config.pop("quantization")
+    config.pop("quantization_config", None)
+    (d / "config.json").write_text(json.dumps(config))
+    code, err = _convert(d, tmp_path, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{d / 'config.json'} [quantization]: has no quantization" in err and ".scales'" in err

@@ -357,6 +357,13 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
             fault = _index_fault(src, per_file)
             if fault is not None:
                 raise fault from None
+            tensors = set().union(*per_file.values())
+            scales = sorted(n for n in tensors if n.endswith(".scales"))
+            if scales and "quantization" not in raw and "quantization_config" not in raw:
+                raise StoreError(src / "config.json",
+                                 f"has no quantization, but the weight files hold quantized tensors (e.g. "
+                                 f"{scales[0]!r}): give the quantization the checkpoint was made with "
+                                 "(e.g. \"quantization\": {\"group_size\": 64, \"bits\": 4})", "quantization") from None
             want = f"mlx-lm's {raw.get('model_type')!r} model of config.json"
             raise StoreError(src / "model*.safetensors",
                              f"no weight file holds tensor {exc.args[0]!r}, which {want} needs"
