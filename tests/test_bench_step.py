@@ -25,9 +25,11 @@ def test_quick_bench_reports_every_phase(capsys: pytest.CaptureFixture[str]) -> 
     assert row["host_ratio"] == pytest.approx(ours["host"] / theirs["host"])
 
 
-def test_bench_refuses_bad_settings() -> None:
-    with pytest.raises(ValueError, match="--steps and --rounds must be >= 1"):
-        bench.main(["--steps", "0"])
+def test_bench_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error in one line, status 2 (python -m asyncside.bench.step as the asyncside command)."""
+    assert bench.main(["--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: --steps and --rounds must be >= 1" in err[0], err
 
 
 def test_table_renders(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,9 +27,11 @@ def test_quick_bench_reports_every_cell(capsys: pytest.CaptureFixture[str]) -> N
     assert result["targets_us"] == {"median": 30.0, "p99": 100.0}
 
 
-def test_bench_refuses_bad_settings() -> None:
-    with pytest.raises(ValueError, match="--n must be > 0"):
-        bench.main(["--quick", "--n", "0"])
+def test_bench_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error in one line, status 2 (python -m asyncside.bench.bridge as the asyncside command)."""
+    assert bench.main(["--quick", "--n", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: --n must be > 0" in err[0], err
 
 
 def test_table_renders(capsys: pytest.CaptureFixture[str]) -> None:
