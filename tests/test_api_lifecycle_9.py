@@ -9,6 +9,7 @@ what is refused says what and why, to the awaiter.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 import anyio
@@ -120,3 +121,66 @@ def test_calls_before_entering_say_the_runtime_is_not_running(sm: Any, budget: s
             rt.prefetch(0, [1, 2])
 
     anyio.run(main)
+
+
+# ---- generate's arguments --------------------------------------------------------------------------
+
+
+def _refusal(sm: Any, rt: Runtime, **kwargs: Any) -> BaseException:
+    args: dict[str, Any] = {"prompt_ids": _prompt(sm), "max_tokens": 2, "source": rt, **kwargs}
+
+    async def first() -> None:
+        async for _ in sm.generate(**args):
+            pass
+
+    async def main() -> BaseException:
+        with pytest.raises((TypeError, ValueError)) as info:
+            await first()
+        return info.value
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"max_tokens": "3"}, r"max_tokens: expected a number of tokens >= 0 \(an int\), got '3'"),
+    ({"max_tokens": 2.5}, r"max_tokens: expected a number of tokens >= 0 \(an int\), got 2\.5"),
+    ({"max_tokens": True}, r"max_tokens: expected a number of tokens >= 0 \(an int\), got True"),
+    ({"max_tokens": None}, r"max_tokens: expected a number of tokens >= 0 \(an int\), got None"),
+    ({"max_tokens": -1}, r"max_tokens: expected a number of tokens >= 0 \(an int\), got -1"),
+    ({"prompt_ids": "Mixture"}, r"prompt_ids: expected token ids \(ints\), got str; encode text first"),
+    ({"prompt_ids": [1.5, 2.7]}, r"prompt_ids: expected a flat sequence of token ids \(ints\), got list of float64"),
+    ({"prompt_ids": [[1, 2]]}, r"prompt_ids: expected a flat sequence of token ids \(ints\), got list 2-d"),
+    ({"prompt_ids": None}, r"prompt_ids: expected a flat sequence of token ids \(ints\), got NoneType 0-d"),
+    ({"source": None}, r"source: expected an expert source \(a running asyncside.Runtime.*got NoneType"),
+    ({"source": "STORE_DIR"}, r"source: expected an expert source \(a running asyncside.Runtime.*got str"),
+    ({"options": 3}, r"options: expected an asyncside.ForwardOptions or None, got int"),
+    ({"trace": 3}, r"trace: expected a RoutingTrace recorder .* got int; replay a routing trace with sm.set_routing"),
+])
+def test_generate_refuses_a_bad_argument_naming_it(kwargs: dict[str, Any], said: str, sm: Any, budget: str) -> None:
+    """A str or None for max_tokens failed on a comparison, 2.5 in range() and True ran one token;
+    text for prompt_ids ended in int()'s "invalid literal", float ids were truncated to other tokens
+    without a word, a nested list failed in int(); source=None or a path, and options or trace of
+    another type, raised an AttributeError from inside the first step. Each is refused at the
+    first ``__anext__``, naming the argument and what is expected."""
+    rt = _runtime(sm, budget)  # never entered: the refusal comes before any step
+    exc = _refusal(sm, rt, **kwargs)
+    assert re.search(said, str(exc)), str(exc)
+
+
+def test_generate_takes_token_ids_of_any_integer_kind(sm: Any, budget: str, reference: list[int]) -> None:
+    """numpy and MLX integer arrays and numpy ints are token ids and counts as lists and ints are."""
+    import mlx.core as mx
+    import numpy as np
+
+    prompt = _prompt(sm)
+
+    async def main() -> list[list[int]]:
+        async with _runtime(sm, budget) as rt:
+            out = []
+            for ids in (np.array(prompt, dtype=np.int64), mx.array(prompt, dtype=mx.uint32), tuple(prompt)):
+                out.append([t async for t in sm.generate(ids, max_tokens=np.int64(MAX_TOKENS), source=rt,
+                                                         predictor="trace")])
+            _clean(rt)
+            return out
+
+    assert anyio.run(main) == [reference] * 3

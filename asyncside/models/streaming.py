@@ -7,6 +7,7 @@ KV cache, and ``sm.generate(...)`` streams greedy tokens exactly as mlx-lm's ``g
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import anyio
 import anyio.lowlevel
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..bridge import Completed
@@ -182,7 +184,7 @@ class StreamingModel:
         whose cache alone would pass it is refused (AsyncsideError, before the first step), and one
         that does not fit beside generations already running waits for one to end.
         """
-        ids = [int(t) for t in prompt_ids]
+        ids = _prompt_list(prompt_ids)
         if not ids:
             raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
         vocab = _config_vocab(self.config)
@@ -191,8 +193,18 @@ class StreamingModel:
             # an id past the embedding table reads whatever lies beyond it: garbage, not an error
             raise ValueError(f"prompt_ids: {len(bad)} id(s) outside the model's vocabulary [0, {vocab}) "
                              f"(vocab_size of its config.json), first {bad[0]}")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        # A str or None failed on a comparison, 2.5 in range(), and True ran one token.
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
+            raise ValueError(f"max_tokens: expected a number of tokens >= 0 (an int), got {max_tokens!r}")
+        # None, a path or a store failed deep in the first step, with an AttributeError.
+        if not isinstance(source, ExpertSource):
+            raise TypeError(f"source: expected an expert source (a running asyncside.Runtime: `async with "
+                            f"Runtime(store) as rt`, then source=rt), got {type(source).__name__}")
+        if options is not None and not isinstance(options, ForwardOptions):
+            raise TypeError(f"options: expected an asyncside.ForwardOptions or None, got {type(options).__name__}")
+        if trace is not None and not isinstance(trace, RoutingTrace):
+            raise TypeError(f"trace: expected a RoutingTrace recorder (asyncside.models.trace) or None, got "
+                            f"{type(trace).__name__}; replay a routing trace with sm.set_routing(...)")
         check_predictor(predictor)
         kv_need = self.kv_need(getattr(source, "plan", None), len(ids), max_tokens)
         fwd = self.forward_with(options)
@@ -301,6 +313,25 @@ class _KVReservations:
         waiters, self._waiters = self._waiters, []
         for event in waiters:
             event.set()
+
+
+def _prompt_list(prompt_ids: Any) -> list[int]:
+    """``prompt_ids`` as a list of ints: a flat sequence (or array) of integer token ids, else a
+    ValueError or TypeError naming the argument. Text ended in int()'s "invalid literal", a float id
+    was truncated to another token without a word, a nested list failed in int()."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids: expected token ids (ints), got {type(prompt_ids).__name__}; "
+                        "encode text first: sm.tokenizer.encode(text)")
+    try:
+        ids = np.asarray(prompt_ids)
+    except Exception as exc:  # an object numpy cannot make an array of says why itself
+        raise TypeError(f"prompt_ids: expected a sequence of token ids (ints), got {type(prompt_ids).__name__} "
+                        f"({exc})") from None
+    if ids.ndim != 1 or not (ids.size == 0 or ids.dtype.kind in "iu"):
+        what = f"{ids.ndim}-d" if ids.ndim != 1 else f"of {ids.dtype}"
+        raise TypeError(f"prompt_ids: expected a flat sequence of token ids (ints), got {type(prompt_ids).__name__} "
+                        f"{what}")
+    return [int(t) for t in ids.tolist()]
 
 
 def prompt_chunk(source: ExpertSource, want: int, cached: int) -> int:
