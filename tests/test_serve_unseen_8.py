@@ -129,3 +129,92 @@ def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_rai
     assert isinstance(failed, GenerationFailed), got["prefilling"]
     assert f"layer {moe[0]} expert {bad}: checksum mismatch" in str(failed)
     assert again == want
+
+
+def test_a_chunk_s_failed_read_raised_at_a_cancelled_request_s_step_fails_the_chunk_s_request(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but every request of the decode step in flight was cancelled (left before the
+    step was awaited): the chunk's failure raised at that step's await fails no request there, and
+    must still count as a failed read raised while the chunk was queued, failing its request."""
+    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
+    sm = load_streaming_model(store_dir, completed=completed)
+    moe = sm.moe_layers
+    k = int(sm.config["num_experts_per_tok"])
+    n_experts = sm.store.layer(moe[0]).n_experts
+    bad = n_experts - 1
+    path = tmp_path / "trace.npz"
+    _trace(path, len(moe), n_experts, k, bad, bad_tokens=4)
+    decoding, prefilling = prompt[:3], prompt[:12]
+    replay = sm.set_routing(path)
+    sm.set_routing(None)
+    spec = sm.store.layer(moe[0])
+    damaged = bytearray(spec.path.read_bytes())
+    damaged[spec.record_offset(bad) + 64] ^= 0xFF
+    spec.path.write_bytes(damaged)
+
+    fwd = sm.forward
+    real_finish = fwd.finish
+    hold: dict[str, Any] = {"armed": False, "base": _native.fault_errors_total()}
+
+    async def finish(ctx: Any, y: Any) -> Any:
+        if hold["armed"]:
+            hold["armed"] = False
+            with anyio.fail_after(300):  # a hang guard, never a timing assertion
+                while _native.fault_errors_total() == hold["base"]:
+                    await anyio.sleep(0.005)
+        return await real_finish(ctx, y)
+
+    monkeypatch.setattr(fwd, "finish", finish)
+
+    async def main() -> list[Any]:
+        async with Runtime(sm.store, resident=0.0) as rt:
+            b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
+            real_prefill, real_raise = b._prefill, rt.queued._raise_errors
+
+            def raise_errors() -> None:
+                # Not while the chunk is queued (on the CPU its scheduling may wait for the stream
+                # and raise its own failure there): held for the decode step's await, certainly.
+                if not hold.get("quiet"):
+                    real_raise()
+
+            monkeypatch.setattr(rt.queued, "_raise_errors", raise_errors)
+
+            async def prefill(slot: Any, n: int) -> Any:
+                hold["quiet"] = slot.prompt == prefilling and not slot.fed
+                try:
+                    chunk = await real_prefill(slot, n)
+                finally:
+                    hold["quiet"] = False
+                hold["armed"] = hold["armed"] or (slot.prompt == prefilling and len(slot.fed) == 4)
+                return chunk
+
+            monkeypatch.setattr(b, "_prefill", prefill)
+            got: list[Any] = []
+            seen: list[int] = []
+
+            async def read(gen: Any, into: list[Any]) -> None:
+                try:
+                    async for ev in gen:
+                        into.append(ev.token)
+                except (GenerationFailed, anyio.ClosedResourceError) as exc:  # closed: the cancelled one
+                    into.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.run)
+                first = b.submit(decoding, 40)
+                async with anyio.create_task_group() as readers:
+                    readers.start_soon(read, first, seen)
+                    with anyio.fail_after(300):
+                        while len(seen) < 2:
+                            await anyio.sleep(0.001)
+                    async with b.paused():  # between two steps: the first request's step is in flight
+                        assert b._inflight is not None and b._inflight.batch[0].prompt == decoding
+                        first.cancel()
+                        readers.start_soon(read, b.submit(prefilling, 4), got)
+                tg.cancel_scope.cancel()
+            await rt.quiesce()
+        return got
+
+    got = anyio.run(main)
+    assert got and isinstance(got[-1], GenerationFailed), got
+    assert f"layer {moe[0]} expert {bad}: checksum mismatch" in str(got[-1])

@@ -783,6 +783,7 @@ class Batcher:
         slot.send.close()
 
     def _fail(self, slot: Slot, exc: BaseException) -> None:
+        self._read_failure = exc if fill_errors(exc) else self._read_failure  # raised even where its requests left
         if slot.done:
             return
         if self.on_failure is not None:
@@ -790,7 +791,6 @@ class Batcher:
                 self.on_failure(exc)
             except Exception:  # the health registry must not take a request's failure path down
                 log.exception("recording a failure failed")
-        self._read_failure = exc if fill_errors(exc) else self._read_failure
         slot.done = True
         slot.finish_reason = "error"
         slot.todo = []
