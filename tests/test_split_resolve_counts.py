@@ -12,6 +12,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from collections import deque
 
 import anyio
 import mlx.core as mx
@@ -117,3 +118,45 @@ def test_a_routed_prefetch_whose_read_failed_is_logged_a_miss_not_a_hit(tmp_path
     got = dict(zip(np.frombuffer(used, dtype=np.int32).tolist(), np.frombuffer(missed, dtype=np.uint8).tolist()))
     assert got == {12: 1, 3: 1}, got
     assert table.counters()["hits"] == 0
+
+
+def test_a_drain_of_only_empty_resolves_still_ends_the_step_they_belong_to(store: pathlib.Path) -> None:
+    """A step's expert slices are counted at build time from the pairs, not the distinct experts
+    routed, so its last slices may resolve nothing (every id NO_EXPERT): resolves of no expert,
+    whose log holds sizes and no ids. A drain that holds only those must still close the step it
+    left partway; else the next step's resolves are taken for that step's rest (its experts
+    counted against the old step's, hits lost) and every later step is off by as many resolves."""
+    sm = load_streaming_model(store, completed=completed)
+    layer = sm.moe_layers[0]
+
+    class Log:
+        def __init__(self, real: object, drains: list[tuple[list[int], list[int], list[int]]]) -> None:
+            self.real, self.drains = real, drains
+
+        def drain(self) -> tuple[bytes, bytes, bytes, bytes]:
+            used, sizes, missed = self.drains.pop(0)
+            return (b"", np.asarray(used, np.int32).tobytes(), np.asarray(sizes, np.int32).tobytes(),
+                    np.asarray(missed, np.uint8).tobytes())
+
+    async def main() -> tuple[int, list[list[int]]]:
+        async with Runtime(sm.store, resident=0.0, min_side_rows=2) as rt:
+            q, st = rt.queued, rt._s.layer(layer)
+            real = st.faults
+            # A step of three resolves (its last two of no expert), then a step of one.
+            q._step_resolves[layer] = deque([3, 1])
+            st.faults = Log(real, [([5, 6], [2], [1, 1]), ([], [0, 0], []), ([5, 7], [2], [0, 1])])
+            uses: list[list[int]] = []
+            record = st.ledger.record_uses
+            st.ledger.record_uses = lambda ids, sizes: (uses.append(np.asarray(ids).tolist()), record(ids, sizes))
+            hits = rt._s.cache.hits
+            try:
+                for _ in range(3):
+                    q.reconcile(st)
+            finally:
+                st.faults = real
+                del st.ledger.record_uses
+            return rt._s.cache.hits - hits, uses
+
+    hits, uses = anyio.run(main)
+    assert [u for u in uses if u] == [[5, 6], [5, 7]], uses  # the second step's 5 is a use of its own
+    assert hits == 1

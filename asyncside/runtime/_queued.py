@@ -537,7 +537,7 @@ class QueuedSide:
                                                   errno=err if err > 0 else None))
             if len(self._fault_ns) > 4096:
                 del self._fault_ns[:-2048]
-        if raw_used:
+        if raw_sizes:  # resolves of no expert too (an expert slice past those routed): they end steps
             self._count_uses(st, np.frombuffer(raw_used, dtype=np.int32), np.frombuffer(raw_sizes, dtype=np.int32),
                              np.frombuffer(raw_missed, dtype=np.uint8))
 
