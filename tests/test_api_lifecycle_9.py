@@ -8,6 +8,7 @@ what is refused says what and why, to the awaiter.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 from typing import Any
@@ -184,3 +185,48 @@ def test_generate_takes_token_ids_of_any_integer_kind(sm: Any, budget: str, refe
             return out
 
     assert anyio.run(main) == [reference] * 3
+
+
+# ---- one event loop ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_runtime_used_from_another_threads_loop_is_refused(loop: Any, sm: Any, budget: str,
+                                                             reference: list[int]) -> None:
+    """A Runtime entered on one thread's loop and generated from on another's hung on asyncio (an
+    await of the owner loop's event) and failed on trio with anyio's "no running event loop",
+    leaving a lease open in the ledger. It is refused at once, naming the way out; the owner goes
+    on and closes clean."""
+    import threading
+
+    rt = _runtime(sm, budget)
+    entered, leave = threading.Event(), threading.Event()
+
+    async def owner() -> list[int]:
+        async with rt:
+            entered.set()
+            await anyio.to_thread.run_sync(leave.wait)
+            return await _generate(sm, rt)
+
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(tokens=anyio.run(owner)), daemon=True)
+    thread.start()
+    try:
+        assert entered.wait(600)
+
+        async def other() -> None:
+            with pytest.raises(AsyncsideError, match=r"the runtime is used from thread .*, but it runs on the event "
+                                                     r"loop that entered it"):
+                await _generate(sm, rt)
+            with pytest.raises(AsyncsideError, match=r"runs on the event loop that entered it"):
+                await rt.ensure(0, [1])
+            with pytest.raises(AsyncsideError, match=r"runs on the event loop that entered it"):
+                rt.lease(0, [1])
+
+        run_guarded(other, loop=loop)
+    finally:
+        leave.set()
+        thread.join(float(os.environ.get("ASYNCSIDE_HANG_LIMIT_S", "600")))  # a hang guard, as run_guarded's
+    assert not thread.is_alive(), "the runtime's own loop hung after another loop used it"
+    assert out["tokens"] == reference
+    _clean(rt)

@@ -26,6 +26,7 @@ import dataclasses
 import numbers
 import os
 import pathlib
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -248,6 +249,7 @@ class Runtime:
             raise AsyncsideError(f"this Runtime {state}: a Runtime is entered once, by one `async with "
                                  "Runtime(...)`; make a new Runtime(store, ...) to run again")
         check_env()
+        s.loop_thread = threading.get_ident()
         if s.completed is None:
             from ..bridge import completed
 
@@ -371,6 +373,7 @@ class Runtime:
 
     def lease(self, layer: int, experts: Iterable[int] | np.ndarray) -> int:
         """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id."""
+        self._s.check_thread()
         return self._leases.lease(layer, experts)
 
     def release(self, layer: int, lease_id: int) -> None:
@@ -431,6 +434,7 @@ class Runtime:
 
     def begin_step(self, pairs: int) -> None:
         """Before queuing a step: every dynamic row lent; an earlier failed fault raised."""
+        self._s.check_thread()
         self.queued.begin()
 
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array:

@@ -8,6 +8,7 @@ the "something changed" event that waiting ensures and drains sleep on.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class Shared:
         self.tg: anyio.abc.TaskGroup | None = None
         self.closed = False
         self.exited = False  # closing finished: every read landed, every task is gone
+        self.loop_thread: int | None = None  # the thread whose event loop entered the runtime
         self.cache = CacheStats()
         self.reads = ReadStats()
         self.queued = QueuedStats()
@@ -170,6 +172,17 @@ class Shared:
                                  "`async with Runtime(...)` ended, or its entry failed)")
         if self.tg is None:
             raise AsyncsideError("the runtime is not running (use `async with Runtime(...) as rt`)")
+        self.check_thread()
+
+    def check_thread(self) -> None:
+        """AsyncsideError when called from another thread than the one whose event loop entered the
+        runtime: its events, tasks and ledgers belong to that loop (another loop's await of them
+        hung on asyncio, and failed inside anyio with a lease left open on trio)."""
+        if self.loop_thread is not None and threading.get_ident() != self.loop_thread:
+            raise AsyncsideError(
+                f"the runtime is used from thread {threading.current_thread().name!r}, but it runs on the event "
+                "loop that entered it (another thread's): call it from that loop (anyio.from_thread.run, "
+                "asyncio.run_coroutine_threadsafe), or enter a Runtime of its own on this loop")
 
     def notify(self) -> None:
         """Wake every task waiting for a change (a fill settled, a lease went, an ensure ended)."""
