@@ -230,3 +230,52 @@ def test_a_runtime_used_from_another_threads_loop_is_refused(loop: Any, sm: Any,
     assert not thread.is_alive(), "the runtime's own loop hung after another loop used it"
     assert out["tokens"] == reference
     _clean(rt)
+
+
+# ---- Runtime arguments and a lease after exit (the round's leftovers) ---------------------------
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"direct": "yes"}, "direct: expected None (the plan chooses), True or False, got 'yes'"),
+    ({"verify": "no"}, "verify: expected True or False, got 'no'"),
+    ({"completed": 3}, "completed: expected None or an async function of an array, got 3"),
+    ({"layers": 3}, "layers: expected the indices of the layers to stream (or None: every one), got 3"),
+    ({"layers": "01"}, "layers: expected the indices of the layers to stream (or None: every one), got '01'"),
+])
+def test_runtime_arguments_of_the_wrong_kind_are_named(quick_store: pathlib.Path, kwargs: dict[str, Any],
+                                                       said: str) -> None:
+    """direct="yes", verify="no" and completed=3 were taken without a word; layers=3 failed with
+    "'int' object is not iterable"."""
+    with pytest.raises(TypeError) as caught:
+        Runtime(ExpertStore.open(quick_store), **kwargs)
+    assert str(caught.value) == said
+
+
+def test_a_path_for_the_store_says_how_to_open_one(quick_store: pathlib.Path) -> None:
+    """``Runtime("dir")`` was "AttributeError: 'str' object has no attribute 'layers'"."""
+    with pytest.raises(TypeError, match=r"store: expected an ExpertStore \(ExpertStore.open\(path\)\), got str"):
+        Runtime(str(quick_store))  # type: ignore[arg-type]
+
+
+def test_a_fractional_number_of_bytes_is_no_budget(quick_store: pathlib.Path) -> None:
+    """``memory=1.5`` was read as the string "1.5": a budget of one byte, refused as "the memory
+    budget is 0.0 MiB". A whole float (1.5e9) is bytes."""
+    from asyncside.memory import parse_size
+
+    with pytest.raises(ValueError, match=r"memory: expected a whole number of bytes >= 0 or a size such as 1.5G, got 1.5"):
+        parse_size(1.5, what="memory")  # type: ignore[arg-type]
+    assert parse_size(1.5e9, what="memory") == 1_500_000_000  # type: ignore[arg-type]
+    assert parse_size(float(1 << 30)) == 1 << 30  # type: ignore[arg-type]
+
+
+def test_a_lease_after_exit_is_refused(quick_store: pathlib.Path) -> None:
+    """``rt.lease()`` after the runtime closed pinned a row, which the audit then reported as a
+    lease never released."""
+    async def main() -> Runtime:
+        async with Runtime(ExpertStore.open(quick_store), resident=0.25) as rt:
+            pass
+        with pytest.raises(AsyncsideError, match="the runtime is closed: no more prefetch/ensure/lease"):
+            rt.lease(0, [0])
+        return rt
+
+    rt = anyio.run(main)
+    assert audit_problems(rt) == []

@@ -155,6 +155,20 @@ class Runtime:
         rows_profile: RowsProfile | None = None,
         read_window: int | None = None,
     ) -> None:
+        # Each was taken without a word (direct="yes", verify="no", completed=3) or failed far from
+        # its cause (a path for the store, an int for layers: an AttributeError, a TypeError).
+        if not isinstance(store, ExpertStore):
+            raise TypeError(f"store: expected an ExpertStore (ExpertStore.open(path)), got {type(store).__name__} "
+                            f"{store!r}")
+        if direct is not None and not isinstance(direct, bool):
+            raise TypeError(f"direct: expected None (the plan chooses), True or False, got {direct!r}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify: expected True or False, got {verify!r}")
+        if completed is not None and not callable(completed):
+            raise TypeError(f"completed: expected None or an async function of an array, got {completed!r}")
+        if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
+            raise TypeError(f"layers: expected the indices of the layers to stream (or None: every one), "
+                            f"got {layers!r}")
         if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
                                         and host_tier >= 0)):
             raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
@@ -372,8 +386,9 @@ class Runtime:
         return st.table
 
     def lease(self, layer: int, experts: Iterable[int] | np.ndarray) -> int:
-        """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id."""
-        self._s.check_thread()
+        """Pin the rows of ``experts`` so no fill overwrites them; returns a lease id. AsyncsideError
+        once the runtime is closed (a lease then taken was never released)."""
+        self._s.check_running()
         return self._leases.lease(layer, experts)
 
     def release(self, layer: int, lease_id: int) -> None:

@@ -168,7 +168,7 @@ class Shared:
     def check_running(self) -> None:
         """AsyncsideError unless the runtime is entered and not closing (before any ledger change)."""
         if self.closed:
-            raise AsyncsideError("the runtime is closed: no more prefetch/ensure (it was used after "
+            raise AsyncsideError("the runtime is closed: no more prefetch/ensure/lease (it was used after "
                                  "`async with Runtime(...)` ended, or its entry failed)")
         if self.tg is None:
             raise AsyncsideError("the runtime is not running (use `async with Runtime(...) as rt`)")
