@@ -212,9 +212,6 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
         if value < 0:
             raise ValueError(f"{what}: expected a size >= 0, got {value}")
         return value
-    if isinstance(value, float) and not (value >= 0 and value.is_integer()):
-        # 1.5 read as the string "1.5" was a budget of one byte, planned as none.
-        raise ValueError(f"{what}: expected a whole number of bytes >= 0 or a size such as 1.5G, got {value!r}")
     if str(value).strip().startswith("-"):
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
     match = _SIZE.fullmatch(str(value).strip().lower())

@@ -256,15 +256,14 @@ def test_a_path_for_the_store_says_how_to_open_one(quick_store: pathlib.Path) ->
         Runtime(str(quick_store))  # type: ignore[arg-type]
 
 
-def test_a_fractional_number_of_bytes_is_no_budget(quick_store: pathlib.Path) -> None:
-    """``memory=1.5`` was read as the string "1.5": a budget of one byte, refused as "the memory
-    budget is 0.0 MiB". A whole float (1.5e9) is bytes."""
-    from asyncside.memory import parse_size
-
-    with pytest.raises(ValueError, match=r"memory: expected a whole number of bytes >= 0 or a size such as 1.5G, got 1.5"):
-        parse_size(1.5, what="memory")  # type: ignore[arg-type]
-    assert parse_size(1.5e9, what="memory") == 1_500_000_000  # type: ignore[arg-type]
-    assert parse_size(float(1 << 30)) == 1 << 30  # type: ignore[arg-type]
+@pytest.mark.parametrize(("memory", "said"), [
+    (1.5, "memory 1.5 is 1 byte; expected at least 4K"), ("16", "memory '16' is 16 bytes; expected at least 4K")])
+def test_a_runtime_refuses_a_budget_of_bytes_as_load_does(quick_store: pathlib.Path, memory: Any, said: str) -> None:
+    """``Runtime(memory=1.5)`` was a budget of one byte, refused when entered as "the memory budget
+    is 0.0 MiB"; ``load`` and ``--memory`` refuse such a figure as it is given."""
+    with pytest.raises(ValueError) as caught:
+        Runtime(ExpertStore.open(quick_store), memory=memory)
+    assert str(caught.value).startswith(said), caught.value
 
 
 def test_a_lease_after_exit_is_refused(quick_store: pathlib.Path) -> None:

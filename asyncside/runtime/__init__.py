@@ -42,6 +42,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
+from ..memory import check_memory, parse_size
 from ..policies import DEFAULT_POLICY
 from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
@@ -166,6 +167,9 @@ class Runtime:
             raise TypeError(f"verify: expected True or False, got {verify!r}")
         if completed is not None and not callable(completed):
             raise TypeError(f"completed: expected None or an async function of an array, got {completed!r}")
+        if memory is not None:
+            # As --memory and load() refuse it: memory=1.5 was one byte, refused as a budget of 0.0 MiB.
+            check_memory(parse_size(memory, what="memory"), memory)
         if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
             raise TypeError(f"layers: expected the indices of the layers to stream (or None: every one), "
                             f"got {layers!r}")
