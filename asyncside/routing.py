@@ -287,6 +287,8 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
     except TraceError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
+        # zipfile's own failures: a truncated archive (EOFError), a bad CRC or header (BadZipFile),
+        # a member compressed by a method it does not read (NotImplementedError).
         raise TraceError(where, f"not a readable .npz file: {e}") from None
     return data
 

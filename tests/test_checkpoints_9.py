@@ -60,6 +60,15 @@ def test_sharded_with_unrelated_files_converts(sharded: pathlib.Path, tmp_path: 
     assert _convert(d, tmp_path, capsys)[0] == 0
 
 
+def _drop_a_tensor(shard: pathlib.Path) -> str:
+    """Rewrite ``shard`` without its first tensor (by name); returns that name."""
+    weights = mx.load(str(shard))
+    gone = sorted(weights)[0]
+    del weights[gone]
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    return gone
+
+
 def test_missing_shard_is_named(sharded: pathlib.Path, tmp_path: pathlib.Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     d = _copy(sharded, tmp_path)
@@ -73,10 +82,7 @@ def test_shard_missing_a_tensor_is_named(sharded: pathlib.Path, tmp_path: pathli
                                          capsys: pytest.CaptureFixture[str]) -> None:
     d = _copy(sharded, tmp_path)
     shard = d / "model-00002-of-00003.safetensors"
-    weights = mx.load(str(shard))
-    gone = sorted(weights)[0]
-    del weights[gone]
-    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    gone = _drop_a_tensor(shard)
     code, err = _convert(d, tmp_path, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert shard.name in err and gone in err and "/config.json:" not in err
@@ -87,10 +93,7 @@ def test_missing_tensor_without_index_blames_the_weights(sharded: pathlib.Path, 
     d = _copy(sharded, tmp_path)
     (d / INDEX).unlink()
     shard = d / "model-00002-of-00003.safetensors"
-    weights = mx.load(str(shard))
-    gone = sorted(weights)[0]
-    del weights[gone]
-    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    gone = _drop_a_tensor(shard)
     code, err = _convert(d, tmp_path, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "model*.safetensors" in err and gone in err and "/config.json:" not in err

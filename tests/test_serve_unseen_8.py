@@ -44,6 +44,35 @@ def _trace(path: pathlib.Path, moe: int, n_experts: int, top_k: int, bad: int, b
     RoutingTrace(np.concatenate([ids(), second]), np.array([TOKENS, TOKENS]), n_experts, {}).save(path)
 
 
+def _damage(spec: Any, expert: int) -> bytes:
+    """Flip a byte of ``expert``'s record in its layer's blob (its checksum then fails); returns
+    the blob as it was, to repair it with."""
+    whole = spec.path.read_bytes()
+    damaged = bytearray(whole)
+    damaged[spec.record_offset(expert) + 64] ^= 0xFF
+    spec.path.write_bytes(damaged)
+    return whole
+
+
+def _finish_after_a_failed_read(sm: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Make the forward's next finish, once ``hold["armed"]`` is set, wait until a fault has
+    failed (the interleaving the tests need, made certain); returns ``hold``."""
+    fwd = sm.forward
+    real_finish = fwd.finish
+    hold: dict[str, Any] = {"armed": False, "base": _native.fault_errors_total()}
+
+    async def finish(ctx: Any, y: Any) -> Any:
+        if hold["armed"]:
+            hold["armed"] = False
+            with anyio.fail_after(300):  # a hang guard, never a timing assertion
+                while _native.fault_errors_total() == hold["base"]:
+                    await anyio.sleep(0.005)
+        return await real_finish(ctx, y)
+
+    monkeypatch.setattr(fwd, "finish", finish)
+    return hold
+
+
 def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_raised(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
@@ -67,26 +96,11 @@ def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_rai
     sm.set_routing(None)
 
     spec = sm.store.layer(moe[0])
-    whole = spec.path.read_bytes()
-    damaged = bytearray(whole)
-    damaged[spec.record_offset(bad) + 64] ^= 0xFF
-    spec.path.write_bytes(damaged)
+    whole = _damage(spec, bad)
 
     # The interleaving the test needs, made certain: the decode step in flight is awaited only once
     # the chunk queued behind it has failed its read, so the failure is raised at the decode step.
-    fwd = sm.forward
-    real_finish = fwd.finish
-    hold: dict[str, Any] = {"armed": False, "base": _native.fault_errors_total()}
-
-    async def finish(ctx: Any, y: Any) -> Any:
-        if hold["armed"]:
-            hold["armed"] = False
-            with anyio.fail_after(300):  # a hang guard, never a timing assertion
-                while _native.fault_errors_total() == hold["base"]:
-                    await anyio.sleep(0.005)
-        return await real_finish(ctx, y)
-
-    monkeypatch.setattr(fwd, "finish", finish)
+    hold = _finish_after_a_failed_read(sm, monkeypatch)
 
     async def main() -> tuple[dict[str, list[Any]], list[int], list[str]]:
         async with Runtime(sm.store, resident=0.0) as rt:
@@ -148,23 +162,9 @@ def test_a_chunk_s_failed_read_raised_at_a_cancelled_request_s_step_fails_the_ch
     replay = sm.set_routing(path)
     sm.set_routing(None)
     spec = sm.store.layer(moe[0])
-    damaged = bytearray(spec.path.read_bytes())
-    damaged[spec.record_offset(bad) + 64] ^= 0xFF
-    spec.path.write_bytes(damaged)
+    _damage(spec, bad)
 
-    fwd = sm.forward
-    real_finish = fwd.finish
-    hold: dict[str, Any] = {"armed": False, "base": _native.fault_errors_total()}
-
-    async def finish(ctx: Any, y: Any) -> Any:
-        if hold["armed"]:
-            hold["armed"] = False
-            with anyio.fail_after(300):  # a hang guard, never a timing assertion
-                while _native.fault_errors_total() == hold["base"]:
-                    await anyio.sleep(0.005)
-        return await real_finish(ctx, y)
-
-    monkeypatch.setattr(fwd, "finish", finish)
+    hold = _finish_after_a_failed_read(sm, monkeypatch)
 
     async def main() -> list[Any]:
         async with Runtime(sm.store, resident=0.0) as rt:
