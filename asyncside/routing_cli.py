@@ -83,10 +83,15 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
     sizes = [max(trace.top_k, int(round(fraction * trace.n_experts))) for fraction in (0.25, 0.5)]
     lru_hits = trace_lru_hits(trace, sizes)  # the runtime's LRU, as bench policy replays it
     min_hits = trace_min_hits(trace, sizes) if with_min else None
+    out["accesses"] = accesses
     for i, (fraction, rows) in enumerate(zip((0.25, 0.5), sizes)):
-        entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru_hits[i] / accesses, 4)}
+        entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru_hits[i] / accesses, 4),
+                                 "lru_hits": lru_hits[i]}
         if min_hits is not None:
-            entry["min"] = round(min_hits[i] / accesses, 4)
+            # The ratio from the hits, not from the rounded rates (which a trace of few hits over
+            # many accesses rounds to nothing); None where MIN hits nothing.
+            entry.update(min=round(min_hits[i] / accesses, 4), min_hits=min_hits[i],
+                         lru_of_min=round(lru_hits[i] / min_hits[i], 4) if min_hits[i] else None)
         out["caches"].append(entry)
     return out
 
@@ -108,9 +113,10 @@ def _print_info(path: str, info: dict[str, Any]) -> None:
         share = int(round(c["fraction"] * info["experts"]))
         raised = f", raised to the top-{info['top_k']} from {share}" if c["rows"] > share else ""
         text = (f"  per-layer caches of {c['fraction']:.0%} ({_count(c['rows'], 'row')}{raised}): "
-                f"LRU {c['lru']:.1%} hits")
+                f"LRU {c['lru_hits'] / info['accesses']:.1%} hits")
         if "min" in c:  # no hit at all (a trace of one token a layer): no ratio to MIN
-            text += f", Belady's MIN {c['min']:.1%}" + (f" (LRU {c['lru'] / c['min']:.2f} of MIN)" if c["min"] else "")
+            text += (f", Belady's MIN {c['min_hits'] / info['accesses']:.1%}"
+                     + (f" (LRU {c['lru_of_min']:.2f} of MIN)" if c["lru_of_min"] is not None else ""))
         print(text)
 
 

@@ -156,9 +156,11 @@ def mixed_preset(_name: str = "mixed", **kw: Any) -> Any:
                         {**parts[0].meta, "locality": "mixed (layers in turn from low, middle, high)"})
 
 
-def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]:
+def build_traces(args: argparse.Namespace, sequences: int = 1, files: dict[str, str] | None = None) -> dict[str, Any]:
     """The traces the arguments name, by label (synthetic ones of ``sequences`` sequences of
-    ``--tokens`` each)."""
+    ``--tokens`` each). A ``--trace`` file is labelled by its stem and shape, with ``-2``, ``-3``...
+    after the stem where that label is taken (two files of one name in two directories, or one
+    file given twice); ``files``, when given, gets each such label's path."""
     from ..routing import RoutingTrace, preset, synthetic_too_large
 
     traces: dict[str, Any] = {}
@@ -183,7 +185,14 @@ def build_traces(args: argparse.Namespace, sequences: int = 1) -> dict[str, Any]
                     raise ValueError(f"--tokens {tokens} --layers {layers} --shapes {e}x{k}: {exc}") from None
     for path in args.trace:
         tr = RoutingTrace.load(path)  # a bad file: TraceError naming it
-        traces[f"{pathlib.Path(path).stem} {tr.n_experts}x{tr.top_k}"] = tr
+        stem, shape = pathlib.Path(path).stem, f"{tr.n_experts}x{tr.top_k}"
+        label, n = f"{stem} {shape}", 1
+        while label in traces:  # a label taken would replace that trace: its rows would be gone unsaid
+            n += 1
+            label = f"{stem}-{n} {shape}"
+        traces[label] = tr
+        if files is not None:
+            files[label] = str(path)
     if not traces:
         raise ValueError("--presets '' and no --trace: nothing to replay; name a preset or a routing trace file")
     return traces
@@ -248,7 +257,8 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
     from ..policy_replay import compare_split, holdout_pair
 
     started = time.time()
-    traces = build_traces(args, sequences=2)
+    files: dict[str, str] = {}
+    traces = build_traces(args, sequences=2, files=files)
     pairs = {}
     for name, t in traces.items():
         try:
@@ -264,7 +274,8 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
         "split": "split_rows over the profile part's LRU miss curves, the total of an even cache, each layer at "
                  "least top_k",
         "traces": {name: {"experts": t.n_experts, "top_k": t.top_k, "layers": t.n_layers, "tokens": t.n_tokens,
-                          "sequences": t.n_sequences, "meta": t.meta} for name, t in traces.items()},
+                          "sequences": t.n_sequences, "file": files.get(name), "meta": t.meta}
+                   for name, t in traces.items()},
         "fractions": fractions,
         "rows": rows,
         "seconds": round(time.time() - started, 1),
@@ -285,7 +296,8 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
         return run_split_bench(args, fractions)
     policies = _option(args, "policies", _listed(_policy), [], [])
     started = time.time()
-    traces = build_traces(args)
+    files: dict[str, str] = {}
+    traces = build_traces(args, files=files)
     rows = compare_policies(traces, fractions, policies)
     # Over the rows with a figure: min() over a NaN answers NaN or not by the rows' order.
     worst = {p: {f: min((r[f"{p}/min"] for r in rows if r["fraction"] == f and not math.isnan(r[f"{p}/min"])),
@@ -295,7 +307,7 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "policy",
         "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step",
         "traces": {name: {"experts": t.n_experts, "top_k": t.top_k, "layers": t.n_layers, "tokens": t.n_tokens,
-                          "meta": t.meta} for name, t in traces.items()},
+                          "file": files.get(name), "meta": t.meta} for name, t in traces.items()},
         "fractions": fractions,
         "policies": policies,
         "rows": rows,
