@@ -133,3 +133,37 @@ def test_bench_policy_keeps_two_files_of_one_name_apart(tmp_path: pathlib.Path,
     assert main([a for a in argv if a != "--json"]) == 0
     table = capsys.readouterr().out
     assert "| t 8x1 |" in table and "| t-2 8x1 |" in table and "| t-3 8x1 |" in table
+
+
+def _generate_result(experts: int, plan: dict[float, tuple[int, int]]) -> dict[str, Any]:
+    """A `bench generate` result as its renderers read it: one asyncside row and one policies row a
+    residency, the pools' plan as the bench writes it."""
+    row = {"decode_tokens_per_s": 10.0, "vs_all_resident": 0.5, "vs_slot_cache": 1.0, "hit_rate": 0.5,
+           "bytes_read_per_token": 1e6, "miss_bytes_per_token": 1e6, "loop_cpu_ms_per_token": 1.0,
+           "loop_cpu_vs_mlx_lm": 1.0, "tokens_identical": True, "cache": "warm", "label": "asyncside (default)"}
+    policy = {"hit_rate": 0.4, "vs_belady": 0.8}
+    return {
+        "model": "m", "moe_layers": 2, "experts_per_layer": experts, "record_bytes": 4096, "device": "cpu",
+        "settings": {"tokens": 16, "repeats": 1, "cold_repeats": 0, "load": 0}, "model_info": {},
+        "pool_plan": {str(f): {"resident_per_layer": r, "side_rows": s} for f, (r, s) in plan.items()},
+        "rows": [{**row, "residency": f} for f in plan],
+        "all_resident": {"mlx_lm": {"decode_tokens_per_s": 20.0}, "async_resident": {"decode_tokens_per_s": 19.0},
+                         "async_overhead_ratio": 0.95},
+        "policies_vs_belady": [{"residency": f, "resident_per_layer": r, "side_rows": s, "belady": 0.5,
+                                "policies": {"lru": policy}, "all_rows_dynamic": {"belady": 0.5, "lru": 0.4}}
+                               for f, (r, s) in plan.items()],
+        "notes": [],
+    }
+
+
+def test_bench_generate_tables_say_what_raised_pools_hold() -> None:
+    """`bench generate --residency 0` on 16 experts top-4: the pools hold the top-4 rows a layer,
+    and the tables said "0%" of experts in pools. They now say 25% (4/16 rows; 0% asked); a share
+    the plan kept is shown as before."""
+    from asyncside.bench import generate
+
+    md = generate.render_markdown(_generate_result(16, {0.0: (0, 4), 0.5: (0, 8)}))
+    assert "| warm | 25% (4/16 rows; 0% asked) | asyncside (default) |" in md
+    assert "| warm | 50% | asyncside (default) |" in md
+    assert "| 25%, 0% asked (0 + 4) | 0.500 |" in md and "| 50% (0 + 8) | 0.500 |" in md
+    assert "| 0%" not in md

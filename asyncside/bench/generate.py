@@ -1081,6 +1081,23 @@ def _title(result: dict[str, Any]) -> str:
             f"paired rounds: {s['repeats']} warm / {s['cold_repeats']} cold{load}{shape}")
 
 
+def _pools_cell(result: dict[str, Any], residency: float, *, rows_beside: bool = False) -> str:
+    """What the pools hold at ``residency``: the share asked, or, where the plan raised it (to the
+    model's top-k rows a layer, which 0 and small shares are), the share held, its rows and the share
+    asked (a cell saying 0% over pools of the top-k rows misstates them); ``rows_beside``: the
+    cell's table shows the rows itself."""
+    plan = (result.get("pool_plan") or {}).get(str(residency))
+    experts = result.get("experts_per_layer")
+    if not plan or not experts:
+        return f"{residency:.0%}"
+    rows = plan["resident_per_layer"] + plan["side_rows"]
+    if rows <= round(residency * experts):
+        return f"{residency:.0%}"
+    if rows_beside:
+        return f"{rows / experts:.0%}, {residency:.0%} asked"
+    return f"{rows / experts:.0%} ({rows}/{experts} rows; {residency:.0%} asked)"
+
+
 def render_table(result: dict[str, Any]) -> None:
     """Print the result as rich tables (stdout)."""
     from rich.console import Console
@@ -1100,7 +1117,7 @@ def render_table(result: dict[str, Any]) -> None:
         if last is not None and group != last:
             t.add_section()
         last = group
-        t.add_row(r["cache"], f"{r['residency']:.0%}", r["label"], *[fn(r) for _, fn in _COLUMNS])
+        t.add_row(r["cache"], _pools_cell(result, r["residency"]), r["label"], *[fn(r) for _, fn in _COLUMNS])
     console.print(t)
     ar = result["all_resident"]
     console.print(f"asyncside forward over all experts (ResidentSource): "
@@ -1117,7 +1134,8 @@ def render_table(result: dict[str, Any]) -> None:
     p.add_column("all rows dynamic, from empty: belady / lru", justify="right")
     for row in result["policies_vs_belady"]:
         dyn = row["all_rows_dynamic"]
-        p.add_row(f"{row['residency']:.0%}", f"{row['resident_per_layer']}+{row['side_rows']}",
+        p.add_row(_pools_cell(result, row["residency"], rows_beside=True),
+                  f"{row['resident_per_layer']}+{row['side_rows']}",
                   f"{row['belady']:.3f}",
                   *[f"{row['policies'][n]['hit_rate']:.3f} ({row['policies'][n]['vs_belady']:.2f})" for n in names],
                   f"{dyn['belady']:.3f} / {dyn['lru']:.3f}")
@@ -1151,7 +1169,7 @@ def render_markdown(result: dict[str, Any]) -> str:
              "| cache | experts in pools | system | " + " | ".join(n for n, _ in _COLUMNS) + " |",
              "| --- | ---: | --- | " + " | ".join("---" if n == "tokens =" else "---:" for n, _ in _COLUMNS) + " |"]
     for r in result["rows"]:
-        lines.append(f"| {r['cache']} | {r['residency']:.0%} | {r['label']} | "
+        lines.append(f"| {r['cache']} | {_pools_cell(result, r['residency'])} | {r['label']} | "
                      + " | ".join(fn(r) for _, fn in _COLUMNS) + " |")
     ar = result["all_resident"]
     lines += ["", f"asyncside's forward over all experts (ResidentSource): "
@@ -1165,7 +1183,8 @@ def render_markdown(result: dict[str, Any]) -> str:
               "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for p in pols:
         dyn = p["all_rows_dynamic"]
-        lines.append(f"| {p['residency']:.0%} ({p['resident_per_layer']} + {p['side_rows']}) | {p['belady']:.3f} | "
+        pools = _pools_cell(result, p["residency"], rows_beside=True)
+        lines.append(f"| {pools} ({p['resident_per_layer']} + {p['side_rows']}) | {p['belady']:.3f} | "
                      + " | ".join(f"{p['policies'][n]['hit_rate']:.3f} ({p['policies'][n]['vs_belady']:.2f})"
                                   for n in names) + f" | {dyn['belady']:.3f} / {dyn['lru']:.3f} |")
     lines += [f"\nNote: {n}" for n in result.get("notes", [])]
