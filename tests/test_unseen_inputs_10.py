@@ -167,3 +167,24 @@ def test_bench_generate_tables_say_what_raised_pools_hold() -> None:
     assert "| warm | 50% | asyncside (default) |" in md
     assert "| 25%, 0% asked (0 + 4) | 0.500 |" in md and "| 50% (0 + 8) | 0.500 |" in md
     assert "| 0%" not in md
+
+
+def test_bench_generate_names_the_predictor_whose_prefetches_it_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `bench generate --routing FILE` the trace is recorded with the trace's own predictions
+    (or temporal), and the policies' columns with those prefetches were still "lru+lookahead"."""
+    import types
+
+    import asyncside.runtime
+    from asyncside.bench import generate
+    from asyncside.models.trace import RoutingTrace as Recorded
+
+    recorded = Recorded()
+    rng = np.random.default_rng(4)
+    for _ in range(12):
+        step = recorded.begin("trace")
+        step.record(0, rng.choice(8, 2, replace=False), rng.choice(8, 2, replace=False))
+    monkeypatch.setattr(asyncside.runtime, "plan_layer", lambda store, layer, frac: ([], 4))
+    store = types.SimpleNamespace(layer=lambda layer: types.SimpleNamespace(n_experts=8))
+    (row,) = generate.policy_hit_rates(recorded, store, [0.5], policies=("lru",), predictor="trace")
+    assert list(row["policies"]) == ["lru", "lru+trace"]
+    assert row["policies"]["lru"]["hit_rate"] <= row["belady"]

@@ -596,10 +596,10 @@ def _summarise(runs: list[BenchRun], ref_tokens: list[int], record_bytes: int) -
 
 
 def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
-                     policies: Sequence[str] = POLICIES) -> list[dict[str, Any]]:
-    """Per residency: each policy's hit rate (demand only, and with the trace's lookahead
-    predictions as prefetches) beside Belady's MIN, replayed over the same trace; and with every
-    row dynamic, starting empty, LRU beside Belady's MIN."""
+                     policies: Sequence[str] = POLICIES, predictor: str = "lookahead") -> list[dict[str, Any]]:
+    """Per residency: each policy's hit rate (demand only, and, as ``<policy>+<predictor>``, with the
+    predictions the trace recorded from ``predictor`` as prefetches) beside Belady's MIN, replayed
+    over the same trace; and with every row dynamic, starting empty, LRU beside Belady's MIN."""
     from ..models.trace import CacheResult, belady, replay_policy
     from ..runtime import plan_layer
 
@@ -621,7 +621,7 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
                 r = sum((replay_policy(trace.demands(l), n_exp[l], plans[l][0], plans[l][1], pol,
                                        predictions=trace.predictions(l) if with_pred else None)
                          for l in trace.layers), start=CacheResult())
-                name = pol + ("+lookahead" if with_pred else "")
+                name = pol + (f"+{predictor}" if with_pred else "")  # under --routing: trace or temporal
                 row["policies"][name] = {
                     "hit_rate": r.hit_rate,
                     "vs_belady": r.hit_rate / b.hit_rate if b.hit_rate else float("nan"),
@@ -757,7 +757,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         warm_store(store)  # leave the machine as we found it, roughly
     ref_tokens = table[("warm", s.residencies[0], MLX_LM)][0].tokens
 
-    # One routing trace (lookahead predictions recorded), policies replayed over it.
+    # One routing trace (the recording predictor's predictions with it), policies replayed over it.
     _log(verbose, "recording a routing trace; replaying policies vs Belady")
     trace = RoutingTrace()
     set_step_mode(sm, "per-layer")  # per-layer steps record the predictions too
@@ -769,7 +769,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     trace_tokens = _anyio_run(record)
     trace_prediction = PredictionQuality.from_counters(sm.forward.counters, counted).as_dict()
-    policies = policy_hit_rates(trace, store, s.residencies)
+    policies = policy_hit_rates(trace, store, s.residencies, predictor=record_predictor)
     reference.clear()
     mx.clear_cache()
 
@@ -1023,7 +1023,7 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
     ax = axes[-1]
     pol_rows = result["policies_vs_belady"]
     base = list(dict.fromkeys(n.split("+")[0] for n in (pol_rows[0]["policies"] if pol_rows else {})))
-    names = ["belady"] + [n + sfx for n in base for sfx in ("", "+lookahead")] + ["lru, all rows dynamic (from empty)"]
+    names = ["belady"] + list(pol_rows[0]["policies"] if pol_rows else []) + ["lru, all rows dynamic (from empty)"]
     width = 0.8 / max(len(names), 1)
     cmap20 = plt.get_cmap("tab20")
     color: str | tuple[float, float, float, float]  # a colour name or a colormap's RGBA
@@ -1032,9 +1032,9 @@ def plot_result(result: dict[str, Any], path: str | os.PathLike[str]) -> pathlib
             heights, color = [p["belady"] for p in pol_rows], "black"
         elif name == "lru, all rows dynamic (from empty)":
             heights, color = [p["all_rows_dynamic"]["lru"] for p in pol_rows], "grey"
-        else:  # one hue per policy: light = demand only, dark = with lookahead prefetch
+        else:  # one hue per policy: light = demand only, dark = with the predictor's prefetches
             heights = [p["policies"][name]["hit_rate"] for p in pol_rows]
-            color = cmap20(2 * base.index(name.split("+")[0]) + (0 if name.endswith("+lookahead") else 1))
+            color = cmap20(2 * base.index(name.split("+")[0]) + (0 if "+" in name else 1))
         positions = np.arange(len(pol_rows)) + (i - (len(names) - 1) / 2) * width
         ax.bar(positions, heights, width, label=name, color=color)
     ax.set_xticks(np.arange(len(pol_rows)))
