@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "io_reader.h"
@@ -25,7 +26,12 @@ using PinFn = bool (*)(void* ptr, uint64_t nbytes);
 using UnpinFn = void (*)(void* ptr);
 void set_pin_hooks(PinFn pin, UnpinFn unpin);
 
-class HostMirror final : public Destination {
+// enable_shared_from_this: when Python hands a mirror to C++ (a reader layout, a fault table, an
+// upload), the binding layer then shares the C++ owner made at construction instead of making a
+// holder that keeps the Python object alive. Such a holder takes the GIL when dropped, and the
+// holders here are dropped by native threads and by a reader's close() under its lock, which a
+// thread holding the GIL may be waiting for: a deadlock.
+class HostMirror final : public Destination, public std::enable_shared_from_this<HostMirror> {
  public:
   // Throws std::invalid_argument when rows < 1 or a segment is empty, std::bad_alloc on failure.
   HostMirror(int64_t rows, std::vector<uint64_t> segment_nbytes);

@@ -1066,6 +1066,10 @@ bool Reader::wait(int timeout_ms) {
 }
 
 void Reader::close() {
+  // Destinations are let go after the lock (declared before it, destroyed after it): the last
+  // reference to one may run foreign code (a pool's buffer, a pinned mirror's unpin), which must
+  // not run while callers of this reader wait on api_mu_.
+  std::vector<std::shared_ptr<Destination>> released;
   std::lock_guard<std::mutex> lk(api_mu_);
   if (closed_) return;
   // Reads in flight write into pool rows and staging: they must finish before anything goes.
@@ -1088,7 +1092,7 @@ void Reader::close() {
     if (L->fd >= 0) ::close(L->fd);
     if (L->fd_direct >= 0) ::close(L->fd_direct);
     L->fd = L->fd_direct = -1;
-    L->dest.reset();  // drops the pool references
+    released.push_back(std::move(L->dest));  // drops the pool references (once unlocked)
   }
   if (slab_) {
     std::free(slab_);

@@ -7,6 +7,7 @@ on device pools need an MLX CUDA device and are marked ``gpu`` (skipped elsewher
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 
 import anyio
@@ -99,6 +100,29 @@ async def test_reads_land_in_the_host_mirror(tmp_path: Path, reader: str, direct
     assert after["created"] - before["created"] == 2
     assert after["created"] - after["destroyed"] <= live_before
     assert after["bytes_allocated"] - after["bytes_freed"] <= bytes_before
+
+
+def test_native_holders_of_a_mirror_hold_no_python_reference(tmp_path: Path) -> None:
+    """A mirror given to a reader layout is held by the C++ owner made with it, not by a holder
+    that keeps the Python object alive: such a holder takes the GIL when dropped, and a reader's
+    close() drops its layouts' holders while callers wait on its lock (on the GPU a cancelled
+    entry hung there: close() waited for the GIL, held by a thread waiting for close()'s lock).
+    So the Python object's references do not change, and the memory outlives it until close()."""
+    store = _store(tmp_path / "store")
+    spec = store.layer(0)
+    gc.collect()
+    before = native.mirror_counters()
+    m = native.HostMirror(4, [s.nbytes for s in spec.segments])
+    refs = sys.getrefcount(m)
+    r = native.Reader("threads", native.ReaderOptions())
+    r.add_layout_mirror(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in spec.segments],
+                        [s.nbytes for s in spec.segments], m)
+    assert sys.getrefcount(m) == refs
+    del m
+    gc.collect()
+    assert native.mirror_counters()["destroyed"] == before["destroyed"]  # the reader still holds it
+    r.close()
+    assert native.mirror_counters()["destroyed"] == before["destroyed"] + 1
 
 
 def test_upload_without_cuda_says_what_is_missing() -> None:

@@ -298,7 +298,10 @@ async def test_use_after_close_is_a_clear_error(store: ExpertStore) -> None:
 async def test_a_prediction_pending_at_close_fails_its_handle(store: ExpertStore) -> None:
     gate = native.testing.StreamGate()
     async with Runtime(store, resident=0.25, side_rows=4) as rt:
-        handle = rt.prefetch(0, gate.hold(mx.array([13, 14])) + 0)  # computed only once the gate opens
+        # Computed only once the gate opens. The sum stays on the gate's CPU stream: on MLX CUDA a
+        # GPU op on a CPU stream's output makes async_eval wait for that output on the calling
+        # thread (the event loop), and the gate then held the loop, not the prediction.
+        handle = rt.prefetch(0, mx.add(gate.hold(mx.array([13, 14])), 0, stream=mx.cpu))
         await anyio.sleep(0.01)
     gate.open()
     assert handle.done()
