@@ -35,17 +35,20 @@ class FillError(AsyncsideError):
     """Reading one expert record into its pool row failed; the row went back to the free list.
 
     A record whose bytes do not match its checksum fails with ``errno`` EBADMSG and the two
-    checksums in ``expected`` and ``got``.
+    checksums in ``expected`` and ``got``. ``step`` is the queued step whose forward read the
+    record (the id its ``begin_step`` returned), None where that is not known (a host fill, or a
+    queued fault the runtime could not place).
     """
 
     def __init__(self, layer: int, expert: int, row: int, message: str, errno: int | None = None,
-                 expected: int | None = None, got: int | None = None) -> None:
+                 expected: int | None = None, got: int | None = None, *, step: int | None = None) -> None:
         self.layer = layer
         self.expert = expert
         self.row = row
         self.errno = errno
         self.expected = expected
         self.got = got
+        self.step = step
         super().__init__(f"layer {layer} expert {expert} (row {row}): {message}")
 
 

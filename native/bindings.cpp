@@ -705,18 +705,24 @@ void bind_faults(nb::module_& m) {
            "Take back every lent row not used yet; returns them.")
       .def(
           "drain",
-          [](PyFaultTable& p) {
+          [](PyFaultTable& p, bool positions) {
             fa::Drained d = p.t->drain();
-            return nb::make_tuple(as_bytes(d.events.data(), d.events.size() * sizeof(fa::FaultEvent)),
-                                  as_bytes(d.used.data(), d.used.size() * sizeof(int32_t)),
-                                  as_bytes(d.used_sizes.data(), d.used_sizes.size() * sizeof(int32_t)),
-                                  as_bytes(d.missed.data(), d.missed.size()));
+            nb::bytes events = as_bytes(d.events.data(), d.events.size() * sizeof(fa::FaultEvent));
+            nb::bytes used = as_bytes(d.used.data(), d.used.size() * sizeof(int32_t));
+            nb::bytes sizes = as_bytes(d.used_sizes.data(), d.used_sizes.size() * sizeof(int32_t));
+            nb::bytes missed = as_bytes(d.missed.data(), d.missed.size());
+            if (!positions) return nb::make_tuple(events, used, sizes, missed);
+            return nb::make_tuple(events, used, sizes, missed,
+                                  as_bytes(d.event_at.data(), d.event_at.size() * sizeof(int32_t)));
           },
+          nb::arg("positions") = false,
           "(events, used, used_sizes, missed) since the last drain, as raw bytes: events are int64 rows of "
           "(row, victim, expert, ns, error, source: 0 read, 1 from the host tier, 2 read in the background, "
           "3 a prefetch's read); used the distinct experts of each resolve (int32), used_sizes how many each "
           "resolve added (int32), and missed one uint8 per entry of used: 1 where that resolve found the "
-          "expert absent (a miss), 0 where it was a hit.")
+          "expert absent (a miss), 0 where it was a hit. With positions=True a fifth, event_at: per event "
+          "(int32) how many resolves had logged their uses when it was logged, its own included (an event "
+          "of resolve r of this log has r + 1; 0: of the last resolve of the log drained before).")
       .def("prefetch", [](PyFaultTable& p, std::vector<int64_t> ids) { p.t->prefetch(std::move(ids)); },
            nb::arg("ids"), nb::call_guard<nb::gil_scoped_release>(),
            "Start reading the predicted experts `ids` this layer lacks into lent rows (what a "

@@ -396,7 +396,7 @@ std::vector<int64_t> FaultTable::reclaim() {
 void FaultTable::failed(const char* what) noexcept {
   try {
     std::lock_guard<std::mutex> lk(mu_);
-    log_.events.push_back({-1, -1, -1, 0, kNodeFailed, 0});
+    log_event_locked({-1, -1, -1, 0, kNodeFailed, 0});
     node_failure_ = std::string("[asyncside] layer ") + std::to_string(layer_) + ": a fault node failed: " + what;
   } catch (...) {
     // Out of memory for the log itself: the counters below still fail the step.
@@ -571,7 +571,7 @@ uint64_t FaultTable::collect_locked(std::vector<int64_t>& ids, uint64_t stamp, s
     if (e < 0 || e >= n_experts_) {
       // A router (or a replayed trace) named no expert of this layer: logged as a failed fault of
       // row -1, so the step's awaiter raises it, and routed nowhere (row 0) from here on.
-      log_.events.push_back({-1, -1, e, 0, kOutsideExperts, 0});
+      log_event_locked({-1, -1, e, 0, kOutsideExperts, 0}, 1);
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
@@ -613,7 +613,7 @@ void FaultTable::assign_rows_locked(const std::vector<int64_t>& missing, uint64_
     const int64_t row = pick_row_locked(stamp);
     if (row < 0 && hint) return;  // a prediction takes what rows there are, and fails nothing
     if (row < 0) {
-      log_.events.push_back({-1, -1, e, 0, -2, 0});
+      log_event_locked({-1, -1, e, 0, -2, 0});
       fault_errors_.fetch_add(1, std::memory_order_relaxed);
       global_counters().fault_errors.fetch_add(1, std::memory_order_release);
       if (error.empty()) {
@@ -665,7 +665,7 @@ void FaultTable::publish_locked(Fill& f, uint64_t stamp, std::string& error, boo
   // A prefetch's read is not a miss (source 3), unless it was routed and failed: that fails the
   // step as a miss's failed read does (source 2).
   const bool hint = f.prefetch && !(f.routed && f.err != 0);
-  log_.events.push_back({f.row, f.victim, f.expert, f.ns, f.err, hint ? 3 : f.held ? 1 : background ? 2 : 0});
+  log_event_locked({f.row, f.victim, f.expert, f.ns, f.err, hint ? 3 : f.held ? 1 : background ? 2 : 0});
   // The row stays lent (the stream may reuse it in a later step, once this step's gathers have
   // run), at the back of the lend order: it was just filled.
   lent_flag_[static_cast<size_t>(f.row)] = 1;
@@ -1078,7 +1078,7 @@ void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
   std::string error;
   collect_locked(ids, stamp, uniq, error);
   auto fail = [&](int64_t e, int err, uint32_t got, int64_t ns) {
-    log_.events.push_back({-1, -1, e, ns, err, 0});
+    log_event_locked({-1, -1, e, ns, err, 0});
     fault_errors_.fetch_add(1, std::memory_order_relaxed);
     global_counters().fault_errors.fetch_add(1, std::memory_order_release);
     if (error.empty()) error = read_error(e, -1, err, got);
@@ -1127,7 +1127,7 @@ void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
       fail(e, err, 0, 0);
       continue;
     }
-    log_.events.push_back({-1, -1, e, 0, 0, 1});
+    log_event_locked({-1, -1, e, 0, 0, 1});
     staged_copies_.fetch_add(1, std::memory_order_relaxed);
   }
   for (Read& r : reads) {
@@ -1140,7 +1140,7 @@ void FaultTable::stage(std::vector<int64_t> ids, uint32_t* out) {
       fail(r.expert, r.err, r.got, r.ns);
       continue;
     }
-    log_.events.push_back({-1, -1, r.expert, r.ns, 0, 0});
+    log_event_locked({-1, -1, r.expert, r.ns, 0, 0});
     staged_copies_.fetch_add(1, std::memory_order_relaxed);
     bytes_read_.fetch_add(stride_, std::memory_order_relaxed);
   }

@@ -78,6 +78,11 @@ struct Drained {
   // split switch) each log their own experts; the ledger counts an expert once per step, by its
   // first resolve's entry.
   std::vector<uint8_t> missed;
+  // Beside `events`, one per event: how many resolves had logged their uses (used_sizes) when it
+  // was logged, its own included. An event of a resolve's fault is logged after that resolve's
+  // uses, so it belongs to resolve event_at - 1 of this log (0: to the last resolve of the log
+  // drained before); the loop thread keys a failed fault to the step that queued that resolve.
+  std::vector<int32_t> event_at;
 };
 
 class HostRecordSink;
@@ -283,6 +288,12 @@ class FaultTable {
  private:
   // Throws (and clears) what testing_fail_next() set, if anything.
   void throw_injected_locked();
+  // Log `event` with its place among the resolves' uses (Drained::event_at); `ahead`: it belongs
+  // to a resolve whose uses are logged just after it (an id collect_locked refuses).
+  void log_event_locked(const FaultEvent& event, int32_t ahead = 0) {
+    log_.events.push_back(event);
+    log_.event_at.push_back(static_cast<int32_t>(log_.used_sizes.size()) + ahead);
+  }
   // The distinct experts of `ids` (first-use order) into `uniq`; returns the routed pairs
   // (kNoExpert excluded). Logs the resolve's uses. An id outside the layer's experts is logged as
   // a failure (its message into `error`, when the first) and replaced in `ids` by kNoExpert.

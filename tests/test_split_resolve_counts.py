@@ -133,17 +133,17 @@ def test_a_drain_of_only_empty_resolves_still_ends_the_step_they_belong_to(store
         def __init__(self, real: object, drains: list[tuple[list[int], list[int], list[int]]]) -> None:
             self.real, self.drains = real, drains
 
-        def drain(self) -> tuple[bytes, bytes, bytes, bytes]:
+        def drain(self, positions: bool = False) -> tuple[bytes, ...]:
             used, sizes, missed = self.drains.pop(0)
             return (b"", np.asarray(used, np.int32).tobytes(), np.asarray(sizes, np.int32).tobytes(),
-                    np.asarray(missed, np.uint8).tobytes())
+                    np.asarray(missed, np.uint8).tobytes()) + ((b"",) if positions else ())
 
     async def main() -> tuple[int, list[list[int]]]:
         async with Runtime(sm.store, resident=0.0, min_side_rows=2) as rt:
             q, st = rt.queued, rt._s.layer(layer)
             real = st.faults
             # A step of three resolves (its last two of no expert), then a step of one.
-            q._step_resolves[layer] = deque([3, 1])
+            q._step_resolves[layer] = deque([(1, 3), (2, 1)])  # (step, its resolves)
             st.faults = Log(real, [([5, 6], [2], [1, 1]), ([], [0, 0], []), ([5, 7], [2], [0, 1])])
             uses: list[list[int]] = []
             record = st.ledger.record_uses

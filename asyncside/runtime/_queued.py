@@ -68,22 +68,31 @@ class QueuedSide:
         self._build_done: anyio.Event | None = None
         #: nanoseconds of the latest faults (bounded), for latency percentiles
         self._fault_ns: list[int] = []
-        #: failed faults learned from the logs, raised by the next begin_step / after_step / quiesce
+        #: failed faults learned from the logs, each keyed to the step that read it where known
+        #: (FillError.step): raised where that step is awaited (after_step), or, where its step is
+        #: unknown or no longer awaited, by the next begin_step / after_step; quiesce raises them all
         self._errors: list[FillError] = []
+        self._step_seq = 0  # the latest step's id (begin returns it)
+        self._building_step: int | None = None  # the step being built, when one build is under way
+        #: steps built (end) whose after_step has not come yet: their errors wait for it
+        self._awaiting: set[int] = set()
         #: every dynamic row of every layer is lent (begin_step has nothing to do)
         self._lent_all = False
         self._ready_pairs = 0  # ready() answered yes for this many pairs since _lent_all
         self._since_reconcile = 0
         # Counting a step's uses once per layer (reconcile): a layer's resolves of one step (a
         # switch split in parts) are consecutive in its fault log, and the log does not say where
-        # a step ends, so the steps built say it: per layer, the resolves each built step queued,
-        # in build (= stream) order, and the step the last drain left partway through (resolves
-        # still to come, the experts it counted so far). Off (each resolve counted as a step of
-        # its own) from when builds overlap or a fault node failed as a whole (either can leave
-        # the log and the counts out of step) until everything queued was learned (quiesce).
+        # a step ends, so the steps built say it: per layer, each built step's id and the resolves
+        # it queued, in build (= stream) order, and the step the last drain left partway through
+        # (resolves still to come, the experts it counted so far, its id). The same bookkeeping
+        # keys a failed fault to its step (the log places each event among the resolves). Off
+        # (each resolve counted as a step of its own, failures of no known step) from when builds
+        # overlap or a fault node failed as a whole (either can leave the log and the counts out of
+        # step) until everything queued was learned (quiesce, or no step in flight).
         self._resolves: dict[int, int] = {}  # the step being built: layer -> resolves queued
-        self._step_resolves: dict[int, deque[int]] = {}
-        self._partial: dict[int, tuple[int, dict[int, None]]] = {}
+        self._step_resolves: dict[int, deque[tuple[int, int]]] = {}
+        self._partial: dict[int, tuple[int, dict[int, None], int | None]] = {}
+        self._last_step: dict[int, int | None] = {}  # layer -> the step of its last resolve drained
         self._grouping = True
         self._errors_seen = 0
         #: whether a step whose experts exceed the lent rows may be queued in slices (see capacity)
@@ -249,15 +258,24 @@ class QueuedSide:
         return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._s.layers.values()),
                    default=0)
 
-    def begin(self) -> None:
+    def begin(self) -> int:
         """Before queuing a step (never blocks): every layer's dynamic rows lent to its fault table
-        (they stay lent across steps); the FillError of a fault that failed earlier raised. Once
-        every row is lent this costs the host next to nothing: the fault logs are applied every
-        :data:`RECONCILE_EVERY` steps (and before anything reads the ledgers), failures at once."""
+        (they stay lent across steps); the FillError of a fault that failed earlier raised, unless
+        it waits for its own step's :meth:`after_step`. Once every row is lent this costs the host
+        next to nothing: the fault logs are applied every :data:`RECONCILE_EVERY` steps (and
+        before anything reads the ledgers), failures at once. Returns the step's id (what
+        :meth:`after_step` takes, and a failed fault's ``FillError.step``)."""
+        if not self._grouping and not self._building and self.idle():
+            self._regroup()
         self._lend()
+        self._step_seq += 1
         if self._building:
             self._grouping = False  # two builds at once: their resolves' order in the logs is unknown
+            self._building_step = None
+        else:
+            self._building_step = self._step_seq
         self._building += 1
+        return self._step_seq
 
     def _lend(self) -> None:
         s = self._s
@@ -266,7 +284,8 @@ class QueuedSide:
             self._outs = [o for o in self._outs if not native_available(o)]
         s.queued.queued_steps += 1
         if self._lent_all:
-            self.after_step()
+            self._learn()
+            self._raise_errors()
             return
         self._outs = [o for o in self._outs if not native_available(o)]
         in_flight = len(self._outs)
@@ -384,9 +403,12 @@ class QueuedSide:
     def end(self, out: mx.array) -> None:
         """A step whose last output is ``out`` is built and about to be scheduled."""
         self._outs.append(out)
+        step = self._building_step
+        if step is not None:
+            self._awaiting.add(step)
         if self._grouping:
             for layer, n in self._resolves.items():
-                self._step_resolves.setdefault(layer, deque()).append(n)
+                self._step_resolves.setdefault(layer, deque()).append((step if step is not None else -1, n))
         self._built()
 
     def abandon(self) -> None:
@@ -395,6 +417,7 @@ class QueuedSide:
 
     def _built(self) -> None:
         self._resolves = {}
+        self._building_step = None
         self._building -= 1
         if self._building == 0 and self._build_done is not None:
             self._build_done.set()
@@ -429,9 +452,8 @@ class QueuedSide:
         self.reconcile_all()
         # Everything queued is learned: what the steps built still expect never ran (a failed
         # schedule), and counting by steps starts afresh.
-        self._step_resolves.clear()
-        self._partial.clear()
-        self._grouping = True
+        self._regroup()
+        self._awaiting.clear()
         for st in s.layers.values():
             if st.faults is not None:
                 st.ledger.reclaim(st.faults.reclaim())
@@ -450,25 +472,59 @@ class QueuedSide:
             if st.faults is not None and st.faults.pending:
                 await anyio.to_thread.run_sync(st.faults.settle)  # I/O: in a worker thread
                 self.reconcile(st)
+        if not self._grouping and not self._building and self.idle():
+            self._regroup()
+
+    def _regroup(self) -> None:
+        """Count by steps afresh (and key failures to steps again), once no step is built or
+        computing and every log was learned; a no-op while a streamed read is unpublished (its
+        event is the finished step's, learned later)."""
+        if any(st.faults is not None and st.faults.pending for st in self._s.layers.values()):
+            return
+        self.reconcile_all()
+        self._step_resolves.clear()
+        self._partial.clear()
+        self._last_step.clear()
+        self._grouping = True
 
     def idle(self) -> bool:
         """No queued step is still computing (their outputs all available)."""
         return not [o for o in self._outs if not native_available(o)]
 
-    def after_step(self) -> None:
-        """A step's output was awaited: raise a failed fault's FillError (an ExceptionGroup of them
-        when several failed), and every :data:`RECONCILE_EVERY` steps apply the fault logs."""
+    def after_step(self, step: int | None = None) -> None:
+        """The output of ``step`` (an id :meth:`begin` returned; None: a step not named) was
+        awaited: raise the FillError of a fault that step read (an ExceptionGroup of them when
+        several failed), with those of earlier steps and of no known step; a later step's wait for
+        its own await. Unnamed, every failure learned so far is raised. Every
+        :data:`RECONCILE_EVERY` steps the fault logs are applied."""
+        self._learn()
+        if step is None:
+            self._awaiting.clear()
+            self._raise_errors()
+            return
+        self._awaiting = {s for s in self._awaiting if s > step}
+        if not self._grouping and not self._building and self.idle():
+            self._regroup()
+        self._raise_errors()
+
+    def _learn(self) -> None:
+        """Apply the fault logs when a fault failed since the last time, or every
+        :data:`RECONCILE_EVERY` calls."""
         self._since_reconcile += 1
         errors = _native.fault_errors_total()
         if errors != self._errors_seen or self._since_reconcile >= RECONCILE_EVERY:
             self._errors_seen = errors
             self.reconcile_all()
-        self._raise_errors()
 
     def _raise_errors(self) -> None:
-        errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed", errors)
+        """Raise the failures learned, except those of a step awaited later (built and not past
+        its :meth:`after_step`) or being built, which wait for their own step's await."""
+        keep = self._awaiting | ({self._building_step} if self._building_step is not None else set())
+        errors = [e for e in self._errors if e.step is None or e.step not in keep]
+        if not errors:
+            return
+        self._errors = [e for e in self._errors if e.step is not None and e.step in keep]
+        raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed", errors)
 
     # ---------------------------------------------------------------- fault logs
 
@@ -482,11 +538,24 @@ class QueuedSide:
         faults = st.faults
         if faults is None:
             return
-        raw_events, raw_used, raw_sizes, raw_missed = faults.drain()
+        raw_events, raw_used, raw_sizes, raw_missed, raw_at = faults.drain(positions=True)
         cache, reads, queued = self._s.cache, self._s.reads, self._s.queued
+        events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
+        if (events[:, 4] == _NODE_FAILED).any():
+            self._grouping = False  # the node logged no uses: the steps' resolves are off
+        layer = st.spec.index
+        before = self._last_step.get(layer)  # the step of the last resolve drained before this log
+        # The step of each resolve of this log (None: not known), counting their uses on the way
+        groups = self._count_uses(st, np.frombuffer(raw_used, dtype=np.int32),
+                                  np.frombuffer(raw_sizes, dtype=np.int32),
+                                  np.frombuffer(raw_missed, dtype=np.uint8)) if raw_sizes else []
+        if groups:
+            self._last_step[layer] = groups[-1]
+        at = np.frombuffer(raw_at, dtype=np.int32).tolist()
+        if len(at) != len(events) or not self._grouping:
+            at = [-1] * len(events)  # no event placed (a node failure's log, or its own entry lost)
         if raw_events:
-            events = np.frombuffer(raw_events, dtype=np.int64).reshape(-1, 6)
-            for row, victim, expert, ns, err, source in events.tolist():
+            for i, (row, victim, expert, ns, err, source) in enumerate(events.tolist()):
                 if row >= 0:
                     st.ledger.settle_fault(row, victim, expert, err == 0)
                     st.version += 1
@@ -529,25 +598,26 @@ class QueuedSide:
                         cache.evictions += 1
                     self._fault_ns.append(ns)
                 else:
-                    if err == _NODE_FAILED:
-                        self._grouping = False  # the node logged no uses: the steps' resolves are off
                     reads.failed_fills += 1
                     cause = faults.failure if err == _NODE_FAILED else _fault_cause(err, st.spec.n_experts)
+                    # Its resolve is at[i] - 1 of this log (-1: the last one drained before)
+                    k = at[i] - 1
+                    step = (before if k == -1 else groups[k] if 0 <= k < len(groups) else None) \
+                        if at[i] >= 0 else None
                     self._errors.append(FillError(st.spec.index, expert, row, f"fault in a queued step: {cause}",
-                                                  errno=err if err > 0 else None))
+                                                  errno=err if err > 0 else None, step=step))
             if len(self._fault_ns) > 4096:
                 del self._fault_ns[:-2048]
-        if raw_sizes:  # resolves of no expert too (an expert slice past those routed): they end steps
-            self._count_uses(st, np.frombuffer(raw_used, dtype=np.int32), np.frombuffer(raw_sizes, dtype=np.int32),
-                             np.frombuffer(raw_missed, dtype=np.uint8))
 
-    def _count_uses(self, st: LayerState, used: np.ndarray, sizes: np.ndarray, missed: np.ndarray) -> None:
+    def _count_uses(self, st: LayerState, used: np.ndarray, sizes: np.ndarray,
+                    missed: np.ndarray) -> list[int | None]:
         """A fault log's uses into the ledger's policy and the hits: each distinct expert a step's
         layer routed counted once, as the per-layer path counts it, a hit when the step's first
         resolve of it found it in place, however many resolves the step split the layer's switch
         into; the policy hears of it once per step too. (The misses are the faults and staged
         copies, counted from the events: a token part's resolve may fault an expert an earlier
-        part of the step used and a later one evicted, a read of its own.)"""
+        part of the step used and a later one evicted, a read of its own.) Returns the step of each
+        resolve of the log (None where not known)."""
         cache, layer = self._s.cache, st.spec.index
         steps = self._step_resolves.get(layer)
         partial = self._partial.pop(layer, None)
@@ -556,22 +626,26 @@ class QueuedSide:
             self._step_resolves.clear()
             self._partial.clear()
         n_groups = int(sizes.size)
-        if partial is None and (not steps or all(steps[i] == 1 for i in range(min(n_groups, len(steps))))):
+        groups: list[int | None] = []
+        if partial is None and (not steps or all(steps[i][1] == 1 for i in range(min(n_groups, len(steps))))):
             # Each resolve a step of its own (an unsplit step per layer): the log's entries as they are.
             for _ in range(min(n_groups, len(steps) if steps else 0)):
-                steps.popleft()  # type: ignore[union-attr]
+                groups.append(_known(steps.popleft()[0]))  # type: ignore[union-attr]
+            groups += [None] * (n_groups - len(groups))
             cache.hits += int(used.size) - int(missed.sum())
             st.ledger.record_uses(used, sizes.tolist())
-            return
+            return groups
         ids, miss = used.tolist(), missed.tolist()
         flat: list[int] = []
         reserves: list[int] = []
         hits = pos = 0
-        left, seen = partial if partial is not None else (0, {})
+        left, seen, step = partial if partial is not None else (0, {}, None)
         for k, n in enumerate(sizes.tolist()):
             starts = left == 0
             if starts:
-                left, seen = (steps.popleft() if steps else 1), {}
+                sid, left = steps.popleft() if steps else (-1, 1)
+                step, seen = _known(sid), {}
+            groups.append(step)
             if starts or k == 0:
                 reserves.append(0)  # a step's uses (or their rest, after an earlier drain): one reserve
             for e, m in zip(ids[pos:pos + n], miss[pos:pos + n]):
@@ -583,9 +657,10 @@ class QueuedSide:
             pos += n
             left -= 1
         if left > 0:
-            self._partial[layer] = (left, seen)
+            self._partial[layer] = (left, seen, step)
         cache.hits += hits
         st.ledger.record_uses(np.asarray(flat, dtype=np.int32), reserves)
+        return groups
 
     def prefetch_counts(self) -> tuple[int, int]:
         """Records queued steps' prefetches read (failed reads too: they cost the disk and brought
@@ -613,6 +688,11 @@ class QueuedSide:
 
 
 _NODE_FAILED = -4  # a fault node failed as a whole: its message is the table's `failure`
+
+
+def _known(step: int) -> int | None:
+    """A step id as the steps' bookkeeping keeps it (-1: a step built without one) or None."""
+    return step if step >= 0 else None
 _PREFETCHED = 3  # FaultEvent::source of a prefetch's read (native/expert_faults.h)
 
 
