@@ -421,7 +421,8 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
         miss_bytes = float(stats.get("bytes_read", 0)) / max(1, len(run.tokens))
     io_limit = (disk["bytes_per_s"] / miss_bytes) if disk and miss_bytes > 0 and disk["bytes_per_s"] > 0 else None
     compute = ref.decode_tokens_per_s if ref is not None else None
-    bound = min(x for x in (io_limit, compute) if x is not None) if (io_limit or compute) else None
+    known = {name: x for name, x in (("compute limit", compute), ("I/O limit", io_limit)) if x}
+    bound = min(known.values()) if known else None
     seconds = max(run.end - run.start, 1e-9)
     # The stream's own reads, the fill path's stalls, and waits for streamed reads: the time the
     # model waited for the disk (a streamed read's own time overlaps compute and is not counted).
@@ -433,6 +434,9 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
         "io_limit_tokens_per_s": io_limit,
         "compute_limit_tokens_per_s": compute,
         "of_limit": (run.decode_tokens_per_s / bound) if bound else None,
+        # what of_limit is held to: both limits' min, or the one of them that was measured
+        "of_limit_against": (None if not known else "min(compute, I/O limit)" if len(known) == 2
+                             else next(iter(known))),
         "read_wait_s": waited,
         "other_s": max(0.0, seconds - waited),
     }
@@ -595,7 +599,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_identical": identical,
         "audit_clean": audit_ok,
         "streaming": run_f,
-        "all_resident": ref_f,
+        # The reference's figures under the name of the run that made them (null: that one did not
+        # run; "reference" says which did)
+        "all_resident": ref_f if reference == "all-resident" else None,
+        "slot_cache": ref_f if reference == "slot-cache" else None,
         # The slot cache's demand reads (the all-resident reference reads nothing; none: no run)
         "reference_reads": ({k: ref.stats[k] for k in ("hit_rate", "bytes_read", "stall_time_s")}
                             if reference == "slot-cache" and ref is not None and ref.stats else None),
@@ -614,6 +621,30 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def of_limit_label(result: dict[str, Any]) -> str:
+    """What a demo ``result``'s ``limits.of_limit`` is held to, in the table's words: both limits'
+    min, or the one measured and why the other was not."""
+    lim = result["limits"]
+    against = lim.get("of_limit_against") or "min(compute, I/O limit)"
+    if against == "I/O limit":
+        ran = {"slot-cache": "the reference was the slot cache", "none": "no reference ran"}.get(
+            result["reference"], "no all-resident run")
+        return f"the I/O limit (compute limit not measured: {ran})"
+    if against == "compute limit":
+        disk = lim.get("disk_bytes_per_s")
+        why = ("the disk is probed under --memory only" if disk is None
+               else "the disk probe read nothing" if not disk else "no misses while decoding")
+        return f"the compute limit (I/O limit not measured: {why})"
+    return against
+
+
+def reference_figures(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The figures of the reference run of a demo ``result`` (under ``all_resident`` or
+    ``slot_cache``, as ``result["reference"]`` names it); None when no reference ran."""
+    key = {"all-resident": "all_resident", "slot-cache": "slot_cache"}.get(result["reference"])
+    return result.get(key) if key else None
+
+
 def title(result: dict[str, Any]) -> str:
     """The table's title: the model, and what its pools hold."""
     held = result.get("pools_fraction")
@@ -625,7 +656,8 @@ def _table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    s, r = result["streaming"], result["all_resident"]
+    s = result["streaming"]
+    r = reference_figures(result) or {k: 0.0 for k in s}
     table = Table(title=title(result))
     table.add_column("")
     table.add_column("streaming (asyncside)", justify="right")
@@ -672,7 +704,7 @@ def _table(result: dict[str, Any]) -> None:
                       f"{lim['disk_bytes_per_s'] / 1e9:.2f} GB/s / {lim['miss_bytes_per_token'] / 1e6:.1f} MB", "", "")
         table.add_row("I/O limit (disk / misses per token)", f"{lim['io_limit_tokens_per_s']:.2f} tok/s", "", "")
     if lim["of_limit"] is not None:
-        table.add_row("decode tokens/s of min(compute, I/O limit)", f"{lim['of_limit']:.2f}x", "", "")
+        table.add_row(f"decode tokens/s of {of_limit_label(result)}", f"{lim['of_limit']:.2f}x", "", "")
     table.add_row("time waiting for reads / the rest",
                   f"{lim['read_wait_s']:.2f} s / {lim['other_s']:.2f} s", "", "")
     table.add_row("faults per token, p50 / p99 fault time",
@@ -818,7 +850,7 @@ def demo_main(args: argparse.Namespace) -> int:
         _table(result)
         if result["tokens_identical"] is False:
             print(f"asyncside demo: tokens differ from the {result['reference']} run:\n"
-                  f"  streaming:    {result['text']!r}\n  all-resident: {result['reference_text']!r}",
+                  f"  streaming:    {result['text']!r}\n  {result['reference'] + ':':<13} {result['reference_text']!r}",
                   file=sys.stderr)
     return 0 if result["tokens_identical"] is not False and result["audit_clean"] else 1
 

@@ -21,7 +21,8 @@ rows per layer; misses' MB per token (misses x record size); disk MB per token (
 at the record size and the runtime's queue depth, with O_DIRECT (``bench io``'s reader pass) in
 the same run; the I/O limit (that bandwidth / the bytes per token the misses and, under a
 predictor, queued steps' prefetches read); the compute limit
-(all-resident mlx-lm tok/s with no limit, same routing); and tok/s / min(the two limits).
+(all-resident mlx-lm tok/s with no limit, same routing); and tok/s / min(the two limits) (of the
+one measured where the other is not: the column says which).
 
 Memory cgroups: v2 (a directory under the unified hierarchy with the memory controller enabled,
 ``memory.max``, ``memory.swap.max`` 0) or v1 (``memory/``: ``memory.limit_in_bytes``, and
@@ -1137,8 +1138,12 @@ def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: 
         run["io_limit_tokens_per_s"] = bw / (need * MB) if need else None
     run["disk_mb_per_token"] = run.get("read_bytes", 0) / steps / MB
     run["compute_limit_tokens_per_s"] = compute.get("decode_tokens_per_s")
-    limits = [x for x in (run.get("io_limit_tokens_per_s"), run["compute_limit_tokens_per_s"]) if x]
-    run["of_limit"] = run["decode_tokens_per_s"] / min(limits) if limits else None
+    known = {name: x for name, x in (("compute limit", run["compute_limit_tokens_per_s"]),
+                                     ("I/O limit", run.get("io_limit_tokens_per_s"))) if x}
+    run["of_limit"] = run["decode_tokens_per_s"] / min(known.values()) if known else None
+    # what of_limit is held to: both limits' min, or the one of them that was measured
+    run["of_limit_against"] = (None if not known else "min(compute, I/O limit)" if len(known) == 2
+                               else next(iter(known)))
 
 
 def _f(v: Any, spec: str, suffix: str = "") -> str:
@@ -1149,12 +1154,20 @@ COLUMNS = ["shape", "locality", "system", "tok/s", "hit rate", "of MIN", "miss M
            "peak MB", "I/O limit", "compute limit", "of limit", "status"]
 
 
+def _of_what(r: dict[str, Any]) -> str:
+    """What the "of limit" cell is held to where it is not min(compute, I/O limit): the one
+    limit that was measured."""
+    against = r.get("of_limit_against")
+    return f" (of the {against}; the other not measured)" if r.get("of_limit") is not None and against in (
+        "compute limit", "I/O limit") else ""
+
+
 def _row(r: dict[str, Any]) -> list[str]:
     return [r["shape"], r["locality"], r["system"], _f(r.get("decode_tokens_per_s"), ".2f"),
             _f(r.get("hit_rate"), ".1%"), _f(r.get("of_min"), ".2f", "x"), _f(r.get("miss_mb_per_token"), ".1f"),
             _f(r.get("disk_mb_per_token"), ".1f"), _f((r.get("peak_bytes") or 0) / MB or None, ".0f"),
             _f(r.get("io_limit_tokens_per_s"), ".2f"), _f(r.get("compute_limit_tokens_per_s"), ".2f"),
-            _f(r.get("of_limit"), ".2f", "x"),
+            _f(r.get("of_limit"), ".2f", "x") + _of_what(r),
             r["status"] if r["status"] == "ok" or len(r["status"]) < 90 else r["status"][:87] + "..."]
 
 
