@@ -790,8 +790,10 @@ def _lookahead_extra_problem(args: argparse.Namespace) -> str | None:
 def routing_sequence_problem(routing: str | None, sequence: int | None, trace: Any = None) -> str | None:
     """Why ``--routing-sequence sequence`` cannot be replayed from ``--routing routing`` (None: it
     can), said before a model loads: the option given without a trace (``sequence`` None: not
-    given, so a given 0 is refused too), or a trace without that sequence. ``trace``: the file
-    already loaded, else it is loaded here; a bad file raises its TraceError (one line naming it)."""
+    given, so a given 0 is refused too), or a trace without that sequence; it starts with the
+    option's name, as a usage error does (``demo``, ``bench generate`` and ``bench offload`` say it
+    as ``error: --routing-sequence ...``, exit status 2). ``trace``: the file already loaded, else it
+    is loaded here; a bad file raises its TraceError (one line naming it)."""
     if sequence is None:
         return None
     if not routing:
@@ -805,7 +807,7 @@ def routing_sequence_problem(routing: str | None, sequence: int | None, trace: A
     n = int(trace.n_sequences)
     if sequence < n:
         return None
-    return f"{routing}: --routing-sequence {sequence} out of range: the trace has {n} sequence{'s' if n != 1 else ''}"
+    return f"--routing-sequence {sequence} out of range: {routing} has {n} sequence{'s' if n != 1 else ''}"
 
 
 def demo_main(args: argparse.Namespace) -> int:
@@ -819,7 +821,7 @@ def demo_main(args: argparse.Namespace) -> int:
     if args.ranks != 1:
         args.predictor = args.predictor or "lookahead"
         if getattr(args, "routing", None) or getattr(args, "record_routing", None):
-            print("asyncside demo: --routing / --record-routing run in one process (not with --ranks)",
+            print("asyncside demo: error: --routing / --record-routing run in one process (not with --ranks)",
                   file=sys.stderr)
             return 2
         problem = ranks_problem(args)

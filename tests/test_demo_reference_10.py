@@ -1,5 +1,7 @@
-"""The demo's reference figures under the name of the run that made them, and the limit its
-"decode tokens/s of ..." row (and bench offload's "of limit" column) is held to."""
+"""The demo's reference figures under the name of the run that made them, the limit its
+"decode tokens/s of ..." row is held to, one refusal style for ``--routing-sequence`` out of range
+in ``demo``, ``bench generate`` and ``bench offload``, and the positions each system of ``bench
+offload`` routes."""
 
 from __future__ import annotations
 
@@ -7,10 +9,16 @@ import json
 import pathlib
 from typing import Any
 
+import numpy as np
 import pytest
 from _cli_support import run_cli
 
 from asyncside.cli import main
+from asyncside.routing import RoutingTrace, preset
+
+
+def _never(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the command went on past its usage error")
 
 
 def _demo(capsys: pytest.CaptureFixture[str], store: pathlib.Path, *argv: str) -> dict[str, Any]:
@@ -89,6 +97,136 @@ def test_tokens_that_differ_name_the_reference_that_ran(monkeypatch: pytest.Monk
     rc, err = run_cli(capsys, "demo", "--tokens", "2")
     assert rc == 1 and "tokens differ from the slot-cache run" in err and "all-resident" not in err, err
     assert "slot-cache:   'a c'" in err, err
+
+
+# ---- --routing-sequence out of range: one style, exit status 2 -----------------------------------
+
+
+def _two_sequences(path: pathlib.Path) -> pathlib.Path:
+    a = preset("low", tokens=6, n_layers=2, n_experts=32, top_k=4, seed=1)
+    b = preset("high", tokens=5, n_layers=2, n_experts=32, top_k=4, seed=2)
+    RoutingTrace(np.concatenate([a.ids, b.ids]), np.array([6, 5]), 32, {"source": "test"}).save(path)
+    return path
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "generate", "--quick", "--plot", "none"],
+                                     ["bench", "offload", "--quiet"]])
+def test_a_sequence_out_of_range_is_a_usage_error_everywhere(command: list[str], tmp_path: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """demo said "asyncside demo: error: ...", the benches the same refusal without "error:"; each
+    is now the CLI's usage error, worded from the option."""
+    from asyncside import demo
+    from asyncside.bench import generate, offload
+
+    monkeypatch.setattr(demo, "run_demo", _never)
+    monkeypatch.setattr(generate, "_resolve_store", _never)
+    monkeypatch.setattr(offload, "process_baseline", _never)
+    two = _two_sequences(tmp_path / "two.npz")
+    rc, err = run_cli(capsys, *command, "--json", "--routing", str(two), "--routing-sequence", "2")
+    name = " ".join(command[:2]) if command[0] == "bench" else "demo"
+    assert rc == 2 and err.strip().splitlines() == [
+        f"asyncside {name}: error: --routing-sequence 2 out of range: {two} has 2 sequences"], err
+
+
+def test_demo_refuses_routing_beside_ranks_as_a_usage_error(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncside.distributed.demo as ranks_demo
+
+    monkeypatch.setattr(ranks_demo, "ranks_demo_main", _never)
+    rc, err = run_cli(capsys, "demo", "--ranks", "2", "--routing", str(_two_sequences(tmp_path / "t.npz")))
+    assert rc == 2 and err.strip().splitlines() == [
+        "asyncside demo: error: --routing / --record-routing run in one process (not with --ranks)"], err
+
+
+# ---- bench offload: the positions each system routes ---------------------------------------------
+
+
+def test_offload_positions_each_system_routes(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The note said "a run routes 1+T positions", mlx-lm's count (it computes the step after each
+    token before handing it over); asyncside and the slot cache route one fewer. Counted here from
+    the positions each system asks the replay for, on the same trace and prompt."""
+    import anyio
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from asyncside.bench import offload
+    from asyncside.bench.slot_cache import SlotCache, slot_generate
+    from asyncside.models import load_reference_model, load_streaming_model
+    from asyncside.models.forcing import RoutingReplay, force_reference
+    from asyncside.runtime import Runtime
+    from asyncside.store import ExpertStore
+
+    store = ExpertStore.open(quick_store)
+    sm = load_streaming_model(quick_store)
+    config = json.loads((quick_store / "config.json").read_text())
+    n_experts = store.layer(next(iter(store.layers))).n_experts
+    path = tmp_path / "long.npz"
+    preset("low", tokens=64, n_layers=len(store.layers), n_experts=n_experts, top_k=config["num_experts_per_tok"],
+           seed=3).save(path)
+    replay = sm.set_routing(str(path))
+    prompt, tokens = [1, 2, 3], 5
+    routed = offload.positions_routed(len(prompt) + tokens)
+
+    model, _config = load_reference_model(quick_store)
+    blocks = force_reference(model, sm.arch.block_attr, replay)
+    for n, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=tokens), 1):
+        if n >= tokens:
+            break
+    assert blocks[0]._position == routed["mlx-lm"]
+
+    seen: list[int] = []
+    step_ids = RoutingReplay.step_ids
+    host_ids = RoutingReplay.host_ids
+
+    def counted_step(self: Any, layer: int, start: int, shape: Any) -> Any:
+        seen.append(start + int(np.prod(shape)))
+        return step_ids(self, layer, start, shape)
+
+    def counted_host(self: Any, layer: int, start: int, n: int) -> Any:
+        seen.append(start + n)
+        return host_ids(self, layer, start, n)
+
+    monkeypatch.setattr(RoutingReplay, "step_ids", counted_step)
+    monkeypatch.setattr(RoutingReplay, "host_ids", counted_host)
+
+    async def streamed() -> None:
+        async with Runtime(store, resident=0.25) as rt:
+            got = []
+            async for tok in sm.generate(prompt, max_tokens=tokens, source=rt, predictor="none"):
+                got.append(tok)
+                if len(got) >= tokens:
+                    break
+
+    anyio.run(streamed)
+    assert max(seen) == routed["asyncside"]
+    seen.clear()
+    with SlotCache(store, 0.25) as sc:
+        for n, _tok in enumerate(slot_generate(sm, sc, prompt, max_tokens=tokens), 1):
+            if n >= tokens:
+                break
+    assert max(seen) == routed["slot-cache"] == routed["mlx-lm"] - 1
+
+
+def test_offload_routing_note_says_which_system_routes_how_many(tmp_path: pathlib.Path) -> None:
+    from asyncside.bench import offload
+
+    path = tmp_path / "short.npz"
+    preset("low", tokens=8, n_layers=2, n_experts=32, top_k=4, seed=1).save(path)
+    (user,) = offload.load_routings([str(path)])
+    _trace, info = offload.fit_routing(user, shape="s", moe_layers=2, n_experts=32, top_k=4, positions=12,
+                                       predictor="none")
+    assert info["positions_routed"] == {"asyncside": 11, "slot-cache": 11, "mlx-lm": 12}
+    note = offload.routing_note(info)
+    assert ("positions wrap: a run routes up to 11 positions in asyncside and the slot cache, 12 in mlx-lm "
+            "(one step ahead of its tokens)") in note, note
+    _trace, info = offload.fit_routing(user, shape="s", moe_layers=2, n_experts=32, top_k=4, positions=9,
+                                       predictor="none")
+    assert info["wraps"] and "positions wrap in mlx-lm alone: a run routes up to 8 positions" in offload.routing_note(info)
+    _trace, info = offload.fit_routing(user, shape="s", moe_layers=2, n_experts=32, top_k=4, positions=8,
+                                       predictor="none")
+    assert not info["wraps"] and "wrap" not in offload.routing_note(info)
 
 
 def test_offload_of_limit_says_which_limit_it_is_held_to(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,7 +105,7 @@ def test_bench_offload_refuses_a_sequence_the_trace_lacks(tmp_path: pathlib.Path
     base = ("bench", "offload", "--json", "--quiet", "--memory", str(OFFLOAD_BUDGET))
     rc, err = run_cli(capsys, *base, "--routing", str(two), "--routing-sequence", "2")
     assert rc == 2 and err.strip().count("\n") == 0 and "Traceback" not in err, err
-    assert f"{two}: --routing-sequence 2 out of range: the trace has 2 sequences" in err, err
+    assert err.strip() == f"asyncside bench offload: error: --routing-sequence 2 out of range: {two} has 2 sequences", err
     rc, err = run_cli(capsys, *base, "--routing-sequence", "1")
     assert rc == 2 and err.strip().count("\n") == 0, err
     assert "--routing-sequence picks a sequence of a --routing trace: give --routing FILE" in err, err
@@ -123,7 +123,7 @@ def test_bench_offload_names_the_file_that_lacks_the_sequence(tmp_path: pathlib.
     RoutingTrace(whole.sequence(0), np.array([12]), whole.n_experts, {"source": "test"}).save(single)
     rc, err = run_cli(capsys, "bench", "offload", "--json", "--quiet", "--routing", str(two), "--routing", str(single),
                       "--routing-sequence", "1")
-    assert rc == 2 and f"{single}: --routing-sequence 1 out of range: the trace has 1 sequence" in err, err
+    assert rc == 2 and f"--routing-sequence 1 out of range: {single} has 1 sequence" in err, err
     assert str(two) not in err
 
 

@@ -41,7 +41,7 @@ def test_demo_replays_the_sequence_asked_for(tmp_path: pathlib.Path, quick_store
     assert runs[0]["hit_rate"] != runs[1]["hit_rate"]  # other experts were routed
     assert main([*base, "--routing", str(trace), "--routing-sequence", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"asyncside demo: error: {trace}: --routing-sequence 2 out of range: the trace has 2 sequences"], err
+    assert err == [f"asyncside demo: error: --routing-sequence 2 out of range: {trace} has 2 sequences"], err
     assert main([*base, "--routing-sequence", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["asyncside demo: error: --routing-sequence picks a sequence of a --routing trace: "
@@ -59,7 +59,7 @@ def test_bench_generate_replays_the_sequence_asked_for(tmp_path: pathlib.Path, q
     assert res["tokens_identical"] is True and res["routing"]["sequence"] == 1
     assert main([*args, "--routing-sequence", "5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--routing-sequence 5 out of range: the trace has 2 sequences" in err[0], err
+    assert err == [f"asyncside bench generate: error: --routing-sequence 5 out of range: {trace} has 2 sequences"], err
     with pytest.raises(SystemExit) as info:  # argparse's refusal: the usage, then the line that says why
         main([*args, "--routing-sequence", "-1"])
     assert info.value.code == 2

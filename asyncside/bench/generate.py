@@ -654,7 +654,7 @@ def _read_traces_first(args: argparse.Namespace) -> Any:
     the field), and a ``--routing`` trace that does not fit a ``--shape`` (RoutingReplayError),
     before a shape is built or a model loads, as bench offload's are. Returns the ``--routing``
     trace (None without), which the run replays: the file is read once (a pipe reads once)."""
-    from ..models.forcing import RoutingReplay, RoutingReplayError
+    from ..models.forcing import RoutingReplay
     from ..routing import RoutingTrace
     from .shapes import shape_spec
 
@@ -663,8 +663,8 @@ def _read_traces_first(args: argparse.Namespace) -> Any:
     if getattr(args, "rows_profile", None):
         RoutingTrace.load(args.rows_profile)
     problem = routing_sequence_problem(routing, sequence, trace)
-    if problem is not None:
-        raise RoutingReplayError(problem)
+    if problem is not None:  # a usage error, said as the demo says it ("error: --routing-sequence ...")
+        raise ValueError(problem)
     shape = getattr(args, "shape", None)
     if shape is not None and trace is not None and getattr(args, "model", None) is None:
         # Fitted onto the shape's dimensions now (a smaller top-k is refused) rather than after its build.

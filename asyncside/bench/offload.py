@@ -656,10 +656,9 @@ def load_routings(paths: Sequence[str], taken: Sequence[str] = (), sequence: int
     ``{"label", "path", "trace", "sequence"}``, ``sequence`` the one every system replays
     (``--routing-sequence``). A file that cannot be read or is malformed raises
     :class:`asyncside.errors.TraceError` naming the file and the field, one without that sequence a
-    :class:`asyncside.models.forcing.RoutingReplayError` as ``demo --routing-sequence`` says it (exit
-    status 2 from the CLI)."""
+    ValueError worded as ``demo --routing-sequence`` words it (from the CLI a usage error, exit
+    status 2, said as the demo says it)."""
     from ..demo import routing_sequence_problem
-    from ..models.forcing import RoutingReplayError
     from ..routing import RoutingTrace
 
     out = []
@@ -667,7 +666,7 @@ def load_routings(paths: Sequence[str], taken: Sequence[str] = (), sequence: int
         trace = RoutingTrace.load(path)
         problem = routing_sequence_problem(path, sequence, trace)
         if problem is not None:
-            raise RoutingReplayError(problem)
+            raise ValueError(problem)
         out.append({"label": label, "path": os.path.abspath(path), "trace": trace, "sequence": int(sequence)})
     return out
 
@@ -680,8 +679,9 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
     Sequence ``user["sequence"]`` (default 0; ``--routing-sequence``) is replayed, as ``demo
     --routing`` replays it, and fitted as every ``--routing`` is
     (:class:`asyncside.models.forcing.RoutingReplay`: as is when of the model's shape, else
-    :meth:`asyncside.routing.RoutingTrace.map_to`); ``positions``: the positions a run routes
-    (prompt plus tokens), past the sequence's end they wrap around. A trace of smaller top-k than
+    :meth:`asyncside.routing.RoutingTrace.map_to`); ``positions``: the most positions a run routes
+    (prompt plus tokens: mlx-lm's, one step ahead; the record's ``positions_routed`` says each
+    system's), past the sequence's end they wrap around. A trace of smaller top-k than
     the shape, or ``predictor="trace"`` with a trace that carries no predictions, is refused with
     a :class:`asyncside.models.forcing.RoutingReplayError` naming the file.
     """
@@ -704,6 +704,7 @@ def fit_routing(user: dict[str, Any], *, shape: str, moe_layers: int, n_experts:
                        fitted.meta, pred)
     info = {"file": path, "label": user["label"], "sequence": sequence, "sequences": trace.n_sequences,
             "sequence_tokens": replay.n_tokens, "positions": int(positions),
+            "positions_routed": positions_routed(int(positions)),
             "wraps": int(positions) > replay.n_tokens,
             "source_shape": {"n_layers": trace.n_layers, "n_experts": trace.n_experts, "top_k": trace.top_k},
             "mapped_from": fitted.meta.get("mapped_from") if fitted is not trace else None,
@@ -727,6 +728,13 @@ def fit_routings(user: list[dict[str, Any]], shapes: list[dict[str, Any]], *, po
     return fitted
 
 
+def positions_routed(positions: int) -> dict[str, int]:
+    """The positions each system routes in a run of ``positions`` prompt tokens plus tokens, at
+    most: mlx-lm's ``generate_step`` computes the step after each token before handing it over, so
+    it routes them all; asyncside and the slot cache stop at the last token's own step, one fewer."""
+    return {"asyncside": positions - 1, "slot-cache": positions - 1, "mlx-lm": positions}
+
+
 def routing_note(info: dict[str, Any]) -> str:
     """One line on how a user routing file is replayed (for the progress log and the table's title)."""
     src = info["source_shape"]
@@ -736,7 +744,10 @@ def routing_note(info: dict[str, Any]) -> str:
              f"sequence {info['sequence']} of {info['sequences']} replayed "
              f"({_count(info['sequence_tokens'], 'token')})"]
     if info["wraps"]:
-        parts.append(f"positions wrap: a run routes {info['positions']} positions")
+        routed = info.get("positions_routed") or positions_routed(int(info["positions"]))
+        alone = " in mlx-lm alone" if routed["asyncside"] <= info["sequence_tokens"] else ""
+        parts.append(f"positions wrap{alone}: a run routes up to {routed['asyncside']} positions in asyncside and "
+                     f"the slot cache, {routed['mlx-lm']} in mlx-lm (one step ahead of its tokens)")
     return "; ".join(parts)
 
 
