@@ -55,11 +55,13 @@ from anyio.abc import TaskGroup
 from ..errors import AsyncsideError
 from ..models.forcing import batch_replays
 from .batch_caches import BatchCaches, fresh_cache, mergeable, row_cache, rows_step
-from .health import describe_failure, fill_errors
+from .decode_inputs import decode_inputs
 from .kv_budget import plan_admission
 from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache, cache_nbytes
 from .protocol import SamplingParams
+from .read_failures import ReadFailures
+from .read_failures import log_failure as _log_failure
 from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
 from .step_shapes import StepShapes, bounded_prefill_chunk, default_prefill_chunk
 
@@ -70,15 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("asyncside.serving")
-
-
-def _log_failure(what: str, exc: BaseException) -> None:
-    """Log a failed forward: one line for the store's faults (expected: a damaged blob, named by
-    layer, expert and cause), the traceback for anything else (a bug)."""
-    if fill_errors(exc):
-        log.error("%s: %s", what, describe_failure(exc))
-    else:
-        log.error("%s", what, exc_info=exc)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -186,7 +179,7 @@ class Batcher:
         self._inflight: Step | None = None  # the decode step queued last and not completed yet
         #: called with every error a request fails with (the server's health registry)
         self.on_failure: Callable[[BaseException], None] | None = None
-        self._read_failure: BaseException | None = None  # a failed read raised during this engine step
+        self._reads = ReadFailures()  # the failed reads met during this engine step, by forward
         #: counters (read by /health and /metrics)
         self.steps = 0            # decode steps (one token for each request in the batch)
         self.tokens = 0           # tokens generated
@@ -351,8 +344,8 @@ class Batcher:
         """
         self._leave()
         self._admit()
-        self._read_failure = None
-        clean: set[Slot] = set()  # requests whose forward was awaited before any failed read was raised
+        self._reads.start([self._inflight.ctx] if self._inflight is not None else [])
+        clean: set[Slot] = set()  # requests whose forward was awaited before a failed read no forward was named for
         used = 0
         picked: list[tuple[Slot, int]] = []
         most = self.shapes.queued_chunk(self.prefill_chunk)
@@ -370,11 +363,13 @@ class Batcher:
             chunk = await (self._prefill(*group[0]) if len(group) == 1 else self._prefill_joint(group))
             if chunk is not None:
                 chunks.append(chunk)
+                self._reads.add(chunk.ctx)
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self._inflight = await self._launch_ahead(prev)
+            self._reads.add(self._inflight.ctx if self._inflight is not None else None)
             failure = await self._complete(prev)
-            clean.update(prev.batch if self._read_failure is None else ())
+            clean.update(prev.batch if self._reads.unplaced is None else ())
             if failure is not None and self._inflight is not None:
                 # The step behind it was queued on its tokens: it goes with it.
                 nxt, self._inflight = self._inflight, None
@@ -383,20 +378,26 @@ class Batcher:
         # requests whose prompts they completed, on their lazy caches): awaited in that order.
         for chunk in chunks:
             await self._finish_chunk(chunk)
-            clean.update(chunk.slots if self._read_failure is None else ())
-        if self._read_failure is not None:
-            # A failed read is raised at the next forward awaited, not its own: all then queued may have read it.
-            for s in [s for c in chunks for s in c.slots] + (prev.batch if prev is not None else []):
-                if s not in clean:
-                    self._fail(s, self._read_failure)
-            if self._inflight is not None:
-                nxt, self._inflight = self._inflight, None
-                await self._abandon(nxt, self._read_failure)
+            clean.update(chunk.slots if self._reads.unplaced is None else ())
+        await self._fail_misread(chunks, prev, clean)
         if self._inflight is None:
             batch = self._decoding()
             if batch:
                 self._inflight = await self._launch(batch, None)
         self._leave()
+
+    async def _fail_misread(self, chunks: list[Chunk], prev: Step | None, clean: set[Slot]) -> None:
+        """Fail the requests whose forward's failed read was raised at another forward's await
+        (:meth:`ReadFailures.failed`); the decode step in flight goes with them where it may have
+        read it too."""
+        forwards = [(c.slots, c.ctx) for c in chunks] + ([(prev.batch, prev.ctx)] if prev else [])
+        for s, exc in self._reads.failed(forwards, clean):
+            self._fail(s, exc)
+        nxt = self._inflight
+        failure = self._reads.unplaced or (self._reads.of(nxt.ctx) if nxt is not None else None)
+        if nxt is not None and failure is not None:
+            self._inflight = None
+            await self._abandon(nxt, failure)
 
     def _decoding(self) -> list[Slot]:
         """The requests that take part in the next decode step, in admission order."""
@@ -440,12 +441,13 @@ class Batcher:
 
         tokens = slot.todo[:n]
         started = time.perf_counter()
-        fwd = self.model.forward
+        fwd, ctx = self.model.forward, None
         try:
             ctx = self._context(slot.cache, [(slot, len(slot.fed))], slot.predictor)
             h = await fwd.step(ctx, mx.array(tokens)[None], logits=False, finish=False)
         except Exception as exc:
             _log_failure("prefill failed", exc)
+            self._reads.place(ctx, exc)
             self._fail(slot, exc)
             return None
         finally:
@@ -496,7 +498,7 @@ class Batcher:
         longest = max(n for _, n in group)
         rows = [slot.todo[:n] + [0] * (longest - n) for slot, n in group]
         started = time.perf_counter()
-        fwd = self.model.forward
+        fwd, ctx = self.model.forward, None
         try:
             layers = len(cast(list[Any], group[0][0].cache))
             # Plain caches of B rows: every row starts at position 0 and the mask is the plain
@@ -506,6 +508,7 @@ class Batcher:
             h = await fwd.step(ctx, mx.array(rows), logits=False, finish=False)
         except Exception as exc:
             _log_failure("prefill failed", exc)
+            self._reads.place(ctx, exc)
             for slot, _ in group:
                 self._fail(slot, exc)
             return None
@@ -533,6 +536,8 @@ class Batcher:
         try:
             await self.model.forward.finish(chunk.ctx, chunk.hidden)
         except Exception as exc:
+            if self._reads.place(chunk.ctx, exc):
+                return  # another forward's failed read, raised here: this chunk's own were clean
             _log_failure("prefill failed", exc)
             for slot in chunk.slots:
                 self._fail(slot, exc)
@@ -597,15 +602,15 @@ class Batcher:
             # A request in prev feeds the token prev is computing: one past the tokens it fed.
             return [(s, len(s.fed) + (1 if s in in_prev else 0)) for s in slots]
 
-        started = time.perf_counter()
+        started, ctx = time.perf_counter(), None
         try:
             if len(batch) > 1 and self._can_merge(batch) and not self.shapes.rows_apart(len(batch)):
                 batch = self._merge(batch)
-                ctx, values = await self._merged.launch(self.model, self._inputs(batch, prev), self.source, sample,
+                ctx, values = await self._merged.launch(self.model, decode_inputs(batch, prev), self.source, sample,
                                                         routing=self._rows_replay(rows(batch)))
             else:
                 self._unmerge()
-                tokens = self._inputs(batch, prev)
+                tokens = decode_inputs(batch, prev)
                 if len(batch) == 1:
                     (s,) = batch
                     fwd = self.model.forward
@@ -619,6 +624,7 @@ class Batcher:
                                                         [s.predictor for s in batch], sample, routings=routings)
         except Exception as exc:
             _log_failure("decode step failed", exc)
+            self._reads.place(ctx, exc)
             self._forget_merged()  # its rows may be half-updated
             for s in batch:
                 self._fail(s, exc)
@@ -644,26 +650,6 @@ class Batcher:
             ctx.routing, ctx.position = routing, 0
         return ctx
 
-    def _inputs(self, batch: list[Slot], prev: Step | None) -> Any:
-        """The step's input tokens (B, 1): each request's last token, lazy from ``prev`` for the
-        requests in it (their token as ``prev`` sampled it, exactly: ids below 2**24 are exact in
-        the packed float32 draws), from the host for the others."""
-        import mlx.core as mx
-
-        if prev is None:
-            return mx.array([[s.todo[0]] for s in batch])
-        at = {s: lay[0] for s, lay in zip(prev.batch, prev.layout)}
-        host = [s.todo[0] for s in batch if s not in at]
-        index, extra = [], prev.values.shape[0]
-        for s in batch:
-            if s in at:
-                index.append(at[s])
-            else:
-                index.append(extra)
-                extra += 1
-        values = prev.values if not host else mx.concatenate([prev.values, mx.array(host, dtype=mx.float32)])
-        return values[mx.array(index)].astype(mx.int32).reshape(-1, 1)
-
     async def _complete(self, step: Step) -> BaseException | None:
         """Await ``step``, hand each request its token, let finished requests go; returns the
         error the step failed with (its requests failed with it), or None."""
@@ -671,10 +657,15 @@ class Batcher:
 
         started = time.perf_counter()
         try:
-            if step.ctx is not None:
-                await self.model.forward.finish(step.ctx, step.values)
+            try:
+                if step.ctx is not None:
+                    await self.model.forward.finish(step.ctx, step.values)
+            except Exception as exc:
+                if not self._reads.place(step.ctx, exc):
+                    raise  # else another forward's failed read, raised here: this step's tokens are good
             results = unpack(step.values.tolist(), step.layout)
         except Exception as exc:
+            self._reads.place(step.ctx, exc)
             _log_failure("decode step failed", exc)
             self._forget_merged()  # its rows may be half-updated
             for s in step.batch:
@@ -708,8 +699,13 @@ class Batcher:
         """``step`` was queued on the tokens of a step that failed: wait until the stream is done
         with it (so the expert source has learned what it did), then fail its requests."""
         if step.ctx is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self.model.forward.finish(step.ctx, step.values)
+            except Exception as exc:
+                # Its own failure (a second failed read) is recorded, its requests failing with the first.
+                if exc is not failure and not self._reads.place(step.ctx, exc):
+                    _log_failure("decode step failed", exc)
+                    self._record(exc)
         self._forget_merged()
         for s in step.batch:
             self._fail(s, failure)
@@ -782,15 +778,18 @@ class Batcher:
         slot.cache = None
         slot.send.close()
 
-    def _fail(self, slot: Slot, exc: BaseException) -> None:
-        self._read_failure = exc if fill_errors(exc) else self._read_failure  # raised even where its requests left
-        if slot.done:
-            return
+    def _record(self, exc: BaseException) -> None:
+        """Tell the health registry (:attr:`on_failure`) of a failure."""
         if self.on_failure is not None:
             try:
                 self.on_failure(exc)
             except Exception:  # the health registry must not take a request's failure path down
                 log.exception("recording a failure failed")
+
+    def _fail(self, slot: Slot, exc: BaseException) -> None:
+        if slot.done:
+            return
+        self._record(exc)
         slot.done = True
         slot.finish_reason = "error"
         slot.todo = []
