@@ -80,8 +80,8 @@ struct Drained {
   std::vector<uint8_t> missed;
   // Beside `events`, one per event: how many resolves had logged their uses (used_sizes) when it
   // was logged, its own included. An event of a resolve's fault is logged after that resolve's
-  // uses, so it belongs to resolve event_at - 1 of this log (0: to the last resolve of the log
-  // drained before); the loop thread keys a failed fault to the step that queued that resolve.
+  // uses, so it belongs to the event_at-th resolve of this log (none: to the last resolve of the
+  // log drained before); the loop thread keys a failed fault to the step that queued that resolve.
   std::vector<int32_t> event_at;
 };
 

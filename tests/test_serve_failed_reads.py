@@ -33,8 +33,8 @@ from asyncside.serving.health import fill_errors
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-#: the models hand a queued step's id to its context and back to after_step (/tmp/b15/A-step-ids.patch);
-#: until then the engine cannot name the forward a failed read belongs to and fails all it may have reached
+#: whether the models hand a queued step's id to its context and back to after_step (StepContext.step);
+#: without it the engine cannot name the forward a failed read belongs to and fails all it may have reached
 _NAMED = "step" in {f.name for f in dataclasses.fields(StepContext)}
 _needs_named_steps = pytest.mark.xfail(not _NAMED, strict=True,
                                        reason="the step context does not carry the queued step's id yet")

@@ -600,7 +600,7 @@ class QueuedSide:
                 else:
                     reads.failed_fills += 1
                     cause = faults.failure if err == _NODE_FAILED else _fault_cause(err, st.spec.n_experts)
-                    # Its resolve is at[i] - 1 of this log (-1: the last one drained before)
+                    # Its resolve: the at[i]-th of this log (none: the last one drained before)
                     k = at[i] - 1
                     step = (before if k == -1 else groups[k] if 0 <= k < len(groups) else None) \
                         if at[i] >= 0 else None
