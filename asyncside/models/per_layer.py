@@ -125,6 +125,9 @@ class PerLayerSteps:
             ctx.predicted[walk.first_moe] = p
         try:
             h = await self.layers(ctx, 0, h, masks, long_step, stop_before_last=not logits and ctx.record is None)
+            # The head is the model's own code too: a raise there (or an interrupt) must not keep
+            # the step's leases, which the output built below would otherwise release.
+            out = walk.logits(h) if logits else h
         except BaseException:
             # Nothing reads these rows any more once the step is abandoned.
             ctx.source.release_after(mx.array(0), ctx.leases)
@@ -137,7 +140,6 @@ class PerLayerSteps:
                 # Computed (or abandoned): a source may release these at once.
                 ctx.source.release_after(h, ctx.leases)
             return h
-        out = walk.logits(h)
         ctx.source.release_after(out, ctx.leases)
         return out
 
