@@ -606,9 +606,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         # The slot cache's demand reads (the all-resident reference reads nothing; none: no run)
         "reference_reads": ({k: ref.stats[k] for k in ("hit_rate", "bytes_read", "stall_time_s")}
                             if reference == "slot-cache" and ref is not None and ref.stats else None),
-        "speed_ratio": run_f["tokens_per_s"] / ref_f["tokens_per_s"] if ref_f["tokens_per_s"] else 0.0,
+        # null where no reference ran (or it timed nothing): there is no ratio, not a ratio of 0
+        "speed_ratio": run_f["tokens_per_s"] / ref_f["tokens_per_s"] if ref_f["tokens_per_s"] else None,
         "decode_speed_ratio": (run_f["decode_tokens_per_s"] / ref_f["decode_tokens_per_s"]
-                               if ref_f["decode_tokens_per_s"] else 0.0),
+                               if ref_f["decode_tokens_per_s"] else None),
         "hit_rate": stats["hit_rate"],
         "bytes_read": int(stats["bytes_read"]),
         "resident_bytes": int(stats.get("resident_bytes", 0)),
@@ -670,10 +671,13 @@ def _table(result: dict[str, Any]) -> None:
     def ref(text: str) -> str:
         return text if ran else "—"
 
+    def ratio(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3f}x"
+
     table.add_row("tokens/s (whole run)", f"{s['tokens_per_s']:.2f}", ref(f"{r['tokens_per_s']:.2f}"),
-                  ref(f"{result['speed_ratio']:.3f}x"))
+                  ratio(result["speed_ratio"]))
     table.add_row("decode tokens/s", f"{s['decode_tokens_per_s']:.2f}", ref(f"{r['decode_tokens_per_s']:.2f}"),
-                  ref(f"{result['decode_speed_ratio']:.3f}x"))
+                  ratio(result["decode_speed_ratio"]))
     table.add_row("time to first token", f"{s['ttft_s'] * 1e3:.0f} ms", ref(f"{r['ttft_s'] * 1e3:.0f} ms"), "")
     table.add_row("tokens", str(s["tokens"]), ref(str(r["tokens"])), "")
     rt = result["runtime"]

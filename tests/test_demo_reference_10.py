@@ -59,6 +59,8 @@ def test_no_reference_has_no_reference_figures(quick_store: pathlib.Path, capsys
     """--reference none: no figures under either name (they were zeros under ``all_resident``)."""
     res = _demo(capsys, quick_store, "--memory", "400M", "--reference", "none")
     assert res["reference"] == "none" and res["all_resident"] is None and res["slot_cache"] is None
+    # No reference, no ratio (it was 0.0, a figure read as "infinitely slower")
+    assert res["speed_ratio"] is None and res["decode_speed_ratio"] is None
     assert res["tokens_identical"] is None and res["limits"]["of_limit_against"] == "I/O limit"
     out = _table_text(res, capsys, monkeypatch)
     assert "of the I/O limit (compute limit not measured: no reference ran)" in out and "min(compute" not in out
