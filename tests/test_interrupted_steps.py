@@ -1,8 +1,10 @@
 """Interrupted steps leave nothing behind: a generation over a Runtime cancelled at any await of
 its steps, or whose model code raises a BaseException (an interrupt, a MemoryError) anywhere in a
-step, in each step mode (queued, per-layer, whole). Afterwards ``rt.quiesce()`` returns, no row is
-left pinned by a lease, no build is left begun, the audit is clean, the runtime's next generation
-gives the uninterrupted tokens, and after the exit the audit is still clean (no lease open).
+step, in each step mode: queued, per-layer, whole, and queued under a budget that reads past the
+page cache (streamed switches prefetching a trace's predictions). Afterwards ``rt.quiesce()``
+returns, no row is left pinned by a lease, no build is left begun, the audit is clean, the
+runtime's next generation gives the uninterrupted tokens, and after the exit the audit is still
+clean (no lease open).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from asyncside.models import ForwardOptions
 from asyncside.models import per_layer as per_layer_mod
 from asyncside.models import queued as queued_mod
 from asyncside.models import walk as walk_mod
+from asyncside.runtime import _plan as plan_mod
 
 MAX_TOKENS = 3
-MODES = ["queued", "per-layer", "whole"]
+#: the step modes, and the queued one under a budget that reads past the page cache (prefill chunks
+#: per layer, decode steps queued) with streamed switches prefetching a trace's predictions
+MODES = ["queued", "per-layer", "whole", "queued-streamed"]
 #: asyncio and trio: the two backends' cancellations are delivered differently
 BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"), pytest.param(("trio", {}), id="trio")]
 
@@ -36,35 +41,56 @@ class Interrupt(BaseException):
 
 
 @pytest.fixture(scope="module")
-def sm(quick_store: pathlib.Path) -> Any:
+def models(quick_store: pathlib.Path) -> dict[str, Any]:
+    """The quick model as it is, and one replaying a trace that carries predictions."""
     from asyncside.models import load_streaming_model
+    from asyncside.routing import synthetic
 
-    return load_streaming_model(quick_store)
-
-
-def _runtime(sm: Any) -> Runtime:
-    return Runtime(ExpertStore.open(sm.store.path), resident=0.25)
-
-
-async def _generate(sm: Any, rt: Runtime, mode: str) -> list[int]:
-    prompt = list(sm.tokenizer.encode("Mixture of experts stream"))
-    return [t async for t in sm.generate(prompt, max_tokens=MAX_TOKENS, source=rt,
-                                         options=ForwardOptions(mode=mode))]
+    traced = load_streaming_model(quick_store)
+    traced.set_routing(synthetic(tokens=64, n_layers=len(traced.moe_layers), n_experts=32, top_k=4, skew=0.8,
+                                 overlap=0.3, layer_corr=0.1, seed=1, prediction_precision=0.8))
+    return {"plain": load_streaming_model(quick_store), "traced": traced}
 
 
-@pytest.fixture(scope="module")
-def reference(sm: Any) -> list[int]:
-    """An uninterrupted run's tokens (every mode gives the same: they are exact)."""
+class _Run:
+    """One mode's generation: its model, runtime and options."""
+
+    def __init__(self, models: dict[str, Any], mode: str) -> None:
+        self.streamed = mode == "queued-streamed"
+        self.sm = models["traced" if self.streamed else "plain"]
+        self.options = (ForwardOptions(mode="queued", streamed_switch=True) if self.streamed
+                        else ForwardOptions(mode=mode))
+
+    def runtime(self) -> Runtime:
+        memory = "257M" if self.streamed else None
+        return Runtime(ExpertStore.open(self.sm.store.path), resident=0.25, memory=memory)
+
+    async def generate(self, rt: Runtime) -> list[int]:
+        prompt = list(self.sm.tokenizer.encode("Mixture of experts stream"))
+        return [t async for t in self.sm.generate(prompt, max_tokens=MAX_TOKENS, source=rt, options=self.options,
+                                                  predictor="trace" if self.streamed else "lookahead")]
+
+
+@pytest.fixture
+def run(models: dict[str, Any], mode: str, monkeypatch: pytest.MonkeyPatch) -> tuple[_Run, list[int]]:
+    """The mode's generation and its uninterrupted tokens."""
+    if mode == "queued-streamed":
+        # The plan made as if the process held nothing: the budget's page cache cannot hold the
+        # store's records outside the pools, so the plan reads past it (tests/test_api_lifecycle_9.py).
+        monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)
+    r = _Run(models, mode)
+
     async def main() -> list[int]:
-        async with _runtime(sm) as rt:
-            return await _generate(sm, rt, "queued")
+        async with r.runtime() as rt:
+            assert rt.plan is not None and rt.plan.direct == r.streamed
+            return await r.generate(rt)
 
     tokens = anyio.run(main)
     assert len(tokens) == MAX_TOKENS
-    return tokens
+    return r, tokens
 
 
-async def _left_clean(sm: Any, rt: Runtime, mode: str, reference: list[int], what: str) -> None:
+async def _left_clean(r: _Run, rt: Runtime, reference: list[int], what: str) -> None:
     """After an interrupted generation: nothing begun, lent or leased is left, and the runtime serves."""
     await rt.quiesce()  # a step left begun would make this wait forever (run_guarded says so)
     assert not rt.queued_active, what
@@ -76,7 +102,7 @@ async def _left_clean(sm: Any, rt: Runtime, mode: str, reference: list[int], wha
     pinned = {layer: rt.ledger(layer).pinned_rows() for layer in rt.store.layers}
     assert not any(pinned.values()), (what, f"rows still leased: {pinned}")
     assert audit_problems(rt) == [], what
-    assert await _generate(sm, rt, mode) == reference, what
+    assert await r.generate(rt) == reference, what
 
 
 @types.coroutine
@@ -103,25 +129,27 @@ def _cancel_at(coro: Coroutine[Any, Any, Any], k: int, scope: anyio.CancelScope,
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loop", BACKENDS)
-def test_a_generation_cancelled_at_any_await_leaves_nothing_behind(loop: Any, mode: str, sm: Any,
-                                                                   reference: list[int]) -> None:
+def test_a_generation_cancelled_at_any_await_leaves_nothing_behind(loop: Any, mode: str,
+                                                                   run: tuple[_Run, list[int]]) -> None:
     """Cancel the generation at its 1st, 2nd, ... await until one runs to its end: every
     cancellation lands inside a step (a build's checkpoint, a schedule's wait, a token's await, an
     ensure, a completion), and each leaves the runtime as clean and usable as an uninterrupted one."""
+    r, reference = run
+
     async def sweep() -> int:
         k = 0
         while True:
             k += 1
             seen = [0]
-            async with _runtime(sm) as rt:
+            async with r.runtime() as rt:
                 got = None
                 with anyio.CancelScope() as scope:
-                    got = await _cancel_at(_generate(sm, rt, mode), k, scope, seen)
+                    got = await _cancel_at(r.generate(rt), k, scope, seen)
                 if got is not None:
                     assert got == reference
                     return k - 1
                 assert scope.cancelled_caught, k
-                await _left_clean(sm, rt, mode, reference, f"cancelled at await {k}")
+                await _left_clean(r, rt, reference, f"cancelled at await {k}")
             assert audit_problems(rt) == [], k
 
     cancelled = run_guarded(sweep, loop=loop)
@@ -145,13 +173,15 @@ MODEL_CODE = [(walk_mod.DecoderWalk, "attend"), (walk_mod.DecoderWalk, "logits")
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loop", BACKENDS)
-def test_model_code_that_raises_in_a_step_leaves_nothing_behind(loop: Any, mode: str, sm: Any, reference: list[int],
+def test_model_code_that_raises_in_a_step_leaves_nothing_behind(loop: Any, mode: str, run: tuple[_Run, list[int]],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call of the model's own code in a generation raises in turn: the step is abandoned and
     the error reaches the caller, with nothing left begun or leased. A per-layer step whose final
     head raised kept every lease it took (the head was built outside the step's release on error):
     the next generation's ensure then waited forever for rows nobody would unpin, and the audit
     reported the leases after the exit."""
+    r, reference = run
+
     async def sweep() -> int:
         raised = 0
         for owner, name in MODEL_CODE:
@@ -160,10 +190,10 @@ def test_model_code_that_raises_in_a_step_leaves_nothing_behind(loop: Any, mode:
             while True:
                 k += 1
                 calls = [0]
-                async with _runtime(sm) as rt:
+                async with r.runtime() as rt:
                     monkeypatch.setattr(owner, name, _raise_at(k, real, calls))
                     try:
-                        got = await _generate(sm, rt, mode)
+                        got = await r.generate(rt)
                     except Interrupt:
                         got = None
                     finally:
@@ -172,7 +202,7 @@ def test_model_code_that_raises_in_a_step_leaves_nothing_behind(loop: Any, mode:
                         assert got == reference
                         break
                     raised += 1
-                    await _left_clean(sm, rt, mode, reference, f"{name} raised at call {k}")
+                    await _left_clean(r, rt, reference, f"{name} raised at call {k}")
                 assert audit_problems(rt) == [], (name, k)
         return raised
 
