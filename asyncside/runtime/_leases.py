@@ -51,6 +51,11 @@ class Leases:
         x, _held = self._pending[key]
         try:
             await self._s.computed(x)
+        except Exception:
+            # x's computation failed: its own awaiter hears of that. Raised here, in the runtime's
+            # task group, it cancelled the whole `async with Runtime(...)` body and the exit
+            # raised it again; the rows are released all the same (nothing reads them any more).
+            pass
         finally:
             # Even when cancelled (runtime closing) the leases go: nothing reads them after.
             # (release_computed() may have released them already.)
