@@ -311,30 +311,35 @@ class Runtime:
 
     async def _close(self, *exc_info: Any) -> bool | None:
         s = self._s
-        if self.queued.active:
-            # Queued steps may still fault rows in on the stream: let them finish, then take the
-            # lent rows back, so the ledgers end consistent (and the pools outlive the reads).
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.queued.quiesce()
-                except Exception:
-                    pass  # failed faults were reported to (or are lost with) their steps
-        s.closed = True
-        # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
-        # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
         try:
-            if s.tg is not None:
-                s.tg.cancel_scope.cancel()
-                # Not the body's exception: the task group would wrap it in an ExceptionGroup, and
-                # the caller's own error (a refusal, a KeyError) must reach it as raised. The
-                # group's tasks were cancelled just above; an error of theirs still raises.
-                await s.tg.__aexit__(None, None, None)
+            if self.queued.active:
+                # Queued steps may still fault rows in on the stream: let them finish, then take the
+                # lent rows back, so the ledgers end consistent (and the pools outlive the reads).
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.queued.quiesce()
+                    except Exception:
+                        pass  # failed faults were reported to (or are lost with) their steps
         finally:
+            # Closed whatever interrupted that wait (a KeyboardInterrupt): a task group and a
+            # scheduler never exited left their tasks, threads and cancel scope behind (trio then
+            # failed the whole run with an internal error).
+            s.closed = True
+            # Pending prefetch tasks and lease releases are ours: cancel them. Reads already
+            # submitted are not cancelled: the scheduler waits for them so no row stays FILLING.
             try:
-                await s.scheduler.__aexit__(*exc_info)
+                if s.tg is not None:
+                    s.tg.cancel_scope.cancel()
+                    # Not the body's exception: the task group would wrap it in an ExceptionGroup,
+                    # and the caller's own error (a refusal, a KeyError) must reach it as raised.
+                    # The group's tasks were cancelled just above; an error of theirs still raises.
+                    await s.tg.__aexit__(None, None, None)
             finally:
-                s.exited = True
-                s.notify()  # an ensure waiting for a change hears that the runtime closed
+                try:
+                    await s.scheduler.__aexit__(*exc_info)
+                finally:
+                    s.exited = True
+                    s.notify()  # an ensure waiting for a change hears that the runtime closed
         return None
 
     @property
