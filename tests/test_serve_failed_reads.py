@@ -116,9 +116,10 @@ def test_a_clean_decoding_request_keeps_its_tokens_when_a_chunk_beside_it_read_a
     assert f"layer {layer} expert {bad}: checksum mismatch" in str(failed)
 
 
-def _decode_fails_trace(path: pathlib.Path, sm: Any, layer_count: int, bad: int, decode_from: int) -> None:
-    """Two sequences: the first routes ``bad`` (slot 0, every layer) from position ``decode_from``
-    on (its decode steps), the second never."""
+def _decode_fails_trace(path: pathlib.Path, sm: Any, layer_count: int, bad: int, decode_from: int,
+                        decode_to: int = TOKENS) -> None:
+    """Two sequences: the first routes ``bad`` (slot 0, every layer) at positions ``decode_from``
+    up to ``decode_to`` (its decode steps), the second never."""
     rng = np.random.default_rng(4)
     k, n_experts = int(sm.config["num_experts_per_tok"]), sm.store.layer(sm.moe_layers[0]).n_experts
 
@@ -127,7 +128,7 @@ def _decode_fails_trace(path: pathlib.Path, sm: Any, layer_count: int, bad: int,
                          for _ in range(TOKENS)]).astype(np.int32)
 
     first = ids()
-    first[decode_from:, :, 0] = bad
+    first[decode_from:decode_to, :, 0] = bad
     RoutingTrace(np.concatenate([first, ids()]), np.array([TOKENS, TOKENS]), n_experts, {}).save(path)
 
 
@@ -200,3 +201,42 @@ def test_a_second_failed_read_of_a_step_abandoned_behind_a_failed_one_reaches_th
     reads: list[FillError] = [e for exc in recorded for e in fill_errors(exc)]
     assert len(reads) == 2 and {e.expert for e in reads} == {bad}, recorded
     assert reads[0].step is not None and reads[1].step is not None and reads[0].step < reads[1].step
+
+
+@_needs_named_steps
+def test_a_prompt_completed_beside_a_failing_decode_step_keeps_the_token_of_the_step_it_joined(
+        tmp_path: pathlib.Path) -> None:
+    """The second request's only chunk is queued behind the first request's failing decode step;
+    the decode step launched ahead on that step's tokens holds both. It is abandoned with the
+    failed one, but read nothing damaged itself: the request that joined it with its own token
+    keeps that token and its cache, and is served exactly."""
+    sm, model, prompt, layer, bad = _setup(tmp_path)
+    path = tmp_path / "trace.npz"
+    decoding, joining = prompt[:3], prompt[:5]
+    first_decode = len(decoding) - 1
+    _decode_fails_trace(path, sm, len(sm.moe_layers), bad, decode_from=first_decode, decode_to=first_decode + 1)
+    want = _reference(sm, model, path, 1, joining, 6)  # the second request replays sequence 1
+    replay = sm.set_routing(path)
+    sm.set_routing(None)
+    _damage(sm.store.layer(layer), bad)
+
+    async def main() -> tuple[dict[str, list[Any]], list[str], int]:
+        async with Runtime(sm.store, resident=0.0) as rt:
+            b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
+            got: dict[str, list[Any]] = {"decoding": [], "joining": []}
+            async with anyio.create_task_group() as tg:
+                async with b.paused():  # both admitted by the same engine step
+                    tg.start_soon(b.run)
+                    gens = b.submit(decoding, 8), b.submit(joining, 6)
+                async with anyio.create_task_group() as readers:
+                    readers.start_soon(_read, gens[0], got["decoding"])
+                    readers.start_soon(_read, gens[1], got["joining"])
+                tg.cancel_scope.cancel()
+            await rt.quiesce()
+        return got, audit_problems(rt), b.steps_ahead
+
+    got, problems, ahead = anyio.run(main)
+    assert problems == []
+    assert ahead >= 1
+    assert got["decoding"] and isinstance(got["decoding"][-1], GenerationFailed), got["decoding"]
+    assert got["joining"] == want

@@ -54,8 +54,8 @@ from anyio.abc import TaskGroup
 
 from ..errors import AsyncsideError
 from ..models.forcing import batch_replays
-from .batch_caches import BatchCaches, fresh_cache, mergeable, row_cache, rows_step
-from .decode_inputs import decode_inputs
+from .batch_caches import BatchCaches, mergeable, row_cache, rows_step
+from .forward_inputs import decode_inputs, prefill_groups
 from .kv_budget import plan_admission
 from .loading import Engine, ServedModel, embedded_store_dir, open_engine
 from .prompt_cache import PrefixCache, cache_nbytes
@@ -356,7 +356,7 @@ class Batcher:
             picked.append((slot, n))
             used += n
         chunks: list[Chunk] = []
-        for group in self._prefill_groups(picked):
+        for group in prefill_groups(picked, self.joint_prefill, self.prefill_chunk):
             group = [(slot, n) for slot, n in group if not (slot.cancelled or slot.done)]  # left meanwhile
             if not group:
                 continue
@@ -365,20 +365,23 @@ class Batcher:
                 chunks.append(chunk)
                 self._reads.add(chunk.ctx)
         prev, self._inflight = self._inflight, None
+        behind: tuple[Step, BaseException, tuple[BatchCaches, list[Slot]]] | None = None
         if prev is not None:
             self._inflight = await self._launch_ahead(prev)
             self._reads.add(self._inflight.ctx if self._inflight is not None else None)
+            merged = self._merged, list(self._in_merged)  # what the step launched ahead runs on
             failure = await self._complete(prev)
             clean.update(prev.batch if self._reads.unplaced is None else ())
             if failure is not None and self._inflight is not None:
-                # The step behind it was queued on its tokens: it goes with it.
-                nxt, self._inflight = self._inflight, None
-                await self._abandon(nxt, failure)
+                # The step behind it was queued on its tokens: it goes with it (after the chunks).
+                behind, self._inflight = (self._inflight, failure, merged), None
         # The stream runs prev, then the chunks, then the step launched ahead (which may hold the
         # requests whose prompts they completed, on their lazy caches): awaited in that order.
         for chunk in chunks:
             await self._finish_chunk(chunk)
             clean.update(chunk.slots if self._reads.unplaced is None else ())
+        if behind is not None:
+            await self._abandon(*behind)
         await self._fail_misread(chunks, prev, clean)
         if self._inflight is None:
             batch = self._decoding()
@@ -387,9 +390,7 @@ class Batcher:
         self._leave()
 
     async def _fail_misread(self, chunks: list[Chunk], prev: Step | None, clean: set[Slot]) -> None:
-        """Fail the requests whose forward's failed read was raised at another forward's await
-        (:meth:`ReadFailures.failed`); the decode step in flight goes with them where it may have
-        read it too."""
+        """Fail the requests whose own failed read was raised elsewhere (:meth:`ReadFailures.failed`)."""
         forwards = [(c.slots, c.ctx) for c in chunks] + ([(prev.batch, prev.ctx)] if prev else [])
         for s, exc in self._reads.failed(forwards, clean):
             self._fail(s, exc)
@@ -461,24 +462,6 @@ class Batcher:
             await self._finish_chunk(chunk)
             return None
         return chunk
-
-    def _prefill_groups(self, picked: list[tuple[Slot, int]]) -> list[list[tuple[Slot, int]]]:
-        """This step's chunks as forwards, in order: requests whose chunk is the first of a fresh
-        prompt (an empty cache of mlx-lm's plain ``KVCache``) share one joint forward while its
-        padded size (requests x the longest chunk) stays within ``prefill_chunk``; every other
-        chunk is a forward of its own."""
-        if not self.joint_prefill:
-            return [[p] for p in picked]
-        fresh = sorted((p for p in picked if fresh_cache(p[0])), key=lambda p: p[1])
-        joint: list[tuple[Slot, int]] = []
-        for p in fresh:  # shortest first: the most requests per padded token
-            if (len(joint) + 1) * p[1] > self.prefill_chunk:
-                break
-            joint.append(p)
-        if len(joint) < 2:
-            return [[p] for p in picked]
-        inside = {id(p[0]) for p in joint}
-        return [joint] + [[p] for p in picked if id(p[0]) not in inside]
 
     async def _prefill_joint(self, group: list[tuple[Slot, int]]) -> Chunk | None:
         """Queue the first chunks of several fresh prompts as one forward; returns it as one
@@ -677,6 +660,11 @@ class Batcher:
         self.steps += 1
         self.last_batch = len(batch)
         self.peak_batch = max(self.peak_batch, len(batch))
+        self._hand(batch, results)
+        return None
+
+    def _hand(self, batch: list[Slot], results: list[Any]) -> None:
+        """Hand each request of ``batch`` still in the engine its token of ``results``; let finished ones go."""
         for s, (token, lp, alts) in zip(batch, results):
             if s.done:  # failed meanwhile
                 continue
@@ -693,22 +681,35 @@ class Batcher:
                 self._finish(s, "stop")
             elif s.generated >= s.max_tokens:
                 self._finish(s, "length")
-        return None
 
-    async def _abandon(self, step: Step, failure: BaseException) -> None:
+    async def _abandon(self, step: Step, failure: BaseException,
+                       merged: tuple[BatchCaches, list[Slot]] | None = None) -> None:
         """``step`` was queued on the tokens of a step that failed: wait until the stream is done
-        with it (so the expert source has learned what it did), then fail its requests."""
+        with it (so the expert source has learned what it did), then fail its requests; with
+        ``merged`` (the caches it ran on, their requests by row), a request still in the engine
+        (it joined with its own token) keeps its token and cache where no forward's read failed."""
+        clean = step.ctx is not None
         if step.ctx is not None:
             try:
                 await self.model.forward.finish(step.ctx, step.values)
             except Exception as exc:
+                clean = False
                 # Its own failure (a second failed read) is recorded, its requests failing with the first.
                 if exc is not failure and not self._reads.place(step.ctx, exc):
                     _log_failure("decode step failed", exc)
                     self._record(exc)
+        ok = clean and merged and not self._reads.misread and self._reads.unplaced is None
+        kept = [s for s in step.batch if not s.done] if ok else []
+        if kept and merged:
+            from .sampling import unpack
+
+            for s in kept:  # its own cache back: its row of the merged caches, which it ran on
+                s.cache = merged[0].extract(merged[1].index(s)) if s in merged[1] else s.cache
+            self._hand(step.batch, unpack(step.values.tolist(), step.layout))
         self._forget_merged()
         for s in step.batch:
-            self._fail(s, failure)
+            if s not in kept:
+                self._fail(s, failure)
 
     def _can_merge(self, batch: list[Slot]) -> bool:
         return all(s.cache is None or mergeable(s.cache) for s in batch)
