@@ -377,10 +377,12 @@ class Ledger:
                 raise LedgerError(f"cannot lease expert {e}: its row {row} is lent to a fault handler "
                                   "(reclaim it first)")
             rows[row] = None
-        for row in rows:
-            self._pins[row] = self._pins.get(row, 0) + 1
+        # The policy hears of it before anything is pinned: a hook that raises (an interrupt, a
+        # MemoryError) then leaves no pin behind that no lease id could ever release.
         for e in dict.fromkeys(ids):
             self.policy.on_lease(e)
+        for row in rows:
+            self._pins[row] = self._pins.get(row, 0) + 1
         lease_id = next(self._lease_ids)
         self._leases[lease_id] = tuple(rows)
         self.stats["leases"] += 1
