@@ -103,7 +103,8 @@ def test_a_clean_decoding_request_keeps_its_tokens_when_a_chunk_beside_it_read_a
                         while len(got["decoding"]) < 2:
                             await anyio.sleep(0.001)
                     readers.start_soon(_read, b.submit(prefilling, 4), got["prefilling"])  # replays sequence 1
-                tg.cancel_scope.cancel()
+                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
+                    tg.cancel_scope.cancel()
             await rt.quiesce()
         return got, audit_problems(rt)
 
@@ -158,7 +159,8 @@ def test_a_clean_chunk_goes_on_when_the_decode_step_in_flight_read_a_damaged_rec
                 async with anyio.create_task_group() as readers:
                     readers.start_soon(_read, gens[0], got["decoding"])
                     readers.start_soon(_read, gens[1], got["prefilling"])
-                tg.cancel_scope.cancel()
+                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
+                    tg.cancel_scope.cancel()
             await rt.quiesce()
         return got, audit_problems(rt)
 
@@ -191,7 +193,8 @@ def test_a_second_failed_read_of_a_step_abandoned_behind_a_failed_one_reaches_th
             async with anyio.create_task_group() as tg:
                 tg.start_soon(b.run)
                 await _read(b.submit(decoding, 8), got)
-                tg.cancel_scope.cancel()
+                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
+                    tg.cancel_scope.cancel()
             await rt.quiesce()
             return got, recorded, b.steps_ahead
 
@@ -231,7 +234,8 @@ def test_a_prompt_completed_beside_a_failing_decode_step_keeps_the_token_of_the_
                 async with anyio.create_task_group() as readers:
                     readers.start_soon(_read, gens[0], got["decoding"])
                     readers.start_soon(_read, gens[1], got["joining"])
-                tg.cancel_scope.cancel()
+                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
+                    tg.cancel_scope.cancel()
             await rt.quiesce()
         return got, audit_problems(rt), b.steps_ahead
 
