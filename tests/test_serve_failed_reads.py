@@ -10,7 +10,6 @@ the health registry instead of being swallowed.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any
 
@@ -25,19 +24,12 @@ from asyncside.bridge import completed
 from asyncside.errors import FillError
 from asyncside.models import load_streaming_model, reference_generate
 from asyncside.models.forcing import force_reference, rewind_reference
-from asyncside.models.walk import StepContext
 from asyncside.routing import RoutingTrace
 from asyncside.runtime import Runtime
 from asyncside.serving import Batcher, GenerationFailed
 from asyncside.serving.health import fill_errors
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-#: whether the models hand a queued step's id to its context and back to after_step (StepContext.step);
-#: without it the engine cannot name the forward a failed read belongs to and fails all it may have reached
-_NAMED = "step" in {f.name for f in dataclasses.fields(StepContext)}
-_needs_named_steps = pytest.mark.xfail(not _NAMED, strict=True,
-                                       reason="the step context does not carry the queued step's id yet")
 
 
 def _setup(tmp_path: pathlib.Path) -> tuple[Any, Any, list[int], int, int]:
@@ -66,7 +58,6 @@ async def _read(gen: Any, into: list[Any]) -> None:
         into.append(exc)
 
 
-@_needs_named_steps
 def test_a_clean_decoding_request_keeps_its_tokens_when_a_chunk_beside_it_read_a_damaged_record(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunk's failed read is in the log when the decode step in flight is awaited (made
@@ -133,7 +124,6 @@ def _decode_fails_trace(path: pathlib.Path, sm: Any, layer_count: int, bad: int,
     RoutingTrace(np.concatenate([first, ids()]), np.array([TOKENS, TOKENS]), n_experts, {}).save(path)
 
 
-@_needs_named_steps
 def test_a_clean_chunk_goes_on_when_the_decode_step_in_flight_read_a_damaged_record(tmp_path: pathlib.Path) -> None:
     """Both requests come at once: the first engine step prefills the short prompt and launches
     its first decode step, which reads the damaged record; the next queues the long prompt's
@@ -206,7 +196,6 @@ def test_a_second_failed_read_of_a_step_abandoned_behind_a_failed_one_reaches_th
     assert reads[0].step is not None and reads[1].step is not None and reads[0].step < reads[1].step
 
 
-@_needs_named_steps
 def test_a_prompt_completed_beside_a_failing_decode_step_keeps_the_token_of_the_step_it_joined(
         tmp_path: pathlib.Path) -> None:
     """The second request's only chunk is queued behind the first request's failing decode step;

@@ -252,7 +252,7 @@ class AsyncForward:
             # MLX raises a stream's failure at the next call that schedules on it. When a fault
             # failed meanwhile (logged, never thrown there: native/expert_faults.h), its FillError
             # is the error to raise; anything else stays as it is.
-            ctx.source.after_step()  # type: ignore[attr-defined]
+            ctx.source.after_step(ctx.step)  # type: ignore[attr-defined]
             raise
 
     async def finish(self, ctx: StepContext, y: mx.array) -> None:
@@ -268,7 +268,7 @@ class AsyncForward:
                 await self.completed(y)
         finally:
             if ctx.routed and self.queued.is_queued_source(ctx.source):
-                cast(QueuedSource, ctx.source).after_step()
+                cast(QueuedSource, ctx.source).after_step(ctx.step)
         if ctx.routed:
             self.queued.count_predictions(ctx)
             QueuedSteps.record_routes(ctx)

@@ -83,11 +83,13 @@ class QueuedSource(Protocol):
     - ``queued_capacity(decode_tokens)``: how many distinct experts every layer can hold for one
       expert resolve (a step whose batch routes more is split into resolves of that many at most);
       ``decode_tokens`` is the step's tokens when it is a decode step (one per sequence), else None.
-    - ``begin_step(pairs)``: called before the step is built (never blocks).
+    - ``begin_step(pairs)``: called before the step is built (never blocks); returns the step's id
+      (kept in the step context's ``step``) or None.
     - ``expert_rows(layer, ids)``: lazy uint32 pool rows of the routed ids, resolved on the stream.
     - ``end_step(out)``: the step whose last output is ``out`` is built (called before it is scheduled).
     - ``abandon_step()``: the step begun will not be scheduled (its build raised or was cancelled).
-    - ``after_step()``: a queued step's output was awaited; raises the FillError of a failed fault.
+    - ``after_step(step)``: the output of the step ``begin_step`` named ``step`` was awaited
+      (None: a step not named); raises the FillError of a fault that step read.
     - ``quiesce()``: await every queued step and give the rows back to the per-layer paths.
 
     Optional (``Runtime`` has them): ``streams_misses(layer)`` / ``can_stream(layer)``, whether a
@@ -102,11 +104,11 @@ class QueuedSource(Protocol):
 
     def queued_ready(self, pairs: int) -> bool: ...
     def queued_capacity(self, decode_tokens: int | None = None) -> int: ...
-    def begin_step(self, pairs: int) -> None: ...
+    def begin_step(self, pairs: int) -> int | None: ...
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array: ...
     def end_step(self, out: mx.array) -> None: ...
     def abandon_step(self) -> None: ...
-    def after_step(self) -> None: ...
+    def after_step(self, step: int | None = None) -> None: ...
     async def quiesce(self) -> None: ...
 
 
@@ -219,7 +221,7 @@ class QueuedSteps:
         assert self.is_queued_source(source)
         host = self.host_ns
         t0 = time.perf_counter_ns()
-        source.begin_step(self.pairs(inputs))
+        ctx.step = source.begin_step(self.pairs(inputs))
         t1 = time.perf_counter_ns()
         try:
             out = await self._build(ctx, source, inputs, logits)

@@ -150,8 +150,9 @@ class ResidentSource:
     def queued_capacity(self, decode_tokens: int | None = None) -> int:
         return min(self._n.values())
 
-    def begin_step(self, pairs: int) -> None:
+    def begin_step(self, pairs: int) -> int | None:
         self.counts["steps"] = self.counts.get("steps", 0) + 1
+        return None
 
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
         self._check_layer(layer)
@@ -163,7 +164,7 @@ class ResidentSource:
     def abandon_step(self) -> None:
         pass
 
-    def after_step(self) -> None:
+    def after_step(self, step: int | None = None) -> None:
         pass
 
     async def quiesce(self) -> None:

@@ -140,7 +140,8 @@ class StepContext:
     trace's entry of this step (None when not tracing); ``routed`` a queued step's routed ids by
     MoE layer (lazy: read them only once the step computed); ``part`` a queued step's routed pairs
     per expert resolve when the step's experts may not all fit a layer's lent rows at once (None:
-    all of them in one); ``armed`` a queued step's output with its completion signal.
+    all of them in one); ``armed`` a queued step's output with its completion signal; ``step`` the
+    id the source gave the queued step (its failed reads carry it: ``FillError.step``), or None.
     """
 
     cache: list[Any]
@@ -155,6 +156,7 @@ class StepContext:
     #: a queued step's output and its completion, armed as the step was scheduled (see
     #: ``asyncside.bridge.arm``); ``finish`` awaits it
     armed: tuple[mx.array, Any] | None = None
+    step: int | None = None
     #: routing replay (:class:`asyncside.models.forcing.RoutingReplay`, or for a batched step
     #: :class:`~asyncside.models.forcing.RowsReplay`: each row from its own position, with
     #: ``position`` 0) and the position of the step's first token in the sequence; None: the

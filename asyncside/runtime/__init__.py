@@ -456,10 +456,11 @@ class Runtime:
         the step's tokens when it is a decode step, one token per sequence)."""
         return self.queued.capacity(decode_tokens)
 
-    def begin_step(self, pairs: int) -> None:
-        """Before queuing a step: every dynamic row lent; an earlier failed fault raised."""
+    def begin_step(self, pairs: int) -> int:
+        """Before queuing a step: every dynamic row lent; an earlier failed fault raised (unless it
+        waits for its own step's :meth:`after_step`). Returns the step's id."""
         self._s.check_thread()
-        self.queued.begin()
+        return self.queued.begin()
 
     def expert_rows(self, layer: int, ids: mx.array) -> mx.array:
         """Lazy uint32 pool rows of the routed ``ids``; absent experts fault in on the stream."""
@@ -510,9 +511,10 @@ class Runtime:
         """A queued step begun will not be scheduled."""
         self.queued.abandon()
 
-    def after_step(self) -> None:
-        """A queued step's output was awaited: raise a failed fault's FillError."""
-        self.queued.after_step()
+    def after_step(self, step: int | None = None) -> None:
+        """The output of the queued step ``step`` (what :meth:`begin_step` returned; None: a step
+        not named) was awaited: raise the FillError of a fault it read (``FillError.step``)."""
+        self.queued.after_step(step)
 
     async def quiesce(self) -> None:
         """Wait for every queued step, apply its faults, and take every lent row back."""
