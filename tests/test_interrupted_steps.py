@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 import types
+from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
@@ -26,6 +27,7 @@ from asyncside.models import per_layer as per_layer_mod
 from asyncside.models import queued as queued_mod
 from asyncside.models import walk as walk_mod
 from asyncside.runtime import _plan as plan_mod
+from asyncside.runtime import _queued as queued_side_mod
 
 MAX_TOKENS = 3
 #: the step modes, and the queued one under a budget that reads past the page cache (prefill chunks
@@ -207,3 +209,32 @@ def test_model_code_that_raises_in_a_step_leaves_nothing_behind(loop: Any, mode:
         return raised
 
     assert run_guarded(sweep, loop=loop) > 0
+
+
+@pytest.mark.parametrize("mode", ["queued"])
+@pytest.mark.parametrize("loop", BACKENDS)
+def test_a_step_whose_end_raises_is_not_left_begun(loop: Any, mode: str, run: tuple[_Run, list[int]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``end_step`` raising inside its own bookkeeping (a MemoryError there, an interrupt) left the
+    step counted as being built: every quiesce, the runtime's shielded exit too, then waited for it
+    for ever. The build ends there whatever happens."""
+    r, reference = run
+
+    def failing_deque(*args: Any) -> Any:
+        raise Interrupt("the step's bookkeeping")
+
+    async def main() -> None:
+        async with r.runtime() as rt:
+            monkeypatch.setattr(queued_side_mod, "deque", failing_deque)
+            try:
+                with pytest.raises(Interrupt):
+                    await r.generate(rt)
+            finally:
+                monkeypatch.setattr(queued_side_mod, "deque", deque)
+            left = rt.queued._building  # private on purpose: a build left begun is the point
+            while rt.queued._building:  # so that the exit returns even when the assertion fails
+                rt.queued.abandon()
+            assert left == 0, "the step whose end raised is still counted as being built"
+            await _left_clean(r, rt, reference, "end_step raised")
+
+    run_guarded(main, loop=loop)

@@ -401,15 +401,22 @@ class QueuedSide:
         self._staged_tail = out
 
     def end(self, out: mx.array) -> None:
-        """A step whose last output is ``out`` is built and about to be scheduled."""
-        self._outs.append(out)
-        step = self._building_step
-        if step is not None:
-            self._awaiting.add(step)
-        if self._grouping:
-            for layer, n in self._resolves.items():
-                self._step_resolves.setdefault(layer, deque()).append((step if step is not None else -1, n))
-        self._built()
+        """A step whose last output is ``out`` is built and about to be scheduled. The build ends
+        here even when this raises: a build left begun would make every quiesce (the runtime's
+        exit too, shielded) wait for it for ever."""
+        try:
+            self._outs.append(out)
+            step = self._building_step
+            if step is not None:
+                self._awaiting.add(step)
+            if self._grouping:
+                for layer, n in self._resolves.items():
+                    self._step_resolves.setdefault(layer, deque()).append((step if step is not None else -1, n))
+        except BaseException:
+            self._grouping = False  # this step's resolves went partly unrecorded: counting by steps is off
+            raise
+        finally:
+            self._built()
 
     def abandon(self) -> None:
         """A step begun will not be scheduled (its build failed or was cancelled)."""
