@@ -259,6 +259,7 @@ class AsyncForward:
         """Await ``y`` (computed from a step's logits), then let the source learn what a queued
         step did (its faults, a failed read raised here as FillError) and record its routing."""
         armed, ctx.armed = ctx.armed, None
+        queued = ctx.routed and self.queued.is_queued_source(ctx.source)
         try:
             if armed is not None and armed[0] is y:
                 await armed[1].wait()
@@ -266,9 +267,15 @@ class AsyncForward:
                 if armed is not None:
                     armed[1].disarm()
                 await self.completed(y)
-        finally:
-            if ctx.routed and self.queued.is_queued_source(ctx.source):
+        except Exception:
+            if queued:  # a failed read of the step is the error to raise (what failed came of it)
                 cast(QueuedSource, ctx.source).after_step(ctx.step)
+            raise
+        # A cancellation or an interrupt leaves the step unawaited, its failures kept: raised to a
+        # later step's await or by quiesce. Raised here, one would replace the cancellation (on
+        # trio it then escaped the caller's cancel scope), and the awaiter had walked away.
+        if queued:
+            cast(QueuedSource, ctx.source).after_step(ctx.step)
         if ctx.routed:
             self.queued.count_predictions(ctx)
             QueuedSteps.record_routes(ctx)
