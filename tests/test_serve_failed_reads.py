@@ -124,6 +124,24 @@ def _decode_fails_trace(path: pathlib.Path, sm: Any, layer_count: int, bad: int,
     RoutingTrace(np.concatenate([first, ids()]), np.array([TOKENS, TOKENS]), n_experts, {}).save(path)
 
 
+async def _serve_pair(sm: Any, rt: Runtime, replay: Any, requests: dict[str, tuple[list[int], int]]) -> tuple[
+        dict[str, list[Any]], Batcher]:
+    """Serve two requests admitted by one engine step (``name: (prompt, max_tokens)``; the first
+    replays sequence 0 of ``replay``, the second sequence 1) until both ended; what each received."""
+    b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
+    got: dict[str, list[Any]] = {name: [] for name in requests}
+    async with anyio.create_task_group() as tg:
+        async with b.paused():  # both admitted by the same engine step
+            tg.start_soon(b.run)
+            gens = [b.submit(prompt, n) for prompt, n in requests.values()]
+        async with anyio.create_task_group() as readers:
+            for gen, name in zip(gens, requests):
+                readers.start_soon(_read, gen, got[name])
+        async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
+            tg.cancel_scope.cancel()
+    return got, b
+
+
 def test_a_clean_chunk_goes_on_when_the_decode_step_in_flight_read_a_damaged_record(tmp_path: pathlib.Path) -> None:
     """Both requests come at once: the first engine step prefills the short prompt and launches
     its first decode step, which reads the damaged record; the next queues the long prompt's
@@ -140,17 +158,7 @@ def test_a_clean_chunk_goes_on_when_the_decode_step_in_flight_read_a_damaged_rec
 
     async def main() -> tuple[dict[str, list[Any]], list[str]]:
         async with Runtime(sm.store, resident=0.0) as rt:
-            b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
-            got: dict[str, list[Any]] = {"decoding": [], "prefilling": []}
-            async with anyio.create_task_group() as tg:
-                async with b.paused():  # both admitted by the same engine step
-                    tg.start_soon(b.run)
-                    gens = b.submit(decoding, 8), b.submit(prefilling, 4)
-                async with anyio.create_task_group() as readers:
-                    readers.start_soon(_read, gens[0], got["decoding"])
-                    readers.start_soon(_read, gens[1], got["prefilling"])
-                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
-                    tg.cancel_scope.cancel()
+            got, _b = await _serve_pair(sm, rt, replay, {"decoding": (decoding, 8), "prefilling": (prefilling, 4)})
             await rt.quiesce()
         return got, audit_problems(rt)
 
@@ -214,17 +222,7 @@ def test_a_prompt_completed_beside_a_failing_decode_step_keeps_the_token_of_the_
 
     async def main() -> tuple[dict[str, list[Any]], list[str], int]:
         async with Runtime(sm.store, resident=0.0) as rt:
-            b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
-            got: dict[str, list[Any]] = {"decoding": [], "joining": []}
-            async with anyio.create_task_group() as tg:
-                async with b.paused():  # both admitted by the same engine step
-                    tg.start_soon(b.run)
-                    gens = b.submit(decoding, 8), b.submit(joining, 6)
-                async with anyio.create_task_group() as readers:
-                    readers.start_soon(_read, gens[0], got["decoding"])
-                    readers.start_soon(_read, gens[1], got["joining"])
-                async with b.paused():  # the engine step that failed it is over (its abandoned step awaited)
-                    tg.cancel_scope.cancel()
+            got, b = await _serve_pair(sm, rt, replay, {"decoding": (decoding, 8), "joining": (joining, 6)})
             await rt.quiesce()
         return got, audit_problems(rt), b.steps_ahead
 
