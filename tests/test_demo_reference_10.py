@@ -14,6 +14,7 @@ import pytest
 from _cli_support import run_cli
 
 from asyncside.cli import main
+from asyncside.memory import proc_self_bytes
 from asyncside.routing import RoutingTrace, preset
 
 
@@ -29,6 +30,13 @@ def _demo(capsys: pytest.CaptureFixture[str], store: pathlib.Path, *argv: str) -
     return res
 
 
+def _budget() -> str:
+    """A --memory that fits this small store beside what the process holds already: the suite's
+    earlier tests leave the process at a few hundred MiB, which a fixed figure does not leave room
+    for (the plan counts what the process holds)."""
+    return f"{proc_self_bytes('status', 'VmRSS') // 2**20 + 400}M"
+
+
 def _table_text(res: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
     from asyncside import demo
 
@@ -41,7 +49,7 @@ def test_slot_cache_figures_are_not_called_all_resident(quick_store: pathlib.Pat
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Under --memory with the slot cache as the reference, ``all_resident`` held the slot cache's
     figures; and the row held to the I/O limit alone was labelled min(compute, I/O limit)."""
-    res = _demo(capsys, quick_store, "--memory", "400M", "--reference", "slot-cache")
+    res = _demo(capsys, quick_store, "--memory", _budget(), "--reference", "slot-cache")
     assert res["reference"] == "slot-cache" and res["all_resident"] is None
     assert res["slot_cache"]["tokens"] == res["streaming"]["tokens"] == 4
     assert res["reference_reads"]["bytes_read"] > 0  # the slot cache read its misses
@@ -57,7 +65,7 @@ def test_slot_cache_figures_are_not_called_all_resident(quick_store: pathlib.Pat
 def test_no_reference_has_no_reference_figures(quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """--reference none: no figures under either name (they were zeros under ``all_resident``)."""
-    res = _demo(capsys, quick_store, "--memory", "400M", "--reference", "none")
+    res = _demo(capsys, quick_store, "--memory", _budget(), "--reference", "none")
     assert res["reference"] == "none" and res["all_resident"] is None and res["slot_cache"] is None
     # No reference, no ratio (it was 0.0, a figure read as "infinitely slower")
     assert res["speed_ratio"] is None and res["decode_speed_ratio"] is None
@@ -71,7 +79,7 @@ def test_all_resident_figures_keep_their_name_and_the_limits_say_which(
     """The all-resident reference's figures stay under ``all_resident``; the row says min(compute,
     I/O limit) only where both were measured (without --memory the disk is not probed: the compute
     limit alone)."""
-    res = _demo(capsys, quick_store, "--memory", "400M", "--reference", "all-resident")
+    res = _demo(capsys, quick_store, "--memory", _budget(), "--reference", "all-resident")
     assert res["reference"] == "all-resident" and res["slot_cache"] is None
     assert res["all_resident"]["tokens"] == res["streaming"]["tokens"] == 4
     lim = res["limits"]
