@@ -34,6 +34,13 @@ def test_sizes() -> None:
             offload.parse_size(bad)
 
 
+def test_the_title_gives_the_budget_as_memory_reads_it() -> None:
+    """--memory 700M is 700 MiB (what asyncside's plan and refusals say); the title said "734 MB"
+    alone, the decimal figure of the tables, which read as another budget."""
+    title = offload._title({"budget_bytes": BUDGET, "cgroup": "cgroup v2", "shapes": []})
+    assert "budget 700 MiB (734 MB)" in title
+
+
 def test_no_cgroup_hierarchy_is_said_clearly(tmp_path: pathlib.Path) -> None:
     with pytest.raises(offload.CgroupError, match="no memory cgroup hierarchy"):
         offload.cgroup_version(tmp_path)

@@ -1070,7 +1070,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     fitted = fit_routings(user, shapes, positions=PROMPT_TOKENS + int(args.tokens), predictor=args.predictor,
                           verbose=verbose)
     why = _runs_cgroup(args, budget, shapes)
-    _log(verbose, f"budget {budget / MB:.0f} MB in a {why}; page cache dropped before every run")
+    _log(verbose, f"budget {_budget_text(budget)} in a {why}; page cache dropped before every run")
     result: dict[str, Any] = {"bench": "offload", "machine": machine_info(), "budget_bytes": budget, "cgroup": why,
                               "settings": {k: getattr(args, k, None) for k in (
                                   "seconds", "tokens", "policy", "predictor", "vocab", "shapes", "localities",
@@ -1190,7 +1190,13 @@ def _title(result: dict[str, Any]) -> str:
                        + (f" (not represented: {s['note']})" if s.get("note") else "") for s in result["shapes"])
     notes = "".join(f"; routing {routing_note(info)}" for s in result["shapes"]
                     for info in s.get("routings", {}).values())
-    return f"bench offload: budget {result['budget_bytes'] / MB:.0f} MB ({result['cgroup']}); {shapes}{notes}"
+    return f"bench offload: budget {_budget_text(result['budget_bytes'])} ({result['cgroup']}); {shapes}{notes}"
+
+
+def _budget_text(budget: int) -> str:
+    """The budget as --memory reads it (binary: 700M is 700 MiB, what asyncside's plan and its
+    refusals say) beside the decimal MB the tables use."""
+    return f"{budget / 2**20:.0f} MiB ({budget / MB:.0f} MB)"
 
 
 def render_table(result: dict[str, Any]) -> None:
