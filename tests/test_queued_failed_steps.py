@@ -32,6 +32,14 @@ def _damage(spec: Any, expert: int) -> None:
     spec.path.write_bytes(damaged)
 
 
+def _damaged(sm: Any) -> tuple[int, int]:
+    """Damage the last expert of the first MoE layer: that layer and the expert."""
+    layer = sm.moe_layers[0]
+    spec = sm.store.layer(layer)
+    _damage(spec, spec.n_experts - 1)
+    return layer, spec.n_experts - 1
+
+
 @pytest.fixture
 def sm(tmp_path: pathlib.Path) -> Any:
     store_dir, _model, _prompt = model_store(tmp_path, "qwen3_moe", None)
@@ -49,10 +57,7 @@ async def _queue(rt: Runtime, layer: int, *resolves: list[int]) -> tuple[int, mx
 
 
 def test_a_failed_read_is_raised_where_its_own_step_is_awaited_not_an_earlier_one(sm: Any) -> None:
-    layer = sm.moe_layers[0]
-    spec = sm.store.layer(layer)
-    bad = spec.n_experts - 1
-    _damage(spec, bad)
+    layer, bad = _damaged(sm)
 
     async def main() -> None:
         async with Runtime(sm.store, resident=0.0) as rt:
@@ -71,10 +76,7 @@ def test_a_failed_read_is_raised_where_its_own_step_is_awaited_not_an_earlier_on
 
 
 def test_a_failed_read_of_a_step_never_awaited_is_raised_by_quiesce(sm: Any) -> None:
-    layer = sm.moe_layers[0]
-    spec = sm.store.layer(layer)
-    bad = spec.n_experts - 1
-    _damage(spec, bad)
+    layer, bad = _damaged(sm)
 
     async def main() -> None:
         async with Runtime(sm.store, resident=0.0) as rt:
@@ -92,10 +94,7 @@ def test_a_failed_read_of_a_step_never_awaited_is_raised_by_quiesce(sm: Any) -> 
 def test_a_later_step_s_await_raises_an_earlier_step_s_failure_that_nobody_awaited(sm: Any) -> None:
     """A step whose await never came (its task left): its failure is raised, with its step, at the
     await of a step after it, not held for ever."""
-    layer = sm.moe_layers[0]
-    spec = sm.store.layer(layer)
-    bad = spec.n_experts - 1
-    _damage(spec, bad)
+    layer, bad = _damaged(sm)
 
     async def main() -> None:
         async with Runtime(sm.store, resident=0.0) as rt:
