@@ -288,7 +288,7 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
         # zipfile's own failures: a truncated archive (EOFError), a bad CRC or header (BadZipFile),
-        # a member compressed by a method it does not read (NotImplementedError).
+        # a member compressed by a method zipfile has no decompressor for (its error for that).
         raise TraceError(where, f"not a readable .npz file: {e}") from None
     return data
 

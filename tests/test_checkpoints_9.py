@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -131,6 +132,24 @@ def test_damaged_weight_file_is_named(sharded: pathlib.Path, tmp_path: pathlib.P
     assert ("git lfs pull" in err) == (damage == "lfs-pointer")
 
 
+def _convert_and_demo(tmp_path: pathlib.Path, model: Any, config: Any,
+                      capsys: pytest.CaptureFixture[str]) -> tuple[pathlib.Path, int, str, str]:
+    """Save ``model`` as a checkpoint (byte-level tokenizer), convert it, run a two-token demo on
+    the store: the store, the demo's exit status, its stdout and stderr."""
+    from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+    d = tmp_path / "model"
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    save_byte_level_tokenizer(d)
+    store = tmp_path / "store"
+    assert _convert(d, tmp_path, capsys)[0] == 0
+    capsys.readouterr()
+    code = main(["demo", "--model", str(store), "--tokens", "2", "--prompt", "ab", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    return store, code, out, err
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_unquantized_experts(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
                                             dtype: str) -> None:
@@ -138,18 +157,9 @@ def test_half_precision_unquantized_experts(tmp_path: pathlib.Path, capsys: pyte
     (the CPU backend's gather_mm takes float32 only) the demo refuses in one line naming the store's
     dtype field (status 2), else its tokens match mlx-lm's."""
     from asyncside.models.loading import _gather_mm_takes
-    from asyncside.models.tokenizer import save_byte_level_tokenizer
 
-    d = tmp_path / "model"
     model, config = tiny_model("mixtral", dtype=getattr(mx, dtype))
-    save_model(d, model)
-    save_config(dict(config), d / "config.json")
-    save_byte_level_tokenizer(d)
-    store = tmp_path / "store"
-    assert main(["convert", str(d), str(store), "--json"]) == 0
-    capsys.readouterr()
-    code = main(["demo", "--model", str(store), "--tokens", "2", "--prompt", "ab", "--json", "--quiet"])
-    out, err = capsys.readouterr()
+    _store, code, out, err = _convert_and_demo(tmp_path, model, config, capsys)
     if _gather_mm_takes(getattr(mx, dtype)):
         assert code == 0 and json.loads(out)["tokens_identical"], err
     else:
@@ -161,25 +171,16 @@ def test_config_transformers_rejects_is_named(tmp_path: pathlib.Path, capsys: py
     """A deepseek_v3 config with ``n_shared_experts: null`` builds in mlx-lm and converts, but
     transformers' config class (read to load the tokenizer) rejects it: the demo refuses in one
     line naming config.json and the field (status 2), not with huggingface_hub's traceback."""
-    from asyncside.models.tokenizer import save_byte_level_tokenizer
-
     import _models_support as ms
 
-    d = tmp_path / "model"
     base = dict(ms.BASE["deepseek_v3"])
     try:
         ms.BASE["deepseek_v3"] = {**base, "n_shared_experts": None}
         model, config = tiny_model("deepseek_v3")
     finally:
         ms.BASE["deepseek_v3"] = base
-    save_model(d, model)
-    save_config(dict(config), d / "config.json")
-    save_byte_level_tokenizer(d)
-    store = tmp_path / "store"
-    assert main(["convert", str(d), str(store), "--json"]) == 0
-    capsys.readouterr()
-    code = main(["demo", "--model", str(store), "--tokens", "2", "--prompt", "ab", "--json", "--quiet"])
-    err = capsys.readouterr().err.strip()
+    store, code, _out, err = _convert_and_demo(tmp_path, model, config, capsys)
+    err = err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert str(store / "config.json") in err and "n_shared_experts" in err
 

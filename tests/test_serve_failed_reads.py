@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import pytest
 from _fault_helpers import model_store
-from test_serve_unseen_8 import TOKENS, _damage, _finish_after_a_failed_read, _trace
+from test_serve_unseen_8 import TOKENS, _arm_after_first_chunk, _damage, _finish_after_a_failed_read, _trace
 
 from asyncside.audit import audit_problems
 from asyncside.bridge import completed
@@ -77,14 +77,7 @@ def test_a_clean_decoding_request_keeps_its_tokens_when_a_chunk_beside_it_read_a
     async def main() -> tuple[dict[str, list[Any]], list[str]]:
         async with Runtime(sm.store, resident=0.0) as rt:
             b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
-            real_prefill = b._prefill
-
-            async def prefill(slot: Any, n: int) -> Any:
-                chunk = await real_prefill(slot, n)
-                hold["armed"] = hold["armed"] or (slot.prompt == prefilling and len(slot.fed) == 4)
-                return chunk
-
-            monkeypatch.setattr(b, "_prefill", prefill)
+            _arm_after_first_chunk(b, hold, prefilling, monkeypatch)
             got: dict[str, list[Any]] = {"decoding": [], "prefilling": []}
             async with anyio.create_task_group() as tg:
                 tg.start_soon(b.run)

@@ -73,18 +73,36 @@ def _finish_after_a_failed_read(sm: Any, monkeypatch: pytest.MonkeyPatch) -> dic
     return hold
 
 
-def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_raised(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _arm_after_first_chunk(b: Any, hold: dict[str, Any], prompt: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arm ``hold`` (:func:`_finish_after_a_failed_read`) once ``prompt``'s first chunk of 4 is queued."""
+    real_prefill = b._prefill
+
+    async def prefill(slot: Any, n: int) -> Any:
+        chunk = await real_prefill(slot, n)
+        hold["armed"] = hold["armed"] or (slot.prompt == prompt and len(slot.fed) == 4)
+        return chunk
+
+    monkeypatch.setattr(b, "_prefill", prefill)
+
+
+def _chunk_fails(tmp_path: pathlib.Path) -> tuple[Any, Any, list[int], int, pathlib.Path, list[int], list[int]]:
+    """The tiny model streamed, and a trace (at ``tmp_path/trace.npz``) whose prefilling request
+    routes the bad expert (the first MoE layer's last) in its first chunk of 4 only: the streaming
+    model, the reference model, the MoE layers, the bad expert, the trace's path, a decoding and a
+    prefilling prompt."""
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed)
     moe = sm.moe_layers
-    k = int(sm.config["num_experts_per_tok"])
     n_experts = sm.store.layer(moe[0]).n_experts
-    bad = n_experts - 1
     path = tmp_path / "trace.npz"
+    _trace(path, len(moe), n_experts, int(sm.config["num_experts_per_tok"]), n_experts - 1, bad_tokens=4)
+    return sm, model, moe, n_experts - 1, path, prompt[:3], prompt[:12]
+
+
+def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_raised(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Request A prefills in chunks of 4 and routes the bad expert in its first chunk only.
-    _trace(path, len(moe), n_experts, k, bad, bad_tokens=4)
-    decoding, prefilling = prompt[:3], prompt[:12]
+    sm, model, moe, bad, path, decoding, prefilling = _chunk_fails(tmp_path)
     replay = sm.set_routing(path, sequence=0)  # the third request submitted replays it (2 mod 2)
     sm.set_routing(None)
     force_reference(model, sm.arch.block_attr, replay)
@@ -105,14 +123,7 @@ def test_a_chunk_whose_read_failed_fails_its_request_wherever_the_failure_is_rai
     async def main() -> tuple[dict[str, list[Any]], list[int], list[str]]:
         async with Runtime(sm.store, resident=0.0) as rt:
             b = Batcher(sm, rt, prompt_cache_size=0, prefill_chunk=4, predictor="none", routing=replay)
-            real_prefill = b._prefill
-
-            async def prefill(slot: Any, n: int) -> Any:
-                chunk = await real_prefill(slot, n)
-                hold["armed"] = hold["armed"] or (slot.prompt == prefilling and len(slot.fed) == 4)
-                return chunk
-
-            monkeypatch.setattr(b, "_prefill", prefill)
+            _arm_after_first_chunk(b, hold, prefilling, monkeypatch)
             got: dict[str, list[Any]] = {"decoding": [], "prefilling": []}
 
             async def read(name: str, gen: Any) -> None:
@@ -150,15 +161,7 @@ def test_a_chunk_s_failed_read_raised_at_a_cancelled_request_s_step_fails_the_ch
     """As above, but every request of the decode step in flight was cancelled (left before the
     step was awaited): the chunk's failure raised at that step's await fails no request there, and
     must still count as a failed read raised while the chunk was queued, failing its request."""
-    store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
-    sm = load_streaming_model(store_dir, completed=completed)
-    moe = sm.moe_layers
-    k = int(sm.config["num_experts_per_tok"])
-    n_experts = sm.store.layer(moe[0]).n_experts
-    bad = n_experts - 1
-    path = tmp_path / "trace.npz"
-    _trace(path, len(moe), n_experts, k, bad, bad_tokens=4)
-    decoding, prefilling = prompt[:3], prompt[:12]
+    sm, model, moe, bad, path, decoding, prefilling = _chunk_fails(tmp_path)
     replay = sm.set_routing(path)
     sm.set_routing(None)
     spec = sm.store.layer(moe[0])

@@ -90,7 +90,7 @@ class QueuedSide:
         # overlap or a fault node failed as a whole (either can leave the log and the counts out of
         # step) until everything queued was learned (quiesce, or no step in flight).
         self._resolves: dict[int, int] = {}  # the step being built: layer -> resolves queued
-        self._step_resolves: dict[int, deque[tuple[int, int]]] = {}
+        self._step_resolves: dict[int, deque[tuple[int | None, int]]] = {}
         self._partial: dict[int, tuple[int, dict[int, None], int | None]] = {}
         self._last_step: dict[int, int | None] = {}  # layer -> the step of its last resolve drained
         self._grouping = True
@@ -265,8 +265,7 @@ class QueuedSide:
         next to nothing: the fault logs are applied every :data:`RECONCILE_EVERY` steps (and
         before anything reads the ledgers), failures at once. Returns the step's id (what
         :meth:`after_step` takes, and a failed fault's ``FillError.step``)."""
-        if not self._grouping and not self._building and self.idle():
-            self._regroup()
+        self._regroup_when_idle()
         self._lend()
         self._step_seq += 1
         if self._building:
@@ -411,7 +410,7 @@ class QueuedSide:
                 self._awaiting.add(step)
             if self._grouping:
                 for layer, n in self._resolves.items():
-                    self._step_resolves.setdefault(layer, deque()).append((step if step is not None else -1, n))
+                    self._step_resolves.setdefault(layer, deque()).append((step, n))
         except BaseException:
             self._grouping = False  # this step's resolves went partly unrecorded: counting by steps is off
             raise
@@ -479,6 +478,10 @@ class QueuedSide:
             if st.faults is not None and st.faults.pending:
                 await anyio.to_thread.run_sync(st.faults.settle)  # I/O: in a worker thread
                 self.reconcile(st)
+        self._regroup_when_idle()
+
+    def _regroup_when_idle(self) -> None:
+        """Count by steps again where it went off and no step is built or computing now."""
         if not self._grouping and not self._building and self.idle():
             self._regroup()
 
@@ -510,8 +513,7 @@ class QueuedSide:
             self._raise_errors()
             return
         self._awaiting = {s for s in self._awaiting if s > step}
-        if not self._grouping and not self._building and self.idle():
-            self._regroup()
+        self._regroup_when_idle()
         self._raise_errors()
 
     def _learn(self) -> None:
@@ -637,7 +639,7 @@ class QueuedSide:
         if partial is None and (not steps or all(steps[i][1] == 1 for i in range(min(n_groups, len(steps))))):
             # Each resolve a step of its own (an unsplit step per layer): the log's entries as they are.
             for _ in range(min(n_groups, len(steps) if steps else 0)):
-                groups.append(_known(steps.popleft()[0]))  # type: ignore[union-attr]
+                groups.append(steps.popleft()[0])  # type: ignore[union-attr]
             groups += [None] * (n_groups - len(groups))
             cache.hits += int(used.size) - int(missed.sum())
             st.ledger.record_uses(used, sizes.tolist())
@@ -650,8 +652,8 @@ class QueuedSide:
         for k, n in enumerate(sizes.tolist()):
             starts = left == 0
             if starts:
-                sid, left = steps.popleft() if steps else (-1, 1)
-                step, seen = _known(sid), {}
+                step, left = steps.popleft() if steps else (None, 1)
+                seen = {}
             groups.append(step)
             if starts or k == 0:
                 reserves.append(0)  # a step's uses (or their rest, after an earlier drain): one reserve
@@ -695,11 +697,6 @@ class QueuedSide:
 
 
 _NODE_FAILED = -4  # a fault node failed as a whole: its message is the table's `failure`
-
-
-def _known(step: int) -> int | None:
-    """A step id as the steps' bookkeeping keeps it (-1: a step built without one) or None."""
-    return step if step >= 0 else None
 _PREFETCHED = 3  # FaultEvent::source of a prefetch's read (native/expert_faults.h)
 
 
