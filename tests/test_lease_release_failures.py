@@ -52,3 +52,30 @@ def test_a_failed_computation_releases_its_leases_and_the_runtime_goes_on(loop: 
     rt, done = run_guarded(main, loop=loop)
     assert done == ["released", "served"]  # the body ran to its end: nothing cancelled it
     assert audit_problems(rt) == []
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_leases_released_before_their_task_ran_leave_the_task_nothing_to_do(loop: Any,
+                                                                            quick_store: pathlib.Path) -> None:
+    """``release_computed()`` (a queued step about to be built) releases the leases whose
+    computation already finished, before their release task first ran: the task then found its
+    entry gone and raised KeyError in the runtime's task group, which failed the runtime's exit
+    (seen under load in a cancellation sweep)."""
+
+    async def main() -> Runtime:
+        rt = Runtime(ExpertStore.open(quick_store), resident=0.25)
+        async with rt:
+            layer = min(rt.store.layers)
+            await rt.ensure(layer, [1, 2])
+            x = mx.array([1.0]) * 2
+            rt.release_after(x, [(layer, rt.lease(layer, [1, 2]))])  # its task is spawned, not run yet
+            mx.eval(x)
+            rt._leases.release_computed()  # released here, before the task's first step
+            assert rt.ledger(layer).pinned_rows() == {}
+            for _ in range(5):
+                await anyio.lowlevel.checkpoint()  # the task runs now
+            await rt.ensure(layer, [9])
+        return rt
+
+    rt = run_guarded(main, loop=loop)
+    assert audit_problems(rt) == []

@@ -48,7 +48,10 @@ class Leases:
         self._s.spawn(self._release_when_computed, key)
 
     async def _release_when_computed(self, key: int) -> None:
-        x, _held = self._pending[key]
+        entry = self._pending.get(key)
+        if entry is None:
+            return  # release_computed() released them before this task first ran
+        x = entry[0]
         try:
             await self._s.computed(x)
         except Exception:
