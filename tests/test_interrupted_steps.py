@@ -240,3 +240,48 @@ def test_a_step_whose_end_raises_is_not_left_begun(loop: Any, mode: str, run: tu
             await _left_clean(r, rt, reference, "end_step raised")
 
     run_guarded(main, loop=loop)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "queued"])  # queued steps lend rows, lease none
+@pytest.mark.parametrize("loop", BACKENDS[:1])
+def test_a_release_after_that_raises_once_it_took_the_leases_releases_them_once(
+        loop: Any, mode: str, run: tuple[_Run, list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ``release_after`` of a generation in turn takes its leases and then raises (an interrupt
+    arriving just after the call did its work). A whole-model step handed its leases to
+    ``release_after`` inside the block whose handler releases them on error, so they were released
+    twice: at once by the handler, and again by the release task the first call had started, whose
+    KeyError then failed the runtime's exit."""
+    r, reference = run
+    real = Runtime.release_after
+
+    async def sweep() -> int:
+        raised = 0
+        k = 0
+        while True:
+            k += 1
+            calls = [0]
+
+            def took_then_raised(self: Runtime, x: Any, leases: Any, k: int = k, calls: list[int] = calls) -> None:
+                held = list(leases)
+                real(self, x, held)
+                if held:
+                    calls[0] += 1
+                    if calls[0] == k:
+                        raise Interrupt(f"after release_after call {k}")
+
+            async with r.runtime() as rt:
+                monkeypatch.setattr(Runtime, "release_after", took_then_raised)
+                try:
+                    got = await r.generate(rt)
+                except Interrupt:
+                    got = None
+                finally:
+                    monkeypatch.setattr(Runtime, "release_after", real)
+                if got is not None:  # fewer calls with leases than k: each has raised in turn
+                    assert got == reference
+                    return raised
+                raised += 1
+                await _left_clean(r, rt, reference, f"release_after raised after call {k}")
+            assert audit_problems(rt) == [], k
+
+    assert run_guarded(sweep, loop=loop) > 0

@@ -98,9 +98,7 @@ class WholeSteps:
                     except CapacityError:
                         pass
                 if bad is None:
-                    self.counters["forwards"] += 1
-                    source.release_after(whole.out, ctx.leases)
-                    return whole.out
+                    break
                 self.counters["optimistic_redone"] += 1
                 b = whole.built[bad]
                 # The ids the wrong round routed after the unsound layer are what the next round
@@ -122,3 +120,8 @@ class WholeSteps:
         except BaseException:
             source.release_after(mx.array(0), ctx.leases)
             raise
+        # Outside the try: a release_after that raised after taking the leases must not see them
+        # released a second time by the handler above.
+        self.counters["forwards"] += 1
+        source.release_after(whole.out, ctx.leases)
+        return whole.out
