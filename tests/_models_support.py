@@ -52,6 +52,67 @@ BASE = {
         vocab_size=128, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=8, rope_theta=10000,
     ),
+    # Architectures added in session 16 (tests/test_archs_16.py).
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=64, shared_expert_intermediate_size=128, rms_norm_eps=1e-6,
+        vocab_size=128, rope_theta=10000.0,
+    ),
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        n_shared_experts=2, n_routed_experts=16, routed_scaling_factor=2.0, kv_lora_rank=64,
+        q_lora_rank=None, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=4,
+        first_k_dense_replace=1, moe_layer_freq=1, max_position_embeddings=512,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+        max_position_embeddings=512, moe_intermediate_size=64, norm_topk_prob=True,
+        num_attention_heads=4, n_group=2, head_dim=16, topk_group=1, n_shared_experts=1,
+        n_routed_experts=16, routed_scaling_factor=2.5, num_experts_per_tok=4, first_k_dense_replace=1,
+        num_hidden_layers=3, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, use_qk_norm=True, tie_word_embeddings=False, attention_bias=True,
+        partial_rotary_factor=0.5,
+    ),
+    "phimoe": dict(
+        model_type="phimoe", vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        original_max_position_embeddings=512, rms_norm_eps=1e-5, num_local_experts=8,
+        num_experts_per_tok=2, rope_theta=10000.0, router_jitter_noise=0.01,
+    ),
+    "ernie4_5_moe": dict(
+        model_type="ernie4_5_moe", hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, rms_norm_eps=1e-5,
+        vocab_size=128, rope_theta=10000.0, use_bias=True, tie_word_embeddings=False,
+        moe_num_experts=16, moe_layer_start_index=1, moe_intermediate_size=64, moe_k=4,
+        moe_layer_interval=1, moe_num_shared_experts=1, head_dim=16,
+    ),
+    "dots1": dict(
+        model_type="dots1", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=128, max_position_embeddings=512,
+        num_key_value_heads=2, first_k_dense_replace=1, moe_intermediate_size=64, n_routed_experts=16,
+        n_shared_experts=1, norm_topk_prob=True, num_experts_per_tok=4, rope_theta=10000.0,
+        routed_scaling_factor=2.5, head_dim=16, n_group=2, topk_group=1,
+    ),
+    "hunyuan": dict(
+        model_type="hunyuan", vocab_size=128, hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=False, moe_topk=4, num_experts=16,
+        num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, rms_norm_eps=1e-5,
+        rope_theta=10000.0, use_cla=False, cla_share_factor=2, moe_intermediate_size=64,
+        rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}, tie_word_embeddings=True,
+    ),
+    "bailing_moe": dict(
+        model_type="bailing_moe", hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+        moe_intermediate_size=64, num_experts=16, num_shared_experts=1, norm_topk_prob=True,
+        num_attention_heads=4, num_experts_per_tok=4, num_hidden_layers=3, num_key_value_heads=2,
+        rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=128, first_k_dense_replace=1,
+        use_qk_norm=True, moe_router_enable_expert_bias=True, routed_scaling_factor=2.5,
+        score_function="sigmoid", n_group=2, topk_group=1, partial_rotary_factor=0.5,
+    ),
 }
 
 

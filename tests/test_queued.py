@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import mlx.core as mx
@@ -56,8 +57,9 @@ def read_threads(request: pytest.FixtureRequest) -> object:
                 or now["background_reads"] > counters["background_reads"])
 
 
-def _top_k(config: dict) -> int:
-    return int(config.get("num_experts_per_tok", 2))
+def _top_k(sm: Any) -> int:
+    """The most experts a MoE block of the model routes a token to (ernie4_5_moe's config calls it moe_k)."""
+    return int(sm.forward.walk.top_k)
 
 
 @pytest.mark.parametrize("host_tier", ["auto", 0])
@@ -82,7 +84,7 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     # A prompt long enough for mlx-lm's sorted switch (>= 64 pairs): its prefill and its step
     # resolve their experts in parts of pairs sorted by expert.
-    long_prompt = [int(t) for t in np.random.default_rng(6).integers(0, model.model.embed_tokens.weight.shape[0], 40)]
+    long_prompt = [int(t) for t in np.random.default_rng(6).integers(0, model.args.vocab_size, 40)]
     ref_long = reference_generate(model, long_prompt, max_tokens=NEW_TOKENS)
     steps = [prompt, [5], [17], [99], [3], long_prompt, [7]]
     ref_cache = make_prompt_cache(model)
@@ -91,7 +93,7 @@ def test_queued_steps_exact_and_fault_in_every_layer(tmp_path: pathlib.Path, mod
     options = (QUEUED if slices == "staged" else
                dataclasses.replace(QUEUED, staged_switches=False, expert_slices=slices == "experts"))
     sm = load_streaming_model(store_dir, completed=completed, options=options)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
 
     async def main() -> tuple[list[int], list[mx.array], dict, dict]:
         # Rows for k experts per layer only: every step that routes elsewhere faults.
@@ -269,7 +271,7 @@ def test_a_step_that_fails_while_queued_lets_its_queued_part_run_out_first() -> 
 def test_a_failed_fault_fails_the_step_and_frees_its_row(tmp_path: pathlib.Path, read_threads: int) -> None:
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
 
     async def main() -> None:
@@ -318,7 +320,7 @@ def test_failed_faults_leave_mlx_count_of_tasks_as_it_was(tmp_path: pathlib.Path
     count comes back to where it was."""
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
     cpu = mx.default_stream(mx.cpu)
 
     async def main() -> None:
@@ -371,7 +373,7 @@ def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
 
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     real_schedule = queued_mod.QueuedSteps._schedule
     scheduling = anyio.Event()
@@ -420,7 +422,7 @@ def test_a_step_mlx_refuses_to_schedule_fails_its_awaiter_and_the_runtime_still_
 
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     real_schedule = queued_mod.QueuedSteps._schedule
     refused: list[mx.array] = []
@@ -469,8 +471,8 @@ def test_an_ensure_while_a_long_step_is_being_built_waits_for_that_step(
 
     store_dir, model, _prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
-    prompt = [int(t) for t in np.random.default_rng(8).integers(0, model.model.embed_tokens.weight.shape[0], 40)]
+    k = _top_k(sm)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, model.args.vocab_size, 40)]
     ref_cache = make_prompt_cache(model)
     ref = model(mx.array(prompt)[None], cache=ref_cache)
     mx.eval(ref)
@@ -1020,7 +1022,7 @@ def test_a_faulted_record_with_a_flipped_byte_is_never_used(tmp_path: pathlib.Pa
     tests/test_queued.py::test_device_fault_table_with_a_host_tier_reads_each_record_once checks.)"""
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
 
     async def main(verify: bool) -> list[BaseException]:
         async with Runtime(sm.store, resident=0.0, min_side_rows=k, verify=verify, host_tier=0) as rt:
@@ -1069,7 +1071,7 @@ def test_queued_faults_past_the_page_cache_are_exact(tmp_path: pathlib.Path, qua
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm = load_streaming_model(store_dir, completed=completed, options=QUEUED)
-    k = _top_k(sm.config)
+    k = _top_k(sm)
 
     async def main() -> tuple[list[int], dict]:
         async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:

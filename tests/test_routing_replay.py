@@ -168,7 +168,7 @@ def test_forced_router_scores_are_the_routers(model_type: str) -> None:
         forced = forced_block_call(block, x, inds)
         assert mx.array_equal(own, forced).item(), (model_type, layer)
         other = (inds + 1) % int(config.get("num_experts") or config.get("num_local_experts")
-                                 or config["n_routed_experts"])
+                                 or config.get("moe_num_experts") or config["n_routed_experts"])
         assert not mx.array_equal(own, forced_block_call(block, x, other.astype(inds.dtype))).item()
 
 

@@ -5,7 +5,8 @@ to learn the routed experts on the host before the expert gather is built). So i
 model's *own modules* in the same order with the same ops: embedding, per decoder layer
 ``h = x + self_attn(input_layernorm(x), mask, cache)``, ``out = h + mlp(post_attention_layernorm(h))``,
 final norm, LM head. Every supported architecture follows this decoder pattern; what differs is
-kept here: where the MoE block lives, how attention masks are built, whether embeddings are tied.
+kept here: where the MoE block lives, how attention masks are built, how a layer's attention is
+called and where the embedding lives, and which configurations of a type are refused.
 
 The MoE blocks themselves are not re-implemented: the forward calls each block's own ``__call__``
 (see :mod:`asyncside.models.pooled`), so routing, score normalisation, shared experts and biases are
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,6 +49,31 @@ def _masks_gpt_oss(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]
     return [full if t == "full_attention" else swa for t in inner.layer_types]
 
 
+def _self_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    return cast(mx.array, layer.self_attn(x, mask, cache))
+
+
+def _attention_attr(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    # bailing_moe names its attention sub-layer ``attention``.
+    return cast(mx.array, layer.attention(x, mask, cache))
+
+
+def _hunyuan_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    # hunyuan's attention also returns the keys and values it computed, which a later layer reuses
+    # under cross-layer attention; without it (checked by _hunyuan_check) no layer is handed any.
+    return cast(mx.array, layer.self_attn(x, mask, cache)[0])
+
+
+def _hunyuan_check(model: nn.Module) -> None:
+    if getattr(getattr(model, "args", None), "use_cla", False):
+        raise UnsupportedModelError("hunyuan: cross-layer attention (use_cla) is not supported: its layers "
+                                    "share keys and values computed by an earlier layer")
+
+
+def _no_check(model: nn.Module) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Arch:
     """What the generic decoder walk needs to know about one mlx-lm architecture."""
@@ -57,6 +83,25 @@ class Arch:
     block_attr: str
     #: builds one attention mask per layer exactly as the model's ``__call__`` does
     masks: Callable[[nn.Module, mx.array, list[Any]], list[Any]]
+    #: a decoder layer's attention over its normed input: ``(layer, x, mask, cache) -> output``
+    attention: Callable[[nn.Module, mx.array, Any, Any], mx.array] = _self_attn
+    #: attribute of the inner model (``model.model``) holding the token embedding
+    embed_attr: str = "embed_tokens"
+    #: refuses (UnsupportedModelError) a model of this type whose configuration the walk does not follow
+    check: Callable[[nn.Module], None] = _no_check
+
+    def embedding(self, model: nn.Module) -> nn.Module:
+        """The model's token embedding module (its ``as_linear`` is the head of tied embeddings)."""
+        return cast(nn.Module, getattr(model.model, self.embed_attr))
+
+
+#: architectures mlx-lm has that the walk cannot follow exactly, and why (refused by :func:`arch_for`)
+REFUSED: dict[str, str] = {
+    "llama4": "chunked attention masks are not supported (its chunked layers trim their caches while "
+              "the masks are built, and the model nests its text model under language_model)",
+    "granitemoe": "its residual_multiplier scales each MoE block's output before the residual add, "
+                  "which the streaming forward's decoder walk does not do",
+}
 
 
 ARCHS: dict[str, Arch] = {
@@ -65,6 +110,15 @@ ARCHS: dict[str, Arch] = {
     "olmoe": Arch("olmoe", "mlp", _masks_shared),
     "deepseek_v3": Arch("deepseek_v3", "mlp", _masks_array),
     "gpt_oss": Arch("gpt_oss", "mlp", _masks_gpt_oss),
+    "qwen2_moe": Arch("qwen2_moe", "mlp", _masks_shared),
+    "deepseek_v2": Arch("deepseek_v2", "mlp", _masks_shared),
+    "glm4_moe": Arch("glm4_moe", "mlp", _masks_shared),
+    "phimoe": Arch("phimoe", "block_sparse_moe", _masks_shared),
+    "ernie4_5_moe": Arch("ernie4_5_moe", "mlp", _masks_shared),
+    "dots1": Arch("dots1", "mlp", _masks_shared),
+    "hunyuan": Arch("hunyuan", "mlp", _masks_shared, attention=_hunyuan_attn, check=_hunyuan_check),
+    "bailing_moe": Arch("bailing_moe", "mlp", _masks_shared, attention=_attention_attr,
+                        embed_attr="word_embeddings"),
 }
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
@@ -72,6 +126,8 @@ SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 
 def arch_for(model_type: str) -> Arch:
     """The adapter of ``model_type`` (UnsupportedModelError listing the supported ones otherwise)."""
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"{model_type}: {REFUSED[model_type]}")
     try:
         return ARCHS[model_type]
     except KeyError:
@@ -119,17 +175,20 @@ def top_k_attribute(block: nn.Module) -> tuple[Any, str] | None:
     """Where an MoE block keeps how many experts its router picks, as (object, attribute name).
 
     deepseek_v3 routes in its gate module (``gate.top_k``); qwen3_moe and olmoe keep ``top_k`` on
-    the block, mixtral and gpt_oss ``num_experts_per_tok``. None if the block has no such int.
+    the block, mixtral and gpt_oss ``num_experts_per_tok``, ernie4_5_moe ``k``. None if the block
+    has no such int.
     """
     gate = getattr(block, "gate", None)
-    for obj, name in ((gate, "top_k"), (block, "top_k"), (block, "num_experts_per_tok")):
+    for obj, name in ((gate, "top_k"), (block, "top_k"), (block, "num_experts_per_tok"), (block, "k")):
         if obj is not None and isinstance(getattr(obj, name, None), int) and not isinstance(getattr(obj, name), bool):
             return obj, name
     return None
 
 
 def moe_layers(model: nn.Module, arch: Arch) -> dict[int, tuple[nn.Module, str]]:
-    """layer index -> (MoE block, attribute name of its switch layer), for layers that route experts."""
+    """layer index -> (MoE block, attribute name of its switch layer), for layers that route experts.
+    UnsupportedModelError for a model whose configuration the walk does not follow (``arch.check``)."""
+    arch.check(model)
     out: dict[int, tuple[nn.Module, str]] = {}
     for i, layer in enumerate(decoder_layers(model)):
         block = getattr(layer, arch.block_attr, None)

@@ -26,6 +26,7 @@ the forced ids (use ``--predictor none`` or ``temporal`` to compare policies wit
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -309,6 +310,106 @@ def _gpt_oss(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
 
 
+def _qwen2_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2)
+    shared: mx.array = mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return y + shared
+
+
+def _deepseek_v2(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gate = block.gate
+    # The router's softmax taken at the forced ids: group-limited greedy routing only zeroes the
+    # scores of the groups it drops, part of the selection the forced ids replace.
+    scores = mx.softmax(x @ gate.weight.T, axis=-1, precise=True)
+    scores = mx.take_along_axis(scores, inds, axis=-1) * gate.routed_scaling_factor
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _sigmoid_group_scores(gate: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # group_expert_select's scores (glm4_moe, dots1) at the forced ids, as _deepseek_v3 takes them.
+    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    if gate.top_k > 1 and gate.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    scaled: mx.array = scores * gate.routed_scaling_factor
+    return scaled
+
+
+def _dots1(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    scores = _sigmoid_group_scores(block.gate, x, inds)
+    y: mx.array = block.experts(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _phimoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # mlx-lm's sparsemixer with each round's argmax replaced by the forced id of that slot: the
+    # round's "top" is the (still unmasked) logit of that id, the jitter band and softmax as before.
+    gates = block.gate(x)
+    masked = gates
+    scores = []
+    for j in range(inds.shape[-1]):
+        ind = inds[..., j:j + 1]
+        top = mx.take_along_axis(masked, ind, axis=-1)
+        factor = mx.maximum(mx.abs(gates), top)
+        band = mx.where((top - gates) / factor > 2 * block.jitter_eps, -mx.inf, masked)
+        band = mx.softmax(band, axis=-1, precise=True)
+        scores.append(mx.take_along_axis(band, ind, axis=-1))
+        masked = mx.put_along_axis(masked, ind, mx.array(-mx.inf, masked.dtype), axis=-1)
+    weights = mx.concatenate(scores, axis=-1)
+    y: mx.array = block.switch_mlp(x, inds)
+    return (y * weights[..., None]).sum(axis=-2)
+
+
+def _ernie4_5_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = block.gate_act(block.gate(x).astype(mx.float32))
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    scores = scores / mx.maximum(scores.sum(axis=-1, keepdims=True), 1e-12)
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _hunyuan(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None].astype(mx.float32)).sum(axis=-2).astype(y.dtype)
+    if block.use_shared_mlp:
+        y = y + block.shared_mlp(x)
+    return y
+
+
+def _bailing_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gate = block.gate
+    logits = gate.gate_proj(x)
+    if gate.score_function == "sigmoid":
+        orig = mx.sigmoid(logits.astype(mx.float32))
+    else:
+        orig = mx.softmax(logits.astype(mx.float32), axis=-1)
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    if gate.top_k > 1 and gate.norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    scores = (scores * gate.routed_scaling_factor).astype(logits.dtype)
+    y: mx.array = block.switch_mlp(x, inds)
+    # The block's module's own compiled aggregation, as its __call__ uses it.
+    y = importlib.import_module(type(block).__module__).aggregate_expert_outputs(y, scores)
+    if block.shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
 #: MoE block class name -> its ``__call__`` with the router's top-k replaced by given ids (the same
 #: ops as mlx-lm's block otherwise)
 _FORCED = {
@@ -317,6 +418,15 @@ _FORCED = {
     "OlmoeSparseMoeBlock": _olmoe,
     "DeepseekV3MoE": _deepseek_v3,
     "MLPBlock": _gpt_oss,
+    "Qwen2MoeSparseMoeBlock": _qwen2_moe,
+    "DeepseekV2MoE": _deepseek_v2,
+    "PhiMoESparseMoeBlock": _phimoe,
+    "Ernie4_5_MoeMLP": _ernie4_5_moe,
+    "Dots1MoE": _dots1,
+    "BailingMoeSparseMoeBlock": _bailing_moe,
+    # Class names several mlx-lm modules use: keyed by module too.
+    "mlx_lm.models.glm4_moe.MoE": _deepseek_v3,
+    "mlx_lm.models.hunyuan.MoeBlock": _hunyuan,
 }
 
 
@@ -326,7 +436,8 @@ def forced_block_call(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array
     The gate weights are the router's scores at ``inds``, computed with mlx-lm's ops for the
     block's architecture; the switch layer is the block's own (a PooledSwitch in asyncside).
     """
-    fn = _FORCED.get(type(block).__name__)
+    cls = type(block)
+    fn = _FORCED.get(f"{cls.__module__}.{cls.__name__}") or _FORCED.get(cls.__name__)
     if fn is None:
         raise UnsupportedModelError(f"routing replay does not know the router of {type(block).__name__}; "
                                     f"known: {sorted(_FORCED)}")

@@ -62,7 +62,7 @@ class DecoderWalk:
         return int(getattr(obj, name))
 
     def embed(self, inputs: mx.array) -> mx.array:
-        return cast(mx.array, self.model.model.embed_tokens(inputs))
+        return cast(mx.array, self.arch.embedding(self.model)(inputs))
 
     def masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
         """One attention mask per decoder layer, built as the model's own ``__call__`` builds them."""
@@ -71,7 +71,7 @@ class DecoderWalk:
     def attend(self, i: int, h: mx.array, masks: list[Any], cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Layer ``i``'s attention sub-layer over ``h``: (hidden state after it, the MLP block's input)."""
         layer = self.layers[i]
-        h = h + layer.self_attn(layer.input_layernorm(h), masks[i], cache[i])
+        h = h + self.arch.attention(layer, layer.input_layernorm(h), masks[i], cache[i])
         return h, layer.post_attention_layernorm(h)
 
     def block(self, i: int) -> nn.Module:
@@ -87,7 +87,7 @@ class DecoderWalk:
         """The final norm and output head over the last hidden state (lazy)."""
         model = self.model
         h = model.model.norm(h)
-        return cast(mx.array, model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h))
+        return cast(mx.array, model.lm_head(h) if "lm_head" in model else self.arch.embedding(model).as_linear(h))
 
     # -- what the lookahead predictor needs -------------------------------------------------------
 
