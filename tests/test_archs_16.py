@@ -155,3 +155,26 @@ def test_hunyuan_cross_layer_attention_is_refused() -> None:
         support.BASE["hunyuan"] = base
     with pytest.raises(UnsupportedModelError, match=r"hunyuan: cross-layer attention \(use_cla\) is not supported"):
         streaming_from_model(model, config, completed=completed)
+
+
+def test_hunyuan_routes_a_top_k_per_layer() -> None:
+    """hunyuan's ``moe_topk`` may be a list, one top-k per layer: each block routes its own."""
+    base = BASE["hunyuan"]
+    support.BASE["hunyuan"] = {**base, "moe_topk": [2, 4]}
+    try:
+        model, config = tiny_model("hunyuan")
+    finally:
+        support.BASE["hunyuan"] = base
+    assert [layer.mlp.top_k for layer in model.layers] == [2, 4]
+    prompt = _prompt(config)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    sm, pools = streaming_from_model(model, config, completed=completed, options=ForwardOptions(mode="per-layer"))
+    assert sm.forward.walk.top_k == 4
+
+    async def main() -> list[int]:
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=2)
+        got = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=src)]
+        await src.close()
+        return got
+
+    assert anyio.run(main) == ref
