@@ -240,6 +240,19 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, bound: i
     return buf.view(dtype).reshape(shape, order="F" if fortran else "C")
 
 
+#: What a trace file compressed whole starts with, and the tool that decompresses it
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+_UNPACK = {"gzip": "gunzip", "bzip2": "bunzip2", "xz": "unxz", "zstd": "unzstd"}
+
+
+def _zip_end_found(source: str | io.BytesIO) -> bool:
+    """Whether ``source`` ends with a zip's end-of-central-directory record, as zipfile looks for it
+    (a trailing comment allowed); False where it cannot be read."""
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
+    return zipfile.is_zipfile(source)  # False on a file it cannot read
+
+
 def _read_npz(where: str) -> dict[str, np.ndarray]:
     """The trace arrays of the ``.npz`` archive at ``where`` (others are not read), never unpickled,
     none inflated past its bound (:func:`_member_bounds`); :class:`TraceError` saying what the file
@@ -263,7 +276,11 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
     except OSError as e:
         raise TraceError(where, f"cannot be read: {e.strerror or e}") from None
     if not head.startswith(b"PK"):
+        packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), "")
+        unpack = _UNPACK.get(packed, "")
         kind = "a .npy array (numpy.save)" if head.startswith(b"\x93NUMPY") else \
+            f"{'an' if packed == 'xz' else 'a'} {packed}-compressed file: decompress it first ({unpack} FILE, " \
+            f"or give <({unpack} -c FILE) to read it through a pipe)" if packed else \
             "JSON text" if head.lstrip()[:1] in (b"{", b"[") else \
             "nothing: a pipe such as <(...) reads once, and this one was read (give a file)" if not head and pipe \
             else "an empty file" if not head else \
@@ -289,6 +306,13 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
         # zipfile's own failures: a truncated archive (EOFError), a bad CRC or header (BadZipFile),
         # a member compressed by a method zipfile has no decompressor for (its error for that).
+        if isinstance(e, zipfile.BadZipFile) and not _zip_end_found(source):
+            # A zip's index is its last bytes: a file cut short anywhere lost it, and zipfile then
+            # calls a file that starts as a zip "not a zip file".
+            size = len(source.getvalue()) if isinstance(source, io.BytesIO) else os.path.getsize(where)
+            raise TraceError(where, f"not a readable .npz file: it starts as a zip archive, but its {size} bytes "
+                                    f"end without the archive's index (the end of a zip): the file is truncated, "
+                                    f"cut short while it was written or copied") from None
         raise TraceError(where, f"not a readable .npz file: {e}") from None
     return data
 

@@ -307,8 +307,7 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
     rotary = raw.get("partial_rotary_factor")
     if rotary is not None and rotary != 1:
         notes.append(f"partial rotary embeddings (partial_rotary_factor {rotary}) not represented")
-    if model_type == "gpt_oss" or raw.get("attention_sinks"):
-        notes.append("attention sinks not represented")
+    notes += _gpt_oss_notes(raw, model_type)
     biases = [f for f in ("attention_bias", "qkv_bias", "mlp_bias", "lm_head_bias") if raw.get(f)]
     if biases or model_type == "qwen2_moe":
         notes.append("biases not represented (" + (", ".join(biases) or "qwen2_moe's q/k/v biases") + ")")
@@ -330,6 +329,19 @@ def _unrepresented(raw: dict[str, Any], model_type: str, f_field: str, n_layers:
         what = q.get("quant_method") or (f"{q['bits']}-bit, group {q.get('group_size')}" if q.get("bits") else field)
         notes.append(f"the model's own quantization ({what}) replaced by the bench's 4-bit affine")
         break
+    return notes
+
+
+def _gpt_oss_notes(raw: dict[str, Any], model_type: str) -> list[str]:
+    """The notes on gpt-oss's attention sinks and its experts' activation and biases."""
+    notes = []
+    if model_type == "gpt_oss" or raw.get("attention_sinks"):
+        notes.append("attention sinks not represented")
+    if model_type == "gpt_oss" or raw.get("swiglu_limit") is not None:
+        # gpt-oss's experts compute their own activation and carry biases whatever the config's fields say
+        limit = f" at swiglu_limit {raw['swiglu_limit']}" if raw.get("swiglu_limit") is not None else ""
+        notes.append(f"the experts' clamped SwiGLU (gate and up clamped{limit}, the gate's sigmoid scaled, up + 1) "
+                     f"built as SiLU SwiGLU, and the experts' and router's biases not represented")
     return notes
 
 
