@@ -82,12 +82,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def _bad_input(exc: BaseException) -> bool:
     """Whether ``exc`` refuses something the user named (bad input, exit status 2 as a usage error):
-    a routing trace unreadable or not replayable on the model (RoutingReplayError), or a bench
-    shape or model config that cannot be built (ShapeError). Their modules load MLX: looked up
-    only once loaded, as raising them did."""
+    a routing trace unreadable or not replayable on the model (RoutingReplayError), a bench
+    shape or model config that cannot be built (ShapeError), or a server's startup refused by the
+    application (ServeError of an AsyncsideError: bench serve's, as ``asyncside serve`` says it).
+    Their modules load MLX: looked up only once loaded, as raising them did."""
     forcing = sys.modules.get("asyncside.models.forcing")
     shapes = sys.modules.get("asyncside.bench.shapes")
-    return (isinstance(exc, TraceError) or (forcing is not None and isinstance(exc, forcing.RoutingReplayError))
+    background = sys.modules.get("asyncside.serving.background")
+    # A server's startup refused by the application (a plan the budget cannot hold, a bad store):
+    # `asyncside serve` calls it bad input, and so does a bench that starts one (bench serve).
+    refused = (background is not None and isinstance(exc, background.ServeError)
+               and isinstance(exc.startup_error, AsyncsideError))
+    return (refused or isinstance(exc, TraceError)
+            or (forcing is not None and isinstance(exc, forcing.RoutingReplayError))
             or (shapes is not None and isinstance(exc, shapes.ShapeError)))
 
 

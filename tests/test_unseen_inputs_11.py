@@ -100,3 +100,18 @@ def test_gpt_oss_experts_activation_and_biases_are_noted(tmp_path: pathlib.Path)
     assert any("clamped SwiGLU" in n for n in shapes.describe_shape("gpt-oss-20b").notes)
     # A qwen3_moe's own config is built as it is: nothing to note.
     assert shapes.describe_shape("qwen3-30b-a3b").notes == ()
+
+
+def test_bench_serve_refuses_a_budget_as_serve_does(quick_store: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench serve --memory 64k`` (a size below what the smallest pools need) said the plan's refusal
+    in one line, as ``serve --memory 64k`` does, but ended with exit status 1, a failed run, where
+    serve and demo end with 2, a usage error."""
+    common = ("--model", str(quick_store), "--memory", "64k")
+    rc, err = run_cli(capsys, "bench", "serve", *common, "--duration", "1", "--warmup", "0", "--clients", "1",
+                      "--no-mlx-lm")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("asyncside bench serve: the pools need "), err
+    assert "so the budget must leave at least" in last and "Traceback" not in err
+    rc, err = run_cli(capsys, "serve", *common, "--port", "0")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("asyncside serve: the pools need "), err
