@@ -1,7 +1,8 @@
 """The MoE architectures added in session 16: qwen2_moe, deepseek_v2, glm4_moe, phimoe, ernie4_5_moe,
-dots1, hunyuan and bailing_moe, each exact against mlx-lm with every expert in memory.
+dots1, hunyuan, bailing_moe and llama4, each exact against mlx-lm with every expert in memory.
 
-Per architecture (a tiny random config of ``tests/_models_support.BASE``): greedy tokens over a
+Per architecture (a tiny random config of ``tests/_models_support.BASE``; llama4's is :data:`LLAMA4`,
+see there): greedy tokens over a
 source of fewer rows than experts equal mlx-lm's, in per-layer steps (ShuffledSource: a real
 ledger, random physical rows) and in queued steps (a Runtime over the converted store, rows for
 one token's experts, so every MoE layer faults); the converted store loads back with the model's
@@ -11,10 +12,13 @@ the walk cannot follow exactly are refused naming the reason.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from collections.abc import Iterator
 
 import anyio
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.utils import save_config, save_model
@@ -29,7 +33,8 @@ from asyncside.models import (
     streaming_from_model,
 )
 from asyncside.models.arch import UnsupportedModelError, arch_for, moe_layers
-from asyncside.models.forcing import force_reference, rewind_reference
+from asyncside.models.forcing import force_reference, forced_block_call, rewind_reference
+from asyncside.models.pooled import SORT_THRESHOLD, route
 from asyncside.routing import preset
 from asyncside.runtime import Runtime
 
@@ -46,17 +51,59 @@ NEW = {
     "dots1": [0],
     "hunyuan": [],
     "bailing_moe": [0],
+    "llama4": [0, 2],
 }
-PROMPT = 40  # 40 tokens x top-k >= 64 routed pairs: the prefill takes mlx-lm's sorted gather path
+
+#: llama4's tiny config, kept out of BASE: mlx-lm's llama4 routes top-1, so the 40-token prompts of
+#: test_models never reach mlx-lm's sorted gather (64 routed pairs) that those tests assert. Four
+#: layers: three chunked-attention layers (chunks of 8 positions) and a global one, MoE every
+#: other layer. The top-level vocab_size and hidden_size serve the tests' prompts only.
+LLAMA4 = dict(
+    model_type="llama4", vocab_size=128, hidden_size=64,
+    text_config=dict(
+        model_type="llama4_text", attention_bias=False, attention_chunk_size=8, head_dim=16, hidden_size=64,
+        interleave_moe_layer_step=2, intermediate_size=64, intermediate_size_mlp=128,
+        max_position_embeddings=512, num_attention_heads=4, num_experts_per_tok=1, num_hidden_layers=4,
+        num_key_value_heads=2, num_local_experts=8, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0,
+        use_qk_norm=True, vocab_size=128,
+    ),
+)
+
+
+def _prompt_len(model_type: str) -> int:
+    # top-k x tokens >= 64 routed pairs: the prefill takes mlx-lm's sorted gather path (and a
+    # llama4 prompt spans several attention chunks, so its caches drop their front)
+    return 70 if model_type == "llama4" else 40
+
+
+@contextlib.contextmanager
+def _config(model_type: str, **fields: object) -> Iterator[None]:
+    """BASE[model_type] as tiny_model builds it, with ``fields`` changed (llama4: :data:`LLAMA4`)."""
+    before = support.BASE.get(model_type)
+    support.BASE[model_type] = {**(before if before is not None else LLAMA4), **fields}
+    try:
+        yield
+    finally:
+        if before is None:
+            del support.BASE[model_type]
+        else:
+            support.BASE[model_type] = before
+
+
+def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
+    with _config(model_type, **fields):
+        return tiny_model(model_type)
+
+
 NEW_TOKENS = 8
 
 
-def _prompt(config: dict, n: int = PROMPT, seed: int = 7) -> list[int]:
+def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, config["vocab_size"], n)]
 
 
 def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, object, dict]:
-    model, config = tiny_model(model_type)
+    model, config = _tiny(model_type)
     save_model(tmp / "model", model)
     save_config(dict(config), tmp / "model" / "config.json")
     convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
@@ -65,22 +112,27 @@ def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, object, di
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
 def test_tiny_model_builds_with_its_moe_layers(model_type: str) -> None:
-    model, config = tiny_model(model_type)
-    assert config["model_type"] == model_type and model_type in BASE
+    model, config = _tiny(model_type)
+    assert config["model_type"] == model_type and (model_type in BASE) == (model_type != "llama4")
     moe = moe_layers(model, arch_for(model_type))
     assert sorted(moe) == [i for i in range(len(model.layers)) if i not in NEW[model_type]]
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
-def test_per_layer_steps_over_fewer_rows_than_experts(model_type: str) -> None:
-    model, config = tiny_model(model_type)
-    prompt = _prompt(config)
+@pytest.mark.parametrize("mode", ["per-layer", "whole"])
+def test_steps_over_fewer_rows_than_experts(model_type: str, mode: str) -> None:
+    """Per-layer steps, and decode steps queued whole and checked after (layers redone where rows
+    moved under them: the KV caches trimmed back, llama4's chunked ones too)."""
+    model, config = _tiny(model_type)
+    prompt = _prompt(config, _prompt_len(model_type))
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    sm, pools = streaming_from_model(model, config, completed=completed,
-                                     options=ForwardOptions(mode="per-layer"))
+    options = ForwardOptions(mode=mode)
+    sm, pools = streaming_from_model(model, config, completed=completed, options=options)
+    assert len(prompt) * sm.forward.walk.top_k >= SORT_THRESHOLD
 
     async def main() -> ShuffledSource:
-        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=1)
+        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=1,
+                             churn=mode == "whole")
         got = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=src, predictor="lookahead")]
         await src.close()
         assert got == ref
@@ -88,7 +140,32 @@ def test_per_layer_steps_over_fewer_rows_than_experts(model_type: str) -> None:
 
     src = anyio.run(main)
     assert src.stats["demand_fills"] > 0 and src.open_leases() == 0 and src.audit() == []
-    assert sm.forward.counters["per_layer"] > 0
+    counters = sm.forward_with(options).counters
+    if mode == "whole":
+        assert counters["optimistic"] == NEW_TOKENS and counters["optimistic_redone"] > 0
+    else:
+        assert counters["per_layer"] > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(NEW))
+def test_forced_router_scores_are_the_routers(model_type: str) -> None:
+    """Forced to the ids its router picks, each block computes exactly its own output; forced
+    elsewhere, another. The lookahead's wider guess holds the router's own ids (llama4's router,
+    whose top-1 score scales the switch input, is not widened)."""
+    model, config = _tiny(model_type)
+    sm, _pools = streaming_from_model(model, config, completed=completed)
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 9, config["hidden_size"])).astype(np.float32))
+    for layer, (block, _attr) in moe_layers(model, arch_for(model_type)).items():
+        pooled_block, pooled_attr = sm._moe[layer]
+        inds = route(pooled_block, pooled_attr, x)[1]
+        assert mx.array_equal(block(x), forced_block_call(block, x, inds)).item(), layer
+        other = (inds + 1) % 8  # every tiny config routes among 8 experts or more
+        assert not mx.array_equal(block(x), forced_block_call(block, x, other.astype(inds.dtype))).item()
+        k = inds.shape[-1]
+        wide = sm.forward.walk.route_ids(layer, x, 2)
+        assert wide.shape[-1] == (k if model_type == "llama4" else k + 2)
+        for a, b in zip(np.asarray(inds).reshape(-1, k), np.asarray(wide).reshape(-1, wide.shape[-1])):
+            assert set(a.tolist()) <= set(b.tolist())
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -97,7 +174,7 @@ def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path
     token's experts fault in every MoE layer and give mlx-lm's tokens; a routing trace replayed
     on both sides routes the trace's ids and still gives equal tokens."""
     store_dir, model, config = _store(tmp_path, model_type)
-    prompt = _prompt(config, 12, seed=5)
+    prompt = _prompt(config, 20 if model_type == "llama4" else 12, seed=5)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm = load_streaming_model(store_dir, completed=completed, options=ForwardOptions(mode="queued"))
     assert sm.arch.model_type == model_type
@@ -138,7 +215,6 @@ def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path
 
 
 @pytest.mark.parametrize(("model_type", "reason"), [
-    ("llama4", "llama4: chunked attention masks are not supported"),
     ("granitemoe", "granitemoe: its residual_multiplier scales each MoE block's output"),
 ])
 def test_architectures_the_walk_cannot_follow_are_refused(model_type: str, reason: str) -> None:
@@ -147,24 +223,14 @@ def test_architectures_the_walk_cannot_follow_are_refused(model_type: str, reaso
 
 
 def test_hunyuan_cross_layer_attention_is_refused() -> None:
-    base = BASE["hunyuan"]
-    support.BASE["hunyuan"] = {**base, "use_cla": True}
-    try:
-        model, config = tiny_model("hunyuan")
-    finally:
-        support.BASE["hunyuan"] = base
+    model, config = _tiny("hunyuan", use_cla=True)
     with pytest.raises(UnsupportedModelError, match=r"hunyuan: cross-layer attention \(use_cla\) is not supported"):
         streaming_from_model(model, config, completed=completed)
 
 
 def test_hunyuan_routes_a_top_k_per_layer() -> None:
     """hunyuan's ``moe_topk`` may be a list, one top-k per layer: each block routes its own."""
-    base = BASE["hunyuan"]
-    support.BASE["hunyuan"] = {**base, "moe_topk": [2, 4]}
-    try:
-        model, config = tiny_model("hunyuan")
-    finally:
-        support.BASE["hunyuan"] = base
+    model, config = _tiny("hunyuan", moe_topk=[2, 4])
     assert [layer.mlp.top_k for layer in model.layers] == [2, 4]
     prompt = _prompt(config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)

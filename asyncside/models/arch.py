@@ -49,6 +49,26 @@ def _masks_gpt_oss(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]
     return [full if t == "full_attention" else swa for t in inner.layer_types]
 
 
+def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
+    # fourth) drop the keys before their window first, then one chunk mask serves them all and the
+    # fourth layers share a causal mask.
+    inner = model.language_model.model
+    for idx, c in enumerate(cache):
+        if (idx + 1) % 4 != 0:
+            c.maybe_trim_front()
+    start = cache[0].start_position
+    offset = cache[0].offset
+    end = offset + h.shape[1]
+    linds = mx.arange(start, end)
+    rinds = mx.arange(offset, end)[:, None]
+    block_pos = mx.abs((linds // inner.attention_chunk_size) - (rinds // inner.attention_chunk_size))
+    token_pos = linds <= rinds
+    chunk_mask = (block_pos == 0) & token_pos
+    global_mask = create_attention_mask(h, cache[3])
+    return [chunk_mask if (idx + 1) % 4 != 0 else global_mask for idx in range(len(cache))]
+
+
 def _self_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
     return cast(mx.array, layer.self_attn(x, mask, cache))
 
@@ -89,16 +109,28 @@ class Arch:
     embed_attr: str = "embed_tokens"
     #: refuses (UnsupportedModelError) a model of this type whose configuration the walk does not follow
     check: Callable[[nn.Module], None] = _no_check
+    #: where the text model lives: the module holding ``lm_head`` (None: the model itself; llama4:
+    #: ``language_model``), whose ``model`` holds the embedding, the decoder layers and the final norm
+    text_attr: str | None = None
+    #: whether the block's router can be asked for more experts than it routes (the wider
+    #: lookahead, :meth:`asyncside.models.walk.DecoderWalk.route_ids`); llama4's cannot
+    widens: bool = True
+
+    def head_module(self, model: nn.Module) -> nn.Module:
+        """The module holding the output head (``lm_head``) and the inner model (``.model``)."""
+        return model if self.text_attr is None else cast(nn.Module, getattr(model, self.text_attr))
+
+    def inner(self, model: nn.Module) -> nn.Module:
+        """The inner text model: embedding, decoder layers, final norm."""
+        return cast(nn.Module, self.head_module(model).model)
 
     def embedding(self, model: nn.Module) -> nn.Module:
         """The model's token embedding module (its ``as_linear`` is the head of tied embeddings)."""
-        return cast(nn.Module, getattr(model.model, self.embed_attr))
+        return cast(nn.Module, getattr(self.inner(model), self.embed_attr))
 
 
 #: architectures mlx-lm has that the walk cannot follow exactly, and why (refused by :func:`arch_for`)
 REFUSED: dict[str, str] = {
-    "llama4": "chunked attention masks are not supported (its chunked layers trim their caches while "
-              "the masks are built, and the model nests its text model under language_model)",
     "granitemoe": "its residual_multiplier scales each MoE block's output before the residual add, "
                   "which the streaming forward's decoder walk does not do",
 }
@@ -119,6 +151,9 @@ ARCHS: dict[str, Arch] = {
     "hunyuan": Arch("hunyuan", "mlp", _masks_shared, attention=_hunyuan_attn, check=_hunyuan_check),
     "bailing_moe": Arch("bailing_moe", "mlp", _masks_shared, attention=_attention_attr,
                         embed_attr="word_embeddings"),
+    # llama4's MoE block scales the switch input by its one expert's sigmoid score: a wider router
+    # would not broadcast.
+    "llama4": Arch("llama4", "feed_forward", _masks_llama4, text_attr="language_model", widens=False),
 }
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)

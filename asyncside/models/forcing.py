@@ -410,6 +410,15 @@ def _bailing_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return y
 
 
+def _llama4(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    logits = block.router(x)
+    scores = mx.take_along_axis(logits, inds, axis=-1)
+    scores = mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)
+    out: mx.array = block.experts(x * scores, inds).squeeze(2)
+    shared: mx.array = block.shared_expert(x)
+    return out + shared
+
+
 #: MoE block class name -> its ``__call__`` with the router's top-k replaced by given ids (the same
 #: ops as mlx-lm's block otherwise)
 _FORCED = {
@@ -427,6 +436,7 @@ _FORCED = {
     # Class names several mlx-lm modules use: keyed by module too.
     "mlx_lm.models.glm4_moe.MoE": _deepseek_v3,
     "mlx_lm.models.hunyuan.MoeBlock": _hunyuan,
+    "mlx_lm.models.llama4.MoE": _llama4,
 }
 
 

@@ -85,9 +85,10 @@ class DecoderWalk:
 
     def logits(self, h: mx.array) -> mx.array:
         """The final norm and output head over the last hidden state (lazy)."""
-        model = self.model
-        h = model.model.norm(h)
-        return cast(mx.array, model.lm_head(h) if "lm_head" in model else self.arch.embedding(model).as_linear(h))
+        model, arch = self.model, self.arch
+        h = arch.inner(model).norm(h)
+        head = arch.head_module(model)
+        return cast(mx.array, head.lm_head(h) if "lm_head" in head else arch.embedding(model).as_linear(h))
 
     # -- what the lookahead predictor needs -------------------------------------------------------
 
@@ -95,11 +96,11 @@ class DecoderWalk:
         """Layer ``layer``'s routed ids for MoE input ``x`` (lazy), via the block's own router.
 
         ``extra`` > 0 asks the router for that many more experts than it routes to (a wider
-        prediction), at most every expert of the layer; blocks without a known top-k attribute give
-        their usual k.
+        prediction), at most every expert of the layer; blocks without a known top-k attribute, or
+        whose router cannot widen (``Arch.widens``), give their usual k.
         """
         block, attr = self.moe[layer]
-        where = top_k_attribute(block) if extra > 0 else None
+        where = top_k_attribute(block) if extra > 0 and self.arch.widens else None
         if where is None:
             return route(block, attr, x)[1]
         obj, name = where
