@@ -113,6 +113,13 @@ BASE = {
         use_qk_norm=True, moe_router_enable_expert_bias=True, routed_scaling_factor=2.5,
         score_function="sigmoid", n_group=2, topk_group=1, partial_rotary_factor=0.5,
     ),
+    "granitemoe": dict(
+        model_type="granitemoe", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=128, logits_scaling=4.0,
+        attention_multiplier=0.125, embedding_multiplier=12.0, residual_multiplier=0.22,
+        max_position_embeddings=512, num_key_value_heads=2, attention_bias=False, rope_theta=10000.0,
+        num_local_experts=16, num_experts_per_tok=4, tie_word_embeddings=False,
+    ),
 }
 
 

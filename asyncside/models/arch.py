@@ -115,6 +115,12 @@ class Arch:
     #: whether the block's router can be asked for more experts than it routes (the wider
     #: lookahead, :meth:`asyncside.models.walk.DecoderWalk.route_ids`); llama4's cannot
     widens: bool = True
+    #: granitemoe's scaling multipliers, as attribute names (None: not scaled): the inner model's
+    #: factor of the embeddings, a decoder layer's factor of each sub-layer's output before its
+    #: residual add, the head module's divisor of the logits
+    embed_scale: str | None = None
+    residual_scale: str | None = None
+    logits_divisor: str | None = None
 
     def head_module(self, model: nn.Module) -> nn.Module:
         """The module holding the output head (``lm_head``) and the inner model (``.model``)."""
@@ -131,8 +137,6 @@ class Arch:
 
 #: architectures mlx-lm has that the walk cannot follow exactly, and why (refused by :func:`arch_for`)
 REFUSED: dict[str, str] = {
-    "granitemoe": "its residual_multiplier scales each MoE block's output before the residual add, "
-                  "which the streaming forward's decoder walk does not do",
 }
 
 
@@ -151,6 +155,8 @@ ARCHS: dict[str, Arch] = {
     "hunyuan": Arch("hunyuan", "mlp", _masks_shared, attention=_hunyuan_attn, check=_hunyuan_check),
     "bailing_moe": Arch("bailing_moe", "mlp", _masks_shared, attention=_attention_attr,
                         embed_attr="word_embeddings"),
+    "granitemoe": Arch("granitemoe", "block_sparse_moe", _masks_shared, embed_scale="embedding_multiplier",
+                       residual_scale="residual_multiplier", logits_divisor="logits_scaling"),
     # llama4's MoE block scales the switch input by its one expert's sigmoid score: a wider router
     # would not broadcast.
     "llama4": Arch("llama4", "feed_forward", _masks_llama4, text_attr="language_model", widens=False),
@@ -174,6 +180,28 @@ def arch_for(model_type: str) -> Arch:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers in order (``model.layers`` is mlx-lm's convention)."""
     return list(model.layers)
+
+
+class ScaledBlock(nn.Module):
+    """An MLP or MoE block whose output its decoder layer scales before the residual add
+    (granitemoe's ``residual_multiplier``): the block's own output times ``scale``, the same op
+    the layer applies. Its other attributes are the block's (its switch layer, router, top-k)."""
+
+    def __init__(self, block: nn.Module, scale: float) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
+        self.block = block
+        object.__setattr__(self, "scale", scale)  # a plain number, not a parameter
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "block" not in self:  # while __init__ sets it
+                raise
+            return getattr(self["block"], name)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return cast(mx.array, self.block(x) * self.scale)
 
 
 #: switch layer types defined outside this module (the pooled switch registers itself on import)
@@ -210,11 +238,13 @@ def top_k_attribute(block: nn.Module) -> tuple[Any, str] | None:
     """Where an MoE block keeps how many experts its router picks, as (object, attribute name).
 
     deepseek_v3 routes in its gate module (``gate.top_k``); qwen3_moe and olmoe keep ``top_k`` on
-    the block, mixtral and gpt_oss ``num_experts_per_tok``, ernie4_5_moe ``k``. None if the block
-    has no such int.
+    the block, mixtral and gpt_oss ``num_experts_per_tok``, ernie4_5_moe ``k``, granitemoe its
+    router's ``top_k``. None if the block has no such int.
     """
     gate = getattr(block, "gate", None)
-    for obj, name in ((gate, "top_k"), (block, "top_k"), (block, "num_experts_per_tok"), (block, "k")):
+    router = getattr(block, "router", None)
+    for obj, name in ((gate, "top_k"), (router, "top_k"), (block, "top_k"), (block, "num_experts_per_tok"),
+                      (block, "k")):
         if obj is not None and isinstance(getattr(obj, name, None), int) and not isinstance(getattr(obj, name), bool):
             return obj, name
     return None

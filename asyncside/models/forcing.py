@@ -419,6 +419,19 @@ def _llama4(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return out + shared
 
 
+def _granitemoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    logits = block.router.layer(x)
+    gates = mx.softmax(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32), axis=-1)
+    y: mx.array = block.switch_mlp(x, inds)
+    return (y * gates[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
+    out: mx.array = forced_block_call(block.block, x, inds) * block.scale
+    return out
+
+
 #: MoE block class name -> its ``__call__`` with the router's top-k replaced by given ids (the same
 #: ops as mlx-lm's block otherwise)
 _FORCED = {
@@ -437,6 +450,8 @@ _FORCED = {
     "mlx_lm.models.glm4_moe.MoE": _deepseek_v3,
     "mlx_lm.models.hunyuan.MoeBlock": _hunyuan,
     "mlx_lm.models.llama4.MoE": _llama4,
+    "GraniteMoeMoE": _granitemoe,
+    "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
 

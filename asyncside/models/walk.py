@@ -16,7 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .arch import Arch, decoder_layers, top_k_attribute
+from .arch import Arch, ScaledBlock, decoder_layers, top_k_attribute
 from .pooled import SwitchSpec, route
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, TracePredictor, check_predictor
 from .source import ExpertSource
@@ -40,6 +40,11 @@ class DecoderWalk:
                  specs: dict[int, SwitchSpec]) -> None:
         self.model = model
         self.arch = arch
+        if arch.residual_scale is not None:
+            # The layer scales the block's output before its residual add: the step strategies add
+            # what the walk's blocks return, so the blocks return it scaled.
+            moe = {i: (ScaledBlock(block, self._residual_scale(i, model, arch)), attr)
+                   for i, (block, attr) in moe.items()}
         self.moe = dict(sorted(moe.items()))
         self.specs = specs
         self.layers = decoder_layers(model)
@@ -54,6 +59,10 @@ class DecoderWalk:
         self.top_k = max((self._top_k(block) for block, _ in self.moe.values()), default=1)
 
     @staticmethod
+    def _residual_scale(i: int, model: nn.Module, arch: Arch) -> float:
+        return float(getattr(decoder_layers(model)[i], cast(str, arch.residual_scale)))
+
+    @staticmethod
     def _top_k(block: nn.Module) -> int:
         where = top_k_attribute(block)
         if where is None:  # unknown router: assume the worst, every expert of the block
@@ -62,7 +71,10 @@ class DecoderWalk:
         return int(getattr(obj, name))
 
     def embed(self, inputs: mx.array) -> mx.array:
-        return cast(mx.array, self.arch.embedding(self.model)(inputs))
+        h = self.arch.embedding(self.model)(inputs)
+        if self.arch.embed_scale is not None:
+            h = h * getattr(self.arch.inner(self.model), self.arch.embed_scale)
+        return cast(mx.array, h)
 
     def masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
         """One attention mask per decoder layer, built as the model's own ``__call__`` builds them."""
@@ -71,12 +83,20 @@ class DecoderWalk:
     def attend(self, i: int, h: mx.array, masks: list[Any], cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Layer ``i``'s attention sub-layer over ``h``: (hidden state after it, the MLP block's input)."""
         layer = self.layers[i]
-        h = h + self.arch.attention(layer, layer.input_layernorm(h), masks[i], cache[i])
+        r = self.arch.attention(layer, layer.input_layernorm(h), masks[i], cache[i])
+        if self.arch.residual_scale is not None:
+            r = r * getattr(layer, self.arch.residual_scale)
+        h = h + r
         return h, layer.post_attention_layernorm(h)
 
     def block(self, i: int) -> nn.Module:
-        """Layer ``i``'s MLP or MoE block."""
-        return cast(nn.Module, getattr(self.layers[i], self.arch.block_attr))
+        """Layer ``i``'s MLP or MoE block (its output scaled as the layer scales it)."""
+        block = cast(nn.Module, getattr(self.layers[i], self.arch.block_attr))
+        if self.arch.residual_scale is None:
+            return block
+        if i in self.moe:
+            return self.moe[i][0]
+        return ScaledBlock(block, self._residual_scale(i, self.model, self.arch))
 
     def activation(self, i: int) -> nn.Module:
         """The switch layer's activation of MoE layer ``i``."""
@@ -88,7 +108,10 @@ class DecoderWalk:
         model, arch = self.model, self.arch
         h = arch.inner(model).norm(h)
         head = arch.head_module(model)
-        return cast(mx.array, head.lm_head(h) if "lm_head" in head else arch.embedding(model).as_linear(h))
+        out = head.lm_head(h) if "lm_head" in head else arch.embedding(model).as_linear(h)
+        if arch.logits_divisor is not None:
+            out = out / getattr(head, arch.logits_divisor)
+        return cast(mx.array, out)
 
     # -- what the lookahead predictor needs -------------------------------------------------------
 
