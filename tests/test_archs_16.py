@@ -237,3 +237,17 @@ def test_hunyuan_routes_a_top_k_per_layer() -> None:
         return got
 
     assert anyio.run(main) == ref
+
+
+def test_granitemoe_blocks_are_scaled_once() -> None:
+    """A walk handed another walk's blocks (a pipeline stage's, over its model's layers) keeps them
+    as they are: each MoE output is multiplied by its layer's residual factor once."""
+    from asyncside.models.walk import DecoderWalk
+
+    model, config = _tiny("granitemoe")
+    sm, _pools = streaming_from_model(model, config, completed=completed)
+    walk = sm.forward.walk
+    again = DecoderWalk(model, sm.arch, walk.moe, walk.specs)
+    for i, (block, _attr) in walk.moe.items():
+        assert again.moe[i][0] is block and block.scale == config["residual_multiplier"]
+        assert type(block.block).__name__ == "GraniteMoeMoE"

@@ -43,7 +43,9 @@ class DecoderWalk:
         if arch.residual_scale is not None:
             # The layer scales the block's output before its residual add: the step strategies add
             # what the walk's blocks return, so the blocks return it scaled.
-            moe = {i: (ScaledBlock(block, self._residual_scale(i, model, arch)), attr)
+            # (A stage's walk is handed its whole model's blocks, wrapped already.)
+            moe = {i: (block if isinstance(block, ScaledBlock) else
+                       ScaledBlock(block, self._residual_scale(i, model, arch)), attr)
                    for i, (block, attr) in moe.items()}
         self.moe = dict(sorted(moe.items()))
         self.specs = specs
