@@ -115,3 +115,42 @@ def test_bench_serve_refuses_a_budget_as_serve_does(quick_store: pathlib.Path,
     assert "so the budget must leave at least" in last and "Traceback" not in err
     rc, err = run_cli(capsys, "serve", *common, "--port", "0")
     assert rc == 2 and err.strip().splitlines()[-1].startswith("asyncside serve: the pools need "), err
+
+
+#: mistralai/Mixtral-8x22B-v0.1's config.json, as published: 8 experts top-2 of 16384 x 6144 (records of
+#: about 189 MB at 4 bits), so a layer's top-2 rows alone take 377 MB
+MIXTRAL_8X22B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384,
+    "num_hidden_layers": 56, "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 65536, "sliding_window": None, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("memory", ["100M", "300M"])
+def test_offload_refuses_a_budget_below_any_run_before_building(tmp_path: pathlib.Path, memory: str,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --shapes Mixtral-8x22B:1 --memory 100M --store-ratio 1``: the store (1.6 GB)
+    passes the ratio, so the shape was built (minutes, 1.6 GB written), and then every run was
+    refused or killed, since one layer's top-2 records alone are 377 MB: no system's run fits the
+    budget. It is refused before building, naming --memory, the figures and the least to ask for."""
+
+    def built(*_a: object, **_k: object) -> None:
+        raise AssertionError("the shape was built")
+
+    monkeypatch.setattr(shapes, "ensure_shape", built)
+    (tmp_path / "Mixtral-8x22B").mkdir()
+    (tmp_path / "Mixtral-8x22B" / "config.json").write_text(json.dumps(MIXTRAL_8X22B))
+    spec = f"{tmp_path / 'Mixtral-8x22B'}:1"
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", spec, "--memory", memory, "--store-ratio", "1",
+                      "--cache-dir", str(tmp_path / "cache"), "--localities", "low", "--quiet")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"asyncside bench offload: error: --memory {memory[:-1]} MiB "), lines
+    assert f"holds no run of --shapes {spec}: its MoE layer's top-2 experts alone are 377 MB (records of 189 MB)" \
+        in lines[0] and "(nothing was built)" in lines[0], lines
+    least = int(lines[0].split(" MB in all)")[0].rsplit("(", 1)[-1])
+    plan = int(lines[0].split("--memory ")[-1].split("M or more")[0])
+    assert least * 10**6 <= plan << 20  # the least it names to ask for passes this check
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())

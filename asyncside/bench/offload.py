@@ -969,6 +969,29 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
         choose_budget(lenient, estimated, False)
     except ValueError:
         choose_budget(args, estimated, False)  # refuses at the ratio asked, with its figures
+    if args.memory:
+        for s in estimated:
+            _refuse_a_budget_no_run_holds(parse_size(args.memory), s)
+
+
+def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
+    """A ValueError leading with ``--memory`` where ``budget`` is below what every system's run of
+    shape ``s`` (an estimated row) holds at the least: the model's top-k rows of every layer (the
+    slot cache's fewest slots, asyncside's fewest rows), the non-expert weights and the process.
+    Each run would be refused or killed by the OOM killer, after minutes of building the shape."""
+    rows = s["moe_layers"] * s["top_k"] * s["record_bytes"]
+    other = max(0, s["store_bytes"] - s["expert_bytes"])
+    least = rows + other + s["process_bytes"]
+    if budget >= least:
+        return
+    layers = "its MoE layer's" if s["moe_layers"] == 1 else f"its {s['moe_layers']} MoE layers'"
+    plan = least_budget(s)
+    raise ValueError(
+        f"--memory {_budget_text(budget)} holds no run of --shapes {s['spec']}:{s['moe_layers']}: {layers} "
+        f"top-{s['top_k']} experts alone are {rows / MB:.0f} MB (records of {s['record_bytes'] / MB:.0f} MB), and a "
+        f"run also holds {other / MB:.0f} MB of other weights and about {s['process_bytes'] / MB:.0f} MB of process "
+        f"({least / MB:.0f} MB in all); asyncside's smallest plan is about {plan / MB:.0f} MB: --memory "
+        f"{-(-plan // 2**20)}M or more (nothing was built)")
 
 
 def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, Any]]) -> str:
