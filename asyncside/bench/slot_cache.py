@@ -42,7 +42,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import FillError
-from ..models.arch import decoder_layers, moe_layers
+from ..models.arch import moe_layers
 from ..models.forcing import cache_position
 from ..models.pooled import (
     SORT_THRESHOLD,
@@ -52,6 +52,7 @@ from ..models.pooled import (
     pooled_switch_unsorted_pairs,
     route_and_apply,
 )
+from ..models.walk import DecoderWalk
 from ..pools import PoolSet
 from ..store import ExpertStore, LayerSpec
 
@@ -329,22 +330,22 @@ def slot_forward(model: nn.Module, arch: Any, cache_: SlotCache, inputs: mx.arra
     layer's ids, as asyncside's forward does.
     """
     position = cache_position(kv_cache) if routing is not None else 0
-    inner = model.model
     if moe is None:
         moe = moe_layers(model, arch)
-    h = inner.embed_tokens(inputs)
-    masks = arch.masks(model, h, kv_cache)
-    layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        h = h + layer.self_attn(layer.input_layernorm(h), masks[i], kv_cache[i])
-        if not logits and i == len(layers) - 1:
-            return h
-        block = getattr(layer, arch.block_attr)
-        xn = layer.post_attention_layernorm(h)
-        if i not in moe:
-            h = h + block(xn)
+    # The walk asyncside's forward takes: each architecture's embedding, attention call, masks,
+    # multipliers and head (specs are read by the streaming steps only).
+    walk = DecoderWalk(model, arch, dict(moe), {})
+    h = walk.embed(inputs)
+    masks = walk.masks(h, kv_cache)
+    last = len(walk.layers) - 1
+    for i in range(len(walk.layers)):
+        h_attn, xn = walk.attend(i, h, masks, kv_cache)
+        if not logits and i == last:
+            return h_attn
+        if i not in walk.moe:
+            h = h_attn + walk.block(i)(xn)
             continue
-        attr = moe[i][1]
+        block, attr = walk.moe[i]
         switch = getattr(block, attr)
 
         def apply(x_sw: mx.array, inds: mx.array, i: int = i, switch: Any = switch) -> mx.array:
@@ -353,9 +354,8 @@ def slot_forward(model: nn.Module, arch: Any, cache_: SlotCache, inputs: mx.arra
         forced = None if routing is None else routing.step_ids(i, position, xn.shape[:-1])
         out, _x, _inds, _y = route_and_apply(block, attr, xn, apply, forced)
         assert out is not None
-        h = h + out
-    h = inner.norm(h)
-    return model.lm_head(h) if "lm_head" in model else inner.embed_tokens.as_linear(h)
+        h = h_attn + out
+    return walk.logits(h)
 
 
 def slot_generate(sm: Any, cache_: SlotCache, prompt_ids: Sequence[int], *, max_tokens: int,

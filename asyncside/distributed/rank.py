@@ -242,7 +242,7 @@ async def _ping(pipe: Any, sm: Any, n: int) -> dict[str, Any]:
     """``n`` boundary round trips of one decode step's messages (predicted ids, a hidden state, a token)."""
     import mlx.core as mx
 
-    dtype = getattr(getattr(sm.model.model.embed_tokens, "weight", None), "dtype", mx.float32)
+    dtype = getattr(getattr(sm.arch.embedding(sm.model), "weight", None), "dtype", mx.float32)
     if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # a quantized embedding's packed weight
         dtype = mx.bfloat16
     hidden = mx.zeros((1, 1, int(sm.config.get("hidden_size", 64))), dtype=dtype)

@@ -42,10 +42,13 @@ def model_layout(store_dir: str | pathlib.Path) -> tuple[int, list[int]]:
         raise StoreError(path / "manifest.json", "switch layer ids must be integers",
                          f"metadata.{META_KEY}.switch") from None
     config = load_config(path)
-    n = config.get("num_hidden_layers")
+    text = config.get("text_config")
+    # llama4 nests its text model's config under text_config
+    scope: dict[str, Any] = text if isinstance(text, dict) and "num_hidden_layers" in text else config
+    n = scope.get("num_hidden_layers")
     if not isinstance(n, int) or n < 1:
-        raise StoreError(path / "config.json", f"num_hidden_layers must be a positive integer, got {n!r}",
-                         "num_hidden_layers")
+        field = "num_hidden_layers" if scope is config else "text_config.num_hidden_layers"
+        raise StoreError(path / "config.json", f"{field} must be a positive integer, got {n!r}", field)
     return n, moe
 
 
@@ -74,13 +77,13 @@ def load_stage_model(store_dir: str | pathlib.Path, plan: StagePlan, rank: int, 
     if len(layers) != plan.n_layers:
         raise StoreError(path / "config.json", f"the model has {len(layers)} decoder layers; the plan was made for "
                          f"{plan.n_layers}", "num_hidden_layers")
-    inner = model.model
+    inner, head, embedding = arch.inner(model), arch.head_module(model), arch.embedding(model)
     keep: list[Any] = [layers[i].parameters() for i in stage.layers]
     if stage.first:
-        keep.append(inner.embed_tokens.parameters())
+        keep.append(embedding.parameters())
     if plan.is_last(rank):
         keep.append(inner.norm.parameters())
-        keep.append(model.lm_head.parameters() if "lm_head" in model else inner.embed_tokens.parameters())
+        keep.append(head.lm_head.parameters() if "lm_head" in head else embedding.parameters())
     mx.eval(keep)
     return StreamingModel(
         model, arch=arch, moe=moe_layers(model, arch), specs=specs, tokenizer=load_tokenizer(path, config),

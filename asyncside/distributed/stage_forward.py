@@ -84,7 +84,7 @@ def _mask_cache(cache: list[Any], start: int) -> list[Any]:
 
 def embed(sm: StreamingModel, tokens: mx.array) -> mx.array:
     """The token embeddings of ``tokens`` (1, L) (lazy): the first stage's input."""
-    return sm.model.model.embed_tokens(tokens)
+    return sm.forward.walk.embed(tokens)
 
 
 async def run_layers(sm: StreamingModel, h: mx.array, cache: list[Any], source: Any, predictor: Predictor, *,
