@@ -92,7 +92,9 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
 
     Per layer: ``2 x num_key_value_heads x head_dim x element_bytes`` (``num_key_value_heads``
     defaults to ``num_attention_heads``, ``head_dim`` to ``hidden_size / num_attention_heads``);
-    deepseek-v3 (``kv_lora_rank``) caches ``kv_lora_rank + qk_rope_head_dim`` elements; layers whose
+    deepseek-v3 (``kv_lora_rank``) caches ``kv_lora_rank + qk_rope_head_dim`` elements, deepseek-v2
+    (its attention decompressed) ``num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim +
+    v_head_dim)``; layers whose
     ``layer_types`` entry is ``"sliding_attention"`` keep ``sliding_window`` positions.
     AsyncsideError naming ``where`` and the key when the config lacks one.
     """
@@ -100,7 +102,12 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
         raise ValueError(f"element_bytes: expected >= 1, got {element_bytes}")
     c = _scope(config)
     layers = _int(c, "num_hidden_layers", where)
-    if c.get("kv_lora_rank") is not None:  # multi-head latent attention: one latent + one rope key per position
+    if c.get("kv_lora_rank") is not None and c.get("model_type") == "deepseek_v2":
+        # mlx-lm's deepseek_v2 caches every head's decompressed key (nope + rope parts) and value
+        heads = _int(c, "num_attention_heads", where)
+        per = heads * (_int(c, "qk_nope_head_dim", where) + _int(c, "qk_rope_head_dim", where)
+                       + _int(c, "v_head_dim", where)) * element_bytes
+    elif c.get("kv_lora_rank") is not None:  # multi-head latent attention: one latent + one rope key per position
         per = (_int(c, "kv_lora_rank", where) + _int(c, "qk_rope_head_dim", where)) * element_bytes
     else:
         heads = _int(c, "num_attention_heads", where)

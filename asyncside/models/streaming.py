@@ -352,8 +352,8 @@ def _config_vocab(config: dict[str, Any]) -> int | None:
 
 def _config_experts(config: dict[str, Any]) -> int:
     """Experts per MoE layer from an mlx-lm config (the keys the supported architectures use)."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         if isinstance(config.get(key), int):
             return int(config[key])
     raise RoutingReplayError(f"config.json names no expert count (num_experts / num_local_experts / "
-                             f"n_routed_experts): keys {sorted(config)}")
+                             f"n_routed_experts / moe_num_experts): keys {sorted(config)}")
