@@ -171,7 +171,7 @@ PRESET_NOTES: dict[str, list[str]] = {
 
 # The config fields that name each dimension, in the order they are tried.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k", "moe_topk")
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_top_k", "moe_topk", "moe_k")
 _HIDDEN = ("hidden_size", "d_model", "n_embd")
 _LAYERS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 _HEADS = ("num_attention_heads", "n_heads", "n_head")
@@ -235,7 +235,8 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
     DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
     ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
-    ``expert_layer_offset``; every layer where none is given."""
+    ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
+    ``moe_layer_interval``; every layer where none is given."""
     listed = raw.get("moe_layers")
     if listed is not None:
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
@@ -245,7 +246,17 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     # The least value of each field: a count of layers may be 0; a period (a MoE layer every that
     # many layers) may not, where the model's own code divides by it (0 was read as absent).
     least = {"first_k_dense_replace": 0, "moe_layer_freq": 1, "decoder_sparse_step": 1,
-             "interleave_moe_layer_step": 1, "expert_layer_period": 1, "expert_layer_offset": 0}
+             "interleave_moe_layer_step": 1, "expert_layer_period": 1, "expert_layer_offset": 0,
+             "moe_layer_interval": 1}
+    # ERNIE 4.5's range of MoE layers: an index, or per modality a list of them (mlx-lm takes the
+    # least start and the greatest end)
+    bounds = {}
+    for field, pick in (("moe_layer_start_index", min), ("moe_layer_end_index", max)):
+        value = raw.get(field)
+        values = value if isinstance(value, list) and value else [value]
+        if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ShapeError(f"{origin}: {field} must be a layer index or a list of them, got {value!r}")
+        bounds[field] = None if value is None else pick(values)
     ints = {f: raw.get(f) for f in least}
     for field, value in ints.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least[field]):
@@ -260,8 +271,12 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     freq = ints["moe_layer_freq"] or 1
     step = ints["decoder_sparse_step"] or ints["interleave_moe_layer_step"] or 1
     period, offset = ints["expert_layer_period"] or 1, ints["expert_layer_offset"] or 0
+    interval = ints["moe_layer_interval"] or 1
+    start = bounds["moe_layer_start_index"] or 0
+    end = n_layers - 1 if bounds["moe_layer_end_index"] is None else bounds["moe_layer_end_index"]
     return [i for i in range(n_layers) if i >= first_dense and i % freq == 0 and (i + 1) % step == 0
-            and i % period == offset % period and i not in only_mlp]
+            and i % period == offset % period and i not in only_mlp and (i + 1) % interval == 0
+            and start <= i <= end]
 
 
 #: per-model scalings a qwen3_moe leaves out (Granite's; each 1 where the model does not scale)
