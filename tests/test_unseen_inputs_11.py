@@ -150,7 +150,30 @@ def test_offload_refuses_a_budget_below_any_run_before_building(tmp_path: pathli
     assert lines[0].startswith(f"asyncside bench offload: error: --memory {memory[:-1]} MiB "), lines
     assert f"holds no run of --shapes {spec}: its MoE layer's top-2 experts alone are 377 MB (records of 189 MB)" \
         in lines[0] and "(nothing was built)" in lines[0], lines
+    assert ", or --shapes" not in lines[0]  # no fewer layers than one
     least = int(lines[0].split(" MB in all)")[0].rsplit("(", 1)[-1])
     plan = int(lines[0].split("--memory ")[-1].split("M or more")[0])
     assert least * 10**6 <= plan << 20  # the least it names to ask for passes this check
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_offload_names_the_layers_a_budget_below_any_run_holds(tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Three Mixtral-8x22B layers under 1G: the refusal names the most layers whose smallest plan
+    fits (one), and that count's plan does fit while one more layer's does not."""
+    from asyncside.bench import offload
+    from tests._cli_support import offload_args
+
+    monkeypatch.setattr(shapes, "ensure_shape", lambda *_a, **_k: pytest.fail("the shape was built"))
+    (tmp_path / "Mixtral-8x22B").mkdir()
+    (tmp_path / "Mixtral-8x22B" / "config.json").write_text(json.dumps(MIXTRAL_8X22B))
+    config = str(tmp_path / "Mixtral-8x22B")
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{config}:3", "--memory", "1G", "--store-ratio", "1",
+                      "--cache-dir", str(tmp_path / "cache"), "--localities", "low", "--quiet")
+    assert rc == 2 and f"holds no run of --shapes {config}:3: its 3 MoE layers' top-2 experts" in err, err
+    assert f", or --shapes {config}:1 (whose smallest plan fits) (nothing was built)" in err, err
+    held = int(err.split(" MB of process")[0].rsplit("about ", 1)[-1]) * 10**6
+    plans = [offload.least_budget(offload._estimated_shape(offload_args("--shapes", f"{config}:{n}"), config, n, held))
+             for n in (1, 2)]
+    assert plans[0] <= 1 << 30 < plans[1], plans

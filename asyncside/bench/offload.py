@@ -986,12 +986,16 @@ def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
         return
     layers = "its MoE layer's" if s["moe_layers"] == 1 else f"its {s['moe_layers']} MoE layers'"
     plan = least_budget(s)
+    # Each layer fewer takes its top-k records and its other weights off asyncside's smallest plan.
+    per_layer = s["top_k"] * s["record_bytes"] + s.get("layer_other_bytes", 0)
+    fewer = s["moe_layers"] - -(-(plan - budget) // per_layer)
+    fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer >= 1 else ""
     raise ValueError(
         f"--memory {_budget_text(budget)} holds no run of --shapes {s['spec']}:{s['moe_layers']}: {layers} "
         f"top-{s['top_k']} experts alone are {rows / MB:.0f} MB (records of {s['record_bytes'] / MB:.0f} MB), and a "
         f"run also holds {other / MB:.0f} MB of other weights and about {s['process_bytes'] / MB:.0f} MB of process "
         f"({least / MB:.0f} MB in all); asyncside's smallest plan is about {plan / MB:.0f} MB: --memory "
-        f"{-(-plan // 2**20)}M or more (nothing was built)")
+        f"{-(-plan // 2**20)}M or more{fits} (nothing was built)")
 
 
 def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, Any]]) -> str:
