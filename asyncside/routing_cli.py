@@ -157,6 +157,8 @@ def routing_main(args: argparse.Namespace) -> int:
     except TraceError as exc:
         print(f"asyncside routing {args.routing_command}: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {_count(trace.n_tokens, 'token')}, {_count(trace.n_layers, 'layer')} x "
+    # As routing info says it: a preset's --sequences (or a widened file's) are its shape too.
+    sequences = f" in {trace.n_sequences} sequences" if trace.n_sequences > 1 else ""
+    print(f"wrote {args.out}: {_count(trace.n_tokens, 'token')}{sequences}, {_count(trace.n_layers, 'layer')} x "
           f"{_count(trace.n_experts, 'expert')}, top-{trace.top_k}")
     return 0

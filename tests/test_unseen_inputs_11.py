@@ -177,3 +177,20 @@ def test_offload_names_the_layers_a_budget_below_any_run_holds(tmp_path: pathlib
     plans = [offload.least_budget(offload._estimated_shape(offload_args("--shapes", f"{config}:{n}"), config, n, held))
              for n in (1, 2)]
     assert plans[0] <= 1 << 30 < plans[1], plans
+
+
+def test_routing_preset_says_the_sequences_it_wrote(tmp_path: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``routing preset middle OUT --layers 60 --experts 384 --top-k 8 --sequences 4`` (Kimi-K2's
+    routing shape) said "wrote OUT: 64 tokens, 60 layers x 384 experts, top-8": the four sequences
+    asked for, one of which every replay picks, went unsaid; routing info says them."""
+    from asyncside.cli import main
+
+    out = tmp_path / "kimi.npz"
+    argv = ["routing", "preset", "middle", str(out), "--layers", "60", "--experts", "384", "--top-k", "8",
+            "--tokens", "64"]
+    assert main([*argv, "--sequences", "4"]) == 0
+    assert f"wrote {out}: 64 tokens in 4 sequences, 60 layers x 384 experts, top-8" in capsys.readouterr().out
+    assert RoutingTrace.load(out).n_sequences == 4
+    assert main(argv) == 0  # one sequence: said as before
+    assert f"wrote {out}: 64 tokens, 60 layers x 384 experts, top-8" in capsys.readouterr().out
