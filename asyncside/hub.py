@@ -153,6 +153,12 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
         else:
             why = ("is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)")
         raise ModelNotFoundError(text, f"{directory} {why}")
+    if not any(directory.glob("model*.safetensors")):
+        # A config.json alone (as `bench generate --shape DIR` takes one): said before the line that
+        # announces a conversion, which would fail at once and leave a lock file behind.
+        raise StoreError(directory, "has a config.json but no model*.safetensors weight files, so it cannot be "
+                                    "converted; for a model of this config's shape with seeded weights, "
+                                    f"asyncside bench generate --shape {text} (docs/models.md)")
     root = stores_root(cache_dir)
     dest = root / _cached_store_name(text, directory)
     if is_store_dir(dest):
