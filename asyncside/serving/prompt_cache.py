@@ -5,7 +5,10 @@ hold (prompt + generated). A new prompt takes a copy of the entry with the longe
 trimmed back to that prefix with mlx-lm's ``trim_prompt_cache``, and only the rest of the prompt
 is prefilled; the number of tokens reused is reported as
 ``usage.prompt_tokens_details.cached_tokens``. At least one prompt token is always left to run,
-since its logits give the first generated token.
+since its logits give the first generated token. An entry is reused only where its cache gives
+back exactly the shared prefix (:func:`trims_back_to`): a chunked-attention cache (llama4's
+``ChunkedKVCache``) drops the keys before its window, so a trim reaching behind them would resume
+on keys of other positions.
 
 Entries are few (a handful of conversations) and prompts short next to a linear scan, so the
 lookup compares token lists directly rather than keeping a trie.
@@ -22,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ChunkedKVCache, trim_prompt_cache
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -34,6 +37,20 @@ def cache_nbytes(cache: list[Any]) -> int:
         except (AttributeError, NotImplementedError, TypeError):
             continue
     return total
+
+
+def trims_back_to(cache: list[Any], n: int) -> bool:
+    """Whether ``cache``, holding more than ``n`` positions, trims back to exactly its first ``n``:
+    every layer trimmable, and a chunked-attention layer still holding every key of the chunk
+    position ``n`` falls in (it dropped the keys before ``start_position``, and the next forward's
+    chunk mask attends back to that chunk's start; ``ChunkedKVCache.trim`` stops at
+    ``start_position`` without saying so)."""
+    for c in cache:
+        if not c.is_trimmable():
+            return False
+        if isinstance(c, ChunkedKVCache) and c.start_position > n - n % c.chunk_size:
+            return False
+    return bool(cache)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -66,16 +83,14 @@ class PrefixCache:
         """A private copy of the best cache for ``prompt`` and how many of its tokens it holds
         (None, 0 when no entry shares at least ``min_tokens``)."""
         best, best_n = None, 0
-        for key, (tokens, _cache) in self._entries.items():
-            n = _common_prefix(tokens, prompt)
-            if n > best_n:
+        for key, (tokens, cache) in self._entries.items():
+            # One prompt token always runs: its logits start the answer.
+            n = min(_common_prefix(tokens, prompt), len(prompt) - 1)
+            if n > best_n and (n == len(tokens) or trims_back_to(cache, n)):
                 best, best_n = key, n
-        best_n = min(best_n, len(prompt) - 1)  # one prompt token always runs: its logits start the answer
         if best is None or best_n < self.min_tokens:
             return None, 0
         tokens, cache = self._entries[best]
-        if best_n < len(tokens) and not can_trim_prompt_cache(cache):
-            return None, 0
         self._entries.move_to_end(best)
         mine = copy.deepcopy(cache)
         if best_n < len(tokens):
@@ -99,7 +114,8 @@ class PrefixCache:
         tokens = tuple(tokens)
         for key, (held, _c) in list(self._entries.items()):
             # An entry that is a prefix of the new one adds nothing a trim cannot give back.
-            if len(held) <= len(tokens) and tokens[: len(held)] == held and can_trim_prompt_cache(cache):
+            if len(held) <= len(tokens) and tokens[: len(held)] == held and (
+                    len(held) == len(tokens) or trims_back_to(cache, len(held))):
                 self._drop(key)
         self._entries[self._next] = (tokens, cache)
         self._sizes[self._next] = size

@@ -1,0 +1,132 @@
+"""The serving engine over every architecture asyncside streams (the five first ones and the ten of
+session 16): concurrent greedy requests give each request's tokens alone in mlx-lm.
+
+Per architecture (its tiny config, tests/test_archs_16.py's ``_store``), a :class:`Batcher` over a
+Runtime keeping half of each layer's experts serves requests of different prompt lengths at once
+(prefill chunks of 8 interleaved with the others' decode, with and without joint prefill), then
+requests sharing a prefix with an earlier one (the prompt cache trims a copy of its cache back to
+the prefix). Each request's tokens must equal ``reference_generate`` of that request alone with
+the same prefill step. llama4's chunked-attention caches have no batched form in mlx-lm: its rows
+decode one after the other (logged once), and a cache whose front was dropped is never trimmed
+back behind it (that gave other tokens).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import anyio
+import pytest
+from mlx_lm.models.cache import ChunkedKVCache, KVCache
+from test_archs_16 import _prompt, _store
+
+from asyncside.models import load_streaming_model, reference_generate
+from asyncside.models.arch import ARCHS
+from asyncside.runtime import Runtime
+from asyncside.serving import Batcher
+from asyncside.serving.prompt_cache import PrefixCache, trims_back_to
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CHUNK = 8
+TOKENS = 8
+UNBATCHED = {"llama4"}  # architectures whose KV caches mlx-lm cannot merge
+
+
+async def _serve(b: Batcher, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], Any]]:
+    """Submit every request at once; each one's tokens (EOS excluded) and its Generation."""
+    gens = [b.submit(p, n) for p, n in requests]
+    out: list[list[int]] = [[] for _ in gens]
+
+    async def read(i: int) -> None:
+        async for ev in gens[i]:
+            if not ev.eos:
+                out[i].append(ev.token)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        async with anyio.create_task_group() as readers:
+            for i in range(len(gens)):
+                readers.start_soon(read, i)
+        tg.cancel_scope.cancel()
+    return list(zip(out, gens))
+
+
+def _alone(model: Any, prompt: list[int], n: int = TOKENS) -> list[int]:
+    return reference_generate(model, prompt, max_tokens=n, prefill_step_size=CHUNK)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_a_prefix_from_the_prompt_cache_decodes_as_alone(tmp_path: pathlib.Path, model_type: str) -> None:
+    """A request decoded beside another leaves its cache to the prompt cache; requests sharing a
+    prefix of its tokens (trimmed back to the middle, near the start, near the end, or all of it)
+    then decode together as each alone. Every architecture reuses the whole entry; each
+    reuses the trimmed ones where its cache can give them back exactly."""
+    store, model, config = _store(tmp_path, model_type)
+    first, beside = _prompt(config, 20, seed=1), _prompt(config, 9, seed=11)
+    held = first + _alone(model, first)  # what the cache holds after: the last token was never fed
+    fed = len(held) - 1
+    follow = [held[:fed // 2] + _prompt(config, 5, seed=2), held[:3] + _prompt(config, 9, seed=3),
+              held[:fed - 1] + [5, 6], held + _prompt(config, 4, seed=4)]
+    expected = [_alone(model, p) for p in follow]
+    sm = load_streaming_model(store)
+
+    async def main() -> list[tuple[list[int], Any]]:
+        async with Runtime(sm.store, resident=0.5) as rt:
+            b = Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=4, prompt_cache_min_tokens=1)
+            before = await _serve(b, [(first, TOKENS), (beside, TOKENS)])
+            assert [tokens for tokens, _ in before] == [_alone(model, first), _alone(model, beside)]
+            for key, (tokens, _cache) in list(b.prefix_cache._entries.items()):
+                if tokens[:len(first)] != tuple(first):
+                    b.prefix_cache._drop(key)  # the other request's entry: not what this test reuses
+            assert len(b.prefix_cache) == 1
+            return await _serve(b, [(p, TOKENS) for p in follow])
+
+    got = anyio.run(main)
+    assert [tokens for tokens, _ in got] == expected
+    cached = [g.cached_tokens for _, g in got]
+    assert cached[3] == fed  # the whole entry, untrimmed
+    if model_type == "llama4":
+        # Its chunked layers dropped every key before the last chunk's: a prefix reaching behind
+        # that is prefilled again; one within the last chunk is reused.
+        assert cached[:3] == [0, 0, fed - 1]
+    elif model_type == "gpt_oss":
+        assert cached[:3] == [0, 0, 0]  # its full sliding windows are not trimmable (mlx-lm's rule)
+    else:
+        assert cached[:3] == [fed // 2, 3, fed - 1]
+
+
+def _chunked(positions: int, chunk: int = 8) -> ChunkedKVCache:
+    """A chunked-attention cache fed ``positions`` one at a time, its front dropped as llama4 drops it."""
+    import mlx.core as mx
+
+    c = ChunkedKVCache(chunk)
+    for _ in range(positions):
+        c.maybe_trim_front()
+        c.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+    return c
+
+
+def test_a_chunked_cache_trims_back_only_within_what_it_kept() -> None:
+    """Fed 20 positions one at a time in chunks of 8, it kept positions 11 on (of chunk 8..15,
+    keys 11..15 only): back to 16 or past is exact, back to 13 would attend without keys 8..10,
+    and back to 9 would stop short at 11 with nothing said."""
+    c = _chunked(20)
+    assert (c.start_position, c.offset) == (11, 20)
+    assert trims_back_to([c, KVCache()], 16) and trims_back_to([c], 19)
+    assert not trims_back_to([c], 13) and not trims_back_to([c], 9)
+    assert trims_back_to([_chunked(7)], 3)  # nothing dropped yet
+
+    tokens = list(range(100, 120))
+    cache = PrefixCache(4, min_tokens=1)
+    cache.insert(tokens, [c])
+    assert cache.fetch(tokens[:13] + [1, 2]) == (None, 0)
+    mine, reused = cache.fetch(tokens[:17] + [1, 2])
+    assert reused == 17 and mine is not None and mine[0].offset == 17 and mine[0].start_position == 11
+    assert c.offset == 20  # the entry itself untouched
+    # A longer conversation of the same tokens keeps the shorter entry where it cannot give it back
+    # (it kept positions 17 on: chunk 16..23 lacks key 16).
+    cache.insert(tokens + [1, 2, 3, 4, 5, 6], [_chunked(26)])
+    assert len(cache) == 2
+    assert cache.fetch(tokens + [9])[1] == 20
