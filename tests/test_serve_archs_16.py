@@ -13,6 +13,7 @@ back behind it (that gave other tokens).
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -55,6 +56,35 @@ async def _serve(b: Batcher, requests: list[tuple[list[int], int]]) -> list[tupl
 
 def _alone(model: Any, prompt: list[int], n: int = TOKENS) -> list[int]:
     return reference_generate(model, prompt, max_tokens=n, prefill_step_size=CHUNK)
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["chunks", "joint"])
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_concurrent_requests_decode_as_each_alone(tmp_path: pathlib.Path, model_type: str, joint: bool,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    store, model, config = _store(tmp_path, model_type)
+    # llama4's prompts span several attention chunks (of 8), so its caches drop their front.
+    lengths = [27, 5, 14, 2] if model_type == "llama4" else [21, 5, 12, 2]
+    prompts = [_prompt(config, n, seed=i) for i, n in enumerate(lengths)]
+    expected = [_alone(model, p) for p in prompts]
+    sm = load_streaming_model(store)
+
+    async def main() -> tuple[list[tuple[list[int], Any]], Batcher]:
+        async with Runtime(sm.store, resident=0.5) as rt:
+            b = Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=0, joint_prefill=joint)
+            return await _serve(b, [(p, TOKENS) for p in prompts]), b
+
+    with caplog.at_level(logging.INFO, logger="asyncside.serving"):
+        got, b = anyio.run(main)
+    assert [tokens for tokens, _ in got] == expected
+    assert [g.finish_reason for _, g in got] == ["length"] * len(prompts)
+    assert b.peak_batch == len(prompts)  # they decoded together
+    unbatched = model_type in UNBATCHED
+    assert b.batched_decode is not unbatched
+    said = [r.getMessage() for r in caplog.records if "no batched form" in r.getMessage()]
+    assert said == ([f"{model_type}: its KV caches (ChunkedKVCache) have no batched form in mlx-lm: requests "
+                     "decoding together run one after the other within each step (exact tokens, one forward "
+                     "per request)"] if unbatched else [])
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))

@@ -5,10 +5,13 @@ without a batched form. No request bookkeeping here: that is the engine loop's (
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .loading import ServedModel
+
+log = logging.getLogger("asyncside.serving")
 
 
 def fresh_cache(slot: Any) -> bool:
@@ -39,6 +42,22 @@ def row_cache(c: Any, row: int, start: int, stop: int) -> Any:
 def mergeable(cache: list[Any]) -> bool:
     """Whether a request's KV cache has mlx-lm's batched form (every layer's cache can ``merge``)."""
     return all(hasattr(c, "merge") for c in cache)
+
+
+def announce_unbatched(model: ServedModel) -> bool:
+    """Whether ``model``'s KV caches lack mlx-lm's batched form (llama4's chunked attention,
+    ``ChunkedKVCache``), logged once per engine: its requests decoding together then run one
+    after the other within each step (:func:`rows_step`), the tokens exactly each one's alone.
+    False for a model without ``make_cache`` (a pipeline of ranks keeps no caches here)."""
+    make = getattr(model, "make_cache", None)
+    cache = make() if make is not None else []
+    if not cache or mergeable(cache):
+        return False
+    kinds = ", ".join(sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")}))
+    name = (getattr(model, "config", None) or {}).get("model_type") or getattr(model, "model_id", "the model")
+    log.info("%s: its KV caches (%s) have no batched form in mlx-lm: requests decoding together run one "
+             "after the other within each step (exact tokens, one forward per request)", name, kinds)
+    return True
 
 
 async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,

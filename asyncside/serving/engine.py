@@ -54,7 +54,7 @@ from anyio.abc import TaskGroup
 
 from ..errors import AsyncsideError
 from ..models.forcing import batch_replays
-from .batch_caches import BatchCaches, mergeable, row_cache, rows_step
+from .batch_caches import BatchCaches, announce_unbatched, mergeable, row_cache, rows_step
 from .forward_inputs import decode_inputs, prefill_groups
 from .kv_budget import plan_admission
 from .loading import Engine, ServedModel, embedded_store_dir, open_engine
@@ -65,11 +65,9 @@ from .read_failures import log_failure as _log_failure
 from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
 from .step_shapes import StepShapes, bounded_prefill_chunk, default_prefill_chunk
 
-__all__ = [
-    "BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull", "ServedModel",
-    "StepStrategy", "TokenEvent", "default_prefill_chunk", "embedded_store_dir", "mergeable", "open_engine",
-    "rows_step",
-]
+__all__ = ["BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull",
+           "ServedModel", "StepStrategy", "TokenEvent", "default_prefill_chunk", "embedded_store_dir", "mergeable",
+           "open_engine", "rows_step"]
 
 log = logging.getLogger("asyncside.serving")
 
@@ -142,6 +140,7 @@ class Batcher:
                              "Batcher's routing= instead, which replays each request's rows on their own")
         self._submitted = 0  # requests submitted: the next one's number (its replayed sequence)
         self.shapes = StepShapes(model, source)  # the forwards' shapes under a memory plan
+        self.batched_decode = not announce_unbatched(model)  # False: decode rows one after the other
         if self.replays:
             prompt_cache_size = 0  # a cached prefix holds another request's routing
         self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
