@@ -160,3 +160,15 @@ def test_a_chunked_cache_trims_back_only_within_what_it_kept() -> None:
     cache.insert(tokens + [1, 2, 3, 4, 5, 6], [_chunked(26)])
     assert len(cache) == 2
     assert cache.fetch(tokens + [9])[1] == 20
+
+
+def test_llama4_vocabulary_and_context_are_read_in_its_text_config(tmp_path: pathlib.Path) -> None:
+    """A llama4 config as Hugging Face writes it names the vocabulary and the context only in its
+    ``text_config``: the engine still validates token ids against that vocabulary and bounds
+    prompts by that context (it read neither: no context limit, ids unchecked)."""
+    store, _model, config = _store(tmp_path, "llama4")
+    sm = load_streaming_model(store)
+    sm.config = {k: v for k, v in sm.config.items() if k not in ("vocab_size", "hidden_size")}
+    b = Batcher(sm, None)
+    text = config["text_config"]
+    assert (b.vocab_size, b.context_length) == (text["vocab_size"], text["max_position_embeddings"])

@@ -57,7 +57,7 @@ from ..models.forcing import batch_replays
 from .batch_caches import BatchCaches, announce_unbatched, mergeable, row_cache, rows_step
 from .forward_inputs import decode_inputs, prefill_groups
 from .kv_budget import plan_admission
-from .loading import Engine, ServedModel, embedded_store_dir, open_engine
+from .loading import Engine, ServedModel, embedded_store_dir, open_engine, text_config_value
 from .prompt_cache import PrefixCache, cache_nbytes
 from .protocol import SamplingParams
 from .read_failures import ReadFailures
@@ -146,12 +146,12 @@ class Batcher:
         self.prefix_cache = PrefixCache(prompt_cache_size, prompt_cache_min_tokens, prompt_cache_bytes)
         #: admission against the memory plan's KV allowance (None: no budget, no limit)
         self.kv_admission = plan_admission(model, source, prefill_chunk, self.prefix_cache)
-        config = getattr(model, "config", None) or {}
-        vocab = config.get("vocab_size", getattr(model.tokenizer, "vocab_size", None))
+        vocab = text_config_value(model, "vocab_size")
+        vocab = vocab if vocab is not None else getattr(model.tokenizer, "vocab_size", None)
         self.vocab_size: int | None = vocab if isinstance(vocab, int) else None
         if self.vocab_size is not None and self.vocab_size >= 1 << 24:
             raise ValueError(f"vocabulary of {self.vocab_size} ids: token ids above 2**24 are not supported")
-        ctx = config.get("max_position_embeddings")
+        ctx = text_config_value(model, "max_position_embeddings")
         self.context_length: int | None = ctx if isinstance(ctx, int) and ctx > 0 else None
         self.eos: set[int] = set(getattr(model.tokenizer, "eos_token_ids", ()) or ())
         self._waiting: deque[Slot] = deque()

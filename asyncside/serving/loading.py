@@ -42,6 +42,18 @@ class ServedModel(Protocol):
     def make_cache(self) -> list[Any]: ...
 
 
+def text_config_value(model: Any, key: str) -> Any:
+    """``key`` of the model's config (``model.config``), read in its text model's section where
+    the config nests one (llama4's ``text_config`` holds the vocabulary and the context); None
+    where neither has it."""
+    config = getattr(model, "config", None) or {}
+    inner = config.get("text_config")
+    for scope in (inner if isinstance(inner, Mapping) else {}, config):
+        if scope.get(key) is not None:
+            return scope[key]
+    return None
+
+
 @dataclass
 class Engine:
     """What the server serves: a model, the expert source it streams from, and runtime views."""
