@@ -7,23 +7,35 @@ Runtime keeping half of each layer's experts serves requests of different prompt
 requests sharing a prefix with an earlier one (the prompt cache trims a copy of its cache back to
 the prefix). Each request's tokens must equal ``reference_generate`` of that request alone with
 the same prefill step. llama4's chunked-attention caches have no batched form in mlx-lm: its rows
-decode one after the other (logged once), and a cache whose front was dropped is never trimmed
-back behind it (that gave other tokens).
+decode one after the other (said once at startup, and in /health), and a cache whose front was
+dropped is never trimmed back behind it (that gave other tokens). `asyncside serve` itself runs
+over a llama4 and a qwen3_moe store; llama4's vocabulary and context are read in its text_config.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
+import os
 import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
-from test_archs_16 import _prompt, _store
+from test_archs_16 import LLAMA4, _config, _prompt, _store
 
 from asyncside.models import load_streaming_model, reference_generate
 from asyncside.models.arch import ARCHS
+from asyncside.models.tokenizer import load_tokenizer, save_byte_level_tokenizer
 from asyncside.runtime import Runtime
 from asyncside.serving import Batcher
 from asyncside.serving.prompt_cache import PrefixCache, trims_back_to
@@ -172,3 +184,80 @@ def test_llama4_vocabulary_and_context_are_read_in_its_text_config(tmp_path: pat
     b = Batcher(sm, None)
     text = config["text_config"]
     assert (b.vocab_size, b.context_length) == (text["vocab_size"], text["max_position_embeddings"])
+
+
+def _served_store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, Any]:
+    """A tiny model's store with the byte-level tokenizer (a vocabulary of 512 ids), as `asyncside
+    serve --model` takes it; and the plain model."""
+    fields: dict[str, Any] = {"vocab_size": 512}
+    if model_type == "llama4":
+        fields["text_config"] = {**LLAMA4["text_config"], "vocab_size": 512}
+    with _config(model_type, **fields):
+        store, model, _config_dict = _store(tmp, model_type)
+    save_byte_level_tokenizer(store)
+    return store, model
+
+
+@contextlib.contextmanager
+def _serve_command(args: list[str]) -> Iterator[tuple[str, list[str]]]:
+    """`asyncside serve ARGS` in a process: its URL once ready and its output lines so far (a list
+    that grows); SIGINT at the end, which must exit 0."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from asyncside.cli import main; sys.exit(main())",
+                             "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line.rstrip("\n"))
+            if line.startswith("asyncside serve: http"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(120) and proc.poll() is None, "\n".join(output)
+        url = next((m for m in map(re.compile(r"^asyncside serve: (http://127\.0\.0\.1:\d+) ").search, output)
+                    if m), None)
+        assert url is not None, output
+        yield url.group(1), output
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, "\n".join(output)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("model_type", ["llama4", "qwen3_moe"])
+def test_asyncside_serve_says_how_it_decodes_and_answers_as_alone(tmp_path: pathlib.Path, model_type: str) -> None:
+    """`asyncside serve` over a tiny store: concurrent greedy completions answer each prompt's
+    mlx-lm text alone; a model whose caches do not merge (llama4) says so once, under the URL
+    line, and /health tells whether decode steps are batched."""
+    store, model = _served_store(tmp_path, model_type)
+    tok = load_tokenizer(store, {})
+    prompts = [_prompt({"vocab_size": 256}, n, seed=i) for i, n in enumerate([19, 4, 11])]
+    expected = [tok.decode(reference_generate(model, p, max_tokens=6, prefill_step_size=CHUNK,
+                                              eos_token_ids=set(tok.eos_token_ids))) for p in prompts]
+    args = ["--model", str(store), "--port", "0", "--resident", "0.5", "--prefill-chunk", str(CHUNK),
+            "--prompt-cache-size", "0"]
+    with _serve_command(args) as (url, output):
+        model_id = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+
+        def complete(prompt: list[int]) -> str:
+            r = httpx.post(url + "/v1/completions", json={"model": model_id, "prompt": prompt, "max_tokens": 6,
+                                                         "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+        health = httpx.get(url + "/health", timeout=60).json()
+    assert got == expected
+    assert health["batched_decode"] is (model_type != "llama4")
+    notes = [line for line in output if "no batched form" in line]
+    assert notes == ([] if model_type != "llama4" else [
+        "asyncside serve: llama4: its KV caches (ChunkedKVCache) have no batched form in mlx-lm: requests decoding "
+        "together run one after the other within each step (exact tokens, one forward per request)"])

@@ -629,6 +629,7 @@ class _Handlers:
                 "active_requests": b.active,
                 "waiting_requests": b.waiting,
                 "decode_steps": b.steps,
+                "batched_decode": b.batched_decode,
                 "prompt_cache": {"entries": len(b.prefix_cache), "hits": b.prefix_cache.hits,
                                  "reused_tokens": b.prefix_cache.reused_tokens},
                 "audit": {"ok": ok, "problems": problems},

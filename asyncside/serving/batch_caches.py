@@ -44,20 +44,28 @@ def mergeable(cache: list[Any]) -> bool:
     return all(hasattr(c, "merge") for c in cache)
 
 
-def announce_unbatched(model: ServedModel) -> bool:
-    """Whether ``model``'s KV caches lack mlx-lm's batched form (llama4's chunked attention,
-    ``ChunkedKVCache``), logged once per engine: its requests decoding together then run one
-    after the other within each step (:func:`rows_step`), the tokens exactly each one's alone.
-    False for a model without ``make_cache`` (a pipeline of ranks keeps no caches here)."""
+def unbatched_note(model: ServedModel) -> str | None:
+    """Why ``model``'s requests decoding together run one after the other within each step: its KV
+    caches lack mlx-lm's batched form (llama4's chunked attention, ``ChunkedKVCache``); the tokens
+    are exactly each one's alone (:func:`rows_step`). None where they merge, or for a model without
+    ``make_cache`` (a pipeline of ranks keeps no caches here)."""
     make = getattr(model, "make_cache", None)
     cache = make() if make is not None else []
     if not cache or mergeable(cache):
-        return False
+        return None
     kinds = ", ".join(sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")}))
     name = (getattr(model, "config", None) or {}).get("model_type") or getattr(model, "model_id", "the model")
-    log.info("%s: its KV caches (%s) have no batched form in mlx-lm: requests decoding together run one "
-             "after the other within each step (exact tokens, one forward per request)", name, kinds)
-    return True
+    return (f"{name}: its KV caches ({kinds}) have no batched form in mlx-lm: requests decoding together run one "
+            "after the other within each step (exact tokens, one forward per request)")
+
+
+def announce_unbatched(model: ServedModel) -> bool:
+    """Whether ``model``'s KV caches lack mlx-lm's batched form (:func:`unbatched_note`), logged
+    once per engine (the engine calls it when it starts)."""
+    note = unbatched_note(model)
+    if note is not None:
+        log.info("%s", note)
+    return note is not None
 
 
 async def rows_step(sm: ServedModel, tokens: Any, caches: Sequence[list[Any]], source: Any,

@@ -305,6 +305,7 @@ def app_from_args(args: argparse.Namespace) -> Any:
 async def run_serve(args: argparse.Namespace) -> None:
     """`asyncside serve` on the running loop; prints one line with the URL once the model is loaded."""
     from .background import serve
+    from .batch_caches import unbatched_note
 
     app = app_from_args(args)
 
@@ -315,6 +316,9 @@ async def run_serve(args: argparse.Namespace) -> None:
         routing = st.engine.description.get("routing") or {}
         if routing.get("note"):  # a trace of another model's shape: replayed, but not as recorded
             print(f"asyncside serve: routing {routing['file']}: {routing['note']}", flush=True)
+        unbatched = None if st.batcher.batched_decode else unbatched_note(st.batcher.model)
+        if unbatched is not None:  # its clients' tokens per second do not add up as a batch's would
+            print(f"asyncside serve: {unbatched}", flush=True)
 
     await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
 
