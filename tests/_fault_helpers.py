@@ -213,7 +213,7 @@ def direct_decode(store_dir: pathlib.Path, prompt: list[int], max_tokens: int, *
 
     options = ForwardOptions(mode=StepMode.QUEUED, streamed_switch=streamed)
     sm = load_streaming_model(store_dir, completed=completed, options=options)
-    k = int(sm.config.get("num_experts_per_tok", 2))
+    k = int(sm.forward.walk.top_k)
 
     async def main() -> list[int]:
         async with Runtime(sm.store, resident=0.0, min_side_rows=k, read_window=read_window) as rt:

@@ -251,3 +251,16 @@ def test_granitemoe_blocks_are_scaled_once() -> None:
     for i, (block, _attr) in walk.moe.items():
         assert again.moe[i][0] is block and block.scale == config["residual_multiplier"]
         assert type(block.block).__name__ == "GraniteMoeMoE"
+
+
+@pytest.mark.parametrize("model_type", sorted(NEW))
+def test_the_plans_top_k_is_the_models(model_type: str) -> None:
+    """The memory plan and the serving admission read the router's top-k from the config
+    (config_top_k): for ernie4_5_moe (``moe_k``) it fell back to a default, and for a hunyuan that
+    lists one top-k per layer it found none; each must be the top-k the model routes."""
+    from asyncside.runtime._forward_cost import config_top_k
+
+    fields = {"moe_topk": [2, 4]} if model_type == "hunyuan" else {}
+    model, config = _tiny(model_type, **fields)
+    sm, _pools = streaming_from_model(model, config, completed=completed)
+    assert config_top_k(config) == sm.forward.walk.top_k

@@ -127,7 +127,7 @@ def test_streamed_switches_are_exact_with_misses_in_every_layer(tmp_path: pathli
                                             {"group_size": 64, "bits": 4} if quant == "q4" else None)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm = load_streaming_model(store_dir, completed=completed, options=STREAMED)
-    k = int(sm.config.get("num_experts_per_tok", 2))
+    k = int(sm.forward.walk.top_k)
     before = _native.fault_counters()["background_reads"]
 
     async def main() -> tuple[list[int], dict]:
@@ -163,7 +163,7 @@ def test_the_plan_past_the_page_cache_streams_large_records_only(
     def run(direct: bool) -> int:
         monkeypatch.setenv("ASYNCSIDE_DIRECT", "1" if direct else "0")
         sm = load_streaming_model(store_dir, completed=completed, options=auto)
-        k = int(sm.config.get("num_experts_per_tok", 2))
+        k = int(sm.forward.walk.top_k)
 
         async def main() -> list[int]:
             async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
@@ -184,7 +184,7 @@ def test_a_failed_read_in_a_streamed_step_fails_the_step_and_frees_its_rows(tmp_
         pytest.skip("streamed switches are the CPU stream's (host pools)")
     store_dir, model, prompt = model_store(tmp_path, "qwen3_moe", None)
     sm = load_streaming_model(store_dir, completed=completed, options=STREAMED)
-    k = int(sm.config.get("num_experts_per_tok", 2))
+    k = int(sm.forward.walk.top_k)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
 
     async def main() -> None:

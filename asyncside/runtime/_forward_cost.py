@@ -36,8 +36,9 @@ PAIR_COPIES = 3
 FIT = 0.8
 #: Where the config does not say its top-k (the plan's own default).
 DEFAULT_TOP_K = 8
-#: Where a model's config.json keeps its router's top-k, by architecture family.
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
+#: Where a model's config.json keeps its router's top-k, by architecture family (hunyuan's
+#: ``moe_topk`` may list one per layer; ernie4_5_moe's is ``moe_k``).
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k", "top_k")
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,12 @@ class ForwardCost:
 
 
 def _positive(scope: Mapping[str, Any], *keys: str) -> int | None:
-    """The first of ``keys`` that ``scope`` holds as a positive integer."""
+    """The first of ``keys`` that ``scope`` holds as a positive integer (the largest, where it
+    holds a list of them: one per layer)."""
     for key in keys:
         v = scope.get(key)
+        if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+            return max(v)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
