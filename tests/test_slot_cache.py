@@ -74,7 +74,7 @@ def test_architectures_tokens_equal_mlx_lm(model_type: str, tmp_path: pathlib.Pa
     """Every supported architecture (dense layers, shared experts, biases, group routing): tokens
     equal mlx-lm's with fewer slots than experts, misses in every MoE layer."""
     if mx.default_device() == mx.gpu:
-        pytest.skip("MLX CUDA: quantized prefill depends on evaluation boundaries (see test_models.py)")
+        pytest.skip("MLX CUDA: quantized prefill is wrong at one quantization group per row (see test_models.py)")
     model_dir, prompt = write_model_dir(tmp_path / "model", model_type)
     store_dir = tmp_path / "store"
     convert_model(model_dir, store_dir, progress=False)

