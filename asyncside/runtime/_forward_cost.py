@@ -76,7 +76,7 @@ def _positive(scope: Mapping[str, Any], *keys: str) -> int | None:
     for key in keys:
         v = scope.get(key)
         if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
-            return max(v)
+            return int(max(v))
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
