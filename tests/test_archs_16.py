@@ -264,3 +264,28 @@ def test_the_plans_top_k_is_the_models(model_type: str) -> None:
     model, config = _tiny(model_type, **fields)
     sm, _pools = streaming_from_model(model, config, completed=completed)
     assert config_top_k(config) == sm.forward.walk.top_k
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "hunyuan", "qwen2_moe"])
+def test_asyncside_load_runs_on_its_own_thread(tmp_path: pathlib.Path, model_type: str) -> None:
+    """``asyncside.load``'s model runs its forwards on the facade's loop thread. deepseek_v2's and
+    hunyuan's rotary frequencies were left lazy by the model's construction on this thread, and
+    MLX's streams belong to the thread that made them: mlx-lm's generate over them failed at the
+    first token with "There is no Stream(cpu, 0) in current thread"."""
+    from mlx_lm.generate import generate_step
+
+    from asyncside import load
+    from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+    model, config = _tiny(model_type)
+    save_model(tmp_path / "model", model)
+    save_config(dict(config), tmp_path / "model" / "config.json")
+    save_byte_level_tokenizer(tmp_path / "model")
+    prompt = _prompt(config, 20)
+    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
+    lm, _tokenizer = load(tmp_path / "model", cache_dir=tmp_path / "cache", progress=False)
+    try:
+        got = [int(y) for y, _ in generate_step(mx.array(prompt), lm, max_tokens=NEW_TOKENS)]
+    finally:
+        lm.close()
+    assert got == ref

@@ -43,6 +43,18 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+def _evaluate_buffers(model: nn.Module) -> None:
+    """Evaluate the arrays a model's modules keep outside their parameters (deepseek_v2's and
+    hunyuan's rotary frequencies, computed lazily at construction). MLX's streams belong to the
+    thread that made them: left lazy, such an array fails the first forward run on another
+    thread (asyncside.load's loop thread) with "There is no Stream(cpu, 0) in current thread"."""
+    # A module keeps an array attribute as an item, a private one (``_freqs``) too, though its
+    # parameters() leave those out.
+    held = [v for m in model.modules() for v in (*m.values(), *vars(m).values()) if isinstance(v, mx.array)]
+    if held:
+        mx.eval(held)
+
+
 class StreamingModel:
     """An mlx-lm MoE model whose experts come from an ExpertSource; greedy async generation.
 
@@ -57,6 +69,7 @@ class StreamingModel:
                  store: Any = None, completed: Completed | None = None,
                  prefill_step_size: int = PREFILL_STEP_SIZE, options: ForwardOptions | None = None) -> None:
         self.model = model
+        _evaluate_buffers(model)
         self.arch = arch
         self.tokenizer = tokenizer
         self.config = config
