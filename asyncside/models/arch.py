@@ -135,11 +135,6 @@ class Arch:
         return cast(nn.Module, getattr(self.inner(model), self.embed_attr))
 
 
-#: architectures mlx-lm has that the walk cannot follow exactly, and why (refused by :func:`arch_for`)
-REFUSED: dict[str, str] = {
-}
-
-
 ARCHS: dict[str, Arch] = {
     "qwen3_moe": Arch("qwen3_moe", "mlp", _masks_shared),
     "mixtral": Arch("mixtral", "block_sparse_moe", _masks_shared),
@@ -167,8 +162,6 @@ SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 
 def arch_for(model_type: str) -> Arch:
     """The adapter of ``model_type`` (UnsupportedModelError listing the supported ones otherwise)."""
-    if model_type in REFUSED:
-        raise UnsupportedModelError(f"{model_type}: {REFUSED[model_type]}")
     try:
         return ARCHS[model_type]
     except KeyError:
