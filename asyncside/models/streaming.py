@@ -48,9 +48,11 @@ def _evaluate_buffers(model: nn.Module) -> None:
     hunyuan's rotary frequencies, computed lazily at construction). MLX's streams belong to the
     thread that made them: left lazy, such an array fails the first forward run on another
     thread (asyncside.load's loop thread) with "There is no Stream(cpu, 0) in current thread"."""
-    # A module keeps an array attribute as an item, a private one (``_freqs``) too, though its
-    # parameters() leave those out.
-    held = [v for m in model.modules() for v in (*m.values(), *vars(m).values()) if isinstance(v, mx.array)]
+    # A module keeps an array attribute as an item, a private one (``_freqs``) too, which its
+    # parameters() leave out. Only those: evaluating the parameters would load what a lazily
+    # loaded model leaves unloaded (a pipeline stage's other layers).
+    held = [v for m in model.modules() for k, v in (*m.items(), *vars(m).items())
+            if k.startswith("_") and isinstance(v, mx.array)]
     if held:
         mx.eval(held)
 
