@@ -32,6 +32,7 @@ import httpx
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from test_archs_16 import LLAMA4, _config, _prompt, _store
+from test_serve_batching import run_all
 
 from asyncside.models import load_streaming_model, reference_generate
 from asyncside.models.arch import ARCHS
@@ -49,20 +50,7 @@ UNBATCHED = {"llama4"}  # architectures whose KV caches mlx-lm cannot merge
 
 async def _serve(b: Batcher, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], Any]]:
     """Submit every request at once; each one's tokens (EOS excluded) and its Generation."""
-    gens = [b.submit(p, n) for p, n in requests]
-    out: list[list[int]] = [[] for _ in gens]
-
-    async def read(i: int) -> None:
-        async for ev in gens[i]:
-            if not ev.eos:
-                out[i].append(ev.token)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(b.run)
-        async with anyio.create_task_group() as readers:
-            for i in range(len(gens)):
-                readers.start_soon(read, i)
-        tg.cancel_scope.cancel()
+    out, gens = await run_all(b, [(p, n, None) for p, n in requests])
     return list(zip(out, gens))
 
 
