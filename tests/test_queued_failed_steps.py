@@ -109,8 +109,6 @@ def test_a_later_step_s_await_raises_an_earlier_step_s_failure_that_nobody_await
     anyio.run(main)
 
 
-@pytest.mark.xfail(mx.default_device() == mx.gpu, strict=False,
-                   reason="not yet run on the GPU since it routes experts no row holds (the device answers the others)")
 def test_counting_by_steps_comes_back_after_a_failed_node_once_no_step_is_in_flight(sm: Any) -> None:
     """A fault node that failed as a whole logs no uses, so counting by steps goes off (each
     resolve counted as a step); it came back only at a quiesce, which serving never does, so a

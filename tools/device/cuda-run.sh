@@ -4,7 +4,12 @@
 # MLX CUDA wheel and the transformers wheel (staged on the machine before the run; carried as
 # .devwheels/a, .devwheels/w1 and .devwheels/b), the fmt headers in .devwheels/fmt, and the other
 # wheels the machine lacks in .whl or /root/stage/whl (staged by an earlier call where one call
-# cannot carry them all). Writes logs and JSON
+# cannot carry them all; tools/device/stage-extras.sh writes .devwheels/w1 and .devwheels/fmt). The
+# three staging calls, made one after the other while the machine stays warm: carry .devwheels/a,
+# `mkdir -p /root/stage/whl && cp .devwheels/a/* /root/stage/`; carry .devwheels/w1,
+# `mv .devwheels/w1/transformers-*.whl /root/stage/ && cp .devwheels/w1/*.whl /root/stage/whl/`;
+# carry .devwheels/b and .devwheels/fmt, `cp .devwheels/b/* /root/stage/ && bash tools/device/cuda-run.sh`.
+# Writes logs and JSON
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
 # Env: SETUP_ONLY=1 (stop once the extension is built), TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
