@@ -245,12 +245,21 @@ class HealthRegistry:
                 self.reopened += 1
                 log.warning("%s was replaced on disk: re-opened (%d descriptors)", path, moved)
             self._identities[path] = now
-        healed = 0
+        verified = []
         for key, bad in list(self.bad.items()):
             try:
                 await anyio.to_thread.run_sync(self._verify, bad.layer, bad.expert)
             except Exception as exc:
                 bad.cause = f"still bad: {str(exc).split(': ', 1)[-1]}" if "still bad" not in bad.cause else bad.cause
+                continue
+            verified.append((key, bad))
+        # The records were read at the path, the runtime reads the file its descriptors hold: a
+        # blob replaced after the look above verified from the new file while the runtime still
+        # reads the old one. Its experts heal at the next recheck, once it is re-opened.
+        changed = {p for p in paths if await anyio.to_thread.run_sync(identity, p) != self._identities.get(p)}
+        healed = 0
+        for key, bad in verified:
+            if str(self.store.layer(bad.layer).path) in changed:
                 continue
             del self.bad[key]
             healed += 1
