@@ -6,10 +6,12 @@ Runtime keeping half of each layer's experts serves requests of different prompt
 (prefill chunks of 8 interleaved with the others' decode, with and without joint prefill), then
 requests sharing a prefix with an earlier one (the prompt cache trims a copy of its cache back to
 the prefix). Each request's tokens must equal ``reference_generate`` of that request alone with
-the same prefill step. llama4's chunked-attention caches have no batched form in mlx-lm: its rows
-decode one after the other (said once at startup, and in /health), and a cache whose front was
-dropped is never trimmed back behind it (that gave other tokens). `asyncside serve` itself runs
-over a llama4 and a qwen3_moe store; llama4's vocabulary and context are read in its text_config.
+the same prefill step. Every architecture's decode steps are batched (/health's batched_decode):
+llama4's chunked-attention caches, which have no batched form in mlx-lm, merge into asyncside's
+(:class:`~asyncside.models.chunked_batch.BatchChunkedKVCache`), its rows crossing chunk boundaries
+inside batched steps; a cache whose front was dropped is never trimmed back behind it (that gave
+other tokens). `asyncside serve` itself runs over a llama4 and a qwen3_moe store; llama4's
+vocabulary and context are read in its text_config.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from test_archs_16 import LLAMA4, _config, _prompt, _store
@@ -36,16 +39,19 @@ from test_serve_batching import run_all
 
 from asyncside.models import load_streaming_model, reference_generate
 from asyncside.models.arch import ARCHS
+from asyncside.models.chunked_batch import BatchChunkedKVCache
 from asyncside.models.tokenizer import load_tokenizer, save_byte_level_tokenizer
+from asyncside.routing import RoutingTrace as TraceFile
+from asyncside.routing import synthetic
 from asyncside.runtime import Runtime
-from asyncside.serving import Batcher
+from asyncside.serving import Batcher, engine
 from asyncside.serving.prompt_cache import PrefixCache, trims_back_to
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CHUNK = 8
 TOKENS = 8
-UNBATCHED = {"llama4"}  # architectures whose KV caches mlx-lm cannot merge
+LLAMA4_EXPERTS = int(LLAMA4["text_config"]["num_local_experts"])  # type: ignore[index]  # a dict of objects
 
 
 async def _serve(b: Batcher, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], Any]]:
@@ -61,30 +67,105 @@ def _alone(model: Any, prompt: list[int], n: int = TOKENS) -> list[int]:
 @pytest.mark.parametrize("joint", [False, True], ids=["chunks", "joint"])
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
 def test_concurrent_requests_decode_as_each_alone(tmp_path: pathlib.Path, model_type: str, joint: bool,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+                                                 caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     store, model, config = _store(tmp_path, model_type)
-    # llama4's prompts span several attention chunks (of 8), so its caches drop their front.
+    # llama4's prompts span several attention chunks (of 8), so its caches drop their front, and its
+    # requests decode long enough to cross a chunk boundary inside batched steps.
     lengths = [27, 5, 14, 2] if model_type == "llama4" else [21, 5, 12, 2]
+    n_tokens = 2 * TOKENS if model_type == "llama4" else TOKENS
     prompts = [_prompt(config, n, seed=i) for i, n in enumerate(lengths)]
-    expected = [_alone(model, p) for p in prompts]
+    expected = [_alone(model, p, n_tokens) for p in prompts]
     sm = load_streaming_model(store)
+
+    batched_positions = _batched_only(monkeypatch)
 
     async def main() -> tuple[list[tuple[list[int], Any]], Batcher]:
         async with Runtime(sm.store, resident=0.5) as rt:
             b = Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=0, joint_prefill=joint)
-            return await _serve(b, [(p, TOKENS) for p in prompts]), b
+            return await _serve(b, [(p, n_tokens) for p in prompts]), b
 
     with caplog.at_level(logging.INFO, logger="asyncside.serving"):
         got, b = anyio.run(main)
     assert [tokens for tokens, _ in got] == expected
     assert [g.finish_reason for _, g in got] == ["length"] * len(prompts)
     assert b.peak_batch == len(prompts)  # they decoded together
-    unbatched = model_type in UNBATCHED
-    assert b.batched_decode is not unbatched
-    said = [r.getMessage() for r in caplog.records if "no batched form" in r.getMessage()]
-    assert said == ([f"{model_type}: its KV caches (ChunkedKVCache) have no batched form in mlx-lm: requests "
-                     "decoding together run one after the other within each step (exact tokens, one forward "
-                     "per request)"] if unbatched else [])
+    assert b.batched_decode
+    assert [r.getMessage() for r in caplog.records if "no batched form" in r.getMessage()] == []
+    if model_type == "llama4":
+        assert _crossed_a_chunk_in_a_batch(batched_positions, len(prompts))
+    else:
+        assert batched_positions == []
+
+
+def _batched_only(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Make a decode step whose rows run one after the other fail; returns, as they come, the
+    positions fed of the rows of each batched chunk mask (llama4's batch caches build them)."""
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("rows decoded one after the other: the batched path was not taken")
+
+    monkeypatch.setattr(engine, "rows_step", one_at_a_time)
+    positions: list[list[int]] = []
+    chunk_mask = BatchChunkedKVCache.make_mask
+
+    def recording_mask(self: BatchChunkedKVCache, n: int) -> Any:
+        positions.append(list(self.offsets))
+        return chunk_mask(self, n)
+
+    monkeypatch.setattr(BatchChunkedKVCache, "make_mask", recording_mask)
+    return positions
+
+
+def _crossed_a_chunk_in_a_batch(positions: list[list[int]], rows: int) -> bool:
+    """Whether every row decoded in one batch once, and a row entered a new chunk (its query at a
+    chunk's first position) in a step of several rows."""
+    return (max(map(len, positions)) == rows
+            and any(len(feds) > 1 and any(p > 0 and p % CHUNK == 0 for p in feds) for feds in positions))
+
+
+@pytest.mark.parametrize("variant", ["replay", "memory"])
+def test_llama4_batches_replayed_or_under_a_memory_budget_as_each_alone(tmp_path: pathlib.Path, variant: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama4's merged chunked caches under routing replay (each row forced to its own request's
+    trace ids, tokens equal to each request's alone under the same replay) and under a memory
+    budget (a plan sizing the pools and the KV allowance): one batch, each request's tokens alone."""
+    store, model, config = _store(tmp_path, "llama4")
+    prompts = [_prompt(config, n, seed=i) for i, n in enumerate([27, 5, 14, 2])]
+    n_tokens = 2 * TOKENS
+    sm = load_streaming_model(store)
+    replay, path = None, tmp_path / "trace.npz"
+    if variant == "replay":
+        trace = synthetic(tokens=50 + 30 + 45, n_layers=len(sm.moe_layers), n_experts=LLAMA4_EXPERTS,
+                          top_k=sm.forward.walk.top_k, skew=0.3, overlap=0.2, layer_corr=0.1, seed=7)
+        TraceFile(trace.ids, np.array([50, 30, 45]), trace.n_experts, dict(trace.meta)).save(path)
+        replay = sm.set_routing(path)
+        sm.set_routing(None)
+    positions = _batched_only(monkeypatch)
+
+    async def main() -> tuple[list[list[int]], list[tuple[list[int], Any]], Batcher]:
+        opened = (Runtime(sm.store, resident=0.5) if variant == "replay"
+                  else Runtime(sm.store, resident=0.5, memory="1G", direct=False))
+        async with opened as rt:
+            alone = []
+            for n, prompt in enumerate(prompts):
+                if replay is None:
+                    alone.append(_alone(model, prompt, n_tokens))
+                    continue
+                sm.set_routing(path, sequence=n % 3)
+                try:
+                    alone.append([t async for t in sm.generate(prompt, max_tokens=n_tokens, source=rt,
+                                                               predictor="none")])
+                finally:
+                    sm.set_routing(None)
+            assert rt.plan is not None and rt.plan.source.startswith("memory=") is (variant == "memory")
+            b = Batcher(sm, rt, prefill_chunk=CHUNK, prompt_cache_size=0, predictor="none", routing=replay)
+            assert (b.kv_admission is not None) is (variant == "memory")  # admitted under the KV allowance
+            return alone, await _serve(b, [(p, n_tokens) for p in prompts]), b
+
+    alone, got, b = anyio.run(main)
+    assert [tokens for tokens, _ in got] == alone
+    assert b.peak_batch == len(prompts) and b.batched_decode and bool(b.replays) is (variant == "replay")
+    assert _crossed_a_chunk_in_a_batch(positions, len(prompts))
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
@@ -222,8 +303,8 @@ def _serve_command(args: list[str]) -> Iterator[tuple[str, list[str]]]:
 @pytest.mark.parametrize("model_type", ["llama4", "qwen3_moe"])
 def test_asyncside_serve_says_how_it_decodes_and_answers_as_alone(tmp_path: pathlib.Path, model_type: str) -> None:
     """`asyncside serve` over a tiny store: concurrent greedy completions answer each prompt's
-    mlx-lm text alone; a model whose caches do not merge (llama4) says so once, under the URL
-    line, and /health tells whether decode steps are batched."""
+    mlx-lm text alone; /health tells that decode steps are batched (llama4's chunked caches
+    too), and no line says otherwise."""
     store, model = _served_store(tmp_path, model_type)
     tok = load_tokenizer(store, {})
     prompts = [_prompt({"vocab_size": 256}, n, seed=i) for i, n in enumerate([19, 4, 11])]
@@ -244,8 +325,5 @@ def test_asyncside_serve_says_how_it_decodes_and_answers_as_alone(tmp_path: path
             got = list(pool.map(complete, prompts))
         health = httpx.get(url + "/health", timeout=60).json()
     assert got == expected
-    assert health["batched_decode"] is (model_type != "llama4")
-    notes = [line for line in output if "no batched form" in line]
-    assert notes == ([] if model_type != "llama4" else [
-        "asyncside serve: llama4: its KV caches (ChunkedKVCache) have no batched form in mlx-lm: requests decoding "
-        "together run one after the other within each step (exact tokens, one forward per request)"])
+    assert health["batched_decode"] is True
+    assert [line for line in output if "no batched form" in line] == []

@@ -21,10 +21,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from ..errors import AsyncsideError
+from .chunked_batch import BatchChunkedKVCache
 
 
 class UnsupportedModelError(AsyncsideError, ValueError):
@@ -52,21 +53,45 @@ def _masks_gpt_oss(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]
 def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
     # fourth) drop the keys before their window first, then one chunk mask serves them all and the
-    # fourth layers share a causal mask.
+    # fourth layers share a causal mask. Caches of several sequences at their own positions
+    # (BatchChunkedKVCache, with mlx-lm's BatchKVCache for the fourth layers) give a mask per row.
     inner = model.language_model.model
     for idx, c in enumerate(cache):
         if (idx + 1) % 4 != 0:
             c.maybe_trim_front()
-    start = cache[0].start_position
-    offset = cache[0].offset
-    end = offset + h.shape[1]
-    linds = mx.arange(start, end)
-    rinds = mx.arange(offset, end)[:, None]
-    block_pos = mx.abs((linds // inner.attention_chunk_size) - (rinds // inner.attention_chunk_size))
-    token_pos = linds <= rinds
-    chunk_mask = (block_pos == 0) & token_pos
     global_mask = create_attention_mask(h, cache[3])
+    if isinstance(cache[0], BatchChunkedKVCache):
+        chunk_mask = cache[0].make_mask(h.shape[1])
+    else:
+        start = cache[0].start_position
+        offset = cache[0].offset
+        end = offset + h.shape[1]
+        linds = mx.arange(start, end)
+        rinds = mx.arange(offset, end)[:, None]
+        block_pos = mx.abs((linds // inner.attention_chunk_size) - (rinds // inner.attention_chunk_size))
+        token_pos = linds <= rinds
+        chunk_mask = (block_pos == 0) & token_pos
     return [chunk_mask if (idx + 1) % 4 != 0 else global_mask for idx in range(len(cache))]
+
+
+def _llama4_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    # mlx-lm's llama4 Attention.__call__, except in a global (non-rotary) layer over a batch cache:
+    # there its attention temperature (a scale of the queries by their positions) is taken at each
+    # row's own positions, which mlx-lm's code builds from one scalar offset.
+    attn = layer.self_attn
+    offset = getattr(cache, "offset", 0)
+    if isinstance(offset, int) or attn.use_rope or not attn.attn_temperature_tuning:
+        return cast(mx.array, attn(x, mask, cache))
+    b, n, _ = x.shape
+    queries = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    positions = offset[:, None] + mx.arange(1, n + 1)[None]  # (B, n): mlx-lm's arange(offset + 1, offset + n + 1)
+    scales = mx.log(mx.floor(positions / attn.floor_scale) + 1.0) * attn.attn_scale + 1.0
+    queries = (queries * scales[:, None, :, None]).astype(queries.dtype)
+    keys, values = cache.update_and_fetch(keys, values)
+    out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+    return cast(mx.array, attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1)))
 
 
 def _self_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
@@ -154,7 +179,8 @@ ARCHS: dict[str, Arch] = {
                        residual_scale="residual_multiplier", logits_divisor="logits_scaling"),
     # llama4's MoE block scales the switch input by its one expert's sigmoid score: a wider router
     # would not broadcast.
-    "llama4": Arch("llama4", "feed_forward", _masks_llama4, text_attr="language_model", widens=False),
+    "llama4": Arch("llama4", "feed_forward", _masks_llama4, attention=_llama4_attn, text_attr="language_model",
+                   widens=False),
 }
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)

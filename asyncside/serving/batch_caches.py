@@ -40,22 +40,37 @@ def row_cache(c: Any, row: int, start: int, stop: int) -> Any:
 
 
 def mergeable(cache: list[Any]) -> bool:
-    """Whether a request's KV cache has mlx-lm's batched form (every layer's cache can ``merge``)."""
-    return all(hasattr(c, "merge") for c in cache)
+    """Whether a request's KV cache has a batched form: every layer's cache can ``merge`` (mlx-lm's
+    batch caches), or is llama4's ``ChunkedKVCache``, which merges into asyncside's
+    :class:`~asyncside.models.chunked_batch.BatchChunkedKVCache`."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    return all(hasattr(c, "merge") or isinstance(c, ChunkedKVCache) for c in cache)
+
+
+def merge_layer(caches: Sequence[Any]) -> Any:
+    """One layer's caches of several requests merged into its batch cache (rows in order)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from ..models.chunked_batch import BatchChunkedKVCache
+
+    if isinstance(caches[0], ChunkedKVCache):
+        return BatchChunkedKVCache.merge(caches)
+    return caches[0].merge(caches)
 
 
 def unbatched_note(model: ServedModel) -> str | None:
     """Why ``model``'s requests decoding together run one after the other within each step: its KV
-    caches lack mlx-lm's batched form (llama4's chunked attention, ``ChunkedKVCache``); the tokens
-    are exactly each one's alone (:func:`rows_step`). None where they merge, or for a model without
-    ``make_cache`` (a pipeline of ranks keeps no caches here)."""
+    caches have no batched form (:func:`mergeable`); the tokens are exactly each one's alone
+    (:func:`rows_step`). None where they merge, or for a model without ``make_cache`` (a pipeline
+    of ranks keeps no caches here)."""
     make = getattr(model, "make_cache", None)
     cache = make() if make is not None else []
     if not cache or mergeable(cache):
         return None
-    kinds = ", ".join(sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")}))
+    kinds = ", ".join(sorted({type(c).__name__ for c in cache if not mergeable([c])}))
     name = (getattr(model, "config", None) or {}).get("model_type") or getattr(model, "model_id", "the model")
-    return (f"{name}: its KV caches ({kinds}) have no batched form in mlx-lm: requests decoding together run one "
+    return (f"{name}: its KV caches ({kinds}) have no batched form: requests decoding together run one "
             "after the other within each step (exact tokens, one forward per request)")
 
 
@@ -125,16 +140,19 @@ class BatchCaches:
     @property
     def tracked(self) -> bool:
         """Whether rows can be dropped and extracted without reading the device (every layer is a
-        ``BatchKVCache``, whose padding is mirrored here), so with a step still in flight."""
+        ``BatchKVCache``, whose padding is mirrored here, or a ``BatchChunkedKVCache``, which keeps
+        its own on the host), so with a step still in flight."""
         from mlx_lm.models.cache import BatchKVCache
 
-        return self.layers is None or all(type(c) is BatchKVCache for c in self.layers)
+        from ..models.chunked_batch import BatchChunkedKVCache
+
+        return self.layers is None or all(type(c) in (BatchKVCache, BatchChunkedKVCache) for c in self.layers)
 
     def join(self, caches: Sequence[list[Any]]) -> None:
         """Merge requests' caches in as the last rows, in order."""
         if not caches:
             return
-        new = [layer.merge([c[i] for c in caches]) for i, layer in enumerate(caches[0])]
+        new = [merge_layer([c[i] for c in caches]) for i in range(len(caches[0]))]
         # A fresh merge's padding is a constant array: reading it costs nothing.
         new_pads = [self._host_pads(c) for c in new]
         if self.layers is None:
