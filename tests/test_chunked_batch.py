@@ -3,7 +3,7 @@ by the engine's :class:`BatchCaches`): each row's logits are mlx-lm's for that s
 
 A tiny llama4 (chunks of 8 positions, three chunked layers and a global one; its attention
 temperature made to vary with the position, so each row's own positions matter in the global layer
-too) prefills four prompts alone in chunks of 8, some past one chunk (their caches dropped their
+too; plain rotary embeddings, and Llama-4-Scout's llama3 scaling) prefills four prompts alone in chunks of 8, some past one chunk (their caches dropped their
 front), some not; their caches merge and decode together through asyncside's walk of the model,
 rows crossing chunk boundaries mid-way, one row dropped and another joined between steps. Every
 step, each row's logits equal mlx-lm's ``model(tokens, cache)`` of that row alone (float32
@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
-from test_archs_16 import _prompt, _tiny
+from test_archs_16 import LLAMA4, _prompt, _tiny
 
 from asyncside.models.arch import arch_for
 from asyncside.models.chunked_batch import BatchChunkedKVCache
@@ -28,9 +28,16 @@ from asyncside.serving.batch_caches import BatchCaches, mergeable
 CHUNK = 8
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    model, _config = _tiny("llama4")
+#: Llama-4-Scout's rotary scaling (its config's rope_scaling), beside the tiny config's none
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module", params=["plain-rope", "llama3-rope"])
+def model(request: pytest.FixtureRequest) -> nn.Module:
+    fields = {} if request.param == "plain-rope" else {
+        "text_config": {**LLAMA4["text_config"], "rope_scaling": LLAMA3_ROPE}}  # type: ignore[dict-item]
+    model, _config = _tiny("llama4", **fields)
     for layer in model.language_model.model.layers:
         layer.self_attn.floor_scale = 4  # the global layer's query scale changes every 4 positions
     return model
