@@ -16,6 +16,7 @@ rows a step needs.
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from .. import memory as _memory
-from ..errors import AsyncsideError, TraceError
+from ..errors import AsyncsideError, StoreError, TraceError
 from ..kv_layout import KV_STEP, KVLayout
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..readers import ENV_DIRECT, _env_direct
@@ -93,33 +94,65 @@ def min_rows(store: ExpertStore) -> int:
     return DEFAULT_MIN_ROWS if k is None else k
 
 
+def _listed(store: ExpertStore, meta: Mapping[str, Any], key: str, layer: int, where: str,
+            what: str = "expert ids") -> list[Any] | None:
+    """``meta[key][str(layer)]``, a per-layer list the manifest's metadata may hold (written by hand
+    too); None where it names no list for ``layer``. StoreError naming the manifest and the field
+    where it is of another form: a traceback from deep in the plan was all a hand edit got."""
+    table = meta.get(key)
+    if table is None:
+        return None
+    path = pathlib.Path(getattr(store, "path", ".")) / "manifest.json"
+    if not isinstance(table, Mapping):
+        raise StoreError(path, f"expected an object of per-layer lists keyed by layer index, got "
+                               f"{type(table).__name__}", f"{where}{key}")
+    value = table.get(str(layer))
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise StoreError(path, f"expected a list of {what}, got {value!r:.60}", f"{where}{key}.{layer}")
+    return value
+
+
+def _expert_ids(store: ExpertStore, ids: list[Any], n_experts: int, field: str) -> list[int]:
+    """The expert ids of a hand-editable list, in order, each once; those past the layer's experts
+    left out. StoreError naming ``field`` for a number that is no id."""
+    bad = next((v for v in ids if not isinstance(v, int)), None)
+    if bad is not None:
+        path = pathlib.Path(getattr(store, "path", ".")) / "manifest.json"
+        raise StoreError(path, f"expected expert ids (integers), got {bad!r}", field)
+    return list(dict.fromkeys(e for e in ids if 0 <= e < n_experts))
+
+
 def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     """Pick ``count`` experts of ``layer`` to pin, hottest first.
 
     From the converter's hottest-first ranking (``metadata["asyncside_model"]["expert_rank"]``,
     written by ``asyncside convert``), else a top-level routing profile (``metadata["profile"]``:
     per-layer routed counts), else the experts named in ``metadata["resident"]`` in order, else
-    experts ``0..count-1``.
+    experts ``0..count-1``. An id listed twice counts once; one past the layer's experts is left out;
+    a list of another form is a StoreError naming the manifest's field.
     """
     spec = store.layer(layer)
     count = max(0, min(count, spec.n_experts))
     meta = store.metadata or {}
     model_meta = meta.get("asyncside_model")
-    ranking = (model_meta.get("expert_rank") or {}).get(str(layer)) if isinstance(model_meta, Mapping) else None
+    where = "metadata.asyncside_model."
+    ranking = _listed(store, model_meta, "expert_rank", layer, where) if isinstance(model_meta, Mapping) else None
     if ranking is not None:
-        ranked = [int(e) for e in ranking if 0 <= int(e) < spec.n_experts]
+        ranked = _expert_ids(store, ranking, spec.n_experts, f"{where}expert_rank.{layer}")
         seen = set(ranked)
         ranked += [e for e in range(spec.n_experts) if e not in seen]
         return ranked[:count]
-    profile = (meta.get("profile") or {}).get(str(layer))
+    profile = _listed(store, meta, "profile", layer, "metadata.", "routed counts")
     if profile is not None:
         counts = np.asarray(profile, dtype=np.float64)
         # Stable sort on -count: ties keep the smaller expert id first.
         order = np.argsort(-counts, kind="stable")
-        return [int(e) for e in order[:count]]
-    listed = (meta.get("resident") or {}).get(str(layer))
+        return [int(e) for e in order[:count] if e < spec.n_experts]
+    listed = _listed(store, meta, "resident", layer, "metadata.")
     if listed is not None:
-        chosen = [int(e) for e in listed[:count]]
+        chosen = _expert_ids(store, listed, spec.n_experts, f"metadata.resident.{layer}")[:count]
         rest = [e for e in range(spec.n_experts) if e not in set(chosen)]
         return chosen + rest[: count - len(chosen)]
     return list(range(count))
@@ -196,8 +229,9 @@ def warm_experts(store: ExpertStore, index: int, count: int, exclude: Sequence[i
     store has no ranking (no arbitrary set: the rows then fill as the model routes)."""
     meta = store.metadata or {}
     model_meta = meta.get("asyncside_model")
-    has_rank = isinstance(model_meta, Mapping) and str(index) in (model_meta.get("expert_rank") or {})
-    if not has_rank and str(index) not in (meta.get("profile") or {}):
+    has_rank = isinstance(model_meta, Mapping) and _listed(
+        store, model_meta, "expert_rank", index, "metadata.asyncside_model.") is not None
+    if not has_rank and _listed(store, meta, "profile", index, "metadata.", "routed counts") is None:
         return []
     skip = set(int(e) for e in exclude)
     ranked = [e for e in choose_resident(store, index, store.layer(index).n_experts) if e not in skip]

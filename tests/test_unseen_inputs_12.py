@@ -1,0 +1,82 @@
+"""Unseen inputs, round 12: the Python API as a user writes it from the README, and stores as users
+bring them: a manifest edited by hand in the fields the runtime's plan reads (the converter's
+hottest-first ranking, a routing profile, a resident list). What is refused is one line naming the
+manifest and the field; what runs pins each expert once."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncside import ExpertStore, Runtime, StoreError
+from asyncside.runtime import plan_layer
+from tests._cli_support import run_cli
+
+
+def _edited(quick_store: pathlib.Path, tmp_path: pathlib.Path, edit: Any) -> pathlib.Path:
+    """A copy of the quick store whose manifest ``edit`` changed (as a hand edit would)."""
+    store = tmp_path / "my store ü"
+    shutil.copytree(quick_store, store)
+    manifest = store / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    edit(doc)
+    manifest.write_text(json.dumps(doc))
+    return store
+
+
+def _model(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["metadata"]["asyncside_model"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("edit", "field", "said"), [
+    (lambda d: _model(d)["expert_rank"].__setitem__("0", ["a", "b"]), "metadata.asyncside_model.expert_rank.0",
+     "expected a list of expert ids, got ['a', 'b']"),
+    (lambda d: _model(d)["expert_rank"].__setitem__("1", 5), "metadata.asyncside_model.expert_rank.1",
+     "expected a list of expert ids, got 5"),
+    (lambda d: _model(d)["expert_rank"].__setitem__("0", [1.5, 2]), "metadata.asyncside_model.expert_rank.0",
+     "expected expert ids (integers), got 1.5"),
+    (lambda d: _model(d).__setitem__("expert_rank", [[1, 2], [3, 4]]), "metadata.asyncside_model.expert_rank",
+     "expected an object of per-layer lists keyed by layer index, got list"),
+    (lambda d: (_model(d).pop("expert_rank"), d["metadata"].__setitem__("profile", {"0": "hot"})),
+     "metadata.profile.0", "expected a list of routed counts, got 'hot'"),
+])
+def test_a_hand_edited_ranking_of_another_form_names_its_field(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                               edit: Any, field: str, said: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan read these lists as it found them: a ranking of strings ended ``demo`` in int()'s
+    ValueError traceback, one that is no list in "'int' object is not iterable", a list of lists in
+    "'list' object has no attribute 'get'", and 1.5 was taken as expert 1."""
+    store = _edited(quick_store, tmp_path, edit)
+
+    async def enter() -> None:
+        async with Runtime(ExpertStore.open(store), resident=0.5, side_rows=4):
+            pass
+
+    with pytest.raises(StoreError) as info:
+        anyio.run(enter)
+    assert info.value.field == field and info.value.path == str(store / "manifest.json")
+    assert said in str(info.value)
+    rc, err = run_cli(capsys, "demo", "--model", str(store), "--tokens", "2", "--reference", "none")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"manifest.json [{field}]: {said}" in err
+
+
+def test_a_ranking_that_lists_an_expert_twice_pins_it_once(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A ranking naming expert 3 at every place (and ids past the layer's experts) was refused at
+    entry as "resident expert 3 is listed twice", a list nobody wrote: it is a ranking, read in
+    order, each expert once, the rest in id order after it."""
+    store = _edited(quick_store, tmp_path, lambda d: _model(d)["expert_rank"].__setitem__("0", [3, 3, 999, 3, 1]))
+
+    pinned, side = plan_layer(ExpertStore.open(store), 0, resident=0.5, side_rows=4)
+    assert side == 4 and pinned[:3] == [3, 1, 0] and sorted(pinned) == sorted(set(pinned)) and len(pinned) == 12
+
+    async def go() -> None:
+        async with Runtime(ExpertStore.open(store), resident=0.5, side_rows=4) as rt:
+            assert all(report.ok for report in rt.audit().values())
+
+    anyio.run(go)
