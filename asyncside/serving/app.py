@@ -50,7 +50,7 @@ from .metrics import ServerMetrics
 from .security import Guard, public_text
 from .settings import ServeSettings
 from .streaming import DISCONNECTED_STATUS, ClientGone, EventStream, Frame, read_json, run_unless_disconnected
-from .text import TextAssembler, ToolCallSplitter, parse_tool_calls
+from .text import TextAssembler, ToolCallSplitter, parse_tool_calls, token_bytes
 
 log = logging.getLogger("asyncside.serving")
 access_log = logging.getLogger("asyncside.access")
@@ -242,8 +242,11 @@ class Completion:
             self.gen.cancel()
 
     def _entry(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> oai.TokenLogprob:
-        dec = self.tokenizer.decode
-        return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top))
+        dec, tok = self.tokenizer.decode, self.tokenizer
+        if self.req.kind != "chat":  # completions' logprobs carry no bytes
+            return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top))
+        return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top),
+                                token_bytes(tok, token), tuple(token_bytes(tok, t) for t, _ in top))
 
     def _content(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """Content and newly closed tool calls of released text."""
@@ -679,8 +682,10 @@ class _StreamedAnswer:
         try:
             with state.generating() as shutdown, \
                     anyio.fail_after(None if self.deadline is None else self.deadline - time.perf_counter()):
+                at = 0  # a token's text_offset counts the tokens of earlier chunks, as in one answer
                 async for piece in run.pieces():
-                    lp = oai.logprobs_body(req, piece.logprobs) if req.sampling.logprobs else None
+                    lp = oai.logprobs_body(req, piece.logprobs, at) if req.sampling.logprobs else None
+                    at += sum(len(e.token) for e in piece.logprobs)
                     await frame(oai.chunk(req, run.rid, run.created, text=piece.text, logprobs=lp,
                                           tool_calls=piece.tool_calls or None))
             if shutdown.cancelled_caught:

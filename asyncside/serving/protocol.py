@@ -646,15 +646,22 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    #: the token's bytes and each alternative's (chat's ``bytes``); left out, their text's UTF-8
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] = ()
 
 
 def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """The ``logprobs`` object of a choice (chat: ``content`` entries; completions: parallel lists)."""
     if req.kind == "chat":
-        def one(tok: str, lp: float) -> dict[str, Any]:
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+        def one(tok: str, lp: float, raw: bytes | None) -> dict[str, Any]:
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8") if raw is None else raw)}
 
-        return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, l) for t, l in e.top])
+        def alternatives(e: TokenLogprob) -> list[dict[str, Any]]:
+            raws: tuple[bytes | None, ...] = e.top_bytes or (None,) * len(e.top)
+            return [one(t, l, raw) for (t, l), raw in zip(e.top, raws, strict=True)]
+
+        return {"content": [dict(one(e.token, e.logprob, e.token_bytes), top_logprobs=alternatives(e))
                             for e in entries], "refusal": None}
     offsets, at = [], text_offset
     for e in entries:

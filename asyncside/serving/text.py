@@ -93,6 +93,31 @@ class TextAssembler:
         return delta
 
 
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token adds to the generated text: OpenAI's logprobs ``bytes``, which a client
+    joins across tokens to rebuild a character split between them. A byte-level BPE token or a
+    SentencePiece byte token (``<0xE2>``) is its own bytes, part of a character or not; its decoded
+    text would be U+FFFD there. Other tokens are their decoded text."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
+
+    kind = type(getattr(tokenizer, "_detokenizer", None))
+    piece = None
+    if kind in (BPEStreamingDetokenizer, SPMStreamingDetokenizer):
+        try:
+            piece = tokenizer.convert_ids_to_tokens(int(token_id))
+        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError):
+            piece = None
+    if isinstance(piece, str) and piece:
+        if kind is SPMStreamingDetokenizer:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+        else:
+            table = _byte_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+    return str(tokenizer.decode([token_id])).encode("utf-8")
+
+
 class ToolCallSplitter:
     """Splits released text into content and tool-call bodies delimited by ``start`` / ``end``.
 
