@@ -80,3 +80,23 @@ def test_a_ranking_that_lists_an_expert_twice_pins_it_once(quick_store: pathlib.
             assert all(report.ok for report in rt.audit().values())
 
     anyio.run(go)
+
+
+@pytest.mark.parametrize("under", ["sub", "a/b"])
+def test_a_store_path_under_a_file_is_one_line_naming_the_file(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                               under: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL notes.txt/store`` (a file where a directory of the path should be)
+    ended in pathlib's FileExistsError (or NotADirectoryError) traceback with exit status 1."""
+    from asyncside import convert_model
+
+    model = quick_store.parent / "model"
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a directory")
+    dest = blocker / under
+    with pytest.raises(StoreError) as info:
+        convert_model(model, dest, progress=False)
+    assert info.value.path == str(blocker) and "exists and is not a directory" in str(info.value)
+    rc, err = run_cli(capsys, "convert", str(model), str(dest), "--quiet")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{blocker}: exists and is not a directory, so the store {dest} cannot be made under it" in err
+    assert blocker.read_text() == "not a directory"

@@ -232,6 +232,30 @@ class _LayerFeed(Mapping[int, Mapping[str, mx.array]]):
         return len(self._moe)
 
 
+def _in_the_way(directory: pathlib.Path) -> pathlib.Path | None:
+    """The nearest existing ancestor of ``directory`` (itself included) when it is no directory."""
+    for at in (directory, *directory.parents):
+        if at.exists() or at.is_symlink():
+            return None if at.is_dir() else at
+    return None
+
+
+def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
+    """A fresh staging directory beside ``dest`` (its parents made, an interrupted conversion's
+    leftovers removed); StoreError naming the path at fault where it cannot be made."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        removed_stale_staging(dest)
+        return pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
+    except OSError as exc:  # a file where a directory of the path should be, no permission, a full disk
+        blocker = _in_the_way(dest.parent)
+        if blocker is not None:
+            raise StoreError(blocker, f"exists and is not a directory, so the store {dest} cannot be made under it",
+                             errno=exc.errno) from None
+        raise StoreError(dest.parent, f"cannot make the store's directory here: {exc.strerror or exc}",
+                         errno=exc.errno) from None
+
+
 def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLike[str], *,
                   profile: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                   resident_fraction: float = DEFAULT_RESIDENT_FRACTION, progress: bool = True,
@@ -311,9 +335,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         "non_expert_file": NON_EXPERT_FILE,
     }
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    removed_stale_staging(dest)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
+    staging = _staging_beside(dest)
     # Held for the whole conversion: the next convert beside it tells a live staging directory
     # (locked) from an interrupted one's (the lock died with its process) and removes only those.
     # Locked before it gets its name, so a lock file that can be taken is always a dead one's.
