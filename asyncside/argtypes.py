@@ -142,6 +142,30 @@ def writable_file(text: str) -> str:
     return text
 
 
+def directory_problem(text: str) -> str | None:
+    """Why no directory can be at ``text`` (None where it is one, or can be made): it, or the
+    nearest of its parents that exists, is a file. Said before a run that builds or converts there
+    (pathlib's FileExistsError / NotADirectoryError traceback otherwise)."""
+    at = os.path.abspath(text)
+    while not os.path.lexists(at):
+        up = os.path.dirname(at)
+        if up == at:
+            return None
+        at = up
+    if os.path.isdir(at):
+        return None
+    return f"{at} is a file" if at == os.path.abspath(text) else f"{at} is a file, not a directory to make it in"
+
+
+def directory(text: str) -> str:
+    """An argparse type: a directory, existing or made on first use (``--cache-dir``)."""
+    file_name(text)
+    problem = directory_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text}: expected a directory; {problem}")
+    return text
+
+
 def policy_name(text: str) -> str:
     """An eviction policy's name (:data:`asyncside.policies.POLICIES`, aliases included), checked when
     parsed so a misspelt one is a usage error before any model loads."""

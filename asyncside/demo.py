@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .argtypes import Once, file_name, int_at_least, resident_fraction, writable_file
+from .argtypes import Once, directory, file_name, int_at_least, resident_fraction, writable_file
 from .errors import AsyncsideError, StoreError
 from .memory import SIZE_UNITS, describe_bytes, host_tier_arg, memory_arg, proc_self_bytes, release_freed_heap
 from .policies import DEFAULT_POLICY
@@ -107,7 +107,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "store's hottest experts, pinned (default: every row managed, none pinned)")
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache: every read hits the disk)")
-    p.add_argument("--cache-dir", metavar="DIR", default=None,
+    p.add_argument("--cache-dir", type=directory, metavar="DIR", default=None,
                    help="where the embedded model is built and --model converted on first use (default: "
                         "$ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside)")
     p.add_argument("--streamed-switch", default="auto", choices=["auto", "on", "off"],

@@ -98,6 +98,7 @@ ENV_READER = "ASYNCSIDE_READER"
 ENV_DIRECT = "ASYNCSIDE_DIRECT"
 ENV_DIRECT_DECODE_TOKENS = "ASYNCSIDE_DIRECT_DECODE_TOKENS"
 ENV_ROWS_CONCURRENCY = "ASYNCSIDE_ROWS_CONCURRENCY"
+ENV_CACHE = "ASYNCSIDE_CACHE"
 _SWITCH = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
 
 
@@ -147,6 +148,20 @@ def env_rows_concurrency(value: str) -> int | Literal["auto", "off"]:
     return int(raw)
 
 
+def env_cache(value: str) -> str | None:
+    """A value of ``$ASYNCSIDE_CACHE``: the directory it names, None where it is empty (the user
+    cache). An :class:`~asyncside.errors.EnvVarError` where no directory can be there (it, or the
+    nearest of its parents that exists, is a file)."""
+    from .argtypes import directory_problem
+
+    if value == "":
+        return None
+    problem = directory_problem(value)
+    if problem is not None:
+        raise EnvVarError(ENV_CACHE, value, f"a directory ({problem})")
+    return value
+
+
 #: The ``ASYNCSIDE_*`` variables read from Python that take a fixed set of values, each with the
 #: parse its reader uses (an EnvVarError for a value outside them); read where they are used, so a bad
 #: value would otherwise surface only once a model has loaded (or, for a serve-only one, never in demo).
@@ -155,6 +170,7 @@ PYTHON_VARIABLES: dict[str, Callable[[str], object]] = {
     ENV_DIRECT: env_direct,
     ENV_DIRECT_DECODE_TOKENS: env_direct_decode_tokens,
     ENV_ROWS_CONCURRENCY: env_rows_concurrency,
+    ENV_CACHE: env_cache,
 }
 
 

@@ -100,3 +100,42 @@ def test_a_store_path_under_a_file_is_one_line_naming_the_file(quick_store: path
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{blocker}: exists and is not a directory, so the store {dest} cannot be made under it" in err
     assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("command", [["demo", "--tokens", "2"], ["serve"], ["bench", "generate", "--quick"]])
+@pytest.mark.parametrize("below", ["", "x"])
+def test_a_cache_that_is_a_file_is_refused_before_anything_loads(tmp_path: pathlib.Path, command: list[str],
+                                                                  below: str, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``ASYNCSIDE_CACHE=notes.txt`` (or ``--cache-dir notes.txt``, or a path under it) ended demo,
+    serve and bench generate in pathlib's FileExistsError / NotADirectoryError traceback once they
+    built or converted there; docs/api.md says the variable takes a directory and a bad value is a
+    one-line usage error before anything loads."""
+    from asyncside.errors import EnvVarError
+    from asyncside.native_env import check_env
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a directory")
+    cache = str(blocker / below) if below else str(blocker)
+    rc, err = run_cli(capsys, *command, "--cache-dir", cache)
+    assert rc == 2 and f"argument --cache-dir: {cache}: expected a directory; {blocker} is a file" in err, err
+    assert "Traceback" not in err
+    monkeypatch.setenv("ASYNCSIDE_CACHE", cache)
+    rc, err = run_cli(capsys, *command)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"environment: ASYNCSIDE_CACHE: expected a directory ({blocker} is a file" in err and repr(cache) in err
+    with pytest.raises(EnvVarError, match="ASYNCSIDE_CACHE"):
+        check_env()
+    assert blocker.read_text() == "not a directory"
+
+
+def test_a_cache_that_does_not_exist_yet_is_taken(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncside.models.embedded import cache_root
+    from asyncside.native_env import check_env
+
+    monkeypatch.setenv("ASYNCSIDE_CACHE", str(tmp_path / "new dir ü" / "cache"))
+    check_env()
+    assert cache_root() == tmp_path / "new dir ü" / "cache"
+    monkeypatch.setenv("ASYNCSIDE_CACHE", "")
+    check_env()
+    assert cache_root() != tmp_path

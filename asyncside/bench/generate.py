@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..argtypes import Once, file_name, int_at_least
+from ..argtypes import Once, directory, file_name, int_at_least
 from ..demo import Run, positive_int, prompt_tokens, routing_sequence_problem
 from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -159,7 +159,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="cold runs use O_DIRECT only, without dropping the page cache")
     p.add_argument("--plot", metavar="PATH", default="bench-out/generate.png",
                    help="PNG plot path (default bench-out/generate.png; 'none' to skip)")
-    p.add_argument("--cache-dir", default=None,
+    p.add_argument("--cache-dir", type=directory, default=None,
                    help="where the embedded model and the shapes are built (default: $ASYNCSIDE_CACHE, else "
                         "$XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for BENCHMARKS.md) instead")

@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..argtypes import file_name, int_at_least, policy_name, positive_float, vocab_size
+from ..argtypes import directory, file_name, int_at_least, policy_name, positive_float, vocab_size
 from ..errors import AsyncsideError
 from ..memory import memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
@@ -786,7 +786,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="none", choices=["none", "temporal", "lookahead", "trace"],
                    help="asyncside's predictor (default none: the router's lookahead does not know replayed ids; "
                         "trace: the replayed trace's own predictions, for --routing files that carry them)")
-    p.add_argument("--cache-dir", default=None,
+    p.add_argument("--cache-dir", type=directory, default=None,
                    help="where the shapes are built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
                         "else ~/.cache/asyncside)")
     p.add_argument("--timeout", type=positive_float, default=300.0,

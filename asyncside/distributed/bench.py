@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
-from ..argtypes import resident_fraction
+from ..argtypes import directory, resident_fraction
 from .launcher import LocalLaunch, python_argv
 
 
@@ -52,7 +52,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reader", default="auto", help="read backend (default auto)")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds before a run is stopped (default 900)")
     p.add_argument("--quick", action="store_true", help="CI smoke run: 1 round, few tokens (numbers are noise)")
-    p.add_argument("--cache-dir", default=None,
+    p.add_argument("--cache-dir", type=directory, default=None,
                    help="where the embedded model is built (default: $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, "
                         "else ~/.cache/asyncside)")
 

@@ -224,8 +224,11 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """``cache_dir``, else $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside."""
     if cache_dir is not None:
         return pathlib.Path(cache_dir)
-    if os.environ.get("ASYNCSIDE_CACHE"):
-        return pathlib.Path(os.environ["ASYNCSIDE_CACHE"])
+    from ..native_env import ENV_CACHE, env_cache
+
+    chosen = env_cache(os.environ.get(ENV_CACHE, ""))
+    if chosen is not None:
+        return pathlib.Path(chosen)
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
     return base / "asyncside"

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, cast
 
-from ..argtypes import int_at_least, policy_name, resident_fraction
+from ..argtypes import directory, int_at_least, policy_name, resident_fraction
 from ..memory import host_tier_arg, memory_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
 from .settings import ServeSettings, settings_from_args
@@ -175,7 +175,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(host_tier_given=False)
     parser.add_argument("--predictor", type=predictor_name, default="lookahead",
                         help="expert predictor: lookahead, temporal, none (default lookahead)")
-    parser.add_argument("--cache-dir", default=None,
+    parser.add_argument("--cache-dir", type=directory, default=None,
                         help="where the embedded model is built and models are converted on first use "
                              "(default: ASYNCSIDE_CACHE or the user cache)")
 
