@@ -139,3 +139,33 @@ def test_a_cache_that_does_not_exist_yet_is_taken(tmp_path: pathlib.Path, monkey
     monkeypatch.setenv("ASYNCSIDE_CACHE", "")
     check_env()
     assert cache_root() != tmp_path
+
+
+def test_a_runtime_takes_a_policy_instance_for_every_layer(quick_store: pathlib.Path) -> None:
+    """``Runtime(store, policy=LRFU(half_life=2))`` (a public policy class, with the parameter a
+    name cannot give) was refused at entry: "policy 'lrfu' instance is already attached to another
+    ledger", a ledger the user never made. Each layer now gets its own copy, with its parameters,
+    and a run under ``LRU()`` counts what one under ``"lru"`` does; an unknown name is refused when
+    the runtime is made, not once entered."""
+    from asyncside import LRFU, LRU, LedgerError, load_streaming_model
+
+    sm = load_streaming_model(quick_store)
+    prompt = sm.tokenizer.encode("Hello world, a longer prompt")
+    given = LRFU(half_life=2)
+
+    async def run(policy: Any) -> tuple[list[int], tuple[int, int], list[Any]]:
+        async with Runtime(ExpertStore.open(quick_store), resident=0.2, policy=policy) as rt:
+            tokens = [t async for t in sm.generate(prompt, max_tokens=12, source=rt)]
+            stats = rt.stats()
+            assert all(report.ok for report in rt.audit().values())
+            policies = [st.ledger.policy for st in rt._s.layers.values()]
+            return tokens, (stats["hits"], stats["misses"]), policies
+
+    by_name, by_instance = anyio.run(run, "lru"), anyio.run(run, LRU())
+    assert by_instance[:2] == by_name[:2]
+    tokens, _, policies = anyio.run(run, given)
+    assert tokens == by_name[0]
+    assert len({id(p) for p in policies}) == len(policies) and all(p.half_life == 2.0 for p in policies)
+    assert given._owner is None  # the instance given stays the caller's, attached to nothing
+    with pytest.raises(LedgerError, match="unknown policy 'nope'"):
+        Runtime(ExpertStore.open(quick_store), policy="nope")

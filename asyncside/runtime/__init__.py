@@ -43,7 +43,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
 from ..memory import check_memory, parse_size
-from ..policies import DEFAULT_POLICY
+from ..policies import DEFAULT_POLICY, Policy, make_policy
 from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
 from ..scheduler import Scheduler
@@ -104,7 +104,8 @@ class Runtime:
 
     ``resident`` is the pools' size: the fraction of each layer's experts they hold, or ``"auto"``
     (sized to the memory budget). Every row is dynamic, managed online by ``policy`` (warmed up
-    from the store's routing ranking when it has one), unless ``side_rows`` leaves only that many
+    from the store's routing ranking when it has one; a policy's name, or an instance each layer
+    gets a copy of), unless ``side_rows`` leaves only that many
     dynamic and pins the hottest others, or ``pinned`` names the pinned experts per layer.
     ``min_side_rows`` is the least rows a layer gets (None: the model's top-k where the store says
     it, else 8, at most a layer's experts; :func:`~asyncside.runtime._plan.min_rows`); one given
@@ -144,7 +145,7 @@ class Runtime:
         pinned: Mapping[int, Sequence[int]] | None = None,
         side_rows: int | None = None,
         min_side_rows: int | None = None,
-        policy: str = DEFAULT_POLICY,
+        policy: str | Policy = DEFAULT_POLICY,
         reader: str = "auto",
         reader_options: ReaderOptions | None = None,
         direct: bool | None = None,
@@ -188,6 +189,7 @@ class Runtime:
             if isinstance(resident, bool) or not isinstance(resident, numbers.Real) or not 0.0 <= resident <= 1.0:
                 raise PlanArgumentError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
             resident = float(resident) + 0.0
+        make_policy(policy)  # an unknown name is refused here, not once entered
         self.store = store
         self.policy = policy
         self._resident, self._pinned, self._memory = resident, pinned, memory

@@ -8,6 +8,7 @@ they are active a prediction is skipped and a demand first takes the rows back (
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..errors import AsyncsideError, CapacityError, FillError, StoreError
 from ..ledger import Fill, Ledger, validate_ids
+from ..policies import Policy
 from ..pools import PoolSet
 from ..scheduler import FillHandle
 from ._plan import MemoryPlan, plan_layer, warm_experts
@@ -24,6 +26,19 @@ from ._queued import QueuedSide
 from ._state import LayerState, Pending, PrefetchHandle, Shared, host_ids, native_available
 
 Ids = mx.array | Sequence[int] | np.ndarray
+
+
+def layer_policy(policy: str | Policy) -> str | Policy:
+    """One layer's policy: a name makes its own; an instance (``Runtime(policy=LRFU(...))``, a
+    policy of chosen parameters) is copied for each layer, since a policy belongs to one ledger
+    (the same instance for every layer was refused at entry as "already attached to another
+    ledger"). The copy starts unattached, without the scores of any ledger it served."""
+    if not isinstance(policy, Policy):
+        return policy
+    fresh = copy.deepcopy(policy, {id(policy._owner): None})  # never a copy of the ledger it serves
+    fresh._owner = None
+    fresh.reset()
+    return fresh
 
 
 class HostFills:
@@ -35,7 +50,7 @@ class HostFills:
 
     # ---------------------------------------------------------------- setup
 
-    async def setup(self, plan: MemoryPlan, *, policy: str, side_rows: int | None, min_side_rows: int | None,
+    async def setup(self, plan: MemoryPlan, *, policy: str | Policy, side_rows: int | None, min_side_rows: int | None,
                     pinned: Mapping[int, Sequence[int]] | None) -> None:
         """Allocate every layer's pools, open its blob, and load its pinned and warm rows."""
         s = self._s
@@ -48,7 +63,7 @@ class HostFills:
                 chosen, side = list[int](), plan.rows[index]
             else:
                 chosen, side = plan_layer(s.store, index, fraction, side_rows, min_side_rows, pinned)
-            ledger = Ledger(spec.n_experts, chosen, side, policy=policy)
+            ledger = Ledger(spec.n_experts, chosen, side, policy=layer_policy(policy))
             pools = await PoolSet.allocate(spec, ledger.rows)
             try:
                 # Opened now, in a worker thread: never on the loop, never at a first fill.
