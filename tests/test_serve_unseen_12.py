@@ -1,6 +1,6 @@
 """Serving on unseen inputs, round 12: the server as the openai Python client meets it, on text whose
 characters a byte-level tokenizer splits across tokens (``café``, CJK, an emoji), with logprobs
-asked for, streamed and not.
+asked for, streamed and not; and ``serve`` options given from shell variables that were unset.
 
 The model is scripted (tests/_serving_support.py): its reply is known exactly, so the bytes and
 offsets the logprobs give can be checked against it.
@@ -17,6 +17,7 @@ import pytest
 from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
 
 from asyncside.serving import BackgroundServer, ServeSettings, create_app
+from tests._cli_support import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -79,3 +80,21 @@ def test_streamed_text_offsets_count_earlier_chunks(srv: BackgroundServer) -> No
             assert offsets[:5] == [0, 1, 2, 3, 4]
 
     anyio.run(go)
+
+
+@pytest.mark.parametrize(("option", "value", "said"), [
+    ("--api-key", "", "argument --api-key: expected a key, got '' (an empty key would leave every endpoint open"),
+    ("--api-key", "two words", "argument --api-key: expected a key of printable characters without spaces"),
+    ("--host", "", "argument --host: expected an interface to bind (127.0.0.1; 0.0.0.0 for every interface), got ''"),
+    ("--host", " ", "argument --host: expected an interface to bind"),
+])
+def test_serve_refuses_an_empty_key_or_host(tmp_path: Any, option: str, value: str, said: str,
+                                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --api-key "$KEY"`` with KEY unset served every endpoint without a key and without a
+    word (an empty key was read as none given); ``--host "$HOST"`` with HOST unset bound every
+    interface (uvicorn's reading of ''). Both are usage errors now, before anything loads; a key
+    with a space was refused only once the settings were made, naming ServeSettings.api_key."""
+    monkeypatch.delenv("ASYNCSIDE_API_KEY", raising=False)
+    rc, err = run_cli(capsys, "serve", str(tmp_path / "no-such-store"), option, value)
+    assert rc == 2 and said in err, err
+    assert "no-such-store" not in err

@@ -71,6 +71,26 @@ def _port(text: str) -> int:
     return value
 
 
+def _host(text: str) -> str:
+    """An interface to bind: an empty one (``--host "$HOST"`` of an unset variable) bound every
+    interface, 0.0.0.0, without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected an interface to bind (127.0.0.1; 0.0.0.0 for every "
+                                         f"interface), got {text!r}")
+    return text
+
+
+def _api_key(text: str) -> str:
+    """A key every client must send: an empty one (``--api-key "$KEY"`` of an unset variable) left
+    every endpoint open without a word, as if the option were left out."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a key, got '' (an empty key would leave every endpoint open; "
+                                         "leave --api-key out to serve without one)")
+    if not text.isprintable() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError("expected a key of printable characters without spaces")
+    return text
+
+
 def _positive_seconds(text: str) -> float | None:
     if text.lower() in ("none", "0", "off"):
         return None
@@ -208,7 +228,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeSettings()
     add_model_arguments(parser)
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1",
+    parser.add_argument("--host", type=_host, default="127.0.0.1",
                         help="interface to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--max-tokens-limit", type=int_at_least(1), default=d.max_tokens_limit,
@@ -221,7 +241,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="allow cross-origin requests from ORIGIN (repeatable; '*' for any); CORS is off "
                              "without it")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
+    parser.add_argument("--api-key", type=_api_key, default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                              "$ASYNCSIDE_API_KEY, else none; the variable keeps the key out of the process list)")
     parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
