@@ -158,8 +158,10 @@ def directory_problem(text: str) -> str | None:
 
 
 def directory(text: str) -> str:
-    """An argparse type: a directory, existing or made on first use (``--cache-dir``)."""
-    file_name(text)
+    """An argparse type: a directory, existing or made on first use (``--cache-dir``, convert's
+    STORE_DIR); not an empty name (an unset variable's, which would be the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
     problem = directory_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text}: expected a directory; {problem}")

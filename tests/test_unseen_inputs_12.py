@@ -96,9 +96,9 @@ def test_a_store_path_under_a_file_is_one_line_naming_the_file(quick_store: path
     with pytest.raises(StoreError) as info:
         convert_model(model, dest, progress=False)
     assert info.value.path == str(blocker) and "exists and is not a directory" in str(info.value)
-    rc, err = run_cli(capsys, "convert", str(model), str(dest), "--quiet")
-    assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"{blocker}: exists and is not a directory, so the store {dest} cannot be made under it" in err
+    rc, err = run_cli(capsys, "convert", str(model), str(dest), "--quiet")  # refused when parsed: argparse's usage
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"argument STORE_DIR: {dest}: expected a directory; {blocker} is a file" in err.strip().splitlines()[-1]
     assert blocker.read_text() == "not a directory"
 
 
@@ -169,3 +169,32 @@ def test_a_runtime_takes_a_policy_instance_for_every_layer(quick_store: pathlib.
     assert given._owner is None  # the instance given stays the caller's, attached to nothing
     with pytest.raises(LedgerError, match="unknown policy 'nope'"):
         Runtime(ExpertStore.open(quick_store), policy="nope")
+
+
+def test_overwrite_replaces_a_store_and_nothing_else(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL "$OUT" --overwrite`` with OUT unset converted into the current
+    directory and replaced it, deleting every file in it; ``convert MODEL ~/work --overwrite``
+    deleted ~/work, and a directory holding the model deleted the model. STORE_DIR is no empty
+    name now, and overwrite replaces an expert store or an empty directory only."""
+    from asyncside import convert_model
+
+    model = quick_store.parent / "model"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("precious")
+    monkeypatch.chdir(work)
+    rc, err = run_cli(capsys, "convert", str(model), "", "--overwrite", "--quiet")
+    assert rc == 2 and "argument STORE_DIR: expected a directory, got ''" in err, err
+    for dest in (work, pathlib.Path("."), model.parent):
+        with pytest.raises(StoreError) as info:
+            convert_model(model, dest, overwrite=True, progress=False)
+        assert "overwrite replaces an expert store" in str(info.value)
+        rc, err = run_cli(capsys, "convert", str(model), str(dest), "--overwrite", "--quiet")
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "overwrite replaces an expert store" in err, err
+    assert (work / "notes.txt").read_text() == "precious" and (model / "config.json").is_file()
+    store, empty = tmp_path / "store", tmp_path / "empty"
+    empty.mkdir()
+    for dest in (store, store, empty):  # made, then a store replaced; an empty directory taken
+        assert convert_model(model, dest, overwrite=True, progress=False).path == dest

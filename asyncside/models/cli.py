@@ -11,7 +11,7 @@ Options:
 - ``--profile-prompts N``: make that profile here, by running the model greedily on the first N
   of :data:`PROFILE_PROMPTS` (needs the model's tokenizer files; loads every expert once);
 - ``--resident FRACTION``: share of each layer's experts recorded as the resident set;
-- ``--overwrite``: replace an existing STORE_DIR.
+- ``--overwrite``: replace an existing STORE_DIR that is an expert store (or an empty directory; any other is refused).
 
 Bad input (a directory that is not an mlx-lm model, an unknown repo id, an unsupported
 architecture, a profile that does not fit, an existing destination) ends with exit status 2 and
@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from ..argtypes import resident_fraction
+from ..argtypes import directory, resident_fraction
 
 #: profiling texts for ``--profile-prompts N``: varied kinds of text (prose, numbers, code, lists)
 PROFILE_PROMPTS: tuple[str, ...] = (
@@ -48,7 +48,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``asyncside convert``."""
     p.add_argument("model_dir", metavar="MODEL",
                    help="an mlx-lm model directory (config.json + *.safetensors) or a Hugging Face repo id (org/name)")
-    p.add_argument("store_dir", metavar="STORE_DIR", help="where to write the expert store directory")
+    p.add_argument("store_dir", metavar="STORE_DIR", type=directory,
+                   help="where to write the expert store directory")
     prof = p.add_mutually_exclusive_group()
     prof.add_argument("--profile", metavar="PROFILE.json", default=None,
                       help="routing profile ranking the experts (hottest become resident)")
@@ -60,7 +61,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", metavar="FRACTION", type=resident_fraction(allow_auto=False), default=None,
                    help="share of each layer's experts recorded as resident, in [0, 1] (0.25 or 25%%; 0: none) "
                         "(default 0.25)")
-    p.add_argument("--overwrite", action="store_true", help="replace STORE_DIR if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace STORE_DIR if it is an expert store (or an empty directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a table")
 

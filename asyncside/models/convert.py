@@ -240,6 +240,23 @@ def _in_the_way(directory: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
+def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
+    """Why ``overwrite`` must not replace ``dest`` (None: it may): it replaces an expert store, or
+    an empty directory. Any other directory (``convert MODEL "$OUT" --overwrite`` of an unset OUT is
+    the current directory) was renamed away and deleted with everything in it, the model too where
+    it lay inside."""
+    if not dest.exists() and not dest.is_symlink():
+        return None
+    if not dest.is_dir():
+        return "exists and is not a directory"
+    if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:
+        return f"holds the model directory {src}; overwrite replaces an expert store only"
+    if (dest / "manifest.json").is_file() or not any(dest.iterdir()):
+        return None
+    return ("exists and is not an expert store (no manifest.json): overwrite replaces an expert store or "
+            "an empty directory only; choose another directory, or empty this one first")
+
+
 def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
     """A fresh staging directory beside ``dest`` (its parents made, an interrupted conversion's
     leftovers removed); StoreError naming the path at fault where it cannot be made."""
@@ -281,6 +298,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise ValueError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
     if dest.exists() and not overwrite:
         raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
+    if overwrite and (problem := _not_replaceable(dest, src)) is not None:
+        raise StoreError(dest, problem)
     if dest == src:
         raise StoreError(dest, "the store directory must differ from the model directory")
     prof = load_profile(profile) if profile is not None else None
