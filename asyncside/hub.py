@@ -159,6 +159,10 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
         raise StoreError(directory, "has a config.json but no model*.safetensors weight files, so it cannot be "
                                     "converted; for a model of this config's shape with seeded weights, "
                                     f"asyncside bench generate --shape {text} (docs/models.md)")
+    from .store import path_not_utf8, printable_path
+
+    if (problem := path_not_utf8(directory)) is not None:  # said before a conversion is announced
+        raise StoreError(printable_path(directory), problem)
     root = stores_root(cache_dir)
     dest = root / _cached_store_name(text, directory)
     if is_store_dir(dest):

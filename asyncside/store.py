@@ -340,6 +340,25 @@ def _parse_layer(
 # --------------------------------------------------------------------------------------------
 
 
+def path_not_utf8(path: pathlib.Path) -> str | None:
+    """Why the native readers and MLX cannot open files under ``path`` (None: they can): a byte
+    of its name is no UTF-8 (a name made in another encoding, kept by Linux as bytes). They failed
+    later, as MLX's "std::bad_cast" or nanobind's "incompatible function arguments"."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = os.fsencode(str(path))
+        bad = raw[len(str(path)[: exc.start].encode("utf-8", "surrogateescape"))]
+        return (f"the path is not valid UTF-8 (byte 0x{bad:02x}, a name in another encoding): MLX and "
+                f"asyncside's readers open UTF-8 paths only; rename the directory whose name holds it")
+    return None
+
+
+def printable_path(path: pathlib.Path) -> str:
+    """``path`` as text any stream can write: a byte that is no UTF-8 shown as ``\\xe9``."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
 class ExpertStore:
     """A validated expert store (see docs/store-format.md). Build with :meth:`create` or :meth:`open`."""
 
@@ -452,6 +471,9 @@ class ExpertStore:
         mpath = root / MANIFEST_NAME
         if not root.is_dir():
             raise StoreError(root, "store directory does not exist or is not a directory")
+        problem = path_not_utf8(root)
+        if problem is not None:
+            raise StoreError(printable_path(root), problem)
         try:
             size = os.stat(mpath).st_size
         except FileNotFoundError:

@@ -1,12 +1,15 @@
-"""Unseen inputs, round 12: the Python API as a user writes it from the README, and stores as users
-bring them: a manifest edited by hand in the fields the runtime's plan reads (the converter's
-hottest-first ranking, a routing profile, a resident list). What is refused is one line naming the
-manifest and the field; what runs pins each expert once."""
+"""Unseen inputs, round 12: the Python API as a user writes it from the README (a policy instance
+given to ``Runtime``), and stores, models and caches as users bring them: a manifest edited by hand
+in the fields the runtime's plan reads (the converter's ranking, a routing profile, a resident
+list), paths under a file, in another encoding or from an unset shell variable, and ``--overwrite``
+aimed at a directory that is no store. What is refused is one line naming the file, field, variable
+or option, before anything is read or deleted; what runs pins each expert once."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 from typing import Any
 
@@ -198,3 +201,30 @@ def test_overwrite_replaces_a_store_and_nothing_else(quick_store: pathlib.Path, 
     empty.mkdir()
     for dest in (store, store, empty):  # made, then a store replaced; an empty directory taken
         assert convert_model(model, dest, overwrite=True, progress=False).path == dest
+
+
+def test_a_path_in_another_encoding_is_one_line(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A store or model under a name made in Latin-1 (``café`` as the byte 0xe9, kept by Linux as
+    it is): ``demo --model`` said "the model cannot be loaded from this store: std::bad_cast", a
+    Runtime's readers "add_layout(): incompatible function arguments", ``convert`` of such a model
+    ended in MLX's RuntimeError traceback and ``demo --model`` of it in a UnicodeEncodeError; a store
+    written there was refused only once converted. Each is now refused first, naming the path."""
+    import os
+
+    from asyncside import convert_model
+
+    latin1 = tmp_path / os.fsdecode(b"caf\xe9")
+    shutil.copytree(quick_store, latin1 / "store")
+    shutil.copytree(quick_store.parent / "model", latin1 / "model")
+    said = "the path is not valid UTF-8 (byte 0xe9, a name in another encoding)"
+    for opened in (lambda: ExpertStore.open(latin1 / "store"),
+                   lambda: convert_model(latin1 / "model", tmp_path / "out", progress=False),
+                   lambda: convert_model(quick_store.parent / "model", latin1 / "out", progress=False)):
+        with pytest.raises(StoreError, match=re.escape(said)):
+            opened()
+    assert not (latin1 / "out").exists() and not list(latin1.glob(".out.convert-*"))
+    for command in (["demo", "--model", str(latin1 / "store")], ["demo", "--model", str(latin1 / "model")],
+                    ["convert", str(latin1 / "model"), str(tmp_path / "out")]):
+        rc, err = run_cli(capsys, *command, *(["--tokens", "2"] if command[0] == "demo" else []))
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and said in err, (command, err)

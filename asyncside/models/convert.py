@@ -257,6 +257,26 @@ def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
             "an empty directory only; choose another directory, or empty this one first")
 
 
+def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None:
+    """StoreError naming the path at fault where ``src`` is no model directory to convert, or
+    ``dest`` no place for its store, before anything is read."""
+    from ..store import path_not_utf8, printable_path
+
+    for where in (src, dest):  # MLX reads and the store is opened through UTF-8 paths only
+        if (problem := path_not_utf8(where)) is not None:
+            raise StoreError(printable_path(where), problem)
+    if not (src / "config.json").is_file():
+        raise StoreError(src / "config.json", "not an mlx-lm model directory: config.json is missing")
+    if not any(src.glob("model*.safetensors")):
+        raise StoreError(src, "no model*.safetensors weight files in the model directory")
+    if dest.exists() and not overwrite:
+        raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
+    if overwrite and (problem := _not_replaceable(dest, src)) is not None:
+        raise StoreError(dest, problem)
+    if dest == src:
+        raise StoreError(dest, "the store directory must differ from the model directory")
+
+
 def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
     """A fresh staging directory beside ``dest`` (its parents made, an interrupted conversion's
     leftovers removed); StoreError naming the path at fault where it cannot be made."""
@@ -290,18 +310,9 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
 
     src = pathlib.Path(model_dir).absolute()
     dest = pathlib.Path(store_dir).absolute()
-    if not (src / "config.json").is_file():
-        raise StoreError(src / "config.json", "not an mlx-lm model directory: config.json is missing")
-    if not any(src.glob("model*.safetensors")):
-        raise StoreError(src, "no model*.safetensors weight files in the model directory")
+    _check_paths(src, dest, overwrite)
     if not 0.0 <= float(resident_fraction) <= 1.0:
         raise ValueError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
-    if dest.exists() and not overwrite:
-        raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
-    if overwrite and (problem := _not_replaceable(dest, src)) is not None:
-        raise StoreError(dest, problem)
-    if dest == src:
-        raise StoreError(dest, "the store directory must differ from the model directory")
     prof = load_profile(profile) if profile is not None else None
 
     try:
