@@ -8,6 +8,8 @@
     python tools/ab_serve.py --switch staged_switches --values True False ... (staging arrays, CUDA + host tier)
     python tools/ab_serve.py --switch resident --values 1.0 0.5 ...     (the Runtime's residency)
     python tools/ab_serve.py --switch host_tier --values "'auto'" 0 ... (the Runtime's host tier, CUDA)
+    python tools/ab_serve.py --switch merge_chunked --values True False --model STORE ...
+                                (llama4: chunked caches merged into one decode batch, or rows one by one)
     python tools/ab_serve.py --profile 40 --clients 8 --seconds 20    (where the engine's host time goes)
 
 Every round runs the engine (:class:`asyncside.serving.engine.Batcher`) once per value of
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values", nargs=2, default=["True", "False"], metavar=("A", "B"),
                    help="the two values to compare (Python literals)")
     p.add_argument("--resident", type=float, default=0.5)
+    p.add_argument("--model", default=None, metavar="STORE",
+                   help="a store (default: the embedded model); without a tokenizer the prompts are seeded ids")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=5.0)
@@ -64,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     from asyncside.runtime import Runtime
     from asyncside.serving.engine import Batcher
 
-    _model_dir, store_dir = ensure_embedded_default(None, progress=False)
+    store_dir = args.model or ensure_embedded_default(None, progress=False)[1]
     fields = {f.name for f in dataclasses.fields(ForwardOptions)}
-    others = ("read_threads", "run_ahead", "resident", "host_tier", "overlap_prefill", "joint_prefill")
+    others = ("read_threads", "run_ahead", "resident", "host_tier", "overlap_prefill", "joint_prefill",
+              "merge_chunked")
     if args.switch not in fields and args.switch not in others:
         p.error(f"ForwardOptions has no field {args.switch!r}; fields: {sorted(fields)} (or one of {others})")
     values = [ast.literal_eval(v) for v in args.values]
@@ -78,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     def select(v: int) -> None:
         if args.switch == "read_threads":
             _native.set_fault_read_threads(values[v])
+        if args.switch == "merge_chunked":
+            _merge_chunked(values[v])
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
     numbers = itertools.count()
-    tok = models[0].tokenizer
+    prompt_ids = _prompts(models[0], prompt_of)
 
     async def run_variant(v: int, seconds: float) -> dict[str, Any]:
         sm = models[v]
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 async def client(c: int) -> None:
                     n = 0
                     while True:
-                        ids = tok.encode(prompt_of(tok, lengths[(c + n) % len(lengths)], next(numbers)))
+                        ids = prompt_ids(lengths[(c + n) % len(lengths)], next(numbers))
                         n += 1
                         sent = time.perf_counter()
                         times: list[float] = []
@@ -192,6 +199,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _prompts(sm: Any, prompt_of: Any) -> Any:
+    """(length, number) -> prompt ids: bench serve's prompts, or seeded ids for a store without a tokenizer."""
+    tok = sm.tokenizer
+    vocab = int(sm.config.get("vocab_size") or sm.config.get("text_config", {})["vocab_size"])
+
+    def prompt_ids(length: int, number: int) -> list[int]:
+        if tok is None:
+            import numpy as np
+
+            return [int(t) for t in np.random.default_rng(number).integers(0, vocab, length)]
+        return list(tok.encode(prompt_of(tok, length, number)))
+    return prompt_ids
+
+
+_MERGEABLE: list[Any] = []
+
+
+def _merge_chunked(on: bool) -> None:
+    """False: the engine merges only caches with mlx-lm's own batched form, as it did before chunked
+    caches merged (BatchChunkedKVCache), so a llama4 batch decodes its rows one after the other."""
+    from asyncside.serving import engine
+
+    if not _MERGEABLE:
+        _MERGEABLE.append(engine.mergeable)
+    engine.mergeable = _MERGEABLE[0] if on else (lambda cache: all(hasattr(c, "merge") for c in cache))
+
+
 def _instrument(b: Any, sm: Any, rt: Any) -> dict[str, float]:
     """Wrap the engine's pieces with wall clocks (seconds, summed): where a decode step's and a
     prefill forward's time goes, host phase by host phase (the forward's ``host_ns``)."""
@@ -236,10 +270,10 @@ def _instrument(b: Any, sm: Any, rt: Any) -> dict[str, float]:
     fwd.completed = timed_completed
     after = rt.after_step
 
-    def timed_after() -> None:
+    def timed_after(step: int | None = None) -> None:
         t = time.perf_counter()
         try:
-            after()
+            after(step)
         finally:
             add("after_step", time.perf_counter() - t)
 
