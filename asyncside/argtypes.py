@@ -144,8 +144,14 @@ def writable_file(text: str) -> str:
 
 def directory_problem(text: str) -> str | None:
     """Why no directory can be at ``text`` (None where it is one, or can be made): it, or the
-    nearest of its parents that exists, is a file. Said before a run that builds or converts there
-    (pathlib's FileExistsError / NotADirectoryError traceback otherwise)."""
+    nearest of its parents that exists, is a file, or its name is no UTF-8. Said before a run that
+    builds or converts there (pathlib's FileExistsError / NotADirectoryError, or MLX's
+    "std::bad_cast", traceback otherwise)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # MLX writes through UTF-8 paths only ("std::bad_cast" from save_safetensors)
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+        return f"{shown} is not valid UTF-8 (a name in another encoding): MLX writes UTF-8 paths only"
     at = os.path.abspath(text)
     while not os.path.lexists(at):
         up = os.path.dirname(at)
@@ -164,7 +170,8 @@ def directory(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
     problem = directory_problem(text)
     if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text}: expected a directory; {problem}")
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")  # a stream writes it, whatever its bytes
+        raise argparse.ArgumentTypeError(f"{shown}: expected a directory; {problem}")
     return text
 
 

@@ -228,3 +228,20 @@ def test_a_path_in_another_encoding_is_one_line(quick_store: pathlib.Path, tmp_p
                     ["convert", str(latin1 / "model"), str(tmp_path / "out")]):
         rc, err = run_cli(capsys, *command, *(["--tokens", "2"] if command[0] == "demo" else []))
         assert rc == 2 and len(err.strip().splitlines()) == 1 and said in err, (command, err)
+
+
+def test_a_cache_in_another_encoding_is_refused_before_anything_loads(tmp_path: pathlib.Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``ASYNCSIDE_CACHE`` or ``--cache-dir`` of a Latin-1 name built the embedded model there and
+    ended in MLX's "std::bad_cast" traceback from save_safetensors."""
+    import os
+
+    cache = str(tmp_path / os.fsdecode(b"caf\xe9"))
+    said = "caf\\xe9 is not valid UTF-8 (a name in another encoding): MLX writes UTF-8 paths only"
+    rc, err = run_cli(capsys, "demo", "--tokens", "2", "--cache-dir", cache)
+    assert rc == 2 and f"argument --cache-dir: {tmp_path}/caf\\xe9: expected a directory; " in err and said in err
+    monkeypatch.setenv("ASYNCSIDE_CACHE", cache)
+    rc, err = run_cli(capsys, "demo", "--tokens", "2")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "environment: ASYNCSIDE_CACHE: expected a directory" in err
+    assert said in err and not (tmp_path / os.fsdecode(b"caf\xe9")).exists()
