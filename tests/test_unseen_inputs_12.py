@@ -245,3 +245,16 @@ def test_a_cache_in_another_encoding_is_refused_before_anything_loads(tmp_path: 
     rc, err = run_cli(capsys, "demo", "--tokens", "2")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "environment: ASYNCSIDE_CACHE: expected a directory" in err
     assert said in err and not (tmp_path / os.fsdecode(b"caf\xe9")).exists()
+
+
+def test_a_runtime_takes_a_host_tier_size_as_the_docs_write_it(quick_store: pathlib.Path) -> None:
+    """docs/api.md, "Sizes": ``Runtime(..., host_tier=)`` takes a size as ``--host-tier`` does, and
+    memory.parse_host_tier says it parses "as Runtime(host_tier=...) takes it"; yet ``host_tier="1G"``
+    was refused as "expected 'auto' or a number of bytes"."""
+
+    async def go(tier: Any) -> Any:
+        async with Runtime(ExpertStore.open(quick_store), resident=0.25, host_tier=tier) as rt:
+            return rt._host_tier
+
+    assert anyio.run(go, "1G") == 1 << 30 and anyio.run(go, " 512MiB ") == 512 << 20
+    assert anyio.run(go, "0") == 0 and anyio.run(go, "AUTO") == "auto"

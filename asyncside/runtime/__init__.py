@@ -42,7 +42,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
-from ..memory import check_memory, parse_size
+from ..memory import check_memory, parse_host_tier, parse_size
 from ..policies import DEFAULT_POLICY, Policy, make_policy
 from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
@@ -174,8 +174,9 @@ class Runtime:
         if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
             raise TypeError(f"layers: expected the indices of the layers to stream (or None: every one), "
                             f"got {layers!r}")
-        if not (host_tier == "auto" or (isinstance(host_tier, int) and not isinstance(host_tier, bool)
-                                        and host_tier >= 0)):
+        if isinstance(host_tier, str):  # a size as docs/api.md's "Sizes" says ("1G" was refused), or "auto"
+            host_tier = parse_host_tier(host_tier)
+        elif isinstance(host_tier, bool) or not isinstance(host_tier, int) or host_tier < 0:
             raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
         if read_window is not None and (isinstance(read_window, bool) or not isinstance(read_window, int)
                                         or not 0 <= read_window <= MAX_READ_WINDOW):
@@ -340,6 +341,7 @@ class Runtime:
                 try:
                     await s.scheduler.__aexit__(*exc_info)
                 finally:
+                    self.queued.release_blobs()
                     s.exited = True
                     s.notify()  # an ensure waiting for a change hears that the runtime closed
         return None
