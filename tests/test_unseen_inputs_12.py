@@ -258,3 +258,19 @@ def test_a_runtime_takes_a_host_tier_size_as_the_docs_write_it(quick_store: path
 
     assert anyio.run(go, "1G") == 1 << 30 and anyio.run(go, " 512MiB ") == 512 << 20
     assert anyio.run(go, "0") == 0 and anyio.run(go, "AUTO") == "auto"
+
+
+def test_pinned_experts_of_a_layer_the_store_lacks_are_refused(quick_store: pathlib.Path) -> None:
+    """``Runtime(store, pinned={7: [1]})`` on a store of layers 0 and 1 (a typo, or another model's
+    map) ran with nothing pinned and said nothing; a map for the store's layers still runs a
+    pipeline stage's subset (``layers=[1]``)."""
+    from asyncside.runtime._plan import PlanArgumentError
+
+    with pytest.raises(PlanArgumentError, match=re.escape("pinned: the store has no layer 7 (its layers: [0, 1])")):
+        Runtime(ExpertStore.open(quick_store), pinned={0: [1], 7: [1]})
+
+    async def go() -> list[int]:
+        async with Runtime(ExpertStore.open(quick_store), pinned={0: [1], 1: [2]}, layers=[1]) as rt:
+            return list(rt.audit())
+
+    assert anyio.run(go) == [1]

@@ -201,6 +201,11 @@ class Runtime:
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
         self._layer_ids = list(layers) if layers is not None else list(store.layers)
+        # A layer the store lacks (a typo, another model's map) pinned nothing, without a word.
+        stray = [i for i in (pinned or {}) if i not in store.layers]
+        if stray:
+            raise PlanArgumentError(f"pinned: the store has no layer {stray[0]!r} (its layers: {list(store.layers)}); "
+                                    f"its experts would be pinned nowhere")
         # Refused here, not when entered: more dynamic rows than a layer has experts to stream
         # would otherwise be cut down to what fits without a word.
         problem = side_rows_problem(store, self._layer_ids, side_rows, pinned)
