@@ -362,8 +362,8 @@ class Runtime:
         fills submitted from now on read the new file, fills in flight finish on the old one; a
         handle that cannot be re-opened keeps the old file. False when no layer reads ``path``;
         AsyncsideError when the runtime is not running. The queued steps' fault tables keep their
-        own descriptors, opened on entry: they read the new file once the runtime is entered again
-        or their descriptors are re-pointed (:func:`asyncside.serving.health.reopen_blob`)."""
+        own descriptors, opened on entry: they read the new file in a new Runtime, or once their
+        descriptors are re-pointed (:func:`asyncside.serving.health.reopen_blob`)."""
         s = self._s
         if s.closed or s.tg is None:
             raise AsyncsideError(f"reopen_blob({os.fspath(path)!r}): the runtime is not running "

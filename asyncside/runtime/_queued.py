@@ -174,12 +174,31 @@ class QueuedSide:
                 else:
                     st.faults = _native.FaultTable(index, spec.n_experts, pools, offsets, nbytes, fds[k],
                                                    str(spec.path), spec.stride)
+                st.fault_fd = fds[k]
                 self._configure(st, plan, o_direct=index in direct)
             except BaseException:
                 for fd in fds[k + 1:]:  # fds[k] is the table's (closed by the constructor on failure)
                     os.close(fd)
                 raise
         self._setup_staging(plan)
+
+    def release_blobs(self) -> None:
+        """Let go of the layer blobs the fault tables read (the runtime exited): each table's
+        descriptor is pointed at /dev/null in place. A runtime still referenced after its exit
+        would otherwise hold every blob open until it is collected (a store deleted or replaced
+        meanwhile keeps its disk space). Closed instead, the number could be reused by another
+        open while the table, which closes it when it is freed, still holds it."""
+        fds = [st.fault_fd for st in self._s.layers.values() if st.faults is not None and st.fault_fd >= 0]
+        if not fds:
+            return
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for fd in fds:
+                os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
+        for st in self._s.layers.values():
+            st.fault_fd = -1
 
     def _configure(self, st: LayerState, plan: MemoryPlan, *, o_direct: bool) -> None:
         """How a layer's new fault table reads: past the page cache or not, the read window, checksums."""

@@ -119,6 +119,7 @@ class LayerState:
     # Queued steps: the native fault table of this layer, and whether the ledger's table changed
     # by other means since the native one was last synced.
     faults: Any = None
+    fault_fd: int = -1  # the fault table's descriptor of the layer's blob (the table closes it)
     # Device tables with a host tier: the whole-layer arrays staged resolves fill (one per segment
     # key, a row per expert; shared by the layers of one shape), or None.
     staging: dict[str, mx.array] | None = None
