@@ -43,7 +43,7 @@ import pathlib
 import tempfile
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -256,6 +256,27 @@ class StreamingLM:
         return f"<StreamingLM {self.streaming.model_id} ({self.model_type}), {state}>"
 
 
+def _check_runtime_arguments(runtime: Mapping[str, Any]) -> None:
+    """Refuse what :func:`load` would hand the Runtime and it would refuse, before a model is
+    converted (minutes for a large one) or loaded: a name the Runtime does not take (a misspelt
+    ``polcy=``), an unknown policy or reader. The Runtime refused them only once made, after both."""
+    import inspect
+
+    from .policies import make_policy
+    from .readers import READERS
+    from .runtime import Runtime
+
+    taken = [n for n in inspect.signature(Runtime.__init__).parameters if n not in ("self", "store")]
+    unknown = [n for n in runtime if n not in taken]
+    if unknown:
+        raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r} (besides its own, it takes the "
+                        f"Runtime's: {', '.join(n for n in taken if n not in ('resident', 'memory'))})")
+    if "policy" in runtime:
+        make_policy(runtime["policy"])
+    if "reader" in runtime and runtime["reader"] not in ("auto", *READERS):
+        raise ValueError(f"reader: expected one of {['auto', *READERS]}, got {runtime['reader']!r}")
+
+
 def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = None,
          memory: int | str | None = None, cache_dir: str | os.PathLike[str] | None = None,
          revision: str | None = None, progress: bool = True, **runtime: Any) -> tuple[StreamingLM, Any]:
@@ -282,6 +303,7 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     if resident != "auto" and (isinstance(resident, (bool, str)) or not isinstance(resident, numbers.Real)
                                or not 0.0 <= float(resident) <= 1.0):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+    _check_runtime_arguments(runtime)
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)
     tokenizer = _mlx_tokenizer(store_dir, streaming)

@@ -274,3 +274,23 @@ def test_pinned_experts_of_a_layer_the_store_lacks_are_refused(quick_store: path
             return list(rt.audit())
 
     assert anyio.run(go) == [1]
+
+
+@pytest.mark.parametrize(("given", "error", "said"), [
+    ({"polcy": "lru"}, TypeError, "load() got an unexpected keyword argument 'polcy'"),
+    ({"policy": "nope"}, ValueError, "unknown policy 'nope'"),
+    ({"reader": "mmap"}, ValueError, "reader: expected one of ['auto', 'io_uring', 'threads', 'aiofiles'], got 'mmap'"),
+])
+def test_load_refuses_a_runtime_argument_before_converting(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                           given: dict[str, Any], error: type[Exception],
+                                                           said: str) -> None:
+    """``load(MODEL_DIR, polcy="lru")`` (a misspelt Runtime argument), an unknown policy or reader:
+    the model was converted into the cache (minutes for a large one) and loaded, then the Runtime
+    refused the argument (as "Runtime.__init__() got an unexpected keyword argument", a name the
+    caller never wrote). They are refused first, and nothing is converted."""
+    from asyncside import load
+
+    with pytest.raises(error) as info:
+        load(quick_store.parent / "model", cache_dir=tmp_path / "cache", progress=False, **given)
+    assert said in str(info.value)
+    assert not (tmp_path / "cache" / "stores").exists() or not any((tmp_path / "cache" / "stores").iterdir())
