@@ -77,7 +77,28 @@ def test_streamed_text_offsets_count_earlier_chunks(srv: BackgroundServer) -> No
                 if ch.choices and ch.choices[0].logprobs is not None:
                     offsets += ch.choices[0].logprobs.text_offset or []
             assert offsets == whole.text_offset
-            assert offsets[:5] == [0, 1, 2, 3, 4]
+            assert offsets[:6] == [0, 1, 2, 3, 3, 4]  # "caf", both bytes of "é", " "
+
+    anyio.run(go)
+
+
+def test_text_offsets_index_the_text_past_characters_split_across_tokens(srv: BackgroundServer) -> None:
+    """Each ``text_offset`` was the sum of the earlier tokens' own texts, U+FFFD for each byte
+    token of a character: after "é" (two tokens) every offset was one past its character, after
+    "🎉" (four) four past, and the last ones past the end of the text. A token's offset is now
+    where its character starts in the text, the bytes of one character sharing it."""
+
+    async def go() -> None:
+        async with client(srv) as c:
+            choice = (await c.completions.create(model="scripted", prompt="hi", max_tokens=40, logprobs=1)).choices[0]
+            assert choice.text == REPLY and choice.logprobs is not None
+            offsets = choice.logprobs.text_offset or []
+            raw = REPLY.encode()
+            assert len(offsets) == len(raw)  # one byte-level token per byte
+            for i, at in enumerate(offsets):  # the character the token's byte belongs to starts there
+                assert REPLY[at].encode() == raw[len(REPLY[:at].encode()):][:len(REPLY[at].encode())], (i, at)
+                assert len(REPLY[:at].encode()) <= i < len(REPLY[:at + 1].encode()), (i, at)
+            assert offsets[-1] == len(REPLY) - 1
 
     anyio.run(go)
 

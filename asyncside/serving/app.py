@@ -241,10 +241,11 @@ class Completion:
         if self.gen is not None:
             self.gen.cancel()
 
-    def _entry(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> oai.TokenLogprob:
+    def _entry(self, token: int, logprob: float, top: tuple[tuple[int, float], ...],
+               offset: int | None) -> oai.TokenLogprob:
         dec, tok = self.tokenizer.decode, self.tokenizer
-        if self.req.kind != "chat":  # completions' logprobs carry no bytes
-            return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top))
+        if self.req.kind != "chat":  # completions' logprobs carry no bytes, but an offset in the text
+            return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top), offset=offset)
         return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top),
                                 token_bytes(tok, token), tuple(token_bytes(tok, t) for t, _ in top))
 
@@ -280,10 +281,13 @@ class Completion:
                 self.first_token_at = time.perf_counter()
                 m.ttft.observe(self.first_token_at - self.started)
             m.generated.inc(endpoint=self.endpoint)
+            # A token's text_offset counts the characters before it: a token's own text alone is
+            # U+FFFD where it is part of a character, so summing those drifts past the text.
+            at = self.text.decoded_length() if want_logprobs and self.req.kind != "chat" else None
             delta = self.text.push(ev.token)
             entries = []
             if want_logprobs and not ev.eos and ev.logprob is not None:
-                entries.append(self._entry(ev.token, ev.logprob, ev.top))
+                entries.append(self._entry(ev.token, ev.logprob, ev.top, at))
             content, calls = self._content(delta)
             if self.text.finished and not delta:
                 break  # the token completed a stop sequence (or is EOS): nothing of it is sent

@@ -649,6 +649,8 @@ class TokenLogprob:
     #: the token's bytes and each alternative's (chat's ``bytes``); left out, their text's UTF-8
     token_bytes: bytes | None = None
     top_bytes: tuple[bytes, ...] = ()
+    #: where the token's text starts in the answer, in characters (completions' ``text_offset``)
+    offset: int | None = None
 
 
 def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
@@ -665,7 +667,7 @@ def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob], text_
                             for e in entries], "refusal": None}
     offsets, at = [], text_offset
     for e in entries:
-        offsets.append(at)
+        offsets.append(at if e.offset is None else e.offset)
         at += len(e.token)
     return {
         "tokens": [e.token for e in entries],

@@ -58,6 +58,11 @@ class TextAssembler:
         self.ids.append(token_id)
         return self._release(self._decoded(final=False), final=False)
 
+    def decoded_length(self) -> int:
+        """Characters the tokens pushed so far decode to, an incomplete last character left out:
+        where the next token's text starts in the answer (completions' logprobs ``text_offset``)."""
+        return len(self._decoded(final=False))
+
     def flush(self, finish_reason: str = "length") -> str:
         """Release everything held back; called when the model stops yielding."""
         if self.finished:
