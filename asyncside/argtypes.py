@@ -142,23 +142,29 @@ def writable_file(text: str) -> str:
     return text
 
 
-def directory_problem(text: str) -> str | None:
-    """Why no directory can be at ``text`` (None where it is one, or can be made): it, or the
-    nearest of its parents that exists, is a file, or its name is no UTF-8. Said before a run that
-    builds or converts there (pathlib's FileExistsError / NotADirectoryError, or MLX's
-    "std::bad_cast", traceback otherwise)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # MLX writes through UTF-8 paths only ("std::bad_cast" from save_safetensors)
-        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
-        return f"{shown} is not valid UTF-8 (a name in another encoding): MLX writes UTF-8 paths only"
-    at = os.path.abspath(text)
+def file_in_the_way(path: str | os.PathLike[str]) -> str | None:
+    """The nearest of ``path`` and its parents that exists, where it is no directory (so no
+    directory can be made at ``path``); None where it is one, or nothing of the path exists."""
+    at = os.path.abspath(path)
     while not os.path.lexists(at):
         up = os.path.dirname(at)
         if up == at:
             return None
         at = up
-    if os.path.isdir(at):
+    return None if os.path.isdir(at) else at
+
+
+def directory_problem(text: str) -> str | None:
+    """Why no directory can be at ``text`` (None where it is one, or can be made): it, or the
+    nearest of its parents that exists, is a file, or its name is no UTF-8. Said before a run that
+    builds or converts there (pathlib's FileExistsError / NotADirectoryError, or MLX's
+    "std::bad_cast", traceback otherwise)."""
+    from .store import path_not_utf8, printable_path
+
+    if path_not_utf8(text) is not None:  # MLX writes through UTF-8 paths only ("std::bad_cast" from save_safetensors)
+        return f"{printable_path(text)} is not valid UTF-8 (a name in another encoding): MLX writes UTF-8 paths only"
+    at = file_in_the_way(text)
+    if at is None:
         return None
     return f"{at} is a file" if at == os.path.abspath(text) else f"{at} is a file, not a directory to make it in"
 
@@ -170,8 +176,9 @@ def directory(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
     problem = directory_problem(text)
     if problem is not None:
-        shown = os.fsencode(text).decode("utf-8", "backslashreplace")  # a stream writes it, whatever its bytes
-        raise argparse.ArgumentTypeError(f"{shown}: expected a directory; {problem}")
+        from .store import printable_path  # a stream writes it, whatever its bytes
+
+        raise argparse.ArgumentTypeError(f"{printable_path(text)}: expected a directory; {problem}")
     return text
 
 

@@ -263,7 +263,7 @@ def _check_runtime_arguments(runtime: Mapping[str, Any]) -> None:
     import inspect
 
     from .policies import make_policy
-    from .readers import READERS
+    from .readers import check_reader_name
     from .runtime import Runtime
 
     taken = [n for n in inspect.signature(Runtime.__init__).parameters if n not in ("self", "store")]
@@ -273,8 +273,8 @@ def _check_runtime_arguments(runtime: Mapping[str, Any]) -> None:
                         f"Runtime's: {', '.join(n for n in taken if n not in ('resident', 'memory'))})")
     if "policy" in runtime:
         make_policy(runtime["policy"])
-    if "reader" in runtime and runtime["reader"] not in ("auto", *READERS):
-        raise ValueError(f"reader: expected one of {['auto', *READERS]}, got {runtime['reader']!r}")
+    if "reader" in runtime:
+        check_reader_name(runtime["reader"])
 
 
 def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = None,

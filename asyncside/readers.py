@@ -72,10 +72,15 @@ def io_uring_status() -> tuple[bool, str]:
     return ok, why
 
 
-def choose_reader(requested: str = "auto") -> str:
-    """The backend name to use: an explicit name wins over $ASYNCSIDE_READER, which wins over auto."""
+def check_reader_name(requested: str) -> None:
+    """ValueError where ``requested`` names no reader backend (nor "auto")."""
     if requested not in (*READERS, "auto"):
         raise ValueError(f"reader: expected one of {['auto', *READERS]}, got {requested!r}")
+
+
+def choose_reader(requested: str = "auto") -> str:
+    """The backend name to use: an explicit name wins over $ASYNCSIDE_READER, which wins over auto."""
+    check_reader_name(requested)
     if requested == "auto":
         env = os.environ.get(ENV_READER, "")
         try:

@@ -340,7 +340,7 @@ def _parse_layer(
 # --------------------------------------------------------------------------------------------
 
 
-def path_not_utf8(path: pathlib.Path) -> str | None:
+def path_not_utf8(path: str | os.PathLike[str]) -> str | None:
     """Why the native readers and MLX cannot open files under ``path`` (None: they can): a byte
     of its name is no UTF-8 (a name made in another encoding, kept by Linux as bytes). They failed
     later, as MLX's "std::bad_cast" or nanobind's "incompatible function arguments"."""
@@ -354,9 +354,9 @@ def path_not_utf8(path: pathlib.Path) -> str | None:
     return None
 
 
-def printable_path(path: pathlib.Path) -> str:
+def printable_path(path: str | os.PathLike[str]) -> str:
     """``path`` as text any stream can write: a byte that is no UTF-8 shown as ``\\xe9``."""
-    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    return os.fsencode(os.fspath(path)).decode("utf-8", "backslashreplace")
 
 
 class ExpertStore:

@@ -56,7 +56,10 @@ def _checksum_failure(expert: int) -> FillError:
     return FillError(3, expert, 0, "fault in a queued step: checksum mismatch", errno=74)
 
 
-def test_a_blob_replaced_while_its_experts_are_verified_is_reopened_before_they_heal(tmp_path: pathlib.Path) -> None:
+def _damaged(tmp_path: pathlib.Path, experts: list[int]) -> tuple[OneBlobStore, HealthRegistry, list[str]]:
+    """A store whose blob was good when its registry was made, then damaged in place (the same
+    file: what the runtime reads) at ``experts``, each recorded bad; and the paths the registry's
+    reader hook was asked to re-open."""
     good = bytes(range(256)) * (RECORD * N_EXPERTS // 256)
     store = OneBlobStore(tmp_path, good)
     store.blob.write_bytes(good)
@@ -66,16 +69,21 @@ def test_a_blob_replaced_while_its_experts_are_verified_is_reopened_before_they_
         reopened.append(path)
 
     health = HealthRegistry(store, reopen_reader=reopen_reader)
-    held = os.open(store.blob, os.O_RDONLY)  # the runtime's descriptor, opened with the store
-    try:
-        damaged = bytearray(good)
-        for e in range(N_EXPERTS):
-            damaged[e * RECORD] ^= 0x40
-        store.blob.write_bytes(damaged)  # in place: the same file, the runtime reads it damaged
-        for e in range(N_EXPERTS):
-            health.record(_checksum_failure(e))
-        assert len(health.bad) == N_EXPERTS
+    damaged = bytearray(good)
+    for e in experts:
+        damaged[e * RECORD] ^= 0x40
+    store.blob.write_bytes(damaged)
+    for e in experts:
+        health.record(_checksum_failure(e))
+    assert len(health.bad) == len(experts)
+    return store, health, reopened
 
+
+def test_a_blob_replaced_while_its_experts_are_verified_is_reopened_before_they_heal(tmp_path: pathlib.Path) -> None:
+    store, health, reopened = _damaged(tmp_path, list(range(N_EXPERTS)))
+    good = store.good
+    held = os.open(store.blob, os.O_RDONLY)  # the runtime's descriptor: the damaged file's
+    try:
         async def main() -> list[int]:
             # A first recheck sees the file changed in place: nothing to re-open, still bad.
             assert await health.recheck() == 0 and len(health.bad) == N_EXPERTS
@@ -104,23 +112,11 @@ def test_a_blob_replaced_while_its_experts_are_verified_is_reopened_before_they_
 
 
 def test_a_blob_repaired_in_place_heals_without_reopening(tmp_path: pathlib.Path) -> None:
-    good = bytes(range(256)) * (RECORD * N_EXPERTS // 256)
-    store = OneBlobStore(tmp_path, good)
-    store.blob.write_bytes(good)
-    reopened: list[str] = []
-
-    async def reopen_reader(path: str) -> None:
-        reopened.append(path)
-
-    health = HealthRegistry(store, reopen_reader=reopen_reader)
-    damaged = bytearray(good)
-    damaged[RECORD] ^= 0x40
-    store.blob.write_bytes(damaged)
-    health.record(_checksum_failure(1))
+    store, health, reopened = _damaged(tmp_path, [1])
 
     async def main() -> tuple[int, int]:
         first = await health.recheck()
-        store.blob.write_bytes(good)  # repaired in place: the runtime's descriptors read it already
+        store.blob.write_bytes(store.good)  # repaired in place: the runtime's descriptors read it already
         return first, await health.recheck()
 
     assert anyio.run(main) == (0, 1)

@@ -97,9 +97,12 @@ class BatchChunkedKVCache:
         self.starts = [max(s, o - self.chunk_size) for s, o in zip(self.starts, self.offsets)]
         if self.keys is None or self._idx < self.keys.shape[2]:
             return
+        self._cut_front()
+
+    def _cut_front(self) -> None:
+        """Drop the buffer's front columns no row needs any more."""
         cut = self._first_needed()
-        if cut > 0:
-            assert self.values is not None
+        if cut > 0 and self.keys is not None and self.values is not None:
             self.keys = self.keys[..., cut:self._idx, :]
             self.values = self.values[..., cut:self._idx, :]
             self._idx -= cut
@@ -150,11 +153,7 @@ class BatchChunkedKVCache:
             return
         index = mx.array(keep)
         self.keys, self.values = self.keys[index], self.values[index]
-        cut = self._first_needed()
-        if cut > 0:
-            self.keys = self.keys[..., cut:self._idx, :]
-            self.values = self.values[..., cut:self._idx, :]
-            self._idx -= cut
+        self._cut_front()
 
     def extend(self, other: BatchChunkedKVCache) -> None:
         """Append ``other``'s rows after these (both right-aligned at the longer one's column)."""

@@ -232,14 +232,6 @@ class _LayerFeed(Mapping[int, Mapping[str, mx.array]]):
         return len(self._moe)
 
 
-def _in_the_way(directory: pathlib.Path) -> pathlib.Path | None:
-    """The nearest existing ancestor of ``directory`` (itself included) when it is no directory."""
-    for at in (directory, *directory.parents):
-        if at.exists() or at.is_symlink():
-            return None if at.is_dir() else at
-    return None
-
-
 def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
     """Why ``overwrite`` must not replace ``dest`` (None: it may): it replaces an expert store, or
     an empty directory. Any other directory (``convert MODEL "$OUT" --overwrite`` of an unset OUT is
@@ -285,7 +277,9 @@ def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
         removed_stale_staging(dest)
         return pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
     except OSError as exc:  # a file where a directory of the path should be, no permission, a full disk
-        blocker = _in_the_way(dest.parent)
+        from ..argtypes import file_in_the_way
+
+        blocker = file_in_the_way(dest.parent)
         if blocker is not None:
             raise StoreError(blocker, f"exists and is not a directory, so the store {dest} cannot be made under it",
                              errno=exc.errno) from None

@@ -28,7 +28,7 @@ from ..errors import AsyncsideError, StoreError, TraceError
 from ..kv_layout import KV_STEP, KVLayout
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
 from ..readers import ENV_DIRECT, _env_direct
-from ..store import ExpertStore, LayerSpec
+from ..store import MANIFEST_NAME, ExpertStore, LayerSpec
 from ._forward_cost import FIT, ForwardCost, config_top_k, forward_cost
 
 if TYPE_CHECKING:
@@ -94,6 +94,11 @@ def min_rows(store: ExpertStore) -> int:
     return DEFAULT_MIN_ROWS if k is None else k
 
 
+def _manifest(store: ExpertStore) -> pathlib.Path:
+    """The store's manifest file, which a refusal of its metadata names."""
+    return pathlib.Path(getattr(store, "path", ".")) / MANIFEST_NAME
+
+
 def _listed(store: ExpertStore, meta: Mapping[str, Any], key: str, layer: int, where: str,
             what: str = "expert ids") -> list[Any] | None:
     """``meta[key][str(layer)]``, a per-layer list the manifest's metadata may hold (written by hand
@@ -102,15 +107,14 @@ def _listed(store: ExpertStore, meta: Mapping[str, Any], key: str, layer: int, w
     table = meta.get(key)
     if table is None:
         return None
-    path = pathlib.Path(getattr(store, "path", ".")) / "manifest.json"
     if not isinstance(table, Mapping):
-        raise StoreError(path, f"expected an object of per-layer lists keyed by layer index, got "
+        raise StoreError(_manifest(store), f"expected an object of per-layer lists keyed by layer index, got "
                                f"{type(table).__name__}", f"{where}{key}")
     value = table.get(str(layer))
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise StoreError(path, f"expected a list of {what}, got {value!r:.60}", f"{where}{key}.{layer}")
+        raise StoreError(_manifest(store), f"expected a list of {what}, got {value!r:.60}", f"{where}{key}.{layer}")
     return value
 
 
@@ -119,8 +123,7 @@ def _expert_ids(store: ExpertStore, ids: list[Any], n_experts: int, field: str) 
     left out. StoreError naming ``field`` for a number that is no id."""
     bad = next((v for v in ids if not isinstance(v, int)), None)
     if bad is not None:
-        path = pathlib.Path(getattr(store, "path", ".")) / "manifest.json"
-        raise StoreError(path, f"expected expert ids (integers), got {bad!r}", field)
+        raise StoreError(_manifest(store), f"expected expert ids (integers), got {bad!r}", field)
     return list(dict.fromkeys(e for e in ids if 0 <= e < n_experts))
 
 

@@ -243,11 +243,12 @@ class Completion:
 
     def _entry(self, token: int, logprob: float, top: tuple[tuple[int, float], ...],
                offset: int | None) -> oai.TokenLogprob:
-        dec, tok = self.tokenizer.decode, self.tokenizer
+        tok = self.tokenizer
+        text, alternatives = tok.decode([token]), tuple((tok.decode([t]), lp) for t, lp in top)
         if self.req.kind != "chat":  # completions' logprobs carry no bytes, but an offset in the text
-            return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top), offset=offset)
-        return oai.TokenLogprob(dec([token]), logprob, tuple((dec([t]), lp) for t, lp in top),
-                                token_bytes(tok, token), tuple(token_bytes(tok, t) for t, _ in top))
+            return oai.TokenLogprob(text, logprob, alternatives, offset=offset)
+        return oai.TokenLogprob(text, logprob, alternatives, token_bytes(tok, token),
+                                tuple(token_bytes(tok, t) for t, _ in top))
 
     def _content(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """Content and newly closed tool calls of released text."""
@@ -686,10 +687,8 @@ class _StreamedAnswer:
         try:
             with state.generating() as shutdown, \
                     anyio.fail_after(None if self.deadline is None else self.deadline - time.perf_counter()):
-                at = 0  # a token's text_offset counts the tokens of earlier chunks, as in one answer
-                async for piece in run.pieces():
-                    lp = oai.logprobs_body(req, piece.logprobs, at) if req.sampling.logprobs else None
-                    at += sum(len(e.token) for e in piece.logprobs)
+                async for piece in run.pieces():  # each entry carries its text_offset in the whole answer
+                    lp = oai.logprobs_body(req, piece.logprobs) if req.sampling.logprobs else None
                     await frame(oai.chunk(req, run.rid, run.created, text=piece.text, logprobs=lp,
                                           tool_calls=piece.tool_calls or None))
             if shutdown.cancelled_caught:

@@ -653,8 +653,9 @@ class TokenLogprob:
     offset: int | None = None
 
 
-def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
-    """The ``logprobs`` object of a choice (chat: ``content`` entries; completions: parallel lists)."""
+def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The ``logprobs`` object of a choice (chat: ``content`` entries; completions: parallel lists,
+    each ``text_offset`` the entry's own, else counted from the answer's start)."""
     if req.kind == "chat":
         def one(tok: str, lp: float, raw: bytes | None) -> dict[str, Any]:
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8") if raw is None else raw)}
@@ -665,7 +666,7 @@ def logprobs_body(req: CompletionRequest, entries: Sequence[TokenLogprob], text_
 
         return {"content": [dict(one(e.token, e.logprob, e.token_bytes), top_logprobs=alternatives(e))
                             for e in entries], "refusal": None}
-    offsets, at = [], text_offset
+    offsets, at = [], 0
     for e in entries:
         offsets.append(at if e.offset is None else e.offset)
         at += len(e.token)
