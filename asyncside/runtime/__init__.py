@@ -99,6 +99,14 @@ __all__ = ["RECONCILE_EVERY", "CacheStats", "MemoryPlan", "PrefetchHandle", "Que
            "warm_experts"]
 
 
+def _layer_index(value: object, what: str) -> int:
+    """``value`` as a layer index (an int, a NumPy integer); a PlanArgumentError naming ``what``
+    otherwise: a bool is no layer index, though it compares equal to one."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return int(value)
+    raise PlanArgumentError(f"{what}: expected layer indices (integers), got {value!r}")
+
+
 class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
@@ -200,9 +208,11 @@ class Runtime:
         # reader_options that say direct=... are an explicit choice too
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
-        self._layer_ids = list(layers) if layers is not None else list(store.layers)
+        # A bool was taken as layer 1 (True == 1) and a float reached the native fault table's
+        # constructor, whose TypeError named none of the user's arguments.
+        self._layer_ids = [_layer_index(i, "layers") for i in layers] if layers is not None else list(store.layers)
         # A layer the store lacks (a typo, another model's map) pinned nothing, without a word.
-        stray = [i for i in (pinned or {}) if i not in store.layers]
+        stray = [i for i in (pinned or {}) if _layer_index(i, "pinned") not in store.layers]
         if stray:
             raise PlanArgumentError(f"pinned: the store has no layer {stray[0]!r} (its layers: {list(store.layers)}); "
                                     f"its experts would be pinned nowhere")
