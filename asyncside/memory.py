@@ -194,8 +194,13 @@ def release_freed_heap() -> bool:
 
 
 def describe_bytes(n: int | float) -> str:
-    """``n`` bytes for a person: GiB from one GiB up, else MiB."""
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 1 << 30 else f"{n / 2**20:.1f} MiB"
+    """``n`` bytes for a person: GiB from one GiB up, else MiB; a size that is not zero but would
+    read as ``0.0 MiB`` in KiB, or in bytes below one KiB."""
+    if abs(n) >= 1 << 30:
+        return f"{n / 2**30:.2f} GiB"
+    if n and abs(n) < 0.05 * 2**20:  # "memory=4K" read "memory=0.0 MiB", as if nothing were given
+        return f"{n / 2**10:.1f} KiB" if abs(n) >= 1 << 10 else f"{n:g} {'byte' if n == 1 else 'bytes'}"
+    return f"{n / 2**20:.1f} MiB"
 
 
 #: What every size option takes, for its help and its errors.

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from asyncside import ExpertStore, Runtime
+from asyncside.errors import AsyncsideError
 from asyncside.runtime import PlanArgumentError
+from tests._cli_support import run_cli
 
 
 @pytest.mark.parametrize(("kwargs", "said"), [
@@ -37,3 +39,23 @@ def test_a_layer_index_that_is_no_integer_is_refused_when_made(quick_store: path
 
     layers = anyio.run(go)
     assert layers == [1] and type(layers[0]) is int
+
+
+@pytest.mark.parametrize(("memory", "shown"), [("4K", "memory=4.0 KiB"), ("20KiB", "memory=20.0 KiB"),
+                                               (5000, "memory=4.9 KiB")])
+def test_a_budget_of_a_few_kib_is_shown_as_given(quick_store: pathlib.Path, memory: Any, shown: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``Runtime(memory="4K")`` (and ``demo --memory 4K``) was refused with "memory=0.0 MiB", as if
+    no budget had been given; the size given is shown in KiB, and the refusal still names the
+    least memory= that fits."""
+    async def go() -> None:
+        async with Runtime(ExpertStore.open(quick_store), memory=memory):
+            pass
+
+    with pytest.raises(AsyncsideError) as info:
+        anyio.run(go)
+    assert f"({shown}, " in str(info.value) and "memory=0.0 MiB" not in str(info.value)
+    assert "or more)" in str(info.value)
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none",
+                      "--memory", str(memory))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and f"({shown}, " in err, err
