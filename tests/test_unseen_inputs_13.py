@@ -59,3 +59,19 @@ def test_a_budget_of_a_few_kib_is_shown_as_given(quick_store: pathlib.Path, memo
     rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none",
                       "--memory", str(memory))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and f"({shown}, " in err, err
+
+
+def test_counts_computed_with_numpy_are_taken_as_ints(quick_store: pathlib.Path) -> None:
+    """``Runtime(store, side_rows=np.int64(4))`` (a count from ``np.ceil(...).astype(int)``) was
+    refused as "side_rows: expected a number of rows >= 0, got np.int64(4)", which it is; so were
+    ``min_side_rows``, ``host_tier`` and ``read_window``, though ``memory`` took one."""
+    async def go() -> tuple[dict[int, int], Any]:
+        async with Runtime(ExpertStore.open(quick_store), resident=0.5, side_rows=np.int64(4),
+                           min_side_rows=np.int32(4), host_tier=np.int64(0), read_window=np.int64(2)) as rt:
+            assert rt.plan is not None
+            return dict(rt.plan.rows), rt.plan.host_tier_bytes
+
+    rows, tier = anyio.run(go)
+    assert set(rows.values()) == {16} and tier == 0
+    with pytest.raises(PlanArgumentError, match=r"side_rows: expected a number of rows >= 0, got 4.0"):
+        Runtime(ExpertStore.open(quick_store), side_rows=4.0)  # type: ignore[arg-type]

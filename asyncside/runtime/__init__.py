@@ -107,6 +107,14 @@ def _layer_index(value: object, what: str) -> int:
     raise PlanArgumentError(f"{what}: expected layer indices (integers), got {value!r}")
 
 
+def _plain_int(value: Any) -> Any:
+    """``value`` as an int where it is an integer of another type (a NumPy integer), else as it is
+    (None, a string, a float, a bool: each argument's own check says what it takes)."""
+    if not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral):
+        return int(value)
+    return value
+
+
 class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
@@ -176,6 +184,10 @@ class Runtime:
             raise TypeError(f"verify: expected True or False, got {verify!r}")
         if completed is not None and not callable(completed):
             raise TypeError(f"completed: expected None or an async function of an array, got {completed!r}")
+        # A count computed with NumPy (np.int64(4)) was refused as "expected a number of rows >= 0,
+        # got np.int64(4)", which it is; memory= took one already.
+        side_rows, min_side_rows, read_window = (_plain_int(v) for v in (side_rows, min_side_rows, read_window))
+        host_tier = _plain_int(host_tier)
         if memory is not None:
             # As --memory and load() refuse it: memory=1.5 was one byte, refused as a budget of 0.0 MiB.
             check_memory(parse_size(memory, what="memory"), memory)
