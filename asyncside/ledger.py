@@ -79,7 +79,7 @@ class AuditReport:
 
 def _int_or_raise(v: Any, n_experts: int, what: str) -> int:
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise LedgerError(f"{what} must be integers in [0, {n_experts}), got {v!r} ({type(v).__name__})")
+        raise LedgerError(f"{what}s must be integers in [0, {n_experts}), got {v!r} ({type(v).__name__})")
     if not 0 <= v < n_experts:
         raise LedgerError(f"{what} {int(v)} out of range [0, {n_experts})")
     return int(v)

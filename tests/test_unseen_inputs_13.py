@@ -75,3 +75,28 @@ def test_counts_computed_with_numpy_are_taken_as_ints(quick_store: pathlib.Path)
     assert set(rows.values()) == {16} and tier == 0
     with pytest.raises(PlanArgumentError, match=r"side_rows: expected a number of rows >= 0, got 4.0"):
         Runtime(ExpertStore.open(quick_store), side_rows=4.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("ids", "said"), [
+    ([1.7], "pinned[0]: pinned experts must be integers in [0, 32), got 1.7 (float)"),
+    ([True], "pinned[0]: pinned experts must be integers in [0, 32), got True (bool)"),
+    ("12", "pinned[0]: expected a list of expert ids, got '12'"),
+    (5, "pinned[0]: expected a list of expert ids, got 5"),
+    ([40], "pinned[0]: pinned expert 40 out of range [0, 32)"),
+])
+def test_pinned_ids_that_are_no_expert_ids_are_refused_when_made(quick_store: pathlib.Path, ids: Any,
+                                                                 said: str) -> None:
+    """The plan read pinned ids through int(): ``pinned={0: [1.7]}`` pinned expert 1,
+    ``{0: "12"}`` experts 1 and 2, ``{0: [True]}`` expert 1, without a word; ``{0: 5}`` ended in
+    "'int' object is not iterable" once entered."""
+    with pytest.raises(PlanArgumentError) as info:
+        Runtime(ExpertStore.open(quick_store), pinned={0: ids})
+    assert str(info.value) == said
+    with pytest.raises(PlanArgumentError, match=r"pinned: expected a mapping of layer to expert ids"):
+        Runtime(ExpertStore.open(quick_store), pinned=[[1]])  # type: ignore[arg-type]
+
+    async def go() -> list[int]:
+        async with Runtime(ExpertStore.open(quick_store), pinned={0: np.array([3, 1]), 1: (2,)}) as rt:
+            return sorted(rt._s.layers[0].ledger.resident)
+
+    assert anyio.run(go) == [1, 3]

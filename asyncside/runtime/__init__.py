@@ -115,6 +115,18 @@ def _plain_int(value: Any) -> Any:
     return value
 
 
+def _pinned_ids(store: ExpertStore, layer: int, ids: Any) -> list[int]:
+    """The expert ids ``pinned`` names for ``layer`` (a list, a tuple, an integer array); a
+    PlanArgumentError naming the layer and the value otherwise (a float, a bool, a string, a bare id,
+    an id outside the layer's experts)."""
+    if isinstance(ids, (str, bytes, numbers.Number, np.generic)) or ids is None:
+        raise PlanArgumentError(f"pinned[{layer}]: expected a list of expert ids, got {ids!r}")
+    try:
+        return validate_ids(ids, store.layer(layer).n_experts, "pinned expert")
+    except AsyncsideError as exc:
+        raise PlanArgumentError(f"pinned[{layer}]: {exc}") from None
+
+
 class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
@@ -224,10 +236,18 @@ class Runtime:
         # constructor, whose TypeError named none of the user's arguments.
         self._layer_ids = [_layer_index(i, "layers") for i in layers] if layers is not None else list(store.layers)
         # A layer the store lacks (a typo, another model's map) pinned nothing, without a word.
+        if pinned is not None and not isinstance(pinned, Mapping):
+            raise PlanArgumentError(f"pinned: expected a mapping of layer to expert ids ({{layer: [experts]}}), "
+                                    f"got {type(pinned).__name__}")
         stray = [i for i in (pinned or {}) if _layer_index(i, "pinned") not in store.layers]
         if stray:
             raise PlanArgumentError(f"pinned: the store has no layer {stray[0]!r} (its layers: {list(store.layers)}); "
                                     f"its experts would be pinned nowhere")
+        if pinned is not None:
+            # The plan read each id through int(): 1.7 pinned expert 1, the string "12" experts 1 and 2,
+            # True expert 1; a bare id ended in "'int' object is not iterable".
+            pinned = {int(i): _pinned_ids(store, int(i), ids) for i, ids in pinned.items()}
+            self._pinned = pinned
         # Refused here, not when entered: more dynamic rows than a layer has experts to stream
         # would otherwise be cut down to what fits without a word.
         problem = side_rows_problem(store, self._layer_ids, side_rows, pinned)
