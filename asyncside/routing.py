@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import math
+import numbers
 import os
 import stat
 import zipfile
@@ -651,6 +653,11 @@ def _draw_free(rng: np.random.Generator, popularity: np.ndarray, cumulative: lis
     return int(rng.choice(n, p=probs / probs.sum()))
 
 
+def _real(value: Any) -> bool:
+    """Whether ``value`` is a real number (an int, a float, a NumPy scalar of either), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: float, overlap: float,
               layer_corr: float, sequences: int = 1, seed: int = 0,
               prediction_precision: float | None = None) -> RoutingTrace:
@@ -671,20 +678,24 @@ def synthetic(*, tokens: int, n_layers: int, n_experts: int, top_k: int, skew: f
     experts exist, the routed id). Precision and recall are then both p in expectation. The
     predictions come from their own random stream: the ids are those of the same seed without them.
     """
-    for name, v in (("tokens", tokens), ("n_layers", n_layers), ("n_experts", n_experts), ("top_k", top_k),
-                    ("sequences", sequences)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    counts = {"tokens": tokens, "n_layers": n_layers, "n_experts": n_experts, "top_k": top_k, "sequences": sequences}
+    for name, v in counts.items():
+        # A NumPy integer (a shape read off an array) is the count it holds, as map_to and widen take it.
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"synthetic: {name} must be a positive int, got {v!r}")
+    tokens, n_layers, n_experts, top_k, sequences = (int(v) for v in counts.values())
     if top_k > n_experts:
         raise ValueError(f"synthetic: top_k {top_k} exceeds n_experts {n_experts}")
     if sequences > tokens:
         raise ValueError(f"synthetic: {sequences} sequences need at least as many tokens, got {tokens}")
+    # A string failed in the comparison (TypeError), and an infinite skew reached the meta, refused
+    # as "[meta]: not JSON-able", an argument the caller never gave.
     for name, p in (("overlap", overlap), ("layer_corr", layer_corr)):
-        if not 0.0 <= p <= 1.0:
+        if not _real(p) or not 0.0 <= p <= 1.0:
             raise ValueError(f"synthetic: {name} must be in [0, 1], got {p!r}")
-    if not skew >= 0.0:
-        raise ValueError(f"synthetic: skew must be >= 0, got {skew!r}")
-    if prediction_precision is not None and not 0.0 <= prediction_precision <= 1.0:
+    if not _real(skew) or not 0.0 <= skew < math.inf:
+        raise ValueError(f"synthetic: skew must be a finite number >= 0, got {skew!r}")
+    if prediction_precision is not None and (not _real(prediction_precision) or not 0.0 <= prediction_precision <= 1.0):
         raise ValueError(f"synthetic: prediction_precision must be in [0, 1] or None, got {prediction_precision!r}")
     # numpy's own refusal names no argument ("expected non-negative integer", "SeedSequence expects int")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:

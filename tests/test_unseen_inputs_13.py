@@ -100,3 +100,24 @@ def test_pinned_ids_that_are_no_expert_ids_are_refused_when_made(quick_store: pa
             return sorted(rt._s.layers[0].ledger.resident)
 
     assert anyio.run(go) == [1, 3]
+
+
+def test_a_synthetic_trace_takes_numpy_counts_and_refuses_what_no_number_is() -> None:
+    """``synthetic(tokens=np.int64(50), ...)`` (a shape read off an array) was refused as "tokens
+    must be a positive int, got np.int64(50)", though map_to and widen took one; ``skew=inf``
+    ended in "[meta]: not JSON-able", an argument never given, and ``overlap="0.5"`` in a
+    comparison's TypeError."""
+    from asyncside.routing import preset, synthetic
+
+    args = {"tokens": 12, "n_layers": 2, "n_experts": 8, "top_k": 2, "skew": 0.5, "overlap": 0.3, "layer_corr": 0.2}
+    mine = synthetic(**{**args, "tokens": np.int64(12), "n_experts": np.int32(8), "top_k": np.int64(2)})
+    assert np.array_equal(mine.ids, synthetic(**args).ids) and mine.meta["generator"]["tokens"] == 12
+    assert preset("low", tokens=np.int64(40), n_layers=np.int64(2)).ids.shape == (40, 2, 6)
+    for name, value, said in (("skew", float("inf"), "skew must be a finite number >= 0, got inf"),
+                              ("skew", float("nan"), "skew must be a finite number >= 0, got nan"),
+                              ("overlap", "0.5", "overlap must be in [0, 1], got '0.5'"),
+                              ("layer_corr", None, "layer_corr must be in [0, 1], got None"),
+                              ("tokens", True, "tokens must be a positive int, got True")):
+        with pytest.raises(ValueError) as info:
+            synthetic(**{**args, name: value})
+        assert str(info.value) == f"synthetic: {said}"
