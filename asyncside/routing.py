@@ -458,6 +458,11 @@ class RoutingTrace:
         for name, v in (("n_layers", n_layers), ("n_experts", n_experts), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"map_to: {name} must be a positive int, got {v!r}")
+        if n_experts > MAX_EXPERTS:
+            # Checked before the permutation of max(N, n_experts) ids is drawn: map_to(3, 10**12, 2) tried
+            # to draw a trillion, and a few million were drawn only to be refused as the result's
+            # "<in memory> [n_experts]".
+            raise ValueError(f"map_to: n_experts must be at most {MAX_EXPERTS} (a trace's limit), got {n_experts}")
         if top_k > self.top_k and top_k > self.n_experts:
             raise ValueError(f"map_to: top_k {top_k} exceeds the trace's top_k {self.top_k} and its {self.n_experts} "
                              f"expert{'s' if self.n_experts != 1 else ''}: no widening makes it route {top_k} "

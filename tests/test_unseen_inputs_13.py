@@ -121,3 +121,16 @@ def test_a_synthetic_trace_takes_numpy_counts_and_refuses_what_no_number_is() ->
         with pytest.raises(ValueError) as info:
             synthetic(**{**args, name: value})
         assert str(info.value) == f"synthetic: {said}"
+
+
+@pytest.mark.parametrize("n_experts", [(1 << 20) + 1, 10**12])
+def test_mapping_onto_more_experts_than_a_trace_holds_is_refused_first(n_experts: int) -> None:
+    """``trace.map_to(3, 10**12, 2)`` set out to draw a permutation of a trillion ids (memory), and
+    one past the limit was drawn, mapped and then refused as ``<in memory> [n_experts]``."""
+    from asyncside.routing import RoutingTrace
+
+    trace = RoutingTrace(np.array([[[0, 1]], [[1, 2]]]), np.array([2]), 4)
+    with pytest.raises(ValueError) as info:
+        trace.map_to(3, n_experts, 2)
+    assert str(info.value) == f"map_to: n_experts must be at most {1 << 20} (a trace's limit), got {n_experts}"
+    assert trace.map_to(3, 1 << 20, 2).n_experts == 1 << 20
