@@ -134,3 +134,30 @@ def test_mapping_onto_more_experts_than_a_trace_holds_is_refused_first(n_experts
         trace.map_to(3, n_experts, 2)
     assert str(info.value) == f"map_to: n_experts must be at most {1 << 20} (a trace's limit), got {n_experts}"
     assert trace.map_to(3, 1 << 20, 2).n_experts == 1 << 20
+
+
+def test_a_top_1_models_smallest_pools_are_one_row_a_layer(tmp_path: pathlib.Path) -> None:
+    """A top-1 model under a budget no pools fit was told "these are the smallest pools (1 rows a
+    layer, the model's top-k)"; a side_rows past a one-expert layer that pins it, "at most 0
+    dynamic rows a layer (layer 0 pins 1 of its 1 experts ...)"."""
+    from asyncside.testing import random_layers
+
+    meta = {"asyncside_model": {"top_k": {"0": 1, "1": 1}}}
+    store = ExpertStore.create(tmp_path / "top1", random_layers(2, 5), metadata=meta)
+
+    async def go() -> None:
+        async with Runtime(store, resident="auto", memory="4K"):
+            pass
+
+    with pytest.raises(AsyncsideError) as info:
+        anyio.run(go)
+    assert "these are the smallest pools (1 row a layer, the model's top-k)" in str(info.value)
+    one = ExpertStore.create(tmp_path / "one", random_layers(1, 2))
+    with pytest.raises(PlanArgumentError) as refused:
+        Runtime(one, pinned={0: [0]}, side_rows=2)
+    assert str(refused.value) == ("side_rows=2: at most 1 dynamic row a layer (layer 0 pins 1 of its 2 experts, "
+                                  "which leaves 1 to stream through its dynamic rows)")
+    single = ExpertStore.create(tmp_path / "single", random_layers(1, 1))
+    with pytest.raises(PlanArgumentError) as refused:
+        Runtime(single, side_rows=2)
+    assert "at most 1 dynamic row a layer (this model's layers have 1 expert each" in str(refused.value)

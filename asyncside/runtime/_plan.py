@@ -161,6 +161,16 @@ def choose_resident(store: ExpertStore, layer: int, count: int) -> list[int]:
     return list(range(count))
 
 
+def _rows(n: int) -> str:
+    """``n`` rows, in the singular for one (a top-1 model's least pools were "1 rows a layer")."""
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _experts(n: int) -> str:
+    """``n`` experts, in the singular for one."""
+    return f"{n} expert" if n == 1 else f"{n} experts"
+
+
 def side_rows_problem(store: ExpertStore, layers: Sequence[int], side_rows: int | None,
                       pinned: Mapping[int, Sequence[int]] | None = None, *, name: str = "side_rows=") -> str | None:
     """Why ``side_rows`` cannot be the dynamic rows of each of ``layers`` (None: it can): not a
@@ -180,14 +190,14 @@ def side_rows_problem(store: ExpertStore, layers: Sequence[int], side_rows: int 
         return None
     rows, layer, n, held = most
     if held:
-        why = (f"layer {layer} pins {held} of its {n} experts, which leaves {rows} to stream "
+        why = (f"layer {layer} pins {held} of its {_experts(n)}, which leaves {rows} to stream "
                f"through its dynamic rows")
     elif all(store.layer(i).n_experts == n for i in layers):
-        why = (f"this model's layers have {n} experts each; at {n} every row is dynamic and "
+        why = (f"this model's layers have {_experts(n)} each; at {n} every row is dynamic and "
                f"none pinned")
     else:
-        why = f"layer {layer} has {n} experts; at {n} its every row is dynamic and none pinned"
-    return f"{name}{side_rows}: at most {rows} dynamic rows a layer ({why})"
+        why = f"layer {layer} has {_experts(n)}; at {n} its every row is dynamic and none pinned"
+    return f"{name}{side_rows}: at most {rows} dynamic {'row' if rows == 1 else 'rows'} a layer ({why})"
 
 
 def plan_layer(store: ExpertStore, index: int, resident: float = 0.25, side_rows: int | None = None,
@@ -512,12 +522,12 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
         if why.startswith(("side_rows=", "min_side_rows=")):
             # Rows the caller asked for: fewer of them fit where the model's top-k allows.
             name = why.split("=")[0]
-            advice = (f"these pools hold {least} rows a layer ({why} as given), so the budget must leave "
+            advice = (f"these pools hold {_rows(least)} a layer ({why} as given), so the budget must leave "
                       f"at least {describe_bytes(pools + headroom)} beside what the process holds"
                       f"{needed(pools)}: a smaller {name}, a larger memory budget, or fewer layers in this process")
         else:  # already the least rows a step needs: only more memory helps
             reason = "the model's top-k" if why == "top-k" else "the least a layer may hold"
-            advice = (f"these are the smallest pools ({least} rows a layer, {reason}), so the "
+            advice = (f"these are the smallest pools ({_rows(least)} a layer, {reason}), so the "
                       f"budget must leave at least {describe_bytes(pools + headroom)} beside what the process "
                       f"holds{needed(pools)}: a larger memory budget, or fewer layers in this process")
     else:
