@@ -12,6 +12,9 @@
 # Writes logs and JSON
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
 # Env: SETUP_ONLY=1 (stop once the extension is built), TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
+# REUSE=1 (a later call on the same warm machine: keep the installed wheels and the built extension,
+# skip the embedded model's warm-up), SHARD=i/n (the whole suite in n calls: the i-th of every n test
+# files in name order, spread over WORKERS pytest-xdist processes, default 12; staged with the wheels),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
 # field at 50% and 25%, AB_ROUNDS rounds), AB_SERVE="args" (then tools/ab_serve.py with those
@@ -25,14 +28,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*"; }
 
-log "install MLX CUDA and carried wheels"
-(cd /root/stage && cat part.aa part.ab > "$(cat NAME)" && sha256sum -c <(echo "$(cat SHA256)  $(cat NAME)")) || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl \
-  /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl $(ls .whl/*.whl /root/stage/whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site
 # The extension finds libmlx through its RPATH when installed beside mlx; copied into the checkout
 # (below) it needs the library path.
 export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ -z "${REUSE:-}" ] || ! ls asyncside/_native*.so >/dev/null 2>&1; then
+log "install MLX CUDA and carried wheels"
+(cd /root/stage && cat part.aa part.ab > "$(cat NAME)" && sha256sum -c <(echo "$(cat SHA256)  $(cat NAME)")) || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stage/mlx-*.whl \
+  /root/stage/mlx_cuda_13-*.whl /root/stage/transformers-*.whl $(ls .whl/*.whl /root/stage/whl/*.whl 2>/dev/null) || exit 1
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -44,8 +48,10 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
 python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
+fi
 [ -n "${SETUP_ONLY:-}" ] && { log "set up (SETUP_ONLY)"; exit 0; }
 
+if [ -z "${REUSE:-}" ]; then
 log "embedded model (a fresh machine builds it: not inside a test's timeout)"
 python3 -c "from asyncside.models.embedded import ensure_embedded_default as e; print(e(None)[0])"
 # ... and a first generation compiles MLX's CUDA kernels for it (a minute on a fresh machine, which
@@ -56,7 +62,12 @@ from asyncside.models.embedded import ensure_embedded_default as e
 ref = load_reference_model(str(e(None)[1]))[0]
 print('warm-up tokens:', reference_generate(ref, list(range(1, 80)), max_tokens=4, prefill_step_size=32))"
 
+fi
 log "GPU tests"
+if [ -n "${SHARD:-}" ]; then
+  # Every n-th file from the i-th, so slow and fast files spread evenly over the calls.
+  TESTS="-n ${WORKERS:-12} --dist loadfile $(ls tests/test_*.py | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" 'NR % n == i % n' | tr '\n' ' ')"
+fi
 # SIGINT at the budget: pytest stops and still prints the failures so far (a SIGTERM loses them).
 timeout -s INT -k 20 ${TEST_BUDGET:-300} python3 -m pytest -q -rfE -p no:cacheprovider --timeout=${TEST_TIMEOUT:-60} \
   ${TESTS:-tests/test_queued.py tests/test_device_pools.py tests/test_runtime.py tests/test_models.py tests/test_bridge_asyncio.py} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -60

@@ -13,7 +13,7 @@ tmp=$(mktemp -d)
 .venv/bin/pip freeze --exclude-editable \
   | grep -viE '^(mlx|mlx-cpu|numpy|mypy|mypy_extensions|ruff|matplotlib|contourpy|cycler|fonttools|kiwisolver|pillow|pyparsing|python-dateutil|six|pathspec|librt)==' \
   > "$tmp/want.txt"
-echo pytest-timeout >> "$tmp/want.txt"
+printf "pytest-timeout\npytest-xdist\nexecnet\n" >> "$tmp/want.txt"  # SHARD runs of cuda-run.sh
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$tmp/w1" -r "$tmp/want.txt"
