@@ -43,7 +43,7 @@ import pathlib
 import tempfile
 import threading
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, MutableMapping
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -256,15 +256,17 @@ class StreamingLM:
         return f"<StreamingLM {self.streaming.model_id} ({self.model_type}), {state}>"
 
 
-def _check_runtime_arguments(runtime: Mapping[str, Any]) -> None:
+def _check_runtime_arguments(runtime: MutableMapping[str, Any]) -> None:
     """Refuse what :func:`load` would hand the Runtime and it would refuse, before a model is
     converted (minutes for a large one) or loaded: a name the Runtime does not take (a misspelt
-    ``polcy=``), an unknown policy or reader. The Runtime refused them only once made, after both."""
+    ``polcy=``), an unknown policy or reader, and every argument the Runtime checks without a
+    store (:func:`asyncside.runtime.check_arguments`). The Runtime refused them only once made,
+    after both."""
     import inspect
 
     from .policies import make_policy
     from .readers import check_reader_name
-    from .runtime import Runtime
+    from .runtime import Runtime, check_arguments
 
     taken = [n for n in inspect.signature(Runtime.__init__).parameters if n not in ("self", "store")]
     unknown = [n for n in runtime if n not in taken]
@@ -275,6 +277,12 @@ def _check_runtime_arguments(runtime: Mapping[str, Any]) -> None:
         make_policy(runtime["policy"])
     if "reader" in runtime:
         check_reader_name(runtime["reader"])
+    # The rest the Runtime checks without a store (verify="no", side_rows=-1, layers=[True]): the
+    # Runtime refused them after the model was converted and loaded.
+    plain = inspect.signature(check_arguments).parameters
+    checked = check_arguments(**{n: v for n, v in runtime.items() if n in plain})
+    if "layers" in runtime:  # an iterator was read by the check: the Runtime gets the list
+        runtime["layers"] = checked["layers"]
 
 
 def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = None,

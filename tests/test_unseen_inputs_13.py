@@ -161,3 +161,39 @@ def test_a_top_1_models_smallest_pools_are_one_row_a_layer(tmp_path: pathlib.Pat
     with pytest.raises(PlanArgumentError) as refused:
         Runtime(single, side_rows=2)
     assert "at most 1 dynamic row a layer (this model's layers have 1 expert each" in str(refused.value)
+
+
+@pytest.mark.parametrize(("given", "error", "said"), [
+    ({"verify": "no"}, TypeError, "verify: expected True or False, got 'no'"),
+    ({"side_rows": -1}, PlanArgumentError, "side_rows: expected a number of rows >= 0, got -1"),
+    ({"min_side_rows": 1.5}, PlanArgumentError, "min_side_rows: expected a number of rows >= 0"),
+    ({"layers": [True]}, PlanArgumentError, "layers: expected layer indices (integers), got True"),
+    ({"pinned": {0: "12"}}, PlanArgumentError, "pinned[0]: expected a list of expert ids, got '12'"),
+    ({"host_tier": "lots"}, ValueError, "host tier 'lots': expected a size"),
+    ({"read_window": 99}, ValueError, "read_window: expected None"),
+    ({"direct": "yes"}, TypeError, "direct: expected None (the plan chooses), True or False, got 'yes'"),
+])
+def test_load_refuses_what_the_runtime_checks_without_a_store_before_converting(
+        quick_store: pathlib.Path, tmp_path: pathlib.Path, given: dict[str, Any], error: type[Exception],
+        said: str) -> None:
+    """``load(MODEL_DIR, verify="no")`` (or a side_rows, layers, pinned, host_tier, read_window or
+    direct the Runtime refuses) converted the model into the cache and loaded it before the Runtime
+    refused the argument; only a misspelt name, a policy and a reader were refused first."""
+    from asyncside import load
+
+    with pytest.raises(error) as info:
+        load(quick_store.parent / "model", cache_dir=tmp_path / "cache", progress=False, **given)
+    assert said in str(info.value)
+    assert not (tmp_path / "cache" / "stores").exists() or not any((tmp_path / "cache" / "stores").iterdir())
+
+
+def test_load_hands_the_runtime_the_layers_an_iterator_named(quick_store: pathlib.Path) -> None:
+    """load() checks ``layers`` before it loads anything: an iterator it read is handed on as the
+    list it held, not as an exhausted iterator (no layer at all)."""
+    from asyncside import load
+
+    model, _tok = load(quick_store, progress=False, layers=iter([1, 0]), side_rows=np.int64(4))
+    try:
+        assert sorted(model.runtime._layer_ids) == [0, 1]
+    finally:
+        model.close()

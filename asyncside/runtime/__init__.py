@@ -116,15 +116,76 @@ def _plain_int(value: Any) -> Any:
 
 
 def _pinned_ids(store: ExpertStore, layer: int, ids: Any) -> list[int]:
-    """The expert ids ``pinned`` names for ``layer`` (a list, a tuple, an integer array); a
-    PlanArgumentError naming the layer and the value otherwise (a float, a bool, a string, a bare id,
-    an id outside the layer's experts)."""
-    if isinstance(ids, (str, bytes, numbers.Number, np.generic)) or ids is None:
-        raise PlanArgumentError(f"pinned[{layer}]: expected a list of expert ids, got {ids!r}")
+    """The expert ids ``pinned`` names for ``layer`` (a list, a tuple, an integer array; a bare id
+    or a string :func:`check_arguments` refused); a PlanArgumentError naming the layer and the
+    value otherwise (a float, a bool, an id outside the layer's experts)."""
     try:
         return validate_ids(ids, store.layer(layer).n_experts, "pinned expert")
     except AsyncsideError as exc:
         raise PlanArgumentError(f"pinned[{layer}]: {exc}") from None
+
+
+def check_arguments(*, resident: Any = 0.25, pinned: Any = None, side_rows: Any = None, min_side_rows: Any = None,
+                    policy: Any = DEFAULT_POLICY, direct: Any = None, memory: Any = None, layers: Any = None,
+                    completed: Any = None, verify: Any = True, host_tier: Any = "auto",
+                    read_window: Any = None) -> dict[str, Any]:
+    """The :class:`Runtime` arguments that need no store, checked as the Runtime checks them (an
+    exception naming the argument for a bad one), as it takes them: NumPy integers as ints, sizes
+    in bytes, ``layers`` a list. ``load()`` calls it before it converts or loads a model: the
+    Runtime refused them only after both."""
+    if direct is not None and not isinstance(direct, bool):
+        raise TypeError(f"direct: expected None (the plan chooses), True or False, got {direct!r}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify: expected True or False, got {verify!r}")
+    if completed is not None and not callable(completed):
+        raise TypeError(f"completed: expected None or an async function of an array, got {completed!r}")
+    # A count computed with NumPy (np.int64(4)) was refused as "expected a number of rows >= 0,
+    # got np.int64(4)", which it is; memory= took one already.
+    side_rows, min_side_rows, read_window = (_plain_int(v) for v in (side_rows, min_side_rows, read_window))
+    host_tier = _plain_int(host_tier)
+    if memory is not None:
+        # As --memory and load() refuse it: memory=1.5 was one byte, refused as a budget of 0.0 MiB.
+        check_memory(parse_size(memory, what="memory"), memory)
+    if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
+        raise TypeError(f"layers: expected the indices of the layers to stream (or None: every one), "
+                        f"got {layers!r}")
+    if isinstance(host_tier, str):  # a size as docs/api.md's "Sizes" says ("1G" was refused), or "auto"
+        host_tier = parse_host_tier(host_tier)
+    elif isinstance(host_tier, bool) or not isinstance(host_tier, int) or host_tier < 0:
+        raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
+    if read_window is not None and (isinstance(read_window, bool) or not isinstance(read_window, int)
+                                    or not 0 <= read_window <= MAX_READ_WINDOW):
+        raise ValueError(f"read_window: expected None (the process's, else measured on the store's disk) or "
+                         f"0 to {MAX_READ_WINDOW} pieces in flight, got {read_window!r}")
+    if isinstance(resident, Mapping):
+        raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
+                        "size); name pinned experts with pinned={layer: [experts]}")
+    if resident != "auto":
+        # A bool is no fraction, None failed inside float() when entered; a negative zero loses its sign.
+        if isinstance(resident, bool) or not isinstance(resident, numbers.Real) or not 0.0 <= float(resident) <= 1.0:
+            raise PlanArgumentError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
+        resident = float(resident) + 0.0
+    make_policy(policy)  # an unknown name is refused here, not once entered
+    if side_rows is not None and (isinstance(side_rows, bool) or not isinstance(side_rows, int) or side_rows < 0):
+        raise PlanArgumentError(f"side_rows: expected a number of rows >= 0, got {side_rows!r}")
+    # A negative or fractional least was taken without a word (the rows a layer gets are whole).
+    if min_side_rows is not None and (isinstance(min_side_rows, bool) or not isinstance(min_side_rows, int)
+                                      or min_side_rows < 0):
+        raise PlanArgumentError(f"min_side_rows: expected a number of rows >= 0 (None: the model's top-k), "
+                                f"got {min_side_rows!r}")
+    # A bool was taken as layer 1 (True == 1) and a float reached the native fault table's
+    # constructor, whose TypeError named none of the user's arguments.
+    if layers is not None:
+        layers = [_layer_index(i, "layers") for i in layers]
+    if pinned is not None and not isinstance(pinned, Mapping):
+        raise PlanArgumentError(f"pinned: expected a mapping of layer to expert ids ({{layer: [experts]}}), "
+                                f"got {type(pinned).__name__}")
+    for i, ids in (pinned or {}).items():
+        _layer_index(i, "pinned")
+        if isinstance(ids, (str, bytes, numbers.Number, np.generic)) or ids is None:
+            raise PlanArgumentError(f"pinned[{i}]: expected a list of expert ids, got {ids!r}")
+    return {"resident": resident, "side_rows": side_rows, "min_side_rows": min_side_rows, "host_tier": host_tier,
+            "read_window": read_window, "layers": layers}
 
 
 class Runtime:
@@ -190,39 +251,11 @@ class Runtime:
         if not isinstance(store, ExpertStore):
             raise TypeError(f"store: expected an ExpertStore (ExpertStore.open(path)), got {type(store).__name__} "
                             f"{store!r}")
-        if direct is not None and not isinstance(direct, bool):
-            raise TypeError(f"direct: expected None (the plan chooses), True or False, got {direct!r}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify: expected True or False, got {verify!r}")
-        if completed is not None and not callable(completed):
-            raise TypeError(f"completed: expected None or an async function of an array, got {completed!r}")
-        # A count computed with NumPy (np.int64(4)) was refused as "expected a number of rows >= 0,
-        # got np.int64(4)", which it is; memory= took one already.
-        side_rows, min_side_rows, read_window = (_plain_int(v) for v in (side_rows, min_side_rows, read_window))
-        host_tier = _plain_int(host_tier)
-        if memory is not None:
-            # As --memory and load() refuse it: memory=1.5 was one byte, refused as a budget of 0.0 MiB.
-            check_memory(parse_size(memory, what="memory"), memory)
-        if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
-            raise TypeError(f"layers: expected the indices of the layers to stream (or None: every one), "
-                            f"got {layers!r}")
-        if isinstance(host_tier, str):  # a size as docs/api.md's "Sizes" says ("1G" was refused), or "auto"
-            host_tier = parse_host_tier(host_tier)
-        elif isinstance(host_tier, bool) or not isinstance(host_tier, int) or host_tier < 0:
-            raise ValueError(f"host_tier: expected 'auto' or a number of bytes >= 0, got {host_tier!r}")
-        if read_window is not None and (isinstance(read_window, bool) or not isinstance(read_window, int)
-                                        or not 0 <= read_window <= MAX_READ_WINDOW):
-            raise ValueError(f"read_window: expected None (the process's, else measured on the store's disk) or "
-                             f"0 to {MAX_READ_WINDOW} pieces in flight, got {read_window!r}")
-        if isinstance(resident, Mapping):
-            raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
-                            "size); name pinned experts with pinned={layer: [experts]}")
-        if resident != "auto":
-            # A bool is no fraction, None failed inside float() when entered; a negative zero loses its sign.
-            if isinstance(resident, bool) or not isinstance(resident, numbers.Real) or not 0.0 <= resident <= 1.0:
-                raise PlanArgumentError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
-            resident = float(resident) + 0.0
-        make_policy(policy)  # an unknown name is refused here, not once entered
+        args = check_arguments(resident=resident, pinned=pinned, side_rows=side_rows, min_side_rows=min_side_rows,
+                               policy=policy, direct=direct, memory=memory, layers=layers, completed=completed,
+                               verify=verify, host_tier=host_tier, read_window=read_window)
+        resident, side_rows, min_side_rows = args["resident"], args["side_rows"], args["min_side_rows"]
+        host_tier, read_window, layers = args["host_tier"], args["read_window"], args["layers"]
         self.store = store
         self.policy = policy
         self._resident, self._pinned, self._memory = resident, pinned, memory
@@ -232,14 +265,9 @@ class Runtime:
         # reader_options that say direct=... are an explicit choice too
         self._direct = direct if direct is not None or reader_options is None else reader_options.direct
         self._reader_args = (reader, reader_options, verify)
-        # A bool was taken as layer 1 (True == 1) and a float reached the native fault table's
-        # constructor, whose TypeError named none of the user's arguments.
-        self._layer_ids = [_layer_index(i, "layers") for i in layers] if layers is not None else list(store.layers)
+        self._layer_ids = list(layers) if layers is not None else list(store.layers)
         # A layer the store lacks (a typo, another model's map) pinned nothing, without a word.
-        if pinned is not None and not isinstance(pinned, Mapping):
-            raise PlanArgumentError(f"pinned: expected a mapping of layer to expert ids ({{layer: [experts]}}), "
-                                    f"got {type(pinned).__name__}")
-        stray = [i for i in (pinned or {}) if _layer_index(i, "pinned") not in store.layers]
+        stray = [i for i in (pinned or {}) if int(i) not in store.layers]
         if stray:
             raise PlanArgumentError(f"pinned: the store has no layer {stray[0]!r} (its layers: {list(store.layers)}); "
                                     f"its experts would be pinned nowhere")
@@ -253,11 +281,6 @@ class Runtime:
         problem = side_rows_problem(store, self._layer_ids, side_rows, pinned)
         if problem is not None:
             raise PlanArgumentError(problem)
-        # A negative or fractional least was taken without a word (the rows a layer gets are whole).
-        if min_side_rows is not None and (isinstance(min_side_rows, bool) or not isinstance(min_side_rows, int)
-                                          or min_side_rows < 0):
-            raise PlanArgumentError(f"min_side_rows: expected a number of rows >= 0 (None: the model's top-k), "
-                                    f"got {min_side_rows!r}")
         # A least above what a layer has to stream was cut down to every expert, and the plan said the
         # rows were raised to "the least rows a layer": refused as side_rows is. The default (the
         # model's top-k, else DEFAULT_MIN_ROWS) is still capped at a small layer's experts.
