@@ -197,3 +197,17 @@ def test_load_hands_the_runtime_the_layers_an_iterator_named(quick_store: pathli
         assert sorted(model.runtime._layer_ids) == [0, 1]
     finally:
         model.close()
+
+
+def test_a_config_of_a_billion_layers_is_refused_naming_the_field() -> None:
+    """A config.json whose ``num_hidden_layers`` was a billion (a typo) held ``bench offload
+    --shapes CONFIG`` in the walk over every layer index for its MoE layers until the OOM killer
+    ended the process."""
+    from asyncside.bench import shapes
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 10**9, "num_attention_heads": 4,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "vocab_size": 300}
+    with pytest.raises(shapes.ShapeError) as info:
+        shapes.qwen3_moe_config(config)
+    assert str(info.value) == f"config.json: num_hidden_layers must be at most {1 << 20}, got {10**9}"
+    assert shapes.qwen3_moe_config({**config, "num_hidden_layers": 3})[0]["num_hidden_layers"] == 3

@@ -178,6 +178,9 @@ _HEADS = ("num_attention_heads", "n_heads", "n_head")
 _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 _VOCAB = ("vocab_size", "padded_vocab_size")
 _EPS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
+#: the most decoder layers a config may give: the MoE layers are found by walking every index, and a
+#: count of a billion (a typo) held the process until the OOM killer ended it
+MAX_DECODER_LAYERS = 1 << 20
 #: model types whose router renormalises the top-k weights without a ``norm_topk_prob`` field
 _RENORMALISING = ("mixtral", "gpt_oss", "phimoe", "minimax", "granitemoe")
 
@@ -415,6 +418,8 @@ def qwen3_moe_config(raw: dict[str, Any], origin: str = "config.json") -> tuple[
         f_field, ffn = got_f[0], _positive_int(origin, got_f[0], got_f[1])
     _, hidden = _required_int(origin, raw, _HIDDEN, "hidden size")
     l_field, n_layers = _required_int(origin, raw, _LAYERS, "decoder layer count")
+    if n_layers > MAX_DECODER_LAYERS:
+        raise ShapeError(f"{origin}: {l_field} must be at most {MAX_DECODER_LAYERS}, got {n_layers}")
     h_field, heads = _required_int(origin, raw, _HEADS, "attention head count")
     got_kv = _pick(raw, _KV_HEADS)
     kv_heads = heads if got_kv is None else _positive_int(origin, got_kv[0], got_kv[1])
