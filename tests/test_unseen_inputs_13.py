@@ -211,3 +211,24 @@ def test_a_config_of_a_billion_layers_is_refused_naming_the_field() -> None:
         shapes.qwen3_moe_config(config)
     assert str(info.value) == f"config.json: num_hidden_layers must be at most {1 << 20}, got {10**9}"
     assert shapes.qwen3_moe_config({**config, "num_hidden_layers": 3})[0]["num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("layer", [True, 1.0, "1", None])
+def test_a_layer_that_is_no_index_is_refused_by_the_runtimes_calls(quick_store: pathlib.Path, layer: Any) -> None:
+    """``await rt.ensure(True, ids)`` and ``rt.prefetch(1.0, ids)`` filled layer 1 (a bool and a
+    float equal to an index hash as it does), and ``rt.ensure("1", ids)`` was refused as "layer 1
+    is not streamed by this runtime (layers: [0, 1])", a list that holds it. A NumPy integer is an
+    index."""
+    async def go() -> None:
+        async with Runtime(ExpertStore.open(quick_store), resident=0.25) as rt:
+            for call in (lambda: rt.prefetch(layer, [3]), lambda: rt.lookup(layer), lambda: rt.lease(layer, [3])):
+                with pytest.raises(AsyncsideError) as info:
+                    call()
+                assert str(info.value) == f"layer {layer!r}: expected a layer index, an integer (layers: [0, 1])"
+            with pytest.raises(AsyncsideError, match="expected a layer index, an integer"):
+                await rt.ensure(layer, [3])
+            assert rt.ledger(1).row_of(3) is None
+            await rt.ensure(np.int64(1), [3])
+            assert int(np.array(rt.lookup(1))[3]) >= 0
+
+    anyio.run(go)

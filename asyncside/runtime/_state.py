@@ -8,6 +8,7 @@ the "something changed" event that waiting ensures and drains sleep on.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -159,8 +160,15 @@ class Shared:
         self._changed = anyio.Event()
 
     def layer(self, layer: int) -> LayerState:
+        st = self.layers.get(layer) if type(layer) is int else None
+        if st is not None:
+            return st
+        # A bool or a float equal to an index (True, 1.0) reached that layer through the dict's
+        # hashing, and "1" was said to be "layer 1 ... not streamed (layers: [0, 1])".
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+            raise AsyncsideError(f"layer {layer!r}: expected a layer index, an integer (layers: {sorted(self.layers)})")
         try:
-            return self.layers[layer]
+            return self.layers[int(layer)]
         except KeyError:
             raise AsyncsideError(
                 f"layer {layer} is not streamed by this runtime (layers: {sorted(self.layers)})"
