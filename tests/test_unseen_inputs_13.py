@@ -232,3 +232,27 @@ def test_a_layer_that_is_no_index_is_refused_by_the_runtimes_calls(quick_store: 
             assert int(np.array(rt.lookup(1))[3]) >= 0
 
     anyio.run(go)
+
+
+def test_convert_names_a_profile_that_is_a_routing_trace_or_no_text(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL STORE --profile mine.npz`` (a routing trace, which a user has at
+    hand) ended in "error: 'utf-8' codec can't decode byte 0xff in position 18", naming neither the
+    file nor what it is; a directory was said not to exist."""
+    from asyncside.routing import preset
+
+    model = quick_store.parent / "model"
+    trace = tmp_path / "mine.npz"
+    preset("low", tokens=8, n_layers=2, n_experts=32, top_k=4).save(trace)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"format": "caf\xe9"}')
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    for given, said in ((trace, f"{trace}: a zip archive (a routing trace .npz?), not a routing profile: a profile "
+                                "is JSON"),
+                        (latin, f"{latin}: routing profile is not UTF-8 JSON text (invalid continuation byte at "
+                                "byte 15)"),
+                        (folder, f"{folder}: is a directory; --profile takes a routing profile file (JSON)")):
+        rc, err = run_cli(capsys, "convert", str(model), str(tmp_path / "store"), "--profile", str(given), "--quiet")
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and said in err, err
+        assert not (tmp_path / "store").exists()

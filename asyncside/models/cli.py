@@ -90,6 +90,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"{dest}: already exists (pass --overwrite to replace it)"
     if dest.absolute() == src.absolute():
         return f"{dest}: the store directory must differ from the model directory"
+    if args.profile is not None and pathlib.Path(args.profile).is_dir():
+        return f"{args.profile}: is a directory; --profile takes a routing profile file (JSON)"
     if args.profile is not None and not pathlib.Path(args.profile).is_file():
         return f"{args.profile}: routing profile file does not exist"
     if args.profile_prompts is not None and not 1 <= args.profile_prompts <= len(PROFILE_PROMPTS):

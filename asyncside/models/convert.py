@@ -89,10 +89,23 @@ def load_profile(profile: str | os.PathLike[str] | Mapping[str, Any]) -> dict[st
     if not isinstance(profile, Mapping):
         where = str(profile)
         try:
-            with open(profile, encoding="utf-8") as fh:
-                profile = json.load(fh)
+            with open(profile, "rb") as fb:
+                raw = fb.read()
         except FileNotFoundError:
             raise StoreError(where, "routing profile file does not exist") from None
+        except OSError as exc:  # a directory, a file that cannot be read: said as the others are
+            raise StoreError(where, f"routing profile cannot be read: {exc.strerror or exc}") from None
+        if raw.startswith(b"PK"):
+            # A routing trace (.npz, docs/routing-traces.md) was refused as "'utf-8' codec can't decode
+            # byte 0xff in position 18", naming neither the file nor what it is.
+            raise StoreError(where, f"a zip archive (a routing trace .npz?), not a routing profile: a profile is "
+                                    f"JSON ({{\"format\": \"{PROFILE_FORMAT}\", \"version\": 1, \"layers\": "
+                                    f"{{layer: [routed count per expert]}}}}), or let --profile-prompts N make one")
+        try:
+            profile = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise StoreError(where, f"routing profile is not UTF-8 JSON text ({exc.reason} at byte "
+                                    f"{exc.start})") from None
         except json.JSONDecodeError as exc:
             raise StoreError(where, f"routing profile is not valid JSON: {exc}") from None
     if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:
