@@ -256,3 +256,26 @@ def test_convert_names_a_profile_that_is_a_routing_trace_or_no_text(quick_store:
         rc, err = run_cli(capsys, "convert", str(model), str(tmp_path / "store"), "--profile", str(given), "--quiet")
         assert rc == 2 and len(err.strip().splitlines()) == 1 and said in err, err
         assert not (tmp_path / "store").exists()
+
+
+def test_a_profile_keyed_by_a_padded_index_ranks_that_layer(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A routing profile keyed ``"01"`` passed the check, then the converter found no layer "1" in
+    it and ranked that layer by id, saying "profile: hottest first"; a profile that did not fit the
+    model was refused as ``<profile> [layers]``, naming no file."""
+    import json
+
+    from asyncside.models.convert import PROFILE_FORMAT, convert_model
+
+    model = quick_store.parent / "model"
+    counts = list(range(32))  # expert 31 the hottest
+    profile = tmp_path / "mine.json"
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "layers": {"01": counts}}))
+    store = convert_model(model, tmp_path / "store", profile=profile, progress=False)
+    assert store.metadata["asyncside_model"]["expert_rank"]["1"][:3] == [31, 30, 29]
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "layers": {"01": counts, "1": counts}}))
+    rc, err = run_cli(capsys, "convert", str(model), str(tmp_path / "other"), "--profile", str(profile), "--quiet")
+    assert rc == 2 and f"{profile} [layers]: layer 1 is given twice" in err, err
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "layers": {"1": counts[:5]}}))
+    rc, err = run_cli(capsys, "convert", str(model), str(tmp_path / "other"), "--profile", str(profile), "--quiet")
+    assert rc == 2 and f"{profile} [layers.1]: layer 1 has 5 counts, the model has 32 experts" in err, err

@@ -115,13 +115,20 @@ def load_profile(profile: str | os.PathLike[str] | Mapping[str, Any]) -> dict[st
     layers = profile.get("layers")
     if not isinstance(layers, Mapping):
         raise StoreError(where, "expected an object layer -> counts", "layers")
+    canonical: dict[str, list[int]] = {}
     for l, counts in layers.items():
-        if not str(l).isdigit():
+        if not str(l).isascii() or not str(l).isdigit():
             raise StoreError(where, f"layer key {l!r} is not a layer index", "layers")
         if not isinstance(counts, list) or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise StoreError(where, "counts must be a list of non-negative integers", f"layers.{l}")
-    return dict(profile)
+        # Keyed as the converter looks a layer up: "01" passed the check, then no layer "1" was found
+        # and the layer was ranked by id, said to be "profile: hottest first".
+        key = str(int(l))
+        if key in canonical:
+            raise StoreError(where, f"layer {key} is given twice (as {key!r} and another spelling)", "layers")
+        canonical[key] = counts
+    return {**profile, "layers": canonical}
 
 
 def rank_experts(counts: Sequence[int] | None, n_experts: int) -> list[int]:
@@ -321,6 +328,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     if not 0.0 <= float(resident_fraction) <= 1.0:
         raise ValueError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
     prof = load_profile(profile) if profile is not None else None
+    # The file a profile that does not fit the model came from (its refusals named "<profile>").
+    prof_where = "<profile>" if profile is None or isinstance(profile, Mapping) else str(profile)
 
     try:
         raw = json.loads((src / "config.json").read_text())
@@ -338,14 +347,14 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     n_experts = {l: _n_experts(getattr(block, attr)) for l, (block, attr) in moe.items()}
     if prof is not None:
         if prof.get("model_type") not in (None, config["model_type"]):
-            raise StoreError("<profile>", f"profile is for {prof['model_type']!r}, model is {config['model_type']!r}",
+            raise StoreError(prof_where, f"profile is for {prof['model_type']!r}, model is {config['model_type']!r}",
                              "model_type")
         for l, c in prof["layers"].items():
             if int(l) not in moe:
-                raise StoreError("<profile>", f"layer {l} is not an MoE layer of the model (MoE layers: {sorted(moe)})",
+                raise StoreError(prof_where, f"layer {l} is not an MoE layer of the model (MoE layers: {sorted(moe)})",
                                  "layers")
             if len(c) != n_experts[int(l)]:
-                raise StoreError("<profile>",
+                raise StoreError(prof_where,
                                  f"layer {l} has {len(c)} counts, the model has {n_experts[int(l)]} experts",
                                  f"layers.{l}")
     ranks = {l: rank_experts(prof["layers"].get(str(l)) if prof else None, n) for l, n in n_experts.items()}
