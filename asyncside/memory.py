@@ -53,23 +53,69 @@ def _read_int(path: pathlib.Path) -> int | None:
         return None
 
 
-def _cgroup_dirs() -> list[tuple[str, pathlib.Path]]:
-    """This process's memory cgroup directories (v2 unified, v1 memory controller)."""
-    out: list[tuple[str, pathlib.Path]] = []
+#: where this process's cgroups and mounts are read (tests stand in files of a container's view)
+PROC_CGROUP = pathlib.Path("/proc/self/cgroup")
+PROC_MOUNTINFO = pathlib.Path("/proc/self/mountinfo")
+
+
+def _cgroup_mounts() -> list[tuple[str, str, pathlib.Path]]:
+    """(version, the cgroup path at the mount's root, the mount point) of each memory cgroup
+    hierarchy mounted here (``/proc/self/mountinfo``): a container's view mounts its own cgroup
+    as the root of ``/sys/fs/cgroup/memory``, where ``/proc/self/cgroup`` still names the host's path."""
+    out: list[tuple[str, str, pathlib.Path]] = []
     try:
-        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+        lines = PROC_MOUNTINFO.read_text().splitlines()
     except OSError:
         return out
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        root, point = fields[3].replace("\\040", " "), fields[4].replace("\\040", " ")
+        if tail[0] == "cgroup2":
+            out.append(("v2", root, pathlib.Path(point)))
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            out.append(("v1", root, pathlib.Path(point)))
+    return out
+
+
+def _cgroup_dirs() -> list[tuple[str, pathlib.Path]]:
+    """This process's memory cgroup directories (v2 unified, v1 memory controller): its path in
+    ``/proc/self/cgroup`` under the hierarchy's mount, less the part the mount's root already is.
+    A container whose ``/proc/self/cgroup`` says ``/docker/ID`` while its memory hierarchy is
+    mounted from that very cgroup had its limit skipped (no such directory under the mount), and
+    its pools were planned against the host's MemAvailable."""
+    out: list[tuple[str, pathlib.Path]] = []
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return out
+    mounts = _cgroup_mounts()
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _hid, controllers, rel = parts
-        rel = rel.lstrip("/")
         if controllers == "":
-            out.append(("v2", pathlib.Path("/sys/fs/cgroup") / rel))
+            version, default = "v2", pathlib.Path("/sys/fs/cgroup")
         elif "memory" in controllers.split(","):
-            out.append(("v1", pathlib.Path("/sys/fs/cgroup/memory") / rel))
+            version, default = "v1", pathlib.Path("/sys/fs/cgroup/memory")
+        else:
+            continue
+        found = False
+        for v, root, point in mounts:
+            if v != version:
+                continue
+            inner = rel.lstrip("/") if root == "/" else (
+                rel[len(root):].lstrip("/") if rel == root or rel.startswith(root.rstrip("/") + "/") else None)
+            if inner is not None:
+                out.append((version, point / inner))
+                found = True
+        # Where no mount of it matched: the usual mount point, as before (a hierarchy the mount
+        # table lists no mount of is not mounted in this view, and has no files to read).
+        if not found and (not mounts or any(v == version for v, _root, _point in mounts)):
+            out.append((version, default / rel.lstrip("/")))
     return out
 
 
@@ -105,7 +151,7 @@ def available_memory() -> MemoryBudget:
                     cache = max(cache, int(value))
         except (OSError, ValueError):
             pass
-        room = MemoryBudget(max(0, limit - usage + cache), f"{name} = {limit / 2**30:.2f} GiB")
+        room = MemoryBudget(max(0, limit - usage + cache), f"{name} = {describe_bytes(limit)}")
         if best is None or room.available < best.available:
             best = room
     return best or MemoryBudget(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free pages")

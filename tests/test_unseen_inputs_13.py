@@ -279,3 +279,35 @@ def test_a_profile_keyed_by_a_padded_index_ranks_that_layer(quick_store: pathlib
     profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "layers": {"1": counts[:5]}}))
     rc, err = run_cli(capsys, "convert", str(model), str(tmp_path / "other"), "--profile", str(profile), "--quiet")
     assert rc == 2 and f"{profile} [layers.1]: layer 1 has 5 counts, the model has 32 experts" in err, err
+
+
+def test_a_containers_memory_limit_is_read_where_its_hierarchy_is_mounted(tmp_path: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a container on cgroup v1 (``docker run --memory 2g``), ``/proc/self/cgroup`` names the
+    host's path (``/docker/ID``) while the container's memory hierarchy is mounted from that very
+    cgroup at ``/sys/fs/cgroup/memory``: the runtime looked for the limit under
+    ``/sys/fs/cgroup/memory/docker/ID``, found nothing, and planned the pools against the host's
+    MemAvailable. The mount's root (``/proc/self/mountinfo``) is taken off the path."""
+    from asyncside import memory
+
+    mount = tmp_path / "sys fs cgroup memory"
+    mount.mkdir()
+    # a limit below any machine's MemAvailable, so that the cgroup's room is the one taken
+    (mount / "memory.limit_in_bytes").write_text(f"{64 << 20}\n")
+    (mount / "memory.usage_in_bytes").write_text(f"{16 << 20}\n")
+    (mount / "memory.stat").write_text(f"cache {8 << 20}\nrss {8 << 20}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("12:memory:/docker/0123abcd\n11:cpu,cpuacct:/docker/0123abcd\n0::/\n")
+    mountinfo = tmp_path / "mountinfo"
+    where = str(mount).replace(" ", "\\040")
+    mountinfo.write_text(
+        "600 598 0:52 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n"
+        f"610 600 0:60 /docker/0123abcd {where} ro,nosuid,nodev,noexec,relatime master:20 - cgroup cgroup "
+        "rw,memory\n"
+        "611 600 0:61 /docker/0123abcd /sys/fs/cgroup/cpu ro,nosuid - cgroup cgroup rw,cpu,cpuacct\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
+    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
+    assert memory._cgroup_dirs() == [("v1", mount)]
+    budget = memory.available_memory()
+    assert budget.available == (64 << 20) - (16 << 20) + (8 << 20)
+    assert budget.source == "cgroup v1 memory.limit_in_bytes = 64.0 MiB"
