@@ -80,13 +80,14 @@ def _cgroup_mounts() -> list[tuple[str, str, pathlib.Path]]:
     return out
 
 
-def _cgroup_dirs() -> list[tuple[str, pathlib.Path]]:
-    """This process's memory cgroup directories (v2 unified, v1 memory controller): its path in
-    ``/proc/self/cgroup`` under the hierarchy's mount, less the part the mount's root already is.
+def _cgroup_dirs() -> list[tuple[str, pathlib.Path, pathlib.Path]]:
+    """This process's memory cgroup directories (v2 unified, v1 memory controller), each with the
+    directory its hierarchy is mounted at: its path in ``/proc/self/cgroup`` under the hierarchy's
+    mount, less the part the mount's root already is.
     A container whose ``/proc/self/cgroup`` says ``/docker/ID`` while its memory hierarchy is
     mounted from that very cgroup had its limit skipped (no such directory under the mount), and
     its pools were planned against the host's MemAvailable."""
-    out: list[tuple[str, pathlib.Path]] = []
+    out: list[tuple[str, pathlib.Path, pathlib.Path]] = []
     try:
         lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
@@ -110,13 +111,37 @@ def _cgroup_dirs() -> list[tuple[str, pathlib.Path]]:
             inner = rel.lstrip("/") if root == "/" else (
                 rel[len(root):].lstrip("/") if rel == root or rel.startswith(root.rstrip("/") + "/") else None)
             if inner is not None:
-                out.append((version, point / inner))
+                out.append((version, point / inner, point))
                 found = True
         # Where no mount of it matched: the usual mount point, as before (a hierarchy the mount
         # table lists no mount of is not mounted in this view, and has no files to read).
         if not found and (not mounts or any(v == version for v, _root, _point in mounts)):
-            out.append((version, default / rel.lstrip("/")))
+            out.append((version, default / rel.lstrip("/"), default))
     return out
+
+
+def _cgroup_room(version: str, d: pathlib.Path) -> MemoryBudget | None:
+    """The room the memory cgroup at ``d`` leaves: its limit less its usage, its page cache counted
+    as room (the cgroup reclaims it); None where it sets no limit or has no such files."""
+    if version == "v2":
+        limit, usage, name = _read_int(d / "memory.max"), _read_int(d / "memory.current"), "cgroup v2 memory.max"
+    else:
+        limit = _read_int(d / "memory.limit_in_bytes")
+        usage = _read_int(d / "memory.usage_in_bytes")
+        name = "cgroup v1 memory.limit_in_bytes"
+        if limit is not None and limit >= 1 << 60:  # v1 says "no limit" with a huge number
+            limit = None
+    if limit is None or usage is None:
+        return None
+    cache = 0
+    try:
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("file", "cache", "total_cache"):
+                cache = max(cache, int(value))
+    except (OSError, ValueError):
+        pass
+    return MemoryBudget(max(0, limit - usage + cache), f"{name} = {describe_bytes(limit)}")
 
 
 def available_memory() -> MemoryBudget:
@@ -130,30 +155,15 @@ def available_memory() -> MemoryBudget:
                 break
     except (OSError, ValueError, IndexError):
         pass
-    for version, d in _cgroup_dirs():
-        if version == "v2":
-            limit, usage, name = _read_int(d / "memory.max"), _read_int(d / "memory.current"), "cgroup v2 memory.max"
-        else:
-            limit = _read_int(d / "memory.limit_in_bytes")
-            usage = _read_int(d / "memory.usage_in_bytes")
-            name = "cgroup v1 memory.limit_in_bytes"
-            if limit is not None and limit >= 1 << 60:  # v1 says "no limit" with a huge number
-                limit = None
-        if limit is None or usage is None:
-            continue
-        # The page cache the cgroup holds can be reclaimed: count it as room.
-        cache = 0
-        stat = d / "memory.stat"
-        try:
-            for line in stat.read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key in ("file", "cache", "total_cache"):
-                    cache = max(cache, int(value))
-        except (OSError, ValueError):
-            pass
-        room = MemoryBudget(max(0, limit - usage + cache), f"{name} = {describe_bytes(limit)}")
-        if best is None or room.available < best.available:
-            best = room
+    for version, leaf, top in _cgroup_dirs():
+        # The cgroup's ancestors up to the mount limit it too: a limit set on a slice (systemd's
+        # MemoryMax=) left the process's own cgroup at "max", and the runtime planned past it.
+        for d in [leaf, *(p for p in leaf.parents if p == top or top in p.parents)]:
+            room = _cgroup_room(version, d)
+            if room is not None and d != leaf:
+                room = MemoryBudget(room.available, f"{room.source} (of the parent cgroup {d})")
+            if room is not None and (best is None or room.available < best.available):
+                best = room
     return best or MemoryBudget(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free pages")
 
 

@@ -307,7 +307,33 @@ def test_a_containers_memory_limit_is_read_where_its_hierarchy_is_mounted(tmp_pa
         "611 600 0:61 /docker/0123abcd /sys/fs/cgroup/cpu ro,nosuid - cgroup cgroup rw,cpu,cpuacct\n")
     monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
     monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
-    assert memory._cgroup_dirs() == [("v1", mount)]
+    assert memory._cgroup_dirs() == [("v1", mount, mount)]
     budget = memory.available_memory()
     assert budget.available == (64 << 20) - (16 << 20) + (8 << 20)
     assert budget.source == "cgroup v1 memory.limit_in_bytes = 64.0 MiB"
+
+
+def test_a_limit_on_a_parent_cgroup_bounds_the_budget(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory limit set on a slice (``systemd-run --slice=small.slice``, ``MemoryMax=`` on the
+    slice) leaves the process's own cgroup at ``max``: the runtime read only its own cgroup and
+    planned the pools against MemAvailable, past the slice's limit."""
+    from asyncside import memory
+
+    root = tmp_path / "cgroup2"
+    leaf = root / "small.slice" / "run-1.scope"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text(f"{8 << 20}\n")
+    slice_ = root / "small.slice"
+    (slice_ / "memory.max").write_text(f"{96 << 20}\n")  # below any machine's MemAvailable
+    (slice_ / "memory.current").write_text(f"{40 << 20}\n")
+    (slice_ / "memory.stat").write_text(f"anon {30 << 20}\nfile {4 << 20}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/small.slice/run-1.scope\n")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 1 0:26 / {root} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
+    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
+    budget = memory.available_memory()
+    assert budget.available == (96 << 20) - (40 << 20) + (4 << 20)
+    assert budget.source == f"cgroup v2 memory.max = 96.0 MiB (of the parent cgroup {slice_})"
