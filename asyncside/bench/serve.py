@@ -53,6 +53,7 @@ from typing import Any
 
 from ..argtypes import int_at_least, nonnegative_float, positive_float, positive_ints
 from ..errors import AsyncsideError
+from ..memory import describe_bytes
 from . import require_extra
 from .machine import machine_info
 
@@ -455,32 +456,86 @@ def _check(args: argparse.Namespace) -> None:
                              "prompt to send (leave one of them out)")
 
 
-def _fit_long_prompt(args: argparse.Namespace, context: int | None, sent: bool) -> tuple[int, str | None]:
+def _longest_prompt(context: int | None, admission: Any, max_tokens: int) -> int | None:
+    """The longest prompt the server admits beside ``max_tokens`` generated tokens: within the
+    model's context and, under a memory budget, the KV allowance (``admission``, the engine's
+    :class:`~asyncside.serving.kv_budget.KVAdmission`); at most 0 where no prompt is admitted;
+    None where nothing bounds it."""
+    longest = None if context is None else context - max_tokens
+    if admission is None or getattr(admission, "allowance", None) is None or (longest is not None and longest < 1):
+        return longest
+
+    def fits(n: int) -> bool:
+        return admission.refusal(n, max_tokens) is None
+
+    if not fits(1):
+        return 0
+    # A request's worst case grows with its prompt (up to a sliding window's): the largest that fits.
+    top = longest if longest is not None else 1 << 30
+    low, high = 1, top
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _fit_long_prompt(args: argparse.Namespace, context: int | None, sent: bool,
+                     admission: Any = None) -> tuple[int, str | None]:
     """(the long prompt's tokens, a note where the default was cut): ``--long-prompt`` as given, else
-    the default, cut to what the model's context leaves beside ``--max-tokens`` where a phase sends
-    it. An explicit ``--long-prompt`` past the context is left for :func:`_check_context` to refuse."""
+    the default, cut to what the model's context leaves beside ``--max-tokens`` (and, under a
+    memory budget, to what the KV allowance admits) where a phase sends it. An explicit
+    ``--long-prompt`` the server would refuse is left for :func:`_check_context` to refuse."""
     if args.long_prompt is not None:
         return args.long_prompt, None
-    if not sent or context is None or LONG_PROMPT + args.max_tokens <= context:
-        return LONG_PROMPT, None
-    fit = max(context - args.max_tokens, 0)
-    return fit, (f"the long prompt is {fit} tokens, not the default {LONG_PROMPT}: the model's context is {context} "
-                 f"tokens, --max-tokens {args.max_tokens} of them generated (--long-prompt sets it)")
+    longest = _longest_prompt(context, admission, args.max_tokens)
+    if not sent or longest is None or LONG_PROMPT <= longest or longest < 1:
+        return LONG_PROMPT, None  # nothing fits beside --max-tokens: _check_context refuses it
+    if context is not None and longest == context - args.max_tokens:
+        why = f"the model's context is {context} tokens, --max-tokens {args.max_tokens} of them generated"
+    else:
+        why = (f"the KV cache of its tokens and --max-tokens {args.max_tokens} must fit the KV allowance of "
+               f"{describe_bytes(admission.allowance)} under the memory budget")
+    return longest, f"the long prompt is {longest} tokens, not the default {LONG_PROMPT}: {why} (--long-prompt sets it)"
 
 
-def _check_context(args: argparse.Namespace, context: int | None, long_prompts: Sequence[int]) -> None:
-    """Refuse prompts that the server would refuse, every one of them (``context_length_exceeded``):
-    a prompt length, or the long prompt of a phase that sends it, plus ``--max-tokens`` past the
-    model's context. Such a run measured nothing and said so only in its phases' errors."""
-    if context is None:
+def _check_context(args: argparse.Namespace, context: int | None, long_prompts: Sequence[int],
+                   admission: Any = None) -> None:
+    """Refuse prompts that the server would refuse, every one of them: a prompt length, or the long
+    prompt of a phase that sends it, plus ``--max-tokens`` past the model's context
+    (``context_length_exceeded``) or, under a memory budget, whose KV cache may not fit the
+    allowance (``kv_budget_exceeded``). Such a run measured nothing and said so only in its
+    phases' errors."""
+    longest = _longest_prompt(context, admission, args.max_tokens)
+    if longest is None:
         return
-    over = [f"--prompt-lengths {n}" for n in sorted(set(args.prompt_lengths)) if n + args.max_tokens > context]
-    if any(n > 0 and n + args.max_tokens > context for n in long_prompts):
+    over_context = context is not None and longest == context - args.max_tokens
+    allowance = "" if over_context else (f"the KV allowance of {describe_bytes(admission.allowance)} under the memory "
+                                         f"budget ({admission.budget})")
+    if longest < 1:
+        # No prompt fits beside --max-tokens: "at most N prompt tokens" would have been N <= 0.
+        if over_context:
+            raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
+                             f"{context} tokens (every request is refused); ask for at most "
+                             f"{longest + args.max_tokens - 1}")
+        raise ValueError(f"--max-tokens {args.max_tokens}: a request's KV cache may not fit {allowance} even with a "
+                         f"one-token prompt (every request is refused); ask for at most {_most_tokens(admission)}")
+    why = (f"past the model's context of {context} tokens" if over_context
+           else f"their KV caches may not fit {allowance}")
+    over = [f"--prompt-lengths {n}" for n in sorted(set(args.prompt_lengths)) if n > longest]
+    if any(n > longest for n in long_prompts):
         over.append(f"--long-prompt {args.long_prompt}")
     if over:
-        raise ValueError(f"{', '.join(over)} with --max-tokens {args.max_tokens}: past the model's context of "
-                         f"{context} tokens (every such request is refused); ask for at most "
-                         f"{context - args.max_tokens} prompt tokens")
+        raise ValueError(f"{', '.join(over)} with --max-tokens {args.max_tokens}: {why} (every such request is "
+                         f"refused); ask for at most {longest} prompt tokens")
+
+
+def _most_tokens(admission: Any) -> int:
+    """The largest ``max_tokens`` a one-token prompt may ask for under ``admission``'s allowance."""
+    low, high = 0, 1 << 30
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if admission.refusal(1, mid) is None else (low, mid - 1)
+    return low
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
@@ -538,18 +593,18 @@ def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], An
     with contextlib.ExitStack() as stack:
         srv = stack.enter_context(BackgroundServer(app))
         state = app.state.asyncside
+        admission = state.batcher.kv_admission
         long_prompt, long_note = _fit_long_prompt(args, state.context_length,
-                                                  any(c in with_long for c in args.clients))
+                                                  any(c in with_long for c in args.clients), admission)
         if long_note is not None:
             print(f"note: {long_note}", file=sys.stderr, flush=True)
-        _check_context(args, state.context_length, [long_at(c) for c in args.clients])
+        _check_context(args, state.context_length, [long_at(c) for c in args.clients], admission)
         rss_idle = read_rss_bytes()
         model_id = state.model_id
         tokenizer = state.batcher.tokenizer
         engine = dict(state.engine.description)
         engine["prefill_chunk"] = state.batcher.prefill_chunk
         engine["max_batch"] = state.batcher.max_batch
-        admission = state.batcher.kv_admission
         engine["max_active_by_rows"] = admission.max_active if admission is not None else None
         engine["joint_prefill"] = state.batcher.joint_prefill
         try:

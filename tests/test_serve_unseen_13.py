@@ -1,0 +1,72 @@
+"""Serving on unseen inputs, round 13: a user's own memory budget, model shapes and benchmark
+settings that the server refuses every request of.
+
+``bench serve`` refuses up front what the server would refuse every time (a prompt past the
+model's context, and now one whose KV cache the memory budget's allowance can never admit),
+instead of measuring a phase of errors; its advice names a length that can be asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from asyncside.bench.serve import _check_context, _fit_long_prompt
+from asyncside.kv_layout import KVLayout
+from asyncside.serving.kv_budget import KVAdmission
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+#: a model whose KV cache takes 96 KiB a position (three layers of sixteen 256-wide heads in float32)
+LAYOUT = KVLayout(per_token=(32768,) * 3, windows=(None,) * 3)
+ALLOWANCE = 128 << 20
+
+
+def _admission() -> KVAdmission:
+    return KVAdmission(LAYOUT, ALLOWANCE, budget="memory=420.0 MiB")
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"prompt_lengths": [8, 32, 128], "max_tokens": 32, "long_prompt": None, **kw})
+
+
+def test_bench_serve_refuses_a_max_tokens_that_leaves_no_room_for_a_prompt() -> None:
+    """``bench serve --max-tokens 1000`` on a model of 512 positions advised "ask for at most -488
+    prompt tokens": the flag at fault is --max-tokens, and the advice names what it may be."""
+    with pytest.raises(ValueError) as info:
+        _check_context(_args(max_tokens=1000), 512, [0])
+    said = str(info.value)
+    assert said.startswith("--max-tokens 1000 leaves no room for a prompt in the model's context of 512 tokens")
+    assert said.endswith("ask for at most 511") and "-" not in said.split("at most")[1], said
+    with pytest.raises(ValueError, match=r"^--max-tokens 512 leaves no room .* at most 511$"):
+        _check_context(_args(max_tokens=512), 512, [0])
+    _check_context(_args(max_tokens=511, prompt_lengths=[1]), 512, [0])  # one prompt token fits
+
+
+def test_bench_serve_refuses_prompts_whose_kv_cache_the_budget_never_admits() -> None:
+    """Under ``--memory`` the server refuses a request whose KV cache may outgrow the allowance
+    (400 kv_budget_exceeded); the bench sent them anyway: the default 2000-token long prompt made
+    a phase of one error and "long TTFT not reached". The default long prompt is now cut to what
+    the allowance admits (a note says so), and lengths given that it never admits are refused
+    before any phase, naming the allowance and the longest prompt it admits."""
+    admission = _admission()
+    longest = max(n for n in range(1, 4096) if admission.refusal(n, 32) is None)
+    assert admission.refusal(longest + 1, 32) is not None and longest < 2000
+    fit, note = _fit_long_prompt(_args(), 4096, True, admission)
+    assert fit == longest and note is not None and "KV allowance of 128.0 MiB" in note, note
+    _check_context(_args(), 4096, [0, fit], admission)  # what it cut to is admitted
+    assert _fit_long_prompt(_args(), 4096, False, admission) == (2000, None)  # no phase sends it
+    with pytest.raises(ValueError) as info:
+        _check_context(_args(long_prompt=2000, prompt_lengths=[8, 1500]), 4096, [0, 2000], admission)
+    said = str(info.value)
+    assert said.startswith("--prompt-lengths 1500, --long-prompt 2000 with --max-tokens 32: their KV caches may "
+                           "not fit the KV allowance of 128.0 MiB under the memory budget (memory=420.0 MiB)"), said
+    assert said.endswith(f"ask for at most {longest} prompt tokens"), said
+    with pytest.raises(ValueError) as info:
+        _check_context(_args(max_tokens=2000), 4096, [0], admission)
+    most = max(n for n in range(1, 4096) if admission.refusal(1, n) is None)
+    assert str(info.value).startswith("--max-tokens 2000: a request's KV cache may not fit the KV allowance")
+    assert str(info.value).endswith(f"ask for at most {most}"), info.value
+    # Without a budget (no allowance) only the context bounds them, as before.
+    _check_context(_args(prompt_lengths=[1500]), 4096, [2000], KVAdmission(LAYOUT, None))
