@@ -83,12 +83,14 @@ def test_counts_computed_with_numpy_are_taken_as_ints(quick_store: pathlib.Path)
     ("12", "pinned[0]: expected a list of expert ids, got '12'"),
     (5, "pinned[0]: expected a list of expert ids, got 5"),
     ([40], "pinned[0]: pinned expert 40 out of range [0, 32)"),
+    ([5, 2, 5], "pinned[0]: expert 5 is listed twice"),
 ])
 def test_pinned_ids_that_are_no_expert_ids_are_refused_when_made(quick_store: pathlib.Path, ids: Any,
                                                                  said: str) -> None:
     """The plan read pinned ids through int(): ``pinned={0: [1.7]}`` pinned expert 1,
     ``{0: "12"}`` experts 1 and 2, ``{0: [True]}`` expert 1, without a word; ``{0: 5}`` ended in
-    "'int' object is not iterable" once entered."""
+    "'int' object is not iterable" once entered, and ``{0: [5, 2, 5]}`` in the ledger's "resident
+    expert 5 is listed twice", naming neither pinned nor the layer."""
     with pytest.raises(PlanArgumentError) as info:
         Runtime(ExpertStore.open(quick_store), pinned={0: ids})
     assert str(info.value) == said

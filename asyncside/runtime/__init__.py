@@ -120,9 +120,15 @@ def _pinned_ids(store: ExpertStore, layer: int, ids: Any) -> list[int]:
     or a string :func:`check_arguments` refused); a PlanArgumentError naming the layer and the
     value otherwise (a float, a bool, an id outside the layer's experts)."""
     try:
-        return validate_ids(ids, store.layer(layer).n_experts, "pinned expert")
+        out = validate_ids(ids, store.layer(layer).n_experts, "pinned expert")
     except AsyncsideError as exc:
         raise PlanArgumentError(f"pinned[{layer}]: {exc}") from None
+    # Refused once entered, by the ledger, as "resident expert 1 is listed twice": no layer, and a
+    # name the caller never used.
+    twice = next((e for i, e in enumerate(out) if e in out[:i]), None)
+    if twice is not None:
+        raise PlanArgumentError(f"pinned[{layer}]: expert {twice} is listed twice")
+    return out
 
 
 def check_arguments(*, resident: Any = 0.25, pinned: Any = None, side_rows: Any = None, min_side_rows: Any = None,
