@@ -32,10 +32,22 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .errors import LedgerError
+
+
+def _positive(value: Any) -> bool:
+    """Whether ``value`` is a number > 0 (a NumPy scalar too, as a parameter read off an array is;
+    a bool is none)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) > 0
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is an integer >= 1 (a NumPy integer too; a bool is none)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 class Policy:
@@ -185,10 +197,10 @@ class AgingLFU(LFU):
     name = "aging-lfu"
 
     def __init__(self, period: int = 64) -> None:
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        if not _count(period):
             raise LedgerError(f"aging-lfu period must be a positive int, got {period!r}")
         super().__init__()
-        self.period = period
+        self.period = int(period)
         self._reserves = 0
 
     def reset(self) -> None:
@@ -244,7 +256,7 @@ class LRFU(_HeapPolicy):
     native_order = "decayed"
 
     def __init__(self, half_life: float = 8.0) -> None:
-        if not isinstance(half_life, (int, float)) or isinstance(half_life, bool) or not half_life > 0:
+        if not _positive(half_life):
             raise LedgerError(f"lrfu half_life must be a positive number, got {half_life!r}")
         super().__init__()
         self.half_life = float(half_life)
@@ -353,18 +365,19 @@ class AdaptiveLRFU(_HeapPolicy):
 
     def __init__(self, half_lives: Sequence[float] = (8.0, 256.0), period: int = 32,
                  rows: int | None = None) -> None:
-        hl = tuple(half_lives)
-        if not hl or any(isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0 for h in hl):
-            raise LedgerError(f"adaptive-lrfu half_lives must be positive numbers, got {half_lives!r}")
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        # A bare number ended in "'int' object is not iterable".
+        hl = tuple(half_lives) if isinstance(half_lives, Iterable) and not isinstance(half_lives, (str, bytes)) else ()
+        if not hl or not all(_positive(h) for h in hl):
+            raise LedgerError(f"adaptive-lrfu half_lives must be a sequence of positive numbers, got {half_lives!r}")
+        if not _count(period):
             raise LedgerError(f"adaptive-lrfu period must be a positive int, got {period!r}")
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        if rows is not None and not _count(rows):
             raise LedgerError(f"adaptive-lrfu rows must be a positive int or None, got {rows!r}")
         super().__init__()
         self.half_lives = tuple(float(h) for h in hl)
-        self.period = period
-        self._rows_given = rows
-        self.rows = rows or 0
+        self.period = int(period)
+        self._rows_given = None if rows is None else int(rows)
+        self.rows = self._rows_given or 0
         self._start = 0  # the first candidate (LRFU's half-life) until the shadows have a say
 
     def attach(self, owner: object, live: Iterable[int]) -> None:

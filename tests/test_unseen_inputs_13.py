@@ -339,3 +339,26 @@ def test_a_limit_on_a_parent_cgroup_bounds_the_budget(tmp_path: pathlib.Path, mo
     budget = memory.available_memory()
     assert budget.available == (96 << 20) - (40 << 20) + (4 << 20)
     assert budget.source == f"cgroup v2 memory.max = 96.0 MiB (of the parent cgroup {slice_})"
+
+
+def test_policy_parameters_computed_with_numpy_are_taken() -> None:
+    """``LRFU(np.float32(8))`` was refused as "lrfu half_life must be a positive number, got
+    np.float32(8.0)", ``AgingLFU(np.int64(64))`` and ``AdaptiveLRFU(period=np.int64(32))`` as "must
+    be a positive int", which they are; ``AdaptiveLRFU(half_lives=8)`` ended in "'int' object is
+    not iterable"."""
+    from asyncside.errors import LedgerError
+    from asyncside.policies import LRFU, AdaptiveLRFU, AgingLFU
+
+    assert LRFU(np.float32(4)).half_life == 4.0
+    aging = AgingLFU(np.int64(16))
+    assert aging.period == 16 and type(aging.period) is int
+    adaptive = AdaptiveLRFU(half_lives=np.array([8.0, 64.0]), period=np.int64(8), rows=np.int32(4))
+    assert adaptive.half_lives == (8.0, 64.0) and adaptive.period == 8 and adaptive.rows == 4
+    with pytest.raises(LedgerError) as info:
+        AdaptiveLRFU(half_lives=8)  # type: ignore[arg-type]
+    assert str(info.value) == "adaptive-lrfu half_lives must be a sequence of positive numbers, got 8"
+    for bad in (True, float("nan"), -1.0):
+        with pytest.raises(LedgerError, match="lrfu half_life must be a positive number"):
+            LRFU(bad)
+    with pytest.raises(LedgerError, match="aging-lfu period must be a positive int, got 64.0"):
+        AgingLFU(64.0)  # type: ignore[arg-type]
