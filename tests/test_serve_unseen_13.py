@@ -70,3 +70,23 @@ def test_bench_serve_refuses_prompts_whose_kv_cache_the_budget_never_admits() ->
     assert str(info.value).endswith(f"ask for at most {most}"), info.value
     # Without a budget (no allowance) only the context bounds them, as before.
     _check_context(_args(prompt_lengths=[1500]), 4096, [2000], KVAdmission(LAYOUT, None))
+
+
+@pytest.mark.parametrize("argv, said", [(["--temp", "0.7"], "--temp 0.7"), (["--joint-prefill"], "--joint-prefill"),
+                                        (["--prefill-chunk", "8"], "--prefill-chunk")])
+def test_serve_pipeline_refuses_options_its_ranks_cannot_honour(argv: list[str], said: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --pipeline --temp 0.7`` started, then answered every request that gave no
+    temperature with 400 "a pipeline of ranks decodes greedily: leave out temperature" (the user
+    had left it out); --joint-prefill and --prefill-chunk were ignored without a word. Each is now a
+    usage error before the ranks launch (exit 2, one line); --temp 0 still runs."""
+    from _cli_support import run_cli
+
+    from asyncside.cli import build_parser
+    from asyncside.serving.cli import pipeline_problem
+
+    rc, err = run_cli(capsys, "serve", "--pipeline", *argv)
+    assert rc == 2 and f"{said} is not supported with --pipeline" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert pipeline_problem(build_parser().parse_args(["serve", "--pipeline", "--temp", "0"])) is None
+    assert pipeline_problem(build_parser().parse_args(["serve", *argv])) is None  # without --pipeline: fine

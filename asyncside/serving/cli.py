@@ -288,6 +288,14 @@ def pipeline_problem(args: argparse.Namespace) -> str | None:
                           ("--host-tier", getattr(args, "host_tier_given", False))):
         if given:
             return f"{option} is not supported with --pipeline"
+    # A pipeline decodes greedily and prefills its own way: a default temperature would make every
+    # request that gives none a 400 ("leave out temperature"); the prefill options would be ignored.
+    temp = getattr(args, "temp", 0.0)
+    for option, given in ((f"--temp {temp:g}", temp != 0.0),
+                          ("--joint-prefill", getattr(args, "joint_prefill", False)),
+                          ("--prefill-chunk", getattr(args, "prefill_chunk", None) is not None)):
+        if given:
+            return f"{option} is not supported with --pipeline (its ranks decode greedily, prefilling their own way)"
     from ..distributed.rank import stage_problem
 
     return stage_problem(args)
