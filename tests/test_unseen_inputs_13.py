@@ -6,6 +6,7 @@ shown as it was given, never as nothing."""
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 import anyio
@@ -362,3 +363,21 @@ def test_policy_parameters_computed_with_numpy_are_taken() -> None:
             LRFU(bad)
     with pytest.raises(LedgerError, match="aging-lfu period must be a positive int, got 64.0"):
         AgingLFU(64.0)  # type: ignore[arg-type]
+
+
+def test_offload_names_a_small_shapes_sizes_in_kb(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --shapes mine.json:3 --memory 50M`` on a small config said "its 3 MoE
+    layers' top-1 experts alone are 0 MB (records of 0 MB), and a run also holds 0 MB of other
+    weights": sizes that are not zero read as nothing."""
+    import json
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_experts": 5, "num_experts_per_tok": 1,
+              "moe_intermediate_size": 64, "intermediate_size": 96, "vocab_size": 300}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(config))
+    rc, err = run_cli(capsys, "bench", "offload", "--shapes", f"{path}:3", "--store-ratio", "0.0001", "--memory",
+                      "50M", "--cache-dir", str(tmp_path / "cache"), "--localities", "low", "--quiet")
+    assert rc == 2 and "holds no run of --shapes" in err, err
+    assert " 0 MB" not in err and re.search(r"top-1 experts alone are \d+ kB \(records of \d+ kB\)", err), err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.bin"))

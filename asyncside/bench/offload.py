@@ -801,6 +801,14 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def _mb(n: float) -> str:
+    """``n`` bytes in the decimal MB the tables use; a size that is not zero but would read ``0 MB``
+    (a small shape's records) in kB, or in bytes below one kB."""
+    if not n or abs(n) >= MB / 2:
+        return f"{n / MB:.0f} MB"
+    return f"{n / 1e3:.0f} kB" if abs(n) >= 1e3 else f"{n:.0f} bytes"
+
+
 def _log(enabled: bool, msg: str) -> None:
     if enabled:
         print(f"[offload] {msg}", file=sys.stderr, flush=True)
@@ -863,7 +871,7 @@ def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: st
     scale = 10 ** (1 - math.floor(math.log10(exact)))
     passes = math.floor(exact * scale) / scale
     lead = f"--stores {s['store']}" if args.stores else f"--shapes {s['spec']}:{s['moe_layers']}"
-    said = (f"{lead}: the {s['shape']} store ({s['store_bytes'] / MB:.0f} MB) is less than {ratio:g}x the budget "
+    said = (f"{lead}: the {s['shape']} store ({_mb(s['store_bytes'])}) is less than {ratio:g}x the budget "
             f"({budget / MB:.0f} MB{why})")
     layers = int(s["moe_layers"])
     these = "this layer as it is" if layers == 1 else f"these {layers} layers as they are"
@@ -992,9 +1000,9 @@ def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
     fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer >= 1 else ""
     raise ValueError(
         f"--memory {_budget_text(budget)} holds no run of --shapes {s['spec']}:{s['moe_layers']}: {layers} "
-        f"top-{s['top_k']} experts alone are {rows / MB:.0f} MB (records of {s['record_bytes'] / MB:.0f} MB), and a "
-        f"run also holds {other / MB:.0f} MB of other weights and about {s['process_bytes'] / MB:.0f} MB of process "
-        f"({least / MB:.0f} MB in all); asyncside's smallest plan is about {plan / MB:.0f} MB: --memory "
+        f"top-{s['top_k']} experts alone are {_mb(rows)} (records of {_mb(s['record_bytes'])}), and a "
+        f"run also holds {_mb(other)} of other weights and about {_mb(s['process_bytes'])} of process "
+        f"({_mb(least)} in all); asyncside's smallest plan is about {_mb(plan)}: --memory "
         f"{-(-plan // 2**20)}M or more{fits} (nothing was built)")
 
 
