@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from asyncside import ExpertStore, Runtime
+from asyncside.cli import main as cli_main
 from asyncside.errors import AsyncsideError
 from asyncside.runtime import PlanArgumentError
 from tests._cli_support import run_cli
@@ -381,3 +382,31 @@ def test_offload_names_a_small_shapes_sizes_in_kb(tmp_path: pathlib.Path, capsys
     assert rc == 2 and "holds no run of --shapes" in err, err
     assert " 0 MB" not in err and re.search(r"top-1 experts alone are \d+ kB \(records of \d+ kB\)", err), err
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.bin"))
+
+
+def test_an_explicit_host_tier_the_pools_cannot_keep_is_said(quick_store: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --host-tier 2G`` (and ``Runtime(host_tier="2G")``) on host pools printed the same plan
+    as without it: the tier, which only MLX CUDA device pools keep, was dropped without a word."""
+    from asyncside import _native, pools
+
+    if pools.device_pools_default() and _native.device_faults_available():
+        pytest.skip("device pools keep a host tier here")
+
+    async def go() -> tuple[str, ...]:
+        async with Runtime(ExpertStore.open(quick_store), host_tier="2G") as rt:
+            assert rt.plan is not None and rt.plan.host_tier_bytes == 0
+            return rt.plan.notes
+
+    note = "host tier: none kept (host_tier=2.00 GiB asked): the pools are not MLX CUDA device pools"
+    assert any(n.startswith(note) for n in anyio.run(go))
+
+    async def auto() -> tuple[str, ...]:
+        async with Runtime(ExpertStore.open(quick_store)) as rt:
+            assert rt.plan is not None
+            return rt.plan.notes
+
+    assert not any(n.startswith("host tier") for n in anyio.run(auto))
+    assert cli_main(["demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none",
+                     "--host-tier", "2G"]) == 0
+    assert note in capsys.readouterr().out

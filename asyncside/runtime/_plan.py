@@ -691,6 +691,11 @@ def plan_memory(
     cap = int(max(room, 0) * TIER_SHARE) if host_tier == "auto" else int(host_tier)
     tier_layers: set[int] = set()
     tier_total = 0
+    if not tier_possible and host_tier != "auto" and cap > 0:
+        # An explicit host tier on host pools (CPU, or no device fault path) was dropped without a
+        # word: the demo printed the same plan with --host-tier 2G as without it.
+        notes.append(f"host tier: none kept (host_tier={describe_bytes(cap)} asked): the pools are not MLX CUDA "
+                     f"device pools, so a fault reads the record into its row from the store")
     if tier_possible and cap > 0:
         for i, spec in specs.items():
             if tier_total + tier_bytes(spec) > cap:
