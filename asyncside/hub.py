@@ -37,6 +37,11 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
+#: a repo's address on the Hub (``https://huggingface.co/org/name``, its ``/tree/REV`` or a file's page)
+_HUB_URL = re.compile(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/\s]+/[^/\s]+?)"
+                      r"(?:/(?:tree|blob|resolve)/\S*)?/?$")
+
+
 def is_repo_id(name: str) -> bool:
     """Whether ``name`` has the shape of a Hugging Face repo id (``org/name``, no other slash)."""
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith((".", "-"))
@@ -70,6 +75,11 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
     if path.exists():
         return path.absolute()
     if not is_repo_id(text):
+        # A repo's page address, pasted from the browser, was said to be no repo id, with no word
+        # of the one it holds.
+        url = _HUB_URL.match(text.strip())
+        if url and is_repo_id(url.group(1)):
+            raise ModelNotFoundError(text, f"a Hugging Face page address: give its repo id, {url.group(1)}")
         raise ModelNotFoundError(text, "model directory does not exist (and not a Hugging Face repo id, org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (

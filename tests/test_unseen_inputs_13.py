@@ -410,3 +410,17 @@ def test_an_explicit_host_tier_the_pools_cannot_keep_is_said(quick_store: pathli
     assert cli_main(["demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none",
                      "--host-tier", "2G"]) == 0
     assert note in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("address", ["https://huggingface.co/mlx-community/Qwen3-30B-A3B-4bit",
+                                     "https://huggingface.co/mlx-community/Qwen3-30B-A3B-4bit/tree/main",
+                                     "huggingface.co/mlx-community/Qwen3-30B-A3B-4bit/"])
+def test_a_hub_page_address_names_the_repo_id_it_holds(address: str, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo --model https://huggingface.co/org/name`` (the address pasted from the browser) was
+    refused as "model directory does not exist (and not a Hugging Face repo id, org/name)", with no
+    word of the repo id it holds."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, err = run_cli(capsys, "demo", "--model", address, "--tokens", "2", "--reference", "none")
+    assert rc == 2 and err.strip() == (f"asyncside demo: {address}: a Hugging Face page address: give its repo id, "
+                                       f"mlx-community/Qwen3-30B-A3B-4bit"), err
