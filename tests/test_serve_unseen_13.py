@@ -9,6 +9,10 @@ instead of measuring a phase of errors; its advice names a length that can be as
 from __future__ import annotations
 
 import argparse
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -90,3 +94,59 @@ def test_serve_pipeline_refuses_options_its_ranks_cannot_honour(argv: list[str],
     assert len(err.strip().splitlines()) == 1, err
     assert pipeline_problem(build_parser().parse_args(["serve", "--pipeline", "--temp", "0"])) is None
     assert pipeline_problem(build_parser().parse_args(["serve", *argv])) is None  # without --pipeline: fine
+
+
+def _scripted_app(tmp: pathlib.Path, reply: str, context: int, allowance: int | None = None, **settings: Any) -> Any:
+    """The app over a scripted model of ``context`` positions whose KV cache takes 8 KiB a position,
+    under a memory plan granting ``allowance`` bytes of KV caches (None: no budget)."""
+    from types import SimpleNamespace
+
+    from _serving_support import ScriptedModel, byte_tokenizer
+
+    from asyncside.serving import Engine, ServeSettings, create_app
+
+    model = ScriptedModel(byte_tokenizer(tmp), reply, context=context)
+    model.config.update(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1024,
+                        torch_dtype="float32")
+    source = None if allowance is None else SimpleNamespace(
+        plan=SimpleNamespace(kv_allowance_bytes=allowance, direct=False, source="memory=1G"))
+
+    @contextlib.asynccontextmanager
+    async def factory() -> AsyncIterator[Engine]:
+        yield Engine(model=model, source=source, audit=lambda: (True, []), description={"model": "scripted"})
+
+    return create_app(factory, ServeSettings(prompt_cache_size=0, **settings))
+
+
+@pytest.mark.parametrize("budget", [False, True])
+def test_a_request_without_max_tokens_generates_to_what_the_context_and_budget_leave(tmp_path: pathlib.Path,
+                                                                                   budget: bool) -> None:
+    """A chat request with no ``max_tokens`` whose prompt left less of the context than the
+    server's default (128) was refused: "the prompt is 40 tokens and max_tokens is 128 ... past the
+    model's context", a max_tokens the client never sent (OpenAI generates up to the context's
+    end); under --memory likewise "ask for fewer tokens" of the KV allowance. The default is now cut
+    to what the context and the allowance leave; a max_tokens the client gives is still refused."""
+    import httpx
+
+    from asyncside.serving import BackgroundServer
+
+    # 8 KiB a position, allocated 256 at a time: the allowance holds 768 positions, 512 generated and prompt.
+    allowance = 8192 * 768 if budget else None
+    context = 2048 if budget else 64
+    app = _scripted_app(tmp_path, "y" * 1200, context, allowance, max_tokens_limit=1000, default_chat_max_tokens=1000)
+    with BackgroundServer(app) as srv:
+        chat = {"model": "scripted", "messages": [{"role": "user", "content": "x" * 16}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        room = 768 - 255 if budget else context
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == room, usage
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "max_tokens": 1000}, timeout=60)
+        assert r.status_code == 400, r.text
+        code = r.json()["error"]["code"]
+        assert code == ("kv_budget_exceeded" if budget else "context_length_exceeded"), r.text
+        if not budget:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": "x" * 70}, timeout=60)
+            said = r.json()["error"]["message"]
+            assert r.status_code == 400 and said.endswith("the model's context of 64 leaves no room for a token"), said

@@ -517,8 +517,10 @@ def _check_context(args: argparse.Namespace, context: int | None, long_prompts: 
             raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's context of "
                              f"{context} tokens (every request is refused); ask for at most "
                              f"{longest + args.max_tokens - 1}")
+        most = admission.most_tokens(1, args.max_tokens)  # --max-tokens itself where not one token fits
+        advice = f"ask for at most {most}" if most < args.max_tokens else "give a larger --memory"
         raise ValueError(f"--max-tokens {args.max_tokens}: a request's KV cache may not fit {allowance} even with a "
-                         f"one-token prompt (every request is refused); ask for at most {_most_tokens(admission)}")
+                         f"one-token prompt (every request is refused); {advice}")
     why = (f"past the model's context of {context} tokens" if over_context
            else f"their KV caches may not fit {allowance}")
     over = [f"--prompt-lengths {n}" for n in sorted(set(args.prompt_lengths)) if n > longest]
@@ -527,15 +529,6 @@ def _check_context(args: argparse.Namespace, context: int | None, long_prompts: 
     if over:
         raise ValueError(f"{', '.join(over)} with --max-tokens {args.max_tokens}: {why} (every such request is "
                          f"refused); ask for at most {longest} prompt tokens")
-
-
-def _most_tokens(admission: Any) -> int:
-    """The largest ``max_tokens`` a one-token prompt may ask for under ``admission``'s allowance."""
-    low, high = 0, 1 << 30
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if admission.refusal(1, mid) is None else (low, mid - 1)
-    return low
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,

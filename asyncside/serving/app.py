@@ -209,11 +209,21 @@ class Completion:
         if not ids:
             raise oai.RequestError("the prompt encodes to no tokens", param="prompt")
         context = state.context_length
-        if context is not None and len(ids) + req.max_tokens > context:
+        self.max_tokens = req.max_tokens
+        if context is not None and not req.max_tokens_given and len(ids) < context:
+            # The server's default, not the client's ask: generate up to the context's end, as OpenAI does.
+            self.max_tokens = min(req.max_tokens, context - len(ids))
+        if context is not None and len(ids) + self.max_tokens > context:
             param = "messages" if req.kind == "chat" else "prompt"
-            raise oai.RequestError(
-                f"the prompt is {len(ids)} tokens and max_tokens is {req.max_tokens}: {len(ids) + req.max_tokens} "
-                f"tokens in all, past the model's context of {context}", param=param, code="context_length_exceeded")
+            total = len(ids) + self.max_tokens
+            said = (f"the prompt is {len(ids)} tokens and max_tokens is {self.max_tokens}: {total} tokens in all, "
+                    f"past the model's context of {context}" if req.max_tokens_given else
+                    f"the prompt is {len(ids)} tokens: the model's context of {context} leaves no room for a token")
+            raise oai.RequestError(said, param=param, code="context_length_exceeded")
+        admission = self.batcher.kv_admission
+        if admission is not None and not req.max_tokens_given:
+            # Likewise what the memory budget's KV allowance admits beside the prompt.
+            self.max_tokens = admission.most_tokens(len(ids), self.max_tokens)
         self.prompt_ids = ids
         self.text = TextAssembler(tok, req.stop)
         self.splitter: ToolCallSplitter | None = None
@@ -233,7 +243,7 @@ class Completion:
 
     def start(self) -> None:
         """Queue the request in the engine (QueueFull when it is at capacity)."""
-        self.gen = self.batcher.submit(self.prompt_ids, self.req.max_tokens, self.req.sampling)
+        self.gen = self.batcher.submit(self.prompt_ids, self.max_tokens, self.req.sampling)
         m = self.state.metrics
         m.prompt_tokens.inc(len(self.prompt_ids), endpoint=self.endpoint)
 

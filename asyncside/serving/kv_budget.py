@@ -103,6 +103,17 @@ class KVAdmission:
                 f"({budget or self.budget}); {per} a token, allocated {self.layout.step} tokens at a time: ask for "
                 f"fewer tokens, or serve with a larger --memory")
 
+    def most_tokens(self, prompt_tokens: int, up_to: int) -> int:
+        """The largest ``max_tokens`` in [1, ``up_to``] that a prompt of ``prompt_tokens`` may ask
+        for under the allowance; ``up_to`` itself where none fits (:meth:`check` then says why)."""
+        if self.refusal(prompt_tokens, up_to) is None or self.refusal(prompt_tokens, 1) is not None:
+            return up_to
+        low, high = 1, up_to  # a request's worst case grows with its tokens: the last that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.refusal(prompt_tokens, mid) is None else (low, mid - 1)
+        return low
+
     def check(self, prompt_tokens: int, max_tokens: int) -> int:
         """A request's worst case (its ``kv_need``); a 400 ``RequestError`` (code ``kv_budget_exceeded``)
         saying why when it can never be admitted."""

@@ -116,6 +116,8 @@ class CompletionRequest:
     tools: tuple[dict[str, Any], ...] | None = None  # chat: tools offered to the model (tool_choice "auto")
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: whether the client gave ``max_tokens`` (else it is the server's default, which the context may cut)
+    max_tokens_given: bool = True
 
 
 # --- field checks ------------------------------------------------------------------------------
@@ -395,7 +397,8 @@ def parse_completion(
             raise RequestError(f"'prompt' holds {len(prompt)} prompts; send one prompt per request", param="prompt")
         prompt = prompt[0]
     common = dict(kind="completion", model=model, max_tokens=max_tokens, stream=stream,
-                  include_usage=include_usage, stop=stop, sampling=sampling)
+                  include_usage=include_usage, stop=stop, sampling=sampling,
+                  max_tokens_given=body.get("max_tokens") is not None)
     if isinstance(prompt, str):
         if prompt == "":
             raise RequestError("'prompt' must not be empty", param="prompt")
@@ -569,6 +572,7 @@ def parse_chat(
     return CompletionRequest(
         "chat", model, max_tokens, stream, include_usage, stop, messages=messages, sampling=sampling, tools=tools,
         parallel_tool_calls=parallel, chat_template_kwargs=_template_kwargs(body),
+        max_tokens_given=any(body.get(k) is not None for k in ("max_completion_tokens", "max_tokens")),
     )
 
 
