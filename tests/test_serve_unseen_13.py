@@ -150,3 +150,25 @@ def test_a_request_without_max_tokens_generates_to_what_the_context_and_budget_l
             r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": "x" * 70}, timeout=60)
             said = r.json()["error"]["message"]
             assert r.status_code == 400 and said.endswith("the model's context of 64 leaves no room for a token"), said
+
+
+def test_a_full_queue_under_the_rows_limit_says_what_runs_and_when_to_retry(tmp_path: pathlib.Path) -> None:
+    """Past the page cache the engine runs at most ``rows // top-k`` requests at once (one here);
+    a full queue answered 429 "the server is at capacity (32 requests generating, ...)" with one
+    running, and a Retry-After that divided the wait by the 32 slots, so clients came back 32 times
+    too early. It now names the requests generating and divides by how many run at once."""
+    from _serving_support import ScriptedModel, byte_tokenizer
+
+    from asyncside.serving import Batcher
+    from asyncside.serving.engine import QueueFull
+
+    b = Batcher(ScriptedModel(byte_tokenizer(tmp_path)), None, max_batch=32, max_queue=2)
+    b.kv_admission = KVAdmission(LAYOUT, None, max_active=1)
+    b._duration_ewma = 10.0  # seconds a request has taken
+    for _ in range(1 + 31 + 2):  # one generating, then the queue: 31 free slots beyond max_queue
+        b.submit([1, 2], 4)
+    b._active.append(b._waiting.popleft())
+    with pytest.raises(QueueFull) as info:
+        b.submit([1, 2], 4)
+    assert "(1 requests generating, 33 waiting)" in str(info.value), info.value
+    assert info.value.retry_after == 10 * (33 - 31 + 1), info.value  # three ahead, one at a time

@@ -228,8 +228,9 @@ class Batcher:
         free = self.max_batch - len(self._active)
         if len(self._waiting) >= self.max_queue + max(0, free):
             ahead = len(self._waiting) - max(0, free) + 1
-            retry = max(1, math.ceil(self._duration_ewma * ahead / self.max_batch))
-            raise QueueFull(f"the server is at capacity ({self.max_batch} requests generating, "
+            at_once = min(self.max_batch, (self.kv_admission.limit if self.kv_admission else None) or self.max_batch)
+            retry = max(1, math.ceil(self._duration_ewma * ahead / at_once))  # the rows' limit: fewer at once
+            raise QueueFull(f"the server is at capacity ({len(self._active)} requests generating, "
                             f"{len(self._waiting)} waiting); retry after {retry} s", retry)
         sampling = sampling or SamplingParams()
         self.strategy.check(sampling)
