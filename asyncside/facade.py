@@ -256,7 +256,8 @@ class StreamingLM:
         return f"<StreamingLM {self.streaming.model_id} ({self.model_type}), {state}>"
 
 
-def _check_runtime_arguments(runtime: MutableMapping[str, Any]) -> None:
+def _check_runtime_arguments(runtime: MutableMapping[str, Any], resident: float | str,
+                             memory: int | str | None) -> None:
     """Refuse what :func:`load` would hand the Runtime and it would refuse, before a model is
     converted (minutes for a large one) or loaded: a name the Runtime does not take (a misspelt
     ``polcy=``), an unknown policy or reader, and every argument the Runtime checks without a
@@ -280,7 +281,7 @@ def _check_runtime_arguments(runtime: MutableMapping[str, Any]) -> None:
     # The rest the Runtime checks without a store (verify="no", side_rows=-1, layers=[True]): the
     # Runtime refused them after the model was converted and loaded.
     plain = inspect.signature(check_arguments).parameters
-    checked = check_arguments(**{n: v for n, v in runtime.items() if n in plain})
+    checked = check_arguments(resident=resident, memory=memory, **{n: v for n, v in runtime.items() if n in plain})
     if "layers" in runtime:  # an iterator was read by the check: the Runtime gets the list
         runtime["layers"] = checked["layers"]
 
@@ -311,7 +312,7 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     if resident != "auto" and (isinstance(resident, (bool, str)) or not isinstance(resident, numbers.Real)
                                or not 0.0 <= float(resident) <= 1.0):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
-    _check_runtime_arguments(runtime)
+    _check_runtime_arguments(runtime, resident, memory)
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)
     tokenizer = _mlx_tokenizer(store_dir, streaming)

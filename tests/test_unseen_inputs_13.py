@@ -176,6 +176,12 @@ def test_a_top_1_models_smallest_pools_are_one_row_a_layer(tmp_path: pathlib.Pat
     ({"host_tier": "lots"}, ValueError, "host tier 'lots': expected a size"),
     ({"read_window": 99}, ValueError, "read_window: expected None"),
     ({"direct": "yes"}, TypeError, "direct: expected None (the plan chooses), True or False, got 'yes'"),
+    ({"rows_profile": {"0": [1]}}, TypeError, "rows_profile: expected a RoutingTrace or the path of one (.npz), got "
+                                              "dict"),
+    ({"rows_profile": "mine.npz", "side_rows": 2}, PlanArgumentError, "rows_profile splits the dynamic rows between "
+                                                                      "layers: it takes no pinned experts"),
+    ({"resident": "auto", "pinned": {0: [1]}}, PlanArgumentError, "resident='auto' sizes the pools itself: it "
+                                                                  "takes no pinned experts"),
 ])
 def test_load_refuses_what_the_runtime_checks_without_a_store_before_converting(
         quick_store: pathlib.Path, tmp_path: pathlib.Path, given: dict[str, Any], error: type[Exception],

@@ -131,10 +131,40 @@ def _pinned_ids(store: ExpertStore, layer: int, ids: Any) -> list[int]:
     return out
 
 
+def _check_selection(resident: Any, pinned: Any, side_rows: Any, layers: Any, rows_profile: Any) -> list[int] | None:
+    """The part of :func:`check_arguments` that says which layers and experts: ``layers`` as a list
+    of ints (None: every one), ``pinned``'s form, and what ``rows_profile`` and ``resident='auto'``
+    take beside them."""
+    # A bool was taken as layer 1 (True == 1) and a float reached the native fault table's
+    # constructor, whose TypeError named none of the user's arguments.
+    indices = None if layers is None else [_layer_index(i, "layers") for i in layers]
+    if pinned is not None and not isinstance(pinned, Mapping):
+        raise PlanArgumentError(f"pinned: expected a mapping of layer to expert ids ({{layer: [experts]}}), "
+                                f"got {type(pinned).__name__}")
+    for i, ids in (pinned or {}).items():
+        _layer_index(i, "pinned")
+        if isinstance(ids, (str, bytes, numbers.Number, np.generic)) or ids is None:
+            raise PlanArgumentError(f"pinned[{i}]: expected a list of expert ids, got {ids!r}")
+    # Each was refused only once entered (after load() had converted and loaded the model): they
+    # need no store.
+    if resident == "auto" and pinned is not None:
+        raise PlanArgumentError("resident='auto' sizes the pools itself: it takes no pinned experts")
+    if rows_profile is not None:
+        from ..routing import RoutingTrace
+
+        if not isinstance(rows_profile, (RoutingTrace, str, os.PathLike)):
+            raise TypeError(f"rows_profile: expected a RoutingTrace or the path of one (.npz), got "
+                            f"{type(rows_profile).__name__}")
+        if pinned is not None or side_rows is not None:
+            raise PlanArgumentError("rows_profile splits the dynamic rows between layers: it takes no pinned "
+                                    "experts and no side_rows")
+    return indices
+
+
 def check_arguments(*, resident: Any = 0.25, pinned: Any = None, side_rows: Any = None, min_side_rows: Any = None,
                     policy: Any = DEFAULT_POLICY, direct: Any = None, memory: Any = None, layers: Any = None,
                     completed: Any = None, verify: Any = True, host_tier: Any = "auto",
-                    read_window: Any = None) -> dict[str, Any]:
+                    read_window: Any = None, rows_profile: Any = None) -> dict[str, Any]:
     """The :class:`Runtime` arguments that need no store, checked as the Runtime checks them (an
     exception naming the argument for a bad one), as it takes them: NumPy integers as ints, sizes
     in bytes, ``layers`` a list. ``load()`` calls it before it converts or loads a model: the
@@ -179,17 +209,7 @@ def check_arguments(*, resident: Any = 0.25, pinned: Any = None, side_rows: Any 
                                       or min_side_rows < 0):
         raise PlanArgumentError(f"min_side_rows: expected a number of rows >= 0 (None: the model's top-k), "
                                 f"got {min_side_rows!r}")
-    # A bool was taken as layer 1 (True == 1) and a float reached the native fault table's
-    # constructor, whose TypeError named none of the user's arguments.
-    if layers is not None:
-        layers = [_layer_index(i, "layers") for i in layers]
-    if pinned is not None and not isinstance(pinned, Mapping):
-        raise PlanArgumentError(f"pinned: expected a mapping of layer to expert ids ({{layer: [experts]}}), "
-                                f"got {type(pinned).__name__}")
-    for i, ids in (pinned or {}).items():
-        _layer_index(i, "pinned")
-        if isinstance(ids, (str, bytes, numbers.Number, np.generic)) or ids is None:
-            raise PlanArgumentError(f"pinned[{i}]: expected a list of expert ids, got {ids!r}")
+    layers = _check_selection(resident, pinned, side_rows, layers, rows_profile)
     return {"resident": resident, "side_rows": side_rows, "min_side_rows": min_side_rows, "host_tier": host_tier,
             "read_window": read_window, "layers": layers}
 
@@ -259,7 +279,8 @@ class Runtime:
                             f"{store!r}")
         args = check_arguments(resident=resident, pinned=pinned, side_rows=side_rows, min_side_rows=min_side_rows,
                                policy=policy, direct=direct, memory=memory, layers=layers, completed=completed,
-                               verify=verify, host_tier=host_tier, read_window=read_window)
+                               verify=verify, host_tier=host_tier, read_window=read_window,
+                               rows_profile=rows_profile)
         resident, side_rows, min_side_rows = args["resident"], args["side_rows"], args["min_side_rows"]
         host_tier, read_window, layers = args["host_tier"], args["read_window"], args["layers"]
         self.store = store
