@@ -95,8 +95,8 @@ def drop_store_pages(path: pathlib.Path) -> list[pathlib.Path]:
     return done
 
 __all__ = ["RECONCILE_EVERY", "CacheStats", "MemoryPlan", "PrefetchHandle", "QueuedSide", "QueuedStats",
-           "ReadStats", "Runtime", "RuntimeStats", "check_arguments", "choose_resident", "drop_store_pages", "plan_layer",
-           "warm_experts"]
+           "ReadStats", "Runtime", "RuntimeStats", "check_arguments", "choose_resident", "drop_store_pages",
+           "plan_layer", "warm_experts"]
 
 
 def _layer_index(value: object, what: str) -> int:
