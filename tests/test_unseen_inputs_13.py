@@ -430,3 +430,25 @@ def test_a_hub_page_address_names_the_repo_id_it_holds(address: str, capsys: pyt
     rc, err = run_cli(capsys, "demo", "--model", address, "--tokens", "2", "--reference", "none")
     assert rc == 2 and err.strip() == (f"asyncside demo: {address}: a Hugging Face page address: give its repo id, "
                                        f"mlx-community/Qwen3-30B-A3B-4bit"), err
+
+
+@pytest.mark.parametrize(("layers", "said"), [
+    ({}, "profile counts no routing at any MoE layer: expert id order"),
+    ({"0": [0] * 32, "1": [0] * 32}, "profile counts no routing at any MoE layer: expert id order"),
+    ({"0": list(range(32))}, "profile: hottest first; expert id order at layer 1 (no routing counted)"),
+    ({"0": list(range(32)), "1": list(range(32))}, "profile: hottest first"),
+])
+def test_convert_says_which_layers_a_profile_ranked(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                    layers: dict[str, list[int]], said: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A routing profile of no layers (or of zero counts, or of some layers only) left those
+    layers' experts in id order, while convert's summary said "profile: hottest first"."""
+    import json
+
+    from asyncside.models.convert import PROFILE_FORMAT
+
+    profile = tmp_path / "mine.json"
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "layers": layers}))
+    rc = cli_main(["convert", str(quick_store.parent / "model"), str(tmp_path / "store"), "--profile", str(profile),
+                   "--quiet", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["resident_from"] == said

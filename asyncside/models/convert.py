@@ -131,6 +131,22 @@ def load_profile(profile: str | os.PathLike[str] | Mapping[str, Any]) -> dict[st
     return {**profile, "layers": canonical}
 
 
+def _resident_default(prof: Mapping[str, Any] | None, moe: Sequence[int]) -> str:
+    """How the resident sets were chosen, for the store's metadata and convert's summary: a profile
+    that counted no routing at a layer (left out, or all zeros) ranks it by id, which "profile:
+    hottest first" did not say (an empty profile was reported as a profile used)."""
+    if not prof:
+        return "no profile: expert id order"
+    counted = {int(l) for l, c in prof["layers"].items() if any(c)}
+    blind = [l for l in moe if l not in counted]
+    if not blind:
+        return "profile: hottest first"
+    if len(blind) == len(moe):
+        return "profile counts no routing at any MoE layer: expert id order"
+    return (f"profile: hottest first; expert id order at {'layer' if len(blind) == 1 else 'layers'} "
+            f"{', '.join(map(str, blind))} (no routing counted)")
+
+
 def rank_experts(counts: Sequence[int] | None, n_experts: int) -> list[int]:
     """Experts hottest first (count descending, id ascending); by id when there are no counts."""
     if counts is None:
@@ -377,7 +393,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         "resident_fraction": float(resident_fraction),
         "resident": {str(l): r for l, r in resident.items()},
         "profile": None if prof is None else {"tokens": prof.get("tokens"), "source": prof.get("source", "")},
-        "resident_default": "profile: hottest first" if prof else "no profile: expert id order",
+        "resident_default": _resident_default(prof, list(n_experts)),
         "non_expert_file": NON_EXPERT_FILE,
     }
 
