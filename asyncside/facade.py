@@ -315,6 +315,16 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     _check_runtime_arguments(runtime, resident, memory)
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress)
     streaming = load_streaming_model(store_dir)
+    layers = runtime.get("layers")
+    if layers is not None and set(streaming.moe_layers) - set(layers):
+        # A model's forward routes through every MoE layer: a subset loaded, and its first step
+        # failed deep in the forward with "layer 1 is not streamed by this runtime".
+        from .runtime._plan import PlanArgumentError
+
+        missing = sorted(set(streaming.moe_layers) - set(layers))
+        raise PlanArgumentError(f"layers: load() runs the whole model, whose every MoE layer streams; {list(layers)} "
+                                f"leaves out {missing} (its MoE layers: {list(streaming.moe_layers)}): "
+                                f"leave layers out")
     tokenizer = _mlx_tokenizer(store_dir, streaming)
     model = StreamingLM(streaming, {"resident": resident, "memory": memory, **runtime})
     return model, tokenizer

@@ -452,3 +452,17 @@ def test_convert_says_which_layers_a_profile_ranked(quick_store: pathlib.Path, t
     rc = cli_main(["convert", str(quick_store.parent / "model"), str(tmp_path / "store"), "--profile", str(profile),
                    "--quiet", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["resident_from"] == said
+
+
+def test_load_refuses_layers_that_leave_out_a_moe_layer(quick_store: pathlib.Path) -> None:
+    """``load(STORE, layers=[0])`` on a model of MoE layers 0 and 1 loaded, and its first step
+    failed deep in the forward with "layer 1 is not streamed by this runtime": the forward routes
+    through every MoE layer, so a subset cannot run."""
+    from asyncside import load
+
+    with pytest.raises(PlanArgumentError) as info:
+        load(quick_store, progress=False, layers=[0])
+    assert str(info.value) == ("layers: load() runs the whole model, whose every MoE layer streams; [0] leaves out "
+                               "[1] (its MoE layers: [0, 1]): leave layers out")
+    model, _tok = load(quick_store, progress=False, layers=[1, 0])
+    model.close()
