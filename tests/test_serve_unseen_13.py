@@ -172,3 +172,37 @@ def test_a_full_queue_under_the_rows_limit_says_what_runs_and_when_to_retry(tmp_
         b.submit([1, 2], 4)
     assert "(1 requests generating, 33 waiting)" in str(info.value), info.value
     assert info.value.retry_after == 10 * (33 - 31 + 1), info.value  # three ahead, one at a time
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--prompt-ids", "9999"], "--prompt-ids: token id 9999 is outside the model's vocabulary [0, 512)"),
+    (["--prompt-ids", "-1"], "--prompt-ids: token id -1 is outside the model's vocabulary [0, 512)"),
+    (["--single", "--prompt-ids", "512"], "token id 512 is outside the model's vocabulary [0, 512)"),
+    (["--prompt-ids", "1,x"], "--prompt-ids 1,x: expected comma-separated token ids, got 'x'"),
+    (["--prompt-ids", ","], "--prompt-ids ',': no token ids"),
+    (["--prompt", ""], "--prompt is empty"),
+])
+def test_a_rank_refuses_a_prompt_the_model_cannot_take_before_the_ranks_meet(
+        quick_store: pathlib.Path, argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m asyncside.distributed STORE --prompt-ids 9999`` under a launch: every rank met and
+    loaded its stage, then rank 0 read past its embedding and was killed by SIGSEGV (its peer left
+    with "closed its control link without a goodbye"); ``--prompt-ids 1,x`` was a traceback of
+    rank 0 after the launch, and an empty ``--prompt`` ran the default prompt. Each is now a usage
+    error of every rank (exit 2, one line) before the launch environment is looked for."""
+    from asyncside.distributed.rank import main
+
+    assert main([str(quick_store), *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_rank_refuses_an_unknown_reader_as_a_usage_error(quick_store: pathlib.Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--reader bogus`` was taken, every rank met and loaded its stage, then each failed with a
+    ValueError traceback and exit status 1: it is now argparse's usage error naming the choices."""
+    from asyncside.distributed.rank import main
+
+    with pytest.raises(SystemExit) as info:
+        main([str(quick_store), "--reader", "bogus"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "invalid choice: 'bogus'" in err and "io_uring" in err, err

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from ..argtypes import int_at_least, policy_name, resident_fraction
+from ..native_env import READERS
 from ..policies import POLICY_NAMES
 from .errors import DistributedError, PeerLostError, PeerTimeoutError
 
@@ -83,7 +84,7 @@ def add_stage_arguments(p: Any, *, model_options: bool = True) -> None:
                        help="share of each layer's experts in the pools, in [0, 1] (default 0.25)")
         p.add_argument("--policy", type=policy_name, default="lfu",
                        help=f"side-region eviction policy: {', '.join(POLICY_NAMES)} (default lfu)")
-        p.add_argument("--reader", default="auto", help="read backend (default auto)")
+        p.add_argument("--reader", default="auto", choices=["auto", *READERS], help="read backend (default auto)")
         p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"])
     p.add_argument("--side-rows", type=int, default=None, help="rows of the rotating side region per layer")
     p.add_argument("--join-timeout", type=float, default=60.0,
@@ -146,6 +147,35 @@ def layout_problem(store_dir: str | pathlib.Path, split: str | None) -> str | No
     return None
 
 
+def prompt_problem(store_dir: str | pathlib.Path, prompt_ids: str | None, prompt: str | None) -> str | None:
+    """Why ``--prompt-ids`` / ``--prompt`` cannot be a prompt of the model at ``store_dir`` (None:
+    they can): a piece that is no integer, an id outside the model's vocabulary (rank 0 read past
+    its embedding and was killed by SIGSEGV, its peers left with a lost link), or an empty prompt
+    (an empty ``--prompt`` ran the default one). Said by each rank before the ranks meet."""
+    if prompt_ids is None:
+        return "--prompt is empty: give the text to generate from" if prompt == "" else None
+    ids = []
+    for piece in (t.strip() for t in prompt_ids.split(",")):
+        if not piece:
+            continue
+        try:
+            ids.append(int(piece))
+        except ValueError:
+            return f"--prompt-ids {prompt_ids}: expected comma-separated token ids, got {piece!r}"
+    if not ids:
+        return f"--prompt-ids {prompt_ids!r}: no token ids (comma-separated, such as 1,2,3)"
+    from .stage import load_config
+
+    config = load_config(pathlib.Path(store_dir))
+    text = config.get("text_config")
+    vocab = (text if isinstance(text, dict) and text.get("vocab_size") is not None else config).get("vocab_size")
+    bad = next((t for t in ids if t < 0 or (isinstance(vocab, int) and t >= vocab)), None)
+    if bad is not None:
+        upper = vocab if isinstance(vocab, int) else "..."
+        return f"--prompt-ids: token id {bad} is outside the model's vocabulary [0, {upper})"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncside.distributed",
                                 description="one rank of a pipelined generation job")
@@ -168,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompts(args: argparse.Namespace, sm: Any) -> list[list[int]]:
-    if args.prompt_ids:
+    if args.prompt_ids is not None:  # checked by prompt_problem before the ranks met
         base = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     else:
         base = list(sm.tokenizer.encode(args.prompt or "Mixture-of-Experts models route every token."))
@@ -362,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_side_rows(args.store, args.side_rows)
             # (--single plans no stages: its --split is not looked at)
             problem = layout_problem(args.store, None if args.single else args.split)
+        if problem is None:
+            problem = prompt_problem(args.store, args.prompt_ids, args.prompt)
     except ValueError as exc:  # PlanArgumentError, or a store that cannot be opened
         problem = str(exc)
     if problem is not None:  # a usage error: the exit status argparse gives one
