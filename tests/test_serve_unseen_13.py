@@ -206,3 +206,20 @@ def test_a_rank_refuses_an_unknown_reader_as_a_usage_error(quick_store: pathlib.
         main([str(quick_store), "--reader", "bogus"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "invalid choice: 'bogus'" in err and "io_uring" in err, err
+
+
+def test_batcher_submit_refuses_token_ids_outside_the_vocabulary(tmp_path: pathlib.Path) -> None:
+    """The HTTP layer checks prompt ids against the vocabulary, but ``Batcher.submit`` (the engine's
+    public entry, for servers that embed it) queued them: the embedding read past its table and
+    the process died of SIGSEGV at the request's first step. It is now a ValueError naming the id."""
+    from _serving_support import ScriptedModel, byte_tokenizer
+
+    from asyncside.serving import Batcher
+
+    b = Batcher(ScriptedModel(byte_tokenizer(tmp_path)), None)
+    for ids in ([1, 512], [-1]):
+        with pytest.raises(ValueError, match=rf"token id {ids[-1]}, outside the model's vocabulary \[0, 512\)"):
+            b.submit(ids, 4)
+    assert b.waiting == 0
+    b.submit([1, 511], 4)  # the last id of the vocabulary is fine
+    assert b.waiting == 1

@@ -62,7 +62,7 @@ from .prompt_cache import PrefixCache, cache_nbytes
 from .protocol import SamplingParams
 from .read_failures import ReadFailures
 from .read_failures import log_failure as _log_failure
-from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
+from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent, prompt_token_ids
 from .step_shapes import StepShapes, bounded_prefill_chunk, default_prefill_chunk
 
 __all__ = ["BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull",
@@ -220,9 +220,7 @@ class Batcher:
         """Queue one request; QueueFull when every slot is taken and the queue is full."""
         from .sampling import RequestSampler
 
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+        ids = prompt_token_ids(prompt_ids, self.vocab_size)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         free = self.max_batch - len(self._active)
