@@ -121,10 +121,16 @@ def _cgroup_dirs() -> list[tuple[str, pathlib.Path, pathlib.Path]]:
 
 
 def _cgroup_room(version: str, d: pathlib.Path) -> MemoryBudget | None:
-    """The room the memory cgroup at ``d`` leaves: its limit less its usage, its page cache counted
-    as room (the cgroup reclaims it); None where it sets no limit or has no such files."""
+    """The room the memory cgroup at ``d`` leaves: its limit (on v2 the lower of ``memory.max`` and
+    ``memory.high``) less its usage, its page cache counted as room (the cgroup reclaims it); None
+    where it sets no limit or has no such files."""
     if version == "v2":
         limit, usage, name = _read_int(d / "memory.max"), _read_int(d / "memory.current"), "cgroup v2 memory.max"
+        # memory.high (systemd's MemoryHigh=) kills nothing, but past it the kernel throttles the
+        # cgroup and reclaims hard: pools or page cache planned above it would thrash.
+        high = _read_int(d / "memory.high")
+        if high is not None and (limit is None or high < limit):
+            limit, name = high, "cgroup v2 memory.high"
     else:
         limit = _read_int(d / "memory.limit_in_bytes")
         usage = _read_int(d / "memory.usage_in_bytes")

@@ -466,3 +466,33 @@ def test_load_refuses_layers_that_leave_out_a_moe_layer(quick_store: pathlib.Pat
                                "[1] (its MoE layers: [0, 1]): leave layers out")
     model, _tok = load(quick_store, progress=False, layers=[1, 0])
     model.close()
+
+
+def test_a_cgroup_v2_memory_high_bounds_the_budget(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``systemd-run -p MemoryHigh=...`` (cgroup v2 ``memory.high``, ``memory.max`` left at
+    ``max``): past it the kernel throttles and reclaims the cgroup, and the runtime planned its
+    pools and page cache against MemAvailable, above it. The lower of the two limits counts, and
+    the plan names which."""
+    from asyncside import memory
+
+    root = tmp_path / "cgroup2"
+    leaf = root / "app.scope"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.high").write_text(f"{80 << 20}\n")  # below any machine's MemAvailable
+    (leaf / "memory.current").write_text(f"{30 << 20}\n")
+    (leaf / "memory.stat").write_text(f"anon {20 << 20}\nfile {6 << 20}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/app.scope\n")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 1 0:26 / {root} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
+    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
+    budget = memory.available_memory()
+    assert budget.available == (80 << 20) - (30 << 20) + (6 << 20)
+    assert budget.source == "cgroup v2 memory.high = 80.0 MiB"
+    # Where memory.max is the tighter, it is the one named.
+    (leaf / "memory.max").write_text(f"{70 << 20}\n")
+    budget = memory.available_memory()
+    assert budget.available == (70 << 20) - (30 << 20) + (6 << 20)
+    assert budget.source == "cgroup v2 memory.max = 70.0 MiB"
