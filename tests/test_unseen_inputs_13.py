@@ -323,27 +323,38 @@ def test_a_containers_memory_limit_is_read_where_its_hierarchy_is_mounted(tmp_pa
     assert budget.source == "cgroup v1 memory.limit_in_bytes = 64.0 MiB"
 
 
+def _cgroup_v2(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, mine: str,
+               files: dict[str, dict[str, object]]) -> pathlib.Path:
+    """A cgroup v2 hierarchy mounted at a temporary root, this process in its cgroup ``mine``:
+    ``files`` maps each cgroup's path to its files' contents. Returns the mount's root."""
+    from asyncside import memory
+
+    root = tmp_path / "cgroup2"
+    for rel, contents in files.items():
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        for name, value in contents.items():
+            (root / rel / name).write_text(f"{value}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text(f"0::/{mine}\n")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 1 0:26 / {root} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
+    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
+    return root
+
+
 def test_a_limit_on_a_parent_cgroup_bounds_the_budget(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A memory limit set on a slice (``systemd-run --slice=small.slice``, ``MemoryMax=`` on the
     slice) leaves the process's own cgroup at ``max``: the runtime read only its own cgroup and
     planned the pools against MemAvailable, past the slice's limit."""
     from asyncside import memory
 
-    root = tmp_path / "cgroup2"
-    leaf = root / "small.slice" / "run-1.scope"
-    leaf.mkdir(parents=True)
-    (leaf / "memory.max").write_text("max\n")
-    (leaf / "memory.current").write_text(f"{8 << 20}\n")
+    root = _cgroup_v2(tmp_path, monkeypatch, "small.slice/run-1.scope", {
+        "small.slice/run-1.scope": {"memory.max": "max", "memory.current": 8 << 20},
+        # below any machine's MemAvailable
+        "small.slice": {"memory.max": 96 << 20, "memory.current": 40 << 20,
+                        "memory.stat": f"anon {30 << 20}\nfile {4 << 20}"}})
     slice_ = root / "small.slice"
-    (slice_ / "memory.max").write_text(f"{96 << 20}\n")  # below any machine's MemAvailable
-    (slice_ / "memory.current").write_text(f"{40 << 20}\n")
-    (slice_ / "memory.stat").write_text(f"anon {30 << 20}\nfile {4 << 20}\n")
-    cgroup = tmp_path / "cgroup"
-    cgroup.write_text("0::/small.slice/run-1.scope\n")
-    mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"30 1 0:26 / {root} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
-    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
-    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
     budget = memory.available_memory()
     assert budget.available == (96 << 20) - (40 << 20) + (4 << 20)
     assert budget.source == f"cgroup v2 memory.max = 96.0 MiB (of the parent cgroup {slice_})"
@@ -475,19 +486,10 @@ def test_a_cgroup_v2_memory_high_bounds_the_budget(tmp_path: pathlib.Path, monke
     the plan names which."""
     from asyncside import memory
 
-    root = tmp_path / "cgroup2"
+    root = _cgroup_v2(tmp_path, monkeypatch, "app.scope", {"app.scope": {
+        "memory.max": "max", "memory.high": 80 << 20,  # below any machine's MemAvailable
+        "memory.current": 30 << 20, "memory.stat": f"anon {20 << 20}\nfile {6 << 20}"}})
     leaf = root / "app.scope"
-    leaf.mkdir(parents=True)
-    (leaf / "memory.max").write_text("max\n")
-    (leaf / "memory.high").write_text(f"{80 << 20}\n")  # below any machine's MemAvailable
-    (leaf / "memory.current").write_text(f"{30 << 20}\n")
-    (leaf / "memory.stat").write_text(f"anon {20 << 20}\nfile {6 << 20}\n")
-    cgroup = tmp_path / "cgroup"
-    cgroup.write_text("0::/app.scope\n")
-    mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"30 1 0:26 / {root} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
-    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
-    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
     budget = memory.available_memory()
     assert budget.available == (80 << 20) - (30 << 20) + (6 << 20)
     assert budget.source == "cgroup v2 memory.high = 80.0 MiB"
