@@ -223,3 +223,27 @@ def test_batcher_submit_refuses_token_ids_outside_the_vocabulary(tmp_path: pathl
     assert b.waiting == 0
     b.submit([1, 511], 4)  # the last id of the vocabulary is fine
     assert b.waiting == 1
+
+
+def test_pipeline_generate_refuses_token_ids_outside_the_vocabulary() -> None:
+    """``Pipeline.generate`` (rank 0's public entry) took ids past the vocabulary, and rank 0 died
+    of SIGSEGV in its embedding; now a ValueError before the request is started. (A pipeline that
+    runs, stubbed: the check comes before anything of the ranks is touched.)"""
+    from types import SimpleNamespace
+
+    import anyio
+
+    from asyncside.distributed import Pipeline
+
+    pipe = Pipeline.__new__(Pipeline)
+    started: list[Any] = []
+    pipe.rank, pipe.control, pipe.sm = 0, SimpleNamespace(failed=None), SimpleNamespace(config={"vocab_size": 512})
+    pipe._tg = SimpleNamespace(start_soon=lambda *a: started.append(a))
+
+    async def first(ids: list[int]) -> None:
+        async for _ in pipe.generate(ids, 3):
+            break
+
+    with pytest.raises(ValueError, match=r"token id 512, outside the model's vocabulary \[0, 512\)"):
+        anyio.run(first, [1, 512])
+    assert started == []
