@@ -92,7 +92,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier", metavar="SIZE", type=host_tier_arg, default="auto",
                    help="MLX CUDA: pinned host memory for faulted records kept for later faults: auto, a "
                         "size such as 2G, or 0 (default auto)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICY_NAMES),
+    # Lower-cased as Runtime and the benches take a policy's name (LRU is lru).
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=str.lower, choices=sorted(POLICY_NAMES),
                    help=f"eviction policy of the dynamic rows (default {DEFAULT_POLICY})")
     p.add_argument("--predictor", default=None, choices=["lookahead", "temporal", "trace", "none"],
                    help="expert prediction for prefetch (default lookahead; with --routing: trace, the trace's own "

@@ -498,3 +498,19 @@ def test_a_cgroup_v2_memory_high_bounds_the_budget(tmp_path: pathlib.Path, monke
     budget = memory.available_memory()
     assert budget.available == (70 << 20) - (30 << 20) + (6 << 20)
     assert budget.source == "cgroup v2 memory.max = 70.0 MiB"
+
+
+def test_demo_takes_a_policy_name_in_any_case() -> None:
+    """``asyncside demo --policy LRU`` was refused ("invalid choice: 'LRU'") where ``Runtime``,
+    ``bench policy`` and ``bench offload`` take the name in any case; a misspelt one is still a
+    usage error."""
+    import argparse
+
+    from asyncside.demo import add_demo_arguments
+
+    p = argparse.ArgumentParser(prog="asyncside demo", exit_on_error=False)
+    add_demo_arguments(p)
+    assert p.parse_args(["--policy", "LRU"]).policy == "lru"
+    assert p.parse_args(["--policy", "Adaptive-LRFU"]).policy == "adaptive-lrfu"
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        p.parse_args(["--policy", "lruu"])
