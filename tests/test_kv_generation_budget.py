@@ -54,13 +54,15 @@ def test_a_plan_reading_past_the_page_cache_gives_its_room_to_the_kv_caches(tmp_
     assert direct.direct and direct.page_cache_bytes > 0
     assert direct.kv_spare_bytes == int(direct.page_cache_bytes * plan_mod.KV_SHARE) > 0
     assert direct.kv_allowance_bytes == own + direct.kv_spare_bytes
-    # the page cache is the buffered plan's: none of it for the KV caches there
-    assert buffered.kv_spare_bytes == 0 and buffered.kv_allowance_bytes == own
+    # the buffered plan's page cache holds the streamed records: only the room beyond them is shared
+    streamed = buffered.store_bytes - buffered.pool_bytes
+    assert buffered.kv_spare_bytes == int((buffered.page_cache_bytes - streamed) * plan_mod.KV_SHARE) > 0
+    assert buffered.kv_allowance_bytes == own + buffered.kv_spare_bytes
     # the forwards' share of the headroom is the same either way (the spare lies outside it)
     assert direct.forward_room_bytes == buffered.forward_room_bytes == direct.headroom_bytes - own
     assert direct.as_dict()["kv_spare_bytes"] == direct.kv_spare_bytes
     assert "of the page cache's room, unused by O_DIRECT reads" in direct.describe()
-    assert "page cache's room" not in buffered.describe()
+    assert "of the page cache's room, beyond the store's streamed records" in buffered.describe()
     free = _plan(store, None, direct=True)
     assert free.kv_allowance_bytes is None and free.kv_spare_bytes == 0 and free.kv_tokens(KVLayout((8,), (None,))) is None
 

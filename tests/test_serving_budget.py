@@ -296,7 +296,8 @@ def test_plan_grants_a_kv_allowance_only_under_a_budget(tmp_path: Any, monkeypat
                                     tier_possible=False)
 
     budgeted = plan("1G")
-    assert budgeted.kv_allowance_bytes == int(budgeted.headroom_bytes * plan_mod.KV_SHARE) > 0
+    own = int(budgeted.headroom_bytes * plan_mod.KV_SHARE)
+    assert budgeted.kv_allowance_bytes == own + budgeted.kv_spare_bytes and own > 0
     assert budgeted.as_dict()["kv_allowance_bytes"] == budgeted.kv_allowance_bytes
     assert "KV allowance 128.0 MiB" in budgeted.describe()
     free = plan(None)

@@ -359,9 +359,9 @@ class MemoryPlan:
         kv = ""
         if self.kv_allowance_bytes is not None:
             own = self.kv_allowance_bytes - self.kv_spare_bytes
+            unused = "unused by O_DIRECT reads" if self.direct else "beyond the store's streamed records"
             kv = f": KV allowance {b(own)} of it" + (
-                f" and {b(self.kv_spare_bytes)} of the page cache's room, unused by O_DIRECT reads"
-                if self.kv_spare_bytes else "")
+                f" and {b(self.kv_spare_bytes)} of the page cache's room, {unused}" if self.kv_spare_bytes else "")
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
@@ -724,7 +724,12 @@ def plan_memory(
             f"ask for a smaller host_tier, host_tier='auto', or a larger memory budget")
     streamed = max(0, store_bytes - pools)  # records that live only in the store
     use_direct, why = _choose_direct(direct, streamed, page_cache)
-    kv_spare = int(max(page_cache, 0) * KV_SHARE) if use_direct and memory is not None else 0
+    # The page cache's room that reads leave unused goes to the KV caches too (KV_SHARE of it): all of
+    # it under O_DIRECT, what is left beyond the streamed records where reads go through the page cache.
+    # Without it a budget of many GiB over a store the page cache holds granted the KV caches a share
+    # of the fixed headroom alone, and refused long prompts with "serve with a larger --memory".
+    unused = page_cache if use_direct else page_cache - streamed
+    kv_spare = int(max(unused, 0) * KV_SHARE) if memory is not None else 0
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
                       headroom_bytes=headroom, store_bytes=store_bytes, page_cache_bytes=max(page_cache, 0),
