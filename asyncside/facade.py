@@ -12,8 +12,8 @@ and returns ``(model, tokenizer)``: ``tokenizer`` is mlx-lm's ``TokenizerWrapper
 tokenizer files (of the byte-level tokenizer for a store that names asyncside's byte tokenizer, as
 a bench shape's does), ``model`` a :class:`StreamingLM`, whose synchronous ``model(inputs, cache=cache)``
 returns the logits an mlx-lm model returns. That is all ``generate``, ``stream_generate``,
-``batch_generate`` and ``make_prompt_cache`` need of a model (with ``layers`` and
-``make_cache``), so they run unchanged, and their tokens equal the all-resident model's.
+``batch_generate`` and ``make_prompt_cache`` need of a model (with ``layers``, and ``make_cache``
+where the mlx-lm model has one), so they run unchanged, and their tokens equal the all-resident model's.
 
 **Where things run.** The :class:`~asyncside.runtime.Runtime` (expert pools, reads, fault tables)
 lives on a background thread running an asyncio event loop; a call submits the step there and waits
@@ -43,7 +43,7 @@ import pathlib
 import tempfile
 import threading
 import weakref
-from collections.abc import Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine, MutableMapping
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -191,9 +191,19 @@ class StreamingLM:
         """The decoder layers (``make_prompt_cache`` counts them when a model has no make_cache)."""
         return self.streaming.model.layers
 
-    def make_cache(self) -> list[Any]:
-        """A fresh KV cache, as mlx-lm's ``make_prompt_cache`` builds it for the model."""
-        return self.streaming.make_cache()
+    @property
+    def make_cache(self) -> Callable[[], list[Any]]:
+        """The model's own cache maker, where its mlx-lm model has one (gpt_oss, llama4, ...).
+
+        An AttributeError otherwise, as reading it on the mlx-lm model gives: ``make_prompt_cache``
+        asks ``hasattr(model, "make_cache")`` and, where it is missing, builds the caches its
+        arguments name (``max_kv_size``: rotating caches). A maker there for every model made
+        ``generate(..., max_kv_size=...)`` keep every key, where mlx-lm keeps a window.
+        """
+        if not hasattr(self.streaming.model, "make_cache"):
+            raise AttributeError(f"{type(self.streaming.model).__module__} models have no make_cache: "
+                                 f"make_prompt_cache builds their caches")
+        return self.streaming.make_cache
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
@@ -205,7 +215,7 @@ class StreamingLM:
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
         if cache is None:
-            cache = self.make_cache()
+            cache = self.streaming.make_cache()
         # Both are the caller's thread's arrays (lazy on its streams): computed here, they are
         # plain buffers to the runtime's thread.
         mx.eval(inputs, _cache_arrays(cache, []))

@@ -1,0 +1,92 @@
+"""asyncside's ``load`` under mlx-lm's own API, round 13: the arguments of mlx-lm's ``generate`` /
+``stream_generate`` that shape the caches (``max_kv_size``), as a user passes them to code written
+for mlx-lm. Tokens must equal ``mlx_lm.load`` of the same model directory, all-resident."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import mlx_lm
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.utils import save_config, save_model
+
+from asyncside.facade import load
+from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
+from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+from _models_support import tiny_model
+
+SMALL = EmbeddedSpec(
+    config={
+        **EmbeddedSpec().config,
+        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+    },
+    profile_tokens=2,
+)
+PROMPT = "Mixture-of-Experts models route every token to a few experts. "
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    return ensure_embedded_default(tmp_path_factory.mktemp("facade13"), spec=SMALL, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(dirs: tuple[pathlib.Path, pathlib.Path]) -> tuple[Any, Any]:
+    return mlx_lm.load(str(dirs[0]))
+
+
+@pytest.fixture(scope="module")
+def streaming(dirs: tuple[pathlib.Path, pathlib.Path]) -> Any:
+    model, tokenizer = load(dirs[1], resident=0.25)
+    yield model, tokenizer
+    model.close()
+
+
+@pytest.mark.parametrize("prefill_step_size", [3, 2048])
+def test_max_kv_size_keeps_a_window_as_mlx_lm_does(reference: tuple[Any, Any], streaming: tuple[Any, Any],
+                                                   prefill_step_size: int) -> None:
+    """``stream_generate(..., max_kv_size=16)``: mlx-lm's model has no make_cache, so
+    ``make_prompt_cache`` builds rotating caches; the facade's model had a make_cache for every
+    model, the argument was dropped, every key was kept and the tokens differed from the first."""
+    ref_model, ref_tok = reference
+    model, tok = streaming
+    kw: dict[str, Any] = {"max_tokens": 30, "max_kv_size": 16, "prefill_step_size": prefill_step_size}
+    want = [r.token for r in stream_generate(ref_model, ref_tok, PROMPT, **kw)]
+    got = [r.token for r in stream_generate(model, tok, PROMPT, **kw)]
+    assert got == want
+    unbounded = [r.token for r in stream_generate(ref_model, ref_tok, PROMPT, max_tokens=30)]
+    assert want != unbounded  # the window changes this model's tokens: the test tells them apart
+
+
+def test_make_prompt_cache_builds_what_it_builds_for_mlx_lm(reference: tuple[Any, Any],
+                                                           streaming: tuple[Any, Any]) -> None:
+    ref_model, _ = reference
+    model, _ = streaming
+    assert not hasattr(model, "make_cache") and not hasattr(ref_model, "make_cache")
+    for kv, kind in ((None, KVCache), (16, RotatingKVCache)):
+        ours, ref = make_prompt_cache(model, max_kv_size=kv), make_prompt_cache(ref_model, max_kv_size=kv)
+        assert [type(c) for c in ours] == [type(c) for c in ref] == [kind] * len(model.layers)
+        if kv is not None:
+            assert [c.max_size for c in ours] == [c.max_size for c in ref] == [kv] * len(model.layers)
+
+
+def test_a_model_with_its_own_make_cache_keeps_it(tmp_path: pathlib.Path) -> None:
+    """gpt_oss's mlx-lm model makes its own caches (sliding-window layers): the facade's model
+    still hands make_prompt_cache that maker."""
+    ref_model, config = tiny_model("gpt_oss")
+    save_model(tmp_path / "model", ref_model)
+    save_config(dict(config), tmp_path / "model" / "config.json")
+    save_byte_level_tokenizer(tmp_path / "model")
+    model, _tok = load(tmp_path / "model", cache_dir=tmp_path / "cache", progress=False)
+    try:
+        assert hasattr(model, "make_cache")
+        ours, ref = make_prompt_cache(model, max_kv_size=4), make_prompt_cache(ref_model, max_kv_size=4)
+        assert [type(c) for c in ours] == [type(c) for c in ref]
+        assert RotatingKVCache in {type(c) for c in ours}
+    finally:
+        model.close()
