@@ -28,8 +28,9 @@ Unlike an mlx-lm model, whose prefill calls leave their logits lazy (never compu
 reads them), every call computes its logits over every position it was given: a prefill chunk of
 L tokens costs one LM head product of L rows more than mlx-lm's.
 
-The runtime is closed by :meth:`StreamingLM.close` (or ``with`` the model), and at interpreter
-exit for models still open. Every model's runtime shares one background thread.
+The runtime is closed by :meth:`StreamingLM.close` (or ``with`` the model), once a model dropped
+without it is collected, and at interpreter exit for models still open. Every model's runtime
+shares one background thread.
 """
 
 from __future__ import annotations
@@ -145,6 +146,36 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
+async def _hold(streaming: Any, kwargs: dict[str, Any],
+                ready: concurrent.futures.Future[tuple[Any, asyncio.Event]]) -> None:
+    """A StreamingLM's runtime's lifetime: opened here, held until its stop event is set (by
+    :meth:`StreamingLM.close` or the model's collection), closed in this task."""
+    from .runtime import Runtime
+
+    stop = asyncio.Event()
+    try:
+        async with Runtime(streaming.store, **kwargs) as rt:
+            streaming.source = rt
+            ready.set_result((rt, stop))
+            await stop.wait()
+    except BaseException as exc:
+        if not ready.done():
+            ready.set_exception(exc)
+        raise
+    finally:
+        streaming.source = None
+
+
+def _release(thread: _LoopThread, stop: asyncio.Event) -> None:
+    """Ask a collected StreamingLM's runtime task to close its runtime; waits for nothing (the
+    collection may run on any thread, the runtime's own included)."""
+    if thread.running:
+        try:
+            thread.loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:  # the loop closed meanwhile (interpreter exit): nothing left to stop
+            pass
+
+
 class StreamingLM:
     """An mlx-lm style model (synchronous ``model(inputs, cache=cache)``) over a streaming model
     whose runtime runs on a background event-loop thread. Made by :func:`load`.
@@ -158,31 +189,16 @@ class StreamingLM:
         self.model_type = streaming.config.get("model_type")
         self.args = getattr(streaming.model, "args", None)
         self._thread = _runtime_thread()
-        self._stop: asyncio.Event | None = None
-        self._host: concurrent.futures.Future[None] | None = None
         self._closed = False
         self._lock = threading.Lock()
-        ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._host = self._thread.submit(self._hold(runtime_kwargs, ready))
-        self.runtime = ready.result()
+        ready: concurrent.futures.Future[tuple[Any, asyncio.Event]] = concurrent.futures.Future()
+        # The task holds the streaming model, never this object: a model dropped without close()
+        # is collected, and its finalizer ends the task (the pools and reads go with it).
+        self._host: concurrent.futures.Future[None] = self._thread.submit(_hold(streaming, runtime_kwargs, ready))
+        self.runtime, self._stop = ready.result()
+        self._release = weakref.finalize(self, _release, self._thread, self._stop)
+        self._release.atexit = False  # _at_exit closes the models still open, waiting for each
         _OPEN.add(self)
-
-    async def _hold(self, kwargs: dict[str, Any], ready: concurrent.futures.Future[Any]) -> None:
-        """The runtime's lifetime: opened here, held until :meth:`close`, closed in this task."""
-        from .runtime import Runtime
-
-        self._stop = asyncio.Event()
-        try:
-            async with Runtime(self.streaming.store, **kwargs) as rt:
-                self.streaming.source = rt
-                ready.set_result(rt)
-                await self._stop.wait()
-        except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-            raise
-        finally:
-            self.streaming.source = None
 
     # -- what mlx-lm reads of a model --------------------------------------------------------
 
@@ -246,14 +262,13 @@ class StreamingLM:
                 return
             self._closed = True
         _OPEN.discard(self)
-        stop = self._stop
-        if stop is not None and self._thread.running:
-            self._thread.loop.call_soon_threadsafe(stop.set)
-            if self._host is not None:
-                try:
-                    self._host.result(timeout)
-                except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-                    pass
+        self._release.detach()
+        if self._thread.running:
+            _release(self._thread, self._stop)
+            try:
+                self._host.result(timeout)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                pass
 
     def __enter__(self) -> StreamingLM:
         return self

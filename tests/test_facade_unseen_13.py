@@ -4,12 +4,14 @@ for mlx-lm. Tokens must equal ``mlx_lm.load`` of the same model directory, all-r
 
 from __future__ import annotations
 
+import gc
 import pathlib
+import weakref
 from typing import Any
 
 import mlx_lm
 import pytest
-from mlx_lm import stream_generate
+from mlx_lm import generate, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
@@ -90,3 +92,26 @@ def test_a_model_with_its_own_make_cache_keeps_it(tmp_path: pathlib.Path) -> Non
         assert RotatingKVCache in {type(c) for c in ours}
     finally:
         model.close()
+
+
+def test_a_model_dropped_without_close_is_collected_and_its_runtime_closed(
+        dirs: tuple[pathlib.Path, pathlib.Path], reference: tuple[Any, Any]) -> None:
+    """A notebook cell re-run (``model, tok = load(...)`` again) drops the previous model: an
+    mlx-lm model is freed then, but the facade's runtime task held the StreamingLM, so every
+    dropped model kept its runtime (pools, reads) open until the interpreter exited. Also one
+    dropped mid-generation (an abandoned stream_generate)."""
+    ref_model, ref_tok = reference
+    want = generate(ref_model, ref_tok, PROMPT, max_tokens=6)
+    for abandon in (False, True):
+        model, tok = load(dirs[1], resident=0.5)
+        assert generate(model, tok, PROMPT, max_tokens=6) == want
+        streaming, host, alive = model.streaming, model._host, weakref.ref(model)
+        if abandon:
+            steps = stream_generate(model, tok, PROMPT, max_tokens=50)
+            next(steps)
+            del steps
+        del model
+        gc.collect()
+        assert alive() is None
+        host.result(timeout=60)  # the runtime task ended: its runtime closed
+        assert streaming.source is None
