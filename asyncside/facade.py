@@ -111,7 +111,17 @@ class _LoopThread:
         if threading.current_thread() is self._thread:
             coro.close()
             raise AsyncsideError("a StreamingLM was called from its own runtime thread")
-        return self.submit(coro).result()
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            # The wait was interrupted (Ctrl-C in a notebook), not the step: it goes on updating the
+            # caller's cache on this thread's stream. Returned now, the caller's next call (the same
+            # prompt_cache) raced it and read arrays on a stream its own thread lacks ("There is no
+            # Stream"): the interruption lands once the step has ended, as mlx-lm's eval ends first.
+            if not future.done():
+                concurrent.futures.wait([future])
+            raise
 
     def stop(self, timeout: float) -> None:
         """Stop the loop (its tasks are left as they are) and wait until the thread has parked."""

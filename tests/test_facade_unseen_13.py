@@ -9,6 +9,7 @@ import pathlib
 import weakref
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm import generate, stream_generate
@@ -115,3 +116,44 @@ def test_a_model_dropped_without_close_is_collected_and_its_runtime_closed(
         assert alive() is None
         host.result(timeout=60)  # the runtime task ended: its runtime closed
         assert streaming.source is None
+
+
+def test_an_interrupted_call_returns_once_its_step_has_ended(reference: tuple[Any, Any], streaming: tuple[Any, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (a KeyboardInterrupt in the waiting thread) during a prompt's prefill: the call
+    returned at once while its step went on filling the caller's prompt_cache on the runtime
+    thread, and reusing that cache read arrays on the runtime thread's stream ("There is no
+    Stream(cpu, ...) in current thread") or raced the step. The interruption now lands once the
+    step has ended: the cache holds the whole chunk, computed, and generation goes on from it."""
+    import asyncio
+
+    from asyncside import facade
+
+    ref_model, ref_tok = reference
+    model, tok = streaming
+    real_submit = facade._LoopThread.submit
+
+    def interrupted(self: Any, coro: Any) -> Any:
+        async def later() -> Any:
+            await asyncio.sleep(0.2)  # the step is still to run when the wait is interrupted
+            return await coro
+
+        future = real_submit(self, later())
+
+        def result(timeout: float | None = None) -> Any:
+            raise KeyboardInterrupt
+
+        future.result = result  # type: ignore[method-assign]
+        return future
+
+    ids = mx.array(tok.encode(PROMPT))[None]
+    ours, ref = make_prompt_cache(model), make_prompt_cache(ref_model)
+    monkeypatch.setattr(facade._LoopThread, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids, cache=ours)
+    monkeypatch.undo()
+    assert [c.offset for c in ours] == [ids.shape[1]] * len(ours)
+    ref_model(ids, cache=ref)
+    kw: dict[str, Any] = {"max_tokens": 8}
+    assert generate(model, tok, "More.", prompt_cache=ours, **kw) == generate(ref_model, ref_tok, "More.",
+                                                                               prompt_cache=ref, **kw)
