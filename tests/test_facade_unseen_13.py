@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm import generate, stream_generate
+from mlx_lm import batch_generate, generate, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
@@ -64,6 +64,18 @@ def test_max_kv_size_keeps_a_window_as_mlx_lm_does(reference: tuple[Any, Any], s
     assert got == want
     unbounded = [r.token for r in stream_generate(ref_model, ref_tok, PROMPT, max_tokens=30)]
     assert want != unbounded  # the window changes this model's tokens: the test tells them apart
+
+
+def test_batch_generate_with_max_kv_size_equals_mlx_lm(reference: tuple[Any, Any],
+                                                       streaming: tuple[Any, Any]) -> None:
+    """batch_generate's BatchGenerator builds each prompt's cache by make_prompt_cache(model,
+    max_kv_size): every key was kept there too."""
+    ref_model, ref_tok = reference
+    model, tok = streaming
+    prompts = [ref_tok.encode(PROMPT * 2), ref_tok.encode("hey")]
+    want = batch_generate(ref_model, ref_tok, prompts, max_tokens=20, max_kv_size=16, return_token_ids=True)
+    got = batch_generate(model, tok, prompts, max_tokens=20, max_kv_size=16, return_token_ids=True)
+    assert got.token_ids == want.token_ids
 
 
 def test_make_prompt_cache_builds_what_it_builds_for_mlx_lm(reference: tuple[Any, Any],
