@@ -48,6 +48,7 @@ from collections.abc import Callable, Coroutine, MutableMapping
 from typing import Any, TypeVar
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import AsyncsideError
 
@@ -198,6 +199,10 @@ class StreamingLM:
         self.streaming = streaming
         self.model_type = streaming.config.get("model_type")
         self.args = getattr(streaming.model, "args", None)
+        from .serving.loading import text_config_value
+
+        vocab = text_config_value(streaming, "vocab_size")
+        self._vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._thread = _runtime_thread()
         self._closed = False
         self._lock = threading.Lock()
@@ -245,6 +250,14 @@ class StreamingLM:
         # Both are the caller's thread's arrays (lazy on its streams): computed here, they are
         # plain buffers to the runtime's thread.
         mx.eval(inputs, _cache_arrays(cache, []))
+        if self._vocab is not None and inputs.size and mx.issubdtype(inputs.dtype, mx.integer):
+            # The embedding does not check its ids: one past the vocabulary read memory that is
+            # not its own and the process died of SIGSEGV on the runtime thread.
+            ids = np.asarray(inputs)
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self._vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"inputs: token id {bad}, outside the model's vocabulary [0, {self._vocab})")
         return self._thread.call(self._step(inputs, cache))
 
     async def _step(self, inputs: mx.array, cache: list[Any]) -> mx.array:

@@ -169,3 +169,16 @@ def test_an_interrupted_call_returns_once_its_step_has_ended(reference: tuple[An
     kw: dict[str, Any] = {"max_tokens": 8}
     assert generate(model, tok, "More.", prompt_cache=ours, **kw) == generate(ref_model, ref_tok, "More.",
                                                                                prompt_cache=ref, **kw)
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_token_ids_outside_the_vocabulary_are_refused(streaming: tuple[Any, Any], past: int) -> None:
+    """mlx-lm's generate takes a list of ids as given: one far past the vocabulary killed the
+    process with SIGSEGV in the embedding (on the runtime thread), one just past it read another
+    row's memory. The call now says which id, before the step is submitted; the model still runs."""
+    model, tok = streaming
+    vocab = model.args.vocab_size
+    with pytest.raises(ValueError, match=rf"^inputs: token id {vocab + past}, outside the model's vocabulary "
+                                         rf"\[0, {vocab}\)$"):
+        generate(model, tok, [1, 2, vocab + past], max_tokens=2)
+    assert len(generate(model, tok, [1, 2, vocab - 1], max_tokens=2)) > 0
