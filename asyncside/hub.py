@@ -71,6 +71,11 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
     Raises :class:`ModelNotFoundError` naming ``name`` when it is neither.
     """
     text = os.fspath(name)
+    if not text:
+        # pathlib reads an empty path as the working directory: a name from an unset variable
+        # loaded (or tried to convert) whatever directory the process ran in.
+        raise ModelNotFoundError(repr(text), "an empty name; expected an expert store, an mlx-lm model directory "
+                                             "or a Hugging Face repo id (org/name)")
     path = pathlib.Path(text).expanduser()
     if path.exists():
         return path.absolute()

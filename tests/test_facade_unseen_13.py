@@ -182,3 +182,16 @@ def test_token_ids_outside_the_vocabulary_are_refused(streaming: tuple[Any, Any]
                                          rf"\[0, {vocab}\)$"):
         generate(model, tok, [1, 2, vocab + past], max_tokens=2)
     assert len(generate(model, tok, [1, 2, vocab - 1], max_tokens=2)) > 0
+
+
+def test_an_empty_name_is_no_model(quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load(os.environ.get("MODEL", ""))`` with the variable unset: pathlib reads "" as the
+    working directory, so whatever store or model directory the process ran in was loaded."""
+    from asyncside.errors import ModelNotFoundError
+    from asyncside.hub import store_for
+
+    monkeypatch.chdir(quick_store)
+    with pytest.raises(ModelNotFoundError, match=r"^'': an empty name; expected an expert store, an mlx-lm model "
+                                                 r"directory or a Hugging Face repo id \(org/name\)$"):
+        store_for("", progress=False)
+    assert store_for(".", progress=False) == quick_store.absolute()  # the working directory, named
