@@ -251,12 +251,11 @@ class StreamingLM:
         # plain buffers to the runtime's thread.
         mx.eval(inputs, _cache_arrays(cache, []))
         if self._vocab is not None and inputs.size and mx.issubdtype(inputs.dtype, mx.integer):
-            # The embedding does not check its ids: one past the vocabulary read memory that is
-            # not its own and the process died of SIGSEGV on the runtime thread.
-            ids = np.asarray(inputs)
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self._vocab:
-                bad = low if low < 0 else high
+            from .models.streaming import outside_vocabulary
+
+            # One past the vocabulary killed the process with SIGSEGV on the runtime thread.
+            bad = outside_vocabulary(np.asarray(inputs), self._vocab)
+            if bad is not None:
                 raise ValueError(f"inputs: token id {bad}, outside the model's vocabulary [0, {self._vocab})")
         return self._thread.call(self._step(inputs, cache))
 

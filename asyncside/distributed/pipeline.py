@@ -241,11 +241,11 @@ class Pipeline:
             raise DistributedError("the pipeline is not running: use `async with pipeline.running():`")
         if self.control.failed is not None:
             raise self.control.failed
+        from ..models.streaming import checked_prompt_ids  # an id past the vocabulary killed rank 0 (SIGSEGV)
         from ..serving.loading import text_config_value
-        from ..serving.requests import prompt_token_ids  # an id past the vocabulary killed rank 0 (SIGSEGV)
 
         vocab = text_config_value(self.sm, "vocab_size")
-        ids = prompt_token_ids(prompt_ids, vocab if isinstance(vocab, int) else None)
+        ids = checked_prompt_ids(prompt_ids, vocab if isinstance(vocab, int) else None)
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         out_send, out = anyio.create_memory_object_stream[Any](math.inf)

@@ -199,15 +199,7 @@ class StreamingModel:
         whose cache alone would pass it is refused (AsyncsideError, before the first step), and one
         that does not fit beside generations already running waits for one to end.
         """
-        ids = _prompt_list(prompt_ids)
-        if not ids:
-            raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
-        vocab = _config_vocab(self.config)
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            # an id past the embedding table reads whatever lies beyond it: garbage, not an error
-            raise ValueError(f"prompt_ids: {len(bad)} id(s) outside the model's vocabulary [0, {vocab}) "
-                             f"(vocab_size of its config.json), first {bad[0]}")
+        ids = checked_prompt_ids(prompt_ids, _config_vocab(self.config))
         # A str or None failed on a comparison, 2.5 in range(), and True ran one token.
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
             raise ValueError(f"max_tokens: expected a number of tokens >= 0 (an int), got {max_tokens!r}")
@@ -328,6 +320,30 @@ class _KVReservations:
         waiters, self._waiters = self._waiters, []
         for event in waiters:
             event.set()
+
+
+def outside_vocabulary(ids: Any, vocab: int | None) -> int | None:
+    """The first of the token ids ``ids`` (a sequence or an integer array) outside ``[0, vocab)``
+    (``vocab`` None: only a negative id is), else None. The embedding does not check its ids: one
+    past its table reads memory that is not its own (garbage tokens, or the process dies of SIGSEGV)."""
+    a = np.asarray(ids).reshape(-1)
+    out = (a < 0) if vocab is None else ((a < 0) | (a >= vocab))
+    hit = np.flatnonzero(out)
+    return int(a[hit[0]]) if hit.size else None
+
+
+def checked_prompt_ids(prompt_ids: Any, vocab: int | None) -> list[int]:
+    """``prompt_ids`` as a list of ints, refused (ValueError or TypeError naming the argument) where
+    it is no flat sequence of integer ids, is empty, or holds an id outside the model's vocabulary
+    (``vocab``; None: unknown). Every entry that generates from token ids checks them here."""
+    ids = _prompt_list(prompt_ids)
+    if not ids:
+        raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
+    bad = outside_vocabulary(ids, vocab)
+    if bad is not None:
+        raise ValueError(f"prompt_ids holds token id {bad}, outside the model's vocabulary "
+                         f"[0, {vocab if vocab is not None else '...'})")
+    return ids
 
 
 def _prompt_list(prompt_ids: Any) -> list[int]:

@@ -54,6 +54,7 @@ from anyio.abc import TaskGroup
 
 from ..errors import AsyncsideError
 from ..models.forcing import batch_replays
+from ..models.streaming import checked_prompt_ids
 from .batch_caches import BatchCaches, announce_unbatched, mergeable, row_cache, rows_step
 from .forward_inputs import decode_inputs, prefill_groups
 from .kv_budget import plan_admission
@@ -62,7 +63,7 @@ from .prompt_cache import PrefixCache, cache_nbytes
 from .protocol import SamplingParams
 from .read_failures import ReadFailures
 from .read_failures import log_failure as _log_failure
-from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent, prompt_token_ids
+from .requests import Chunk, Generation, GenerationFailed, QueueFull, Slot, Step, TokenEvent
 from .step_shapes import StepShapes, bounded_prefill_chunk, default_prefill_chunk
 
 __all__ = ["BatchCaches", "BatchedSteps", "Batcher", "Engine", "Generation", "GenerationFailed", "QueueFull",
@@ -220,7 +221,7 @@ class Batcher:
         """Queue one request; QueueFull when every slot is taken and the queue is full."""
         from .sampling import RequestSampler
 
-        ids = prompt_token_ids(prompt_ids, self.vocab_size)
+        ids = checked_prompt_ids(prompt_ids, self.vocab_size)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         free = self.max_batch - len(self._active)

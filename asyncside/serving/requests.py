@@ -17,20 +17,6 @@ from .health import describe_failure
 from .protocol import SamplingParams
 
 
-def prompt_token_ids(prompt_ids: Any, vocab_size: int | None) -> list[int]:
-    """``prompt_ids`` as a list of ints; ValueError where it is empty or an id lies outside the
-    model's vocabulary (``vocab_size``; None: unknown). The embedding does not check its ids: one
-    past the vocabulary read memory that is not its own and killed the process with SIGSEGV."""
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
-    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-    if bad is not None:
-        raise ValueError(f"prompt_ids holds token id {bad}, outside the model's vocabulary "
-                         f"[0, {vocab_size if vocab_size is not None else '...'})")
-    return ids
-
-
 class QueueFull(AsyncsideError):
     """The engine's slots and its queue are full; ``retry_after`` is a hint in whole seconds."""
 
