@@ -10,44 +10,16 @@ import weakref
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx_lm import batch_generate, generate, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
 from asyncside.facade import load
-from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
 from asyncside.models.tokenizer import save_byte_level_tokenizer
 
+from _facade_support import PROMPT, dirs, reference, streaming  # noqa: F401  (the fixtures)
 from _models_support import tiny_model
-
-SMALL = EmbeddedSpec(
-    config={
-        **EmbeddedSpec().config,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
-    },
-    profile_tokens=2,
-)
-PROMPT = "Mixture-of-Experts models route every token to a few experts. "
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
-    return ensure_embedded_default(tmp_path_factory.mktemp("facade13"), spec=SMALL, progress=False)
-
-
-@pytest.fixture(scope="module")
-def reference(dirs: tuple[pathlib.Path, pathlib.Path]) -> tuple[Any, Any]:
-    return mlx_lm.load(str(dirs[0]))
-
-
-@pytest.fixture(scope="module")
-def streaming(dirs: tuple[pathlib.Path, pathlib.Path]) -> Any:
-    model, tokenizer = load(dirs[1], resident=0.25)
-    yield model, tokenizer
-    model.close()
 
 
 @pytest.mark.parametrize("prefill_step_size", [3, 2048])
