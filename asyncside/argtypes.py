@@ -94,27 +94,37 @@ def vocab_size(text: str) -> int | None:
 vocab_size.__name__ = "vocabulary size"
 
 
+def parse_resident(text: str, *, allow_auto: bool = True) -> float | str:
+    """The pools' size as ``--resident`` writes it: a fraction of each layer's experts in [0, 1]
+    (``0.25``), a percentage (``25%``), and with ``allow_auto`` the word ``auto``, in any case and
+    with spaces around it. A ValueError saying what was expected otherwise. One parser for the
+    command line and ``Runtime(resident=...)``, so the Python API takes what the CLI takes."""
+    expected = "a fraction such as 0.25, a percentage such as 25%" + (", or 'auto'" if allow_auto else "")
+    t = text.strip().lower()
+    if allow_auto and t == "auto":
+        return "auto"
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise ValueError(f"expected a fraction in [0, 1], got {text}; {expected}")
+    return value + 0.0  # a negative zero loses its sign, which the titles showed
+
+
 def resident_fraction(*, allow_auto: bool = True) -> Callable[[str], float | str]:
-    """An argparse type for ``--resident``, shared by ``demo``, ``serve`` and ``convert``: a fraction of
-    each layer's experts in [0, 1] (``0.25``) or a percentage (``25%``), and with ``allow_auto`` the word
-    ``auto``; a usage error saying so otherwise.
+    """An argparse type for ``--resident``, shared by ``demo``, ``serve`` and ``convert``: what
+    :func:`parse_resident` takes; a usage error saying so otherwise.
 
     0 is a setting, not a mistake: nothing resident, every expert streamed through the least rows the
     runtime plans (``Runtime(resident=0.0)``), or for ``convert`` an empty recorded resident set.
     """
-    expected = "a fraction such as 0.25, a percentage such as 25%" + (", or 'auto'" if allow_auto else "")
 
     def check(text: str) -> float | str:
-        t = text.strip().lower()
-        if allow_auto and t == "auto":
-            return "auto"
         try:
-            value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-        except ValueError:
-            value = math.nan
-        if not 0.0 <= value <= 1.0:  # NaN fails this too
-            raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}; {expected}")
-        return value + 0.0  # a negative zero loses its sign, which the titles showed
+            return parse_resident(text, allow_auto=allow_auto)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     check.__name__ = "fraction in [0, 1]" + (" or 'auto'" if allow_auto else "")
     return check

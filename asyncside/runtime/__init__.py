@@ -40,6 +40,7 @@ import numpy.ma
 
 import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
 
+from ..argtypes import parse_resident
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
 from ..memory import check_memory, parse_host_tier, parse_size
@@ -196,6 +197,12 @@ def check_arguments(*, resident: Any = 0.25, pinned: Any = None, side_rows: Any 
     if isinstance(resident, Mapping):
         raise TypeError("resident: expected a fraction of each layer's experts or 'auto' (the pools' "
                         "size); name pinned experts with pinned={layer: [experts]}")
+    if isinstance(resident, str):
+        # As the command line's --resident reads it ("25%", " Auto"): the same parser.
+        try:
+            resident = parse_resident(resident)
+        except ValueError as e:
+            raise PlanArgumentError(f"resident: {e}") from None
     if resident != "auto":
         # A bool is no fraction, None failed inside float() when entered; a negative zero loses its sign.
         if isinstance(resident, bool) or not isinstance(resident, numbers.Real) or not 0.0 <= float(resident) <= 1.0:
@@ -218,10 +225,11 @@ class Runtime:
     """Stream expert rows of ``store`` into MLX pools; use as ``async with Runtime(store) as rt``.
 
     ``resident`` is the pools' size: the fraction of each layer's experts they hold, or ``"auto"``
-    (sized to the memory budget). Every row is dynamic, managed online by ``policy`` (warmed up
-    from the store's routing ranking when it has one; a policy's name, or an instance each layer
-    gets a copy of), unless ``side_rows`` leaves only that many
-    dynamic and pins the hottest others, or ``pinned`` names the pinned experts per layer.
+    (sized to the memory budget); a string is read as ``--resident`` reads it (``"25%"``).
+    Every row is dynamic, managed online by ``policy`` (warmed up from the store's routing ranking
+    when it has one; a policy's name, or an instance each layer gets a copy of), unless
+    ``side_rows`` leaves only that many dynamic and pins the hottest others, or ``pinned`` names
+    the pinned experts per layer.
     ``min_side_rows`` is the least rows a layer gets (None: the model's top-k where the store says
     it, else 8, at most a layer's experts; :func:`~asyncside.runtime._plan.min_rows`); one given
     above what a layer has to stream (its experts, less those ``pinned`` names) is refused as
