@@ -9,6 +9,7 @@ they are active a prediction is skipped and a demand first takes the rows back (
 from __future__ import annotations
 
 import copy
+import errno as _errno
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,6 +21,7 @@ from ..errors import AsyncsideError, CapacityError, FillError, StoreError
 from ..ledger import Fill, Ledger, validate_ids
 from ..policies import Policy
 from ..pools import PoolSet
+from ..readers import ENV_DIRECT
 from ..scheduler import FillHandle
 from ._plan import MemoryPlan, plan_layer, warm_experts
 from ._queued import QueuedSide
@@ -39,6 +41,20 @@ def layer_policy(policy: str | Policy) -> str | Policy:
     fresh._owner = None
     fresh.reset()
     return fresh
+
+
+def _direct_way_out(plan: MemoryPlan, exc: OSError) -> str:
+    """Where the store's filesystem refuses O_DIRECT (EINVAL; an older tmpfs, some FUSE and network
+    filesystems), why the reads were direct and how to read buffered instead: "read it buffered"
+    alone named no way to, where the plan had chosen O_DIRECT from the budget."""
+    if not plan.direct or exc.errno != _errno.EINVAL:
+        return ""
+    if plan.direct_reason == "asked for":
+        return "; O_DIRECT was asked for: leave out direct=True (--direct) to read the store buffered"
+    if plan.direct_reason == ENV_DIRECT:
+        return f"; O_DIRECT was asked for by ${ENV_DIRECT}: set it to 0 to read the store buffered"
+    return (f"; the plan chose O_DIRECT ({plan.direct_reason}): direct=False, or ${ENV_DIRECT}=0 on the "
+            f"command line, reads the store buffered, through a page cache larger than the budget leaves it")
 
 
 class HostFills:
@@ -70,7 +86,7 @@ class HostFills:
                 await s.scheduler.prepare(spec, pools)
             except OSError as exc:
                 raise StoreError(spec.path, f"layer {index}: cannot open the blob for reading: "
-                                 f"{exc.strerror or exc}", errno=exc.errno) from None
+                                 f"{exc.strerror or exc}{_direct_way_out(plan, exc)}", errno=exc.errno) from None
             s.layers[index] = LayerState(spec=spec, ledger=ledger, pools=pools)
             pinned_sets[index] = chosen
         # Pinned rows are read once, through the same reader as everything else.
