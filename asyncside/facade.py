@@ -210,7 +210,16 @@ class StreamingLM:
         # The task holds the streaming model, never this object: a model dropped without close()
         # is collected, and its finalizer ends the task (the pools and reads go with it).
         self._host: concurrent.futures.Future[None] = self._thread.submit(_hold(streaming, runtime_kwargs, ready))
-        self.runtime, self._stop = ready.result()
+        try:
+            self.runtime, self._stop = ready.result()
+        except BaseException:
+            # Interrupted while the runtime was entered (Ctrl-C in a notebook during load()): the
+            # task went on, entered the runtime and held its pools, reads and descriptors until
+            # the process ended, with no model left to close it. Cancelled, it leaves the entry
+            # (or closes the runtime it entered) before the interruption goes on.
+            self._host.cancel()
+            concurrent.futures.wait([self._host], timeout=30.0)
+            raise
         self._release = weakref.finalize(self, _release, self._thread, self._stop)
         self._release.atexit = False  # _at_exit closes the models still open, waiting for each
         _OPEN.add(self)
