@@ -75,3 +75,67 @@ def test_a_filesystem_that_refuses_o_direct_says_how_to_read_buffered(how: str, 
         anyio.run(go)
     assert "cannot open with O_DIRECT" in str(info.value) and said in str(info.value), str(info.value)
     assert anyio.run(functools.partial(go, direct=False)) is False
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The filesystem fills while a store is written: ``where`` is ``"blob"`` (a layer's blob,
+    Python's OSError) or ``"mlx"`` (MLX's own writer, a RuntimeError that names no reason)."""
+    import errno
+
+    import mlx.core as mx
+
+    import asyncside.store as store_mod
+
+    if where == "blob":
+        real = store_mod._write_layer
+
+        def full(tmp: pathlib.Path, *args: Any, **kwargs: Any) -> Any:
+            real(tmp, *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(store_mod, "_write_layer", full)
+    else:
+        def unable(path: str, *args: Any, **kwargs: Any) -> None:
+            pathlib.Path(path).write_bytes(b"\0" * 100)  # a part written, as a full disk leaves it
+            raise RuntimeError("[write] Unable to write 2912 bytes to file.")
+
+        monkeypatch.setattr(mx, "save_safetensors", unable)
+
+
+@pytest.mark.parametrize("where", ["blob", "mlx"])
+def test_convert_onto_a_full_disk_is_one_line_and_leaves_nothing(where: str, quick_store: pathlib.Path,
+                                                                  tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL DIR`` onto a filesystem that fills while the store is written
+    ended in a traceback (``OSError: [Errno 28] No space left on device`` from a blob, or MLX's
+    ``RuntimeError: [write] Unable to write 2912 bytes to file.``). It is one line naming the
+    store directory, the reason and the space the store takes, exit status 1 (the disk failed,
+    not the input), and nothing is left beside it."""
+    from tests._cli_support import run_cli
+
+    _full_disk(monkeypatch, where)
+    dest = tmp_path / "out" / "store"
+    rc, err = run_cli(capsys, "convert", str(quick_store.parent / "model"), str(dest), "--quiet")
+    said = "No space left on device (errno 28)" if where == "blob" else "[write] Unable to write 2912 bytes to file;"
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"asyncside convert: {dest}: cannot write the store: {said}") and "free there" in err, err
+    assert "the model's weight files (2.0 MiB)" in err and "Traceback" not in err, err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_building_the_embedded_model_on_a_full_disk_names_the_cache_directory(tmp_path: pathlib.Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside demo --cache-dir DIR`` whose filesystem cannot hold the embedded model ended in
+    MLX's ``RuntimeError: [write] Unable to write 159943 bytes to file.`` and a traceback: the
+    error names the cache directory, what the build takes, and --cache-dir; no half build is kept."""
+    from asyncside.bench import generate as bench
+    from asyncside.models.convert import StoreWriteError
+    from asyncside.models.embedded import ensure_embedded_default
+
+    _full_disk(monkeypatch, "mlx")
+    with pytest.raises(StoreWriteError) as info:
+        ensure_embedded_default(tmp_path, spec=bench._quick_spec(), progress=False)
+    said = str(info.value)
+    assert said.startswith(f"{tmp_path}: cannot write the embedded model and its store: [write] Unable to "), said
+    assert "the build takes about " in said and "another --cache-dir" in said, said
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

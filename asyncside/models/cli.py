@@ -193,8 +193,13 @@ def convert_main(args: argparse.Namespace) -> int:
     problem = _check_args(args)
     if problem is not None:
         return _fail(problem)
+    from .convert import StoreWriteError
+
     try:
         res = run_convert(args)
+    except StoreWriteError as exc:  # the filesystem failed (a full disk), not the input: no usage error
+        print(f"asyncside convert: {exc}", file=sys.stderr)
+        return 1
     except (AsyncsideError, ValueError, FileNotFoundError) as exc:
         # StoreError / UnsupportedModelError / bad profile: the message names the file or field.
         return _fail(str(exc))

@@ -323,6 +323,43 @@ def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
                          errno=exc.errno) from None
 
 
+class StoreWriteError(StoreError):
+    """The store could not be written: the filesystem failed (full, a quota, an I/O error), not
+    the input. Nothing of it is left behind."""
+
+
+def write_failure(exc: BaseException, where: pathlib.Path, *, writing: str, partial: pathlib.Path,
+                  need: str, remedy: str) -> StoreWriteError | None:
+    """The StoreWriteError naming ``where`` for ``writing`` that failed on its filesystem (full, a
+    quota, an I/O error): the OSError's reason, or MLX's own writer's, whose RuntimeError says only
+    "Unable to write N bytes", with the space free once ``partial`` (what was written) is removed
+    and ``need``, what it takes. None for an error that is no failed write. A full disk was a
+    traceback before."""
+    from ..memory import describe_bytes
+
+    if isinstance(exc, OSError):
+        why = f"{exc.strerror or exc} (errno {exc.errno})" if exc.errno else str(exc)
+    elif str(exc).startswith(("[write]", "[save")):
+        why = " ".join(str(exc).split()).rstrip(".")
+    else:
+        return None
+    shutil.rmtree(partial, ignore_errors=True)  # what a rerun has is the space without it
+    at = partial
+    while not at.exists() and at.parent != at:
+        at = at.parent
+    try:
+        st = os.statvfs(at)
+        free = f"; {describe_bytes(st.f_bavail * st.f_frsize)} free there"
+    except OSError:
+        free = ""
+    return StoreWriteError(where, f"cannot write {writing}: {why}{free}, and {need}; nothing was left behind "
+                                  f"({remedy})", errno=getattr(exc, "errno", None))
+
+
+def _weight_bytes(src: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in src.glob("*.safetensors") if p.is_file())
+
+
 def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLike[str], *,
                   profile: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                   resident_fraction: float = DEFAULT_RESIDENT_FRACTION, progress: bool = True,
@@ -405,18 +442,29 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     fcntl.flock(owner, fcntl.LOCK_EX)
     os.rename(staging / (STAGING_LOCK + ".new"), staging / STAGING_LOCK)
     try:
-        with _progress(progress, len(moe), src.name) as advance:
-            feed = _LayerFeed(moe, specs, advance)
-            tmp_store = staging / "store"
-            ExpertStore.create(tmp_store, feed, alignment=alignment, checksum=checksum, metadata={META_KEY: meta})
-            advance(None)
-        non_expert = dict(tree_flatten(model.parameters()))
-        mx.save_safetensors(str(tmp_store / NON_EXPERT_FILE), non_expert, metadata={"format": "mlx"})
-        save_config(dict(config), tmp_store / "config.json")
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp_store / name)
-        _write_summary(tmp_store, feed.expert_bytes, sum(a.nbytes for a in non_expert.values()))
+        tmp_store = staging / "store"
+        try:
+            with _progress(progress, len(moe), src.name) as advance:
+                feed = _LayerFeed(moe, specs, advance)
+                ExpertStore.create(tmp_store, feed, alignment=alignment, checksum=checksum,
+                                   metadata={META_KEY: meta})
+                advance(None)
+            non_expert = dict(tree_flatten(model.parameters()))
+            mx.save_safetensors(str(tmp_store / NON_EXPERT_FILE), non_expert, metadata={"format": "mlx"})
+            save_config(dict(config), tmp_store / "config.json")
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp_store / name)
+            _write_summary(tmp_store, feed.expert_bytes, sum(a.nbytes for a in non_expert.values()))
+        except (OSError, RuntimeError) as exc:
+            from ..memory import describe_bytes
+
+            need = f"the store takes about the model's weight files ({describe_bytes(_weight_bytes(src))}) or more"
+            failed = write_failure(exc, dest, writing="the store", partial=tmp_store, need=need,
+                                   remedy="free space there, or convert into another filesystem")
+            if failed is None:
+                raise
+            raise failed from None
         if dest.exists():
             trash = staging / "old"
             os.rename(dest, trash)

@@ -310,6 +310,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     :data:`PROFILE_PROMPTS`). Concurrent callers wait on a file lock; a half-built directory is
     never visible (built in a temporary directory, renamed into place).
     """
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config, save_model
 
     from .convert import convert_model, profile_routing
@@ -326,8 +327,10 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
         if final.exists():  # a leftover without READY, or built by older code unlike this one: never trust it
             shutil.rmtree(final)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".embedded-{spec.key()}.tmp-", dir=root))
+        model_bytes = 0
         try:
             model, cfg = build_model(spec)
+            model_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
             model_dir = tmp / "model"
             save_model(model_dir, model)
             save_config(dict(cfg), model_dir / "config.json")
@@ -342,6 +345,19 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
                           progress=progress, model_id=f"asyncside-embedded-qwen3moe-{spec.key()[:8]}")
             (tmp / READY_FILE).write_text(ready_marker(spec))
             os.rename(tmp, final)
+        except (OSError, RuntimeError) as exc:
+            # A full disk under the cache directory was MLX's "[write] Unable to write N bytes to
+            # file." and a traceback.
+            from ..memory import describe_bytes
+            from .convert import write_failure
+
+            need = f"the build takes about {describe_bytes(model_bytes * 2)} (the model, then its store)"
+            failed = write_failure(exc, root, writing="the embedded model and its store", partial=tmp, need=need,
+                                   remedy="free space there, or give another --cache-dir")
+            shutil.rmtree(tmp, ignore_errors=True)
+            if failed is None:
+                raise
+            raise failed from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
