@@ -139,3 +139,33 @@ def test_building_the_embedded_model_on_a_full_disk_names_the_cache_directory(tm
     assert said.startswith(f"{tmp_path}: cannot write the embedded model and its store: [write] Unable to "), said
     assert "the build takes about " in said and "another --cache-dir" in said, said
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("model", ["embedded", "directory"])
+def test_a_cache_directory_the_process_cannot_write_is_one_line(model: str, quick_store: pathlib.Path,
+                                                                 tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside demo`` (the embedded model, built on first use) or ``demo --model MODEL_DIR``
+    (converted on first use) under a cache it cannot write (a read-only home, another user's
+    cache) ended in ``OSError: [Errno 30] Read-only file system`` and a traceback; it is one line
+    naming the directory and the ways to give another."""
+    import errno
+
+    from tests._cli_support import run_cli
+
+    cache = tmp_path / "home" / ".cache"
+    real_mkdir = pathlib.Path.mkdir
+
+    def read_only(self: pathlib.Path, *args: Any, **kwargs: Any) -> None:
+        if str(self).startswith(str(cache)):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    monkeypatch.delenv("ASYNCSIDE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    argv = ["--model", str(quick_store.parent / "model")] if model == "directory" else []
+    rc, err = run_cli(capsys, "demo", "--tokens", "2", "--reference", "none", *argv)
+    assert rc in (1, 2) and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"asyncside demo: {cache / 'asyncside'}") and "Read-only file system (errno 30)" in err, err
+    assert "--cache-dir DIR" in err and "$ASYNCSIDE_CACHE" in err, err

@@ -266,8 +266,20 @@ def build_is_current(directory: pathlib.Path, spec: EmbeddedSpec) -> bool:
 
 @contextlib.contextmanager
 def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")
+    except OSError as exc:
+        # A cache the process cannot write (a read-only home, another user's cache, HOME=/ in a
+        # container) was an OSError traceback from mkdir or open.
+        from ..native_env import ENV_CACHE
+        from .convert import StoreWriteError
+
+        raise StoreWriteError(exc.filename or path.parent, f"cannot build in this cache directory: "
+                              f"{exc.strerror or exc} (errno {exc.errno}); give a writable one with "
+                              f"--cache-dir DIR (cache_dir= in Python) or ${ENV_CACHE}",
+                              errno=exc.errno) from None
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
