@@ -169,3 +169,31 @@ def test_a_cache_directory_the_process_cannot_write_is_one_line(model: str, quic
     assert rc in (1, 2) and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"asyncside demo: {cache / 'asyncside'}") and "Read-only file system (errno 30)" in err, err
     assert "--cache-dir DIR" in err and "$ASYNCSIDE_CACHE" in err, err
+
+
+def test_a_store_says_whether_its_model_directory_changed_since_it_was_converted(quick_store: pathlib.Path,
+                                                                                 tmp_path: pathlib.Path) -> None:
+    """A model directory converted on first use (``demo --model DIR``, ``load(DIR)``) is cached by
+    its path: a model saved again into that directory (fine-tuned, another checkpoint) reused the
+    store of the first, and generated the old weights' tokens without a word. A store records its
+    source files as converted, and ``source_changed`` names the first that differs (the cache's
+    side is helper C's, /tmp/b19/A-hub-stale-store.patch)."""
+    import os
+    import shutil
+
+    from asyncside.models.convert import convert_model, source_changed
+
+    model = tmp_path / "model"
+    shutil.copytree(quick_store.parent / "model", model)
+    store = convert_model(model, tmp_path / "store", progress=False)
+    assert source_changed(ExpertStore.open(tmp_path / "store"), model) is None
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # saved again
+    assert source_changed(store, model) == "model.safetensors changed"
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert source_changed(store, model) == "model-00002-of-00002.safetensors was added"
+    (model / "model-00002-of-00002.safetensors").unlink()
+    (model / "config.json").unlink()
+    assert source_changed(store, model) == "config.json is gone"

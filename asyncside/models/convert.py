@@ -423,6 +423,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         "model_type": config["model_type"],
         "model_id": model_id or src.name,
         "source": str(src),
+        # Taken before a weight is read: a file changed while converting reads as changed later.
+        "source_files": source_files(src),
         "switch": {str(l): s for l, s in specs.items()},
         "switch_paths": {str(l): p for l, p in paths.items()},
         "expert_rank": {str(l): r for l, r in ranks.items()},
@@ -693,6 +695,44 @@ class _progress:
 def _n_experts(switch: nn.Module) -> int:
     lin = switch.gate_proj if hasattr(switch, "gate_proj") else switch.fc1
     return int(lin["weight"].shape[0])
+
+
+def source_files(src: str | os.PathLike[str]) -> dict[str, list[int]]:
+    """What a store converted from the model directory ``src`` depends on, by file name: its
+    ``config.json``, weight files (``*.safetensors`` and their index) and tokenizer files, each as
+    its size and modification time (ns). Recorded in the store (``source_files``) when it is
+    converted, so a directory whose model changed since (a model saved again into it) is told
+    from the one converted (:func:`source_changed`)."""
+    base = pathlib.Path(src)
+    names = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
+    names.update(p.name for p in base.glob("*.safetensors"))
+    found: dict[str, list[int]] = {}
+    for name in sorted(names):
+        try:
+            st = (base / name).stat()  # a Hugging Face snapshot's links: the blob's
+        except OSError:
+            continue
+        found[name] = [int(st.st_size), int(st.st_mtime_ns)]
+    return found
+
+
+def source_changed(store: Any, src: str | os.PathLike[str]) -> str | None:
+    """What changed in the model directory ``src`` since ``store`` (an ExpertStore) was converted
+    from it (a file added, gone, or of another size or time), or None where nothing did, or the
+    store does not say (converted before stores recorded their source files)."""
+    meta = store.metadata.get(META_KEY)
+    recorded = meta.get("source_files") if isinstance(meta, dict) else None
+    if not isinstance(recorded, dict):
+        return None
+    now = source_files(src)
+    for name in sorted(set(recorded) | set(now)):
+        if name not in now:
+            return f"{name} is gone"
+        if name not in recorded:
+            return f"{name} was added"
+        if list(recorded[name]) != now[name]:
+            return f"{name} changed"
+    return None
 
 
 def resident_sets(store: Any, fraction: float | None = None) -> dict[int, list[int]]:
