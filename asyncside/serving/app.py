@@ -666,7 +666,9 @@ class _Handlers:
                    405: f"method {request.method} not allowed on {request.url.path}"}
         path = _CANONICAL.get(request.url.path, request.url.path)
         self.record("unmatched" if exc.status_code == 404 else path, exc.status_code)
-        return _error(oai.RequestError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code))
+        # A 405 says which methods the route takes (Starlette's Allow header; HTTP requires it).
+        return _error(oai.RequestError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code,
+                                       headers=exc.headers))
 
     async def server_error(self, request: Request, exc: Exception) -> Response:
         # Starlette re-raises after this answer, so uvicorn logs the traceback once.
