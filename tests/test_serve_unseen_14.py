@@ -1,5 +1,5 @@
-"""Serving to clients, proxies and process managers that are not ours, round 14: what a
-wrong method is told.
+"""Serving to clients, proxies and process managers that are not ours, round 14: raw HTTP
+connections that never finish their request, and what a wrong method is told.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -7,7 +7,10 @@ model is the real code.
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -18,15 +21,100 @@ from asyncside.serving import BackgroundServer, ServeSettings, create_app
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 LONG = "one two three four five six seven eight nine ten " * 2
+#: how long a connection gets to send its request, in these tests
+READ_TIMEOUT = 0.5
+#: what a socket read waits at most before the test says the server held the connection
+HELD = 30.0
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     tok = byte_tokenizer(tmp_path_factory.mktemp("tokenizer"))
     model = ScriptedModel(tok, "hello", {"count": LONG}, step_delay=0.02)
-    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=256))
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=256,
+                                                           request_read_timeout=READ_TIMEOUT))
     with BackgroundServer(app) as server:
         yield server
+
+
+def _connect(srv: BackgroundServer) -> socket.socket:
+    sock = socket.create_connection((srv.host, srv.port))
+    sock.settimeout(HELD)
+    return sock
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a socket timeout fails the test)."""
+    out = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        except TimeoutError:
+            raise AssertionError(f"the server still held the connection after {HELD:g} s; got {out[:200]!r}") from None
+        if not data:
+            return out
+        out += data
+
+
+def _request(body: dict[str, Any], extra: str = "") -> bytes:
+    raw = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n{extra}\r\n").encode() + raw
+
+
+def _disconnects(srv: BackgroundServer) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("asyncside_client_disconnects_total{"))
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"],
+                         ids=["nothing", "half a request head"])
+def test_a_connection_that_never_sends_its_request_is_closed(srv: BackgroundServer, sent: bytes) -> None:
+    """uvicorn times out only the gap after an answer: a client that opened a connection and sent
+    nothing, or part of a request head, held it (and its file descriptor) for good; enough such
+    clients ran the process out of descriptors, and every new client was refused. The connection
+    is now closed once the request read timeout has passed, and other clients are served."""
+    sock = _connect(srv)
+    sock.sendall(sent)
+    assert _read_to_close(sock) == b""
+    sock.close()
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_request_body_that_stalls_is_closed_and_counted_as_a_client_that_left(srv: BackgroundServer) -> None:
+    before = _disconnects(srv)
+    sock = _connect(srv)
+    whole = _request({"model": "scripted", "prompt": "count", "max_tokens": 4})
+    sock.sendall(whole[:-10])  # the head and all but the body's last bytes
+    assert _read_to_close(sock) == b""
+    sock.close()
+    # The handler waiting for the body saw the client leave: no answer, no request in the engine.
+    assert _disconnects(srv) == before + 1
+    assert httpx.get(srv.url + "/health").json()["active_requests"] == 0
+
+
+def test_answers_longer_than_the_read_timeout_and_keep_alive_are_untouched(srv: BackgroundServer) -> None:
+    """The timeout bounds sending a request, not answering it: a stream that takes longer ends
+    normally, and the connection serves a second request sent at once, and a pipelined one."""
+    sock = _connect(srv)
+    stream = _request({"model": "scripted", "prompt": "count", "max_tokens": 60, "stream": True})
+    short = _request({"model": "scripted", "prompt": "count", "max_tokens": 3}, extra="Connection: close\r\n")
+    sock.sendall(stream)
+    got = b""
+    while b"data: [DONE]" not in got:
+        data = sock.recv(65536)
+        assert data, got[-300:]
+        got += data
+    events = [json.loads(line[6:]) for line in got.decode().split("\r\n") if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == LONG[:60]
+    sock.sendall(stream + short)  # a second stream, and a request pipelined behind it
+    got = _read_to_close(sock).decode()
+    assert got.count("data: [DONE]") == 1 and got.count("HTTP/1.1 200 OK") == 2, got[-400:]
+    assert json.loads(got[got.rindex("\r\n\r\n") + 4:])["choices"][0]["text"] == LONG[:3]
+    sock.close()
 
 
 @pytest.mark.parametrize("method, path, allowed", [("DELETE", "/health", {"GET", "HEAD"}),

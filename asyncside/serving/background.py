@@ -84,6 +84,52 @@ class _Pending:
         self.cancelled = True
 
 
+def _read_timed_h11(seconds: float) -> type[Any]:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and
+    body) within ``seconds`` of opening or of its previous answer's end.
+
+    uvicorn times out only the idle gap after an answer, and any byte cancels that: a client that
+    opened connections and sent nothing, or a header line at a time, held each one for good, and
+    enough of them used up the process's file descriptors, after which every new client was
+    refused (and a replaced blob could not be re-opened)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class ReadTimedH11(H11Protocol):
+        _read_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_read_timer()
+
+        def on_response_complete(self) -> None:
+            # Armed before the next cycle starts: a pipelined request may begin within the call.
+            self._arm_read_timer()
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+            super().connection_lost(exc)
+
+        def _arm_read_timer(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            self._read_timer = self.loop.call_later(seconds, self._read_timed_out)
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+                return  # the request is in: its answer may take as long as it takes
+            if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+                return  # answered before its body was read (a 413, say): uvicorn ends the cycle
+            # The handler waiting for the body sees the client leave (499).
+            self.transport.close()
+
+    return ReadTimedH11
+
+
 def _uvicorn_server(app: Starlette, log_level: str) -> Any:
     import uvicorn
 
@@ -91,6 +137,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
     if state is not None:
         _STATES.add(state)
     max_header = state.settings.max_header_bytes if state is not None else 16 * 1024
+    read_timeout = state.settings.request_read_timeout if state is not None else 30.0
 
     class GracefulServer(uvicorn.Server):
         """uvicorn's server, whose signals drain the application first and are not re-raised."""
@@ -138,7 +185,8 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
     _quiet_expected_startup_failures()
     # h11 refuses a request head past its limit before the application sees it (431 there too).
     config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max_header + 1024)
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max_header + 1024,
+                            http=_read_timed_h11(read_timeout))
     return GracefulServer(config)
 
 

@@ -35,6 +35,9 @@ class ServeSettings:
     the key. ``max_header_bytes`` bounds a request's headers (431 beyond). ``shutdown_grace``:
     on SIGTERM/SIGINT (or :meth:`~.background.BackgroundServer.stop`) new requests get 503 and
     requests in flight have this many seconds to finish before they are ended with an error.
+    ``request_read_timeout``: seconds a connection has to send a whole request (head and body)
+    once it is open or its previous answer ended; closed beyond (the handler of a body that stalls
+    sees the client leave).
     ``health_recheck_s``: while experts are bad (a read failed), how often their blobs are looked
     at again (replaced on disk: re-opened) and their records verified (clean: healed).
     """
@@ -61,6 +64,7 @@ class ServeSettings:
     max_header_bytes: int = 16 * 1024
     shutdown_grace: float = 5.0
     health_recheck_s: float = 2.0
+    request_read_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -83,6 +87,9 @@ class ServeSettings:
             raise ValueError("ServeSettings.api_key must be a non-empty string of printable characters without spaces")
         if self.max_header_bytes < 1024:
             raise ValueError(f"ServeSettings.max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if not 0 < self.request_read_timeout < float("inf"):
+            raise ValueError(f"ServeSettings.request_read_timeout must be positive seconds, got "
+                             f"{self.request_read_timeout}")
         if not self.health_recheck_s > 0:
             raise ValueError(f"ServeSettings.health_recheck_s must be positive, got {self.health_recheck_s}")
         if not self.shutdown_grace >= 0:
