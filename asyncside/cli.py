@@ -13,6 +13,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,10 +99,29 @@ def _bad_input(exc: BaseException) -> bool:
             or (shapes is not None and isinstance(exc, shapes.ShapeError)))
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM (``kill``, ``timeout``, a service manager stopping it) as an exception: the
+    interpreter's default ended the process where it stood, so ``bench offload`` left its child
+    generating in its memory cgroup and its temporary directory behind. Raised, the runs' cleanup
+    (children ended, cgroups and temporary files removed, runtimes closed) happens as on Ctrl-C;
+    a second SIGTERM ends the process at once."""
+    signal.signal(signum, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
+def _command_name(argv: Sequence[str]) -> str:
+    words = [a for a in argv[:2] if not a.startswith("-")]
+    return " ".join(words[:2] if words[:1] == ["bench"] else words[:1])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    # serve (and bench serve's server) shut down gracefully on SIGTERM through their own handlers.
+    own = threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
+    previous = signal.signal(signal.SIGTERM, _terminated) if own else None
     try:
-        rc = _main(argv)
+        rc = _main(args)
         sys.stdout.flush()  # a closed pipe is met here, not in the interpreter's own flush at exit
         return rc
     except BrokenPipeError:
@@ -109,6 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's flush at exit must not meet the closed pipe again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C: the runs' cleanup has happened on the way here; a traceback of wherever the
+        # interrupt landed (MLX's import, mlx-lm's generate step) said nothing more.
+        print(f"asyncside {_command_name(args)}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -197,3 +197,64 @@ def test_a_store_says_whether_its_model_directory_changed_since_it_was_converted
     (model / "model-00002-of-00002.safetensors").unlink()
     (model / "config.json").unlink()
     assert source_changed(store, model) == "config.json is gone"
+
+
+def test_ctrl_c_ends_a_command_in_one_line_with_status_130(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C during ``asyncside demo`` (or ``bench offload``) printed a KeyboardInterrupt
+    traceback of 20 to 80 lines from wherever it landed (MLX's import, mlx-lm's generate step).
+    The command's cleanup runs as before; then one line, and status 130 as a shell reports it."""
+    from asyncside import demo
+    from tests._cli_support import run_cli
+
+    cleaned: list[bool] = []
+
+    def interrupted(args: Any) -> int:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            cleaned.append(True)
+
+    monkeypatch.setattr(demo, "demo_main", interrupted)
+    try:
+        rc, err = run_cli(capsys, "demo", "--tokens", "2")
+    except KeyboardInterrupt:  # not let through: pytest would stop the whole run at it
+        pytest.fail("the interrupt reached the command's caller, as a traceback")
+    assert rc == 130 and err == "asyncside demo: interrupted\n" and cleaned == [True]
+
+
+def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM (``kill``, ``timeout``, a service manager) ended ``asyncside bench offload`` where it
+    stood: its child went on generating in its memory cgroup, the cgroup and its temporary directory
+    were left behind. SIGTERM is now an exit (status 143) that runs the command's cleanup (the
+    ``finally`` blocks that end children and remove cgroups and files); the handler is the
+    process's own again once the command returns."""
+    import os
+    import signal
+    import time
+
+    from asyncside import cli, demo
+
+    cleaned: list[bool] = []
+
+    def terminated(args: Any) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(50):
+                time.sleep(0.01)  # the handler runs at the next bytecode
+            return 0
+        finally:
+            cleaned.append(True)
+
+    def test_process(signum: int, frame: Any) -> None:  # this test's own: the default would end pytest
+        cleaned.append(False)
+
+    monkeypatch.setattr(demo, "demo_main", terminated)
+    before = signal.signal(signal.SIGTERM, test_process)
+    try:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["demo", "--tokens", "2"])
+        assert signal.getsignal(signal.SIGTERM) == test_process
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert info.value.code == 128 + signal.SIGTERM and cleaned == [True]
