@@ -258,3 +258,25 @@ def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPa
     finally:
         signal.signal(signal.SIGTERM, before)
     assert info.value.code == 128 + signal.SIGTERM and cleaned == [True]
+
+
+@pytest.mark.parametrize(("limits", "kept"), [((512, 1024), (1024, 1024)), ((8192, 8192), (8192, 8192))])
+def test_mlx_lm_is_imported_keeping_the_open_files_limit(limits: tuple[int, int], kept: tuple[int, int]) -> None:
+    """mlx-lm sets the open files limit to (2048, 4096) when imported: under a hard limit below
+    4096 (``ulimit -n 1024``, some containers) every asyncside command and ``import
+    asyncside.models`` failed with "ValueError: not allowed to raise maximum limit", and above it
+    the process's limits were lowered. Imported through asyncside, the limit is raised at most to
+    the hard limit, never lowered."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import resource, asyncside.models; "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < limits[1]:
+        pytest.skip("this process's hard limit is below the case's")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert tuple(map(int, out.stdout.split())) == kept

@@ -18,6 +18,7 @@ Public API (see docs/models.md):
 from __future__ import annotations
 
 from ..snapshot import RowSnapshot, SpeculativeSource
+from . import _mlx_lm  # noqa: F401  (before any module importing mlx-lm: see its docstring)
 from .arch import ARCHS, UnsupportedModelError
 from .convert import (
     DEFAULT_RESIDENT_FRACTION,
