@@ -280,3 +280,25 @@ def test_mlx_lm_is_imported_keeping_the_open_files_limit(limits: tuple[int, int]
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
     assert out.returncode == 0, out.stderr[-2000:]
     assert tuple(map(int, out.stdout.split())) == kept
+
+
+def test_convert_shows_a_long_store_path_whole(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert`` printed its store's path cut with an ellipsis where it was longer than
+    the table's column (output piped, or an 80-column terminal): "/tmp/.../embedded-db181c7e/mode…",
+    the one line a user copies to run the store. The cell folds; the whole path is there."""
+    from asyncside import cli
+
+    monkeypatch.setenv("COLUMNS", "80")
+    dest = tmp_path / ("d" * 70) / "store"
+    assert cli.main(["convert", str(quick_store.parent / "model"), str(dest), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("│") for line in out.splitlines() if line.startswith("│")]
+    at = next(i for i, r in enumerate(rows) if r[1].strip() == "store")
+    cell = rows[at][2].strip()
+    for r in rows[at + 1:]:
+        if r[1].strip():
+            break
+        cell += r[2].strip()
+    assert cell == str(dest) and "…" not in out, out

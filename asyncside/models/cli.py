@@ -158,7 +158,9 @@ def _print_summary(res: dict[str, Any]) -> None:
 
     table = Table(title=f"asyncside convert — {res['model_id']} ({res['model_type']})", show_header=False)
     table.add_column("", style="bold")
-    table.add_column("")
+    # folded, never cut with an ellipsis: the store's path is what a user copies from here (a
+    # path longer than a narrow or non-tty console's 80 columns lost its end)
+    table.add_column("", overflow="fold")
     table.add_row("store", res["store_dir"])
     table.add_row("MoE layers", f"{len(res['moe_layers'])} ({', '.join(map(str, res['moe_layers']))})")
     table.add_row("experts per layer", ", ".join(map(str, res["experts_per_layer"])))
