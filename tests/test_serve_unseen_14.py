@@ -1,5 +1,6 @@
 """Serving to clients, proxies and process managers that are not ours, round 14: raw HTTP
-connections that never finish their request, and what a wrong method is told.
+connections that never finish their request, what a wrong method is told, and a process started
+with its standard descriptors closed.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -8,7 +9,13 @@ model is the real code.
 from __future__ import annotations
 
 import json
+import pathlib
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,3 +133,40 @@ def test_a_wrong_method_is_told_which_methods_the_route_takes(srv: BackgroundSer
     r = httpx.request(method, srv.url + path)
     assert r.status_code == 405 and r.json()["error"]["message"] == f"method {method} not allowed on {path}"
     assert {m.strip() for m in r.headers["allow"].split(",")} == allowed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("closed", [(0,), (1,), (0, 1, 2)], ids=["stdin", "stdout", "all three"])
+def test_serve_started_with_its_standard_descriptors_closed_serves_and_exits_0(
+        quick_store: pathlib.Path, closed: tuple[int, ...]) -> None:
+    """A daemonizing script or process manager that starts ``asyncside serve`` with stdin or stdout
+    closed (``<&- >&-``): the event loop's first descriptors took their numbers and libuv, which
+    asserts that it never closes one of those, aborted the process (SIGABRT, a core dump): with
+    stdout closed at startup, with stdin closed at the SIGTERM that should have been a clean exit."""
+    port = _free_port()
+    err = tempfile.TemporaryFile()
+    redirects = " ".join(f"{fd}<&-" for fd in closed)  # as the shell closes them
+    proc = subprocess.Popen(["sh", "-c", f'exec "$@" {redirects}', "sh", sys.executable, "-m", "asyncside", "serve",
+                             "--model", str(quick_store), "--port", str(port), "--no-access-log"], stderr=err)
+    try:
+        up = False
+        while not up and proc.poll() is None:
+            try:
+                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert up, "the server died before it served"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err.seek(0)
+    said = err.read().decode(errors="replace")
+    assert proc.returncode == 0, said[-2000:]

@@ -396,8 +396,36 @@ def _serve_logging(args: argparse.Namespace) -> Iterator[None]:
         access.setLevel(before[1])
 
 
+def open_std_fds() -> list[int]:
+    """Open the null device on each of stdin, stdout and stderr that is closed; returns those.
+
+    A process manager or a daemonizing script may start the server with them closed: the first
+    descriptors the process opened then took their numbers, and libuv, which asserts that it never
+    closes one of those, aborted the process (stdout closed: at startup; stdin closed: at
+    shutdown)."""
+    import os
+
+    opened = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            opened.append(fd)
+    # Python left the streams of closed descriptors as None (uvicorn's log formatter asks stdout
+    # whether it is a terminal): they write to the null device now.
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, encoding="utf-8", errors="backslashreplace", closefd=False))
+    return opened
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """`asyncside serve`: run the server on a uvloop event loop; 0 on a clean shutdown."""
+    open_std_fds()  # before the event loop or a store opens a descriptor
     import uvloop
 
     from ..errors import AsyncsideError
