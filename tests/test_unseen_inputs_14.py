@@ -260,7 +260,7 @@ def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPa
     assert info.value.code == 128 + signal.SIGTERM and cleaned == [True]
 
 
-@pytest.mark.parametrize(("limits", "kept"), [((512, 1024), (1024, 1024)), ((8192, 8192), (8192, 8192))])
+@pytest.mark.parametrize(("limits", "kept"), [((512, 1024), (1024, 1024)), ((4096, 4096), (4096, 4096))])
 def test_mlx_lm_is_imported_keeping_the_open_files_limit(limits: tuple[int, int], kept: tuple[int, int]) -> None:
     """mlx-lm sets the open files limit to (2048, 4096) when imported: under a hard limit below
     4096 (``ulimit -n 1024``, some containers) every asyncside command and ``import
