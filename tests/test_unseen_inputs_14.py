@@ -302,3 +302,19 @@ def test_convert_shows_a_long_store_path_whole(quick_store: pathlib.Path, tmp_pa
             break
         cell += r[2].strip()
     assert cell == str(dest) and "…" not in out, out
+
+
+def test_bench_io_refuses_an_out_file_it_cannot_write_before_running(tmp_path: pathlib.Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside bench io --out DIR/result.json`` into a directory that is missing (or read-only)
+    ran the whole bench, then failed with a traceback from open() and its result was lost. The
+    file is checked when parsed, as bench policy's --out and demo's --record-routing are."""
+    from asyncside.bench import io
+    from tests._cli_support import run_cli
+
+    ran: list[bool] = []
+    monkeypatch.setattr(io, "run_io_bench", lambda *a, **k: ran.append(True) or {})
+    out = tmp_path / "missing" / "result.json"
+    rc, err = run_cli(capsys, "bench", "io", "--quick", "--out", str(out))
+    assert rc == 2 and f"argument --out: {out}: no such directory {out.parent}" in err and not ran, err

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from ..argtypes import writable_file
 from . import bench_main, median
 from .machine import machine_info
 
@@ -124,7 +125,9 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when it is installed")
     parser.add_argument("--no-verify", action="store_true",
                         help="read without checking records' checksums (default: verify, plus a no-verify ablation)")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
+    # checked when parsed: a directory that is missing or not writable was a traceback after the run,
+    # its result lost
+    parser.add_argument("--out", type=writable_file, default=None, help="also write the JSON result to this file")
     parser.add_argument("--markdown", action="store_true",
                         help="print Markdown tables (BENCHMARKS.md) instead of rich ones")
 
