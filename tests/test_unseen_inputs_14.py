@@ -318,3 +318,27 @@ def test_bench_io_refuses_an_out_file_it_cannot_write_before_running(tmp_path: p
     out = tmp_path / "missing" / "result.json"
     rc, err = run_cli(capsys, "bench", "io", "--quick", "--out", str(out))
     assert rc == 2 and f"argument --out: {out}: no such directory {out.parent}" in err and not ran, err
+
+
+def test_bench_io_says_a_dir_it_cannot_build_in_in_one_line(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside bench io --dir DIR`` where DIR is a file, or on a read-only (or full) filesystem,
+    ended in a traceback (FileExistsError from makedirs, OSError from the store's writes). A file
+    is a usage error when parsed; a directory the bench cannot write is one line naming it."""
+    import errno
+
+    from asyncside.store import ExpertStore
+    from tests._cli_support import run_cli
+
+    (tmp_path / "afile").write_text("")
+    rc, err = run_cli(capsys, "bench", "io", "--quick", "--no-fio", "--dir", str(tmp_path / "afile"))
+    assert rc == 2 and f"argument --dir: {tmp_path / 'afile'}: expected a directory" in err, err
+
+    def read_only(path: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(ExpertStore, "create", staticmethod(read_only))
+    rc, err = run_cli(capsys, "bench", "io", "--quick", "--no-fio", "--dir", str(tmp_path / "stores"))
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"asyncside bench io: --dir {tmp_path / 'stores'}: cannot write the bench's store "), err
+    assert "Read-only file system (errno 30)" in err, err

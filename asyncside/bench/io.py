@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..argtypes import writable_file
+from ..argtypes import directory, writable_file
 from . import bench_main, median
 from .machine import machine_info
 
@@ -107,7 +107,8 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-gib", type=float, default=1.0, help="blob size per layout in GiB (default 1)")
     parser.add_argument("--pass-mib", type=float, default=256.0, help="bytes read per measured pass, MiB (default 256)")
     parser.add_argument("--repeat", type=int, default=3, help="passes per cell; the median is reported (default 3)")
-    parser.add_argument("--dir", default=None, help="where to build the stores (default: a temp dir, removed after)")
+    parser.add_argument("--dir", type=directory, default=None,
+                        help="where to build the stores (default: a temp dir, removed after)")
     parser.add_argument("--keep", action="store_true", help="keep the stores (reuse them with --dir next time)")
     from .._native import ReaderOptions
 
@@ -178,8 +179,15 @@ def _build_store(root: str, layout: ModelLayout, n_experts: int):  # -> ExpertSt
             return store
         shutil.rmtree(path)
     # CRC-32C checksums, as every store gets by default: the readers verify each record they load.
-    return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)},
-                              metadata={"bench": "io", "layout": layout.name})
+    try:
+        os.makedirs(root, exist_ok=True)
+        return ExpertStore.create(path, {0: _layer_arrays(layout, n_experts, seed=n_experts)},
+                                  metadata={"bench": "io", "layout": layout.name})
+    except OSError as exc:  # a read-only or full --dir was a traceback
+        from ..errors import AsyncsideError
+
+        raise AsyncsideError(f"--dir {root}: cannot write the bench's store {path}: "
+                             f"{exc.strerror or exc} (errno {exc.errno})") from None
 
 
 # ---- cache control ---------------------------------------------------------------------------
@@ -469,7 +477,6 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     given: str | None = getattr(args, "dir", None)
     made_root = given is None
     root = tempfile.mkdtemp(prefix="asyncside-bench-io-") if given is None else given
-    os.makedirs(root, exist_ok=True)
     started = time.time()
     cache = CacheControl(s["drop_caches"])
     have_fio = s["fio"] and shutil.which("fio") is not None
