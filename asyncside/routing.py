@@ -14,6 +14,7 @@ docs/routing-traces.md. Pure numpy: no MLX, no I/O beyond :meth:`RoutingTrace.lo
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import json
 import math
@@ -566,11 +567,32 @@ class RoutingTrace:
                                          "n_experts": np.int64(self.n_experts), "meta": np.array(json.dumps(meta))}
         if self.predicted is not None:
             arrays["predicted"] = self.predicted
+        where = os.fspath(path)
+        # A regular file (or none yet) is written beside it and renamed over it: a write that failed
+        # (a full disk, Ctrl-C) left a cut-short file, over the trace that was there. A pipe or a
+        # device is written as it is.
+        target = os.path.realpath(where)
         try:
-            with open(path, "wb") as fh:
+            regular = not os.path.exists(where) or stat.S_ISREG(os.stat(where).st_mode)
+        except OSError:
+            regular = False
+        if os.path.abspath(where).startswith(("/dev/", "/proc/")):
+            regular = False  # /dev/stdout: the file descriptor's own file, whatever it is
+        tmp = f"{target}.tmp-{os.getpid()}-{os.urandom(4).hex()}" if regular else None
+        try:
+            with open(tmp or where, "xb" if tmp else "wb") as fh:  # "x": the umask's mode, as the file's own
                 np.savez_compressed(fh, **arrays)
+            if tmp is not None:
+                if os.path.exists(target):
+                    os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+                os.replace(tmp, target)
+                tmp = None
         except OSError as e:
-            raise TraceError(os.fspath(path), f"cannot be written: {e.strerror or e}") from None
+            raise TraceError(where, f"cannot be written: {e.strerror or e}") from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:

@@ -342,3 +342,42 @@ def test_bench_io_says_a_dir_it_cannot_build_in_in_one_line(tmp_path: pathlib.Pa
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"asyncside bench io: --dir {tmp_path / 'stores'}: cannot write the bench's store "), err
     assert "Read-only file system (errno 30)" in err, err
+
+
+def test_a_trace_that_cannot_be_written_leaves_the_file_that_was_there(tmp_path: pathlib.Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo --record-routing T.npz`` (or ``routing preset``) on a filesystem that filled while the
+    trace was written said "cannot be written: No space left on device", and left T.npz cut short
+    (an empty file), over the trace that was there before. The trace is written beside it and
+    renamed over it: a failed write leaves the old trace whole and nothing else; a written one
+    keeps the file's mode and, written through a link, the link."""
+    import errno
+    import os
+
+    import numpy as np
+
+    from asyncside.errors import TraceError
+    from asyncside.routing import RoutingTrace, preset
+
+    path = tmp_path / "t.npz"
+    first = preset("low", tokens=16, n_layers=2, n_experts=8, top_k=2)
+    first.save(path)
+    os.chmod(path, 0o640)
+    before = path.read_bytes()
+
+    def full(fh: Any, **arrays: Any) -> None:
+        fh.write(b"PK\x03\x04 part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(np, "savez_compressed", full)
+        with pytest.raises(TraceError, match="cannot be written: No space left on device"):
+            preset("high", tokens=16, n_layers=2, n_experts=8, top_k=2).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+
+    link = tmp_path / "link.npz"
+    link.symlink_to(path)
+    second = preset("high", tokens=16, n_layers=2, n_experts=8, top_k=2)
+    second.save(link)
+    assert link.is_symlink() and (os.stat(path).st_mode & 0o777) == 0o640
+    assert np.array_equal(RoutingTrace.load(path).ids, second.ids)
