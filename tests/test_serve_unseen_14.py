@@ -1,6 +1,6 @@
 """Serving to clients, proxies and process managers that are not ours, round 14: raw HTTP
-connections that never finish their request, what a wrong method is told, and a process started
-with its standard descriptors closed.
+connections that never finish their request, what a wrong method is told, a process started
+with its standard descriptors closed, and a benchmark stopped by SIGTERM.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -9,6 +9,7 @@ model is the real code.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import socket
@@ -170,3 +171,50 @@ def test_serve_started_with_its_standard_descriptors_closed_serves_and_exits_0(
     err.seek(0)
     said = err.read().decode(errors="replace")
     assert proc.returncode == 0, said[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the children from /proc")
+def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathlib.Path,
+                                                              tmp_path: pathlib.Path) -> None:
+    """``kill PID`` (or a supervisor's terminate()) on ``asyncside bench serve`` ended it where it
+    stood and left its ``mlx_lm.server`` child running, its model loaded and its port held, for
+    good. SIGTERM now stops the bench as Ctrl-C does: the child is stopped, also while it loads."""
+    model_dir = tmp_path / "mlx-lm-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")  # a directory mlx_lm.server takes a while to fail on
+    proc = subprocess.Popen([sys.executable, "-m", "asyncside", "bench", "serve", "--model", str(quick_store),
+                             "--mlx-lm-model", str(model_dir), "--clients", "1", "--duration", "30",
+                             "--max-tokens", "2", "--prompt-lengths", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children: list[int] = []
+    try:
+        while not children and proc.poll() is None:
+            children = [c for c in _children(proc.pid)
+                        if "mlx_lm.server" in pathlib.Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+            time.sleep(0.05)
+        assert children, f"no mlx_lm.server child started: {proc.stderr.read() if proc.stderr else ''}"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=90)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr
+        assert not [c for c in children if _alive(c)], "mlx_lm.server outlived the bench"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in children:
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)

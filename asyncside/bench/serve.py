@@ -366,6 +366,15 @@ class MlxLmServer:
                 [sys.executable, "-m", "mlx_lm.server", "--model", self.model_dir, "--host", "127.0.0.1",
                  "--port", str(self.port), "--log-level", "WARNING", "--temp", "0.0"],
                 stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            return self._wait_ready(httpx)
+        except BaseException:
+            # Interrupted while it loads (Ctrl-C, SIGTERM): no __exit__ runs for a context not entered.
+            self._stop()
+            raise
+
+    def _wait_ready(self, httpx: Any) -> MlxLmServer:
+        assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while True:
             # Read before polling: a server that logged its failure and then exited is told by its log.
@@ -545,8 +554,36 @@ def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
     return prompt
 
 
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit (status 128 + the signal) in the main thread while the bench runs,
+    so its servers stop as on Ctrl-C: the interpreter's default ended the process where it stood
+    and left the mlx_lm.server child running, its model loaded, its port held. A second SIGTERM
+    ends the process at once."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run every phase on both servers and return the results (printed as a table unless ``args.json``)."""
+    with _sigterm_as_exit():
+        return _run_serve_bench(args, engine_factory)
+
+
+def _run_serve_bench(args: argparse.Namespace, engine_factory: Callable[[], Any] | None) -> dict[str, Any]:
     import uvloop
 
     from ..serving import BackgroundServer, create_app, engine_factory_from_args
