@@ -381,3 +381,25 @@ def test_a_trace_that_cannot_be_written_leaves_the_file_that_was_there(tmp_path:
     second.save(link)
     assert link.is_symlink() and (os.stat(path).st_mode & 0o777) == 0o640
     assert np.array_equal(RoutingTrace.load(path).ids, second.ids)
+
+
+@pytest.mark.parametrize("model", ["embedded", "directory"])
+def test_no_home_directory_is_one_line_naming_the_ways_to_give_a_cache(model: str, quick_store: pathlib.Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A user without $HOME and without a passwd entry (a container run as ``--user 1234``) got
+    pathlib's "RuntimeError: Could not determine home directory." and a traceback from ``demo``
+    (the embedded model's cache) or ``demo --model MODEL_DIR`` (the converted stores' cache)."""
+    from tests._cli_support import run_cli
+
+    def no_home(cls: Any) -> pathlib.Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    for variable in ("ASYNCSIDE_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    argv = ["--model", str(quick_store.parent / "model")] if model == "directory" else []
+    rc, err = run_cli(capsys, "demo", "--tokens", "2", "--reference", "none", *argv)
+    assert rc in (1, 2) and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("asyncside demo: no cache directory: $HOME is not set and user "), err
+    assert "--cache-dir DIR" in err and "$ASYNCSIDE_CACHE or $XDG_CACHE_HOME" in err, err

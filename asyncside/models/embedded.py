@@ -230,8 +230,19 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     if chosen is not None:
         return pathlib.Path(chosen)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
-    return base / "asyncside"
+    if xdg:
+        return pathlib.Path(xdg) / "asyncside"
+    try:
+        home = pathlib.Path.home()
+    except RuntimeError:
+        # No $HOME and no passwd entry for the user (a container run as --user 1234): pathlib's
+        # "Could not determine home directory." and a traceback.
+        from ..errors import AsyncsideError
+
+        raise AsyncsideError(f"no cache directory: $HOME is not set and user {os.getuid()} has no home "
+                             f"directory; give one with --cache-dir DIR (cache_dir= in Python), "
+                             f"${ENV_CACHE} or $XDG_CACHE_HOME") from None
+    return home / ".cache" / "asyncside"
 
 
 def least_build(spec: EmbeddedSpec) -> int:
