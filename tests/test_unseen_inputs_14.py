@@ -403,3 +403,40 @@ def test_no_home_directory_is_one_line_naming_the_ways_to_give_a_cache(model: st
     assert rc in (1, 2) and len(err.strip().splitlines()) == 1, err
     assert err.startswith("asyncside demo: no cache directory: $HOME is not set and user "), err
     assert "--cache-dir DIR" in err and "$ASYNCSIDE_CACHE or $XDG_CACHE_HOME" in err, err
+
+
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(quick_store: pathlib.Path,
+                                                                   tmp_path: pathlib.Path) -> None:
+    """A store whose tokenizer.json is a FIFO (a file replaced by ``mkfifo``, a process substitution
+    linked there) hung ``demo``, ``serve`` and ``load`` for ever in transformers' read. It is a
+    StoreError naming the file, as a blob that is no regular file is."""
+    import os
+    import shutil
+    import threading
+
+    from asyncside.models.tokenizer import load_tokenizer
+
+    store = tmp_path / "store"
+    shutil.copytree(quick_store, store)
+    (store / "tokenizer.json").unlink()
+    os.mkfifo(store / "tokenizer.json")
+    said: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_tokenizer(store)
+            said.append(None)
+        except BaseException as exc:
+            said.append(exc)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # let the read that waits for a writer end, then fail
+        fd = os.open(store / "tokenizer.json", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(30)
+        pytest.fail("load_tokenizer waited on the FIFO")
+    assert isinstance(said[0], StoreError), said
+    assert str(said[0]) == (f"{store / 'tokenizer.json'}: a tokenizer file that is not a regular file "
+                            "(a FIFO, device or directory)")

@@ -143,6 +143,11 @@ def load_tokenizer(directory: str | os.PathLike[str], config: dict[str, Any] | N
 
     from ..errors import StoreError
 
+    for name in TOKENIZER_FILES:
+        # A FIFO under a tokenizer file's name (or /dev/zero linked there) hung transformers' read
+        # for ever; a directory failed in its words, naming no file.
+        if (d / name).exists() and not (d / name).is_file():
+            raise StoreError(d / name, "a tokenizer file that is not a regular file (a FIFO, device or directory)")
     eos = (config or {}).get("eos_token_id")
     if isinstance(eos, int):
         eos = [eos]
