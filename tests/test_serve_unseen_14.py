@@ -1,6 +1,6 @@
 """Serving to clients, proxies and process managers that are not ours, round 14: raw HTTP
 connections that never finish their request, what a wrong method is told, a process started
-with its standard descriptors closed, and a benchmark stopped by SIGTERM.
+with its standard descriptors closed, and a benchmark stopped by SIGTERM, and a second signal during the drain.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -218,3 +220,73 @@ def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathl
         for c in children:
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+
+
+SERVER_SCRIPT = textwrap.dedent("""
+    import sys, uvloop
+    sys.path.insert(0, {tests!r})
+    from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+    from asyncside.serving import ServeSettings, create_app, serve
+
+    model = ScriptedModel(byte_tokenizer({tmp!r}), "hello", {{"count": {long!r}}}, step_delay=0.05)
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=256,
+                                                           shutdown_grace=600))
+    uvloop.run(serve(app, "127.0.0.1", 0, on_ready=lambda url: print(url, flush=True)))
+    print("clean exit", flush=True)
+""")
+
+
+def _stream(url: str, started: threading.Event, out: list[dict[str, Any]]) -> None:
+    events: list[Any] = []
+    done = False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"model": "scripted", "prompt": "count", "max_tokens": 256, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                    started.set()
+    except httpx.HTTPError as exc:
+        events.append({"broken": repr(exc)})
+    out.append({"events": events, "done": done})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_path: pathlib.Path, sig: int) -> None:
+    """A second SIGTERM or Ctrl-C during the drain "skips what is left of the grace" (the docs): it
+    cancelled the drain itself, so nothing ended the requests in flight; uvicorn waited its own
+    timeout, then cut every stream off mid-body (no error event, no [DONE]) and logged a
+    traceback for each. Now they get the error event and [DONE] at once, and the process exits 0."""
+    script = SERVER_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path), long=LONG * 6)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out: list[dict[str, Any]] = []
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        threads = []
+        for _ in range(4):
+            started = threading.Event()
+            threads.append(threading.Thread(target=_stream, args=(url, started, out), daemon=True))
+            threads[-1].start()
+            assert started.wait(60), "a stream never sent its first chunk"
+        proc.send_signal(sig)
+        while httpx.post(url + "/v1/completions", json={"model": "scripted", "prompt": "hi"}).status_code != 503:
+            time.sleep(0.02)  # until the drain refuses new requests
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+        for t in threads:
+            t.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "clean exit" in stdout, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert len(out) == 4
+    for r in out:
+        assert r["done"], r["events"][-1:]
+        assert r["events"][-1]["error"]["code"] == "server_shutting_down"

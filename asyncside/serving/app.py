@@ -85,6 +85,9 @@ class ServerState:
         self.health: HealthRegistry | None = None
         self._runs: set[anyio.CancelScope] = set()
         self._runs_left: anyio.Event | None = None
+        #: the drain's wait for the requests in flight; cancelled to end the grace early
+        self._grace: anyio.CancelScope | None = None
+        self._grace_ended = False
 
     @contextlib.contextmanager
     def generating(self) -> Any:
@@ -109,11 +112,12 @@ class ServerState:
         """Stop admitting, give the requests in flight ``grace`` seconds (the settings' when None)
         to finish, then end the rest with an error; returns how many were ended that way."""
         self.draining = True
-        grace = self.settings.shutdown_grace if grace is None else grace
-        with anyio.move_on_after(grace):
+        grace = 0.0 if self._grace_ended else self.settings.shutdown_grace if grace is None else grace
+        with anyio.move_on_after(grace) as self._grace:
             while self._runs:
                 self._runs_left = anyio.Event()
                 await self._runs_left.wait()
+        self._grace = None
         ended = len(self._runs)
         for scope in list(self._runs):
             scope.cancel()
@@ -123,6 +127,13 @@ class ServerState:
                 self._runs_left = anyio.Event()
                 await self._runs_left.wait()
         return ended
+
+    def end_grace(self) -> None:
+        """End what is left of the drain's grace now (a second signal): the requests in flight are
+        ended with their error at once, as when the grace runs out. Call on the server's loop."""
+        self._grace_ended = True
+        if self._grace is not None:
+            self._grace.cancel()
 
     def shutdown_error(self) -> oai.RequestError:
         return oai.RequestError("the server is shutting down; retry against another instance or after it restarts",

@@ -4,8 +4,9 @@
 Both shut down gracefully: SIGTERM/SIGINT (``serve``) or :meth:`BackgroundServer.stop` first
 drains the application (:meth:`~.app.ServerState.drain`: new requests get 503, requests in flight
 get the grace period, the rest end with an error event and ``[DONE]``), then stops uvicorn. A
-second signal skips what is left of the grace. ``serve`` returns normally after a signal, so the
-command exits 0.
+second signal skips what is left of the grace (the requests still running end with their error
+at once); a third stops without waiting for anything. ``serve`` returns normally after a signal,
+so the command exits 0.
 """
 
 from __future__ import annotations
@@ -75,15 +76,6 @@ def _quiet_expected_startup_failures() -> None:
         target.addFilter(_ExpectedFailureFilter())
 
 
-class _Pending:
-    """A drain asked for by a signal and not started yet (a second signal cancels it)."""
-
-    cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def _read_timed_h11(seconds: float) -> type[Any]:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and
     body) within ``seconds`` of opening or of its previous answer's end.
@@ -143,6 +135,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
         """uvicorn's server, whose signals drain the application first and are not re-raised."""
 
         draining: Any = None  # the drain task once a signal arrived
+        signals = 0
 
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
@@ -159,22 +152,27 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
         def handle_exit(self, sig: int, frame: Any) -> None:
             import asyncio
 
-            if state is None or self.draining is not None or not self.started:
-                self.should_exit = True  # a second signal (or no app state): stop now
+            self.signals += 1
+            if state is None or not self.started or self.signals > 2:
+                self.should_exit = True  # no app state, not serving yet, or a third signal: stop now
+                self.force_exit = self.signals > 2
                 if self.draining is not None:
                     self.draining.cancel()
                 return
             # A signal handler may interrupt the loop anywhere: the drain starts from a callback.
             loop = asyncio.get_running_loop()
-            self.draining = _Pending()
-            loop.call_soon_threadsafe(self._start_drain)
+            if self.signals == 1:
+                loop.call_soon_threadsafe(self._start_drain)
+            else:
+                # The second skips what is left of the grace; the drain still ends the requests in
+                # flight with their error event (cancelling it left them to uvicorn, which cut the
+                # streams off mid-body after its own timeout, logging a traceback for each).
+                loop.call_soon_threadsafe(state.end_grace)
 
         def _start_drain(self) -> None:
             import asyncio
 
-            pending, self.draining = self.draining, asyncio.ensure_future(self.drain())
-            if pending.cancelled:
-                self.draining.cancel()
+            self.draining = asyncio.ensure_future(self.drain())
 
         async def drain(self) -> None:
             try:
