@@ -118,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     # serve (and bench serve's server) shut down gracefully on SIGTERM through their own handlers.
-    own = threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
+    # A SIGTERM ignored by the parent (SIG_IGN inherited) stays ignored.
+    own = (threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
+           and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
     previous = signal.signal(signal.SIGTERM, _terminated) if own else None
     try:
         rc = _main(args)

@@ -440,3 +440,20 @@ def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(quick_store: p
     assert isinstance(said[0], StoreError), said
     assert str(said[0]) == (f"{store / 'tokenizer.json'}: a tokenizer file that is not a regular file "
                             "(a FIFO, device or directory)")
+
+
+def test_a_sigterm_the_parent_ignores_stays_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command started with SIGTERM ignored (SIG_IGN inherited, as a supervisor may start it)
+    keeps it ignored: the exit on SIGTERM is only where SIGTERM would have ended the process."""
+    import signal
+
+    from asyncside import cli, demo
+
+    seen: list[Any] = []
+    monkeypatch.setattr(demo, "demo_main", lambda args: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        assert cli.main(["demo", "--tokens", "2"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [signal.SIG_IGN]
