@@ -457,3 +457,38 @@ def test_a_sigterm_the_parent_ignores_stays_ignored(monkeypatch: pytest.MonkeyPa
     finally:
         signal.signal(signal.SIGTERM, before)
     assert seen == [signal.SIG_IGN]
+
+
+def test_convert_into_a_mount_point_replaces_what_it_holds(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside convert MODEL /store --overwrite`` where /store is a mount point (a disk mounted
+    there, a container's volume) renamed /store away: "OSError: [Errno 16] Device or resource busy"
+    and a traceback, and an empty mount point with its lost+found was no empty directory. The store
+    is built inside it and replaces what it held (the directory itself stays, lost+found too)."""
+    import os
+
+    from asyncside.models.convert import convert_model
+
+    mount = tmp_path / "store"
+    (mount / "lost+found").mkdir(parents=True)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(mount) or real(p))
+    monkeypatch.setattr(os, "rename", _no_rename_of(mount, os.rename))
+    inode = mount.stat().st_ino
+    for _ in range(2):  # an empty mount point, then one holding a store
+        store = convert_model(quick_store.parent / "model", mount, overwrite=True, progress=False)
+        assert store.path == mount and mount.stat().st_ino == inode
+    assert sorted(p.name for p in mount.iterdir()) == sorted(["lost+found", *(p.name for p in quick_store.iterdir())])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+def _no_rename_of(mount: pathlib.Path, rename: Any) -> Any:
+    """os.rename as a mount point meets it: the mount point itself cannot be renamed (EBUSY)."""
+    import errno
+
+    def renaming(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(src) == str(mount) or str(dst) == str(mount):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(src), None, str(dst))
+        rename(src, dst, *args, **kwargs)
+
+    return renaming

@@ -268,6 +268,36 @@ class _LayerFeed(Mapping[int, Mapping[str, mx.array]]):
         return len(self._moe)
 
 
+#: the staging directory's prefix where the store is converted inside its directory (a mount point)
+STAGING_INSIDE = ".asyncside-convert-"
+
+
+def _mount_point(dest: pathlib.Path) -> bool:
+    """Whether ``dest`` is a directory that is a mount point (a disk or volume mounted there, a
+    container's bind mount): it cannot be renamed (EBUSY), nor a store built beside it renamed onto
+    it, so its store is converted inside it and its contents replaced."""
+    return dest.is_dir() and not dest.is_symlink() and os.path.ismount(dest)
+
+
+def _entries(dest: pathlib.Path) -> list[pathlib.Path]:
+    """What ``dest`` holds, less what an empty mount point holds (an ext filesystem's lost+found) and
+    conversions' staging directories inside it."""
+    keep = {"lost+found"} if _mount_point(dest) else set()
+    return [e for e in dest.iterdir() if e.name not in keep and not e.name.startswith(STAGING_INSIDE)]
+
+
+def _replace_contents(dest: pathlib.Path, new: pathlib.Path, trash: pathlib.Path) -> None:
+    """Replace what ``dest`` holds with what ``new`` holds (both on one filesystem), by renames:
+    the old manifest goes first and the new one comes last, so that at no moment does ``dest``
+    hold a manifest beside another store's blobs."""
+    trash.mkdir()
+    old = sorted(_entries(dest), key=lambda e: e.name != "manifest.json")
+    for e in old:
+        os.rename(e, trash / e.name)
+    for e in sorted(new.iterdir(), key=lambda e: e.name == "manifest.json"):
+        os.rename(e, dest / e.name)
+
+
 def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
     """Why ``overwrite`` must not replace ``dest`` (None: it may): it replaces an expert store, or
     an empty directory. Any other directory (``convert MODEL "$OUT" --overwrite`` of an unset OUT is
@@ -279,7 +309,7 @@ def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
         return "exists and is not a directory"
     if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:
         return f"holds the model directory {src}; overwrite replaces an expert store only"
-    if (dest / "manifest.json").is_file() or not any(dest.iterdir()):
+    if (dest / "manifest.json").is_file() or not _entries(dest):
         return None
     return ("exists and is not an expert store (no manifest.json): overwrite replaces an expert store or "
             "an empty directory only; choose another directory, or empty this one first")
@@ -311,6 +341,8 @@ def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         removed_stale_staging(dest)
+        if _mount_point(dest):  # built inside it: a rename onto a mount point fails (EBUSY)
+            return pathlib.Path(tempfile.mkdtemp(prefix=STAGING_INSIDE, dir=dest))
         return pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.convert-", dir=dest.parent))
     except OSError as exc:  # a file where a directory of the path should be, no permission, a full disk
         from ..argtypes import file_in_the_way
@@ -467,10 +499,15 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
             if failed is None:
                 raise
             raise failed from None
-        if dest.exists():
-            trash = staging / "old"
-            os.rename(dest, trash)
-        os.rename(tmp_store, dest)
+        if staging.parent == dest:
+            # A mount point (a disk, a container's volume) cannot be renamed: renaming it away was
+            # "OSError: [Errno 16] Device or resource busy" and a traceback, whatever it held.
+            _replace_contents(dest, tmp_store, staging / "old")
+        else:
+            if dest.exists():
+                trash = staging / "old"
+                os.rename(dest, trash)
+            os.rename(tmp_store, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
@@ -622,7 +659,8 @@ def removed_stale_staging(dest: str | os.PathLike[str]) -> list[pathlib.Path]:
     """
     dest = pathlib.Path(dest).absolute()
     removed = []
-    for d in sorted(dest.parent.glob(f".{dest.name}.convert-*")):
+    inside = sorted(dest.glob(f"{STAGING_INSIDE}*")) if dest.is_dir() else []  # a mount point's
+    for d in [*sorted(dest.parent.glob(f".{dest.name}.convert-*")), *inside]:
         try:
             if not d.is_dir() or d.is_symlink():
                 continue
