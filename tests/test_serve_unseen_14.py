@@ -290,3 +290,69 @@ def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_pat
     for r in out:
         assert r["done"], r["events"][-1:]
         assert r["events"][-1]["error"]["code"] == "server_shutting_down"
+
+
+@pytest.fixture(scope="module")
+def pipeline_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from mlx_lm.utils import save_config, save_model
+
+    from asyncside.models import convert_model
+    from asyncside.models.tokenizer import ByteTokenizer
+
+    import _models_support
+    from _models_support import tiny_model
+
+    # The byte tokenizer needs a vocabulary of at least 258 ids.
+    _models_support.BASE.setdefault("qwen3_moe_bytes", dict(_models_support.BASE["qwen3_moe"], vocab_size=258))
+    root = tmp_path_factory.mktemp("pipeline")
+    model, config = tiny_model("qwen3_moe_bytes", seed=2)
+    save_model(root / "model", model)
+    save_config(dict(config), root / "model" / "config.json")
+    ByteTokenizer(258).save(root / "model")
+    convert_model(root / "model", root / "store", progress=False)
+    return root / "store"
+
+
+def test_a_pipeline_whose_rank_dies_tells_its_clients_which_rank(pipeline_store: pathlib.Path) -> None:
+    """``serve --pipeline``: when another rank died (killed, out of memory) rank 0's streams ended
+    with "generation failed: AsyncsideError: the server is shutting down", as if someone had shut
+    the server down on purpose (a client would retry later); only rank 0's log said that rank 1 had
+    gone. They now end with the lost peer's error, naming the rank."""
+    from asyncside.distributed.launcher import LocalLaunch, free_ports
+
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-c", "import sys; from asyncside.cli import main; sys.exit(main())",
+           "serve", str(pipeline_store), "--pipeline", "--port", str(port), "--join-timeout", "30"]
+    out: list[dict[str, Any]] = []
+    with LocalLaunch([cmd, cmd]) as launch:
+        url = f"http://127.0.0.1:{port}"
+        while url not in launch.output(0):
+            assert launch.running(0) and launch.running(1), launch.output(0, "err") + launch.output(1, "err")
+            time.sleep(0.1)
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def stream(i: int, started: threading.Event) -> None:
+            events: list[Any] = []
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"model": model, "prompt": f"route {i}", "max_tokens": 400, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[len("data: "):]))
+                        started.set()
+            out.append({"events": events})
+
+        threads = []
+        for i in range(2):
+            started = threading.Event()
+            threads.append(threading.Thread(target=stream, args=(i, started), daemon=True))
+            threads[-1].start()
+            assert started.wait(60), "a stream never sent its first chunk"
+        launch.kill(1, signal.SIGTERM)
+        res = launch.wait(60)
+        for t in threads:
+            t.join(60)
+    assert not res.ok and "rank 0 exited with status 3" in res.reason, res.reason
+    assert len(out) == 2
+    for r in out:
+        said = r["events"][-1]["error"]["message"]
+        assert "rank 1" in said and "closed its control link" in said and "shutting down" not in said, said

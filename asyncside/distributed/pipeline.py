@@ -167,6 +167,8 @@ class Pipeline:
         self._drivers: set[anyio.CancelScope] = set()
         self._no_drivers: anyio.Event | None = None
         self._drained = anyio.Event()
+        #: why the group cannot go on (a lost or silent peer), once its control plane has said so
+        self.failure: DistributedError | None = None
         self.kept_logits: dict[int, list[np.ndarray]] = {}
         self.counters = {"steps": 0, "requests": 0, "request_errors": 0, "predictions_sent": 0,
                          "predictions_received": 0}
@@ -178,7 +180,7 @@ class Pipeline:
         """Run the rank's control plane, boundary and stage; on a clean exit shut the pipeline down."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            await tg.start(self.control.run)
+            await tg.start(self._control)
             tg.start_soon(self.boundary.run_sender)
             if self.rank != 0:
                 tg.start_soon(self._work)
@@ -191,6 +193,23 @@ class Pipeline:
                 raise
             await self._shutdown()
             tg.cancel_scope.cancel()
+
+    async def _control(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The control plane, whose failure is kept in :attr:`failure` before it cancels the rank's
+        work: the requests it ends are failed with it, not with a shutdown that nobody asked for."""
+        from .errors import PeerLostError, PeerTimeoutError
+
+        try:
+            await self.control.run(task_status=task_status)
+        except BaseException as exc:
+            found: list[BaseException] = [exc]  # its own task group's errors come grouped
+            while found and self.failure is None:
+                first = found.pop()
+                if isinstance(first, (PeerLostError, PeerTimeoutError)):
+                    self.failure = first
+                elif isinstance(first, BaseExceptionGroup):
+                    found.extend(first.exceptions)
+            raise
 
     async def _shutdown(self) -> None:
         """Drain every step in flight (SHUTDOWN goes round after them), barrier, goodbye."""

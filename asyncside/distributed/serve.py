@@ -66,6 +66,11 @@ class PipelineSteps:
     def idle(self, batcher: Any) -> bool:
         return batcher.waiting == 0  # requests in flight run in their own tasks
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the pipeline cannot go on (a lost peer): what the engine fails its requests with."""
+        return getattr(self.pipeline, "failure", None)
+
     async def step(self, batcher: Any, tasks: Any) -> None:
         for slot in batcher.take_waiting():
             tasks.start_soon(self._one, batcher, slot)

@@ -82,7 +82,7 @@ class StepStrategy(Protocol):
     The default, :class:`BatchedSteps`, is the batched step over a local model; a pipeline of
     ranks plugs in its own (:class:`asyncside.distributed.serve.PipelineSteps`). A strategy works
     through the Batcher's public hooks: :meth:`Batcher.take_waiting`, :meth:`Batcher.emit`,
-    :meth:`Batcher.finish`, :meth:`Batcher.fail`.
+    :meth:`Batcher.finish`, :meth:`Batcher.fail`; its ``failure``, if set, fails the requests a stopped loop left.
     """
 
     def check(self, sampling: SamplingParams) -> None:
@@ -282,7 +282,7 @@ class Batcher:
                         self.kv_admission.observe(time.monotonic(), self.tokens, bool(self._waiting))
                     await anyio.lowlevel.checkpoint()
         finally:
-            self._fail_all(AsyncsideError("the server is shutting down"))
+            self._fail_all(getattr(strategy, "failure", None) or AsyncsideError("the server is shutting down"))
 
     # -- what a step strategy uses ------------------------------------------------------------
 
