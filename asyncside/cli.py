@@ -100,13 +100,18 @@ def _bad_input(exc: BaseException) -> bool:
 
 
 def _terminated(signum: int, _frame: object) -> None:
-    """SIGTERM (``kill``, ``timeout``, a service manager stopping it) as an exception: the
-    interpreter's default ended the process where it stood, so ``bench offload`` left its child
-    generating in its memory cgroup and its temporary directory behind. Raised, the runs' cleanup
+    """SIGTERM (``kill``, ``timeout``, a service manager stopping it) or SIGHUP (the terminal or
+    ssh session gone) as an exception: the interpreter's default ended the process where it stood,
+    so ``bench offload`` left its child generating in its memory cgroup and its temporary directory
+    behind, and ``bench generate --load N`` its N busy processes spinning. Raised, the runs' cleanup
     (children ended, cgroups and temporary files removed, runtimes closed) happens as on Ctrl-C;
-    a second SIGTERM ends the process at once."""
+    a second signal ends the process at once."""
     signal.signal(signum, signal.SIG_DFL)
     raise SystemExit(128 + signum)
+
+
+#: the signals whose default (the process ends where it stands) :func:`_terminated` replaces
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def _command_name(argv: Sequence[str]) -> str:
@@ -118,10 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     # serve (and bench serve's server) shut down gracefully on SIGTERM through their own handlers.
-    # A SIGTERM ignored by the parent (SIG_IGN inherited) stays ignored.
-    own = (threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
-           and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
-    previous = signal.signal(signal.SIGTERM, _terminated) if own else None
+    # A signal ignored by the parent (SIG_IGN inherited: nohup's SIGHUP) stays ignored.
+    mine = threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
+    previous = {s: signal.signal(s, _terminated) for s in _ENDING
+                if mine and signal.getsignal(s) is not signal.SIG_IGN}
     try:
         rc = _main(args)
         sys.stdout.flush()  # a closed pipe is met here, not in the interpreter's own flush at exit
@@ -137,8 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"asyncside {_command_name(args)}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     finally:
-        if own:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -223,12 +223,13 @@ def test_ctrl_c_ends_a_command_in_one_line_with_status_130(monkeypatch: pytest.M
     assert rc == 130 and err == "asyncside demo: interrupted\n" and cleaned == [True]
 
 
-def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_ends_a_command_through_its_cleanup(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM (``kill``, ``timeout``, a service manager) ended ``asyncside bench offload`` where it
     stood: its child went on generating in its memory cgroup, the cgroup and its temporary directory
     were left behind. SIGTERM is now an exit (status 143) that runs the command's cleanup (the
     ``finally`` blocks that end children and remove cgroups and files); the handler is the
-    process's own again once the command returns."""
+    process's own again once the command returns. SIGHUP (the terminal or ssh session gone) alike."""
     import os
     import signal
     import time
@@ -236,10 +237,11 @@ def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPa
     from asyncside import cli, demo
 
     cleaned: list[bool] = []
+    sig = getattr(signal, name)
 
     def terminated(args: Any) -> int:
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
             for _ in range(50):
                 time.sleep(0.01)  # the handler runs at the next bytecode
             return 0
@@ -250,14 +252,14 @@ def test_sigterm_ends_a_command_through_its_cleanup(monkeypatch: pytest.MonkeyPa
         cleaned.append(False)
 
     monkeypatch.setattr(demo, "demo_main", terminated)
-    before = signal.signal(signal.SIGTERM, test_process)
+    before = signal.signal(sig, test_process)
     try:
         with pytest.raises(SystemExit) as info:
             cli.main(["demo", "--tokens", "2"])
-        assert signal.getsignal(signal.SIGTERM) == test_process
+        assert signal.getsignal(sig) == test_process
     finally:
-        signal.signal(signal.SIGTERM, before)
-    assert info.value.code == 128 + signal.SIGTERM and cleaned == [True]
+        signal.signal(sig, before)
+    assert info.value.code == 128 + sig and cleaned == [True]
 
 
 @pytest.mark.parametrize(("limits", "kept"), [((512, 1024), (1024, 1024)), ((4096, 4096), (4096, 4096))])
