@@ -181,9 +181,13 @@ def directory_problem(text: str) -> str | None:
 
 def directory(text: str) -> str:
     """An argparse type: a directory, existing or made on first use (``--cache-dir``, convert's
-    STORE_DIR); not an empty name (an unset variable's, which would be the current directory)."""
+    STORE_DIR); not an empty name (an unset variable's, which would be the current directory).
+    A leading ``~`` is the home directory, as ``--model`` reads it: a quoted ``"~/stores/q"`` (a
+    variable's) made a directory named ``~`` in the working directory, where ``--model`` then
+    looked in the home directory."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
+    text = os.path.expanduser(text)
     problem = directory_problem(text)
     if problem is not None:
         from .store import printable_path  # a stream writes it, whatever its bytes

@@ -494,3 +494,29 @@ def _no_rename_of(mount: pathlib.Path, rename: Any) -> Any:
         rename(src, dst, *args, **kwargs)
 
     return renaming
+
+
+def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``STORE="~/stores/q"; asyncside convert MODEL "$STORE"`` (the tilde quoted, so the shell
+    leaves it) made a directory named ``~`` in the working directory, where ``demo --model
+    "$STORE"`` then looked in the home directory and found nothing; ``--cache-dir "~/c"`` and
+    ``convert_model(..., "~/s")`` alike. A leading ``~`` is the home directory everywhere."""
+    from asyncside import cli
+    from asyncside.argtypes import directory
+    from asyncside.models.convert import convert_model
+    from asyncside.models.embedded import cache_root
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert cli.main(["convert", str(quick_store.parent / "model"), "~/stores/q", "--quiet", "--json"]) == 0
+    assert (home / "stores" / "q" / "manifest.json").is_file()
+    convert_model(quick_store.parent / "model", "~/s", progress=False)
+    assert (home / "s" / "manifest.json").is_file()
+    assert directory("~/c") == str(home / "c") and cache_root("~/c") == home / "c"
+    assert list(work.iterdir()) == []
+    capsys.readouterr()

@@ -407,8 +407,9 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
 
     from ..store import ExpertStore
 
-    src = pathlib.Path(model_dir).absolute()
-    dest = pathlib.Path(store_dir).absolute()
+    # "~/stores/q" is the home directory's, as load() and --model read it: not a directory named "~"
+    src = pathlib.Path(model_dir).expanduser().absolute()
+    dest = pathlib.Path(store_dir).expanduser().absolute()
     _check_paths(src, dest, overwrite)
     if not 0.0 <= float(resident_fraction) <= 1.0:
         raise ValueError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")

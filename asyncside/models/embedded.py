@@ -223,7 +223,7 @@ def build_model(spec: EmbeddedSpec) -> tuple[Any, dict[str, Any]]:
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """``cache_dir``, else $ASYNCSIDE_CACHE, else $XDG_CACHE_HOME/asyncside, else ~/.cache/asyncside."""
     if cache_dir is not None:
-        return pathlib.Path(cache_dir)
+        return pathlib.Path(cache_dir).expanduser()  # "~/cache" as --model reads "~": the home directory's
     from ..native_env import ENV_CACHE, env_cache
 
     chosen = env_cache(os.environ.get(ENV_CACHE, ""))
