@@ -135,13 +135,13 @@ def file_name(text: str) -> str:
     ran without the file, as if the option were left out); the file is read and checked later."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
-    return text
+    return os.path.expanduser(text)  # a quoted "~/t.npz" (a variable's) as --model reads "~"
 
 
 def writable_file(text: str) -> str:
     """An argparse type: a file path whose directory exists and is writable (checked before a run
     whose end writes it)."""
-    file_name(text)
+    text = file_name(text)
     parent = os.path.dirname(os.path.abspath(text)) or "."
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text}: is a directory; expected a file name")

@@ -502,9 +502,10 @@ def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathl
     """``STORE="~/stores/q"; asyncside convert MODEL "$STORE"`` (the tilde quoted, so the shell
     leaves it) made a directory named ``~`` in the working directory, where ``demo --model
     "$STORE"`` then looked in the home directory and found nothing; ``--cache-dir "~/c"`` and
-    ``convert_model(..., "~/s")`` alike. A leading ``~`` is the home directory everywhere."""
+    ``convert_model(..., "~/s")`` alike, and a file option (``--routing "~/t.npz"``: no such file;
+    ``--record-routing``: no such directory). A leading ``~`` is the home directory everywhere."""
     from asyncside import cli
-    from asyncside.argtypes import directory
+    from asyncside.argtypes import directory, file_name, writable_file
     from asyncside.models.convert import convert_model
     from asyncside.models.embedded import cache_root
 
@@ -518,5 +519,6 @@ def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathl
     convert_model(quick_store.parent / "model", "~/s", progress=False)
     assert (home / "s" / "manifest.json").is_file()
     assert directory("~/c") == str(home / "c") and cache_root("~/c") == home / "c"
+    assert file_name("~/t.npz") == str(home / "t.npz") == writable_file("~/t.npz")  # --routing, --record-routing
     assert list(work.iterdir()) == []
     capsys.readouterr()
