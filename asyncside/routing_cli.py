@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-from .argtypes import int_at_least
+from .argtypes import file_name, int_at_least
 from .errors import TraceError
 
 
@@ -46,14 +46,14 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="routing_command", required=True)
     info = sub.add_parser("info", help="shape, source and locality (LRU and MIN hit rates) of a trace file")
-    info.add_argument("file", help="a routing trace (.npz)")
+    info.add_argument("file", type=file_name, help="a routing trace (.npz)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.add_argument("--no-min", action="store_true",
                       help="skip Belady's MIN (vectorised: about as long again as the LRU figures; on layers "
                            "of tens of thousands of experts it steps each layer in Python, much slower)")
     make = sub.add_parser("preset", help="write a synthetic trace of a locality preset")
     make.add_argument("name", choices=sorted(LOCALITIES), help="the locality preset")
-    make.add_argument("out", help="the .npz to write")
+    make.add_argument("out", type=file_name, help="the .npz to write")
     make.add_argument("--layers", type=int_at_least(1), default=8, help="MoE layers (default 8)")
     make.add_argument("--experts", type=_experts, default=64,
                       help=f"experts per layer, at most {MAX_EXPERTS} (default 64)")
@@ -62,8 +62,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     make.add_argument("--sequences", type=int_at_least(1), default=1, help="sequences (default 1)")
     make.add_argument("--seed", type=int_at_least(0), default=0, help="seed (default 0)")
     widen = sub.add_parser("widen", help="add choices per token for a model that routes more experts")
-    widen.add_argument("file", help="a routing trace (.npz)")
-    widen.add_argument("out", help="the .npz to write")
+    widen.add_argument("file", type=file_name, help="a routing trace (.npz)")
+    widen.add_argument("out", type=file_name, help="the .npz to write")
     widen.add_argument("--top-k", type=int_at_least(1), required=True, help="experts per token and layer wanted")
     widen.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the added choices (default 0)")
 

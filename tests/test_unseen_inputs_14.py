@@ -520,5 +520,8 @@ def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathl
     assert (home / "s" / "manifest.json").is_file()
     assert directory("~/c") == str(home / "c") and cache_root("~/c") == home / "c"
     assert file_name("~/t.npz") == str(home / "t.npz") == writable_file("~/t.npz")  # --routing, --record-routing
+    assert cli.main(["routing", "preset", "low", "~/t.npz", "--layers", "2", "--experts", "8", "--top-k", "2",
+                     "--tokens", "16"]) == 0
+    assert cli.main(["routing", "info", "~/t.npz", "--no-min"]) == 0 and (home / "t.npz").is_file()
     assert list(work.iterdir()) == []
     capsys.readouterr()
