@@ -523,5 +523,8 @@ def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathl
     assert cli.main(["routing", "preset", "low", "~/t.npz", "--layers", "2", "--experts", "8", "--top-k", "2",
                      "--tokens", "16"]) == 0
     assert cli.main(["routing", "info", "~/t.npz", "--no-min"]) == 0 and (home / "t.npz").is_file()
+    from asyncside.bench import check_store_dir
+
+    assert check_store_dir("--stores", "~/stores/q") == home / "stores" / "q"  # bench offload, bench generate
     assert list(work.iterdir()) == []
     capsys.readouterr()

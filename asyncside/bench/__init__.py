@@ -105,7 +105,7 @@ def add_bench_arguments(name: str, parser: argparse.ArgumentParser) -> None:
 def check_store_dir(option: str, path: str | os.PathLike[str]) -> pathlib.Path:
     """``path`` given to ``option`` as an expert store, checked before anything loads: a ValueError
     leading with the option (a usage error from the CLI) when it is none, saying what it is."""
-    p = pathlib.Path(path)
+    p = pathlib.Path(path).expanduser()  # a quoted "~/stores/q", as --model reads "~"
     if (p / "manifest.json").is_file():
         return p
     if not p.exists():

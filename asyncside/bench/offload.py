@@ -1063,8 +1063,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
-    for d in args.stores or ():
-        check_store_dir("--stores", d)
+    if args.stores:
+        args.stores = [str(check_store_dir("--stores", d)) for d in args.stores]
     held = process_baseline()  # before anything is built
     shapes: list[dict[str, Any]] = []
     builds: list[tuple[str, str | None, int | None, Any]] = []
