@@ -1,6 +1,7 @@
 """Serving to clients, proxies and process managers that are not ours, round 14: raw HTTP
 connections that never finish their request, what a wrong method is told, a process started
-with its standard descriptors closed, and a benchmark stopped by SIGTERM, and a second signal during the drain.
+with its standard descriptors closed, and a benchmark stopped by SIGTERM, and the signals of the drain (a second
+one, SIGHUP).
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -190,11 +191,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the children from /proc")
-def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathlib.Path,
-                                                              tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                              sig: int) -> None:
     """``kill PID`` (or a supervisor's terminate()) on ``asyncside bench serve`` ended it where it
     stood and left its ``mlx_lm.server`` child running, its model loaded and its port held, for
-    good. SIGTERM now stops the bench as Ctrl-C does: the child is stopped, also while it loads."""
+    good (SIGHUP, the terminal gone, too). Either now stops the bench as Ctrl-C does: the child is
+    stopped, also while it loads."""
     model_dir = tmp_path / "mlx-lm-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")  # a directory mlx_lm.server takes a while to fail on
@@ -209,9 +212,9 @@ def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathl
                         if "mlx_lm.server" in pathlib.Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
             time.sleep(0.05)
         assert children, f"no mlx_lm.server child started: {proc.stderr.read() if proc.stderr else ''}"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=90)
-        assert proc.returncode == 128 + signal.SIGTERM, stderr
+        assert proc.returncode == 128 + sig, stderr
         assert not [c for c in children if _alive(c)], "mlx_lm.server outlived the bench"
     finally:
         if proc.poll() is None:
@@ -230,7 +233,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 
     model = ScriptedModel(byte_tokenizer({tmp!r}), "hello", {{"count": {long!r}}}, step_delay=0.05)
     app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=256,
-                                                           shutdown_grace=600))
+                                                           shutdown_grace={grace}))
     uvloop.run(serve(app, "127.0.0.1", 0, on_ready=lambda url: print(url, flush=True)))
     print("clean exit", flush=True)
 """)
@@ -259,7 +262,8 @@ def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_pat
     cancelled the drain itself, so nothing ended the requests in flight; uvicorn waited its own
     timeout, then cut every stream off mid-body (no error event, no [DONE]) and logged a
     traceback for each. Now they get the error event and [DONE] at once, and the process exits 0."""
-    script = SERVER_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path), long=LONG * 6)
+    script = SERVER_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path), long=LONG * 6,
+                                  grace=600)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out: list[dict[str, Any]] = []
@@ -356,3 +360,45 @@ def test_a_pipeline_whose_rank_dies_tells_its_clients_which_rank(pipeline_store:
     for r in out:
         said = r["events"][-1]["error"]["message"]
         assert "rank 1" in said and "closed its control link" in said and "shutting down" not in said, said
+
+
+def test_sighup_drains_the_server_unless_the_parent_ignored_it(tmp_path: pathlib.Path) -> None:
+    """SIGHUP (the terminal or ssh session gone) ended ``serve`` where it stood, every stream cut off
+    mid-body, the engine and runtime never closed; every other asyncside command turns it into its
+    orderly exit. It now drains as SIGTERM does (error event and [DONE], status 0); started under
+    ``nohup`` (SIGHUP ignored) the server keeps serving."""
+    script = SERVER_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path), long=LONG * 6,
+                                  grace=0.3)
+    for ignored in (False, True):
+        trap = 'trap "" HUP; ' if ignored else ""  # as nohup leaves it: ignored, and inherited
+        proc = subprocess.Popen(["sh", "-c", f'{trap}exec "$@"', "sh", sys.executable, "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out: list[dict[str, Any]] = []
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            assert url.startswith("http://127.0.0.1:"), url
+            started = threading.Event()
+            thread = threading.Thread(target=_stream, args=(url, started, out), daemon=True)
+            thread.start()
+            assert started.wait(60), "the stream never sent its first chunk"
+            proc.send_signal(signal.SIGHUP)
+            if ignored:
+                thread.join(120)
+                assert proc.poll() is None and httpx.get(url + "/health").status_code == 200
+                proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=120)
+            thread.join(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0 and "clean exit" in stdout, stderr[-2000:]
+        assert "Traceback" not in stderr, stderr[-2000:]
+        assert len(out) == 1 and out[0]["done"], out
+        last = out[0]["events"][-1]
+        if ignored:  # it ran to its end
+            assert last["choices"][0]["finish_reason"] == "length", last
+        else:
+            assert last["error"]["code"] == "server_shutting_down", last

@@ -556,10 +556,10 @@ def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
 
 @contextlib.contextmanager
 def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM raises SystemExit (status 128 + the signal) in the main thread while the bench runs,
-    so its servers stop as on Ctrl-C: the interpreter's default ended the process where it stood
-    and left the mlx_lm.server child running, its model loaded, its port held. A second SIGTERM
-    ends the process at once."""
+    """SIGTERM or SIGHUP raises SystemExit (status 128 + the signal) in the main thread while the
+    bench runs, so its servers stop as on Ctrl-C: the interpreter's default ended the process where
+    it stood and left the mlx_lm.server child running, its model loaded, its port held. A signal
+    the parent ignored (``nohup``'s SIGHUP) stays ignored; a second one ends the process at once."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -570,11 +570,13 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signum, signal.SIG_DFL)
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, raise_exit)
+    ending = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {s: signal.signal(s, raise_exit) for s in ending if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:

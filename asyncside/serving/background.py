@@ -1,12 +1,12 @@
 """Running the application: a listening socket, ``serve()`` on the running loop, and
 :class:`BackgroundServer` (a uvloop loop in a daemon thread, for tests, benchmarks and embedding).
 
-Both shut down gracefully: SIGTERM/SIGINT (``serve``) or :meth:`BackgroundServer.stop` first
-drains the application (:meth:`~.app.ServerState.drain`: new requests get 503, requests in flight
-get the grace period, the rest end with an error event and ``[DONE]``), then stops uvicorn. A
-second signal skips what is left of the grace (the requests still running end with their error
-at once); a third stops without waiting for anything. ``serve`` returns normally after a signal,
-so the command exits 0.
+Both shut down gracefully: SIGTERM/SIGINT/SIGHUP (``serve``; a SIGHUP the parent ignored stays
+ignored) or :meth:`BackgroundServer.stop` first drains the application
+(:meth:`~.app.ServerState.drain`: new requests get 503, requests in flight get the grace period,
+the rest end with an error event and ``[DONE]``), then stops uvicorn. A second signal skips what
+is left of the grace (the requests still running end with their error at once); a third stops
+without waiting for anything. ``serve`` returns normally after a signal, so the command exits 0.
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ def _quiet_expected_startup_failures() -> None:
         target.addFilter(_ExpectedFailureFilter())
 
 
+def _ending_signals() -> list[int]:
+    """The signals that shut the server down gracefully: SIGINT, SIGTERM, and SIGHUP (the terminal or
+    ssh session gone, whose default ended the process where it stood, streams cut off mid-body)
+    unless the parent ignored it (``nohup``), as every other asyncside command treats it."""
+    sigs: list[int] = [signal.SIGINT, signal.SIGTERM]
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN:
+        sigs.append(hup)
+    return sigs
+
+
 def _read_timed_h11(seconds: float) -> type[Any]:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and
     body) within ``seconds`` of opening or of its previous answer's end.
@@ -142,7 +153,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in _ending_signals()}
             try:
                 yield
             finally:

@@ -245,8 +245,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                              "$ASYNCSIDE_API_KEY, else none; the variable keeps the key out of the process list)")
     parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
-                        help=f"on SIGTERM/SIGINT, refuse new requests (503) and give those in flight this long to "
-                             f"finish before they are ended with an error (default {d.shutdown_grace:g})")
+                        help=f"on SIGTERM/SIGINT/SIGHUP, refuse new requests (503) and give those in flight this "
+                             f"long to finish before they are ended with an error (default {d.shutdown_grace:g})")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="do not log one line per request")
     parser.add_argument("--log-level", default="warning",
