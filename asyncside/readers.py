@@ -173,7 +173,13 @@ class NativeReader(ReaderBackend):
         from . import _native
 
         self.name = name
-        self._r = _native.Reader(name, options)
+        try:
+            self._r = _native.Reader(name, options)
+        except (RuntimeError, OSError) as exc:
+            # The ring or the threads could not be set up (too few open files allowed, the locked
+            # memory limit an older kernel charges rings to, io_uring refused by a seccomp
+            # profile): a RuntimeError traceback from inside the scheduler's entry.
+            raise AsyncsideError(reader_start_failure(name, exc)) from None
         self.options: ReaderOptions = self._r.options  # machine-dependent defaults resolved
         self.direct = bool(self.options.direct)
 
@@ -497,6 +503,25 @@ class AiofilesReader(ReaderBackend):
             os.close(L.fd)
             if L.fd_direct >= 0:
                 os.close(L.fd_direct)
+
+
+def reader_start_failure(name: str, exc: BaseException) -> str:
+    """What to say where the ``name`` reader cannot start: the native reason and the way on."""
+    text = " ".join(str(exc).split())
+    why = f"the {name} reader cannot start: {text}"
+    if "Too many open files" in text:
+        import resource
+
+        why += f" (this process may open {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} files: raise ulimit -n)"
+    elif "Cannot allocate memory" in text and name == "io_uring":
+        import resource
+
+        locked = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+        shown = "unlimited" if locked == resource.RLIM_INFINITY else f"{locked >> 10} KiB"
+        why += f" (the locked memory limit, ulimit -l, is {shown}: older kernels charge io_uring rings to it)"
+    if name == "io_uring":
+        why += "; the threads reader (--reader threads, reader='threads') reads without io_uring"
+    return why
 
 
 def _open_blob(path: str, flags: int, how: str) -> int:

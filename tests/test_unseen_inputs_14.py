@@ -528,3 +528,39 @@ def test_a_directory_of_a_quoted_tilde_is_the_home_directorys(quick_store: pathl
     assert check_store_dir("--stores", "~/stores/q") == home / "stores" / "q"  # bench offload, bench generate
     assert list(work.iterdir()) == []
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(("failure", "said"), [
+    ("io_uring_setup failed: Too many open files", "files: raise ulimit -n)"),
+    ("io_uring_setup failed: Cannot allocate memory", "older kernels charge io_uring rings to it)"),
+    ("io_uring_setup failed: Operation not permitted", "io_uring_setup failed: Operation not permitted;"),
+])
+def test_a_reader_that_cannot_start_is_one_line_naming_the_way_on(failure: str, said: str,
+                                                                  quick_store: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The io_uring reader failing to set up its ring (too few open files allowed, the locked
+    memory limit an older kernel charges rings to, io_uring refused by a container's seccomp
+    profile) was a RuntimeError traceback from inside the scheduler. It is an AsyncsideError in
+    one line: the reason, the limit where one is to blame, and the threads reader as the way on."""
+    from asyncside import _native
+    from asyncside.errors import AsyncsideError
+    from tests._cli_support import run_cli
+
+    def refused(name: str, options: Any) -> Any:
+        raise RuntimeError(failure)
+
+    monkeypatch.setattr(_native, "Reader", refused)
+
+    async def go() -> None:
+        async with Runtime(ExpertStore.open(quick_store), reader="io_uring"):
+            pass
+
+    with pytest.raises(AsyncsideError) as info:
+        anyio.run(go)
+    assert str(info.value).startswith(f"the io_uring reader cannot start: {failure}") and said in str(info.value)
+    assert str(info.value).endswith("the threads reader (--reader threads, reader='threads') reads without io_uring")
+    rc, err = run_cli(capsys, "demo", "--model", str(quick_store), "--tokens", "2", "--reference", "none",
+                      "--reader", "io_uring")
+    assert rc in (1, 2) and err.startswith("asyncside demo: the io_uring reader cannot start: ") and len(
+        err.strip().splitlines()) == 1, err
