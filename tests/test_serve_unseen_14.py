@@ -10,6 +10,7 @@ model is the real code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -402,3 +403,21 @@ def test_sighup_drains_the_server_unless_the_parent_ignored_it(tmp_path: pathlib
             assert last["choices"][0]["finish_reason"] == "length", last
         else:
             assert last["error"]["code"] == "server_shutting_down", last
+
+
+def test_a_path_cannot_write_lines_of_its_own_into_the_access_log(srv: BackgroundServer,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The access log wrote the percent-decoded path: ``GET /x%0a<a forged line>`` put a line of the
+    client's making into the log (a request that never happened, for whoever reads or parses it).
+    The line now shows the path as sent."""
+    forged = "2026-01-01 00:00:00,000 asyncside.access INFO 10.0.0.1:1 \"POST /v1/completions\" 200 0.1s"
+    with caplog.at_level(logging.INFO, logger="asyncside.access"):
+        r = httpx.get(srv.url + "/x%0a" + forged.replace(" ", "%20").replace('"', "%22") + "%0d%0a")
+        assert r.status_code == 404
+        deadline = time.monotonic() + HELD
+        while not [rec for rec in caplog.records if rec.name == "asyncside.access"]:
+            assert time.monotonic() < deadline, "no access-log line"
+            time.sleep(0.01)
+    [line] = [rec.getMessage() for rec in caplog.records if rec.name == "asyncside.access"]
+    assert "\n" not in line and "\r" not in line, line
+    assert '"GET /x%0a2026-01-01%2000:00:00,000%20asyncside.access' in line and '" 404 ' in line, line

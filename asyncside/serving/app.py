@@ -398,7 +398,11 @@ class AccessLog:
                 extra = st.get("asyncside_access")
                 client = scope.get("client")
                 who = f"{client[0]}:{client[1]}" if client else "-"
-                line = f'{who} "{scope["method"]} {scope["path"]}" {final} {time.perf_counter() - t0:.3f}s'
+                # The path as sent (percent-encoded): decoded, a client's %0a wrote log lines of its own.
+                raw = scope.get("raw_path")
+                path = raw.decode("ascii", "backslashreplace") if isinstance(raw, bytes) else \
+                    scope["path"].encode("unicode_escape").decode("ascii")
+                line = f'{who} "{scope["method"]} {path}" {final} {time.perf_counter() - t0:.3f}s'
                 if extra:
                     ttft = extra["ttft"]
                     line += (f" prompt={extra['prompt']} cached={extra['cached']} completion={extra['completion']}"
