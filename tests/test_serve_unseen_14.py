@@ -421,3 +421,12 @@ def test_a_path_cannot_write_lines_of_its_own_into_the_access_log(srv: Backgroun
     [line] = [rec.getMessage() for rec in caplog.records if rec.name == "asyncside.access"]
     assert "\n" not in line and "\r" not in line, line
     assert '"GET /x%0a2026-01-01%2000:00:00,000%20asyncside.access' in line and '" 404 ' in line, line
+
+
+def test_an_ipv6_host_may_be_bracketed_as_in_a_url() -> None:
+    """``--host [::1]`` (an address copied from a URL) was looked up as a host name and the server
+    exited with "cannot bind [::1]:8000: Name or service not known"; it binds ::1 now."""
+    from asyncside.cli import build_parser
+
+    for given, bound in (("[::1]", "::1"), ("::1", "::1"), ("[::]", "::"), ("127.0.0.1", "127.0.0.1")):
+        assert build_parser(["serve"]).parse_args(["serve", "--host", given]).host == bound

@@ -73,10 +73,13 @@ def _port(text: str) -> int:
 
 def _host(text: str) -> str:
     """An interface to bind: an empty one (``--host "$HOST"`` of an unset variable) bound every
-    interface, 0.0.0.0, without a word."""
+    interface, 0.0.0.0, without a word. An IPv6 address may be bracketed as in a URL (``[::1]``:
+    resolved as a host name, it failed with 'Name or service not known')."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected an interface to bind (127.0.0.1; 0.0.0.0 for every "
                                          f"interface), got {text!r}")
+    if text.startswith("[") and text.endswith("]") and ":" in text:
+        return text[1:-1]
     return text
 
 
