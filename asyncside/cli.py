@@ -114,6 +114,14 @@ def _terminated(signum: int, _frame: object) -> None:
 _ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _command_name(argv: Sequence[str]) -> str:
     words = [a for a in argv[:2] if not a.startswith("-")]
     return " ".join(words[:2] if words[:1] == ["bench"] else words[:1])
@@ -122,6 +130,13 @@ def _command_name(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncside`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if not all(_is_open(fd) for fd in (0, 1, 2)):
+        # Started with stdin or stdout closed (``asyncside demo >&-``, a script's ``<&- >&-``): the
+        # event loop's first descriptors took their numbers, and libuv, which asserts it never
+        # closes one of those, aborted the process (SIGABRT, a core dump). serve does the same.
+        from .serving.cli import open_std_fds
+
+        open_std_fds()
     # serve (and bench serve's server) shut down gracefully on SIGTERM through their own handlers.
     # A signal ignored by the parent (SIG_IGN inherited: nohup's SIGHUP) stays ignored.
     mine = threading.current_thread() is threading.main_thread() and "serve" not in args[:2]

@@ -564,3 +564,18 @@ def test_a_reader_that_cannot_start_is_one_line_naming_the_way_on(failure: str, 
                       "--reader", "io_uring")
     assert rc in (1, 2) and err.startswith("asyncside demo: the io_uring reader cannot start: ") and len(
         err.strip().splitlines()) == 1, err
+
+
+def test_a_command_started_with_stdout_closed_runs(quick_store: pathlib.Path) -> None:
+    """``asyncside demo >&-`` (a script or process manager that closes stdout) was aborted by
+    libuv, "uv__close: Assertion `fd > STDERR_FILENO' failed" (SIGABRT, a core dump): the event
+    loop's first descriptor took number 1. The closed descriptors get the null device first, as
+    serve's do; the run ends with status 0."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "asyncside", "demo", "--model", str(quick_store), "--tokens", "2",
+                          "--reference", "none", "--quiet"],
+                         stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
