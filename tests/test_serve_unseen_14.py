@@ -430,3 +430,20 @@ def test_an_ipv6_host_may_be_bracketed_as_in_a_url() -> None:
 
     for given, bound in (("[::1]", "::1"), ("::1", "::1"), ("[::]", "::"), ("127.0.0.1", "127.0.0.1")):
         assert build_parser(["serve"]).parse_args(["serve", "--host", given]).host == bound
+
+
+def test_a_port_in_use_is_one_plain_line_and_status_1(quick_store: pathlib.Path) -> None:
+    """A port another process listens on: the line read "asyncside serve: [Errno 98] cannot bind
+    127.0.0.1:8000: Address already in use" (an errno for the user to decode, nothing on what to
+    do); it says what to do now, and no model is loaded first."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "asyncside", "serve", "--model", str(quick_store),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"asyncside serve: cannot bind 127.0.0.1:{port}: Address already in use (another process listens there: "
+        "choose another port, or 0 for a free one)"], done.stderr

@@ -37,8 +37,18 @@ class ServeError(AsyncsideError):
         self.startup_error = startup_error
 
 
+class BindError(AsyncsideError, OSError):
+    """The listening socket could not be bound; ``str()`` is the line to show (no errno prefix)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; port 0 picks a free port (read it back with ``getsockname``)."""
+    """A listening TCP socket; port 0 picks a free port (read it back with ``getsockname``).
+    :class:`BindError` naming the address and the cause when it cannot be bound."""
+    import errno
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -46,7 +56,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from None
+        said = f"cannot bind {f'[{host}]' if ':' in host else host}:{port}: {exc.strerror}"
+        if exc.errno == errno.EADDRINUSE:
+            said += " (another process listens there: choose another port, or 0 for a free one)"
+        raise BindError(exc.errno, said) from None
     sock.listen(128)
     sock.setblocking(False)
     return sock
