@@ -42,3 +42,52 @@ def test_load_interrupted_while_its_runtime_is_entered_leaves_it_closed(quick_st
         facade.load(quick_store, progress=False)
     assert shared, "the runtime was never entered"
     assert shared[0].closed and shared[0].exited, "the runtime load() was entering is still open"
+
+
+@pytest.mark.parametrize("other_loop", ["asyncio", "uvloop"])
+def test_a_runtime_used_from_another_loop_of_its_thread_is_refused(expert_store: Any, other_loop: str) -> None:
+    """A Runtime entered on one event loop and used from another loop of the same thread (a second
+    ``asyncio.run``, a pytest-asyncio fixture on another loop scope than its test's) passed the
+    check of threads: an ``ensure`` that read waited for a completion only the first loop, which
+    nobody ran then, would deliver, and hung. Each call is refused at once, naming the way out;
+    the runtime goes on on its own loop and closes clean."""
+    import asyncio
+
+    import uvloop
+
+    from asyncside import Runtime
+    from asyncside.audit import audit_problems
+    from asyncside.errors import AsyncsideError
+
+    rt = Runtime(expert_store, resident=0.25)
+    loop = asyncio.new_event_loop()
+    entered, leave = loop.create_future(), asyncio.Event()
+
+    async def owner() -> None:
+        async with rt:
+            entered.set_result(None)
+            await leave.wait()
+            await rt.ensure(0, [1, 2])
+
+    task = loop.create_task(owner())
+    loop.run_until_complete(entered)
+
+    async def other() -> None:
+        said = r"the runtime is used from another event loop than the one that entered it"
+        with pytest.raises(AsyncsideError, match=said):
+            await rt.ensure(0, [1, 2])
+        with pytest.raises(AsyncsideError, match=said):
+            rt.prefetch(0, [3])
+        with pytest.raises(AsyncsideError, match=said):
+            rt.lease(0, [1])
+
+    try:
+        if other_loop == "uvloop":
+            uvloop.run(asyncio.wait_for(other(), 600))  # a hang guard, never a timing assertion
+        else:
+            asyncio.run(asyncio.wait_for(other(), 600))
+        loop.call_soon(leave.set)
+        loop.run_until_complete(task)
+    finally:
+        loop.close()
+    assert audit_problems(rt) == []

@@ -64,7 +64,7 @@ from ._plan import (
     warm_experts,
 )
 from ._queued import RECONCILE_EVERY, QueuedSide
-from ._state import PrefetchHandle, Shared, host_ids
+from ._state import PrefetchHandle, Shared, host_ids, running_loop
 from ._stats import CacheStats, QueuedStats, ReadStats, RuntimeStats, snapshot
 
 if TYPE_CHECKING:
@@ -376,6 +376,7 @@ class Runtime:
                                  "Runtime(...)`; make a new Runtime(store, ...) to run again")
         check_env()
         s.loop_thread = threading.get_ident()
+        s.loop = running_loop()
         if s.completed is None:
             from ..bridge import completed
 

@@ -8,7 +8,9 @@ the "something changed" event that waiting ensures and drains sleep on.
 
 from __future__ import annotations
 
+import asyncio
 import numbers
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -49,6 +51,21 @@ def host_ids(ids: Any) -> np.ndarray:
     if isinstance(ids, mx.array):
         return np.array(ids, copy=True).reshape(-1)
     return np.asarray(ids).reshape(-1)
+
+
+def running_loop() -> object | None:
+    """The event loop running on this thread: asyncio's loop, or the trio run's token; None outside one."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            token: object = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # not inside a trio run
+            return None
+        return token
+    return None
 
 
 class Pending:
@@ -149,6 +166,7 @@ class Shared:
         self.closed = False
         self.exited = False  # closing finished: every read landed, every task is gone
         self.loop_thread: int | None = None  # the thread whose event loop entered the runtime
+        self.loop: object | None = None  # that event loop (asyncio's loop, trio's run token)
         self.cache = CacheStats()
         self.reads = ReadStats()
         self.queued = QueuedStats()
@@ -192,6 +210,15 @@ class Shared:
                 f"the runtime is used from thread {threading.current_thread().name!r}, but it runs on the event "
                 "loop that entered it (another thread's): call it from that loop (anyio.from_thread.run, "
                 "asyncio.run_coroutine_threadsafe), or enter a Runtime of its own on this loop")
+        loop = running_loop()
+        if loop is not None and self.loop is not None and loop is not self.loop:
+            # The same thread, another loop (a second asyncio.run, a pytest-asyncio fixture on another
+            # loop scope than its test's): the reads complete on the loop that entered it, which
+            # nobody runs now, so the await hung.
+            raise AsyncsideError(
+                "the runtime is used from another event loop than the one that entered it (this thread ran "
+                "both): its reads complete on that loop only; enter a Runtime on this loop, or give a "
+                "pytest-asyncio fixture that opens one the loop scope of the tests that use it")
 
     def notify(self) -> None:
         """Wake every task waiting for a change (a fill settled, a lease went, an ensure ended)."""
