@@ -15,6 +15,7 @@ submitted so far has completed, so no read ever outlives the pools it writes int
 
 from __future__ import annotations
 
+import asyncio
 import errno as _errno
 import itertools
 import logging
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
+import anyio.abc
 
 from .errors import FillError
 from .pools import PoolSet
@@ -32,6 +34,94 @@ from .readers import ReaderBackend, ReaderOptions, choose_reader, make_reader, r
 from .store import LayerSpec
 
 log = logging.getLogger(__name__)
+
+
+class HostedTaskGroup:
+    """A task group that the task which opened it need not be the one to close it.
+
+    On asyncio (uvloop too) the task group is entered in a task of its own, its host, so that an
+    object holding one may be entered in one task and exited in another of the same loop:
+    pytest-asyncio runs an async fixture's set-up and its teardown in two tasks, and a task group
+    entered in the first refused to exit in the second ("Attempted to exit cancel scope in a
+    different task than it was entered in"), leaving the runtime half closed. A task of the group
+    that fails cancels the task that opened it, as a failure in a task group entered there did;
+    :meth:`__aexit__` raises what the group's tasks raised. On trio, whose test runners keep a
+    fixture in one task, it is the opening task's own task group.
+    """
+
+    def __init__(self) -> None:
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._host: asyncio.Task[None] | None = None
+        self._owner: asyncio.Task[Any] | None = None
+        self._leave = anyio.Event()
+        self._ended = anyio.Event()
+        self._owner_cancelled = False
+
+    @property
+    def cancel_scope(self) -> anyio.CancelScope:
+        """The group's cancel scope (cancelling it cancels the group's tasks, never the opener)."""
+        assert self._tg is not None, "the task group is not open"
+        return self._tg.cancel_scope
+
+    def start_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start ``fn(*args)`` as a task of the group."""
+        assert self._tg is not None, "the task group is not open"
+        self._tg.start_soon(fn, *args)
+
+    async def __aenter__(self) -> HostedTaskGroup:
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            return self
+        self._owner = asyncio.current_task()
+        opened = anyio.Event()
+
+        async def host() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._tg = tg
+                    opened.set()
+                    await self._leave.wait()
+            finally:
+                owner = self._owner
+                if not self._leave.is_set() and owner is not None and not owner.done():
+                    # A task of the group failed (or the host was cancelled) while the opener
+                    # still runs: it hears of it as in a task group of its own.
+                    self._owner_cancelled = True
+                    owner.cancel()
+
+        self._host = loop.create_task(host())
+        self._host.add_done_callback(lambda _task: self._ended.set())
+        try:
+            await opened.wait()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> bool | None:
+        """Wait for the group's tasks (cancel :attr:`cancel_scope` first to end them); raise what
+        they raised. Cancelled meanwhile, it cancels them and still waits."""
+        if self._host is None:
+            assert self._tg is not None
+            return await self._tg.__aexit__(None, None, None)
+        self._leave.set()
+        try:
+            await self._ended.wait()
+        except BaseException:
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._ended.wait()
+            raise
+        finally:
+            if self._owner_cancelled and self._owner is asyncio.current_task() and self._owner is not None:
+                self._owner_cancelled = False
+                self._owner.uncancel()  # the cancellation stood for the failure raised below
+        if not self._host.cancelled() and (exc := self._host.exception()) is not None:
+            raise exc
+        return None
 
 
 class FillLike(Protocol):
@@ -160,7 +250,7 @@ class Scheduler:
         self._layouts: dict[int, _Layout] = {}
         self._inflight: dict[int, tuple[FillHandle, _Layout]] = {}
         self._backlog: deque[tuple[int, FillHandle, _Layout]] = deque()
-        self._tg: Any = None
+        self._tg: HostedTaskGroup | None = None
         self._serve_scope: anyio.CancelScope | None = None
         self._idle: anyio.Event | None = None
         self._callback_errors: list[BaseException] = []
@@ -191,7 +281,7 @@ class Scheduler:
         # here, and the wait for readiness is an ordinary cancellable wait.
         self._serve_scope = anyio.CancelScope(shield=True)
         ready = anyio.Event()
-        tg = anyio.create_task_group()
+        tg = HostedTaskGroup()  # exited by whichever task exits the scheduler
         await tg.__aenter__()
         self._tg = tg
         try:
@@ -236,7 +326,8 @@ class Scheduler:
             if self._serve_scope is not None:
                 self._serve_scope.cancel()
             try:
-                await self._tg.__aexit__(None, None, None)
+                if self._tg is not None:
+                    await self._tg.__aexit__(None, None, None)
             finally:
                 with anyio.CancelScope(shield=True):
                     assert self.reader is not None
@@ -276,6 +367,7 @@ class Scheduler:
         """
         if lay.opening is None:
             lay.opening = anyio.Event()
+            assert self._tg is not None, "the scheduler is not entered"
             self._tg.start_soon(self._opener, lay)
         return lay.opening
 

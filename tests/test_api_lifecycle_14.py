@@ -7,6 +7,7 @@ close them.
 from __future__ import annotations
 
 import pathlib
+import re
 import signal
 import threading
 from typing import Any
@@ -91,3 +92,97 @@ def test_a_runtime_used_from_another_loop_of_its_thread_is_refused(expert_store:
     finally:
         loop.close()
     assert audit_problems(rt) == []
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_runtime_entered_by_one_task_and_exited_by_another_closes(make_expert_store: Any, loop: str) -> None:
+    """As pytest-asyncio runs an async fixture (its set-up in one task, its teardown in another):
+    the exit failed with anyio's "Attempted to exit cancel scope in a different task than it was
+    entered in". It now closes: every read landed, the ledgers audit clean, later calls refused."""
+    import asyncio
+
+    import uvloop
+
+    from asyncside import Runtime
+    from asyncside.audit import audit_problems
+    from asyncside.errors import AsyncsideError
+
+    rt = Runtime(make_expert_store(n_experts=64), resident=0.1)
+
+    async def main() -> None:
+        await asyncio.create_task(rt.__aenter__())
+        await rt.ensure(0, [40, 41, 42])
+        prefetch = rt.prefetch(1, [50, 51])
+        await asyncio.create_task(rt.__aexit__(None, None, None))
+        await prefetch
+        assert rt._s.exited and audit_problems(rt) == []
+        with pytest.raises(AsyncsideError, match="the runtime is closed"):
+            await rt.ensure(0, [1])
+
+    if loop == "uvloop":
+        uvloop.run(asyncio.wait_for(main(), 600))  # a hang guard, never a timing assertion
+    else:
+        asyncio.run(asyncio.wait_for(main(), 600))
+
+
+FIXTURE_PROJECT = '''
+import pytest
+import pytest_asyncio
+
+from asyncside import Runtime
+from asyncside.audit import audit_problems
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def shared_runtime(tmp_path_factory):
+    from asyncside.store import ExpertStore
+    from asyncside.testing import random_layers
+
+    store = ExpertStore.create(tmp_path_factory.mktemp("s") / "store", random_layers(2, 64))
+    async with Runtime(store, resident=0.1) as rt:
+        yield rt
+    assert rt._s.exited and audit_problems(rt) == []
+
+
+@pytest_asyncio.fixture
+async def own_runtime(tmp_path):
+    from asyncside.store import ExpertStore
+    from asyncside.testing import random_layers
+
+    store = ExpertStore.create(tmp_path / "store", random_layers(2, 64))
+    async with Runtime(store, resident=0.1) as rt:
+        yield rt
+    assert rt._s.exited and audit_problems(rt) == []
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("experts", [[1, 2, 3], [40, 41], [60]])
+async def test_shared(shared_runtime, experts):
+    await shared_runtime.ensure(0, experts)
+
+
+@pytest.mark.asyncio
+async def test_own(own_runtime):
+    await own_runtime.ensure(1, [10, 20, 30])
+
+
+def test_after_the_module():
+    pass
+'''
+
+
+def test_a_pytest_asyncio_fixture_that_opens_a_runtime_closes_it(tmp_path: pathlib.Path) -> None:
+    """docs/testing.md's async fixture, ``async with Runtime(store) as rt: yield rt``: pytest-asyncio
+    runs a fixture's set-up and its teardown in two tasks, and the runtime's exit in the second
+    failed with anyio's "Attempted to exit cancel scope in a different task than it was entered
+    in": an error in the teardown of every test that used it. It now closes clean from any task
+    of its loop, in a function-scoped fixture and in a module-scoped one."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_fixture.py").write_text(FIXTURE_PROJECT)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\n"
+                                         "asyncio_default_fixture_loop_scope = function\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and re.search(r"\b5 passed\b", r.stdout) and " error" not in r.stdout, (
+        r.stdout + r.stderr)

@@ -47,7 +47,7 @@ from ..memory import check_memory, parse_host_tier, parse_size
 from ..policies import DEFAULT_POLICY, Policy, make_policy
 from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
-from ..scheduler import Scheduler
+from ..scheduler import HostedTaskGroup, Scheduler
 from ..snapshot import RowSnapshot, make_snapshot
 from ..store import ExpertStore
 from ._audit import audit as _audit
@@ -403,7 +403,9 @@ class Runtime:
             s.closed = s.exited = True
             raise
         try:
-            s.tg = anyio.create_task_group()
+            # Hosted: the runtime may be exited by another task than the one that entered it (a
+            # pytest-asyncio fixture's teardown).
+            s.tg = HostedTaskGroup()
             await s.tg.__aenter__()
             await self._fills.setup(self._plan, policy=self.policy, side_rows=self._side_rows,
                                     min_side_rows=self._min_side_rows, pinned=self._pinned)

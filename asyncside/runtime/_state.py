@@ -27,7 +27,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 from ..errors import AsyncsideError, FillError
 from ..ledger import Fill, Ledger
 from ..pools import PoolSet
-from ..scheduler import Scheduler
+from ..scheduler import HostedTaskGroup, Scheduler
 from ..snapshot import RowSnapshot
 from ..store import ExpertStore, LayerSpec
 from ._stats import CacheStats, QueuedStats, ReadStats
@@ -162,7 +162,7 @@ class Shared:
         self.scheduler = scheduler
         self.layers: dict[int, LayerState] = {}
         self.completed: Completed | None = None
-        self.tg: anyio.abc.TaskGroup | None = None
+        self.tg: HostedTaskGroup | None = None
         self.closed = False
         self.exited = False  # closing finished: every read landed, every task is gone
         self.loop_thread: int | None = None  # the thread whose event loop entered the runtime
