@@ -186,3 +186,57 @@ def test_a_pytest_asyncio_fixture_that_opens_a_runtime_closes_it(tmp_path: pathl
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and re.search(r"\b5 passed\b", r.stdout) and " error" not in r.stdout, (
         r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_one_model_generating_on_two_threads_loops_under_budgets_wakes_the_waiter(quick_store: pathlib.Path,
+                                                                                   backend: str) -> None:
+    """One loaded StreamingModel shared by two threads, each with its event loop and a Runtime
+    under a memory budget, whose KV allowance holds one generation at a time: the second waited
+    for the first to end, but the first's end set the waiter's event from its own thread. asyncio
+    never woke the waiter (the loop slept on: a hang), trio failed an assertion in the first. The
+    second now runs once the first has ended; both give the tokens of a run alone."""
+    import dataclasses
+
+    import anyio
+
+    from asyncside import ExpertStore, Runtime
+    from asyncside.memory import proc_self_bytes
+    from asyncside.models import load_streaming_model
+
+    sm = load_streaming_model(quick_store)
+    prompt = list(sm.tokenizer.encode("Mixture of experts stream"))
+    first_token, out = threading.Event(), {}
+
+    async def generate(name: str) -> list[int]:
+        budget = proc_self_bytes("status", "VmRSS") + (1 << 30)  # a budget counts the process's own memory
+        async with Runtime(ExpertStore.open(quick_store), resident=0.25, memory=budget) as rt:
+            assert rt.plan is not None
+            need = sm.kv_need(rt.plan, len(prompt), 8)
+            assert need is not None
+            rt._plan = dataclasses.replace(rt.plan, kv_allowance_bytes=need[0] * 3 // 2)  # room for one
+            tokens = []
+            async for t in sm.generate(prompt, max_tokens=8, source=rt, stop_at_eos=False):
+                tokens.append(t)
+                if name == "first" and len(tokens) == 1:
+                    first_token.set()
+                    await anyio.sleep(0.5)  # still generating while the second one starts
+            return tokens
+
+    def thread(name: str) -> None:
+        if name == "second":
+            first_token.wait(600)
+        try:
+            out[name] = anyio.run(generate, name, backend=backend)
+        except BaseException as exc:  # re-raised below, on the test's thread
+            out[name] = exc
+
+    reference = anyio.run(generate, "alone")
+    threads = [threading.Thread(target=thread, args=(name,), daemon=True) for name in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)  # a hang guard, never a timing assertion
+    assert not any(t.is_alive() for t in threads), "a generation waiting for the allowance was never woken"
+    assert out == {"first": reference, "second": reference}
+    assert sm._kv.held == 0

@@ -7,9 +7,12 @@ KV cache, and ``sm.generate(...)`` streams greedy tokens exactly as mlx-lm's ``g
 
 from __future__ import annotations
 
+import asyncio
 import numbers
 import os
-from collections.abc import AsyncIterator, Sequence
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -295,31 +298,56 @@ class StreamingModel:
 
 class _KVReservations:
     """The KV caches of one model's generations running at once, against a plan's allowance: a
-    generation whose cache would not fit beside the others' waits until one ends."""
+    generation whose cache would not fit beside the others' waits until one ends.
+
+    A model may generate on several event loops at once (a thread each, with a Runtime of its
+    own): the count is guarded by a lock, and a waiter is woken on its own loop's thread. An
+    ``anyio.Event`` set from another loop's thread never woke its asyncio waiter (the loop slept
+    on), and failed an assertion inside trio."""
 
     def __init__(self) -> None:
         self.held = 0
-        self._waiters: list[anyio.Event] = []
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[anyio.Event, Callable[[Callable[[], object]], object]]] = []
 
     async def acquire(self, need: int, allowance: int) -> None:
         """Count ``need`` bytes in, waiting while they do not fit beside what is held."""
-        while self.held and self.held + need > allowance:
-            event = anyio.Event()
-            self._waiters.append(event)
+        while True:
+            with self._lock:
+                if not self.held or self.held + need <= allowance:
+                    self.held += need
+                    return
+                waiter = (anyio.Event(), _soon_on_this_loop())
+                self._waiters.append(waiter)
             try:
-                await event.wait()
+                await waiter[0].wait()
             finally:
-                if event in self._waiters:
-                    self._waiters.remove(event)
-        self.held += need
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
 
     def release(self, need: int) -> None:
         """Count ``need`` bytes out and wake the waiters (each checks again). Synchronous: it runs
         where an abandoned generation is closed, which may not await."""
-        self.held -= need
-        waiters, self._waiters = self._waiters, []
-        for event in waiters:
-            event.set()
+        with self._lock:
+            self.held -= need
+            waiters, self._waiters = self._waiters, []
+        for event, soon in waiters:
+            try:
+                soon(event.set)
+            except RuntimeError:  # its loop has closed: nobody waits there any more
+                pass
+
+
+def _soon_on_this_loop() -> Callable[[Callable[[], object]], object]:
+    """How another thread runs a callback on the running event loop's thread (asyncio's
+    ``call_soon_threadsafe``, trio's ``run_sync_soon``); safe from the loop's own thread too."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop.call_soon_threadsafe
+    trio = sys.modules["trio"]  # not asyncio: anyio runs on trio
+    soon: Callable[[Callable[[], object]], object] = trio.lowlevel.current_trio_token().run_sync_soon
+    return soon
 
 
 def outside_vocabulary(ids: Any, vocab: int | None) -> int | None:
