@@ -365,7 +365,14 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     if memory is not None:
         # as --memory refuses it: "1.5" is a byte and a half, never a budget
         check_memory(parse_size(memory, what="memory"), memory)
-    if resident != "auto" and (isinstance(resident, (bool, str)) or not isinstance(resident, numbers.Real)
+    if isinstance(resident, str):
+        # As Runtime(resident="25%") and --resident read it: the one parser, before converting.
+        from .argtypes import parse_resident
+        try:
+            resident = parse_resident(resident)
+        except ValueError as e:
+            raise ValueError(f"resident: {e}") from None
+    if resident != "auto" and (isinstance(resident, bool) or not isinstance(resident, numbers.Real)
                                or not 0.0 <= float(resident) <= 1.0):
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     _check_runtime_arguments(runtime, resident, memory)

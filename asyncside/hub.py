@@ -180,14 +180,30 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
         raise StoreError(printable_path(directory), problem)
     root = stores_root(cache_dir)
     dest = root / _cached_store_name(text, directory)
-    if is_store_dir(dest):
+
+    def stale() -> str | None:
+        # The cache is keyed by the directory's path: a model saved again into it (fine-tuned,
+        # another checkpoint) reused the store of the one converted first, its tokens those of
+        # the old weights, without a word.
+        from .models.convert import source_changed
+        from .store import ExpertStore
+
+        try:
+            return source_changed(ExpertStore.open(dest), directory)
+        except (OSError, StoreError):
+            return "the cached store cannot be opened"
+
+    if is_store_dir(dest) and (changed := stale()) is None:
         tell(f"asyncside: {text}: using the store converted on first use, {dest}")
         return dest
     with _file_lock(root / f".{dest.name}.lock"):
-        if not is_store_dir(dest):
+        if not is_store_dir(dest) or (changed := stale()) is not None:
             from .models.convert import convert_model
 
-            tell(f"asyncside: {text}: converting to an expert store in {dest} (first use; reused later)")
+            if is_store_dir(dest):
+                tell(f"asyncside: {text}: {changed} since its store was converted; converting again into {dest}")
+            else:
+                tell(f"asyncside: {text}: converting to an expert store in {dest} (first use; reused later)")
             try:
                 convert_model(directory, dest, progress=progress, overwrite=True,
                               model_id=text if is_repo_id(text) else None)
