@@ -447,3 +447,30 @@ def test_a_port_in_use_is_one_plain_line_and_status_1(quick_store: pathlib.Path)
     assert done.stderr.strip().splitlines() == [
         f"asyncside serve: cannot bind 127.0.0.1:{port}: Address already in use (another process listens there: "
         "choose another port, or 0 for a free one)"], done.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_stream_waiting_for_its_tokens_sends_comments_a_proxy_sees_as_traffic(
+        tmp_path: pathlib.Path) -> None:
+    """Behind a proxy with a read timeout (nginx's proxy_read_timeout, a load balancer's idle
+    timeout), a stream that sent nothing for that long (queued behind others, a long prompt's
+    prefill) was ended by the proxy. A stream now sends an SSE comment after ``sse_heartbeat_s``
+    without an event; clients skip it (the openai client's text is the same)."""
+    import openai
+
+    tok = byte_tokenizer(tmp_path)
+    model = ScriptedModel(tok, "hello", {"count": LONG}, step_delay=0.25)
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=256,
+                                                           sse_heartbeat_s=0.05))
+    body = {"model": "scripted", "prompt": "count", "max_tokens": 6, "stream": True}
+    with BackgroundServer(app) as server:
+        async with httpx.AsyncClient(timeout=60) as http, http.stream("POST", server.url + "/v1/completions",
+                                                                      json=body) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+        comments = [line for line in lines if line.startswith(":")]
+        assert comments and set(comments) == {": keep-alive"}, lines
+        data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "".join(d["choices"][0]["text"] for d in data) == LONG[:6] and lines[-1] == "data: [DONE]"
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        stream = await client.completions.create(model="scripted", prompt="count", max_tokens=6, stream=True)
+        assert "".join([c.choices[0].text async for c in stream]) == LONG[:6]

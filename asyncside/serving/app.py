@@ -701,7 +701,7 @@ class _StreamedAnswer:
         self.handlers = handlers
         self.run = run
         self.deadline = deadline
-        self.stream = EventStream(self._produce, finish)
+        self.stream = EventStream(self._produce, finish, heartbeat=handlers.settings.sse_heartbeat_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.stream(scope, receive, send)

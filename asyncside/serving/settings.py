@@ -38,6 +38,8 @@ class ServeSettings:
     ``request_read_timeout``: seconds a connection has to send a whole request (head and body)
     once it is open or its previous answer ended; closed beyond (the handler of a body that stalls
     sees the client leave).
+    ``sse_heartbeat_s``: a stream that has sent nothing for this long (queued, or a long prompt's
+    prefill) gets an SSE comment, so that a proxy's read timeout does not end it (None: never).
     ``health_recheck_s``: while experts are bad (a read failed), how often their blobs are looked
     at again (replaced on disk: re-opened) and their records verified (clean: healed).
     """
@@ -65,6 +67,7 @@ class ServeSettings:
     shutdown_grace: float = 5.0
     health_recheck_s: float = 2.0
     request_read_timeout: float = 30.0
+    sse_heartbeat_s: float | None = 15.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -90,6 +93,9 @@ class ServeSettings:
         if not 0 < self.request_read_timeout < float("inf"):
             raise ValueError(f"ServeSettings.request_read_timeout must be positive seconds, got "
                              f"{self.request_read_timeout}")
+        if self.sse_heartbeat_s is not None and not 0 < self.sse_heartbeat_s < float("inf"):
+            raise ValueError(f"ServeSettings.sse_heartbeat_s must be positive seconds or None, got "
+                             f"{self.sse_heartbeat_s}")
         if not self.health_recheck_s > 0:
             raise ValueError(f"ServeSettings.health_recheck_s must be positive, got {self.health_recheck_s}")
         if not self.shutdown_grace >= 0:

@@ -95,9 +95,12 @@ class EventStream:
     ``finish`` is called exactly once.
     """
 
-    def __init__(self, produce: Callable[[Frame], Awaitable[int]], finish: Callable[[int], None]) -> None:
+    def __init__(self, produce: Callable[[Frame], Awaitable[int]], finish: Callable[[int], None], *,
+                 heartbeat: float | None = None) -> None:
         self.produce = produce
         self.finish = finish
+        #: seconds without an event after which an SSE comment is sent (None: never)
+        self.heartbeat = heartbeat
         self._finished = False
 
     def _done(self, scope: Scope, status: int) -> None:
@@ -120,16 +123,37 @@ class EventStream:
                 }
             )
 
+            sending = anyio.Lock()
+            last = anyio.current_time()
+
+            async def write(body: bytes) -> None:
+                nonlocal last
+                async with sending:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    last = anyio.current_time()
+
             async def frame(payload: Mapping[str, Any] | str) -> None:
-                await send({"type": "http.response.body", "body": sse(payload), "more_body": True})
+                await write(sse(payload))
+
+            async def beat(every: float) -> None:
+                # A proxy's read timeout ends a stream that sends nothing for a while (a long queue,
+                # a long prompt's prefill): a comment, which SSE clients skip, keeps it open.
+                while True:
+                    await anyio.sleep(max(0.0, last + every - anyio.current_time()))
+                    if anyio.current_time() - last >= every:
+                        await write(b": keep-alive\n\n")
 
             status = 200
 
             async def work() -> None:
                 nonlocal status
                 try:
-                    status = await self.produce(frame)
-                except OSError:  # the transport broke under a send
+                    async with anyio.create_task_group() as beats:
+                        if self.heartbeat is not None:
+                            beats.start_soon(beat, self.heartbeat)
+                        status = await self.produce(frame)
+                        beats.cancel_scope.cancel()
+                except* OSError:  # the transport broke under a send
                     raise ClientGone() from None
 
             try:
