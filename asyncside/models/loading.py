@@ -5,7 +5,8 @@ its ``quantization``), ``model.safetensors`` (every non-expert weight) and the t
 :func:`load_streaming_model` builds the mlx-lm model class from that config with each switch
 layer replaced by a :class:`PooledSwitch` *before* any weight is materialised (mlx-lm initialises
 expert weights lazily, so the dropped ones are never allocated), then loads the non-expert weights
-through mlx-lm's own ``load_model`` (same sanitize/quantization path as ``mlx_lm.load``).
+through mlx-lm's own ``load_model`` (same quantization path as ``mlx_lm.load``; not its
+``sanitize``, which the converter already applied to the weights it stored).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def _stripped_classes(specs: Mapping[int, SwitchSpec]) -> Callable[[dict[str, An
                         "metadata.asyncside_model.switch",
                     )
                 replace_switches(self, moe, specs)
+
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                # A store's non-expert weights are the converted model's own parameters, which
+                # mlx-lm's sanitize already made: applying it again is not always a no-op
+                # (bailing_moe's norm_head divides its head by the column norms once more).
+                return weights
 
         Pooled.__name__ = model_class.__name__
         Pooled.__qualname__ = model_class.__qualname__
