@@ -5,13 +5,17 @@ the same directory; what they refuse is one line naming the file and the tensor 
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.utils import load_model, save_config, save_model
 
+from asyncside.cli import main
 from asyncside.facade import load
 from asyncside.models.tokenizer import save_byte_level_tokenizer
 
@@ -44,3 +48,57 @@ def test_a_head_that_sanitize_normalises_is_normalised_once(tmp_path: pathlib.Pa
         got = streaming(x)
     assert mx.array_equal(got, want).item()
 
+
+def _per_expert_release(d: pathlib.Path, model: nn.Module, config: dict[str, object]) -> dict[str, mx.array]:
+    """Save ``model`` as an original release lays it out: each expert's matrices as tensors of their
+    own (``experts.E.up_proj.weight``), its gate, up and down matrices in three shards with the
+    index naming them; returns the tensors by name."""
+    _save(d, model, config)
+    stacked = cast(dict[str, mx.array], mx.load(str(d / "model.safetensors")))
+    (d / "model.safetensors").unlink()
+    shards: dict[str, dict[str, mx.array]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
+    for name, a in stacked.items():
+        m = re.fullmatch(r"(.+)\.switch_mlp\.(\w+)\.weight", name)
+        if m is None:
+            shards["gate_proj"][name] = a
+            continue
+        for e in range(a.shape[0]):
+            shards[m[2]][f"{m[1]}.experts.{e}.{m[2]}.weight"] = a[e]
+    weight_map = {}
+    for i, part in enumerate(shards.values()):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        mx.save_safetensors(str(d / file), part, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {k: v for part in shards.values() for k, v in part.items()}
+
+
+def test_an_expert_of_another_shape_is_named_with_its_file(tmp_path: pathlib.Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An original release's per-expert tensors (each expert's three matrices in three shards)
+    convert and compute mlx-lm's logits. One expert's matrix of another shape (a damaged shard,
+    files of two models mixed) was refused as "config.json: mlx-lm cannot build a 'qwen3_moe'
+    model from it: ValueError: [stack] All arrays must have the same shape", blaming the config
+    and naming no tensor; now the line names the shard, the tensor and the shape expected."""
+    model, config = tiny_model("qwen3_moe")
+    good = tmp_path / "good"
+    _per_expert_release(good, model, config)
+    x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    want = load_model(good)[0](x)
+    streaming, _tok = load(good, resident=0.25, cache_dir=tmp_path / "cache", progress=False)
+    with streaming:
+        assert mx.array_equal(streaming(x), want).item()
+
+    bad = tmp_path / "bad"
+    tensors = _per_expert_release(bad, model, config)
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    shard = bad / "model-00002-of-00003.safetensors"
+    part = {k: v for k, v in tensors.items() if k.endswith("up_proj.weight")}
+    part[name] = part[name][:32]
+    mx.save_safetensors(str(shard), part, metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["convert", str(bad), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{shard}: tensor {name!r} has shape [32, 64]" in err and "have [64, 64]" in err, err
+    assert not (tmp_path / "store").exists()

@@ -32,6 +32,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import time
@@ -541,9 +542,40 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
                              f"no weight file holds tensor {exc.args[0]!r}, which {want} needs"
                              if isinstance(exc, KeyError) else
                              f"the weight files do not match {want}: {text}") from None
+        uneven = _uneven_expert(src, per_file) if text.startswith(("[stack]", "[concatenate]")) else None
+        if uneven is not None:
+            # mlx-lm's sanitize stacks an original release's per-expert tensors: one of another
+            # shape was "[stack] All arrays must have the same shape", blamed on config.json.
+            raise uneven from None
         raise StoreError(src / "config.json", f"mlx-lm cannot build a {raw.get('model_type')!r} model from it: "
                                               f"{type(exc).__name__}: {text}") from None
     return model, config
+
+
+#: a per-expert tensor of an original release: (what holds the experts, expert id, the rest)
+_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(.+)$")
+
+
+def _uneven_expert(src: pathlib.Path, per_file: Mapping[str, set[str]]) -> StoreError | None:
+    """The per-expert tensor (``...experts.3.up_proj.weight``) whose shape differs from the same
+    tensor of the other experts of its layer, as a StoreError naming its file; None if none does."""
+    groups: dict[tuple[str, str], list[tuple[int, str, str, list[int]]]] = {}
+    for file in per_file:
+        with open(src / file, "rb") as fh:  # its header was checked by _safetensors_names
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, entry in header.items():
+            m = _PER_EXPERT.match(name)
+            if m is not None and isinstance(entry, dict):
+                groups.setdefault((m[1], m[3]), []).append((int(m[2]), name, file, list(entry.get("shape", []))))
+    for (where, what), tensors in sorted(groups.items()):
+        shapes = [tuple(t[3]) for t in tensors]
+        common = max(set(shapes), key=shapes.count)
+        for _e, name, file, shape in sorted(tensors):
+            if tuple(shape) != common:
+                return StoreError(src / file, f"tensor {name!r} has shape {shape}, where the other experts' {what} "
+                                              f"of {where} have {list(common)}: the checkpoint is damaged or mixes "
+                                              "two models' files")
+    return None
 
 
 def _moe_layers_of(model: nn.Module, arch: Arch, src: pathlib.Path,
