@@ -41,8 +41,10 @@ def _check_row(r: dict, res: dict) -> None:
     assert 0.0 <= r["hit_rate"] <= 1.0
     assert r["bytes_read_per_token"] >= 0 and r["miss_bytes_per_token"] >= 0
     c = r["decode_counters"]
-    steps = r["tokens"] - 1
-    # miss bytes are misses x record stride, per decode step (of the median run).
+    # The decode steps the counters cover (queued steps count some of the first before its token).
+    steps = c["steps"]
+    assert 0 < steps <= r["tokens"] - 1
+    # miss bytes are misses x record stride, per decode step counted (of the median run).
     if r["repeats"] == 1:
         assert r["miss_bytes_per_token"] == pytest.approx(c["misses"] * res["record_bytes"] / steps)
         assert r["bytes_read_per_token"] == pytest.approx(c["bytes_read"] / steps)

@@ -294,6 +294,8 @@ class BenchRun(Run):
     stats_first: dict[str, Any] = field(default_factory=dict)
     #: the forward's counters over the run (asyncside runs)
     counters: dict[str, float] = field(default_factory=dict)
+    #: experts a decode step demands (MoE layers x top-k; 0: unknown): the steps the counters cover
+    demands_per_step: int = 0
 
     def arrived(self, tok: int, stats: Callable[[], dict[str, Any]] | None = None) -> None:
         """Record one generated token; on the first, also the source's counters (``stats()``)."""
@@ -318,8 +320,21 @@ class BenchRun(Run):
                 out[k] = v - self.stats_first.get(k, 0)
         return out
 
+    def counted_steps(self) -> float:
+        """The decode steps the source's counters cover: their demands over a step's (batch one:
+        each MoE layer demands top-k distinct experts). Queued steps queue the next step before its
+        token is awaited, so some or all of the first decode step's demands are counted before the
+        first token arrives: its counters then cover fewer steps than the tokens after the first."""
+        steps = self.decode_steps
+        if not self.demands_per_step or not steps:
+            return float(steps)
+        d = self.decode_stats()
+        demands = d.get("hits", 0) + d.get("misses", 0)
+        return demands / self.demands_per_step if demands else float(steps)
+
     def decode_figures(self, record_bytes: int) -> dict[str, Any]:
-        """Decode speed, CPU per step, and (with a source) hit rate and bytes per token."""
+        """Decode speed, CPU per step, and (with a source) hit rate and bytes per token (over the
+        steps the counters cover: :meth:`counted_steps`)."""
         steps = self.decode_steps
         out: dict[str, Any] = {
             "tokens": len(self.tokens),
@@ -334,8 +349,9 @@ class BenchRun(Run):
             d = self.decode_stats()
             hits, misses = d.get("hits", 0), d.get("misses", 0)
             out["hit_rate"] = hits / (hits + misses) if hits + misses else 1.0
-            out["bytes_read_per_token"] = d.get("bytes_read", 0) / steps
-            out["miss_bytes_per_token"] = misses * record_bytes / steps
+            counted = self.counted_steps()
+            out["bytes_read_per_token"] = d.get("bytes_read", 0) / counted
+            out["miss_bytes_per_token"] = misses * record_bytes / counted
         return out
 
 
@@ -577,6 +593,7 @@ def _summarise(runs: list[BenchRun], ref_tokens: list[int], record_bytes: int) -
         d = mid.decode_stats()
         out["decode_counters"] = {k: d[k] for k in ("hits", "misses", "bytes_read", "fills", "reads", "evictions",
                                                     "late", "prefetched", "stall_time_s") if k in d}
+        out["decode_counters"]["steps"] = mid.counted_steps()
         out["reader"] = mid.stats.get("reader")
     if any(r.counters for r in runs):
         from ..models.predict import PREDICTION_COUNTERS, PredictionQuality
@@ -681,6 +698,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..models import RoutingTrace, load_reference_model, load_streaming_model
     from ..models.predict import PredictionQuality
+    from ..runtime._plan import store_top_k
     from ..store import ExpertStore
 
     plot = getattr(args, "plot", None)
@@ -710,6 +728,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
     resident_src = sm.resident_source()
     first = store.layer(next(iter(store.layers)))
     record_bytes = first.stride
+    demands_per_step = len(store.layers) * (store_top_k(store) or 0)  # 0: the store does not say
     configs = s.configs
     labels = {c.key: _label(c, sm) for c in configs}
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
@@ -722,8 +741,11 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
         if cfg.system == MLX_LM:
             return _reference_run(reference["model"], prompt_ids, tokens, eos)
         if cfg.system == SLOT_CACHE:
-            return _slot_run(sm, store, prompt_ids, tokens, frac, cold, s, eos)
-        return _anyio_run(_asyncside_run, sm, store, prompt_ids, tokens, cfg, frac, cold, s)
+            run = _slot_run(sm, store, prompt_ids, tokens, frac, cold, s, eos)
+        else:
+            run = _anyio_run(_asyncside_run, sm, store, prompt_ids, tokens, cfg, frac, cold, s)
+        run.demands_per_step = demands_per_step
+        return run
 
     _log(verbose, f"model {sm.model_id}: {len(store.layers)} MoE layers x {first.n_experts} experts "
                   f"(record {record_bytes / 1e6:.2f} MB), prompt {len(prompt_ids)} tokens, {s.tokens} generated; "
@@ -808,8 +830,10 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
             "thread driving the generation (asyncside: the event loop's; mlx-lm generate_step and the slot "
             "cache: the caller's) over those steps, per step; process_cpu_ms_per_token likewise for the whole "
             "process; hit_rate = hits / (hits + misses), each distinct routed expert of a layer visit counted "
-            "once; bytes_read_per_token = bytes the source read (demand and prefetch) per step; "
-            "miss_bytes_per_token = misses x record_bytes per step. tokens_per_s = tokens / whole run "
+            "once, counted from the first token to the end; bytes_read_per_token = bytes the source read "
+            "(demand and prefetch) per step the counters cover; miss_bytes_per_token = misses x record_bytes "
+            "per such step (decode_counters.steps = (hits + misses) / (MoE layers x top-k): queued steps "
+            "count some or all of the first decode step before the first token). tokens_per_s = tokens / whole run "
             "(prefill included). Medians over rounds. residency = pool rows per layer / experts per layer "
             "as asked (the runtime's plan: a resident set and side rows, at least the model's top-k rows a "
             "layer, which 0 and small shares are raised to; the slot cache has as many slots, starting "

@@ -1,0 +1,53 @@
+"""A reviewer reruns our benchmarks, round 14: ``asyncside bench`` and tools/ on shapes, traces and
+settings not in the repo, each figure recomputed by hand from the raw numbers the JSON carries
+(no timing asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from asyncside.bench import generate as bench
+
+
+def test_per_token_bytes_are_over_the_steps_the_counters_cover() -> None:
+    """Queued steps queue the next step before its token is awaited, so the first decode step's
+    demands were counted before the first token arrived, where the counters' window starts: the
+    window held ten steps of a twelve-token run (80 demands of two layers x top-4), while bytes per
+    token were divided by eleven, understating asyncside's read bytes beside the slot cache's."""
+    record = 1000
+    run = bench.BenchRun(tokens=list(range(12)), demands_per_step=8,
+                         stats_first={"hits": 10, "misses": 6, "bytes_read": 6 * record},
+                         stats={"hits": 60, "misses": 36, "bytes_read": 36 * record})
+    figures = run.decode_figures(record)
+    assert run.counted_steps() == 10.0
+    assert figures["miss_bytes_per_token"] == 30 * record / 10
+    assert figures["bytes_read_per_token"] == 30 * record / 10
+    assert figures["hit_rate"] == 50 / 80
+    # Without a known step's demands, the decode steps as before.
+    assert bench.BenchRun(tokens=list(range(12)), stats=run.stats, stats_first=run.stats_first).counted_steps() == 11
+
+
+def test_generate_json_per_token_bytes_recompute_from_its_counters(quick_store: pathlib.Path) -> None:
+    """Every row with counters: its per-token bytes are its counters over the steps they cover, and
+    those steps are its demands over a step's (MoE layers x top-k), the slot cache's all the decode
+    steps of the run."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    bench.add_generate_arguments(parser)
+    args = parser.parse_args(["--quick", "--json", "--model", str(quick_store), "--tokens", "8", "--residency", "0",
+                              "--no-cold", "--plot", "none"])
+    res = bench.run_generate_bench(args)
+    per_step = res["moe_layers"] * 4  # the quick model routes top-4
+    checked = 0
+    for row in res["rows"]:
+        d = row.get("decode_counters")
+        if not d:
+            continue
+        assert d["steps"] == (d["hits"] + d["misses"]) / per_step
+        assert row["miss_bytes_per_token"] == d["misses"] * res["record_bytes"] / d["steps"]
+        assert row["bytes_read_per_token"] == d["bytes_read"] / d["steps"]
+        if row["system"] == "slot-cache":
+            assert d["steps"] == row["tokens"] - 1
+        checked += 1
+    assert checked == 2
