@@ -31,8 +31,9 @@ from .errors import ModelNotFoundError
 
 __all__ = ["ALLOW_PATTERNS", "is_repo_id", "resolve_model", "store_for", "stores_root"]
 
-#: the files of a repo that a conversion reads (mlx-lm's own download list, minus code)
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+#: the files of a repo that a conversion reads (mlx-lm's own download list, minus code): the weights
+#: are the model*.safetensors mlx-lm loads, never a release's consolidated copy of them
+ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 

@@ -102,3 +102,48 @@ def test_an_expert_of_another_shape_is_named_with_its_file(tmp_path: pathlib.Pat
     assert len(err.splitlines()) == 1, err
     assert f"{shard}: tensor {name!r} has shape [32, 64]" in err and "have [64, 64]" in err, err
     assert not (tmp_path / "store").exists()
+
+
+#: the files of an original Mixtral release on the Hub: mlx-lm's shards and Mistral's own
+#: consolidated ones, each a full copy of the weights
+MIXTRAL_RELEASE = [
+    "config.json", "generation_config.json", "model.safetensors.index.json", "params.json",
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "README.md",
+    *(f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)),
+    *(f"consolidated-{i:05d}-of-00002.safetensors" for i in (1, 2)),
+]
+
+
+def test_a_repo_download_fetches_only_the_weight_files_a_conversion_reads(tmp_path: pathlib.Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo --model mistralai/Mixtral-...`` (or serve, convert, load() of a repo id) downloaded
+    every ``*.safetensors`` of the repo: an original release that also ships Mistral's
+    ``consolidated-*.safetensors`` (a second full copy of the weights, which neither mlx-lm nor
+    the converter reads) was downloaded twice over, the disk and hours it takes. Now the download
+    takes the ``model*.safetensors`` files mlx-lm loads, as mlx-lm's own download does."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import filter_repo_objects
+
+    from asyncside.hub import resolve_model
+
+    fetched: list[str] = []
+
+    def snapshot_download(repo_id: str, *, local_files_only: bool = False,
+                          allow_patterns: list[str] | None = None, **_: object) -> str:
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir()
+        for name in filter_repo_objects(MIXTRAL_RELEASE, allow_patterns=allow_patterns):
+            (snapshot / name).write_text("")
+            fetched.append(name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert resolve_model("mistralai/Mixtral-8x7B-Instruct-v0.1") == tmp_path / "snapshot"
+    assert not [n for n in fetched if n.startswith("consolidated")], fetched
+    assert {"config.json", "tokenizer.model", "model-00003-of-00003.safetensors"} <= set(fetched)
