@@ -147,3 +147,20 @@ def test_a_repo_download_fetches_only_the_weight_files_a_conversion_reads(tmp_pa
     assert resolve_model("mistralai/Mixtral-8x7B-Instruct-v0.1") == tmp_path / "snapshot"
     assert not [n for n in fetched if n.startswith("consolidated")], fetched
     assert {"config.json", "tokenizer.model", "model-00003-of-00003.safetensors"} <= set(fetched)
+
+
+def test_a_model_type_mlx_lm_builds_as_a_supported_one_streams(tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi-K2's config.json says ``"model_type": "kimi_k2"``, which mlx-lm builds with deepseek_v3's
+    classes (its MODEL_REMAPPING). asyncside refused it before mlx-lm built it ("model_type
+    'kimi_k2' is not supported; supported: [..., 'deepseek_v3', ...]"), though the model it is
+    walks as deepseek_v3's. It now converts and streams mlx-lm's logits."""
+    monkeypatch.setitem(BASE, "kimi_k2", dict(BASE["deepseek_v3"], model_type="kimi_k2"))
+    model, config = tiny_model("kimi_k2", quantize={"group_size": 64, "bits": 4})
+    d = _save(tmp_path / "model", model, config)
+    x = mx.array([[2, 7, 1, 8, 2, 8]])
+    want = load_model(d)[0](x)
+    streaming, _tok = load(d, resident=0.25, cache_dir=tmp_path / "cache", progress=False)
+    with streaming:
+        assert streaming.model_type == "kimi_k2"
+        assert mx.array_equal(streaming(x), want).item()

@@ -187,13 +187,27 @@ SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 
 
 def arch_for(model_type: str) -> Arch:
-    """The adapter of ``model_type`` (UnsupportedModelError listing the supported ones otherwise)."""
-    try:
-        return ARCHS[model_type]
-    except KeyError:
+    """The adapter of ``model_type``, or of the architecture mlx-lm builds it as (its
+    ``MODEL_REMAPPING``: ``kimi_k2`` is a ``deepseek_v3``); UnsupportedModelError listing the
+    supported ones otherwise."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    # Kimi-K2's config says kimi_k2, which mlx-lm builds with deepseek_v3's classes: refusing the
+    # name refused a model whose architecture the walk follows.
+    arch = ARCHS.get(model_type) or ARCHS.get(MODEL_REMAPPING.get(model_type, ""))
+    if arch is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {sorted(ARCHS)}"
-        ) from None
+            f" (and {', '.join(sorted(remapped_model_types()))}, which mlx-lm builds as one of them)"
+        )
+    return arch
+
+
+def remapped_model_types() -> dict[str, str]:
+    """The ``model_type``s mlx-lm builds with the classes of a supported one, and that one."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return {k: v for k, v in MODEL_REMAPPING.items() if v in ARCHS and k not in ARCHS}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
