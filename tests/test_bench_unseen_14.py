@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+import pytest
+
 from asyncside.bench import generate as bench
+from tests._cli_support import run_cli
 
 
 def test_per_token_bytes_are_over_the_steps_the_counters_cover() -> None:
@@ -51,3 +54,20 @@ def test_generate_json_per_token_bytes_recompute_from_its_counters(quick_store: 
             assert d["steps"] == row["tokens"] - 1
         checked += 1
     assert checked == 2
+
+
+def test_offload_stores_under_a_memory_no_run_holds_is_refused_before_any_run(
+        quick_store: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --stores DIR --memory 1M``: a budget below a run's process alone was refused
+    for a built shape before building, but a converted store went on to measure the disk and run
+    every locality and system, each killed by the OOM killer (minutes, a table of nothing, and no
+    cgroup at all on a machine without one); now one usage line names --memory and what a run of
+    that store holds, before anything runs."""
+    rc, err = run_cli(capsys, "bench", "offload", "--stores", str(quick_store), "--memory", "1M",
+                      "--store-ratio", "0.001", "--seconds", "1", "--tokens", "2", "--json")
+    assert rc == 2
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert lines[0].startswith(f"asyncside bench offload: error: --memory 1 MiB (1 MB) holds no run of the store "
+                               f"{quick_store}: its 2 MoE layers' top-4 experts alone are")
+    assert lines[0].endswith("(nothing was run)") and "random-read bandwidth" not in err

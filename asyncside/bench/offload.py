@@ -984,9 +984,10 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
 
 def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
     """A ValueError leading with ``--memory`` where ``budget`` is below what every system's run of
-    shape ``s`` (an estimated row) holds at the least: the model's top-k rows of every layer (the
-    slot cache's fewest slots, asyncside's fewest rows), the non-expert weights and the process.
-    Each run would be refused or killed by the OOM killer, after minutes of building the shape."""
+    shape ``s`` (an estimated row, or a ``--stores`` row: no ``spec``) holds at the least: the
+    model's top-k rows of every layer (the slot cache's fewest slots, asyncside's fewest rows), the
+    non-expert weights and the process. Each run would be refused or killed by the OOM killer, after
+    minutes of building the shape, or of runs that measure nothing."""
     rows = s["moe_layers"] * s["top_k"] * s["record_bytes"]
     other = max(0, s["store_bytes"] - s["expert_bytes"])
     least = rows + other + s["process_bytes"]
@@ -997,13 +998,17 @@ def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
     # Each layer fewer takes its top-k records and its other weights off asyncside's smallest plan.
     per_layer = s["top_k"] * s["record_bytes"] + s.get("layer_other_bytes", 0)
     fewer = s["moe_layers"] - -(-(plan - budget) // per_layer)
-    fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer >= 1 else ""
+    if s.get("spec") is None:  # a converted store: no fewer layers to offer, and nothing is built
+        what, fits, done = f"the store {s['store']}", "", "nothing was run"
+    else:
+        what, done = f"--shapes {s['spec']}:{s['moe_layers']}", "nothing was built"
+        fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer >= 1 else ""
     raise ValueError(
-        f"--memory {_budget_text(budget)} holds no run of --shapes {s['spec']}:{s['moe_layers']}: {layers} "
+        f"--memory {_budget_text(budget)} holds no run of {what}: {layers} "
         f"top-{s['top_k']} experts alone are {_mb(rows)} (records of {_mb(s['record_bytes'])}), and a "
         f"run also holds {_mb(other)} of other weights and about {_mb(s['process_bytes'])} of process "
         f"({_mb(least)} in all); asyncside's smallest plan is about {_mb(plan)}: --memory "
-        f"{-(-plan // 2**20)}M or more{fits} (nothing was built)")
+        f"{-(-plan // 2**20)}M or more{fits} ({done})")
 
 
 def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, Any]]) -> str:
@@ -1100,6 +1105,9 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
         if typed_as is not None:  # a built shape: what another layer of it would add besides experts
             shapes[-1]["layer_other_bytes"] = _layer_other_bytes(shape_spec(typed_as, layers=layers, vocab=args.vocab))
     budget = choose_budget(args, shapes, verbose)
+    if args.memory and args.stores:  # built shapes were checked on their estimates, before building
+        for sh in shapes:
+            _refuse_a_budget_no_run_holds(budget, sh)
     for sh in shapes:
         sh["prompt"] = prompt_for(sh["store"])
     fitted = fit_routings(user, shapes, positions=PROMPT_TOKENS + int(args.tokens), predictor=args.predictor,
