@@ -164,3 +164,28 @@ def test_a_model_type_mlx_lm_builds_as_a_supported_one_streams(tmp_path: pathlib
     with streaming:
         assert streaming.model_type == "kimi_k2"
         assert mx.array_equal(streaming(x), want).item()
+
+
+def test_a_missing_expert_is_named_not_every_tensor_that_is_there(tmp_path: pathlib.Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An original release whose expert 0 lacks its ``up_proj`` in one layer (a shard saved without
+    it): mlx-lm's sanitize, finding no ``experts.0.up_proj.weight`` there, leaves the whole layer
+    unstacked, and convert said "the weight files do not match ...: Received 47 parameters not in
+    model: ...experts.0.down_proj.weight, ...experts.1.down_proj.weight, ..." listing every expert
+    tensor the layer has (thousands on a real model) and never the one missing. The line now names
+    the missing tensor."""
+    model, config = tiny_model("qwen3_moe")
+    d = tmp_path / "model"
+    tensors = _per_expert_release(d, model, config)
+    name = "model.layers.2.mlp.experts.0.up_proj.weight"
+    part = {k: v for k, v in tensors.items() if k.endswith("up_proj.weight") and k != name}
+    mx.save_safetensors(str(d / "model-00002-of-00003.safetensors"), part, metadata={"format": "pt"})
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert main(["convert", str(d), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"no weight file holds tensor {name!r}" in err, err
+    assert "experts.1." not in err and "parameters not in model" not in err, err

@@ -527,7 +527,7 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
     except (TypeError, ValueError, KeyError) as exc:  # mlx-lm's ModelArgs on a config it cannot take
         text = " ".join(str(exc).split())
         if _about_weights(exc, set().union(*per_file.values())):
-            fault = _index_fault(src, per_file)
+            fault = _index_fault(src, per_file) or _per_expert_fault(src, per_file)
             if fault is not None:
                 raise fault from None
             tensors = set().union(*per_file.values())
@@ -542,7 +542,7 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
                              f"no weight file holds tensor {exc.args[0]!r}, which {want} needs"
                              if isinstance(exc, KeyError) else
                              f"the weight files do not match {want}: {text}") from None
-        uneven = _uneven_expert(src, per_file) if text.startswith(("[stack]", "[concatenate]")) else None
+        uneven = _per_expert_fault(src, per_file) if text.startswith(("[stack]", "[concatenate]")) else None
         if uneven is not None:
             # mlx-lm's sanitize stacks an original release's per-expert tensors: one of another
             # shape was "[stack] All arrays must have the same shape", blamed on config.json.
@@ -556,9 +556,12 @@ def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, 
 _PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(.+)$")
 
 
-def _uneven_expert(src: pathlib.Path, per_file: Mapping[str, set[str]]) -> StoreError | None:
-    """The per-expert tensor (``...experts.3.up_proj.weight``) whose shape differs from the same
-    tensor of the other experts of its layer, as a StoreError naming its file; None if none does."""
+def _per_expert_fault(src: pathlib.Path, per_file: Mapping[str, set[str]]) -> StoreError | None:
+    """Where an original release's per-expert tensors (``...experts.3.up_proj.weight``) leave
+    mlx-lm's sanitize unable to stack a layer's experts: one missing while experts after it are
+    there (sanitize then leaves the whole layer unstacked, and mlx-lm's error lists every tensor
+    but the missing one), or one of another shape than the same tensor of the layer's other
+    experts. A StoreError naming the tensor, or None."""
     groups: dict[tuple[str, str], list[tuple[int, str, str, list[int]]]] = {}
     for file in per_file:
         with open(src / file, "rb") as fh:  # its header was checked by _safetensors_names
@@ -568,6 +571,13 @@ def _uneven_expert(src: pathlib.Path, per_file: Mapping[str, set[str]]) -> Store
             if m is not None and isinstance(entry, dict):
                 groups.setdefault((m[1], m[3]), []).append((int(m[2]), name, file, list(entry.get("shape", []))))
     for (where, what), tensors in sorted(groups.items()):
+        ids = {t[0] for t in tensors}
+        missing = [e for e in range(max(ids)) if e not in ids]
+        if missing:
+            return StoreError(src / "model*.safetensors",
+                              f"no weight file holds tensor {f'{where}.{missing[0]}.{what}'!r}, though the "
+                              f"{what} of {len(ids)} other experts of {where} (up to expert {max(ids)}) are there"
+                              + (f"; {len(missing)} experts lack it" if len(missing) > 1 else ""))
         shapes = [tuple(t[3]) for t in tensors]
         common = max(set(shapes), key=shapes.count)
         for _e, name, file, shape in sorted(tensors):
