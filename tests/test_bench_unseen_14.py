@@ -71,3 +71,31 @@ def test_offload_stores_under_a_memory_no_run_holds_is_refused_before_any_run(
     assert lines[0].startswith(f"asyncside bench offload: error: --memory 1 MiB (1 MB) holds no run of the store "
                                f"{quick_store}: its 2 MoE layers' top-4 experts alone are")
     assert lines[0].endswith("(nothing was run)") and "random-read bandwidth" not in err
+
+
+def test_generate_json_has_no_nan_where_belady_hits_nothing(quick_store: pathlib.Path, tmp_path: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's routing whose every token routes experts no earlier token did: Belady's MIN hits
+    nothing, and each policy's vs_belady was NaN, printed by --json as a bare NaN that strict JSON
+    parsers (jq, JavaScript, Go) refuse. A ratio over zero is now null, the JSON strict."""
+    import json
+
+    import numpy as np
+
+    from asyncside.cli import main
+    from asyncside.routing import RoutingTrace
+
+    ids = np.array([[[(4 * t + j) % 32 for j in range(4)] for _layer in range(2)] for t in range(8)])
+    trace = tmp_path / "disjoint.npz"
+    RoutingTrace(ids, np.array([8]), 32, {}).save(trace)
+    capsys.readouterr()
+    assert main(["bench", "generate", "--quick", "--json", "--model", str(quick_store), "--tokens", "2",
+                 "--residency", "0", "--no-cold", "--prompt", "a", "--routing", str(trace), "--plot", "none"]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON")
+
+    res = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    (row,) = res["policies_vs_belady"]
+    assert row["belady"] == 0.0
+    assert all(p["vs_belady"] is None for p in row["policies"].values())

@@ -27,8 +27,8 @@ from typing import Any
 from ..argtypes import CommandParser
 from ..errors import MissingExtraError
 
-__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "check_store_dir", "median", "require_extra",
-           "run_bench"]
+__all__ = ["BENCHES", "Bench", "add_bench_arguments", "bench_main", "check_store_dir", "json_ready", "median",
+           "require_extra", "run_bench"]
 
 #: The extra that installs the benchmarks' optional packages (matplotlib, httpx).
 BENCH_EXTRA = "bench"
@@ -128,6 +128,19 @@ def require_extra(module: str, what: str, extra: str = BENCH_EXTRA) -> ModuleTyp
         raise MissingExtraError(module.partition(".")[0], extra, what) from exc
 
 
+def json_ready(value: Any) -> Any:
+    """``value`` with each NaN or infinite float as None, through dicts, lists and tuples: a figure
+    with nothing to divide by (a ratio over a hit rate of zero) has no value, and JSON has no NaN
+    (Python writes one that strict parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
 def run_bench(name: str, args: argparse.Namespace) -> int:
     """Run bench ``name`` with parsed ``args``; print the JSON result with ``--json``; exit status.
 
@@ -140,7 +153,7 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
         print(f"asyncside bench {name}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps(json_ready(result), indent=2, default=str, allow_nan=False))
     return 0 if bench.ok(result) else 1
 
 

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from ..argtypes import directory, writable_file
-from . import bench_main, median
+from . import bench_main, json_ready, median
 from .machine import machine_info
 
 GB = 1e9
@@ -509,7 +509,7 @@ def run_io_bench(args: argparse.Namespace) -> dict[str, Any]:
     out = getattr(args, "out", None)
     if out:
         with open(out, "w") as fh:
-            json.dump(result, fh, indent=2)
+            json.dump(json_ready(result), fh, indent=2, allow_nan=False)
     if getattr(args, "markdown", False):
         print(render_io_markdown(result))
     elif not getattr(args, "json", False):
