@@ -189,3 +189,18 @@ def test_a_missing_expert_is_named_not_every_tensor_that_is_there(tmp_path: path
     assert len(err.splitlines()) == 1, err
     assert f"no weight file holds tensor {name!r}" in err, err
     assert "experts.1." not in err and "parameters not in model" not in err, err
+
+
+def test_a_hub_snapshot_path_serves_its_model_by_the_repo_id(tmp_path: pathlib.Path) -> None:
+    """``hf download org/name`` prints the snapshot's path (``.../models--org--name/snapshots/<commit>``),
+    and ``serve --model`` that path (or load(), demo) named the model by the commit hash: /v1/models
+    listed 'c0ffee...' and a client asking for 'org/name' was told the model does not exist. A
+    snapshot's store now names its model by the repo id, as ``--model org/name`` does."""
+    from asyncside.hub import store_for
+    from asyncside.models import load_streaming_model
+
+    model, config = tiny_model("qwen3_moe", quantize={"group_size": 64, "bits": 4})
+    snapshot = tmp_path / "hub" / "models--testorg--tiny-moe" / "snapshots" / ("c0ffee" * 6 + "0123")
+    _save(snapshot, model, config)
+    store = store_for(str(snapshot), cache_dir=tmp_path / "cache", progress=False, say=lambda line: None)
+    assert load_streaming_model(store).model_id == "testorg/tiny-moe"

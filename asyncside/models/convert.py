@@ -455,7 +455,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     meta = {
         "version": 1,
         "model_type": config["model_type"],
-        "model_id": model_id or src.name,
+        "model_id": model_id or _default_model_id(src),
         "source": str(src),
         # Taken before a weight is read: a file changed while converting reads as changed later.
         "source_files": source_files(src),
@@ -514,6 +514,18 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
     return ExpertStore.open(dest)
+
+
+def _default_model_id(src: pathlib.Path) -> str:
+    """The name a store converted from ``src`` serves its model by: the repo id of a Hugging Face
+    cache snapshot (``.../models--org--name/snapshots/<commit>``, the path ``hf download`` prints),
+    else the directory's name."""
+    repo = src.parent.parent.name
+    if src.parent.name == "snapshots" and repo.startswith("models--") and "--" in repo[len("models--"):]:
+        # The snapshot's own name is a commit hash: served under it, a client asking for the
+        # model by its repo id was told the model does not exist.
+        return repo[len("models--"):].replace("--", "/", 1)
+    return src.name
 
 
 def _load_lazily(src: pathlib.Path, raw: Mapping[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
