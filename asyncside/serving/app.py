@@ -6,7 +6,8 @@ Endpoints:
   ``stream: true`` answers with server-sent events ending in ``data: [DONE]``),
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the runtime's ledgers audit clean and no expert failed its read,
-  503 otherwise; open to every client, but naming no file of the host to one without the key),
+  503 otherwise, and 503 "draining" once shutdown began; open to every client, but naming no file
+  of the host to one without the key),
 - ``GET /metrics`` (Prometheus text format 0.0.4).
 
 With an API key every other endpoint wants ``Authorization: Bearer <key>`` (:mod:`.security`).
@@ -17,7 +18,7 @@ together; its tokens become text (:mod:`.text`) sent as one JSON answer or as SS
 (:mod:`.streaming`). A client that disconnects cancels its request; a request past the timeout
 is ended with 504. One access-log line per request goes to the ``asyncside.access`` logger.
 
-Shutting down (:meth:`ServerState.drain`): new generating requests get 503 with ``Retry-After``,
+Shutting down (:meth:`ServerState.drain`): new generating requests and ``/health`` get 503 with ``Retry-After``,
 requests in flight have ``shutdown_grace`` seconds to finish, and the rest are ended with an error
 (an ``{"error": ...}`` event and ``[DONE]`` on a stream) before the server stops.
 """
@@ -646,7 +647,7 @@ class _Handlers:
         assert state.engine is not None and state.batcher is not None
         ok, problems = state.engine.audit() if state.engine.audit else (True, [])
         faults = state.health.bad.values() if state.health is not None else []
-        status = 200 if ok and not faults else 503
+        status = 200 if ok and not faults and not state.draining else 503
         self.record("/health", status)
         b = state.batcher
         description = dict(state.engine.description)
@@ -654,9 +655,11 @@ class _Handlers:
             # Nothing absolute about the host for a client without the key.
             description = {k: state.public(v) if isinstance(v, str) else v for k, v in description.items()}
             problems = [state.public(p) for p in problems]
+        # Draining: a load balancer's readiness check must stop sending what would get 503 (the
+        # rest of the body still shows the requests left in flight).
         return JSONResponse(
             {
-                "status": "ok" if status == 200 else "degraded",
+                "status": "draining" if state.draining else "ok" if status == 200 else "degraded",
                 "bad_experts": [b.as_json() for b in faults],
                 "model": b.model_id,
                 "active_requests": b.active,
@@ -669,6 +672,7 @@ class _Handlers:
                 "engine": description,
             },
             status_code=status,
+            headers=state.shutdown_error().headers if state.draining else None,
         )
 
     async def metrics(self, request: Request) -> Response:
