@@ -172,6 +172,11 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
     if not any(directory.glob("model*.safetensors")):
         # A config.json alone (as `bench generate --shape DIR` takes one): said before the line that
         # announces a conversion, which would fail at once and leave a lock file behind.
+        from .models.convert import unread_weights_note
+
+        if note := unread_weights_note(directory):
+            raise StoreError(directory, f"has a config.json but no model*.safetensors weight files{note}, so it "
+                                        "cannot be converted")
         raise StoreError(directory, "has a config.json but no model*.safetensors weight files, so it cannot be "
                                     "converted; for a model of this config's shape with seeded weights, "
                                     f"asyncside bench generate --shape {text} (docs/models.md)")

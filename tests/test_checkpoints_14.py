@@ -204,3 +204,24 @@ def test_a_hub_snapshot_path_serves_its_model_by_the_repo_id(tmp_path: pathlib.P
     _save(snapshot, model, config)
     store = store_for(str(snapshot), cache_dir=tmp_path / "cache", progress=False, say=lambda line: None)
     assert load_streaming_model(store).model_id == "testorg/tiny-moe"
+
+
+@pytest.mark.parametrize("command", ["convert", "demo"])
+def test_a_release_of_pytorch_weights_is_told_apart_from_one_without_weights(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """A release of PyTorch ``pytorch_model-*.bin`` shards (older Hub repos) was refused as a directory
+    with "no model*.safetensors weight files" (demo and serve also offering ``bench generate
+    --shape`` for seeded weights), as if the user had fetched a config alone. The line now names the
+    weight file it holds that mlx-lm does not read, and the way on."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(BASE["qwen3_moe"]))
+    for i in (1, 2):
+        (d / f"pytorch_model-0000{i}-of-00002.bin").write_bytes(b"PK\x03\x04")
+    args = ["convert", str(d), str(tmp_path / "store")] if command == "convert" else \
+        ["demo", "--model", str(d), "--cache-dir", str(tmp_path / "cache"), "--tokens", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "it has pytorch_model-00001-of-00002.bin and 1 more, which mlx-lm does not read" in err, err
+    assert "bench generate" not in err, err

@@ -316,6 +316,23 @@ def _not_replaceable(dest: pathlib.Path, src: pathlib.Path) -> str | None:
             "an empty directory only; choose another directory, or empty this one first")
 
 
+#: weight files of other formats a release may hold instead (PyTorch, Mistral's own, GGUF)
+_UNREAD_WEIGHTS = ("pytorch_model*.bin", "consolidated*.safetensors", "consolidated*.pth", "*.gguf")
+
+
+def unread_weights_note(src: pathlib.Path) -> str:
+    """What ``src`` holds instead of ``model*.safetensors`` (which mlx-lm and the converter read
+    only), and the way on; "" where it holds none of those formats."""
+    found = sorted({p.name for pattern in _UNREAD_WEIGHTS for p in src.glob(pattern)})
+    if not found:
+        return ""
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    # Said where the weights are of a format it does not read: the line named none, so a
+    # directory of PyTorch .bin shards read as one without weights.
+    return (f" (it has {found[0]}{more}, which mlx-lm does not read: take the model's safetensors "
+            "release or an mlx-community conversion, or save it as safetensors)")
+
+
 def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None:
     """StoreError naming the path at fault where ``src`` is no model directory to convert, or
     ``dest`` no place for its store, before anything is read."""
@@ -327,7 +344,7 @@ def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None
     if not (src / "config.json").is_file():
         raise StoreError(src / "config.json", "not an mlx-lm model directory: config.json is missing")
     if not any(src.glob("model*.safetensors")):
-        raise StoreError(src, "no model*.safetensors weight files in the model directory")
+        raise StoreError(src, "no model*.safetensors weight files in the model directory" + unread_weights_note(src))
     if dest.exists() and not overwrite:
         raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
     if overwrite and (problem := _not_replaceable(dest, src)) is not None:
