@@ -99,3 +99,24 @@ def test_generate_json_has_no_nan_where_belady_hits_nothing(quick_store: pathlib
     (row,) = res["policies_vs_belady"]
     assert row["belady"] == 0.0
     assert all(p["vs_belady"] is None for p in row["policies"].values())
+
+
+@pytest.mark.parametrize(("tool", "argv", "said"), [
+    ("ab_streamed.py", ["--model", "STORE", "--tokens", "1"], "argument --tokens: expected an integer >= 2, got '1'"),
+    ("ab_decode.py", ["--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
+    ("bench_facade.py", ["--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
+    ("serve_batch_cost.py", ["STORE", "TRACE", "--steps", "1"], "argument --steps: expected an integer >= 2, got '1'"),
+    ("streamed_landing.py", ["STORE", "--trials", "4"], "argument --trials: expected an integer >= 5, got '4'"),
+    ("policy_bounds.py", ["--tokens", "0"], "argument --tokens: expected an integer >= 1, got '0'"),
+])
+def test_a_tools_count_too_small_for_a_figure_is_a_usage_error(tool: str, argv: list[str], said: str) -> None:
+    """tools/ab_streamed.py --tokens 1 (one arm never timed), --rounds 0 (no round), --steps 1 (the
+    first step is dropped as warm-up), --trials 4 (all warm-up): the work ran, then ended in a
+    statistics.StatisticsError traceback on an empty median. Now a usage line, status 2."""
+    import subprocess
+    import sys
+
+    tools = pathlib.Path(__file__).resolve().parent.parent / "tools"
+    done = subprocess.run([sys.executable, str(tools / tool), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == f"{tool}: error: {said}" and "Traceback" not in done.stderr

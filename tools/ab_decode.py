@@ -29,6 +29,8 @@ from typing import Any
 
 import anyio
 
+from asyncside.argtypes import int_at_least
+
 
 def thread_cpu_ms() -> dict[int, float]:
     """CPU time (ms) of each thread of this process so far ({} where /proc has no schedstat)."""
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values", nargs=2, default=["'queued'", "'per-layer'"], metavar=("ON", "OFF"),
                    help="the two values to compare (Python literals; default 'queued' 'per-layer')")
     p.add_argument("--resident", type=float, default=0.25)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int_at_least(1), default=6)
+    p.add_argument("--tokens", type=int_at_least(2), default=32)
     p.add_argument("--predictor", default="lookahead")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

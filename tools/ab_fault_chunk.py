@@ -33,6 +33,7 @@ import anyio
 import mlx.core as mx
 
 from asyncside import Runtime, _native
+from asyncside.argtypes import int_at_least
 from asyncside.memory import memory_arg
 from asyncside.models import ForwardOptions, load_streaming_model
 from asyncside.models.forward import StepMode
@@ -137,7 +138,7 @@ def main() -> None:
     p.add_argument("--resident", type=float, default=0.1)
     p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
-    p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    p.add_argument("--tokens", type=int_at_least(2), default=64, help="timed decode tokens, both arms together")
     p.add_argument("--compare", choices=["chunk", "window", "predictor"], default="chunk",
                    help="chunked against whole-record reads, ordered against side-by-side streamed reads, or "
                         "queued steps that prefetch predicted experts against none")

@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any
 
+from asyncside.argtypes import int_at_least
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=5.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int_at_least(1), default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-lengths", default="8,32,128")
     p.add_argument("--prefill-chunk", type=int, default=None)

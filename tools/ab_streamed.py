@@ -27,6 +27,7 @@ import anyio
 import mlx.core as mx
 
 from asyncside import Runtime
+from asyncside.argtypes import int_at_least
 from asyncside.memory import memory_arg
 from asyncside.models import ForwardOptions, load_streaming_model
 from asyncside.models.forward import StepMode
@@ -115,7 +116,7 @@ def main() -> None:
     p.add_argument("--resident", type=float, default=0.1)
     p.add_argument("--routing", default=None, help="a routing trace to replay (.npz)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (1..N)")
-    p.add_argument("--tokens", type=int, default=64, help="timed decode tokens, both arms together")
+    p.add_argument("--tokens", type=int_at_least(2), default=64, help="timed decode tokens, both arms together")
     p.add_argument("--no-verify", action="store_true", help="skip the records' checksums (the runtime's verify=False)")
     p.add_argument("--versus-mlx-lm", action="store_true",
                    help="a third arm: mlx-lm's model with every expert in memory (needs the whole model in memory)")

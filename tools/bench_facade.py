@@ -20,12 +20,14 @@ import statistics
 import time
 from typing import Any
 
+from asyncside.argtypes import int_at_least
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded model (built on first run)")
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int_at_least(2), default=128)
+    p.add_argument("--rounds", type=int_at_least(1), default=5)
     p.add_argument("--resident", type=float, default=0.25)
     p.add_argument("--predictor", default="lookahead", choices=["lookahead", "temporal", "none"],
                    help="the own loop's expert predictor (the facade's steps run none)")

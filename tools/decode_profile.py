@@ -34,6 +34,8 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
+from asyncside.argtypes import int_at_least
+
 
 def _thread_cpu() -> dict[int, tuple[str, float, int, float]]:
     """Per thread: name, CPU seconds, voluntary context switches (times it went to sleep), and
@@ -119,7 +121,7 @@ def _print_result(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--resident", type=float, default=0.25)
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int_at_least(2), default=48)
     p.add_argument("--mode", default="queued", choices=["queued", "per-layer", "whole"])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

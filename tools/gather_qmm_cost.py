@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from asyncside.argtypes import positive_ints
+from asyncside.argtypes import int_at_least, positive_ints
 
 
 def timed(x: mx.array, w: tuple[mx.array, mx.array, mx.array], idx: mx.array, bits: int, sort: bool,
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=positive_ints, default=[1, 8])
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int_at_least(1), default=5)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     w = mx.quantize(mx.random.normal((args.experts, args.width, args.hidden)).astype(mx.bfloat16),

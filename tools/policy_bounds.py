@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from asyncside.argtypes import int_at_least
 from asyncside.policy_replay import lru_miss_curve, replay_trace, split_rows, total, trace_rows
 from asyncside.routing import LOCALITIES, RoutingTrace, preset, synthetic
 
@@ -28,7 +29,7 @@ POLICIES = ("lru", "lrfu", "adaptive-lrfu")
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int_at_least(1), default=2048)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out: dict[str, dict[str, object]] = {}

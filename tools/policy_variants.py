@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncside.argtypes import int_at_least
 from asyncside.policies import LRFU, AdaptiveLRFU, Policy, _HeapPolicy
 from asyncside.policy_replay import replay_trace, total, trace_rows
 from asyncside.routing import LOCALITIES, RoutingTrace, preset, synthetic
@@ -48,7 +49,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", type=int_at_least(1), default=1024)
     ap.add_argument("--embedded", default="benchmarks/policy-embedded-trace.npz")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

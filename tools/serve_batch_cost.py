@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from asyncside.argtypes import int_at_least
 from asyncside.models import load_reference_model, load_streaming_model
 from asyncside.models.forcing import ForcedBlock, RowsReplay, sequence_replays
 
@@ -68,7 +69,7 @@ def main() -> None:
     p.add_argument("trace")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--position", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int_at_least(2), default=5)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     out = batch_costs(args.store, args.trace, [int(x) for x in args.batches.split(",")], args.position, args.steps)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncside.argtypes import positive_ints
+from asyncside.argtypes import int_at_least, positive_ints
 from asyncside.models.trace import belady
 from asyncside.policy_replay import replay_steps
 from asyncside.routing import RoutingTrace, preset
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int_at_least(1), default=2048)
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--rows", type=positive_ints, default=[11, 32], help="rows a layer keeps (comma-separated)")
     ap.add_argument("--batches", type=positive_ints, default=[1, 2, 4, 8], help="requests at once (comma-separated)")

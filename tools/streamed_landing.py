@@ -23,13 +23,15 @@ import mlx.core as mx
 import numpy as np
 
 from asyncside import ExpertStore, _native
+from asyncside.argtypes import int_at_least
 from asyncside.pools import PoolSet
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("store", help="an expert store directory")
-    ap.add_argument("--trials", type=int, default=24, help="begin/finish rounds per arm; the first 4 are warm-up")
+    ap.add_argument("--trials", type=int_at_least(5), default=24,
+                    help="begin/finish rounds per arm; the first 4 are warm-up")
     ap.add_argument("--records", type=int, default=4, help="absent experts one begin reads")
     ap.add_argument("--window", type=int, default=_native.fault_read_window(),
                     help="the ordered arm's pieces in flight (default: the process's)")
