@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -96,3 +98,78 @@ def test_health_answers_503_draining_once_the_drain_began(tmp_path: Any) -> None
             httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
+
+
+# -- keep-alive ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+    """A server whose idle connections are kept far longer than a request may take to arrive."""
+    with _server(tmp_path_factory.mktemp("tok"), request_read_timeout=READ_TIMEOUT, keep_alive=HELD * 2) as srv:
+        yield srv
+
+
+def test_the_keep_alive_setting_reaches_uvicorn_and_outlasts_common_proxies() -> None:
+    """uvicorn's keep-alive (5 s) could not be set, and is shorter than nginx's upstream keepalive
+    and an AWS ALB's idle timeout (60 s): the proxy reused a connection the server had just closed
+    and its client got a 502. The default now outlasts them, and it reaches uvicorn."""
+    from asyncside.serving.background import _uvicorn_server
+
+    assert ServeSettings().keep_alive > 60
+    app = create_app(scripted_engine(ScriptedModel(None)), ServeSettings(keep_alive=12.5))
+    assert _uvicorn_server(app, "warning").config.timeout_keep_alive == 12.5
+    with pytest.raises(ValueError, match="ServeSettings.keep_alive"):
+        ServeSettings(keep_alive=-1)
+
+
+def test_an_idle_connection_is_kept_past_the_request_read_timeout(kept: BackgroundServer) -> None:
+    """The request read timeout (the time a connection has to send a whole request) also ran
+    between requests, so an idle kept-alive connection was closed after it whatever the keep-alive
+    said. Between requests the keep-alive bounds the wait; a request still has the read timeout
+    from its first byte (the next test)."""
+    with socket.create_connection((kept.host, kept.port)) as sock:
+        sock.settimeout(HELD)
+        body = {"model": "scripted", "prompt": "hi", "max_tokens": 3}
+        sock.sendall(_request(body))
+        first = _answer(sock)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        time.sleep(READ_TIMEOUT * 4)  # idle, well within the keep-alive
+        sock.sendall(_request(body))
+        second = _answer(sock)
+        assert second.startswith(b"HTTP/1.1 200"), second[:200]
+        assert json.loads(second.partition(b"\r\n\r\n")[2])["choices"][0]["text"] == "hel"
+
+
+def test_a_request_that_stalls_after_an_idle_wait_is_still_closed(kept: BackgroundServer) -> None:
+    """A kept-alive connection whose next request begins and then stalls is closed once the read
+    timeout has passed from its first byte, not held for the keep-alive."""
+    with socket.create_connection((kept.host, kept.port)) as sock:
+        sock.settimeout(HELD)
+        sock.sendall(_request({"model": "scripted", "prompt": "hi", "max_tokens": 2}))
+        assert _answer(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")
+        assert _read_to_close(sock) == b""
+
+
+@pytest.mark.parametrize("text, value", [("75", 75.0), ("120.5", 120.5), ("0", 0.0)])
+def test_keep_alive_on_the_command_line(text: str, value: float) -> None:
+    from asyncside.cli import build_parser
+    from asyncside.serving.settings import settings_from_args
+
+    args = build_parser(["serve"]).parse_args(["serve", "--keep-alive", text])
+    assert settings_from_args(args).keep_alive == value
+    default = build_parser(["serve"]).parse_args(["serve"])
+    assert settings_from_args(default).keep_alive == ServeSettings().keep_alive
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "inf", "nan", ""])
+def test_a_bad_keep_alive_is_a_one_line_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser(["serve"]).parse_args(["serve", "--keep-alive", bad])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("asyncside serve: error: argument --keep-alive: expected seconds >= 0"), err
+    assert "Traceback" not in "\n".join(err)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from starlette.applications import Starlette
 
 from ..errors import AsyncsideError
+from .settings import ServeSettings
 
 
 class ServeError(AsyncsideError):
@@ -102,26 +103,41 @@ def _ending_signals() -> list[int]:
 
 def _read_timed_h11(seconds: float) -> type[Any]:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and
-    body) within ``seconds`` of opening or of its previous answer's end.
+    body) within ``seconds`` of opening, or of the first byte of a request that follows an answer.
 
     uvicorn times out only the idle gap after an answer, and any byte cancels that: a client that
     opened connections and sent nothing, or a header line at a time, held each one for good, and
     enough of them used up the process's file descriptors, after which every new client was
-    refused (and a replaced blob could not be re-opened)."""
+    refused (and a replaced blob could not be re-opened). Between an answer and the next request's
+    first byte the connection is idle, which uvicorn's keep-alive timeout bounds: timed from the
+    answer's end, this timeout closed idle connections sooner than the keep-alive said, and a
+    proxy in front reused them (a 502)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class ReadTimedH11(H11Protocol):
         _read_timer: Any = None
+        _idle = False  # between an answer and the next request's first byte
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm_read_timer()
 
+        def data_received(self, data: bytes) -> None:
+            if self._idle:
+                self._arm_read_timer()
+            super().data_received(data)
+
         def on_response_complete(self) -> None:
-            # Armed before the next cycle starts: a pipelined request may begin within the call.
-            self._arm_read_timer()
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+            self._idle = True
             super().on_response_complete()
+            # A request already received in part (pipelined, or a body the answer did not wait
+            # for) is timed at once: no byte may come to start its timer.
+            if self._idle and (self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0]):
+                self._arm_read_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._read_timer is not None:
@@ -130,6 +146,7 @@ def _read_timed_h11(seconds: float) -> type[Any]:
             super().connection_lost(exc)
 
         def _arm_read_timer(self) -> None:
+            self._idle = False
             if self._read_timer is not None:
                 self._read_timer.cancel()
             self._read_timer = self.loop.call_later(seconds, self._read_timed_out)
@@ -154,6 +171,7 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
         _STATES.add(state)
     max_header = state.settings.max_header_bytes if state is not None else 16 * 1024
     read_timeout = state.settings.request_read_timeout if state is not None else 30.0
+    keep_alive = (state.settings if state is not None else ServeSettings()).keep_alive
 
     class GracefulServer(uvicorn.Server):
         """uvicorn's server, whose signals drain the application first and are not re-raised."""
@@ -206,8 +224,11 @@ def _uvicorn_server(app: Starlette, log_level: str) -> Any:
 
     _quiet_expected_startup_failures()
     # h11 refuses a request head past its limit before the application sees it (431 there too).
+    # The keep-alive may be a fraction of a second: uvicorn annotates it int, but only hands it to
+    # call_later.
     config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=max_header + 1024,
+                            timeout_keep_alive=keep_alive,  # type: ignore[arg-type]
                             http=_read_timed_h11(read_timeout))
     return GracefulServer(config)
 

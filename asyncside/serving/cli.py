@@ -250,6 +250,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
                         help=f"on SIGTERM/SIGINT/SIGHUP, refuse new requests (503) and give those in flight this "
                              f"long to finish before they are ended with an error (default {d.shutdown_grace:g})")
+    parser.add_argument("--keep-alive", type=_seconds_at_least_zero, default=d.keep_alive, metavar="SECONDS",
+                        help=f"keep an idle connection open this long between requests; longer than the idle "
+                             f"timeout of a proxy in front, which otherwise may reuse a connection just closed "
+                             f"(a 502) (default {d.keep_alive:g}; 0 closes each after its answer)")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
                         help="do not log one line per request")
     parser.add_argument("--log-level", default="warning",

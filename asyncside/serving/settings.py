@@ -38,6 +38,10 @@ class ServeSettings:
     ``request_read_timeout``: seconds a connection has to send a whole request (head and body)
     once it is open or its previous answer ended; closed beyond (the handler of a body that stalls
     sees the client leave).
+    ``keep_alive``: seconds an idle connection is kept open between requests (uvicorn's
+    ``timeout_keep_alive``); longer than the idle timeouts of the proxies in front (their
+    connections to the server are reused until then: one the server closed first fails a request
+    with 502), see docs/serving.md.
     ``sse_heartbeat_s``: a stream that has sent nothing for this long (queued, or a long prompt's
     prefill) gets an SSE comment, so that a proxy's read timeout does not end it (None: never).
     ``health_recheck_s``: while experts are bad (a read failed), how often their blobs are looked
@@ -67,6 +71,7 @@ class ServeSettings:
     shutdown_grace: float = 5.0
     health_recheck_s: float = 2.0
     request_read_timeout: float = 30.0
+    keep_alive: float = 75.0             # beyond nginx's upstream keepalive_timeout and AWS ALB's idle timeout
     sse_heartbeat_s: float | None = 15.0
 
     def __post_init__(self) -> None:
@@ -93,6 +98,8 @@ class ServeSettings:
         if not 0 < self.request_read_timeout < float("inf"):
             raise ValueError(f"ServeSettings.request_read_timeout must be positive seconds, got "
                              f"{self.request_read_timeout}")
+        if not 0 <= self.keep_alive < float("inf"):
+            raise ValueError(f"ServeSettings.keep_alive must be >= 0 seconds, got {self.keep_alive}")
         if self.sse_heartbeat_s is not None and not 0 < self.sse_heartbeat_s < float("inf"):
             raise ValueError(f"ServeSettings.sse_heartbeat_s must be positive seconds or None, got "
                              f"{self.sse_heartbeat_s}")
@@ -123,6 +130,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         access_log=getattr(args, "access_log", d.access_log),
         api_key=api_key_from_env(getattr(args, "api_key", None)),
         shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
+        keep_alive=getattr(args, "keep_alive", d.keep_alive),
     )
 
 
