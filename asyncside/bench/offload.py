@@ -1067,6 +1067,9 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    # asyncside's run first, whatever the order given: the slot cache gets the rows its plan chose,
+    # which a slot cache run before it would not know (it ran on a guess at another cache size).
+    systems = [s for s in SYSTEMS if s in systems]
     localities, user = _replayed(args)  # a bad routing file stops here, before anything is built
     if args.stores:
         args.stores = [str(check_store_dir("--stores", d)) for d in args.stores]
