@@ -225,3 +225,25 @@ def test_a_release_of_pytorch_weights_is_told_apart_from_one_without_weights(
     assert len(err.splitlines()) == 1, err
     assert "it has pytorch_model-00001-of-00002.bin and 1 more, which mlx-lm does not read" in err, err
     assert "bench generate" not in err, err
+
+
+def test_a_snapshot_whose_blob_was_removed_is_named(tmp_path: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face snapshot's files are links into its ``blobs``; with a blob removed (the cache
+    cleaned, a download cut short) the weight file is still listed, and convert said "[Errno 2] No
+    such file or directory: '.../model.safetensors'" of a file the user could see (demo and load():
+    "cannot be converted: [Errno 2] ..."). The line now says that it is a link to nothing."""
+    model, config = tiny_model("qwen3_moe", quantize={"group_size": 64, "bits": 4})
+    snapshot = tmp_path / "models--testorg--tiny-moe" / "snapshots" / "abc"
+    _save(snapshot, model, config)
+    blobs = tmp_path / "models--testorg--tiny-moe" / "blobs"
+    blobs.mkdir()
+    weights = snapshot / "model.safetensors"
+    weights.rename(blobs / "0123")
+    weights.symlink_to("../../blobs/0123")
+    (blobs / "0123").unlink()
+    capsys.readouterr()
+    assert main(["convert", str(snapshot), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{weights}: is a link to ../../blobs/0123, which does not exist" in err, err

@@ -650,7 +650,15 @@ _LFS_POINTER = b"version https://git-lfs"
 def _safetensors_names(path: pathlib.Path) -> set[str]:
     """The tensor names in a safetensors file's header, after checking that the header parses and
     every tensor's bytes lie inside the file (so mlx-lm's loader never meets a cut-short file)."""
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        if not path.is_symlink():
+            raise
+        # A Hugging Face snapshot's files are links to its blobs: with a blob gone the file is
+        # listed, and "[Errno 2] No such file or directory" named a file the user could see.
+        raise StoreError(path, f"is a link to {os.readlink(path)}, which does not exist (a Hugging Face cache "
+                               "whose blobs were removed, or a download cut short): fetch the model again") from None
     with open(path, "rb") as fh:
         if fh.read(len(_LFS_POINTER)) == _LFS_POINTER:
             raise StoreError(path, "is a Git LFS pointer, not the weights: fetch them (git lfs pull) and convert again")
