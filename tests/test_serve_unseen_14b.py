@@ -173,3 +173,45 @@ def test_a_bad_keep_alive_is_a_one_line_usage_error(bad: str, capsys: pytest.Cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("asyncside serve: error: argument --keep-alive: expected seconds >= 0"), err
     assert "Traceback" not in "\n".join(err)
+
+
+# -- the request body limit ---------------------------------------------------------------------------
+
+
+def test_a_body_past_the_limit_is_told_which_option_raises_it(tmp_path: Any) -> None:
+    with _server(tmp_path, max_body_bytes=64 * 1024) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": [100] * 20_000})
+        assert r.status_code == 413
+        assert "--max-request-bytes" in r.json()["error"]["message"], r.text
+
+
+def test_a_prompt_of_the_models_context_as_token_ids_fits_the_default_limit(tmp_path: Any) -> None:
+    """The body limit was 1 MiB whatever the model: a prompt of a long-context model's length as
+    token ids (a 262144-token Qwen3-Coder context, DeepSeek-V3's 163840: several bytes an id) got
+    413. The default now follows the served context: a prompt of it as JSON ids fits."""
+    context = 300_000  # ids of this vocabulary are up to 3 digits: 5 bytes each with ", "
+    with _server(tmp_path, context=context, prefill_chunk=1 << 17) as srv:
+        prompt = [100] * (context - 1)
+        assert len(json.dumps({"prompt": prompt})) > 1 << 20
+        r = httpx.post(srv.url + "/v1/completions", timeout=HELD * 4,
+                       json={"model": "scripted", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["prompt_tokens"] == context - 1
+        over = httpx.post(srv.url + "/v1/completions", content=b" " * (1 << 21),
+                          headers={"content-type": "application/json"})
+        assert over.status_code == 413 and "--max-request-bytes" in over.json()["error"]["message"]
+
+
+def test_max_request_bytes_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import build_parser
+    from asyncside.serving.settings import settings_from_args
+
+    parse = build_parser(["serve"]).parse_args
+    assert settings_from_args(parse(["serve", "--max-request-bytes", "8M"])).max_body_bytes == 8 << 20
+    assert settings_from_args(parse(["serve"])).max_body_bytes is None  # follows the model's context
+    for bad in ("0", "-1M", "lots", "4Q"):
+        with pytest.raises(SystemExit) as info:
+            parse(["serve", "--max-request-bytes", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("asyncside serve: error: argument --max-request-bytes: "), err

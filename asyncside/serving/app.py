@@ -49,7 +49,7 @@ from .health import HealthRegistry
 from .metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .metrics import ServerMetrics
 from .security import Guard, public_text
-from .settings import ServeSettings
+from .settings import ServeSettings, default_body_limit
 from .streaming import DISCONNECTED_STATUS, ClientGone, EventStream, Frame, read_json, run_unless_disconnected
 from .text import TextAssembler, ToolCallSplitter, parse_tool_calls, token_bytes
 
@@ -183,6 +183,14 @@ class ServerState:
     def context_length(self) -> int | None:
         assert self.batcher is not None
         return self.settings.max_context or self.batcher.context_length
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body taken: the setting, else room for a prompt of the context."""
+        if self.settings.max_body_bytes is not None:
+            return self.settings.max_body_bytes
+        assert self.batcher is not None
+        return default_body_limit(self.context_length, self.batcher.vocab_size)
 
 
 def _error(exc: oai.RequestError) -> JSONResponse:
@@ -528,7 +536,7 @@ class _Handlers:
             self.record(endpoint, SHUTDOWN_STATUS)
             return _error(state.shutdown_error())
         try:
-            body = await read_json(request, settings.max_body_bytes)
+            body = await read_json(request, state.body_limit)
             oai.check_strings(body)
             req = parse(body, served_models=[state.model_id], default_max_tokens=default_max,
                         max_tokens_limit=settings.max_tokens_limit, default_temperature=settings.default_temperature,

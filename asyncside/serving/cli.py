@@ -60,6 +60,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _body_size(text: str) -> int:
+    size = _size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, such as 8M, got {text!r}")
+    return size
+
+
 def _size_or_default(text: str) -> int | None:
     return None if text.strip().lower() == "mlx" else _size(text)
 
@@ -250,6 +257,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
                         help=f"on SIGTERM/SIGINT/SIGHUP, refuse new requests (503) and give those in flight this "
                              f"long to finish before they are ended with an error (default {d.shutdown_grace:g})")
+    parser.add_argument("--max-request-bytes", type=_body_size, default=None, metavar="SIZE",
+                        help="largest request body, e.g. 8M (default: room for a prompt of the model's context "
+                             "length as token ids, at least 1M); larger bodies get 413")
     parser.add_argument("--keep-alive", type=_seconds_at_least_zero, default=d.keep_alive, metavar="SECONDS",
                         help=f"keep an idle connection open this long between requests; longer than the idle "
                              f"timeout of a proxy in front, which otherwise may reuse a connection just closed "

@@ -16,7 +16,9 @@ class ServeSettings:
     with ``Retry-After``. ``request_timeout`` (seconds, None for none) bounds a request from
     arrival to its last token, queueing included. A prompt whose length plus ``max_tokens`` exceeds
     the model's context (``max_context``, else the model config's ``max_position_embeddings``)
-    is answered 400 before it queues.
+    is answered 400 before it queues. A request body past ``max_body_bytes`` is answered 413
+    (None: :func:`default_body_limit` of the served context, so that a prompt of the context's
+    length as token ids fits).
 
     Prefill runs in chunks of ``prefill_chunk`` tokens (None: by device, see
     :func:`~asyncside.serving.engine.default_prefill_chunk`), one chunk's worth per engine step
@@ -52,7 +54,7 @@ class ServeSettings:
     default_chat_max_tokens: int = 128
     max_tokens_limit: int = 512
     max_context: int | None = None
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int | None = None     # None: default_body_limit of the served context
     predictor: str = "lookahead"
     default_temperature: float = 0.0      # greedy unless a request asks otherwise (as mlx_lm.server)
     max_batch: int = 32
@@ -77,10 +79,11 @@ class ServeSettings:
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"ServeSettings.prefill_chunk must be at least 1 or None, got {self.prefill_chunk}")
-        for name in ("default_max_tokens", "default_chat_max_tokens", "max_tokens_limit", "max_body_bytes",
-                     "max_batch"):
+        for name in ("default_max_tokens", "default_chat_max_tokens", "max_tokens_limit", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeSettings.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise ValueError(f"ServeSettings.max_body_bytes must be at least 1 or None, got {self.max_body_bytes}")
         for name in ("max_queue", "prompt_cache_size", "prompt_cache_min_tokens", "prompt_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServeSettings.{name} must be at least 0, got {getattr(self, name)}")
@@ -131,7 +134,25 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         api_key=api_key_from_env(getattr(args, "api_key", None)),
         shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
         keep_alive=getattr(args, "keep_alive", d.keep_alive),
+        max_body_bytes=getattr(args, "max_request_bytes", d.max_body_bytes),
     )
+
+
+#: the least request body limit the default allows, whatever the context
+MIN_BODY_LIMIT = 1 << 20
+#: room in a request body beside its prompt (the other fields, a chat's roles and markup)
+BODY_ROOM = 64 << 10
+
+
+def default_body_limit(context: int | None, vocab_size: int | None) -> int:
+    """The request body limit (bytes) when none is set: room for a prompt of ``context`` token ids
+    as JSON (each id's digits, a comma and a space, as ``json.dumps`` writes them) beside the
+    rest of the request, and never less than :data:`MIN_BODY_LIMIT`. A text prompt of as many
+    tokens takes fewer bytes where its tokens average fewer bytes than an id's figure."""
+    if context is None:
+        return MIN_BODY_LIMIT
+    digits = len(str(vocab_size - 1)) if vocab_size is not None and vocab_size > 1 else len(str(1 << 24))
+    return max(MIN_BODY_LIMIT, context * (digits + 2) + BODY_ROOM)
 
 
 API_KEY_ENV = "ASYNCSIDE_API_KEY"

@@ -29,15 +29,17 @@ class ClientGone(AsyncsideError):
 async def read_json(request: Request, limit: int) -> Any:
     """The request body decoded as JSON; RequestError (400/413) for a body that is not acceptable,
     ClientGone when the client leaves while sending it."""
+    # The operator's knob is named: the client cannot raise the limit, but can tell who can.
+    raising = "the server's --max-request-bytes sets it"
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise RequestError(f"request body is {length} bytes; the limit is {limit}", status=413)
+        raise RequestError(f"request body is {length} bytes; the limit is {limit} ({raising})", status=413)
     chunks, size = [], 0
     try:
         async for piece in request.stream():
             size += len(piece)
             if size > limit:
-                raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+                raise RequestError(f"request body exceeds the limit of {limit} bytes ({raising})", status=413)
             chunks.append(piece)
     except ClientDisconnect:
         raise ClientGone() from None
