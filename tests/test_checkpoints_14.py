@@ -247,3 +247,20 @@ def test_a_snapshot_whose_blob_was_removed_is_named(tmp_path: pathlib.Path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"{weights}: is a link to ../../blobs/0123, which does not exist" in err, err
+
+
+def test_a_config_without_a_model_type_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json that names its architecture only in ``architectures`` (no ``model_type``, which
+    mlx-lm picks the model by) was refused as "model_type '' is not supported; supported: [...]",
+    naming neither the file nor the field missing. Now it is config.json's ``model_type``."""
+    model, config = tiny_model("qwen3_moe", quantize={"group_size": 64, "bits": 4})
+    d = _save(tmp_path / "model", model, config)
+    raw = json.loads((d / "config.json").read_text())
+    del raw["model_type"]
+    raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    (d / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert main(["convert", str(d), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f'{d / "config.json"} [model_type]: has no "model_type"' in err and "Qwen3MoeForCausalLM" in err, err

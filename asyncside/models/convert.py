@@ -443,7 +443,14 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise StoreError(src / "config.json", "not a JSON config this reader takes: nested too deeply") from None
     if not isinstance(raw, dict):
         raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
-    arch = arch_for(str(raw.get("model_type", "")))  # one asyncside cannot stream: refused before mlx-lm builds it
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        # Refused as "model_type '' is not supported", naming neither the file nor the field missing.
+        named = raw.get("architectures")
+        raise StoreError(src / "config.json", "has no \"model_type\", by which mlx-lm picks the architecture "
+                                              "(e.g. \"qwen3_moe\")" + (f"; its architectures are {json.dumps(named)}"
+                                                                       if named else ""), "model_type")
+    arch = arch_for(model_type)  # one asyncside cannot stream: refused before mlx-lm builds it
     model, config = _load_lazily(src, raw)
     moe = _moe_layers_of(model, arch, src, raw)
     specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
