@@ -97,11 +97,19 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
     )
 
     cache = _hub_cache()
+    missing = ""
     try:
         return pathlib.Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
                                               cache_dir=cache, local_files_only=True))
-    except LocalEntryNotFoundError:  # IncompleteSnapshotError derives from it
-        pass
+    except LocalEntryNotFoundError as exc:  # IncompleteSnapshotError derives from it
+        if getattr(exc, "snapshot_path", None) is not None:
+            found = re.search(r"\d+ file\(s\) are missing \(.*?\)(?=\. )", str(exc))
+            missing = found.group(0) if found else "files are missing"
+    if _offline() and missing:
+        # A download cut short was said to be "not in the local Hugging Face cache", where it is,
+        # in part: what it lacks is what the user needs to know.
+        raise ModelNotFoundError(text, f"its snapshot in the local Hugging Face cache ({cache}) is incomplete "
+                                       f"({missing}) and HF_HUB_OFFLINE is set; unset it to finish the download")
     if _offline():
         raise ModelNotFoundError(text, f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
                                        "unset it to download the model, or give a local directory")

@@ -264,3 +264,30 @@ def test_a_config_without_a_model_type_is_named(tmp_path: pathlib.Path, capsys: 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f'{d / "config.json"} [model_type]: has no "model_type"' in err and "Qwen3MoeForCausalLM" in err, err
+
+
+def test_an_incomplete_snapshot_offline_says_what_it_lacks(tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repo id whose download was cut short (a shard missing from its cached snapshot) under
+    HF_HUB_OFFLINE=1 was said to be "not in the local Hugging Face cache": the user looks, finds it
+    there, and is no wiser. huggingface_hub knows the snapshot is incomplete and which files it
+    lacks; the line now says so and that the download is to be finished."""
+    import huggingface_hub
+    from huggingface_hub.errors import IncompleteSnapshotError
+
+    from asyncside.errors import ModelNotFoundError
+    from asyncside.hub import resolve_model
+
+    def snapshot_download(repo_id: str, **_: object) -> str:
+        raise IncompleteSnapshotError(
+            f"The cached snapshot for '{repo_id}' (revision 'main', commit abc) is incomplete: 1 file(s) are "
+            "missing (model-00002-of-00002.safetensors). Outgoing traffic is disabled ('local_files_only=True'). "
+            "Re-run the download with network access to complete the snapshot.", snapshot_path=str(tmp_path))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("testorg/tiny-moe")
+    said = str(info.value)
+    assert "is incomplete (1 file(s) are missing (model-00002-of-00002.safetensors))" in said, said
+    assert "not in the local Hugging Face cache" not in said, said
