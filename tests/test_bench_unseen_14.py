@@ -156,3 +156,12 @@ def test_offload_slot_cache_gets_asyncsides_rows_whatever_the_systems_order(
     assert [s for s, _f in asked] == ["mlx-lm", "asyncside", "slot-cache"]  # the compute limit, then the arms
     assert asked[-1][1] == 12 / (2 * experts)  # asyncside's 6 rows a layer, of 2 layers
     assert [r["system"] for r in res["runs"]] == ["asyncside", "slot-cache"]
+
+
+def test_offload_tokens_1_is_a_usage_error(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --tokens 1`` ran every system for one token each and reported 0.00 tok/s
+    for all of them, status ok, of limit 0.00x: decode speed is timed from the first token to the
+    last, so one token times nothing (bench generate refuses it as well)."""
+    rc, err = run_cli(capsys, "bench", "offload", "--stores", str(tmp_path), "--tokens", "1")
+    assert rc == 2
+    assert err.splitlines()[-1] == "asyncside bench offload: error: argument --tokens: expected an integer >= 2, got '1'"
