@@ -165,3 +165,17 @@ def test_offload_tokens_1_is_a_usage_error(tmp_path: pathlib.Path, capsys: pytes
     rc, err = run_cli(capsys, "bench", "offload", "--stores", str(tmp_path), "--tokens", "1")
     assert rc == 2
     assert err.splitlines()[-1] == "asyncside bench offload: error: argument --tokens: expected an integer >= 2, got '1'"
+
+
+def test_generate_residency_given_twice_runs_once(quick_store: pathlib.Path) -> None:
+    """``--residency 0.5 0.5`` ran that residency twice a round into one table cell: each of its
+    rows said repeats 2 under settings.repeats 1, and the rows came twice."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    bench.add_generate_arguments(parser)
+    args = parser.parse_args(["--quick", "--json", "--model", str(quick_store), "--tokens", "3",
+                              "--residency", "0.5", "0.5", "--no-cold", "--plot", "none"])
+    res = bench.run_generate_bench(args)
+    assert res["settings"]["residencies"] == [0.5]
+    assert [r["system"] for r in res["rows"]] == ["mlx-lm", "asyncside", "slot-cache"]
+    assert all(r["repeats"] == 1 for r in res["rows"])

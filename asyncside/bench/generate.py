@@ -476,7 +476,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     cold_repeats = args.cold_repeats if args.cold_repeats is not None else (1 if quick else 2)
     if args.no_cold:
         cold_repeats = 0
-    residencies = tuple(args.residency) if args.residency else ((0.5,) if quick else DEFAULT_RESIDENCIES)
+    # A residency given twice ran twice a round into one row (its repeats doubled) and printed that row twice.
+    residencies = (tuple(dict.fromkeys(args.residency)) if args.residency
+                   else ((0.5,) if quick else DEFAULT_RESIDENCIES))
     modes = tuple(dict.fromkeys(args.modes)) if args.modes else ("default",)
     predictors = tuple(dict.fromkeys(args.predictors)) if args.predictors else ("lookahead",)
     verify = tuple(v == "on" for v in dict.fromkeys(getattr(args, "verify", None) or ["on"]))
