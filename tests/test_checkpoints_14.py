@@ -291,3 +291,18 @@ def test_an_incomplete_snapshot_offline_says_what_it_lacks(tmp_path: pathlib.Pat
     said = str(info.value)
     assert "is incomplete (1 file(s) are missing (model-00002-of-00002.safetensors))" in said, said
     assert "not in the local Hugging Face cache" not in said, said
+
+
+def test_a_model_type_asyncside_cannot_stream_names_the_config(tmp_path: pathlib.Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --model DIR`` of a dense model's directory (``"model_type": "qwen3"``) said
+    "model_type 'qwen3' is not supported; supported: [...]" naming no file, though the user passed a
+    directory, not a model type. The line now begins with the directory's config.json."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64}))
+    (d / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    assert main(["demo", "--model", str(d), "--cache-dir", str(tmp_path / "cache"), "--tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"{d / 'config.json'}: model_type 'qwen3' is not supported; supported: [" in err[-1], err

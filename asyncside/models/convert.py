@@ -450,7 +450,12 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise StoreError(src / "config.json", "has no \"model_type\", by which mlx-lm picks the architecture "
                                               "(e.g. \"qwen3_moe\")" + (f"; its architectures are {json.dumps(named)}"
                                                                        if named else ""), "model_type")
-    arch = arch_for(model_type)  # one asyncside cannot stream: refused before mlx-lm builds it
+    try:
+        arch = arch_for(model_type)  # one asyncside cannot stream: refused before mlx-lm builds it
+    except UnsupportedModelError as exc:
+        # The line named no file: demo --model DIR and load() convert a directory the user may
+        # not know is a dense model's.
+        raise UnsupportedModelError(f"{src / 'config.json'}: {exc}") from None
     model, config = _load_lazily(src, raw)
     moe = _moe_layers_of(model, arch, src, raw)
     specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
