@@ -179,3 +179,18 @@ def test_generate_residency_given_twice_runs_once(quick_store: pathlib.Path) -> 
     assert res["settings"]["residencies"] == [0.5]
     assert [r["system"] for r in res["rows"]] == ["mlx-lm", "asyncside", "slot-cache"]
     assert all(r["repeats"] == 1 for r in res["rows"])
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--chunk-kib", "3"], "argument --chunk-kib: expected an integer >= 4, got '3'"),
+    (["--iowq-workers", "-5"], "argument --iowq-workers: expected an integer >= -1, got '-5'"),
+    (["--repeat", "0"], "argument --repeat: expected an integer >= 1, got '0'"),
+])
+def test_io_reader_options_out_of_range_are_usage_errors(argv: list[str], said: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench io --chunk-kib 3`` (an O_DIRECT op below a page) and ``--iowq-workers -5`` ended in the
+    native reader's ValueError traceback, once the store was built; ``--repeat 0`` ran one pass
+    and said 1. Each is now a usage error as parsed."""
+    rc, err = run_cli(capsys, "bench", "io", "--quick", "--no-fio", *argv)
+    assert rc == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"asyncside bench io: error: {said}"

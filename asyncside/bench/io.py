@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..argtypes import directory, writable_file
+from ..argtypes import directory, int_at_least, positive_float, writable_file
 from . import bench_main, json_ready, median
 from .machine import machine_info
 
@@ -104,20 +104,23 @@ def add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
     parser.add_argument("--depths", default=None,
                         help="comma list of queue depths (default per layout: qwen 1,4,16,64; deepseek 1,2,4,8)")
-    parser.add_argument("--store-gib", type=float, default=1.0, help="blob size per layout in GiB (default 1)")
-    parser.add_argument("--pass-mib", type=float, default=256.0, help="bytes read per measured pass, MiB (default 256)")
-    parser.add_argument("--repeat", type=int, default=3, help="passes per cell; the median is reported (default 3)")
+    parser.add_argument("--store-gib", type=positive_float, default=1.0, help="blob size per layout in GiB (default 1)")
+    parser.add_argument("--pass-mib", type=positive_float, default=256.0,
+                        help="bytes read per measured pass, MiB (default 256)")
+    parser.add_argument("--repeat", type=int_at_least(1), default=3,
+                        help="passes per cell; the median is reported (default 3)")
     parser.add_argument("--dir", type=directory, default=None,
                         help="where to build the stores (default: a temp dir, removed after)")
     parser.add_argument("--keep", action="store_true", help="keep the stores (reuse them with --dir next time)")
     from .._native import ReaderOptions
 
     d = ReaderOptions()
-    parser.add_argument("--chunk-kib", type=int, default=d.chunk_bytes // 1024,
+    # The reader's own limits, checked as parsed: the native reader refused them with a traceback.
+    parser.add_argument("--chunk-kib", type=int_at_least(4), default=d.chunk_bytes // 1024,
                         help="largest O_DIRECT read op in KiB (default %(default)s)")
-    parser.add_argument("--buffered-chunk-kib", type=int, default=d.buffered_chunk_bytes // 1024,
+    parser.add_argument("--buffered-chunk-kib", type=int_at_least(1), default=d.buffered_chunk_bytes // 1024,
                         help="largest buffered read op in KiB (default %(default)s)")
-    parser.add_argument("--iowq-workers", type=int, default=d.iowq_max_workers,
+    parser.add_argument("--iowq-workers", type=int_at_least(-1), default=d.iowq_max_workers,
                         help="io_uring: io-wq copy threads (default %(default)s: the CPU count; 0: kernel default)")
     parser.add_argument("--worker-nice", type=int, default=d.worker_nice,
                         help="native worker threads run this much nicer than the loop thread (default %(default)s)")
