@@ -267,7 +267,9 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
                 async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt,
                                              predictor=args.predictor, options=options, trace=record):
                     if not run.tokens:  # what the prompt read, apart from what decoding reads
-                        at_first = (int(rt.stats()["bytes_read"]), disk_read_bytes())
+                        first = rt.stats()
+                        at_first = (int(first["bytes_read"]), disk_read_bytes(),
+                                    int(first["hits"]) + int(first["misses"]))
                     run.first_token()
                     run.tokens.append(tok)
                     echo(run.tokens)
@@ -294,6 +296,14 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         if run.tokens:
             stats["decode_bytes_read"] = int(stats["bytes_read"]) - at_first[0]
             stats["decode_disk_read_bytes"] = disk_read_bytes() - at_first[1]
+            # Queued steps queue the next step before its token is awaited: some or all of the first
+            # decode step's reads were counted before the first token. The steps the counts cover:
+            # their demands over a step's (each MoE layer routes top-k distinct experts a token).
+            from .runtime._plan import store_top_k
+
+            per_step = len(store.layers) * (store_top_k(store) or 0)
+            demands = int(stats["hits"]) + int(stats["misses"]) - at_first[2]
+            stats["decode_steps_counted"] = demands / per_step if per_step and demands else None
         stats["prediction"] = PredictionQuality.from_counters(sm.forward_with(options).counters, counted).as_dict()
     if record is not None:
         meta = {"model": sm.model_id, "prompt_tokens": len(prompt_ids), "generated_tokens": len(run.tokens)}
@@ -415,7 +425,7 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
     disk's bandwidth over the misses' bytes per token), the compute limit (all-resident tok/s, when
     it ran), and the decode's time split into reads the model waited for and the rest."""
     # Decoding's misses per decode token (the prompt's reads are its own: they bound the first token).
-    decode_tokens = len(run.tokens) - 1
+    decode_tokens = stats.get("decode_steps_counted") or len(run.tokens) - 1
     if decode_tokens > 0 and "decode_bytes_read" in stats:
         miss_bytes = float(stats["decode_bytes_read"]) / decode_tokens
     else:
@@ -431,6 +441,9 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
               + float(stats.get("read_wait_s", 0.0)))
     return {
         "miss_bytes_per_token": miss_bytes,
+        # the decode steps the read counters cover, and what they read (miss_bytes_per_token's terms)
+        "decode_steps": decode_tokens,
+        "decode_bytes_read": stats.get("decode_bytes_read"),
         "disk_bytes_per_s": disk["bytes_per_s"] if disk else None,
         "io_limit_tokens_per_s": io_limit,
         "compute_limit_tokens_per_s": compute,
