@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
            "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg",
-           "check_memory", "fraction_arg", "SIZE_UNITS"]
+           "check_memory", "SIZE_UNITS"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -329,23 +329,6 @@ def memory_arg(text: str) -> int:
         return check_memory(size, text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def fraction_arg(text: str, *, allow_auto: bool = True, allow_zero: bool = False) -> float | str:
-    """A residency from the command line: a fraction (``0.25``), a percentage (``25%``), or, with
-    ``allow_auto``, ``"auto"``; ValueError saying what was expected otherwise."""
-    low = "[0" if allow_zero else "(0"
-    expected = f"a fraction in {low}, 1] such as 0.25, a percentage such as 25%" + (" or 'auto'" if allow_auto else "")
-    t = text.strip().lower()
-    if allow_auto and t == "auto":
-        return "auto"
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise ValueError(f"expected {expected}, got {text!r}") from None
-    if not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
-        raise ValueError(f"expected {expected}, got {text!r}")
-    return value + 0.0  # a negative zero loses its sign, which the titles showed
 
 
 def parse_host_tier(text: str) -> int | str:

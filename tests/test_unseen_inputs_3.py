@@ -454,7 +454,7 @@ def test_bench_generate_takes_residency_zero_as_the_demo_does(quick_store: pathl
         result["rows"]
     assert [(p["resident_per_layer"], p["side_rows"]) for p in result["policies_vs_belady"]] == [(0, 4)]
     rc, err = run_cli(capsys, *argv, "--residency", "1.5")
-    assert rc == 2 and "expected a fraction in [0, 1] such as 0.25" in err, err
+    assert rc == 2 and "expected a fraction in [0, 1], got 1.5; a fraction such as 0.25" in err, err
 
 
 @pytest.mark.parametrize(("argv", "said"), [

@@ -74,11 +74,10 @@ def test_a_trace_in_memory_replays_as_its_file_does(quick_store: pathlib.Path, t
 def test_a_residency_of_minus_zero_is_zero() -> None:
     """``demo --resident -0`` titled its run "-0% asked" and its plan "resident -0 asked", and
     ``bench generate --residency -0`` keyed its pool plan ``"-0.0"``: the sign of a zero kept."""
-    from asyncside.argtypes import resident_fraction
-    from asyncside.memory import fraction_arg
+    from asyncside.argtypes import parse_resident, resident_fraction
 
     for value in (resident_fraction()("-0"), resident_fraction(allow_auto=False)("-0%"),
-                  fraction_arg("-0.0", allow_zero=True)):
+                  parse_resident("-0.0", allow_auto=False)):
         assert value == 0.0 and math.copysign(1.0, float(value)) == 1.0, value
 
 

@@ -62,9 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..argtypes import Once, directory, file_name, int_at_least
+from ..argtypes import Once, directory, file_name, int_at_least, parse_resident
 from ..demo import Run, positive_int, prompt_tokens, routing_sequence_problem
-from ..memory import fraction_arg
 from ..policies import DEFAULT_POLICY, POLICY_NAMES
 from . import check_store_dir, require_extra
 from .machine import machine_info
@@ -101,7 +100,7 @@ def _residency(text: str) -> float:
     """``--residency``: a fraction in [0, 1] or a percentage. 0 is a setting, as ``demo --resident 0``
     takes it: every expert streamed through the least rows the runtime plans (the model's top-k)."""
     try:
-        return float(fraction_arg(text, allow_auto=False, allow_zero=True))
+        return float(parse_resident(text, allow_auto=False))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
