@@ -11,6 +11,7 @@ steps, capacity splits, predictions.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -151,6 +152,25 @@ def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | Non
     mx.eval(model.parameters())
     model.eval()
     return model, config
+
+
+def byte_model_store(root: pathlib.Path, *, seed: int = 2) -> pathlib.Path:
+    """A tiny qwen3_moe with the byte tokenizer (so text round-trips without a vocabulary file),
+    saved as an mlx-lm model directory under ``root / "model"`` and converted to the expert store
+    ``root / "store"``, which is returned: what the serving and pipeline commands' tests run."""
+    from mlx_lm.utils import save_config, save_model
+
+    from asyncside.models import convert_model
+    from asyncside.models.tokenizer import ByteTokenizer
+
+    # The byte tokenizer needs a vocabulary of at least 258 ids.
+    BASE.setdefault("qwen3_moe_bytes", dict(BASE["qwen3_moe"], vocab_size=258))
+    model, config = tiny_model("qwen3_moe_bytes", seed=seed)
+    save_model(root / "model", model)
+    save_config(dict(config), root / "model" / "config.json")
+    ByteTokenizer(258).save(root / "model")
+    convert_model(root / "model", root / "store", progress=False)
+    return root / "store"
 
 
 class ShuffledSource:

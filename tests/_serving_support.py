@@ -11,7 +11,9 @@ assembly, tool-call parsing, SSE.
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
+import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,3 +124,28 @@ def scripted_engine(model: ScriptedModel) -> Any:
         yield Engine(model=model, source=None, audit=lambda: (True, []), description={"model": "scripted"})
 
     return factory
+
+
+def raw_request(body: dict[str, Any], extra: str = "") -> bytes:
+    """A whole POST /v1/completions of ``body`` as bytes on the wire (``extra``: header lines, each
+    ending in CRLF), for tests that speak HTTP over a socket of their own."""
+    raw = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n{extra}\r\n").encode() + raw
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends on ``sock`` until it closes the connection; the socket's own
+    timeout running out fails the test (the server held the connection)."""
+    out = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        except TimeoutError:
+            raise AssertionError(f"the server still held the connection after {sock.gettimeout():g} s; "
+                                 f"got {out[:200]!r}") from None
+        if not data:
+            return out
+        out += data

@@ -19,31 +19,20 @@ from typing import Any
 
 import anyio
 import pytest
-from mlx_lm.utils import save_config, save_model
 
 from asyncside.bridge import completed
 from asyncside.distributed.launcher import LocalLaunch, free_ports
-from asyncside.models import convert_model, load_streaming_model
-from asyncside.models.tokenizer import ByteTokenizer
+from asyncside.models import load_streaming_model
 from asyncside.runtime import Runtime
 
-import _models_support
-from _models_support import tiny_model
+from _models_support import byte_model_store
 
 DEADLINE = 150.0
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    # The byte tokenizer needs a vocabulary of at least 258 ids.
-    _models_support.BASE.setdefault("qwen3_moe_bytes", dict(_models_support.BASE["qwen3_moe"], vocab_size=258))
-    root = tmp_path_factory.mktemp("serve")
-    model, config = tiny_model("qwen3_moe_bytes", seed=2)
-    save_model(root / "model", model)
-    save_config(dict(config), root / "model" / "config.json")
-    ByteTokenizer(258).save(root / "model")
-    convert_model(root / "model", root / "store", progress=False)
-    return root / "store"
+    return byte_model_store(tmp_path_factory.mktemp("serve"))
 
 
 async def _one_process(store: pathlib.Path, prompt: str, tokens: int) -> str:

@@ -9,6 +9,7 @@ model is the real code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+from _serving_support import ScriptedModel, byte_tokenizer, raw_request, read_to_close, scripted_engine
 
 from asyncside.serving import BackgroundServer, ServeSettings, create_app
 
@@ -55,27 +56,6 @@ def _connect(srv: BackgroundServer) -> socket.socket:
     return sock
 
 
-def _read_to_close(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a socket timeout fails the test)."""
-    out = b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        except TimeoutError:
-            raise AssertionError(f"the server still held the connection after {HELD:g} s; got {out[:200]!r}") from None
-        if not data:
-            return out
-        out += data
-
-
-def _request(body: dict[str, Any], extra: str = "") -> bytes:
-    raw = json.dumps(body).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n{extra}\r\n").encode() + raw
-
-
 def _disconnects(srv: BackgroundServer) -> float:
     text = httpx.get(srv.url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -91,7 +71,7 @@ def test_a_connection_that_never_sends_its_request_is_closed(srv: BackgroundServ
     is now closed once the request read timeout has passed, and other clients are served."""
     sock = _connect(srv)
     sock.sendall(sent)
-    assert _read_to_close(sock) == b""
+    assert read_to_close(sock) == b""
     sock.close()
     assert httpx.get(srv.url + "/health").status_code == 200
 
@@ -99,9 +79,9 @@ def test_a_connection_that_never_sends_its_request_is_closed(srv: BackgroundServ
 def test_a_request_body_that_stalls_is_closed_and_counted_as_a_client_that_left(srv: BackgroundServer) -> None:
     before = _disconnects(srv)
     sock = _connect(srv)
-    whole = _request({"model": "scripted", "prompt": "count", "max_tokens": 4})
+    whole = raw_request({"model": "scripted", "prompt": "count", "max_tokens": 4})
     sock.sendall(whole[:-10])  # the head and all but the body's last bytes
-    assert _read_to_close(sock) == b""
+    assert read_to_close(sock) == b""
     sock.close()
     # The handler waiting for the body saw the client leave: no answer, no request in the engine.
     assert _disconnects(srv) == before + 1
@@ -112,8 +92,8 @@ def test_answers_longer_than_the_read_timeout_and_keep_alive_are_untouched(srv: 
     """The timeout bounds sending a request, not answering it: a stream that takes longer ends
     normally, and the connection serves a second request sent at once, and a pipelined one."""
     sock = _connect(srv)
-    stream = _request({"model": "scripted", "prompt": "count", "max_tokens": 60, "stream": True})
-    short = _request({"model": "scripted", "prompt": "count", "max_tokens": 3}, extra="Connection: close\r\n")
+    stream = raw_request({"model": "scripted", "prompt": "count", "max_tokens": 60, "stream": True})
+    short = raw_request({"model": "scripted", "prompt": "count", "max_tokens": 3}, extra="Connection: close\r\n")
     sock.sendall(stream)
     got = b""
     while b"data: [DONE]" not in got:
@@ -123,7 +103,7 @@ def test_answers_longer_than_the_read_timeout_and_keep_alive_are_untouched(srv: 
     events = [json.loads(line[6:]) for line in got.decode().split("\r\n") if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == LONG[:60]
     sock.sendall(stream + short)  # a second stream, and a request pipelined behind it
-    got = _read_to_close(sock).decode()
+    got = read_to_close(sock).decode()
     assert got.count("data: [DONE]") == 1 and got.count("HTTP/1.1 200 OK") == 2, got[-400:]
     assert json.loads(got[got.rindex("\r\n\r\n") + 4:])["choices"][0]["text"] == LONG[:3]
     sock.close()
@@ -229,7 +209,7 @@ def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathl
 SERVER_SCRIPT = textwrap.dedent("""
     import sys, uvloop
     sys.path.insert(0, {tests!r})
-    from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+    from _serving_support import ScriptedModel, byte_tokenizer, raw_request, read_to_close, scripted_engine
     from asyncside.serving import ServeSettings, create_app, serve
 
     model = ScriptedModel(byte_tokenizer({tmp!r}), "hello", {{"count": {long!r}}}, step_delay=0.05)
@@ -257,6 +237,28 @@ def _stream(url: str, started: threading.Event, out: list[dict[str, Any]]) -> No
     out.append({"events": events, "done": done})
 
 
+@contextlib.contextmanager
+def _server_process(argv: list[str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A server started by ``argv`` (a script printing its URL first), and that URL; killed on the
+    way out if it has not exited by then."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_clean_exit(proc: subprocess.Popen[str], stdout: str, stderr: str) -> None:
+    assert proc.returncode == 0 and "clean exit" in stdout, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_path: pathlib.Path, sig: int) -> None:
     """A second SIGTERM or Ctrl-C during the drain "skips what is left of the grace" (the docs): it
@@ -265,13 +267,8 @@ def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_pat
     traceback for each. Now they get the error event and [DONE] at once, and the process exits 0."""
     script = SERVER_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp_path), long=LONG * 6,
                                   grace=600)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out: list[dict[str, Any]] = []
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), url
+    with _server_process([sys.executable, "-c", script]) as (proc, url):
         threads = []
         for _ in range(4):
             started = threading.Event()
@@ -285,12 +282,7 @@ def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_pat
         stdout, stderr = proc.communicate(timeout=120)
         for t in threads:
             t.join(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0 and "clean exit" in stdout, stderr[-2000:]
-    assert "Traceback" not in stderr, stderr[-2000:]
+    _assert_clean_exit(proc, stdout, stderr)
     assert len(out) == 4
     for r in out:
         assert r["done"], r["events"][-1:]
@@ -299,23 +291,9 @@ def test_a_second_signal_ends_the_streams_with_their_error_event_at_once(tmp_pat
 
 @pytest.fixture(scope="module")
 def pipeline_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from mlx_lm.utils import save_config, save_model
+    from _models_support import byte_model_store
 
-    from asyncside.models import convert_model
-    from asyncside.models.tokenizer import ByteTokenizer
-
-    import _models_support
-    from _models_support import tiny_model
-
-    # The byte tokenizer needs a vocabulary of at least 258 ids.
-    _models_support.BASE.setdefault("qwen3_moe_bytes", dict(_models_support.BASE["qwen3_moe"], vocab_size=258))
-    root = tmp_path_factory.mktemp("pipeline")
-    model, config = tiny_model("qwen3_moe_bytes", seed=2)
-    save_model(root / "model", model)
-    save_config(dict(config), root / "model" / "config.json")
-    ByteTokenizer(258).save(root / "model")
-    convert_model(root / "model", root / "store", progress=False)
-    return root / "store"
+    return byte_model_store(tmp_path_factory.mktemp("pipeline"))
 
 
 def test_a_pipeline_whose_rank_dies_tells_its_clients_which_rank(pipeline_store: pathlib.Path) -> None:
@@ -372,14 +350,8 @@ def test_sighup_drains_the_server_unless_the_parent_ignored_it(tmp_path: pathlib
                                   grace=0.3)
     for ignored in (False, True):
         trap = 'trap "" HUP; ' if ignored else ""  # as nohup leaves it: ignored, and inherited
-        proc = subprocess.Popen(["sh", "-c", f'{trap}exec "$@"', "sh", sys.executable, "-c", script],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         out: list[dict[str, Any]] = []
-        try:
-            assert proc.stdout is not None
-            url = proc.stdout.readline().strip()
-            assert url.startswith("http://127.0.0.1:"), url
+        with _server_process(["sh", "-c", f'{trap}exec "$@"', "sh", sys.executable, "-c", script]) as (proc, url):
             started = threading.Event()
             thread = threading.Thread(target=_stream, args=(url, started, out), daemon=True)
             thread.start()
@@ -391,12 +363,7 @@ def test_sighup_drains_the_server_unless_the_parent_ignored_it(tmp_path: pathlib
                 proc.send_signal(signal.SIGTERM)
             stdout, stderr = proc.communicate(timeout=120)
             thread.join(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert proc.returncode == 0 and "clean exit" in stdout, stderr[-2000:]
-        assert "Traceback" not in stderr, stderr[-2000:]
+        _assert_clean_exit(proc, stdout, stderr)
         assert len(out) == 1 and out[0]["done"], out
         last = out[0]["events"][-1]
         if ignored:  # it ran to its end

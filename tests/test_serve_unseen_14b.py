@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+from _serving_support import ScriptedModel, byte_tokenizer, raw_request, read_to_close, scripted_engine
 
 from asyncside.serving import BackgroundServer, ServeSettings, create_app
 
@@ -31,12 +31,6 @@ HELD = 30.0
 def _server(tmp: Any, **settings: Any) -> BackgroundServer:
     model = ScriptedModel(byte_tokenizer(tmp), "hello", context=settings.pop("context", 1024))
     return BackgroundServer(create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, **settings)))
-
-
-def _request(body: dict[str, Any]) -> bytes:
-    raw = json.dumps(body).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
 
 
 def _answer(sock: socket.socket) -> bytes:
@@ -55,20 +49,6 @@ def _answer(sock: socket.socket) -> bytes:
         assert data, got
         body += data
     return head + b"\r\n\r\n" + body
-
-
-def _read_to_close(sock: socket.socket) -> bytes:
-    out = b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        except TimeoutError:
-            raise AssertionError(f"the server still held the connection after {HELD:g} s; got {out[:200]!r}") from None
-        if not data:
-            return out
-        out += data
 
 
 # -- /health while draining -------------------------------------------------------------------------
@@ -131,11 +111,11 @@ def test_an_idle_connection_is_kept_past_the_request_read_timeout(kept: Backgrou
     with socket.create_connection((kept.host, kept.port)) as sock:
         sock.settimeout(HELD)
         body = {"model": "scripted", "prompt": "hi", "max_tokens": 3}
-        sock.sendall(_request(body))
+        sock.sendall(raw_request(body))
         first = _answer(sock)
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
         time.sleep(READ_TIMEOUT * 4)  # idle, well within the keep-alive
-        sock.sendall(_request(body))
+        sock.sendall(raw_request(body))
         second = _answer(sock)
         assert second.startswith(b"HTTP/1.1 200"), second[:200]
         assert json.loads(second.partition(b"\r\n\r\n")[2])["choices"][0]["text"] == "hel"
@@ -146,10 +126,10 @@ def test_a_request_that_stalls_after_an_idle_wait_is_still_closed(kept: Backgrou
     timeout has passed from its first byte, not held for the keep-alive."""
     with socket.create_connection((kept.host, kept.port)) as sock:
         sock.settimeout(HELD)
-        sock.sendall(_request({"model": "scripted", "prompt": "hi", "max_tokens": 2}))
+        sock.sendall(raw_request({"model": "scripted", "prompt": "hi", "max_tokens": 2}))
         assert _answer(sock).startswith(b"HTTP/1.1 200")
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")
-        assert _read_to_close(sock) == b""
+        assert read_to_close(sock) == b""
 
 
 @pytest.mark.parametrize("text, value", [("75", 75.0), ("120.5", 120.5), ("0", 0.0)])
