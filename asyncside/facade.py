@@ -352,7 +352,8 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     asyncside's cache). ``resident``: the share of each layer's experts the pools hold, or
     ``"auto"`` (sized to the memory budget); default 0.25, or ``"auto"`` when ``memory`` is given.
     ``memory``: the budget the runtime plans against (bytes or a size such as ``"8G"``; default
-    what the machine has available), as :class:`~asyncside.runtime.Runtime` takes it. Other
+    what the machine has available), as :class:`~asyncside.runtime.Runtime` takes it.
+    ``revision``: a repo id's branch, tag or commit (refused for a local path). Other
     keyword arguments go to the Runtime too (``reader``, ``policy``, ``verify``, ...).
     """
     from .hub import store_for

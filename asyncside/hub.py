@@ -79,6 +79,12 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
                                              "or a Hugging Face repo id (org/name)")
     path = pathlib.Path(text).expanduser()
     if path.exists():
+        if revision is not None:
+            # A revision names a commit of a repo on the Hub: on a local directory it was ignored
+            # without a word, and the directory's files were loaded whatever revision was asked.
+            raise ModelNotFoundError(text, f"a local path, where revision={revision!r} means nothing (a revision "
+                                           "is a Hugging Face repo's branch, tag or commit): leave it out, or "
+                                           "name the repo id (org/name) from a directory that has no such path")
         return path.absolute()
     if not is_repo_id(text):
         # A repo's page address, pasted from the browser, was said to be no repo id, with no word

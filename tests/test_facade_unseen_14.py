@@ -57,3 +57,15 @@ def test_a_model_directory_saved_again_is_converted_again(dirs: tuple[pathlib.Pa
     assert f"{weights.name} changed since its store was converted; converting again" in said[-1], said[-1]
     assert store_for(model_dir, cache_dir=tmp_path / "cache", progress=False, say=said.append) == first
     assert "using the store converted on first use" in said[-1]
+
+
+def test_a_revision_of_a_local_directory_is_refused(dirs: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """``load(local_dir, revision="v2")`` ignored the revision without a word and loaded the
+    directory's files, whatever revision had been asked for."""
+    from asyncside.errors import ModelNotFoundError
+    from asyncside.hub import resolve_model
+
+    for name in dirs:
+        with pytest.raises(ModelNotFoundError, match=r"a local path, where revision='v2' means nothing"):
+            load(name, revision="v2")
+    assert resolve_model(dirs[0]) == dirs[0].absolute()
