@@ -95,7 +95,7 @@ def test_architectures_tokens_equal_mlx_lm(model_type: str, tmp_path: pathlib.Pa
 
 def test_lru_replacement(quick_store: pathlib.Path) -> None:
     sm = load_streaming_model(quick_store)
-    with SlotCache(sm.store, {0: [], 1: []}, side_rows=3) as sc:
+    with SlotCache(sm.store, {0: [], 1: []}, side_rows=3, warm=False) as sc:
         assert sc.layers[0].slots == 3
         sc.ensure(0, np.array([1, 2, 3]))
         sc.ensure(0, np.array([1]))  # 2 is now the least recently used
@@ -120,7 +120,7 @@ def test_short_read_is_a_fill_error(quick_store: pathlib.Path, tmp_path: pathlib
     spec = store.layer(0)
     with open(spec.path, "r+b") as fh:
         fh.truncate(spec.stride * (spec.n_experts - 1) + 100)
-    with SlotCache(store, {0: [], 1: []}, side_rows=2) as sc:
+    with SlotCache(store, {0: [], 1: []}, side_rows=2, warm=False) as sc:
         with pytest.raises(FillError, match=rf"layer 0 expert {spec.n_experts - 1} \(row 0\): short read: 100 of"):
             sc.ensure(0, np.array([spec.n_experts - 1]))
         assert sc.holds(0) == {} and sc.layers[0].slot_of[spec.n_experts - 1] == -1

@@ -838,7 +838,7 @@ def run_generate_bench(args: argparse.Namespace) -> dict[str, Any]:
             "(prefill included). Medians over rounds. residency = pool rows per layer / experts per layer "
             "as asked (the runtime's plan: a resident set and side rows, at least the model's top-k rows a "
             "layer, which 0 and small shares are raised to; the slot cache has as many slots, starting "
-            "with the same resident set). Ratios are paired by round: vs_all_resident = the run's decode "
+            "with the same resident set and warm set). Ratios are paired by round: vs_all_resident = the run's decode "
             "tokens/s over the mlx-lm run of the same round and residency, vs_slot_cache over the slot "
             "cache's, loop_cpu_vs_mlx_lm = loop CPU per step over mlx-lm's; the row reports the median of "
             "its per-round ratios (*_per_round)."),

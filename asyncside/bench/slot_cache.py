@@ -15,8 +15,9 @@ replacement, and a synchronous model forward that, at every MoE block,
 
 No prefetch, no threads, no event loop, no step queued ahead. S is the number of rows asyncside's
 :class:`~asyncside.Runtime` has per layer at the same residency (:func:`asyncside.runtime.plan_layer`:
-resident plus side rows); the slots start holding the experts the runtime starts with as its
-resident set, the rest empty. On MLX CUDA the pools live on the device (:class:`PoolSet`): records
+resident plus side rows); the slots start holding what the runtime's rows start with: its
+resident set, and its side rows' warm set (the store's next hottest experts, where the store
+ranks them). On MLX CUDA the pools live on the device (:class:`PoolSet`): records
 land in the pinned host mirror and are uploaded before the gather.
 
 When one step routes more distinct experts to a layer than it has slots (a prefill), the layer
@@ -86,15 +87,17 @@ class SlotCache:
     """Per MoE layer of ``store``: slots with LRU replacement, filled synchronously on demand.
 
     ``resident`` sizes the slots like :class:`asyncside.Runtime` (a fraction of each layer's
-    experts, or explicit resident sets; ``side_rows`` as the runtime takes it). Counters
+    experts, or explicit resident sets; ``side_rows`` as the runtime takes it). The slots start
+    as the runtime's rows do: the resident set, and with ``warm`` the other slots holding the
+    store's next hottest experts (:func:`asyncside.runtime.warm_experts`). Counters
     (:meth:`stats`): per layer visit, each distinct routed expert is a hit or a miss; reads and
     bytes are those of the misses (the initial resident set is counted apart, ``preload_*``).
     Close it (or use it as a context manager) to close the blob files.
     """
 
     def __init__(self, store: ExpertStore, resident: float | Mapping[int, Sequence[int]] = 0.25, *,
-                 side_rows: int | None = None, direct: bool = False) -> None:
-        from ..runtime import plan_layer
+                 side_rows: int | None = None, direct: bool = False, warm: bool = True) -> None:
+        from ..runtime import plan_layer, warm_experts
 
         self.store = store
         self.direct = bool(direct)
@@ -123,14 +126,17 @@ class SlotCache:
                 self.layers[index] = layer
                 layer.fd = os.open(spec.path, flags)
                 self._plan_iovecs(layer)
-                for slot, expert in enumerate(chosen):
+                # As the runtime starts: its resident set, then its dynamic rows warmed with the
+                # store's next hottest experts (a cold start here was a handicap of the baseline's).
+                start = list(chosen) + (warm_experts(store, index, side, exclude=chosen) if warm else [])
+                for slot, expert in enumerate(start):
                     self._read(layer, int(expert), slot)
                     layer.slot_of[expert] = slot
                     layer.expert_at[slot] = expert
                     self.counts["preload_reads"] += 1
                     self.counts["preload_bytes"] += self._bytes_per_read(layer)
-                if chosen and pools.device:
-                    mx.eval(pools.upload(range(len(chosen))))
+                if start and pools.device:
+                    mx.eval(pools.upload(range(len(start))))
         except BaseException:
             self.close()
             raise
