@@ -15,6 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 COMMAND = re.compile(r"(?:^|\s)(?:asyncside|-m asyncside\.cli) ([a-z].*)")
+# Prose often names a command without the program: `demo --routing FILE`, `bench serve --json`.
+BARE = re.compile(r"^((?:demo|serve|convert|routing|bench) .*)")
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -56,12 +58,12 @@ def _command_texts(text: str) -> Iterator[tuple[int, str]]:
 
 
 def _documented_commands() -> Iterator[tuple[str, str, list[str]]]:
-    """(where, subcommand path, options) of every asyncside command line in the docs; `a|b`
-    alternatives of a subcommand name, and `info X | preset Y` alternatives of a whole tail, are
-    each a command of their own."""
+    """(where, subcommand path, options) of every asyncside command line in the docs (with or
+    without the program's name); `a|b` alternatives of a subcommand name, and `info X | preset Y`
+    alternatives of a whole tail, are each a command of their own."""
     for path in DOCS:
         for n, text in _command_texts(path.read_text()):
-            m = COMMAND.search(text)
+            m = COMMAND.search(text) or BARE.match(text)
             if m is None:
                 continue
             words = m.group(1).split()
