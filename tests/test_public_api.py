@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -81,3 +82,60 @@ def test_no_import_cycle_between_modules() -> None:
 @pytest.mark.parametrize("source", ["from asyncside import Runtime, ExpertStore, load_streaming_model, load"])
 def test_the_readme_import_works(source: str) -> None:
     subprocess.run([sys.executable, "-c", source], check=True)
+
+
+# Dotted names the docs show that are not Python attributes (a logger's name).
+_NOT_ATTRIBUTES = {"asyncside.access"}
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_dotted_asyncside_name_the_docs_show_exists() -> None:
+    """`asyncside.x.y` in README.md and docs/*.md (inline code, code blocks) names something a user can
+    import or reach: `await asyncside.completed(ids)` sent them to a name the package never had."""
+    wrong = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for dotted in re.findall(r"(?<![\w./])(asyncside(?:\.[A-Za-z_]\w*)+)", path.read_text()):
+            dotted = dotted.rstrip(".")
+            if dotted not in _NOT_ATTRIBUTES and not dotted.endswith((".py", ".md")) and not _resolves(dotted):
+                wrong.add(f"{path.name}: {dotted}")
+    assert not wrong, sorted(wrong)
+
+
+def test_what_docs_api_shows_of_a_runtime_exists(make_expert_store: Any) -> None:
+    """docs/api.md's Runtime keywords, `rt.` calls, `rt.plan.` attributes and `rt.memory[...]` keys are
+    the runtime's own."""
+    import anyio
+
+    from asyncside import MemoryPlan, Runtime, load
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    keywords = set(re.findall(r"Runtime\([^)]*?\b(\w+)=", text))
+    assert keywords >= {"read_window", "rows_profile", "policy"}, keywords
+    assert keywords <= set(inspect.signature(Runtime).parameters)
+    assert set(re.findall(r"load\([^)]*?\b(\w+)=", text)) <= set(inspect.signature(load).parameters)
+    calls = set(re.findall(r"`(?:await )?rt\.(\w+)", text))
+    assert calls and all(hasattr(Runtime, name) for name in calls), calls
+    plan_attrs = set(re.findall(r"rt\.plan\.(\w+)", text))
+    keys = set(re.findall(r"rt\.memory\[\"(\w+)\"\]", text))
+
+    async def main() -> None:
+        async with Runtime(make_expert_store(), resident=0.5, memory="1G") as rt:
+            assert isinstance(rt.plan, MemoryPlan)
+            assert [a for a in plan_attrs if not hasattr(rt.plan, a)] == []
+            assert keys - set(rt.memory) == set()
+
+    anyio.run(main)
