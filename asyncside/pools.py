@@ -13,7 +13,11 @@ land in the rows themselves instead of going through a staging buffer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import concurrent.futures
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +60,51 @@ def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: i
         pool = mx.zeros(shape, dtype=dtype)
         mx.eval(pool)
     return pool
+
+
+_BUILDER_LOCK = threading.Lock()
+_BUILDER: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None = None
+
+
+def _serve_builds(jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
+    while True:
+        fn, future = jobs.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the awaiting caller, whatever it is
+            future.set_exception(exc)
+
+
+def _forget_builder() -> None:
+    # A forked child has no copy of the thread: its first build starts its own.
+    global _BUILDER
+    _BUILDER = None
+
+
+os.register_at_fork(after_in_child=_forget_builder)
+
+
+def _build_in_pool_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """Run ``fn`` on the process's one pool-building thread (a daemon started on first use that
+    never ends); its future.
+
+    Why one thread for the process's life: MLX gives every thread that runs an op its own default
+    stream, with a scheduler thread of its own that outlives the thread. Built in anyio's worker
+    threads, which end with the task that ran the runtime (every ``asyncio.run``, every ``load()``'s
+    model), each runtime left one more such thread behind for good. Like the facade's runtime
+    thread, it never ends: a thread holding MLX state must not end while the interpreter finalizes.
+    """
+    global _BUILDER
+    with _BUILDER_LOCK:
+        if _BUILDER is None:
+            jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+            threading.Thread(target=_serve_builds, args=(jobs,), name="asyncside-pools", daemon=True).start()
+            _BUILDER = jobs
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        _BUILDER.put((fn, future))
+    return future
 
 
 def device_pools_default() -> bool:
@@ -109,14 +158,18 @@ class PoolSet:
     async def allocate(cls, spec: LayerSpec, rows: int, *, align: int = POOL_ALIGNMENT,
                        device: bool | None = None) -> PoolSet:
         """Build the pools without stalling the event loop: allocating and zeroing large host
-        pools takes tens to hundreds of ms, so host pools are built in a worker thread. Device
-        pools (MLX CUDA) are built on the calling thread: MLX streams are thread-local and the
-        GPU stream that later reads the pools is this thread's. Evaluated when this returns."""
+        pools takes tens to hundreds of ms, so host pools are built off the loop, on the process's
+        pool-building thread (see :func:`_build_in_pool_thread`). Device pools (MLX CUDA) are built
+        on the calling thread: MLX streams are thread-local and the GPU stream that later reads the
+        pools is this thread's. Evaluated when this returns."""
         import anyio
 
         if device_pools_default() if device is None else device:
             return cls(spec, rows, align=align, device=True)
-        return await anyio.to_thread.run_sync(lambda: cls(spec, rows, align=align, device=False))
+        future = _build_in_pool_thread(lambda: cls(spec, rows, align=align, device=False))
+        # The worker only waits (it runs no MLX op); the build goes on to its end if cancelled.
+        pools: PoolSet = await anyio.to_thread.run_sync(future.result)
+        return pools
 
     def __repr__(self) -> str:
         return f"PoolSet(layer={self.spec.index}, rows={self.rows}, keys={list(self.arrays)})"
