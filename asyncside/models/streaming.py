@@ -39,6 +39,10 @@ from .trace import RoutingTrace
 PREFILL_STEP_SIZE = 2048
 
 
+#: Decode steps between two clears of MLX's buffer cache (mlx-lm's generate_step's period).
+_CLEAR_CACHE_EVERY = 256
+
+
 def greedy(logits: mx.array) -> mx.array:
     """The greedy token of the last position (lazy), as mlx-lm's generate_step computes it."""
     logits = logits[:, -1, :]
@@ -239,6 +243,7 @@ class StreamingModel:
             async with lock:
                 await fwd.step(fwd.context(cache, source, pred, trace), prompt[:n][None], logits=False)
             prompt = prompt[n:]
+            mx.clear_cache()
         if max_tokens == 0:
             return
         inputs = prompt[None]
@@ -262,6 +267,11 @@ class StreamingModel:
             yield tok
             if n + 1 == max_tokens:
                 return
+            if n % _CLEAR_CACHE_EVERY == 0:
+                # As mlx-lm's generate_step does: the buffers of each size the KV cache outgrew
+                # stay in MLX's cache, whose limit off the CPU is the device's memory, so a long
+                # generation's cache grew without bound past the plan's headroom.
+                mx.clear_cache()
             if ahead is None:
                 async with lock:
                     ctx = fwd.context(cache, source, pred, trace)
