@@ -222,3 +222,22 @@ def test_the_slot_cache_starts_holding_what_the_runtimes_rows_start_with(quick_s
         assert {layer: set(sc.holds(layer)) for layer in store.layers} == held
         assert all(len(h) == sc.layers[layer].slots for layer, h in held.items())  # every slot filled
         assert sc.stats()["misses"] == 0 and sc.stats()["bytes_read"] == 0  # warm reads are not demand reads
+
+
+def test_a_runs_process_is_measured_apart_from_the_process_that_plans_the_bench() -> None:
+    """bench offload's refusal of a budget no run holds counted what *this* process held as a run's
+    process: called from a large program (a test suite late in its run, a notebook) it refused
+    --memory 700M with "about 2229 MB of process", though every run is a fresh child. A run's
+    process is now measured in a fresh child."""
+    from asyncside.bench import offload
+    from asyncside.memory import proc_self_bytes
+
+    offload.process_baseline.cache_clear()
+    ballast = bytearray(512 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touched: resident
+    try:
+        here = proc_self_bytes("status", "VmRSS")
+        child = offload.process_baseline()
+        assert 0 < child < here - 400 * 2**20, (child, here)
+    finally:
+        del ballast

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -556,19 +557,30 @@ def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, i
     return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
 
 
+@functools.lru_cache(maxsize=1)
 def process_baseline() -> int:
-    """What a run's process holds before its model: this process's resident size with MLX, mlx-lm
-    and the asyncside modules a run imports before it plans (its models and runtime) loaded. Taken
-    before any shape is built: what a build leaves behind in this process (freed memory the
-    allocator keeps) is no part of a run's process, and counting it would raise the smallest plan
-    of a build above that of the same store reused."""
-    import mlx.core  # noqa: F401
-    import mlx_lm  # noqa: F401
+    """What a run's process holds before its model: the resident size of a fresh interpreter with
+    MLX, mlx-lm and the asyncside modules a run imports before it plans (its models and runtime)
+    loaded, measured in a child as the runs are children. Not this process's own size: a caller
+    that has built shapes (freed memory the allocator keeps) or is a large program itself (a test
+    suite, a notebook) would count what no run's process holds, and refuse budgets the runs fit."""
+    code = ("import mlx.core, mlx_lm\n"
+            "from asyncside import models, runtime\n"
+            "from asyncside.memory import proc_self_bytes\n"
+            "print(proc_self_bytes('status', 'VmRSS'))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        return int(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        # No child could say (a sandbox without fork): this process's size with those modules
+        # loaded, an estimate from above.
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
 
-    from .. import models, runtime  # noqa: F401
-    from ..memory import proc_self_bytes
+        from .. import models, runtime  # noqa: F401
+        from ..memory import proc_self_bytes
 
-    return proc_self_bytes("status", "VmRSS")
+        return proc_self_bytes("status", "VmRSS")
 
 
 def least_budget(shape: dict[str, Any]) -> int:
@@ -1245,6 +1257,8 @@ def _title(result: dict[str, Any]) -> str:
 def _budget_text(budget: int) -> str:
     """The budget as --memory reads it (binary: 700M is 700 MiB, what asyncside's plan and its
     refusals say) beside the decimal MB the tables use."""
+    if budget < 2**20:  # a budget below a MiB read "0 MiB (0 MB)"
+        return f"{budget} bytes"
     return f"{budget / 2**20:.0f} MiB ({budget / MB:.0f} MB)"
 
 
