@@ -39,8 +39,14 @@ def test_load_interrupted_while_its_runtime_is_entered_leaves_it_closed(quick_st
         await anyio.sleep(60)  # the entry is still going when the interruption lands
 
     monkeypatch.setattr(_fills.HostFills, "setup", setup_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        facade.load(quick_store, progress=False)
+    # Ctrl-C as a notebook's kernel takes it, whatever the test runner inherited (one started in
+    # the background has SIGINT ignored, and the signal would be lost).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            facade.load(quick_store, progress=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert shared, "the runtime was never entered"
     assert shared[0].closed and shared[0].exited, "the runtime load() was entering is still open"
 

@@ -157,6 +157,15 @@ def test_serve_started_with_its_standard_descriptors_closed_serves_and_exits_0(
     assert proc.returncode == 0, said[-2000:]
 
 
+def _signals_by_default() -> None:
+    """In a child about to run: the signals these tests send at their default disposition. A test
+    runner started in the background (``nohup``, ``&`` in a script) hands its children SIGHUP or
+    SIGINT ignored, which asyncside keeps ignored, as a supervisor's choice; the tests ask for the
+    case where they are not."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -185,7 +194,7 @@ def test_sigterm_to_bench_serve_stops_its_mlx_lm_server_child(quick_store: pathl
     proc = subprocess.Popen([sys.executable, "-m", "asyncside", "bench", "serve", "--model", str(quick_store),
                              "--mlx-lm-model", str(model_dir), "--clients", "1", "--duration", "30",
                              "--max-tokens", "2", "--prompt-lengths", "4"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_signals_by_default)
     children: list[int] = []
     try:
         while not children and proc.poll() is None:
@@ -242,7 +251,7 @@ def _server_process(argv: list[str]) -> Iterator[tuple[subprocess.Popen[str], st
     """A server started by ``argv`` (a script printing its URL first), and that URL; killed on the
     way out if it has not exited by then."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_signals_by_default)
     try:
         assert proc.stdout is not None
         url = proc.stdout.readline().strip()
