@@ -303,6 +303,7 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
 
             per_step = len(store.layers) * (store_top_k(store) or 0)
             demands = int(stats["hits"]) + int(stats["misses"]) - at_first[2]
+            stats["decode_demands"] = demands
             stats["decode_steps_counted"] = demands / per_step if per_step and demands else None
         stats["prediction"] = PredictionQuality.from_counters(sm.forward_with(options).counters, counted).as_dict()
     if record is not None:
@@ -443,6 +444,7 @@ def limits(run: Run, stats: dict[str, Any], disk: dict[str, float] | None, ref: 
         "miss_bytes_per_token": miss_bytes,
         # the decode steps the read counters cover, and what they read (miss_bytes_per_token's terms)
         "decode_steps": decode_tokens,
+        "decode_demands": stats.get("decode_demands"),  # distinct experts routed in them, all layers
         "decode_bytes_read": stats.get("decode_bytes_read"),
         "disk_bytes_per_s": disk["bytes_per_s"] if disk else None,
         "io_limit_tokens_per_s": io_limit,

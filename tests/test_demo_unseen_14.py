@@ -26,12 +26,11 @@ def test_the_demos_bytes_per_token_are_over_the_steps_its_counters_cover(
     lim = res["limits"]
     store = ExpertStore.open(quick_store)
     assert lim["decode_bytes_read"] > 0
-    # The steps the counters cover are whole demands over a step's (MoE layers x top-k)...
+    # The steps the counters cover are their demands over a step's (MoE layers x top-k), which is
+    # one decode step fewer than the tokens after the first where the first was queued before the
+    # first token arrived (most runs; timing decides), never more; the bytes per token are the
+    # counted bytes over them.
     per_step = len(store.layers) * 4  # the quick model routes top-4
-    assert (lim["decode_steps"] * per_step) == pytest.approx(round(lim["decode_steps"] * per_step))
-    # ... fewer than the tokens after the first where the first decode step was queued before it,
-    # never more; and the bytes per token are the counted bytes over them.
+    assert lim["decode_steps"] == lim["decode_demands"] / per_step
     assert tokens - 2 <= lim["decode_steps"] <= tokens - 1
-    if res["decode_steps"] == "queued":  # the step kind that ran most: here the first step was queued early
-        assert lim["decode_steps"] < tokens - 1
     assert lim["miss_bytes_per_token"] == pytest.approx(lim["decode_bytes_read"] / lim["decode_steps"])
