@@ -137,9 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .serving.cli import open_std_fds
 
         open_std_fds()
-    # serve (and bench serve's server) shut down gracefully on SIGTERM through their own handlers.
-    # A signal ignored by the parent (SIG_IGN inherited: nohup's SIGHUP) stays ignored.
-    mine = threading.current_thread() is threading.main_thread() and "serve" not in args[:2]
+    # serve shuts down gracefully on SIGTERM through its own handlers (bench serve's server runs in
+    # a thread, with none: the bench ends here as on Ctrl-C, stopping both servers). A signal
+    # ignored by the parent (SIG_IGN inherited: nohup's SIGHUP) stays ignored.
+    mine = threading.current_thread() is threading.main_thread() and _command_name(args) != "serve"
     previous = {s: signal.signal(s, _terminated) for s in _ENDING
                 if mine and signal.getsignal(s) is not signal.SIG_IGN}
     try:

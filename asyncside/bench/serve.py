@@ -554,38 +554,11 @@ def _prompts(tokenizer: Any, lengths: Sequence[int], long: int,
     return prompt
 
 
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM or SIGHUP raises SystemExit (status 128 + the signal) in the main thread while the
-    bench runs, so its servers stop as on Ctrl-C: the interpreter's default ended the process where
-    it stood and left the mlx_lm.server child running, its model loaded, its port held. A signal
-    the parent ignored (``nohup``'s SIGHUP) stays ignored; a second one ends the process at once."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_exit(signum: int, _frame: object) -> None:
-        signal.signal(signum, signal.SIG_DFL)
-        raise SystemExit(128 + signum)
-
-    ending = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    previous = {s: signal.signal(s, raise_exit) for s in ending if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def run_serve_bench(args: argparse.Namespace, *, engine_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Run every phase on both servers and return the results (printed as a table unless ``args.json``)."""
-    with _sigterm_as_exit():
-        return _run_serve_bench(args, engine_factory)
+    """Run every phase on both servers and return the results (printed as a table unless ``args.json``).
 
-
-def _run_serve_bench(args: argparse.Namespace, engine_factory: Callable[[], Any] | None) -> dict[str, Any]:
+    From the command line, SIGTERM and SIGHUP end it as Ctrl-C does (``asyncside.cli.main``), so
+    both servers stop: its server runs in a thread, where no handler of serve's own is installed."""
     import uvloop
 
     from ..serving import BackgroundServer, create_app, engine_factory_from_args
