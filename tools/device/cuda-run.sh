@@ -28,7 +28,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*"; }
 
-export PYTHONPATH=/tmp/site
+# The checkout first (tests, tools and examples start children that import asyncside from it), then
+# the staged wheels.
+export PYTHONPATH=$PWD:/tmp/site
 # The extension finds libmlx through its RPATH when installed beside mlx; copied into the checkout
 # (below) it needs the library path.
 export LD_LIBRARY_PATH=/tmp/site/mlx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -47,6 +49,19 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
   --config-settings=build-dir=/tmp/asyncside-build . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
+# The distribution's metadata beside the wheels: its pytest11 entry point loads asyncside.testing's
+# fixtures (expert_store, asyncside_runtime) into every pytest run, as an installed asyncside does.
+rm -rf /tmp/site/asyncside-*.dist-info && cp -r /tmp/asyncside/asyncside-*.dist-info /tmp/site/
+# Some tests start a child without PYTHONPATH, as a user's own project runs with asyncside
+# installed (tests/test_plugin_external.py): a .pth in the interpreter's site-packages puts the
+# checkout and the wheels on every child's path, in PYTHONPATH's order.
+python3 - "$PWD" <<'PY' || exit 1
+import pathlib, sys, sysconfig
+pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "asyncside-device-run.pth"
+paths = [sys.argv[1], "/tmp/site"]
+pth.write_text(f"import sys; sys.path[:0] = [p for p in {paths!r} if p not in sys.path]\n")
+print("wrote", pth)
+PY
 python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
 fi
 [ -n "${SETUP_ONLY:-}" ] && { log "set up (SETUP_ONLY)"; exit 0; }
@@ -88,7 +103,6 @@ done
 done
 fi
 if [ -n "${AB:-}" ]; then
-export PYTHONPATH=/tmp/site:$PWD
 set -- $AB
 for r in 0.5 0.25; do
   log "A/B of $1 ($2 vs $3) at $r resident"
@@ -98,7 +112,6 @@ for r in 0.5 0.25; do
 done
 fi
 if [ -n "${HOST_TIME:-}" ]; then
-export PYTHONPATH=/tmp/site:$PWD
 for b in $HOST_TIME; do
   log "host time per decode step, batch $b"
   timeout 300 python3 -m asyncside.bench.step --batch $b --json > "$OUT/bench-step-$b.json" 2> "$OUT/bench-step-$b.err"
@@ -106,7 +119,6 @@ for b in $HOST_TIME; do
 done
 fi
 if [ -n "${PREFILL_TIME:-}" ]; then
-export PYTHONPATH=/tmp/site:$PWD
 for r in ${PREFILL_RESIDENT:-0.5 1.0}; do
   log "host time per prefill chunk of $PREFILL_TIME tokens, batch ${PREFILL_BATCH:-1 4}, $r resident"
   timeout 300 python3 -m asyncside.bench.step --batch ${PREFILL_BATCH:-1 4} --prefill $PREFILL_TIME --steps 30 \
@@ -115,7 +127,6 @@ for r in ${PREFILL_RESIDENT:-0.5 1.0}; do
 done
 fi
 if [ -n "${AB_SERVE:-}" ]; then
-export PYTHONPATH=/tmp/site:$PWD
 for c in ${AB_SERVE_CLIENTS:-1 8}; do
   log "engine A/B, $c clients: $AB_SERVE"
   timeout 400 python3 tools/ab_serve.py $AB_SERVE --clients $c --json > "$OUT/ab-serve-$c.json" 2> "$OUT/ab-serve-$c.err"
