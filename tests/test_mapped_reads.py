@@ -81,8 +81,14 @@ def _flip(spec: LayerSpec, at: int) -> None:
 def _open(backend: str, spec: LayerSpec, pools: PoolSet, *, verify: bool = True, **kw: Any) -> tuple[Any, int]:
     r = native.Reader(backend, native.ReaderOptions(verify=verify, **kw))
     segs = spec.segments
-    lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs],
-                       [s.nbytes for s in segs], [pools.arrays[s.key] for s in segs])
+    if pools.mirror is not None:
+        # Device pools (MLX CUDA): reads land in the host mirror, as the runtime's readers have them
+        # (rows_equal_store reads the mirror's rows there).
+        lid = r.add_layout_mirror(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs],
+                                  [s.nbytes for s in segs], pools.mirror)
+    else:
+        lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in segs],
+                           [s.nbytes for s in segs], [pools.arrays[s.key] for s in segs])
     if verify:
         r.set_checksums(lid, spec.checksum, list(spec.checksums))
     return r, lid

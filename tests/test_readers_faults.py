@@ -228,7 +228,9 @@ def test_native_close_waits_for_reads_and_staging(native_reader: str, store: Exp
     """The native safety net, without Python's scheduler: close() with fills in flight waits for
     them; staging (one slot for many staged fills: backpressure) all comes back; bytes are right."""
     spec: LayerSpec = store.layer(2)
-    pools = PoolSet(spec, rows=spec.n_experts)
+    # Host pools on every device: the reader writes the MLX arrays themselves, which rows_equal_store
+    # reads back (device pools would be read through their host mirror, which this layout bypasses).
+    pools = PoolSet(spec, rows=spec.n_experts, device=False)
     r = native.Reader(native_reader, ReaderOptions(direct=True, staging_bytes=64 << 10, slot_bytes=64 << 10,
                                              chunk_bytes=64 << 10, buffered_chunk_bytes=64 << 10))
     lid = r.add_layout(str(spec.path), spec.stride, spec.n_experts, [s.offset for s in spec.segments],
