@@ -80,7 +80,10 @@ async def test_catches_mx_eval_of_unfinished_work(anyio_backend: object) -> None
 async def test_catches_mx_synchronize_on_a_stuck_stream(anyio_backend: object) -> None:
     # The gate times out by itself after 0.2 s, failing the stream; synchronize then raises.
     gate = native_testing.StreamGate(timeout_s=0.2)
-    x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
+    # On the gate's CPU stream whatever the default device (on MLX CUDA, scheduling GPU work behind
+    # the held CPU stream waited for the gate itself, before synchronize).
+    with mx.stream(mx.cpu):
+        x = gate.hold(mx.array(np.ones(4, np.float32))) + 1.0
     mx.async_eval(x)
     async with BlockingDetector(threshold=0.05, raise_on_exit=False) as det:
         with pytest.raises(RuntimeError, match="never opened"):
@@ -113,10 +116,11 @@ async def test_reports_a_block_the_watchdog_could_not_watch(anyio_backend: objec
 @pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_catches_mx_eval_of_a_big_computation(anyio_backend: object) -> None:
     rng = np.random.default_rng(0)
-    a = mx.array((rng.standard_normal((512, 512)) / 23).astype(np.float32))
-    x = a
-    for _ in range(3):  # ~0.8 GFLOP: far beyond 2 ms for MLX on a CPU (hundreds of ms here)
-        x = x @ a
+    with mx.stream(mx.cpu):  # a GPU computes this in well under the threshold
+        a = mx.array((rng.standard_normal((512, 512)) / 23).astype(np.float32))
+        x = a
+        for _ in range(3):  # ~0.8 GFLOP: far beyond 2 ms for MLX on a CPU (hundreds of ms here)
+            x = x @ a
     async with BlockingDetector(threshold=0.002, raise_on_exit=False) as det:
         mx.eval(x)
     assert det.incidents

@@ -88,7 +88,8 @@ async def test_resolves_only_after_a_long_matmul_chain(
 
 async def test_waits_for_the_stream_to_get_there(anyio_backend: object, no_blocking: object, a_np: np.ndarray) -> None:
     gate = native_testing.StreamGate()
-    x = _chain(gate.hold(mx.array(a_np)), 4)
+    with mx.stream(mx.cpu):  # the gate holds a CPU stream: the chain queues behind it there on every device
+        x = _chain(gate.hold(mx.array(a_np)), 4)
     done = anyio.Event()
 
     async def waiter() -> None:
@@ -112,11 +113,13 @@ async def test_many_completions_resolve_in_stream_order(
 ) -> None:
     before = bridge.counters()
     gate = native_testing.StreamGate()
-    base = gate.hold(mx.array(a_np))
     # Few enough that the work queued behind the gate stays under MLX's eval throttle (about
     # 100 dispatches in flight, about 10 per completion here): past it, scheduling x itself
-    # would block until the gate opens.
-    xs = [base * float(i) + 1.0 for i in range(8)]
+    # would block until the gate opens. On the gate's CPU stream whatever the default device: on
+    # MLX CUDA, GPU work behind a held CPU stream blocked its scheduling until the gate timed out.
+    with mx.stream(mx.cpu):
+        base = gate.hold(mx.array(a_np))
+        xs = [base * float(i) + 1.0 for i in range(8)]
     order = list(range(len(xs)))
     random.Random(7).shuffle(order)
     issued: list[int] = []
