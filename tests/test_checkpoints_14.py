@@ -155,6 +155,12 @@ def test_a_model_type_mlx_lm_builds_as_a_supported_one_streams(tmp_path: pathlib
     classes (its MODEL_REMAPPING). asyncside refused it before mlx-lm built it ("model_type
     'kimi_k2' is not supported; supported: [..., 'deepseek_v3', ...]"), though the model it is
     walks as deepseek_v3's. It now converts and streams mlx-lm's logits."""
+    if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) and mx.cuda.is_available():
+        # The tiny 4-bit model's matrices are one quantization group a row: MLX CUDA has no
+        # quantized matmul for some of its shapes ("No implementation for problem shape") and
+        # computes the others wrong for several tokens, plain mlx-lm's logits included.
+        pytest.skip("MLX CUDA: the tiny 4-bit model's quantized matmuls fail or are wrong at one group per row "
+                    "(tools/device/probe_qmm.py)")
     monkeypatch.setitem(BASE, "kimi_k2", dict(BASE["deepseek_v3"], model_type="kimi_k2"))
     model, config = tiny_model("kimi_k2", quantize={"group_size": 64, "bits": 4})
     d = _save(tmp_path / "model", model, config)

@@ -32,6 +32,12 @@ from asyncside.store import ExpertStore
 from _models_support import ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
+#: MLX CUDA's quantized matmul of several tokens is wrong, and not reproducible, where a matrix's rows
+#: are one quantization group, as every matrix of these tiny 4-bit models is: plain mlx-lm's own
+#: reference is wrong there (tools/device/probe_qmm.py; tests/test_models.py skips the same). The
+#: quantized tests below check the store there, not the tokens.
+QMM_WRONG_HERE = mx.default_device() == mx.gpu and bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+QMM_WRONG_REASON = "MLX CUDA: quantized matmul of several tokens is wrong at one group per row (tools/device/probe_qmm.py)"
 
 
 def write_model_dir(path: pathlib.Path, model_type: str, quantize=None) -> tuple[pathlib.Path, list[int]]:
@@ -115,6 +121,8 @@ def test_convert_quantized_with_profile(tmp_path: pathlib.Path) -> None:
     summary = json.loads((store.path / "asyncside_summary.json").read_text())
     assert summary["expert_bytes"] == sum(s.nbytes for sp in store.layers.values() for s in sp.segments) * 16
 
+    if QMM_WRONG_HERE:
+        pytest.skip(f"the store checked; tokens not compared: {QMM_WRONG_REASON}")
     assert anyio.run(stream_tokens, store.path, prompt, "resident") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "shuffled") == ref
     assert anyio.run(stream_tokens, store.path, prompt, "runtime") == ref
@@ -146,6 +154,8 @@ def test_convert_gpt_oss_biases(tmp_path: pathlib.Path) -> None:
     store = convert_model(model_dir, tmp_path / "store", progress=False)
     keys = [s.key for s in store.layer(0).segments]
     assert "gate_proj.bias" in keys and "down_proj.bias" in keys
+    if QMM_WRONG_HERE:
+        pytest.skip(f"the store checked; tokens not compared: {QMM_WRONG_REASON}")
     assert anyio.run(stream_tokens, store.path, prompt, "shuffled") == ref
 
 
