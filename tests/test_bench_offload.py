@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from _cli_support import offload_args
+from _offload_support import offload_budget
 
 from asyncside.bench import offload
 
@@ -65,10 +66,11 @@ def test_a_process_over_the_limit_is_reported_killed(cgroups: None, quick_store:
 def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
     """Every system runs in its own cgroup under the budget, never above it, with every column, and
     the tokens of every system equal the all-resident reference's under the same replayed routing."""
-    args = offload_args("--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio", "0.001",
+    budget = offload_budget(BUDGET)
+    args = offload_args("--stores", str(quick_store), "--memory", str(budget), "--store-ratio", "0.001",
                         "--seconds", "2", "--tokens", "10", "--localities", "low,high")
     res = offload.run_offload_bench(args)
-    assert res["budget_bytes"] == BUDGET and res["cgroup"].startswith("cgroup v")
+    assert res["budget_bytes"] == budget and res["cgroup"].startswith("cgroup v")
     (shape,) = res["shapes"]
     assert shape["io"]["GBps"] > 0 and shape["io"]["queue_depth"] >= 1
     for loc in ("low", "high"):
@@ -77,7 +79,7 @@ def test_tiny_offload_run(cgroups: None, quick_store: pathlib.Path) -> None:
         (loc, s) for loc in ("low", "high") for s in offload.SYSTEMS]
     for r in res["runs"]:
         assert r["status"] == "ok", r
-        assert 0 < r["peak_bytes"] <= BUDGET  # the budget is never exceeded
+        assert 0 < r["peak_bytes"] <= budget  # the budget is never exceeded
         assert r["tokens_match_reference"] is True and r["n_tokens"] == 10
         assert r["decode_tokens_per_s"] > 0 and r["disk_mb_per_token"] >= 0 and r["of_limit"] > 0
         if r["system"] != "mlx-lm":

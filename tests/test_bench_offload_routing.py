@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _cli_support import offload_args
+from _offload_support import offload_budget
 
 from asyncside import cli
 from asyncside.bench import offload
@@ -92,8 +93,8 @@ def test_a_bad_file_exits_2_naming_file_and_field(tmp_path: pathlib.Path, capsys
 def test_a_smaller_top_k_is_refused_by_name(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
                                             quick_store: pathlib.Path) -> None:
     small = write_trace(tmp_path / "top2.npz", top_k=2)
-    rc, err = _cli(capsys, "--stores", str(quick_store), "--store-ratio", "0.001", "--memory", str(BUDGET),
-                   "--routing", str(small))
+    rc, err = _cli(capsys, "--stores", str(quick_store), "--store-ratio", "0.001", "--memory",
+                   str(offload_budget(BUDGET)), "--routing", str(small))
     assert rc == 2, err
     assert str(small) in err and "top-2" in err and "top-4" in err and "Traceback" not in err
 
@@ -109,11 +110,12 @@ def test_a_user_trace_end_to_end(quick_store: pathlib.Path, tmp_path: pathlib.Pa
     """A 64-expert top-6, 5-layer, 2-sequence trace on the 2-layer 32-expert top-4 store: only the
     file runs (no preset), every system replays the same fitted ids, so all tokens equal the
     all-resident reference's; the JSON says which file, its shape, the mapping and the wrap."""
-    ok, why = offload.check_cgroups(BUDGET)
+    budget = offload_budget(BUDGET)
+    ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
     trace = write_trace(tmp_path / "recorded.npz", tokens=(6, 9))
-    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(BUDGET), "--store-ratio",
+    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(budget), "--store-ratio",
                                           "0.001", "--seconds", "2", "--tokens", "10", "--routing", str(trace)))
     (shape,) = res["shapes"]
     assert list(shape["compute"]) == ["recorded"] and shape["compute"]["recorded"]["status"] == "ok"

@@ -350,14 +350,17 @@ def test_cli_says_a_bad_shape_in_one_line(tmp_path: pathlib.Path, capsys: pytest
 
 def test_offload_takes_a_config_path(tmp_path: pathlib.Path) -> None:
     """`bench offload --shapes PATH:1`: the config's store built and run under a cgroup budget."""
+    from _offload_support import offload_budget
+
     from asyncside.bench import offload
 
-    ok, why = offload.check_cgroups(700 * 2**20)
+    budget = offload_budget(700 * 2**20)
+    ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
     path = _write(tmp_path / "tiny-mixtral", TINY_MIXTRAL)
     args = offload_args("--shapes", f"{path}:1", "--vocab", "300", "--cache-dir", str(tmp_path / "cache"),
-                        "--memory", "700M", "--store-ratio", "0.0001", "--seconds", "2", "--tokens", "6",
+                        "--memory", str(budget), "--store-ratio", "0.0001", "--seconds", "2", "--tokens", "6",
                         "--localities", "high", "--systems", "asyncside", "--quiet")
     res = offload.run_offload_bench(args)
     (shape,) = res["shapes"]

@@ -131,6 +131,8 @@ def test_offload_slot_cache_gets_asyncsides_rows_whatever_the_systems_order(
     children are stood in for: what is checked is what each was asked to run.)"""
     import contextlib
 
+    from _offload_support import offload_budget
+
     from asyncside.bench import offload
     from tests._cli_support import offload_args
 
@@ -149,8 +151,9 @@ def test_offload_slot_cache_gets_asyncsides_rows_whatever_the_systems_order(
     monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
     monkeypatch.setattr(offload, "drop_caches", lambda: True)
     monkeypatch.setattr(offload, "_bandwidth", lambda store, depth: {"GBps": 1.0, "queue_depth": 1})
-    args = offload_args("--stores", str(quick_store), "--memory", "700M", "--store-ratio", "0.001",
-                        "--localities", "high", "--systems", "slot-cache,asyncside", "--tokens", "3", "--quiet")
+    args = offload_args("--stores", str(quick_store), "--memory", str(offload_budget(700 * 2**20)),
+                        "--store-ratio", "0.001", "--localities", "high", "--systems", "slot-cache,asyncside",
+                        "--tokens", "3", "--quiet")
     res = offload.run_offload_bench(args)
     experts = res["shapes"][0]["experts_per_layer"]
     assert [s for s, _f in asked] == ["mlx-lm", "asyncside", "slot-cache"]  # the compute limit, then the arms

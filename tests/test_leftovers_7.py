@@ -137,6 +137,7 @@ def test_every_arm_of_bench_offload_replays_the_sequence_asked_for(quick_store: 
     import json
 
     from _cli_support import offload_args
+    from _offload_support import offload_budget
 
     from asyncside.bench import offload
     from asyncside.routing import RoutingTrace
@@ -157,7 +158,8 @@ def test_every_arm_of_bench_offload_replays_the_sequence_asked_for(quick_store: 
     monkeypatch.setattr(offload, "_bandwidth", lambda *a, **k: {"GBps": 1.0})
     monkeypatch.setattr(offload, "drop_caches", lambda: True)
     monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
-    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory", str(OFFLOAD_BUDGET),
+    res = offload.run_offload_bench(offload_args("--stores", str(quick_store), "--memory",
+                                                 str(offload_budget(OFFLOAD_BUDGET)),
                                                  "--store-ratio", "0.001", "--routing", str(two),
                                                  "--routing-sequence", "1"))
     assert [system for system, _ids, _n in arms] == ["mlx-lm", *offload.SYSTEMS]

@@ -181,8 +181,9 @@ def test_of_min_is_at_most_one_on_a_one_token_trace(quick_store: pathlib.Path, t
     """End to end under a cgroup: a trace whose single token repeats at every position (the rows
     the runtime warms at start may already hold some of its experts)."""
     import numpy as np
+    from _offload_support import offload_budget
 
-    budget = 700 * 2**20
+    budget = offload_budget(700 * 2**20)
     ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")

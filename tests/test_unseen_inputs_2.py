@@ -355,9 +355,11 @@ def test_the_slot_cache_gets_a_fraction_when_asyncside_gives_it_no_rows(quick_st
     run refused (a --tokens whose KV cache passes the plan's allowance), the slot cache was given
     budget / 2 / store = 541 of each layer's experts and refused: "resident: expected a fraction in
     [0, 1], got 541.75"."""
+    from _offload_support import offload_budget
+
     from asyncside.bench import offload
 
-    budget = 700 * 2**20
+    budget = offload_budget(700 * 2**20)
     ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")

@@ -71,8 +71,10 @@ def test_a_built_shape_gets_the_smallest_plan_of_the_same_store_reused(tmp_path:
     monkeypatch.setattr(memory, "proc_self_bytes", rss)
     monkeypatch.setattr(offload, "check_cgroups", cgroups)
     record, experts = _store_bytes(built["store"])
+    # The process a run starts, as the bench measures it (a fresh child: several times the CPU's on
+    # MLX CUDA), not the stand-in size of this one.
     least = offload.least_budget({"moe_layers": 2, "top_k": 2, "record_bytes": record, "store_bytes": store_bytes,
-                                  "expert_bytes": experts})
+                                  "expert_bytes": experts, "process_bytes": offload.process_baseline()})
     # A ratio the store passes against its smallest plan with room to spare, and fails against a
     # plan 300 MB larger.
     ratio = store_bytes / (least + 100 * MB)
@@ -126,13 +128,15 @@ def test_offload_prompts_a_model_whose_vocabulary_ends_before_its_prompt(tmp_pat
     """Every run of ``bench offload`` prompted the byte tokenizer's "T" (id 84): on a store of a
     64-token vocabulary asyncside refused the id (exit status 1) while mlx-lm and the slot cache
     embedded whatever lay past the table and reported tokens unlike the reference's."""
+    from _offload_support import offload_budget
     from mlx_lm.utils import save_config, save_model
 
     from asyncside.models.convert import convert_model
 
     from _models_support import BASE, tiny_model
 
-    ok, why = offload.check_cgroups(1 << 30)
+    budget = offload_budget(1 << 30)
+    ok, why = offload.check_cgroups(budget)
     if not ok:
         pytest.skip(f"no memory cgroup can be made here: {why}")
     monkeypatch.setitem(BASE, "qwen3_moe", {**BASE["qwen3_moe"], "vocab_size": 64})
@@ -142,7 +146,7 @@ def test_offload_prompts_a_model_whose_vocabulary_ends_before_its_prompt(tmp_pat
     store = tmp_path / "store"
     convert_model(tmp_path / "model", store, progress=False)
     assert offload.prompt_for(str(store)) == [63]
-    res = offload.run_offload_bench(offload_args("--stores", str(store), "--store-ratio", "0.00001", "--memory", "1G",
+    res = offload.run_offload_bench(offload_args("--stores", str(store), "--store-ratio", "0.00001", "--memory", str(budget),
                                                  "--seconds", "1", "--tokens", "3", "--localities", "low",
                                                  "--systems", "asyncside,mlx-lm", "--quiet"))
     for run in res["runs"]:
