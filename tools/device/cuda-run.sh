@@ -49,9 +49,14 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /
   --config-settings=build-dir=/tmp/asyncside-build . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 # Tests and examples import the package from the checkout; the compiled module comes from the build.
 cp /tmp/asyncside/asyncside/_native*.so asyncside/
+python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
+fi
+# (Also under REUSE, for a machine set up before these steps existed; both are idempotent.)
 # The distribution's metadata beside the wheels: its pytest11 entry point loads asyncside.testing's
 # fixtures (expert_store, asyncside_runtime) into every pytest run, as an installed asyncside does.
-rm -rf /tmp/site/asyncside-*.dist-info && cp -r /tmp/asyncside/asyncside-*.dist-info /tmp/site/
+if ls -d /tmp/asyncside/asyncside-*.dist-info >/dev/null 2>&1; then
+  rm -rf /tmp/site/asyncside-*.dist-info && cp -r /tmp/asyncside/asyncside-*.dist-info /tmp/site/
+fi
 # Some tests start a child without PYTHONPATH, as a user's own project runs with asyncside
 # installed (tests/test_plugin_external.py): a .pth in the interpreter's site-packages puts the
 # checkout and the wheels on every child's path, in PYTHONPATH's order.
@@ -60,10 +65,7 @@ import pathlib, sys, sysconfig
 pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "asyncside-device-run.pth"
 paths = [sys.argv[1], "/tmp/site"]
 pth.write_text(f"import sys; sys.path[:0] = [p for p in {paths!r} if p not in sys.path]\n")
-print("wrote", pth)
 PY
-python3 -c "import mlx.core, asyncside._native as n; print(n.build_info(), n.bridge_paths(), 'upload', n.cuda_upload_available(), 'device faults', n.device_faults_available())"
-fi
 [ -n "${SETUP_ONLY:-}" ] && { log "set up (SETUP_ONLY)"; exit 0; }
 
 if [ -z "${REUSE:-}" ]; then
