@@ -60,7 +60,7 @@ fi
 # Some tests start a child without PYTHONPATH, as a user's own project runs with asyncside
 # installed (tests/test_plugin_external.py): a .pth in the interpreter's site-packages puts the
 # checkout and the wheels on every child's path, in PYTHONPATH's order.
-python3 - "$PWD" <<'PY' || exit 1
+python3 - "$PWD" <<'PY' || echo "warning: no .pth written: children started without PYTHONPATH cannot import asyncside"
 import pathlib, sys, sysconfig
 pth = pathlib.Path(sysconfig.get_paths()["purelib"]) / "asyncside-device-run.pth"
 paths = [sys.argv[1], "/tmp/site"]
