@@ -510,6 +510,16 @@ _KNOWN_PATHS = frozenset({"/v1/completions", "/completions", "/v1/chat/completio
                           "/v1/models", "/health", "/metrics"})
 
 
+def _endpoint(request: Request) -> str:
+    """The ``endpoint`` label of a request: its route's path, never the path the client sent (a
+    path of ``/v1/models/{id}`` with every id another label value, and another series kept for
+    good); without a route (an error before routing) a known path, else ``unmatched``."""
+    path = getattr(request.scope.get("route"), "path", None)
+    if not isinstance(path, str):
+        path = request.url.path if request.url.path in _KNOWN_PATHS else "unmatched"
+    return _CANONICAL.get(path, "/v1/models/{id}" if path.startswith("/v1/models/{") else path)
+
+
 class _Handlers:
     """The route handlers of one application."""
 
@@ -691,16 +701,14 @@ class _Handlers:
         assert isinstance(exc, HTTPException)
         message = {404: f"no route {request.url.path}",
                    405: f"method {request.method} not allowed on {request.url.path}"}
-        path = _CANONICAL.get(request.url.path, request.url.path)
-        self.record("unmatched" if exc.status_code == 404 else path, exc.status_code)
+        self.record("unmatched" if exc.status_code == 404 else _endpoint(request), exc.status_code)
         # A 405 says which methods the route takes (Starlette's Allow header; HTTP requires it).
         return _error(oai.RequestError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code,
                                        headers=exc.headers))
 
     async def server_error(self, request: Request, exc: Exception) -> Response:
         # Starlette re-raises after this answer, so uvicorn logs the traceback once.
-        path = _CANONICAL.get(request.url.path, request.url.path)
-        self.record(path if request.scope.get("route") is not None or path.startswith("/v1/") else "unmatched", 500)
+        self.record(_endpoint(request), 500)
         return _error(oai.RequestError(self.state.public(f"internal error: {type(exc).__name__}: {exc}"), status=500,
                                        type="server_error"))
 

@@ -1,0 +1,227 @@
+"""``asyncside serve`` as an operator runs it, round 15: a drain that waits for the load balancer to
+see /health fail, the default request body limit of a context of millions of tokens, bench serve's
+mlx_lm.server logs left in $TMPDIR, /metrics read by a real Prometheus parser and probes across a
+server's life, restarts on the same port, and a stderr that nobody reads.
+
+The servers run the real command line (``asyncside.cli.main``) in a child process, with the
+scripted model (tests/_serving_support.py) in place of a store: everything between the socket and
+the model is the real code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+
+from asyncside.serving import BackgroundServer, ServeSettings, create_app
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+LONG = "one two three four five six seven eight nine ten " * 4
+#: a hang guard for each request (generous), never a timing assertion
+HELD = 60.0
+
+
+def _stream(url: str, out: list[dict[str, Any]], started: threading.Event, max_tokens: int = 200) -> None:
+    events: list[Any] = []
+    done = False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=HELD * 2,
+                          json={"model": "scripted", "prompt": "count", "max_tokens": max_tokens,
+                                "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                    started.set()
+    except httpx.HTTPError as exc:
+        events.append({"broken": repr(exc)})
+    started.set()
+    out.append({"events": events, "done": done})
+
+
+def _streams(url: str, n: int, max_tokens: int = 200) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    out: list[dict[str, Any]] = []
+    threads = []
+    for _ in range(n):
+        started = threading.Event()
+        threads.append(threading.Thread(target=_stream, args=(url, out, started, max_tokens), daemon=True))
+        threads[-1].start()
+        assert started.wait(HELD), "a stream never sent its first chunk"
+    return threads, out
+
+
+# --- item 4: /metrics through a Prometheus parser, and probes ----------------------------------------
+
+
+def _families(text: str) -> dict[str, Any]:
+    """The families of a scrape, parsed by prometheus_client; each line checked on the way."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(helps) == len(set(helps)) and helps == types, "HELP and TYPE once per family, together"
+    assert text.endswith("\n") and "\n\n" not in text
+    families = {f.name: f for f in parser.text_string_to_metric_families(text)}
+    for f in families.values():
+        assert f.type in ("counter", "gauge", "histogram"), f
+        if f.type == "histogram":
+            buckets = [s for s in f.samples if s.name.endswith("_bucket")]
+            counts = [s.value for s in buckets]
+            assert counts == sorted(counts), f"{f.name}: buckets not cumulative"
+            assert buckets[-1].labels["le"] == "+Inf"
+            [count] = [s.value for s in f.samples if s.name == f.name + "_count"]
+            assert buckets[-1].value == count, f.name
+        for s in f.samples:
+            assert not math.isnan(s.value) or f.type == "gauge", s
+    return families
+
+
+def _counters(families: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values()
+            if f.type in ("counter", "histogram") for s in f.samples}
+
+
+def test_a_wrong_method_on_a_models_path_is_labelled_by_the_route(tmp_path: pathlib.Path) -> None:
+    """A 405 on ``/v1/models/{id}`` labelled its series with the path the client sent: every id a
+    client tried (quotes, backslashes and all) was a new series, which the server kept and sent at
+    every scrape for good. The label is the route now."""
+    model = ScriptedModel(byte_tokenizer(tmp_path), "hello")
+    with BackgroundServer(create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0))) as srv:
+        for i in range(20):
+            assert httpx.post(srv.url + f"/v1/models/m{i}").status_code == 405
+        assert httpx.delete(srv.url + '/v1/models/a"b\\c').status_code == 405
+        text = httpx.get(srv.url + "/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("asyncside_http_requests_total{")]
+    assert lines == ['asyncside_http_requests_total{endpoint="/metrics",status="200"} 1',  # this scrape
+                     'asyncside_http_requests_total{endpoint="/v1/models/{id}",status="405"} 21'], lines
+
+
+def test_metrics_parse_and_counters_only_grow_across_a_servers_life(tmp_path: pathlib.Path) -> None:
+    """/metrics read by Prometheus's own parser before any request, during 8 streams, after errors
+    (a 500, 404s, 405s on odd paths) and once the drain began: every family's HELP and TYPE once,
+    counters that only grow, histogram buckets cumulative up to +Inf = count, route labels only."""
+    pytest.importorskip("prometheus_client.parser")
+    model = ScriptedModel(byte_tokenizer(tmp_path), "hello", {"count": LONG}, step_delay=0.02, fail_when="boom")
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=512,
+                                                           shutdown_grace=600))
+    srv = BackgroundServer(app).start()
+    try:
+        scrapes = [_families(httpx.get(srv.url + "/metrics").text)]
+        threads, out = _streams(srv.url, 8, max_tokens=120)
+        scrapes.append(_families(httpx.get(srv.url + "/metrics").text))
+        for path in ('/v1/models/a"b', "/v1/models/c\\d", "/v1/models/e%20f", "/v1/models/x"):
+            assert httpx.post(srv.url + path).status_code == 405
+        scrapes.append(_families(httpx.get(srv.url + "/metrics").text))
+        for t in threads:
+            t.join(HELD)
+        assert all(r["done"] for r in out)
+        scrapes.append(_families(httpx.get(srv.url + "/metrics").text))
+        # A failing forward fails the step it is in: the streams have ended.
+        assert httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": "boom"}).status_code == 500
+        assert httpx.post(srv.url + "/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+        assert httpx.get(srv.url + "/nowhere").status_code == 404
+        scrapes.append(_families(httpx.get(srv.url + "/metrics").text))
+        state = srv.app.state.asyncside
+        srv.call(lambda: state.drain(0.0))
+        scrapes.append(_families(httpx.get(srv.url + "/metrics").text))
+    finally:
+        srv.stop()
+    series = [_counters(f) for f in scrapes]
+    for before, after in zip(series, series[1:]):
+        for key, value in before.items():
+            assert after.get(key, 0.0) >= value, key
+    endpoints = {s.labels["endpoint"] for s in scrapes[-1]["asyncside_http_requests"].samples}
+    assert endpoints == {"/metrics", "/v1/models/{id}", "/v1/completions", "unmatched"}, endpoints
+    final = series[-1]
+    assert final[("asyncside_http_requests_total", (("endpoint", "/v1/models/{id}"), ("status", "405")))] == 4
+    assert final[("asyncside_generated_tokens_total", (("endpoint", "/v1/completions"),))] >= 8 * 120
+
+
+def test_label_values_round_trip_through_the_parser() -> None:
+    parser = pytest.importorskip("prometheus_client.parser")
+    from asyncside.serving.metrics import Registry
+
+    r = Registry()
+    c = r.counter("t_total", 'a help with \\ and "quotes"\nand a second line', ("model",))
+    odd = 'org/model "quoted" \\ back\nslash'
+    c.inc(2, model=odd)
+    [family] = parser.text_string_to_metric_families(r.render())
+    [sample] = family.samples
+    assert sample.labels == {"model": odd} and sample.value == 2
+    assert family.documentation == 'a help with \\ and "quotes"\nand a second line'
+
+
+def test_probes_under_load_and_every_method_on_every_route(tmp_path: pathlib.Path) -> None:
+    """/health and /v1/models while 8 streams run (their times printed, not asserted); HEAD and
+    OPTIONS on each route; a CORS preflight with --allow-origin (and an API key: the preflight
+    carries none, as browsers send it)."""
+    model = ScriptedModel(byte_tokenizer(tmp_path), "hello", {"count": LONG}, step_delay=0.02)
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_tokens_limit=512,
+                                                           allow_origins=("https://app.example",),
+                                                           api_key="k3y"))
+    auth = {"Authorization": "Bearer k3y"}
+    with BackgroundServer(app) as srv:
+        threads, out = _streams_authed(srv.url, 8, auth)
+        took: dict[str, list[float]] = {"/health": [], "/v1/models": []}
+        for _ in range(10):
+            for path in took:
+                t0 = time.perf_counter()
+                assert httpx.get(srv.url + path, headers=auth, timeout=HELD).status_code == 200
+                took[path].append(time.perf_counter() - t0)
+        print({p: f"max {max(t) * 1000:.1f} ms, mean {sum(t) / len(t) * 1000:.1f} ms" for p, t in took.items()})
+        for path, methods in (("/health", {"GET", "HEAD"}), ("/metrics", {"GET", "HEAD"}),
+                              ("/v1/models", {"GET", "HEAD"}), ("/v1/models/scripted", {"GET", "HEAD"}),
+                              ("/v1/completions", {"POST"}), ("/v1/chat/completions", {"POST"}),
+                              ("/completions", {"POST"}), ("/chat/completions", {"POST"})):
+            head = httpx.head(srv.url + path, headers=auth)
+            if "HEAD" in methods:
+                assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+            else:
+                assert head.status_code == 405 and {m.strip() for m in head.headers["allow"].split(",")} == methods
+            options = httpx.options(srv.url + path, headers=auth)
+            assert options.status_code == 405, (path, options.status_code)
+            assert {m.strip() for m in options.headers["allow"].split(",")} == methods
+            preflight = httpx.options(srv.url + path, headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            assert preflight.status_code == 200, (path, preflight.text)
+            assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+            assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+            other = httpx.options(srv.url + path, headers={"Origin": "https://evil.example",
+                                                           "Access-Control-Request-Method": "POST"})
+            assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        for t in threads:
+            t.join(HELD)
+        assert all(r["done"] for r in out)
+
+
+def _streams_authed(url: str, n: int, auth: dict[str, str]) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    out: list[dict[str, Any]] = []
+    threads = []
+
+    def one(started: threading.Event) -> None:
+        done = False
+        with httpx.stream("POST", url + "/v1/completions", timeout=HELD * 2, headers=auth,
+                          json={"model": "scripted", "prompt": "count", "max_tokens": 150, "stream": True}) as r:
+            for line in r.iter_lines():
+                started.set()
+                done = done or line == "data: [DONE]"
+        started.set()
+        out.append({"done": done})
+
+    for _ in range(n):
+        started = threading.Event()
+        threads.append(threading.Thread(target=one, args=(started,), daemon=True))
+        threads[-1].start()
+        assert started.wait(HELD), "a stream never started"
+    return threads, out
