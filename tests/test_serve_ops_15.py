@@ -61,6 +61,37 @@ def _streams(url: str, n: int, max_tokens: int = 200) -> tuple[list[threading.Th
     return threads, out
 
 
+# --- item 2: the default body limit is capped --------------------------------------------------------
+
+
+def test_the_default_body_limit_of_a_context_of_millions_of_tokens_is_capped() -> None:
+    """The default followed the context uncapped: llama4's declared 10485760 tokens of 6-digit ids
+    let each connection make the server hold about 80 MiB of body. It stops at 8 MiB (about a
+    million ids), where long-context models of today still fit."""
+    from asyncside.serving.settings import MAX_BODY_LIMIT, MIN_BODY_LIMIT, default_body_limit
+
+    assert MAX_BODY_LIMIT == 8 << 20
+    assert default_body_limit(10_485_760, 202_048) == MAX_BODY_LIMIT
+    assert default_body_limit(262_144, 151_936) == 262_144 * 8 + (64 << 10)  # unchanged below the cap
+    assert default_body_limit(1_010_000, 151_936) < MAX_BODY_LIMIT  # a million-token context's ids fit
+    assert default_body_limit(512, 32_000) == default_body_limit(None, None) == MIN_BODY_LIMIT
+
+
+def test_an_explicit_body_limit_wins_over_the_cap(tmp_path: pathlib.Path) -> None:
+    body = b" " * (9 << 20)  # past the cap; whitespace: a 400 once it is read whole
+    model = ScriptedModel(byte_tokenizer(tmp_path), "hello", context=10_485_760)
+    with BackgroundServer(create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0))) as srv:
+        r = httpx.post(srv.url + "/v1/completions", content=body, timeout=HELD,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"], r.text
+        assert str(8 << 20) in r.json()["error"]["message"], r.text
+    app = create_app(scripted_engine(model), ServeSettings(prompt_cache_size=0, max_body_bytes=32 << 20))
+    with BackgroundServer(app) as srv:
+        r = httpx.post(srv.url + "/v1/completions", content=body, timeout=HELD,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+
+
 # --- item 4: /metrics through a Prometheus parser, and probes ----------------------------------------
 
 

@@ -258,8 +258,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"on SIGTERM/SIGINT/SIGHUP, refuse new requests (503) and give those in flight this "
                              f"long to finish before they are ended with an error (default {d.shutdown_grace:g})")
     parser.add_argument("--max-request-bytes", type=_body_size, default=None, metavar="SIZE",
-                        help="largest request body, e.g. 8M (default: room for a prompt of the model's context "
-                             "length as token ids, at least 1M); larger bodies get 413")
+                        help="largest request body, e.g. 32M (default: room for a prompt of the model's context "
+                             "length as token ids, at least 1M and at most 8M); larger bodies get 413")
     parser.add_argument("--keep-alive", type=_seconds_at_least_zero, default=d.keep_alive, metavar="SECONDS",
                         help=f"keep an idle connection open this long between requests; longer than the idle "
                              f"timeout of a proxy in front, which otherwise may reuse a connection just closed "

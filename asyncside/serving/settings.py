@@ -140,6 +140,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 #: the least request body limit the default allows, whatever the context
 MIN_BODY_LIMIT = 1 << 20
+#: the most the default allows, whatever the context: about a million token ids of up to six digits
+MAX_BODY_LIMIT = 8 << 20
 #: room in a request body beside its prompt (the other fields, a chat's roles and markup)
 BODY_ROOM = 64 << 10
 
@@ -147,12 +149,17 @@ BODY_ROOM = 64 << 10
 def default_body_limit(context: int | None, vocab_size: int | None) -> int:
     """The request body limit (bytes) when none is set: room for a prompt of ``context`` token ids
     as JSON (each id's digits, a comma and a space, as ``json.dumps`` writes them) beside the
-    rest of the request, and never less than :data:`MIN_BODY_LIMIT`. A text prompt of as many
-    tokens takes fewer bytes where its tokens average fewer bytes than an id's figure."""
+    rest of the request, within [:data:`MIN_BODY_LIMIT`, :data:`MAX_BODY_LIMIT`]. A text prompt
+    of as many tokens takes fewer bytes where its tokens average fewer bytes than an id's figure.
+
+    The cap: each connection may make the server hold a body of the limit while it is read and
+    parsed (and its ids as Python ints, several times its bytes, while the request lives), and a
+    config may declare a context of millions of tokens that no prompt sent fills; an explicit
+    limit (``--max-request-bytes``) is taken as given."""
     if context is None:
         return MIN_BODY_LIMIT
     digits = len(str(vocab_size - 1)) if vocab_size is not None and vocab_size > 1 else len(str(1 << 24))
-    return max(MIN_BODY_LIMIT, context * (digits + 2) + BODY_ROOM)
+    return min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, context * (digits + 2) + BODY_ROOM))
 
 
 API_KEY_ENV = "ASYNCSIDE_API_KEY"
