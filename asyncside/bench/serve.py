@@ -345,8 +345,15 @@ def _last_line(log_text: str) -> str:
     return next((line.strip() for line in reversed(log_text.splitlines()) if line.strip()), "it printed nothing")
 
 
+def _interrupted(exc_type: type[BaseException]) -> bool:
+    """Whether an exception is the user stopping the run: Ctrl-C, or SIGTERM and SIGHUP as
+    ``asyncside.cli.main`` raises them (SystemExit)."""
+    return issubclass(exc_type, (KeyboardInterrupt, SystemExit))
+
+
 class MlxLmServer:
-    """``python -m mlx_lm.server`` on a free port, as a child process."""
+    """``python -m mlx_lm.server`` on a free port, as a child process; its output goes to a log in
+    $TMPDIR, removed when it is stopped unless it says why the server failed."""
 
     def __init__(self, model_dir: str, *, startup_timeout: float = 600.0) -> None:
         self.model_dir = model_dir
@@ -368,9 +375,11 @@ class MlxLmServer:
                 stdout=fh, stderr=subprocess.STDOUT)
         try:
             return self._wait_ready(httpx)
-        except BaseException:
+        except BaseException as exc:
             # Interrupted while it loads (Ctrl-C, SIGTERM): no __exit__ runs for a context not entered.
             self._stop()
+            if _interrupted(type(exc)):
+                self.log.unlink(missing_ok=True)
             raise
 
     def _wait_ready(self, httpx: Any) -> MlxLmServer:
@@ -413,10 +422,12 @@ class MlxLmServer:
         return read_rss_bytes(self.proc.pid) if self.proc is not None else {}
 
     def __exit__(self, exc_type: type[BaseException] | None = None, *exc: object) -> None:
-        """Stop the server; its log is removed unless the block ended in an exception (the log is
-        then what says why). A server that never came up keeps its log: the error names it."""
+        """Stop the server; its log is removed unless the block ended in an error (the log is then
+        what says why). A server that never came up keeps its log: the error names it. A run the
+        user interrupted (Ctrl-C, SIGTERM, SIGHUP) removes it: it says only that the server was
+        stopped."""
         self._stop()
-        if exc_type is None:
+        if exc_type is None or _interrupted(exc_type):
             self.log.unlink(missing_ok=True)
 
     def _stop(self) -> None:
