@@ -28,6 +28,7 @@ to the same destination removes such leftovers (:func:`removed_stale_staging`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -535,14 +536,38 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
             # "OSError: [Errno 16] Device or resource busy" and a traceback, whatever it held.
             _replace_contents(dest, tmp_store, staging / "old")
         else:
-            if dest.exists():
-                trash = staging / "old"
-                os.rename(dest, trash)
-            os.rename(tmp_store, dest)
+            _publish(tmp_store, dest, src, staging, overwrite)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
     return ExpertStore.open(dest)
+
+
+def _publish(store: pathlib.Path, dest: pathlib.Path, src: pathlib.Path, staging: pathlib.Path,
+             overwrite: bool) -> None:
+    """Rename the finished ``store`` to ``dest``, the store there (``overwrite``) moved into
+    ``staging`` first. Another conversion to ``dest`` may have published its store since this one
+    began (two ``convert`` commands at once, or where the filesystem takes no locks): without
+    ``overwrite`` that is a StoreError, with it that store is replaced."""
+    for attempt in range(16):
+        try:
+            os.rename(store, dest)
+            return
+        except OSError as exc:
+            # The rename onto a directory that holds something: "Directory not empty" and a
+            # traceback where another conversion got there between the check and the rename.
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if not overwrite:
+            raise StoreError(dest, "already exists: another conversion made it while this one ran (pass "
+                                   "overwrite=True to replace it)")
+        if (problem := _not_replaceable(dest, src)) is not None:
+            raise StoreError(dest, problem)
+        try:
+            os.rename(dest, staging / f"old-{attempt}")
+        except FileNotFoundError:
+            continue  # another conversion moved it away first
+    raise StoreError(dest, "other conversions to this directory kept replacing it; convert again")
 
 
 def _default_model_id(src: pathlib.Path) -> str:

@@ -1,0 +1,188 @@
+"""Several processes, one cache: what a user's machine does with asyncside's on-disk state when more
+than one asyncside process works on the same files. Two ``demo``s started at once on a fresh machine
+(both build the embedded model), a ``serve`` and a notebook's ``load()`` converting the same model,
+a conversion killed with SIGKILL, a cache on a filesystem that takes no locks (Lustre without its
+flock option), two ``convert`` commands into one directory.
+
+Every test runs real processes (a child Python each), started together behind a barrier of files;
+nothing asserts a duration. A child can be given a filesystem that takes no locks (its ``flock``
+fails with ENOSYS, as Lustre's does) and a point at which it kills itself with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from asyncside.hub import stores_root
+from asyncside.store import ExpertStore
+
+#: a child: ``python -c CHILD SETUP_JSON``; SETUP says what it does (see ``child``)
+CHILD = r'''
+import errno, fcntl, json, os, pathlib, signal, sys, time
+setup = json.loads(sys.argv[1])
+if setup.get("no_locks"):
+    def flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    fcntl.flock = flock
+import asyncside.models.convert as convert
+kill_at = setup.get("kill_at")
+if kill_at == "layer":  # writing the records: the store's second layer
+    real_item = convert._LayerFeed.__getitem__
+    handed = []
+    def item(self, layer):
+        handed.append(layer)
+        if len(handed) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_item(self, layer)
+    convert._LayerFeed.__getitem__ = item
+if kill_at == "written" or setup.get("hold"):  # every file of the store written, not yet renamed
+    real_summary = convert._write_summary
+    def summary(*args):
+        real_summary(*args)
+        if kill_at == "written":
+            os.kill(os.getpid(), signal.SIGKILL)
+        hold = pathlib.Path(setup["hold"])
+        pathlib.Path(str(hold) + ".reached").touch()
+        while not hold.exists():
+            time.sleep(0.01)
+    convert._write_summary = summary
+if setup.get("barrier"):
+    bar = pathlib.Path(setup["barrier"])
+    (bar / f"{os.getpid()}").touch()
+    while len(list(bar.iterdir())) < setup["parties"]:
+        time.sleep(0.005)
+what = setup["what"]
+if what == "store_for":
+    from asyncside.hub import store_for
+    print(json.dumps({"store": str(store_for(setup["model"], cache_dir=setup["cache"], progress=False))}))
+elif what == "embedded":
+    from asyncside.models.embedded import ensure_embedded_default
+    from asyncside.bench.generate import _quick_spec
+    model, store = ensure_embedded_default(setup["cache"], spec=_quick_spec(), progress=True)
+    print(json.dumps({"store": str(store)}))
+elif what == "convert":
+    from asyncside.cli import main
+    sys.exit(main(["convert", setup["model"], setup["dest"], "--quiet", *setup.get("args", [])]))
+'''
+
+
+def child(tmp_path: pathlib.Path, **setup: Any) -> subprocess.Popen[str]:
+    """A child Python doing ``setup["what"]``: ``store_for`` (of ``model`` into ``cache``),
+    ``embedded`` (the quick embedded model into ``cache``) or ``convert`` (the command, ``model``
+    into ``dest``); with ``no_locks`` its flock fails as a filesystem without locks makes it,
+    with ``kill_at`` ("layer", "written") it kills itself with SIGKILL there, with ``hold`` it
+    waits before renaming its store into place until that file exists (having made
+    ``hold + ".reached"``), with ``barrier`` it starts with ``parties`` others."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(setup)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+
+def together(tmp_path: pathlib.Path, n: int, **setup: Any) -> list[tuple[int, str, str]]:
+    """``n`` children doing the same, started together; (returncode, stdout, stderr) of each."""
+    bar = tmp_path / f"barrier-{len(list(tmp_path.glob('barrier-*')))}"
+    bar.mkdir()
+    procs = [child(tmp_path, barrier=str(bar), parties=n, **setup) for _ in range(n)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def leftovers(directory: pathlib.Path) -> list[str]:
+    """What ``directory`` holds besides stores, builds and their lock files: temporary and
+    staging directories."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock"))
+
+
+@pytest.fixture
+def model_dir(quick_store: pathlib.Path) -> pathlib.Path:
+    return quick_store.parent / "model"
+
+
+def test_two_processes_converting_one_model_into_one_cache_convert_it_once(model_dir: pathlib.Path,
+                                                                            tmp_path: pathlib.Path) -> None:
+    """``serve --model DIR`` and a notebook's ``load(DIR)`` started at once on a fresh cache: one
+    converts, the other waits for it and takes its store; neither reads a half-written store."""
+    cache = tmp_path / "cache"
+    runs = together(tmp_path, 2, what="store_for", model=str(model_dir), cache=str(cache))
+    assert all(rc == 0 for rc, _, _ in runs), runs
+    stores = {json.loads(out)["store"] for _, out, _ in runs}
+    assert len(stores) == 1
+    ExpertStore.open(stores.pop()).verify()
+    assert sum("converting to an expert store" in err for _, _, err in runs) == 1, runs
+    assert leftovers(stores_root(cache)) == []
+
+
+def test_two_first_builds_of_the_embedded_model_at_once_build_it_once(tmp_path: pathlib.Path) -> None:
+    """The README's first command run twice at once on a fresh machine: both get the one build."""
+    cache = tmp_path / "cache"
+    runs = together(tmp_path, 2, what="embedded", cache=str(cache))
+    assert all(rc == 0 for rc, _, _ in runs), runs
+    stores = {json.loads(out)["store"] for _, out, _ in runs}
+    assert len(stores) == 1
+    ExpertStore.open(stores.pop()).verify()
+    assert leftovers(cache) == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_converts_into_one_directory_never_leave_a_traceback_or_take_the_others_store(
+        overwrite: bool, model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``asyncside convert MODEL OUT`` run twice at once (a CI matrix, a script run twice): the one
+    that finished second renamed the other's store away without --overwrite, or met it in the
+    rename ("Directory not empty" and a traceback). Now without --overwrite it is refused in one
+    line once its own store is written, and with --overwrite it replaces the other's."""
+    dest = tmp_path / "out"
+    hold = tmp_path / "hold"
+    args = ["--overwrite"] if overwrite else []
+    second = child(tmp_path, what="convert", model=str(model_dir), dest=str(dest), hold=str(hold), args=args)
+    reached = pathlib.Path(str(hold) + ".reached")
+    while not reached.exists():  # the second has written its store, not yet renamed it into place
+        assert second.poll() is None, second.communicate()
+        threading.Event().wait(0.02)
+    first = child(tmp_path, what="convert", model=str(model_dir), dest=str(dest), args=args)
+    _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    first_manifest = (dest / "manifest.json").stat().st_ino
+    hold.touch()
+    _, err = second.communicate(timeout=240)
+    assert "Traceback" not in err, err
+    if overwrite:
+        assert second.returncode == 0, err
+        assert (dest / "manifest.json").stat().st_ino != first_manifest
+    else:
+        assert second.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{dest}: already exists: another conversion made it while this one ran" in err, err
+        assert (dest / "manifest.json").stat().st_ino == first_manifest
+    ExpertStore.open(dest).verify()
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kill_at", ["layer", "written"])
+def test_a_conversion_killed_half_way_is_converted_again_and_its_leftovers_removed(
+        kill_at: str, model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``load(DIR)`` killed by the OOM killer while it converts (writing the records, or with every
+    file written and the rename to come): the next run never takes the half store, converts again,
+    and removes what the killed one left (its lock died with it)."""
+    cache = tmp_path / "cache"
+    killed = child(tmp_path, what="store_for", model=str(model_dir), cache=str(cache), kill_at=kill_at)
+    killed.communicate(timeout=240)
+    assert killed.returncode == -signal.SIGKILL
+    root = stores_root(cache)
+    assert [p.name for p in root.iterdir() if ".convert-" in p.name] != []
+    assert not any((p / "manifest.json").exists() for p in root.iterdir())
+    again = child(tmp_path, what="store_for", model=str(model_dir), cache=str(cache))
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0 and "converting to an expert store" in err, err
+    ExpertStore.open(json.loads(out)["store"]).verify()
+    assert leftovers(root) == []
