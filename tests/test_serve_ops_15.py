@@ -10,12 +10,19 @@ the model is the real code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import pathlib
+import signal
+import socket
+import subprocess
 import sys
+import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -29,6 +36,55 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LONG = "one two three four five six seven eight nine ten " * 4
 #: a hang guard for each request (generous), never a timing assertion
 HELD = 60.0
+
+#: ``asyncside serve ARGS`` through the console script's entry point, the engine the scripted model
+SERVE_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+    import asyncside.serving.cli as serve_cli
+    from asyncside.cli import main
+
+    model = ScriptedModel(byte_tokenizer({tmp!r}), "hello", {{"count": {long!r}}}, step_delay={delay})
+    serve_cli.engine_factory_from_args = lambda args: scripted_engine(model)
+    sys.exit(main(["serve", *sys.argv[1:]]))
+""")
+
+
+def _signals_by_default() -> None:
+    """In the child: the signals these tests send at their default disposition (a test runner
+    started under ``nohup`` hands its children SIGHUP and SIGINT ignored)."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_argv(tmp: pathlib.Path, *args: str, reply: str = LONG) -> list[str]:
+    script = SERVE_SCRIPT.format(tests=str(pathlib.Path(__file__).parent), tmp=str(tmp), long=reply, delay=0.02)
+    return [sys.executable, "-c", script, *args]
+
+
+@contextlib.contextmanager
+def _serving(tmp: pathlib.Path, *args: str, stderr: Any = subprocess.PIPE,
+             reply: str = LONG) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``asyncside serve ARGS`` (the scripted model) and its URL, from the line it prints once it
+    serves; killed on the way out if it has not exited by then."""
+    proc = subprocess.Popen(_serve_argv(tmp, *args, reply=reply), stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)}, preexec_fn=_signals_by_default)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("asyncside serve: http://127.0.0.1:"), (line, proc.poll())
+        yield proc, line.split()[2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _stream(url: str, out: list[dict[str, Any]], started: threading.Event, max_tokens: int = 200) -> None:
@@ -302,3 +358,57 @@ def _streams_authed(url: str, n: int, auth: dict[str, str]) -> tuple[list[thread
         threads[-1].start()
         assert started.wait(HELD), "a stream never started"
     return threads, out
+
+
+# --- item 5: restarts and a stderr nobody reads --------------------------------------------------------
+
+
+def test_a_restart_on_the_same_port_right_after_sigterm_binds_and_a_second_server_is_one_line(
+        tmp_path: pathlib.Path) -> None:
+    """The old server closed its kept-alive connections first, which leaves them in TIME_WAIT on
+    its port: the new one binds all the same (SO_REUSEADDR). A second server on a port in use is
+    one line and status 1, before any model loads."""
+    port = _free_port()
+    with _serving(tmp_path, "--port", str(port)) as (proc, url):
+        with httpx.Client() as client:  # a connection kept alive, which the server closes at its exit
+            assert client.get(url + "/health").status_code == 200
+            second = subprocess.run(_serve_argv(tmp_path, "--port", str(port)), capture_output=True, text=True,
+                                    timeout=HELD * 2)
+            assert second.returncode == 1, second.stderr
+            assert second.stderr.strip().splitlines() == [
+                f"asyncside serve: cannot bind 127.0.0.1:{port}: Address already in use (another process listens "
+                "there: choose another port, or 0 for a free one)"], second.stderr
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=HELD * 2)
+    assert proc.returncode == 0
+    with _serving(tmp_path, "--port", str(port)) as (again, url):
+        assert httpx.get(url + "/health").status_code == 200
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=HELD * 2)
+    assert again.returncode == 0
+
+
+def test_a_stderr_nobody_reads_does_not_stall_serving(tmp_path: pathlib.Path) -> None:
+    """Under a service manager or in a container, stderr is a pipe; when its reader stops reading
+    (a log shipper stuck, docker's blocking log mode) it fills, and the access log's write on the
+    event loop's thread blocked every request and every probe for good: the server hung with the
+    first line past the pipe's capacity. Log lines are written by a thread of their own now; the
+    server serves on, uvicorn's own warnings (a malformed request) included, and exits 0."""
+    with _serving(tmp_path, "--port", "0", stderr=subprocess.PIPE) as (proc, url):
+        long_path = "/" + "p" * 4000  # each 404 logs a line of about 4 KB
+        with httpx.Client(timeout=HELD) as client:
+            for _ in range(300):  # far past a pipe's capacity
+                assert client.get(url + long_path).status_code == 404
+            host, port = url[len("http://"):].rsplit(":", 1)
+            for _ in range(50):
+                with socket.create_connection((host, int(port)), timeout=HELD) as sock:
+                    sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")  # uvicorn warns: Invalid HTTP request received
+                    sock.recv(4096)
+            assert client.get(url + "/health").status_code == 200
+            assert client.post(url + "/v1/completions", json={"model": "scripted", "prompt": "x",
+                                                              "max_tokens": 3}).json()["choices"][0]["text"] == "hel"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=HELD * 2) == 0  # stderr still unread
+        assert proc.stderr is not None
+        said = proc.stderr.read()  # what the pipe held: the lines queued behind it were never taken
+    assert "Traceback" not in said and f'"GET {long_path}" 404' in said, said[-500:]

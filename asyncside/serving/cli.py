@@ -353,19 +353,23 @@ async def run_serve(args: argparse.Namespace) -> None:
     from .batch_caches import unbatched_note
 
     app = app_from_args(args)
+    with contextlib.ExitStack() as logs:
+        writers = logs.enter_context(_serve_logging(args))
 
-    def ready(url: str) -> None:
-        st = app.state.asyncside
-        print(f"asyncside serve: {url} model={st.model_id} reader={st.engine.description.get('reader')}",
-              flush=True)
-        routing = st.engine.description.get("routing") or {}
-        if routing.get("note"):  # a trace of another model's shape: replayed, but not as recorded
-            print(f"asyncside serve: routing {routing['file']}: {routing['note']}", flush=True)
-        unbatched = None if st.batcher.batched_decode else unbatched_note(st.batcher.model)
-        if unbatched is not None:  # its clients' tokens per second do not add up as a batch's would
-            print(f"asyncside serve: {unbatched}", flush=True)
+        def ready(url: str) -> None:
+            # uvicorn's handlers exist by now (configured with the server): they write unblocked too.
+            logs.enter_context(_unblocked_uvicorn_logs(writers))
+            st = app.state.asyncside
+            print(f"asyncside serve: {url} model={st.model_id} reader={st.engine.description.get('reader')}",
+                  flush=True)
+            routing = st.engine.description.get("routing") or {}
+            if routing.get("note"):  # a trace of another model's shape: replayed, but not as recorded
+                print(f"asyncside serve: routing {routing['file']}: {routing['note']}", flush=True)
+            unbatched = None if st.batcher.batched_decode else unbatched_note(st.batcher.model)
+            if unbatched is not None:  # its clients' tokens per second do not add up as a batch's would
+                print(f"asyncside serve: {unbatched}", flush=True)
 
-    await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+        await serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
 
 
 def bound_malloc() -> bool:
@@ -390,13 +394,123 @@ def bound_malloc() -> bool:
     return bool(mallopt(m_mmap_threshold, 128 * 1024))
 
 
+class LineWriter:
+    """Writes lines to a stream from a thread of its own, so that whoever logs never waits for it.
+
+    A stream that is not read fills (stderr a pipe whose reader stopped reading, a container's log
+    driver in blocking mode), and a write to it blocks: written on the event loop's thread, an
+    access-log line stalled every request and every probe. Lines are queued (at most ``most``;
+    past that they are dropped and counted, and the count is said once the stream takes lines
+    again). A stream with a file descriptor is written with ``os.write``: a thread blocked there
+    holds no lock of the interpreter's, which the interpreter's exit would otherwise wait for."""
+
+    def __init__(self, stream: Any, most: int = 10_000) -> None:
+        import queue
+        import threading
+
+        self.stream = stream
+        try:
+            self.fd: int | None = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # a stream of Python's only (a test's capture)
+            self.fd = None
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"
+        self.lines: queue.Queue[str | None] = queue.Queue(most)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="asyncside-log-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, line: str) -> None:
+        """Queue ``line`` (newline included); never blocks."""
+        import queue
+
+        try:
+            self.lines.put_nowait(line)
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def _run(self) -> None:
+        import os
+
+        while (line := self.lines.get()) is not None:
+            with self._lock:
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                line = f"asyncside serve: {dropped} log lines dropped: the log was not read\n" + line
+            try:
+                if self.fd is None:
+                    self.stream.write(line)
+                    self.stream.flush()
+                    continue
+                data = line.encode(self.encoding, "backslashreplace")
+                while data:
+                    data = data[os.write(self.fd, data):]
+            except (OSError, ValueError):  # the reader is gone, or the stream closed: nobody to tell
+                pass
+
+    def close(self, wait: float = 2.0) -> None:
+        """Write what is queued, waiting ``wait`` seconds at most (a stream nobody reads never takes it)."""
+        import queue
+
+        try:
+            self.lines.put(None, timeout=wait)
+        except queue.Full:
+            return
+        self.thread.join(wait)
+
+
+class UnblockedHandler(logging.Handler):
+    """A logging handler that formats records and hands the lines to a :class:`LineWriter`."""
+
+    def __init__(self, writer: LineWriter, formatter: logging.Formatter | None = None) -> None:
+        super().__init__()
+        self.writer = writer
+        self.setFormatter(formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+        except Exception:
+            self.handleError(record)
+            return
+        self.writer.put(line)
+
+
 @contextlib.contextmanager
-def _serve_logging(args: argparse.Namespace) -> Iterator[None]:
-    """The server's log lines to stderr while it runs. Taken back when it returns: a process that
-    serves more than once (tests, an embedding application) would otherwise keep a handler per run,
-    each writing to the stderr of its time, which may have been closed since."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+def _unblocked_uvicorn_logs(writers: dict[int, LineWriter]) -> Iterator[None]:
+    """uvicorn's own handlers (its warnings about malformed requests, an application's traceback)
+    write through ``writers`` (by the stream's id) while the block runs, then are put back.
+
+    uvicorn installs them when the server is configured, after the command's logging is set up;
+    each keeps its formatter."""
+    swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            writer = writers.get(id(getattr(old, "stream", None)))
+            if type(old) is logging.StreamHandler and writer is not None:
+                quiet = UnblockedHandler(writer, old.formatter)
+                quiet.setLevel(old.level)
+                logger.removeHandler(old)
+                logger.addHandler(quiet)
+                swapped.append((logger, old, quiet))
+    try:
+        yield
+    finally:
+        for logger, handler, unblocked in swapped:
+            logger.removeHandler(unblocked)
+            logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def _serve_logging(args: argparse.Namespace) -> Iterator[dict[int, LineWriter]]:
+    """The server's log lines to stderr while it runs, written by a :class:`LineWriter` (yielded
+    with it, by the stream's id). Taken back when it returns: a process that serves more than once
+    (tests, an embedding application) would otherwise keep a handler per run, each writing to the
+    stderr of its time, which may have been closed since."""
+    writer = LineWriter(sys.stderr)
+    handler = UnblockedHandler(writer, logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
     base = logging.getLogger("asyncside")
     access = logging.getLogger("asyncside.access")
@@ -406,11 +520,12 @@ def _serve_logging(args: argparse.Namespace) -> Iterator[None]:
     if args.access_log:
         access.setLevel(logging.INFO)
     try:
-        yield
+        yield {id(sys.stderr): writer}
     finally:
         base.removeHandler(handler)
         base.setLevel(before[0])
         access.setLevel(before[1])
+        writer.close()
 
 
 def open_std_fds() -> list[int]:
@@ -488,8 +603,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return serve_pipeline_main(args)
     bound_malloc()
     try:
-        with _serve_logging(args):
-            uvloop.run(run_serve(args))
+        uvloop.run(run_serve(args))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a graceful shutdown
         pass
     except (ServeError, OSError) as exc:
