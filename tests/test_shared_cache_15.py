@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from asyncside.hub import stores_root
+from asyncside.models.convert import STAGING_LOCK
 from asyncside.store import ExpertStore
 
 #: a child: ``python -c CHILD SETUP_JSON``; SETUP says what it does (see ``child``)
@@ -133,6 +134,49 @@ def test_two_first_builds_of_the_embedded_model_at_once_build_it_once(tmp_path: 
     assert len(stores) == 1
     ExpertStore.open(stores.pop()).verify()
     assert leftovers(cache) == []
+
+
+@pytest.mark.parametrize("what", ["store_for", "embedded"])
+def test_a_cache_on_a_filesystem_without_locks_serves_processes_started_at_once(what: str, model_dir: pathlib.Path,
+                                                                                tmp_path: pathlib.Path) -> None:
+    """A cache on a filesystem that takes no locks (Lustre mounted without its flock option, an HPC
+    cluster's home directory: flock fails with ENOSYS) was ``OSError: [Errno 38] Function not
+    implemented`` and a traceback for every first use. Processes there go on unlocked: two at once
+    may both convert, and each publishes its store by a rename the other's cannot spoil."""
+    cache = tmp_path / "cache"
+    runs = together(tmp_path, 2, what=what, model=str(model_dir), cache=str(cache), no_locks=True)
+    assert all(rc == 0 for rc, _, _ in runs), runs
+    assert not any("Traceback" in err for _, _, err in runs), runs
+    stores = {json.loads(out)["store"] for _, out, _ in runs}
+    assert len(stores) == 1
+    ExpertStore.open(stores.pop()).verify()
+    assert leftovers(stores_root(cache) if what == "store_for" else cache) == []
+
+
+def test_a_killed_conversion_on_a_filesystem_without_locks_is_removed_by_the_next(model_dir: pathlib.Path,
+                                                                                  tmp_path: pathlib.Path) -> None:
+    """Where no lock tells a live conversion's staging directory from a killed one's, the owner
+    file it holds does: the next conversion removes the directory of a process of this host that
+    is gone (not one, GBs for a large model, per kill), and leaves a live process's alone."""
+    cache = tmp_path / "cache"
+    killed = child(tmp_path, what="store_for", model=str(model_dir), cache=str(cache), no_locks=True,
+                   kill_at="layer")
+    killed.communicate(timeout=240)
+    assert killed.returncode == -signal.SIGKILL
+    root = stores_root(cache)
+    [staging] = [p for p in root.iterdir() if ".convert-" in p.name]
+    assert (staging / STAGING_LOCK).is_file()
+    # A conversion still running in this process (the test's), beside it.
+    live = root / (staging.name.rsplit("-", 1)[0] + "-live")
+    live.mkdir()
+    from asyncside.models.convert import owner_line
+
+    (live / STAGING_LOCK).write_text(owner_line())
+    again = child(tmp_path, what="store_for", model=str(model_dir), cache=str(cache), no_locks=True)
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err
+    ExpertStore.open(json.loads(out)["store"]).verify()
+    assert leftovers(root) == [live.name]
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

@@ -35,10 +35,11 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -503,10 +504,18 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     staging = _staging_beside(dest)
     # Held for the whole conversion: the next convert beside it tells a live staging directory
     # (locked) from an interrupted one's (the lock died with its process) and removes only those.
-    # Locked before it gets its name, so a lock file that can be taken is always a dead one's.
+    # Locked before it gets its name, so a lock file that can be taken is always a dead one's; it
+    # names this process for filesystems that take no locks (there flock's error was a traceback).
     owner = open(staging / (STAGING_LOCK + ".new"), "a+")  # closed in the finally below
-    fcntl.flock(owner, fcntl.LOCK_EX)
-    os.rename(staging / (STAGING_LOCK + ".new"), staging / STAGING_LOCK)
+    try:
+        try_lock(owner, wait=True)
+        owner.write(owner_line())
+        owner.flush()
+        os.rename(staging / (STAGING_LOCK + ".new"), staging / STAGING_LOCK)
+    except BaseException:
+        owner.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         tmp_store = staging / "store"
         try:
@@ -760,6 +769,62 @@ def _about_weights(exc: BaseException, tensors: set[str]) -> bool:
     return "parameters not in model" in text or "Missing" in text and "parameters" in text
 
 
+#: flock's errors on a filesystem that takes no locks (Lustre mounted without its flock option,
+#: some network and FUSE filesystems): builds and conversions there go on unlocked, and each is
+#: published by a rename that a concurrent one's cannot spoil
+NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+#: the file in an embedded model's or bench shape's build directory that names the process building it
+OWNER_FILE = ".owner"
+
+
+def try_lock(fh: IO[Any], *, wait: bool) -> bool | None:
+    """Take an exclusive flock on ``fh``: True once taken, False where another process holds it
+    (``wait`` False only), None where its filesystem takes no locks (:data:`NO_LOCKS`)."""
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in NO_LOCKS:
+            return None
+        raise
+    return True
+
+
+def _this_host() -> str:
+    # The pid namespace too: containers sharing a host name (and a cache) number their processes apart.
+    try:
+        space = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        space = ""
+    return f"{socket.gethostname()}/{space}".replace(" ", "_")
+
+
+def owner_line() -> str:
+    """What an owner file says of the process that writes it: its host and pid."""
+    return f"{_this_host()} {os.getpid()}\n"
+
+
+def owner_gone(path: pathlib.Path) -> bool:
+    """Whether the owner file at ``path`` (:func:`owner_line`) names a process of this host that no
+    longer runs: how a leftover is told from a live build where the filesystem takes no locks.
+    False where it cannot tell (no such file, another host's process, one that still runs)."""
+    try:
+        host, pid = path.read_text(encoding="utf-8").split()
+        number = int(pid)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    if host != _this_host() or number <= 0:
+        return False
+    try:
+        os.kill(number, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process, alive
+        return False
+    return False
+
+
 #: a lock file each staging directory holds while its conversion runs
 STAGING_LOCK = ".owner.lock"
 #: a staging directory without a lock file is a leftover once this old
@@ -771,8 +836,10 @@ def removed_stale_staging(dest: str | os.PathLike[str]) -> list[pathlib.Path]:
     were interrupted (killed, machine lost power); returns those removed.
 
     A conversion in progress holds its staging directory's lock file (taken before the file got
-    its name), so it is left alone. A staging directory without a lock file (a conversion starting
-    this instant, or one from before lock files) is removed only once a minute old.
+    its name), so it is left alone; on a filesystem that takes no locks, the file names the
+    process converting, and is a leftover once that process of this host is gone. A staging
+    directory without a lock file (a conversion starting this instant, or one from before lock
+    files) is removed only once a minute old.
     """
     dest = pathlib.Path(dest).absolute()
     removed = []
@@ -787,9 +854,8 @@ def removed_stale_staging(dest: str | os.PathLike[str]) -> list[pathlib.Path]:
                 shutil.rmtree(d, ignore_errors=True)
             else:
                 with open(d / STAGING_LOCK, "a+") as fh:
-                    try:
-                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
+                    taken = try_lock(fh, wait=False)
+                    if taken is False or (taken is None and not owner_gone(d / STAGING_LOCK)):
                         continue  # a live conversion
                     shutil.rmtree(d, ignore_errors=True)
         except FileNotFoundError:  # its conversion finished meanwhile

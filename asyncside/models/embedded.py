@@ -32,6 +32,7 @@ hash of the spec) under a file lock, atomically, and returns the paths; later ca
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -277,6 +278,10 @@ def build_is_current(directory: pathlib.Path, spec: EmbeddedSpec) -> bool:
 
 @contextlib.contextmanager
 def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    """Hold the exclusive lock of the file at ``path`` (made if missing) for the block; on a
+    filesystem that takes no locks the block runs unlocked (:data:`~.convert.NO_LOCKS`)."""
+    from .convert import try_lock
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(path, "a+")
@@ -291,18 +296,22 @@ def _file_lock(path: pathlib.Path) -> Iterator[None]:
                               f"--cache-dir DIR (cache_dir= in Python) or ${ENV_CACHE}",
                               errno=exc.errno) from None
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        taken = try_lock(fh, wait=True)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            if taken:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def remove_stale_builds(root: pathlib.Path) -> list[pathlib.Path]:
     """Remove the temporary directories of embedded-model and bench-shape builds that died under
     ``root`` (``.embedded-*.tmp-*``, ``.shape-*.tmp-*``, left where a process was killed without
     running its cleanup): those of a tag whose lock no process holds, so never a build in
-    progress. Returns what was removed."""
+    progress; on a filesystem that takes no locks, those whose owner file names a process of this
+    host that is gone (:func:`~.convert.owner_gone`). Returns what was removed."""
+    from .convert import OWNER_FILE, owner_gone, try_lock
+
     removed = []
     # Only the builders' own (made under their tag's lock), never another writer's (a store's).
     leftovers = [*root.glob(".embedded-*.tmp-*"), *root.glob(".shape-*.tmp-*")] if root.is_dir() else []
@@ -311,15 +320,15 @@ def remove_stale_builds(root: pathlib.Path) -> list[pathlib.Path]:
         if not tmp.is_dir() or not tag:
             continue
         with open(root / f".{tag}.lock", "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            taken = try_lock(fh, wait=False)
+            if taken is False or (taken is None and not owner_gone(tmp / OWNER_FILE)):
                 continue  # a build of this tag is running: its directory is no leftover
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed.append(tmp)
             finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+                if taken:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
     return removed
 
 
@@ -336,7 +345,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config, save_model
 
-    from .convert import convert_model, profile_routing
+    from .convert import OWNER_FILE, convert_model, owner_line, profile_routing
 
     spec = spec or EmbeddedSpec()
     root = cache_root(cache_dir)
@@ -347,11 +356,15 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     with _file_lock(root / f".embedded-{spec.key()}.lock"):
         if build_is_current(final, spec):
             return final / "model", final / "store"
-        if final.exists():  # a leftover without READY, or built by older code unlike this one: never trust it
+        if final.exists() and not build_is_current(final, spec):
+            # A leftover without READY, or built by older code unlike this one: never trusted. Asked
+            # again: where the filesystem takes no locks, another process may have just built it.
             shutil.rmtree(final)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".embedded-{spec.key()}.tmp-", dir=root))
         model_bytes = 0
         try:
+            # Who builds it, for a filesystem that takes no locks (remove_stale_builds).
+            (tmp / OWNER_FILE).write_text(owner_line(), encoding="utf-8")
             model, cfg = build_model(spec)
             model_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
             model_dir = tmp / "model"
@@ -367,7 +380,14 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
             convert_model(model_dir, tmp / "store", profile=prof, resident_fraction=spec.resident_fraction,
                           progress=progress, model_id=f"asyncside-embedded-qwen3moe-{spec.key()[:8]}")
             (tmp / READY_FILE).write_text(ready_marker(spec))
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                # Where the filesystem takes no locks, another process may have published the same
+                # build meanwhile: its rename won, and this one's copy is not needed.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not build_is_current(final, spec):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         except (OSError, RuntimeError) as exc:
             # A full disk under the cache directory was MLX's "[write] Unable to write N bytes to
             # file." and a traceback.
