@@ -216,7 +216,10 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
     if is_store_dir(dest) and (changed := stale()) is None:
         tell(f"asyncside: {text}: using the store converted on first use, {dest}")
         return dest
-    with _file_lock(root / f".{dest.name}.lock"):
+    def waiting() -> None:
+        tell(f"asyncside: {text}: another process is converting it into {dest}; waiting for it")
+
+    with _file_lock(root / f".{dest.name}.lock", waiting):
         if not is_store_dir(dest) or (changed := stale()) is not None:
             from .models.convert import convert_model
 

@@ -11,9 +11,11 @@ fails with ENOSYS, as Lustre's does) and a point at which it kills itself with S
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import queue
 import signal
 import subprocess
 import sys
@@ -210,6 +212,39 @@ def test_two_converts_into_one_directory_never_leave_a_traceback_or_take_the_oth
         assert (dest / "manifest.json").stat().st_ino == first_manifest
     ExpertStore.open(dest).verify()
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("what", ["store_for", "embedded"])
+def test_a_process_that_waits_for_another_s_conversion_says_so(what: str, model_dir: pathlib.Path,
+                                                              tmp_path: pathlib.Path) -> None:
+    """A second ``serve --model ORG/NAME`` (or ``demo``) started while the first converts the model
+    (minutes, for a large one) waited without a word, as if hung. It says whose work it waits for."""
+    from asyncside.bench.generate import _quick_spec
+    from asyncside.hub import _cached_store_name
+
+    cache = tmp_path / "cache"
+    if what == "store_for":
+        lock = stores_root(cache) / f".{_cached_store_name(str(model_dir), model_dir)}.lock"
+        said = f"asyncside: {model_dir}: another process is converting it into "
+    else:
+        lock = cache / f".embedded-{_quick_spec().key()}.lock"
+        said = "asyncside: another process is building the embedded model in "
+    lock.parent.mkdir(parents=True)
+    with open(lock, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the first process holds it while it converts
+        waiter = child(tmp_path, what=what, model=str(model_dir), cache=str(cache))
+        lines: queue.Queue[str] = queue.Queue()
+        assert waiter.stderr is not None
+        threading.Thread(target=lambda: [lines.put(line) for line in waiter.stderr], daemon=True).start()
+        seen = []
+        while not seen or said not in seen[-1]:
+            try:
+                seen.append(lines.get(timeout=90))
+            except queue.Empty:
+                waiter.kill()
+                pytest.fail(f"the waiting process said nothing of the lock it waits for: {seen}")
+        assert waiter.poll() is None
+    assert waiter.wait(timeout=240) == 0, seen
 
 
 @pytest.mark.parametrize("kill_at", ["layer", "written"])

@@ -39,8 +39,9 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -277,9 +278,10 @@ def build_is_current(directory: pathlib.Path, spec: EmbeddedSpec) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    """Hold the exclusive lock of the file at ``path`` (made if missing) for the block; on a
-    filesystem that takes no locks the block runs unlocked (:data:`~.convert.NO_LOCKS`)."""
+def _file_lock(path: pathlib.Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold the exclusive lock of the file at ``path`` (made if missing) for the block; ``waiting``
+    is called where another process holds it, before waiting for it. On a filesystem that takes
+    no locks the block runs unlocked (:data:`~.convert.NO_LOCKS`)."""
     from .convert import try_lock
 
     try:
@@ -296,7 +298,13 @@ def _file_lock(path: pathlib.Path) -> Iterator[None]:
                               f"--cache-dir DIR (cache_dir= in Python) or ${ENV_CACHE}",
                               errno=exc.errno) from None
     with fh:
-        taken = try_lock(fh, wait=True)
+        taken = try_lock(fh, wait=False)
+        if taken is False:
+            # Another process builds the same thing (a second `demo` started at once): this one
+            # waited without a word for as long as that build took, minutes for a large model.
+            if waiting is not None:
+                waiting()
+            taken = try_lock(fh, wait=True)
         try:
             yield
         finally:
@@ -339,8 +347,9 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
 
     Built under ``cache_root(cache_dir)/embedded-<spec hash>/``: ``model/`` (mlx-lm model
     directory) and ``store/`` (its expert store, resident set from a routing profile of
-    :data:`PROFILE_PROMPTS`). Concurrent callers wait on a file lock; a half-built directory is
-    never visible (built in a temporary directory, renamed into place).
+    :data:`PROFILE_PROMPTS`). Concurrent callers wait on a file lock (said on stderr with
+    ``progress``); a half-built directory is never visible (built in a temporary directory,
+    renamed into place).
     """
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config, save_model
@@ -353,7 +362,13 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
     if build_is_current(final, spec):
         return final / "model", final / "store"
     remove_stale_builds(root)  # before the disk fills up with killed builds' halves
-    with _file_lock(root / f".embedded-{spec.key()}.lock"):
+
+    def waiting() -> None:
+        if progress:
+            print(f"asyncside: another process is building the embedded model in {final}; waiting for it",
+                  file=sys.stderr, flush=True)
+
+    with _file_lock(root / f".embedded-{spec.key()}.lock", waiting):
         if build_is_current(final, spec):
             return final / "model", final / "store"
         if final.exists() and not build_is_current(final, spec):
