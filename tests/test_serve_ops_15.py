@@ -118,6 +118,67 @@ def _streams(url: str, n: int, max_tokens: int = 200) -> tuple[list[threading.Th
     return threads, out
 
 
+# --- item 1: a drain delay --------------------------------------------------------------------------
+
+
+def test_drain_delay_keeps_serving_while_health_says_draining(tmp_path: pathlib.Path) -> None:
+    """On SIGTERM the server refused new requests at once, before a load balancer's health check
+    (every 5-30 s) had seen /health fail: the requests it routed meanwhile got 503. With
+    ``--drain-delay`` /health answers 503 "draining" at once while requests are still taken and
+    served, streams in flight go on, and a second signal skips the delay and the grace: the
+    streams end with their error event, and the process exits 0 without a traceback."""
+    with _serving(tmp_path, "--port", "0", "--drain-delay", "600", "--shutdown-grace", "600",
+                  "--max-tokens-limit", "1000", reply=LONG * 20) as (proc, url):
+        threads, out = _streams(url, 2, max_tokens=900)  # the scripted context: 1024
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(url + "/health", timeout=HELD).status_code != 503:
+            time.sleep(0.02)
+        health = httpx.get(url + "/health", timeout=HELD)
+        assert health.json()["status"] == "draining" and health.json()["active_requests"] == 2, health.text
+        # Still taken and served while the balancer has not yet acted on the failed check.
+        r = httpx.post(url + "/v1/completions", timeout=HELD, json={"model": "scripted", "prompt": "x",
+                                                                    "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hel", r.text
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # the operator's second signal: skip the delay and the grace
+        stdout, stderr = proc.communicate(timeout=HELD * 2)
+        for t in threads:
+            t.join(HELD)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(out) == 2
+    for r in out:
+        assert r["done"] and r["events"][-1]["error"]["code"] == "server_shutting_down", r["events"][-1:]
+
+
+def test_drain_delay_ends_by_itself_and_a_stream_in_flight_finishes(tmp_path: pathlib.Path) -> None:
+    with _serving(tmp_path, "--port", "0", "--drain-delay", "0.5", "--shutdown-grace", "600") as (proc, url):
+        threads, out = _streams(url, 1, max_tokens=60)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=HELD * 2)
+        threads[0].join(HELD)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    [r] = out
+    assert r["done"] and r["events"][-1]["choices"][0]["finish_reason"] == "length", r["events"][-1:]
+    assert "".join(e["choices"][0]["text"] for e in r["events"]) == LONG[:60]
+
+
+@pytest.mark.parametrize("bad", ["-1", "inf", "nan", "soon"])
+def test_drain_delay_on_the_command_line(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncside.cli import build_parser
+    from asyncside.serving.settings import settings_from_args
+
+    parse = build_parser(["serve"]).parse_args
+    assert settings_from_args(parse(["serve"])).drain_delay == 0.0  # the drain starts at once, as before
+    assert settings_from_args(parse(["serve", "--drain-delay", "15"])).drain_delay == 15.0
+    with pytest.raises(SystemExit) as info:
+        parse(["serve", "--drain-delay", bad])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("asyncside serve: error: argument --drain-delay: expected seconds >= 0"), err
+    with pytest.raises(ValueError, match="drain_delay"):
+        ServeSettings(drain_delay=-1.0)
+
+
 # --- item 2: the default body limit is capped --------------------------------------------------------
 
 

@@ -78,7 +78,9 @@ class ServerState:
             return self.engine.stats() if self.engine is not None and self.engine.stats is not None else None
 
         self.metrics = ServerMetrics(lambda: self.batcher, stats, lambda: self.health, self._memory)
-        #: set once shutdown began: new generating requests are refused with 503
+        #: set once shutdown began: /health answers 503 "draining" (through the drain delay too)
+        self.stopping = False
+        #: set once the drain proper began: new generating requests are refused with 503
         self.draining = False
         #: an expected error (a bad store, a missing file) the engine's startup failed with
         self.startup_error: BaseException | None = None
@@ -111,7 +113,16 @@ class ServerState:
 
     async def drain(self, grace: float | None = None) -> int:
         """Stop admitting, give the requests in flight ``grace`` seconds (the settings' when None)
-        to finish, then end the rest with an error; returns how many were ended that way."""
+        to finish, then end the rest with an error; returns how many were ended that way. Before
+        that, ``/health`` says "draining" for the settings' ``drain_delay`` while requests are still
+        taken (:meth:`end_grace` ends the delay too)."""
+        self.stopping = True
+        if self.settings.drain_delay > 0 and not self._grace_ended:
+            # A load balancer polls /health every few seconds: refusing at once would send the
+            # requests it routes meanwhile to a server that turns them away.
+            with anyio.move_on_after(self.settings.drain_delay) as self._grace:
+                await anyio.sleep_forever()
+            self._grace = None
         self.draining = True
         grace = 0.0 if self._grace_ended else self.settings.shutdown_grace if grace is None else grace
         with anyio.move_on_after(grace) as self._grace:
@@ -130,8 +141,9 @@ class ServerState:
         return ended
 
     def end_grace(self) -> None:
-        """End what is left of the drain's grace now (a second signal): the requests in flight are
-        ended with their error at once, as when the grace runs out. Call on the server's loop."""
+        """End what is left of the drain's delay and grace now (a second signal): the requests in
+        flight are ended with their error at once, as when the grace runs out. Call on the server's
+        loop."""
         self._grace_ended = True
         if self._grace is not None:
             self._grace.cancel()
@@ -665,7 +677,7 @@ class _Handlers:
         assert state.engine is not None and state.batcher is not None
         ok, problems = state.engine.audit() if state.engine.audit else (True, [])
         faults = state.health.bad.values() if state.health is not None else []
-        status = 200 if ok and not faults and not state.draining else 503
+        status = 200 if ok and not faults and not state.stopping else 503
         self.record("/health", status)
         b = state.batcher
         description = dict(state.engine.description)
@@ -677,7 +689,7 @@ class _Handlers:
         # rest of the body still shows the requests left in flight).
         return JSONResponse(
             {
-                "status": "draining" if state.draining else "ok" if status == 200 else "degraded",
+                "status": "draining" if state.stopping else "ok" if status == 200 else "degraded",
                 "bad_experts": [b.as_json() for b in faults],
                 "model": b.model_id,
                 "active_requests": b.active,
@@ -690,7 +702,7 @@ class _Handlers:
                 "engine": description,
             },
             status_code=status,
-            headers=state.shutdown_error().headers if state.draining else None,
+            headers=state.shutdown_error().headers if state.stopping else None,
         )
 
     async def metrics(self, request: Request) -> Response:

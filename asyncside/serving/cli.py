@@ -257,6 +257,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=_seconds_at_least_zero, default=d.shutdown_grace, metavar="SECONDS",
                         help=f"on SIGTERM/SIGINT/SIGHUP, refuse new requests (503) and give those in flight this "
                              f"long to finish before they are ended with an error (default {d.shutdown_grace:g})")
+    parser.add_argument("--drain-delay", type=_seconds_at_least_zero, default=d.drain_delay, metavar="SECONDS",
+                        help=f"on SIGTERM/SIGINT/SIGHUP, answer /health with 503 but keep taking and serving "
+                             f"requests this long before the drain, so that a load balancer's health check sees "
+                             f"the instance leave before its connections are refused (default {d.drain_delay:g})")
     parser.add_argument("--max-request-bytes", type=_body_size, default=None, metavar="SIZE",
                         help="largest request body, e.g. 32M (default: room for a prompt of the model's context "
                              "length as token ids, at least 1M and at most 8M); larger bodies get 413")

@@ -37,6 +37,9 @@ class ServeSettings:
     the key. ``max_header_bytes`` bounds a request's headers (431 beyond). ``shutdown_grace``:
     on SIGTERM/SIGINT (or :meth:`~.background.BackgroundServer.stop`) new requests get 503 and
     requests in flight have this many seconds to finish before they are ended with an error.
+    ``drain_delay``: seconds before that drain during which ``/health`` already answers 503
+    "draining" but requests are still taken and served, so that a load balancer's health check sees
+    the instance leave before its connections are refused (0: the drain starts at once).
     ``request_read_timeout``: seconds a connection has to send a whole request (head and body)
     once it is open or its previous answer ended; closed beyond (the handler of a body that stalls
     sees the client leave).
@@ -71,6 +74,7 @@ class ServeSettings:
     api_key: str | None = field(default=None, repr=False)
     max_header_bytes: int = 16 * 1024
     shutdown_grace: float = 5.0
+    drain_delay: float = 0.0
     health_recheck_s: float = 2.0
     request_read_timeout: float = 30.0
     keep_alive: float = 75.0             # beyond nginx's upstream keepalive_timeout and AWS ALB's idle timeout
@@ -110,6 +114,8 @@ class ServeSettings:
             raise ValueError(f"ServeSettings.health_recheck_s must be positive, got {self.health_recheck_s}")
         if not self.shutdown_grace >= 0:
             raise ValueError(f"ServeSettings.shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if not 0 <= self.drain_delay < float("inf"):
+            raise ValueError(f"ServeSettings.drain_delay must be >= 0 seconds, got {self.drain_delay}")
         if not 0.0 <= self.default_temperature <= 2.0:
             raise ValueError(f"ServeSettings.default_temperature must be in [0, 2], got {self.default_temperature}")
 
@@ -133,6 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         access_log=getattr(args, "access_log", d.access_log),
         api_key=api_key_from_env(getattr(args, "api_key", None)),
         shutdown_grace=getattr(args, "shutdown_grace", d.shutdown_grace),
+        drain_delay=getattr(args, "drain_delay", d.drain_delay),
         keep_alive=getattr(args, "keep_alive", d.keep_alive),
         max_body_bytes=getattr(args, "max_request_bytes", d.max_body_bytes),
     )
