@@ -17,6 +17,9 @@ import importlib.metadata
 import importlib.util
 import inspect
 import pathlib
+import subprocess
+import sys
+import tarfile
 import tomllib
 from types import ModuleType
 
@@ -258,3 +261,45 @@ def test_the_floors_tool_pins_each_established_floor() -> None:
     pins = {name: Version(v) for name, v in (c.split("==") for c in constraints)}
     assert {k: v for k, v in pins.items() if k != "mlx"} == {k: Version(v[0]) for k, v in FLOORS.items()}
     assert pins["mlx"] == Version(importlib.metadata.version("mlx"))
+
+
+#: what a build from the sdist needs, and what its test suite reads (tests/ reads docs/, README.md,
+#: examples/ and tools/), none of which an sdist exclude may catch
+SDIST_NEEDS = ("pyproject.toml", "CMakeLists.txt", "README.md", "BENCHMARKS.md", "native", "asyncside", "tests",
+               "docs", "examples", "tools")
+
+
+def _sdist_excludes() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
+    return list(config.get("sdist", {}).get("exclude", []))
+
+
+def test_the_sdist_leaves_out_the_benchmark_results_and_nothing_a_build_needs() -> None:
+    """scikit-build-core's sdist is the tree less .gitignore and ``sdist.exclude`` (gitignore
+    patterns, matched as it matches them): benchmarks/ (some two MB of raw JSON and logs) stays
+    out, every file a build or the tests read stays in."""
+    pathspec = pytest.importorskip("pathspec")
+    spec = pathspec.GitIgnoreSpec.from_lines(_sdist_excludes())
+    needed = [p for name in SDIST_NEEDS for p in ([ROOT / name] if (ROOT / name).is_file()
+                                                   else (ROOT / name).rglob("*")) if p.is_file()]
+    caught = [p.relative_to(ROOT).as_posix() for p in needed if spec.match_file(p.relative_to(ROOT).as_posix())]
+    assert not caught, caught
+    results = [p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").rglob("*") if p.is_file()]
+    assert results and all(spec.match_file(p) for p in results)
+
+
+def test_the_sdist_builds_with_what_a_build_needs(tmp_path: pathlib.Path) -> None:
+    """The sdist itself, where scikit-build-core is installed (the suite's venv has it only
+    inside pip's build isolation): native/, CMakeLists.txt, README and the package's py.typed in,
+    benchmarks/ and built files out."""
+    pytest.importorskip("scikit_build_core")
+    code = ("import sys; from scikit_build_core.build import build_sdist; "
+            "print(build_sdist(sys.argv[1]))")
+    name = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as tar:
+        files = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+    for needed in ("pyproject.toml", "CMakeLists.txt", "README.md", "native/bindings.cpp",
+                   "native/mlx_dependency.h", "asyncside/py.typed", "asyncside/models/embedded.py"):
+        assert needed in files, needed
+    assert not [f for f in files if f.startswith(("benchmarks/", ".ci/", "build/")) or f.endswith(".so")]
