@@ -320,7 +320,8 @@ class BackgroundServer:
         state = _state(self.app)
         if state is not None and self.server.started and self._thread is not None and self._thread.is_alive() \
                 and self.loop is not None:
-            wait = (state.settings.shutdown_grace if grace is None else grace) + 30.0
+            # The drain waits the drain delay first (a stop() of a server behind a load balancer too)
+            wait = (state.settings.shutdown_grace if grace is None else grace) + state.settings.drain_delay + 30.0
             self.call(lambda: state.drain(grace), timeout=wait)
         self.server.should_exit = True
         if self._thread is not None:
