@@ -265,3 +265,68 @@ def test_a_conversion_killed_half_way_is_converted_again_and_its_leftovers_remov
     assert again.returncode == 0 and "converting to an expert store" in err, err
     ExpertStore.open(json.loads(out)["store"]).verify()
     assert leftovers(root) == []
+
+
+@pytest.fixture
+def read_only_cache(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Any:
+    """A cache another user (or machine) filled, mounted read-only here: the quick embedded model
+    built and a copy of ``model_dir`` converted into it. Yields (the read-only mount, the
+    directory it mounts, which stays writable, the model copy). Needs root and mount permission."""
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    filled, mount, model = tmp_path / "filled", tmp_path / "mount", tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    mount.mkdir()
+    for run in (child(tmp_path, what="embedded", cache=str(filled)),
+                child(tmp_path, what="store_for", model=str(model), cache=str(filled))):
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err
+    r = subprocess.run(["mount", "--bind", str(filled), str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+        yield mount, filled, model
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def cli(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "asyncside.cli", *args], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)))
+
+
+def test_a_read_only_cache_another_filled_is_used_as_it_is(read_only_cache: Any, tmp_path: pathlib.Path) -> None:
+    """Loading from a cache on a read-only mount (another machine filled it) makes no lock or
+    temporary file: the embedded model and a converted model are taken as they are, and run."""
+    mount, filled, model = read_only_cache
+    for what in ("embedded", "store_for"):
+        run = child(tmp_path, what=what, model=str(model), cache=str(mount))
+        out, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err
+        assert json.loads(out)["store"].startswith(str(mount))
+    ran = cli(tmp_path, "demo", "--model", str(model), "--cache-dir", str(mount), "--tokens", "2",
+              "--reference", "none", "--json")
+    assert ran.returncode == 0, ran.stderr
+
+
+def test_a_read_only_cache_holding_another_s_killed_build_is_one_line(read_only_cache: Any,
+                                                                      tmp_path: pathlib.Path) -> None:
+    """``asyncside demo`` on a read-only cache without its embedded model, holding the half of a
+    build another machine's process was killed in: looking for leftovers to remove opened a lock
+    file there, ``OSError: [Errno 30] Read-only file system`` and a traceback. It is the one line
+    of a cache that cannot be written, and the leftover is left to its writer."""
+    from asyncside.models.embedded import EmbeddedSpec
+
+    mount, filled, _model = read_only_cache
+    leftover = filled / f".embedded-{EmbeddedSpec().key()}.tmp-killed"
+    (leftover / "model").mkdir(parents=True)
+    ran = cli(tmp_path, "demo", "--cache-dir", str(mount), "--tokens", "2", "--reference", "none")
+    assert ran.returncode != 0 and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert f"asyncside demo: {mount}/.embedded-" in ran.stderr, ran.stderr
+    assert "cannot build in this cache directory: Read-only file system" in ran.stderr, ran.stderr
+    assert leftover.is_dir()

@@ -327,7 +327,11 @@ def remove_stale_builds(root: pathlib.Path) -> list[pathlib.Path]:
         tag = tmp.name[1:].rsplit(".tmp-", 1)[0]
         if not tmp.is_dir() or not tag:
             continue
-        with open(root / f".{tag}.lock", "a+") as fh:
+        try:
+            fh = open(root / f".{tag}.lock", "a+")
+        except OSError:
+            continue  # a cache this process cannot write: another's leftovers are not its to remove
+        with fh:
             taken = try_lock(fh, wait=False)
             if taken is False or (taken is None and not owner_gone(tmp / OWNER_FILE)):
                 continue  # a build of this tag is running: its directory is no leftover
