@@ -213,23 +213,38 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
         except (OSError, StoreError):
             return "the cached store cannot be opened"
 
+    changed: str | None = None
     if is_store_dir(dest) and (changed := stale()) is None:
         tell(f"asyncside: {text}: using the store converted on first use, {dest}")
         return dest
+
     def waiting() -> None:
         tell(f"asyncside: {text}: another process is converting it into {dest}; waiting for it")
 
-    with _file_lock(root / f".{dest.name}.lock", waiting):
-        if not is_store_dir(dest) or (changed := stale()) is not None:
-            from .models.convert import convert_model
+    from .models.convert import StoreWriteError
 
-            if is_store_dir(dest):
-                tell(f"asyncside: {text}: {changed} since its store was converted; converting again into {dest}")
-            else:
-                tell(f"asyncside: {text}: converting to an expert store in {dest} (first use; reused later)")
-            try:
-                convert_model(directory, dest, progress=progress, overwrite=True,
-                              model_id=text if is_repo_id(text) else None)
-            except FileNotFoundError as exc:
-                raise StoreError(directory, f"cannot be converted: {exc}") from None
+    locked = False
+    try:
+        with _file_lock(root / f".{dest.name}.lock", waiting):
+            locked = True
+            if not is_store_dir(dest) or (changed := stale()) is not None:
+                from .models.convert import convert_model
+
+                if is_store_dir(dest):
+                    tell(f"asyncside: {text}: {changed} since its store was converted; converting again into {dest}")
+                else:
+                    tell(f"asyncside: {text}: converting to an expert store in {dest} (first use; reused later)")
+                try:
+                    convert_model(directory, dest, progress=progress, overwrite=True,
+                                  model_id=text if is_repo_id(text) else None)
+                except FileNotFoundError as exc:
+                    raise StoreError(directory, f"cannot be converted: {exc}") from None
+    except StoreWriteError as exc:
+        if locked or changed is None:
+            raise
+        # A cache another machine filled, mounted read-only here: the refusal named the lock file
+        # it could not make, not why the store it holds was not taken as it is.
+        raise StoreWriteError(directory, f"{changed} since its store {dest} was converted, and converting it "
+                                         f"again needs a cache this process can write: {exc}",
+                              errno=exc.errno) from None
     return dest

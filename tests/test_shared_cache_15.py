@@ -314,6 +314,21 @@ def test_a_read_only_cache_another_filled_is_used_as_it_is(read_only_cache: Any,
     assert ran.returncode == 0, ran.stderr
 
 
+def test_a_read_only_cache_whose_model_changed_since_says_why_it_would_convert(read_only_cache: Any,
+                                                                              tmp_path: pathlib.Path) -> None:
+    """A model directory saved again since another machine converted it into a read-only cache:
+    the refusal named the lock file it could not make ("cannot build in this cache directory"),
+    not why the store the cache holds was not taken. It says what changed, and the way out."""
+    mount, _filled, model = read_only_cache
+    st = (model / "config.json").stat()
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    ran = cli(tmp_path, "demo", "--model", str(model), "--cache-dir", str(mount), "--tokens", "2",
+              "--reference", "none")
+    assert ran.returncode != 0 and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert f"{model}: config.json changed since its store {mount / 'stores'}" in ran.stderr, ran.stderr
+    assert "Read-only file system" in ran.stderr and "--cache-dir DIR" in ran.stderr, ran.stderr
+
+
 def test_a_read_only_cache_holding_another_s_killed_build_is_one_line(read_only_cache: Any,
                                                                       tmp_path: pathlib.Path) -> None:
     """``asyncside demo`` on a read-only cache without its embedded model, holding the half of a
