@@ -345,3 +345,43 @@ def test_a_read_only_cache_holding_another_s_killed_build_is_one_line(read_only_
     assert f"asyncside demo: {mount}/.embedded-" in ran.stderr, ran.stderr
     assert "cannot build in this cache directory: Read-only file system" in ran.stderr, ran.stderr
     assert leftover.is_dir()
+
+
+def test_a_hub_snapshot_downloaded_again_elsewhere_reuses_the_shared_cache_s_store(model_dir: pathlib.Path,
+                                                                                   tmp_path: pathlib.Path) -> None:
+    """Machines sharing one asyncside cache (a CI matrix, a cluster's shared mount), each with the
+    same Hugging Face snapshot in a cache of its own at the same path: the store was keyed by the
+    files' modification times, which each machine's download has its own, so every machine
+    converted the model again (minutes to hours, over the store the others serve from; on a
+    read-only cache, a refusal). A snapshot's files link to blobs named by their content's hash:
+    the same blobs are the same model; another blob is another, whatever the times."""
+    import hashlib
+
+    snapshot = tmp_path / "hf" / "models--org--tiny" / "snapshots" / ("c" * 40)
+    blobs = tmp_path / "hf" / "models--org--tiny" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in model_dir.iterdir():
+        data = f.read_bytes()
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    cache = tmp_path / "cache"
+
+    def first_use() -> str:
+        run = child(tmp_path, what="store_for", model=str(snapshot), cache=str(cache))
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err
+        return err
+
+    assert "converting to an expert store" in first_use()
+    for blob in blobs.iterdir():  # the same snapshot as another machine downloaded it
+        st = blob.stat()
+        os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert "using the store converted on first use" in first_use()
+    config = (snapshot / "config.json").read_text()  # a new revision's config
+    blob = blobs / hashlib.sha256(config.encode() + b" ").hexdigest()
+    blob.write_text(config + " ")
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(os.path.relpath(blob, snapshot))
+    assert "config.json changed since its store was converted" in first_use()

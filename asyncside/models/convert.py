@@ -918,29 +918,58 @@ def _n_experts(switch: nn.Module) -> int:
     return int(lin["weight"].shape[0])
 
 
-def source_files(src: str | os.PathLike[str]) -> dict[str, list[int]]:
+#: a Hugging Face cache's blob name: the file's etag (a git blob's sha1, an LFS file's sha256)
+_HUB_BLOB = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
+
+
+def _hub_blob(path: pathlib.Path) -> str | None:
+    """The blob name a Hugging Face snapshot's file links to (``../../blobs/<etag>``), or None: a
+    name that changes with the file's content, which its modification time does not say (the same
+    snapshot downloaded on another machine has its own)."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    where = pathlib.PurePath(target)
+    return where.name if where.parent.name == "blobs" and _HUB_BLOB.match(where.name) else None
+
+
+def source_files(src: str | os.PathLike[str]) -> dict[str, list[int | str]]:
     """What a store converted from the model directory ``src`` depends on, by file name: its
     ``config.json``, weight files (``*.safetensors`` and their index) and tokenizer files, each as
-    its size and modification time (ns). Recorded in the store (``source_files``) when it is
-    converted, so a directory whose model changed since (a model saved again into it) is told
-    from the one converted (:func:`source_changed`)."""
+    its size and modification time (ns), and for a Hugging Face snapshot's file the blob it links
+    to. Recorded in the store (``source_files``) when it is converted, so a directory whose model
+    changed since (a model saved again into it) is told from the one converted
+    (:func:`source_changed`)."""
     base = pathlib.Path(src)
     names = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
     names.update(p.name for p in base.glob("*.safetensors"))
-    found: dict[str, list[int]] = {}
+    found: dict[str, list[int | str]] = {}
     for name in sorted(names):
         try:
             st = (base / name).stat()  # a Hugging Face snapshot's links: the blob's
         except OSError:
             continue
-        found[name] = [int(st.st_size), int(st.st_mtime_ns)]
+        blob = _hub_blob(base / name)
+        found[name] = [int(st.st_size), int(st.st_mtime_ns), *([blob] if blob is not None else [])]
     return found
+
+
+def _same_file(recorded: Any, now: list[int | str]) -> bool:
+    """Whether a file recorded by :func:`source_files` is the one there now: of the same size and
+    time, or linked to the same Hugging Face blob (a snapshot downloaded again, as another machine
+    sharing the cache has it, is of its own time)."""
+    recorded = list(recorded) if isinstance(recorded, list) else []
+    if recorded == now:
+        return True
+    return len(recorded) == 3 and len(now) == 3 and recorded[0] == now[0] and recorded[2] == now[2]
 
 
 def source_changed(store: Any, src: str | os.PathLike[str]) -> str | None:
     """What changed in the model directory ``src`` since ``store`` (an ExpertStore) was converted
-    from it (a file added, gone, or of another size or time), or None where nothing did, or the
-    store does not say (converted before stores recorded their source files)."""
+    from it (a file added, gone, or of another size or time, or linked to another Hugging Face
+    blob), or None where nothing did, or the store does not say (converted before stores recorded
+    their source files)."""
     meta = store.metadata.get(META_KEY)
     recorded = meta.get("source_files") if isinstance(meta, dict) else None
     if not isinstance(recorded, dict):
@@ -951,7 +980,7 @@ def source_changed(store: Any, src: str | os.PathLike[str]) -> str | None:
             return f"{name} is gone"
         if name not in recorded:
             return f"{name} was added"
-        if list(recorded[name]) != now[name]:
+        if not _same_file(recorded[name], now[name]):
             return f"{name} changed"
     return None
 
