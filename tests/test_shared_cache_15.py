@@ -385,3 +385,41 @@ def test_a_hub_snapshot_downloaded_again_elsewhere_reuses_the_shared_cache_s_sto
     (snapshot / "config.json").unlink()
     (snapshot / "config.json").symlink_to(os.path.relpath(blob, snapshot))
     assert "config.json changed since its store was converted" in first_use()
+
+
+def test_the_embedded_model_s_build_killed_half_way_is_built_again_and_its_leftovers_removed(
+        tmp_path: pathlib.Path) -> None:
+    """``asyncside demo``'s first build of the embedded model killed by the OOM killer while it
+    converts: no build is taken from the half, the next run builds it and removes the half."""
+    cache = tmp_path / "cache"
+    killed = child(tmp_path, what="embedded", cache=str(cache), kill_at="layer")
+    killed.communicate(timeout=240)
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".embedded-") and ".tmp-" in p.name] != []
+    assert not any(p.name.startswith("embedded-") for p in cache.iterdir())
+    again = child(tmp_path, what="embedded", cache=str(cache))
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err
+    ExpertStore.open(json.loads(out)["store"]).verify()
+    assert leftovers(cache) == []
+
+
+def test_two_demos_recording_routing_into_one_file_leave_one_whole_trace(quick_store: pathlib.Path,
+                                                                          tmp_path: pathlib.Path) -> None:
+    """``asyncside demo --record-routing trace.npz`` run twice at once: each writes its trace
+    beside the file and renames it over, so the file is one run's whole trace, never the two
+    interleaved, and nothing is left beside it."""
+    from asyncside.routing import RoutingTrace
+
+    trace = tmp_path / "trace.npz"
+    runs = [subprocess.Popen([sys.executable, "-m", "asyncside.cli", "demo", "--model", str(quick_store),
+                              "--tokens", str(tokens), "--reference", "none", "--json",
+                              "--record-routing", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)))
+            for tokens in (6, 9)]
+    for run in runs:
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err
+    recorded = RoutingTrace.load(trace)
+    assert recorded.meta["source"] == "recorded" and recorded.ids.shape[0] > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("trace")) == ["trace.npz"]
