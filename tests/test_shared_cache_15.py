@@ -423,3 +423,21 @@ def test_two_demos_recording_routing_into_one_file_leave_one_whole_trace(quick_s
     recorded = RoutingTrace.load(trace)
     assert recorded.meta["source"] == "recorded" and recorded.ids.shape[0] > 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("trace")) == ["trace.npz"]
+
+
+def test_convert_overwrite_replaces_a_link_to_a_store(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """``asyncside convert MODEL current --overwrite`` where ``current`` is a link to a store (one
+    kept per version, the link naming the one in use): the link is replaced by the new store, the
+    store it named is left as it was. The rename onto the link is "Not a directory": it is moved
+    away first, as a store in its place is."""
+    versions = tmp_path / "v1"
+    made = cli(tmp_path, "convert", str(model_dir), str(versions), "--quiet")
+    assert made.returncode == 0, made.stderr
+    link = tmp_path / "current"
+    link.symlink_to(versions)
+    ran = cli(tmp_path, "convert", str(model_dir), str(link), "--overwrite", "--quiet")
+    assert ran.returncode == 0, ran.stderr
+    assert not link.is_symlink() and (link / "manifest.json").is_file()
+    ExpertStore.open(link).verify()
+    ExpertStore.open(versions).verify()
+    assert leftovers(tmp_path) == []

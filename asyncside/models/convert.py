@@ -563,9 +563,10 @@ def _publish(store: pathlib.Path, dest: pathlib.Path, src: pathlib.Path, staging
             os.rename(store, dest)
             return
         except OSError as exc:
-            # The rename onto a directory that holds something: "Directory not empty" and a
-            # traceback where another conversion got there between the check and the rename.
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            # The rename onto a directory that holds something ("Directory not empty" and a
+            # traceback where another conversion got there between the check and the rename), or
+            # onto a link to one (the store --overwrite replaces by a link's name).
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
         if not overwrite:
             raise StoreError(dest, "already exists: another conversion made it while this one ran (pass "
