@@ -164,11 +164,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    # parse_args less its last step: a subcommand whose options could not be added (its module's
+    # import failed) says so, not "unrecognized arguments" for the options it would have had.
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except AsyncsideError as exc:  # an option's type imports a module that refused to load (serve --predictor)
+        print(f"asyncside {_command_name(argv)}: {exc}", file=sys.stderr)
+        return 2
     unavailable = getattr(args, "_unavailable", None)
     if unavailable:
         print(f"asyncside {args.command}: not available: {unavailable}", file=sys.stderr)
         return 2
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = f"bench {args.bench}" if args.command == "bench" else args.command  # as argparse names it
     try:
         if args.command != "routing":  # refused before a model loads, not when its runtime starts

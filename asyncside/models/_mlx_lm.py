@@ -6,11 +6,44 @@ is a ValueError, "not allowed to raise maximum limit", raised by every import of
 command ran, and ``import asyncside.models`` failed. Where the limits were higher, it lowered them
 for the whole process. While it is imported here the limit is only ever raised, never past the
 hard limit, and the hard limit is kept.
+
+An mlx-lm older than the one the model code needs (a floor pip honours, but not an environment
+installed with ``--no-deps`` or another package manager) is refused here, in one line naming both
+releases, not by an ImportError of whichever mlx-lm name the first module to miss it imports.
 """
 
 from __future__ import annotations
 
 import sys
+
+from ..errors import AsyncsideError
+
+#: the oldest mlx-lm the model code runs with: pyproject.toml's floor (tests/test_packaging_15.py
+#: records why it is that release)
+MLX_LM_FLOOR = (0, 32, 1)
+
+
+class MlxLmVersionError(AsyncsideError, ImportError):
+    """The installed mlx-lm is older than :data:`MLX_LM_FLOOR`."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string (``0.32.1.dev3`` -> ``(0, 32, 1)``)."""
+    out = []
+    for piece in version.split(".")[:3]:
+        digits = piece[:len(piece) - len(piece.lstrip("0123456789"))]
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def check_mlx_lm_version(version: str) -> None:
+    """MlxLmVersionError if mlx-lm ``version`` is older than :data:`MLX_LM_FLOOR`."""
+    if _release(version) < MLX_LM_FLOOR:
+        need = ".".join(map(str, MLX_LM_FLOOR))
+        raise MlxLmVersionError(f"mlx-lm {version} is older than asyncside needs ({need} or newer): "
+                                f"pip install -U 'mlx-lm>={need}'")
 
 
 def import_mlx_lm() -> None:
@@ -41,3 +74,4 @@ def import_mlx_lm() -> None:
 
 
 import_mlx_lm()
+check_mlx_lm_version(str(getattr(sys.modules["mlx_lm"], "__version__", "0")))
