@@ -21,6 +21,7 @@ io_uring when the kernel allows rings, else the thread pool. Every backend is tu
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import errno as _errno
 import logging
@@ -315,11 +316,11 @@ class AiofilesReader(ReaderBackend):
 
     async def serve(self, deliver: Deliver, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._deliver = deliver
+        # sniffio's own test for asyncio: sniffio no longer comes with anyio, and without it this
+        # reader took anyio's thread pool on asyncio too, not aiofiles.
         try:
-            import sniffio
-
-            on_asyncio = sniffio.current_async_library() == "asyncio"
-        except Exception:  # pragma: no cover - sniffio ships with anyio
+            on_asyncio = asyncio.current_task() is not None
+        except RuntimeError:  # no asyncio loop in this thread (trio)
             on_asyncio = False
         if on_asyncio:
             import aiofiles.os
