@@ -42,6 +42,7 @@ The named presets other than the first two are built the same way from their rea
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -725,7 +726,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
     from mlx_lm.utils import save_config, save_model
 
     from ..memory import available_memory
-    from ..models.convert import convert_model, profile_routing
+    from ..models.convert import OWNER_FILE, convert_model, owner_line, profile_routing
     from ..models.embedded import (
         PROFILE_PROMPTS,
         build_is_current,
@@ -759,7 +760,9 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
         if (final / READY_FILE).is_file() and progress:
             print(f"[shapes] {final}: built by older code whose weights of this shape differ "
                   f"(models.embedded.BUILD_VERSION): rebuilding it", file=sys.stderr, flush=True)
-        if final.exists():  # a leftover without READY, or built by older code unlike this one: never trust it
+        if final.exists() and not build_is_current(final, spec):
+            # A leftover without READY, or built by older code unlike this one: never trusted. Asked
+            # again: where the filesystem takes no locks, another process may have just built it.
             shutil.rmtree(final)
         est = estimate_bytes(spec)
         layer_count = f"{cfg['num_hidden_layers']} layer{'s' if cfg['num_hidden_layers'] != 1 else ''}"
@@ -777,6 +780,8 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
         t0 = time.perf_counter()
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=root))
         try:
+            # Who builds it, for a filesystem that takes no locks (remove_stale_builds).
+            (tmp / OWNER_FILE).write_text(owner_line(), encoding="utf-8")
             model, mcfg = build_model(spec)
             model_dir = tmp / "model"
             save_model(model_dir, model)
@@ -795,7 +800,15 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
                     "estimate": est, "spec": asdict(spec)}
             (tmp / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
             (tmp / READY_FILE).write_text(ready_marker(spec))
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                # Where the filesystem takes no locks, another process may have published the same
+                # build meanwhile: its rename won, and this one's copy is not needed.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not build_is_current(final, spec):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                info = json.loads((final / BUILD_FILE).read_text())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
