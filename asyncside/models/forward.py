@@ -276,6 +276,7 @@ class AsyncForward:
         # trio it then escaped the caller's cancel scope), and the awaiter had walked away.
         if queued:
             cast(QueuedSource, ctx.source).after_step(ctx.step)
+            self.queued.bound_cache()
         if ctx.routed:
             self.queued.count_predictions(ctx)
             QueuedSteps.record_routes(ctx)

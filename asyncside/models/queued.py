@@ -75,6 +75,15 @@ DECODE_CHECKPOINT_LAYERS = 1
 SCHEDULE_SLICE_NS = 500_000
 
 
+#: off the CPU, MLX's cache of freed buffers is emptied after a queued step once it holds more than
+#: this many times what it held CACHE_FLOOR_STEP queued steps after it was last emptied (see
+#: QueuedSteps.bound_cache)
+CACHE_GROWTH_BOUND = 2
+#: the queued step after a clear whose cache the bound is a multiple of: the first steps after a
+#: clear find the cache empty, the third finds in it what every step takes again
+CACHE_FLOOR_STEP = 3
+
+
 @runtime_checkable
 class QueuedSource(Protocol):
     """What an expert source offers for queued steps (``Runtime`` and ``ResidentSource`` do).
@@ -148,6 +157,10 @@ class QueuedSteps:
         #: last count
         self._recent = [0.0, 0.0]
         self._totals = (0, 0)
+        #: queued steps since MLX's cache was last emptied here, and what it held
+        #: :data:`CACHE_FLOOR_STEP` steps after that (see bound_cache)
+        self._since_clear = 0
+        self._cache_floor = 0
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -383,6 +396,34 @@ class QueuedSteps:
             if plan.scheduled and self._on_cpu:
                 await _run_out(mx.default_stream(mx.cpu))
             raise
+
+    def bound_cache(self) -> None:
+        """After a queued step computed: empty MLX's cache of freed buffers, on the CPU every step,
+        elsewhere once it holds more than :data:`CACHE_GROWTH_BOUND` times what it held
+        :data:`CACHE_FLOOR_STEP` steps after it was last emptied.
+
+        A queued step goes to MLX whole, past its throttle (:meth:`_schedule`; on a GPU in one
+        eval), and MLX allocates a node's output as the node is handed over, its kernel running
+        later: every buffer of the step is allocated before any of them is freed, so none is
+        reused by a later layer or donated to the op that consumes it, as they are under
+        mlx-lm's own eval. The buffers sized by the context (each layer's attention scores and
+        weights) grow by a position every step and never fit a later request: MLX's cache kept
+        all of them every token (mlx-lm's about one) until the next clear, and off the CPU its
+        limit is the device's memory. On the CPU the cache saves nothing malloc does not (its
+        buffers are malloc's, which takes back a freed block for any size), and emptying it
+        every step cost no decode speed; elsewhere a buffer is dearer to make again, and what
+        the cache holds a few steps after a clear is what every step takes again: past a
+        multiple of that it holds buffers no step will take."""
+        if self._on_cpu:
+            mx.clear_cache()
+            return
+        held = mx.get_cache_memory()
+        self._since_clear += 1
+        if self._since_clear == CACHE_FLOOR_STEP:
+            self._cache_floor = held
+        elif self._since_clear > CACHE_FLOOR_STEP and held > CACHE_GROWTH_BOUND * self._cache_floor:
+            mx.clear_cache()
+            self._since_clear = 0
 
     def prefetching(self, ctx: StepContext) -> bool:
         """Whether this step's streamed switches prefetch the next layer's predicted experts: a
