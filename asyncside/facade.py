@@ -205,6 +205,10 @@ class StreamingLM:
         self._vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._thread = _runtime_thread()
         self._closed = False
+        #: (the model's KV layout, its activations' bytes), read at the first call under a KV
+        #: allowance (None: the config does not say the cache's size, or not read yet)
+        self._kv_layout: tuple[Any, int] | None = None
+        self._kv_layout_read = False
         self._lock = threading.Lock()
         ready: concurrent.futures.Future[tuple[Any, asyncio.Event]] = concurrent.futures.Future()
         # The task holds the streaming model, never this object: a model dropped without close()
@@ -266,7 +270,44 @@ class StreamingLM:
             bad = outside_vocabulary(np.asarray(inputs), self._vocab)
             if bad is not None:
                 raise ValueError(f"inputs: token id {bad}, outside the model's vocabulary [0, {self._vocab})")
+        self._check_kv(inputs, cache)
         return self._thread.call(self._step(inputs, cache))
+
+    def _check_kv(self, inputs: mx.array, cache: list[Any]) -> None:
+        """Refuse (AsyncsideError, before the step, the cache untouched) a call whose step would take
+        ``cache`` past the memory plan's KV allowance, as :meth:`StreamingModel.generate` refuses a
+        generation whose cache would: mlx-lm's generate calls the model once a token and never says
+        how many tokens it will ask for, so the step that would pass it is the one refused."""
+        plan = getattr(self.runtime, "plan", None)
+        allowance = getattr(plan, "kv_allowance_bytes", None)
+        if plan is None or not isinstance(allowance, int) or inputs.ndim != 2:
+            return
+        if not self._kv_layout_read:
+            from .kv_layout import model_kv_layout
+
+            self._kv_layout_read = True
+            try:
+                self._kv_layout = (model_kv_layout(self.streaming), _element_bytes(self.streaming))
+            except AsyncsideError:  # a config that does not say the cache's size: not counted
+                self._kv_layout = None
+        if self._kv_layout is None:
+            return
+        layout, element = self._kv_layout
+        rows, new = int(inputs.shape[0]), int(inputs.shape[1])
+        need = _kv_bytes(layout, element, cache, rows, new)
+        if need is None or need[1] <= allowance:
+            return
+        from .memory import describe_bytes
+
+        positions, nbytes = need
+        most = plan.kv_tokens(layout)
+        batch = f" for each of {rows} sequences" if rows > 1 else ""
+        raise AsyncsideError(
+            f"this call would take the KV cache to {positions} positions{batch}, which may need "
+            f"{describe_bytes(nbytes)} ({layout.bytes_per_token:,} bytes a position, allocated {layout.step} at a "
+            f"time), past the KV allowance of {describe_bytes(allowance)} under the memory budget "
+            f"({getattr(plan, 'source', 'memory=')}); one sequence's cache may reach {most} positions: ask for "
+            f"fewer tokens (max_tokens), trim the prompt cache, or load with a larger memory budget")
 
     async def _step(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         logits = await self.streaming(inputs, cache)
@@ -310,6 +351,48 @@ class StreamingLM:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<StreamingLM {self.streaming.model_id} ({self.model_type}), {state}>"
+
+
+def _element_bytes(streaming: Any) -> int:
+    """Bytes of one element of the model's activations, which its KV caches store unquantized."""
+    from .kv_layout import _model_element_bytes
+
+    return _model_element_bytes(streaming)
+
+
+def _kv_bytes(layout: Any, element: int, cache: list[Any], rows: int, new: int) -> tuple[int, int] | None:
+    """(the most positions a layer's cache holds, the bytes ``cache`` may take at worst) once a step
+    of ``rows`` sequences and ``new`` tokens each has run, counted as the KV allowance counts a
+    generation's (:meth:`asyncside.kv_layout.KVLayout.bytes_for`: ``step`` positions allocated at a
+    time) from what each layer's cache has fed, its window where it keeps one (``max_kv_size``'s
+    rotating caches, a sliding or chunked layer's), and its bits where it is quantized (``kv_bits``).
+    None where a layer's cache does not say how much it holds (a cache type mlx-lm adds): not counted."""
+    if len(cache) != len(layout.per_token):
+        return None
+    most = total = 0
+    for c, per, window in zip(cache, layout.per_token, layout.windows):
+        fed = getattr(c, "offset", None)
+        if not isinstance(fed, (int, np.integer)):
+            fed = getattr(c, "_idx", None)  # a batch cache: its rows' shared buffer, left padding included
+        if isinstance(fed, bool) or not isinstance(fed, (int, np.integer)):
+            return None
+        positions = int(fed) + new
+        room = positions + layout.step - 1
+        for name in ("max_size", "chunk_size"):
+            kept = getattr(c, name, None)
+            if isinstance(kept, int) and not isinstance(kept, bool):
+                window = kept if window is None else min(window, kept)
+        if window is not None:
+            room = min(room, window + max(new, layout.step))
+            positions = min(positions, window + new)
+        nbytes = per * room
+        bits, group = getattr(c, "bits", None), getattr(c, "group_size", None)
+        if isinstance(bits, int) and isinstance(group, int) and group > 0:
+            # packed elements plus a scale and a bias (of the activations' dtype) per group
+            nbytes = nbytes * (bits * group + 16 * element) // (8 * element * group)
+        most = max(most, positions)
+        total += nbytes * rows
+    return most, total
 
 
 def _check_runtime_arguments(runtime: MutableMapping[str, Any], resident: float | str,

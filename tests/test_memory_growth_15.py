@@ -4,10 +4,13 @@ generates token after token, which is the margin a model larger than memory stre
 - MLX's cache of freed buffers grows no faster per generated token under our queued steps than
   under mlx-lm's ``generate_step`` (it grew several times as fast on this small model, over ten
   times on the embedded default one, until the next clear).
+- mlx-lm's own ``generate`` over ``asyncside.load(..., memory=)``: the KV cache is held to the plan's
+  KV allowance, as :meth:`StreamingModel.generate` and the server hold it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -15,9 +18,14 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
+from mlx_lm import generate, stream_generate
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from asyncside import ExpertStore, Runtime
+from asyncside.errors import AsyncsideError
+from asyncside.facade import load
+from asyncside.kv_layout import model_kv_layout
 from asyncside.models import load_streaming_model
 
 from _facade_support import PROMPT, dirs, reference  # noqa: F401  (the fixtures)
@@ -73,3 +81,56 @@ def test_mlx_cache_grows_no_faster_per_token_than_under_mlx_lm(
     assert growth(theirs) > 0  # the comparison means something: mlx-lm's cache does grow
     # before, ours grew several times as fast
     assert growth(ours) <= growth(theirs), (growth(ours), growth(theirs))
+
+
+@pytest.fixture(scope="module")
+def budgeted(dirs: tuple[pathlib.Path, pathlib.Path]) -> Iterator[tuple[Any, Any]]:  # noqa: F811
+    model, tokenizer = load(dirs[1], memory=4 * 2**30)
+    yield model, tokenizer
+    model.close()
+
+
+def _allow_positions(model: Any, positions: int) -> int:
+    """Set the loaded model's KV allowance to one cache of ``positions`` (the count the allowance
+    makes of a generation's cache); returns the allowance."""
+    rt = model.runtime
+    allowance = model_kv_layout(model.streaming).bytes_for(positions)
+    rt._plan = dataclasses.replace(rt._plan, kv_allowance_bytes=allowance)
+    return allowance
+
+
+def test_mlx_lm_generate_over_a_loaded_model_keeps_the_kv_cache_to_the_allowance(
+        budgeted: tuple[Any, Any], reference: tuple[Any, Any]) -> None:  # noqa: F811
+    """``generate(model, tok, prompt, max_tokens=...)`` under ``load(memory=)``: mlx-lm's loop feeds
+    the model a token at a time, and the cache grew past the plan's KV allowance without a word,
+    however long the generation (our generate and the server refuse before the first step). The
+    step that would take the cache past the allowance is now refused, with the cache untouched."""
+    model, tok = budgeted
+    ref_model, ref_tok = reference
+    prompt = tok.encode(PROMPT)
+    old = model.runtime._plan
+    try:
+        fits = len(prompt) + 40
+        _allow_positions(model, fits)
+        # what fits runs as before (mlx-lm feeds the prompt and max_tokens positions, the last
+        # step's token unread, as our generate counts them)
+        want = generate(ref_model, ref_tok, prompt, max_tokens=40)
+        assert generate(model, tok, prompt, max_tokens=40) == want
+        got: list[int] = []
+        with pytest.raises(AsyncsideError, match=rf"take the KV cache to {fits + 1} positions, .* past the KV "
+                                                 rf"allowance .* one sequence's cache may reach {fits} positions"):
+            for r in stream_generate(model, tok, prompt, max_tokens=200):
+                got.append(r.token)
+        ref = [r.token for r in stream_generate(ref_model, ref_tok, prompt, max_tokens=200)]
+        assert got == ref[:len(got)] and len(got) == 40  # every token up to the refused step
+        # a refused step leaves the cache as it was
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        with pytest.raises(AsyncsideError, match="past the KV allowance"):
+            model(mx.array([[1] * 41]), cache=cache)
+        assert cache[0].offset == len(prompt)
+        # a batch counts each of its sequences
+        with pytest.raises(AsyncsideError, match=r"for each of 2 sequences"):
+            model(mx.array([prompt, prompt]), cache=make_prompt_cache(model))
+    finally:
+        model.runtime._plan = old
