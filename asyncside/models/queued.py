@@ -15,7 +15,7 @@ scheduled, and ``source.after_step`` once its token was awaited.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio.lowlevel
@@ -201,11 +201,12 @@ class QueuedSteps:
         return True
 
     def _sorts_cuts(self, source: Any, decode: bool) -> bool:
-        """Whether a decode step cut into parts sorts its pairs by expert however few they are: on
-        the CPU under a plan that reads past the page cache, where a token-cut batch reads an
-        expert two parts route twice from the disk (BENCHMARKS.md, "Serving under a memory
-        budget"). On a GPU the expert-slices form is chosen as before."""
-        return decode and self._on_cpu and bool(getattr(getattr(source, "plan", None), "direct", False))
+        """Whether a decode step cut into parts sorts its pairs by expert however few they are:
+        under a plan that reads past the page cache, where a token-cut batch reads an expert two
+        parts route twice from the disk (BENCHMARKS.md, "Serving under a memory budget"). Sorted,
+        the step takes sorted parts or, where fewer resolves do (``expert_slices``, a GPU's
+        default), expert slices: either reads each expert it routes once."""
+        return decode and bool(getattr(getattr(source, "plan", None), "direct", False))
 
     def _streams(self, source: Any, layer: int) -> bool:
         """Whether a small switch of ``layer`` streams its misses (see ForwardOptions.streamed_switch)."""
@@ -237,7 +238,9 @@ class QueuedSteps:
         ctx.step = source.begin_step(self.pairs(inputs))
         t1 = time.perf_counter_ns()
         try:
-            out = await self._build(ctx, source, inputs, logits)
+            # a long step's residual stream after each layer, handed to MLX a layer at a time
+            layers: list[mx.array] | None = [] if inputs.shape[-1] >= LONG_STEP_TOKENS else None
+            out = await self._build(ctx, source, inputs, logits, layers)
             if head is not None:
                 out = head(out)
         except BaseException:
@@ -255,7 +258,7 @@ class QueuedSteps:
         host["steps"] += 1
         if self._on_cpu and self._bridged:
             await between_layers()  # the last layer's build and the graph walk are spans of their own
-        await self._schedule(out)
+        await self._schedule(out, layers or ())
         if self.arm is not None:
             # The step's completion signal goes on the stream now, right behind the step: the
             # caller may queue the next step before it awaits this one (generation runs one step
@@ -272,11 +275,13 @@ class QueuedSteps:
         self.counters["forwards"] += 1
         return out
 
-    async def _build(self, ctx: StepContext, source: Any, inputs: mx.array, logits: bool) -> mx.array:
+    async def _build(self, ctx: StepContext, source: Any, inputs: mx.array, logits: bool,
+                     layers: list[mx.array] | None = None) -> mx.array:
         """The step's graph (lazy). A long step (a prefill chunk) lets the loop run between its
         layers: its whole graph is thousands of nodes, built in Python on the loop thread (the
         source's quiesce() waits for a step being built, so nothing takes its rows meanwhile).
-        On the CPU a decode step lets it run every :data:`DECODE_CHECKPOINT_LAYERS` layers."""
+        On the CPU a decode step lets it run every :data:`DECODE_CHECKPOINT_LAYERS` layers.
+        ``layers``: where the residual stream after each layer is appended."""
         walk = self.walk
         h = walk.embed(inputs)
         masks = walk.masks(h, ctx.cache)
@@ -297,6 +302,8 @@ class QueuedSteps:
                 return h_attn
             if i not in walk.moe:
                 h = h_attn + walk.block(i)(xn)
+                if layers is not None:
+                    layers.append(h)
                 continue
             block, attr = walk.moe[i]
             spec, activation, pools = walk.specs[i], walk.activation(i), source.pools(i)
@@ -352,10 +359,33 @@ class QueuedSteps:
             assert out is not None
             routed.append((i, inds))
             h = h_attn + out
+            if layers is not None:
+                layers.append(h)
         return walk.logits(h) if logits else h
 
-    async def _schedule(self, out: mx.array) -> None:
-        """Hand the step to MLX without blocking the loop (native StepPlan: one walk of the graph
+    async def _schedule(self, out: mx.array, layers: Sequence[mx.array] = ()) -> None:
+        """Hand the step whose output is ``out`` to MLX (:meth:`_hand_over`); on the CPU, a long
+        step's ``layers`` (its residual stream after each layer) first, one at a time, each handed
+        over once the layer two before it has computed.
+
+        MLX allocates a CPU node's output as the node is handed over (its kernel runs later), and a
+        step handed over whole past MLX's throttle had every buffer of every layer allocated at
+        once: a prefill chunk's attention scores of every layer side by side, where mlx-lm's eval
+        frees each layer's before the next allocates its own. On the embedded model a chunk of a
+        few hundred tokens took over ten times mlx-lm's memory, past the plan's estimate of a
+        forward (one layer's buffers, :mod:`asyncside.runtime._forward_cost`), which bounds prompt
+        chunks under a budget. A layer at a time, two layers' buffers are held at most, and the
+        stream computes one while the next is handed over. Decode steps go whole: their layers'
+        buffers are small, and the host's time per step is what decode waits for."""
+        if self._bridged and self._on_cpu and layers:
+            behind: mx.array | None = None
+            for h in layers:
+                await self._hand_over(h)
+                await self.completed(h)
+        await self._hand_over(out)
+
+    async def _hand_over(self, out: mx.array) -> None:
+        """Hand the graph of ``out`` to MLX without blocking the loop (native StepPlan: one walk of the graph
         per step).
 
         On the CPU, MLX's eval throttle lets a caller run only about 50 nodes ahead of the
