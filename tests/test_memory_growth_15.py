@@ -4,6 +4,9 @@ generates token after token, which is the margin a model larger than memory stre
 - MLX's cache of freed buffers grows no faster per generated token under our queued steps than
   under mlx-lm's ``generate_step`` (it grew several times as fast on this small model, over ten
   times on the embedded default one, until the next clear).
+- A queued prefill chunk holds about one layer's buffers at a time, as mlx-lm's prefill does, not
+  every layer's at once (the plan's estimate of a forward, which bounds prompt chunks under a
+  budget, counts one layer's).
 - mlx-lm's own ``generate`` over ``asyncside.load(..., memory=)``: the KV cache is held to the plan's
   KV allowance, as :meth:`StreamingModel.generate` and the server hold it.
 """
@@ -17,6 +20,7 @@ from typing import Any
 
 import anyio
 import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm import generate, stream_generate
 from mlx_lm.generate import generate_step
@@ -27,6 +31,7 @@ from asyncside.errors import AsyncsideError
 from asyncside.facade import load
 from asyncside.kv_layout import model_kv_layout
 from asyncside.models import load_streaming_model
+from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
 
 from _facade_support import PROMPT, dirs, reference  # noqa: F401  (the fixtures)
 
@@ -81,6 +86,57 @@ def test_mlx_cache_grows_no_faster_per_token_than_under_mlx_lm(
     assert growth(theirs) > 0  # the comparison means something: mlx-lm's cache does grow
     # before, ours grew several times as fast
     assert growth(ours) <= growth(theirs), (growth(ours), growth(theirs))
+
+
+#: a narrow model of many layers: a prefill chunk's buffers are mostly its layers' attention scores
+TALL = EmbeddedSpec(
+    config={
+        **EmbeddedSpec().config,
+        "hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    },
+    profile_tokens=2,
+)
+
+
+def test_a_queued_prefill_chunk_holds_one_layers_buffers_at_a_time(tmp_path: pathlib.Path) -> None:
+    """A queued step goes to MLX whole past its throttle, and MLX allocates a node's output as the
+    node is handed over: a prefill chunk had every layer's attention scores allocated side by
+    side (on the embedded model a chunk of a few hundred tokens took over ten times mlx-lm's
+    memory), where the plan's estimate that bounds prompt chunks under a budget counts one layer's.
+    A long step's layers now go to MLX one at a time: its peak is within a small multiple of
+    mlx-lm's prefill of the same prompt (before: several times more), and its token is mlx-lm's."""
+    model_dir, store_dir = ensure_embedded_default(tmp_path, spec=TALL, progress=False)
+    prompt = [(i * 7) % 90 + 32 for i in range(300)]  # one chunk, queued (at most MAX_QUEUED_TOKENS)
+    ref_model, _ = mlx_lm.load(str(model_dir))
+    mx.eval(ref_model.parameters())
+    cache = make_prompt_cache(ref_model)
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    ref_model(mx.array(prompt[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    theirs = mx.get_peak_memory() - base
+    want = next(generate_step(mx.array(prompt), ref_model, max_tokens=1))[0]
+    del ref_model, cache
+
+    sm = load_streaming_model(store_dir)
+    got: list[int] = []
+    ours = 0
+
+    async def main() -> None:
+        nonlocal ours
+        async with Runtime(ExpertStore.open(store_dir), resident=1.0) as rt:
+            mx.clear_cache()
+            start = mx.get_active_memory()
+            mx.reset_peak_memory()
+            got.extend([t async for t in sm.generate(prompt, max_tokens=1, source=rt, stop_at_eos=False)])
+            ours = mx.get_peak_memory() - start
+
+    anyio.run(main)
+    assert sm.forward.counters["queued_prefill"] == 1  # the chunk was one queued step
+    assert got == [int(want)]
+    assert ours <= 3 * theirs, (ours, theirs)
 
 
 @pytest.fixture(scope="module")

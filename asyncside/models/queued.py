@@ -258,7 +258,9 @@ class QueuedSteps:
         host["steps"] += 1
         if self._on_cpu and self._bridged:
             await between_layers()  # the last layer's build and the graph walk are spans of their own
-        await self._schedule(out, layers or ())
+        if layers:
+            await self._schedule_layers(layers)
+        await self._schedule(out)
         if self.arm is not None:
             # The step's completion signal goes on the stream now, right behind the step: the
             # caller may queue the next step before it awaits this one (generation runs one step
@@ -363,29 +365,8 @@ class QueuedSteps:
                 layers.append(h)
         return walk.logits(h) if logits else h
 
-    async def _schedule(self, out: mx.array, layers: Sequence[mx.array] = ()) -> None:
-        """Hand the step whose output is ``out`` to MLX (:meth:`_hand_over`); on the CPU, a long
-        step's ``layers`` (its residual stream after each layer) first, one at a time, each handed
-        over once the layer two before it has computed.
-
-        MLX allocates a CPU node's output as the node is handed over (its kernel runs later), and a
-        step handed over whole past MLX's throttle had every buffer of every layer allocated at
-        once: a prefill chunk's attention scores of every layer side by side, where mlx-lm's eval
-        frees each layer's before the next allocates its own. On the embedded model a chunk of a
-        few hundred tokens took over ten times mlx-lm's memory, past the plan's estimate of a
-        forward (one layer's buffers, :mod:`asyncside.runtime._forward_cost`), which bounds prompt
-        chunks under a budget. A layer at a time, two layers' buffers are held at most, and the
-        stream computes one while the next is handed over. Decode steps go whole: their layers'
-        buffers are small, and the host's time per step is what decode waits for."""
-        if self._bridged and self._on_cpu and layers:
-            behind: mx.array | None = None
-            for h in layers:
-                await self._hand_over(h)
-                await self.completed(h)
-        await self._hand_over(out)
-
-    async def _hand_over(self, out: mx.array) -> None:
-        """Hand the graph of ``out`` to MLX without blocking the loop (native StepPlan: one walk of the graph
+    async def _schedule(self, out: mx.array) -> None:
+        """Hand the step to MLX without blocking the loop (native StepPlan: one walk of the graph
         per step).
 
         On the CPU, MLX's eval throttle lets a caller run only about 50 nodes ahead of the
@@ -454,6 +435,26 @@ class QueuedSteps:
         elif self._since_clear > CACHE_FLOOR_STEP and held > CACHE_GROWTH_BOUND * self._cache_floor:
             mx.clear_cache()
             self._since_clear = 0
+
+    async def _schedule_layers(self, layers: Sequence[mx.array]) -> None:
+        """On the CPU, hand a long step's ``layers`` (its residual stream after each layer) to MLX
+        (:meth:`_schedule`) one at a time, each once the one before has computed; the rest of the
+        step goes after them.
+
+        MLX allocates a CPU node's output as the node is handed over (its kernel runs later), and a
+        step handed over whole past MLX's throttle had every buffer of every layer allocated at
+        once: a prefill chunk's attention scores of every layer side by side, where mlx-lm's eval
+        frees each layer's before the next allocates its own. On the embedded model a chunk of a
+        few hundred tokens took over ten times mlx-lm's memory, past the plan's estimate of a
+        forward (one layer's buffers, :mod:`asyncside.runtime._forward_cost`), which bounds prompt
+        chunks under a budget. A layer at a time, one layer's buffers are held (the stream idles
+        while the next is handed over: a few milliseconds of a layer that computes for longer; the
+        time to first token did not change). Decode steps go whole: their layers' buffers are
+        small, and the host's time per step is what decode waits for."""
+        if self._bridged and self._on_cpu:
+            for h in layers:
+                await self._schedule(h)
+                await self.completed(h)
 
     def prefetching(self, ctx: StepContext) -> bool:
         """Whether this step's streamed switches prefetch the next layer's predicted experts: a
