@@ -190,3 +190,20 @@ def test_mlx_lm_generate_over_a_loaded_model_keeps_the_kv_cache_to_the_allowance
             model(mx.array([prompt, prompt]), cache=make_prompt_cache(model))
     finally:
         model.runtime._plan = old
+
+
+def test_loop_lag_keeps_a_bounded_window_and_counts_every_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's loop-lag ticker ran for the whole generation and kept a float per tick: a run of
+    hours grew without end. It keeps the latest samples; ticks, the maximum and ticks over 10 ms
+    count them all."""
+    from asyncside import looplag
+
+    monkeypatch.setattr(looplag, "SAMPLES_KEPT", 8)
+    lag = looplag.LoopLag(interval=0.005)
+    lates = [0.001] * 40 + [0.050] + [0.002] * 40 + [0.011]
+    for x in lates:
+        lag.add(x)
+    s = lag.summary()
+    assert len(lag.samples) == 8
+    assert s["ticks"] == len(lates) and s["over_10ms"] == 2
+    assert s["max_ms"] == pytest.approx(50.0)
