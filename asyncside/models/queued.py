@@ -409,9 +409,9 @@ class QueuedSteps:
             raise
 
     def bound_cache(self) -> None:
-        """After a queued step computed: empty MLX's cache of freed buffers, on the CPU every step,
-        elsewhere once it holds more than :data:`CACHE_GROWTH_BOUND` times what it held
-        :data:`CACHE_FLOOR_STEP` steps after it was last emptied.
+        """After a queued step computed: empty MLX's cache of freed buffers once it holds more than
+        :data:`CACHE_GROWTH_BOUND` times what it held :data:`CACHE_FLOOR_STEP` steps after it was
+        last emptied.
 
         A queued step goes to MLX whole, past its throttle (:meth:`_schedule`; on a GPU in one
         eval), and MLX allocates a node's output as the node is handed over, its kernel running
@@ -420,14 +420,10 @@ class QueuedSteps:
         mlx-lm's own eval. The buffers sized by the context (each layer's attention scores and
         weights) grow by a position every step and never fit a later request: MLX's cache kept
         all of them every token (mlx-lm's about one) until the next clear, and off the CPU its
-        limit is the device's memory. On the CPU the cache saves nothing malloc does not (its
-        buffers are malloc's, which takes back a freed block for any size), and emptying it
-        every step cost no decode speed; elsewhere a buffer is dearer to make again, and what
-        the cache holds a few steps after a clear is what every step takes again: past a
-        multiple of that it holds buffers no step will take."""
-        if self._on_cpu:
-            mx.clear_cache()
-            return
+        limit is the device's memory. What the cache holds a few steps after a clear is what
+        every step takes again; past a multiple of that it holds buffers no step will take. The
+        same rule on the CPU: emptied every step there, the buffers went back to malloc each
+        token, and a server's RSS crept up between them (tests/test_serve_soak.py)."""
         held = mx.get_cache_memory()
         self._since_clear += 1
         if self._since_clear == CACHE_FLOOR_STEP:
