@@ -42,7 +42,6 @@ The named presets other than the first two are built the same way from their rea
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -732,6 +731,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
         build_is_current,
         build_model,
         cache_root,
+        publish_build,
         ready_marker,
         remove_stale_builds,
     )
@@ -800,14 +800,7 @@ def ensure_shape(name: str | os.PathLike[str], *, layers: int | None = None, voc
                     "estimate": est, "spec": asdict(spec)}
             (tmp / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n")
             (tmp / READY_FILE).write_text(ready_marker(spec))
-            try:
-                os.rename(tmp, final)
-            except OSError as exc:
-                # Where the filesystem takes no locks, another process may have published the same
-                # build meanwhile: its rename won, and this one's copy is not needed.
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not build_is_current(final, spec):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
+            if not publish_build(tmp, final, spec):  # a rival's build of the same spec kept
                 info = json.loads((final / BUILD_FILE).read_text())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -259,6 +259,21 @@ def ready_marker(spec: EmbeddedSpec) -> str:
     return f"{spec.key()}\nbuild {BUILD_VERSION}\n"
 
 
+def publish_build(tmp: pathlib.Path, final: pathlib.Path, spec: Any) -> bool:
+    """Rename the finished build ``tmp`` to ``final``; False (``tmp`` removed) where a current
+    build of ``spec`` got there first."""
+    try:
+        os.rename(tmp, final)
+    except OSError as exc:
+        # Where the filesystem takes no locks, another process may have published the same build
+        # meanwhile: its rename won, and this one's copy is not needed.
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not build_is_current(final, spec):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    return True
+
+
 def build_is_current(directory: pathlib.Path, spec: EmbeddedSpec) -> bool:
     """Whether ``directory`` holds a finished build of ``spec`` (its READY marker) that this code
     would make alike: built by a :data:`BUILD_VERSION` at least :func:`least_build`. A marker that
@@ -399,14 +414,7 @@ def ensure_embedded_default(cache_dir: str | os.PathLike[str] | None = None, *,
             convert_model(model_dir, tmp / "store", profile=prof, resident_fraction=spec.resident_fraction,
                           progress=progress, model_id=f"asyncside-embedded-qwen3moe-{spec.key()[:8]}")
             (tmp / READY_FILE).write_text(ready_marker(spec))
-            try:
-                os.rename(tmp, final)
-            except OSError as exc:
-                # Where the filesystem takes no locks, another process may have published the same
-                # build meanwhile: its rename won, and this one's copy is not needed.
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not build_is_current(final, spec):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
+            publish_build(tmp, final, spec)
         except (OSError, RuntimeError) as exc:
             # A full disk under the cache directory was MLX's "[write] Unable to write N bytes to
             # file." and a traceback.
