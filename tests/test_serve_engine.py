@@ -25,6 +25,7 @@ from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
 
 from asyncside.serving import BackgroundServer, Batcher, QueueFull, ServeSettings, create_app
 from asyncside.serving.protocol import SamplingParams
+from asyncside.serving.streaming import EventStream, Frame
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -359,8 +360,45 @@ async def test_generation_errors_are_500_and_counted(srv: BackgroundServer) -> N
                 pass
         ok = await c.completions.create(model="scripted", prompt="fine", max_tokens=4)  # the server goes on
     assert ok.choices[0].text == "hell"
+    # The stream's status is counted when its task ends, which may be just after the client has
+    # the error; it is 500 even though the client closed the connection without reading [DONE].
+    for _ in range(1000):
+        if requests_total(srv, "/v1/completions", 500) == before + 2:
+            break
+        await asyncio.sleep(0.01)
     assert requests_total(srv, "/v1/completions", 500) == before + 2
     assert samples(srv)['asyncside_generation_errors_total{endpoint="/v1/completions"}'] == errors + 2
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_sent_its_error_reports_that_status_though_the_client_then_leaves() -> None:
+    # The OpenAI client closes the connection as soon as it reads an error event, before [DONE]:
+    # the request failed with the error's status, it was not abandoned (499).
+    error_sent = asyncio.Event()
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        body = message.get("body", b"")
+        sent.append(body)
+        if b'"error"' in body:
+            error_sent.set()
+            await asyncio.sleep(60)  # the client leaves while the server is still writing
+
+    async def receive() -> dict[str, Any]:
+        await error_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def produce(frame: Frame) -> int:
+        await frame({"choices": [{"text": "he"}]})
+        return await frame.error(500, {"error": {"message": "scripted failure"}})
+
+    reported: list[int] = []
+    scope: dict[str, Any] = {"type": "http"}
+    with anyio.fail_after(30):
+        await EventStream(produce, reported.append)(scope, receive, send)
+    assert reported == [500]
+    assert scope["state"]["asyncside_status"] == 500
+    assert any(b"scripted failure" in body for body in sent)
 
 
 def test_unexpected_exception_is_500_and_counted(tokenizer: Any) -> None:

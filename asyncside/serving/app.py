@@ -751,18 +751,13 @@ class _StreamedAnswer:
                     await frame(oai.chunk(req, run.rid, run.created, text=piece.text, logprobs=lp,
                                           tool_calls=piece.tool_calls or None))
             if shutdown.cancelled_caught:
-                await frame(state.shutdown_error().body())
-                await frame("[DONE]")
-                return SHUTDOWN_STATUS
+                return await frame.error(SHUTDOWN_STATUS, state.shutdown_error().body())
         except TimeoutError:
-            await frame(self.handlers._timeout_error().body())
-            await frame("[DONE]")
-            return TIMEOUT_STATUS
+            return await frame.error(TIMEOUT_STATUS, self.handlers._timeout_error().body())
         except GenerationFailed as exc:  # a failed fill or model error: tell the client in-band
             log.error("%s", exc)
-            await frame(oai.RequestError(state.public(str(exc)), status=500, type="server_error").body())
-            await frame("[DONE]")
-            return 500
+            return await frame.error(500, oai.RequestError(state.public(str(exc)), status=500,
+                                                          type="server_error").body())
         tail = "" if req.kind == "completion" else None
         await frame(oai.chunk(req, run.rid, run.created, text=tail, finish_reason=run.finish_reason))
         if req.include_usage:

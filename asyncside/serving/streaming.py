@@ -86,12 +86,34 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-Frame = Callable[[Mapping[str, Any] | str], Awaitable[None]]
+class Frame:
+    """What a producer writes its server-sent events with: ``await frame(payload)`` sends one."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        self._write = write
+        #: the status the stream reports even if the client leaves from here on (None: not settled)
+        self.settled: int | None = None
+
+    async def __call__(self, payload: Mapping[str, Any] | str) -> None:
+        await self._write(sse(payload))
+
+    async def error(self, status: int, body: Mapping[str, Any]) -> int:
+        """Send an error in-band and ``[DONE]``; returns ``status`` for the producer to return.
+
+        The status is settled before the error is sent: a client that has the error may close
+        the connection before ``[DONE]`` (the OpenAI client does), and that request still failed
+        with ``status``, not because the client left.
+        """
+        self.settled = status
+        await self(body)
+        await self("[DONE]")
+        return status
 
 
 class EventStream:
     """An ASGI response streaming server-sent events from ``produce(frame)``; cancels the producer
-    when the client leaves and then reports ``finish(DISCONNECTED_STATUS)``.
+    when the client leaves and then reports ``finish(DISCONNECTED_STATUS)``, unless the producer
+    had already settled the status by sending an error (:meth:`Frame.error`).
 
     ``produce`` returns the status to report (200, or the status of an error it sent in-band);
     ``finish`` is called exactly once.
@@ -134,8 +156,7 @@ class EventStream:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
                     last = anyio.current_time()
 
-            async def frame(payload: Mapping[str, Any] | str) -> None:
-                await write(sse(payload))
+            frame = Frame(write)
 
             async def beat(every: float) -> None:
                 # A proxy's read timeout ends a stream that sends nothing for a while (a long queue,
@@ -163,7 +184,7 @@ class EventStream:
             except* ClientGone:
                 gone = True
             if gone:
-                self._done(scope, DISCONNECTED_STATUS)
+                self._done(scope, DISCONNECTED_STATUS if frame.settled is None else frame.settled)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self._done(scope, status)
