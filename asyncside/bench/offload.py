@@ -302,6 +302,9 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
         with SlotCache(store, float(spec["fraction"]), direct=True) as sc:
             out["load_s"] = time.perf_counter() - t_load
+            # What the slots hold before the first step (it starts as the runtime's rows do): MIN
+            # starts from the same, as asyncside's does; from empty rows it is no bound on them.
+            out["warm_experts"] = {str(layer): sorted(sc.holds(layer)) for layer in store.layers}
             _phase("generating")
             io1 = _read_bytes()
             t0 = time.perf_counter()
