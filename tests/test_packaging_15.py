@@ -25,6 +25,7 @@ from types import ModuleType
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from asyncside.models.arch import ARCHS
@@ -46,6 +47,12 @@ FLOORS: dict[str, tuple[str, str]] = {
     "rich": ("13.0.0", "the slice and tests/test_cli.py pass at the floor"),
     "starlette": ("0.40.0", "the slice passes at the floor (tests/test_serve.py)"),
     "uvicorn": ("0.30.0", "the slice passes at the floor (tests/test_serve.py, tests/test_examples.py)"),
+    "h11": ("0.13.0", "httpx's floor (through httpcore 1.x) installs no older h11; the slice and "
+                      "tests/test_serve_unseen_14.py (serve's read timeout, on h11's states) pass at the floor"),
+    "huggingface-hub": ("1.5.0", "mlx-lm's floor needs transformers 5.7.0 or later, which needs it; the slice, "
+                                 "tests/test_hub.py and tests/test_hub_config_only.py pass at the floor"),
+    "tokenizers": ("0.22.1", "the first release transformers 5.7.0 takes beside huggingface-hub 1.x (0.22.0 wants "
+                             "huggingface-hub<1.0); the slice passes at the floor"),
     "matplotlib": ("3.8.0", "tests/test_bench_generate.py (its PNG) passes at the floor"),
     "httpx": ("0.27.0", "the slice passes at the floor (tests/test_serve.py)"),
     "pytest": ("8.2.0", "pytest-asyncio 0.24.0 (its floor) requires pytest>=8.2,<9: a lower floor cannot install"),
@@ -186,6 +193,55 @@ def test_every_requirement_has_an_established_floor() -> None:
     pinned = [r for r in _requirements() if r.name not in declared]
     assert {r.name for r in pinned} == {"mlx"}, pinned
     assert all(str(s.operator) == "==" for r in pinned for s in r.specifier)
+
+
+#: distributions asyncside/ imports that only an extra declares -> why a module of the package may
+#: import them all the same (each import runs only where the extra, or the user's own code, put it)
+EXTRA_ONLY: dict[str, str] = {
+    "matplotlib": "bench: asyncside bench generate --plot, through require_extra (names the extra)",
+    "httpx": "bench: python -m asyncside.serving.soak, which names the extra when it is missing",
+    "trio": "imported only inside a trio run (the bridge's completion queue, the blocking detector's loop)",
+    "pytest": "the pytest plugin (asyncside.testing), which pytest loads; testing_blocking's fixture is optional",
+}
+
+
+def _imported_distributions() -> dict[str, list[str]]:
+    """Each distribution of a module asyncside/ imports (absolute imports, the standard library and
+    asyncside itself left out) -> the files that import it."""
+    owners = importlib.metadata.packages_distributions()
+    out: dict[str, list[str]] = {}
+    for path in _python_files():
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in sys.stdlib_module_names or top == "asyncside":
+                    continue
+                assert top in owners, f"{rel} imports {top}, which no installed distribution provides"
+                # a namespace several distributions fill (mlx, mlx-cpu) is declared through any of them
+                dist = canonicalize_name(sorted(owners[top], key=len)[0])
+                if rel not in out.setdefault(dist, []):
+                    out[dist].append(rel)
+    return out
+
+
+def test_every_distribution_asyncside_imports_is_declared() -> None:
+    """A module asyncside imports itself must be a requirement of its own, with its floor: one that
+    only arrived through another library (huggingface-hub and tokenizers through mlx-lm's
+    transformers, h11 through uvicorn) was at whatever version that library allowed, or gone when
+    it stopped needing it. Those in an extra only are listed in EXTRA_ONLY with why."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    extras = {canonicalize_name(r.name) for r in _requirements()} - core
+    imported = _imported_distributions()
+    undeclared = {d: f for d, f in imported.items() if d not in core and not (d in extras and d in EXTRA_ONLY)}
+    assert not undeclared, f"declare these in pyproject.toml (with a floor tools/floors_check.py ran): {undeclared}"
+    assert sorted(EXTRA_ONLY) == sorted(d for d in imported if d not in core), "EXTRA_ONLY lists exactly those"
 
 
 @pytest.mark.parametrize("name", sorted(FLOORS))
