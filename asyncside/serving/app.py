@@ -391,6 +391,28 @@ class _OneLineStartupFailure:
         await self.app(scope, receive, quiet_send)
 
 
+class _NotServing:
+    """ASGI middleware: a request while no engine serves (its lifespan has not run, or has ended) is
+    a 503 saying so. Without the lifespan (an app mounted in another, a test client outside its
+    ``with``) each was an internal error: an assert's, or under ``python -O`` an AttributeError."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, on_refused: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.state = state
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.state.batcher is not None or scope["path"] == "/metrics":
+            await self.app(scope, receive, send)
+            return
+        error = oai.RequestError("the server is not running: the app's lifespan, which starts the engine, has not run "
+                                 "or has ended (serve it with its lifespan on; a mounted app's lifespan does not run)",
+                                 status=503, type="server_error", code="server_not_running")
+        scope.setdefault("state", {})["asyncside_status"] = error.status
+        self.on_refused(scope["path"], error.status)
+        await _error(error)(scope, receive, send)
+
+
 class AccessLog:
     """ASGI middleware: one ``asyncside.access`` log line per HTTP request (status, tokens, timing)."""
 
@@ -507,6 +529,7 @@ def create_app(engine_factory: EngineFactory, settings: ServeSettings | None = N
 
     middleware.append(Middleware(Guard, api_key=settings.api_key, max_header_bytes=settings.max_header_bytes,
                                  on_refused=refused))
+    middleware.append(Middleware(_NotServing, state=state, on_refused=refused))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
