@@ -65,3 +65,24 @@ def test_an_app_served_without_its_lifespan_answers_503_saying_so(tmp_path: path
     # Answered by the server, and counted as such.
     assert 'endpoint="/v1/completions",status="503"' in metrics[1]
 
+
+def test_a_hidden_message_without_its_payload_is_a_protocol_error(tmp_path: pathlib.Path) -> None:
+    """A stage runs its layers on the hidden state a HIDDEN message carries. One without a payload
+    (a peer of another version, a corrupt frame) decoded as well-formed, and only an assert in the
+    stage stood between it and the layers: under ``python -O`` they ran on None. The header is
+    refused as the other malformed ones are, with a ProtocolError naming the message."""
+    out = _run_optimized("""
+        from asyncside.distributed.boundary import HIDDEN, Message, decode_header, encode_header
+        from asyncside.distributed.errors import ProtocolError
+
+        assert False, "asserts are not stripped"
+        try:
+            got = decode_header(encode_header(Message(HIDDEN, 7, step=2, seq=1)))
+        except ProtocolError as exc:
+            print("refused:", exc)
+        else:
+            print("decoded:", got[0].describe())
+    """, tmp_path)
+    assert out.strip() == ("refused: a hidden message without its payload (req=7, step=2, seq=1): it carries the "
+                           "hidden state to the next stage"), out
+

@@ -154,6 +154,11 @@ def decode_header(data: bytes) -> tuple[Message, mx.Dtype | None, tuple[int, ...
     if code == NO_PAYLOAD:
         if where != NONE or extra:
             raise ProtocolError(f"a message without payload that carries {extra} bytes (where={where})")
+        if kind == HIDDEN:
+            # The next stage runs its layers on it: an assert there (gone under python -O) was all
+            # that stood between a hidden message without one and the layers run on None.
+            raise ProtocolError(f"a hidden message without its payload (req={req}, step={step}, seq={seq}): "
+                                "it carries the hidden state to the next stage")
         return msg, None, (), NONE
     if code >= len(DTYPES) or ndim > MAX_NDIM or where not in (TRANSPORT, INLINE):
         raise ProtocolError(f"a message header with dtype code {code}, {ndim} dimensions, where={where}")
