@@ -86,3 +86,15 @@ def test_a_hidden_message_without_its_payload_is_a_protocol_error(tmp_path: path
     assert out.strip() == ("refused: a hidden message without its payload (req=7, step=2, seq=1): it carries the "
                            "hidden state to the next stage"), out
 
+
+def test_the_soak_without_the_bench_extra_says_which_extra_in_one_line() -> None:
+    """``python -m asyncside.serving.soak`` (docs/serving.md) talks HTTP through httpx, which only
+    the bench extra installs: without it the soak ended in a ModuleNotFoundError's traceback. It
+    says in one line which extra installs it, and exits 1."""
+    code = ("import runpy, sys; sys.modules['httpx'] = None; sys.argv = ['soak', '--duration', '1']; "
+            "runpy.run_module('asyncside.serving.soak', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr == ("python -m asyncside.serving.soak needs httpx, which is not installed: "
+                           "pip install 'asyncside[bench]'\n"), proc.stderr[-2000:]
+    assert proc.stdout == ""

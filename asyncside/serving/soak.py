@@ -29,7 +29,13 @@ import time
 from typing import Any
 
 import anyio
-import httpx
+
+try:
+    import httpx
+except ImportError:  # the bench extra's: main() says so in one line
+    httpx = None  # type: ignore[assignment]
+
+from ..errors import MissingExtraError
 
 PROMPTS = [
     "The quick brown fox",
@@ -224,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="largest RSS growth from the second quarter to the last (default 0.05)")
     p.add_argument("serve_args", nargs="*", help="more `asyncside serve` options (after --)")
     args = p.parse_args(argv)
+    if httpx is None:
+        # Imported at the top, without it the soak ended in a ModuleNotFoundError's traceback.
+        print(MissingExtraError("httpx", "bench", p.prog), file=sys.stderr)
+        return 1
     proc, url = start_server(args.serve_args)
     if args.shutdown:
         try:
