@@ -12,22 +12,16 @@ import mlx_lm
 import pytest
 
 from asyncside.facade import load
-from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
+from asyncside.models.embedded import ensure_embedded_default
 
-SMALL = EmbeddedSpec(
-    config={
-        **EmbeddedSpec().config,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
-    },
-    profile_tokens=2,
-)
+from _models_support import SMALL_EMBEDDED
+
 PROMPT = "Mixture-of-Experts models route every token to a few experts. "
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
-    return ensure_embedded_default(tmp_path_factory.mktemp("facade"), spec=SMALL, progress=False)
+    return ensure_embedded_default(tmp_path_factory.mktemp("facade"), spec=SMALL_EMBEDDED, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,18 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from asyncside.errors import CapacityError
+from asyncside.models.embedded import EmbeddedSpec
+
+
+def embedded_spec(**config: Any) -> EmbeddedSpec:
+    """The embedded model's spec with ``config``'s fields changed, profiled over two tokens (the
+    converter's routing profile: a small model builds in seconds)."""
+    return EmbeddedSpec(config={**EmbeddedSpec().config, **config}, profile_tokens=2)
+
+
+#: a small embedded model: two layers of thirty-two experts
+SMALL_EMBEDDED = embedded_spec(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128)
 
 BASE = {
     "qwen3_moe": dict(

@@ -14,11 +14,13 @@ import contextlib
 import json
 import pathlib
 import socket
+import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import httpx
 import mlx.core as mx
 
 from asyncside.models.tokenizer import load_tokenizer, save_byte_level_tokenizer
@@ -149,3 +151,28 @@ def read_to_close(sock: socket.socket) -> bytes:
         if not data:
             return out
         out += data
+
+
+def read_stream(url: str, started: threading.Event, *, max_tokens: int, timeout: float,
+                status: int | None = None) -> dict[str, Any]:
+    """A streamed completion of the scripted model's "count" reply from the server at ``url``:
+    ``{"events": [...], "done": bool}``, the events in order (a ``{"broken": ...}`` one last where
+    the connection broke) and whether ``data: [DONE]`` came. ``started`` is set at the first
+    event; ``status``: the status the answer must have."""
+    events: list[Any] = []
+    done = False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=timeout,
+                          json={"model": "scripted", "prompt": "count", "max_tokens": max_tokens,
+                                "stream": True}) as r:
+            if status is not None:
+                assert r.status_code == status, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                    started.set()
+    except httpx.HTTPError as exc:
+        events.append({"broken": repr(exc)})
+    return {"events": events, "done": done}

@@ -29,7 +29,7 @@ from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.runtime import Runtime
 from asyncside.store import ExpertStore
 
-from _models_support import ShuffledSource, tiny_model
+from _models_support import SMALL_EMBEDDED, ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 #: MLX CUDA's quantized matmul of several tokens is wrong, and not reproducible, where a matrix's rows
@@ -204,16 +204,6 @@ def test_convert_errors(tmp_path: pathlib.Path) -> None:
     ExpertStore.create(tmp_path / "bare", {0: {"w": np.zeros((2, 4), np.float32)}})
     with pytest.raises(StoreError, match="not written by the asyncside converter"):
         load_streaming_model(tmp_path / "bare")
-
-
-SMALL_EMBEDDED = EmbeddedSpec(
-    config={
-        **EmbeddedSpec().config,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
-    },
-    profile_tokens=2,
-)
 
 
 def test_embedded_builds_once_and_is_exact(tmp_path: pathlib.Path) -> None:

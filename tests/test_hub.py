@@ -28,27 +28,20 @@ import pytest
 from asyncside.errors import ModelNotFoundError
 from asyncside.hub import is_repo_id, resolve_model, store_for, stores_root
 from asyncside.models.convert import STAGING_LOCK, convert_model, removed_stale_staging
-from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
+from asyncside.models.embedded import ensure_embedded_default
 from asyncside.store import ExpertStore
+
+from _models_support import SMALL_EMBEDDED
 
 REPO = "testorg/tiny-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-SMALL = EmbeddedSpec(
-    config={
-        **EmbeddedSpec().config,
-        "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
-    },
-    profile_tokens=2,
-)
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A Hugging Face cache holding REPO at COMMIT, and the environment that points at it."""
     root = tmp_path_factory.mktemp("hub")
-    model_dir, _store = ensure_embedded_default(root / "build", spec=SMALL, progress=False)
+    model_dir, _store = ensure_embedded_default(root / "build", spec=SMALL_EMBEDDED, progress=False)
     repo = root / "hf" / "hub" / f"models--{REPO.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)

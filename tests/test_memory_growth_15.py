@@ -31,9 +31,10 @@ from asyncside.errors import AsyncsideError
 from asyncside.facade import load
 from asyncside.kv_layout import model_kv_layout
 from asyncside.models import load_streaming_model
-from asyncside.models.embedded import EmbeddedSpec, ensure_embedded_default
+from asyncside.models.embedded import ensure_embedded_default
 
 from _facade_support import PROMPT, dirs, reference  # noqa: F401  (the fixtures)
+from _models_support import embedded_spec
 
 
 @pytest.fixture
@@ -93,14 +94,8 @@ def test_mlx_cache_grows_no_faster_per_token_than_under_mlx_lm(
 
 
 #: a narrow model of many layers: a prefill chunk's buffers are mostly its layers' attention scores
-TALL = EmbeddedSpec(
-    config={
-        **EmbeddedSpec().config,
-        "hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1,
-        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-    },
-    profile_tokens=2,
-)
+TALL = embedded_spec(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
 def test_a_queued_prefill_chunk_holds_one_layers_buffers_at_a_time(tmp_path: pathlib.Path) -> None:

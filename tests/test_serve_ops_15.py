@@ -11,7 +11,6 @@ the model is the real code.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import pathlib
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+from _serving_support import ScriptedModel, byte_tokenizer, read_stream, scripted_engine
 
 from asyncside.serving import BackgroundServer, ServeSettings, create_app
 
@@ -88,23 +87,9 @@ def _serving(tmp: pathlib.Path, *args: str, stderr: Any = subprocess.PIPE,
 
 
 def _stream(url: str, out: list[dict[str, Any]], started: threading.Event, max_tokens: int = 200) -> None:
-    events: list[Any] = []
-    done = False
-    try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=HELD * 2,
-                          json={"model": "scripted", "prompt": "count", "max_tokens": max_tokens,
-                                "stream": True}) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[len("data: "):]))
-                    started.set()
-    except httpx.HTTPError as exc:
-        events.append({"broken": repr(exc)})
+    result = read_stream(url, started, max_tokens=max_tokens, timeout=HELD * 2, status=200)
     started.set()
-    out.append({"events": events, "done": done})
+    out.append(result)
 
 
 def _streams(url: str, n: int, max_tokens: int = 200) -> tuple[list[threading.Thread], list[dict[str, Any]]]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _serving_support import ScriptedModel, byte_tokenizer, raw_request, read_to_close, scripted_engine
+from _serving_support import ScriptedModel, byte_tokenizer, raw_request, read_stream, read_to_close, scripted_engine
 
 from asyncside.serving import BackgroundServer, ServeSettings, create_app
 
@@ -233,20 +233,7 @@ SERVER_SCRIPT = textwrap.dedent("""
 
 
 def _stream(url: str, started: threading.Event, out: list[dict[str, Any]]) -> None:
-    events: list[Any] = []
-    done = False
-    try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json={"model": "scripted", "prompt": "count", "max_tokens": 256, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[len("data: "):]))
-                    started.set()
-    except httpx.HTTPError as exc:
-        events.append({"broken": repr(exc)})
-    out.append({"events": events, "done": done})
+    out.append(read_stream(url, started, max_tokens=256, timeout=120))
 
 
 @contextlib.contextmanager
