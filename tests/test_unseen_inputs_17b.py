@@ -6,9 +6,12 @@ the same routing, hits against Belady's MIN from the same start, one line for wh
 from __future__ import annotations
 
 import pathlib
+import time
 from typing import Any
 
+import anyio
 import numpy as np
+import pytest
 
 from asyncside.bench import offload
 from asyncside.routing import RoutingTrace
@@ -44,3 +47,35 @@ def test_offload_holds_the_slot_cache_to_min_from_what_its_slots_start_with(quic
     assert run["hit_rate"] == 1.0
     assert run["belady"]["hit_rate"] == 1.0 and run["of_min"] == 1.0
     assert run["warm_experts"] == {str(i): list(range(n_experts)) for i in layers}  # every expert, every slot
+
+
+def test_offload_disk_bytes_stop_at_the_last_token_of_a_run_ended_by_time(quick_store: pathlib.Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends by ``--seconds`` has a step queued ahead of its last token, and that step's
+    reads went on until the runtime drained: for a token never generated, counted as no miss. The
+    disk's bytes per token then held one step of records more than the misses' (the gpt-oss-20b
+    low-locality row, 1.02x; measured on the embedded store: 19 MB, about one step of misses,
+    where a run ended by --tokens read 1.5 MB more than its misses). The disk's bytes are now those
+    up to the last token."""
+    record = 1 << 20
+    disk = [0]
+    monkeypatch.setattr(offload, "_read_bytes", lambda: disk[0])
+
+    async def generate(rt: Any, sm: Any, layers: Any, prompt: list[int], max_tokens: int, predictor: str,
+                       arrived: Any, started: Any = None) -> tuple[float, int, dict[str, Any]]:
+        io1, t0 = disk[0], time.perf_counter()
+        for tok in range(max_tokens):
+            disk[0] += 3 * record  # the step's misses, read before its token is computed
+            await anyio.sleep(0.01)
+            if arrived(tok):
+                break
+        disk[0] += 3 * record  # the step queued ahead of the last token, read until drained
+        rows = {str(layer): 4 for layer in layers}
+        return t0, io1, {"stats": {"hits": 0, "misses": 0, "bytes_read": 0}, "rows": rows, "warm": {}}
+
+    monkeypatch.setattr(offload, "generate_measured", generate)
+    spec = {"store": str(quick_store), "prompt": offload.prompt_for(str(quick_store)), "seconds": 0.025,
+            "tokens": 1000, "policy": "lru", "predictor": "none", "budget": 1 << 30, "system": "asyncside"}
+    out = offload.child_main(spec)
+    assert 2 <= len(out["tokens"]) < 1000  # ended by time
+    assert out["read_bytes"] == 3 * record * len(out["tokens"])
