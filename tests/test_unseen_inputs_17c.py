@@ -98,3 +98,15 @@ def test_the_soak_without_the_bench_extra_says_which_extra_in_one_line() -> None
     assert proc.stderr == ("python -m asyncside.serving.soak needs httpx, which is not installed: "
                            "pip install 'asyncside[bench]'\n"), proc.stderr[-2000:]
     assert proc.stdout == ""
+
+
+def test_the_module_commands_run_under_python_OO() -> None:
+    """``python -OO`` (PYTHONOPTIMIZE=2) strips docstrings too: the soak and the model report took
+    their description from the module's docstring and failed with an AttributeError of None before
+    parsing a single option. Both parse and answer ``--help``."""
+    for module in ("asyncside.serving.soak", "asyncside.models.report"):
+        proc = subprocess.run([sys.executable, "-OO", "-m", module, "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (module, proc.stderr[-2000:])
+        assert proc.stdout.startswith(f"usage: python -m {module} "), (module, proc.stdout[:300])
+        assert proc.stderr == "", (module, proc.stderr[-2000:])

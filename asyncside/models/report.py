@@ -144,7 +144,9 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m asyncside.models.report", description=__doc__.splitlines()[0])
+    # (__doc__ is None under python -OO, which strips docstrings)
+    ap = argparse.ArgumentParser(prog="python -m asyncside.models.report",
+                                 description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("store", nargs="?", help="converted store directory (default: the embedded model)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--json", help="write the results here")

@@ -216,7 +216,9 @@ async def shutdown_timing(url: str, proc: subprocess.Popen[str], streams: int, m
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m asyncside.serving.soak", description=__doc__.split("\n\n")[0])
+    # (__doc__ is None under python -OO, which strips docstrings)
+    p = argparse.ArgumentParser(prog="python -m asyncside.serving.soak",
+                                description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--shutdown", type=int, default=0, metavar="STREAMS",
                    help="instead of a soak: start STREAMS streams of --shutdown-tokens tokens, SIGTERM the "
                         "server, report how each stream ended and when the server exited")
