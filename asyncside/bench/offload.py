@@ -1070,6 +1070,20 @@ def arm_traces(sh: dict[str, Any], localities: Sequence[str], fitted: dict[str, 
     return traces
 
 
+def rows_fraction(rows: dict[str, int], n_experts: int) -> float:
+    """The residency the slot cache is given for asyncside's ``rows`` a layer (layer -> rows) of
+    ``n_experts``: their share of the experts, taken down to the largest fraction whose rows
+    (:func:`asyncside.memory.layer_rows`, ``ceil(fraction x experts)``) are no more than asked. The
+    share itself can round up past it (31 of 60 experts came out 32 slots a layer)."""
+    from ..memory import layer_rows
+
+    most = max(rows.values())
+    fraction = sum(rows.values()) / (n_experts * len(rows))
+    while fraction > 0 and layer_rows(n_experts, fraction, min_side_rows=1) > most:
+        fraction = math.nextafter(fraction, 0.0)
+    return fraction
+
+
 def arm_spec(base: dict[str, Any], system: str, routing: str, fraction: float | None = None) -> dict[str, Any]:
     """What one arm's child runs (``--child SPEC``, :func:`child_main`): ``base`` (the shape's store,
     prompt and settings), the ``system``, the ``routing`` file it replays (:func:`arm_traces`) and,
@@ -1174,7 +1188,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                     if system == "asyncside" and run.get("rows_per_layer"):
                         # The slot cache gets the rows asyncside's plan chose for this budget.
                         rows = run["rows_per_layer"]
-                        fraction = sum(rows.values()) / (sh["experts_per_layer"] * len(rows))
+                        fraction = rows_fraction(rows, sh["experts_per_layer"])
                     run.update(shape=sh["shape"], locality=loc)
                     if loc in sh["routings"]:
                         run["routing"] = sh["routings"][loc]
