@@ -375,13 +375,14 @@ def choose_reference(store: Any, asked: str, memory: int | None, resident: float
 
 
 def slot_cache_run(sm: Any, store: Any, prompt_ids: list[int], max_tokens: int, eos: set[int],
-                   memory: dict[str, Any]) -> Run:
+                   memory: dict[str, Any], side_rows: int | None = None) -> Run:
     """Greedy tokens of the slot cache (the same routing replay, pools of the runtime's size, one
-    synchronous read at a time, past the page cache when the runtime's plan was): bounded memory."""
+    synchronous read at a time, past the page cache when the runtime's plan was): bounded memory.
+    ``side_rows``: the runtime's (``--side-rows``), which sizes its rows beside the fraction."""
     from .bench.slot_cache import SlotCache, slot_generate
 
     fraction = memory.get("resident")
-    with SlotCache(store, fraction if isinstance(fraction, float) else 0.25,
+    with SlotCache(store, fraction if isinstance(fraction, float) else 0.25, side_rows=side_rows,
                    direct=bool(memory.get("direct"))) as sc:
         run = Run(start=time.perf_counter())
         for tok in slot_generate(sm, sc, prompt_ids, max_tokens=max_tokens, eos_token_ids=eos):
@@ -553,7 +554,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.quiet or args.json):
         print(flush=True)
     if reference == "slot-cache":
-        ref = slot_cache_run(sm, store, prompt_ids, args.tokens, eos, stats["memory"])
+        ref = slot_cache_run(sm, store, prompt_ids, args.tokens, eos, stats["memory"],
+                             side_rows=getattr(args, "side_rows", None))
 
     run_f = run.figures()
     ref_f = ref.figures() if ref is not None else {k: 0.0 for k in run_f}
