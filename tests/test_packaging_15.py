@@ -47,8 +47,9 @@ FLOORS: dict[str, tuple[str, str]] = {
     "rich": ("13.0.0", "the slice and tests/test_cli.py pass at the floor"),
     "starlette": ("0.40.0", "the slice passes at the floor (tests/test_serve.py)"),
     "uvicorn": ("0.30.0", "the slice passes at the floor (tests/test_serve.py, tests/test_examples.py)"),
-    "h11": ("0.13.0", "httpx's floor (through httpcore 1.x) installs no older h11; the slice and "
-                      "tests/test_serve_unseen_14.py (serve's read timeout, on h11's states) pass at the floor"),
+    "h11": ("0.16.0", "older releases read malformed chunked bodies a proxy may frame differently (request "
+                      "smuggling, CVE-2025-43859); the slice and tests/test_serve_unseen_14.py (serve's read "
+                      "timeout, on h11's states) pass at the floor"),
     "huggingface-hub": ("1.5.0", "mlx-lm's floor needs transformers 5.7.0 or later, which needs it; the slice, "
                                  "tests/test_hub.py and tests/test_hub_config_only.py pass at the floor"),
     "tokenizers": ("0.22.1", "the first release transformers 5.7.0 takes beside huggingface-hub 1.x (0.22.0 wants "
