@@ -87,6 +87,8 @@ class _LoopThread:
     """
 
     def __init__(self, name: str) -> None:
+        #: the process the thread runs in: a forked child has no copy of it
+        self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -103,7 +105,9 @@ class _LoopThread:
 
     @property
     def running(self) -> bool:
-        return not self._stopped.is_set()
+        # In a forked child the loop is nobody's: what waited on it there (a step, the close at
+        # exit) waited forever, and a load there must start a thread of its own.
+        return self.pid == os.getpid() and not self._stopped.is_set()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -126,7 +130,7 @@ class _LoopThread:
 
     def stop(self, timeout: float) -> None:
         """Stop the loop (its tasks are left as they are) and wait until the thread has parked."""
-        if not self._stopped.is_set():
+        if self.running:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._stopped.wait(timeout)
 
@@ -258,6 +262,7 @@ class StreamingLM:
                                  "token ids (mlx-lm's generate does unless input_embeddings is given)")
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
+        self._check_process()  # before any MLX work: in a forked child, the first one waits forever
         if cache is None:
             cache = self.streaming.make_cache()
         # Both are the caller's thread's arrays (lazy on its streams): computed here, they are
@@ -309,6 +314,17 @@ class StreamingLM:
             f"({getattr(plan, 'source', 'memory=')}); one sequence's cache may reach {most} positions: ask for "
             f"fewer tokens (max_tokens), trim the prompt cache, or load with a larger memory budget")
 
+    def _check_process(self) -> None:
+        """AsyncsideError in a process forked from the one that loaded the model (``os.fork``,
+        multiprocessing's 'fork' start method, a server's ``--preload``): its runtime thread, reads
+        and MLX's threads stayed there, and a step waited forever."""
+        if self._thread.pid != os.getpid():
+            from .models.loading import FORK_ADVICE
+
+            raise AsyncsideError(
+                f"this model was loaded in process {self._thread.pid}, and this process was forked from it: "
+                f"its runtime thread and MLX's threads stayed in that process. {FORK_ADVICE}")
+
     async def _step(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         logits = await self.streaming(inputs, cache)
         # The step's keys and values were computed with its logits; what it may have left lazy in
@@ -321,6 +337,7 @@ class StreamingLM:
 
     def stats(self) -> dict[str, Any]:
         """The runtime's counters (hits, misses, bytes read, ...), read on its thread."""
+        self._check_process()
 
         async def read() -> dict[str, Any]:
             return dict(self.runtime.stats())
@@ -442,7 +459,9 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     from .hub import store_for
     from .memory import check_memory, parse_size
     from .models import load_streaming_model
+    from .models.loading import check_not_forked
 
+    check_not_forked()  # before a conversion, whose reads wait forever there too
     if resident is None:
         resident = "auto" if memory is not None else 0.25
     # Bad arguments are refused here, before a model is converted or loaded, not at the first token.

@@ -12,6 +12,7 @@ through mlx-lm's own ``load_model`` (same quantization path as ``mlx_lm.load``; 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -23,7 +24,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model
 
 from ..bridge import Completed
-from ..errors import StoreError
+from ..errors import AsyncsideError, StoreError
 from .arch import arch_for, moe_layers, switch_meta
 from .forward import ForwardOptions
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
@@ -33,6 +34,23 @@ from .tokenizer import load_tokenizer
 #: key of the asyncside model description inside the store manifest's metadata
 META_KEY = "asyncside_model"
 NON_EXPERT_FILE = "model.safetensors"
+
+#: what a process forked from one that loaded a model is told to do instead
+FORK_ADVICE = ("Load the model in each worker process, with none loaded in the parent before it forks them "
+               "(multiprocessing's 'spawn' or 'forkserver' start method; a server without --preload)")
+
+#: the process that loaded a model here (None: none has)
+_LOADED_IN: int | None = None
+
+
+def check_not_forked() -> None:
+    """AsyncsideError in a process forked from one that had loaded a model: MLX's threads that
+    loaded it (its loader's, its streams') are not in the child, where MLX's next load or step
+    waited forever."""
+    if _LOADED_IN is not None and _LOADED_IN != os.getpid():
+        raise AsyncsideError(f"this process was forked from process {_LOADED_IN} after that process had loaded "
+                             f"a model: MLX's threads stayed in it, and a load here would wait forever. "
+                             f"{FORK_ADVICE}")
 
 
 #: (model class, its ModelArgs class) of a config, as mlx-lm's ``get_model_classes`` hook returns
@@ -103,6 +121,8 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     """
     from ..store import ExpertStore
 
+    global _LOADED_IN
+    check_not_forked()
     path = pathlib.Path(model_dir_or_store).absolute()
     if not is_store_dir(path):
         if (path / "config.json").is_file():
@@ -123,6 +143,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     if not (path / "config.json").is_file():
         raise StoreError(path / "config.json", "the model's config is missing (asyncside convert writes it beside "
                                                "the manifest)")
+    _LOADED_IN = os.getpid()
     try:
         model, config = load_model(path, lazy=False, strict=True, get_model_classes=_stripped_classes(specs))
     except (RuntimeError, ValueError) as exc:  # MLX's and mlx-lm's words for a file they cannot read

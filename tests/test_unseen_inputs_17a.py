@@ -1,0 +1,104 @@
+"""Unseen inputs, round 17a: what a user's process does around asyncside, not their model. A server
+that loaded a model and then forks its workers (``os.fork``, multiprocessing's 'fork' start method,
+a ``--preload``), Python's own switches (``-X dev``, warnings as errors, our pytest plugin in a
+project that turns every warning into an error), the environment a process starts in, and the
+threads and event loops the synchronous entry points are called from.
+
+What cannot work says so in one line, at once: never a hang, never a traceback of ours."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+#: a child's script that waits forever is ended past this (SIGALRM), it and every process it forked
+HANG_GUARD_S = 120
+
+
+def _python(code: str, *args: str, env: dict[str, str] | None = None, cwd: pathlib.Path | None = None,
+            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a child Python of a session of its own; its result. A child left waiting
+    (its own forked children included, whose alarm is their own) is ended with its session."""
+    guard = f"import signal; signal.alarm({HANG_GUARD_S})\n"
+    proc = subprocess.Popen([sys.executable, *extra, "-c", guard + textwrap.dedent(code), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=2 * HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        out, err = "", "timed out"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it forked and left behind
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+_FORKED = """
+import json, multiprocessing, os, signal, sys
+import mlx_lm
+from asyncside.errors import AsyncsideError
+from asyncside.facade import load
+
+store = sys.argv[1]
+model, tokenizer = load(store, resident=0.25)
+before = mlx_lm.generate(model, tokenizer, "hello", max_tokens=3)
+
+def in_child(what):
+    try:
+        if what == "step":
+            return "ran: " + mlx_lm.generate(model, tokenizer, "hello", max_tokens=3)
+        if what == "stats":
+            return "ran: " + str(model.stats())
+        load(store, resident=0.25)
+        return "ran: loaded"
+    except AsyncsideError as exc:
+        return str(exc)
+
+said = {}
+for what in ("step", "stats", "load"):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child ends as a script does, through the interpreter's exit (atexit)
+        signal.alarm(60)  # its own: a fork clears the parent's
+        os.close(r)
+        os.write(w, in_child(what).encode())
+        sys.exit(0)
+    os.close(w)
+    text = b""
+    while chunk := os.read(r, 65536):
+        text += chunk
+    said[what] = (text.decode(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+with multiprocessing.get_context("fork").Pool(1) as pool:
+    said["pool"] = (pool.apply_async(in_child, ("step",)).get(timeout=60), 0)
+after = mlx_lm.generate(model, tokenizer, "hello", max_tokens=3)
+model.close()
+print(json.dumps({"said": said, "same": before == after}))
+"""
+
+
+def test_a_model_loaded_before_a_fork_is_refused_in_the_child_at_once(quick_store: pathlib.Path) -> None:
+    """A server that loads its model and then forks its workers (``os.fork``, multiprocessing's
+    'fork' start method, gunicorn's ``--preload``): the worker's first ``generate`` waited forever
+    (the runtime's loop thread, and MLX's threads, stayed in the parent), a ``load()`` of its own
+    waited forever in MLX's loader, and a worker that left through ``sys.exit`` waited on the
+    parent's runtime at exit. Each is one AsyncsideError saying to load in the workers, at once;
+    the worker exits 0, and the parent's model goes on giving the same tokens."""
+    out = _python(_FORKED, str(quick_store))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"], result
+    for what, (said, status) in result["said"].items():
+        assert status == 0, (what, said)
+        if what == "load":
+            assert said.startswith("this process was forked from process "), (what, said)
+        else:
+            assert said.startswith("this model was loaded in process "), (what, said)
+        assert "Load the model in each worker process" in said and "'spawn'" in said, (what, said)
