@@ -73,6 +73,15 @@ def test_count_prediction_of_a_set_uses_the_steps_union() -> None:
     assert PredictionQuality().describe() == "no prediction counted"
 
 
+def test_a_predictor_that_predicted_nothing_is_described_not_crashed() -> None:
+    # Pairs counted with no id predicted (a predictor returning an empty set): precision undefined.
+    counters: dict[str, int] = {}
+    count_prediction(counters, np.array([], dtype=np.int64), np.array([[1, 2], [3, 4]]))
+    q = PredictionQuality.from_counters(counters)
+    assert (q.token_layers, q.predicted, q.routed, q.hits) == (2, 0, 4, 0)
+    assert q.describe() == "precision n/a, recall 0.0% over 2 token-layers (0 of 0 predicted ids routed, of 4 routed)"
+
+
 # -- the file format -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("precision", [0.0, 0.35, 0.8, 1.0])

@@ -118,8 +118,11 @@ class PredictionQuality:
         """One line: precision, recall and what they were counted over."""
         if not self.token_layers:
             return "no prediction counted"
-        assert self.precision is not None and self.recall is not None  # counted pairs have ids
-        return (f"precision {self.precision:.1%}, recall {self.recall:.1%} over {self.token_layers} token-layers "
+        # A predictor may predict nothing for the pairs it was asked about (precision undefined).
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.1%}"
+
+        return (f"precision {pct(self.precision)}, recall {pct(self.recall)} over {self.token_layers} token-layers "
                 f"({self.hits} of {self.predicted} predicted ids routed, of {self.routed} routed)")
 
 
