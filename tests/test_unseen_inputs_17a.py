@@ -102,3 +102,24 @@ def test_a_model_loaded_before_a_fork_is_refused_in_the_child_at_once(quick_stor
         else:
             assert said.startswith("this model was loaded in process "), (what, said)
         assert "Load the model in each worker process" in said and "'spawn'" in said, (what, said)
+
+
+def test_a_command_run_in_a_deleted_directory_runs(quick_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A shell left in a directory deleted under it (a build tree removed, a temporary directory
+    cleaned): every command that imports mlx-lm, and ``import asyncside.models``, ended in a
+    traceback, ``FileNotFoundError: [Errno 2] No such file or directory`` naming no file
+    (transformers, which mlx-lm imports, resolves a relative path at import). The demo runs, and
+    the process is still in the directory it was in."""
+    out = _python("""
+        import os, sys
+        os.mkdir(sys.argv[2]); os.chdir(sys.argv[2]); os.rmdir(sys.argv[2])
+        from asyncside.cli import main
+        rc = main(["demo", "--model", sys.argv[1], "--tokens", "2", "--reference", "none", "--quiet"])
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            print("still in the deleted directory")
+        sys.exit(rc)
+    """, str(quick_store), str(tmp_path / "gone"), env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "still in the deleted directory" in out.stdout, out.stdout

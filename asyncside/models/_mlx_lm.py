@@ -14,6 +14,7 @@ releases, not by an ImportError of whichever mlx-lm name the first module to mis
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import AsyncsideError
@@ -67,10 +68,30 @@ def import_mlx_lm() -> None:
             real(which, (wanted, hard))
 
     resource.setrlimit = keeping
+    gone = _deleted_cwd()
     try:
         import mlx_lm.utils  # noqa: F401
     finally:
         resource.setrlimit = real
+        if gone is not None:
+            os.fchdir(gone)
+            os.close(gone)
+
+
+def _deleted_cwd() -> int | None:
+    """Where the working directory was deleted under the process (a build tree removed, a
+    temporary directory cleaned): a descriptor of it, having moved to the root for the import.
+    transformers, which mlx-lm imports, resolves a relative path at import, and its
+    FileNotFoundError (no file named) ended every command and ``import asyncside.models``; nothing
+    else of the import reads the directory. None where it exists."""
+    try:
+        os.getcwd()
+        return None
+    except FileNotFoundError:
+        pass
+    here = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    os.chdir("/")
+    return here
 
 
 import_mlx_lm()
