@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import numbers
 import os
 import pathlib
@@ -110,7 +111,9 @@ class _LoopThread:
         return self.pid == os.getpid() and not self._stopped.is_set()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        # Run in a context of its own, not a copy of the caller's: called inside trio.run, sniffio's
+        # variable there said trio, and anyio in the runtime's task refused the asyncio loop it runs on.
+        return contextvars.Context().run(asyncio.run_coroutine_threadsafe, coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:

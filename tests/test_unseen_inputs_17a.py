@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 #: a child's script that waits forever is ended past this (SIGALRM), it and every process it forked
 HANG_GUARD_S = 120
@@ -123,3 +124,66 @@ def test_a_command_run_in_a_deleted_directory_runs(quick_store: pathlib.Path, tm
     """, str(quick_store), str(tmp_path / "gone"), env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "still in the deleted directory" in out.stdout, out.stdout
+
+
+def test_load_called_inside_a_trio_run_loads(quick_store: pathlib.Path) -> None:
+    """``load()`` called synchronously from code that runs under trio (``trio.run``, anyio's plugin
+    on trio, a trio program's set-up) failed: "RuntimeError: must be called from async context",
+    from the runtime's task on the facade's asyncio thread, which had inherited the caller's
+    context (sniffio's variable there said trio). The model loads and gives the tokens a load
+    outside any loop gives."""
+    import anyio
+    import mlx_lm
+
+    from asyncside.facade import load
+
+    model, tokenizer = load(quick_store, resident=0.25)
+    with model:
+        expected = mlx_lm.generate(model, tokenizer, "hello", max_tokens=4)
+
+    async def inside() -> str:
+        model, tokenizer = load(quick_store, resident=0.25)
+        with model:
+            return str(mlx_lm.generate(model, tokenizer, "hello", max_tokens=4))
+
+    assert anyio.run(inside, backend="trio") == expected
+
+
+def test_threads_and_a_running_event_loop_get_the_tokens_of_the_main_thread(quick_store: pathlib.Path) -> None:
+    """The synchronous front door as a notebook or a threaded server calls it: ``generate`` on one
+    model from several threads at once, a model loaded in a thread and used on another, and
+    ``load`` + ``generate`` inside a running asyncio loop (a notebook's cell): each gives the main
+    thread's tokens, none waits forever."""
+    import asyncio
+    import threading
+
+    import mlx_lm
+
+    from asyncside.facade import load
+
+    model, tokenizer = load(quick_store, resident=0.25)
+    with model:
+        expected = mlx_lm.generate(model, tokenizer, "hello", max_tokens=4)
+        got: dict[str, str] = {}
+
+        def generate(name: str, m: Any = model) -> None:
+            got[name] = mlx_lm.generate(m, tokenizer, "hello", max_tokens=4)
+
+        threads = [threading.Thread(target=generate, args=(f"thread {i}",)) for i in range(3)]
+        loaded: list[Any] = []
+        threads.append(threading.Thread(target=lambda: loaded.append(load(quick_store, resident=0.25)[0])))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=HANG_GUARD_S)
+        assert not any(t.is_alive() for t in threads)
+        with loaded[0]:
+            generate("loaded in a thread", loaded[0])
+
+        async def cell() -> str:
+            inner, _ = load(quick_store, resident=0.25)
+            with inner:
+                return str(mlx_lm.generate(inner, tokenizer, "hello", max_tokens=4))
+
+        got["in a running loop"] = asyncio.run(cell())
+    assert got == dict.fromkeys(got, expected) and len(got) == 5, got
