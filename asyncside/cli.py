@@ -122,6 +122,16 @@ def _is_open(fd: int) -> bool:
     return True
 
 
+def _replace_unencodable(stream: Any) -> None:
+    """Write what ``stream``'s encoding cannot hold as escapes, as Python's stderr does.
+
+    A stdout of another encoding than UTF-8 (``PYTHONIOENCODING=latin-1``, a legacy locale) ended
+    the demo half way with a UnicodeEncodeError and a traceback at the first prompt or generated
+    token it could not hold."""
+    if getattr(stream, "errors", None) == "strict" and callable(getattr(stream, "reconfigure", None)):
+        stream.reconfigure(errors="backslashreplace")
+
+
 def _command_name(argv: Sequence[str]) -> str:
     words = [a for a in argv[:2] if not a.startswith("-")]
     return " ".join(words[:2] if words[:1] == ["bench"] else words[:1])
@@ -140,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # serve shuts down gracefully on SIGTERM through its own handlers (bench serve's server runs in
     # a thread, with none: the bench ends here as on Ctrl-C, stopping both servers). A signal
     # ignored by the parent (SIG_IGN inherited: nohup's SIGHUP) stays ignored.
+    _replace_unencodable(sys.stdout)
     mine = threading.current_thread() is threading.main_thread() and _command_name(args) != "serve"
     previous = {s: signal.signal(s, _terminated) for s in _ENDING
                 if mine and signal.getsignal(s) is not signal.SIG_IGN}

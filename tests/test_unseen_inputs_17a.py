@@ -17,6 +17,8 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
+
 #: a child's script that waits forever is ended past this (SIGALRM), it and every process it forked
 HANG_GUARD_S = 120
 
@@ -187,3 +189,19 @@ def test_threads_and_a_running_event_loop_get_the_tokens_of_the_main_thread(quic
 
         got["in a running loop"] = asyncio.run(cell())
     assert got == dict.fromkeys(got, expected) and len(got) == 5, got
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_a_stdout_that_cannot_hold_the_text_shows_escapes(encoding: str, quick_store: pathlib.Path,
+                                                        tmp_path: pathlib.Path) -> None:
+    """``asyncside demo`` with a stdout of another encoding than UTF-8 (``PYTHONIOENCODING``, a
+    legacy locale) ended half way, "UnicodeEncodeError: 'ascii' codec can't encode character" and
+    a traceback, at the first character of the prompt or of a generated token it could not hold.
+    Those are written as escapes, as Python's stderr writes them, and the run ends with status 0."""
+    env = {**os.environ, "PYTHONIOENCODING": encoding, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "asyncside", "demo", "--model", str(quick_store), "--tokens", "2",
+                          "--reference", "none", "--prompt", "h\u00e9llo \u2713"], capture_output=True, env=env,
+                         timeout=HANG_GUARD_S)
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr[-3000:]
+    shown = "h\u00e9llo".encode(encoding, errors="backslashreplace") + b" \\u2713"
+    assert shown in out.stdout, out.stdout[:2000]
