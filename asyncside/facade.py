@@ -266,6 +266,9 @@ class StreamingLM:
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
         self._check_process()  # before any MLX work: in a forked child, the first one waits forever
+        from .models.loading import clear_streams_at_thread_end
+
+        clear_streams_at_thread_end()  # the inputs and caches are evaluated on this thread
         if cache is None:
             cache = self.streaming.make_cache()
         # Both are the caller's thread's arrays (lazy on its streams): computed here, they are

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -41,6 +42,31 @@ FORK_ADVICE = ("Load the model in each worker process, with none loaded in the p
 
 #: the process that loaded a model here (None: none has)
 _LOADED_IN: int | None = None
+
+
+class _ClearStreams:
+    """Held by a thread-local of a thread that ran MLX; dropped as the thread ends."""
+
+    def __del__(self) -> None:
+        mx.clear_streams()
+
+
+_THREAD_END = threading.local()
+
+
+def clear_streams_at_thread_end() -> None:
+    """Have MLX's streams of the calling thread (not the main thread) destroyed as it ends, while
+    it is still a Python thread.
+
+    Why: MLX's thread-local state takes the GIL in its destructor, which runs after the thread has
+    left Python. A thread that loaded or ran a model (``load()`` and ``generate`` in a worker
+    thread, ``anyio.run`` of the README's loop in one) and ended as the interpreter exited aborted
+    the process there: "terminate called without an active exception", exit status 134, once the
+    work was done. MLX's own advice is ``mx.clear_streams()`` at the end of each thread.
+    """
+    if threading.current_thread() is threading.main_thread() or getattr(_THREAD_END, "held", None) is not None:
+        return
+    _THREAD_END.held = _ClearStreams()
 
 
 def check_not_forked() -> None:
@@ -123,6 +149,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
 
     global _LOADED_IN
     check_not_forked()
+    clear_streams_at_thread_end()
     path = pathlib.Path(model_dir_or_store).absolute()
     if not is_store_dir(path):
         if (path / "config.json").is_file():
