@@ -54,11 +54,12 @@ def built(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> tuple[path
 
 
 def decode(store_dir: pathlib.Path, prompt: list[int], trace: pathlib.Path, predictor: str,
-           k: int) -> tuple[list[int], Any, PredictionQuality]:
-    """Greedy queued decode with streamed switches, nothing resident, the rows a layer k (the
-    least), routing replayed from ``trace``: tokens, the runtime's stats, the predictions' quality."""
+           k: int, streamed_switch: bool | None = True) -> tuple[list[int], Any, PredictionQuality]:
+    """Greedy queued decode with streamed switches (``streamed_switch=None``: the default, none on
+    records this small), nothing resident, the rows a layer k (the least), routing replayed from
+    ``trace``: tokens, the runtime's stats, the predictions' quality."""
     sm = load_streaming_model(store_dir, completed=completed,
-                              options=ForwardOptions(mode=StepMode.QUEUED, streamed_switch=True))
+                              options=ForwardOptions(mode=StepMode.QUEUED, streamed_switch=streamed_switch))
     sm.set_routing(trace)
 
     async def main() -> tuple[list[int], Any]:
@@ -111,6 +112,28 @@ def test_predicted_experts_are_prefetched_and_hit_and_the_tokens_stay_exact(tmp_
     assert quality.token_layers == len(prompt) - 1 + TOKENS and quality.precision is not None
     assert 0.4 <= quality.precision <= 1.0 and quality.recall == quality.precision
     assert none_quality.token_layers == 0
+
+
+def test_a_layer_too_small_to_stream_prefetches_once_its_resolve_is_done(tmp_path: pathlib.Path,
+                                                                         built: Any) -> None:
+    """Records under the streamed switches' least size (the default: plain switches here): the
+    first MoE layer's resolve passes through a prefetch node of the second's prediction. Before,
+    a predictor read nothing ahead on such a store."""
+    store_dir, model, prompt, shape = built
+    trace = tmp_path / "low70.npz"
+    preset("low", tokens=64, n_layers=shape["moe_layers"], n_experts=shape["n_experts"], top_k=shape["top_k"],
+           prediction_precision=0.7).save(trace)
+    ref = reference(store_dir, model, prompt, trace)
+    with_trace, stats, quality = decode(store_dir, prompt, trace, "trace", shape["top_k"], streamed_switch=None)
+    without, base, _ = decode(store_dir, prompt, trace, "none", shape["top_k"], streamed_switch=None)
+    assert with_trace == ref and without == ref
+    assert stats["hits"] + stats["misses"] == base["hits"] + base["misses"]
+    assert base["prefetch_reads"] == 0
+    assert stats["prefetch_reads"] > 0 and 0 < stats["prefetch_hits"] <= stats["prefetch_reads"]
+    assert stats["hits"] > base["hits"] and stats["misses"] < base["misses"]
+    stride = base["bytes_read"] // base["misses"]
+    assert stats["bytes_read"] == (stats["misses"] + stats["prefetch_reads"]) * stride
+    assert quality.token_layers == len(prompt) - 1 + TOKENS and quality.precision is not None
 
 
 def predicting_one_expert(tmp_path: pathlib.Path, shape: dict[str, int]) -> tuple[pathlib.Path, int]:

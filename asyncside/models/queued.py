@@ -215,6 +215,18 @@ class QueuedSteps:
         ask = getattr(source, "can_stream" if self._streamed_switch else "streams_misses", None)
         return ask is not None and bool(ask(layer))
 
+    def _prefetches_after_resolve(self, source: Any, layer: int, nxt: int) -> bool:
+        """Whether ``layer``'s plain switch (no streamed misses: its records are too small to
+        repay one) starts reading ``nxt``'s predicted experts once its own resolve is done, so
+        they read while this layer's experts, the next attention and its router compute: under a
+        plan that reads past the page cache (most routed experts miss), on the CPU, where both
+        layers have a host fault table (``nxt``'s next resolve settles the prefetch first). Without
+        it a predictor on such a store read nothing ahead in queued steps (BENCHMARKS.md,
+        "Prefetch inside queued steps")."""
+        can = getattr(source, "can_stream", None)
+        return (self._on_cpu and can is not None and bool(getattr(getattr(source, "plan", None), "direct", False))
+                and bool(can(layer)) and bool(can(nxt)))
+
     def _stages_every_layer(self, source: Any) -> bool:
         """Whether every MoE layer's switch can stage its experts (one resolve however many)."""
         staging = getattr(source, "staging", None)
@@ -317,10 +329,13 @@ class QueuedSteps:
             streamed = part is None and self._on_cpu and self._streams(source, i)
             # The next MoE layer's prediction, prefetched by this layer's streamed switch once its
             # own reads landed (see _streamed_switch): only into a layer that streams too (a host
-            # table whose next resolve settles the prefetch first).
+            # table whose next resolve settles the prefetch first). A layer whose records are too
+            # small to stream prefetches once its resolve is done (see _prefetches_after_resolve).
             ahead = None
             nxt = walk.next_moe[i]
-            if streamed and nxt is not None and self._streams(source, nxt) and self.prefetching(ctx):
+            if nxt is not None and (streamed and self._streams(source, nxt) or not streamed and part is None
+                                    and self._prefetches_after_resolve(source, i, nxt)) \
+                    and self.prefetching(ctx):
                 if not predicting:
                     ctx.predictor.begin(ctx.routing, ctx.position)
                     predicting = True
@@ -336,7 +351,11 @@ class QueuedSteps:
                     counters["streamed_switches"] += 1
                     return _streamed_switch(source, i, spec, activation, x_sw, inds, pools, ahead)
                 if part is None or inds.size <= part:
-                    return pooled_switch_apply(spec, activation, x_sw, source.expert_rows(i, inds), pools)
+                    rows = source.expert_rows(i, inds)
+                    if ahead is not None and part is None and inds.size < SORT_THRESHOLD:
+                        # (as a streamed switch: a decode step's few pairs, not a prompt's chunk)
+                        rows = source.prefetch_rows(ahead[0], ahead[1], rows)
+                    return pooled_switch_apply(spec, activation, x_sw, rows, pools)
                 if staged is not None:
                     # Experts beyond the lent rows, on a device with a host tier: copied into the
                     # layer's staging arrays by expert id (no pool row changes, no slices); the
