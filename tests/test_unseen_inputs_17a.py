@@ -234,3 +234,52 @@ def test_a_worker_thread_that_ran_a_model_leaves_the_exit_clean(quick_store: pat
     for _ in range(4):  # the abort is a race: most runs, not all, met it
         out = _python(_IN_A_THREAD, str(quick_store))
         assert out.returncode == 0 and out.stdout.strip() == "3", (out.returncode, out.stderr[-2000:])
+
+
+_RUNTIME_FORKED = """
+import os, sys, signal
+import anyio
+from asyncside import ExpertStore, Runtime
+from asyncside.errors import AsyncsideError
+from asyncside.testing import random_layers
+
+store = ExpertStore.create(sys.argv[1], random_layers(2, 8))
+
+async def main():
+    async with Runtime(store, resident=0.5) as rt:
+        await rt.ensure(0, [0, 1])
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)
+            os.close(r)
+            try:
+                rt.prefetch(0, [5, 6])
+                said = "accepted"
+            except AsyncsideError as exc:
+                said = str(exc)
+            os.write(w, said.encode())
+            os._exit(0)
+        os.close(w)
+        text = b""
+        while chunk := os.read(r, 65536):
+            text += chunk
+        os.waitpid(pid, 0)
+        print(text.decode())
+        with anyio.fail_after(30):
+            await rt.ensure(0, [5, 6, 2])
+        print("parent audit", all(rep.ok for rep in rt.audit().values()))
+
+anyio.run(main)
+"""
+
+
+def test_a_runtime_used_in_a_forked_child_is_refused_there(tmp_path: pathlib.Path) -> None:
+    """An open Runtime in a child forked from its process passed every check (the forking thread's
+    id, no running loop): a prefetch went into the parent's reader, whose io_uring ring the child
+    shares. It is refused at once, naming the process it was created in; the parent goes on."""
+    done = _python(_RUNTIME_FORKED, str(tmp_path / "store"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    said, audit = done.stdout.strip().splitlines()[-2:]
+    assert "this process was forked from it" in said and "enter a Runtime of its own here" in said, said
+    assert audit == "parent audit True"

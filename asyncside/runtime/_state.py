@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import os
 import sys
 import threading
 from collections import Counter
@@ -166,6 +167,7 @@ class Shared:
         self.closed = False
         self.exited = False  # closing finished: every read landed, every task is gone
         self.loop_thread: int | None = None  # the thread whose event loop entered the runtime
+        self.pid = os.getpid()  # the process it runs in: a forked child has none of its threads or rings
         self.loop: object | None = None  # that event loop (asyncio's loop, trio's run token)
         self.cache = CacheStats()
         self.reads = ReadStats()
@@ -205,6 +207,12 @@ class Shared:
         """AsyncsideError when called from another thread than the one whose event loop entered the
         runtime: its events, tasks and ledgers belong to that loop (another loop's await of them
         hung on asyncio, and failed inside anyio with a lease left open on trio)."""
+        if self.pid != os.getpid():
+            # A fork keeps the forking thread's id and leaves no running loop: the checks below
+            # passed, and a prefetch went into the parent's reader (its io_uring ring is shared).
+            raise AsyncsideError(
+                f"the runtime was created in process {self.pid}, and this process was forked from it: its "
+                "reads, reader threads and rings stayed in that process; enter a Runtime of its own here")
         if self.loop_thread is not None and threading.get_ident() != self.loop_thread:
             raise AsyncsideError(
                 f"the runtime is used from thread {threading.current_thread().name!r}, but it runs on the event "
