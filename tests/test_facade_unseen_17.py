@@ -12,8 +12,10 @@ import pathlib
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx_lm import generate, stream_generate
 from mlx_lm.models.cache import (
+    KVCache,
     QuantizedKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -115,3 +117,19 @@ def test_verbose_and_unlimited_max_tokens(reference: tuple[Any, Any], streaming:
     want, got = _both(reference, streaming, run)
     assert got == want
     assert want[1] == ["Prompt", "Generation", "Peak memory"] and len(want[2]) == 40
+
+
+def test_a_prompt_cache_of_fewer_layers_is_refused(reference: tuple[Any, Any], streaming: tuple[Any, Any]) -> None:
+    """``generate(model, tok, prompt, prompt_cache=load_prompt_cache(file))`` with a file saved for
+    a model of fewer layers failed with "IndexError: list index out of range" from inside the
+    streamed walk (mlx-lm's own model skips the layers left over without a word). One more cache
+    than layers is left over as mlx-lm leaves it."""
+    ref_model, ref_tok = reference
+    model, tok = streaming
+    n = len(model.layers)
+    with pytest.raises(ValueError, match=rf"^cache: {n - 1} layer caches for a model of {n} decoder layers \(a "
+                                         rf"prompt cache made for another model\?\)"):
+        generate(model, tok, PROMPT, max_tokens=4, prompt_cache=[KVCache() for _ in range(n - 1)])
+    want, got = (generate(m, tok, PROMPT, max_tokens=4, prompt_cache=[KVCache() for _ in range(n + 1)])
+                 for m in (ref_model, model))
+    assert got == want == generate(ref_model, ref_tok, PROMPT, max_tokens=4)

@@ -175,6 +175,12 @@ class StreamingModel:
             raise AsyncsideError("no expert source: pass source=... or set StreamingModel.source")
         if inputs.ndim != 2:
             raise ValueError(f"inputs: expected shape (batch, tokens), got {tuple(inputs.shape)}")
+        if cache is not None and len(cache) < len(self.model.layers):
+            # A prompt cache of another model (load_prompt_cache of its file) failed with an
+            # IndexError deep in the walk; mlx-lm's own model silently skips the layers left over.
+            raise ValueError(f"cache: {len(cache)} layer caches for a model of {len(self.model.layers)} decoder "
+                             f"layers (a prompt cache made for another model?); make_prompt_cache(model) makes "
+                             f"this model's")
         async with self._step_lock():
             return await self.forward(inputs, self.make_cache() if cache is None else cache, src)
 
