@@ -46,7 +46,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, MutableMapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +58,29 @@ __all__ = ["StreamingLM", "load"]
 T = TypeVar("T")
 
 _OPEN: weakref.WeakSet[StreamingLM] = weakref.WeakSet()
+
+#: What a library around mlx-lm reaches for on a model as an ``mlx.nn.Module`` (LoRA tooling,
+#: ``nn.quantize``, weight loading, a server counting parameters). None of it can work on a model
+#: whose experts live in the store: refused by name, not an AttributeError deep inside MLX.
+_MODULE_API = frozenset({
+    "parameters", "trainable_parameters", "children", "leaf_modules", "modules", "named_modules",
+    "update", "update_modules", "apply", "apply_to_modules", "filter_and_map", "freeze", "unfreeze",
+    "train", "load_weights", "save_weights", "set_dtype", "state",
+})
+
+#: mlx_lm.load's own keyword arguments, which load() does not take, and what to do instead.
+_MLX_LM_LOAD_ARGUMENTS = {
+    "adapter_path": "a LoRA adapter is not applied to a streamed model; fuse it into the model (mlx_lm.fuse) "
+                    "and load the fused directory",
+    "tokenizer_config": "the tokenizer is the one the store holds; to load it otherwise, pass a tokenizer of your "
+                        "own (mlx_lm.tokenizer_utils.load_tokenizer) to generate",
+    "trust_remote_code": "the tokenizer is the one the store holds; to load it otherwise, pass a tokenizer of your "
+                         "own (mlx_lm.tokenizer_utils.load_tokenizer) to generate",
+    "model_config": "the model is built from its store's config.json; change the model directory's config.json "
+                    "and load that directory (it is converted again)",
+    "lazy": "a streamed model reads its experts as tokens route to them; leave lazy out",
+    "return_config": "the model's config is model.streaming.config; leave return_config out",
+}
 
 
 def _cache_arrays(obj: Any, out: list[mx.array], depth: int = 0) -> list[mx.array]:
@@ -339,6 +362,29 @@ class StreamingLM:
         mx.eval(_cache_arrays(cache, []))
         return logits
 
+    # -- what an mlx.nn.Module has -----------------------------------------------------------
+
+    def eval(self) -> StreamingLM:
+        """The model, as ``nn.Module.eval`` returns it: a streamed model only ever infers."""
+        return self
+
+    if not TYPE_CHECKING:  # a type checker still tells a misspelt attribute of the model
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for a name the class does not have: mlx.nn.Module's API is refused by
+            # name (still an AttributeError, so hasattr() keeps answering False).
+            if isinstance(getattr(type(self), name, None), property):
+                # A property that raised AttributeError (make_cache where the model has none) lands
+                # here: its own message, not this method's, is the one the caller reads.
+                return object.__getattribute__(self, name)
+            if name in _MODULE_API:
+                raise AttributeError(
+                    f"StreamingLM.{name}: asyncside.load's model is no mlx.nn.Module, its experts stream from "
+                    f"the expert store into fixed pools; quantizing, training, LoRA, loading weights or "
+                    f"enumerating all its parameters would need every expert in memory. Its resident weights "
+                    f"(attention, norms, routers, embeddings) are model.streaming.model's; for the whole model, "
+                    f"use mlx_lm.load")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- the rest -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -433,6 +479,11 @@ def _check_runtime_arguments(runtime: MutableMapping[str, Any], resident: float 
 
     taken = [n for n in inspect.signature(Runtime.__init__).parameters if n not in ("self", "store")]
     unknown = [n for n in runtime if n not in taken]
+    for name in unknown:
+        if name in _MLX_LM_LOAD_ARGUMENTS:
+            # Code written for mlx_lm.load passes them: told so, not handed the Runtime's names.
+            raise TypeError(f"load() got an unexpected keyword argument {name!r}: mlx_lm.load's, which "
+                            f"asyncside.load does not take: {_MLX_LM_LOAD_ARGUMENTS[name]}")
     if unknown:
         raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r} (besides its own, it takes the "
                         f"Runtime's: {', '.join(n for n in taken if n not in ('resident', 'memory'))})")

@@ -1,7 +1,9 @@
 """asyncside's ``load`` under the rest of mlx-lm's Python API, round 17: samplers and logits
 processors under a seed, quantized KV caches, speculative decoding either way round, prompt caches
 saved to a file and trimmed, ``verbose=True`` and ``max_tokens=-1``. Tokens must equal
-``mlx_lm.load`` of the same model directory, all-resident."""
+``mlx_lm.load`` of the same model directory, all-resident. And what a library around mlx-lm calls
+on a model as an ``mlx.nn.Module`` (LoRA tooling, ``nn.quantize``), or code written for
+``mlx_lm.load`` passes it: refused by name, saying why and what to use instead."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pathlib
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import generate, stream_generate
 from mlx_lm.models.cache import (
     KVCache,
@@ -24,6 +28,9 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.tuner.utils import linear_to_lora_layers, print_trainable_parameters
+
+from asyncside.facade import load
 
 from _facade_support import PROMPT, dirs, reference, streaming  # noqa: F401  (the fixtures)
 
@@ -133,3 +140,60 @@ def test_a_prompt_cache_of_fewer_layers_is_refused(reference: tuple[Any, Any], s
     want, got = (generate(m, tok, PROMPT, max_tokens=4, prompt_cache=[KVCache() for _ in range(n + 1)])
                  for m in (ref_model, model))
     assert got == want == generate(ref_model, ref_tok, PROMPT, max_tokens=4)
+
+
+@pytest.mark.parametrize("use", [
+    lambda m: nn.quantize(m, group_size=64, bits=4),
+    lambda m: print_trainable_parameters(m),
+    lambda m: tree_flatten(m.parameters()),
+    lambda m: m.trainable_parameters(),
+    lambda m: m.freeze(),
+    lambda m: m.load_weights("adapters.safetensors", strict=False),
+    lambda m: m.update({}),
+], ids=["nn.quantize", "print_trainable_parameters", "parameters", "trainable_parameters", "freeze", "load_weights",
+        "update"])
+def test_mlx_nn_module_api_is_refused_by_name(streaming: tuple[Any, Any], use: Any) -> None:
+    """What LoRA tooling, ``nn.quantize`` or a server counting parameters calls on an mlx-lm model
+    failed on the facade's model with "'StreamingLM' object has no attribute 'leaf_modules'" from
+    inside MLX (``named_modules`` from mlx-lm's tuner): nothing said why, or what to use instead."""
+    model, tok = streaming
+    with pytest.raises(AttributeError, match=r"^StreamingLM\.\w+: asyncside\.load's model is no mlx\.nn\.Module, its "
+                                             r"experts stream from the expert store.*mlx_lm\.load$"):
+        use(model)
+    assert not hasattr(model, "parameters") and not hasattr(model, "make_cache")
+    with pytest.raises(AttributeError, match=r"models have no make_cache: make_prompt_cache builds their caches"):
+        model.make_cache  # noqa: B018  (the property's own message, not the refusal's)
+    with pytest.raises(AttributeError, match=r"^'StreamingLM' object has no attribute 'nothing_such'$"):
+        model.nothing_such  # noqa: B018
+    # What works on the streamed model's resident part, and model.eval(), as after mlx_lm.load.
+    assert model.eval() is model
+    assert {k.split(".")[-2] for k, _ in tree_flatten(model.streaming.model.parameters())} >= {"q_proj", "gate"}
+    assert generate(model, tok, PROMPT, max_tokens=4)
+
+
+def test_mlx_lms_lora_tooling_is_refused_by_name(dirs: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """``linear_to_lora_layers(model, ...)`` failed with "'StreamingLM' object has no attribute
+    'named_modules'" from inside mlx-lm's tuner. (It has changed ``model.layers`` by then: a model
+    of its own here.)"""
+    with load(dirs[1], resident=0.25)[0] as model:
+        with pytest.raises(AttributeError, match=r"^StreamingLM\.named_modules: asyncside\.load's model is no "
+                                                 r"mlx\.nn\.Module"):
+            linear_to_lora_layers(model, 1, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("adapter_path", "adapters", r"fuse it into the model \(mlx_lm\.fuse\)"),
+    ("tokenizer_config", {"trust_remote_code": True}, r"pass a tokenizer of your own"),
+    ("model_config", {"rope_theta": 1.0}, r"change the model directory's config\.json"),
+    ("lazy", True, r"leave lazy out"),
+    ("return_config", True, r"model\.streaming\.config"),
+    ("trust_remote_code", True, r"pass a tokenizer of your own"),
+])
+def test_mlx_lm_loads_own_arguments_are_named_as_such(dirs: tuple[pathlib.Path, pathlib.Path], name: str,
+                                                      value: Any, why: str) -> None:
+    """Code written for ``mlx_lm.load(path, adapter_path=..., return_config=True)`` swapped to
+    ``asyncside.load`` got "unexpected keyword argument 'adapter_path' (besides its own, it takes
+    the Runtime's: pinned, side_rows, ...)": a list of runtime knobs, no word of why."""
+    with pytest.raises(TypeError, match=rf"^load\(\) got an unexpected keyword argument '{name}': mlx_lm\.load's, "
+                                        rf"which asyncside\.load does not take: .*{why}"):
+        load(dirs[1], **{name: value})
