@@ -305,7 +305,19 @@ class StreamingLM:
             if bad is not None:
                 raise ValueError(f"inputs: token id {bad}, outside the model's vocabulary [0, {self._vocab})")
         self._check_kv(inputs, cache)
-        return self._thread.call(self._step(inputs, cache))
+        try:
+            return self._thread.call(self._step(inputs, cache))
+        except RuntimeError as e:
+            if "There is no Stream" not in str(e):
+                raise
+            # The inputs and caches were computed above: what the step found lazy on the caller's
+            # stream is a weight of the model's own, changed on the caller's thread and not computed
+            # (mlx-lm's LoRA tooling adds its layers to model.layers before it fails on the model).
+            raise AsyncsideError(
+                "the step read a weight of the model made on another thread and not yet computed (model.layers "
+                "changed: LoRA layers, update()); compute it on that thread first: "
+                "mx.eval(model.streaming.model.parameters()). This call's prompt_cache may hold part of the "
+                "step") from e
 
     def _check_kv(self, inputs: mx.array, cache: list[Any]) -> None:
         """Refuse (AsyncsideError, before the step, the cache untouched) a call whose step would take

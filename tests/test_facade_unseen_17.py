@@ -30,6 +30,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tuner.utils import linear_to_lora_layers, print_trainable_parameters
 
+from asyncside.errors import AsyncsideError
 from asyncside.facade import load
 
 from _facade_support import PROMPT, dirs, reference, streaming  # noqa: F401  (the fixtures)
@@ -197,3 +198,20 @@ def test_mlx_lm_loads_own_arguments_are_named_as_such(dirs: tuple[pathlib.Path, 
     with pytest.raises(TypeError, match=rf"^load\(\) got an unexpected keyword argument '{name}': mlx_lm\.load's, "
                                         rf"which asyncside\.load does not take: .*{why}"):
         load(dirs[1], **{name: value})
+
+
+def test_a_layer_changed_on_the_callers_thread_is_named(dirs: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """mlx-lm's ``linear_to_lora_layers(model, ...)`` adds LoRA layers to ``model.layers`` before it
+    is refused on the model itself; their weights are lazy on the caller's thread, and every later
+    ``generate`` failed with "RuntimeError: There is no Stream(cpu, 0) in current thread" from the
+    runtime's thread. It now names the cause and the remedy, which works."""
+    model, tok = load(dirs[1], resident=0.25)
+    with model:
+        want = generate(model, tok, PROMPT, max_tokens=6)
+        with pytest.raises(AttributeError, match=r"named_modules"):
+            linear_to_lora_layers(model, 1, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+        with pytest.raises(AsyncsideError, match=r"^the step read a weight of the model made on another thread and "
+                                                 r"not yet computed .*mx\.eval\(model\.streaming\.model\.parameters"):
+            generate(model, tok, PROMPT, max_tokens=6)
+        mx.eval(model.streaming.model.parameters())
+        assert generate(model, tok, PROMPT, max_tokens=6) == want  # LoRA's B starts at zero
