@@ -1,4 +1,4 @@
-"""Memory budgets for tests that run ``bench offload``.
+"""Memory budgets for tests that run ``bench offload``, and stand-ins for its runs.
 
 A test's ``--memory`` was written for the CPU, where a run's process holds little before its model.
 On MLX CUDA it holds several times more (the CUDA runtime and MLX's device state), and the same
@@ -7,6 +7,11 @@ room a test's budget leaves beyond a run's process on every device.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
 
 from asyncside.bench import offload
 
@@ -19,3 +24,25 @@ def offload_budget(cpu_budget: int) -> int:
     (:func:`offload.process_baseline`, measured in a child once per test process), a budget that
     leaves the same room beyond it."""
     return max(cpu_budget, offload.process_baseline() + cpu_budget - CPU_PROCESS_BYTES)
+
+
+def stand_in_runs(monkeypatch: pytest.MonkeyPatch, rows: int) -> list[dict[str, Any]]:
+    """Replace ``bench offload``'s child runs (and its cgroup, cache drop and disk probe) by
+    stand-ins: each reports three tokens, and asyncside and the slot cache ``rows`` rows in each of
+    two layers. Returns the specs the runs were asked for, in order."""
+    asked: list[dict[str, Any]] = []
+
+    def child(spec: dict[str, Any], cgroup: Any, timeout: float, **_kw: Any) -> dict[str, Any]:
+        asked.append(spec)
+        run: dict[str, Any] = {"system": spec["system"], "status": "ok", "tokens": [1, 2, 3],
+                               "decode_tokens_per_s": 1.0, "read_bytes": 0, "stats": {}, "rows_per_layer": None}
+        if spec["system"] != "mlx-lm":
+            run.update(stats={"hits": 3, "misses": 3}, rows_per_layer={"0": rows, "1": rows})
+        return run
+
+    monkeypatch.setattr(offload, "_child", child)
+    monkeypatch.setattr(offload, "check_cgroups", lambda limit: (True, "cgroup v1"))
+    monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
+    monkeypatch.setattr(offload, "drop_caches", lambda: True)
+    monkeypatch.setattr(offload, "_bandwidth", lambda store, depth: {"GBps": 1.0, "queue_depth": 1})
+    return asked

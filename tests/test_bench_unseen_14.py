@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-from typing import Any
 
 import pytest
 
@@ -129,32 +128,17 @@ def test_offload_slot_cache_gets_asyncsides_rows_whatever_the_systems_order(
     size (half the budget's share of the experts), not on the rows asyncside's plan chose, and its
     row sat beside asyncside's as if the caches were the same size. asyncside now runs first. (The
     children are stood in for: what is checked is what each was asked to run.)"""
-    import contextlib
-
-    from _offload_support import offload_budget
+    from _offload_support import offload_budget, stand_in_runs
 
     from asyncside.bench import offload
     from tests._cli_support import offload_args
 
-    asked: list[tuple[str, float | None]] = []
-
-    def child(spec: dict[str, Any], cgroup: Any, timeout: float, **_kw: Any) -> dict[str, Any]:
-        asked.append((spec["system"], spec.get("fraction") if spec["system"] == "slot-cache" else None))
-        run: dict[str, Any] = {"system": spec["system"], "status": "ok", "tokens": [1, 2, 3],
-                               "decode_tokens_per_s": 1.0, "read_bytes": 0, "stats": {}, "rows_per_layer": None}
-        if spec["system"] != "mlx-lm":
-            run.update(stats={"hits": 3, "misses": 3}, rows_per_layer={"0": 6, "1": 6})
-        return run
-
-    monkeypatch.setattr(offload, "_child", child)
-    monkeypatch.setattr(offload, "check_cgroups", lambda limit: (True, "cgroup v1"))
-    monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
-    monkeypatch.setattr(offload, "drop_caches", lambda: True)
-    monkeypatch.setattr(offload, "_bandwidth", lambda store, depth: {"GBps": 1.0, "queue_depth": 1})
+    specs = stand_in_runs(monkeypatch, 6)
     args = offload_args("--stores", str(quick_store), "--memory", str(offload_budget(700 * 2**20)),
                         "--store-ratio", "0.001", "--localities", "high", "--systems", "slot-cache,asyncside",
                         "--tokens", "3", "--quiet")
     res = offload.run_offload_bench(args)
+    asked = [(s["system"], s.get("fraction") if s["system"] == "slot-cache" else None) for s in specs]
     experts = res["shapes"][0]["experts_per_layer"]
     assert [s for s, _f in asked] == ["mlx-lm", "asyncside", "slot-cache"]  # the compute limit, then the arms
     assert asked[-1][1] == 12 / (2 * experts)  # asyncside's 6 rows a layer, of 2 layers

@@ -101,9 +101,8 @@ def test_offload_slot_cache_gets_asyncsides_rows_of_a_layer_of_sixty_experts(tmp
     back as 31.000000000000004 and the slot cache held 32 slots a layer beside asyncside's 31, in
     a table that says both hold the same rows. (The children are stood in for: what is checked is
     the slot cache that the fraction asked for builds.)"""
-    import contextlib
-
     from _cli_support import offload_args
+    from _offload_support import stand_in_runs
 
     from asyncside.bench.generate import _quick_spec
     from asyncside.bench.slot_cache import SlotCache
@@ -113,27 +112,12 @@ def test_offload_slot_cache_gets_asyncsides_rows_of_a_layer_of_sixty_experts(tmp
     base = _quick_spec()
     spec = EmbeddedSpec(config={**base.config, "num_experts": 60}, profile_tokens=base.profile_tokens)
     store_dir = ensure_embedded_default(tmp_path / "cache", spec=spec, progress=False)[1]
-    asked: list[float] = []
-
-    def child(spec: dict[str, Any], cgroup: Any, timeout: float, **_kw: Any) -> dict[str, Any]:
-        if spec["system"] == "slot-cache":
-            asked.append(spec["fraction"])
-        run: dict[str, Any] = {"system": spec["system"], "status": "ok", "tokens": [1, 2, 3],
-                               "decode_tokens_per_s": 1.0, "read_bytes": 0, "stats": {}, "rows_per_layer": None}
-        if spec["system"] != "mlx-lm":
-            run.update(stats={"hits": 3, "misses": 3}, rows_per_layer={"0": 31, "1": 31})
-        return run
-
-    monkeypatch.setattr(offload, "_child", child)
+    asked = stand_in_runs(monkeypatch, 31)
     monkeypatch.setattr(offload, "belady_of_run", lambda *a, **k: {"hit_rate": 0.5})
-    monkeypatch.setattr(offload, "check_cgroups", lambda limit: (True, "cgroup v1"))
-    monkeypatch.setattr(offload, "MemoryCgroup", lambda limit: contextlib.nullcontext())
-    monkeypatch.setattr(offload, "drop_caches", lambda: True)
-    monkeypatch.setattr(offload, "_bandwidth", lambda store, depth: {"GBps": 1.0, "queue_depth": 1})
     args = offload_args("--stores", str(store_dir), "--memory", "8G", "--store-ratio", "0.0001", "--localities", "high",
                         "--systems", "asyncside,slot-cache", "--tokens", "3", "--quiet")
     offload.run_offload_bench(args)
-    (fraction,) = asked
+    (fraction,) = [spec["fraction"] for spec in asked if spec["system"] == "slot-cache"]
     with SlotCache(ExpertStore.open(store_dir), fraction, warm=False) as sc:
         assert {layer: sc.layers[layer].slots for layer in sc.layers} == {0: 31, 1: 31}
 
