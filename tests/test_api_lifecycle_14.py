@@ -104,7 +104,9 @@ def test_a_runtime_used_from_another_loop_of_its_thread_is_refused(expert_store:
 def test_a_runtime_entered_by_one_task_and_exited_by_another_closes(make_expert_store: Any, loop: str) -> None:
     """As pytest-asyncio runs an async fixture (its set-up in one task, its teardown in another):
     the exit failed with anyio's "Attempted to exit cancel scope in a different task than it was
-    entered in". It now closes: every read landed, the ledgers audit clean, later calls refused."""
+    entered in". It now closes: every read settled, the ledgers audit clean, later calls refused.
+    (On device pools, MLX CUDA, a read that lands as the runtime closes is not uploaded: its
+    prefetch fails saying so.)"""
     import asyncio
 
     import uvloop
@@ -112,6 +114,7 @@ def test_a_runtime_entered_by_one_task_and_exited_by_another_closes(make_expert_
     from asyncside import Runtime
     from asyncside.audit import audit_problems
     from asyncside.errors import AsyncsideError
+    from asyncside.pools import device_pools_default
 
     rt = Runtime(make_expert_store(n_experts=64), resident=0.1)
 
@@ -120,7 +123,11 @@ def test_a_runtime_entered_by_one_task_and_exited_by_another_closes(make_expert_
         await rt.ensure(0, [40, 41, 42])
         prefetch = rt.prefetch(1, [50, 51])
         await asyncio.create_task(rt.__aexit__(None, None, None))
-        await prefetch
+        try:
+            await prefetch
+        except ExceptionGroup as group:
+            assert device_pools_default(), group
+            assert all("the runtime closed before the upload" in str(e) for e in group.exceptions), group
         assert rt._s.exited and audit_problems(rt) == []
         with pytest.raises(AsyncsideError, match="the runtime is closed"):
             await rt.ensure(0, [1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import mlx.core as mx
@@ -160,3 +161,38 @@ async def test_runtime_on_device_pools_matches_the_store(tmp_path: Path, reader:
         await rt.drain()
         for report in rt.audit().values():
             assert report.ok, report.problems
+
+
+@pytest.mark.anyio
+async def test_reads_whose_upload_the_close_cancels_fail_and_free_their_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On device pools a landed read waits for its layer's upload task; the runtime's close cancels
+    that task before it uploads. The task's fills were left FILLING and their prefetch never woke:
+    a runtime exited while a prefetch's reads landed (by another task, as pytest-asyncio tears a
+    fixture down) hung on MLX CUDA. They now fail ("the runtime closed before the upload"), their
+    rows go back and the awaiter sees the error. Device pools without a GPU: the mirror is the
+    same, and the upload (not reached) is stood in for."""
+    from asyncside import pools as pools_module
+    from asyncside.audit import audit_problems
+
+    monkeypatch.setattr(pools_module, "device_pools_default", lambda: True)
+    monkeypatch.setattr(PoolSet, "upload", lambda self, rows: mx.array(0))
+    rt = Runtime(_store(tmp_path / "store"), resident=0.5)
+    async with rt:
+        st = rt._s.layers[0]
+        flushes: list[tuple[Any, tuple[Any, ...]]] = []
+        monkeypatch.setattr(rt._s, "spawn", lambda fn, *args: flushes.append((fn, args)))  # held by the test
+        prefetch = rt.prefetch(0, [5, 6])
+        with anyio.fail_after(30):  # a hang guard
+            while len(st.uploads) < 2:  # both reads are in the mirror, waiting for the upload task
+                await anyio.sleep(0.005)
+        assert len(flushes) == 1
+        flush, args = flushes[0]
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # as the close cancels the runtime's tasks
+            await flush(*args)
+        with anyio.fail_after(30), pytest.raises(ExceptionGroup, match="prefetch of layer 0 failed") as info:
+            await prefetch
+        assert len(info.value.exceptions) == 2
+        assert all("the runtime closed before the upload" in str(e) for e in info.value.exceptions)
+    assert audit_problems(rt) == []

@@ -186,7 +186,16 @@ class HostFills:
     async def _flush_uploads(self, st: LayerState) -> None:
         import anyio
 
-        await anyio.lowlevel.checkpoint()  # let the rest of this wakeup's completions join
+        try:
+            await anyio.lowlevel.checkpoint()  # let the rest of this wakeup's completions join
+        except anyio.get_cancelled_exc_class():
+            # The runtime is closing (it cancels its tasks): these reads landed, but no upload will
+            # run. Settled here, or their rows stayed FILLING and their awaiters waited forever.
+            batch, st.uploads = st.uploads, []
+            for p, op, started, on_done in batch:
+                closed = FillError(st.spec.index, p.fill.expert, p.fill.row, "the runtime closed before the upload")
+                self.settle(st, p, op, closed, started, on_done)
+            raise
         batch, st.uploads = st.uploads, []
         err_text: str | None = None
         try:
