@@ -452,21 +452,23 @@ class QueuedSteps:
             self._since_clear = 0
 
     async def _schedule_layers(self, layers: Sequence[mx.array]) -> None:
-        """On the CPU, hand a long step's ``layers`` (its residual stream after each layer) to MLX
+        """Hand a long step's ``layers`` (its residual stream after each layer) to MLX
         (:meth:`_schedule`) one at a time, each once the one before has computed; the rest of the
         step goes after them.
 
-        MLX allocates a CPU node's output as the node is handed over (its kernel runs later), and a
-        step handed over whole past MLX's throttle had every buffer of every layer allocated at
-        once: a prefill chunk's attention scores of every layer side by side, where mlx-lm's eval
-        frees each layer's before the next allocates its own. On the embedded model a chunk of a
-        few hundred tokens took over ten times mlx-lm's memory, past the plan's estimate of a
+        MLX allocates a node's output as the node is handed over (its kernel runs later), and a
+        step handed over whole (on the CPU past MLX's throttle) had every buffer of every layer
+        allocated at once: a prefill chunk's attention scores of every layer side by side, where
+        mlx-lm's eval frees each layer's before the next allocates its own. On the embedded
+        model a chunk of a few hundred tokens took several times mlx-lm's memory, past the
+        plan's estimate of a
         forward (one layer's buffers, :mod:`asyncside.runtime._forward_cost`), which bounds prompt
-        chunks under a budget. A layer at a time, one layer's buffers are held (the stream idles
-        while the next is handed over: a few milliseconds of a layer that computes for longer; the
-        time to first token did not change). Decode steps go whole: their layers' buffers are
-        small, and the host's time per step is what decode waits for."""
-        if self._bridged and self._on_cpu:
+        chunks under a budget. A layer at a time, one layer's buffers are held; the stream idles
+        while the next is handed over, which on the CPU is little beside a layer's compute and on
+        a GPU costs some time to first token (BENCHMARKS.md, "A prefill chunk's layers handed
+        over one at a time on a GPU"). Decode steps go whole: their layers' buffers are small,
+        and the host's time per step is what decode waits for."""
+        if self._bridged:
             for h in layers:
                 await self._schedule(h)
                 await self.completed(h)
