@@ -207,7 +207,8 @@ async def test_many_completions_behind_a_held_stream_never_block_the_loop(
 
     async def one(i: int) -> None:
         nonlocal parked
-        x = a * float(i) + 1.0
+        with mx.stream(mx.cpu):  # behind the gate, which holds the CPU stream, on every device
+            x = a * float(i) + 1.0
         parked += 1
         await completed(x)
         results[i] = np.array(x)
@@ -240,7 +241,10 @@ async def test_cancelled_await_leaves_no_dangling_ticket(
 ) -> None:
     before = bridge.counters()
     gate = native_testing.StreamGate()
-    x = gate.hold(mx.array(a_np)) + 1.0
+    # On the gate's CPU stream on every device: on MLX CUDA, GPU work behind the held CPU stream
+    # made its own scheduling wait for the gate, until the gate timed out.
+    with mx.stream(mx.cpu):
+        x = gate.hold(mx.array(a_np)) + 1.0
     outcome: list[str] = []
 
     async def waiter() -> None:
@@ -261,7 +265,8 @@ async def test_cancelled_await_leaves_no_dangling_ticket(
     gate.open()
     # A completion queued after x on the same stream lands after x's ticket, so once it resolves
     # x's ticket has been reaped (and discarded).
-    later = mx.array(a_np) + 2.0
+    with mx.stream(mx.cpu):
+        later = mx.array(a_np) + 2.0
     await completed(later)
     d = _delta(before)
     assert d["discarded"] == 1

@@ -65,8 +65,18 @@ def test_a_quantized_kv_cache_gives_mlx_lms_tokens(reference: tuple[Any, Any], s
                                                    quantized_kv_start=3, prompt_cache=cache)]
         return text, tokens, type(cache[0])
 
-    want, got = _both(reference, streaming, quantized)
-    assert got == want and want[2] is QuantizedKVCache
+    def outcome(model: Any, tok: Any) -> Any:
+        try:
+            return quantized(model, tok)
+        except RuntimeError as exc:  # MLX CUDA has no quantized matmul of some shapes: mlx-lm's own error
+            return f"raised: {exc}"
+
+    want, got = _both(reference, streaming, outcome)
+    assert got == want
+    if isinstance(want, str):  # both raised the same: only where MLX lacks the kernel, never on the CPU
+        assert mx.default_device() != mx.cpu, want
+    else:
+        assert want[2] is QuantizedKVCache
 
 
 def test_speculative_decoding_either_way_round(reference: tuple[Any, Any], streaming: tuple[Any, Any]) -> None:
