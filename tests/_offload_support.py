@@ -9,8 +9,11 @@ room a test's budget leaves beyond a run's process on every device.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+import anyio
 import pytest
 
 from asyncside.bench import offload
@@ -46,3 +49,26 @@ def stand_in_runs(monkeypatch: pytest.MonkeyPatch, rows: int) -> list[dict[str, 
     monkeypatch.setattr(offload, "drop_caches", lambda: True)
     monkeypatch.setattr(offload, "_bandwidth", lambda store, depth: {"GBps": 1.0, "queue_depth": 1})
     return asked
+
+
+def stand_in_timed_reads(monkeypatch: pytest.MonkeyPatch, module: Any, record: int) -> None:
+    """Replace ``module``'s read counter and measured generation (``bench offload``'s or the three
+    tiers' child run) by a disk that reads three records before each token and, once the run ends,
+    three more: the step queued ahead of the last token, which reads until the runtime drains."""
+    disk = [0]
+    monkeypatch.setattr(module, "_read_bytes", lambda: disk[0])
+
+    async def generate(rt: Any, sm: Any, layers: Any, prompt: list[int], max_tokens: int, predictor: str,
+                       arrived: Callable[[int], bool], started: Any = None) -> tuple[float, int, dict[str, Any]]:
+        io1, t0 = disk[0], time.perf_counter()
+        for tok in range(max_tokens):
+            disk[0] += 3 * record
+            await anyio.sleep(0.01)
+            if arrived(tok):
+                break
+        disk[0] += 3 * record
+        rows = {str(layer): 4 for layer in layers}
+        return t0, io1, {"stats": {"hits": 0, "misses": 0, "bytes_read": 0}, "rows": rows, "warm": {}}
+
+    generated: Callable[..., Coroutine[Any, Any, tuple[float, int, dict[str, Any]]]] = generate
+    monkeypatch.setattr(module, "generate_measured", generated)

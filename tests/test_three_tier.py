@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from _offload_support import stand_in_timed_reads
 
 from asyncside.bench import offload
 
@@ -210,3 +211,19 @@ def test_belady_of_a_run_bounds_and_counts(quick_store: pathlib.Path, tmp_path: 
     assert every["accesses"] == accesses and every["misses"] == distinct
     few = offload.belady_of_run(str(trace), str(quick_store), steps, {str(layer): top_k for layer in layers})
     assert few["accesses"] == accesses and few["misses"] > distinct
+
+
+def test_disk_bytes_stop_at_the_last_token_of_a_run_ended_by_time(tt: ModuleType, quick_store: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """As bench offload's: a run ended by ``--seconds`` has a step queued ahead of its last token,
+    whose reads go on until the runtime drains, for a token never generated. The disk's bytes
+    counted them, one step of records more than the tokens' misses; they now stop at the last
+    token."""
+    record = 1 << 20
+    stand_in_timed_reads(monkeypatch, tt, record)
+    spec = {"store": str(quick_store), "prompt": offload.prompt_for(str(quick_store)), "seconds": 0.025,
+            "tokens": 1000, "resident": "0.5", "host_tier": 0, "budget": 1 << 30, "policy": "lru",
+            "predictor": "none", "routing": None}
+    out = tt.child_main(spec)
+    assert out["stopped_by"] == "seconds" and 2 <= len(out["tokens"]) < 1000
+    assert out["read_bytes"] == 3 * record * len(out["tokens"])

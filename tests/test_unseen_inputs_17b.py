@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import pathlib
-import time
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
+from _offload_support import stand_in_timed_reads
 
 from asyncside.bench import offload
 from asyncside.routing import RoutingTrace
@@ -71,22 +70,7 @@ def test_offload_disk_bytes_stop_at_the_last_token_of_a_run_ended_by_time(quick_
     where a run ended by --tokens read 1.5 MB more than its misses). The disk's bytes are now those
     up to the last token."""
     record = 1 << 20
-    disk = [0]
-    monkeypatch.setattr(offload, "_read_bytes", lambda: disk[0])
-
-    async def generate(rt: Any, sm: Any, layers: Any, prompt: list[int], max_tokens: int, predictor: str,
-                       arrived: Any, started: Any = None) -> tuple[float, int, dict[str, Any]]:
-        io1, t0 = disk[0], time.perf_counter()
-        for tok in range(max_tokens):
-            disk[0] += 3 * record  # the step's misses, read before its token is computed
-            await anyio.sleep(0.01)
-            if arrived(tok):
-                break
-        disk[0] += 3 * record  # the step queued ahead of the last token, read until drained
-        rows = {str(layer): 4 for layer in layers}
-        return t0, io1, {"stats": {"hits": 0, "misses": 0, "bytes_read": 0}, "rows": rows, "warm": {}}
-
-    monkeypatch.setattr(offload, "generate_measured", generate)
+    stand_in_timed_reads(monkeypatch, offload, record)
     spec = {"store": str(quick_store), "prompt": offload.prompt_for(str(quick_store)), "seconds": 0.025,
             "tokens": 1000, "policy": "lru", "predictor": "none", "budget": 8 << 30, "system": "asyncside"}
     out = offload.child_main(spec)

@@ -175,9 +175,12 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
         if len(tokens) >= max_tokens:
             out["stopped_by"] = "tokens"
             return True
-        # Stopped by the clock, the step queued after this token has read its misses already
-        # (the process's read_bytes has them, the runtime's counters not): the JSON says so.
+        # Stopped by the clock, the step queued after this token reads its misses until the
+        # runtime drains (for a token never generated; the runtime's counters leave them out):
+        # the disk's bytes are the tokens' up to here.
         out["stopped_by"] = "seconds" if stamps[-1] - stamps[0] >= seconds else "tokens"
+        if out["stopped_by"] == "seconds":
+            marks["stopped_read_bytes"] = _read_bytes()
         return out["stopped_by"] == "seconds"
 
     asked = spec["resident"] if spec["resident"] == "auto" else float(spec["resident"])
@@ -221,7 +224,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     out["ttft_s"] = stamps[0] - t0 if stamps else None
     # Decode speed: from the first token to the last (the first carries the prompt's faults).
     out["decode_tokens_per_s"] = (len(tokens) - 1) / (end - stamps[0]) if len(tokens) > 1 and end > stamps[0] else 0.0
-    out["read_bytes"] = _read_bytes() - io1
+    out["read_bytes"] = marks.get("stopped_read_bytes", _read_bytes()) - io1
     out["read_bytes_loading"] = io1 - io0
     out["first_token_reads"] = marks.get("first_token")
     out["rss_peak_sampled"] = rss_peak[0]
