@@ -406,8 +406,12 @@ def probe_disk(store: Any, seconds: float = 0.5) -> dict[str, float]:
     rng = random.Random(0)
     done = 0
     t0 = time.perf_counter()
-    fds = {i: os.open(store.layer(i).path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for i in layers}
+    fds: dict[int, int] = {}
     try:
+        # Opened inside the try: a filesystem that refuses O_DIRECT (ramfs, some FUSE mounts) leaves
+        # the probe without a figure, as a failed read does, while the plan may well read buffered.
+        for i in layers:
+            fds[i] = os.open(store.layer(i).path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         while time.perf_counter() - t0 < seconds:
             i = rng.choice(layers)
             spec = store.layer(i)
