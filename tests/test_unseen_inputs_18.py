@@ -46,3 +46,47 @@ def test_the_demos_disk_probe_on_a_filesystem_without_o_direct_measures_nothing(
     assert got["bytes_per_s"] == 0.0 and got["record_bytes"] == max(s.stride for s in store.layers.values())
     leaked = open_fds() - before
     assert not leaked, describe_fds(leaked)
+
+
+@pytest.fixture
+def ramfs(tmp_path: pathlib.Path) -> Any:
+    """A ramfs mount under tmp_path: a real filesystem that refuses O_DIRECT (EINVAL at open)."""
+    import subprocess
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_bench_io_on_a_filesystem_without_o_direct_skips_cold_direct_and_says_so(
+        ramfs: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside bench io --dir DIR`` with DIR on ramfs (or any filesystem without O_DIRECT) ended
+    in a traceback (``OSError: [Errno 22] cannot open with O_DIRECT``) at the first cold_direct
+    pass, the warm and buffered numbers lost. cold_direct is skipped, said on stderr and in the
+    result's "skipped"; asked for alone it is a usage error naming --modes and --dir."""
+    import json
+
+    from asyncside import cli
+    from tests._cli_support import run_cli
+
+    argv = ["bench", "io", "--quick", "--json", "--no-fio", "--readers", "threads", "--dir", str(ramfs)]
+    assert cli.main([*argv, "--modes", "warm,cold_direct"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    (lay,) = result["layouts"]
+    assert {c["mode"] for c in lay["runs"]} == {"warm"}, lay["runs"]
+    said = f"cold_direct: the filesystem of --dir {ramfs} refuses O_DIRECT (Invalid argument (errno 22))"
+    assert said in result["skipped"] and said in err and "Traceback" not in err, (result["skipped"], err)
+    rc, err = run_cli(capsys, *argv, "--modes", "cold_direct")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--modes: cold_direct reads with O_DIRECT, which the filesystem of --dir" in err and "another --dir" in err
