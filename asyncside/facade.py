@@ -281,11 +281,7 @@ class StreamingLM:
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
-        if kwargs.get("input_embeddings") is not None:
-            # Refused, not missing: the runtime routes by token ids, and embeddings given instead
-            # (a multimodal prompt) would bypass the embedding the streamed layers start from.
-            raise AsyncsideError("input_embeddings: a streaming model takes token ids only; pass the prompt's "
-                                 "token ids (mlx-lm's generate does unless input_embeddings is given)")
+        self._check_keywords(kwargs)
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
         self._check_process()  # before any MLX work: in a forked child, the first one waits forever
@@ -318,6 +314,34 @@ class StreamingLM:
                 "changed: LoRA layers, update()); compute it on that thread first: "
                 "mx.eval(model.streaming.model.parameters()). This call's prompt_cache may hold part of the "
                 "step") from e
+
+    def _check_keywords(self, kwargs: dict[str, Any]) -> None:
+        """Refuse a keyword the call would not apply: a TypeError for one the mlx-lm model does not
+        take either (``cahce=``, ``mask=`` to most), an AsyncsideError for one it takes and would
+        apply (``input_embeddings``, a ``mask`` where its ``__call__`` has one); None for one it
+        takes is its default, and passes."""
+        # Swallowed, a misspelt cache gave the logits of no earlier tokens, and a mask went unapplied.
+        if not kwargs:
+            return
+        import inspect
+
+        try:
+            taken = set(inspect.signature(type(self.streaming.model).__call__).parameters)
+        except (TypeError, ValueError):
+            taken = set()
+        for name, value in kwargs.items():
+            if name not in taken - {"self", "inputs", "x", "cache"}:
+                raise TypeError(f"StreamingLM.__call__() got an unexpected keyword argument {name!r} (the mlx-lm "
+                                f"model of {self.model_type or 'this'} type takes none of that name either)")
+            if value is None:  # the mlx-lm model's own default: nothing to apply
+                continue
+            if name == "input_embeddings":
+                # Refused, not missing: the runtime routes by token ids, and embeddings given instead
+                # (a multimodal prompt) would bypass the embedding the streamed layers start from.
+                raise AsyncsideError("input_embeddings: a streaming model takes token ids only; pass the prompt's "
+                                     "token ids (mlx-lm's generate does unless input_embeddings is given)")
+            raise AsyncsideError(f"{name}: the streamed forward computes from the token ids and the cache alone "
+                                 f"(its causal mask its own) and would not apply it; leave {name} out")
 
     def _check_kv(self, inputs: mx.array, cache: list[Any]) -> None:
         """Refuse (AsyncsideError, before the step, the cache untouched) a call whose step would take
