@@ -90,3 +90,38 @@ def test_bench_io_on_a_filesystem_without_o_direct_skips_cold_direct_and_says_so
     rc, err = run_cli(capsys, *argv, "--modes", "cold_direct")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "--modes: cold_direct reads with O_DIRECT, which the filesystem of --dir" in err and "another --dir" in err
+
+
+def test_a_store_of_a_small_alignment_is_read_past_the_page_cache_by_the_slot_cache_and_the_probe(
+        tmp_path: pathlib.Path) -> None:
+    """A store written with ``alignment=64`` (the format allows any power of two; the runtime's
+    readers stage such records) has records that start mid-block. The slot cache that the demo
+    checks a direct run's tokens against (``--reference slot-cache``) read them with O_DIRECT at
+    the record's own offset: ``OSError: [Errno 22] Invalid argument``; the demo's disk probe read
+    nothing. Both read the blocks that hold the record now: the rows hold the store's bytes."""
+    import numpy as np
+
+    from asyncside.bench.slot_cache import SlotCache
+    from asyncside.demo import probe_disk
+    from asyncside.testing import random_layers
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    segments = {"w1": ((3, 7), "float32"), "w2": ((5,), "float16"), "s": ((1,), "uint8")}
+    store = ExpertStore.create(tmp_path / "store", random_layers(1, 16, segments, seed=3), alignment=64)
+    spec = store.layer(0)
+    assert spec.stride % 512, spec.stride  # records start inside a disk block
+    try:
+        os.close(os.open(spec.path, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: {exc}")
+    with SlotCache(store, 0.25, side_rows=4, direct=True) as direct, \
+            SlotCache(store, 0.25, side_rows=4, direct=False) as buffered:
+        for expert in range(spec.n_experts):
+            for cache in (direct, buffered):
+                cache.ensure(0, np.array([expert]))
+            for seg in spec.segments:
+                got = [bytes(c.layers[0].pools.row_view(seg.key, int(c.layers[0].slot_of[expert])))
+                       for c in (direct, buffered)]
+                assert got[0] == got[1], (expert, seg.key)
+    assert probe_disk(store, seconds=0.05)["bytes_per_s"] > 0

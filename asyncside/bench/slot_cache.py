@@ -55,6 +55,7 @@ from ..models.pooled import (
 )
 from ..models.walk import DecoderWalk
 from ..pools import PoolSet
+from ..readers import DIRECT_ALIGN
 from ..store import ExpertStore, LayerSpec
 
 __all__ = ["SlotCache", "slot_forward", "slot_generate", "PREFILL_STEP_SIZE"]
@@ -109,7 +110,9 @@ class SlotCache:
         stride = max(s.stride for s in store.layers.values())
         # The scratch that segment gaps are read into (buffered), or the aligned record buffer of
         # O_DIRECT reads (mmap memory is page-aligned).
-        self._buf = mmap.mmap(-1, max(stride, mmap.PAGESIZE))
+        # An O_DIRECT read covers the record from the block at or below its offset to the block
+        # boundary past its end: a store of a smaller alignment has records that start mid-block.
+        self._buf = mmap.mmap(-1, max(stride + (2 * DIRECT_ALIGN if self.direct else 0), mmap.PAGESIZE))
         try:
             for index, spec in store.layers.items():
                 chosen, side = (plan_layer(store, index, 0.0, side_rows, pinned=resident)
@@ -194,18 +197,23 @@ class SlotCache:
         t0 = time.perf_counter()
         offset = expert * spec.stride
         if self.direct:
-            # O_DIRECT needs an aligned buffer and length: the whole record, then one copy per segment.
-            view = memoryview(self._buf)[: spec.stride]
+            # O_DIRECT needs an aligned buffer, offset and length: the blocks that hold the whole
+            # record (the record itself in a store of the default alignment), then one copy per segment.
+            start = offset // DIRECT_ALIGN * DIRECT_ALIGN
+            end = offset + spec.stride
+            view = memoryview(self._buf)[: -(-end // DIRECT_ALIGN) * DIRECT_ALIGN - start]
             try:
-                got = os.preadv(layer.fd, [view], offset)
-                if got != spec.stride:
+                got = os.preadv(layer.fd, [view], start)
+                # The blob may end short of the last block boundary, never before the record's end.
+                if got < end - start:
                     raise FillError(spec.index, expert, slot,
-                                    f"short read: {got} of {spec.stride} bytes at offset {offset} of {spec.path}")
+                                    f"short read: {got} of {view.nbytes} bytes at offset {start} of {spec.path}")
+                skip = offset - start
                 for seg in spec.segments:
-                    layer.pools.row_view(seg.key, slot)[:] = view[seg.offset: seg.end]
+                    layer.pools.row_view(seg.key, slot)[:] = view[skip + seg.offset: skip + seg.end]
             finally:
                 view.release()
-            nbytes = spec.stride
+            nbytes = got
         else:
             nbytes = layer.read_bytes
             got = os.preadv(layer.fd, layer.iovecs[slot], offset)
