@@ -282,6 +282,12 @@ class StreamingLM:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
         self._check_keywords(kwargs)
+        if isinstance(inputs, list):
+            # The mlx-lm model indexes its embedding with a nested list of ids as with an array.
+            inputs = mx.array(inputs)
+        elif not isinstance(inputs, mx.array):
+            raise TypeError(f"inputs: expected an mx.array of token ids of shape (batch, tokens), got "
+                            f"{type(inputs).__name__}: mx.array(...) of it")
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
         self._check_process()  # before any MLX work: in a forked child, the first one waits forever

@@ -226,3 +226,19 @@ def test_a_keyword_the_call_would_not_apply_is_refused(reference: tuple[Any, Any
     assert cache[0].offset == 0
     # None where the mlx-lm model takes the name is its default: the call runs as without it.
     np.testing.assert_allclose(np.array(model(x, input_embeddings=None)), np.array(model(x)), atol=1e-6)
+
+
+def test_a_nested_list_of_ids_gives_mlx_lms_logits(reference: tuple[Any, Any], streaming: tuple[Any, Any]) -> None:
+    """``model([[...]])``: mlx-lm's model indexes its embedding with the list and returns logits;
+    the streamed model failed with "AttributeError: 'list' object has no attribute 'size'". A NumPy
+    array, which mlx-lm's model refuses too, is refused naming the argument."""
+    ref_model, model = reference[0], streaming[0]
+    ids = [[11, 12, 13, 14], [21, 22, 23, 24]]
+    want = ref_model(ids)
+    mx.eval(want)
+    np.testing.assert_allclose(np.array(model(ids)), np.array(want), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        ref_model(np.array(ids))
+    with pytest.raises(TypeError, match=r"^inputs: expected an mx.array of token ids of shape \(batch, tokens\), "
+                                        r"got ndarray"):
+        model(np.array(ids))
