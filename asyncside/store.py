@@ -545,11 +545,17 @@ class ExpertStore:
         """The raw record (``stride`` bytes) of ``expert``; checks its checksum unless ``verify=False``."""
         spec = self.layer(layer)
         e = self._expert_in_range(spec, expert)
-        fd = os.open(spec.path, os.O_RDONLY)
         try:
-            data = os.pread(fd, spec.stride, e * spec.stride)
-        finally:
-            os.close(fd)
+            fd = os.open(spec.path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, spec.stride, e * spec.stride)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # A blob the process may not read (another user's, mode 0600), gone, or a disk error:
+            # a bare OSError from deep inside a load, naming neither the layer nor the expert.
+            raise StoreError(spec.path, f"layer {layer}: cannot read expert {e}: {exc.strerror or exc} "
+                                        f"(errno {exc.errno})", errno=exc.errno) from None
         if len(data) != spec.stride:
             raise StoreError(spec.path,
                              f"short read of expert {e}: {len(data)} of {spec.stride} bytes (truncated blob?)")

@@ -125,3 +125,42 @@ def test_a_store_of_a_small_alignment_is_read_past_the_page_cache_by_the_slot_ca
                        for c in (direct, buffered)]
                 assert got[0] == got[1], (expert, seg.key)
     assert probe_disk(store, seconds=0.05)["bytes_per_s"] > 0
+
+
+@pytest.mark.parametrize("fails", ["open", "read"])
+def test_a_blob_the_reference_cannot_read_is_one_line_naming_layer_and_expert(
+        fails: str, quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside demo --model STORE`` where a blob belongs to another user (mode 0600) or the disk
+    answers EIO: the runtime's open said "layer 1: cannot open the blob for reading: Permission
+    denied", but the all-resident reference, loaded first, ended in a bare ``PermissionError`` /
+    ``OSError`` traceback from ``ExpertStore.read_record``. It is a StoreError naming the file, the
+    layer, the expert and the reason, with its errno (the demo's one line)."""
+    from asyncside.errors import StoreError
+
+    store = ExpertStore.open(quick_store)
+    blob = str(store.layer(1).path)
+    real_open, real_pread = os.open, os.pread
+    code = errno.EACCES if fails == "open" else errno.EIO
+
+    def denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path) == blob:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def failing(fd: int, n: int, offset: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}") == blob:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pread(fd, n, offset)
+
+    if fails == "open":
+        monkeypatch.setattr(os, "open", denied)
+    else:
+        if not os.path.exists("/proc/self/fd"):
+            pytest.skip("no /proc/self/fd to tell the blob's descriptor")
+        monkeypatch.setattr(os, "pread", failing)
+    store.read_expert(0, 3)  # the other layer reads
+    with pytest.raises(StoreError) as info:
+        store.read_expert(1, 3)
+    said = str(info.value)
+    assert info.value.errno == code and said.startswith(f"{blob}: layer 1: cannot read expert 3: "), said
+    assert f"(errno {code})" in said and "\n" not in said, said
