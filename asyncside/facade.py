@@ -298,7 +298,16 @@ class StreamingLM:
             cache = self.streaming.make_cache()
         # Both are the caller's thread's arrays (lazy on its streams): computed here, they are
         # plain buffers to the runtime's thread.
-        mx.eval(inputs, _cache_arrays(cache, []))
+        try:
+            mx.eval(inputs, _cache_arrays(cache, []))
+        except ValueError as e:
+            if "function transformations" not in str(e):
+                raise
+            # MLX's own message names the transformation, not why the model cannot be in one.
+            raise ValueError(
+                "model(...) inside mx.compile, mx.vmap or a gradient: a streamed model's step reads experts from "
+                "the store as its tokens route to them and runs on the runtime's thread, so it cannot be traced "
+                "into one graph; call it outside the transformation (as mlx-lm's generate does)") from e
         if self._vocab is not None and inputs.size and mx.issubdtype(inputs.dtype, mx.integer):
             from .models.streaming import outside_vocabulary
 

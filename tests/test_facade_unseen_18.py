@@ -21,6 +21,7 @@ import pytest
 from mlx_lm import batch_generate, generate, stream_generate
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.perplexity import eval_ppl
 
 from asyncside.errors import AsyncsideError
 from asyncside.facade import _OPEN, load
@@ -57,9 +58,9 @@ def test_direct_calls_give_mlx_lms_logits(reference: tuple[Any, Any], streaming:
 
 def test_perplexity_and_evaluate_loops_give_mlx_lms_scores(reference: tuple[Any, Any],
                                                            streaming: tuple[Any, Any]) -> None:
-    """mlx_lm.perplexity's eval_ppl batch loss, and mlx_lm.evaluate's right-padded batch scored chunk
-    by chunk over one cache, then a prompt's cache deep-copied to score a continuation (their core
-    loops: importing mlx_lm.evaluate needs lm_eval)."""
+    """mlx_lm.perplexity's eval_ppl and its per-token losses; mlx_lm.evaluate's right-padded batch
+    scored chunk by chunk over one cache, then a prompt's cache deep-copied to score a continuation
+    (its core loops: importing mlx_lm.evaluate needs lm_eval)."""
     vocab = streaming[0]._vocab
 
     def scores(model: Any) -> list[np.ndarray]:
@@ -90,6 +91,9 @@ def test_perplexity_and_evaluate_loops_give_mlx_lms_scores(reference: tuple[Any,
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(got[2], got[3], atol=1e-5)  # the copy left the prompt's cache as it was
+    data = mx.array(np.random.default_rng(6).integers(0, vocab, size=(5, 40)))
+    assert eval_ppl(streaming[0], data, batch_size=2) == pytest.approx(eval_ppl(reference[0], data, batch_size=2),
+                                                                        rel=1e-5)
 
 
 def test_batch_generate_and_batch_generator_give_mlx_lms_tokens(reference: tuple[Any, Any],
@@ -242,3 +246,18 @@ def test_a_nested_list_of_ids_gives_mlx_lms_logits(reference: tuple[Any, Any], s
     with pytest.raises(TypeError, match=r"^inputs: expected an mx.array of token ids of shape \(batch, tokens\), "
                                         r"got ndarray"):
         model(np.array(ids))
+
+
+def test_a_call_inside_mx_compile_is_refused_saying_why(reference: tuple[Any, Any],
+                                                        streaming: tuple[Any, Any]) -> None:
+    """``mx.compile(lambda x: model(x))``: mlx-lm's model traces into one graph and gives its logits;
+    the streamed model's step cannot (its experts are read as tokens route to them, on the runtime's
+    thread), and the user read only MLX's "[eval] Attempting to eval an array during function
+    transformations like compile or vmap is not allowed"."""
+    ref_model, model = reference[0], streaming[0]
+    x = mx.array([[11, 12, 13]])
+    assert mx.compile(lambda a: ref_model(a))(x).shape == (1, 3, model._vocab)
+    with pytest.raises(ValueError, match=r"^model\(\.\.\.\) inside mx.compile, mx.vmap or a gradient: a streamed "
+                                         r"model's step reads experts from the store"):
+        mx.compile(lambda a: model(a))(x)
+    np.testing.assert_allclose(np.array(model(x)), np.array(ref_model(x)), atol=1e-4)  # still fine outside
