@@ -30,6 +30,10 @@ from asyncside.models.embedded import ensure_embedded_default
 from _facade_support import PROMPT, dirs, reference, streaming  # noqa: F401  (the fixtures)
 from _models_support import embedded_spec
 
+#: Logits equal to mlx-lm's up to the order of a sum: on a GPU the pooled experts' kernels may add
+#: in another order than mlx-lm's gathered ones (on the CPU they are equal bit for bit).
+_CLOSE = {"atol": 1e-3, "rtol": 1e-3}
+
 
 def _logits(model: Any, x: mx.array, chunk: int | None) -> np.ndarray:
     """``model(x)`` whole, or chunk by chunk over one prompt cache; computed, as float32."""
@@ -53,7 +57,7 @@ def test_direct_calls_give_mlx_lms_logits(reference: tuple[Any, Any], streaming:
         for chunk in (None, 64):
             want, got = _logits(ref_model, x, chunk), _logits(model, x, chunk)
             assert got.shape == want.shape == (batch, length, model._vocab)
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(got, want, **_CLOSE)
 
 
 def test_perplexity_and_evaluate_loops_give_mlx_lms_scores(reference: tuple[Any, Any],
@@ -89,11 +93,11 @@ def test_perplexity_and_evaluate_loops_give_mlx_lms_scores(reference: tuple[Any,
 
     want, got = scores(reference[0]), scores(streaming[0])
     for w, g in zip(want, got):
-        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(g, w, **_CLOSE)
     np.testing.assert_allclose(got[2], got[3], atol=1e-5)  # the copy left the prompt's cache as it was
     data = mx.array(np.random.default_rng(6).integers(0, vocab, size=(5, 40)))
     assert eval_ppl(streaming[0], data, batch_size=2) == pytest.approx(eval_ppl(reference[0], data, batch_size=2),
-                                                                        rel=1e-5)
+                                                                        rel=1e-4)
 
 
 def test_batch_generate_and_batch_generator_give_mlx_lms_tokens(reference: tuple[Any, Any],
@@ -240,7 +244,7 @@ def test_a_nested_list_of_ids_gives_mlx_lms_logits(reference: tuple[Any, Any], s
     ids = [[11, 12, 13, 14], [21, 22, 23, 24]]
     want = ref_model(ids)
     mx.eval(want)
-    np.testing.assert_allclose(np.array(model(ids)), np.array(want), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.array(model(ids)), np.array(want), **_CLOSE)
     with pytest.raises(ValueError):
         ref_model(np.array(ids))
     with pytest.raises(TypeError, match=r"^inputs: expected an mx.array of token ids of shape \(batch, tokens\), "
@@ -260,4 +264,4 @@ def test_a_call_inside_mx_compile_is_refused_saying_why(reference: tuple[Any, An
     with pytest.raises(ValueError, match=r"^model\(\.\.\.\) inside mx.compile, mx.vmap or a gradient: a streamed "
                                          r"model's step reads experts from the store"):
         mx.compile(lambda a: model(a))(x)
-    np.testing.assert_allclose(np.array(model(x)), np.array(ref_model(x)), atol=1e-4)  # still fine outside
+    np.testing.assert_allclose(np.array(model(x)), np.array(ref_model(x)), **_CLOSE)  # still fine outside
