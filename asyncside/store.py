@@ -191,6 +191,51 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _hold_build(path: pathlib.Path) -> int | None:
+    """A descriptor of the directory ``path`` that holds an exclusive flock on it while a store is
+    built there (closing it lets go); None where the filesystem takes no locks."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: no build is told dead, none removed
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_dead_builds(dest: pathlib.Path) -> None:
+    """Remove what builds of ``dest`` that were killed left beside it (``.NAME.tmp-*``, the store
+    half written, and ``.NAME.old-*``, a store being replaced): the directories whose lock no
+    process holds. A killed build's directory, hidden and as large as the store, stayed forever,
+    and on a disk sized for the store the next build ran out of space."""
+    import glob
+
+    try:
+        import fcntl
+    except ImportError:
+        return
+    for pattern in (f".{glob.escape(dest.name)}.tmp-*", f".{glob.escape(dest.name)}.old-*"):
+        for left in dest.parent.glob(pattern):
+            try:
+                fd = os.open(left, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:  # not a directory, a link, or gone: none of a build's
+                continue
+            try:
+                # A live build holds it; where the filesystem takes no locks, none is told dead.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            try:
+                shutil.rmtree(left, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
 def _fsync_dir(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -410,8 +455,10 @@ class ExpertStore:
         if not layers:
             raise StoreError(dest, "a store needs at least one layer", "layers")
         dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_builds(dest)
 
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        held = _hold_build(tmp)
         try:
             manifest_layers = []
             for key in layers:
@@ -435,15 +482,23 @@ class ExpertStore:
             _fsync_dir(tmp)
             if dest.exists():
                 trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-                os.rename(dest, trash / "store")
-                os.rename(tmp, dest)
-                shutil.rmtree(trash, ignore_errors=True)
+                held_trash = _hold_build(trash)
+                try:
+                    os.rename(dest, trash / "store")
+                    os.rename(tmp, dest)
+                    shutil.rmtree(trash, ignore_errors=True)
+                finally:
+                    if held_trash is not None:
+                        os.close(held_trash)
             else:
                 os.rename(tmp, dest)
             _fsync_dir(dest.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            if held is not None:
+                os.close(held)
         return cls.open(dest)
 
     # ---- opening ---------------------------------------------------------------------------

@@ -164,3 +164,58 @@ def test_a_blob_the_reference_cannot_read_is_one_line_naming_layer_and_expert(
     said = str(info.value)
     assert info.value.errno == code and said.startswith(f"{blob}: layer 1: cannot read expert 3: "), said
     assert f"(errno {code})" in said and "\n" not in said, said
+
+
+_KILLED_BUILD = """
+import os, signal, sys
+from collections.abc import Mapping
+from asyncside import ExpertStore
+from asyncside.testing import random_layers
+
+class Killed(Mapping):
+    # The second layer is never given: the process is killed while the store is half written.
+    def __init__(self):
+        self.data = random_layers(2, 8)
+    def __getitem__(self, key):
+        if key == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.data[key]
+    def __iter__(self):
+        return iter(self.data)
+    def __len__(self):
+        return len(self.data)
+
+ExpertStore.create(sys.argv[1], Killed())
+"""
+
+
+def test_a_store_build_that_was_killed_leaves_nothing_the_next_build_keeps(tmp_path: pathlib.Path) -> None:
+    """``ExpertStore.create(DIR, layers)`` killed while it wrote (SIGKILL, the OOM killer, a power
+    cut) left ``.DIR.tmp-*`` beside DIR, hidden and as large as what it had written, and every run
+    after it kept it: on a disk sized for the store the next build ran out of space. The next build
+    removes what a killed one left; a build still running (its directory locked) is left alone."""
+    import subprocess
+    import sys
+
+    from asyncside.testing import random_layers
+
+    fcntl = pytest.importorskip("fcntl")
+
+    dest = tmp_path / "st"
+    run = subprocess.run([sys.executable, "-c", _KILLED_BUILD, str(dest)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == -9, run.stderr[-2000:]
+    (left,) = tmp_path.glob(".st.tmp-*")
+    assert any(left.iterdir()) and not dest.exists()
+    live = tmp_path / ".st.tmp-live"  # another process's build, running: its directory is locked
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        store = ExpertStore.create(dest, random_layers(2, 8))
+        assert store.layer(1).n_experts == 8
+        assert not left.exists() and live.is_dir()
+    finally:
+        os.close(fd)
+    ExpertStore.create(dest, random_layers(2, 8, seed=1), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
