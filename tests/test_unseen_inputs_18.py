@@ -219,3 +219,43 @@ def test_a_store_build_that_was_killed_leaves_nothing_the_next_build_keeps(tmp_p
         os.close(fd)
     ExpertStore.create(dest, random_layers(2, 8, seed=1), overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+
+
+@pytest.mark.parametrize("how", ["read-only", "not-ours"])
+def test_convert_overwrite_of_a_store_it_cannot_move_is_one_line(
+        how: str, quick_store: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL DIR --overwrite`` where DIR is a store made read-only (mode 0555)
+    or another user's in a sticky directory such as /tmp: the whole model was converted, then the
+    move of the old store ended in ``PermissionError: [Errno 13] Permission denied`` and a traceback,
+    the new store thrown away. A directory it may not write is refused before converting; a move
+    the filesystem refuses is one line; the old store stays and nothing is left beside it."""
+    import shutil
+
+    from tests._cli_support import run_cli
+
+    dest = tmp_path / "out" / "st"
+    shutil.copytree(quick_store, dest)
+    before = sorted(p.name for p in dest.iterdir())
+    if how == "read-only":
+        real_access = os.access
+
+        def access(path: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+            return False if str(path) == str(dest) and mode & os.W_OK else real_access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", access)
+        said = "cannot be replaced: this process may not write to the directory (mode "
+    else:
+        real_rename = os.rename
+
+        def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if str(src) == str(dest):
+                raise PermissionError(errno.EPERM, "Operation not permitted", str(src), str(dst))
+            real_rename(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", rename)
+        said = "cannot be replaced: Operation not permitted (errno 1); convert into another directory"
+    rc, err = run_cli(capsys, "convert", str(quick_store.parent / "model"), str(dest), "--overwrite", "--quiet")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{dest}: {said}" in err, err
+    assert sorted(p.name for p in dest.iterdir()) == before and [p.name for p in dest.parent.iterdir()] == ["st"]

@@ -351,6 +351,13 @@ def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None
         raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
     if overwrite and (problem := _not_replaceable(dest, src)) is not None:
         raise StoreError(dest, problem)
+    if overwrite and dest.is_dir() and not dest.is_symlink() and not os.access(dest, os.W_OK | os.X_OK):
+        # Moving a directory away (or its entries, a mount point's) needs write permission on it:
+        # a store made read-only (mode 0555) or another user's was refused by a PermissionError
+        # traceback once the whole model had been converted, the new store thrown away.
+        raise StoreError(dest, f"cannot be replaced: this process may not write to the directory "
+                               f"(mode {dest.stat().st_mode & 0o7777:04o}, owner uid {dest.stat().st_uid}); "
+                               "make it writable (chmod u+w) or convert into another directory")
     if dest == src:
         raise StoreError(dest, "the store directory must differ from the model directory")
 
@@ -577,6 +584,11 @@ def _publish(store: pathlib.Path, dest: pathlib.Path, src: pathlib.Path, staging
             os.rename(dest, staging / f"old-{attempt}")
         except FileNotFoundError:
             continue  # another conversion moved it away first
+        except OSError as exc:
+            # Not ours to move (a sticky directory such as /tmp and another user's store; made
+            # read-only since the check): a traceback after the whole conversion.
+            raise StoreError(dest, f"cannot be replaced: {exc.strerror or exc} (errno {exc.errno}); "
+                                   "convert into another directory", errno=exc.errno) from None
     raise StoreError(dest, "other conversions to this directory kept replacing it; convert again")
 
 
