@@ -259,3 +259,32 @@ def test_convert_overwrite_of_a_store_it_cannot_move_is_one_line(
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert f"{dest}: {said}" in err, err
     assert sorted(p.name for p in dest.iterdir()) == before and [p.name for p in dest.parent.iterdir()] == ["st"]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_convert_of_a_model_file_it_cannot_read_names_that_file_before_converting(
+        name: str, quick_store: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL DIR`` where a file of MODEL belongs to another user (mode 0600):
+    unreadable weights were a ``PermissionError`` traceback; an unreadable tokenizer file failed the
+    conversion at its very end as "DIR: cannot write the store: Permission denied ... 52 GiB free
+    there", blaming the store's disk. Either is one line naming the model's file, before converting."""
+    import builtins
+
+    from tests._cli_support import run_cli
+
+    model = quick_store.parent / "model"
+    locked = str(model / name)
+    real_open = builtins.open
+
+    def denying(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file) == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denying)
+    dest = tmp_path / "out" / "st"
+    rc, err = run_cli(capsys, "convert", str(model), str(dest), "--quiet")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{locked}: cannot read it: Permission denied (errno 13)" in err and "free there" not in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything was made

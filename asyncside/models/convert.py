@@ -347,6 +347,11 @@ def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None
         raise StoreError(src / "config.json", "not an mlx-lm model directory: config.json is missing")
     if not any(src.glob("model*.safetensors")):
         raise StoreError(src, "no model*.safetensors weight files in the model directory" + unread_weights_note(src))
+    for name in TOKENIZER_FILES:
+        # Copied once every expert is written: a file the process may not read (another user's,
+        # mode 0600) failed the conversion at its end, said as "cannot write the store" with the
+        # space free, though the store had been written and the fault was the model's file.
+        _readable(src / name)
     if dest.exists() and not overwrite:
         raise StoreError(dest, "already exists (pass overwrite=True to replace it)")
     if overwrite and (problem := _not_replaceable(dest, src)) is not None:
@@ -360,6 +365,18 @@ def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None
                                "make it writable (chmod u+w) or convert into another directory")
     if dest == src:
         raise StoreError(dest, "the store directory must differ from the model directory")
+
+
+def _readable(path: pathlib.Path) -> None:
+    """StoreError naming ``path`` where it is a file this process cannot open for reading (nothing
+    where it is no file)."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
 
 
 def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
@@ -718,9 +735,13 @@ def _safetensors_names(path: pathlib.Path) -> set[str]:
         # listed, and "[Errno 2] No such file or directory" named a file the user could see.
         raise StoreError(path, f"is a link to {os.readlink(path)}, which does not exist (a Hugging Face cache "
                                "whose blobs were removed, or a download cut short): fetch the model again") from None
-    with open(path, "rb") as fh:
-        if fh.read(len(_LFS_POINTER)) == _LFS_POINTER:
-            raise StoreError(path, "is a Git LFS pointer, not the weights: fetch them (git lfs pull) and convert again")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(_LFS_POINTER))
+    except OSError as exc:  # another user's file (mode 0600), a disk error: a PermissionError traceback
+        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
+    if head == _LFS_POINTER:
+        raise StoreError(path, "is a Git LFS pointer, not the weights: fetch them (git lfs pull) and convert again")
     try:
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -737,6 +758,8 @@ def _safetensors_names(path: pathlib.Path) -> set[str]:
             if end > size - 8 - n:
                 raise ValueError(f"tensor {name!r} ends at byte {end} of a data section of {size - 8 - n}")
             names.add(name)
+    except OSError as exc:
+        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise StoreError(path, "not a complete safetensors file (an incomplete download, or another file "
                                f"named model*.safetensors?): {exc}") from None
