@@ -533,6 +533,9 @@ class ExpertStore:
             size = os.stat(mpath).st_size
         except FileNotFoundError:
             raise StoreError(mpath, "manifest is missing") from None
+        except OSError as exc:
+            raise StoreError(mpath, f"cannot read the manifest: {exc.strerror or exc} (errno {exc.errno})",
+                             errno=exc.errno) from None
         if size > MAX_MANIFEST_BYTES:
             raise StoreError(mpath, f"manifest is {size} bytes, larger than the {MAX_MANIFEST_BYTES} limit")
         try:
@@ -540,6 +543,9 @@ class ExpertStore:
                 manifest = json.loads(fh.read().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise StoreError(mpath, f"manifest is not valid JSON: {exc}") from None
+        except OSError as exc:  # another user's store (mode 0600), a disk error: a PermissionError traceback
+            raise StoreError(mpath, f"cannot read the manifest: {exc.strerror or exc} (errno {exc.errno})",
+                             errno=exc.errno) from None
         v = _Validator(mpath)
         if not isinstance(manifest, dict):
             raise v.fail(None, f"manifest must be a JSON object, got {type(manifest).__name__}")

@@ -288,3 +288,33 @@ def test_convert_of_a_model_file_it_cannot_read_names_that_file_before_convertin
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{locked}: cannot read it: Permission denied (errno 13)" in err and "free there" not in err, err
     assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "config.json"])
+def test_a_store_file_it_cannot_read_is_one_line_naming_it(name: str, quick_store: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside demo --model STORE`` (or ``asyncside.load``) where the store's manifest or its
+    config.json belongs to another user (mode 0600): ``PermissionError: [Errno 13]`` and a
+    traceback from ExpertStore.open or from mlx-lm's loader. It is a StoreError naming the file,
+    the reason and its errno."""
+    import builtins
+
+    from asyncside.errors import StoreError
+    from asyncside.models import load_streaming_model
+
+    locked = str(quick_store / name)
+    real_open = builtins.open
+
+    def denying(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file) == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denying)
+    with pytest.raises(StoreError) as info:
+        load_streaming_model(quick_store)
+    said = str(info.value)
+    assert said.startswith(f"{locked}: ") and said.endswith("cannot read the manifest: Permission denied (errno 13)"
+                                                            if name == "manifest.json" else
+                                                            "cannot read it: Permission denied (errno 13)"), said
+    assert info.value.errno == errno.EACCES

@@ -178,6 +178,9 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
         at_fault = (path / "config.json" if isinstance(exc, json.JSONDecodeError)
                     else path / NON_EXPERT_FILE if "safetensors" in text or "arameters" in text else path)
         raise StoreError(at_fault, f"the model cannot be loaded from this store: {text}") from None
+    except OSError as exc:  # config.json another user's (mode 0600), a disk error: a PermissionError traceback
+        raise StoreError(exc.filename or path, f"the model cannot be loaded from this store: cannot read it: "
+                                               f"{exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
     return StreamingModel(
