@@ -484,7 +484,14 @@ class ExpertStore:
                 trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
                 held_trash = _hold_build(trash)
                 try:
-                    os.rename(dest, trash / "store")
+                    try:
+                        os.rename(dest, trash / "store")
+                    except OSError as exc:
+                        # A store made read-only (mode 0555), another user's in a sticky directory:
+                        # a bare PermissionError naming the trash, which stayed beside the store.
+                        shutil.rmtree(trash, ignore_errors=True)
+                        raise StoreError(dest, f"cannot be replaced: {exc.strerror or exc} (errno {exc.errno})",
+                                         errno=exc.errno) from None
                     os.rename(tmp, dest)
                     shutil.rmtree(trash, ignore_errors=True)
                 finally:

@@ -318,3 +318,29 @@ def test_a_store_file_it_cannot_read_is_one_line_naming_it(name: str, quick_stor
                                                             if name == "manifest.json" else
                                                             "cannot read it: Permission denied (errno 13)"), said
     assert info.value.errno == errno.EACCES
+
+
+def test_create_overwrite_of_a_store_it_cannot_move_is_a_store_error_leaving_nothing(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ExpertStore.create(DIR, layers, overwrite=True)`` where DIR cannot be moved away (a store
+    made read-only, another user's in a sticky directory) raised a bare ``PermissionError`` naming
+    a hidden ``.DIR.old-*`` directory, which stayed beside the store. It is a StoreError naming DIR;
+    the old store is whole and nothing is left beside it."""
+    from asyncside.errors import StoreError
+    from asyncside.testing import random_layers
+
+    dest = tmp_path / "st"
+    ExpertStore.create(dest, random_layers(2, 8))
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(src) == str(dest):
+            raise PermissionError(errno.EACCES, "Permission denied", str(src), str(dst))
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(StoreError) as info:
+        ExpertStore.create(dest, random_layers(2, 8, seed=1), overwrite=True)
+    assert str(info.value) == f"{dest}: cannot be replaced: Permission denied (errno 13)" and info.value.errno == 13
+    assert [p.name for p in tmp_path.iterdir()] == ["st"]
+    ExpertStore.open(dest, verify="full")
