@@ -706,12 +706,24 @@ class ExpertStore:
             if spec.checksum is None or spec.checksums is None:
                 continue
             per_block = max(1, (64 << 20) // spec.stride)
-            fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise StoreError(spec.path, f"layer {index}: cannot open the blob: {exc.strerror or exc} "
+                                            f"(errno {exc.errno})", errno=exc.errno) from None
             try:
                 for start in range(0, spec.n_experts, per_block):
                     stop = min(spec.n_experts, start + per_block)
                     want = (stop - start) * spec.stride
-                    data = os.pread(fd, want, start * spec.stride)
+                    try:
+                        data = os.pread(fd, want, start * spec.stride)
+                    except OSError as exc:
+                        # The disk failing where a full check is run to find out: a bare OSError that
+                        # named neither the blob nor where in it.
+                        raise StoreError(spec.path, f"layer {index}: cannot read experts [{start}, {stop}) (bytes "
+                                                    f"[{start * spec.stride}, {stop * spec.stride})): "
+                                                    f"{exc.strerror or exc} (errno {exc.errno})",
+                                         errno=exc.errno) from None
                     if len(data) != want:
                         raise StoreError(spec.path, f"short read at expert {start + len(data) // spec.stride}: "
                                                     f"the blob ended early (truncated?)", f"layers[{index}].file")

@@ -344,3 +344,31 @@ def test_create_overwrite_of_a_store_it_cannot_move_is_a_store_error_leaving_not
     assert str(info.value) == f"{dest}: cannot be replaced: Permission denied (errno 13)" and info.value.errno == 13
     assert [p.name for p in tmp_path.iterdir()] == ["st"]
     ExpertStore.open(dest, verify="full")
+
+
+def test_a_full_check_of_a_store_on_a_failing_disk_names_the_blob_and_where(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ExpertStore.open(DIR, verify="full")`` (or ``store.verify()``), what a user runs to check a
+    store on a disk they doubt: a read that failed with EIO was a bare ``OSError: [Errno 5]``
+    naming no file. It is a StoreError naming the blob, the layer and the records it read."""
+    from asyncside.errors import StoreError
+    from asyncside.testing import random_layers
+
+    dest = tmp_path / "st"
+    store = ExpertStore.create(dest, random_layers(2, 8))
+    blob = str(store.layer(1).path)
+    real_pread = os.pread
+
+    def failing(fd: int, n: int, offset: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}") == blob:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pread(fd, n, offset)
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd to tell the blob's descriptor")
+    monkeypatch.setattr(os, "pread", failing)
+    with pytest.raises(StoreError) as info:
+        ExpertStore.open(dest, verify="full")
+    said = str(info.value)
+    assert said.startswith(f"{blob}: layer 1: cannot read experts [0, 8) (bytes [0, ") and info.value.errno == errno.EIO
+    assert said.endswith("Input/output error (errno 5)"), said
