@@ -287,7 +287,10 @@ def _safe_blob_path(root: pathlib.Path, name: str, v: _Validator, field: str) ->
         or len(name) > 255
     ):
         raise v.fail(field, f"blob file name {name!r} must be a plain file name inside the store directory")
-    candidate = (root / name).resolve()
+    try:
+        candidate = (root / name).resolve()
+    except (OSError, RuntimeError) as exc:  # a link to itself: Python's "Symlink loop" RuntimeError
+        raise v.fail(field, f"blob file name {name!r} cannot be resolved: {exc}") from None
     if candidate.parent != root.resolve():
         raise v.fail(field, f"blob file name {name!r} resolves outside the store directory ({candidate})")
     return candidate
@@ -369,6 +372,9 @@ def _parse_layer(
         st = os.stat(path)
     except FileNotFoundError:
         raise StoreError(path, "blob file is missing", f"{f}.file") from None
+    except OSError as exc:  # a directory the process may not search, a disk error: a bare traceback
+        raise StoreError(path, f"cannot look at the blob: {exc.strerror or exc} (errno {exc.errno})", f"{f}.file",
+                         errno=exc.errno) from None
 
     if not _stat.S_ISREG(st.st_mode):
         raise StoreError(path, "blob is not a regular file", f"{f}.file")

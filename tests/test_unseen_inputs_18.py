@@ -372,3 +372,36 @@ def test_a_full_check_of_a_store_on_a_failing_disk_names_the_blob_and_where(
     said = str(info.value)
     assert said.startswith(f"{blob}: layer 1: cannot read experts [0, 8) (bytes [0, ") and info.value.errno == errno.EIO
     assert said.endswith("Input/output error (errno 5)"), said
+
+
+@pytest.mark.parametrize("how", ["link-loop", "no-permission"])
+def test_a_blob_the_store_cannot_look_at_is_refused_naming_it(how: str, tmp_path: pathlib.Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ExpertStore.open(DIR)`` where a blob is a link to itself (a dedup script gone wrong) or
+    cannot be looked at (EACCES from stat): ``RuntimeError: Symlink loop from ...`` or a bare
+    PermissionError traceback. It is a StoreError naming the blob and the manifest field."""
+    from asyncside.errors import StoreError
+    from asyncside.testing import random_layers
+
+    dest = tmp_path / "st"
+    blob = ExpertStore.create(dest, random_layers(2, 8)).layer(1).path
+    if how == "link-loop":
+        blob.unlink()
+        blob.symlink_to(blob.name)
+    else:
+        real_stat = os.stat
+
+        def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path) == str(blob):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(StoreError) as info:
+        ExpertStore.open(dest)
+    said = str(info.value)
+    assert "[layers[1].file]" in said and blob.name in said, said
+    if how == "link-loop":
+        assert "cannot be resolved" in said, said
+    else:
+        assert said == f"{blob} [layers[1].file]: cannot look at the blob: Permission denied (errno 13)", said
