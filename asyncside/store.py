@@ -296,6 +296,17 @@ def _safe_blob_path(root: pathlib.Path, name: str, v: _Validator, field: str) ->
     return candidate
 
 
+def _blob_stat(path: pathlib.Path, field: str) -> os.stat_result:
+    """``os.stat`` of a blob; StoreError naming it and ``field`` where it is missing or cannot be looked at."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        raise StoreError(path, "blob file is missing", field) from None
+    except OSError as exc:  # a directory the process may not search, a disk error: a bare traceback
+        raise StoreError(path, f"cannot look at the blob: {exc.strerror or exc} (errno {exc.errno})", field,
+                         errno=exc.errno) from None
+
+
 def _parse_layer(
     root: pathlib.Path, raw: Any, i: int, v: _Validator, version: int = FORMAT_VERSION
 ) -> LayerSpec:
@@ -368,14 +379,7 @@ def _parse_layer(
     elif raw.get("checksums") is not None:
         raise v.fail(f"{f}.checksums", "checksums given but checksum algorithm is null")
 
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise StoreError(path, "blob file is missing", f"{f}.file") from None
-    except OSError as exc:  # a directory the process may not search, a disk error: a bare traceback
-        raise StoreError(path, f"cannot look at the blob: {exc.strerror or exc} (errno {exc.errno})", f"{f}.file",
-                         errno=exc.errno) from None
-
+    st = _blob_stat(path, f"{f}.file")
     if not _stat.S_ISREG(st.st_mode):
         raise StoreError(path, "blob is not a regular file", f"{f}.file")
     if st.st_size != n_experts * stride:
