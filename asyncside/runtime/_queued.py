@@ -552,7 +552,9 @@ class QueuedSide:
         if not errors:
             return
         self._errors = [e for e in self._errors if e.step is not None and e.step in keep]
-        raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed", errors)
+        # The group's own line is all a traceback's last line shows: it names the first failure.
+        raise errors[0] if len(errors) == 1 else ExceptionGroup(f"{len(errors)} faults failed; the first: {errors[0]}",
+                                                                errors)
 
     # ---------------------------------------------------------------- fault logs
 
@@ -628,6 +630,9 @@ class QueuedSide:
                 else:
                     reads.failed_fills += 1
                     cause = faults.failure if err == _NODE_FAILED else _fault_cause(err, st.spec.n_experts)
+                    if err > 0 or err == -1:  # the record's read or its bytes: name the file, as fills do
+                        lo = st.spec.record_offset(expert)
+                        cause = f"read of {st.spec.path} record {expert} (bytes [{lo}, {lo + st.spec.stride})): {cause}"
                     # Its resolve: the at[i]-th of this log (none: the last one drained before)
                     k = at[i] - 1
                     step = (before if k == -1 else groups[k] if 0 <= k < len(groups) else None) \
