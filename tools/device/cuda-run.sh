@@ -13,7 +13,8 @@
 # to $OUT (or ./device-out); the runs BENCHMARKS.md cites are kept in benchmarks/device/.
 # Env: SETUP_ONLY=1 (stop once the extension is built), TESTS (pytest arguments), TEST_BUDGET (seconds), TESTS_ONLY=1 (stop after the tests),
 # REUSE=1 (a later call on the same warm machine: keep the installed wheels and the built extension,
-# skip the embedded model's warm-up), SHARD=i/n (the whole suite in n calls: the i-th of every n test
+# skip the embedded model's warm-up; on a fresh machine it still installs and builds, and skipping
+# the warm-up saves minutes where the tests build their own models), SHARD=i/n (the whole suite in n calls: the i-th of every n test
 # files in name order, spread over WORKERS pytest-xdist processes, default 12; staged with the wheels),
 # BENCH=0 (skip the device bench), DEMO=0 (skip the demo runs), MODES="auto whole" (the demo's
 # --mode values), AB="switch v1 v2" (after the demo: tools/ab_decode.py of that ForwardOptions
