@@ -130,6 +130,31 @@ def test_the_disk_curve(quick_store: pathlib.Path) -> None:
         offload.disk_curve(str(quick_store), (0,))
 
 
+def test_the_disk_curve_of_a_store_whose_records_start_mid_block(tmp_path: pathlib.Path) -> None:
+    """A store of a smaller alignment (``alignment=64``; the runtime's readers stage its records)
+    has records that start and end inside a disk block: the curve read each one with O_DIRECT at
+    its own offset and length, ``OSError: [Errno 22] Invalid argument``. It reads the blocks that
+    hold the record, and counts what the disk read: at least the records' bytes."""
+    import os
+
+    from asyncside.store import ExpertStore
+    from asyncside.testing import random_layers
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    segments = {"w1": ((3, 7), "float32"), "w2": ((5,), "float16"), "s": ((1,), "uint8")}
+    store = ExpertStore.create(tmp_path / "store", random_layers(2, 16, segments, seed=3), alignment=64)
+    stride = store.layer(0).stride
+    assert stride % 512, stride  # records start inside a disk block
+    try:
+        os.close(os.open(store.layer(0).path, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: {exc}")
+    curve = offload.disk_curve(str(tmp_path / "store"), (1, 2), min_bytes=64 * stride, passes=1)
+    assert [c["depth"] for c in curve["cells"]] == [1, 2] and curve["GBps"] > 0
+    assert all(c["bytes_per_pass"][0] >= 64 * stride for c in curve["cells"])
+
+
 def test_compute_limits_of_several_localities_in_one_process(tt: ModuleType, quick_store: pathlib.Path,
                                                              tmp_path: pathlib.Path) -> None:
     """One model, re-forced per locality: each locality's tokens are those of a process that ran it
