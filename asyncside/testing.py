@@ -608,7 +608,9 @@ class FaultyReader:
     The hooks act below the scheduler, in the reader itself (native io_uring / thread pool, or
     aiofiles), so everything above -- scheduler, ledger, runtime, model -- sees a real failure.
     One failing range is active at a time: :meth:`fail` replaces the previous one. Settings
-    combine: ``fail`` + ``short_reads`` + ``transient`` may all be on together.
+    combine: ``fail`` + ``short_reads`` + ``transient`` may all be on together. :meth:`fail`
+    reaches queued steps' reads too (their fault tables read the blobs themselves, not through
+    the reader); short and transient reads are the reader's alone.
     """
 
     def __init__(self, runtime: Any) -> None:
@@ -617,6 +619,10 @@ class FaultyReader:
 
     def _apply(self) -> None:
         _scheduler_of(self.runtime).set_faults(**self._settings)
+        queued = getattr(self.runtime, "queued", None)
+        if queued is not None and hasattr(queued, "set_fault"):
+            st = self._settings
+            queued.set_fault(st.get("path", ""), st.get("lo", 0), st.get("hi", 0), st.get("err", 0))
 
     def fail(self, layer: int, expert: int, errno: int = 5) -> None:
         """Every read of ``expert``'s record in ``layer`` fails with ``errno`` (default EIO)."""
@@ -647,8 +653,13 @@ class FaultyReader:
         self._apply()
 
     def counters(self) -> dict[str, int]:
-        """The reader's counters (``faults_injected``, ``short_reads``, ``retries``, ...)."""
-        return dict(_scheduler_of(self.runtime).reader.counters())
+        """The reader's counters (``faults_injected``, ``short_reads``, ``retries``, ...);
+        ``faults_injected`` counts queued steps' failed reads too."""
+        out = dict(_scheduler_of(self.runtime).reader.counters())
+        queued = getattr(self.runtime, "queued", None)
+        if queued is not None and hasattr(queued, "faults_injected"):
+            out["faults_injected"] = int(out.get("faults_injected", 0)) + queued.faults_injected()
+        return out
 
 
 @pytest.fixture

@@ -737,6 +737,9 @@ void bind_faults(nb::module_& m) {
       .def("table", [](PyFaultTable& p) { return p.t->table(); }, "The expert -> row table now (a copy).")
       .def("lent", [](PyFaultTable& p) { return p.t->lent(); }, "Lent rows not used yet, in lend order.")
       .def("counters", [](PyFaultTable& p) { return p.t->counters(); })
+      .def("set_fault", [](PyFaultTable& p, uint64_t lo, uint64_t hi, int err) { p.t->set_fault(lo, hi, err); },
+           nb::arg("lo"), nb::arg("hi"), nb::arg("err"),
+           "Tests: every read of a record touching blob bytes [lo, hi) fails with errno `err` (0: none).")
       .def(
           "set_checksums",
           [](PyFaultTable& p, const std::string& kind, std::vector<uint32_t> expected) {

@@ -457,7 +457,8 @@ std::map<std::string, uint64_t> FaultTable::counters() {
           {"device_resolves", device_resolves_.load()}, {"streamed", streamed_.load()},
           {"read_wait_ns", read_wait_ns_.load()}, {"background_ns", background_ns_.load()},
           {"prefetches", prefetches_.load()},     {"prefetch_reads", prefetch_reads_.load()},
-          {"prefetch_hits", prefetch_hits_.load()}, {"prefetch_errors", prefetch_errors_.load()}};
+          {"prefetch_hits", prefetch_hits_.load()}, {"prefetch_errors", prefetch_errors_.load()},
+          {"faults_injected", faults_injected_.load()}};
 }
 
 void FaultTable::absorb_device_uses_locked() {
@@ -499,6 +500,17 @@ void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expe
 }
 
 void FaultTable::set_drop_cache(bool on) { drop_cache_.store(on, std::memory_order_relaxed); }
+
+void FaultTable::set_fault(uint64_t lo, uint64_t hi, int err) {
+  if (err < 0) throw std::invalid_argument("set_fault: err must be an errno >= 0, got " + std::to_string(err));
+  if (err != 0 && hi <= lo) {
+    throw std::invalid_argument("set_fault: an empty range [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+  }
+  fault_err_.store(0, std::memory_order_release);  // off while the range changes
+  fault_lo_.store(lo, std::memory_order_relaxed);
+  fault_hi_.store(hi, std::memory_order_relaxed);
+  fault_err_.store(err, std::memory_order_release);
+}
 
 void FaultTable::set_read_window(int pieces) {
   if (pieces < -1 || pieces > static_cast<int>(kMaxFaultReadWindow)) {
@@ -648,7 +660,17 @@ int FaultTable::read_record(int64_t expert, int64_t row, uint32_t& got, int64_t&
 }
 
 int FaultTable::verify_record(int64_t expert, int64_t row, int err, uint32_t& got) {
-  after_read(static_cast<uint64_t>(expert) * stride_);
+  const uint64_t offset = static_cast<uint64_t>(expert) * stride_;
+  after_read(offset);
+  // A test's injected fault fails the read as the disk would: the row's bytes are not used.
+  if (err == 0) {
+    if (const int injected = fault_err_.load(std::memory_order_acquire)) {
+      if (offset < fault_hi_.load(std::memory_order_relaxed) && offset + stride_ > fault_lo_.load(std::memory_order_relaxed)) {
+        faults_injected_.fetch_add(1, std::memory_order_relaxed);
+        return injected;
+      }
+    }
+  }
   if (err == 0 && checksum_kind_ != io::ChecksumKind::None) {
     // A row is used only after its bytes verified (checksum_kind_ / checksums_ change only
     // while nothing is queued, so reading them unlocked is safe).

@@ -224,6 +224,10 @@ class FaultTable {
   // Drop each record from the page cache once it was read (POSIX_FADV_DONTNEED): when the store
   // is larger than the page cache a memory budget leaves, cached records only evict each other.
   void set_drop_cache(bool on);
+  // A test's injected fault: every read of a record touching blob bytes [lo, hi) fails with `err`
+  // (0: none), as the io reader's Faults fail its reads; counted in counters()'s faults_injected.
+  // Throws std::invalid_argument on a negative errno or an empty range.
+  void set_fault(uint64_t lo, uint64_t hi, int err);
   // The table's descriptor was opened with O_DIRECT: the sink reads aligned spans (see RecordSink).
   void set_direct(bool on) { sink_->set_direct(on); }
   // The ordered reads' window of this table (RecordSink::set_read_window); throws
@@ -400,6 +404,9 @@ class FaultTable {
   std::atomic<uint64_t> resolves_{0}, pairs_{0}, hits_{0}, faults_{0}, tier_faults_{0}, fault_errors_{0}, bytes_read_{0},
       fault_ns_{0}, staged_{0}, staged_copies_{0}, device_resolves_{0}, streamed_{0}, read_wait_ns_{0}, background_ns_{0},
       prefetches_{0}, prefetch_reads_{0}, prefetch_hits_{0}, prefetch_errors_{0};
+  // set_fault's range: written on the loop thread, read by the readers (err last / first).
+  std::atomic<uint64_t> fault_lo_{0}, fault_hi_{0}, faults_injected_{0};
+  std::atomic<int> fault_err_{0};
 };
 
 // Process-wide balance counters for tests: tables built/destroyed, nodes built/destroyed.

@@ -142,3 +142,39 @@ def test_counting_by_steps_comes_back_after_a_failed_node_once_no_step_is_in_fli
             return healed
 
     assert anyio.run(main) == 0
+
+
+def test_the_faulty_reader_fails_a_queued_steps_read(sm: Any) -> None:
+    """The test plugin's ``faulty_reader.fail(layer, expert)`` reached the reader's fills only: a
+    queued step (the default decode) reads through its layer's fault table, natively, and a test
+    that failed a record and generated saw no fault, ``faults_injected`` 0. The table's reads now
+    fail too, as the disk would: the step's await raises the FillError naming the blob, the count
+    says so, no row is left taken, and once cleared the record reads."""
+    from asyncside.audit import audit_problems
+    from asyncside.testing import FaultyReader
+
+    layer = sm.moe_layers[0]
+    spec = sm.store.layer(layer)
+    bad = spec.n_experts - 1
+
+    async def main() -> None:
+        async with Runtime(sm.store, resident=0.0) as rt:
+            faulty = FaultyReader(rt)
+            faulty.fail(layer, bad)  # EIO
+            step, out = await _queue(rt, layer, [bad, 0])
+            await completed(out)
+            with pytest.raises(FillError, match="Input/output error") as info:
+                rt.queued.after_step(step)
+            assert info.value.expert == bad and str(spec.path) in str(info.value), info.value
+            assert faulty.counters()["faults_injected"] == 1
+            faulty.clear()
+            step, out = await _queue(rt, layer, [bad])
+            await completed(out)
+            rt.queued.after_step(step)
+            await rt.quiesce()
+            assert faulty.counters()["faults_injected"] == 1
+            assert audit_problems(rt) == []
+            with pytest.raises(ValueError, match="an errno >= 0"):
+                rt._s.layers[layer].faults.set_fault(0, 8, -5)
+
+    anyio.run(main)
