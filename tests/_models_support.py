@@ -133,6 +133,47 @@ BASE = {
         max_position_embeddings=512, num_key_value_heads=2, attention_bias=False, rope_theta=10000.0,
         num_local_experts=16, num_experts_per_tok=4, tie_word_embeddings=False,
     ),
+    # Architectures added in session 18 (tests/test_archs_18.py).
+    "minimax": dict(
+        model_type="minimax", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, num_experts_per_tok=4, num_local_experts=16,
+        shared_intermediate_size=64, num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rotary_dim=8, vocab_size=128, head_dim=16, use_qk_norm=True, tie_word_embeddings=False,
+    ),
+    "deepseek": dict(
+        model_type="deepseek", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=2, n_routed_experts=16, num_experts_per_tok=4, moe_layer_freq=1,
+        first_k_dense_replace=1, max_position_embeddings=512, rope_theta=10000.0,
+    ),
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.8, kv_lora_rank=32,
+        q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=2,
+        topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, max_position_embeddings=512,
+        norm_topk_prob=True, rope_theta=10000.0,
+    ),
+    # original_max_position_embeddings of a few tokens: the llama-4 attention scale of its queries
+    # changes within the tests' prompts.
+    "mistral4": dict(
+        model_type="mistral4", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.5, kv_lora_rank=32,
+        q_lora_rank=32, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
+        topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=2, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, tie_word_embeddings=False,
+        rope_parameters={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
+                         "llama_4_scaling_beta": 0.1, "rope_theta": 10000.0},
+    ),
+    "Klear": dict(
+        model_type="Klear", hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+        attention_bias=False, mlp_only_layers=[1], num_experts=16, num_experts_per_tok=4,
+        decoder_sparse_step=1, n_shared_experts=1, moe_intermediate_size=64, rms_norm_eps=1e-6,
+        vocab_size=128, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=512,
+        norm_topk_prob=True,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ exactly mlx-lm's.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -92,6 +93,21 @@ def _llama4_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.arr
     keys, values = cache.update_and_fetch(keys, values)
     out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
     return cast(mx.array, attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1)))
+
+
+def _mistral4_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    # mistral4's model scales every layer's queries by a factor of the step's positions (its
+    # llama-4 attention scale), computed once from the first cache's offset; every layer's cache
+    # is at that offset before its update, so the factor is taken from the layer's own (an offset
+    # per row over a batch cache, which mlx-lm's function takes). The function is the one the
+    # layer's own module uses.
+    attn = layer.self_attn
+    attn_scale = importlib.import_module(type(attn).__module__)._get_llama_4_attn_scale
+    rope = attn.args.rope_parameters
+    offset = cache.offset if cache is not None else 0
+    scale = attn_scale(x.shape[1], offset, rope["llama_4_scaling_beta"],
+                       rope["original_max_position_embeddings"]).astype(x.dtype)
+    return cast(mx.array, attn(x, scale, mask, cache))
 
 
 def _self_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
@@ -181,6 +197,13 @@ ARCHS: dict[str, Arch] = {
     # would not broadcast.
     "llama4": Arch("llama4", "feed_forward", _masks_llama4, attention=_llama4_attn, text_attr="language_model",
                    widens=False),
+    # Architectures added in session 18 (tests/test_archs_18.py).
+    "minimax": Arch("minimax", "block_sparse_moe", _masks_shared),
+    "deepseek": Arch("deepseek", "mlp", _masks_shared),
+    # glm4_moe_lite's multi-head latent attention adds the mask to its rope scores, as deepseek_v3's.
+    "glm4_moe_lite": Arch("glm4_moe_lite", "mlp", _masks_array),
+    "mistral4": Arch("mistral4", "mlp", _masks_shared, attention=_mistral4_attn),
+    "Klear": Arch("Klear", "mlp", _masks_shared),
 }
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)

@@ -426,6 +426,69 @@ def _granitemoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return (y * gates[..., None]).sum(axis=-2).astype(y.dtype)
 
 
+def _minimax(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # The sigmoid of the float32 logits taken at the forced ids (the correction bias only picks
+    # them), normalised and cast as mlx-lm's block does.
+    scores = mx.take_along_axis(mx.sigmoid(block.gate(x.astype(mx.float32))), inds, axis=-1)
+    scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)
+    scores = scores.astype(x.dtype)
+    y: mx.array = block.switch_mlp(x, inds)
+    return (y * scores[..., None]).sum(axis=-2)
+
+
+def _deepseek(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    scores = mx.softmax(x @ block.gate.weight.T, axis=-1, precise=True)
+    scores = mx.take_along_axis(scores, inds, axis=-1)
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _glm4_moe_lite(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # deepseek_v3's scores, but its group_expert_select adds a small term to the denominator.
+    gate = block.gate
+    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    if gate.top_k > 1 and gate.norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    scores = scores * gate.routed_scaling_factor
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _mistral4(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # mistral4_expert_select's softmax taken at the forced ids (its group limit only zeroes the
+    # scores it does not pick), normalised and scaled as it does.
+    args = block.args
+    scores = mx.take_along_axis(mx.softmax(block.gate(x).astype(mx.float32), axis=-1), inds, axis=-1)
+    if args.norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    scores = scores * args.routed_scaling_factor
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if args.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _klear(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # The sigmoid of the logits at the forced ids (the expert bias only picks them); the routed and
+    # shared outputs mixed by the block's coefficients as mlx-lm's block mixes them.
+    scores = mx.take_along_axis(mx.sigmoid(block.gate(x).astype(mx.float32)), inds, axis=-1)
+    if block.norm_topk_prob:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    scores = scores.astype(x.dtype)
+    y: mx.array = (block.experts(x, inds) * scores[..., None]).sum(axis=-2)
+    coef = mx.softmax(block.coefficient(x), axis=-1, precise=True)
+    out: mx.array = y * coef[..., :1] + block.shared_experts(x) * coef[..., 1:]
+    return out
+
+
 def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
     out: mx.array = forced_block_call(block.block, x, inds) * block.scale
@@ -451,6 +514,11 @@ _FORCED = {
     "mlx_lm.models.hunyuan.MoeBlock": _hunyuan,
     "mlx_lm.models.llama4.MoE": _llama4,
     "GraniteMoeMoE": _granitemoe,
+    "MiniMaxSparseMoeBlock": _minimax,
+    "mlx_lm.models.deepseek.DeepseekMoE": _deepseek,
+    "Glm4MoeLiteMoE": _glm4_moe_lite,
+    "Mistral4MoE": _mistral4,
+    "KlearSparseMoeBlock": _klear,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
