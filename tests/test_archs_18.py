@@ -1,6 +1,7 @@
-"""The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1) and
-glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4) and Klear, each exact against mlx-lm
-with every expert in memory.
+"""The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1),
+glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4) and Klear, each exact against mlx-lm with
+every expert in memory; and the mlx-lm MoE architectures the decoder walk cannot follow, refused by
+name with the reason.
 
 Per architecture (a tiny random config of ``tests/_models_support.BASE``), as tests/test_archs_16.py
 proves its ten: greedy tokens over a source of fewer rows than experts equal mlx-lm's, in
@@ -12,6 +13,7 @@ forces the same ids on both sides.
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import anyio
@@ -30,7 +32,7 @@ from asyncside.models import (
     reference_generate,
     streaming_from_model,
 )
-from asyncside.models.arch import arch_for, moe_layers
+from asyncside.models.arch import REFUSED, UnsupportedModelError, arch_for, moe_layers
 from asyncside.models.forcing import force_reference, forced_block_call, rewind_reference
 from asyncside.models.pooled import SORT_THRESHOLD, route
 from asyncside.routing import preset
@@ -202,8 +204,43 @@ def test_asyncside_load_generates_mlx_lms_tokens(tmp_path: pathlib.Path, model_t
     assert got == ref
 
 
-def test_the_new_types_are_supported_ones() -> None:
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_an_architecture_the_walk_cannot_follow_is_refused_by_name(tmp_path: pathlib.Path, model_type: str) -> None:
+    """Converting (``asyncside convert``, ``asyncside.load``) a model of an mlx-lm MoE architecture
+    the decoder walk cannot follow names its config file, the type and the reason, before mlx-lm
+    builds anything; the reason is not the bare list of supported types."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    mx.save_safetensors(str(model_dir / "model.safetensors"), {"unread": mx.zeros((1,))})
+    with pytest.raises(UnsupportedModelError) as info:
+        convert_model(model_dir, tmp_path / "store", progress=False)
+    message = str(info.value)
+    assert str(model_dir / "config.json") in message
+    assert f"model_type {model_type!r} is not supported: {REFUSED[model_type]}" in message
+    assert "supported: [" not in message and not (tmp_path / "store").exists()
+
+
+def test_the_cli_refuses_an_unfollowable_architecture_in_one_line(tmp_path: pathlib.Path) -> None:
+    """``asyncside convert`` of a qwen3_next (hybrid linear attention) exits with one line naming
+    the reason, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    mx.save_safetensors(str(model_dir / "model.safetensors"), {"unread": mx.zeros((1,))})
+    proc = subprocess.run([sys.executable, "-m", "asyncside", "convert", str(model_dir), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gated delta net" in proc.stderr and "qwen3_next" in proc.stderr, proc.stderr
+
+
+def test_the_new_types_are_supported_and_no_refused_one_is() -> None:
     from asyncside.models import SUPPORTED_MODEL_TYPES
 
+    assert not set(REFUSED) & set(SUPPORTED_MODEL_TYPES)
     for model_type in NEW:
         assert model_type in SUPPORTED_MODEL_TYPES

@@ -206,18 +206,40 @@ ARCHS: dict[str, Arch] = {
     "Klear": Arch("Klear", "mlp", _masks_shared),
 }
 
+#: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is
+#: refused naming the reason, not only as a type missing from the supported list
+REFUSED: dict[str, str] = {
+    "qwen3_next": "its linear-attention layers (gated delta net) keep a recurrent state and a convolution "
+                  "state (ArraysCache), not the keys and values the walk's caches hold",
+    "kimi_linear": "its linear-attention layers (Kimi Delta Attention) keep a recurrent state (ArraysCache), "
+                   "not the keys and values the walk's caches hold",
+    "kimi_k3": "its linear-attention layers (Kimi Delta Attention) keep a recurrent state (ArraysCache), and "
+               "its decoder layers add residual blocks carried across layers",
+    "bailing_moe_v3": "its linear-attention layers keep a recurrent state (ArraysCache), not the keys and "
+                      "values the walk's caches hold",
+    "lfm2_moe": "its short-convolution layers keep a convolution state (ArraysCache) in place of attention",
+    "longcat_flash": "each decoder layer runs two attention and two dense MLP sub-layers around one MoE "
+                     "block whose output joins at the layer's end, not one attention then one MoE block",
+    "gemma4_text": "its decoder layers route the experts from the hidden state outside their MoE block (the "
+                   "layer's own router) beside a dense MLP, norm each sub-layer's output, and may reuse an "
+                   "earlier layer's keys and values (num_kv_shared_layers)",
+}
+
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 
 
 def arch_for(model_type: str) -> Arch:
     """The adapter of ``model_type``, or of the architecture mlx-lm builds it as (its
-    ``MODEL_REMAPPING``: ``kimi_k2`` is a ``deepseek_v3``); UnsupportedModelError listing the
-    supported ones otherwise."""
+    ``MODEL_REMAPPING``: ``kimi_k2`` is a ``deepseek_v3``); UnsupportedModelError naming the reason
+    for an architecture in :data:`REFUSED`, listing the supported ones otherwise."""
     from mlx_lm.utils import MODEL_REMAPPING
 
     # Kimi-K2's config says kimi_k2, which mlx-lm builds with deepseek_v3's classes: refusing the
     # name refused a model whose architecture the walk follows.
     arch = ARCHS.get(model_type) or ARCHS.get(MODEL_REMAPPING.get(model_type, ""))
+    reason = REFUSED.get(model_type) or REFUSED.get(MODEL_REMAPPING.get(model_type, ""))
+    if arch is None and reason is not None:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: {reason}")
     if arch is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {sorted(ARCHS)}"
