@@ -174,7 +174,23 @@ BASE = {
         vocab_size=128, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=512,
         norm_topk_prob=True,
     ),
+    # Sliding-window layers (windows of 8 positions, rotary) and a full-attention one (no rotary),
+    # a dense first layer.
+    "exaone_moe": dict(
+        model_type="exaone_moe", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+        num_experts_per_tok=4, num_shared_experts=1, rms_norm_eps=1e-5, max_position_embeddings=512,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        is_moe_layer=[False, True, True], n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_theta=10000.0,
+    ),
 }
+
+
+#: the configs above with sliding-window layers shorter than the tests' prompts: their rotated caches
+#: cannot be trimmed back, so decode steps run per layer instead of whole, and a prompt-cache entry
+#: is reused whole only
+SLIDING_WINDOWED = ("gpt_oss", "exaone_moe")
 
 
 def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,

@@ -1,7 +1,7 @@
 """The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1),
-glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4) and Klear, each exact against mlx-lm with
-every expert in memory; and the mlx-lm MoE architectures the decoder walk cannot follow, refused by
-name with the reason.
+glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear and exaone_moe (K-EXAONE), each
+exact against mlx-lm with every expert in memory; and the mlx-lm MoE architectures the decoder walk
+cannot follow, refused by name with the reason.
 
 Per architecture (a tiny random config of ``tests/_models_support.BASE``), as tests/test_archs_16.py
 proves its ten: greedy tokens over a source of fewer rows than experts equal mlx-lm's, in
@@ -47,6 +47,7 @@ NEW = {
     "glm4_moe_lite": [0],
     "mistral4": [0],
     "Klear": [1],
+    "exaone_moe": [0],
 }
 
 NEW_TOKENS = 8
@@ -54,6 +55,22 @@ NEW_TOKENS = 8
 
 def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, config["vocab_size"], n)]
+
+
+#: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
+#: cannot be trimmed back, so such steps fall back to per-layer ones (asyncside.models.whole); with a
+#: window longer than the generation they run whole
+WHOLE_FIELDS: dict[str, dict[str, object]] = {"exaone_moe": {"sliding_window": 64}}
+
+
+def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
+    """``BASE[model_type]`` as tiny_model builds it, with ``fields`` changed."""
+    before = BASE[model_type]
+    BASE[model_type] = {**before, **fields}
+    try:
+        return tiny_model(model_type)
+    finally:
+        BASE[model_type] = before
 
 
 def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, nn.Module, dict]:
@@ -82,7 +99,7 @@ def test_minimax_m2_is_built_as_minimax() -> None:
 def test_steps_over_fewer_rows_than_experts(model_type: str, mode: str) -> None:
     """Per-layer steps, and decode steps queued whole and checked after (layers redone where rows
     moved under them)."""
-    model, config = tiny_model(model_type)
+    model, config = _tiny(model_type, **(WHOLE_FIELDS.get(model_type, {}) if mode == "whole" else {}))
     prompt = _prompt(config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     options = ForwardOptions(mode=mode)
@@ -234,7 +251,7 @@ def test_the_cli_refuses_an_unfollowable_architecture_in_one_line(tmp_path: path
     mx.save_safetensors(str(model_dir / "model.safetensors"), {"unread": mx.zeros((1,))})
     proc = subprocess.run([sys.executable, "-m", "asyncside", "convert", str(model_dir), str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "gated delta net" in proc.stderr and "qwen3_next" in proc.stderr, proc.stderr
 
 
@@ -244,3 +261,16 @@ def test_the_new_types_are_supported_and_no_refused_one_is() -> None:
     assert not set(REFUSED) & set(SUPPORTED_MODEL_TYPES)
     for model_type in NEW:
         assert model_type in SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize("flags", [[True, False], "all", [1, 0, 1]])
+def test_a_bench_shape_refuses_a_bad_is_moe_layer_in_one_line(flags: object) -> None:
+    """EXAONE-MoE says which layers are MoE with ``is_moe_layer``, one flag per decoder layer: a
+    bench shape read from a config takes those layers (tests/test_bench_shapes_archs_16.py) and
+    names the field where the list does not give one flag per layer."""
+    from asyncside.bench.shapes import ShapeError, qwen3_moe_config
+
+    raw = {**BASE["exaone_moe"], "is_moe_layer": flags}
+    with pytest.raises(ShapeError, match=r"config.json: is_moe_layer must be a list of 3 true/false flags, one "
+                                         r"per decoder layer, got "):
+        qwen3_moe_config(raw, "config.json")

@@ -29,7 +29,7 @@ from asyncside.models import (
 from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribute
 from asyncside.models.pooled import SORT_THRESHOLD
 
-from _models_support import BASE, ShuffledSource, tiny_model
+from _models_support import BASE, SLIDING_WINDOWED, ShuffledSource, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 PROMPT_LEN = 40  # 40 tokens x top-k >= 64 routed pairs: prefill takes mlx-lm's sorted gather path
@@ -144,9 +144,9 @@ def test_optimistic_steps_exact(model_type: str) -> None:
         before = dict(fwd.counters)
         resident = ResidentSource(pools)
         assert await collect(sm, prompt, resident, options=WHOLE) == ref
-        # gpt_oss's sliding window (8 tokens here) is shorter than the prompt: a rotated cache
-        # cannot be trimmed, so its steps run per layer.
-        whole = 0 if model_type == "gpt_oss" else NEW_TOKENS
+        # gpt_oss's and exaone_moe's sliding windows (8 tokens here) are shorter than the prompt: a
+        # rotated cache cannot be trimmed, so their steps run per layer.
+        whole = 0 if model_type in SLIDING_WINDOWED else NEW_TOKENS
         assert fwd.counters["optimistic"] - before["optimistic"] == whole
         assert fwd.counters["optimistic_redone"] == before["optimistic_redone"]  # nothing ever moves
         for i, (frac, side, churn) in enumerate([(0.25, 2, False), (0.5, 3, False), (0.25, 4, True)]):

@@ -230,8 +230,8 @@ def _refuse_outside(origin: str, field: str, indices: list[int], n_layers: int) 
 
 
 #: The fields that say which decoder layers are MoE layers (:func:`_moe_layers`).
-_MOE_LAYER_FIELDS = ("moe_layers", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers",
-                     "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")
+_MOE_LAYER_FIELDS = ("moe_layers", "is_moe_layer", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
+                     "mlp_only_layers", "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")
 
 
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
@@ -239,7 +239,15 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
     ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
     ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
-    ``moe_layer_interval``; every layer where none is given."""
+    ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer); every layer where
+    none is given."""
+    flags = raw.get("is_moe_layer")
+    if flags is not None:
+        # EXAONE-MoE's decoder builds layer i as MoE where flag i is true.
+        if not isinstance(flags, list) or not all(isinstance(f, bool) for f in flags) or len(flags) < n_layers:
+            raise ShapeError(f"{origin}: is_moe_layer must be a list of {n_layers} true/false flags, one per "
+                             f"decoder layer, got {flags!r}")
+        return [i for i in range(n_layers) if flags[i]]
     listed = raw.get("moe_layers")
     if listed is not None:
         if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):

@@ -51,6 +51,16 @@ def _masks_gpt_oss(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]
     return [full if t == "full_attention" else swa for t in inner.layer_types]
 
 
+def _masks_exaone_moe(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's ExaoneMoEModel.__call__: a causal mask from its first full-attention layer's cache, a
+    # windowed one from its first sliding layer's (the first cache where it has none of a kind).
+    inner = model.model
+    full = create_attention_mask(h, cache[inner.ga_idx] if inner.ga_idx is not None else cache[0])
+    swa = create_attention_mask(h, cache[inner.swa_idx] if inner.swa_idx is not None else cache[0],
+                                window_size=inner.window_size)
+    return [swa if layer.is_sliding_window else full for layer in inner.layers]
+
+
 def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
     # fourth) drop the keys before their window first, then one chunk mask serves them all and the
@@ -204,6 +214,7 @@ ARCHS: dict[str, Arch] = {
     "glm4_moe_lite": Arch("glm4_moe_lite", "mlp", _masks_array),
     "mistral4": Arch("mistral4", "mlp", _masks_shared, attention=_mistral4_attn),
     "Klear": Arch("Klear", "mlp", _masks_shared),
+    "exaone_moe": Arch("exaone_moe", "mlp", _masks_exaone_moe),
 }
 
 #: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is

@@ -489,6 +489,22 @@ def _klear(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return out
 
 
+def _exaone_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # its group_expert_select's scores at the forced ids, as _glm4_moe_lite takes them; its shared
+    # experts are optional.
+    gate = block.gate
+    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
+    scores = mx.take_along_axis(orig, inds, axis=-1)
+    if gate.top_k > 1 and gate.norm_topk_prob:
+        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+    scores = scores * gate.routed_scaling_factor
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
 def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
     out: mx.array = forced_block_call(block.block, x, inds) * block.scale
@@ -519,6 +535,7 @@ _FORCED = {
     "Glm4MoeLiteMoE": _glm4_moe_lite,
     "Mistral4MoE": _mistral4,
     "KlearSparseMoeBlock": _klear,
+    "mlx_lm.models.exaone_moe.MoE": _exaone_moe,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
