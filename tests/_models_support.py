@@ -184,13 +184,23 @@ BASE = {
         is_moe_layer=[False, True, True], n_group=2, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, rope_theta=10000.0,
     ),
+    # Sliding-window layers (windows of 8 positions) around a full-attention one, each kind with its
+    # own rotary base.
+    "mellum": dict(
+        model_type="mellum", hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, rms_norm_eps=1e-6, vocab_size=128,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=512,
+        norm_topk_prob=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_theta": 500000.0}, "sliding_attention": {"rope_theta": 10000.0}},
+    ),
 }
 
 
 #: the configs above with sliding-window layers shorter than the tests' prompts: their rotated caches
 #: cannot be trimmed back, so decode steps run per layer instead of whole, and a prompt-cache entry
 #: is reused whole only
-SLIDING_WINDOWED = ("gpt_oss", "exaone_moe")
+SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum")
 
 
 def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,

@@ -1,5 +1,5 @@
 """The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1),
-glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear and exaone_moe (K-EXAONE), each
+glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear, exaone_moe (K-EXAONE) and mellum, each
 exact against mlx-lm with every expert in memory; and the mlx-lm MoE architectures the decoder walk
 cannot follow, refused by name with the reason.
 
@@ -48,6 +48,7 @@ NEW = {
     "mistral4": [0],
     "Klear": [1],
     "exaone_moe": [0],
+    "mellum": [],
 }
 
 NEW_TOKENS = 8
@@ -60,7 +61,7 @@ def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
 #: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
 #: cannot be trimmed back, so such steps fall back to per-layer ones (asyncside.models.whole); with a
 #: window longer than the generation they run whole
-WHOLE_FIELDS: dict[str, dict[str, object]] = {"exaone_moe": {"sliding_window": 64}}
+WHOLE_FIELDS: dict[str, dict[str, object]] = {"exaone_moe": {"sliding_window": 64}, "mellum": {"sliding_window": 64}}
 
 
 def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:

@@ -61,6 +61,17 @@ def _masks_exaone_moe(model: nn.Module, h: mx.array, cache: list[Any]) -> list[A
     return [swa if layer.is_sliding_window else full for layer in inner.layers]
 
 
+def _masks_mellum(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's MellumModel.__call__: layer types as its config lists them, each kind's mask from the
+    # cache of its first layer of that kind.
+    inner = model.model
+    types = inner.args.layer_types
+    full = create_attention_mask(h, cache[inner._first_full])
+    sliding = (None if inner._first_sliding is None else
+               create_attention_mask(h, cache[inner._first_sliding], window_size=inner.args.sliding_window))
+    return [full if t == "full_attention" else sliding for t in types]
+
+
 def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
     # fourth) drop the keys before their window first, then one chunk mask serves them all and the
@@ -215,6 +226,7 @@ ARCHS: dict[str, Arch] = {
     "mistral4": Arch("mistral4", "mlp", _masks_shared, attention=_mistral4_attn),
     "Klear": Arch("Klear", "mlp", _masks_shared),
     "exaone_moe": Arch("exaone_moe", "mlp", _masks_exaone_moe),
+    "mellum": Arch("mellum", "mlp", _masks_mellum),
 }
 
 #: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is

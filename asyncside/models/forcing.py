@@ -505,6 +505,15 @@ def _exaone_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return y
 
 
+def _mellum(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores /= mx.sum(scores, axis=-1, keepdims=True)
+    y: mx.array = block.switch_mlp(x, inds)
+    return (y * scores[..., None]).sum(axis=-2)
+
+
 def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
     out: mx.array = forced_block_call(block.block, x, inds) * block.scale
@@ -536,6 +545,7 @@ _FORCED = {
     "Mistral4MoE": _mistral4,
     "KlearSparseMoeBlock": _klear,
     "mlx_lm.models.exaone_moe.MoE": _exaone_moe,
+    "MellumSparseMoeBlock": _mellum,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
