@@ -194,13 +194,26 @@ BASE = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_theta": 500000.0}, "sliding_attention": {"rope_theta": 10000.0}},
     ),
+    # A full-attention layer (partial rotary) and sliding ones (windows of 8), heads per layer, the
+    # attention's output gate, soft-capped router logits, a dense first layer.
+    "laguna": dict(
+        model_type="laguna", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        gating=True, tie_word_embeddings=False, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        num_attention_heads_per_layer=[4, 2, 4], mlp_layer_types=["dense", "sparse", "sparse"],
+        rope_parameters={"full_attention": {"rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                         "sliding_attention": {"rope_theta": 10000.0}},
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        moe_routed_scaling_factor=2.0, moe_router_logit_softcapping=3.0, moe_router_score_func="sigmoid",
+    ),
 }
 
 
 #: the configs above with sliding-window layers shorter than the tests' prompts: their rotated caches
 #: cannot be trimmed back, so decode steps run per layer instead of whole, and a prompt-cache entry
 #: is reused whole only
-SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum")
+SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum", "laguna")
 
 
 def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,

@@ -1,6 +1,6 @@
 """The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1),
-glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear, exaone_moe (K-EXAONE) and mellum, each
-exact against mlx-lm with every expert in memory; and the mlx-lm MoE architectures the decoder walk
+glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear, exaone_moe (K-EXAONE), mellum and laguna,
+each exact against mlx-lm with every expert in memory; and the mlx-lm MoE architectures the decoder walk
 cannot follow, refused by name with the reason.
 
 Per architecture (a tiny random config of ``tests/_models_support.BASE``), as tests/test_archs_16.py
@@ -49,6 +49,7 @@ NEW = {
     "Klear": [1],
     "exaone_moe": [0],
     "mellum": [],
+    "laguna": [0],
 }
 
 NEW_TOKENS = 8
@@ -61,7 +62,7 @@ def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
 #: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
 #: cannot be trimmed back, so such steps fall back to per-layer ones (asyncside.models.whole); with a
 #: window longer than the generation they run whole
-WHOLE_FIELDS: dict[str, dict[str, object]] = {"exaone_moe": {"sliding_window": 64}, "mellum": {"sliding_window": 64}}
+WHOLE_FIELDS: dict[str, dict[str, object]] = {t: {"sliding_window": 64} for t in ("exaone_moe", "mellum", "laguna")}
 
 
 def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
@@ -275,3 +276,23 @@ def test_a_bench_shape_refuses_a_bad_is_moe_layer_in_one_line(flags: object) -> 
     with pytest.raises(ShapeError, match=r"config.json: is_moe_layer must be a list of 3 true/false flags, one "
                                          r"per decoder layer, got "):
         qwen3_moe_config(raw, "config.json")
+
+
+@pytest.mark.parametrize("kinds", [["dense", "sparse"], ["dense", "moe", "sparse"], "sparse"])
+def test_a_bench_shape_refuses_a_bad_mlp_layer_types_in_one_line(kinds: object) -> None:
+    """Laguna says which layers are MoE with ``mlp_layer_types``: a list not one ``"dense"`` or
+    ``"sparse"`` per decoder layer is refused naming the field."""
+    from asyncside.bench.shapes import ShapeError, qwen3_moe_config
+
+    raw = {**BASE["laguna"], "mlp_layer_types": kinds}
+    with pytest.raises(ShapeError, match=r'config.json: mlp_layer_types must be a list of 3 "dense" or "sparse", '
+                                         r"one per decoder layer, got "):
+        qwen3_moe_config(raw, "config.json")
+
+
+def test_a_laguna_bench_shape_without_mlp_layer_types_has_mlx_lms_dense_first_layer() -> None:
+    from asyncside.bench.shapes import _moe_layers
+
+    raw = {k: v for k, v in BASE["laguna"].items() if k != "mlp_layer_types"}
+    model, _config = _tiny("laguna", mlp_layer_types=None)
+    assert _moe_layers("config.json", raw, 3) == sorted(moe_layers(model, arch_for("laguna"))) == [1, 2]

@@ -230,8 +230,9 @@ def _refuse_outside(origin: str, field: str, indices: list[int], n_layers: int) 
 
 
 #: The fields that say which decoder layers are MoE layers (:func:`_moe_layers`).
-_MOE_LAYER_FIELDS = ("moe_layers", "is_moe_layer", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
-                     "mlp_only_layers", "interleave_moe_layer_step", "expert_layer_period", "expert_layer_offset")
+_MOE_LAYER_FIELDS = ("moe_layers", "is_moe_layer", "mlp_layer_types", "first_k_dense_replace", "moe_layer_freq",
+                     "decoder_sparse_step", "mlp_only_layers", "interleave_moe_layer_step", "expert_layer_period",
+                     "expert_layer_offset")
 
 
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
@@ -239,8 +240,17 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
     ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
     ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
-    ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer); every layer where
-    none is given."""
+    ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer), Laguna's
+    ``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; without it a dense first layer, as
+    mlx-lm builds one); every layer where none is given."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None and raw.get("model_type") == "laguna":
+        kinds = ["dense"] + ["sparse"] * (n_layers - 1)  # mlx-lm's laguna default
+    if kinds is not None:
+        if not isinstance(kinds, list) or not all(k in ("dense", "sparse") for k in kinds) or len(kinds) < n_layers:
+            raise ShapeError(f"{origin}: mlp_layer_types must be a list of {n_layers} \"dense\" or \"sparse\", one "
+                             f"per decoder layer, got {kinds!r}")
+        return [i for i in range(n_layers) if kinds[i] == "sparse"]
     flags = raw.get("is_moe_layer")
     if flags is not None:
         # EXAONE-MoE's decoder builds layer i as MoE where flag i is true.

@@ -72,6 +72,16 @@ def _masks_mellum(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     return [full if t == "full_attention" else sliding for t in types]
 
 
+def _masks_laguna(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's LagunaModel.__call__: the full-attention mask from its first full layer's cache, the
+    # windowed one from its first sliding layer's (the full one where it has none).
+    inner = model.model
+    full = create_attention_mask(h, cache[inner.fa_idx])
+    swa = full if inner.swa_idx is None else create_attention_mask(h, cache[inner.swa_idx],
+                                                                   window_size=inner.sliding_window)
+    return [swa if layer.use_sliding else full for layer in inner.layers]
+
+
 def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
     # fourth) drop the keys before their window first, then one chunk mask serves them all and the
@@ -227,6 +237,7 @@ ARCHS: dict[str, Arch] = {
     "Klear": Arch("Klear", "mlp", _masks_shared),
     "exaone_moe": Arch("exaone_moe", "mlp", _masks_exaone_moe),
     "mellum": Arch("mellum", "mlp", _masks_mellum),
+    "laguna": Arch("laguna", "mlp", _masks_laguna),
 }
 
 #: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is

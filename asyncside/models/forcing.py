@@ -514,6 +514,22 @@ def _mellum(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return (y * scores[..., None]).sum(axis=-2)
 
 
+def _laguna(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # its gate's scores (soft-capped logits, its score function) at the forced ids, normalised; the
+    # correction bias only picks them.
+    gate = block.gate
+    logits = gate.proj(x).astype(mx.float32)
+    if gate.softcap > 0.0:
+        logits = mx.tanh(logits / gate.softcap) * gate.softcap
+    weights = mx.take_along_axis(gate._routing_scores(logits), inds, axis=-1)
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    shared: mx.array = block.shared_expert(x)
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
+    out: mx.array = y * block.routed_scaling_factor + shared
+    return out
+
+
 def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
     out: mx.array = forced_block_call(block.block, x, inds) * block.scale
@@ -546,6 +562,7 @@ _FORCED = {
     "KlearSparseMoeBlock": _klear,
     "mlx_lm.models.exaone_moe.MoE": _exaone_moe,
     "MellumSparseMoeBlock": _mellum,
+    "mlx_lm.models.laguna.MoE": _laguna,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
