@@ -102,6 +102,8 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
         raise ValueError(f"element_bytes: expected >= 1, got {element_bytes}")
     c = _scope(config)
     layers = _int(c, "num_hidden_layers", where)
+    if c.get("model_type") == "mimo_v2_flash":
+        return _mimo_v2_flash_layout(c, layers, element_bytes, where)
     if c.get("kv_lora_rank") is not None and c.get("model_type") == "deepseek_v2":
         # mlx-lm's deepseek_v2 caches every head's decompressed key (nope + rope parts) and value
         heads = _int(c, "num_attention_heads", where)
@@ -125,6 +127,22 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
             window = _int(c, "sliding_window", where)
             windows = [window if t == "sliding_attention" else None for t in types]
     return KVLayout(tuple([per] * layers), tuple(windows))
+
+
+def _mimo_v2_flash_layout(c: Mapping[str, Any], layers: int, element_bytes: int, where: str) -> KVLayout:
+    # Its hybrid_layer_pattern marks the sliding layers (1), which have their own heads and head
+    # sizes, and its values may be narrower than its keys.
+    pattern = c.get("hybrid_layer_pattern")
+    if (not isinstance(pattern, Sequence) or isinstance(pattern, str) or len(pattern) != layers
+            or any(p not in (0, 1) or isinstance(p, (bool, float)) for p in pattern)):
+        raise AsyncsideError(f"{where}: expected 'hybrid_layer_pattern' to give {layers} flags (num_hidden_layers: "
+                             f"1 for a sliding-window layer, 0 for a full-attention one), got {pattern!r}")
+    full = _int(c, "num_key_value_heads", where) * (_int(c, "head_dim", where) + _int(c, "v_head_dim", where))
+    swa = _int(c, "swa_num_key_value_heads", where) * (_int(c, "swa_head_dim", where)
+                                                       + _int(c, "swa_v_head_dim", where))
+    window = _int(c, "sliding_window_size", where) if any(p == 1 for p in pattern) else None
+    return KVLayout(tuple((swa if p == 1 else full) * element_bytes for p in pattern),
+                    tuple(window if p == 1 else None for p in pattern))
 
 
 def _model_element_bytes(model: Any) -> int:

@@ -207,13 +207,25 @@ BASE = {
         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
         moe_routed_scaling_factor=2.0, moe_router_logit_softcapping=3.0, moe_router_score_func="sigmoid",
     ),
+    # A full-attention layer (values narrower than keys) and sliding ones (windows of 8, attention
+    # sinks, their own heads and rotary base), a dense first layer by moe_layer_freq's flags.
+    "mimo_v2_flash": dict(
+        model_type="mimo_v2_flash", num_experts_per_tok=4, hybrid_layer_pattern=[0, 1, 1], moe_layer_freq=[0, 1, 1],
+        add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False, sliding_window_size=8,
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=16,
+        routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        n_group=2, topk_group=1, max_position_embeddings=512, layernorm_epsilon=1e-5, rope_theta=10000.0,
+        swa_rope_theta=5000.0, swa_num_attention_heads=4, swa_num_key_value_heads=1, head_dim=16,
+        v_head_dim=8, swa_head_dim=16, swa_v_head_dim=16, partial_rotary_factor=0.5, attention_value_scale=0.7,
+    ),
 }
 
 
 #: the configs above with sliding-window layers shorter than the tests' prompts: their rotated caches
 #: cannot be trimmed back, so decode steps run per layer instead of whole, and a prompt-cache entry
 #: is reused whole only
-SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum", "laguna")
+SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum", "laguna", "mimo_v2_flash")
 
 
 def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,

@@ -1,7 +1,7 @@
 """The MoE architectures added in session 18: minimax (MiniMax-M2), deepseek (DeepSeek-MoE, v1),
-glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear, exaone_moe (K-EXAONE), mellum and laguna,
-each exact against mlx-lm with every expert in memory; and the mlx-lm MoE architectures the decoder walk
-cannot follow, refused by name with the reason.
+glm4_moe_lite (GLM-4.7-Flash), mistral4 (Mistral-Small-4), Klear, exaone_moe (K-EXAONE), mellum,
+laguna and mimo_v2_flash (MiMo-V2-Flash), each exact against mlx-lm with every expert in memory;
+and the mlx-lm MoE architectures the decoder walk cannot follow, refused by name with the reason.
 
 Per architecture (a tiny random config of ``tests/_models_support.BASE``), as tests/test_archs_16.py
 proves its ten: greedy tokens over a source of fewer rows than experts equal mlx-lm's, in
@@ -50,6 +50,7 @@ NEW = {
     "exaone_moe": [0],
     "mellum": [],
     "laguna": [0],
+    "mimo_v2_flash": [0],
 }
 
 NEW_TOKENS = 8
@@ -62,7 +63,10 @@ def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
 #: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
 #: cannot be trimmed back, so such steps fall back to per-layer ones (asyncside.models.whole); with a
 #: window longer than the generation they run whole
-WHOLE_FIELDS: dict[str, dict[str, object]] = {t: {"sliding_window": 64} for t in ("exaone_moe", "mellum", "laguna")}
+WHOLE_FIELDS: dict[str, dict[str, object]] = {
+    **{t: {"sliding_window": 64} for t in ("exaone_moe", "mellum", "laguna")},
+    "mimo_v2_flash": {"sliding_window_size": 64},
+}
 
 
 def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
@@ -296,3 +300,42 @@ def test_a_laguna_bench_shape_without_mlp_layer_types_has_mlx_lms_dense_first_la
     raw = {k: v for k, v in BASE["laguna"].items() if k != "mlp_layer_types"}
     model, _config = _tiny("laguna", mlp_layer_types=None)
     assert _moe_layers("config.json", raw, 3) == sorted(moe_layers(model, arch_for("laguna"))) == [1, 2]
+
+
+def test_mimo_v2_flash_kv_layout_is_its_caches_layer_by_layer() -> None:
+    """MiMo-V2-Flash's sliding layers have their own heads and head sizes and its values are
+    narrower than its keys: the memory plan's KV layout (kv_layout) sized every layer as a
+    full-attention one of head_dim keys and values, and never windowed its sliding layers."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from asyncside.kv_layout import kv_layout
+
+    model, config = tiny_model("mimo_v2_flash")
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4]]), cache=cache)
+    layout = kv_layout(config, 4)  # float32 keys and values
+    assert layout.windows == (None, 8, 8)
+    for i, c in enumerate(cache):
+        arrays = [a for a in c.state if isinstance(a, mx.array)]
+        assert sum(a.nbytes for a in arrays) == layout.per_token[i] * arrays[0].shape[-2], i
+
+
+@pytest.mark.parametrize("pattern", [[0, 1], [0, 2, 1], None])
+def test_a_bad_hybrid_layer_pattern_is_refused_in_one_line(pattern: object) -> None:
+    from asyncside.errors import AsyncsideError
+    from asyncside.kv_layout import kv_layout
+
+    with pytest.raises(AsyncsideError, match=r"config.json: expected 'hybrid_layer_pattern' to give 3 flags"):
+        kv_layout({**BASE["mimo_v2_flash"], "hybrid_layer_pattern": pattern}, 2)
+
+
+@pytest.mark.parametrize("flags", [[0, 1], [0, 1, 2], [0.0, 1, 1], [False, True, True]])
+def test_a_bench_shape_refuses_bad_moe_layer_freq_flags_in_one_line(flags: object) -> None:
+    """MiMo-V2-Flash gives moe_layer_freq as one flag per layer (1: MoE): a bench shape takes those
+    layers (tests/test_bench_shapes_archs_16.py) and names the field where the list is not that."""
+    from asyncside.bench.shapes import ShapeError, qwen3_moe_config
+
+    raw = {**BASE["mimo_v2_flash"], "moe_layer_freq": flags}
+    with pytest.raises(ShapeError, match=r"config.json: moe_layer_freq must be a positive integer or a list of 3 "
+                                         r"flags \(1 for an MoE layer, 0 for a dense one\), got "):
+        qwen3_moe_config(raw, "config.json")

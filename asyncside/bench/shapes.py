@@ -242,7 +242,16 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
     ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer), Laguna's
     ``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; without it a dense first layer, as
-    mlx-lm builds one); every layer where none is given."""
+    mlx-lm builds one), MiMo-V2-Flash's ``moe_layer_freq`` as a list of per-layer flags; every layer
+    where none is given."""
+    freq_flags = raw.get("moe_layer_freq")
+    if isinstance(freq_flags, list):
+        # MiMo-V2-Flash's moe_layer_freq is one flag per layer (1: MoE), not a period.
+        if (not all(isinstance(f, int) and not isinstance(f, bool) and f in (0, 1) for f in freq_flags)
+                or len(freq_flags) < n_layers):
+            raise ShapeError(f"{origin}: moe_layer_freq must be a positive integer or a list of {n_layers} flags "
+                             f"(1 for an MoE layer, 0 for a dense one), got {freq_flags!r}")
+        return [i for i in range(n_layers) if freq_flags[i] == 1]
     kinds = raw.get("mlp_layer_types")
     if kinds is None and raw.get("model_type") == "laguna":
         kinds = ["dense"] + ["sparse"] * (n_layers - 1)  # mlx-lm's laguna default

@@ -82,6 +82,16 @@ def _masks_laguna(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     return [swa if layer.use_sliding else full for layer in inner.layers]
 
 
+def _masks_mimo_v2_flash(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's mimo_v2_flash LanguageModel.__call__ (which sizes its masks by the token ids, of the
+    # same length as the hidden state): the full mask from its first full layer's cache, the
+    # windowed one from its first sliding layer's.
+    inner = model.model
+    full = create_attention_mask(h, cache[inner.ga_idx])
+    swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window_size)
+    return [swa if layer.is_sliding_window else full for layer in inner.layers]
+
+
 def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     # mlx-lm's LlamaModel.__call__ (llama4) step for step: its chunked layers (every layer but each
     # fourth) drop the keys before their window first, then one chunk mask serves them all and the
@@ -238,6 +248,7 @@ ARCHS: dict[str, Arch] = {
     "exaone_moe": Arch("exaone_moe", "mlp", _masks_exaone_moe),
     "mellum": Arch("mellum", "mlp", _masks_mellum),
     "laguna": Arch("laguna", "mlp", _masks_laguna),
+    "mimo_v2_flash": Arch("mimo_v2_flash", "mlp", _masks_mimo_v2_flash),
 }
 
 #: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is

@@ -447,7 +447,8 @@ def _deepseek(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
 
 
 def _glm4_moe_lite(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    # deepseek_v3's scores, but its group_expert_select adds a small term to the denominator.
+    # deepseek_v3's scores, but its group_expert_select adds a small term to the denominator
+    # (mimo_v2_flash's too).
     gate = block.gate
     orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
     scores = mx.take_along_axis(orig, inds, axis=-1)
@@ -563,6 +564,7 @@ _FORCED = {
     "mlx_lm.models.exaone_moe.MoE": _exaone_moe,
     "MellumSparseMoeBlock": _mellum,
     "mlx_lm.models.laguna.MoE": _laguna,
+    "mlx_lm.models.mimo_v2_flash.MoE": _glm4_moe_lite,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 
