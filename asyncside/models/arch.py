@@ -262,6 +262,14 @@ REFUSED: dict[str, str] = {
                "its decoder layers add residual blocks carried across layers",
     "bailing_moe_v3": "its linear-attention layers keep a recurrent state (ArraysCache), not the keys and "
                       "values the walk's caches hold",
+    "qwen3_5_moe": "its linear-attention layers (gated delta net) keep a recurrent state and a convolution "
+                   "state (ArraysCache), not the keys and values the walk's caches hold",
+    "bailing_moe_linear": "its linear-attention layers keep a recurrent state (ArraysCache), not the keys and "
+                          "values the walk's caches hold",
+    "jamba": "its Mamba layers keep a convolution and an SSM state (ArraysCache) in place of attention",
+    "nemotron_h": "its Mamba-2 layers keep a convolution and an SSM state (ArraysCache) in place of attention",
+    "granitemoehybrid": "its Mamba-2 layers keep a convolution and an SSM state (ArraysCache) in place of "
+                        "attention",
     "lfm2_moe": "its short-convolution layers keep a convolution state (ArraysCache) in place of attention",
     "longcat_flash": "each decoder layer runs two attention and two dense MLP sub-layers around one MoE "
                      "block whose output joins at the layer's end, not one attention then one MoE block",
