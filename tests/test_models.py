@@ -180,6 +180,11 @@ def test_wider_lookahead(model_type: str) -> None:
     assert narrow_np.shape[0] == 3  # one row per token (olmoe flattens the batch)
     for a, b in zip(narrow_np, wide_np):  # the router's own k experts are among the wider guess
         assert set(a.tolist()) <= set(b.tolist())
+    # Asked past the layer's experts, every expert (MiniMax's and Mistral 4's blocks name no count:
+    # the router's partition failed, "invalid kth").
+    experts = next(iter(pools[layer].values())).shape[0]
+    assert walk.route_ids(layer, x, 10_000).shape[-1] == experts
+    assert getattr(obj, name) == k
 
     async def main() -> dict[int, int]:
         prefetched = {}

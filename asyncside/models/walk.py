@@ -24,9 +24,10 @@ from .trace import RoutingTrace
 
 
 def _experts_of(*holders: object) -> int | None:
-    """The experts an MoE block routes among, as mlx-lm's blocks and gates name them (None: unnamed)."""
+    """The experts an MoE block routes among, as mlx-lm's blocks, gates and configurations name them
+    (None: unnamed)."""
     for holder in holders:
-        for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        for name in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
             value = getattr(holder, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -131,7 +132,9 @@ class DecoderWalk:
         obj, name = where
         k = getattr(obj, name)
         # Past the layer's experts the router's top-k partition fails ("invalid kth").
-        experts = _experts_of(obj, block)
+        # The block and its gate name the count, or only the model's configuration does (MiniMax,
+        # Mistral 4, bailing_moe, ernie4_5_moe).
+        experts = _experts_of(obj, block, getattr(self.model, "args", None))
         if experts is not None:
             extra = min(extra, experts - k)
         if extra <= 0:
