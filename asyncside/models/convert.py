@@ -436,6 +436,20 @@ def _weight_bytes(src: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in src.glob("*.safetensors") if p.is_file())
 
 
+def _switch_metas(moe: Mapping[int, tuple[nn.Module, str]], paths: Mapping[int, str],
+                  src: pathlib.Path) -> dict[int, dict[str, Any]]:
+    """Each MoE layer's switch description; a switch the pooled path cannot compute (nvfp4 experts
+    with a per-expert global scale) refused naming the config and the switch's module path."""
+    specs = {}
+    for l, (block, attr) in moe.items():
+        try:
+            specs[l] = switch_meta(getattr(block, attr))
+        except UnsupportedModelError as exc:
+            # The line named only the linear's attribute: not the layer, nor the file it came from.
+            raise UnsupportedModelError(f"{src / 'config.json'}: {paths[l]}: {exc}") from None
+    return specs
+
+
 def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLike[str], *,
                   profile: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                   resident_fraction: float = DEFAULT_RESIDENT_FRACTION, progress: bool = True,
@@ -484,8 +498,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         raise UnsupportedModelError(f"{src / 'config.json'}: {exc}") from None
     model, config = _load_lazily(src, raw)
     moe = _moe_layers_of(model, arch, src, raw)
-    specs = {l: switch_meta(getattr(block, attr)) for l, (block, attr) in moe.items()}
     paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}
+    specs = _switch_metas(moe, paths, src)
     n_experts = {l: _n_experts(getattr(block, attr)) for l, (block, attr) in moe.items()}
     if prof is not None:
         if prof.get("model_type") not in (None, config["model_type"]):
