@@ -247,7 +247,7 @@ def test_disk_bytes_stop_at_the_last_token_of_a_run_ended_by_time(tt: ModuleType
     record = 1 << 20
     stand_in_timed_reads(monkeypatch, tt, record)
     spec = {"store": str(quick_store), "prompt": offload.prompt_for(str(quick_store)), "seconds": 0.025,
-            "tokens": 1000, "resident": "0.5", "host_tier": 0, "budget": 1 << 30, "policy": "lru",
+            "tokens": 1000, "resident": "0.5", "host_tier": 0, "budget": 8 << 30, "policy": "lru",
             "predictor": "none", "routing": None}
     out = tt.child_main(spec)
     assert out["stopped_by"] == "seconds" and 2 <= len(out["tokens"]) < 1000
