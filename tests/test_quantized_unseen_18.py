@@ -53,6 +53,17 @@ def _router_at_8_bits(path: str, m: nn.Module) -> bool | dict[str, Any]:
     return True
 
 
+def _one_switch_mixed(path: str, m: nn.Module) -> bool | dict[str, Any]:
+    """Within each switch: up at five bits in groups of 32, gate mxfp4, down left float."""
+    if "switch_mlp" in path or ".experts." in path:
+        if path.endswith("up_proj"):
+            return {"group_size": 32, "bits": 5, "mode": "affine"}
+        if path.endswith("gate_proj"):
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        return not path.endswith("down_proj")
+    return True
+
+
 # name -> (group size, bits, mode, predicate or recipe)
 CASES: dict[str, tuple[int, int, str, Any]] = {
     "affine-8bit": (64, 8, "affine", None),
@@ -68,13 +79,18 @@ CASES: dict[str, tuple[int, int, str, Any]] = {
     "layer1-8bit-g32": (64, 4, "affine", _experts_of_layer(1, {"group_size": 32, "bits": 8, "mode": "affine"})),
     "layer1-mxfp4": (64, 4, "affine", _experts_of_layer(1, {"group_size": 32, "bits": 4, "mode": "mxfp4"})),
     "layer1-float": (64, 4, "affine", _experts_of_layer(1, False)),
+    "switch-mixed": (64, 4, "affine", _one_switch_mixed),
     "dense": (0, 0, "", None),
+    # A Hugging Face "quantization_config" naming only its method, as mlx-lm reads those.
+    "legacy-mxfp4": (32, 4, "mxfp4", {"quant_method": "mxfp4"}),
+    "legacy-modelopt-nvfp4": (16, 4, "nvfp4", {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}),
 }
 
 MATRIX = [
     *[("mixtral", c) for c in CASES],
     ("deepseek_v3", "mixed_3_4"), ("deepseek_v3", "nvfp4"), ("deepseek_v3", "layer1-8bit-g32"),
     ("gpt_oss", "mixed_4_6"), ("gpt_oss", "mxfp8"), ("gpt_oss", "router-8bit"), ("gpt_oss", "layer1-float"),
+    ("gpt_oss", "switch-mixed"), ("gpt_oss", "legacy-mxfp4"),
     ("qwen3_moe", "mixed_2_6"), ("qwen3_moe", "affine-g32"), ("qwen3_moe", "router-8bit"),
 ]
 
@@ -84,8 +100,12 @@ def write_quantized(path: pathlib.Path, model_type: str, case: str) -> tuple[pat
     model, config = tiny_model(model_type)
     group_size, bits, mode, how = CASES[case]
     if bits:
-        pred = mixed_quant_predicate_builder(how, model, group_size) if isinstance(how, str) else how
+        pred = (mixed_quant_predicate_builder(how, model, group_size) if isinstance(how, str)
+                else None if isinstance(how, dict) else how)
         model, config = quantize_model(model, config, group_size, bits, mode=mode, quant_predicate=pred)
+        if isinstance(how, dict):
+            del config["quantization"]
+            config["quantization_config"] = how
     save_model(path, model)
     save_config(dict(config), path / "config.json")
     return path, config
