@@ -25,7 +25,7 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from asyncside.bridge import completed
 from asyncside.cli import main
-from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
+from asyncside.models import ForwardOptions, load_streaming_model, reference_generate, streaming_from_model
 from asyncside.models.arch import UnsupportedModelError
 from asyncside.models.convert import convert_model, resident_sets
 from asyncside.runtime import Runtime
@@ -197,3 +197,11 @@ def test_nvfp4_global_scale_is_refused_naming_the_module(tmp_path: pathlib.Path,
     err = capsys.readouterr().err
     assert "model.layers.0.block_sparse_moe.switch_mlp" in err and "Traceback" not in err
     assert not (tmp_path / "store2").exists()
+
+
+def test_nvfp4_global_scale_in_memory_is_refused_naming_the_module() -> None:
+    """streaming_from_model of such a loaded model: the same refusal, naming the switch's path."""
+    model, config = tiny_model("mixtral")
+    model, config = quantize_model(model, config, 16, 4, mode="nvfp4", global_scale=True)
+    with pytest.raises(UnsupportedModelError, match=r"^model\.layers\.0\.block_sparse_moe\.switch_mlp: .*global scale"):
+        streaming_from_model(model, config, completed=completed)

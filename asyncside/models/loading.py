@@ -26,7 +26,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_mod
 
 from ..bridge import Completed
 from ..errors import AsyncsideError, StoreError
-from .arch import arch_for, moe_layers, switch_meta
+from .arch import UnsupportedModelError, arch_for, moe_layers, switch_meta
 from .forward import ForwardOptions
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
 from .streaming import StreamingModel
@@ -239,7 +239,11 @@ def streaming_from_model(model: nn.Module, config: dict[str, Any], *, tokenizer:
         if isinstance(sw, PooledSwitch):
             raise ValueError("streaming_from_model needs a plain mlx-lm model (its switch layers hold the experts)")
         pools[layer] = dict(tree_flatten(sw.parameters()))
-        specs[layer] = SwitchSpec.from_meta(switch_meta(sw))
+        try:
+            specs[layer] = SwitchSpec.from_meta(switch_meta(sw))
+        except UnsupportedModelError as exc:
+            # The line named only the linear's attribute, not which layer's switch holds it.
+            raise UnsupportedModelError(f"{_module_path(model, sw)}: {exc}") from None
     model_class, args_class = _stripped_classes(specs)(config)
     new: nn.Module = model_class(args_class.from_dict(config))
     # Quantize exactly the modules that are quantized in the source model.
