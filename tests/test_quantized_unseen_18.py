@@ -148,6 +148,26 @@ def test_converted_quantization_streams_exact_tokens(model_type: str, case: str,
 
 
 @pytest.mark.skipif(QMM_WRONG_HERE, reason="MLX CUDA: quantized matmul of several tokens is wrong at one group per row")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_experts_in_groups_of_128(bits: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixtral wide enough that its experts are quantized in groups of 128 (the matrix above's
+    are narrower than a group and stay float)."""
+    import _models_support
+
+    monkeypatch.setitem(_models_support.BASE, "mixtral", {**_models_support.BASE["mixtral"], "hidden_size": 128,
+                                                          "intermediate_size": 128})
+    monkeypatch.setitem(CASES, "wide", (128, bits, "affine", None))
+    model_dir, config = write_quantized(tmp_path / "model", "mixtral", "wide")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config["vocab_size"], 30)]
+    ref = reference_generate(load_model(model_dir)[0], prompt, max_tokens=8)
+    store = convert_model(model_dir, tmp_path / "store", progress=False)
+    up = store.metadata["asyncside_model"]["switch"]["0"]["linears"]["up_proj"]
+    assert (up["quantized"], up["group_size"], up["bits"]) == (True, 128, bits)
+    for mode in ("per-layer", "queued"):
+        assert anyio.run(streamed, store.path, prompt, mode) == ref, mode
+
+
+@pytest.mark.skipif(QMM_WRONG_HERE, reason="MLX CUDA: quantized matmul of several tokens is wrong at one group per row")
 @pytest.mark.parametrize("mode", ["per-layer", "whole"])
 def test_mixed_recipe_logits_bitwise(mode: str, tmp_path: pathlib.Path) -> None:
     """A mixed_3_6 recipe's prefill and decode logits equal mlx-lm's bit for bit over shuffled rows."""
