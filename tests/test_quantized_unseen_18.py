@@ -80,6 +80,9 @@ CASES: dict[str, tuple[int, int, str, Any]] = {
     "layer1-mxfp4": (64, 4, "affine", _experts_of_layer(1, {"group_size": 32, "bits": 4, "mode": "mxfp4"})),
     "layer1-float": (64, 4, "affine", _experts_of_layer(1, False)),
     "switch-mixed": (64, 4, "affine", _one_switch_mixed),
+    # As older conversions saved them: no per-module entries, mlx-lm infers them from the weights.
+    "switch-mixed-unrecorded": (64, 4, "affine", _one_switch_mixed),
+    "mixed_3_6-unrecorded": (64, 4, "affine", "mixed_3_6"),
     "dense": (0, 0, "", None),
     # A Hugging Face "quantization_config" naming only its method, as mlx-lm reads those.
     "legacy-mxfp4": (32, 4, "mxfp4", {"quant_method": "mxfp4"}),
@@ -90,7 +93,7 @@ MATRIX = [
     *[("mixtral", c) for c in CASES],
     ("deepseek_v3", "mixed_3_4"), ("deepseek_v3", "nvfp4"), ("deepseek_v3", "layer1-8bit-g32"),
     ("gpt_oss", "mixed_4_6"), ("gpt_oss", "mxfp8"), ("gpt_oss", "router-8bit"), ("gpt_oss", "layer1-float"),
-    ("gpt_oss", "switch-mixed"), ("gpt_oss", "legacy-mxfp4"),
+    ("gpt_oss", "switch-mixed"), ("gpt_oss", "legacy-mxfp4"), ("gpt_oss", "mixed_3_6-unrecorded"),
     ("qwen3_moe", "mixed_2_6"), ("qwen3_moe", "affine-g32"), ("qwen3_moe", "router-8bit"),
 ]
 
@@ -106,6 +109,9 @@ def write_quantized(path: pathlib.Path, model_type: str, case: str) -> tuple[pat
         if isinstance(how, dict):
             del config["quantization"]
             config["quantization_config"] = how
+        if case.endswith("-unrecorded"):
+            config["quantization"] = {k: v for k, v in config["quantization"].items() if not isinstance(v, dict)}
+            config["quantization_config"] = config["quantization"]
     save_model(path, model)
     save_config(dict(config), path / "config.json")
     return path, config
