@@ -7,6 +7,12 @@ class AsyncsideError(Exception):
     """Base class of every error asyncside raises on purpose."""
 
 
+def os_reason(exc: OSError) -> str:
+    """What an operating-system call's failure says, as the errors here quote it: its reason and
+    errno ("Permission denied (errno 13)")."""
+    return f"{exc.strerror or exc} (errno {exc.errno})"
+
+
 class StoreError(AsyncsideError, ValueError):
     """An expert store is missing, malformed or hostile.
 

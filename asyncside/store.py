@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StoreError
+from .errors import StoreError, os_reason
 
 FORMAT_NAME = "asyncside-expert-store"
 #: Version written. Version 1 (CRC-32 checksums only) is still read.
@@ -303,7 +303,7 @@ def _blob_stat(path: pathlib.Path, field: str) -> os.stat_result:
     except FileNotFoundError:
         raise StoreError(path, "blob file is missing", field) from None
     except OSError as exc:  # a directory the process may not search, a disk error: a bare traceback
-        raise StoreError(path, f"cannot look at the blob: {exc.strerror or exc} (errno {exc.errno})", field,
+        raise StoreError(path, f"cannot look at the blob: {os_reason(exc)}", field,
                          errno=exc.errno) from None
 
 
@@ -500,7 +500,7 @@ class ExpertStore:
                         # A store made read-only (mode 0555), another user's in a sticky directory:
                         # a bare PermissionError naming the trash, which stayed beside the store.
                         shutil.rmtree(trash, ignore_errors=True)
-                        raise StoreError(dest, f"cannot be replaced: {exc.strerror or exc} (errno {exc.errno})",
+                        raise StoreError(dest, f"cannot be replaced: {os_reason(exc)}",
                                          errno=exc.errno) from None
                     os.rename(tmp, dest)
                     shutil.rmtree(trash, ignore_errors=True)
@@ -551,7 +551,7 @@ class ExpertStore:
         except FileNotFoundError:
             raise StoreError(mpath, "manifest is missing") from None
         except OSError as exc:
-            raise StoreError(mpath, f"cannot read the manifest: {exc.strerror or exc} (errno {exc.errno})",
+            raise StoreError(mpath, f"cannot read the manifest: {os_reason(exc)}",
                              errno=exc.errno) from None
         if size > MAX_MANIFEST_BYTES:
             raise StoreError(mpath, f"manifest is {size} bytes, larger than the {MAX_MANIFEST_BYTES} limit")
@@ -561,7 +561,7 @@ class ExpertStore:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise StoreError(mpath, f"manifest is not valid JSON: {exc}") from None
         except OSError as exc:  # another user's store (mode 0600), a disk error: a PermissionError traceback
-            raise StoreError(mpath, f"cannot read the manifest: {exc.strerror or exc} (errno {exc.errno})",
+            raise StoreError(mpath, f"cannot read the manifest: {os_reason(exc)}",
                              errno=exc.errno) from None
         v = _Validator(mpath)
         if not isinstance(manifest, dict):
@@ -632,8 +632,8 @@ class ExpertStore:
         except OSError as exc:
             # A blob the process may not read (another user's, mode 0600), gone, or a disk error:
             # a bare OSError from deep inside a load, naming neither the layer nor the expert.
-            raise StoreError(spec.path, f"layer {layer}: cannot read expert {e}: {exc.strerror or exc} "
-                                        f"(errno {exc.errno})", errno=exc.errno) from None
+            raise StoreError(spec.path, f"layer {layer}: cannot read expert {e}: {os_reason(exc)}",
+                             errno=exc.errno) from None
         if len(data) != spec.stride:
             raise StoreError(spec.path,
                              f"short read of expert {e}: {len(data)} of {spec.stride} bytes (truncated blob?)")
@@ -719,8 +719,8 @@ class ExpertStore:
             try:
                 fd = os.open(spec.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
-                raise StoreError(spec.path, f"layer {index}: cannot open the blob: {exc.strerror or exc} "
-                                            f"(errno {exc.errno})", errno=exc.errno) from None
+                raise StoreError(spec.path, f"layer {index}: cannot open the blob: {os_reason(exc)}",
+                                 errno=exc.errno) from None
             try:
                 for start in range(0, spec.n_experts, per_block):
                     stop = min(spec.n_experts, start + per_block)
@@ -732,7 +732,7 @@ class ExpertStore:
                         # named neither the blob nor where in it.
                         raise StoreError(spec.path, f"layer {index}: cannot read experts [{start}, {stop}) (bytes "
                                                     f"[{start * spec.stride}, {stop * spec.stride})): "
-                                                    f"{exc.strerror or exc} (errno {exc.errno})",
+                                                    f"{os_reason(exc)}",
                                          errno=exc.errno) from None
                     if len(data) != want:
                         raise StoreError(spec.path, f"short read at expert {start + len(data) // spec.stride}: "

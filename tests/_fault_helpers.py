@@ -238,3 +238,34 @@ def import_native_with(variable: str, value: str, expression: str) -> Any:
     env = dict(os.environ, **{variable: value})
     return subprocess.run([sys.executable, "-c", f"from asyncside import _native; print({expression})"],
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+def refuse_o_direct(monkeypatch: pytest.MonkeyPatch, under: pathlib.Path) -> None:
+    """Opens of files under ``under`` with O_DIRECT fail with EINVAL, as ramfs and some FUSE mounts
+    (and tmpfs before Linux 6.6) answer them."""
+    import errno
+
+    real = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0) and str(under) in str(path):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+
+
+def deny_open(monkeypatch: pytest.MonkeyPatch, locked: str) -> None:
+    """Python's ``open`` of the file ``locked`` fails with EACCES, as a file of another user (mode
+    0600) answers; every other file opens."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def denying(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file) == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denying)

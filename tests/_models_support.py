@@ -414,3 +414,56 @@ class ShuffledSource:
 
     def audit(self) -> list[str]:
         return [f"layer {l}: {p}" for l, led in self.ledgers.items() for p in led.audit().problems]
+
+
+def store_pools(store: Any) -> dict[int, dict[str, mx.array]]:
+    """Every expert of every layer of ``store`` (an ExpertStore), stacked per segment: the pools a
+    ShuffledSource over the converted model takes."""
+    return {layer: {seg.key: mx.stack([store.read_expert(layer, e)[seg.key] for e in range(spec.n_experts)])
+                    for seg in spec.segments}
+            for layer, spec in store.layers.items()}
+
+
+def reference_logits(model: nn.Module, steps: list[list[int]]) -> list[mx.array]:
+    """mlx-lm's logits of ``steps`` (the prompt, then one token each), one cache throughout, computed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array(s)[None], cache=cache) for s in steps]
+    mx.eval(out)
+    return out
+
+
+async def shuffled_logits(sm: Any, pools: Mapping[int, Mapping[str, mx.array]], steps: list[list[int]],
+                          mode: str) -> list[mx.array]:
+    """The streamed model's logits of ``steps`` in ``mode``'s steps over a ShuffledSource of
+    ``pools`` (a quarter resident, three side rows), the lookahead predicting."""
+    from asyncside.bridge import completed
+    from asyncside.models import ForwardOptions
+
+    src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=3)
+    fwd = sm.forward_with(ForwardOptions(mode=mode))
+    pred = fwd.make_predictor("lookahead")
+    cache = sm.make_cache()
+    out = []
+    for s in steps:
+        logits = await fwd(mx.array(s)[None], cache, src, pred)
+        await completed(logits)
+        out.append(logits)
+    await src.close()
+    return out
+
+
+async def queued_tokens(sm: Any, prompt: list[int], max_tokens: int, min_side_rows: int,
+                        trace: Any = None) -> tuple[list[int], dict[int, int]]:
+    """Greedy tokens of ``sm`` over a Runtime on its store with no expert resident and
+    ``min_side_rows`` rows a layer (every MoE layer faults), no predictor; the ledgers audit
+    clean; each MoE layer's misses."""
+    from asyncside.runtime import Runtime
+
+    async with Runtime(sm.store, resident=0.0, min_side_rows=min_side_rows) as rt:
+        tokens = [t async for t in sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor="none",
+                                               trace=trace)]
+        await rt.quiesce()
+        assert all(r.ok for r in rt.audit().values())
+        return tokens, {layer: rt.ledger(layer).stats["misses"] for layer in sm.moe_layers}

@@ -7,6 +7,8 @@
   io_uring skips where the kernel refuses rings); ``native_reader``: the two native ones.
 - ``quick_store``: the bench's quick embedded model as a store, built once per run (read it only:
   a test that damages a store builds its own).
+- ``ramfs``: a ramfs mounted under the test's tmp_path, a real filesystem that refuses O_DIRECT
+  (skipped where it cannot be mounted: not root, no mount permission).
 - ``no_blocking``: fails an async test whose event loop thread blocks (see
   asyncside/testing_blocking.py); configure with ``@pytest.mark.no_blocking(threshold=...,
   strict=...)``. Works with pytest-asyncio (``@pytest.mark.asyncio``) and anyio tests alike. The
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import numpy.testing  # noqa: F401  (see below)
@@ -84,3 +88,21 @@ def quick_store(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
     cache = tmp_path_factory.mktemp("embedded")
     return ensure_embedded_default(cache, spec=bench._quick_spec(), progress=False)[1]
+
+
+@pytest.fixture
+def ramfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A ramfs mount under tmp_path: a real filesystem that refuses O_DIRECT (EINVAL at open)."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -17,26 +17,25 @@ import pathlib
 from collections.abc import Iterator
 
 import anyio
-import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
-from mlx_lm.utils import save_config, save_model
+from _archs_support import (
+    NEW_TOKENS,
+    check_forced_routers,
+    check_load_generates,
+    check_queued_and_replay,
+    check_steps_over_fewer_rows,
+    converted_store,
+    prompt_of,
+)
 
 from asyncside.bridge import completed
 from asyncside.models import (
     ForwardOptions,
-    RoutingTrace,
-    convert_model,
-    load_streaming_model,
     reference_generate,
     streaming_from_model,
 )
 from asyncside.models.arch import UnsupportedModelError, arch_for, moe_layers
-from asyncside.models.forcing import force_reference, forced_block_call, rewind_reference
-from asyncside.models.pooled import SORT_THRESHOLD, route
-from asyncside.routing import preset
-from asyncside.runtime import Runtime
 
 import _models_support as support
 from _models_support import BASE, ShuffledSource, tiny_model
@@ -96,21 +95,6 @@ def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
         return tiny_model(model_type)
 
 
-NEW_TOKENS = 8
-
-
-def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, config["vocab_size"], n)]
-
-
-def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, object, dict]:
-    model, config = _tiny(model_type)
-    save_model(tmp / "model", model)
-    save_config(dict(config), tmp / "model" / "config.json")
-    convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
-    return tmp / "store", model, config
-
-
 @pytest.mark.parametrize("model_type", sorted(NEW))
 def test_tiny_model_builds_with_its_moe_layers(model_type: str) -> None:
     model, config = _tiny(model_type)
@@ -125,27 +109,7 @@ def test_steps_over_fewer_rows_than_experts(model_type: str, mode: str) -> None:
     """Per-layer steps, and decode steps queued whole and checked after (layers redone where rows
     moved under them: the KV caches trimmed back, llama4's chunked ones too)."""
     model, config = _tiny(model_type)
-    prompt = _prompt(config, _prompt_len(model_type))
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    options = ForwardOptions(mode=mode)
-    sm, pools = streaming_from_model(model, config, completed=completed, options=options)
-    assert len(prompt) * sm.forward.walk.top_k >= SORT_THRESHOLD
-
-    async def main() -> ShuffledSource:
-        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=1,
-                             churn=mode == "whole")
-        got = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=src, predictor="lookahead")]
-        await src.close()
-        assert got == ref
-        return src
-
-    src = anyio.run(main)
-    assert src.stats["demand_fills"] > 0 and src.open_leases() == 0 and src.audit() == []
-    counters = sm.forward_with(options).counters
-    if mode == "whole":
-        assert counters["optimistic"] == NEW_TOKENS and counters["optimistic_redone"] > 0
-    else:
-        assert counters["per_layer"] > 0
+    check_steps_over_fewer_rows(model, config, prompt_of(config, _prompt_len(model_type)), mode)
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -154,19 +118,8 @@ def test_forced_router_scores_are_the_routers(model_type: str) -> None:
     elsewhere, another. The lookahead's wider guess holds the router's own ids (llama4's router,
     whose top-1 score scales the switch input, is not widened)."""
     model, config = _tiny(model_type)
-    sm, _pools = streaming_from_model(model, config, completed=completed)
-    x = mx.array(np.random.default_rng(1).standard_normal((1, 9, config["hidden_size"])).astype(np.float32))
-    for layer, (block, _attr) in moe_layers(model, arch_for(model_type)).items():
-        pooled_block, pooled_attr = sm._moe[layer]
-        inds = route(pooled_block, pooled_attr, x)[1]
-        assert mx.array_equal(block(x), forced_block_call(block, x, inds)).item(), layer
-        other = (inds + 1) % 8  # every tiny config routes among 8 experts or more
-        assert not mx.array_equal(block(x), forced_block_call(block, x, other.astype(inds.dtype))).item()
-        k = inds.shape[-1]
-        wide = sm.forward.walk.route_ids(layer, x, 2)
-        assert wide.shape[-1] == (k if model_type == "llama4" else k + 2)
-        for a, b in zip(np.asarray(inds).reshape(-1, k), np.asarray(wide).reshape(-1, wide.shape[-1])):
-            assert set(a.tolist()) <= set(b.tolist())
+    # every tiny config routes among 8 experts or more
+    check_forced_routers(model, config, model_type, experts=8, widens=model_type != "llama4")
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -174,45 +127,10 @@ def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path
     """The converted store loads back as the model (its MoE layers); queued steps over rows for one
     token's experts fault in every MoE layer and give mlx-lm's tokens; a routing trace replayed
     on both sides routes the trace's ids and still gives equal tokens."""
-    store_dir, model, config = _store(tmp_path, model_type)
-    prompt = _prompt(config, 20 if model_type == "llama4" else 12, seed=5)
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    sm = load_streaming_model(store_dir, completed=completed, options=ForwardOptions(mode="queued"))
-    assert sm.arch.model_type == model_type
-    assert sm.moe_layers == sorted(moe_layers(model, arch_for(model_type)))
-    k = sm.forward.walk.top_k
-    n_experts = sm.store.layer(sm.moe_layers[0]).n_experts
-
-    async def run(trace: RoutingTrace | None = None) -> tuple[list[int], dict[int, int]]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
-            tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt, predictor="none",
-                                                   trace=trace)]
-            await rt.quiesce()
-            assert all(r.ok for r in rt.audit().values())
-            return tokens, {layer: rt.ledger(layer).stats["misses"] for layer in sm.moe_layers}
-
-    tokens, misses = anyio.run(run)
-    assert tokens == ref
-    assert all(n > 0 for n in misses.values()), misses
-    assert sm.forward.counters["queued"] > 0 and sm.forward.counters["fallbacks"] == 0
-
-    path = tmp_path / "trace.npz"
-    preset("low", tokens=len(prompt) + NEW_TOKENS - 3, n_layers=1, n_experts=n_experts + 3, top_k=k + 2,
-           seed=3).save(path)
-    replay = sm.set_routing(path)
-    assert replay is not None
-    free = model(mx.array(prompt)[None])
-    force_reference(model, sm.arch.block_attr, replay)
-    assert not mx.array_equal(model(mx.array(prompt)[None]), free).item()  # the replay changed the routing
-    rewind_reference(model)
-    forced_ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    trace = RoutingTrace()
-    forced, _misses = anyio.run(run, trace)
-    assert forced == forced_ref
-    for layer in sm.moe_layers:
-        got = trace.token_ids(layer)
-        assert got.shape[0] >= len(prompt)
-        assert np.array_equal(got, replay.host_ids(layer, 0, got.shape[0])), layer
+    model, config = _tiny(model_type)
+    store_dir = converted_store(tmp_path, model, config)
+    check_queued_and_replay(tmp_path, model_type, store_dir, model,
+                            prompt_of(config, 20 if model_type == "llama4" else 12, seed=5))
 
 
 def test_hunyuan_cross_layer_attention_is_refused() -> None:
@@ -225,7 +143,7 @@ def test_hunyuan_routes_a_top_k_per_layer() -> None:
     """hunyuan's ``moe_topk`` may be a list, one top-k per layer: each block routes its own."""
     model, config = _tiny("hunyuan", moe_topk=[2, 4])
     assert [layer.mlp.top_k for layer in model.layers] == [2, 4]
-    prompt = _prompt(config)
+    prompt = prompt_of(config)
     ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
     sm, pools = streaming_from_model(model, config, completed=completed, options=ForwardOptions(mode="per-layer"))
     assert sm.forward.walk.top_k == 4
@@ -272,20 +190,4 @@ def test_asyncside_load_runs_on_its_own_thread(tmp_path: pathlib.Path, model_typ
     hunyuan's rotary frequencies were left lazy by the model's construction on this thread, and
     MLX's streams belong to the thread that made them: mlx-lm's generate over them failed at the
     first token with "There is no Stream(cpu, 0) in current thread"."""
-    from mlx_lm.generate import generate_step
-
-    from asyncside import load
-    from asyncside.models.tokenizer import save_byte_level_tokenizer
-
-    model, config = _tiny(model_type)
-    save_model(tmp_path / "model", model)
-    save_config(dict(config), tmp_path / "model" / "config.json")
-    save_byte_level_tokenizer(tmp_path / "model")
-    prompt = _prompt(config, 20)
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    lm, _tokenizer = load(tmp_path / "model", cache_dir=tmp_path / "cache", progress=False)
-    try:
-        got = [int(y) for y, _ in generate_step(mx.array(prompt), lm, max_tokens=NEW_TOKENS)]
-    finally:
-        lm.close()
-    assert got == ref
+    check_load_generates(tmp_path, *_tiny(model_type))

@@ -16,29 +16,26 @@ from __future__ import annotations
 import json
 import pathlib
 
-import anyio
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
-from mlx_lm.utils import save_config, save_model
+from _archs_support import (
+    check_forced_routers,
+    check_load_generates,
+    check_queued_and_replay,
+    check_steps_over_fewer_rows,
+    converted_store,
+    prompt_of,
+)
 
 from asyncside.bridge import completed
 from asyncside.models import (
-    ForwardOptions,
-    RoutingTrace,
     convert_model,
-    load_streaming_model,
-    reference_generate,
     streaming_from_model,
 )
 from asyncside.models.arch import REFUSED, UnsupportedModelError, arch_for, moe_layers
-from asyncside.models.forcing import force_reference, forced_block_call, rewind_reference
-from asyncside.models.pooled import SORT_THRESHOLD, route
-from asyncside.routing import preset
-from asyncside.runtime import Runtime
 
-from _models_support import BASE, ShuffledSource, tiny_model
+from _models_support import BASE, tiny_model
 
 #: model type -> its decoder layers that are dense (not MoE) in the tiny config
 NEW = {
@@ -52,13 +49,6 @@ NEW = {
     "laguna": [0],
     "mimo_v2_flash": [0],
 }
-
-NEW_TOKENS = 8
-
-
-def _prompt(config: dict, n: int = 40, seed: int = 7) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, config["vocab_size"], n)]
-
 
 #: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
 #: cannot be trimmed back, so such steps fall back to per-layer ones (asyncside.models.whole); with a
@@ -77,14 +67,6 @@ def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
         return tiny_model(model_type)
     finally:
         BASE[model_type] = before
-
-
-def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, nn.Module, dict]:
-    model, config = tiny_model(model_type)
-    save_model(tmp / "model", model)
-    save_config(dict(config), tmp / "model" / "config.json")
-    convert_model(tmp / "model", tmp / "store", resident_fraction=0.25, progress=False)
-    return tmp / "store", model, config
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -106,27 +88,7 @@ def test_steps_over_fewer_rows_than_experts(model_type: str, mode: str) -> None:
     """Per-layer steps, and decode steps queued whole and checked after (layers redone where rows
     moved under them)."""
     model, config = _tiny(model_type, **(WHOLE_FIELDS.get(model_type, {}) if mode == "whole" else {}))
-    prompt = _prompt(config)
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    options = ForwardOptions(mode=mode)
-    sm, pools = streaming_from_model(model, config, completed=completed, options=options)
-    assert len(prompt) * sm.forward.walk.top_k >= SORT_THRESHOLD
-
-    async def main() -> ShuffledSource:
-        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=1,
-                             churn=mode == "whole")
-        got = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=src, predictor="lookahead")]
-        await src.close()
-        assert got == ref
-        return src
-
-    src = anyio.run(main)
-    assert src.stats["demand_fills"] > 0 and src.open_leases() == 0 and src.audit() == []
-    counters = sm.forward_with(options).counters
-    if mode == "whole":
-        assert counters["optimistic"] == NEW_TOKENS and counters["optimistic_redone"] > 0
-    else:
-        assert counters["per_layer"] > 0
+    check_steps_over_fewer_rows(model, config, prompt_of(config), mode)
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -134,19 +96,7 @@ def test_forced_router_scores_are_the_routers(model_type: str) -> None:
     """Forced to the ids its router picks, each block computes exactly its own output; forced
     elsewhere, another. The lookahead's wider guess holds the router's own ids."""
     model, config = tiny_model(model_type)
-    sm, _pools = streaming_from_model(model, config, completed=completed)
-    x = mx.array(np.random.default_rng(1).standard_normal((1, 9, config["hidden_size"])).astype(np.float32))
-    for layer, (block, _attr) in moe_layers(model, arch_for(model_type)).items():
-        pooled_block, pooled_attr = sm._moe[layer]
-        inds = route(pooled_block, pooled_attr, x)[1]
-        assert mx.array_equal(block(x), forced_block_call(block, x, inds)).item(), layer
-        other = (inds + 1) % 16
-        assert not mx.array_equal(block(x), forced_block_call(block, x, other.astype(inds.dtype))).item()
-        k = inds.shape[-1]
-        wide = sm.forward.walk.route_ids(layer, x, 2)
-        assert wide.shape[-1] == k + 2
-        for a, b in zip(np.asarray(inds).reshape(-1, k), np.asarray(wide).reshape(-1, wide.shape[-1])):
-            assert set(a.tolist()) <= set(b.tolist())
+    check_forced_routers(model, config, model_type, experts=16)
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -154,45 +104,9 @@ def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path
     """The converted store loads back as the model (its MoE layers); queued steps over rows for one
     token's experts fault in every MoE layer and give mlx-lm's tokens; a routing trace replayed
     on both sides routes the trace's ids and still gives equal tokens."""
-    store_dir, model, config = _store(tmp_path, model_type)
-    prompt = _prompt(config, 12, seed=5)
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    sm = load_streaming_model(store_dir, completed=completed, options=ForwardOptions(mode="queued"))
-    assert sm.arch.model_type == model_type
-    assert sm.moe_layers == sorted(moe_layers(model, arch_for(model_type)))
-    k = sm.forward.walk.top_k
-    n_experts = sm.store.layer(sm.moe_layers[0]).n_experts
-
-    async def run(trace: RoutingTrace | None = None) -> tuple[list[int], dict[int, int]]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=k) as rt:
-            tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt, predictor="none",
-                                                   trace=trace)]
-            await rt.quiesce()
-            assert all(r.ok for r in rt.audit().values())
-            return tokens, {layer: rt.ledger(layer).stats["misses"] for layer in sm.moe_layers}
-
-    tokens, misses = anyio.run(run)
-    assert tokens == ref
-    assert all(n > 0 for n in misses.values()), misses
-    assert sm.forward.counters["queued"] > 0 and sm.forward.counters["fallbacks"] == 0
-
-    path = tmp_path / "trace.npz"
-    preset("low", tokens=len(prompt) + NEW_TOKENS - 3, n_layers=1, n_experts=n_experts + 3, top_k=k + 2,
-           seed=3).save(path)
-    replay = sm.set_routing(path)
-    assert replay is not None
-    free = model(mx.array(prompt)[None])
-    force_reference(model, sm.arch.block_attr, replay)
-    assert not mx.array_equal(model(mx.array(prompt)[None]), free).item()  # the replay changed the routing
-    rewind_reference(model)
-    forced_ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    trace = RoutingTrace()
-    forced, _misses = anyio.run(run, trace)
-    assert forced == forced_ref
-    for layer in sm.moe_layers:
-        got = trace.token_ids(layer)
-        assert got.shape[0] >= len(prompt)
-        assert np.array_equal(got, replay.host_ids(layer, 0, got.shape[0])), layer
+    model, config = tiny_model(model_type)
+    store_dir = converted_store(tmp_path, model, config)
+    check_queued_and_replay(tmp_path, model_type, store_dir, model, prompt_of(config, 12, seed=5))
 
 
 @pytest.mark.parametrize("model_type", sorted(NEW))
@@ -208,23 +122,7 @@ def test_the_plans_top_k_is_the_models(model_type: str) -> None:
 def test_asyncside_load_generates_mlx_lms_tokens(tmp_path: pathlib.Path, model_type: str) -> None:
     """``asyncside.load`` of the mlx-lm model directory (converted to its cache, the model run on
     the facade's loop thread) generates mlx-lm's tokens through mlx-lm's own generate_step."""
-    from mlx_lm.generate import generate_step
-
-    from asyncside import load
-    from asyncside.models.tokenizer import save_byte_level_tokenizer
-
-    model, config = tiny_model(model_type)
-    save_model(tmp_path / "model", model)
-    save_config(dict(config), tmp_path / "model" / "config.json")
-    save_byte_level_tokenizer(tmp_path / "model")
-    prompt = _prompt(config, 20)
-    ref = reference_generate(model, prompt, max_tokens=NEW_TOKENS)
-    lm, _tokenizer = load(tmp_path / "model", cache_dir=tmp_path / "cache", progress=False)
-    try:
-        got = [int(y) for y, _ in generate_step(mx.array(prompt), lm, max_tokens=NEW_TOKENS)]
-    finally:
-        lm.close()
-    assert got == ref
+    check_load_generates(tmp_path, *tiny_model(model_type))
 
 
 #: the mlx-lm MoE architectures the walk cannot follow (hybrid linear attention, Mamba or convolution

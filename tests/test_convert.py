@@ -29,7 +29,7 @@ from asyncside.models.tokenizer import ByteTokenizer
 from asyncside.runtime import Runtime
 from asyncside.store import ExpertStore
 
-from _models_support import SMALL_EMBEDDED, ShuffledSource, tiny_model
+from _models_support import SMALL_EMBEDDED, ShuffledSource, store_pools, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 #: MLX CUDA's quantized matmul of several tokens is wrong, and not reproducible, where a matrix's rows
@@ -75,9 +75,7 @@ async def stream_tokens(store_dir: pathlib.Path, prompt: list[int], source_kind:
     if source_kind == "resident":
         src = sm.resident_source()
     else:
-        pools = {l: {k: mx.stack([sm.store.read_expert(l, e)[k] for e in range(spec.n_experts)])
-                     for k in (s.key for s in spec.segments)} for l, spec in sm.store.layers.items()}
-        src = ShuffledSource(pools, resident_fraction=0.0, side_rows=2, completed=completed,
+        src = ShuffledSource(store_pools(sm.store), resident_fraction=0.0, side_rows=2, completed=completed,
                              resident=resident_sets(sm.store))
     out = [t async for t in sm.generate(prompt, max_tokens=8, source=src, predictor="lookahead")]
     if hasattr(src, "close"):

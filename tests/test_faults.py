@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -309,22 +308,6 @@ async def test_a_prediction_pending_at_close_fails_its_handle(store: ExpertStore
         await handle.wait()
     assert "closed" in str(group.value.exceptions[0])
     assert_ledgers_clean(rt)
-
-
-@pytest.fixture
-def ramfs(tmp_path: Path):
-    """A ramfs mount (refuses O_DIRECT with EINVAL); needs root and mount permission."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.mark.anyio

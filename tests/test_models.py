@@ -29,7 +29,7 @@ from asyncside.models import (
 from asyncside.models.arch import UnsupportedModelError, arch_for, top_k_attribute
 from asyncside.models.pooled import SORT_THRESHOLD
 
-from _models_support import BASE, SLIDING_WINDOWED, ShuffledSource, tiny_model
+from _models_support import BASE, SLIDING_WINDOWED, ShuffledSource, reference_logits, shuffled_logits, tiny_model
 
 Q4 = {"group_size": 64, "bits": 4}
 PROMPT_LEN = 40  # 40 tokens x top-k >= 64 routed pairs: prefill takes mlx-lm's sorted gather path
@@ -222,24 +222,8 @@ def test_bitwise_logits(model_type: str, mode: str) -> None:
     model, config, sm, pools, prompt, _ = setup(model_type, "q4g64")
     assert PROMPT_LEN * sm.forward.walk.top_k >= SORT_THRESHOLD  # ernie4_5_moe's config says moe_k
     steps = [prompt, [5], [17], [99]]
-    ref_cache = make_prompt_cache(model)
-    ref_logits = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
-    mx.eval(ref_logits)
-
-    async def main() -> list[mx.array]:
-        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=3)
-        fwd = sm.forward_with(ForwardOptions(mode=mode))
-        pred = fwd.make_predictor("lookahead")
-        cache = sm.make_cache()
-        out = []
-        for s in steps:
-            logits = await fwd(mx.array(s)[None], cache, src, pred)
-            await completed(logits)
-            out.append(logits)
-        await src.close()
-        return out
-
-    got = anyio.run(main)
+    ref_logits = reference_logits(model, steps)
+    got = anyio.run(shuffled_logits, sm, pools, steps, mode)
     for i, (a, b) in enumerate(zip(ref_logits, got)):
         assert a.shape == b.shape
         assert mx.array_equal(a, b).item(), f"step {i}: max |diff| {mx.max(mx.abs(a - b)).item()}"

@@ -20,7 +20,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.convert import mixed_quant_predicate_builder
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from asyncside.bridge import completed
@@ -30,7 +29,7 @@ from asyncside.models.arch import UnsupportedModelError
 from asyncside.models.convert import convert_model, resident_sets
 from asyncside.runtime import Runtime
 
-from _models_support import ShuffledSource, tiny_model
+from _models_support import ShuffledSource, reference_logits, shuffled_logits, store_pools, tiny_model
 
 #: MLX CUDA's quantized matmul of several tokens is wrong at one group per row (tests/test_convert.py)
 QMM_WRONG_HERE = mx.default_device() == mx.gpu and bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
@@ -121,9 +120,7 @@ async def streamed(store_dir: pathlib.Path, prompt: list[int], mode: str) -> lis
     """Greedy tokens of the converted store, a quarter of each layer's experts resident."""
     sm = load_streaming_model(store_dir, completed=completed)
     if mode == "shuffled":
-        pools = {l: {k: mx.stack([sm.store.read_expert(l, e)[k] for e in range(spec.n_experts)])
-                     for k in (s.key for s in spec.segments)} for l, spec in sm.store.layers.items()}
-        src = ShuffledSource(pools, resident_fraction=0.0, side_rows=2, completed=completed,
+        src = ShuffledSource(store_pools(sm.store), resident_fraction=0.0, side_rows=2, completed=completed,
                              resident=resident_sets(sm.store))
         out = [t async for t in sm.generate(prompt, max_tokens=8, source=src, predictor="lookahead")]
         await src.close()
@@ -181,27 +178,9 @@ def test_mixed_recipe_logits_bitwise(mode: str, tmp_path: pathlib.Path) -> None:
     model = load_model(model_dir)[0]
     store = convert_model(model_dir, tmp_path / "store", progress=False)
     steps = [[int(t) for t in np.random.default_rng(5).integers(0, 128, 40)], [5], [17], [99]]
-    ref_cache = make_prompt_cache(model)
-    ref = [model(mx.array(s)[None], cache=ref_cache) for s in steps]
-    mx.eval(ref)
-
-    async def run() -> list[mx.array]:
-        sm = load_streaming_model(store.path, completed=completed)
-        pools = {l: {k: mx.stack([sm.store.read_expert(l, e)[k] for e in range(spec.n_experts)])
-                     for k in (s.key for s in spec.segments)} for l, spec in sm.store.layers.items()}
-        src = ShuffledSource(pools, resident_fraction=0.25, side_rows=3, completed=completed, seed=3)
-        fwd = sm.forward_with(ForwardOptions(mode=mode))
-        pred = fwd.make_predictor("lookahead")
-        cache = sm.make_cache()
-        out = []
-        for s in steps:
-            logits = await fwd(mx.array(s)[None], cache, src, pred)
-            await completed(logits)
-            out.append(logits)
-        await src.close()
-        return out
-
-    for i, (a, b) in enumerate(zip(ref, anyio.run(run))):
+    ref = reference_logits(model, steps)
+    sm = load_streaming_model(store.path, completed=completed)
+    for i, (a, b) in enumerate(zip(ref, anyio.run(shuffled_logits, sm, store_pools(sm.store), steps, mode))):
         assert mx.array_equal(a, b).item(), f"step {i}"
 
 

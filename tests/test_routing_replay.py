@@ -22,9 +22,8 @@ from asyncside.models import ForwardOptions, RoutingTrace, convert_model, load_s
 from asyncside.models.forcing import RoutingReplay, RoutingReplayError, force_reference, rewind_reference
 from asyncside.routing import RoutingTrace as TraceFile
 from asyncside.routing import preset
-from asyncside.runtime import Runtime
 
-from _models_support import BASE, tiny_model
+from _models_support import BASE, queued_tokens, tiny_model
 
 NEW_TOKENS = 8
 PROMPT = 12
@@ -66,15 +65,7 @@ def test_replay_forces_the_trace_and_stays_exact(tmp_path: pathlib.Path, model_t
     rewind_reference(model)
     trace = RoutingTrace()
 
-    async def main() -> tuple[list[int], dict[int, int]]:
-        async with Runtime(sm.store, resident=0.0, min_side_rows=replay.top_k) as rt:
-            tokens = [t async for t in sm.generate(prompt, max_tokens=NEW_TOKENS, source=rt, predictor="none",
-                                                   trace=trace)]
-            await rt.quiesce()
-            assert all(r.ok for r in rt.audit().values())
-            return tokens, {layer: rt.ledger(layer).stats["misses"] for layer in sm.moe_layers}
-
-    tokens, misses = anyio.run(main)
+    tokens, misses = anyio.run(queued_tokens, sm, prompt, NEW_TOKENS, replay.top_k, trace)
     assert tokens == ref
     assert all(n > 0 for n in misses.values()), misses  # misses in every MoE layer
     # Forcing equals the trace: every recorded routed id is the fitted trace's at that position.

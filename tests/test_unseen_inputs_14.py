@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _fault_helpers import refuse_o_direct
 
 from asyncside import ExpertStore, Runtime
 from asyncside.errors import StoreError
@@ -47,19 +48,9 @@ def test_a_filesystem_that_refuses_o_direct_says_how_to_read_buffered(how: str, 
     with "(the filesystem refuses direct I/O; read it buffered)", naming no way to: the plan had
     chosen O_DIRECT itself. The refusal says why the reads were direct and what reads buffered;
     with direct=False the same runtime runs."""
-    import errno
-    import os
-
     import asyncside.runtime._plan as plan_mod
 
-    real = os.open
-
-    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if flags & getattr(os, "O_DIRECT", 0) and str(quick_store) in str(path):
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refusing)
+    refuse_o_direct(monkeypatch, quick_store)
     monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)  # the budget is the plan's alone
     monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
     kwargs: dict[str, Any] = {"memory": "257M"} if how == "budget" else {"direct": True} if how == "argument" else {}

@@ -10,21 +10,9 @@ import pathlib
 from typing import Any
 
 import pytest
+from _fault_helpers import deny_open, refuse_o_direct
 
 from asyncside import ExpertStore
-
-
-def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch, under: pathlib.Path) -> None:
-    """Opens of files under ``under`` with O_DIRECT fail with EINVAL, as ramfs and some FUSE mounts
-    (and tmpfs before Linux 6.6) answer them."""
-    real = os.open
-
-    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if flags & getattr(os, "O_DIRECT", 0) and str(under) in str(path):
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refusing)
 
 
 def test_the_demos_disk_probe_on_a_filesystem_without_o_direct_measures_nothing(
@@ -40,32 +28,12 @@ def test_the_demos_disk_probe_on_a_filesystem_without_o_direct_measures_nothing(
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
     store = ExpertStore.open(quick_store)
-    _refuse_o_direct(monkeypatch, quick_store)
+    refuse_o_direct(monkeypatch, quick_store)
     before = open_fds()
     got = probe_disk(store, seconds=0.05)
     assert got["bytes_per_s"] == 0.0 and got["record_bytes"] == max(s.stride for s in store.layers.values())
     leaked = open_fds() - before
     assert not leaked, describe_fds(leaked)
-
-
-@pytest.fixture
-def ramfs(tmp_path: pathlib.Path) -> Any:
-    """A ramfs mount under tmp_path: a real filesystem that refuses O_DIRECT (EINVAL at open)."""
-    import subprocess
-
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this platform")
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_bench_io_on_a_filesystem_without_o_direct_skips_cold_direct_and_says_so(
@@ -269,20 +237,11 @@ def test_convert_of_a_model_file_it_cannot_read_names_that_file_before_convertin
     unreadable weights were a ``PermissionError`` traceback; an unreadable tokenizer file failed the
     conversion at its very end as "DIR: cannot write the store: Permission denied ... 52 GiB free
     there", blaming the store's disk. Either is one line naming the model's file, before converting."""
-    import builtins
-
     from tests._cli_support import run_cli
 
     model = quick_store.parent / "model"
     locked = str(model / name)
-    real_open = builtins.open
-
-    def denying(file: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(file) == locked:
-            raise PermissionError(errno.EACCES, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", denying)
+    deny_open(monkeypatch, locked)
     dest = tmp_path / "out" / "st"
     rc, err = run_cli(capsys, "convert", str(model), str(dest), "--quiet")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
@@ -297,20 +256,11 @@ def test_a_store_file_it_cannot_read_is_one_line_naming_it(name: str, quick_stor
     config.json belongs to another user (mode 0600): ``PermissionError: [Errno 13]`` and a
     traceback from ExpertStore.open or from mlx-lm's loader. It is a StoreError naming the file,
     the reason and its errno."""
-    import builtins
-
     from asyncside.errors import StoreError
     from asyncside.models import load_streaming_model
 
     locked = str(quick_store / name)
-    real_open = builtins.open
-
-    def denying(file: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(file) == locked:
-            raise PermissionError(errno.EACCES, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", denying)
+    deny_open(monkeypatch, locked)
     with pytest.raises(StoreError) as info:
         load_streaming_model(quick_store)
     said = str(info.value)

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from ..argtypes import directory, int_at_least, positive_float, writable_file
+from ..errors import os_reason
 from . import bench_main, json_ready, median
 from .machine import machine_info
 
@@ -190,7 +191,7 @@ def _build_store(root: str, layout: ModelLayout, n_experts: int):  # -> ExpertSt
         from ..errors import AsyncsideError
 
         raise AsyncsideError(f"--dir {root}: cannot write the bench's store {path}: "
-                             f"{exc.strerror or exc} (errno {exc.errno})") from None
+                             f"{os_reason(exc)}") from None
 
 
 # ---- cache control ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import StoreError
+from ..errors import StoreError, os_reason
 from .arch import (
     Arch,
     UnsupportedModelError,
@@ -376,7 +376,7 @@ def _readable(path: pathlib.Path) -> None:
         with open(path, "rb"):
             pass
     except OSError as exc:
-        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
+        raise StoreError(path, f"cannot read it: {os_reason(exc)}", errno=exc.errno) from None
 
 
 def _staging_beside(dest: pathlib.Path) -> pathlib.Path:
@@ -414,7 +414,7 @@ def write_failure(exc: BaseException, where: pathlib.Path, *, writing: str, part
     from ..memory import describe_bytes
 
     if isinstance(exc, OSError):
-        why = f"{exc.strerror or exc} (errno {exc.errno})" if exc.errno else str(exc)
+        why = os_reason(exc) if exc.errno else str(exc)
     elif str(exc).startswith(("[write]", "[save")):
         why = " ".join(str(exc).split()).rstrip(".")
     else:
@@ -618,7 +618,7 @@ def _publish(store: pathlib.Path, dest: pathlib.Path, src: pathlib.Path, staging
         except OSError as exc:
             # Not ours to move (a sticky directory such as /tmp and another user's store; made
             # read-only since the check): a traceback after the whole conversion.
-            raise StoreError(dest, f"cannot be replaced: {exc.strerror or exc} (errno {exc.errno}); "
+            raise StoreError(dest, f"cannot be replaced: {os_reason(exc)}; "
                                    "convert into another directory", errno=exc.errno) from None
     raise StoreError(dest, "other conversions to this directory kept replacing it; convert again")
 
@@ -753,7 +753,7 @@ def _safetensors_names(path: pathlib.Path) -> set[str]:
         with open(path, "rb") as fh:
             head = fh.read(len(_LFS_POINTER))
     except OSError as exc:  # another user's file (mode 0600), a disk error: a PermissionError traceback
-        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
+        raise StoreError(path, f"cannot read it: {os_reason(exc)}", errno=exc.errno) from None
     if head == _LFS_POINTER:
         raise StoreError(path, "is a Git LFS pointer, not the weights: fetch them (git lfs pull) and convert again")
     try:
@@ -773,7 +773,7 @@ def _safetensors_names(path: pathlib.Path) -> set[str]:
                 raise ValueError(f"tensor {name!r} ends at byte {end} of a data section of {size - 8 - n}")
             names.add(name)
     except OSError as exc:
-        raise StoreError(path, f"cannot read it: {exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
+        raise StoreError(path, f"cannot read it: {os_reason(exc)}", errno=exc.errno) from None
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise StoreError(path, "not a complete safetensors file (an incomplete download, or another file "
                                f"named model*.safetensors?): {exc}") from None

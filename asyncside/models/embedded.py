@@ -305,11 +305,12 @@ def _file_lock(path: pathlib.Path, waiting: Callable[[], None] | None = None) ->
     except OSError as exc:
         # A cache the process cannot write (a read-only home, another user's cache, HOME=/ in a
         # container) was an OSError traceback from mkdir or open.
+        from ..errors import os_reason
         from ..native_env import ENV_CACHE
         from .convert import StoreWriteError
 
         raise StoreWriteError(exc.filename or path.parent, f"cannot build in this cache directory: "
-                              f"{exc.strerror or exc} (errno {exc.errno}); give a writable one with "
+                              f"{os_reason(exc)}; give a writable one with "
                               f"--cache-dir DIR (cache_dir= in Python) or ${ENV_CACHE}",
                               errno=exc.errno) from None
     with fh:

@@ -332,12 +332,14 @@ def _deepseek_v2(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return y
 
 
-def _sigmoid_group_scores(gate: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    # group_expert_select's scores (glm4_moe, dots1) at the forced ids, as _deepseek_v3 takes them.
+def _sigmoid_group_scores(gate: nn.Module, x: mx.array, inds: mx.array, eps: float = 0.0) -> mx.array:
+    # group_expert_select's scores (glm4_moe, dots1) at the forced ids, as _deepseek_v3 takes them;
+    # ``eps``: the small term some models' selection adds to the normalising sum.
     orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
     scores = mx.take_along_axis(orig, inds, axis=-1)
     if gate.top_k > 1 and gate.norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
+        total = scores.sum(axis=-1, keepdims=True)
+        scores = scores / (total + eps if eps else total)
     scaled: mx.array = scores * gate.routed_scaling_factor
     return scaled
 
@@ -446,18 +448,13 @@ def _deepseek(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return y
 
 
-def _glm4_moe_lite(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    # deepseek_v3's scores, but its group_expert_select adds a small term to the denominator
-    # (mimo_v2_flash's too).
-    gate = block.gate
-    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
-    scores = mx.take_along_axis(orig, inds, axis=-1)
-    if gate.top_k > 1 and gate.norm_topk_prob:
-        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
-    scores = scores * gate.routed_scaling_factor
+def _sigmoid_group_eps(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # glm4_moe_lite, exaone_moe, mimo_v2_flash: deepseek_v3's scores, but their group_expert_select
+    # adds a small term to the denominator; shared experts where the block has them.
+    scores = _sigmoid_group_scores(block.gate, x, inds, eps=1e-20)
     y: mx.array = block.switch_mlp(x, inds)
     y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-    if block.config.n_shared_experts is not None:
+    if getattr(block, "shared_experts", None) is not None:
         y = y + block.shared_experts(x)
     return y
 
@@ -488,22 +485,6 @@ def _klear(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     coef = mx.softmax(block.coefficient(x), axis=-1, precise=True)
     out: mx.array = y * coef[..., :1] + block.shared_experts(x) * coef[..., 1:]
     return out
-
-
-def _exaone_moe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    # its group_expert_select's scores at the forced ids, as _glm4_moe_lite takes them; its shared
-    # experts are optional.
-    gate = block.gate
-    orig = mx.sigmoid((x @ gate.weight.T).astype(mx.float32))
-    scores = mx.take_along_axis(orig, inds, axis=-1)
-    if gate.top_k > 1 and gate.norm_topk_prob:
-        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
-    scores = scores * gate.routed_scaling_factor
-    y: mx.array = block.switch_mlp(x, inds)
-    y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-    if block.shared_experts is not None:
-        y = y + block.shared_experts(x)
-    return y
 
 
 def _mellum(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
@@ -558,13 +539,13 @@ _FORCED = {
     "GraniteMoeMoE": _granitemoe,
     "MiniMaxSparseMoeBlock": _minimax,
     "mlx_lm.models.deepseek.DeepseekMoE": _deepseek,
-    "Glm4MoeLiteMoE": _glm4_moe_lite,
+    "Glm4MoeLiteMoE": _sigmoid_group_eps,
     "Mistral4MoE": _mistral4,
     "KlearSparseMoeBlock": _klear,
-    "mlx_lm.models.exaone_moe.MoE": _exaone_moe,
+    "mlx_lm.models.exaone_moe.MoE": _sigmoid_group_eps,
     "MellumSparseMoeBlock": _mellum,
     "mlx_lm.models.laguna.MoE": _laguna,
-    "mlx_lm.models.mimo_v2_flash.MoE": _glm4_moe_lite,
+    "mlx_lm.models.mimo_v2_flash.MoE": _sigmoid_group_eps,
     "asyncside.models.arch.ScaledBlock": _scaled,
 }
 

@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model
 
 from ..bridge import Completed
-from ..errors import AsyncsideError, StoreError
+from ..errors import AsyncsideError, StoreError, os_reason
 from .arch import UnsupportedModelError, arch_for, moe_layers, switch_meta
 from .forward import ForwardOptions
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
@@ -180,7 +180,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
         raise StoreError(at_fault, f"the model cannot be loaded from this store: {text}") from None
     except OSError as exc:  # config.json another user's (mode 0600), a disk error: a PermissionError traceback
         raise StoreError(exc.filename or path, f"the model cannot be loaded from this store: cannot read it: "
-                                               f"{exc.strerror or exc} (errno {exc.errno})", errno=exc.errno) from None
+                                               f"{os_reason(exc)}", errno=exc.errno) from None
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
     return StreamingModel(

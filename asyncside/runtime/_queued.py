@@ -706,18 +706,14 @@ class QueuedSide:
                 hits += int(c["prefetch_hits"])
         return reads, hits
 
-    def set_fault(self, path: str, lo: int, hi: int, err: int) -> int:
+    def set_fault(self, path: str, lo: int, hi: int, err: int) -> None:
         """Tests (:class:`asyncside.testing.FaultyReader`): every queued read of a record of the blob
         at ``path`` touching bytes [lo, hi) fails with errno ``err`` (0: none, on every table);
-        the reader's own hooks never see these reads (the fault tables read natively). Returns
-        the fault tables that read ``path``."""
-        tables = 0
+        the reader's own hooks never see these reads (the fault tables read natively)."""
         for st in self._s.layers.values():
             if st.faults is not None:
                 here = err != 0 and str(st.spec.path) == path
                 st.faults.set_fault(lo if here else 0, hi if here else 0, err if here else 0)
-                tables += here
-        return tables
 
     def faults_injected(self) -> int:
         """Reads of queued steps that :meth:`set_fault` failed, over every layer."""
