@@ -95,6 +95,12 @@ def _tiny(model_type: str, **fields: object) -> tuple[nn.Module, dict]:
         return tiny_model(model_type)
 
 
+def _store(tmp: pathlib.Path, model_type: str) -> tuple[pathlib.Path, nn.Module, dict]:
+    """The tiny model of ``model_type`` (llama4: :data:`LLAMA4`), converted under ``tmp``."""
+    model, config = _tiny(model_type)
+    return converted_store(tmp, model, config), model, config
+
+
 @pytest.mark.parametrize("model_type", sorted(NEW))
 def test_tiny_model_builds_with_its_moe_layers(model_type: str) -> None:
     model, config = _tiny(model_type)
@@ -127,8 +133,7 @@ def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path
     """The converted store loads back as the model (its MoE layers); queued steps over rows for one
     token's experts fault in every MoE layer and give mlx-lm's tokens; a routing trace replayed
     on both sides routes the trace's ids and still gives equal tokens."""
-    model, config = _tiny(model_type)
-    store_dir = converted_store(tmp_path, model, config)
+    store_dir, model, config = _store(tmp_path, model_type)
     check_queued_and_replay(tmp_path, model_type, store_dir, model,
                             prompt_of(config, 20 if model_type == "llama4" else 12, seed=5))
 

@@ -18,8 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from _archs_support import prompt_of
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
-from test_archs_16 import LLAMA4, _prompt, _tiny
+from test_archs_16 import LLAMA4, _tiny
 
 from asyncside.models.arch import arch_for
 from asyncside.models.chunked_batch import BatchChunkedKVCache
@@ -80,7 +81,7 @@ def _same_cache(got: list[Any], alone: list[Any]) -> None:
 
 def test_merged_chunked_caches_decode_as_each_row_alone(model: nn.Module) -> None:
     lengths = [19, 5, 9, 3, 12]  # the last joins later
-    prompts = [_prompt({"vocab_size": 128}, n, seed=20 + i) for i, n in enumerate(lengths)]
+    prompts = [prompt_of({"vocab_size": 128}, n, seed=20 + i) for i, n in enumerate(lengths)]
     alone = [_prefilled(model, p) for p in prompts]
     mine = [_prefilled(model, p) for p in prompts]
     # Fed 8, 8 then 3: kept 8 on, one chunk behind; fed 8 then 1: kept all 9.

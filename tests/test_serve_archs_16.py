@@ -33,8 +33,9 @@ import anyio
 import httpx
 import numpy as np
 import pytest
+from _archs_support import prompt_of
 from mlx_lm.models.cache import ChunkedKVCache, KVCache
-from test_archs_16 import LLAMA4, _config, _prompt, _store
+from test_archs_16 import LLAMA4, _config, _store
 from test_serve_batching import run_all
 
 from asyncside.models import load_streaming_model, reference_generate
@@ -76,7 +77,7 @@ def test_concurrent_requests_decode_as_each_alone(tmp_path: pathlib.Path, model_
     # requests decode long enough to cross a chunk boundary inside batched steps.
     lengths = [27, 5, 14, 2] if model_type == "llama4" else [21, 5, 12, 2]
     n_tokens = 2 * TOKENS if model_type == "llama4" else TOKENS
-    prompts = [_prompt(config, n, seed=i) for i, n in enumerate(lengths)]
+    prompts = [prompt_of(config, n, seed=i) for i, n in enumerate(lengths)]
     expected = [_alone(model, p, n_tokens) for p in prompts]
     sm = load_streaming_model(store)
 
@@ -140,7 +141,7 @@ def test_llama4_batches_replayed_or_under_a_memory_budget_as_each_alone(tmp_path
     trace ids, tokens equal to each request's alone under the same replay) and under a memory
     budget (a plan sizing the pools and the KV allowance): one batch, each request's tokens alone."""
     store, model, config = _store(tmp_path, "llama4")
-    prompts = [_prompt(config, n, seed=i) for i, n in enumerate([27, 5, 14, 2])]
+    prompts = [prompt_of(config, n, seed=i) for i, n in enumerate([27, 5, 14, 2])]
     n_tokens = 2 * TOKENS
     sm = load_streaming_model(store)
     replay, path = None, tmp_path / "trace.npz"
@@ -187,11 +188,11 @@ def test_a_prefix_from_the_prompt_cache_decodes_as_alone(tmp_path: pathlib.Path,
     then decode together as each alone. Every architecture reuses the whole entry; each
     reuses the trimmed ones where its cache can give them back exactly."""
     store, model, config = _store(tmp_path, model_type)
-    first, beside = _prompt(config, 20, seed=1), _prompt(config, 9, seed=11)
+    first, beside = prompt_of(config, 20, seed=1), prompt_of(config, 9, seed=11)
     held = first + _alone(model, first)  # what the cache holds after: the last token was never fed
     fed = len(held) - 1
-    follow = [held[:fed // 2] + _prompt(config, 5, seed=2), held[:3] + _prompt(config, 9, seed=3),
-              held[:fed - 1] + [5, 6], held + _prompt(config, 4, seed=4)]
+    follow = [held[:fed // 2] + prompt_of(config, 5, seed=2), held[:3] + prompt_of(config, 9, seed=3),
+              held[:fed - 1] + [5, 6], held + prompt_of(config, 4, seed=4)]
     expected = [_alone(model, p) for p in follow]
     sm = load_streaming_model(store)
 
@@ -319,7 +320,7 @@ def test_asyncside_serve_says_how_it_decodes_and_answers_as_alone(tmp_path: path
     too), and no line says otherwise."""
     store, model = _served_store(tmp_path, model_type)
     tok = load_tokenizer(store, {})
-    prompts = [_prompt({"vocab_size": 256}, n, seed=i) for i, n in enumerate([19, 4, 11])]
+    prompts = [prompt_of({"vocab_size": 256}, n, seed=i) for i, n in enumerate([19, 4, 11])]
     expected = [tok.decode(reference_generate(model, p, max_tokens=6, prefill_step_size=CHUNK,
                                               eos_token_ids=set(tok.eos_token_ids))) for p in prompts]
     args = ["--model", str(store), "--port", "0", "--resident", "0.5", "--prefill-chunk", str(CHUNK),
