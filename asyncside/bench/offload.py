@@ -425,9 +425,16 @@ def _error_of(stderr: str) -> str:
     return ": " + (tail if len(tail) <= 400 else tail[:397] + "...")
 
 
+#: the most the bandwidth probe's rows take, and the most one of its passes reads: a record of many
+#: MiB needs few rows to keep the disk busy, and its rows are this (parent) process's, outside any budget
+PROBE_POOL_BYTES = 256 << 20
+PROBE_PASS_BYTES = 2 << 30
+
+
 def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int = 192) -> dict[str, Any]:
     """Random O_DIRECT reads of whole records of the store's first layer at the runtime's queue depth:
-    ``bench io``'s reader pass, GB/s (median of ``passes``)."""
+    ``bench io``'s reader pass, GB/s (median of ``passes``); its rows and each pass's reads bounded
+    by :data:`PROBE_POOL_BYTES` and :data:`PROBE_PASS_BYTES` (at least one row and one record a pass)."""
     import random
     import statistics
 
@@ -442,7 +449,10 @@ def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int 
     layers = list(store.layers)
     spec = store.layer(layers[0])
     opts = ReaderOptions(direct=True) if depth is None else ReaderOptions(direct=True, queue_depth=depth)
-    rows = max(opts.queue_depth, 32)
+    # Rows of records of many MiB (a wide model's experts) took more than MLX allocates in one
+    # array, and the probe ended the bench in an OverflowError before any run.
+    rows = max(1, min(max(opts.queue_depth, 32), PROBE_POOL_BYTES // spec.stride))
+    records = max(1, min(records, PROBE_PASS_BYTES // spec.stride))
     pools = PoolSet(spec, rows)
     rng = random.Random(7)
     vals = []
@@ -450,7 +460,8 @@ def _bandwidth(store_dir: str, depth: int | None, passes: int = 3, records: int 
         experts = [rng.randrange(spec.n_experts) for _ in range(records)]
         vals.append(anyio.run(_reader_pass, "auto", opts, spec, pools, experts)["GBps"])
     return {"GBps": statistics.median(vals), "passes": vals, "record_bytes": int(spec.stride),
-            "queue_depth": int(opts.queue_depth), "records_per_pass": records}
+            # reads in flight: no more than the rows they land in
+            "queue_depth": min(int(opts.queue_depth), rows), "records_per_pass": records}
 
 
 #: queue depths of :func:`disk_curve` (one synchronous reader up to the runtime's default depth)
