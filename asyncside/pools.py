@@ -42,16 +42,33 @@ def buffer_address(arr: object) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+#: the most elements one dimension of an MLX array may have (its shapes are 32-bit)
+MLX_MAX_DIM = (1 << 31) - 1
+
+
 def _aligned_pool(nbytes: int, dtype_name: str, shape: tuple[int, ...], align: int) -> mx.array:
     import mlx.core as mx
 
     dtype = getattr(mx, _MX_DTYPE_ATTR[dtype_name])
-    raw = mx.zeros((nbytes + align,), dtype=mx.uint8)
+    # The buffer is a flat array of the widest unsigned unit that divides a row's innermost bytes:
+    # as bytes, a pool of more than 2 GiB (a wide model's experts, most of them resident) had more
+    # elements than an MLX dimension holds, and the runtime failed to start in an OverflowError.
+    inner = (shape[-1] if len(shape) > 1 else 1) * DTYPE_SIZES[dtype_name]
+    unit = next(u for u in (8, 4, 2, 1) if inner % u == 0 and nbytes % u == 0)
+    if (nbytes + align) // unit > MLX_MAX_DIM:
+        raise ValueError(f"a pool of {nbytes} bytes ({shape} of {dtype_name}) is larger than one MLX array holds: "
+                         f"fewer rows a layer (a smaller resident fraction)")
+    units = {8: mx.uint64, 4: mx.uint32, 2: mx.uint16, 1: mx.uint8}
+    raw = mx.zeros(((nbytes + align) // unit,), dtype=units[unit])
     mx.eval(raw)
     base = buffer_address(raw)
     skip = (-base) % align
-    pool = raw[skip : skip + nbytes]
-    if dtype != mx.uint8:
+    if skip % unit:  # MLX buffers start at a multiple of the unit; one that did not is left unaligned (reads stage)
+        skip = 0
+    pool = raw[skip // unit : (skip + nbytes) // unit]
+    if len(shape) > 1:
+        pool = pool.reshape(*shape[:-1], inner // unit)
+    if dtype != units[unit]:
         pool = pool.view(dtype)
     pool = pool.reshape(shape)
     mx.eval(pool)

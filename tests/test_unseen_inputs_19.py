@@ -25,3 +25,23 @@ def test_the_offload_bandwidth_probe_takes_a_store_of_records_of_many_mib(tmp_pa
     got = offload._bandwidth(str(store.path), None, passes=1, records=2)
     assert got["GBps"] > 0 and got["record_bytes"] >= record, got
     assert got["queue_depth"] * got["record_bytes"] <= offload.PROBE_POOL_BYTES, got
+
+
+def test_a_pool_of_more_than_two_gib_is_allocated_and_aliases_its_rows(tmp_path: pathlib.Path) -> None:
+    """``Runtime(store, resident=1.0)`` over a layer whose pool of one segment passes 2 GiB (an
+    8-bit DeepSeek-V3's experts are 14 MiB a matrix, 256 of them; here 33 rows of 64 MiB) failed
+    to start in ``OverflowError: Integer value 2214596608 is outside the supported range``: the
+    pool's buffer was one flat array of bytes, more than an MLX dimension holds. It is a flat array
+    of a wider unit, viewed as the segment's dtype: the rows past 2 GiB are aligned, and bytes
+    written through a row's address are what MLX reads there."""
+    from asyncside.pools import PoolSet
+
+    shape = (16384, 1024)  # 64 MiB of uint32, as quantized weights are stored
+    records = np.stack([np.full(shape, 7, np.uint32), np.arange(np.prod(shape), dtype=np.uint32).reshape(shape)])
+    store = ExpertStore.create(tmp_path / "store", {0: {"w": records}})
+    pools = PoolSet(store.layer(0), 33)
+    pool = pools.arrays["w"]
+    assert pool.shape == (33, *shape) and pools.aligned and pools.row_address("w", 32) % 4096 == 0
+    seg = store.layer(0).segment("w")
+    pools.row_view("w", 32)[:] = store.read_record(0, 1)[seg.offset : seg.offset + seg.nbytes]
+    assert np.array_equal(np.array(pool[32]), records[1]) and int(pool[31].sum().item()) == 0
