@@ -104,6 +104,8 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
     layers = _int(c, "num_hidden_layers", where)
     if c.get("model_type") == "mimo_v2_flash":
         return _mimo_v2_flash_layout(c, layers, element_bytes, where)
+    if c.get("model_type") == "step3p5":
+        return _step3p5_layout(c, layers, element_bytes, where)
     if c.get("kv_lora_rank") is not None and c.get("model_type") == "deepseek_v2":
         # mlx-lm's deepseek_v2 caches every head's decompressed key (nope + rope parts) and value
         heads = _int(c, "num_attention_heads", where)
@@ -111,6 +113,10 @@ def kv_layout(config: Mapping[str, Any], element_bytes: int, where: str = "confi
                        + _int(c, "v_head_dim", where)) * element_bytes
     elif c.get("kv_lora_rank") is not None:  # multi-head latent attention: one latent + one rope key per position
         per = (_int(c, "kv_lora_rank", where) + _int(c, "qk_rope_head_dim", where)) * element_bytes
+        if c.get("index_head_dim") is not None:
+            # deepseek_v32's attention indexer caches a key of its own per position, and mlx-lm
+            # keeps a zero value of the same size beside it
+            per += 2 * _int(c, "index_head_dim", where) * element_bytes
     else:
         heads = _int(c, "num_attention_heads", where)
         kv_heads = _int(c, "num_key_value_heads", where) if c.get("num_key_value_heads") is not None else heads
@@ -143,6 +149,30 @@ def _mimo_v2_flash_layout(c: Mapping[str, Any], layers: int, element_bytes: int,
     window = _int(c, "sliding_window_size", where) if any(p == 1 for p in pattern) else None
     return KVLayout(tuple((swa if p == 1 else full) * element_bytes for p in pattern),
                     tuple(window if p == 1 else None for p in pattern))
+
+
+def _step3p5_layout(c: Mapping[str, Any], layers: int, element_bytes: int, where: str) -> KVLayout:
+    # Step-3.5 names its key-value heads num_attention_groups; its sliding layers (layer_types, or
+    # without it every even layer, as mlx-lm builds them) take theirs from attention_other_setting.
+    types = c.get("layer_types")
+    if types is None:
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif (not isinstance(types, Sequence) or isinstance(types, str) or len(types) != layers
+          or not all(isinstance(t, str) for t in types)):
+        raise AsyncsideError(f"{where}: expected 'layer_types' to name {layers} layers (num_hidden_layers), "
+                             f"got {types!r}")
+    else:
+        sliding = [t == "sliding_attention" for t in types]
+    head_dim = _int(c, "head_dim", where)
+    full = _int(c, "num_attention_groups", where)
+    other = c.get("attention_other_setting")
+    if other is not None and not isinstance(other, Mapping):
+        raise AsyncsideError(f"{where}: expected 'attention_other_setting' to be an object of the sliding "
+                             f"layers' heads, got {other!r}")
+    swa = _int(other, "num_attention_groups", f"{where}: attention_other_setting") if other else full
+    window = _int(c, "sliding_window", where) if any(sliding) else None
+    return KVLayout(tuple(2 * (swa if s else full) * head_dim * element_bytes for s in sliding),
+                    tuple(window if s else None for s in sliding))
 
 
 def _model_element_bytes(model: Any) -> int:

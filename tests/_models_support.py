@@ -219,13 +219,42 @@ BASE = {
         swa_rope_theta=5000.0, swa_num_attention_heads=4, swa_num_key_value_heads=1, head_dim=16,
         v_head_dim=8, swa_head_dim=16, swa_v_head_dim=16, partial_rotary_factor=0.5, attention_value_scale=0.7,
     ),
+    # deepseek_v3's shape plus the attention's indexer, keeping 8 keys (fewer than the prompts:
+    # its sparse selection runs in prefill and decode).
+    "deepseek_v32": dict(
+        model_type="deepseek_v32", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=16,
+        routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32,
+        qk_nope_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=4, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=512, index_head_dim=32, index_n_heads=2, index_topk=8,
+    ),
+    # Norms around each sub-layer, muP-scaled embeddings, grouped sigmoid routing with an expert bias,
+    # a shared expert, a dense first layer, a sliding layer (window 8) between full-attention ones.
+    "afmoe": dict(
+        model_type="afmoe", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_experts=16, num_experts_per_tok=4, num_shared_experts=1, num_dense_layers=1, route_norm=True,
+        route_scale=2.5, score_func="sigmoid", n_group=2, topk_group=1, sliding_window=8, mup_enabled=True,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+    ),
+    # A sliding layer (window 8) with its own heads, partial rotary per layer, clamped SwiGLU experts
+    # in one layer and a clamped shared expert in another, MoE layers by moe_layers_enum.
+    "step3p5": dict(
+        model_type="step3p5", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        max_position_embeddings=512, num_attention_heads=4, num_attention_groups=2, head_dim=16, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        attention_other_setting={"num_attention_heads": 2, "num_attention_groups": 1},
+        partial_rotary_factors=[0.5, 1.0, 0.5], moe_num_experts=16, moe_top_k=4, moe_intermediate_size=64,
+        share_expert_dim=64, moe_layers_enum="1,2", moe_router_scaling_factor=2.0, norm_expert_weight=True,
+        swiglu_limits=[0, 7.0, 0], swiglu_limits_shared=[0, 0, 5.0],
+    ),
 }
 
 
 #: the configs above with sliding-window layers shorter than the tests' prompts: their rotated caches
 #: cannot be trimmed back, so decode steps run per layer instead of whole, and a prompt-cache entry
 #: is reused whole only
-SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum", "laguna", "mimo_v2_flash")
+SLIDING_WINDOWED = ("gpt_oss", "exaone_moe", "mellum", "laguna", "mimo_v2_flash", "afmoe", "step3p5")
 
 
 def tiny_model(model_type: str, *, seed: int = 0, quantize: dict[str, Any] | None = None,

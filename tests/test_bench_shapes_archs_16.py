@@ -13,8 +13,14 @@ from asyncside.models.walk import DecoderWalk
 
 from _models_support import BASE
 
+#: architectures whose MoE layers the bench shapes do not read yet (afmoe's num_dense_layers,
+#: step3p5's moe_layers_enum): strict, so the case fails once they do and this set is emptied
+SHAPES_PENDING = {"afmoe", "step3p5"}
 
-@pytest.mark.parametrize("model_type", [*sorted(BASE), "llama4"])
+
+@pytest.mark.parametrize("model_type", [
+    pytest.param(t, marks=pytest.mark.xfail(strict=True, reason="bench shapes do not read its MoE layers yet"))
+    if t in SHAPES_PENDING else t for t in [*sorted(BASE), "llama4"]])
 def test_a_shape_has_the_models_moe_layers_experts_and_top_k(model_type: str) -> None:
     raw = dict(LLAMA4 if model_type == "llama4" else BASE[model_type])
     model, _config = _tiny(model_type)

@@ -3,6 +3,8 @@ allocate per position (full-attention layers of the tiny test models)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -10,6 +12,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from asyncside.kv_layout import kv_layout
 
 from _models_support import BASE, tiny_model
+
+
+def _arrays(state: Any) -> list[mx.array]:
+    """The arrays of a cache's state, a CacheList's (nested lists: deepseek_v32's indexer) flattened."""
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [a for s in state for a in _arrays(s)]
+    return []
 
 
 @pytest.mark.parametrize("model_type", sorted(BASE))
@@ -21,7 +32,7 @@ def test_kv_layout_matches_the_caches(model_type: str) -> None:
     for i, (c, window) in enumerate(zip(cache, layout.windows)):
         if window is not None:
             continue
-        arrays = [a for a in c.state if isinstance(a, mx.array)]
+        arrays = _arrays(c.state)
         positions = arrays[0].shape[-2]  # allocated positions (a step of them)
         assert sum(a.nbytes for a in arrays) == layout.per_token[i] * positions, (model_type, i)
 

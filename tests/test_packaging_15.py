@@ -75,6 +75,7 @@ MLX_LM_SINCE: dict[str, str] = {
     "mlx_lm.models.base:create_attention_mask": "0.30.0",
     "mlx_lm.models.base:scaled_dot_product_attention": "0.30.0",
     "mlx_lm.models.cache:BatchKVCache": "0.30.0",
+    "mlx_lm.models.cache:CacheList": "0.30.0",
     "mlx_lm.models.cache:ChunkedKVCache": "0.30.0",
     "mlx_lm.models.cache:KVCache": "0.30.0",
     "mlx_lm.models.cache:make_prompt_cache": "0.30.0",
@@ -120,7 +121,10 @@ MLX_LM_MODELS_SINCE: dict[str, str] = {**{t: "0.30.0" for t in (
     "hunyuan", "llama4", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "minimax", "deepseek", "Klear")},
     # Not in 0.30.0; recorded at the floor, whose wheel's modules are the ones tests/test_archs_18.py
     # proves exact.
-    "glm4_moe_lite": "0.32.1", "mistral4": "0.32.1", "exaone_moe": "0.32.1", "mellum": "0.32.1", "laguna": "0.32.1", "mimo_v2_flash": "0.32.1"}
+    "glm4_moe_lite": "0.32.1", "mistral4": "0.32.1", "exaone_moe": "0.32.1", "mellum": "0.32.1", "laguna": "0.32.1", "mimo_v2_flash": "0.32.1",
+    # Read in the wheels 0.30.0 to 0.32.1; the floor's modules are identical to the ones
+    # tests/test_archs_19.py proves exact.
+    "deepseek_v32": "0.30.0", "afmoe": "0.30.0", "step3p5": "0.30.6"}
 
 #: each top-level name asyncside uses of anyio (``anyio.X``, ``from anyio.X import``) -> the first release
 #: that has it. Found by resolving every name in a venv at anyio 4.5.0 (all but three resolve) and by

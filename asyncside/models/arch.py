@@ -16,6 +16,7 @@ exactly mlx-lm's.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -116,6 +117,37 @@ def _masks_llama4(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     return [chunk_mask if (idx + 1) % 4 != 0 else global_mask for idx in range(len(cache))]
 
 
+def _masks_deepseek_v32(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's DeepseekV32Model.__call__: each layer's cache is a CacheList of its latent keys and
+    # its indexer's keys; one array mask from the first layer's latent cache serves every layer.
+    mask = create_attention_mask(h, cache[0][0] if cache[0] else None, return_array=True)
+    return [mask] * len(cache)
+
+
+def _masks_afmoe(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's AfmoeModel.__call__: the full-attention mask from its first full layer's cache, the
+    # windowed one from its first sliding layer's.
+    inner = model.model
+    full = create_attention_mask(h, cache[inner.fa_idx])
+    swa = None if inner.swa_idx is None else create_attention_mask(h, cache[inner.swa_idx],
+                                                                   window_size=inner.sliding_window)
+    return [swa if layer.use_sliding else full for layer in inner.layers]
+
+
+def _masks_step3p5(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's Step3p5Model.__call__: each kind's mask from the cache of its first layer of that kind.
+    inner = model.model
+    full = None if inner._full_idx is None else create_attention_mask(h, cache[inner._full_idx])
+    swa = (None if inner._swa_idx is None else
+           create_attention_mask(h, cache[inner._swa_idx], window_size=inner.args.sliding_window))
+    return [swa if layer.is_sliding else full for layer in inner.layers]
+
+
+def _afmoe_embed_scale(inner: nn.Module, h: mx.array) -> mx.array:
+    # AfmoeModel.__call__ scales the embeddings by the square root of the width under muP.
+    return h * math.sqrt(inner.hidden_size) if inner.mup_enabled else h
+
+
 def _llama4_attn(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
     # mlx-lm's llama4 Attention.__call__, except in a global (non-rotary) layer over a batch cache:
     # there its attention temperature (a scale of the queries by their positions) is taken at each
@@ -203,6 +235,17 @@ class Arch:
     embed_scale: str | None = None
     residual_scale: str | None = None
     logits_divisor: str | None = None
+    #: the inner model's op on the token embeddings before the first layer (afmoe's muP scale),
+    #: ``(inner model, embeddings) -> embeddings``; None: none
+    embed_op: Callable[[nn.Module, mx.array], mx.array] | None = None
+    #: a decoder layer's norm of its attention output before the residual add (afmoe's
+    #: ``post_attention_layernorm``); None: the output is added as it is
+    attn_out_norm: str | None = None
+    #: a decoder layer's norm of the MLP / MoE block's input
+    mlp_norm: str = "post_attention_layernorm"
+    #: a decoder layer's norm of its MLP / MoE block's output before the residual add (afmoe's
+    #: ``post_mlp_layernorm``: the walk's blocks return their output normed, :class:`NormedBlock`)
+    mlp_out_norm: str | None = None
 
     def head_module(self, model: nn.Module) -> nn.Module:
         """The module holding the output head (``lm_head``) and the inner model (``.model``)."""
@@ -249,6 +292,20 @@ ARCHS: dict[str, Arch] = {
     "mellum": Arch("mellum", "mlp", _masks_mellum),
     "laguna": Arch("laguna", "mlp", _masks_laguna),
     "mimo_v2_flash": Arch("mimo_v2_flash", "mlp", _masks_mimo_v2_flash),
+    # Architectures added in session 19 (tests/test_archs_19.py).
+    "deepseek_v32": Arch("deepseek_v32", "mlp", _masks_deepseek_v32),
+    "afmoe": Arch("afmoe", "mlp", _masks_afmoe, embed_op=_afmoe_embed_scale,
+                  attn_out_norm="post_attention_layernorm", mlp_norm="pre_mlp_layernorm",
+                  mlp_out_norm="post_mlp_layernorm"),
+    "step3p5": Arch("step3p5", "mlp", _masks_step3p5),
+}
+
+#: ``model_type``s whose mlx-lm module builds a supported architecture's model (its ``Model`` is
+#: that module's, or a subclass adding nothing the walk sees) under its own name, which mlx-lm's
+#: ``MODEL_REMAPPING`` does not list
+ALIASES: dict[str, str] = {
+    "solar_open": "glm4_moe",
+    "glm_moe_dsa": "deepseek_v32",
 }
 
 #: mlx-lm MoE architectures the decoder walk cannot follow, and why: converting or loading one is
@@ -289,7 +346,8 @@ def arch_for(model_type: str) -> Arch:
 
     # Kimi-K2's config says kimi_k2, which mlx-lm builds with deepseek_v3's classes: refusing the
     # name refused a model whose architecture the walk follows.
-    arch = ARCHS.get(model_type) or ARCHS.get(MODEL_REMAPPING.get(model_type, ""))
+    arch = (ARCHS.get(model_type) or ARCHS.get(MODEL_REMAPPING.get(model_type, ""))
+            or ARCHS.get(ALIASES.get(model_type, "")))
     reason = REFUSED.get(model_type) or REFUSED.get(MODEL_REMAPPING.get(model_type, ""))
     if arch is None and reason is not None:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported: {reason}")
@@ -305,12 +363,43 @@ def remapped_model_types() -> dict[str, str]:
     """The ``model_type``s mlx-lm builds with the classes of a supported one, and that one."""
     from mlx_lm.utils import MODEL_REMAPPING
 
-    return {k: v for k, v in MODEL_REMAPPING.items() if v in ARCHS and k not in ARCHS}
+    return {**{k: v for k, v in MODEL_REMAPPING.items() if v in ARCHS and k not in ARCHS},
+            **{k: v for k, v in ALIASES.items() if v in ARCHS}}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers in order (``model.layers`` is mlx-lm's convention)."""
     return list(model.layers)
+
+
+class NormedBlock(nn.Module):
+    """An MLP or MoE block whose output its decoder layer norms before the residual add (afmoe's
+    ``post_mlp_layernorm``): ``norm`` of the block's own output, the same op the layer applies. Its
+    other attributes are the block's (its switch layer, router, top-k)."""
+
+    def __init__(self, block: nn.Module, norm: nn.Module) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # mlx's Module.__init__ is unannotated
+        self.block = block
+        self.norm = norm
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "block" not in self:  # while __init__ sets it
+                raise
+            return getattr(self["block"], name)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return cast(mx.array, self.norm(self.block(x)))
+
+
+def unwrapped(block: nn.Module) -> nn.Module:
+    """The mlx-lm block a :class:`ScaledBlock` or :class:`NormedBlock` wraps (``block`` itself
+    otherwise): where its router keeps what the walk sets (the wider lookahead's top-k)."""
+    while isinstance(block, (ScaledBlock, NormedBlock)):
+        block = block["block"]
+    return block
 
 
 class ScaledBlock(nn.Module):

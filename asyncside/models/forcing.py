@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
 from ..errors import AsyncsideError
 from .arch import UnsupportedModelError, top_k_attribute
@@ -250,7 +251,10 @@ def cache_position(cache: Sequence[Any]) -> int:
     """Tokens a KV cache has seen: the position of the next step's first token."""
     if not cache:
         return 0
-    offset = getattr(cache[0], "offset", None)
+    first = cache[0]
+    if isinstance(first, CacheList):  # deepseek_v32: its latent keys' cache, then its indexer's
+        first = first[0]
+    offset = getattr(first, "offset", None)
     if isinstance(offset, (int, np.integer)):
         return int(offset)
     raise RoutingReplayError(f"routing replay needs a batch-1 cache with an int offset, got "
@@ -512,6 +516,42 @@ def _laguna(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     return out
 
 
+def _afmoe(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # AfmoeMoE's scores (sigmoid or softmax of the router's logits) at the forced ids, normalised
+    # and scaled as it does; its expert bias and groups only pick the ids the forced ones replace.
+    gates = block.router(x).astype(mx.float32)
+    scores = mx.sigmoid(gates) if block.score_func == "sigmoid" else mx.softmax(gates, axis=-1)
+    selected = mx.take_along_axis(scores, inds, axis=-1)
+    if block.route_norm and block.num_experts_per_tok > 1:
+        selected = selected / selected.sum(axis=-1, keepdims=True)
+    selected = selected * block.route_scale
+    y: mx.array = block.experts(x, inds)
+    y = (y * selected[..., None]).sum(axis=-2).astype(y.dtype)
+    if block.args.num_shared_experts > 0:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _step3p5(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # moe_gate_select's sigmoid scores at the forced ids (its router bias only picks them),
+    # normalised with its small term and scaled; the shared expert added as the block adds it.
+    gate = block.gate
+    weights = mx.take_along_axis(mx.sigmoid(gate.gate(x).astype(mx.float32)), inds, axis=-1)
+    if gate.norm_topk_prob:
+        weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * gate.routed_scaling_factor
+    y: mx.array = block.switch_mlp(x, inds)
+    y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+    out: mx.array = y + block.share_expert(x)
+    return out
+
+
+def _normed(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    # the walk's NormedBlock: the wrapped block forced, then the layer's norm of its output
+    out: mx.array = block.norm(forced_block_call(block.block, x, inds))
+    return out
+
+
 def _scaled(block: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     # the walk's ScaledBlock: the wrapped block forced, times the layer's residual factor
     out: mx.array = forced_block_call(block.block, x, inds) * block.scale
@@ -547,6 +587,10 @@ _FORCED = {
     "mlx_lm.models.laguna.MoE": _laguna,
     "mlx_lm.models.mimo_v2_flash.MoE": _sigmoid_group_eps,
     "asyncside.models.arch.ScaledBlock": _scaled,
+    "DeepseekV32MoE": _deepseek_v3,
+    "AfmoeMoE": _afmoe,
+    "Step3p5MoE": _step3p5,
+    "asyncside.models.arch.NormedBlock": _normed,
 }
 
 

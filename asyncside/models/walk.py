@@ -16,7 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .arch import Arch, ScaledBlock, decoder_layers, top_k_attribute
+from .arch import Arch, NormedBlock, ScaledBlock, decoder_layers, top_k_attribute, unwrapped
 from .pooled import SwitchSpec, route
 from .predict import LookaheadPredictor, Predictor, TemporalPredictor, TracePredictor, check_predictor
 from .source import ExpertSource
@@ -48,6 +48,11 @@ class DecoderWalk:
             moe = {i: (block if isinstance(block, ScaledBlock) else
                        ScaledBlock(block, self._residual_scale(i, model, arch)), attr)
                    for i, (block, attr) in moe.items()}
+        if arch.mlp_out_norm is not None:
+            # The layer norms the block's output before its residual add: the blocks return it normed.
+            moe = {i: (block if isinstance(block, NormedBlock) else
+                       NormedBlock(block, getattr(decoder_layers(model)[i], arch.mlp_out_norm)), attr)
+                   for i, (block, attr) in moe.items()}
         self.moe = dict(sorted(moe.items()))
         self.specs = specs
         self.layers = decoder_layers(model)
@@ -77,6 +82,8 @@ class DecoderWalk:
         h = self.arch.embedding(self.model)(inputs)
         if self.arch.embed_scale is not None:
             h = h * getattr(self.arch.inner(self.model), self.arch.embed_scale)
+        if self.arch.embed_op is not None:
+            h = self.arch.embed_op(self.arch.inner(self.model), h)
         return cast(mx.array, h)
 
     def masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
@@ -87,18 +94,22 @@ class DecoderWalk:
         """Layer ``i``'s attention sub-layer over ``h``: (hidden state after it, the MLP block's input)."""
         layer = self.layers[i]
         r = self.arch.attention(layer, layer.input_layernorm(h), masks[i], cache[i])
+        if self.arch.attn_out_norm is not None:
+            r = getattr(layer, self.arch.attn_out_norm)(r)
         if self.arch.residual_scale is not None:
             r = r * getattr(layer, self.arch.residual_scale)
         h = h + r
-        return h, layer.post_attention_layernorm(h)
+        return h, getattr(layer, self.arch.mlp_norm)(h)
 
     def block(self, i: int) -> nn.Module:
         """Layer ``i``'s MLP or MoE block (its output scaled as the layer scales it)."""
         block = cast(nn.Module, getattr(self.layers[i], self.arch.block_attr))
-        if self.arch.residual_scale is None:
+        if self.arch.residual_scale is None and self.arch.mlp_out_norm is None:
             return block
         if i in self.moe:
             return self.moe[i][0]
+        if self.arch.mlp_out_norm is not None:
+            return NormedBlock(block, getattr(self.layers[i], self.arch.mlp_out_norm))
         return ScaledBlock(block, self._residual_scale(i, self.model, self.arch))
 
     def activation(self, i: int) -> nn.Module:
@@ -126,7 +137,8 @@ class DecoderWalk:
         whose router cannot widen (``Arch.widens``), give their usual k.
         """
         block, attr = self.moe[layer]
-        where = top_k_attribute(block) if extra > 0 and self.arch.widens else None
+        # A wrapper's own attribute would be set, not the router's: ask the block it wraps.
+        where = top_k_attribute(unwrapped(block)) if extra > 0 and self.arch.widens else None
         if where is None:
             return route(block, attr, x)[1]
         obj, name = where
@@ -134,7 +146,7 @@ class DecoderWalk:
         # Past the layer's experts the router's top-k partition fails ("invalid kth").
         # The block and its gate name the count, or only the model's configuration does (MiniMax,
         # Mistral 4, bailing_moe, ernie4_5_moe).
-        experts = _experts_of(obj, block, getattr(self.model, "args", None))
+        experts = _experts_of(obj, unwrapped(block), getattr(self.model, "args", None))
         if experts is not None:
             extra = min(extra, experts - k)
         if extra <= 0:
@@ -146,7 +158,7 @@ class DecoderWalk:
             setattr(obj, name, k)
 
     def first_norm(self, layer: int, embeddings: mx.array) -> mx.array:
-        return cast(mx.array, self.layers[layer].post_attention_layernorm(embeddings))
+        return cast(mx.array, getattr(self.layers[layer], self.arch.mlp_norm)(embeddings))
 
     def make_predictor(self, name: str, lookahead_extra: int = 0) -> Predictor:
         """The predictor called ``name`` (see :mod:`.predict`) for one generation."""
