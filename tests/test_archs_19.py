@@ -2,7 +2,8 @@
 keeping a cache of its own beside the latent keys; GLM-5's glm_moe_dsa builds it), afmoe (its
 layers norm each sub-layer's output and the MoE input apart, its embeddings scaled under muP),
 step3p5 (Step-3.5, sliding layers with their own heads, a clamped SwiGLU); solar_open, which
-mlx-lm builds with glm4_moe's classes.
+mlx-lm builds with glm4_moe's classes; and the mlx-lm MoE architectures the decoder walk cannot
+follow, refused by name with the reason.
 
 Per architecture, a tiny random config, proven as tests/test_archs_18.py proves its nine: greedy
 tokens over a source of fewer rows than experts equal mlx-lm's in per-layer steps and in decode
@@ -14,6 +15,7 @@ routing replay forces the same ids on both sides; ``asyncside.load`` generates m
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +35,7 @@ from _archs_support import (
 )
 
 from asyncside.bridge import completed
-from asyncside.models import streaming_from_model
+from asyncside.models import convert_model, streaming_from_model
 from asyncside.models.arch import ALIASES, ARCHS, REFUSED, UnsupportedModelError, arch_for, moe_layers
 
 from _models_support import BASE, reference_logits, shuffled_logits, tiny_model
@@ -167,6 +169,27 @@ def test_asyncside_load_generates_mlx_lms_tokens(tmp_path: pathlib.Path, model_t
     check_load_generates(tmp_path, *_tiny(model_type))
 
 
+#: the mlx-lm MoE architectures the walk cannot follow, added to arch.REFUSED in this session
+UNFOLLOWABLE_19 = ("bailing_hybrid", "dbrx", "deepseek_v41", "gemma4", "longcat_flash_ngram", "muse_spark",
+                   "phixtral", "prism_hadamard_qwen35", "qwen3_5")
+
+
+@pytest.mark.parametrize("model_type", UNFOLLOWABLE_19)
+def test_an_architecture_the_walk_cannot_follow_is_refused_by_name(tmp_path: pathlib.Path, model_type: str) -> None:
+    """Converting a model of an mlx-lm architecture the decoder walk cannot follow names its config
+    file, the type and the reason, before mlx-lm builds anything."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    mx.save_safetensors(str(model_dir / "model.safetensors"), {"unread": mx.zeros((1,))})
+    with pytest.raises(UnsupportedModelError) as info:
+        convert_model(model_dir, tmp_path / "store", progress=False)
+    message = str(info.value)
+    assert str(model_dir / "config.json") in message
+    assert f"model_type {model_type!r} is not supported: {REFUSED[model_type]}" in message
+    assert "supported: [" not in message and not (tmp_path / "store").exists()
+
+
 def test_the_new_types_are_supported_and_listed() -> None:
     from asyncside.models import SUPPORTED_MODEL_TYPES
     from asyncside.models.arch import remapped_model_types
@@ -174,6 +197,7 @@ def test_the_new_types_are_supported_and_listed() -> None:
     for model_type in ("deepseek_v32", "afmoe", "step3p5"):
         assert model_type in SUPPORTED_MODEL_TYPES
     assert {"solar_open", "glm_moe_dsa"} <= set(remapped_model_types())
+    assert not set(UNFOLLOWABLE_19) & set(SUPPORTED_MODEL_TYPES)
     with pytest.raises(UnsupportedModelError, match="solar_open"):
         arch_for("dense_llama_like")  # the list of what is supported names the aliases too
 

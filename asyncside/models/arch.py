@@ -333,6 +333,26 @@ REFUSED: dict[str, str] = {
     "gemma4_text": "its decoder layers route the experts from the hidden state outside their MoE block (the "
                    "layer's own router) beside a dense MLP, norm each sub-layer's output, and may reuse an "
                    "earlier layer's keys and values (num_kv_shared_layers)",
+    "gemma4": "its text model is gemma4_text, whose decoder layers route the experts from the hidden state "
+              "outside their MoE block beside a dense MLP and may reuse an earlier layer's keys and values",
+    "qwen3_5": "its linear-attention layers (gated delta net) keep a recurrent state and a convolution state "
+               "(ArraysCache), not the keys and values the walk's caches hold",
+    "prism_hadamard_qwen35": "it is a qwen3_5 model, whose linear-attention layers (gated delta net) keep a "
+                             "recurrent state and a convolution state (ArraysCache), not the keys and values "
+                             "the walk's caches hold",
+    "bailing_hybrid": "its linear-attention layers keep a recurrent state (ArraysCache), not the keys and values "
+                      "the walk's caches hold",
+    "longcat_flash_ngram": "each decoder layer runs two attention and two dense MLP sub-layers around one MoE "
+                           "block, and its n-gram embedding keeps a state of earlier tokens (ArraysCache)",
+    "deepseek_v41": "its layers mix several residual streams (hyper-connections) and compress earlier keys into "
+                    "a cache of their own (LayerCache), not one residual stream and the keys and values the "
+                    "walk's caches hold",
+    "muse_spark": "its layers join each sub-layer's output through learned residual gates that also norm the "
+                  "next sub-layer's input (norm_add_norm), not plain residual adds",
+    "phixtral": "each decoder layer runs its attention and its MoE block side by side on the same normed "
+                "input, not the MoE block after the attention",
+    "dbrx": "its experts are separate MLP modules looped over in Python, not one stacked switch layer whose "
+            "rows can be streamed",
 }
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
