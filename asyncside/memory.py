@@ -139,14 +139,19 @@ def _cgroup_room(version: str, d: pathlib.Path) -> MemoryBudget | None:
             limit = None
     if limit is None or usage is None:
         return None
-    cache = 0
+    stat: dict[str, int] = {}
     try:
         for line in (d / "memory.stat").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key in ("file", "cache", "total_cache"):
-                cache = max(cache, int(value))
+            if key in ("file", "cache", "total_cache", "shmem", "total_shmem"):
+                stat[key] = int(value)
     except (OSError, ValueError):
         pass
+    # The page cache the cgroup can reclaim: its file pages less tmpfs and shared memory (counted in
+    # them, and never reclaimed without swap). A store or any file on a tmpfs charged to the cgroup
+    # was counted as room, and pools planned into it had the process killed by the cgroup.
+    cache = max(stat.get("file", 0) - stat.get("shmem", 0), stat.get("cache", 0) - stat.get("shmem", 0),
+                stat.get("total_cache", 0) - stat.get("total_shmem", 0), 0)
     return MemoryBudget(max(0, limit - usage + cache), f"{name} = {describe_bytes(limit)}")
 
 

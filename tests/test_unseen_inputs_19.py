@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+import pytest
 
 from asyncside.store import ExpertStore
 
@@ -45,3 +46,36 @@ def test_a_pool_of_more_than_two_gib_is_allocated_and_aliases_its_rows(tmp_path:
     seg = store.layer(0).segment("w")
     pools.row_view("w", 32)[:] = store.read_record(0, 1)[seg.offset : seg.offset + seg.nbytes]
     assert np.array_equal(np.array(pool[32]), records[1]) and int(pool[31].sum().item()) == 0
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroups_tmpfs_files_are_not_room_for_the_pools(version: str, tmp_path: pathlib.Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside demo --resident auto`` in a memory cgroup (a container of 1200M) that had
+    written 500 MB to a tmpfs (a RAM-disk store, /dev/shm, a tmpfs /tmp) planned the pools into
+    those 500 MB: the cgroup's page cache was counted as room it reclaims, tmpfs pages included
+    (they are in memory.stat's ``cache`` / ``file``, and are never reclaimed without swap), and the
+    process was killed by the cgroup's OOM killer before its first token. They are taken off the room."""
+    from asyncside import memory
+
+    mount = tmp_path / "memory"
+    mount.mkdir()
+    limit, usage, page_cache, tmpfs = 96 << 20, 80 << 20, 70 << 20, 60 << 20  # below any machine's MemAvailable
+    if version == "v1":
+        (mount / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (mount / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (mount / "memory.stat").write_text(f"cache {page_cache}\nrss {usage - page_cache}\nshmem {tmpfs}\n"
+                                           f"total_cache {page_cache}\ntotal_shmem {tmpfs}\n")
+        kind = "cgroup cgroup rw,memory"
+    else:
+        (mount / "memory.max").write_text(f"{limit}\n")
+        (mount / "memory.current").write_text(f"{usage}\n")
+        (mount / "memory.stat").write_text(f"anon {usage - page_cache}\nfile {page_cache}\nshmem {tmpfs}\n")
+        kind = "cgroup2 cgroup2 rw"
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("4:memory:/\n" if version == "v1" else "0::/\n")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"35 31 0:32 / {mount} rw,relatime - {kind}\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", cgroup)
+    monkeypatch.setattr(memory, "PROC_MOUNTINFO", mountinfo)
+    assert memory.available_memory().available == limit - usage + (page_cache - tmpfs)
