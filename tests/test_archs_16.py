@@ -78,9 +78,12 @@ def _prompt_len(model_type: str) -> int:
 
 @contextlib.contextmanager
 def _config(model_type: str, **fields: object) -> Iterator[None]:
-    """BASE[model_type] as tiny_model builds it, with ``fields`` changed (llama4: :data:`LLAMA4`)."""
+    """BASE[model_type] as tiny_model builds it, with ``fields`` changed (llama4: :data:`LLAMA4`; the
+    multimodal wrappers: tests/test_archs_19.py's CONFIGS)."""
+    from test_archs_19 import CONFIGS  # the wrappers of tests/test_archs_19.py, not in BASE
+
     before = support.BASE.get(model_type)
-    support.BASE[model_type] = {**(before if before is not None else LLAMA4), **fields}
+    support.BASE[model_type] = {**(before if before is not None else CONFIGS.get(model_type, LLAMA4)), **fields}
     try:
         yield
     finally:

@@ -44,6 +44,17 @@ from _models_support import BASE, reference_logits, shuffled_logits, tiny_model
 #: tests/test_models.py, test_queued, test_routing_replay and test_serve_archs_16 run them too), and
 #: the two aliases' (deepseek_v32's under GLM-5's name, glm4_moe's under Solar-Open's)
 CONFIGS: dict[str, dict[str, Any]] = {t: BASE[t] for t in ("deepseek_v32", "afmoe", "step3p5")}
+# Multimodal wrappers of a supported text model (its config under text_config; the width and the
+# vocabulary also at the top, where the tests read them): Kimi-VL's and Kimi-K2.5's deepseek_v3,
+# Qwen3-VL-MoE's qwen3_moe, Mistral 3's mistral4. Not in BASE, whose tests read a text model's
+# fields at the top of its config (tests/test_archs_16.py's _config serves them from here).
+CONFIGS["kimi_vl"] = dict(model_type="kimi_vl", vocab_size=128, hidden_size=64,
+                          text_config={**BASE["deepseek_v3"], "model_type": "deepseek_v3"})
+CONFIGS["kimi_k25"] = dict(model_type="kimi_k25", vocab_size=128, hidden_size=64,
+                           text_config={**BASE["deepseek_v3"], "model_type": "deepseek_v3"})
+CONFIGS["qwen3_vl_moe"] = dict(model_type="qwen3_vl_moe", vocab_size=128, hidden_size=64,
+                               text_config={**BASE["qwen3_moe"], "model_type": "qwen3_vl_moe_text"})
+CONFIGS["mistral3"] = dict(model_type="mistral3", vocab_size=128, hidden_size=64, text_config=dict(BASE["mistral4"]))
 CONFIGS["glm_moe_dsa"] = {
     **BASE["deepseek_v32"],
     "model_type": "glm_moe_dsa", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
@@ -52,7 +63,8 @@ CONFIGS["glm_moe_dsa"] = {
 CONFIGS["solar_open"] = {**BASE["glm4_moe"], "model_type": "solar_open"}
 
 #: model type -> its decoder layers that are dense (not MoE) in the tiny config
-DENSE = {"deepseek_v32": [0], "afmoe": [0], "step3p5": [0], "glm_moe_dsa": [0], "solar_open": [0]}
+DENSE = {"deepseek_v32": [0], "afmoe": [0], "step3p5": [0], "glm_moe_dsa": [0], "solar_open": [0], "kimi_vl": [0],
+         "kimi_k25": [0], "qwen3_vl_moe": [1], "mistral3": [0]}
 
 #: a config's fields changed for decode steps queued whole: a sliding-window cache past its window
 #: cannot be trimmed back, so such steps fall back to per-layer ones; with a window longer than the
@@ -153,6 +165,18 @@ def test_forced_router_scores_are_the_routers(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_a_lookahead_past_the_experts_names_every_expert(model_type: str) -> None:
+    """A wider lookahead asked for more experts than a layer has names all of them (Mistral 3's
+    count is in its text model's configuration: the router's partition failed, "invalid kth")."""
+    model, config = _tiny(model_type)
+    sm, pools = streaming_from_model(model, config, completed=completed)
+    x = mx.random.normal((1, 3, config["hidden_size"]), key=mx.random.key(0))
+    for layer in sm.moe_layers:
+        experts = next(iter(pools[layer].values())).shape[0]
+        assert sm.forward.walk.route_ids(layer, x, 10_000).shape[-1] == experts, layer
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_queued_steps_and_replay_over_the_converted_store(tmp_path: pathlib.Path, model_type: str) -> None:
     """The converted store loads back as the model (its MoE layers); queued steps over rows for one
     token's experts fault in every MoE layer and give mlx-lm's tokens; a routing trace replayed
@@ -190,11 +214,22 @@ def test_an_architecture_the_walk_cannot_follow_is_refused_by_name(tmp_path: pat
     assert "supported: [" not in message and not (tmp_path / "store").exists()
 
 
+def test_a_mistral3_of_a_dense_text_model_is_refused_naming_it() -> None:
+    """Mistral 3's wrapper routes experts only with a mistral4 text model; with a dense one the
+    walk refuses it naming the text model's type."""
+    dense = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    model, _config = _tiny("mistral3", text_config=dense)
+    with pytest.raises(UnsupportedModelError, match=r"^mistral3: its text model \('llama' in text_config\) is a "
+                                                     r"dense model; only a mistral4 text model routes experts$"):
+        moe_layers(model, arch_for("mistral3"))
+
+
 def test_the_new_types_are_supported_and_listed() -> None:
     from asyncside.models import SUPPORTED_MODEL_TYPES
     from asyncside.models.arch import remapped_model_types
 
-    for model_type in ("deepseek_v32", "afmoe", "step3p5"):
+    for model_type in ("deepseek_v32", "afmoe", "step3p5", "kimi_vl", "kimi_k25", "qwen3_vl_moe", "mistral3"):
         assert model_type in SUPPORTED_MODEL_TYPES
     assert {"solar_open", "glm_moe_dsa"} <= set(remapped_model_types())
     assert not set(UNFOLLOWABLE_19) & set(SUPPORTED_MODEL_TYPES)

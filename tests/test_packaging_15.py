@@ -124,7 +124,8 @@ MLX_LM_MODELS_SINCE: dict[str, str] = {**{t: "0.30.0" for t in (
     "glm4_moe_lite": "0.32.1", "mistral4": "0.32.1", "exaone_moe": "0.32.1", "mellum": "0.32.1", "laguna": "0.32.1", "mimo_v2_flash": "0.32.1",
     # Read in the wheels 0.30.0 to 0.32.1; the floor's modules are identical to the ones
     # tests/test_archs_19.py proves exact.
-    "deepseek_v32": "0.30.0", "afmoe": "0.30.0", "step3p5": "0.30.6"}
+    "deepseek_v32": "0.30.0", "afmoe": "0.30.0", "step3p5": "0.30.6", "kimi_vl": "0.30.0", "kimi_k25": "0.30.6",
+    "qwen3_vl_moe": "0.30.0", "mistral3": "0.30.0"}
 
 #: each top-level name asyncside uses of anyio (``anyio.X``, ``from anyio.X import``) -> the first release
 #: that has it. Found by resolving every name in a venv at anyio 4.5.0 (all but three resolve) and by

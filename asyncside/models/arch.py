@@ -208,6 +208,16 @@ def _no_check(model: nn.Module) -> None:
     return None
 
 
+def _mistral3_check(model: nn.Module) -> None:
+    # Mistral 3's wrapper builds a ministral3 or llama text model (dense) unless its text_config
+    # names mistral4, the one that routes experts.
+    text = getattr(getattr(model, "args", None), "text_config", None) or {}
+    kind = text.get("model_type") if isinstance(text, dict) else None
+    if kind != "mistral4":
+        raise UnsupportedModelError(f"mistral3: its text model ({kind!r} in text_config) is a dense model; only a "
+                                    f"mistral4 text model routes experts")
+
+
 @dataclass(frozen=True)
 class Arch:
     """What the generic decoder walk needs to know about one mlx-lm architecture."""
@@ -298,6 +308,13 @@ ARCHS: dict[str, Arch] = {
                   attn_out_norm="post_attention_layernorm", mlp_norm="pre_mlp_layernorm",
                   mlp_out_norm="post_mlp_layernorm"),
     "step3p5": Arch("step3p5", "mlp", _masks_step3p5),
+    # Multimodal wrappers whose text model (``language_model``) is a supported one's: the walk runs
+    # the text model; the vision weights are dropped as mlx-lm's own loading drops them.
+    "kimi_vl": Arch("kimi_vl", "mlp", _masks_array, text_attr="language_model"),
+    "kimi_k25": Arch("kimi_k25", "mlp", _masks_array, text_attr="language_model"),
+    "qwen3_vl_moe": Arch("qwen3_vl_moe", "mlp", _masks_shared, text_attr="language_model"),
+    "mistral3": Arch("mistral3", "mlp", _masks_shared, attention=_mistral4_attn, check=_mistral3_check,
+                     text_attr="language_model"),
 }
 
 #: ``model_type``s whose mlx-lm module builds a supported architecture's model (its ``Model`` is

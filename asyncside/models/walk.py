@@ -145,8 +145,9 @@ class DecoderWalk:
         k = getattr(obj, name)
         # Past the layer's experts the router's top-k partition fails ("invalid kth").
         # The block and its gate name the count, or only the model's configuration does (MiniMax,
-        # Mistral 4, bailing_moe, ernie4_5_moe).
-        experts = _experts_of(obj, unwrapped(block), getattr(self.model, "args", None))
+        # Mistral 4, bailing_moe, ernie4_5_moe; Mistral 3's wrapper in its text model's).
+        experts = _experts_of(obj, unwrapped(block), getattr(self.model, "args", None),
+                              getattr(self.arch.head_module(self.model), "args", None))
         if experts is not None:
             extra = min(extra, experts - k)
         if extra <= 0:
