@@ -74,6 +74,11 @@ DECODE_CHECKPOINT_LAYERS = 1
 #: (BENCHMARKS.md, "Loop lag").
 SCHEDULE_SLICE_NS = 500_000
 
+#: on the CPU, a decode step's layer of at most this many graph nodes is handed to MLX in one call
+#: (see QueuedSteps._schedule); a decode layer of the models here is well under it, and its
+#: encoding about one :data:`SCHEDULE_SLICE_NS`
+WHOLE_LAYER_NODES = 256
+
 
 #: off the CPU, MLX's cache of freed buffers is emptied after a queued step once it holds more than
 #: this many times what it held CACHE_FLOOR_STEP queued steps after it was last emptied (see
@@ -250,8 +255,11 @@ class QueuedSteps:
         ctx.step = source.begin_step(self.pairs(inputs))
         t1 = time.perf_counter_ns()
         try:
-            # a long step's residual stream after each layer, handed to MLX a layer at a time
-            layers: list[mx.array] | None = [] if inputs.shape[-1] >= LONG_STEP_TOKENS else None
+            # The residual stream after each layer: a long step's, handed to MLX a layer at a time
+            # once the one before computed; a CPU decode step's, each layer handed over whole
+            # (see _schedule).
+            long = inputs.shape[-1] >= LONG_STEP_TOKENS
+            layers: list[mx.array] | None = [] if long or (self._lend and self._bridged) else None
             out = await self._build(ctx, source, inputs, logits, layers)
             if head is not None:
                 out = head(out)
@@ -270,9 +278,13 @@ class QueuedSteps:
         host["steps"] += 1
         if self._on_cpu and self._bridged:
             await between_layers()  # the last layer's build and the graph walk are spans of their own
-        if layers:
+        if long and layers:
             await self._schedule_layers(layers)
-        await self._schedule(out)
+            await self._schedule(out)
+        elif layers:
+            await self._schedule(out, layers)
+        else:
+            await self._schedule(out)
         if self.arm is not None:
             # The step's completion signal goes on the stream now, right behind the step: the
             # caller may queue the next step before it awaits this one (generation runs one step
@@ -384,7 +396,7 @@ class QueuedSteps:
                 layers.append(h)
         return walk.logits(h) if logits else h
 
-    async def _schedule(self, out: mx.array) -> None:
+    async def _schedule(self, out: mx.array, layers: Sequence[mx.array] = ()) -> None:
         """Hand the step to MLX without blocking the loop (native StepPlan: one walk of the graph
         per step).
 
@@ -392,30 +404,43 @@ class QueuedSteps:
         stream; mlx-lm's caller simply blocks in it. The loop cannot, so the step goes past the
         throttle (``lend``): whole, in slices of :data:`SCHEDULE_SLICE_NS` with a checkpoint
         between. Handed over in chunks under the throttle instead, each awaited, a decode step woke the
-        loop many times more and decoded slower (BENCHMARKS.md, "Decode: queued steps")."""
+        loop many times more and decoded slower (BENCHMARKS.md, "Decode: queued steps").
+
+        With ``layers`` (a CPU decode step's residual stream after each layer), the step goes a
+        layer at a time, each layer in one call with a checkpoint after it (a layer's graph is
+        about one slice of MLX's encoding): a sliced hand-over calls into MLX every few nodes,
+        and each call costs the loop thread more than those nodes' encoding. A layer of more than
+        :data:`WHOLE_LAYER_NODES` nodes (a batch cut in parts) is still sliced."""
         host = self.host_ns
         if not self._bridged:
             t = time.perf_counter_ns()
             mx.async_eval(out)  # an injected completion (tests): MLX may block the caller
             host["schedule"] += time.perf_counter_ns() - t
             return
-        t = time.perf_counter_ns()
-        plan = _native.StepPlan([out])
-        t1 = time.perf_counter_ns()
-        host["plan"] += t1 - t
-        slice_ns = SCHEDULE_SLICE_NS if self._on_cpu else 0
+        queued = False  # some of the step is scheduled
+        plan: Any = None
         try:
-            while True:
-                done, wait_on = plan.advance(slice_ns=slice_ns, lend=self._lend)
-                t2 = time.perf_counter_ns()
-                host["schedule"] += t2 - t1
-                if done:
-                    return
-                if wait_on is None:  # the slice ran out with room under the throttle: let the loop run
+            for k, root in enumerate((*layers, out)):
+                if k:
                     await between_layers()
-                else:
-                    await self.completed(wait_on)
+                t = time.perf_counter_ns()
+                plan = _native.StepPlan([root])
                 t1 = time.perf_counter_ns()
+                host["plan"] += t1 - t
+                whole = bool(layers) and plan.size <= WHOLE_LAYER_NODES
+                slice_ns = SCHEDULE_SLICE_NS if self._on_cpu and not whole else 0
+                while True:
+                    done, wait_on = plan.advance(slice_ns=slice_ns, lend=self._lend)
+                    t2 = time.perf_counter_ns()
+                    host["schedule"] += t2 - t1
+                    if done:
+                        break
+                    if wait_on is None:  # the slice ran out with room under the throttle: let the loop run
+                        await between_layers()
+                    else:
+                        await self.completed(wait_on)
+                    t1 = time.perf_counter_ns()
+                queued = True
         except RuntimeError:
             # MLX raises a failure thrown on the stream at the next call that queues work there.
             # Our fault nodes never throw there (a failed fault goes to the fault log, raised as
@@ -423,7 +448,7 @@ class QueuedSteps:
             # step may be queued by then, and queued work runs whatever failed before it: let it
             # all run, so that every fault this step makes is logged before its awaiter hears of
             # the failure, not left for a later step or quiesce().
-            if plan.scheduled and self._on_cpu:
+            if (queued or (plan is not None and plan.scheduled)) and self._on_cpu:
                 await _run_out(mx.default_stream(mx.cpu))
             raise
 
