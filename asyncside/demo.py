@@ -365,10 +365,12 @@ def choose_reference(store: Any, asked: str, memory: int | None, resident: float
             # (a memory= named without the model leaves no room for the model beside that margin).
             after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + MIN_HEADROOM + NEED_MARGIN
             if after > budget:
+                # Rounded up to a whole MiB: a need a few bytes past the budget read as the budget's
+                # own figure, as if it fitted.
                 return "slot-cache", (f"the model's {describe_bytes(model_bytes)} fit half of the "
                                       f"{describe_bytes(budget)} budget, but with them held the streaming run "
-                                      f"would need {describe_bytes(after)}: checked against a plain synchronous "
-                                      "reader instead")
+                                      f"would need {describe_bytes(-(-after // (1 << 20)) << 20)}: checked against "
+                                      "a plain synchronous reader instead")
         return "all-resident", f"the model's {describe_bytes(model_bytes)} fit the budget"
     return "slot-cache", (f"the model's {describe_bytes(model_bytes)} do not fit half of the "
                           f"{describe_bytes(budget)} budget: checked against a plain synchronous reader instead")
