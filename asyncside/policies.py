@@ -17,6 +17,8 @@ Policies:
 - :class:`LRFU` (default, ``"lrfu"``): recency and frequency together: each use counts 1 and
   halves every ``half_life`` reserves; the victim has the lowest sum. On the embedded model's
   decode trace it keeps more hits than LRU, LFU or ageing LFU at the same rows (BENCHMARKS.md).
+  Its recency guard ranks by last use instead while a shadow LRU cache hits clearly more (the hot
+  experts move faster than the decay forgets them).
 - :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
 - :class:`AdaptiveLRFU` (``"adaptive-lrfu"``): LRFU that keeps each expert's history after
@@ -33,7 +35,8 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 from .errors import LedgerError
@@ -242,6 +245,14 @@ class LRU(_HeapPolicy):
             self._touch(expert)
 
 
+#: How far (in standard deviations of a fair coin over the accesses only one of the two caches
+#: hit) the recency shadow must lead LRFU's decayed ranking to take over, and the decayed shadow
+#: lead recency to take back: a switch on noise costs rows, and the decayed counts are the ranking
+#: the benchmarks favour (docs/policies.md, "Recency guard").
+GUARD_TO_RECENCY = 2.0
+GUARD_TO_DECAYED = 0.5
+
+
 class LRFU(_HeapPolicy):
     """Least recently/frequently used: each use of an expert counts 1, halving every ``half_life``
     reserves, and the victim has the lowest sum (ties: smallest id). Frequency keeps experts that
@@ -250,30 +261,142 @@ class LRFU(_HeapPolicy):
     Kept in a heap without rescoring: at any moment the decayed score of e is
     ``s_e * 2**(-(now - t_e) / h)``, which orders experts exactly like the time-free key
     ``log2(s_e) + t_e / h`` (s_e and t_e: score and time of its last use).
+
+    Recency guard (``adapt``, on by default): where the hot experts move faster than the decay
+    forgets them (the hot set changes every few dozen tokens, requests interleaved token by token),
+    the counts of experts that stopped keep rows the new ones need, and plain LRU hits more. A
+    shadow cache of the ledger's side rows (expert ids only) replays the same reserves under the
+    other ranking (LRU while this one ranks by decayed counts, decayed counts while it ranks by
+    recency); every ``period`` reserves the policy takes the shadow's ranking where the shadow
+    hit more over a window that halves each period, by more than chance explains
+    (:data:`GUARD_TO_RECENCY`, :data:`GUARD_TO_DECAYED`). docs/policies.md, "Recency guard".
+    Without side rows to size the shadow (a policy attached to no ledger), or with
+    ``adapt=False``, it ranks by decayed counts only.
     """
 
     name = "lrfu"
     native_order = "decayed"
 
-    def __init__(self, half_life: float = 8.0) -> None:
+    def __init__(self, half_life: float = 8.0, *, adapt: bool = True, period: int = 32) -> None:
         if not _positive(half_life):
             raise LedgerError(f"lrfu half_life must be a positive number, got {half_life!r}")
+        if not isinstance(adapt, bool):
+            raise LedgerError(f"lrfu adapt must be a bool, got {adapt!r}")
+        if not _count(period):
+            raise LedgerError(f"lrfu period must be a positive int, got {period!r}")
         super().__init__()
         self.half_life = float(half_life)
+        self.adapt = bool(adapt)
+        self.period = int(period)
+        self.rows = 0
+
+    def attach(self, owner: object, live: Iterable[int]) -> None:
+        rows = getattr(owner, "side_rows", 0) if self.adapt else 0
+        self.rows = int(rows) if _count(rows) else 0
+        super().attach(owner, live)
 
     def reset(self) -> None:
         super().reset()
         self._clock = 0
         self._s: dict[int, tuple[float, int]] = {}  # expert -> (score at last use, time of last use)
+        self.recency = False  # ranking by last use (the guard's LRU) instead of decayed counts
+        self.switches = 0
+        self._wins = [0.0, 0.0]  # over the window, accesses only the real cache hit, only the shadow hit
+        self._lru: OrderedDict[int, None] = OrderedDict()  # the shadow while ranking by counts
+        self._fs: dict[int, tuple[float, int]] = {}  # the shadow while ranking by recency: (score, time)
+        self._fkey: dict[int, float] = {}
+        self._fheap: list[tuple[float, int]] = []
+
+    def _key(self, s: float, t: int) -> float:
+        return float(t) if self.recency else math.log2(s) + t / self.half_life
 
     def begin(self, batch: Sequence[int]) -> None:
+        if self.rows:
+            self._tick(batch, self.score)
+        else:
+            self._clock += 1
+
+    def _tick(self, batch: Sequence[int], live: Container[int]) -> None:
+        """One reserve of the guard: a decision at each period's end, the clock, the shadow's step;
+        ``live``: the batch's experts the real cache holds (its hits)."""
+        if self._clock and self._clock % self.period == 0:
+            self._decide()
         self._clock += 1
+        clock, cap = self._clock, max(self.rows, len(batch))
+        real_only = shadow_only = 0
+        if not self.recency:
+            lru = self._lru
+            for e in batch:
+                if e in lru:
+                    shadow_only += e not in live
+                    lru.move_to_end(e)
+                else:
+                    real_only += e in live
+                    lru[e] = None
+            while len(lru) > cap:
+                lru.popitem(last=False)
+        else:
+            fs, fkey, heap, h = self._fs, self._fkey, self._fheap, self.half_life
+            for e in batch:
+                st = fs.get(e)
+                if st is not None:
+                    shadow_only += e not in live
+                    s = st[0] * 2.0 ** (-(clock - st[1]) / h) + 1.0
+                else:
+                    real_only += e in live
+                    s = 1.0
+                fs[e] = (s, clock)
+                k = fkey[e] = math.log2(s) + clock / h
+                heapq.heappush(heap, (k, e))
+            if len(fs) > cap:
+                now = set(batch)
+                kept: list[tuple[float, int]] = []
+                while len(fs) > cap and heap:
+                    k, e = heapq.heappop(heap)
+                    if fkey.get(e) != k:
+                        continue  # stale
+                    if e in now:
+                        kept.append((k, e))
+                        continue
+                    del fs[e], fkey[e]
+                for entry in kept:
+                    heapq.heappush(heap, entry)
+            if len(heap) > 4 * cap + 64:
+                heap[:] = [(k, e) for e, k in fkey.items()]
+                heapq.heapify(heap)
+        self._wins[0] += real_only
+        self._wins[1] += shadow_only
+
+    def _decide(self) -> None:
+        real, shadow = self._wins
+        self._wins = [real * 0.5, shadow * 0.5]
+        # A sign test over the accesses only one of the two hit: switching on noise costs rows.
+        if shadow - real <= (GUARD_TO_DECAYED if self.recency else GUARD_TO_RECENCY) * math.sqrt(real + shadow):
+            return
+        # The shadow's ranking becomes the real one; the real cache's content seeds the new shadow.
+        self.recency = not self.recency
+        self.switches += 1
+        self._wins.reverse()
+        held = sorted(self.score, key=lambda e: (self._s[e][1], e))
+        if self.recency:
+            self._lru.clear()
+            self._fs = {e: self._s[e] for e in held}
+            h = self.half_life
+            self._fkey = {e: math.log2(s) + t / h for e, (s, t) in self._fs.items()}
+            self._fheap = [(k, e) for e, k in self._fkey.items()]
+            heapq.heapify(self._fheap)
+        else:
+            self._fs, self._fkey, self._fheap = {}, {}, []
+            self._lru = OrderedDict.fromkeys(held)
+        for e in held:
+            self.score[e] = self._key(*self._s[e])
+        self._rebuild()
 
     def _use(self, expert: int) -> None:
         s, t = self._s.get(expert, (0.0, self._clock))
         s = s * 2.0 ** (-(self._clock - t) / self.half_life) + 1.0
         self._s[expert] = (s, self._clock)
-        self._set(expert, math.log2(s) + self._clock / self.half_life)
+        self._set(expert, self._key(s, self._clock))
 
     def on_hit(self, expert: int) -> None:
         self._use(expert)
@@ -283,12 +406,13 @@ class LRFU(_HeapPolicy):
         # overhead of _use and _set was most of the reconcile's host time.
         clock, half_life = self._clock, self.half_life
         key_time = clock / half_life
+        recency = self.recency
         uses, score, heap, push, log2 = self._s, self.score, self._heap, heapq.heappush, math.log2
         for e in experts:
             s, t = uses.get(e, (0.0, clock))
             s = s * 2.0 ** (-(clock - t) / half_life) + 1.0
             uses[e] = (s, clock)
-            value = log2(s) + key_time
+            value = float(clock) if recency else log2(s) + key_time
             score[e] = value
             push(heap, (value, e))
         if len(heap) > 2 * len(score) + 64:
@@ -299,12 +423,17 @@ class LRFU(_HeapPolicy):
         # same score bit for bit; but its eviction key (a log2 and a heap entry) is computed once,
         # for its last use: the keys of earlier uses would only be stale heap entries, and the
         # decay factor of a gap (a few distinct gaps repeat) is computed once per reconcile.
-        clock, half_life = self._clock, self.half_life
+        half_life = self.half_life
         uses = self._s
         decay: dict[int, float] = {}
         last: dict[int, None] = {}
-        for _batch, hits in reserves:
-            clock += 1
+        guard = self.rows > 0
+        for batch, hits in reserves:
+            if guard:
+                self._tick(batch, set(hits))  # may switch the ranking: keys so far rebuilt from uses
+            else:
+                self._clock += 1
+            clock = self._clock
             for e in hits:
                 s, t = uses.get(e, (0.0, clock))
                 gap = clock - t
@@ -313,11 +442,9 @@ class LRFU(_HeapPolicy):
                     f = decay[gap] = 2.0 ** (-gap / half_life)
                 uses[e] = (s * f + 1.0, clock)
                 last[e] = None
-        self._clock = clock
-        score, heap, push, log2 = self.score, self._heap, heapq.heappush, math.log2
+        score, heap, push = self.score, self._heap, heapq.heappush
         for e in last:
-            s, t = uses[e]
-            value = log2(s) + t / half_life
+            value = self._key(*uses[e])
             score[e] = value
             push(heap, (value, e))
         if len(heap) > 2 * len(score) + 64:
@@ -335,7 +462,8 @@ class LRFU(_HeapPolicy):
         self._s.pop(expert, None)
 
     def snapshot(self) -> dict[str, Any]:
-        return {**super().snapshot(), "half_life": self.half_life, "clock": self._clock}
+        return {**super().snapshot(), "half_life": self.half_life, "clock": self._clock,
+                "ranking": "recency" if self.recency else "decayed", "switches": self.switches}
 
 
 #: Gaps (in reserves) whose decay factors AdaptiveLRFU keeps in a table; longer ones are computed.
