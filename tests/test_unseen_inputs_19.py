@@ -101,3 +101,18 @@ def test_the_demo_says_the_reference_needs_more_than_the_budget_when_it_does(qui
     said = re.search(r"fit half of the ([0-9.]+) MiB budget, but .* would need ([0-9.]+) MiB", why)
     assert chosen == "slot-cache" and said is not None, why
     assert float(said.group(2)) > float(said.group(1)), why
+
+
+def test_offload_names_a_store_too_small_for_the_ratio_once(quick_store: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench offload --stores DIR/store`` refused a store smaller than --store-ratio budgets with
+    "--stores DIR/store: the store store (2 MB) is less than 4x the budget": the store's label is its
+    directory's name, which the lead had named already. It is named once."""
+    from asyncside.bench import offload
+    from tests._cli_support import run_cli
+
+    monkeypatch.setattr(offload, "process_baseline", lambda: 250 * 10**6)  # what a fresh run's process holds
+    rc, err = run_cli(capsys, "bench", "offload", "--stores", str(quick_store), "--memory", "400M",
+                      "--localities", "low", "--quiet")
+    assert rc == 2 and f"--stores {quick_store}: the store (" in err and "is less than 4x the budget" in err, err
+    assert f"the {quick_store.name} store" not in err, err

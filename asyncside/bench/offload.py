@@ -913,7 +913,10 @@ def _too_small(args: argparse.Namespace, s: dict[str, Any], budget: int, why: st
     scale = 10 ** (1 - math.floor(math.log10(exact)))
     passes = math.floor(exact * scale) / scale
     lead = f"--stores {s['store']}" if args.stores else f"--shapes {s['spec']}:{s['moe_layers']}"
-    said = (f"{lead}: the {s['shape']} store ({_mb(s['store_bytes'])}) is less than {ratio:g}x the budget "
+    # A store's label is its directory's name, which the lead names already (a store in a
+    # directory named "store" read "the store store").
+    name = "" if args.stores else f" {s['shape']}"
+    said = (f"{lead}: the{name} store ({_mb(s['store_bytes'])}) is less than {ratio:g}x the budget "
             f"({budget / MB:.0f} MB{why})")
     layers = int(s["moe_layers"])
     these = "this layer as it is" if layers == 1 else f"these {layers} layers as they are"
