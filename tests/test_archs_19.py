@@ -32,6 +32,7 @@ from _archs_support import (
     check_steps_over_fewer_rows,
     converted_store,
     prompt_of,
+    save_model_dir,
 )
 
 from asyncside.bridge import completed
@@ -223,6 +224,21 @@ def test_a_mistral3_of_a_dense_text_model_is_refused_naming_it() -> None:
     with pytest.raises(UnsupportedModelError, match=r"^mistral3: its text model \('llama' in text_config\) is a "
                                                      r"dense model; only a mistral4 text model routes experts$"):
         moe_layers(model, arch_for("mistral3"))
+
+
+def test_converting_a_mistral3_of_a_dense_text_model_names_its_layers(tmp_path: pathlib.Path) -> None:
+    """``asyncside convert`` of such a model says it has no MoE layer among its text model's layers
+    (it said 'among its num_hidden_layers None', reading the wrapper's top level)."""
+    from asyncside.errors import StoreError
+
+    dense = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    model, config = _tiny("mistral3", text_config=dense)
+    model_dir = save_model_dir(tmp_path / "model", model, config)
+    with pytest.raises(StoreError, match=r"config.json: no MoE layer among its num_hidden_layers 2: asyncside "
+                                         r"streams the experts of MoE layers, a dense model has none$"):
+        convert_model(model_dir, tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()
 
 
 def test_the_new_types_are_supported_and_listed() -> None:

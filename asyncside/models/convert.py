@@ -716,6 +716,9 @@ def _moe_layers_of(model: nn.Module, arch: Arch, src: pathlib.Path,
     except UnsupportedModelError as exc:
         blocks = [getattr(layer, arch.block_attr, None) for layer in decoder_layers(model)]
         if all(b is not None and find_switch(b) is None for b in blocks):
+            # A multimodal wrapper's text model keeps its layer fields in text_config (they read None).
+            text = raw.get("text_config")
+            raw = text if isinstance(text, Mapping) and "num_hidden_layers" in text else raw
             given = [f"{f} {json.dumps(raw[f])}" for f in _MOE_LAYER_FIELDS if f in raw]
             raise StoreError(src / "config.json",
                              f"no MoE layer among its num_hidden_layers {raw.get('num_hidden_layers')}"
