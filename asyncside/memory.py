@@ -261,8 +261,10 @@ def release_freed_heap() -> bool:
 
 
 def describe_bytes(n: int | float) -> str:
-    """``n`` bytes for a person: GiB from one GiB up, else MiB; a size that is not zero but would
-    read as ``0.0 MiB`` in KiB, or in bytes below one KiB."""
+    """``n`` bytes for a person: TiB from one TiB up, GiB from one GiB up, else MiB; a size that is
+    not zero but would read as ``0.0 MiB`` in KiB, or in bytes below one KiB."""
+    if abs(n) >= 1 << 40:  # a budget of many TiB read back as thousands of GiB
+        return f"{n / 2**40:.2f} TiB"
     if abs(n) >= 1 << 30:
         return f"{n / 2**30:.2f} GiB"
     if n and abs(n) < 0.05 * 2**20:  # "memory=4K" read "memory=0.0 MiB", as if nothing were given

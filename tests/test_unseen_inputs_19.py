@@ -116,3 +116,16 @@ def test_offload_names_a_store_too_small_for_the_ratio_once(quick_store: pathlib
                       "--localities", "low", "--quiet")
     assert rc == 2 and f"--stores {quick_store}: the store (" in err and "is less than 4x the budget" in err, err
     assert f"the {quick_store.name} store" not in err, err
+
+
+def test_a_budget_larger_than_the_machine_reads_back_in_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside demo --memory 100T`` (larger than the machine, capped to what it has) printed the
+    budget as "memory=102400.00 GiB ... capped by MemAvailable": a size of a TiB or more reads in TiB."""
+    from asyncside import memory
+    from asyncside.runtime import _plan as plan_mod
+
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.MemoryBudget(16 << 30, "MemAvailable"))
+    budget = plan_mod.resolve_budget("100T")
+    assert budget.available == 16 << 30 and budget.source.startswith("memory=100.00 TiB, "), budget
+    assert budget.source.endswith("capped by MemAvailable"), budget
+    assert memory.describe_bytes(3 << 30) == "3.00 GiB" and memory.describe_bytes(1 << 40) == "1.00 TiB"
