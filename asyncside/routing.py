@@ -17,11 +17,13 @@ import bisect
 import contextlib
 import io
 import json
+import lzma
 import math
 import numbers
 import os
 import stat
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -291,6 +293,7 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
         raise TraceError(where, f"expected an .npz archive (numpy.savez or RoutingTrace.save) of the arrays "
                                 f"ids, lengths, n_experts, meta; this is {kind}")
     data: dict[str, np.ndarray] = {}
+    reading: str | None = None  # the member being read, if any
     try:
         with zipfile.ZipFile(source) as zf:
             # np.load's names: a member "x.npy" is the array "x" (the last of a repeated name wins)
@@ -301,14 +304,18 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
             ids_shape: tuple[int, ...] = ()
             for name in ("ids", "n_experts", "lengths", "meta", "predicted"):
                 if name in members:
+                    reading = name
                     data[name] = _read_member(zf, members[name], name, _member_bounds(data, ids_shape)[name], where)
                     if name == "ids":
                         ids_shape = tuple(int(x) for x in data["ids"].shape)
+            reading = None
     except TraceError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, zlib.error, lzma.LZMAError) as e:
         # zipfile's own failures: a truncated archive (EOFError), a bad CRC or header (BadZipFile),
-        # a member compressed by a method zipfile has no decompressor for (its error for that).
+        # a member compressed by a method zipfile has no decompressor for (its error for that); a
+        # damaged compressed member fails in its decompressor (zlib's or lzma's own error; bz2's is
+        # an OSError), which ended in a traceback.
         if isinstance(e, zipfile.BadZipFile) and not _zip_end_found(source):
             # A zip's index is its last bytes: a file cut short anywhere lost it, and zipfile then
             # calls a file that starts as a zip "not a zip file".
@@ -316,7 +323,9 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
             raise TraceError(where, f"not a readable .npz file: it starts as a zip archive, but its {size} bytes "
                                     f"end without the archive's index (the end of a zip): the file is truncated, "
                                     f"cut short while it was written or copied") from None
-        raise TraceError(where, f"not a readable .npz file: {e}") from None
+        # A member whose data is damaged (a bad CRC, a corrupt compressed stream) names it as the field.
+        damaged = f"its member {members[reading].filename} is damaged: " if reading else ""
+        raise TraceError(where, f"not a readable .npz file: {damaged}{e}", field=reading) from None
     return data
 
 
