@@ -23,8 +23,8 @@ Policies:
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
 - :class:`AdaptiveLRFU` (``"adaptive-lrfu"``): LRFU that keeps each expert's history after
   eviction (a newcomer enters as the next victim) and picks its half-life online from a shadow
-  cache; never fewer hits than LRFU on the traces of docs/policies.md, more where hot experts are
-  stable, at a higher cost per access.
+  cache; never fewer hits than LRFU on the presets and the embedded trace, more where hot experts
+  are stable, at a higher cost per access; fewer where the hot experts move fast (docs/policies.md).
 
 The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
 instead of scanning every LIVE expert per eviction (docs/design.md).
