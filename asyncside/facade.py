@@ -282,6 +282,9 @@ class StreamingLM:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         """The logits (B, L, vocab) of ``inputs`` (B, L), computed; updates ``cache`` in place."""
         self._check_keywords(kwargs)
+        # Before any MLX work, mx.array of a list included: in a forked child the first one waits
+        # forever on the CPU, and crashes the child on MLX CUDA (CUDA is unusable after a fork).
+        self._check_process()
         if isinstance(inputs, list):
             # The mlx-lm model indexes its embedding with a nested list of ids as with an array.
             inputs = mx.array(inputs)
@@ -290,7 +293,6 @@ class StreamingLM:
                             f"{type(inputs).__name__}: mx.array(...) of it")
         if self._closed:
             raise AsyncsideError("this model was closed (StreamingLM.close)")
-        self._check_process()  # before any MLX work: in a forked child, the first one waits forever
         from .models.loading import clear_streams_at_thread_end
 
         clear_streams_at_thread_end()  # the inputs and caches are evaluated on this thread
