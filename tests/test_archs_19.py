@@ -256,13 +256,11 @@ def test_the_new_types_are_supported_and_listed() -> None:
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_the_plans_top_k_is_the_models(model_type: str) -> None:
     """The memory plan's top-k, read from the config, is the one the walk routes (step3p5 names it
-    moe_top_k)."""
+    moe_top_k: the plan took its default for it)."""
     from asyncside.runtime._forward_cost import config_top_k
 
     model, config = _tiny(model_type)
     sm, _pools = streaming_from_model(model, config, completed=completed)
-    if model_type == "step3p5" and config_top_k(config) is None:
-        pytest.xfail("the plan does not read moe_top_k yet (a patch to asyncside/runtime/_forward_cost.py)")
     assert config_top_k(config) == sm.forward.walk.top_k
 
 

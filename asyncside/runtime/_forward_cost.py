@@ -38,7 +38,7 @@ FIT = 0.8
 DEFAULT_TOP_K = 8
 #: Where a model's config.json keeps its router's top-k, by architecture family (hunyuan's
 #: ``moe_topk`` may list one per layer; ernie4_5_moe's is ``moe_k``).
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k", "top_k")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k")
 
 
 @dataclass(frozen=True)
