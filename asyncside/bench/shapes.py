@@ -232,7 +232,7 @@ def _refuse_outside(origin: str, field: str, indices: list[int], n_layers: int) 
 #: The fields that say which decoder layers are MoE layers (:func:`_moe_layers`).
 _MOE_LAYER_FIELDS = ("moe_layers", "is_moe_layer", "mlp_layer_types", "first_k_dense_replace", "moe_layer_freq",
                      "decoder_sparse_step", "mlp_only_layers", "interleave_moe_layer_step", "expert_layer_period",
-                     "expert_layer_offset")
+                     "expert_layer_offset", "moe_layers_enum", "num_dense_layers")
 
 
 def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
@@ -242,8 +242,28 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
     ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
     ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer), Laguna's
     ``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; without it a dense first layer, as
-    mlx-lm builds one), MiMo-V2-Flash's ``moe_layer_freq`` as a list of per-layer flags; every layer
-    where none is given."""
+    mlx-lm builds one), MiMo-V2-Flash's ``moe_layer_freq`` as a list of per-layer flags, Step-3.5's
+    ``moe_layers_enum`` (a comma-separated list of indices; without it every layer but the first, as
+    mlx-lm builds them), AFMoE's ``num_dense_layers`` (dense first layers); every layer where none is
+    given."""
+    if raw.get("model_type") == "step3p5":
+        enum = raw.get("moe_layers_enum")
+        if enum is None:
+            return list(range(1, n_layers))  # mlx-lm's step3p5 default
+        try:
+            listed = [int(i) for i in str(enum).strip().split(",")] if isinstance(enum, str) else None
+        except ValueError:
+            listed = None
+        if listed is None:
+            raise ShapeError(f"{origin}: moe_layers_enum must be a comma-separated list of layer indices, "
+                             f"got {enum!r}")
+        _refuse_outside(origin, "moe_layers_enum", listed, n_layers)
+        return sorted(set(listed))
+    if raw.get("model_type") == "afmoe":
+        dense_first = raw.get("num_dense_layers", 2)  # mlx-lm's afmoe default
+        if isinstance(dense_first, bool) or not isinstance(dense_first, int) or dense_first < 0:
+            raise ShapeError(f"{origin}: num_dense_layers must be a non-negative integer, got {dense_first!r}")
+        return list(range(dense_first, n_layers))
     freq_flags = raw.get("moe_layer_freq")
     if isinstance(freq_flags, list):
         # MiMo-V2-Flash's moe_layer_freq is one flag per layer (1: MoE), not a period.
