@@ -509,7 +509,9 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
         """What memory= would have to be for ``pool_bytes`` of pools (a budget counts what the
         process holds already)."""
         if memory is None:
-            return ""
+            # The budget is what the memory cgroup or MemAvailable leaves: only more of that helps
+            # (without a figure the refusal read "a larger memory budget for the smallest pools,  for these").
+            return f" (at least {describe_bytes(pool_bytes + headroom)} free)"
         # What the process holds now, not memory= less the budget: a memory= below what it holds
         # left a budget of 0, which would hide the difference. What the process will still take
         # before the runtime enters counts as held: a figure without it is refused again then.
@@ -533,11 +535,17 @@ def _pools_refusal(memory: int | str | None, budget: MemoryBudget, pools: int, h
     else:
         fits = _largest_fraction(pools_at, budget.available - headroom)
         if fits is None:
+            these = f", {needed(pools).strip(' ()')} for these" if pools != pools_at(0.0) else ""
             advice = (f"no resident fraction fits beside the headroom: a larger memory budget"
-                      f"{needed(pools_at(0.0))} for the smallest pools, {needed(pools).strip(' ()')} for these")
+                      f"{needed(pools_at(0.0))} for the smallest pools{these}")
         else:
             advice = (f"use resident={fits:.3g} or less (the most whose pools fit), resident='auto', or a larger "
                       f"memory budget{needed(pools)}")
+    capped_by = budget.source.partition(", capped by ")[2] if memory is not None else ""
+    if capped_by:
+        # memory= asked for more than the machine lets the process have: a larger memory= named
+        # alone was capped again, to the same budget.
+        advice += f"; memory= is capped by {capped_by}, which must allow as much too"
     return AsyncsideError(
         f"the pools need {describe_bytes(pools)} (resident={'auto' if asked_auto else label}) and "
         f"{describe_bytes(headroom)} of headroom for MLX's buffers and the KV caches, "
