@@ -235,17 +235,9 @@ _MOE_LAYER_FIELDS = ("moe_layers", "is_moe_layer", "mlp_layer_types", "first_k_d
                      "expert_layer_offset", "moe_layers_enum", "num_dense_layers")
 
 
-def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
-    """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
-    DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
-    ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
-    ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
-    ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer), Laguna's
-    ``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; without it a dense first layer, as
-    mlx-lm builds one), MiMo-V2-Flash's ``moe_layer_freq`` as a list of per-layer flags, Step-3.5's
-    ``moe_layers_enum`` (a comma-separated list of indices; without it every layer but the first, as
-    mlx-lm builds them), AFMoE's ``num_dense_layers`` (dense first layers); every layer where none is
-    given."""
+def _own_moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int] | None:
+    """Step-3.5's and AFMoE's MoE layers (``moe_layers_enum``, ``num_dense_layers``, or mlx-lm's
+    defaults for them); None for any other model type."""
     if raw.get("model_type") == "step3p5":
         enum = raw.get("moe_layers_enum")
         if enum is None:
@@ -264,6 +256,23 @@ def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
         if isinstance(dense_first, bool) or not isinstance(dense_first, int) or dense_first < 0:
             raise ShapeError(f"{origin}: num_dense_layers must be a non-negative integer, got {dense_first!r}")
         return list(range(dense_first, n_layers))
+    return None
+
+
+def _moe_layers(origin: str, raw: dict[str, Any], n_layers: int) -> list[int]:
+    """The indices of the model's MoE decoder layers: an explicit ``moe_layers`` list (Llama 4), else
+    DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` /
+    ``mlp_only_layers``, Llama 4's ``interleave_moe_layer_step``, Jamba's ``expert_layer_period`` /
+    ``expert_layer_offset``, ERNIE 4.5's ``moe_layer_start_index`` / ``moe_layer_end_index`` /
+    ``moe_layer_interval``, EXAONE-MoE's ``is_moe_layer`` (one flag per layer), Laguna's
+    ``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; without it a dense first layer, as
+    mlx-lm builds one), MiMo-V2-Flash's ``moe_layer_freq`` as a list of per-layer flags, Step-3.5's
+    ``moe_layers_enum`` (a comma-separated list of indices; without it every layer but the first, as
+    mlx-lm builds them), AFMoE's ``num_dense_layers`` (dense first layers); every layer where none is
+    given."""
+    own = _own_moe_layers(origin, raw, n_layers)
+    if own is not None:
+        return own
     freq_flags = raw.get("moe_layer_freq")
     if isinstance(freq_flags, list):
         # MiMo-V2-Flash's moe_layer_freq is one flag per layer (1: MoE), not a period.
