@@ -300,6 +300,7 @@ class LRFU(_HeapPolicy):
         self._clock = 0
         self._s: dict[int, tuple[float, int]] = {}  # expert -> (score at last use, time of last use)
         self.recency = False  # ranking by last use (the guard's LRU) instead of decayed counts
+        self.native_order = "decayed"  # what the queued steps' fault tables rank by: follows the guard
         self.switches = 0
         self._wins = [0.0, 0.0]  # over the window, accesses only the real cache hit, only the shadow hit
         self._lru: OrderedDict[int, None] = OrderedDict()  # the shadow while ranking by counts
@@ -375,6 +376,7 @@ class LRFU(_HeapPolicy):
             return
         # The shadow's ranking becomes the real one; the real cache's content seeds the new shadow.
         self.recency = not self.recency
+        self.native_order = "recency" if self.recency else "decayed"
         self.switches += 1
         self._wins.reverse()
         held = sorted(self.score, key=lambda e: (self._s[e][1], e))

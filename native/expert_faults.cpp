@@ -529,10 +529,10 @@ void FaultTable::after_read(uint64_t offset) {
 
 void FaultTable::touch_locked(int64_t expert, uint64_t stamp) {
   const auto e = static_cast<size_t>(expert);
-  if (order_ == VictimOrder::Decayed) {
-    const double age = static_cast<double>(stamp - last_use_[e]);
-    score_[e] = (last_use_[e] ? score_[e] * std::exp2(-age / half_life_) : 0.0) + 1.0;
-  }
+  // The decayed counts are kept in every order: the policy may switch the order between steps
+  // (LRFU's recency guard), and ranks by them must then be current, not as of the switch.
+  const double age = static_cast<double>(stamp - last_use_[e]);
+  score_[e] = (last_use_[e] ? score_[e] * std::exp2(-age / half_life_) : 0.0) + 1.0;
   last_use_[e] = stamp;
 }
 

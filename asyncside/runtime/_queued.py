@@ -318,10 +318,7 @@ class QueuedSide:
                     raise AsyncsideError(f"layer {st.spec.index}: the ledger changed while rows were lent")
                 faults.sync(np.ascontiguousarray(st.ledger.lookup(), dtype=np.int32))
                 st.native_dirty = False
-            policy = st.ledger.policy
-            if policy.native_order != st.native_order:
-                faults.set_order(policy.native_order, policy.half_life)
-                st.native_order = policy.native_order
+            self._follow_order(st)
             # Every dynamic row is lent (lent rows stay lent after a fault): the stream, which sees
             # each use first, picks victims among all of them in the policy's native order.
             short = st.ledger.side_rows - len(st.ledger.lent_rows())
@@ -562,6 +559,17 @@ class QueuedSide:
         self._since_reconcile = 0
         for st in self._s.layers.values():
             self.reconcile(st)
+            if st.native_order:  # lent to already: the uses just learned may have switched the policy
+                self._follow_order(st)
+
+    @staticmethod
+    def _follow_order(st: LayerState) -> None:
+        """The layer's fault table ranks victims as its policy does now (LRFU's recency guard
+        switches between last use and decayed counts as the requests go)."""
+        policy = st.ledger.policy
+        if st.faults is not None and policy.native_order != st.native_order:
+            st.faults.set_order(policy.native_order, policy.half_life)
+            st.native_order = policy.native_order
 
     def reconcile(self, st: LayerState) -> None:
         """Apply a layer's fault log to its ledger; failed faults are kept for the next raise."""
