@@ -11,7 +11,10 @@ demo --model``, :func:`asyncside.facade.load`) accepts three kinds of name:
   with huggingface_hub's progress bars; ``HF_HUB_OFFLINE=1`` means the cache only. An id that
   cannot be found is a :class:`~asyncside.errors.ModelNotFoundError` naming it.
 
-A name that exists as a local path is a path, even if it also reads as an id (as in mlx-lm).
+A name that exists as a local path is a path, even if it also reads as an id (as in mlx-lm). A
+name that is neither is refused in one line that says both: the path is neither a directory nor a
+file (and the nearest part of it that exists), and why the Hub did not give it; the path comes first
+where the name's first part exists here, as in a mistyped ``models/qwen-store``.
 
 :func:`store_for` turns any of the three into a store directory: a model directory or an id is
 converted on first use into ``<cache>/stores/<name>-<hash>`` (``<cache>`` is asyncside's cache
@@ -63,6 +66,25 @@ def _hub_cache() -> str:
     return str(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
 
 
+def _no_such_path(path: pathlib.Path) -> str:
+    """Why ``path``, which does not exist, is nothing: a dangling link, or the nearest
+    part of it that exists (the directory that lacks the next name, or a file in the way)."""
+    path = pathlib.Path(os.path.abspath(path))  # "../x" named as the directory it is, not ".../.."
+    if path.is_symlink():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    head = path.parent
+    while head != head.parent and not head.exists():
+        head = head.parent
+    step = path.relative_to(head).parts[0]
+    where = f"{head} is a file" if head.is_file() else f"{head} has no {step}"
+    return f"{path} is neither a directory nor a file ({where})"
+
+
+def _one_line(exc: BaseException) -> str:
+    # huggingface_hub's messages run over several lines; a refusal is one.
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) -> pathlib.Path:
     """The local directory that ``name`` (a path or a Hugging Face repo id) designates.
 
@@ -92,7 +114,8 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
         url = _HUB_URL.match(text.strip())
         if url and is_repo_id(url.group(1)):
             raise ModelNotFoundError(text, f"a Hugging Face page address: give its repo id, {url.group(1)}")
-        raise ModelNotFoundError(text, "model directory does not exist (and not a Hugging Face repo id, org/name)")
+        raise ModelNotFoundError(text, f"model directory does not exist: {_no_such_path(path.absolute())}; not a "
+                                       "Hugging Face repo id (org/name) either")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -104,6 +127,17 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
 
     cache = _hub_cache()
     missing = ""
+    local = _no_such_path(path.absolute())
+    # A name whose first part exists here reads as a mistyped path more than as an id: its
+    # refusal says the path first. Either way it says both, where it said only that the Hub could
+    # not be reached, and the user never learnt the path they meant was not there.
+    typed_path = pathlib.Path(text.split("/", 1)[0]).exists()
+
+    def refused(why: str) -> ModelNotFoundError:
+        if typed_path:
+            return ModelNotFoundError(text, f"{local}; as a Hugging Face repo id: {why}")
+        return ModelNotFoundError(text, f"{why}; nor is it a local path: {local}")
+
     try:
         return pathlib.Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
                                               cache_dir=cache, local_files_only=True))
@@ -117,20 +151,23 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
         raise ModelNotFoundError(text, f"its snapshot in the local Hugging Face cache ({cache}) is incomplete "
                                        f"({missing}) and HF_HUB_OFFLINE is set; unset it to finish the download")
     if _offline():
-        raise ModelNotFoundError(text, f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
-                                       "unset it to download the model, or give a local directory")
-    print(f"asyncside: downloading {text} from the Hugging Face Hub into {cache}", file=sys.stderr, flush=True)
+        raise refused(f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; unset it to "
+                      "download the model, or give a local directory")
+    if typed_path:
+        print(f"asyncside: {text}: no local path {path.absolute()}; downloading it as a Hugging Face repo id "
+              f"into {cache}", file=sys.stderr, flush=True)
+    else:
+        print(f"asyncside: downloading {text} from the Hugging Face Hub into {cache}", file=sys.stderr, flush=True)
     try:
         return pathlib.Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
                                               cache_dir=cache))
     except (RepositoryNotFoundError, GatedRepoError):
-        raise ModelNotFoundError(text, "no such model on the Hugging Face Hub (or it is private or gated: "
-                                       "log in with `hf auth login`)") from None
+        raise refused("no such model on the Hugging Face Hub (or it is private or gated: log in with "
+                      "`hf auth login`)") from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(text, f"revision {revision!r} does not exist on the Hugging Face Hub") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
-        raise ModelNotFoundError(text, f"could not be downloaded from the Hugging Face Hub "
-                                       f"({type(exc).__name__}: {exc})") from None
+        raise refused(f"could not be downloaded from the Hugging Face Hub ({_one_line(exc)})") from None
 
 
 def stores_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
