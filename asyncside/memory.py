@@ -277,6 +277,26 @@ SIZE_UNITS = ("units K, M, G, T are powers of 1024, with or without B, i or iB: 
               "2 GiB")
 
 
+def _share_hint(value: int | str) -> str:
+    """For a memory budget written as a share (``0.5``, ``"50%"``), the option that takes a share of
+    the experts, as the end of a refusal; else nothing. A bare ``1`` is no share: a byte, as it says."""
+    if isinstance(value, (bool, int)):
+        return ""
+    text = str(value).strip()
+    percent = text.endswith("%")
+    try:
+        share = float(text[:-1]) / 100 if percent else float(text)
+    except ValueError:
+        return ""
+    if not 0 < share <= 1 or (not percent and text.isdigit()):
+        return ""
+    # The pools' share of each layer's experts is resident=: a share given as memory was refused as
+    # a size with no word of where it belongs.
+    written = f"{float(text[:-1]):g}%" if percent else text  # one word, as the command line takes it
+    return (f"; memory is a size, and a share of each layer's experts is --resident {written} "
+            f"(resident={share!r} in Python)")
+
+
 def parse_size(value: int | str, *, what: str = "size") -> int:
     """Bytes from an int or a size string with an optional binary unit (``800M``, ``1.5G``,
     ``4096``; :data:`SIZE_UNITS`); ValueError naming ``what`` and what was expected otherwise."""
@@ -298,7 +318,8 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     try:
         size = float(number)
     except ValueError:
-        raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 ({SIZE_UNITS})") from None
+        hint = _share_hint(value) if what == "memory" else ""
+        raise ValueError(f"{what} {value!r}: expected a size such as 800M, 1.5G or 4096 ({SIZE_UNITS}){hint}") from None
     if not 0 <= size:
         raise ValueError(f"{what} {value!r}: expected a size >= 0")
     if math.isinf(size * _UNITS[unit]):  # the number, or the number in that unit, overflows a float
@@ -316,7 +337,7 @@ def check_memory(size: int, text: int | str) -> int:
     :data:`MIN_MEMORY_ARG` (a bare ``16`` is 16 bytes, never a budget); ValueError otherwise."""
     if size < MIN_MEMORY_ARG:
         bytes_ = "byte" if size == 1 else "bytes"
-        raise ValueError(f"memory {text!r} is {size} {bytes_}; expected at least 4K ({SIZE_UNITS})")
+        raise ValueError(f"memory {text!r} is {size} {bytes_}; expected at least 4K ({SIZE_UNITS}){_share_hint(text)}")
     return size
 
 

@@ -134,3 +134,37 @@ def test_a_repo_id_is_still_downloaded_and_an_unknown_one_says_both(
     assert str(info.value) == (f"org/nope: no such model on the Hugging Face Hub (or it is private or gated: log in "
                                f"with `hf auth login`); nor is it a local path: {tmp_path}/org/nope is neither a "
                                f"directory nor a file ({tmp_path} has no org)")
+
+
+@pytest.mark.parametrize(("memory", "written", "share"), [(0.5, "0.5", "0.5"), ("50%", "50%", "0.5"),
+                                                          (" 25 % ", "25%", "0.25"), ("0.1", "0.1", "0.1")])
+def test_a_memory_budget_written_as_a_share_says_that_a_share_is_resident(
+        memory: float | str, written: str, share: str, quick_store: pathlib.Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``memory=0.5`` / ``--memory 50%`` (half the experts, as a user reads "memory") were refused as
+    sizes ("is 0 bytes", "expected a size such as 800M") with no word that a share of the experts is
+    what ``resident=`` / ``--resident`` takes. The one line now says so; a size is taken as before."""
+    import asyncside
+    from asyncside import ExpertStore, Runtime
+
+    hint = f"; memory is a size, and a share of each layer's experts is --resident {written} (resident={share} in Python)"
+    for command in ("demo", "serve"):
+        rc, err = run_cli(capsys, command, "--model", str(quick_store), "--memory", str(memory))
+        assert rc == 2 and err.strip().splitlines()[-1].endswith(hint), err
+        assert err.strip().splitlines()[-1].startswith(f"asyncside {command}: error: argument --memory: memory "), err
+    for refuse in (lambda: asyncside.load(quick_store, memory=memory, progress=False),
+                   lambda: Runtime(ExpertStore.open(quick_store), memory=memory)):
+        with pytest.raises(ValueError) as info:
+            refuse()
+        assert str(info.value).endswith(hint) and "\n" not in str(info.value), info
+
+
+@pytest.mark.parametrize("memory", [1, "1", "0", "150%", "2K", "auto"])
+def test_a_memory_that_is_no_share_gets_no_share_hint(memory: int | str) -> None:
+    """A byte count, a percentage over a whole, a size too small or a word: refused as before,
+    with no word of resident."""
+    from asyncside.memory import check_memory, parse_size
+
+    with pytest.raises(ValueError) as info:
+        check_memory(parse_size(memory, what="memory"), memory)
+    assert "resident" not in str(info.value), info
