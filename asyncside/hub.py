@@ -23,6 +23,7 @@ directory, see :func:`asyncside.models.embedded.cache_root`), said on stderr, an
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pathlib
@@ -100,7 +101,14 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
         raise ModelNotFoundError(repr(text), "an empty name; expected an expert store, an mlx-lm model directory "
                                              "or a Hugging Face repo id (org/name)")
     path = pathlib.Path(text).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:
+        # A path under a directory this user may not enter (another user's home, /root) raised
+        # PermissionError out of every command as a traceback; so did a name too long to look up.
+        closed = " (a directory on its way is closed to this user)" if exc.errno == errno.EACCES else ""
+        raise ModelNotFoundError(text, f"{path} cannot be looked at: {exc.strerror or exc}{closed}") from None
+    if exists:
         if revision is not None:
             # A revision names a commit of a repo on the Hub: on a local directory it was ignored
             # without a word, and the directory's files were loaded whatever revision was asked.
@@ -185,6 +193,20 @@ def _cached_store_name(name: str, directory: pathlib.Path) -> str:
     return f"{stem}-{digest}"
 
 
+def _not_a_model(directory: pathlib.Path) -> str | None:
+    """Why ``directory`` (no expert store) is no mlx-lm model directory either; None when it is one."""
+    if directory.is_dir() and (directory / "config.json").is_file():
+        return None
+    expected = "an expert store (manifest.json) or an mlx-lm model directory (config.json)"
+    if directory.is_file() and directory.name in ("manifest.json", "config.json"):
+        return f"is a file: pass its directory, {directory.parent}"  # the store's or model's own file
+    if directory.is_file():
+        return f"is a file; expected {expected}"
+    if directory.is_dir() and not any(directory.iterdir()):
+        return f"is an empty directory; expected {expected}"
+    return "is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)"
+
+
 def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
               revision: str | None = None, progress: bool = True,
               say: Callable[[str], None] | None = None) -> pathlib.Path:
@@ -207,18 +229,13 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
 
     text = os.fspath(name)
     directory = resolve_model(text, revision=revision)
+    if directory.is_dir() and not os.access(directory, os.R_OK | os.X_OK):
+        # Looking for its manifest.json raised PermissionError out of every command as a traceback.
+        raise ModelNotFoundError(text, f"{directory} is a directory this user may not read (its permissions "
+                                       f"are {directory.stat().st_mode & 0o777:o})")
     if is_store_dir(directory):
         return directory
-    if not directory.is_dir() or not (directory / "config.json").is_file():
-        expected = "an expert store (manifest.json) or an mlx-lm model directory (config.json)"
-        if directory.is_file() and directory.name in ("manifest.json", "config.json"):
-            why = f"is a file: pass its directory, {directory.parent}"  # the store's or model's own file
-        elif directory.is_file():
-            why = f"is a file; expected {expected}"
-        elif directory.is_dir() and not any(directory.iterdir()):
-            why = f"is an empty directory; expected {expected}"
-        else:
-            why = ("is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)")
+    if (why := _not_a_model(directory)) is not None:
         raise ModelNotFoundError(text, f"{directory} {why}")
     if not any(directory.glob("model*.safetensors")):
         # A config.json alone (as `bench generate --shape DIR` takes one): said before the line that

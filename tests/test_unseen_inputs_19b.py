@@ -168,3 +168,23 @@ def test_a_memory_that_is_no_share_gets_no_share_hint(memory: int | str) -> None
     with pytest.raises(ValueError) as info:
         check_memory(parse_size(memory, what="memory"), memory)
     assert "resident" not in str(info.value), info
+
+
+def test_a_path_that_cannot_be_looked_at_is_one_line_not_a_traceback(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --model`` of a name too long for the filesystem, or of a directory this user may not
+    read (another user's store), raised OSError / PermissionError out of the command as a
+    traceback. Both are one line naming the path, exit 2."""
+    import os
+
+    long_name = str(tmp_path / ("x" * 300) / "store")
+    rc, err = run_cli(capsys, "demo", "--model", long_name, "--tokens", "2", "--reference", "none")
+    assert rc == 2 and err.strip() == f"asyncside demo: {long_name}: {long_name} cannot be looked at: File name too long"
+
+    closed = tmp_path / "theirs"
+    closed.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(closed) else real(p, mode, **kw))
+    rc, err = run_cli(capsys, "demo", "--model", str(closed), "--tokens", "2", "--reference", "none")
+    assert rc == 2 and err.strip().startswith(f"asyncside demo: {closed}: {closed} is a directory this user may not "
+                                              "read (its permissions are "), err
