@@ -122,8 +122,12 @@ def resolve_model(name: str | os.PathLike[str], *, revision: str | None = None) 
         url = _HUB_URL.match(text.strip())
         if url and is_repo_id(url.group(1)):
             raise ModelNotFoundError(text, f"a Hugging Face page address: give its repo id, {url.group(1)}")
+        # An id pasted with a slash at its end or spaces around it was said to be no id, as if the
+        # org/name in it were wrong.
+        bare = text.strip().rstrip("/")
+        meant = f" (did you mean the repo id {bare}?)" if is_repo_id(bare) else ""
         raise ModelNotFoundError(text, f"model directory does not exist: {_no_such_path(path.absolute())}; not a "
-                                       "Hugging Face repo id (org/name) either")
+                                       f"Hugging Face repo id (org/name) either{meant}")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

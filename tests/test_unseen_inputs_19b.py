@@ -188,3 +188,25 @@ def test_a_path_that_cannot_be_looked_at_is_one_line_not_a_traceback(
     rc, err = run_cli(capsys, "demo", "--model", str(closed), "--tokens", "2", "--reference", "none")
     assert rc == 2 and err.strip().startswith(f"asyncside demo: {closed}: {closed} is a directory this user may not "
                                               "read (its permissions are "), err
+
+
+@pytest.mark.parametrize("name", ["mlx-community/Qwen3-30B-A3B-4bit/", " mlx-community/Qwen3-30B-A3B-4bit ",
+                                  "mlx-community/Qwen3-30B-A3B-4bit//"])
+def test_a_repo_id_with_a_slash_at_its_end_names_the_id(name: str, tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model mlx-community/Qwen3-30B-A3B-4bit/`` (a slash from tab completion or a copied path)
+    was "model directory does not exist (and not a Hugging Face repo id, org/name)", as though the
+    org/name in it were wrong. The line names the id it holds; nothing is asked of the Hub."""
+    from asyncside.errors import ModelNotFoundError
+    from asyncside.hub import resolve_model
+
+    monkeypatch.chdir(tmp_path)
+    asked = _stand_in_hub(monkeypatch, _unreachable)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model(name)
+    assert str(info.value).endswith("; not a Hugging Face repo id (org/name) either (did you mean the repo id "
+                                    "mlx-community/Qwen3-30B-A3B-4bit?)"), info
+    assert asked == []
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("org/name/extra/")
+    assert "did you mean" not in str(info.value)
