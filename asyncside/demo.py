@@ -266,13 +266,12 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
             try:
                 async for tok in sm.generate(prompt_ids, max_tokens=args.tokens, source=rt,
                                              predictor=args.predictor, options=options, trace=record):
-                    if not run.tokens:  # what the prompt read, apart from what decoding reads
-                        first = rt.stats()
-                        at_first = (int(first["bytes_read"]), disk_read_bytes(),
-                                    int(first["hits"]) + int(first["misses"]))
+                    first_token = not run.tokens
                     run.first_token()
                     run.tokens.append(tok)
                     echo(run.tokens)
+                    if first_token:  # what the prompt read, apart from what decoding reads
+                        at_first = await counts_at_rest(rt)
             except AsyncsideError as exc:
                 if rt.plan is not None and not (args.quiet or args.json):
                     print(flush=True)  # the prompt echoed above: the refusal on a line of its own
@@ -296,9 +295,10 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         if run.tokens:
             stats["decode_bytes_read"] = int(stats["bytes_read"]) - at_first[0]
             stats["decode_disk_read_bytes"] = disk_read_bytes() - at_first[1]
-            # Queued steps queue the next step before its token is awaited: some or all of the first
-            # decode step's reads were counted before the first token. The steps the counts cover:
-            # their demands over a step's (each MoE layer routes top-k distinct experts a token).
+            # Queued steps queue the next step before its token is awaited: the first decode step,
+            # queued before the first token arrived, was counted at rest on the prompt's side. The
+            # steps the counts cover: their demands over a step's (each MoE layer routes top-k
+            # distinct experts a token).
             from .runtime._plan import store_top_k
 
             per_step = len(store.layers) * (store_top_k(store) or 0)
@@ -311,6 +311,18 @@ async def _streaming_run(sm: Any, store: Any, runtime: Any, prompt_ids: list[int
         await anyio.to_thread.run_sync(record.to_file_trace(stats["experts_per_layer"], meta).save,
                                        args.record_routing)
     return run, stats, audit_ok
+
+
+async def counts_at_rest(rt: Any) -> tuple[int, int, int]:
+    """The runtime's bytes read, the process's disk bytes and the runtime's demands (hits and
+    misses), taken once no read is in flight: every queued step computed, its reads published and
+    its faults applied. The disk counts a read when it is submitted and the runtime when it lands,
+    so the two taken while the step queued ahead of the first token still read would cut decoding
+    at different points (its reads on the prompt's side of one, on decoding's of the other)."""
+    await rt.quiesce()
+    await rt.drain()
+    st = rt.stats()
+    return int(st["bytes_read"]), disk_read_bytes(), int(st["hits"]) + int(st["misses"])
 
 
 def peak_rss_bytes() -> int:
