@@ -54,9 +54,9 @@ def test_a_plan_reading_past_the_page_cache_gives_its_room_to_the_kv_caches(tmp_
     assert direct.direct and direct.page_cache_bytes > 0
     assert direct.kv_spare_bytes == int(direct.page_cache_bytes * plan_mod.KV_SHARE) > 0
     assert direct.kv_allowance_bytes == own + direct.kv_spare_bytes
-    # the buffered plan's page cache holds the streamed records: only the room beyond them is shared
-    streamed = buffered.store_bytes - buffered.pool_bytes
-    assert buffered.kv_spare_bytes == int((buffered.page_cache_bytes - streamed) * plan_mod.KV_SHARE) > 0
+    # the buffered plan's page cache holds every record of the store (the pools' too): only the room
+    # beyond them is shared
+    assert buffered.kv_spare_bytes == int((buffered.page_cache_bytes - buffered.store_bytes) * plan_mod.KV_SHARE) > 0
     assert buffered.kv_allowance_bytes == own + buffered.kv_spare_bytes
     # the forwards' share of the headroom is the same either way (the spare lies outside it)
     assert direct.forward_room_bytes == buffered.forward_room_bytes == direct.headroom_bytes - own

@@ -172,7 +172,7 @@ def test_an_explicit_budget_is_the_whole_process(tmp_path: pathlib.Path, monkeyp
 
 def test_reads_bypass_the_page_cache_when_the_store_does_not_fit_the_budget(tmp_path: pathlib.Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """O_DIRECT is chosen when the records outside the pools exceed what the budget leaves for the
+    """O_DIRECT is chosen when the store's records exceed what the budget leaves for the
     page cache, stated with the reason; an explicit choice (argument or $ASYNCSIDE_DIRECT) wins."""
     monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
     store = _store(tmp_path / "s")  # 8 MiB of records, 2 MiB of them in the pools at 0.25

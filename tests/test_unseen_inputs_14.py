@@ -37,7 +37,7 @@ def test_a_runtime_takes_a_residency_as_the_command_line_writes_it(resident: str
 
 
 @pytest.mark.parametrize(("how", "said"), [
-    ("budget", "the plan chose O_DIRECT (the 1.5 MiB of records outside the pools exceed "),
+    ("budget", "the plan chose O_DIRECT (the store's 2.0 MiB of records, which buffered reads would keep "),
     ("argument", "O_DIRECT was asked for: leave out direct=True (--direct)"),
     ("variable", "O_DIRECT was asked for by $ASYNCSIDE_DIRECT: set it to 0"),
 ])

@@ -3,9 +3,10 @@
 One sizing rule (:func:`layer_rows`) serves the allocation, the budget check and ``resident="auto"``.
 The plan is made once, before anything is allocated or opened, and states everything the runtime
 will hold: the pools, the host tier and its staging arrays (device pools), the headroom for the
-non-expert weights and MLX's buffers, and what is left for the page cache. When the streamed
-records cannot stay in that page cache, buffered reads would only evict each other (and, in a
-memory cgroup, be charged to the process): the plan then reads with O_DIRECT, bypassing it.
+non-expert weights and MLX's buffers, and what is left for the page cache. Buffered reads leave
+every record they read there, the pools' records as well as the others: when the streamed layers'
+records cannot all stay in that page cache, they would only evict each other (and, in a memory
+cgroup, be charged to the process beside the pools): the plan then reads with O_DIRECT, bypassing it.
 
 With a rows profile (a routing trace recorded or generated earlier, :func:`profile_rows`), the
 same total of pool rows is split between the layers by their LRU miss curves on that trace
@@ -602,9 +603,10 @@ def rows_raised(store: ExpertStore, rows: Mapping[int, int], resident: float, *,
     return {"asked": float(resident), "asked_by": "auto" if auto else "resident", "rows": least, "why": why}
 
 
-def _choose_direct(direct: bool | None, streamed: int, page_cache: int) -> tuple[bool, str]:
+def _choose_direct(direct: bool | None, cached: int, page_cache: int) -> tuple[bool, str]:
     """Whether reads bypass the page cache, and why: as asked, else $ASYNCSIDE_DIRECT, else when
-    the ``streamed`` bytes (records outside the pools) exceed the ``page_cache`` the budget leaves."""
+    the ``cached`` bytes (every record of the streamed layers, which buffered reads leave in the
+    page cache) exceed the ``page_cache`` the budget leaves."""
     if direct is not None:
         use_direct, why = bool(direct), "asked for"
     elif os.environ.get(ENV_DIRECT) is not None:
@@ -613,13 +615,15 @@ def _choose_direct(direct: bool | None, streamed: int, page_cache: int) -> tuple
             use_direct, why = _env_direct(), ENV_DIRECT
         except ValueError as exc:
             raise AsyncsideError(str(exc)) from None
-    elif streamed > page_cache:
+    elif cached > page_cache:
         use_direct = True
-        why = (f"the {describe_bytes(streamed)} of records outside the pools exceed the "
-               f"{describe_bytes(max(page_cache, 0))} the budget leaves for the page cache")
+        why = (f"the store's {describe_bytes(cached)} of records, which buffered reads would keep in the page "
+               f"cache beside the pools' copies, exceed the {describe_bytes(max(page_cache, 0))} the budget "
+               f"leaves for it")
     else:
         use_direct = False
-        why = f"the records outside the pools fit the {describe_bytes(page_cache)} left for the page cache"
+        why = (f"the store's {describe_bytes(cached)} of records fit the {describe_bytes(page_cache)} left for "
+               f"the page cache")
     return use_direct, why
 
 
@@ -730,13 +734,17 @@ def plan_memory(
             f"{describe_bytes(pools)} and {describe_bytes(headroom)} of headroom the memory budget of "
             f"{describe_bytes(budget.available)} ({budget.source}) leaves {describe_bytes(max(room, 0))}: "
             f"ask for a smaller host_tier, host_tier='auto', or a larger memory budget")
-    streamed = max(0, store_bytes - pools)  # records that live only in the store
-    use_direct, why = _choose_direct(direct, streamed, page_cache)
+    # Buffered reads leave every record they read in the page cache, the pools' records too: a row is
+    # filled through it, and a dynamic row's record is read again once evicted. The page cache then
+    # holds the whole store beside the pools' copies, not only the records outside the pools (which
+    # took a run past its budget by the pools' size).
+    cached = store_bytes
+    use_direct, why = _choose_direct(direct, cached, page_cache)
     # The page cache's room that reads leave unused goes to the KV caches too (KV_SHARE of it): all of
-    # it under O_DIRECT, what is left beyond the streamed records where reads go through the page cache.
+    # it under O_DIRECT, what is left beyond the store's records where reads go through the page cache.
     # Without it a budget of many GiB over a store the page cache holds granted the KV caches a share
     # of the fixed headroom alone, and refused long prompts with "serve with a larger --memory".
-    unused = page_cache if use_direct else page_cache - streamed
+    unused = page_cache if use_direct else page_cache - cached
     kv_spare = int(max(unused, 0) * KV_SHARE) if memory is not None else 0
     return MemoryPlan(budget=budget.available, source=budget.source, resident=label, rows=rows, pool_bytes=pools,
                       host_tier_layers=frozenset(tier_layers), host_tier_bytes=tier_total, staging_bytes=staging,
