@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -576,6 +577,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.quiet or args.json):
         print(flush=True)
     if reference == "slot-cache":
+        # The streaming run's pools are done with (its figures are in stats): freed before the slot
+        # cache builds its own, which choose_reference counts as nothing beside them.
+        del runtime
+        gc.collect()  # the runtime's task group and scheduler hold it in reference cycles
+        mx.clear_cache()
+        release_freed_heap()
         ref = slot_cache_run(sm, store, prompt_ids, args.tokens, eos, stats["memory"],
                              side_rows=getattr(args, "side_rows", None))
 

@@ -86,12 +86,14 @@ _BUILDER: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[A
 def _serve_builds(jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
     while True:
         fn, future = jobs.get()
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # handed to the awaiting caller, whatever it is
-            future.set_exception(exc)
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting caller, whatever it is
+                future.set_exception(exc)
+        # Not kept while waiting for the next build: the finished future holds the pools it built,
+        # which outlived their runtime (a closed runtime's last layer stayed allocated in the process).
+        del fn, future
 
 
 def _forget_builder() -> None:
