@@ -17,7 +17,9 @@ budget, ``--memory``) charges the page cache too, after the page cache was dropp
 The store is at least 4x the budget. Each run generates for ``--seconds`` (or ``--tokens``). Per
 run: decode tok/s; hit rate and its fraction of Belady's MIN over the same demands with the same
 rows per layer; misses' MB per token (misses x record size); disk MB per token (the process's
-``read_bytes`` up to the last token); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
+``read_bytes`` up to the last token); what loading read (the model and the store, the rows'
+warm-up, and asyncside's passes measuring its disk's read window, which its first token waits
+for); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
 at the record size and the runtime's queue depth, with O_DIRECT (``bench io``'s reader pass) in
 the same run; the I/O limit (that bandwidth / the bytes per token the misses and, under a
 predictor, queued steps' prefetches read); the compute limit
@@ -277,6 +279,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     tokens: list[int] = []
     stamps: list[float] = []
     stopped: list[int] = []  # the process's read bytes when the last token arrived
+    parts: dict[str, int] = {}  # what the system read while loading, besides the model and the store
 
     def arrived(tok: int) -> bool:
         tokens.append(tok)
@@ -307,8 +310,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     elif system == "slot-cache":
         from .slot_cache import SlotCache, slot_generate
 
+        io_enter = _read_bytes()
         with SlotCache(store, float(spec["fraction"]), direct=True) as sc:
             out["load_s"] = time.perf_counter() - t_load
+            parts["warm_rows"] = _read_bytes() - io_enter
             # What the slots hold before the first step (it starts as the runtime's rows do): MIN
             # starts from the same, as asyncside's does; from empty rows it is no bound on them.
             out["warm_experts"] = {str(layer): sorted(sc.holds(layer)) for layer in store.layers}
@@ -332,8 +337,13 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
                 rt = Runtime(store, **kwargs)
             except TypeError:  # a runtime without a memory budget: size the pools as the slot cache's
                 rt = Runtime(store, resident=float(spec["fraction"]), direct=True, policy=spec["policy"])
+            io_enter = _read_bytes()
             async with rt:
                 out["load_s"] = time.perf_counter() - t_load
+                entry, warm = _read_bytes() - io_enter, int(rt.stats()["warm_bytes"])
+                # Entering reads the rows' warm-up and, where the plan reads past the page cache,
+                # passes over the store that measure its disk's read window (asyncside/read_window.py)
+                parts.update(warm_rows=warm, measuring_the_disk=max(0, entry - warm))
                 out["memory_plan"] = {k: v for k, v in dict(rt.memory).items()
                                       if isinstance(v, (int, float, str, bool))}
                 # the ordered reads' window and the disk's rates it came from (None: reads buffered)
@@ -358,6 +368,8 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     out["decode_tokens_per_s"] = (len(tokens) - 1) / (end - stamps[0]) if len(tokens) > 1 and end > stamps[0] else 0.0
     out["read_bytes"] = (stopped[0] if stopped else _read_bytes()) - io1
     out["read_bytes_loading"] = io1 - io0
+    # of them: the rows' warm-up, asyncside's measuring of the disk, and the rest (the model, the store)
+    out["read_bytes_loading_parts"] = {"model_and_store": io1 - io0 - sum(parts.values()), **parts}
     out["rss_end"] = _rss()
     _phase("done")
     return out
@@ -851,6 +863,17 @@ def _mb(n: float) -> str:
     return f"{n / 1e3:.0f} kB" if abs(n) >= 1e3 else f"{n:.0f} bytes"
 
 
+def _loading_note(run: dict[str, Any]) -> str:
+    """``; loading read ... MB, ... of them measuring the disk's read window``: where a run's
+    runtime measured its disk on entering (reads a user's first token waits for), else ""."""
+    measuring = (run.get("read_bytes_loading_parts") or {}).get("measuring_the_disk", 0)
+    window = run.get("read_window") or {}
+    if not measuring or window.get("source") != "measured":
+        return ""
+    return (f"; loading read {run['read_bytes_loading'] / MB:.0f} MB, {measuring / MB:.0f} MB of them "
+            f"measuring the disk's read window ({window.get('seconds', 0.0):.2f} s)")
+
+
 def _log(enabled: bool, msg: str) -> None:
     if enabled:
         print(f"[offload] {msg}", file=sys.stderr, flush=True)
@@ -1214,7 +1237,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
                         run["routing"] = sh["routings"][loc]
                     _figures(run, sh, traces[loc], compute)
                     result["runs"].append(run)
-                    _log(verbose, f"  {run['status']}: {run.get('decode_tokens_per_s', 0):.2f} tok/s")
+                    speed = run.get("decode_tokens_per_s", 0)
+                    _log(verbose, f"  {run['status']}: {speed:.2f} tok/s{_loading_note(run)}")
     finally:
         for f in tmp.iterdir():
             f.unlink()
