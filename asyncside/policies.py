@@ -53,6 +53,32 @@ def _count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
+def _evict_lowest(keys: dict[int, float], heap: list[tuple[float, int]], cap: int,
+                  keep: Container[int]) -> list[int]:
+    """Drop the lowest-keyed experts of a shadow cache (``keys``: expert -> key, ``heap``: its
+    lazily deleted heap) until at most ``cap`` remain, sparing those in ``keep`` (this batch's)
+    unless the batch alone is larger than ``cap`` (a prefetch, a fault log's use); the experts
+    dropped, lowest first."""
+    dropped: list[int] = []
+    kept: list[tuple[float, int]] = []
+    while len(keys) > cap and heap:
+        k, e = heapq.heappop(heap)
+        if keys.get(e) != k:
+            continue  # stale
+        if e in keep:
+            kept.append((k, e))
+            continue
+        del keys[e]
+        dropped.append(e)
+    while len(keys) > cap and kept:
+        e = kept.pop(0)[1]
+        del keys[e]
+        dropped.append(e)
+    for entry in kept:
+        heapq.heappush(heap, entry)
+    return dropped
+
+
 class Policy:
     """Base class of eviction policies. Subclasses override the hooks they need.
 
@@ -350,18 +376,8 @@ class LRFU(_HeapPolicy):
                 k = fkey[e] = math.log2(s) + clock / h
                 heapq.heappush(heap, (k, e))
             if len(fs) > cap:
-                now = set(batch)
-                kept: list[tuple[float, int]] = []
-                while len(fs) > cap and heap:
-                    k, e = heapq.heappop(heap)
-                    if fkey.get(e) != k:
-                        continue  # stale
-                    if e in now:
-                        kept.append((k, e))
-                        continue
-                    del fs[e], fkey[e]
-                for entry in kept:
-                    heapq.heappush(heap, entry)
+                for e in _evict_lowest(fkey, heap, cap, set(batch)):
+                    del fs[e]
             if len(heap) > 4 * cap + 64:
                 heap[:] = [(k, e) for e, k in fkey.items()]
                 heapq.heapify(heap)
@@ -569,20 +585,7 @@ class AdaptiveLRFU(_HeapPolicy):
                     shadow[e] = k
                     heapq.heappush(heap, (k, e))
                 if len(shadow) > rows:
-                    kept: list[tuple[float, int]] = []
-                    while len(shadow) > rows and heap:
-                        k, e = heapq.heappop(heap)
-                        if shadow.get(e) != k:
-                            continue  # stale
-                        if e in in_batch:
-                            kept.append((k, e))
-                            continue
-                        del shadow[e]
-                    # A batch larger than the rows (a prefetch, a fault log's use) cannot all stay.
-                    while len(shadow) > rows and kept:
-                        del shadow[kept.pop(0)[1]]
-                    for entry in kept:
-                        heapq.heappush(heap, entry)
+                    _evict_lowest(shadow, heap, rows, in_batch)
                 if len(heap) > 4 * rows + 64:
                     heap[:] = [(k, e) for e, k in shadow.items()]
                     heapq.heapify(heap)

@@ -313,7 +313,7 @@ def _read_npz(where: str) -> dict[str, np.ndarray]:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, zlib.error, lzma.LZMAError) as e:
         # zipfile's own failures: a truncated archive (EOFError), a bad CRC or header (BadZipFile),
-        # a member compressed by a method zipfile has no decompressor for (its error for that); a
+        # a member compressed by a method zipfile has no decompressor for (NotImplementedError); a
         # damaged compressed member fails in its decompressor (zlib's or lzma's own error; bz2's is
         # an OSError), which ended in a traceback.
         if isinstance(e, zipfile.BadZipFile) and not _zip_end_found(source):

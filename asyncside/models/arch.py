@@ -73,9 +73,10 @@ def _masks_mellum(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
     return [full if t == "full_attention" else sliding for t in types]
 
 
-def _masks_laguna(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
-    # mlx-lm's LagunaModel.__call__: the full-attention mask from its first full layer's cache, the
-    # windowed one from its first sliding layer's (the full one where it has none).
+def _masks_full_and_sliding(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
+    # mlx-lm's LagunaModel.__call__ and AfmoeModel.__call__: the full-attention mask from the first
+    # full layer's cache (fa_idx), the windowed one from the first sliding layer's (swa_idx; where
+    # there is none, no layer uses it).
     inner = model.model
     full = create_attention_mask(h, cache[inner.fa_idx])
     swa = full if inner.swa_idx is None else create_attention_mask(h, cache[inner.swa_idx],
@@ -122,16 +123,6 @@ def _masks_deepseek_v32(model: nn.Module, h: mx.array, cache: list[Any]) -> list
     # its indexer's keys; one array mask from the first layer's latent cache serves every layer.
     mask = create_attention_mask(h, cache[0][0] if cache[0] else None, return_array=True)
     return [mask] * len(cache)
-
-
-def _masks_afmoe(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
-    # mlx-lm's AfmoeModel.__call__: the full-attention mask from its first full layer's cache, the
-    # windowed one from its first sliding layer's.
-    inner = model.model
-    full = create_attention_mask(h, cache[inner.fa_idx])
-    swa = None if inner.swa_idx is None else create_attention_mask(h, cache[inner.swa_idx],
-                                                                   window_size=inner.sliding_window)
-    return [swa if layer.use_sliding else full for layer in inner.layers]
 
 
 def _masks_step3p5(model: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
@@ -300,11 +291,11 @@ ARCHS: dict[str, Arch] = {
     "Klear": Arch("Klear", "mlp", _masks_shared),
     "exaone_moe": Arch("exaone_moe", "mlp", _masks_exaone_moe),
     "mellum": Arch("mellum", "mlp", _masks_mellum),
-    "laguna": Arch("laguna", "mlp", _masks_laguna),
+    "laguna": Arch("laguna", "mlp", _masks_full_and_sliding),
     "mimo_v2_flash": Arch("mimo_v2_flash", "mlp", _masks_mimo_v2_flash),
     # Architectures added in session 19 (tests/test_archs_19.py).
     "deepseek_v32": Arch("deepseek_v32", "mlp", _masks_deepseek_v32),
-    "afmoe": Arch("afmoe", "mlp", _masks_afmoe, embed_op=_afmoe_embed_scale,
+    "afmoe": Arch("afmoe", "mlp", _masks_full_and_sliding, embed_op=_afmoe_embed_scale,
                   attn_out_norm="post_attention_layernorm", mlp_norm="pre_mlp_layernorm",
                   mlp_out_norm="post_mlp_layernorm"),
     "step3p5": Arch("step3p5", "mlp", _masks_step3p5),
