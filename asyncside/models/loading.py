@@ -138,6 +138,33 @@ def switch_specs(store: Any, path: pathlib.Path) -> tuple[dict[str, Any], dict[i
                          f"metadata.{META_KEY}.switch") from None
     return meta, specs
 
+def drop_loaded_weights(path: pathlib.Path) -> list[pathlib.Path]:
+    """Evict the store's non-expert weight files (``model*.safetensors``, what mlx-lm's loader
+    reads) from the page cache once the model holds its own copy of them; returns the files advised
+    (none on a platform without ``posix_fadvise``).
+
+    Why: the loader reads them through the page cache and never again, and a memory cgroup charges
+    those pages to the process beside the loaded weights, outside what the memory plan counts (it
+    counts the process's resident bytes and the store's expert records)."""
+    advise = getattr(os, "posix_fadvise", None)
+    done: list[pathlib.Path] = []
+    if advise is None:
+        return done
+    for f in sorted(path.glob("model*.safetensors")):
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # it loaded, so it was readable: gone since, nothing of it to drop
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            done.append(f)
+        except OSError:
+            pass  # the file system keeps no such advice: nothing to drop
+        finally:
+            os.close(fd)
+    return done
+
+
 def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: Completed | None = None,
                          model_id: str | None = None, options: ForwardOptions | None = None) -> StreamingModel:
     """The streaming model of a converted store directory (see :func:`convert_model`).
@@ -181,6 +208,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     except OSError as exc:  # config.json another user's (mode 0600), a disk error: a PermissionError traceback
         raise StoreError(exc.filename or path, f"the model cannot be loaded from this store: cannot read it: "
                                                f"{os_reason(exc)}", errno=exc.errno) from None
+    drop_loaded_weights(path)
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
     return StreamingModel(

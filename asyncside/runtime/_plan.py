@@ -44,8 +44,8 @@ DEFAULT_MIN_ROWS = 8
 #: Under a memory budget, the share of the headroom that KV caches may take (the KV allowance); the
 #: rest is MLX's buffers, a cache's growth copy and the forwards' activations. A plan that reads
 #: past the page cache gives the KV caches the same share of the page cache's room, which O_DIRECT
-#: reads leave unused; the other share stays for what the budget does not plan (buffered reads of
-#: the non-expert weights, the allocator's slack).
+#: reads leave unused; the other share stays for what the budget does not plan (the allocator's
+#: slack, files other than the store's that the process reads).
 KV_SHARE = 0.5
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
@@ -655,7 +655,8 @@ def plan_memory(
     if min_side_rows is None:
         min_side_rows = min_rows(store)
     # The non-expert weights are loaded before the runtime plans (their bytes are in the process's
-    # usage, which the budget excludes already): the headroom is for MLX's buffers and KV caches.
+    # usage, which the budget excludes already; the loader drops their file's pages from the page
+    # cache, models.loading.drop_loaded_weights): the headroom is for MLX's buffers and KV caches.
     headroom = MIN_HEADROOM
     specs = {i: store.layer(i) for i in layers}
     notes: list[str] = []
