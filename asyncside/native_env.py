@@ -99,6 +99,7 @@ ENV_DIRECT = "ASYNCSIDE_DIRECT"
 ENV_DIRECT_DECODE_TOKENS = "ASYNCSIDE_DIRECT_DECODE_TOKENS"
 ENV_ROWS_CONCURRENCY = "ASYNCSIDE_ROWS_CONCURRENCY"
 ENV_CACHE = "ASYNCSIDE_CACHE"
+ENV_MEASURED_DISKS = "ASYNCSIDE_MEASURED_DISKS"
 _SWITCH = {"": False, "0": False, "false": False, "no": False, "1": True, "true": True, "yes": True}
 
 
@@ -162,6 +163,28 @@ def env_cache(value: str) -> str | None:
     return value
 
 
+def env_measured_disks(value: str) -> str | None:
+    """A value of ``$ASYNCSIDE_MEASURED_DISKS``: the file that keeps each disk's measured read window
+    for later processes (``~`` is the home directory), ``""`` where it is blank (the default file
+    in the user cache), None for ``off`` (every process measures its disks). An
+    :class:`~asyncside.errors.EnvVarError` where no file can be there (it is a directory, or the
+    nearest of its parents that exists is a file)."""
+    from .argtypes import directory_problem
+
+    raw = value.strip()
+    if raw == "":
+        return ""
+    if raw.lower() == "off":
+        return None
+    path = os.path.expanduser(raw)
+    if os.path.isdir(path):
+        raise EnvVarError(ENV_MEASURED_DISKS, value, "off, or a file (this is a directory)")
+    problem = directory_problem(os.path.dirname(os.path.abspath(path)))
+    if problem is not None:
+        raise EnvVarError(ENV_MEASURED_DISKS, value, f"off, or a file ({problem})")
+    return path
+
+
 #: The ``ASYNCSIDE_*`` variables read from Python that take a fixed set of values, each with the
 #: parse its reader uses (an EnvVarError for a value outside them); read where they are used, so a bad
 #: value would otherwise surface only once a model has loaded (or, for a serve-only one, never in demo).
@@ -171,6 +194,7 @@ PYTHON_VARIABLES: dict[str, Callable[[str], object]] = {
     ENV_DIRECT_DECODE_TOKENS: env_direct_decode_tokens,
     ENV_ROWS_CONCURRENCY: env_rows_concurrency,
     ENV_CACHE: env_cache,
+    ENV_MEASURED_DISKS: env_measured_disks,
 }
 
 

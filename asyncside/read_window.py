@@ -5,9 +5,15 @@ one io_uring ring, a window of pieces in flight (``native/chunked_read.h``). Too
 leaves a disk that gives more with depth idle between pieces; too large a one lets the next
 records share the disk with the first, which the layer's first slot is waiting for. The window a
 disk wants is the least depth at which it reaches its rate, and disks differ (a virtio disk, a
-local NVMe drive, a network volume): so the runtime measures it, once per disk per process,
-reading records of the store the way the ordered reads do, and says what it measured
-(BENCHMARKS.md, "The read window from the disk").
+local NVMe drive, a network volume): so the runtime measures it, reading records of the store the
+way the ordered reads do, and says what it measured (BENCHMARKS.md, "The read window from the
+disk").
+
+Measuring reads a few hundred MB before the first token, so a disk is measured once, not once per
+process: what it gave is kept in a small file (``$ASYNCSIDE_MEASURED_DISKS``, by default
+``disks.json`` in the user cache), keyed by what identifies the disk, and later processes take the
+window from there. An entry older than :data:`KEPT_DAYS`, of other windows than :data:`WINDOWS`, or
+of a disk that cannot be told apart from the next one to get its device number, is measured again.
 
 A window chosen for the process (``ASYNCSIDE_FAULT_READ_WINDOW``, or
 ``_native.set_fault_read_window``) is kept as it is, and so is one a runtime is given
@@ -16,6 +22,7 @@ A window chosen for the process (``ASYNCSIDE_FAULT_READ_WINDOW``, or
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import random
@@ -58,6 +65,13 @@ LEAST_PASS_BYTES = 8 << 20
 #: records would measure the device's own cache, not the disk
 MIN_STORE_BYTES = PASS_BYTES
 
+#: a kept measurement is taken for this many days, then the disk is measured again (a volume
+#: replaced under the same name, a firmware update, a drive that filled and slowed)
+KEPT_DAYS = 30.0
+
+#: the kept file's format; a file of another is ignored and rewritten
+KEPT_FORMAT = 1
+
 _lock = threading.Lock()
 _measured: dict[tuple[int, int], ReadWindow] = {}  # (st_dev, piece bytes) -> what the disk gave
 
@@ -77,7 +91,9 @@ class ReadWindow:
     why: str
     #: window -> bytes per second, the best of the rounds (measured only)
     rates: Mapping[int, float] = field(default_factory=dict)
-    seconds: float = 0.0  # what measuring took
+    seconds: float = 0.0  # what measuring took in this process (0 where the rates were kept)
+    #: the file the rates were taken from (measured by an earlier process), else ""
+    kept: str = ""
 
     @property
     def table_window(self) -> int:
@@ -96,7 +112,7 @@ class ReadWindow:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready figures."""
         return {"window": self.window, "piece_bytes": self.piece_bytes, "source": self.source, "why": self.why,
-                "rates": {str(w): r for w, r in self.rates.items()}, "seconds": self.seconds}
+                "rates": {str(w): r for w, r in self.rates.items()}, "seconds": self.seconds, "kept": self.kept}
 
 
 def knee(rates: Mapping[int, float], share: float = KNEE) -> int:
@@ -216,17 +232,23 @@ def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWi
         return ReadWindow(default, piece, "default",
                           f"not measured: the store's records ({total / 1e6:.1f} MB) are too few, or not "
                           f"block aligned, to measure the disk with")
-    key = (os.stat(records[0][0]).st_dev, piece)
+    st_dev = os.stat(records[0][0]).st_dev
+    key = (st_dev, piece)
     with _lock:
         if key in _measured:
             return _measured[key]
+        disk = disk_identity(st_dev)
+        where = kept_file()
+        kept = _take_kept(where, disk, piece) if where is not None and disk is not None else None
+        if kept is not None:
+            _measured[key] = kept
+            return kept
         t0 = time.perf_counter()
         read: list[int] = []
         try:
             rates = measure_rates(records, piece, budget_s=MEASURE_SECONDS, read=read)
         except OSError as exc:
             return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
-        window = knee({w: r for w, r in rates.items() if w >= MIN_WINDOW} or rates)
         # A disk too slow for full passes in the time allowed: say how little was read per pass.
         later = read[1:]  # the first pass is short by design
         cut = ""
@@ -234,15 +256,124 @@ def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWi
             least, most = f"{min(later) / 2**20:.0f}", f"{max(later) / 2**20:.0f}"
             cut = (f"; a slow disk: passes of {least if least == most else least + '-' + most} MiB to "
                    f"measure in about {MEASURE_SECONDS:g} s")
-        chosen = ReadWindow(window, piece, "measured",
-                            f"the least from {MIN_WINDOW} within {KNEE:.0%} of the disk's best, "
-                            f"{describe_rates(rates)}{cut}",
-                            rates, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        note = ""
+        if where is not None and disk is not None:
+            problem = _keep(where, disk, piece, rates, cut, seconds)
+            note = f"; not kept for later processes: {problem}" if problem else ""
+        chosen = _from_rates(rates, piece, cut + note, seconds)
         _measured[key] = chosen
         return chosen
 
 
-def forget_measured() -> None:
-    """Measure every disk again at its next runtime (tests; a disk that changed under a long process)."""
+def _from_rates(rates: Mapping[int, float], piece: int, note: str, seconds: float, kept: str = "") -> ReadWindow:
+    window = knee({w: r for w, r in rates.items() if w >= MIN_WINDOW} or rates)
+    return ReadWindow(window, piece, "measured",
+                      f"the least from {MIN_WINDOW} within {KNEE:.0%} of the disk's best, "
+                      f"{describe_rates(rates)}{note}", rates, seconds, kept)
+
+
+def kept_file() -> pathlib.Path | None:
+    """Where measured disks are kept (``$ASYNCSIDE_MEASURED_DISKS``, else ``disks.json`` in the user
+    cache), None where nothing is kept: the variable is ``off``, or there is no user cache."""
+    from .errors import AsyncsideError
+    from .native_env import ENV_MEASURED_DISKS, env_measured_disks
+
+    chosen = env_measured_disks(os.environ.get(ENV_MEASURED_DISKS, ""))
+    if chosen is None:
+        return None
+    if chosen:
+        return pathlib.Path(chosen)
+    from .models.embedded import cache_root
+
+    try:
+        return cache_root() / "disks.json"
+    except AsyncsideError:  # no home directory and no cache named: nothing to keep it in
+        return None
+
+
+def _sys_text(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def disk_identity(st_dev: int) -> str | None:
+    """What tells the block device ``st_dev`` (a file's ``st_dev``) apart from another that later
+    gets its number: its name, size and the serial, WWID, model or device-mapper UUID the kernel
+    gives it (a partition's from its disk). Without a block device (overlay, tmpfs, NFS: numbers the
+    kernel hands out per mount), its number within this boot. None where neither can be read."""
+    major, minor = os.major(st_dev), os.minor(st_dev)
+    try:
+        dev = pathlib.Path(f"/sys/dev/block/{major}:{minor}").resolve(strict=True)
+    except OSError:
+        boot = _sys_text(pathlib.Path("/proc/sys/kernel/random/boot_id"))
+        return f"{major}:{minor} in boot {boot}" if boot else None
+    disk = dev.parent if (dev / "partition").exists() else dev
+    parts = [f"{major}:{minor}", dev.name, f"size {_sys_text(dev / 'size')}"]
+    for name in ("serial", "wwid", "device/serial", "device/wwid", "device/model", "dm/uuid"):
+        text = _sys_text(disk / name)
+        if text:
+            parts.append(f"{name} {text}")
+    return " ".join(parts)
+
+
+def _read_kept(where: pathlib.Path) -> dict[str, Any]:
+    """The kept entries, {} where the file is missing, unreadable or of another format (it is then
+    rewritten by the next measurement)."""
+    try:
+        data = json.loads(where.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != KEPT_FORMAT or not isinstance(data.get("disks"), dict):
+        return {}
+    return data["disks"]
+
+
+def _take_kept(where: pathlib.Path, disk: str, piece: int) -> ReadWindow | None:
+    """The window from a measurement kept in ``where`` for ``disk`` and ``piece``; None where there
+    is none to take (missing, too old, of other windows, damaged)."""
+    entry: Any = _read_kept(where).get(f"{disk} | piece {piece}")
+    try:
+        rates = {int(w): float(r) for w, r in entry["rates"].items()}
+        at = float(entry["measured_at"])
+        cut = str(entry.get("cut", ""))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    age_days = (time.time() - at) / 86400
+    if sorted(rates) != sorted(WINDOWS) or not all(r > 0 for r in rates.values()) or not 0 <= age_days <= KEPT_DAYS:
+        return None
+    hours = age_days * 24
+    age = ("under an hour" if hours < 1 else f"{hours:.0f} h" if age_days < 2 else f"{age_days:.0f} days")
+    return _from_rates(rates, piece, f"{cut}; measured by an earlier process {age} ago, kept in {where}",
+                       0.0, str(where))
+
+
+def _keep(where: pathlib.Path, disk: str, piece: int, rates: Mapping[int, float], cut: str,
+          seconds: float) -> str | None:
+    """Keep ``rates`` for ``disk`` and ``piece`` in ``where`` for later processes; why not where it
+    cannot be written (a read-only home: the window is still used, only measured again next time).
+    The file is replaced whole, so a process reading it meanwhile sees the old or the new one."""
+    disks = _read_kept(where)
+    disks[f"{disk} | piece {piece}"] = {"rates": {str(w): r for w, r in rates.items()}, "cut": cut,
+                                        "measured_at": time.time(), "seconds": seconds}
+    tmp = where.with_name(f".{where.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": KEPT_FORMAT, "disks": disks}, indent=1, sort_keys=True))
+        os.replace(tmp, where)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return f"{where}: {exc.strerror or exc}"
+    return None
+
+
+def forget_measured(kept: bool = False) -> None:
+    """Measure every disk again at its next runtime (tests; a disk that changed under a long
+    process). With ``kept``, the file of disks kept for later processes goes too."""
     with _lock:
         _measured.clear()
+        where = kept_file() if kept else None
+        if where is not None:
+            where.unlink(missing_ok=True)

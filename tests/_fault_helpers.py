@@ -4,6 +4,7 @@ table over a small store and a tiny converted model (tests/test_queued.py, tests
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import pathlib
@@ -79,6 +80,19 @@ def run_guarded(fn: Callable[..., Any], *args: Any, loop: tuple[str, dict[str, A
     if "error" in out:
         raise out["error"]
     return out.get("value")
+
+
+def direct_file(tmp_path: pathlib.Path, nbytes: int) -> pathlib.Path:
+    """A file of ``nbytes`` random bytes; skips where its file system refuses O_DIRECT."""
+    path = tmp_path / "blob.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip("this file system refuses O_DIRECT")
+        raise
+    return path
 
 
 def open_fds() -> set[int]:

@@ -37,6 +37,10 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 # The fixture's own default is 50 ms; this suite runs on 2 shared vCPUs, where the whole process is
 # sometimes descheduled for tens of ms. 150 ms still catches every deliberate block (200 ms).
 os.environ.setdefault("ASYNCSIDE_BLOCKING_THRESHOLD_MS", "150")
+# A disk's measured read window is kept across processes (asyncside/read_window.py): the suite
+# neither reads the user's kept disks nor leaves its own, so each test (and each child it starts)
+# measures as a fresh machine does; tests of the kept file name their own.
+os.environ["ASYNCSIDE_MEASURED_DISKS"] = "off"
 # numpy imports numpy.testing lazily, on first use of np.testing: inside a watched test that is a
 # few hundred files read on the loop thread (under two suites at once it once took 3.9 s and
 # failed test_resolves_only_after_a_long_matmul_chain in both). Imported here, up front.

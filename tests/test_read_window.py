@@ -16,9 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from _fault_helpers import direct_decode, model_store, native_read_settings_kept
+from _fault_helpers import direct_decode, direct_file, model_store, native_read_settings_kept
 
 from asyncside import ExpertStore, Runtime, _native
 from asyncside import read_window as rw
@@ -35,19 +34,6 @@ def _fresh() -> Iterator[None]:
     with native_read_settings_kept():
         yield
     rw.forget_measured()
-
-
-def direct_file(tmp_path: pathlib.Path, nbytes: int) -> pathlib.Path:
-    """A file of ``nbytes`` random bytes; skips where its file system refuses O_DIRECT."""
-    path = tmp_path / "blob.bin"
-    path.write_bytes(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
-    try:
-        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            pytest.skip("this file system refuses O_DIRECT")
-        raise
-    return path
 
 
 def test_the_knee_is_the_least_window_within_the_share_of_the_best() -> None:
