@@ -22,13 +22,15 @@ A window chosen for the process (``ASYNCSIDE_FAULT_READ_WINDOW``, or
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import pathlib
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,10 @@ MIN_STORE_BYTES = PASS_BYTES
 #: a kept measurement is taken for this many days, then the disk is measured again (a volume
 #: replaced under the same name, a firmware update, a drive that filled and slowed)
 KEPT_DAYS = 30.0
+
+#: a process waits at most this long (seconds) for another measuring the same kept file's disks,
+#: then measures itself: a measurement is held to about MEASURE_SECONDS
+LOCK_WAIT_SECONDS = 10.0
 
 #: the kept file's format; a file of another is ignored and rewritten
 KEPT_FORMAT = 1
@@ -238,32 +244,69 @@ def choose_read_window(specs: Sequence[Any], given: int | None = None) -> ReadWi
         if key in _measured:
             return _measured[key]
         disk = disk_identity(st_dev)
-        where = kept_file()
-        kept = _take_kept(where, disk, piece) if where is not None and disk is not None else None
-        if kept is not None:
-            _measured[key] = kept
-            return kept
-        t0 = time.perf_counter()
-        read: list[int] = []
-        try:
-            rates = measure_rates(records, piece, budget_s=MEASURE_SECONDS, read=read)
-        except OSError as exc:
-            return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
-        # A disk too slow for full passes in the time allowed: say how little was read per pass.
-        later = read[1:]  # the first pass is short by design
-        cut = ""
-        if later and min(later) < PASS_BYTES * 0.9:
-            least, most = f"{min(later) / 2**20:.0f}", f"{max(later) / 2**20:.0f}"
-            cut = (f"; a slow disk: passes of {least if least == most else least + '-' + most} MiB to "
-                   f"measure in about {MEASURE_SECONDS:g} s")
-        seconds = time.perf_counter() - t0
-        note = ""
-        if where is not None and disk is not None:
-            problem = _keep(where, disk, piece, rates, cut, seconds)
-            note = f"; not kept for later processes: {problem}" if problem else ""
-        chosen = _from_rates(rates, piece, cut + note, seconds)
-        _measured[key] = chosen
+        where = kept_file() if disk is not None else None
+        if where is None or disk is None:
+            chosen = _measure(records, piece, default, None, "")
+        else:
+            # Processes started together (a server's workers, a pipeline's ranks on one host) would
+            # each measure the disk while the others read it, and each see a share of its rate:
+            # the first measures, the others wait for it and take what it kept.
+            with _kept_lock(where):
+                chosen = _take_kept(where, disk, piece) or _measure(records, piece, default, where, disk)
+        if chosen.source == "measured":
+            _measured[key] = chosen
         return chosen
+
+
+def _measure(records: Sequence[tuple[pathlib.Path, int, int]], piece: int, default: int,
+             where: pathlib.Path | None, disk: str) -> ReadWindow:
+    """Measure the disk (the default window with the reason where its records cannot be read
+    O_DIRECT) and keep what it gave in ``where`` for ``disk``, where given."""
+    t0 = time.perf_counter()
+    read: list[int] = []
+    try:
+        rates = measure_rates(records, piece, budget_s=MEASURE_SECONDS, read=read)
+    except OSError as exc:
+        return ReadWindow(default, piece, "default", f"not measured: {exc.filename}: {exc.strerror}")
+    # A disk too slow for full passes in the time allowed: say how little was read per pass.
+    later = read[1:]  # the first pass is short by design
+    cut = ""
+    if later and min(later) < PASS_BYTES * 0.9:
+        least, most = f"{min(later) / 2**20:.0f}", f"{max(later) / 2**20:.0f}"
+        cut = (f"; a slow disk: passes of {least if least == most else least + '-' + most} MiB to "
+               f"measure in about {MEASURE_SECONDS:g} s")
+    seconds = time.perf_counter() - t0
+    note = ""
+    if where is not None:
+        problem = _keep(where, disk, piece, rates, cut, seconds)
+        note = f"; not kept for later processes: {problem}" if problem else ""
+    return _from_rates(rates, piece, cut + note, seconds)
+
+
+@contextlib.contextmanager
+def _kept_lock(where: pathlib.Path) -> Iterator[None]:
+    """Hold ``where``'s lock file (``flock``, released by the kernel if the holder dies) for at most
+    :data:`LOCK_WAIT_SECONDS` of waiting; past that, or where no lock file can be made, go on
+    without it (two measurements at once cost each other some rate, nothing else)."""
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(where.with_name(where.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _from_rates(rates: Mapping[int, float], piece: int, note: str, seconds: float, kept: str = "") -> ReadWindow:

@@ -182,3 +182,38 @@ def test_disks_are_told_apart_by_what_the_kernel_says_of_them(tmp_path: pathlib.
     if len(numbers) >= 2:
         ids = {rw.disk_identity(os.makedev(*map(int, n.split(":")))) for n in numbers}
         assert len(ids) == len(numbers), "two block devices got one identity"
+
+
+def test_processes_started_together_measure_the_disk_once(tmp_path: pathlib.Path, spec: Any) -> None:
+    """Two processes entering at once (a server's workers, ranks on one host): the first measures,
+    the second waits for it and takes what it kept, rather than both reading the disk at once and
+    each seeing a share of its rate."""
+    kept = tmp_path / "disks.json"
+    code = ("import sys, time, pathlib; from asyncside import _native, read_window as rw; "
+            f"_native.set_fault_read_chunk({PIECE}); rw.MIN_STORE_BYTES = 0; "
+            "spec = type('S', (), {'path': pathlib.Path(sys.argv[1]), 'stride': 262144, 'n_experts': 16})(); "
+            "rates = {w: 1e9 for w in rw.WINDOWS}; "
+            "rw.measure_rates = lambda *a, **k: (time.sleep(1.5), rates)[1]; "
+            "w = rw.choose_read_window([spec]); print(w.window, w.kept or 'measured')")
+    env = {**os.environ, ENV_MEASURED_DISKS: str(kept)}
+    children = [subprocess.Popen([sys.executable, "-c", code, str(spec.path)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [c.communicate(timeout=120) for c in children]
+    assert [c.returncode for c in children] == [0, 0], [err for _, err in outs]
+    said = sorted(out.split()[1] for out, _ in outs)
+    assert said == [str(kept), "measured"], said
+
+
+def test_a_lock_held_too_long_is_waited_for_only_so_long(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, spec: Any, measures: list[int]) -> None:
+    import fcntl
+
+    kept = kept_at(monkeypatch, tmp_path / "disks.json")
+    monkeypatch.setattr(rw, "LOCK_WAIT_SECONDS", 0.3)
+    fd = os.open(tmp_path / "disks.json.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process, stuck while holding it
+        chosen = rw.choose_read_window([spec])
+    finally:
+        os.close(fd)
+    assert measures == [1] and chosen.source == "measured" and kept.is_file()
