@@ -24,7 +24,8 @@ Policies:
 - :class:`AdaptiveLRFU` (``"adaptive-lrfu"``): LRFU that keeps each expert's history after
   eviction (a newcomer enters as the next victim) and picks its half-life online from a shadow
   cache; never fewer hits than LRFU on the presets and the embedded trace, more where hot experts
-  are stable, at a higher cost per access; fewer where the hot experts move fast (docs/policies.md).
+  are stable, at a higher cost per access. It carries LRFU's recency guard, which keeps it with
+  LRU where the hot experts move fast (docs/policies.md).
 
 The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
 instead of scanning every LIVE expert per eviction (docs/design.md).
@@ -279,6 +280,35 @@ GUARD_TO_RECENCY = 2.0
 GUARD_TO_DECAYED = 0.5
 
 
+def _lru_shadow_step(lru: OrderedDict[int, None], batch: Sequence[int], live: Container[int],
+                     cap: int) -> tuple[int, int]:
+    """One reserve of the recency guard's shadow LRU (expert ids in order of last use) beside a real
+    cache holding ``live``: the batch moves to the back, the front is dropped past ``cap``; returns
+    (accesses only the real cache hit, accesses only the shadow hit)."""
+    real_only = shadow_only = 0
+    for e in batch:
+        if e in lru:
+            shadow_only += e not in live
+            lru.move_to_end(e)
+        else:
+            real_only += e in live
+            lru[e] = None
+    while len(lru) > cap:
+        lru.popitem(last=False)
+    return real_only, shadow_only
+
+
+def _guard_leads(wins: list[float], recency: bool) -> bool:
+    """The recency guard's decision at a period's end: halve the window (``wins``: accesses only
+    the real cache hit, only the shadow hit) and say whether the shadow's lead passes the sign test
+    (:data:`GUARD_TO_RECENCY` while ranking by decayed counts, :data:`GUARD_TO_DECAYED` while
+    ranking by recency). On a switch the caller swaps the two counts (the shadow becomes real)."""
+    real, shadow = wins
+    wins[0], wins[1] = real * 0.5, shadow * 0.5
+    # A sign test over the accesses only one of the two hit: switching on noise costs rows.
+    return shadow - real > (GUARD_TO_DECAYED if recency else GUARD_TO_RECENCY) * math.sqrt(real + shadow)
+
+
 class LRFU(_HeapPolicy):
     """Least recently/frequently used: each use of an expert counts 1, halving every ``half_life``
     reserves, and the victim has the lowest sum (ties: smallest id). Frequency keeps experts that
@@ -352,16 +382,7 @@ class LRFU(_HeapPolicy):
         clock, cap = self._clock, max(self.rows, len(batch))
         real_only = shadow_only = 0
         if not self.recency:
-            lru = self._lru
-            for e in batch:
-                if e in lru:
-                    shadow_only += e not in live
-                    lru.move_to_end(e)
-                else:
-                    real_only += e in live
-                    lru[e] = None
-            while len(lru) > cap:
-                lru.popitem(last=False)
+            real_only, shadow_only = _lru_shadow_step(self._lru, batch, live, cap)
         else:
             fs, fkey, heap, h = self._fs, self._fkey, self._fheap, self.half_life
             for e in batch:
@@ -385,10 +406,7 @@ class LRFU(_HeapPolicy):
         self._wins[1] += shadow_only
 
     def _decide(self) -> None:
-        real, shadow = self._wins
-        self._wins = [real * 0.5, shadow * 0.5]
-        # A sign test over the accesses only one of the two hit: switching on noise costs rows.
-        if shadow - real <= (GUARD_TO_DECAYED if self.recency else GUARD_TO_RECENCY) * math.sqrt(real + shadow):
+        if not _guard_leads(self._wins, self.recency):
             return
         # The shadow's ranking becomes the real one; the real cache's content seeds the new shadow.
         self.recency = not self.recency
@@ -501,16 +519,23 @@ class AdaptiveLRFU(_HeapPolicy):
       halves each period; ties keep the current one. It starts at the first candidate (LRFU's
       default half-life). Short half-lives are recency, long ones frequency.
 
+    - Recency guard (``guard``, on by default; :class:`LRFU`'s): where the hot experts move faster
+      than any candidate's counts forget them, the history keeps the experts that just stopped and
+      the new hot ones enter as the next victims. A shadow LRU of the side rows is replayed beside
+      the real cache; at each period's end the real cache ranks by last use while that shadow's
+      lead passes the guard's sign test, and the current candidate's shadow then plays the decayed
+      side of the test. ``snapshot()`` says the ranking; :attr:`native_order` follows it.
+
     Every access is counted once, in :meth:`begin` (the reserve's batch: hits and misses);
     publish, hit and lease only rank. Cost: one history update per access and one shadow step
-    per access and other candidate (BENCHMARKS.md, "Policies against Belady's MIN").
+    per access and other candidate, plus the guard's (BENCHMARKS.md, "Policies against Belady's MIN").
     """
 
     name = "adaptive-lrfu"
     native_order = "decayed"
 
     def __init__(self, half_lives: Sequence[float] = (8.0, 256.0), period: int = 32,
-                 rows: int | None = None) -> None:
+                 rows: int | None = None, *, guard: bool = True) -> None:
         # A bare number ended in "'int' object is not iterable".
         hl = tuple(half_lives) if isinstance(half_lives, Iterable) and not isinstance(half_lives, (str, bytes)) else ()
         if not hl or not all(_positive(h) for h in hl):
@@ -519,7 +544,10 @@ class AdaptiveLRFU(_HeapPolicy):
             raise LedgerError(f"adaptive-lrfu period must be a positive int, got {period!r}")
         if rows is not None and not _count(rows):
             raise LedgerError(f"adaptive-lrfu rows must be a positive int or None, got {rows!r}")
+        if not isinstance(guard, bool):
+            raise LedgerError(f"adaptive-lrfu guard must be a bool, got {guard!r}")
         super().__init__()
+        self.guard = guard
         self.half_lives = tuple(float(h) for h in hl)
         self.period = int(period)
         self._rows_given = None if rows is None else int(rows)
@@ -544,10 +572,21 @@ class AdaptiveLRFU(_HeapPolicy):
         self._wins = [0.0] * m
         self._decay = [[2.0 ** (-g / h) for g in range(_DECAY_TABLE)] for h in self.half_lives]
         self.switches = 0
+        # The recency guard (LRFU's): ranking by last use while a shadow LRU hits clearly more.
+        self.recency = False
+        self.native_order = "decayed"
+        self.guard_switches = 0
+        self._gwins = [0.0, 0.0]  # over the window, accesses only the real cache hit, only the shadow hit
+        self._lru: OrderedDict[int, None] = OrderedDict()  # the guard's shadow while ranking by counts
 
     def _key(self, expert: int, i: int) -> float:
         h = self._hist[expert]
         return math.log2(h[1 + i]) + h[0] / self.half_lives[i]
+
+    def _real_key(self, expert: int) -> float:
+        """The real cache's key: the time of last use under the guard's recency, else the current
+        candidate's decayed count."""
+        return float(self._hist[expert][0]) if self.recency else self._key(expert, self._cur)
 
     def begin(self, batch: Sequence[int]) -> None:
         self._clock += 1
@@ -568,16 +607,25 @@ class AdaptiveLRFU(_HeapPolicy):
         if rows > 0:
             in_batch = set(batch)
             wins = self._wins
-            cur, live = self._cur, self.score
-            for e in batch:  # the current candidate's cache is the real one
-                if e in live:
-                    wins[cur] += 1
+            cur, live, recency = self._cur, self.score, self.recency
+            if not recency:
+                for e in batch:  # the current candidate's cache is the real one
+                    if e in live:
+                        wins[cur] += 1
+                if self.guard:
+                    real_only, shadow_only = _lru_shadow_step(self._lru, batch, live, max(rows, len(batch)))
+                    self._gwins[0] += real_only
+                    self._gwins[1] += shadow_only
             for i in range(m):
-                if i == cur:
+                if i == cur and not recency:
                     continue
                 shadow, heap = self._shadow[i], self._sheap[i]
                 t_key = clock / hls[i]
                 j = 1 + i
+                if i == cur:  # ranking by recency: the current candidate's shadow is the guard's
+                    for e in batch:
+                        if (e in shadow) != (e in live):
+                            self._gwins[e in shadow] += 1
                 for e in batch:
                     if e in shadow:
                         wins[i] += 1
@@ -593,13 +641,21 @@ class AdaptiveLRFU(_HeapPolicy):
             self._decide()
 
     def _decide(self) -> None:
+        if self.guard and self.rows > 0 and _guard_leads(self._gwins, self.recency):
+            self._switch_ranking()
         wins = self._wins
         best = self._cur
         for i in range(len(wins)):
             if wins[i] > wins[best]:
                 best = i
         self._wins = [w * 0.5 for w in wins]
-        if best != self._cur:
+        if best != self._cur and self.recency:
+            # Every candidate has a shadow while the real cache ranks by recency: the guard's
+            # shadow becomes the new candidate's.
+            self._cur = best
+            self.half_life = self.half_lives[best]
+            self.switches += 1
+        elif best != self._cur:
             # The old candidate's shadow starts from the real cache; the new one's is the real cache.
             old = self._cur
             self._shadow[old] = {e: self._key(e, old) for e in self.score}
@@ -613,10 +669,30 @@ class AdaptiveLRFU(_HeapPolicy):
                 self.score[e] = self._key(e, best)
             self._rebuild()
 
+    def _switch_ranking(self) -> None:
+        """The guard's shadow ranking becomes the real one (LRFU's recency guard); the real cache's
+        content seeds the new shadow, and the rows held are re-ranked (none moves)."""
+        self.recency = not self.recency
+        self.native_order = "recency" if self.recency else "decayed"
+        self.guard_switches += 1
+        self._gwins.reverse()
+        cur = self._cur
+        if self.recency:  # the current candidate's shadow starts from the real cache
+            self._lru.clear()
+            self._shadow[cur] = {e: self._key(e, cur) for e in self.score}
+            self._sheap[cur] = [(k, e) for e, k in self._shadow[cur].items()]
+            heapq.heapify(self._sheap[cur])
+        else:
+            self._shadow[cur], self._sheap[cur] = {}, []
+            self._lru = OrderedDict.fromkeys(sorted(self.score, key=lambda e: (self._hist[e][0], e)))
+        for e in self.score:
+            self.score[e] = self._real_key(e)
+        self._rebuild()
+
     def _rank(self, expert: int) -> None:
         if expert not in self._hist:  # not seen by a reserve (attach, a settled fault): a use now
             self._hist[expert] = [self._clock] + [1.0] * len(self.half_lives)
-        self._set(expert, self._key(expert, self._cur))
+        self._set(expert, self._real_key(expert))
 
     def on_hit(self, expert: int) -> None:
         self._rank(expert)
@@ -637,7 +713,8 @@ class AdaptiveLRFU(_HeapPolicy):
 
     def snapshot(self) -> dict[str, Any]:
         return {**super().snapshot(), "half_life": self.half_life, "half_lives": list(self.half_lives),
-                "clock": self._clock, "rows": self.rows, "switches": self.switches}
+                "clock": self._clock, "rows": self.rows, "switches": self.switches,
+                "ranking": "recency" if self.recency else "decayed", "guard_switches": self.guard_switches}
 
 
 class OneShot(Policy):
