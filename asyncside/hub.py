@@ -197,6 +197,24 @@ def _cached_store_name(name: str, directory: pathlib.Path) -> str:
     return f"{stem}-{digest}"
 
 
+def _cached_store(root: pathlib.Path, name: str, directory: pathlib.Path) -> pathlib.Path:
+    """The store in ``root`` for the model at ``directory`` that ``name`` designates: one already
+    converted from that directory under any name, else the one :func:`_cached_store_name` names."""
+    from .models.loading import is_store_dir
+
+    dest = root / _cached_store_name(name, directory)
+    if is_store_dir(dest):
+        return dest
+    # The name's stem is only a label: "./m", "/home/u/m" and a link to it are one model, and each
+    # name converted it once more into a store of its own, as large as the model.
+    digest = dest.name.rsplit("-", 1)[-1]
+    try:
+        found = sorted(p for p in root.glob(f"*-{digest}") if is_store_dir(p))
+    except OSError:
+        found = []
+    return found[0] if found else dest
+
+
 def _not_a_model(directory: pathlib.Path) -> str | None:
     """Why ``directory`` (no expert store) is no mlx-lm model directory either; None when it is one."""
     if directory.is_dir() and (directory / "config.json").is_file():
@@ -257,7 +275,7 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
     if (problem := path_not_utf8(directory)) is not None:  # said before a conversion is announced
         raise StoreError(printable_path(directory), problem)
     root = stores_root(cache_dir)
-    dest = root / _cached_store_name(text, directory)
+    dest = _cached_store(root, text, directory)
 
     def stale() -> str | None:
         # The cache is keyed by the directory's path: a model saved again into it (fine-tuned,

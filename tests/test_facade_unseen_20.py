@@ -1,0 +1,54 @@
+"""The front door with model directories as users have them, round 20: ``asyncside.load``,
+``asyncside convert`` and ``demo --model`` given one model under several names (relative,
+absolute, through a link), model directories without what ``load`` needs, and stores whose
+config.json is another model's. A model converts once whatever it is called; what is refused is one
+line naming the file and field at fault, before anything is converted or written."""
+
+from __future__ import annotations
+
+import pathlib
+
+import mlx.nn as nn
+import mlx_lm
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from asyncside.facade import load
+from asyncside.hub import stores_root
+from asyncside.models.tokenizer import save_byte_level_tokenizer
+
+from _models_support import tiny_model
+
+PROMPT = "hello experts "
+
+
+def _save(d: pathlib.Path, model: nn.Module, config: dict[str, object], *, tokenizer: bool = True) -> pathlib.Path:
+    d.mkdir(parents=True)
+    save_model(d, model)
+    save_config(dict(config), d / "config.json")
+    if tokenizer:
+        save_byte_level_tokenizer(d)
+    return d
+
+
+def _stores(cache: pathlib.Path) -> list[str]:
+    root = stores_root(cache)
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
+
+
+def test_one_model_under_several_names_converts_once(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load("models/m")`` from the project's directory, then ``load("/abs/.../models/m")`` in a
+    notebook (or through a link to it): each name converted the same directory once more, into a
+    store of its own as large as the model, without a word. The second name now reuses the first
+    name's store, and its tokens are mlx-lm's."""
+    d = _save(tmp_path / "models" / "m", *tiny_model("mixtral"))
+    (tmp_path / "link").symlink_to(d)
+    cache = tmp_path / "cache"
+    monkeypatch.chdir(tmp_path)
+    ref_model, ref_tok = mlx_lm.load(str(d))
+    want = mlx_lm.generate(ref_model, ref_tok, PROMPT, max_tokens=6)
+    for name in ("models/m", str(d), "link", "./models/m/"):
+        model, tok = load(name, resident=0.25, cache_dir=cache, progress=False)
+        with model:
+            assert mlx_lm.generate(model, tok, PROMPT, max_tokens=6) == want, name
+        assert len(_stores(cache)) == 1, (name, _stores(cache))
