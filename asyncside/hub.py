@@ -231,10 +231,14 @@ def _not_a_model(directory: pathlib.Path) -> str | None:
 
 def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
               revision: str | None = None, progress: bool = True,
-              say: Callable[[str], None] | None = None) -> pathlib.Path:
+              say: Callable[[str], None] | None = None,
+              needs: Callable[[pathlib.Path, bool], None] | None = None) -> pathlib.Path:
     """An expert store directory for ``name``: a store as it is, else the model (a directory or a
     repo id, see :func:`resolve_model`) converted on first use into :func:`stores_root` and
     reused on later calls. ``say`` receives the one line that says which (default: stderr).
+    ``needs(directory, converting)``, where given, checks a model directory for what the caller
+    needs of it and raises to refuse it: before its cached store is taken, and again (``converting``
+    true) before it is converted.
 
     Raises :class:`ModelNotFoundError` for a name that is nothing of these, and the converter's
     errors (StoreError, UnsupportedModelError) for a model it cannot convert.
@@ -274,6 +278,8 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
 
     if (problem := path_not_utf8(directory)) is not None:  # said before a conversion is announced
         raise StoreError(printable_path(directory), problem)
+    if needs is not None:
+        needs(directory, False)
     root = stores_root(cache_dir)
     dest = _cached_store(root, text, directory)
 
@@ -306,6 +312,8 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
             if not is_store_dir(dest) or (changed := stale()) is not None:
                 from .models.convert import convert_model
 
+                if needs is not None:
+                    needs(directory, True)
                 if is_store_dir(dest):
                     tell(f"asyncside: {text}: {changed} since its store was converted; converting again into {dest}")
                 else:

@@ -52,3 +52,22 @@ def test_one_model_under_several_names_converts_once(tmp_path: pathlib.Path, mon
         with model:
             assert mlx_lm.generate(model, tok, PROMPT, max_tokens=6) == want, name
         assert len(_stores(cache)) == 1, (name, _stores(cache))
+
+
+@pytest.mark.parametrize("damage", ["none", "broken-json"])
+def test_a_model_without_a_tokenizer_is_refused_before_converting(tmp_path: pathlib.Path, damage: str) -> None:
+    """``load(DIR)`` of a model directory without tokenizer files (weights and config copied alone)
+    or with a tokenizer.json cut short: the model was converted first (a copy as large as the
+    model), then the refusal named that store in asyncside's cache, not the user's directory. It
+    is refused first, naming the directory, and nothing is converted."""
+    from asyncside.errors import StoreError
+
+    d = _save(tmp_path / "m", *tiny_model("qwen3_moe"), tokenizer=damage != "none")
+    if damage == "broken-json":
+        (d / "tokenizer.json").write_text("{")
+    said = "holds no tokenizer files" if damage == "none" else "its tokenizer files cannot be loaded"
+    cache = tmp_path / "cache"
+    with pytest.raises(StoreError, match=rf"^{d}: {said}") as info:
+        load(d, cache_dir=cache, progress=False)
+    assert "\n" not in str(info.value)
+    assert _stores(cache) == []
