@@ -71,3 +71,38 @@ def test_a_model_without_a_tokenizer_is_refused_before_converting(tmp_path: path
         load(d, cache_dir=cache, progress=False)
     assert "\n" not in str(info.value)
     assert _stores(cache) == []
+
+
+def test_a_store_on_a_read_only_file_system_is_not_said_to_need_chmod(tmp_path: pathlib.Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside convert MODEL STORE --overwrite`` where STORE is on a file system mounted
+    read-only (a shared volume, a container's read-only bind mount) was told "make it writable
+    (chmod u+w)", which the file system refuses whatever the mode. It names the read-only mount;
+    the store stays as it was."""
+    import os
+
+    from asyncside.cli import main
+    from asyncside.models import convert as convert_module
+
+    d = _save(tmp_path / "m", *tiny_model("mixtral"))
+    store = tmp_path / "store"
+    assert main(["convert", str(d), str(store), "--quiet"]) == 0
+    before = sorted(p.name for p in store.iterdir())
+    real_access, real_statvfs = os.access, os.statvfs
+
+    class _ReadOnly:
+        f_flag = os.ST_RDONLY
+
+    # As a read-only mount answers: no write access whatever the mode (root's included).
+    monkeypatch.setattr(convert_module.os, "access",
+                        lambda p, mode, **kw: False if pathlib.Path(p) == store and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+    monkeypatch.setattr(convert_module.os, "statvfs",
+                        lambda p: _ReadOnly() if pathlib.Path(p) == store else real_statvfs(p))
+    capsys.readouterr()
+    assert main(["convert", str(d), str(store), "--quiet", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"asyncside convert: error: {store}: cannot be replaced: it is on a read-only file system "
+                   "(mounted read-only); convert into another directory"), err
+    assert sorted(p.name for p in store.iterdir()) == before

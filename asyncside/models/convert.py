@@ -360,11 +360,23 @@ def _check_paths(src: pathlib.Path, dest: pathlib.Path, overwrite: bool) -> None
         # Moving a directory away (or its entries, a mount point's) needs write permission on it:
         # a store made read-only (mode 0555) or another user's was refused by a PermissionError
         # traceback once the whole model had been converted, the new store thrown away.
+        if _read_only_mount(dest):
+            # Its mode said to chmod it, which a read-only file system refuses whatever the mode.
+            raise StoreError(dest, "cannot be replaced: it is on a read-only file system (mounted read-only); "
+                                   "convert into another directory")
         raise StoreError(dest, f"cannot be replaced: this process may not write to the directory "
                                f"(mode {dest.stat().st_mode & 0o7777:04o}, owner uid {dest.stat().st_uid}); "
                                "make it writable (chmod u+w) or convert into another directory")
     if dest == src:
         raise StoreError(dest, "the store directory must differ from the model directory")
+
+
+def _read_only_mount(path: pathlib.Path) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError:
+        return False
 
 
 def _readable(path: pathlib.Path) -> None:
