@@ -193,10 +193,12 @@ class QueuedSteps:
         # parts of at most `part` pairs, each part computed before the next may evict its rows
         # (see forward). A sorted switch (prefill chunks, large batches) cuts its pairs sorted by
         # expert, so a part holds <= part distinct experts and each expert is read about once per
-        # layer; an unsorted one cuts by whole tokens (part = tokens x top_k).
+        # layer; an unsorted one cuts by whole tokens (part = tokens x top_k). Rows for fewer than
+        # one token's experts (side rows below the top-k) leave no whole token to cut: the step
+        # sorts its pairs then, however few, rather than go per layer.
         decode = inputs.shape[-1] == 1
         capacity = qsource.queued_capacity(int(inputs.size) if decode else None)
-        sort = pairs >= SORT_THRESHOLD or self._sorts_cuts(source, decode)
+        sort = pairs >= SORT_THRESHOLD or self._sorts_cuts(source, decode) or capacity < self.walk.top_k
         part = capacity if sort else capacity // self.walk.top_k * self.walk.top_k
         if part < 1 or (-(-pairs // part) > MAX_RESOLVES_PER_LAYER and not self._stages_every_layer(source)):
             return False
@@ -313,7 +315,8 @@ class QueuedSteps:
         masks = walk.masks(h, ctx.cache)
         routed, part, counters = ctx.routed, ctx.part, self.counters
         every = 1 if inputs.shape[-1] >= LONG_STEP_TOKENS else DECODE_CHECKPOINT_LAYERS if self._on_cpu else 0
-        sort_cuts = part is not None and self._sorts_cuts(source, inputs.shape[-1] == 1)
+        # (an unsorted cut is whole tokens, at least top-k pairs: a smaller part was sorted by can_run)
+        sort_cuts = part is not None and (self._sorts_cuts(source, inputs.shape[-1] == 1) or part < walk.top_k)
         last = len(walk.layers) - 1
         predicting = False  # the predictor began this step (at its first streamed switch)
         for i in range(len(walk.layers)):
