@@ -106,3 +106,36 @@ def test_a_store_on_a_read_only_file_system_is_not_said_to_need_chmod(tmp_path: 
     assert err == (f"asyncside convert: error: {store}: cannot be replaced: it is on a read-only file system "
                    "(mounted read-only); convert into another directory"), err
     assert sorted(p.name for p in store.iterdir()) == before
+
+
+@pytest.mark.parametrize(("model_type", "options"), [
+    ("mixtral", {"quant_predicate": "mixed_3_6"}),
+    ("qwen3_moe", {"quant_predicate": "mixed_2_6"}),
+    ("gpt_oss", {"quant_predicate": "mixed_4_6"}),
+])
+def test_a_mixed_recipe_as_mlx_lm_convert_writes_it_streams_mlx_lms_tokens(tmp_path: pathlib.Path, model_type: str,
+                                                                           options: dict[str, str]) -> None:
+    """``mlx_lm.convert(..., quant_predicate="mixed_3_6")`` (how mlx-community makes its mixed
+    models) records each module's entry with ``"group_size": null`` (MLX's default for the mode),
+    and mlx-lm loads it so. ``load``/``asyncside convert`` of it ended in "TypeError: int()
+    argument must be ... not 'NoneType'" from inside the converter. The group size and bits are
+    now what the experts were quantized with, and the tokens mlx-lm's."""
+    import contextlib
+    import io
+    import json
+
+    from mlx_lm.convert import convert
+
+    src = _save(tmp_path / "float", *tiny_model(model_type))
+    out = tmp_path / "mixed"
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(src), mlx_path=str(out), quantize=True, **options)
+    entries = json.loads((out / "config.json").read_text())["quantization"]
+    assert any(isinstance(v, dict) and v["group_size"] is None for v in entries.values())
+    ref_model, ref_tok = mlx_lm.load(str(out))
+    want = [r.token for r in mlx_lm.stream_generate(ref_model, ref_tok, PROMPT, max_tokens=8)]
+    model, tok = load(out, resident=0.25, cache_dir=tmp_path / "cache", progress=False)
+    with model:
+        assert [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=8)] == want
+        assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mlx_lm.generate(ref_model, ref_tok, PROMPT,
+                                                                                    max_tokens=8)

@@ -517,6 +517,22 @@ def moe_layers(model: nn.Module, arch: Arch) -> dict[int, tuple[nn.Module, str]]
     return out
 
 
+def _group_size_and_bits(lin: nn.Module) -> tuple[int, int]:
+    """A quantized switch linear's group size and bits; where it keeps None for either (MLX's
+    default for its mode, as mlx-lm's convert records a mixed recipe's per-module entries),
+    what its arrays were quantized with."""
+    group_size, bits = lin.group_size, lin.bits
+    if group_size is None or bits is None:
+        # MLX's own defaults, read off a quantization of one row: its scales give the group size
+        # and its packed weight the bits.
+        width = 512
+        packed, scales, *_ = mx.quantize(mx.zeros((1, width)), group_size=group_size, bits=bits,
+                                         mode=getattr(lin, "mode", "affine"))
+        group_size = group_size if group_size is not None else width // scales.shape[-1]
+        bits = bits if bits is not None else packed.shape[-1] * 32 // width
+    return int(group_size), int(bits)
+
+
 def linear_meta(name: str, lin: nn.Module) -> dict[str, Any]:
     """JSON description of one switch linear (quantisation, bias) the pooled path reproduces."""
     if isinstance(lin, QuantizedSwitchLinear):
@@ -524,10 +540,11 @@ def linear_meta(name: str, lin: nn.Module) -> dict[str, Any]:
             raise UnsupportedModelError(
                 f"switch linear {name!r} uses a per-expert global scale (nvfp4 global_scale); not supported"
             )
+        group_size, bits = _group_size_and_bits(lin)
         return {
             "quantized": True,
-            "group_size": int(lin.group_size),
-            "bits": int(lin.bits),
+            "group_size": group_size,
+            "bits": bits,
             "mode": str(lin.mode),
             "affine_biases": lin.get("biases") is not None,
             "bias": "bias" in lin,
