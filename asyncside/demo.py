@@ -520,9 +520,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None:
         _model_dir, store_dir = ensure_embedded_default(args.cache_dir, progress=not args.json)
     else:
-        from .hub import store_for
+        from .hub import needs_a_tokenizer, store_for
 
-        store_dir = store_for(args.model, cache_dir=args.cache_dir, progress=not args.json)
+        store_dir = store_for(args.model, cache_dir=args.cache_dir, progress=not args.json,
+                              needs=needs_a_tokenizer("--prompt cannot be encoded"))
     store = ExpertStore.open(store_dir)
     side_rows_refused(store, getattr(args, "side_rows", None))  # before a model loads or the reference runs
     sm = load_streaming_model(store_dir)

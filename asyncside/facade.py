@@ -566,7 +566,7 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     ``revision``: a repo id's branch, tag or commit (refused for a local path). Other
     keyword arguments go to the Runtime too (``reader``, ``policy``, ``verify``, ...).
     """
-    from .hub import store_for
+    from .hub import needs_a_tokenizer, store_for
     from .memory import check_memory, parse_size
     from .models import load_streaming_model
     from .models.loading import check_not_forked
@@ -590,7 +590,8 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
         raise ValueError(f"resident: expected a fraction in [0, 1] or 'auto', got {resident!r}")
     _check_runtime_arguments(runtime, resident, memory)
     store_dir = store_for(path_or_id, cache_dir=cache_dir, revision=revision, progress=progress,
-                          needs=_needs_a_tokenizer)
+                          needs=needs_a_tokenizer("load() returns the model's tokenizer for mlx-lm's generate, "
+                                                  "as mlx_lm.load does"))
     streaming = load_streaming_model(store_dir)
     layers = runtime.get("layers")
     if layers is not None and set(streaming.moe_layers) - set(layers):
@@ -605,23 +606,6 @@ def load(path_or_id: str | os.PathLike[str], *, resident: float | str | None = N
     tokenizer = _mlx_tokenizer(store_dir, streaming)
     model = StreamingLM(streaming, {"resident": resident, "memory": memory, **runtime})
     return model, tokenizer
-
-
-def _needs_a_tokenizer(model_dir: pathlib.Path, converting: bool) -> None:
-    """Refuse a model directory whose tokenizer ``load`` cannot return, naming it: one without
-    tokenizer files, or (before it is converted) one whose files do not load."""
-    from .errors import StoreError
-    from .models.tokenizer import BYTE_TOKENIZER_FILE, load_tokenizer
-
-    # Refused only after the conversion, the error named the store in asyncside's cache: the
-    # model was converted (a copy as large as it) for nothing, and the user's directory unnamed.
-    if not any((model_dir / n).exists() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                                                   BYTE_TOKENIZER_FILE)):
-        raise StoreError(model_dir, "holds no tokenizer files (tokenizer.json, tokenizer_config.json or "
-                                    "tokenizer.model): load() returns the model's tokenizer for mlx-lm's generate, "
-                                    "as mlx_lm.load does; copy them from the model it was made from")
-    if converting:
-        load_tokenizer(model_dir)  # a StoreError naming the directory and its files where they do not load
 
 
 def _mlx_tokenizer(store_dir: str | os.PathLike[str], streaming: Any) -> Any:

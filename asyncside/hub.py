@@ -197,6 +197,26 @@ def _cached_store_name(name: str, directory: pathlib.Path) -> str:
     return f"{stem}-{digest}"
 
 
+def needs_a_tokenizer(use: str) -> Callable[[pathlib.Path, bool], None]:
+    """A ``needs`` check for :func:`store_for` refusing a model directory whose tokenizer cannot be
+    had, naming the directory: one without tokenizer files, or (before it is converted) one whose
+    files do not load. ``use`` says what the caller needs the tokenizer for."""
+    from .errors import StoreError
+    from .models.tokenizer import BYTE_TOKENIZER_FILE, load_tokenizer
+
+    def check(model_dir: pathlib.Path, converting: bool) -> None:
+        # Refused only after the conversion, the error named the store in asyncside's cache: the
+        # model was converted (a copy as large as it) for nothing, and the user's directory unnamed.
+        if not any((model_dir / n).exists() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                                       BYTE_TOKENIZER_FILE)):
+            raise StoreError(model_dir, f"holds no tokenizer files (tokenizer.json, tokenizer_config.json or "
+                                        f"tokenizer.model): {use}; copy them from the model it was made from")
+        if converting:
+            load_tokenizer(model_dir)  # a StoreError naming the directory and its files where they do not load
+
+    return check
+
+
 def _cached_store(root: pathlib.Path, name: str, directory: pathlib.Path) -> pathlib.Path:
     """The store in ``root`` for the model at ``directory`` that ``name`` designates: one already
     converted from that directory under any name, else the one :func:`_cached_store_name` names."""
@@ -279,6 +299,9 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
     if (problem := path_not_utf8(directory)) is not None:  # said before a conversion is announced
         raise StoreError(printable_path(directory), problem)
     if needs is not None:
+        from .models.convert import model_config
+
+        model_config(directory)  # a model asyncside cannot stream is refused as that first
         needs(directory, False)
     root = stores_root(cache_dir)
     dest = _cached_store(root, text, directory)

@@ -73,6 +73,24 @@ def test_a_model_without_a_tokenizer_is_refused_before_converting(tmp_path: path
     assert _stores(cache) == []
 
 
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_demo_and_serve_of_a_model_without_a_tokenizer_refuse_before_converting(
+        tmp_path: pathlib.Path, command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``asyncside demo --model DIR`` / ``asyncside serve --model DIR`` of a model directory
+    without tokenizer files converted it, then refused naming the store in the cache. One line
+    naming DIR, status 2, and nothing converted."""
+    from asyncside.cli import main
+
+    d = _save(tmp_path / "m", *tiny_model("qwen3_moe"), tokenizer=False)
+    cache = tmp_path / "cache"
+    extra = ["--tokens", "2", "--quiet"] if command == "demo" else ["--port", "0"]
+    assert main([command, "--model", str(d), "--cache-dir", str(cache), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"asyncside {command}: ") and f"{d}: holds no tokenizer files" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert _stores(cache) == []
+
+
 def test_a_store_on_a_read_only_file_system_is_not_said_to_need_chmod(tmp_path: pathlib.Path,
                                                                       monkeypatch: pytest.MonkeyPatch,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:

@@ -487,27 +487,7 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
     # The file a profile that does not fit the model came from (its refusals named "<profile>").
     prof_where = "<profile>" if profile is None or isinstance(profile, Mapping) else str(profile)
 
-    try:
-        raw = json.loads((src / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise StoreError(src / "config.json", f"not a readable JSON config: {exc}") from None
-    except RecursionError:  # json parses nesting by recursion: a file nested past Python's limit
-        raise StoreError(src / "config.json", "not a JSON config this reader takes: nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
-        # Refused as "model_type '' is not supported", naming neither the file nor the field missing.
-        named = raw.get("architectures")
-        raise StoreError(src / "config.json", "has no \"model_type\", by which mlx-lm picks the architecture "
-                                              "(e.g. \"qwen3_moe\")" + (f"; its architectures are {json.dumps(named)}"
-                                                                       if named else ""), "model_type")
-    try:
-        arch = arch_for(model_type)  # one asyncside cannot stream: refused before mlx-lm builds it
-    except UnsupportedModelError as exc:
-        # The line named no file: demo --model DIR and load() convert a directory the user may
-        # not know is a dense model's.
-        raise UnsupportedModelError(f"{src / 'config.json'}: {exc}") from None
+    raw, arch = model_config(src)
     model, config = _load_lazily(src, raw)
     moe = _moe_layers_of(model, arch, src, raw)
     paths = {l: _module_path(model, getattr(block, attr)) for l, (block, attr) in moe.items()}
@@ -600,6 +580,33 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
     return ExpertStore.open(dest)
+
+
+def model_config(src: pathlib.Path) -> tuple[dict[str, Any], Arch]:
+    """The config.json of the model directory ``src`` and the architecture asyncside streams it
+    as; a StoreError (UnsupportedModelError) naming the file and field where it is neither."""
+    try:
+        raw = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreError(src / "config.json", f"not a readable JSON config: {exc}") from None
+    except RecursionError:  # json parses nesting by recursion: a file nested past Python's limit
+        raise StoreError(src / "config.json", "not a JSON config this reader takes: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise StoreError(src / "config.json", f"a model config is a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        # Refused as "model_type '' is not supported", naming neither the file nor the field missing.
+        named = raw.get("architectures")
+        raise StoreError(src / "config.json", "has no \"model_type\", by which mlx-lm picks the architecture "
+                                              "(e.g. \"qwen3_moe\")" + (f"; its architectures are {json.dumps(named)}"
+                                                                       if named else ""), "model_type")
+    try:
+        arch = arch_for(model_type)  # one asyncside cannot stream: refused before mlx-lm builds it
+    except UnsupportedModelError as exc:
+        # The line named no file: demo --model DIR and load() convert a directory the user may
+        # not know is a dense model's.
+        raise UnsupportedModelError(f"{src / 'config.json'}: {exc}") from None
+    return raw, arch
 
 
 def _publish(store: pathlib.Path, dest: pathlib.Path, src: pathlib.Path, staging: pathlib.Path,

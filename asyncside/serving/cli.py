@@ -594,10 +594,11 @@ def serve_main(args: argparse.Namespace) -> int:
         args.model = args.store
     if args.model is not None:
         # A model directory or a repo id becomes a store (converted on first use, then reused).
-        from ..hub import store_for
+        from ..hub import needs_a_tokenizer, store_for
 
         try:
-            args.model = str(store_for(args.model, cache_dir=args.cache_dir))
+            args.model = str(store_for(args.model, cache_dir=args.cache_dir,
+                                       needs=needs_a_tokenizer("the server encodes prompts and decodes tokens")))
         except AsyncsideError as exc:
             print(f"asyncside serve: error: {exc}", file=sys.stderr)
             return 2
