@@ -10,11 +10,13 @@ mlx_lm.server's at each client count, the long-prompt phase last, so no other ph
 still busy with it): a ratio compares two phases minutes apart, not two halves of a run on a host
 whose speed drifts. Every prompt starts with the request's own number, so no two requests share a
 cacheable prefix. At the deadline the requests still running are cancelled (the servers see
-disconnects); tokens received before it count. Each phase follows ``--warmup`` seconds of the same
-load, not measured (repeated until a request has completed: a server still on its first request is
-not warm), and the next phase starts only once the server is idle again (asyncside's engine has no
-request left; mlx_lm.server, which finishes the requests of clients that left, has stopped using the
-CPU).
+disconnects); tokens received before it count. A client refused with 429 (more clients than
+``--max-batch`` and ``--max-queue`` take) waits the ``Retry-After`` it was given before its next
+request, as OpenAI's clients do; refusals are counted apart (``requests_refused``), not as errors.
+Each phase follows ``--warmup`` seconds of the same load, not measured (repeated until a request
+has completed: a server still on its first request is not warm), and the next phase starts only once
+the server is idle again (asyncside's engine has no request left; mlx_lm.server, which finishes the
+requests of clients that left, has stopped using the CPU).
 
 Reported per phase: aggregate tokens/s (all tokens / phase time), per-stream tokens/s (median over
 requests of (tokens - 1) / (last - first token time)), time to first token and inter-token latency
@@ -40,6 +42,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -107,6 +110,8 @@ class RequestRecord:
     tokens: int = 0
     done: bool = False
     error: str | None = None
+    #: seconds the server said to wait (its ``Retry-After``) when it refused the request with 429
+    refused: float | None = None
 
     def chunk(self, at: float, n: int = 1) -> None:
         self.token_times.append(at)
@@ -130,12 +135,14 @@ class PhaseResult:
                  for r in self.records if len(r.token_times) >= 2 and r.token_times[-1] > r.token_times[0]]
         tokens = sum(r.tokens for r in self.records)
         errors = self.errors + [r.error for r in self.records if r.error]
+        refused = sum(1 for r in self.records if r.refused is not None)
         return {
             "server": self.server,
             "clients": self.clients,
             "seconds": round(self.seconds, 3),
             "requests_done": sum(1 for r in self.records if r.done),
-            "requests_cut": sum(1 for r in self.records if not r.done and not r.error),
+            "requests_cut": sum(1 for r in self.records if not r.done and not r.error and r.refused is None),
+            "requests_refused": refused,
             "tokens": tokens,
             "tokens_per_s": tokens / self.seconds if self.seconds > 0 else 0.0,
             "per_stream_tokens_per_s_p50": percentile(rates, 50),
@@ -159,10 +166,24 @@ def prompt_of(tokenizer: Any, n_tokens: int, number: int) -> str:
     return str(tokenizer.decode(ids[:n_tokens]))
 
 
+def _retry_after(value: str | None) -> float:
+    """Seconds a 429's ``Retry-After`` asks for (delta-seconds; one second where it is missing or
+    not a number, the least the server ever says)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        return 1.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 1.0
+
+
 async def _stream_once(client: Any, url: str, body: dict[str, Any], rec: RequestRecord) -> None:
     """One streaming completion; content chunks are timed, the final usage gives the token count."""
     rec.sent = time.perf_counter()
     async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code == 429:  # the queue is full: the client waits as told, as OpenAI's clients do
+            await resp.aread()
+            rec.refused = _retry_after(resp.headers.get("retry-after"))
+            return
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
@@ -208,6 +229,10 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True}}
             await _stream_once(http, url, body, rec)
+            if rec.refused is not None:
+                # Asking again at once would have the phase measure a flood of refusals, answered by
+                # the server this process hosts, instead of the requests it serves.
+                await asyncio.sleep(rec.refused)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as http:
         start = time.perf_counter()
@@ -831,7 +856,8 @@ def print_table(out: dict[str, Any]) -> None:
         long = "-" if not p["long_prompt_sent"] else (
             "not reached" if p["long_prompt_ttft_s"] is None else f"{p['long_prompt_ttft_s']:.1f}")
         table.add_row(
-            p["server"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut", str(p["tokens"]),
+            p["server"], str(p["clients"]), f"{p['requests_done']} +{p['requests_cut']} cut"
+            + (f" +{p['requests_refused']} 429" if p.get("requests_refused") else ""), str(p["tokens"]),
             f"{p['tokens_per_s']:.2f}", num(p["vs_mlx_lm"], "{:.2f}x"), num(p.get("vs_round_single"), "{:.2f}x"),
             num(p["per_stream_tokens_per_s_p50"]),
             ms(p["ttft_p50_s"]), ms(p["ttft_p99_s"]), ms(p["itl_p50_s"]), ms(p["itl_p99_s"]), long,

@@ -1,0 +1,52 @@
+"""Serving tried as a demanding user would, round 20: `asyncside bench serve` with more clients than
+the server takes (its batch and its queue), whose surplus clients are answered 429.
+
+The model is the scripted one (tests/_serving_support.py); everything between the socket and the
+model is the real code.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import uvloop
+from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
+
+from asyncside.bench.serve import PhaseResult, RequestRecord, run_phase
+from asyncside.serving import BackgroundServer, ServeSettings, create_app
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+pytest.importorskip("httpx")
+
+#: a reply long enough that the one admitted request outlasts the phase
+LONG = "one two three four five six seven eight nine ten " * 4
+#: the phase: shorter than the least Retry-After the server gives (a second)
+PHASE_S = 0.5
+
+
+def test_bench_clients_refused_with_429_wait_as_told_and_are_counted_apart(tmp_path: pathlib.Path) -> None:
+    # One slot and no queue: of three clients, two are refused. Each must wait the Retry-After it
+    # was given (at least a second, past the phase) before asking again, so it sends one request in
+    # the phase; asking again at once made hundreds, every one counted as an error.
+    tok = byte_tokenizer(tmp_path)
+    model = ScriptedModel(tok, LONG, step_delay=0.05)
+    app = create_app(scripted_engine(model), ServeSettings(max_batch=1, max_queue=0, prompt_cache_size=0))
+    with BackgroundServer(app) as srv:
+        res = uvloop.run(run_phase("asyncside", srv.url, "scripted", 3, PHASE_S, 100,
+                                   lambda client, n: (f"#{client}.{n}: go", False)))
+    assert len(res.records) == 3, f"{len(res.records)} requests from 3 clients"
+    summary = res.summary()
+    refused = [r for r in res.records if r.refused is not None]
+    assert summary["error_count"] == 0, summary["errors"]
+    assert summary["requests_refused"] == len(refused) == 2, summary
+    assert all(r.refused >= 1.0 for r in refused)
+    assert summary["requests_cut"] == 1  # the admitted one, still streaming at the deadline
+    assert summary["tokens"] > 0
+
+
+def test_a_refused_request_is_neither_cut_nor_an_error() -> None:
+    res = PhaseResult("asyncside", 2, 1.0, records=[RequestRecord(False, refused=3.0), RequestRecord(False)])
+    summary = res.summary()
+    assert (summary["requests_refused"], summary["requests_cut"], summary["error_count"]) == (1, 1, 0)
