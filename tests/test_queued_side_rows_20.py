@@ -26,9 +26,10 @@ from asyncside.audit import audit_problems
 from asyncside.bridge import completed
 from asyncside.errors import FillError
 from asyncside.models import ForwardOptions, load_streaming_model, reference_generate
+from asyncside.models.forward import StepMode
 from asyncside.runtime import Runtime
 
-QUEUED = ForwardOptions(mode="queued")
+QUEUED = ForwardOptions(mode=StepMode.QUEUED)
 NEW_TOKENS = 6
 
 
@@ -129,9 +130,9 @@ def test_a_batch_below_top_k_side_rows_is_bitwise_mlx_lm(tiny: tuple[pathlib.Pat
 
 def test_a_cancelled_generation_below_top_k_leaves_no_row_taken(tiny: tuple[pathlib.Path, Any, list[int]],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A generation cancelled while a sorted queued step is built and scheduled (between its
-    layers), then one cancelled between tokens: the ledgers audit clean, and the runtime's next
-    generation is exact."""
+    """Generations cancelled at a checkpoint of a queued step (the prompt's step being scheduled, a
+    decode step being scheduled, a decode step being built), then one cancelled between tokens:
+    the ledgers audit clean after each, and the runtime's next generation is exact."""
     from asyncside.models import queued as queued_mod
 
     store_dir, model, prompt = tiny
@@ -141,13 +142,13 @@ def test_a_cancelled_generation_below_top_k_leaves_no_row_taken(tiny: tuple[path
 
     async def main() -> list[int]:
         async with Runtime(sm.store, side_rows=2) as rt:
-            for cancel_at in (7, 12):
+            for cancel_at in (7, 12, 16):
                 left = [cancel_at]  # checkpoints to pass before the cancel
                 with anyio.CancelScope() as scope:
 
                     async def cancelling(scope: anyio.CancelScope = scope, left: list[int] = left) -> None:
                         left[0] -= 1
-                        if left[0] == 0:  # mid-step: after the prompt's step, inside a decode step
+                        if left[0] == 0:  # mid-step
                             scope.cancel()
                         await real()
 
