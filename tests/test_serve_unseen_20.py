@@ -1,5 +1,6 @@
 """Serving tried as a demanding user would, round 20: `asyncside bench serve` with more clients than
-the server takes (its batch and its queue), whose surplus clients are answered 429.
+the server takes (its batch and its queue), whose surplus clients are answered 429, and as many
+clients as it takes, one of which left and came back.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import pathlib
 
+import anyio
 import pytest
 import uvloop
 from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
 
 from asyncside.bench.serve import PhaseResult, RequestRecord, run_phase
-from asyncside.serving import BackgroundServer, ServeSettings, create_app
+from asyncside.serving import BackgroundServer, Batcher, ServeSettings, create_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -50,3 +52,25 @@ def test_a_refused_request_is_neither_cut_nor_an_error() -> None:
     res = PhaseResult("asyncside", 2, 1.0, records=[RequestRecord(False, refused=3.0), RequestRecord(False)])
     summary = res.summary()
     assert (summary["requests_refused"], summary["requests_cut"], summary["error_count"]) == (1, 1, 0)
+
+
+@pytest.mark.anyio
+async def test_a_request_that_left_does_not_hold_its_slot_against_the_next(tmp_path: pathlib.Path) -> None:
+    # One slot, no queue: a client that left (or whose request finished) while the engine was
+    # between the step that saw it and the next must not make the next request a 429 (at capacity
+    # with "1 requests generating": its own, gone); it is taken, and runs once the slot is let go.
+    tok = byte_tokenizer(tmp_path)
+    b = Batcher(ScriptedModel(tok, LONG, step_delay=0.01), None, max_batch=1, max_queue=0, prompt_cache_size=0)
+    got: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(b.run)
+        first = b.submit(tok.encode("go"), 50)
+        async for _ev in first:
+            break
+        async with b.paused():
+            first.cancel()
+            second = b.submit(tok.encode("again"), 3)
+        got = [ev.token async for ev in second]
+        tg.cancel_scope.cancel()
+    assert len(got) == 3
+    assert (b.active, b.waiting) == (0, 0)

@@ -224,12 +224,12 @@ class Batcher:
         ids = checked_prompt_ids(prompt_ids, self.vocab_size)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        free = self.max_batch - len(self._active)
+        free = self.max_batch - self.active  # a request that finished or left frees its slot now
         if len(self._waiting) >= self.max_queue + max(0, free):
             ahead = len(self._waiting) - max(0, free) + 1
             at_once = min(self.max_batch, (self.kv_admission.limit if self.kv_admission else None) or self.max_batch)
             retry = max(1, math.ceil(self._duration_ewma * ahead / at_once))  # the rows' limit: fewer at once
-            raise QueueFull(f"the server is at capacity ({len(self._active)} requests generating, "
+            raise QueueFull(f"the server is at capacity ({self.active} requests generating, "
                             f"{len(self._waiting)} waiting); retry after {retry} s", retry)
         sampling = sampling or SamplingParams()
         self.strategy.check(sampling)
