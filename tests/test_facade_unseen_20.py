@@ -157,3 +157,29 @@ def test_a_mixed_recipe_as_mlx_lm_convert_writes_it_streams_mlx_lms_tokens(tmp_p
         assert [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=8)] == want
         assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mlx_lm.generate(ref_model, ref_tok, PROMPT,
                                                                                     max_tokens=8)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("top_k", [0, 99])
+def test_experts_per_token_outside_the_experts_is_named(tmp_path: pathlib.Path, model_type: str, top_k: int,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json whose ``num_experts_per_tok`` is more than the model's experts (or none)
+    builds in mlx-lm, and converted: its first token failed in MLX's "[argpartition] Received
+    invalid kth" (0: in an ExceptionGroup of one fault per expert, "no lent row was left"). The
+    conversion refuses it in one line naming config.json and the field; nothing is written."""
+    import json
+
+    from asyncside.cli import main
+
+    d = _save(tmp_path / "m", *tiny_model(model_type))
+    config = json.loads((d / "config.json").read_text())
+    n_experts = next(config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in config)
+    config["num_experts_per_tok"] = top_k
+    (d / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["convert", str(d), str(tmp_path / "store"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"asyncside convert: error: {d / 'config.json'} [num_experts_per_tok]: layer ")
+    assert f"routes each token to {top_k} of its {n_experts} experts; expected 1 to {n_experts}" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "store").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

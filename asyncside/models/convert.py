@@ -512,6 +512,12 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         where = top_k_attribute(block)
         if where is not None:
             top_k[str(l)] = int(getattr(*where))
+            if not 1 <= top_k[str(l)] <= n_experts[l]:
+                # mlx-lm's model builds either way: more than it has failed at the first token in
+                # MLX's argpartition words, none in a queued step's fault of every expert.
+                raise StoreError(src / "config.json", f"layer {l} routes each token to {top_k[str(l)]} of its "
+                                                      f"{n_experts[l]} experts; expected 1 to {n_experts[l]}",
+                                 _top_k_field(raw))
     resident = {l: r[: int(round(resident_fraction * len(r)))] for l, r in ranks.items()}
     meta = {
         "version": 1,
@@ -580,6 +586,17 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
         shutil.rmtree(staging, ignore_errors=True)
         owner.close()
     return ExpertStore.open(dest)
+
+
+def _top_k_field(raw: Mapping[str, Any]) -> str | None:
+    """The name of the experts-per-token field of the config ``raw`` (its text_config's where it
+    nests one), None where it has none of the names mlx-lm's models read."""
+    for cfg, prefix in ((raw, ""), (raw.get("text_config"), "text_config.")):
+        if isinstance(cfg, Mapping):
+            for name in ("num_experts_per_tok", "moe_top_k", "top_k", "moe_k", "num_experts_per_token"):
+                if name in cfg:
+                    return prefix + name
+    return None
 
 
 def model_config(src: pathlib.Path) -> tuple[dict[str, Any], Arch]:
