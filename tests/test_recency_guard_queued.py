@@ -39,6 +39,16 @@ def test_decayed_counts_are_kept_while_the_table_ranks_by_recency(tmp_path: path
     assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == 2, ev
 
 
+async def one_step(q: Any, layer: int, ids: list[int]) -> None:
+    """One queued step of ``layer``'s experts ``ids``, awaited and finished."""
+    step = q.begin()
+    out = q.expert_rows(layer, mx.array(ids, dtype=mx.uint32)).astype(mx.int32).sum()
+    q.end(out)
+    mx.async_eval(out)
+    await completed(out)
+    q.after_step(step)
+
+
 @pytest.fixture
 def sm(tmp_path: pathlib.Path) -> Any:
     store_dir, _model, _prompt = model_store(tmp_path, "qwen3_moe", None)
@@ -54,22 +64,12 @@ def test_a_switch_of_the_policy_reaches_the_fault_tables_once_every_row_is_lent(
     async def main() -> tuple[str, str]:
         async with Runtime(sm.store, resident=0.0, policy="lrfu") as rt:
             q = rt.queued
-            step = q.begin()
-            out = q.expert_rows(layer, mx.array([0, 1], dtype=mx.uint32)).astype(mx.int32).sum()
-            q.end(out)
-            mx.async_eval(out)
-            await completed(out)
-            q.after_step(step)
+            await one_step(q, layer, [0, 1])
             st = rt._s.layers[layer]
             assert st.native_order == "decayed"
             policy = st.ledger.policy
             policy.recency, policy.native_order = True, "recency"  # as the guard's switch leaves it
-            step = q.begin()  # every row lent by now: begin's lending is skipped
-            out = q.expert_rows(layer, mx.array([2], dtype=mx.uint32)).astype(mx.int32).sum()
-            q.end(out)
-            mx.async_eval(out)
-            await completed(out)
-            q.after_step(step)
+            await one_step(q, layer, [2])  # every row lent by now: begin's lending is skipped
             q.reconcile_all()
             seen = st.native_order
             await rt.quiesce()
@@ -92,3 +92,45 @@ def test_the_guards_switch_names_the_order_the_tables_take() -> None:
     p._decide()
     assert not p.recency and p.native_order == "decayed"
     assert np.isfinite(p.half_life)
+
+
+class _OrdersSeen:
+    """A fault table's stand-in for the reconcile: records the orders it is told, passes the rest on."""
+
+    def __init__(self, table: Any) -> None:
+        self.table, self.told = table, []
+
+    def set_order(self, order: str, half_life: float) -> None:
+        self.told.append((order, half_life))
+        self.table.set_order(order, half_life)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.table, name)
+
+
+def test_a_half_life_adaptive_lrfu_adopts_reaches_the_fault_tables(sm: Any) -> None:
+    """adaptive-lrfu adopts another half-life as the requests go, its order staying "decayed": the
+    tables were told only of a change of order, so queued decode kept ranking by the first half-life
+    (the policy's adaptation never reached the default path's victims)."""
+    layer = sm.moe_layers[0]
+
+    async def main() -> tuple[list[tuple[str, float]], float]:
+        async with Runtime(sm.store, resident=0.0, policy="adaptive-lrfu") as rt:
+            q = rt.queued
+            st = rt._s.layers[layer]
+            policy = st.ledger.policy
+            await one_step(q, layer, [0, 1])
+            assert (st.native_order, st.native_half_life) == ("decayed", policy.half_life)
+            other = next(h for h in policy.half_lives if h != policy.half_life)
+            policy.half_life = other  # as an adoption leaves it: the order unchanged
+            real, st.faults = st.faults, _OrdersSeen(st.faults)
+            try:
+                q.reconcile_all()
+                told = list(st.faults.told)
+            finally:
+                st.faults = real
+            await rt.quiesce()
+            return told, other
+
+    told, other = anyio.run(main)
+    assert told == [("decayed", other)]

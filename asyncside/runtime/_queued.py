@@ -564,12 +564,13 @@ class QueuedSide:
 
     @staticmethod
     def _follow_order(st: LayerState) -> None:
-        """The layer's fault table ranks victims as its policy does now (LRFU's recency guard
-        switches between last use and decayed counts as the requests go)."""
+        """The layer's fault table ranks victims as its policy does now: LRFU's recency guard
+        switches between last use and decayed counts as the requests go, and adaptive-lrfu also
+        adopts another half-life."""
         policy = st.ledger.policy
-        if st.faults is not None and policy.native_order != st.native_order:
+        if st.faults is not None and (policy.native_order, policy.half_life) != (st.native_order, st.native_half_life):
             st.faults.set_order(policy.native_order, policy.half_life)
-            st.native_order = policy.native_order
+            st.native_order, st.native_half_life = policy.native_order, policy.half_life
 
     def reconcile(self, st: LayerState) -> None:
         """Apply a layer's fault log to its ledger; failed faults are kept for the next raise."""

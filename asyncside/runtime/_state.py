@@ -143,7 +143,8 @@ class LayerState:
     # key, a row per expert; shared by the layers of one shape), or None.
     staging: dict[str, mx.array] | None = None
     native_dirty: bool = True
-    native_order: str = ""
+    native_order: str = ""  # the victim order and half-life the fault table was last told
+    native_half_life: float = 0.0
     # ensure() calls that must reserve, oldest first, each with its wanted experts. An ensure
     # never evicts what an older one wants, and a prefetch evicts nothing any of them wants: the
     # oldest always makes progress (fair FIFO demand, no livelock between concurrent ensures).
