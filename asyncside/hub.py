@@ -249,6 +249,23 @@ def _not_a_model(directory: pathlib.Path) -> str | None:
     return "is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)"
 
 
+def _remove_stale_staging_of_other_names(root: pathlib.Path, dest: pathlib.Path) -> None:
+    """Remove the staging directories of conversions of ``dest``'s model killed under another of
+    its names (a converting process's own are left, as :func:`removed_stale_staging` leaves them)."""
+    from .models.convert import removed_stale_staging
+
+    # A conversion killed part way under one name left its staging directory (as large as the
+    # part written) for ever, where the model was then taken under another name: only a later
+    # conversion under the first name removed it.
+    digest = dest.name.rsplit("-", 1)[-1]
+    try:
+        names = {p.name[1:].split(".convert-", 1)[0] for p in root.glob(f".*-{digest}.convert-*")}
+        for name in sorted(names - {dest.name}):
+            removed_stale_staging(root / name)
+    except OSError:
+        pass  # a cache this process may not write (read-only, another user's): nothing of it to clean
+
+
 def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
               revision: str | None = None, progress: bool = True,
               say: Callable[[str], None] | None = None,
@@ -305,6 +322,7 @@ def store_for(name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str]
         needs(directory, False)
     root = stores_root(cache_dir)
     dest = _cached_store(root, text, directory)
+    _remove_stale_staging_of_other_names(root, dest)
 
     def stale() -> str | None:
         # The cache is keyed by the directory's path: a model saved again into it (fine-tuned,

@@ -183,3 +183,35 @@ def test_experts_per_token_outside_the_experts_is_named(tmp_path: pathlib.Path, 
     assert f"routes each token to {top_k} of its {n_experts} experts; expected 1 to {n_experts}" in err, err
     assert len(err.splitlines()) == 1 and not (tmp_path / "store").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_a_conversion_killed_under_one_name_is_cleaned_up_under_another(tmp_path: pathlib.Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load("models/m")`` killed while converting left its staging directory in the cache (as
+    large as what it had written); the model then loaded as ``load("/abs/.../models/m")`` converted
+    again and left it there for ever: only a conversion under the first name removed it. A
+    conversion still running under the other name (its lock held) is left alone."""
+    import fcntl
+    import os
+    import time
+
+    from asyncside.hub import _cached_store_name
+    from asyncside.models.convert import STAGING_LOCK
+
+    d = _save(tmp_path / "models" / "m", *tiny_model("qwen3_moe"))
+    cache = tmp_path / "cache"
+    root = stores_root(cache)
+    root.mkdir(parents=True)
+    killed = root / f".{_cached_store_name('models/m', d)}.convert-killed"
+    (killed / "store").mkdir(parents=True)
+    (killed / STAGING_LOCK).touch()  # its lock died with the process
+    old = time.time() - 3600
+    os.utime(killed, (old, old))
+    live = root / f".{_cached_store_name('./m', d)}.convert-live"
+    live.mkdir()
+    with open(live / STAGING_LOCK, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        model, tok = load(d, resident=0.25, cache_dir=cache, progress=False)
+        model.close()
+        assert not killed.exists() and live.exists()
+    assert len(_stores(cache)) == 1
