@@ -15,7 +15,7 @@ import json
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -138,10 +138,11 @@ def switch_specs(store: Any, path: pathlib.Path) -> tuple[dict[str, Any], dict[i
                          f"metadata.{META_KEY}.switch") from None
     return meta, specs
 
-def drop_loaded_weights(path: pathlib.Path) -> list[pathlib.Path]:
-    """Evict the store's non-expert weight files (``model*.safetensors``, what mlx-lm's loader
-    reads) from the page cache once the model holds its own copy of them; returns the files advised
-    (none on a platform without ``posix_fadvise``).
+def drop_loaded_weights(path: pathlib.Path, extra: Sequence[pathlib.Path] = ()) -> list[pathlib.Path]:
+    """Evict the non-expert weight files of the store or model directory ``path``
+    (``model*.safetensors``, what mlx-lm's loader reads), and the ``extra`` files, from the page
+    cache once the model holds its own copy of them; returns the files advised (none on a platform
+    without ``posix_fadvise``).
 
     Why: the loader reads them through the page cache and never again, and a memory cgroup charges
     those pages to the process beside the loaded weights, outside what the memory plan counts (it
@@ -150,7 +151,7 @@ def drop_loaded_weights(path: pathlib.Path) -> list[pathlib.Path]:
     done: list[pathlib.Path] = []
     if advise is None:
         return done
-    for f in sorted(path.glob("model*.safetensors")):
+    for f in [*sorted(path.glob("model*.safetensors")), *extra]:
         try:
             fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -352,7 +353,9 @@ def load_reference_model(path: str | pathlib.Path) -> tuple[nn.Module, dict[str,
     or rebuilt from a converted store (non-expert weights + every expert record)."""
     path = pathlib.Path(path).absolute()
     if not is_store_dir(path):
-        return load_model(path)
+        loaded = load_model(path)
+        drop_loaded_weights(path)
+        return loaded
     from ..store import ExpertStore
 
     store = ExpertStore.open(path)
@@ -370,6 +373,15 @@ def load_reference_model(path: str | pathlib.Path) -> tuple[nn.Module, dict[str,
         for e in range(spec.n_experts):
             for k, a in store.read_expert(layer, e).items():
                 per_key[k].append(a)
-        for k, v in per_key.items():
-            weights[f"{prefix}.{k}"] = mx.stack(v)
-    return _build_plain(config, weights), config
+        stacked = {f"{prefix}.{k}": mx.stack(v) for k, v in per_key.items()}
+        # Each layer's records are read through the page cache into the model's own arrays: left
+        # there, the store's whole size was charged beside the model's copy while it loaded ('demo
+        # --memory' under an all-resident reference went past its budget by it), and each layer's
+        # read pieces stayed beside their stacked copy until the model was built.
+        mx.eval(*stacked.values())
+        del per_key
+        weights.update(stacked)
+        drop_loaded_weights(path, [pathlib.Path(spec.path)])
+    model = _build_plain(config, weights)
+    drop_loaded_weights(path)
+    return model, config
