@@ -1,8 +1,10 @@
 """The front door with model directories as users have them, round 20: ``asyncside.load``,
-``asyncside convert`` and ``demo --model`` given one model under several names (relative,
-absolute, through a link), model directories without what ``load`` needs, and stores whose
-config.json is another model's. A model converts once whatever it is called; what is refused is one
-line naming the file and field at fault, before anything is converted or written."""
+``asyncside convert``, ``demo --model`` and ``serve --model`` given one model under several names
+(relative, absolute, through a link), model directories without a working tokenizer, models made
+by mlx-lm's own ``convert`` with a mixed recipe, configs routing to more experts than there are,
+stores on a read-only file system and conversions killed part way. A model converts once whatever
+it is called, and streams mlx-lm's tokens; what is refused is one line naming the file and field at
+fault, before anything is converted or written."""
 
 from __future__ import annotations
 
