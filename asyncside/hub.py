@@ -246,7 +246,28 @@ def _not_a_model(directory: pathlib.Path) -> str | None:
         return f"is a file; expected {expected}"
     if directory.is_dir() and not any(directory.iterdir()):
         return f"is an empty directory; expected {expected}"
+    if (hint := hub_cache_folder_hint(directory)) is not None:
+        return hint
     return "is neither an expert store (manifest.json) nor an mlx-lm model directory (config.json)"
+
+
+def hub_cache_folder_hint(directory: pathlib.Path) -> str | None:
+    """What to pass instead of a Hugging Face cache's repo folder (``models--org--name``, or its
+    ``snapshots``) where ``directory`` is one; None where it is not."""
+    repo = directory.parent if directory.name == "snapshots" else directory
+    if not (repo.name.startswith("models--") and (repo / "snapshots").is_dir()):
+        return None
+    # The folder a file browser shows for a downloaded model was said to be no model directory,
+    # with no word of the snapshot inside it, or of the repo id that names it.
+    repo_id = repo.name[len("models--"):].replace("--", "/", 1)
+    try:
+        commit = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        commit = ""
+    snapshot = repo / "snapshots" / commit
+    where = str(snapshot) if commit and snapshot.is_dir() else f"{repo / 'snapshots'}/<commit>"
+    return (f"is a Hugging Face cache's folder of the repo {repo_id}, not a model directory: pass the repo id "
+            f"{repo_id}, or its snapshot directory {where}")
 
 
 def _remove_stale_staging_of_other_names(root: pathlib.Path, dest: pathlib.Path) -> None:

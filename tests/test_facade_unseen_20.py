@@ -217,3 +217,38 @@ def test_a_conversion_killed_under_one_name_is_cleaned_up_under_another(tmp_path
         model.close()
         assert not killed.exists() and live.exists()
     assert len(_stores(cache)) == 1
+
+
+@pytest.mark.parametrize("command", ["load", "convert", "demo"])
+@pytest.mark.parametrize("folder", ["repo", "snapshots"])
+def test_a_hugging_face_cache_folder_names_the_repo_id_and_snapshot(tmp_path: pathlib.Path, command: str,
+                                                                     folder: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder a file browser shows for a downloaded model (``~/.cache/huggingface/hub/
+    models--org--name``, or its ``snapshots``) passed as the model: "is neither an expert store
+    nor an mlx-lm model directory", no word of the snapshot inside or the repo id. The line names
+    both."""
+    from asyncside.cli import main
+    from asyncside.errors import ModelNotFoundError
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--mlx-community--Tiny-MoE-4bit"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = _save(repo / "snapshots" / commit, *tiny_model("qwen3_moe"))
+    given = repo if folder == "repo" else repo / "snapshots"
+    said = (f"is a Hugging Face cache's folder of the repo mlx-community/Tiny-MoE-4bit, not a model directory: "
+            f"pass the repo id mlx-community/Tiny-MoE-4bit, or its snapshot directory {snapshot}")
+    cache = tmp_path / "cache"
+    if command == "load":
+        with pytest.raises(ModelNotFoundError) as info:
+            load(given, cache_dir=cache, progress=False)
+        assert said in str(info.value), str(info.value)
+    else:
+        args = ([command, str(given), str(tmp_path / "store")] if command == "convert"
+                else [command, "--model", str(given), "--cache-dir", str(cache), "--tokens", "2"])
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert _stores(cache) == [] and not (tmp_path / "store").exists()

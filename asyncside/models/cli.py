@@ -83,6 +83,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if (src / "manifest.json").is_file() and not (src / "config.json").is_file():
         return f"{src}: this is already an expert store, not an mlx-lm model directory"
     if not (src / "config.json").is_file():
+        from ..hub import hub_cache_folder_hint
+
+        if (hint := hub_cache_folder_hint(src)) is not None:
+            return f"{src}: {hint}"
         return f"{src}: not an mlx-lm model directory: config.json is missing"
     if dest.exists() and not dest.is_dir():
         return f"{dest}: exists and is not a directory"
