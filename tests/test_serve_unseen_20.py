@@ -1,6 +1,7 @@
 """Serving tried as a demanding user would, round 20: `asyncside bench serve` with more clients than
 the server takes (its batch and its queue), whose surplus clients are answered 429, and as many
-clients as it takes, one of which left and came back.
+clients as it takes, one of which left and came back; a prompt too long for the KV allowance of
+``--memory``.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -17,6 +18,8 @@ from _serving_support import ScriptedModel, byte_tokenizer, scripted_engine
 
 from asyncside.bench.serve import PhaseResult, RequestRecord, run_phase
 from asyncside.serving import BackgroundServer, Batcher, ServeSettings, create_app
+from asyncside.serving.kv_budget import KV_STEP, KVAdmission, KVLayout
+from asyncside.serving.protocol import RequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -74,3 +77,27 @@ async def test_a_request_that_left_does_not_hold_its_slot_against_the_next(tmp_p
         tg.cancel_scope.cancel()
     assert len(got) == 3
     assert (b.active, b.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize("prompt, asked", [(1500, 16), (1500, 1), (600, 2000)], ids=["prompt", "prompt-one", "max"])
+def test_a_refusal_of_the_kv_allowance_names_the_field_at_fault_and_what_fits(prompt: int, asked: int) -> None:
+    # Under --memory a prompt too long for the KV allowance alone was told about 'max_tokens'
+    # (param and message: "max_tokens (16)", the server's default, which the client never sent)
+    # and to "ask for fewer tokens", which no max_tokens could satisfy. The field at fault is
+    # named, with the most it may be.
+    layout = KVLayout((128,), (None,))
+    allowance = layout.bytes_for(1000, KV_STEP)
+    kv = KVAdmission(layout, allowance, KV_STEP, "memory=1 GiB, test")
+    fits = max(t for t in range(1, 3000) if layout.bytes_for(t, KV_STEP) <= allowance)
+    with pytest.raises(RequestError) as refused:
+        kv.check(prompt, asked)
+    said = str(refused.value)
+    assert refused.value.code == "kv_budget_exceeded" and "memory=1 GiB, test" in said
+    if prompt + 1 > fits:
+        assert refused.value.param == "prompt", said
+        assert f"send a prompt of at most {fits - 1} tokens" in said and "max_tokens" not in said, said
+        kv.check(fits - 1, 1)  # that prompt is taken
+    else:
+        assert refused.value.param == "max_tokens", said
+        assert f"max_tokens of at most {fits - prompt} with this prompt" in said, said
+        kv.check(prompt, fits - prompt)

@@ -98,10 +98,27 @@ class KVAdmission:
         if need <= self.allowance:
             return None
         per = f"{self.layout.bytes_per_token:,} bytes"
+        past = (f"past the KV allowance of {describe_bytes(self.allowance)} under the memory budget "
+                f"({budget or self.budget}); {per} a token, allocated {self.layout.step} tokens at a time")
+        most = self._most_total(prompt_tokens + max_tokens)
+        if prompt_tokens + 1 > most:  # no max_tokens helps: the prompt is what is too long
+            return (f"the prompt ({prompt_tokens} tokens) may need {describe_bytes(self.need(prompt_tokens, 1))} of "
+                    f"KV cache with even one token generated, {past}: "
+                    + (f"send a prompt of at most {most - 1} tokens, or serve" if most > 1 else "serve")
+                    + " with a larger --memory")
         return (f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) may need {describe_bytes(need)} "
-                f"of KV cache, past the KV allowance of {describe_bytes(self.allowance)} under the memory budget "
-                f"({budget or self.budget}); {per} a token, allocated {self.layout.step} tokens at a time: ask for "
-                f"fewer tokens, or serve with a larger --memory")
+                f"of KV cache, {past}: ask for max_tokens of at most {most - prompt_tokens} with this prompt, or "
+                "serve with a larger --memory")
+
+    def _most_total(self, refused: int) -> int:
+        """The most tokens (prompt and generated) one request's KV cache may hold under the allowance,
+        below ``refused`` (a total that does not fit)."""
+        assert self.allowance is not None
+        low, high = 0, refused
+        while high - low > 1:  # bytes_for grows with the tokens: the last total that fits
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.layout.bytes_for(mid, self.chunk) <= self.allowance else (low, mid)
+        return low
 
     def most_tokens(self, prompt_tokens: int, up_to: int) -> int:
         """The largest ``max_tokens`` in [1, ``up_to``] that a prompt of ``prompt_tokens`` may ask
@@ -121,7 +138,8 @@ class KVAdmission:
 
         refused = self.refusal(prompt_tokens, max_tokens)
         if refused is not None:
-            raise RequestError(refused, param="max_tokens", code="kv_budget_exceeded")
+            too_long = self.refusal(prompt_tokens, 1) is not None  # then no max_tokens would do: the prompt's field
+            raise RequestError(refused, param="prompt" if too_long else "max_tokens", code="kv_budget_exceeded")
         return self.need(prompt_tokens, max_tokens)
 
 
