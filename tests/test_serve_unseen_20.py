@@ -9,6 +9,7 @@ model is the real code.
 
 from __future__ import annotations
 
+import gc
 import pathlib
 
 import anyio
@@ -101,3 +102,24 @@ def test_a_refusal_of_the_kv_allowance_names_the_field_at_fault_and_what_fits(pr
         assert refused.value.param == "max_tokens", said
         assert f"max_tokens of at most {fits - prompt} with this prompt" in said, said
         kv.check(prompt, fits - prompt)
+
+
+# the connection a client was opening when the phase was torn down is never awaited, and says so
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_signal_that_lands_in_a_bench_client_ends_the_phase_without_a_traceback(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    # asyncside.cli turns SIGTERM into SystemExit raised wherever the main thread is: with many
+    # clients, mostly inside one client's task. That task ended with it, nobody retrieved it, and
+    # asyncio printed "Task exception was never retrieved" and its traceback under the run's exit.
+    tok = byte_tokenizer(tmp_path)
+    app = create_app(scripted_engine(ScriptedModel(tok, "ok")), ServeSettings(prompt_cache_size=0))
+
+    def prompts(client: int, n: int) -> tuple[str, bool]:
+        if client == 1 and n == 2:
+            raise SystemExit(143)  # as the signal handler does, in this client's task
+        return f"#{client}.{n}", False
+
+    with BackgroundServer(app) as srv, pytest.raises(SystemExit):
+        uvloop.run(run_phase("asyncside", srv.url, "scripted", 3, 30.0, 4, prompts))
+    gc.collect()
+    assert "never retrieved" not in caplog.text, caplog.text

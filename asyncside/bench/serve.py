@@ -237,6 +237,8 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as http:
         start = time.perf_counter()
         tasks = [asyncio.ensure_future(client_loop(http, c)) for c in range(clients)]
+        for t in tasks:
+            t.add_done_callback(_retrieved)
         done, _ = await asyncio.wait(tasks, timeout=seconds)
         for t in tasks:
             t.cancel()
@@ -246,6 +248,14 @@ async def run_phase(server: str, base_url: str, model: str, clients: int, second
             if not t.cancelled() and t.exception() is not None:
                 result.errors.append(repr(t.exception()))
     return result
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a finished client's exception as seen: a signal's SystemExit or KeyboardInterrupt (the
+    handlers of ``asyncside.cli``) raised inside a client's task ends the run, which says so itself,
+    and asyncio would otherwise print the task's traceback as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def warm_up(server: str, base_url: str, model: str, clients: int, seconds: float, max_tokens: int,
