@@ -170,13 +170,22 @@ def replay_trace(trace: RoutingTrace, rows: int | Sequence[int], policy: PolicyS
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if method == "policy" and isinstance(policy, Policy) and trace.n_layers > 1:
         raise ValueError("policy: a Policy instance belongs to one ledger; pass a name or a factory")
+    if method in ("min", "min-no-bypass") and _MIN_VECTOR_ELEMENTS >= trace.n_experts:
+        # The vectorised MIN of every layer at once: the hits belady_bypass / belady_no_bypass
+        # count, without a Python loop over each step's cache (a long trace of many layers took
+        # minutes).
+        accesses = trace.n_tokens * trace.top_k  # ids are distinct within a (token, layer)
+        return [Counts(h, accesses) for h in _min_hits_per_layer(trace, per_layer, bypass=method == "min")]
     out = []
     for layer in range(trace.n_layers):
-        steps = trace.ids[:, layer, :].tolist()
         r = per_layer[layer]
         if method == "policy":
-            out.append(replay_steps(steps, trace.n_experts, r, policy))
-        elif method == "min":
+            # Each step sorted, as replay_steps' np.unique gives it (a trace's ids are distinct in
+            # a step): the same reservations in the same order.
+            out.append(replay_steps(np.sort(trace.ids[:, layer, :], axis=1), trace.n_experts, r, policy))
+            continue
+        steps = trace.ids[:, layer, :].tolist()
+        if method == "min":
             out.append(belady_bypass(steps, [], r))
         elif method == "min-no-bypass":
             out.append(belady_no_bypass(steps, [], r))
@@ -466,37 +475,62 @@ def trace_min_hits(trace: RoutingTrace, rows: Sequence[int]) -> list[int]:
     return totals
 
 
-def _min_hits(ids: np.ndarray, n: int, sizes: list[int]) -> list[int]:
-    """:func:`trace_min_hits` of ``ids`` ``(T, L, K)`` (ids distinct in a row) at once."""
+def _min_hits_per_layer(trace: RoutingTrace, rows: Sequence[int], *, bypass: bool) -> list[int]:
+    """MIN's hits per layer of ``trace``, layer ``l`` with ``rows[l]`` rows: with bypass
+    (:func:`belady_bypass`) or under the ledger's rule (:func:`belady_no_bypass`, every demanded
+    expert takes a row), layers in groups of :data:`_MIN_VECTOR_ELEMENTS`."""
+    n = trace.n_experts
+    group = max(1, _MIN_VECTOR_ELEMENTS // max(n, 1))
+    out: list[int] = []
+    for first in range(0, trace.n_layers, group):
+        part = np.ascontiguousarray(trace.ids[:, first:first + group, :])
+        out += _min_hits(part, n, [int(r) for r in rows[first:first + group]], bypass=bypass, per_layer=True)
+    return out
+
+
+def _min_hits(ids: np.ndarray, n: int, sizes: list[int], *, bypass: bool = True, per_layer: bool = False
+              ) -> list[int]:
+    """:func:`trace_min_hits` of ``ids`` ``(T, L, K)`` (ids distinct in a row) at once. With
+    ``per_layer``, ``sizes`` holds one cache size per layer and the answer one hit count per layer.
+    Without ``bypass``, a step's demanded experts always take rows (the ledger's rule) and a cached
+    expert never used again may stay (hits are the same whichever stays)."""
     n_steps, n_layers, k = ids.shape
-    width = len(sizes) * n_layers
+    copies = 1 if per_layer else len(sizes)
+    width = copies * n_layers
     never = n_steps + 1
     # One key per (row, expert): next use x n + id while cached, ``absent`` while not; row b is
-    # cache size b // L at layer b % L. A step's demands take their new keys (a hit is one cached
-    # before), then each row keeps its r smallest keys, none of them never used again.
+    # cache size b // L at layer b % L (per_layer: layer b's own size). A step's demands take their
+    # new keys (a hit is one cached before), then each row keeps its r smallest keys (with bypass,
+    # none of them never used again; without, the step's demands first).
     wide = ids.astype(np.int64)
     demand_keys = _next_uses_of(ids, never) * n + wide
     base = (np.arange(width, dtype=np.int64) * n)[:, None]
-    keep = np.array([max(min(r, n), 0) for r in sizes], dtype=np.int64).repeat(n_layers)
+    per_row = sizes if per_layer else [r for r in sizes for _ in range(n_layers)]
+    keep = np.array([max(min(r, n), 0) for r in per_row], dtype=np.int64)
     at = np.maximum(keep - 1, 0) + np.arange(width) * n  # each row's r-th smallest key, in the flat sort
-    limit = np.where(keep > 0, never * n - 1, -1)
     absent = (never + 1) * n
+    limit = np.where(keep > 0, never * n - 1 if bypass else absent, -1)
     state = np.full(width * n, absent, dtype=np.int64)
     hits = np.zeros(width, dtype=np.int64)
     block = max(1, _BLOCK_ELEMENTS // max(width * k, 1))
     for start in range(0, n_steps, block):
         stop = min(start + block, n_steps)
-        flats = (base[None] + np.tile(wide[start:stop], (1, len(sizes), 1))).reshape(stop - start, -1)
-        new_keys = np.tile(demand_keys[start:stop], (1, len(sizes), 1)).reshape(stop - start, -1)
+        flats = (base[None] + np.tile(wide[start:stop], (1, copies, 1))).reshape(stop - start, -1)
+        new_keys = np.tile(demand_keys[start:stop], (1, copies, 1)).reshape(stop - start, -1)
         hit = np.empty(flats.shape, dtype=bool)
         for i in range(stop - start):
             flat = flats[i]
             hit[i] = state[flat] < absent
-            state[flat] = new_keys[i]
+            # without bypass the demands sort first (each row has at least its step's K rows)
+            state[flat] = new_keys[i] if bypass else -1
             table = state.reshape(width, n)
             bound = np.minimum(np.sort(table, axis=1).ravel()[at], limit)
             state = np.where(table <= bound[:, None], table, absent).ravel()
+            if not bypass:
+                state[flat] = new_keys[i]
         hits += hit.reshape(-1, width, k).sum(axis=(0, 2))
+    if per_layer:
+        return [int(h) for h in hits]
     return [int(h) for h in hits.reshape(len(sizes), n_layers).sum(axis=1)]
 
 
