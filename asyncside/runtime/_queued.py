@@ -270,8 +270,11 @@ class QueuedSide:
         fewest rows any layer could lend now (0 without fault tables). When the memory plan reads
         past the page cache it is 0 too (a step too large for the rows then goes layer by layer),
         except for a decode step of ``decode_tokens`` tokens (one per sequence; None: not a decode
-        step) up to :func:`direct_decode_tokens`, whose transient buffers stay small."""
-        if not self._slices and (decode_tokens is None or decode_tokens > direct_decode_tokens()):
+        step) up to :func:`direct_decode_tokens`, whose transient buffers stay small, and for a
+        one-token decode step: its experts exceed the rows only where a layer has fewer dynamic
+        rows than the model's top-k (``side_rows`` below it), and layer by layer every such token
+        went, slower and reading more than in parts of one token's pairs."""
+        if not self._slices and (decode_tokens is None or decode_tokens > max(direct_decode_tokens(), 1)):
             return 0
         self._leases.release_computed()
         return min((st.ledger.lendable_rows() if st.faults is not None else 0 for st in self._s.layers.values()),
