@@ -1,7 +1,7 @@
 """Serving tried as a demanding user would, round 20: `asyncside bench serve` with more clients than
 the server takes (its batch and its queue), whose surplus clients are answered 429, and as many
 clients as it takes, one of which left and came back; a prompt too long for the KV allowance of
-``--memory``.
+``--memory``; a bench phase's clock and a signal that lands in one of its clients.
 
 The model is the scripted one (tests/_serving_support.py); everything between the socket and the
 model is the real code.
@@ -9,8 +9,12 @@ model is the real code.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import pathlib
+import time
+import types
+from typing import Any
 
 import anyio
 import pytest
@@ -123,3 +127,27 @@ def test_a_signal_that_lands_in_a_bench_client_ends_the_phase_without_a_tracebac
         uvloop.run(run_phase("asyncside", srv.url, "scripted", 3, 30.0, 4, prompts))
     gc.collect()
     assert "never retrieved" not in caplog.text, caplog.text
+
+
+def test_a_phase_lasts_until_its_deadline_not_until_its_clients_are_torn_down(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With 300 clients a 2 s phase reported 5 s (tokens per second divided by that): cancelling
+    # hundreds of httpx streams takes seconds, and the phase's clock ran until they were closed.
+    # Here a client's teardown moves the bench's clock by a minute, which the phase must not count.
+    from asyncside.bench import serve as bench_serve
+
+    skew = [0.0]
+    real = time.perf_counter
+    monkeypatch.setattr(bench_serve, "time", types.SimpleNamespace(perf_counter=lambda: real() + skew[0]))
+
+    async def stream_once(client: Any, url: str, body: dict[str, Any], rec: RequestRecord) -> None:
+        rec.sent = bench_serve.time.perf_counter()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            skew[0] += 60.0  # a slow teardown
+            raise
+
+    monkeypatch.setattr(bench_serve, "_stream_once", stream_once)
+    res = uvloop.run(run_phase("asyncside", "http://127.0.0.1:9", "m", 2, PHASE_S, 4, lambda c, n: ("x", False)))
+    assert PHASE_S <= res.seconds < 60.0, res.seconds
