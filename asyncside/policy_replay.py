@@ -616,12 +616,17 @@ def holdout_pair(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
 
 
 def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fractions: Sequence[float] = (0.25, 0.5),
-                  policy: PolicySpec = "lrfu", min_rows: int | None = None) -> list[dict[str, Any]]:
+                  policy: PolicySpec = "lrfu", min_rows: int | None = None, *,
+                  policies: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One row per (trace, fraction): ``policy`` on the holdout with even rows per layer
     (``even``) and with the same total split by :func:`split_rows` over the profile's LRU miss
     curves (``split``), beside MIN with bypass at even rows (``min``), and the split's gain
     (``split/even``) and fraction of MIN (``split/min``, ``even/min``). ``min_rows``: each layer's
-    floor in the split (default the trace's top-k). ``traces`` maps a label to (profile, holdout)."""
+    floor in the split (default the trace's top-k). ``traces`` maps a label to (profile, holdout).
+    ``policies``: policy names to replay instead of ``policy``, one row per (trace, fraction,
+    policy), each row naming its ``policy`` (the split and MIN are the same for all of them)."""
+    named: list[tuple[str | None, PolicySpec]] = ([(p, p) for p in policies] if policies is not None else
+                                                  [(policy if isinstance(policy, str) else None, policy)])
     out: list[dict[str, Any]] = []
     for name, (profile, holdout) in traces.items():
         if (profile.n_layers, profile.n_experts) != (holdout.n_layers, holdout.n_experts):
@@ -632,13 +637,16 @@ def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fract
         for frac in fractions:
             n_rows = trace_rows(holdout, frac)
             split = split_rows(curves, n_rows * holdout.n_layers, min_rows=min(floor, n_rows))
-            even = total(replay_trace(holdout, n_rows, policy)).hit_rate
-            got = total(replay_trace(holdout, split, policy)).hit_rate
             best = total(replay_trace(holdout, n_rows, method="min")).hit_rate
-            out.append({"trace": name, "experts": holdout.n_experts, "top_k": holdout.top_k,
-                        "layers": holdout.n_layers, "profile_tokens": profile.n_tokens,
-                        "holdout_tokens": holdout.n_tokens, "fraction": frac, "rows": n_rows, "split": split,
-                        "even": even, "split_hit_rate": got, "min": best,
-                        "split/even": got / even if even else math.nan, "even/min": even / best if best else math.nan,
-                        "split/min": got / best if best else math.nan})  # no hits on a short holdout: no ratio
+            for label, spec in named:
+                even = total(replay_trace(holdout, n_rows, spec)).hit_rate
+                got = total(replay_trace(holdout, split, spec)).hit_rate
+                row: dict[str, Any] = {} if label is None else {"policy": label}
+                out.append({"trace": name, **row, "experts": holdout.n_experts, "top_k": holdout.top_k,
+                            "layers": holdout.n_layers, "profile_tokens": profile.n_tokens,
+                            "holdout_tokens": holdout.n_tokens, "fraction": frac, "rows": n_rows, "split": split,
+                            "even": even, "split_hit_rate": got, "min": best,
+                            "split/even": got / even if even else math.nan,
+                            "even/min": even / best if best else math.nan,
+                            "split/min": got / best if best else math.nan})  # no hits on a short holdout: no ratio
     return out

@@ -1,13 +1,52 @@
-"""``asyncside bench policy`` as a user comparing policies runs it: MIN's vectorised replay giving
-the hits of the per-step one."""
+"""``asyncside bench policy`` as a user comparing policies runs it: ``--split`` with ``--policies``,
+and MIN's vectorised replay giving the hits of the per-step one."""
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import numpy as np
 import pytest
 
-from asyncside.policy_replay import belady_bypass, belady_no_bypass, replay_trace
+from asyncside import cli
+from asyncside.policies import DEFAULT_POLICY
+from asyncside.policy_replay import (
+    belady_bypass,
+    belady_no_bypass,
+    holdout_pair,
+    replay_trace,
+    total,
+    trace_rows,
+)
 from asyncside.routing import RoutingTrace, preset
+
+
+def _trace(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "topics.npz"
+    preset("middle", tokens=96, n_layers=2, n_experts=16, top_k=2, sequences=2, seed=3).save(path)
+    return path
+
+
+def test_split_replays_each_policy_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench policy --split --policies lru,adaptive-lrfu`` replayed the default policy (lrfu) alone
+    and said nothing of the two named. Each policy named now has its even and split rows, side by
+    side, each the hit rate its own replay gives; without --policies the default policy alone."""
+    path, out = _trace(tmp_path), tmp_path / "split.json"
+    common = ["bench", "policy", "--presets", "", "--trace", str(path), "--fractions", "0.25", "--split"]
+    assert cli.main([*common, "--policies", "lru,adaptive-lrfu", "--json", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["policies"] == ["lru", "adaptive-lrfu"]
+    assert [r["policy"] for r in result["rows"]] == ["lru", "adaptive-lrfu"]
+    _profile, holdout = holdout_pair(RoutingTrace.load(path))
+    rows = trace_rows(holdout, 0.25)
+    for r in result["rows"]:
+        assert r["even"] == total(replay_trace(holdout, rows, r["policy"])).hit_rate
+        assert r["split_hit_rate"] == total(replay_trace(holdout, r["split"], r["policy"])).hit_rate
+    capsys.readouterr()
+    assert cli.main(common) == 0
+    table = capsys.readouterr().out
+    assert f"| {DEFAULT_POLICY} |" in table and "| lru |" not in table, table
 
 
 def _layers_that_differ() -> RoutingTrace:

@@ -9,7 +9,8 @@ hindsight, and each policy's fraction of MIN. Prints a table (unless ``--json``)
 ``--split``: rows split between layers from a profile instead. Each trace is cut in two (its first
 two sequences, or halves): the split (:func:`asyncside.policy_replay.split_rows` over the first
 part's LRU miss curves, the total of an even cache) is replayed on the second part (a holdout)
-with the default policy, beside even rows and MIN at even rows.
+with each policy of ``--policies`` (default: the default policy alone), beside even rows and MIN
+at even rows.
 
 Pure Python and numpy (no MLX); docs/policies.md explains the columns.
 """
@@ -25,6 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..argtypes import file_name, int_at_least, writable_file
+
+#: The policies replayed unless ``--policies`` names others (``--split``: the default policy alone).
+DEFAULT_POLICIES = ("lru", "lfu", "aging-lfu", "lrfu", "adaptive-lrfu")
 
 #: (experts, top_k) of the default synthetic traces: the recorded public trace's shape (64 experts,
 #: top-6) and two larger ones.
@@ -108,8 +112,10 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fractions", type=_listed(_fraction), default="0.25,0.5",
                         help="per-layer cache sizes as fractions of the experts in (0, 1], or percentages "
                              "(default 0.25,0.5)")
-    parser.add_argument("--policies", type=_listed(_policy), default="lru,lfu,aging-lfu,lrfu,adaptive-lrfu",
-                        help="policies to replay, comma-separated (default: every named policy but one-shot)")
+    parser.add_argument("--policies", type=_listed(_policy), default=None,
+                        help="policies to replay, comma-separated (default: every named policy but one-shot, "
+                             f"{','.join(DEFAULT_POLICIES)}; with --split, the default policy alone; with --split "
+                             "each policy named gets its even and split rows side by side)")
     parser.add_argument("--presets", type=_listed(_preset, allow_empty=True), default="low,middle,high",
                         help="synthetic locality presets (default low,middle,high); 'mixed' takes its layers in "
                              "turn from low, middle and high (layers that differ); '' for none (--trace files only)")
@@ -123,7 +129,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=writable_file, default=None, help="write the result as JSON to this file")
     parser.add_argument("--split", action="store_true",
                         help="rows split between layers from a profile (the first sequence or half of each "
-                             "trace), replayed on a holdout (the second), against even rows and MIN")
+                             "trace), replayed on a holdout (the second) with each of --policies, against even "
+                             "rows and MIN")
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only, unless those options "
                              "are given (numbers are noise)")
@@ -235,15 +242,16 @@ def format_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     return "\n".join(lines)
 
 
-def format_split_table(rows: list[dict[str, Any]], policy: str) -> str:
-    """The ``--split`` rows as a Markdown table: hit rates on the holdout, ratios in brackets."""
-    head = ["trace", "cache", "MIN (even)", f"{policy} even", f"{policy} split from profile", "split/even",
+def format_split_table(rows: list[dict[str, Any]]) -> str:
+    """The ``--split`` rows as a Markdown table: hit rates on the holdout, ratios in brackets, one
+    line per trace, cache and policy."""
+    head = ["trace", "cache", "MIN (even)", "policy", "even", "split from profile", "split/even",
             "rows per layer (split)"]
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"])
-             + " |"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] + ["---"]
+                                                                + ["---:"] * (len(head) - 5) + ["---"]) + " |"]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["trace"], _cache_cell(r), f"{r['min']:.3f}",
+            r["trace"], _cache_cell(r), f"{r['min']:.3f}", str(r.get("policy", "-")),
             f"{r['even']:.3f} ({_ratio(r['even/min'], '.2f')} of MIN)",
             f"{r['split_hit_rate']:.3f} ({_ratio(r['split/min'], '.2f')} of MIN)",
             "-" if r["split/even"] is None else f"{r['split/even']:.3f}x",
@@ -251,11 +259,18 @@ def format_split_table(rows: list[dict[str, Any]], policy: str) -> str:
     return "\n".join(lines)
 
 
-def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[str, Any]:
-    """``--split``: each trace's profile part plans the split, its holdout part is replayed."""
+def _split_policies(args: argparse.Namespace) -> list[str]:
     from ..policies import DEFAULT_POLICY
+
+    return _option(args, "policies", _listed(_policy), [DEFAULT_POLICY], [DEFAULT_POLICY])
+
+
+def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[str, Any]:
+    """``--split``: each trace's profile part plans the split, its holdout part is replayed with
+    each policy of ``--policies``."""
     from ..policy_replay import compare_split, holdout_pair
 
+    policies = _split_policies(args)
     started = time.time()
     files: dict[str, str] = {}
     traces = build_traces(args, sequences=2, files=files)
@@ -265,12 +280,12 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
             pairs[name] = holdout_pair(t)
         except ValueError as exc:  # a trace too short to cut in two
             raise ValueError(f"--split: trace {name!r}: {exc}") from None
-    rows = _no_nan(compare_split(pairs, fractions, DEFAULT_POLICY))
+    rows = _no_nan(compare_split(pairs, fractions, policies=policies))
     result: dict[str, Any] = {
         "bench": "policy --split",
         "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step, "
                     "on the holdout part",
-        "policy": DEFAULT_POLICY,
+        "policies": policies,
         "split": "split_rows over the profile part's LRU miss curves, the total of an even cache, each layer at "
                  "least top_k",
         "traces": {name: {"experts": t.n_experts, "top_k": t.top_k, "layers": t.n_layers, "tokens": t.n_tokens,
@@ -281,7 +296,7 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
         "seconds": round(time.time() - started, 1),
     }
     if not getattr(args, "json", False):
-        print(format_split_table(rows, DEFAULT_POLICY))
+        print(format_split_table(rows))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     return result
@@ -294,7 +309,7 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     fractions = _option(args, "fractions", _listed(_fraction), [0.25, 0.5], [0.25, 0.5])
     if getattr(args, "split", False):
         return run_split_bench(args, fractions)
-    policies = _option(args, "policies", _listed(_policy), [], [])
+    policies = _option(args, "policies", _listed(_policy), list(DEFAULT_POLICIES), list(DEFAULT_POLICIES))
     started = time.time()
     files: dict[str, str] = {}
     traces = build_traces(args, files=files)
