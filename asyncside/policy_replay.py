@@ -199,11 +199,18 @@ def total(counts: Iterable[Counts]) -> Counts:
     return sum(counts, start=Counts())
 
 
+#: Called with what a comparison has just replayed (a trace, a cache size, a policy or method)
+#: and its hit rate: the bench's progress lines.
+Progress = Callable[[str, float], None]
+
+
 def compare_policies(traces: Mapping[str, RoutingTrace], fractions: Sequence[float] = (0.25, 0.5),
-                     policies: Sequence[str] | Mapping[str, PolicySpec] = DEFAULT_COMPARED) -> list[dict[str, Any]]:
+                     policies: Sequence[str] | Mapping[str, PolicySpec] = DEFAULT_COMPARED,
+                     progress: Progress | None = None) -> list[dict[str, Any]]:
     """One row per (trace, fraction): the hit rate of each policy (replayed through a Ledger), of
     Belady's MIN with bypass (``min``) and without (``min-no-bypass``), of the best static set
-    (``static``), and each policy's hit rate over MIN's (``<policy>/min``)."""
+    (``static``), and each policy's hit rate over MIN's (``<policy>/min``). ``progress``, when
+    given, is called after each replay."""
     named: Mapping[str, PolicySpec] = policies if isinstance(policies, Mapping) else {p: p for p in policies}
     rows: list[dict[str, Any]] = []
     for name, tr in traces.items():
@@ -213,8 +220,12 @@ def compare_policies(traces: Mapping[str, RoutingTrace], fractions: Sequence[flo
                                     "layers": tr.n_layers, "tokens": tr.n_tokens, "fraction": frac, "rows": n_rows}
             for m in ("min", "min-no-bypass", "static"):
                 line[m] = total(replay_trace(tr, n_rows, method=m)).hit_rate
+                if progress is not None:
+                    progress(f"{name} at {n_rows} rows: {m}", line[m])
             for label, spec in named.items():
                 line[label] = total(replay_trace(tr, n_rows, spec)).hit_rate
+                if progress is not None:
+                    progress(f"{name} at {n_rows} rows: {label}", line[label])
                 # MIN hits nothing when no expert is used twice (a one-token trace): no ratio.
                 line[f"{label}/min"] = line[label] / line["min"] if line["min"] else math.nan
             rows.append(line)
@@ -617,14 +628,15 @@ def holdout_pair(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
 
 def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fractions: Sequence[float] = (0.25, 0.5),
                   policy: PolicySpec = "lrfu", min_rows: int | None = None, *,
-                  policies: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                  policies: Sequence[str] | None = None, progress: Progress | None = None) -> list[dict[str, Any]]:
     """One row per (trace, fraction): ``policy`` on the holdout with even rows per layer
     (``even``) and with the same total split by :func:`split_rows` over the profile's LRU miss
     curves (``split``), beside MIN with bypass at even rows (``min``), and the split's gain
     (``split/even``) and fraction of MIN (``split/min``, ``even/min``). ``min_rows``: each layer's
     floor in the split (default the trace's top-k). ``traces`` maps a label to (profile, holdout).
     ``policies``: policy names to replay instead of ``policy``, one row per (trace, fraction,
-    policy), each row naming its ``policy`` (the split and MIN are the same for all of them)."""
+    policy), each row naming its ``policy`` (the split and MIN are the same for all of them).
+    ``progress``, when given, is called after each replay."""
     named: list[tuple[str | None, PolicySpec]] = ([(p, p) for p in policies] if policies is not None else
                                                   [(policy if isinstance(policy, str) else None, policy)])
     out: list[dict[str, Any]] = []
@@ -638,9 +650,13 @@ def compare_split(traces: Mapping[str, tuple[RoutingTrace, RoutingTrace]], fract
             n_rows = trace_rows(holdout, frac)
             split = split_rows(curves, n_rows * holdout.n_layers, min_rows=min(floor, n_rows))
             best = total(replay_trace(holdout, n_rows, method="min")).hit_rate
+            if progress is not None:
+                progress(f"{name} at {n_rows} rows: min", best)
             for label, spec in named:
                 even = total(replay_trace(holdout, n_rows, spec)).hit_rate
                 got = total(replay_trace(holdout, split, spec)).hit_rate
+                if progress is not None:
+                    progress(f"{name} at {n_rows} rows: {label or 'policy'} even {even:.3f}, split", got)
                 row: dict[str, Any] = {} if label is None else {"policy": label}
                 out.append({"trace": name, **row, "experts": holdout.n_experts, "top_k": holdout.top_k,
                             "layers": holdout.n_layers, "profile_tokens": profile.n_tokens,

@@ -1,5 +1,6 @@
 """``asyncside bench policy`` as a user comparing policies runs it: ``--split`` with ``--policies``,
-and MIN's vectorised replay giving the hits of the per-step one."""
+progress on stderr while a long trace replays (stdout keeps the table or the JSON), and MIN's
+vectorised replay giving the hits of the per-step one."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_split_replays_each_policy_named(tmp_path: pathlib.Path, capsys: pytest.
     and said nothing of the two named. Each policy named now has its even and split rows, side by
     side, each the hit rate its own replay gives; without --policies the default policy alone."""
     path, out = _trace(tmp_path), tmp_path / "split.json"
-    common = ["bench", "policy", "--presets", "", "--trace", str(path), "--fractions", "0.25", "--split"]
+    common = ["bench", "policy", "--presets", "", "--trace", str(path), "--fractions", "0.25", "--split", "--quiet"]
     assert cli.main([*common, "--policies", "lru,adaptive-lrfu", "--json", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["policies"] == ["lru", "adaptive-lrfu"]
@@ -47,6 +48,25 @@ def test_split_replays_each_policy_named(tmp_path: pathlib.Path, capsys: pytest.
     assert cli.main(common) == 0
     table = capsys.readouterr().out
     assert f"| {DEFAULT_POLICY} |" in table and "| lru |" not in table, table
+
+
+def test_progress_goes_to_stderr_and_json_keeps_stdout(tmp_path: pathlib.Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A long replay printed nothing until its table (a 58-layer, 8,192-token trace: over a minute of
+    silence). Each replay now writes a line to stderr naming the trace, the rows and the policy;
+    stdout under --json holds the JSON alone; --quiet writes no line."""
+    path = _trace(tmp_path)
+    argv = ["bench", "policy", "--presets", "", "--trace", str(path), "--fractions", "0.5", "--policies", "lru"]
+    assert cli.main([*argv, "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["policies"] == ["lru"]
+    lines = got.err.splitlines()
+    assert lines and all(line.startswith("[bench policy] topics 16x2 at 8 rows: ") for line in lines), lines
+    assert any(": lru " in line for line in lines) and any(": min " in line for line in lines), lines
+    assert cli.main([*argv, "--split", "--json"]) == 0
+    assert any(": lru even " in line for line in capsys.readouterr().err.splitlines())
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def _layers_that_differ() -> RoutingTrace:

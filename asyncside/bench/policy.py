@@ -12,6 +12,9 @@ part's LRU miss curves, the total of an even cache) is replayed on the second pa
 with each policy of ``--policies`` (default: the default policy alone), beside even rows and MIN
 at even rows.
 
+Each replay writes a progress line to stderr (never to stdout, which ``--json`` keeps for the
+JSON) unless ``--quiet``.
+
 Pure Python and numpy (no MLX); docs/policies.md explains the columns.
 """
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import math
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -131,6 +135,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows split between layers from a profile (the first sequence or half of each "
                              "trace), replayed on a holdout (the second) with each of --policies, against even "
                              "rows and MIN")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines on stderr (one per replay; stdout holds only the table or JSON)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for CI smoke tests: 256 tokens, 2 layers, 64x6 only, unless those options "
                              "are given (numbers are noise)")
@@ -259,6 +265,17 @@ def format_split_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _progress(args: argparse.Namespace, started: float) -> Callable[[str, float], None] | None:
+    """The progress callback of a replay (a line on stderr each), or None under ``--quiet``."""
+    if getattr(args, "quiet", False):
+        return None
+
+    def say(what: str, hit_rate: float) -> None:
+        print(f"[bench policy] {what} {hit_rate:.3f} ({time.time() - started:.1f} s)", file=sys.stderr, flush=True)
+
+    return say
+
+
 def _split_policies(args: argparse.Namespace) -> list[str]:
     from ..policies import DEFAULT_POLICY
 
@@ -280,7 +297,7 @@ def run_split_bench(args: argparse.Namespace, fractions: list[float]) -> dict[st
             pairs[name] = holdout_pair(t)
         except ValueError as exc:  # a trace too short to cut in two
             raise ValueError(f"--split: trace {name!r}: {exc}") from None
-    rows = _no_nan(compare_split(pairs, fractions, policies=policies))
+    rows = _no_nan(compare_split(pairs, fractions, policies=policies, progress=_progress(args, started)))
     result: dict[str, Any] = {
         "bench": "policy --split",
         "hit_rate": "demanded experts already in the layer's cache over all demanded, all layers, one token a step, "
@@ -313,7 +330,7 @@ def run_policy_bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     files: dict[str, str] = {}
     traces = build_traces(args, files=files)
-    rows = compare_policies(traces, fractions, policies)
+    rows = compare_policies(traces, fractions, policies, progress=_progress(args, started))
     # Over the rows with a figure: min() over a NaN answers NaN or not by the rows' order.
     worst = {p: {f: min((r[f"{p}/min"] for r in rows if r["fraction"] == f and not math.isnan(r[f"{p}/min"])),
                         default=None) for f in fractions} for p in policies}
