@@ -92,3 +92,17 @@ def test_min_replay_counts_what_the_per_step_min_counts(rows: int | list[int]) -
             want = [(c.hits, c.accesses) for c in (reference(tr.layer_steps(layer), [], r)
                                                    for layer, r in enumerate(per_layer))]
             assert got == want, (method, rows)
+
+
+def test_an_item_given_twice_is_replayed_once(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--policies lru,lru --fractions 0.25,25%`` replayed lru twice into two identical columns and
+    each trace twice at 25% into two identical rows. Each is kept once."""
+    path, out = _trace(tmp_path), tmp_path / "twice.json"
+    argv = ["bench", "policy", "--presets", "", "--trace", str(path), "--quiet", "--fractions", "0.25,25%"]
+    assert cli.main([*argv, "--policies", "lru,lru", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["policies"] == ["lru"] and result["fractions"] == [0.25] and len(result["rows"]) == 1
+    head = capsys.readouterr().out.splitlines()[0]
+    assert [c.strip() for c in head.strip("| ").split("|")].count("lru") == 1, head
+    assert cli.main([*argv, "--policies", "lru,lfu,lru", "--split", "--out", str(out)]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())["rows"]] == ["lru", "lfu"]

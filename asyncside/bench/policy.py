@@ -41,10 +41,11 @@ DEFAULT_SHAPES = ((64, 6), (128, 8), (256, 8))
 
 def _listed(parse: Callable[[str], Any], *, allow_empty: bool = False) -> Callable[[str], list[Any]]:
     """An argparse type: comma-separated items, each through ``parse`` (its error names the item);
-    at least one unless ``allow_empty``."""
+    at least one unless ``allow_empty``. An item given twice (``lru,lru``, ``0.25,25%``) is kept
+    once: twice would replay it twice into a second identical column or row."""
 
     def check(text: str) -> list[Any]:
-        items = [parse(item.strip()) for item in text.split(",") if item.strip()]
+        items = list(dict.fromkeys(parse(item.strip()) for item in text.split(",") if item.strip()))
         if not items and not allow_empty:
             raise argparse.ArgumentTypeError(f"expected at least one comma-separated value, got {text!r}")
         return items
