@@ -106,3 +106,17 @@ def test_an_item_given_twice_is_replayed_once(tmp_path: pathlib.Path, capsys: py
     assert [c.strip() for c in head.strip("| ").split("|")].count("lru") == 1, head
     assert cli.main([*argv, "--policies", "lru,lfu,lru", "--split", "--out", str(out)]) == 0
     assert [r["policy"] for r in json.loads(out.read_text())["rows"]] == ["lru", "lfu"]
+
+
+def test_an_unknown_policy_names_only_what_the_command_line_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--policies default`` was refused as "unknown policy 'default'; known: [...] or a Policy
+    instance": an instance is the Python API's, no command line can give one. The line lists the
+    names alone."""
+    from asyncside.policies import POLICIES
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "policy", "--quick", "--policies", "lru,default"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == (
+        "asyncside bench policy: error: argument --policies: unknown policy 'default'; known: "
+        + ", ".join(sorted(POLICIES))), err

@@ -99,12 +99,13 @@ def _preset(text: str) -> str:
 
 def _policy(text: str) -> str:
     from ..errors import LedgerError
-    from ..policies import make_policy
+    from ..policies import POLICIES, make_policy
 
     try:
         make_policy(text)
-    except LedgerError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except LedgerError:
+        # make_policy's message offers a Policy instance too, which a command line cannot give
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; known: {', '.join(sorted(POLICIES))}") from None
     return text
 
 
