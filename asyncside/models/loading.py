@@ -26,7 +26,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_mod
 
 from ..bridge import Completed
 from ..errors import AsyncsideError, StoreError, os_reason
-from .arch import UnsupportedModelError, arch_for, moe_layers, switch_meta
+from .arch import UnsupportedModelError, arch_for, moe_layers, switch_meta, top_k_attribute
 from .forward import ForwardOptions
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
 from .streaming import StreamingModel
@@ -101,8 +101,9 @@ def _stripped_classes(specs: Mapping[int, SwitchSpec]) -> Callable[[dict[str, An
                 if missing or extra:
                     raise StoreError(
                         "config.json",
-                        f"the store's MoE layers {sorted(specs)} do not match the model's {sorted(moe)}",
-                        "metadata.asyncside_model.switch",
+                        f"its model's MoE layers are {sorted(moe)}, the store's {sorted(specs)} (manifest.json "
+                        f"metadata.{META_KEY}.switch): a config.json of another model than the one converted "
+                        "into this store?",
                     )
                 replace_switches(self, moe, specs)
 
@@ -198,6 +199,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     if not (path / "config.json").is_file():
         raise StoreError(path / "config.json", "the model's config is missing (asyncside convert writes it beside "
                                                "the manifest)")
+    _check_config_is_the_stores(path, meta)
     _LOADED_IN = os.getpid()
     try:
         model, config = load_model(path, lazy=False, strict=True, get_model_classes=_stripped_classes(specs))
@@ -212,11 +214,37 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
     drop_loaded_weights(path)
     arch = arch_for(config["model_type"])
     moe = moe_layers(model, arch)
+    for layer, (block, _attr) in moe.items():
+        where = top_k_attribute(block)
+        n = store.layers[layer].n_experts if layer in store.layers else None
+        if where is not None and n is not None and not 1 <= int(getattr(*where)) <= n:
+            # A store's config.json edited to route to more experts than there are (or none):
+            # its first token failed in MLX's argpartition, or in one queued fault per expert.
+            raise StoreError(path / "config.json", f"layer {layer} routes each token to {int(getattr(*where))} "
+                                                   f"of its {n} experts; expected 1 to {n}")
     return StreamingModel(
         model, arch=arch, moe=moe, specs=specs, tokenizer=load_tokenizer(path, config), config=config,
         model_id=model_id or meta.get("model_id") or path.name, store=store, completed=completed,
         options=options,
     )
+
+
+def _check_config_is_the_stores(path: pathlib.Path, meta: Mapping[str, Any]) -> None:
+    """StoreError naming config.json's model_type where it is not the one the store was converted
+    from (a config.json copied in from another model)."""
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # mlx-lm's load names what is wrong with the file
+    converted = meta.get("model_type")
+    if isinstance(converted, str) and isinstance(model_type, str) and model_type != converted:
+        # It failed deep in the build, with the MoE layers of two models said to differ or a
+        # parameter of the wrong shape, and the store's file and field named as the fault.
+        raise StoreError(path / "config.json", f"is a {model_type!r} model's config, but this store holds the "
+                                               f"experts of the {converted!r} model it was converted from "
+                                               f"(manifest.json metadata.{META_KEY}.model_type): put back the "
+                                               "config.json it was converted with, or convert the other model",
+                         "model_type")
 
 
 def _gather_mm_takes(dtype: mx.Dtype) -> bool:
