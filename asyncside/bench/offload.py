@@ -1047,15 +1047,16 @@ def _refuse_before_building(args: argparse.Namespace, planned: Sequence[tuple[st
         choose_budget(args, estimated, False)  # refuses at the ratio asked, with its figures
     if args.memory:
         for s in estimated:
-            _refuse_a_budget_no_run_holds(parse_size(args.memory), s)
+            _refuse_a_budget_no_run_holds(parse_size(args.memory), s, float(args.store_ratio))
 
 
-def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
+def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any], ratio: float = 0.0) -> None:
     """A ValueError leading with ``--memory`` where ``budget`` is below what every system's run of
     shape ``s`` (an estimated row, or a ``--stores`` row: no ``spec``) holds at the least: the
     model's top-k rows of every layer (the slot cache's fewest slots, asyncside's fewest rows), the
     non-expert weights and the process. Each run would be refused or killed by the OOM killer, after
-    minutes of building the shape, or of runs that measure nothing."""
+    minutes of building the shape, or of runs that measure nothing. What it offers instead passes
+    ``--store-ratio`` ``ratio`` too, or says which ratio it needs."""
     rows = s["moe_layers"] * s["top_k"] * s["record_bytes"]
     other = max(0, s["store_bytes"] - s["expert_bytes"])
     least = rows + other + s["process_bytes"]
@@ -1066,17 +1067,33 @@ def _refuse_a_budget_no_run_holds(budget: int, s: dict[str, Any]) -> None:
     # Each layer fewer takes its top-k records and its other weights off asyncside's smallest plan.
     per_layer = s["top_k"] * s["record_bytes"] + s.get("layer_other_bytes", 0)
     fewer = s["moe_layers"] - -(-(plan - budget) // per_layer)
+    # What is offered must pass the store-ratio check that follows this one: a fewer-layer store
+    # less than the ratio times the budget, or a store less than the ratio times the plan, was
+    # offered and then refused by that check.
+    per_layer_store = s["expert_bytes"] / s["moe_layers"] + s.get("layer_other_bytes", 0)
+    fewer_ok = fewer >= 1 and s["store_bytes"] - (s["moe_layers"] - fewer) * per_layer_store >= ratio * budget
     if s.get("spec") is None:  # a converted store: no fewer layers to offer, and nothing is built
         what, fits, done = f"the store {s['store']}", "", "nothing was run"
     else:
         what, done = f"--shapes {s['spec']}:{s['moe_layers']}", "nothing was built"
-        fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer >= 1 else ""
+        fits = f", or --shapes {s['spec']}:{fewer} (whose smallest plan fits)" if fewer_ok else ""
+    asked = -(-plan // 2**20)
+    offer = f"--memory {asked}M or more"
+    if s["store_bytes"] < ratio * (asked << 20):
+        exact = s["store_bytes"] / (asked << 20)
+        passes = math.floor(exact * 100) / 100
+        layers_of = "this layer" if s["moe_layers"] == 1 else f"these {s['moe_layers']} layers"
+        offer = (f"--memory {asked}M with --store-ratio {passes:g} or less runs {layers_of} (its store is "
+                 f"{passes:g}x that budget, less than --store-ratio {ratio:g}; a quick check of the machinery)")
+        if s.get("spec") is not None and s["top_k"] * ratio >= s["experts_per_layer"]:
+            offer += (f"; no number of layers makes the store {ratio:g}x a budget that holds a run, since "
+                      f"asyncside's smallest pools, a layer's top-{s['top_k']} of "
+                      f"{_count(s['experts_per_layer'], 'expert')}, grow with the store")
     raise ValueError(
         f"--memory {_budget_text(budget)} holds no run of {what}: {layers} "
         f"top-{s['top_k']} experts alone are {_mb(rows)} (records of {_mb(s['record_bytes'])}), and a "
         f"run also holds {_mb(other)} of other weights and about {_mb(s['process_bytes'])} of process "
-        f"({_mb(least)} in all); asyncside's smallest plan is about {_mb(plan)}: --memory "
-        f"{-(-plan // 2**20)}M or more{fits} ({done})")
+        f"({_mb(least)} in all); asyncside's smallest plan is about {_mb(plan)}: {offer}{fits} ({done})")
 
 
 def _runs_cgroup(args: argparse.Namespace, budget: int, shapes: list[dict[str, Any]]) -> str:
@@ -1192,7 +1209,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict[str, Any]:
     budget = choose_budget(args, shapes, verbose)
     if args.memory and args.stores:  # built shapes were checked on their estimates, before building
         for sh in shapes:
-            _refuse_a_budget_no_run_holds(budget, sh)
+            _refuse_a_budget_no_run_holds(budget, sh, float(args.store_ratio))
     for sh in shapes:
         sh["prompt"] = prompt_for(sh["store"])
     fitted = fit_routings(user, shapes, positions=PROMPT_TOKENS + int(args.tokens), predictor=args.predictor,
