@@ -80,6 +80,38 @@ def _evict_lowest(keys: dict[int, float], heap: list[tuple[float, int]], cap: in
     return dropped
 
 
+def _evict_lowest_lazy(keys: dict[int, float], heap: list[tuple[float, int]], cap: int,
+                       keep: Container[int]) -> list[int]:
+    """:func:`_evict_lowest` for a heap that holds, for each expert of ``keys``, an entry at or
+    below its key rather than at it (keys that only grow need no push per use): an entry below
+    the key is pushed again at the key when it surfaces. The same experts dropped in the same
+    order as with an entry at every key."""
+    dropped: list[int] = []
+    kept: list[tuple[float, int]] = []
+    while len(keys) > cap and heap:
+        k, e = heapq.heappop(heap)
+        current = keys.get(e)
+        if current is None:
+            continue  # dropped since
+        if k != current:
+            if k < current:
+                heapq.heappush(heap, (current, e))
+            continue
+        if e in keep:
+            if not kept or all(x != e for _, x in kept):  # an entry pushed again may repeat one
+                kept.append((k, e))
+            continue
+        del keys[e]
+        dropped.append(e)
+    while len(keys) > cap and kept:
+        e = kept.pop(0)[1]
+        del keys[e]
+        dropped.append(e)
+    for entry in kept:
+        heapq.heappush(heap, entry)
+    return dropped
+
+
 class Policy:
     """Base class of eviction policies. Subclasses override the hooks they need.
 
@@ -506,6 +538,81 @@ class LRFU(_HeapPolicy):
 _DECAY_TABLE = 1024
 
 
+class _Ageing:
+    """AdaptiveLRFU's history update for one reserve's batch: each expert's decayed count under
+    every candidate half-life (decay factors from the tables up to :data:`_DECAY_TABLE` reserves of
+    gap), one more use, and its time; a newcomer starts at one use."""
+
+    def __init__(self, tables: list[list[float]], half_lives: tuple[float, ...]) -> None:
+        self.tables, self.half_lives = tables, half_lives
+        self.ones = [1.0] * len(half_lives)
+
+    def __call__(self, hist: dict[int, list[float]], batch: Sequence[int], clock: int) -> None:
+        tables, hls, ones = self.tables, self.half_lives, self.ones
+        pair = len(hls) == 2  # the default candidates: the loop over them unrolled
+        for e in batch:
+            h = hist.get(e)
+            if h is None:
+                hist[e] = [clock, *ones]
+                continue
+            gap = int(clock - h[0])
+            h[0] = clock
+            if pair and gap < _DECAY_TABLE:
+                h[1] = h[1] * tables[0][gap] + 1.0
+                h[2] = h[2] * tables[1][gap] + 1.0
+                continue
+            for i in range(len(hls)):
+                table = tables[i]
+                h[1 + i] = h[1 + i] * (table[gap] if gap < _DECAY_TABLE else 2.0 ** (-gap / hls[i])) + 1.0
+
+
+def _shadow_step(shadow: dict[int, float], heap: list[tuple[float, int]], hist: dict[int, list[float]], j: int,
+                 t_key: float, batch: Sequence[int], rows: int, wins: float) -> float:
+    """One reserve of an AdaptiveLRFU candidate's shadow cache (``shadow``: expert -> key under the
+    candidate at ``hist[e][j]``, ``t_key``: the clock over its half-life): each of ``batch`` keyed
+    anew, the lowest dropped past ``rows``; returns ``wins`` plus the batch's hits in the shadow.
+    ``heap`` holds an entry at or below each key (:func:`_evict_lowest_lazy`): a key grows with
+    each use, so a use of an expert the shadow holds pushes nothing."""
+    log2, push = math.log2, heapq.heappush
+    for e in batch:
+        k = log2(hist[e][j]) + t_key
+        old = shadow.get(e)
+        if old is None:
+            push(heap, (k, e))
+        else:
+            wins += 1
+            if k < old:  # a float's rounding could make a key smaller: it needs its entry
+                push(heap, (k, e))
+        shadow[e] = k
+    if len(shadow) > rows:
+        _evict_lowest_lazy(shadow, heap, rows, batch if len(batch) <= 16 else set(batch))
+    if len(heap) > 4 * rows + 64:
+        heap[:] = [(k, e) for e, k in shadow.items()]
+        heapq.heapify(heap)
+    return wins
+
+
+def _real_and_guard_step(lru: OrderedDict[int, None], batch: Sequence[int], live: Container[int], cap: int,
+                         wins: float) -> tuple[float, int, int]:
+    """AdaptiveLRFU's real cache and the guard's shadow LRU over one reserve, in one pass:
+    ``wins`` plus the batch's hits in ``live`` (one at a time, as the window always counted), then
+    :func:`_lru_shadow_step`'s two counts."""
+    real_only = shadow_only = 0
+    for e in batch:
+        hit = e in live
+        if hit:
+            wins += 1
+        if e in lru:
+            shadow_only += not hit
+            lru.move_to_end(e)
+        else:
+            real_only += hit
+            lru[e] = None
+    while len(lru) > cap:
+        lru.popitem(last=False)
+    return wins, real_only, shadow_only
+
+
 class AdaptiveLRFU(_HeapPolicy):
     """LRFU that remembers evicted experts and picks its half-life online (``"adaptive-lrfu"``).
 
@@ -589,56 +696,92 @@ class AdaptiveLRFU(_HeapPolicy):
         return float(self._hist[expert][0]) if self.recency else self._key(expert, self._cur)
 
     def begin(self, batch: Sequence[int]) -> None:
-        self._clock += 1
+        self._advance(((batch, ()),))
+
+    def on_reserves(self, reserves: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        # The same steps and rankings as begin + on_hits per reserve, with the attribute look-ups
+        # done once per log; each hit's key is set at once (later reserves read the score's
+        # membership) but pushed on the heap once, at the end (nothing chooses a victim between).
+        self._advance(reserves)
+
+    def _advance(self, reserves: Iterable[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """:meth:`begin` with each batch, then :meth:`on_hits` with its hits, for each reserve."""
+        hist, hls, score, rows, period = self._hist, self.half_lives, self.score, self.rows, self.period
+        guard, log2, push = self.guard, math.log2, heapq.heappush
+        age = _Ageing(self._decay, hls)
         clock = self._clock
-        hist, hls, log2, tables = self._hist, self.half_lives, math.log2, self._decay
-        m = len(hls)
-        for e in batch:
+        ranked: dict[int, None] = {}  # hits whose heap entries are pushed at the end
+        heap = self._heap
+        cur, recency, wins, gwins, lru, others = self._state()  # read again after a decision
+        j_cur, hl_cur = 1 + cur, hls[cur]
+        for batch, hits in reserves:
+            clock += 1
+            self._clock = clock
+            age(hist, batch, clock)
+            if rows > 0:
+                if not recency and guard:
+                    wins[cur], real_only, shadow_only = _real_and_guard_step(lru, batch, score, max(rows, len(batch)),
+                                                                             wins[cur])
+                    gwins[0] += real_only
+                    gwins[1] += shadow_only
+                elif not recency:
+                    w = wins[cur]
+                    for e in batch:  # the current candidate's cache is the real one
+                        if e in score:
+                            w += 1
+                    wins[cur] = w
+                for i, shadow, sheap, hl in others:
+                    if i == cur:  # ranking by recency: the current candidate's shadow is the guard's
+                        for e in batch:
+                            if (e in shadow) != (e in score):
+                                gwins[e in shadow] += 1
+                    wins[i] = _shadow_step(shadow, sheap, hist, 1 + i, clock / hl, batch, rows, wins[i])
+            if clock % period == 0:
+                for e in ranked:
+                    push(heap, (score[e], e))
+                ranked.clear()
+                self._decide()
+                heap = self._heap
+                cur, recency, wins, gwins, lru, others = self._state()
+                j_cur, hl_cur = 1 + cur, hls[cur]
+            for e in hits:
+                h = hist.get(e)
+                if h is None:  # not seen by a reserve: _rank's use now
+                    self._rank(e)
+                    heap = self._heap
+                    continue
+                score[e] = float(h[0]) if recency else log2(h[j_cur]) + h[0] / hl_cur
+                ranked[e] = None
+        for e in ranked:
+            push(heap, (score[e], e))
+        if len(heap) > 2 * len(score) + 64:
+            self._rebuild()
+
+    def _state(self) -> tuple[int, bool, list[float], list[float], OrderedDict[int, None],
+                              list[tuple[int, dict[int, float], list[tuple[float, int]], float]]]:
+        """What a decision may change, for :meth:`_advance`'s locals: the current candidate, the
+        ranking, both windows, the guard's LRU, and each shadow replayed (index, keys, heap,
+        half-life)."""
+        hls = self.half_lives
+        others = [(i, self._shadow[i], self._sheap[i], hls[i]) for i in range(len(hls))
+                  if i != self._cur or self.recency]
+        return self._cur, self.recency, self._wins, self._gwins, self._lru, others
+
+    def on_hits(self, experts: Sequence[int]) -> None:
+        # _rank inlined (the same keys): the per-call overhead was most of the cost.
+        hist, score, heap, push, log2 = self._hist, self.score, self._heap, heapq.heappush, math.log2
+        recency, j, hl = self.recency, 1 + self._cur, self.half_lives[self._cur]
+        for e in experts:
             h = hist.get(e)
             if h is None:
-                hist[e] = [clock] + [1.0] * m
+                self._rank(e)
+                heap = self._heap
                 continue
-            gap = int(clock - h[0])
-            h[0] = clock
-            for i in range(m):
-                table = tables[i]
-                h[1 + i] = h[1 + i] * (table[gap] if gap < _DECAY_TABLE else 2.0 ** (-gap / hls[i])) + 1.0
-        rows = self.rows
-        if rows > 0:
-            in_batch = set(batch)
-            wins = self._wins
-            cur, live, recency = self._cur, self.score, self.recency
-            if not recency:
-                for e in batch:  # the current candidate's cache is the real one
-                    if e in live:
-                        wins[cur] += 1
-                if self.guard:
-                    real_only, shadow_only = _lru_shadow_step(self._lru, batch, live, max(rows, len(batch)))
-                    self._gwins[0] += real_only
-                    self._gwins[1] += shadow_only
-            for i in range(m):
-                if i == cur and not recency:
-                    continue
-                shadow, heap = self._shadow[i], self._sheap[i]
-                t_key = clock / hls[i]
-                j = 1 + i
-                if i == cur:  # ranking by recency: the current candidate's shadow is the guard's
-                    for e in batch:
-                        if (e in shadow) != (e in live):
-                            self._gwins[e in shadow] += 1
-                for e in batch:
-                    if e in shadow:
-                        wins[i] += 1
-                    k = log2(hist[e][j]) + t_key
-                    shadow[e] = k
-                    heapq.heappush(heap, (k, e))
-                if len(shadow) > rows:
-                    _evict_lowest(shadow, heap, rows, in_batch)
-                if len(heap) > 4 * rows + 64:
-                    heap[:] = [(k, e) for e, k in shadow.items()]
-                    heapq.heapify(heap)
-        if clock % self.period == 0:
-            self._decide()
+            value = float(h[0]) if recency else log2(h[j]) + h[0] / hl
+            score[e] = value
+            push(heap, (value, e))
+        if len(heap) > 2 * len(score) + 64:
+            self._rebuild()
 
     def _decide(self) -> None:
         if self.guard and self.rows > 0 and _guard_leads(self._gwins, self.recency):
@@ -696,10 +839,6 @@ class AdaptiveLRFU(_HeapPolicy):
 
     def on_hit(self, expert: int) -> None:
         self._rank(expert)
-
-    def on_hits(self, experts: Sequence[int]) -> None:
-        for e in experts:
-            self._rank(e)
 
     def on_publish(self, expert: int) -> None:
         self._rank(expert)
