@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 
 from asyncside.ledger import Ledger
-from asyncside.policies import _DECAY_TABLE, AdaptiveLRFU, Policy, _evict_lowest, _lru_shadow_step
+from asyncside.policies import (
+    _DECAY_TABLE,
+    AdaptiveLRFU,
+    Policy,
+    _evict_lowest,
+    _evict_lowest_lazy,
+    _lru_shadow_step,
+)
 from asyncside.routing import RoutingTrace, preset
 
 
@@ -236,3 +243,29 @@ def test_a_fault_log_at_once_leaves_the_state_of_one_reserve_at_a_time(name: str
             led = Ledger(trace.n_experts, [], rows, policy=pol)
             runs[label] = (_mixed(led, steps, log, batched=batched), _state(pol), dict(led.stats))
         assert runs["batched"] == runs["one by one"] == runs["reference"], (name, log)
+
+
+def test_the_lazy_shadow_heap_drops_what_a_heap_of_every_key_drops() -> None:
+    """A shadow pushes only for an expert it lacks or whose key fell; its eviction must drop the
+    same experts in the same order as with an entry at every key, a key that fell included (no
+    use makes one fall, but rounding is not ruled out) and a batch bigger than the cap."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        cap = int(rng.integers(1, 5))
+        full: dict[int, float] = {}
+        lazy: dict[int, float] = {}
+        fheap: list[tuple[float, int]] = []
+        lheap: list[tuple[float, int]] = []
+        for _step in range(40):
+            batch = rng.choice(10, int(rng.integers(1, cap + 4)), replace=False).tolist()
+            for e in batch:
+                old = lazy.get(e)
+                # no key repeats (a use changes it), as in the shadows
+                k = float(rng.uniform(0, 6)) if old is None else old + float(rng.uniform(-2, 2))
+                full[e] = lazy[e] = k
+                heapq.heappush(fheap, (k, e))
+                if old is None or k < old:
+                    heapq.heappush(lheap, (k, e))
+            want = _evict_lowest(full, fheap, cap, set(batch))
+            assert _evict_lowest_lazy(lazy, lheap, cap, batch) == want
+            assert lazy == full
