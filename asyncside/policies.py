@@ -788,6 +788,7 @@ class AdaptiveLRFU(_HeapPolicy):
         self.guard_switches = 0
         self._gwins = [0.0, 0.0]  # over the window, accesses only the real cache hit, only the shadow hit
         self._lru: OrderedDict[int, None] = OrderedDict()  # the guard's shadow while ranking by counts
+        self._ctx: tuple[Any, ...] | None = None  # _advance's view of the above (_context)
 
     def _key(self, expert: int, i: int) -> float:
         h = self._hist[expert]
@@ -814,8 +815,9 @@ class AdaptiveLRFU(_HeapPolicy):
         clock = self._clock
         ranked: dict[int, None] = {}  # hits whose heap entries are pushed at the end
         heap = self._heap
-        cur, recency, wins, gwins, lru, others = self._state()  # read again after a decision
-        j_cur, hl_cur, pair = 1 + cur, hls[cur], self._pair()
+        ctx = self._ctx or self._context()  # read again after a decision
+        (cur, recency, wins, gwins, lru, others), pair = ctx
+        j_cur, hl_cur = 1 + cur, hls[cur]
         for batch, hits in reserves:
             clock += 1
             self._clock = clock
@@ -835,8 +837,8 @@ class AdaptiveLRFU(_HeapPolicy):
                 ranked.clear()
                 self._decide()
                 heap = self._heap
-                cur, recency, wins, gwins, lru, others = self._state()
-                j_cur, hl_cur, pair = 1 + cur, hls[cur], self._pair()
+                (cur, recency, wins, gwins, lru, others), pair = self._ctx or self._context()
+                j_cur, hl_cur = 1 + cur, hls[cur]
             for e in hits:
                 h = hist.get(e)
                 if h is None:  # not seen by a reserve: _rank's use now
@@ -849,6 +851,12 @@ class AdaptiveLRFU(_HeapPolicy):
             push(heap, (score[e], e))
         if len(heap) > 2 * len(score) + 64:
             self._rebuild()
+
+    def _context(self) -> tuple[Any, ...]:
+        """:meth:`_state` and :meth:`_pair`, kept until a decision or a reset (a reserve at a time
+        rebuilt them per reserve)."""
+        self._ctx = (self._state(), self._pair())
+        return self._ctx
 
     def _pair(self) -> tuple[Any, ...] | None:
         """:func:`_pair_step`'s context (:func:`_pair_step_recency`'s while ranking by recency)
@@ -916,6 +924,7 @@ class AdaptiveLRFU(_HeapPolicy):
             self._rebuild()
 
     def _decide(self) -> None:
+        self._ctx = None  # what it changes is read again
         if self.guard and self.rows > 0 and _guard_leads(self._gwins, self.recency):
             self._switch_ranking()
         wins = self._wins
