@@ -269,3 +269,24 @@ def test_the_lazy_shadow_heap_drops_what_a_heap_of_every_key_drops() -> None:
             want = _evict_lowest(full, fheap, cap, set(batch))
             assert _evict_lowest_lazy(lazy, lheap, cap, batch) == want
             assert lazy == full
+
+
+@pytest.mark.parametrize("kw", [{}, {"rows": 6}, {"half_lives": (16.0,), "rows": 6}, {"guard": False, "rows": 6}])
+def test_a_policy_without_a_ledger_keeps_the_reference_s_state(kw: dict[str, object]) -> None:
+    """Driven by hand (no side rows to size the shadows, rows given, one candidate): the same
+    state after every reserve, a hit outside the batch and a publish included."""
+    steps = np.sort(preset("middle", tokens=300, n_layers=1).ids[:, 0, :], axis=1).tolist()
+    ref, new = _Reference(**kw), AdaptiveLRFU(**kw)  # type: ignore[arg-type]
+    for p in (ref, new):
+        p.reset()
+    held: list[int] = []
+    for d in steps:
+        hits = [e for e in d if e in held] + ([held[0]] if held and held[0] not in d else [])
+        for p in (ref, new):
+            p.begin(d)
+            p.on_hits(hits)
+            for e in d:
+                if e not in held:
+                    p.on_publish(e)
+        held = (held + [e for e in d if e not in held])[-6:]
+        assert _state(new) == _state(ref)
