@@ -14,17 +14,17 @@ Policies:
   now (unless leased), then fills from free rows only; it never evicts.
 - :class:`LRU` (``"lru"``): the victim is the least recently used LIVE expert, where "used"
   means published, routed or predicted while LIVE, or leased (ties: smallest id).
-- :class:`LRFU` (``"lrfu"``): recency and frequency together: each use counts 1 and
+- :class:`LRFU` (default, ``"lrfu"``): recency and frequency together: each use counts 1 and
   halves every ``half_life`` reserves; the victim has the lowest sum. On the embedded model's
   decode trace it keeps more hits than LRU, LFU or ageing LFU at the same rows (BENCHMARKS.md).
   Its recency guard ranks by last use instead while a shadow LRU cache hits clearly more (the hot
   experts move faster than the decay forgets them).
 - :class:`AgingLFU` (``"aging-lfu"``): LFU whose frequencies all halve (``f // 2``) every
   ``period`` reserves (default 64), so experts that were hot long ago stop squatting rows.
-- :class:`AdaptiveLRFU` (default, ``"adaptive-lrfu"``): LRFU that keeps each expert's history
-  after eviction (a newcomer enters as the next victim) and picks its half-life online from a
-  shadow cache; about as many hits as LRFU where routing is stable or spread, more where hot
-  experts are stable or requests interleave, at a higher cost per access. It carries LRFU's
+- :class:`AdaptiveLRFU` (``"adaptive-lrfu"``): LRFU that keeps each expert's history after
+  eviction (a newcomer enters as the next victim) and picks its half-life online from a shadow
+  cache; more hits than LRFU where requests interleave or topics switch, fewer on the embedded
+  model's own decode, at a higher cost per access. It carries LRFU's
   recency guard, which keeps it with LRU where the hot experts move fast (docs/policies.md).
 
 The heap-based policies answer ``choose_victim`` in O((skipped + 1) log n) with lazy deletion
@@ -1005,7 +1005,7 @@ class OneShot(Policy):
 
 
 #: The policy a Runtime uses unless told otherwise.
-DEFAULT_POLICY = "adaptive-lrfu"
+DEFAULT_POLICY = "lrfu"
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lfu": LFU,

@@ -64,18 +64,19 @@ def test_the_default_policy_keeps_up_with_lru_where_hot_experts_move(name: str, 
     lru = _hit_rate(trace, "lru")
     plain = _hit_rate(trace, lambda: LRFU(adapt=False))
     assert plain < lru - 0.03, (name, plain, lru)  # the trace shows the failure it pins
-    for policy in ("lrfu", DEFAULT_POLICY):  # the guarded LRFU, and the default that carries its guard
+    assert DEFAULT_POLICY == "lrfu"
+    for policy in ("lrfu", "adaptive-lrfu"):  # the guarded LRFU (the default), and adaptive-lrfu that carries its guard
         hits = _hit_rate(trace, policy)
         assert hits >= lru - 0.01, (name, policy, hits, lru)
 
 
 def test_the_guard_keeps_lrfu_where_its_counts_win() -> None:
     """Where frequency pays (the middle preset, eight requests of the high preset interleaved), the
-    guard stays on the decayed ranking: LRFU hits as it does without the guard, above LRU, and so
-    does the default."""
+    guard stays on the decayed ranking: LRFU (the default) hits as it does without the guard, above
+    LRU, and so does adaptive-lrfu."""
     for trace in (preset("middle", tokens=1024, n_layers=2), _interleaved(8, "high")):
         plain = _hit_rate(trace, lambda: LRFU(adapt=False))
-        for policy in ("lrfu", DEFAULT_POLICY):
+        for policy in ("lrfu", "adaptive-lrfu"):
             hits = _hit_rate(trace, policy)
             assert hits >= plain - 0.003, (trace.meta, policy, hits, plain)
             assert hits > _hit_rate(trace, "lru"), (trace.meta, policy)
