@@ -33,6 +33,25 @@ QUEUED = ForwardOptions(mode=StepMode.QUEUED)
 NEW_TOKENS = 6
 
 
+@pytest.fixture
+def _on_mlxs_cpu() -> Any:
+    """For the tests that pin the CPU path (``on_the_cpu``): its part counters, logits bitwise equal
+    to mlx-lm's, a cancel landing mid-generation, a failed read of a routed expert. On a GPU
+    machine they run on MLX's CPU device: there hits resolve on the device (other counters and
+    reads), a six-token generation ends before the cancel, and a sorted part's matmuls round
+    otherwise than mlx-lm's whole gather (logits within 2e-6 on an H100). The other tests run on
+    the default device (on an H100: tokens equal mlx-lm's, no step per layer)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(device)
+
+
+on_the_cpu = pytest.mark.usefixtures("_on_mlxs_cpu")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, Any, list[int]]:
     """A tiny qwen3_moe store (top-4 of 16 experts, two MoE layers), its model and a prompt."""
@@ -72,6 +91,7 @@ def test_decode_below_top_k_side_rows_runs_queued_and_exact(tiny: tuple[pathlib.
     assert counters["queued_prefill"] == 1 and counters["sorted_parts"] > 0, counters
 
 
+@on_the_cpu
 def test_default_rows_keep_their_token_cut(tiny: tuple[pathlib.Path, Any, list[int]]) -> None:
     """Side rows of at least the top-k: a decode step too large for them still cuts by whole tokens
     (unchanged), never sorted."""
@@ -92,6 +112,7 @@ def test_default_rows_keep_their_token_cut(tiny: tuple[pathlib.Path, Any, list[i
     assert counters["queued"] == NEW_TOKENS and counters["token_parts"] > 0 and counters["sorted_parts"] == 0
 
 
+@on_the_cpu
 @pytest.mark.parametrize("slices", ["experts", "pairs"])
 def test_a_batch_below_top_k_side_rows_is_bitwise_mlx_lm(tiny: tuple[pathlib.Path, Any, list[int]],
                                                          slices: str) -> None:
@@ -128,6 +149,7 @@ def test_a_batch_below_top_k_side_rows_is_bitwise_mlx_lm(tiny: tuple[pathlib.Pat
         assert counters["sorted_parts"] > 0 and counters["expert_slices"] == 0, counters
 
 
+@on_the_cpu
 def test_a_cancelled_generation_below_top_k_leaves_no_row_taken(tiny: tuple[pathlib.Path, Any, list[int]],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Generations cancelled at a checkpoint of a queued step (the prompt's step being scheduled, a
@@ -178,6 +200,7 @@ def test_a_cancelled_generation_below_top_k_leaves_no_row_taken(tiny: tuple[path
     assert sm.forward_with(QUEUED).counters["per_layer"] == 0
 
 
+@on_the_cpu
 def test_a_failed_read_below_top_k_fails_its_step_and_frees_its_row(tiny: tuple[pathlib.Path, Any, list[int]]) -> None:
     """A record that fails to read inside a sorted queued decode step: the generation raises the
     FillError naming the blob, no row stays taken, and once the disk reads again the tokens are
