@@ -613,109 +613,6 @@ def _real_and_guard_step(lru: OrderedDict[int, None], batch: Sequence[int], live
     return wins, real_only, shadow_only
 
 
-def _pair_step(ctx: tuple[Any, ...], batch: Sequence[int], clock: int, w_real: float,
-               w_other: float) -> tuple[float, float, int, int]:
-    """One reserve of AdaptiveLRFU with two candidates ranking by the current one's decayed counts,
-    in one pass over the batch: :class:`_Ageing`, :func:`_real_and_guard_step` (the guard's LRU
-    when ``ctx`` has one) and :func:`_shadow_step` of the other candidate. Returns the real
-    cache's and the shadow's windows plus the batch's hits, and the guard's two counts."""
-    hist, t0, t1, h0, h1, live, lru, shadow, heap, j, hl, rows = ctx
-    log2, push = math.log2, heapq.heappush
-    t_key = clock / hl
-    real_only = shadow_only = 0
-    for e in batch:
-        h = hist.get(e)
-        if h is None:
-            h = hist[e] = [clock, 1.0, 1.0]
-        else:
-            gap = int(clock - h[0])
-            h[0] = clock
-            if gap < _DECAY_TABLE:
-                h[1] = h[1] * t0[gap] + 1.0
-                h[2] = h[2] * t1[gap] + 1.0
-            else:
-                h[1] = h[1] * 2.0 ** (-gap / h0) + 1.0
-                h[2] = h[2] * 2.0 ** (-gap / h1) + 1.0
-        hit = e in live
-        if hit:
-            w_real += 1
-        if lru is not None:
-            if e in lru:
-                shadow_only += not hit
-                lru.move_to_end(e)
-            else:
-                real_only += hit
-                lru[e] = None
-        k = log2(h[j]) + t_key
-        old = shadow.get(e)
-        if old is None:
-            push(heap, (k, e))
-        else:
-            w_other += 1
-            if k < old:  # see _shadow_step
-                push(heap, (k, e))
-        shadow[e] = k
-    if lru is not None:
-        cap = max(rows, len(batch))
-        while len(lru) > cap:
-            lru.popitem(last=False)
-    if len(shadow) > rows:
-        _evict_lowest_lazy(shadow, heap, rows, batch if len(batch) <= 16 else set(batch))
-    if len(heap) > 4 * rows + 64:
-        heap[:] = [(k, e) for e, k in shadow.items()]
-        heapq.heapify(heap)
-    return w_real, w_other, real_only, shadow_only
-
-
-def _pair_step_recency(ctx: tuple[Any, ...], batch: Sequence[int], clock: int,
-                       wins: list[float], gwins: list[float]) -> None:
-    """:func:`_pair_step` while the real cache ranks by recency: both candidates' shadows replayed
-    (the current one's also plays the guard's decayed side against the real cache)."""
-    hist, t0, t1, h0, h1, live, s0, heap0, s1, heap1, cur, rows = ctx
-    log2, push = math.log2, heapq.heappush
-    k0, k1 = clock / h0, clock / h1
-    guard_shadow = s0 if cur == 0 else s1
-    w0, w1 = wins
-    for e in batch:
-        h = hist.get(e)
-        if h is None:
-            h = hist[e] = [clock, 1.0, 1.0]
-        else:
-            gap = int(clock - h[0])
-            h[0] = clock
-            if gap < _DECAY_TABLE:
-                h[1] = h[1] * t0[gap] + 1.0
-                h[2] = h[2] * t1[gap] + 1.0
-            else:
-                h[1] = h[1] * 2.0 ** (-gap / h0) + 1.0
-                h[2] = h[2] * 2.0 ** (-gap / h1) + 1.0
-        held = e in guard_shadow
-        if held != (e in live):
-            gwins[held] += 1
-        k = log2(h[1]) + k0
-        old = s0.get(e)
-        if old is None or k < old:  # see _shadow_step
-            push(heap0, (k, e))
-        if old is not None:
-            w0 += 1
-        s0[e] = k
-        k = log2(h[2]) + k1
-        old = s1.get(e)
-        if old is None or k < old:
-            push(heap1, (k, e))
-        if old is not None:
-            w1 += 1
-        s1[e] = k
-    wins[0], wins[1] = w0, w1
-    keep = batch if len(batch) <= 16 else set(batch)
-    for shadow, heap in ((s0, heap0), (s1, heap1)):
-        if len(shadow) > rows:
-            _evict_lowest_lazy(shadow, heap, rows, keep)
-        if len(heap) > 4 * rows + 64:
-            heap[:] = [(k, e) for e, k in shadow.items()]
-            heapq.heapify(heap)
-
-
 class AdaptiveLRFU(_HeapPolicy):
     """LRFU that remembers evicted experts and picks its half-life online (``"adaptive-lrfu"``).
 
@@ -781,6 +678,7 @@ class AdaptiveLRFU(_HeapPolicy):
         self._sheap: list[list[tuple[float, int]]] = [[] for _ in range(m)]
         self._wins = [0.0] * m
         self._decay = [[2.0 ** (-g / h) for g in range(_DECAY_TABLE)] for h in self.half_lives]
+        self._ageing = _Ageing(self._decay, self.half_lives)
         self.switches = 0
         # The recency guard (LRFU's): ranking by last use while a shadow LRU hits clearly more.
         self.recency = False
@@ -810,34 +708,24 @@ class AdaptiveLRFU(_HeapPolicy):
 
     def _advance(self, reserves: Iterable[tuple[Sequence[int], Sequence[int]]]) -> None:
         """:meth:`begin` with each batch, then :meth:`on_hits` with its hits, for each reserve."""
-        hist, hls, score, period, guard = self._hist, self.half_lives, self.score, self.period, self.guard
+        hist, hls, score, period = self._hist, self.half_lives, self.score, self.period
         log2, push = math.log2, heapq.heappush
         clock = self._clock
         ranked: dict[int, None] = {}  # hits whose heap entries are pushed at the end
         heap = self._heap
-        ctx = self._ctx or self._context()  # read again after a decision
-        (cur, recency, wins, gwins, lru, others), pair = ctx
+        cur, recency, others = self._ctx or self._context()  # read again after a decision
         j_cur, hl_cur = 1 + cur, hls[cur]
         for batch, hits in reserves:
             clock += 1
             self._clock = clock
-            if pair is not None and recency:
-                _pair_step_recency(pair, batch, clock, wins, gwins)
-            elif pair is not None:
-                wins[cur], wins[1 - cur], real_only, shadow_only = _pair_step(pair, batch, clock, wins[cur],
-                                                                              wins[1 - cur])
-                if guard:
-                    gwins[0] += real_only
-                    gwins[1] += shadow_only
-            else:
-                self._step(batch, clock, others)
+            self._step(batch, clock, others)
             if clock % period == 0:
                 for e in ranked:
                     push(heap, (score[e], e))
                 ranked.clear()
                 self._decide()
                 heap = self._heap
-                (cur, recency, wins, gwins, lru, others), pair = self._ctx or self._context()
+                cur, recency, others = self._ctx or self._context()
                 j_cur, hl_cur = 1 + cur, hls[cur]
             for e in hits:
                 h = hist.get(e)
@@ -852,31 +740,22 @@ class AdaptiveLRFU(_HeapPolicy):
         if len(heap) > 2 * len(score) + 64:
             self._rebuild()
 
-    def _context(self) -> tuple[Any, ...]:
-        """:meth:`_state` and :meth:`_pair`, kept until a decision or a reset (a reserve at a time
-        rebuilt them per reserve)."""
-        self._ctx = (self._state(), self._pair())
+    def _context(self) -> tuple[int, bool, list[tuple[int, dict[int, float], list[tuple[float, int]], float]]]:
+        """What a decision may change, for :meth:`_advance`'s locals, kept until a decision or a
+        reset (a reserve at a time rebuilt it per reserve): the current candidate, the ranking, and
+        each shadow replayed (index, keys, heap, half-life)."""
+        hls = self.half_lives
+        others = [(i, self._shadow[i], self._sheap[i], hls[i]) for i in range(len(hls))
+                  if i != self._cur or self.recency]
+        self._ctx = (self._cur, self.recency, others)
         return self._ctx
-
-    def _pair(self) -> tuple[Any, ...] | None:
-        """:func:`_pair_step`'s context (:func:`_pair_step_recency`'s while ranking by recency)
-        where it applies (two candidates and side rows: the default's case), else None."""
-        if len(self.half_lives) != 2 or self.rows <= 0:
-            return None
-        if self.recency:
-            return (self._hist, self._decay[0], self._decay[1], self.half_lives[0], self.half_lives[1], self.score,
-                    self._shadow[0], self._sheap[0], self._shadow[1], self._sheap[1], self._cur, self.rows)
-        other = 1 - self._cur
-        return (self._hist, self._decay[0], self._decay[1], self.half_lives[0], self.half_lives[1], self.score,
-                self._lru if self.guard else None, self._shadow[other], self._sheap[other], 1 + other,
-                self.half_lives[other], self.rows)
 
     def _step(self, batch: Sequence[int], clock: int,
               others: list[tuple[int, dict[int, float], list[tuple[float, int]], float]]) -> None:
         """One reserve's history update, windows and shadow steps, for any candidates and ranking
         (``others``: the shadows replayed, from :meth:`_state`)."""
         hist, score, rows, cur, wins, gwins = self._hist, self.score, self.rows, self._cur, self._wins, self._gwins
-        _Ageing(self._decay, self.half_lives)(hist, batch, clock)
+        self._ageing(hist, batch, clock)
         if rows <= 0:
             return
         if not self.recency and self.guard:
@@ -896,16 +775,6 @@ class AdaptiveLRFU(_HeapPolicy):
                     if (e in shadow) != (e in score):
                         gwins[e in shadow] += 1
             wins[i] = _shadow_step(shadow, sheap, hist, 1 + i, clock / hl, batch, rows, wins[i])
-
-    def _state(self) -> tuple[int, bool, list[float], list[float], OrderedDict[int, None],
-                              list[tuple[int, dict[int, float], list[tuple[float, int]], float]]]:
-        """What a decision may change, for :meth:`_advance`'s locals: the current candidate, the
-        ranking, both windows, the guard's LRU, and each shadow replayed (index, keys, heap,
-        half-life)."""
-        hls = self.half_lives
-        others = [(i, self._shadow[i], self._sheap[i], hls[i]) for i in range(len(hls))
-                  if i != self._cur or self.recency]
-        return self._cur, self.recency, self._wins, self._gwins, self._lru, others
 
     def on_hits(self, experts: Sequence[int]) -> None:
         # _rank inlined (the same keys): the per-call overhead was most of the cost.

@@ -4,8 +4,10 @@ table over a small store and a tiny converted model (tests/test_queued.py, tests
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import gc
+import mmap
 import os
 import pathlib
 import sys
@@ -93,6 +95,29 @@ def direct_file(tmp_path: pathlib.Path, nbytes: int) -> pathlib.Path:
             pytest.skip("this file system refuses O_DIRECT")
         raise
     return path
+
+
+def cached_bytes(path: pathlib.Path) -> int:
+    """Bytes of the file ``path`` in the page cache (mincore over a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(v & 1 for v in vec) * mmap.PAGESIZE
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
 
 
 def open_fds() -> set[int]:

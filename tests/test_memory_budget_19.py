@@ -10,14 +10,13 @@ against the page cache's room, and reads past it (O_DIRECT) when they do not all
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import pathlib
 
 import anyio
 import numpy as np
 import pytest
+from _fault_helpers import cached_bytes
 
 import asyncside.runtime._plan as plan_mod
 from asyncside import memory
@@ -42,29 +41,6 @@ def _store(path: pathlib.Path) -> ExpertStore:
         finally:
             os.close(fd)
     return store
-
-
-def _cached_bytes(path: pathlib.Path) -> int:
-    """Bytes of the file ``path`` in the page cache (mincore over a read-only mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-            return sum(v & 1 for v in vec) * mmap.PAGESIZE
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 def _plan(store: ExpertStore, budget: int) -> plan_mod.MemoryPlan:
@@ -122,6 +98,6 @@ def test_the_page_cache_a_run_leaves_stays_within_the_plan(tmp_path: pathlib.Pat
             return rt.plan
 
     plan = anyio.run(main)
-    cached = sum(_cached_bytes(store.layer(i).path) for i in store.layers)
+    cached = sum(cached_bytes(store.layer(i).path) for i in store.layers)
     assert cached <= plan.page_cache_bytes, (cached, plan.describe())
 

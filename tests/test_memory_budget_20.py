@@ -13,38 +13,14 @@ store was charged 744.8 MiB at its peak in a larger cgroup. Loading it now drops
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import pathlib
 
 import pytest
+from _fault_helpers import cached_bytes
 
 from asyncside.models.loading import NON_EXPERT_FILE, load_reference_model, load_streaming_model
 from asyncside.store import ExpertStore
-
-
-def _cached_bytes(path: pathlib.Path) -> int:
-    """Bytes of the file ``path`` in the page cache (mincore over a read-only mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-            return sum(v & 1 for v in vec) * mmap.PAGESIZE
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 def _clean_and_dropped(files: list[pathlib.Path]) -> None:
@@ -58,7 +34,7 @@ def _clean_and_dropped(files: list[pathlib.Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        if _cached_bytes(f) != 0:
+        if cached_bytes(f) != 0:
             pytest.skip("this file system keeps the file's pages whatever the advice (tmpfs, ramfs)")
 
 
@@ -77,14 +53,14 @@ def test_the_reference_model_leaves_none_of_the_store_cached(quick_store: pathli
 
     def read_expert(self: ExpertStore, layer: int, expert: int) -> dict[str, object]:
         if layer not in seen:
-            seen[layer] = sum(_cached_bytes(f) for i, f in blobs.items() if i != layer)
+            seen[layer] = sum(cached_bytes(f) for i, f in blobs.items() if i != layer)
         return read(self, layer, expert)
 
     monkeypatch.setattr(ExpertStore, "read_expert", read_expert)
     model, _config = load_reference_model(quick_store)
     assert len(seen) == len(blobs) > 1 and not any(seen.values()), seen
     assert model is not None
-    cached = {f.name: _cached_bytes(f) for f in files}
+    cached = {f.name: cached_bytes(f) for f in files}
     assert not any(cached.values()), cached
 
 
@@ -96,4 +72,4 @@ def test_loading_a_model_leaves_no_non_expert_pages_cached(quick_store: pathlib.
     _clean_and_dropped([weights])
     model = load_streaming_model(quick_store)
     assert model.store is not None
-    assert _cached_bytes(weights) == 0, f"{_cached_bytes(weights)} of {weights.stat().st_size} bytes still cached"
+    assert cached_bytes(weights) == 0, f"{cached_bytes(weights)} of {weights.stat().st_size} bytes still cached"
