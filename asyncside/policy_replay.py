@@ -79,31 +79,49 @@ class Counts:
         return f"Counts(hits={self.hits}, accesses={self.accesses})"
 
 
-def belady_no_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int) -> Counts:
+def belady_no_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int,
+                     initial: Iterable[int] = (), *, groups: bool = False) -> Counts:
     """Belady's MIN under the ledger's rule: every missed expert takes a row at its step, and the
-    rows left keep the cached experts whose next use is soonest (ties: smallest id)."""
+    rows left keep the cached experts whose next use is soonest (ties: smallest id). ``resident``
+    experts are pinned beside the ``rows`` (always hits, never evicted).
+
+    ``initial``: what the ``rows`` hold before the first step (a runtime warms its rows at start:
+    MIN from those same rows bounds it, MIN from empty rows does not); resident ones are ignored,
+    more than ``rows`` others is a ValueError. A step demanding more non-resident experts than
+    ``rows`` is a ValueError, unless ``groups``: then the step passes through the rows in groups
+    (the runtime's parts of a step, :func:`asyncside.models.trace.replay_policy`'s halves), and MIN
+    counts as hits what the rows held at its start and then keeps any ``rows`` of what they held or
+    it demanded (the soonest used again): no grouping gets more, so it stays an upper bound."""
     reqs, res = _steps(demands, resident)
     nxt = _next_uses(reqs)
     never = len(reqs) + 1
     out = Counts()
-    cache: set[int] = set()
+    cache = {int(e) for e in initial} - res
+    if len(cache) > rows:
+        raise ValueError(f"initial: {len(cache)} non-resident experts ({sorted(cache)[:16]}) but the cache has "
+                         f"{rows} rows")
     for t, d in enumerate(reqs):
         req = d - res
-        if len(req) > rows:
+        if len(req) > rows and not groups:
             raise ValueError(f"step {t} demands {len(req)} non-resident experts but the cache has {rows} rows")
         out.accesses += len(d)
         out.hits += len(d) - len(req - cache)
         nu = nxt[t]
+        if len(req) > rows:  # in groups: whatever any grouping could leave in the rows
+            cache = set(sorted(cache | req, key=lambda e: (nu.get(e, never), e))[: max(rows, 0)])
+            continue
         keep = sorted(cache - req, key=lambda e: (nu.get(e, never), e))[: rows - len(req)]
         cache = req | set(keep)
     return out
 
 
-def belady_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int) -> Counts:
-    """Belady's MIN with bypass (:func:`asyncside.models.trace.belady`) as :class:`Counts`."""
+def belady_bypass(demands: Iterable[Iterable[int]], resident: Iterable[int], rows: int,
+                  initial: Iterable[int] = ()) -> Counts:
+    """Belady's MIN with bypass (:func:`asyncside.models.trace.belady`) as :class:`Counts`, the
+    ``rows`` holding ``initial`` before the first step."""
     from .models.trace import belady
 
-    r = belady(list(demands), resident, rows)
+    r = belady(list(demands), resident, rows, initial)
     return Counts(r.resident_hits + r.side_hits, r.accesses)
 
 

@@ -617,21 +617,35 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
                      policies: Sequence[str] = POLICIES, predictor: str = "lookahead") -> list[dict[str, Any]]:
     """Per residency: each policy's hit rate (demand only, and, as ``<policy>+<predictor>``, with the
     predictions the trace recorded from ``predictor`` as prefetches) beside Belady's MIN, replayed
-    over the same trace; and with every row dynamic, starting empty, LRU beside Belady's MIN."""
+    over the same trace; and with every row dynamic, starting empty, LRU beside Belady's MIN.
+
+    Two MINs from the same start (empty side rows, the resident set pinned): with bypass
+    (``belady``, ``vs_belady``), and under the ledger's rule (``belady_no_bypass``,
+    ``vs_belady_no_bypass``: every demanded expert takes a row, a step larger than the side rows,
+    a prefill, passing in groups; :func:`asyncside.policy_replay.belady_no_bypass`), the bound of
+    every demand-only replay, which prefetches can pass (a prefetched expert counts as a hit)."""
     from ..models.trace import CacheResult, belady, replay_policy
+    from ..policy_replay import Counts, belady_no_bypass
     from ..runtime import plan_layer
+
+    def ruled(side: dict[int, int], pinned: dict[int, Sequence[int]]) -> float:
+        """MIN under the ledger's rule summed over the trace's layers, its hit rate."""
+        return sum((belady_no_bypass(trace.demands(l), pinned[l], side[l], groups=True) for l in trace.layers),
+                   start=Counts()).hit_rate
 
     rows = []
     for frac in residencies:
         plans = {layer: plan_layer(store, layer, frac) for layer in trace.layers}
         n_exp = {layer: store.layer(layer).n_experts for layer in trace.layers}
         b = sum((belady(trace.demands(l), plans[l][0], plans[l][1]) for l in trace.layers), start=CacheResult())
+        nb = ruled({l: plans[l][1] for l in trace.layers}, {l: plans[l][0] for l in trace.layers})
         row: dict[str, Any] = {
             "residency": frac,
             "resident_per_layer": len(next(iter(plans.values()))[0]),
             "side_rows": next(iter(plans.values()))[1],
             "belady": b.hit_rate,
             "belady_side_hit_rate": b.side_hit_rate,
+            "belady_no_bypass": nb,
             "policies": {},
         }
         for pol in policies:
@@ -643,6 +657,7 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
                 row["policies"][name] = {
                     "hit_rate": r.hit_rate,
                     "vs_belady": r.hit_rate / b.hit_rate if b.hit_rate else float("nan"),
+                    "vs_belady_no_bypass": r.hit_rate / nb if nb else float("nan"),
                     "demand_reads": r.misses,
                     "prefetch_reads": r.prefetch_reads,
                 }
@@ -653,7 +668,8 @@ def policy_hit_rates(trace: Any, store: Any, residencies: Sequence[float],
         # From empty rows (the replays pin a resident set or start empty; the slot cache starts
         # holding the runtime's resident set, evictable: its measured hit rate is in the rows).
         row["all_rows_dynamic"] = {"rows": next(iter(rows_all.values())), "start": "empty",
-                                   "belady": ba.hit_rate, "lru": la.hit_rate}
+                                   "belady": ba.hit_rate, "lru": la.hit_rate,
+                                   "belady_no_bypass": ruled(rows_all, dict.fromkeys(trace.layers, []))}
         rows.append(row)
     return rows
 
@@ -1149,21 +1165,21 @@ def render_table(result: dict[str, Any]) -> None:
                   f"{_fmt(ar['async_resident']['decode_tokens_per_s'], '.2f')} tok/s, "
                   f"{_fmt(ar['async_overhead_ratio'], '.2f', 'x')} of mlx-lm's median "
                   f"{_fmt(ar['mlx_lm']['decode_tokens_per_s'], '.2f')}")
-    p = Table(title="hit rate over one recorded routing trace: ledger policies vs Belady's MIN")
+    p = Table(title="hit rate over one recorded routing trace: ledger policies vs Belady's MIN (in brackets: "
+                    "of MIN with bypass / of MIN under the ledger's rule, no bypass)")
     p.add_column("residency")
     p.add_column("resident+side rows", justify="right")
     p.add_column("belady", justify="right")
+    p.add_column("belady, no bypass", justify="right")
     names = list(result["policies_vs_belady"][0]["policies"]) if result["policies_vs_belady"] else []
     for n in names:
         p.add_column(n, justify="right")
-    p.add_column("all rows dynamic, from empty: belady / lru", justify="right")
+    p.add_column("all rows dynamic, from empty: belady / no bypass / lru", justify="right")
     for row in result["policies_vs_belady"]:
-        dyn = row["all_rows_dynamic"]
         p.add_row(_pools_cell(result, row["residency"], rows_beside=True),
                   f"{row['resident_per_layer']}+{row['side_rows']}",
-                  f"{row['belady']:.3f}",
-                  *[f"{row['policies'][n]['hit_rate']:.3f} ({row['policies'][n]['vs_belady']:.2f})" for n in names],
-                  f"{dyn['belady']:.3f} / {dyn['lru']:.3f}")
+                  f"{row['belady']:.3f}", _fmt(row.get("belady_no_bypass"), ".3f"),
+                  *[_policy_cell(row["policies"][n]) for n in names], _dynamic_cell(row["all_rows_dynamic"]))
     console.print(p)
     tg = result["targets"]
     console.print(f"targets ({tg['device']}, {tg['config']}):")
@@ -1173,6 +1189,18 @@ def render_table(result: dict[str, Any]) -> None:
                   f"tokens identical everywhere: {result['tokens_identical']}; {result['seconds']} s")
     for note in result.get("notes", []):
         console.print(f"note: {note}")
+
+
+def _policy_cell(v: dict[str, Any]) -> str:
+    """A policy's hit rate, then its fraction of MIN with bypass / under the ledger's rule."""
+    of = [v.get(k) for k in ("vs_belady", "vs_belady_no_bypass")]  # NaN: MIN hit nothing, no ratio
+    return f"{v['hit_rate']:.3f} (" + " / ".join(_fmt(None if x is None or math.isnan(x) else x, ".2f")
+                                                 for x in of) + ")"
+
+
+def _dynamic_cell(dyn: dict[str, Any]) -> str:
+    """Every row dynamic, from empty: MIN with bypass / under the ledger's rule / LRU."""
+    return f"{dyn['belady']:.3f} / {_fmt(dyn.get('belady_no_bypass'), '.3f')} / {dyn['lru']:.3f}"
 
 
 def short_run_note(tokens: int) -> str | None:
@@ -1203,15 +1231,16 @@ def render_markdown(result: dict[str, Any]) -> str:
                   f"{_fmt(ar['mlx_lm']['decode_tokens_per_s'], '.2f')} tok/s."]
     pols = result["policies_vs_belady"]
     names = list(pols[0]["policies"]) if pols else []
-    lines += ["", "| experts in pools (resident + side rows) | Belady (MIN) | "
-              + " | ".join(names) + " | all rows dynamic, from empty: Belady / LRU |",
-              "| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    lines += ["", "In brackets: of MIN with bypass / of MIN under the ledger's rule (no bypass).", "",
+              "| experts in pools (resident + side rows) | Belady (MIN) | MIN, no bypass | "
+              + " | ".join(names) + " | all rows dynamic, from empty: Belady / no bypass / LRU |",
+              "| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for p in pols:
-        dyn = p["all_rows_dynamic"]
         pools = _pools_cell(result, p["residency"], rows_beside=True)
         lines.append(f"| {pools} ({p['resident_per_layer']} + {p['side_rows']}) | {p['belady']:.3f} | "
-                     + " | ".join(f"{p['policies'][n]['hit_rate']:.3f} ({p['policies'][n]['vs_belady']:.2f})"
-                                  for n in names) + f" | {dyn['belady']:.3f} / {dyn['lru']:.3f} |")
+                     f"{_fmt(p.get('belady_no_bypass'), '.3f')} | "
+                     + " | ".join(_policy_cell(p["policies"][n]) for n in names)
+                     + f" | {_dynamic_cell(p['all_rows_dynamic'])} |")
     lines += [f"\nNote: {n}" for n in result.get("notes", [])]
     return "\n".join(lines)
 

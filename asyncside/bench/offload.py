@@ -15,11 +15,14 @@ budget, ``--memory``) charges the page cache too, after the page cache was dropp
   (its tok/s, or that it cannot run and why: the cgroup's OOM killer, at what peak).
 
 The store is at least 4x the budget. Each run generates for ``--seconds`` (or ``--tokens``). Per
-run: decode tok/s; hit rate and its fraction of Belady's MIN over the same demands with the same
-rows per layer; misses' MB per token (misses x record size); disk MB per token (the process's
-``read_bytes`` up to the last token); what loading read (the model and the store, the rows'
-warm-up, and asyncside's passes measuring its disk's read window, which its first token waits
-for); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
+run: decode tok/s; hit rate and its fraction of Belady's MIN over the same demands from the same
+starting rows, twice: MIN with bypass over every row of each layer (the absolute optimum: it may
+decline to cache a miss and evict a pinned expert), and MIN under the ledger's rule (every demanded
+expert takes a row, pinned experts stay pinned: :func:`asyncside.policy_replay.belady_no_bypass`),
+the most any policy of the run's ledger could hit; misses' MB per token (misses x record size);
+disk MB per token (the process's ``read_bytes`` up to the last token); what loading read (the
+model and the store, the rows' warm-up, and asyncside's passes measuring its disk's read window,
+which its first token waits for); the peak memory the cgroup charged. Per shape: the disk's random-read bandwidth
 at the record size and the runtime's queue depth, with O_DIRECT (``bench io``'s reader pass) in
 the same run; the I/O limit (that bandwidth / the bytes per token the misses and, under a
 predictor, queued steps' prefetches read); the compute limit
@@ -238,8 +241,9 @@ async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], ma
                             arrived: Any, started: Any = None) -> tuple[float, int, dict[str, Any]]:
     """Generate with the entered runtime ``rt`` until ``arrived(token)`` says stop, in the
     "generating" phase: (the start time, the process's read bytes at the start, ``{"stats": the
-    runtime's stats after its reads drained, "rows": rows of each of ``layers``}``). ``started(read_bytes)`` is
-    called once the start is taken, before the first step."""
+    runtime's stats after its reads drained, "rows": rows of each of ``layers``, "warm": the experts
+    their rows hold before the first step, "pinned": of those, the pinned ones}``).
+    ``started(read_bytes)`` is called once the start is taken, before the first step."""
     _phase("generating")
     io1 = _read_bytes()
     if started is not None:
@@ -248,6 +252,7 @@ async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], ma
 
     # What the rows hold before the first step (the runtime warms them): MIN starts from the same.
     warm = {str(layer): [int(e) for e in np.flatnonzero(rt.ledger(layer).lookup() >= 0)] for layer in layers}
+    pinned = {str(layer): [int(e) for e in rt.ledger(layer).resident] for layer in layers}
     t0 = time.perf_counter()
     agen: Any = sm.generate(prompt, max_tokens=max_tokens, source=rt, predictor=predictor)
     async with contextlib.aclosing(agen):
@@ -256,7 +261,7 @@ async def generate_measured(rt: Any, sm: Any, layers: Any, prompt: list[int], ma
                 break
     await rt.drain()
     rows = {str(layer): int(rt.ledger(layer).rows) for layer in layers}
-    return t0, io1, {"stats": dict(rt.stats()), "rows": rows, "warm": warm}
+    return t0, io1, {"stats": dict(rt.stats()), "rows": rows, "warm": warm, "pinned": pinned}
 
 
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +364,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
                         "prefetch_hits": int(st.get("prefetch_hits", 0))}
         out["rows_per_layer"] = got["rows"]
         out["warm_experts"] = got["warm"]
+        out["pinned_experts"] = got.get("pinned", {})  # none named: every row dynamic
     else:
         raise ValueError(f"unknown system {system!r}; known: {list(SYSTEMS)}")
     end = stamps[-1] if stamps else time.perf_counter()
@@ -574,13 +580,21 @@ def disk_curve(store_dir: str, depths: Sequence[int] = DISK_DEPTHS, *, min_bytes
 
 
 def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, int],
-                  warm: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """Belady's MIN (with bypass) over the demands of ``steps`` decode steps (one token each) of
-    ``trace_file`` replayed on the store ``store_dir``, with ``rows`` per layer (layer index as a
-    string -> rows), from empty rows or, with ``warm`` (layer -> experts), from the rows the run
-    started with (a runtime warms its rows at start: MIN from empty rows is no bound on it)."""
+                  warm: dict[str, list[int]] | None = None,
+                  pinned: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Belady's MIN over the demands of ``steps`` decode steps (one token each) of ``trace_file``
+    replayed on the store ``store_dir``, with ``rows`` per layer (layer index as a string -> rows,
+    pinned ones included), from empty rows or, with ``warm`` (layer -> experts), from the rows the
+    run started with (a runtime warms its rows at start: MIN from empty rows is no bound on it).
+
+    The top level is MIN with bypass over every row (a pinned expert evictable too): the absolute
+    optimum for that memory. ``"no_bypass"`` is MIN under the ledger's rule from the same rows:
+    ``pinned`` (layer -> experts; none: every row dynamic, as the slot cache's) stay, every demanded
+    expert takes one of the other rows, a step demanding more than those passes in groups
+    (:func:`asyncside.policy_replay.belady_no_bypass`): what the run's own ledger could hit at best."""
     from ..models.forcing import RoutingReplay
     from ..models.trace import CacheResult, belady
+    from ..policy_replay import Counts, belady_no_bypass
     from ..routing import RoutingTrace
     from ..store import ExpertStore
 
@@ -590,10 +604,16 @@ def belady_of_run(trace_file: str, store_dir: str, steps: int, rows: dict[str, i
     trace = RoutingTrace.load(trace_file)
     replay = RoutingReplay(trace, moe_layers=layers, n_experts=first.n_experts, top_k=_store_top_k(store_dir))
     total = CacheResult()
+    ruled = Counts()
     for layer in layers:
         demands = [row for row in replay.host_ids(layer, 0, steps)]
-        total = total + belady(demands, [], int(rows[str(layer)]), (warm or {}).get(str(layer), ()))
-    return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses}
+        start = (warm or {}).get(str(layer), ())
+        total = total + belady(demands, [], int(rows[str(layer)]), start)
+        fixed = (pinned or {}).get(str(layer), [])
+        ruled = ruled + belady_no_bypass(demands, fixed, int(rows[str(layer)]) - len(fixed), start, groups=True)
+    return {"hit_rate": total.hit_rate, "accesses": total.accesses, "misses": total.misses,
+            "no_bypass": {"hit_rate": ruled.hit_rate, "accesses": ruled.accesses,
+                          "misses": ruled.accesses - ruled.hits}}
 
 
 @functools.lru_cache(maxsize=1)
@@ -1284,9 +1304,13 @@ def _figures(run: dict[str, Any], sh: dict[str, Any], trace_file: str, compute: 
     if run.get("rows_per_layer"):
         hits, misses = st.get("hits", 0), st.get("misses", 0)
         run["hit_rate"] = hits / (hits + misses) if hits + misses else None
-        run["belady"] = belady_of_run(trace_file, sh["store"], steps, run["rows_per_layer"], run.get("warm_experts"))
+        run["belady"] = belady_of_run(trace_file, sh["store"], steps, run["rows_per_layer"], run.get("warm_experts"),
+                                      run.get("pinned_experts"))
         mn = run["belady"]["hit_rate"]
         run["of_min"] = run["hit_rate"] / mn if run["hit_rate"] is not None and mn else None
+        # the same against MIN under the ledger's rule (no bypass, pinned rows kept)
+        ruled = (run["belady"].get("no_bypass") or {}).get("hit_rate")
+        run["of_min_no_bypass"] = run["hit_rate"] / ruled if run["hit_rate"] is not None and ruled else None
         run["miss_mb_per_token"] = misses * sh["record_bytes"] / steps / MB
         # What the disk must give a token: the misses' records and the prefetches' (right or wrong)
         run["prefetch_mb_per_token"] = st.get("prefetch_reads", 0) * sh["record_bytes"] / steps / MB
@@ -1307,8 +1331,10 @@ def _f(v: Any, spec: str, suffix: str = "") -> str:
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
-COLUMNS = ["shape", "locality", "system", "tok/s", "hit rate", "of MIN", "miss MB/tok", "disk MB/tok",
-           "peak MB", "I/O limit", "compute limit", "of limit", "status"]
+#: "of MIN (bypass)": of MIN with bypass over every row; "of MIN (no bypass)": of MIN under the
+#: ledger's rule (belady_of_run), the run's own ceiling.
+COLUMNS = ["shape", "locality", "system", "tok/s", "hit rate", "of MIN (bypass)", "of MIN (no bypass)", "miss MB/tok",
+           "disk MB/tok", "peak MB", "I/O limit", "compute limit", "of limit", "status"]
 
 
 def _of_what(r: dict[str, Any]) -> str:
@@ -1321,7 +1347,8 @@ def _of_what(r: dict[str, Any]) -> str:
 
 def _row(r: dict[str, Any]) -> list[str]:
     return [r["shape"], r["locality"], r["system"], _f(r.get("decode_tokens_per_s"), ".2f"),
-            _f(r.get("hit_rate"), ".1%"), _f(r.get("of_min"), ".2f", "x"), _f(r.get("miss_mb_per_token"), ".1f"),
+            _f(r.get("hit_rate"), ".1%"), _f(r.get("of_min"), ".2f", "x"), _f(r.get("of_min_no_bypass"), ".2f", "x"),
+            _f(r.get("miss_mb_per_token"), ".1f"),
             _f(r.get("disk_mb_per_token"), ".1f"), _f((r.get("peak_bytes") or 0) / MB or None, ".0f"),
             _f(r.get("io_limit_tokens_per_s"), ".2f"), _f(r.get("compute_limit_tokens_per_s"), ".2f"),
             _f(r.get("of_limit"), ".2f", "x") + _of_what(r),
