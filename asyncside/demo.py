@@ -363,8 +363,8 @@ def choose_reference(store: Any, asked: str, memory: int | None, resident: float
     ``resident``'s, else the smallest the plan may choose), the runtime's headroom and the margin a
     refusal's memory= leaves. Under a ``memory`` budget that is checked whatever ``resident`` is:
     the reference must not take the process past the budget."""
-    from .memory import MIN_HEADROOM, available_memory, describe_bytes, pool_bytes, proc_self_bytes
-    from .runtime._plan import NEED_MARGIN, min_rows
+    from .memory import available_memory, describe_bytes, pool_bytes, proc_self_bytes
+    from .runtime._plan import NEED_MARGIN, min_rows, plan_headroom
 
     if asked != "auto":
         return asked, "asked for"
@@ -376,7 +376,7 @@ def choose_reference(store: Any, asked: str, memory: int | None, resident: float
             # The reference's run also leaves its code (the modules it imports, the kernels MLX
             # compiles), which no figure names: the margin a refusal's memory= adds is kept for it
             # (a memory= named without the model leaves no room for the model beside that margin).
-            after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + MIN_HEADROOM + NEED_MARGIN
+            after = proc_self_bytes("status", "VmRSS") + model_bytes + pools + plan_headroom(store) + NEED_MARGIN
             if after > budget:
                 # Rounded up to a whole MiB: a need a few bytes past the budget read as the budget's
                 # own figure, as if it fitted.

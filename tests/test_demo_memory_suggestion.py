@@ -85,7 +85,9 @@ def test_the_memory_a_refusal_names_is_accepted_after_the_reference(
     process having grown by the model's weights and the reference's code."""
     model = _model_bytes(store_dir)
     assert model + CODE > _plan.NEED_MARGIN > model and CODE < _plan.NEED_MARGIN  # the case found
-    too_small = BASE + memory.MIN_HEADROOM
+    from asyncside import ExpertStore
+
+    too_small = BASE + _plan.estimate_headroom(ExpertStore.open(store_dir), direct=False).total  # the least
     rc, _out, err = _demo(store_dir, str(too_small), capsys)
     assert rc == 2 and "the pools need" in err, err
     wanted = re.search(r"memory=([0-9.]+) MiB or more", err)
@@ -108,7 +110,7 @@ def test_an_all_resident_reference_is_counted_in_the_plan_made_before_it(
     store = ExpertStore.open(store_dir)
     model = _model_bytes(store_dir)
     pools = memory.pool_bytes(store, 0.0, min_rows=_plan.min_rows(store))
-    roomy = BASE + model + pools + memory.MIN_HEADROOM + _plan.NEED_MARGIN + MiB
+    roomy = BASE + model + pools + _plan.plan_headroom(store) + _plan.NEED_MARGIN + MiB
     rc, out, err = _demo(store_dir, str(roomy), capsys)
     assert rc == 0, err
     assert json.loads(out)["reference"] == "all-resident" and process["references"] == 1
@@ -123,7 +125,7 @@ def test_a_refusal_counts_what_the_process_will_take_before_the_runtime_enters(
 
     store = ExpertStore.open(store_dir)
     grows = 40 * MiB
-    rt = Runtime(store, resident="auto", memory=BASE + memory.MIN_HEADROOM)
+    rt = Runtime(store, resident="auto", memory=BASE + _plan.plan_headroom(store))
     with pytest.raises(AsyncsideError) as info:
         rt.plan_now(grows_by=grows)
     text = str(info.value)

@@ -55,7 +55,7 @@ def test_the_plan_says_a_fraction_chosen_for_the_budget(quick_store: pathlib.Pat
     """``resident="auto"`` under a budget that leaves less than the least pools: the fraction the
     plan chose is raised to the model's top-k, and the line says it was chosen, not asked."""
     least = _plan_of(quick_store, resident=0.0).pool_bytes
-    tight = memory.MemoryBudget(memory.MIN_HEADROOM + least, "a test limit")
+    tight = memory.MemoryBudget(_plan.plan_headroom(ExpertStore.open(quick_store)) + least, "a test limit")
     monkeypatch.setattr(memory, "available_memory", lambda: tight)
     plan = _plan_of(quick_store, resident="auto")
     assert plan.rows_raised == {"asked": 0.0, "asked_by": "auto", "rows": 4, "why": "top-k"}, plan.rows_raised

@@ -91,12 +91,12 @@ def test_the_demo_says_the_reference_needs_more_than_the_budget_when_it_does(qui
 
     import asyncside.memory as memory
     from asyncside.demo import choose_reference, reference_model_bytes
-    from asyncside.runtime._plan import NEED_MARGIN, min_rows
+    from asyncside.runtime._plan import NEED_MARGIN, min_rows, plan_headroom
 
     store = ExpertStore.open(quick_store)
     monkeypatch.setattr(memory, "proc_self_bytes", lambda *a: 100 << 20)
     pools = memory.pool_bytes(store, 0.0, min_rows=min_rows(store))
-    need = (100 << 20) + reference_model_bytes(store) + pools + memory.MIN_HEADROOM + NEED_MARGIN
+    need = (100 << 20) + reference_model_bytes(store) + pools + plan_headroom(store) + NEED_MARGIN
     chosen, why = choose_reference(store, "auto", need - 1, "auto")
     said = re.search(r"fit half of the ([0-9.]+) MiB budget, but .* would need ([0-9.]+) MiB", why)
     assert chosen == "slot-cache" and said is not None, why

@@ -60,6 +60,7 @@ from ._plan import (
     choose_resident,
     plan_layer,
     plan_memory,
+    reader_staging_bytes,
     side_rows_problem,
     warm_experts,
 )
@@ -358,7 +359,8 @@ class Runtime:
             self.store, self._layer_ids, resident=self._resident, pinned=self._pinned,
             side_rows=self._side_rows, min_side_rows=self._min_side_rows, memory=self._memory,
             direct=self._direct, host_tier=self._host_tier, rows_profile=self._rows_profile,
-            tier_possible=_pools.device_pools_default() and _native.device_faults_available(), grows_by=grows_by)
+            tier_possible=_pools.device_pools_default() and _native.device_faults_available(), grows_by=grows_by,
+            staging_bytes=reader_staging_bytes(self._reader_args[1]))
 
     async def __aenter__(self) -> Runtime:
         from ..native_env import check_env

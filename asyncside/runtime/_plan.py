@@ -26,9 +26,9 @@ import numpy as np
 
 from .. import memory as _memory
 from ..errors import AsyncsideError, StoreError, TraceError
-from ..kv_layout import KV_STEP, KVLayout
+from ..kv_layout import KV_STEP, KVLayout, dtype_bytes, kv_layout
 from ..memory import AUTO_SHARE, MIN_HEADROOM, TIER_SHARE, MemoryBudget, describe_bytes, layer_rows, parse_size
-from ..readers import ENV_DIRECT, _env_direct
+from ..readers import ENV_DIRECT, ReaderOptions, _env_direct
 from ..store import MANIFEST_NAME, ExpertStore, LayerSpec
 from ._forward_cost import FIT, ForwardCost, config_top_k, forward_cost
 
@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     from ..read_window import ReadWindow
     from ..routing import RoutingTrace
 
-__all__ = ["DEFAULT_MIN_ROWS", "MemoryPlan", "choose_resident", "layer_rows", "min_rows", "plan_layer", "plan_memory",
-           "profile_rows", "rows_raised", "side_rows_problem", "tier_bytes", "warm_experts"]
+__all__ = ["DEFAULT_MIN_ROWS", "Headroom", "MemoryPlan", "choose_resident", "estimate_headroom", "layer_rows",
+           "min_rows", "plan_headroom", "plan_layer", "plan_memory", "profile_rows", "reader_staging_bytes",
+           "rows_raised", "side_rows_problem", "tier_bytes", "warm_experts"]
 
 #: The pools' least rows per layer for a store that does not say how many experts its router picks.
 DEFAULT_MIN_ROWS = 8
@@ -47,6 +48,20 @@ DEFAULT_MIN_ROWS = 8
 #: reads leave unused; the other share stays for what the budget does not plan (the allocator's
 #: slack, files other than the store's that the process reads).
 KV_SHARE = 0.5
+#: The least headroom a plan keeps for a model whose config it can read: MLX's cache of freed
+#: buffers and what the process allocates while it runs beside them (BENCHMARKS.md, "Memory we
+#: use": the budget sweep measured that growth against the estimate).
+HEADROOM_FLOOR = 64 << 20
+#: Of the headroom, what the estimate keeps for MLX's cache of freed buffers, the interpreter's and
+#: the native threads' growth over a run: measured beside the estimate in the same sweep.
+RUNTIME_SLACK = 32 << 20
+#: Positions of one sequence the headroom holds KV cache for (more may fit in the page cache's room
+#: that O_DIRECT reads leave: :attr:`MemoryPlan.kv_spare_bytes`).
+PLANNED_CONTEXT = 2048
+#: Tokens of a prompt chunk at the start of a prompt the headroom holds a forward for: the plan
+#: bounds chunks by what it leaves (:meth:`MemoryPlan.prompt_chunk`), so this is the least chunk
+#: it keeps room for, not a limit.
+PLANNED_CHUNK = 128
 
 #: What ``rows_profile`` takes: a routing trace, or the path of one (``.npz``, docs/routing-traces.md).
 RowsProfile: TypeAlias = "RoutingTrace | str | os.PathLike[str]"
@@ -268,6 +283,104 @@ def _staging_key(spec: LayerSpec) -> tuple[Any, ...]:
 
 
 @dataclass(frozen=True)
+class Headroom:
+    """What a plan's headroom is kept for, in bytes: estimated from the model's ``config.json``
+    (:func:`estimate_headroom`), or the fixed :data:`~asyncside.memory.MIN_HEADROOM` where the
+    config does not say the model's widths (``kv`` and ``forward`` None)."""
+
+    total: int
+    kv: int | None  # one sequence's KV cache at ``context`` positions
+    forward: int | None  # a forward of PLANNED_CHUNK prompt tokens or a decode step, over FIT
+    staging: int  # the reader's O_DIRECT staging slab (0 for buffered reads)
+    slack: int  # MLX's cache of freed buffers and the process's growth over a run
+    context: int = PLANNED_CONTEXT
+
+    @property
+    def estimated(self) -> bool:
+        """Whether the figure comes from the model's config (else it is the fixed one)."""
+        return self.kv is not None and self.forward is not None
+
+    @property
+    def kv_own(self) -> int:
+        """The KV caches' own part of the headroom: as estimated, else a share of the fixed figure."""
+        return self.kv if self.kv is not None and self.forward is not None else int(self.total * KV_SHARE)
+
+    @property
+    def held_staging(self) -> int:
+        """The part no forward's buffers may use: the staging slab, which the reader holds for its
+        life (in an estimate; the fixed figure counted it as room)."""
+        return self.staging if self.estimated else 0
+
+    def describe(self) -> str:
+        """The parts in a few words, for the printed plan."""
+        b = describe_bytes
+        if not self.estimated:
+            return ("the fixed figure: the model's config.json does not say its widths"
+                    + (f"; the reader's O_DIRECT staging {b(self.staging)} of it" if self.staging else ""))
+        parts = [f"KV cache of {self.context:,} positions {b(self.kv or 0)}",
+                 f"a forward of {PLANNED_CHUNK} prompt tokens {b(self.forward or 0)}"]
+        if self.staging:
+            parts.append(f"the reader's O_DIRECT staging {b(self.staging)}")
+        parts.append(f"MLX's cache and the process's growth {b(self.slack)}")
+        summed = sum(x or 0 for x in (self.kv, self.forward, self.staging, self.slack))
+        floor = f", raised to the floor of {b(self.total)}" if self.total > summed else ""
+        return "estimated: " + ", ".join(parts) + floor
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total_bytes": self.total, "kv_bytes": self.kv, "forward_bytes": self.forward,
+                "staging_bytes": self.staging, "slack_bytes": self.slack, "context": self.context,
+                "estimated": self.estimated}
+
+
+def reader_staging_bytes(options: ReaderOptions | None = None) -> int:
+    """The O_DIRECT staging slab a reader of ``options`` (defaults when None) allocates: whole
+    slots of ``slot_bytes``, at least one (native/io_reader.cpp)."""
+    o = ReaderOptions() if options is None else options
+    slot = max(1, int(o.slot_bytes))
+    return max(1, int(o.staging_bytes) // slot) * slot
+
+
+def _element_bytes(config: Mapping[str, Any]) -> int:
+    """Bytes of one KV element of the model ``config`` describes: its ``torch_dtype`` (its text
+    section's too), else float32's (the most a cache takes)."""
+    inner = config.get("text_config")
+    for scope in (config, inner if isinstance(inner, Mapping) else {}):
+        for key in ("torch_dtype", "dtype"):
+            try:
+                return dtype_bytes(scope[key])
+            except (KeyError, ValueError):
+                continue
+    return 4
+
+
+def estimate_headroom(store: ExpertStore, *, direct: bool, staging_bytes: int | None = None,
+                      context: int = PLANNED_CONTEXT) -> Headroom:
+    """The headroom a run of ``store``'s model needs beside the pools (BENCHMARKS.md, "Memory we
+    use"): one sequence's KV cache at ``context`` positions, a forward of :data:`PLANNED_CHUNK`
+    prompt tokens (or a decode step at ``context``, the larger; the plan bounds longer chunks by
+    what is left), the reader's O_DIRECT staging slab when ``direct`` (``staging_bytes``, default
+    the reader's), and :data:`RUNTIME_SLACK`; at least :data:`HEADROOM_FLOOR`. Where the model's
+    config.json does not say its widths: the fixed :data:`~asyncside.memory.MIN_HEADROOM`."""
+    staging = (reader_staging_bytes() if staging_bytes is None else int(staging_bytes)) if direct else 0
+    config = store_config(store)
+    cost = forward_cost(config, store_top_k(store))
+    layout: KVLayout | None = None
+    if config is not None:
+        try:
+            where = f"{getattr(store, 'path', 'the store')}/config.json"
+            layout = kv_layout(config, _element_bytes(config), where=where)
+        except (AsyncsideError, ValueError, TypeError):
+            layout = None
+    if cost is None or layout is None:
+        # Nothing to estimate from: the fixed figure, which held the staging slab as well.
+        return Headroom(total=MIN_HEADROOM, kv=None, forward=None, staging=staging, slack=0, context=context)
+    kv = layout.bytes_for(context)
+    forward = int(max(cost.bytes(PLANNED_CHUNK), cost.bytes(1, context)) / FIT)
+    total = max(HEADROOM_FLOOR, kv + forward + staging + RUNTIME_SLACK)
+    return Headroom(total=total, kv=kv, forward=forward, staging=staging, slack=RUNTIME_SLACK, context=context)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """What the runtime holds and what it leaves, in bytes, decided before anything is allocated."""
 
@@ -302,6 +415,8 @@ class MemoryPlan:
     #: how many pieces the ordered reads past the page cache keep in flight, and why (set once the
     #: runtime is entered: the disk may be measured for it; None in a plan that reads buffered)
     read_window: ReadWindow | None = None
+    #: what the headroom is kept for (None: a plan made without an estimate)
+    headroom_parts: Headroom | None = None
 
     @property
     def pools_fraction(self) -> float | None:
@@ -316,7 +431,9 @@ class MemoryPlan:
         allowance's); None without a budget."""
         if self.kv_allowance_bytes is None:
             return None
-        return self.headroom_bytes - (self.kv_allowance_bytes - self.kv_spare_bytes)
+        # the reader's staging slab is held for the runtime's life: no forward's buffers fit there
+        staging = self.headroom_parts.held_staging if self.headroom_parts is not None else 0
+        return self.headroom_bytes - (self.kv_allowance_bytes - self.kv_spare_bytes) - staging
 
     def kv_tokens(self, layout: KVLayout, chunk: int | None = None) -> int | None:
         """The most positions (prompt and generated tokens) one sequence's KV cache of ``layout``
@@ -365,6 +482,8 @@ class MemoryPlan:
                 f" and {b(self.kv_spare_bytes)} of the page cache's room, {unused}" if self.kv_spare_bytes else "")
         lines.append(f"headroom {b(self.headroom_bytes)} (MLX buffers, KV caches{kv}), "
                      f"page cache {b(self.page_cache_bytes)}")
+        if self.headroom_parts is not None:
+            lines.append(f"headroom {self.headroom_parts.describe()}")
         lines.append(f"reads: {'O_DIRECT' if self.direct else 'buffered'} ({self.direct_reason})")
         if self.read_window is not None:
             lines.append(self.read_window.describe())
@@ -410,6 +529,7 @@ class MemoryPlan:
             "prompt_chunk_at_start": (None if self.forward_room_bytes is None or self.forward is None
                                       else self.prompt_chunk(1 << 20)),
             "read_window": None if self.read_window is None else self.read_window.as_dict(),
+            "headroom_parts": None if self.headroom_parts is None else self.headroom_parts.as_dict(),
         }
 
 
@@ -627,6 +747,24 @@ def _choose_direct(direct: bool | None, cached: int, page_cache: int) -> tuple[b
     return use_direct, why
 
 
+def _without_staging(direct: bool | None, headroom: int, buffered: Headroom, store_bytes: int, room: int, *,
+                     over: bool) -> int:
+    """``headroom``, or where it takes the pools ``over`` the budget the ``buffered`` one (no
+    staging slab) if the reads may stay buffered: the store's records fit the page cache that
+    headroom leaves of ``room`` (a small store under a tight budget, which the slab alone took
+    past it)."""
+    if over and headroom > buffered.total and not _choose_direct(direct, store_bytes, room - buffered.total)[0]:
+        return buffered.total
+    return headroom
+
+
+def plan_headroom(store: ExpertStore, staging_bytes: int | None = None) -> int:
+    """The most headroom a plan of ``store`` keeps (:func:`estimate_headroom` of reads past the page
+    cache, which add the reader's staging slab): what a figure made before the plan (the demo's
+    reference check, ``bench offload``'s least budget) counts for it."""
+    return estimate_headroom(store, direct=True, staging_bytes=staging_bytes).total
+
+
 def plan_memory(
     store: ExpertStore,
     layers: Sequence[int],
@@ -641,6 +779,7 @@ def plan_memory(
     tier_possible: bool,
     rows_profile: RowsProfile | None = None,
     grows_by: int = 0,
+    staging_bytes: int | None = None,
 ) -> MemoryPlan:
     """Plan the runtime's memory (see the module docstring); AsyncsideError when nothing sensible
     fits: the pools, the tier's staging and the headroom must fit the budget. ``rows_profile``
@@ -649,15 +788,22 @@ def plan_memory(
 
     ``direct`` None lets the plan choose; ``tier_possible`` is whether pools live on a device whose
     fault path can keep a host tier; ``grows_by`` is what the process will take before the runtime
-    enters (:func:`resolve_budget`)."""
+    enters (:func:`resolve_budget`); ``staging_bytes`` is the reader's O_DIRECT staging slab
+    (:func:`reader_staging_bytes`, default the reader's own), part of the headroom of a plan that
+    reads past the page cache."""
     budget = resolve_budget(memory, grows_by)
     min_given = min_side_rows
     if min_side_rows is None:
         min_side_rows = min_rows(store)
     # The non-expert weights are loaded before the runtime plans (their bytes are in the process's
     # usage, which the budget excludes already; the loader drops their file's pages from the page
-    # cache, models.loading.drop_loaded_weights): the headroom is for MLX's buffers and KV caches.
-    headroom = MIN_HEADROOM
+    # cache, models.loading.drop_loaded_weights): the headroom is for MLX's buffers and KV caches,
+    # estimated from the model (a fixed figure took half of a small budget for no reason). Reads
+    # past the page cache add the reader's staging slab, so the plan sizes against that headroom
+    # (the larger) and keeps the buffered one where the reads stay buffered.
+    parts_direct = estimate_headroom(store, direct=True, staging_bytes=staging_bytes)
+    parts_buffered = estimate_headroom(store, direct=False, staging_bytes=staging_bytes)
+    headroom = parts_buffered.total if direct is False else parts_direct.total
     specs = {i: store.layer(i) for i in layers}
     notes: list[str] = []
 
@@ -723,6 +869,9 @@ def plan_memory(
     held = pools + tier_total + staging
     page_cache = budget.available - held - headroom
     label = "pinned" if pinned is not None else resident
+    headroom = _without_staging(direct, headroom, parts_buffered, store_bytes, budget.available - held,
+                                over=pools + headroom > budget.available)
+    page_cache = budget.available - held - headroom
     if pools + headroom > budget.available:
         raise _pools_refusal(memory, budget, pools, headroom, rows, asked_auto, label, pools_at, raised, grows_by)
     if page_cache < 0:
@@ -741,6 +890,11 @@ def plan_memory(
     # took a run past its budget by the pools' size).
     cached = store_bytes
     use_direct, why = _choose_direct(direct, cached, page_cache)
+    if not use_direct:
+        # buffered reads allocate no staging slab: its room goes to the page cache
+        headroom = parts_buffered.total
+        page_cache = budget.available - held - headroom
+    parts = parts_direct if use_direct else parts_buffered
     # The page cache's room that reads leave unused goes to the KV caches too (KV_SHARE of it): all of
     # it under O_DIRECT, what is left beyond the store's records where reads go through the page cache.
     # Without it a budget of many GiB over a store the page cache holds granted the KV caches a share
@@ -753,6 +907,7 @@ def plan_memory(
                       direct=use_direct, direct_reason=why, notes=tuple(notes), split=split,
                       # only a budget asked for (memory=) limits the KV caches: without one the
                       # plan is made against what the machine has now, not a promise to keep
-                      kv_allowance_bytes=None if memory is None else int(headroom * KV_SHARE) + kv_spare,
+                      kv_allowance_bytes=None if memory is None else parts.kv_own + kv_spare,
                       kv_spare_bytes=kv_spare, forward=forward_cost(store_config(store), store_top_k(store)),
-                      experts={i: spec.n_experts for i, spec in specs.items()}, rows_raised=raised)
+                      experts={i: spec.n_experts for i, spec in specs.items()}, rows_raised=raised,
+                      headroom_parts=parts)
