@@ -58,7 +58,7 @@ from .arch import (
     switch_meta,
     top_k_attribute,
 )
-from .loading import META_KEY, NON_EXPERT_FILE, _module_path
+from .loading import META_KEY, NON_EXPERT_FILE, _module_path, check_routers
 from .pooled import PooledSwitch, SwitchSpec
 from .tokenizer import TOKENIZER_FILES
 
@@ -518,6 +518,8 @@ def convert_model(model_dir: str | os.PathLike[str], store_dir: str | os.PathLik
                 raise StoreError(src / "config.json", f"layer {l} routes each token to {top_k[str(l)]} of its "
                                                       f"{n_experts[l]} experts; expected 1 to {n_experts[l]}",
                                  _top_k_field(raw))
+    check_routers(model, arch, moe, {l: SwitchSpec.from_meta(m) for l, m in specs.items()}, n_experts, raw,
+                  src / "config.json")
     resident = {l: r[: int(round(resident_fraction * len(r)))] for l, r in ranks.items()}
     meta = {
         "version": 1,

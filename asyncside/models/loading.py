@@ -26,7 +26,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_mod
 
 from ..bridge import Completed
 from ..errors import AsyncsideError, StoreError, os_reason
-from .arch import UnsupportedModelError, arch_for, moe_layers, switch_meta, top_k_attribute
+from .arch import UnsupportedModelError, arch_for, decoder_layers, moe_layers, switch_meta, top_k_attribute
 from .forward import ForwardOptions
 from .pooled import PooledSwitch, SwitchSpec, replace_switches
 from .streaming import StreamingModel
@@ -222,11 +222,68 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
             # its first token failed in MLX's argpartition, or in one queued fault per expert.
             raise StoreError(path / "config.json", f"layer {layer} routes each token to {int(getattr(*where))} "
                                                    f"of its {n} experts; expected 1 to {n}")
+    check_routers(model, arch, moe, specs, {l: store.layers[l].n_experts for l in moe if l in store.layers}, config,
+                  path / "config.json")
     return StreamingModel(
         model, arch=arch, moe=moe, specs=specs, tokenizer=load_tokenizer(path, config), config=config,
         model_id=model_id or meta.get("model_id") or path.name, store=store, completed=completed,
         options=options,
     )
+
+
+#: the configuration fields that shape an MoE router, named when one cannot route a token
+_ROUTER_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_experts_per_tok",
+                  "n_group", "topk_group", "topk_method")
+
+
+def check_routers(model: nn.Module, arch: Any, moe: Mapping[int, tuple[nn.Module, str]],
+                  specs: Mapping[int, SwitchSpec], n_experts: Mapping[int, int], config: Mapping[str, Any],
+                  where: pathlib.Path) -> None:
+    """StoreError naming ``where`` (the model's config.json) when an MoE layer's own router cannot
+    route one token: a configuration mlx-lm builds but whose first forward fails (experts that
+    ``n_group`` does not divide, groups of one expert where the router sums each group's top two).
+
+    Each router runs once on a zero hidden state, stopped before its switch layer, so no expert
+    weight is read; a switch that is not yet pooled (the converter's model) is swapped for a
+    :class:`PooledSwitch` of its spec for the call and put back.
+    """
+    from .pooled import route
+
+    layers = decoder_layers(model)
+    for layer, (block, attr) in moe.items():
+        norm = getattr(layers[layer], arch.mlp_norm, None)
+        width = getattr(norm, "weight", None)
+        if not isinstance(width, mx.array) or width.ndim != 1:
+            continue  # no hidden width to probe with (a norm without a weight): left to the forward
+        sw = getattr(block, attr)
+        pooled = sw if isinstance(sw, PooledSwitch) else PooledSwitch(specs[layer], sw.activation)
+        setattr(block, attr, pooled)
+        try:
+            mx.eval(route(block, attr, mx.zeros((1, 1, width.shape[0]), dtype=width.dtype))[1])
+        except (ValueError, RuntimeError) as exc:
+            if isinstance(exc, AsyncsideError):
+                raise
+            text = " ".join(str(exc).split())
+            cfg = dict(config.get("text_config") or {}, **config)
+            fields = {f: cfg[f] for f in _ROUTER_FIELDS if f in cfg}
+            raise StoreError(where, f"MoE layer {layer}'s router cannot route a token ({text}); its fields "
+                                    f"{json.dumps(fields)}{_group_expectation(cfg, n_experts.get(layer))}",
+                             "n_group" if "n_group" in fields else None) from None
+        finally:
+            setattr(block, attr, sw)
+
+
+def _group_expectation(cfg: Mapping[str, Any], n: int | None) -> str:
+    """What a grouped router needs of its fields (``n``: the layer's experts), when it has groups."""
+    groups = cfg.get("n_group")
+    if not isinstance(groups, int) or groups <= 1:
+        return ""
+    if n is None:
+        return f": expected n_group ({groups}) to divide the experts into groups of at least 2"
+    if n % groups:
+        return f": expected n_group to divide the layer's {n} experts, got {groups}"
+    return (f": expected groups of at least 2 experts (the router sums each group's top two), "
+            f"got {n} experts in {groups} groups")
 
 
 def _check_config_is_the_stores(path: pathlib.Path, meta: Mapping[str, Any]) -> None:
