@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["MemoryBudget", "available_memory", "layer_rows", "pool_bytes", "auto_fraction", "TIER_SHARE",
            "parse_size", "describe_bytes", "proc_self_bytes", "parse_host_tier", "host_tier_arg", "memory_arg",
-           "check_memory", "SIZE_UNITS"]
+           "check_memory", "SIZE_UNITS", "cached_pages", "drop_ranges", "pages_brought_in", "unmap_ranges"]
 
 #: Share of the available memory ``resident="auto"`` gives the pools; the rest stays for the page
 #: cache (the records faults read), the non-expert weights, the KV caches and MLX's own buffers.
@@ -258,6 +258,123 @@ def release_freed_heap() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+def cached_pages(path: str | os.PathLike[str]) -> bytes | None:
+    """One byte per page of the file ``path``, 1 where that page is in the page cache now
+    (``mincore`` over a read-only mapping of the file: nothing read or populated); None where that
+    cannot be told (no such call, the file cannot be opened or mapped)."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        map_, unmap, core = libc.mmap, libc.munmap, libc.mincore
+    except (OSError, AttributeError):
+        return None
+    map_.restype = ctypes.c_void_p
+    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    core.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        addr = map_(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+            if core(addr, size, vec) != 0:
+                return None
+            return bytes(v & 1 for v in vec)
+        finally:
+            unmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def pages_brought_in(before: bytes, after: bytes) -> list[tuple[int, int]]:
+    """The (offset, length) byte ranges of the pages cached in ``after`` and not in ``before``
+    (:func:`cached_pages` of one file, twice), each run of pages one range."""
+    import numpy as np
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    now = np.frombuffer(after, dtype=np.uint8) != 0
+    was = np.zeros(len(now), dtype=bool)
+    was[: min(len(before), len(now))] = np.frombuffer(before, dtype=np.uint8)[: len(now)] != 0
+    new = np.concatenate([[False], now & ~was, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(new))  # starts and ends of the runs, alternately
+    return [(int(a) * page, int(b - a) * page) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def unmap_ranges(path: str | os.PathLike[str], ranges: list[tuple[int, int]]) -> int:
+    """Let go of this process's mapped pages of the ``(offset, length)`` ranges of the file
+    ``path`` (``MADV_DONTNEED`` over each of its mappings of the file, found in
+    ``/proc/self/maps`` by device and inode); the bytes advised. A later access of such a mapping
+    maps the page again (from the page cache, or read). Why: the page cache keeps a page any
+    mapping holds whatever ``POSIX_FADV_DONTNEED`` says, and the native reader copies records whose
+    pages are all cached (as readahead leaves them) through a mapping of the whole blob."""
+    import ctypes
+    import mmap
+
+    try:
+        st = os.stat(path)
+        lines = pathlib.Path("/proc/self/maps").read_text().splitlines()
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dont_need = getattr(mmap, "MADV_DONTNEED", 4)
+    page = mmap.PAGESIZE
+    done = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        span, _perms, offset, dev, inode = fields[:5]
+        try:
+            major, minor = (int(x, 16) for x in dev.split(":"))
+            if int(inode) != st.st_ino or os.makedev(major, minor) != st.st_dev:
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            base = int(offset, 16)
+        except ValueError:
+            continue
+        for off, length in ranges:
+            lo = max(off, base) // page * page
+            hi = -(-min(off + length, base + end - start) // page) * page
+            if lo < hi and advise(start + lo - base, hi - lo, dont_need) == 0:
+                done += hi - lo
+    return done
+
+
+def drop_ranges(path: str | os.PathLike[str], ranges: list[tuple[int, int]]) -> int:
+    """Evict the ``(offset, length)`` ranges of the file ``path`` from the page cache
+    (``POSIX_FADV_DONTNEED``: clean pages no process maps); the bytes advised (0 where the platform
+    or file system keeps no such advice, or the file cannot be opened)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or not ranges:
+        return 0
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        for offset, length in ranges:
+            try:
+                advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+                done += length
+            except OSError:
+                return done  # the file system keeps no such advice: nothing more to drop
+    finally:
+        os.close(fd)
+    return done
 
 
 def describe_bytes(n: int | float) -> str:

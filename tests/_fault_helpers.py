@@ -4,7 +4,6 @@ table over a small store and a tiny converted model (tests/test_queued.py, tests
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import gc
 import mmap
@@ -99,25 +98,11 @@ def direct_file(tmp_path: pathlib.Path, nbytes: int) -> pathlib.Path:
 
 def cached_bytes(path: pathlib.Path) -> int:
     """Bytes of the file ``path`` in the page cache (mincore over a read-only mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-            return sum(v & 1 for v in vec) * mmap.PAGESIZE
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    from asyncside.memory import cached_pages
+
+    pages = cached_pages(path)
+    assert pages is not None, f"{path}: cannot tell its cached pages (mincore)"
+    return sum(pages) * mmap.PAGESIZE
 
 
 def open_fds() -> set[int]:

@@ -14,9 +14,11 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import anyio
 import mlx.core as mx
 import numpy as np
 
+from .. import memory as _memory
 from ..errors import AsyncsideError, CapacityError, FillError, StoreError
 from ..ledger import Fill, Ledger, validate_ids
 from ..policies import Policy
@@ -63,6 +65,45 @@ class HostFills:
     def __init__(self, shared: Shared, queued: QueuedSide) -> None:
         self._s = shared
         self._queued = queued
+        #: bytes of the pinned and warm rows' records whose pages were dropped from the page cache
+        #: once they were in the pools, with what readahead read past them (buffered reads; see
+        #: :meth:`_cached_before`)
+        self.dropped_start_bytes = 0
+
+    def _cached_before(self, layers: Iterable[int]) -> dict[str, bytes]:
+        """Which pages of the blobs of ``layers`` are in the page cache now, per blob, before the
+        rows read at start are read (:meth:`_drop_start_pages` drops what those reads add). Empty
+        under O_DIRECT reads, which leave no pages.
+
+        Why drop them once the rows hold the bytes: a pinned row's record is never read again, and a
+        warm row's only once the policy evicts it, as any first miss is; meanwhile a memory cgroup
+        charges their pages (and what readahead read past them) beside the pools' copies, outside
+        what the plan counts (the non-expert weights' pages are dropped after loading for the same
+        reason). Why only the pages these reads brought in: a page cached before (another process
+        serving the same store, an earlier run) may be read there again. The reader copies fully
+        cached records through its own mapping of the blob, whose pages the advice would skip: those
+        are let go first (:func:`asyncside.memory.unmap_ranges`)."""
+        s = self._s
+        if s.scheduler.direct:
+            return {}
+        out: dict[str, bytes] = {}
+        for index in layers:
+            path = str(s.layers[index].spec.path)
+            if path not in out:
+                pages = _memory.cached_pages(path)
+                if pages is not None:  # cannot tell what was there: drop nothing of it
+                    out[path] = pages
+        return out
+
+    def _drop_start_pages(self, before: Mapping[str, bytes]) -> None:
+        """Evict the pages of each blob of ``before`` cached now and not then; counts the bytes."""
+        for path, pages in before.items():
+            now = _memory.cached_pages(path)
+            if now is not None:
+                ranges = _memory.pages_brought_in(pages, now)
+                # the reader's own mapping first: the page cache keeps what a mapping holds
+                _memory.unmap_ranges(path, ranges)
+                self.dropped_start_bytes += _memory.drop_ranges(path, ranges)
 
     # ---------------------------------------------------------------- setup
 
@@ -90,6 +131,7 @@ class HostFills:
             s.layers[index] = LayerState(spec=spec, ledger=ledger, pools=pools)
             pinned_sets[index] = chosen
         # Pinned rows are read once, through the same reader as everything else.
+        before = await anyio.to_thread.run_sync(self._cached_before, list(pinned_sets))
         handles: list[FillHandle] = []
         for index, chosen in pinned_sets.items():
             st = s.layers[index]
@@ -111,6 +153,7 @@ class HostFills:
         if errors:
             raise ExceptionGroup("loading resident experts failed", errors)
         await self._warm_up(pinned_sets)
+        await anyio.to_thread.run_sync(self._drop_start_pages, before)
 
     async def _warm_up(self, pinned_sets: Mapping[int, list[int]]) -> None:
         """Fill the dynamic rows with the store's hottest experts (when it ranks them) before the
