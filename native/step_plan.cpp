@@ -66,6 +66,11 @@ StepPlan::StepPlan(const std::vector<mx::array>& roots) {
       break;
     }
   }
+  if (all_gpu_) {
+    for (const auto& r : roots) {
+      if (r.status() == mx::array::Status::unscheduled) roots_.push_back(r);
+    }
+  }
 }
 
 std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, int64_t slice_ns, bool lend) {
@@ -76,9 +81,16 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
   }
   if (all_gpu_) {
     // A GPU stream counts one task per committed command buffer (on CUDA a graph launch), and
-    // every eval commits one: the whole step goes in one eval, which never waits here.
-    mx::async_eval(std::vector<mx::array>(order_.begin() + static_cast<std::ptrdiff_t>(next_), order_.end()));
+    // every eval commits one: the whole step goes in one eval, which never waits here. It goes
+    // as its roots, with this plan's references to the other nodes dropped first, as mlx-lm
+    // hands over its own step: MLX lets an op reuse an input's buffer only where nothing else
+    // holds that input, and every node listed (or held here) kept its own buffer: a step took a
+    // buffer per node (tests/test_step_plan_gpu.py; BENCHMARKS.md, "Decode: queued steps").
+    std::vector<mx::array> roots = std::move(roots_);
+    roots_.clear();
     next_ = order_.size();
+    order_.clear();
+    mx::async_eval(std::move(roots));
     ++chunks_;
     finish();
     return {true, std::nullopt};

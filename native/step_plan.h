@@ -58,6 +58,7 @@ class StepPlan {
                                                                 int64_t slice_ns);
 
   std::vector<mlx::core::array> order_;
+  std::vector<mlx::core::array> roots_;  // a GPU step goes to MLX as its roots (see advance)
   size_t size_ = 0;
   size_t next_ = 0;
   size_t chunks_ = 0;
