@@ -20,6 +20,8 @@ import json
 import sys
 from typing import Any
 
+import numpy as np
+
 from .argtypes import file_name, int_at_least
 from .errors import TraceError
 
@@ -81,8 +83,14 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
         "mapped_from": trace.meta.get("mapped_from"), "widened": trace.meta.get("widened"), "caches": []}
     accesses = trace.n_tokens * trace.top_k * trace.n_layers
     sizes = [max(trace.top_k, int(round(fraction * trace.n_experts))) for fraction in (0.25, 0.5)]
-    lru_hits = trace_lru_hits(trace, sizes)  # the runtime's LRU, as bench policy replays it
-    min_hits = trace_min_hits(trace, sizes) if with_min else None
+    used, first_uses = used_experts_only(trace)
+    # Rows for every expert a layer routes to: no eviction, so every access but a first use hits.
+    replayed = [r for r in sizes if r < used.n_experts]
+    every = {r: accesses - first_uses for r in sizes if r >= used.n_experts}
+    lru = dict(zip(replayed, trace_lru_hits(used, replayed) if replayed else []))
+    lru_hits = [lru.get(r, every.get(r, 0)) for r in sizes]  # the runtime's LRU, as bench policy replays it
+    mins = dict(zip(replayed, trace_min_hits(used, replayed) if replayed and with_min else []))
+    min_hits = [mins.get(r, every.get(r, 0)) for r in sizes] if with_min else None
     out["accesses"] = accesses
     for i, (fraction, rows) in enumerate(zip((0.25, 0.5), sizes)):
         entry: dict[str, Any] = {"fraction": fraction, "rows": rows, "lru": round(lru_hits[i] / accesses, 4),
@@ -94,6 +102,27 @@ def trace_info(trace: Any, *, with_min: bool = True) -> dict[str, Any]:
                          lru_of_min=round(lru_hits[i] / min_hits[i], 4) if min_hits[i] else None)
         out["caches"].append(entry)
     return out
+
+
+def used_experts_only(trace: Any) -> tuple[Any, int]:
+    """``trace`` with each layer's ids renumbered in order over the experts that layer routes to
+    (``n_experts`` the most any layer uses, at least the top-k), so the same caches hit the same:
+    an expert never routed never takes a row, and ties broken by id keep their order; and the
+    experts the layers route to, summed (each one's first use, which no cache hits).
+
+    The replays of :mod:`asyncside.policy_replay` step through arrays of every expert per step;
+    a trace of a million experts of which it routes a few thousand took minutes a layer."""
+    from .routing import RoutingTrace
+
+    ids = np.empty(trace.ids.shape, dtype=np.int32)
+    most, first_uses = trace.top_k, 0
+    for layer in range(trace.n_layers):
+        kept, inverse = np.unique(trace.ids[:, layer, :], return_inverse=True)
+        ids[:, layer, :] = inverse.reshape(ids.shape[0], ids.shape[2])
+        most, first_uses = max(most, len(kept)), first_uses + len(kept)
+    if most == trace.n_experts:
+        return trace, first_uses
+    return RoutingTrace(ids=ids, lengths=trace.lengths, n_experts=most, meta={}), first_uses
 
 
 def _print_info(path: str, info: dict[str, Any]) -> None:

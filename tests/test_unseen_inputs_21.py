@@ -85,3 +85,49 @@ def test_groups_of_one_expert_where_the_router_takes_each_groups_maximum_still_c
     save_config(dict(config), tmp_path / "m" / "config.json")
     store = convert_model(tmp_path / "m", tmp_path / "store", progress=False)
     assert store.layers
+
+
+def _sparse_trace(n_experts: int, used: int, tokens: int = 120, layers: int = 3, top_k: int = 4, seed: int = 0) -> object:
+    """A trace of ``n_experts`` per layer that routes to ``used`` of them (spread over the range)."""
+    import numpy as np
+
+    from asyncside.routing import RoutingTrace
+
+    rng = np.random.default_rng(seed)
+    spread = np.sort(rng.choice(n_experts, used, replace=False))
+    ids = np.stack([np.stack([spread[rng.choice(used, top_k, replace=False)] for _ in range(layers)])
+                    for _ in range(tokens)])
+    return RoutingTrace(ids=ids.astype(np.int32), lengths=np.array([tokens // 2, tokens - tokens // 2]),
+                        n_experts=n_experts, meta={})
+
+
+def test_routing_info_of_a_trace_of_a_million_experts_replays_only_those_it_routes_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncside routing info`` of a trace of 2^20 experts a layer (the format's most; 2,000
+    tokens of 8 layers top-8) ran past five minutes: the LRU and MIN replays step through arrays
+    of every expert per step. It replays each layer over the experts it routes to, renumbered
+    in order (the same hits), and a cache that holds all of them hits every access but a first
+    use without a replay: the same file takes under a second."""
+    from asyncside import policy_replay, routing_cli
+
+    seen: list[int] = []
+    for name in ("trace_lru_hits", "trace_min_hits"):
+        real = getattr(policy_replay, name)
+        monkeypatch.setattr(policy_replay, name,
+                            lambda trace, rows, real=real: seen.append(trace.n_experts) or real(trace, rows))
+    info = routing_cli.trace_info(_sparse_trace(1 << 20, 40))
+    assert all(n <= 40 for n in seen), seen
+    assert [c["rows"] for c in info["caches"]] == [1 << 18, 1 << 19]
+
+
+@pytest.mark.parametrize("used", [150, 100])
+def test_routing_info_over_the_routed_experts_gives_the_full_replays_hits(used: int) -> None:
+    """The renumbered replay, and the all-fitting shortcut (100 experts routed, 128 rows at 50%),
+    give the hits the replays give over every expert of the file."""
+    from asyncside import policy_replay, routing_cli
+
+    trace = _sparse_trace(256, used)
+    info = routing_cli.trace_info(trace)
+    sizes = [c["rows"] for c in info["caches"]]
+    assert [c["lru_hits"] for c in info["caches"]] == policy_replay.trace_lru_hits(trace, sizes)
+    assert [c["min_hits"] for c in info["caches"]] == policy_replay.trace_min_hits(trace, sizes)
