@@ -761,7 +761,7 @@ void bind_faults(nb::module_& m) {
           "fault_read_window(); ValueError otherwise.")
       .def(
           "set_order",
-          [](PyFaultTable& p, const std::string& order, double half_life) {
+          [](PyFaultTable& p, const std::string& order, double half_life, const std::vector<double>& kept) {
             fa::VictimOrder o;
             if (order == "lend") {
               o = fa::VictimOrder::LendOrder;
@@ -772,11 +772,13 @@ void bind_faults(nb::module_& m) {
             } else {
               throw std::invalid_argument("order: expected 'lend', 'recency' or 'decayed', got '" + order + "'");
             }
-            p.t->set_order(o, half_life);
+            p.t->set_order(o, half_life, kept);
           },
-          nb::arg("order"), nb::arg("half_life") = 8.0,
+          nb::arg("order"), nb::arg("half_life") = 8.0, nb::arg("kept") = std::vector<double>{},
           "Which lent row a fault takes: the first lent ('lend'), the least recently used "
-          "('recency'), or the lowest use count decayed by `half_life` steps ('decayed').");
+          "('recency'), or the lowest use count decayed by `half_life` steps ('decayed'). Counts are "
+          "kept under `half_life` and each of `kept` (a policy's candidate half-lives), so one adopted "
+          "later ranks by the counts it would have had all along.");
 
   m.def(
       "expert_rows",

@@ -481,11 +481,36 @@ void FaultTable::absorb_device_uses_locked() {
   }
 }
 
-void FaultTable::set_order(VictimOrder order, double half_life) {
+void FaultTable::set_order(VictimOrder order, double half_life, const std::vector<double>& kept) {
   if (!(half_life > 0.0)) throw std::invalid_argument("half_life: expected > 0");
+  for (double h : kept) {
+    if (!(h > 0.0)) throw std::invalid_argument("kept half-lives: expected each > 0, got " + std::to_string(h));
+  }
   std::lock_guard<std::mutex> lk(mu_);
   order_ = order;
-  half_life_ = half_life;
+  std::vector<double> want = half_lives_;
+  auto index = [&want](double h) -> size_t {
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i] == h) return i;
+    }
+    want.push_back(h);
+    return want.size() - 1;
+  };
+  for (double h : kept) index(h);
+  const size_t ranked = index(half_life);
+  if (want.size() != half_lives_.size()) {
+    // New columns start from the ranked one's counts (as one count re-read under another half-life).
+    const size_t old_h = half_lives_.size(), new_h = want.size();
+    std::vector<double> grown(static_cast<size_t>(n_experts_) * new_h, 0.0);
+    for (size_t e = 0; e < static_cast<size_t>(n_experts_); ++e) {
+      for (size_t i = 0; i < new_h; ++i) {
+        grown[e * new_h + i] = score_[e * old_h + (i < old_h ? i : ranked_)];
+      }
+    }
+    score_ = std::move(grown);
+    half_lives_ = std::move(want);
+  }
+  ranked_ = ranked;
 }
 
 void FaultTable::set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected) {
@@ -532,7 +557,11 @@ void FaultTable::touch_locked(int64_t expert, uint64_t stamp) {
   // The decayed counts are kept in every order: the policy may switch the order between steps
   // (LRFU's recency guard), and ranks by them must then be current, not as of the switch.
   const double age = static_cast<double>(stamp - last_use_[e]);
-  score_[e] = (last_use_[e] ? score_[e] * std::exp2(-age / half_life_) : 0.0) + 1.0;
+  const size_t n = half_lives_.size();
+  for (size_t i = 0; i < n; ++i) {
+    double& s = score_[e * n + i];
+    s = (last_use_[e] ? s * std::exp2(-age / half_lives_[i]) : 0.0) + 1.0;
+  }
   last_use_[e] = stamp;
 }
 
@@ -545,7 +574,9 @@ double FaultTable::rank_locked(int64_t expert, uint64_t stamp) const {
     case VictimOrder::Recency:
       return static_cast<double>(last_use_[e]);
     case VictimOrder::Decayed:
-      return last_use_[e] ? score_[e] * std::exp2(-static_cast<double>(stamp - last_use_[e]) / half_life_) : 0.0;
+      return last_use_[e] ? score_[e * half_lives_.size() + ranked_] *
+                                std::exp2(-static_cast<double>(stamp - last_use_[e]) / half_lives_[ranked_])
+                          : 0.0;
   }
   return 0.0;
 }

@@ -218,7 +218,11 @@ class FaultTable {
   std::vector<int32_t> table();
   std::vector<int64_t> lent() const;
   std::map<std::string, uint64_t> counters();
-  void set_order(VictimOrder order, double half_life);
+  // Rank victims by `order`; Decayed: by each expert's use count decayed with `half_life` steps.
+  // A count is kept under `half_life` and under each of `kept` (a policy's candidate half-lives):
+  // one adopted later ranks by the counts it would have had all along, as the policy's shadows
+  // judged it. A half-life not kept before starts from the counts of the one ranked until now.
+  void set_order(VictimOrder order, double half_life, const std::vector<double>& kept = {});
   // Check every faulted record against `expected[expert]` (kind None: no check) before it is used.
   void set_checksums(io::ChecksumKind kind, std::vector<uint32_t> expected);
   // Drop each record from the page cache once it was read (POSIX_FADV_DONTNEED): when the store
@@ -381,13 +385,15 @@ class FaultTable {
   std::vector<uint8_t> lent_flag_;  // row -> lent (and not being filled right now)
   std::vector<int64_t> lent_;       // lent rows, lend order (a filled row goes to the back)
   std::vector<uint64_t> last_use_;  // expert -> stamp of the last resolve that routed it
-  std::vector<double> score_;       // expert -> decayed use count as of last_use_ (Decayed order)
+  std::vector<double> score_;       // expert * half_lives_.size() + i -> decayed use count under
+                                    // half_lives_[i] as of last_use_ (Decayed order)
   std::vector<uint8_t> prefetched_; // expert -> in its row by a prefetch, not routed since
   VictimOrder order_ = VictimOrder::Recency;
   io::ChecksumKind checksum_kind_ = io::ChecksumKind::None;
   std::atomic<bool> drop_cache_{false};
   std::vector<uint32_t> checksums_;
-  double half_life_ = 8.0;
+  std::vector<double> half_lives_{8.0};  // the half-lives counts are kept under
+  size_t ranked_ = 0;                    // the one of half_lives_ the Decayed order ranks by
   std::vector<uint64_t> seen_;      // expert -> stamp of the resolve in progress (dedup)
   uint64_t clock_ = 0;
   Drained log_;

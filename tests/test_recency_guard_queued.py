@@ -39,6 +39,42 @@ def test_decayed_counts_are_kept_while_the_table_ranks_by_recency(tmp_path: path
     assert ev.shape[0] == 1 and ev[0, 2] == 7 and ev[0, 1] == 2, ev
 
 
+def _victim_after_adopting_256(tmp_path: pathlib.Path, kept: list[float]) -> int:
+    """Expert 1 used 80 times, then 2 used 40 times, then 0, ranked by decayed counts of half-life
+    8 (``kept``: the table's other half-lives); then ranked by 256 and a new expert 7 routed with
+    0: the expert it evicted."""
+    store, pools, table = fault_table(tmp_path, rows=3)
+    table.set_order("decayed", 8.0, kept)
+    table.lend([0, 1, 2])
+    for ids in [[1]] * 80 + [[2]] * 40 + [[0]]:
+        mx.eval(_native.expert_rows(mx.array(ids, dtype=mx.uint32), table, CPU) + 0)
+    table.drain()
+    table.set_order("decayed", 256.0, kept)
+    mx.eval(_native.expert_rows(mx.array([7, 0], dtype=mx.uint32), table, CPU) + 0)
+    ev = drain_events(table)
+    assert ev.shape[0] == 1 and ev[0, 2] == 7, ev
+    return int(ev[0, 1])
+
+
+def test_a_half_life_adopted_ranks_by_the_counts_it_would_have_had_all_along(tmp_path: pathlib.Path) -> None:
+    """adaptive-lrfu judges each candidate half-life by a shadow whose counts were kept under that
+    half-life all along; the table kept one count, under the half-life it ranked by, and on an
+    adoption re-read it under the new one. Under a half-life of 8 both counts saturate near 12
+    and the re-read makes 1 the victim (its last use older), while counted under 256 all along 1
+    holds about 66 uses against 2's 37: 2 goes."""
+    assert _victim_after_adopting_256(tmp_path, [8.0, 256.0]) == 2
+
+
+def test_a_half_life_not_kept_starts_from_the_ranked_counts(tmp_path: pathlib.Path) -> None:
+    """Told a half-life it kept no count under (no candidates given: lrfu, the old behaviour), the
+    table re-reads the ranked counts under it: expert 1 goes (see above). A half-life kept must be
+    positive."""
+    assert _victim_after_adopting_256(tmp_path, []) == 1
+    store, pools, table = fault_table(tmp_path / "other", rows=3)
+    with pytest.raises(ValueError, match="kept half-lives"):
+        table.set_order("decayed", 8.0, [0.0])
+
+
 async def one_step(q: Any, layer: int, ids: list[int]) -> None:
     """One queued step of ``layer``'s experts ``ids``, awaited and finished."""
     step = q.begin()
@@ -100,9 +136,10 @@ class _OrdersSeen:
     def __init__(self, table: Any) -> None:
         self.table, self.told = table, []
 
-    def set_order(self, order: str, half_life: float) -> None:
+    def set_order(self, order: str, half_life: float, kept: list[float] | None = None) -> None:
         self.told.append((order, half_life))
-        self.table.set_order(order, half_life)
+        self.kept = kept
+        self.table.set_order(order, half_life, kept or [])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.table, name)
@@ -127,6 +164,7 @@ def test_a_half_life_adaptive_lrfu_adopts_reaches_the_fault_tables(sm: Any) -> N
             try:
                 q.reconcile_all()
                 told = list(st.faults.told)
+                assert st.faults.kept == list(policy.half_lives)  # counts kept under every candidate
             finally:
                 st.faults = real
             await rt.quiesce()

@@ -572,7 +572,9 @@ class QueuedSide:
         adopts another half-life."""
         policy = st.ledger.policy
         if st.faults is not None and (policy.native_order, policy.half_life) != (st.native_order, st.native_half_life):
-            st.faults.set_order(policy.native_order, policy.half_life)
+            # Counts under every half-life the policy may adopt (adaptive-lrfu's candidates): one
+            # adopted ranks by the counts its shadow was judged on, not by another's re-read.
+            st.faults.set_order(policy.native_order, policy.half_life, list(getattr(policy, "half_lives", ())))
             st.native_order, st.native_half_life = policy.native_order, policy.half_life
 
     def reconcile(self, st: LayerState) -> None:
