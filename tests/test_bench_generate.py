@@ -290,7 +290,7 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
 
     monkeypatch.setattr(_plan, "_resident_now", lambda: 0)  # the budget is for the runtime alone here
     side = sum(f.stat().st_size for f in quick_store.glob("*.safetensors"))
-    budget = pools + memory.MIN_HEADROOM + (1 << 20)  # 1 MiB of page cache for a larger store
+    budget = pools + _plan.plan_headroom(store) + (1 << 20)  # 1 MiB of page cache for a larger store
     capsys.readouterr()
     assert main(["demo", "--model", str(quick_store), "--tokens", "5", "--resident", "0.25", "--json",
                  "--memory", str(budget), "--reference", "slot-cache"]) == 0
@@ -310,8 +310,8 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
     # refusal's memory= adds, kept for the reference's code), else the slot cache.
     model = sum(store.layer(i).blob_bytes for i in store.layers) + side
     monkeypatch.setattr(memory, "proc_self_bytes", lambda *a: 64 << 20)  # what the process holds, fixed
-    after = ((64 << 20) + model + memory.pool_bytes(store, 0.0, min_rows=min_rows(store)) + memory.MIN_HEADROOM
-             + _plan.NEED_MARGIN)
+    after = ((64 << 20) + model + memory.pool_bytes(store, 0.0, min_rows=min_rows(store))
+             + _plan.plan_headroom(store) + _plan.NEED_MARGIN)
     if max(2 * model, after) <= memory.available_memory().available:
         assert choose_reference(store, "auto", max(2 * model, after))[0] == "all-resident"
         assert choose_reference(store, "auto", max(2 * model, after) - 1)[0] == "slot-cache"
