@@ -49,6 +49,27 @@ def test_a_grouped_router_that_cannot_route_is_refused_at_convert(tmp_path: path
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize(("field", "value"), [("num_experts_per_tok", "4"), ("num_experts_per_tok", 4.0),
+                                              ("num_experts_per_tok", True), ("topk_group", "1")])
+def test_a_router_count_that_is_not_an_integer_is_refused_at_convert(tmp_path: pathlib.Path, field: str,
+                                                                     value: object) -> None:
+    """A count written as a string, a float or a boolean in config.json (``"num_experts_per_tok":
+    "4"``, ``4.0``, ``true``; ``"topk_group": "1"``) converted, or ended convert in a TypeError
+    traceback from mlx-lm's router; the refusal names that field (not ``n_group`` of a grouping
+    that fits) and says an integer was expected."""
+    from asyncside.models import convert_model
+
+    src = _save(tmp_path, "ds3_counts", n_group=2, topk_group=1)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[field] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StoreError) as err:
+        convert_model(src, tmp_path / "store", progress=False)
+    assert err.value.field == field, err.value
+    assert f"expected {field} to be an integer, got {json.dumps(value)}" in str(err.value), err.value
+    assert "groups of at least 2" not in str(err.value)
+
+
 def test_a_store_whose_config_was_edited_to_bad_groups_is_refused_at_load(tmp_path: pathlib.Path) -> None:
     """The same configuration reached through a store's own config.json (edited after
     converting) loaded, and its first forward was mlx-lm's traceback; ``load_streaming_model``

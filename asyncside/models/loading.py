@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -233,7 +234,7 @@ def load_streaming_model(model_dir_or_store: str | pathlib.Path, *, completed: C
 
 #: the configuration fields that shape an MoE router, named when one cannot route a token
 _ROUTER_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_experts_per_tok",
-                  "n_group", "topk_group", "topk_method")
+                  "n_group", "topk_group", "topk_method", "routed_scaling_factor", "norm_topk_prob")
 
 
 def check_routers(model: nn.Module, arch: Any, moe: Mapping[int, tuple[nn.Module, str]],
@@ -260,30 +261,42 @@ def check_routers(model: nn.Module, arch: Any, moe: Mapping[int, tuple[nn.Module
         setattr(block, attr, pooled)
         try:
             mx.eval(route(block, attr, mx.zeros((1, 1, width.shape[0]), dtype=width.dtype))[1])
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, TypeError) as exc:  # TypeError: a count written as 4.0 or "4"
             if isinstance(exc, AsyncsideError):
                 raise
-            text = " ".join(str(exc).split())
+            # nanobind lists every overload between the call and what it was given: only those kept
+            text = re.sub(r" The following argument types are supported:.*?(?=Invoked with|$)", " ",
+                          " ".join(str(exc).split()))
             cfg = dict(config.get("text_config") or {}, **config)
             fields = {f: cfg[f] for f in _ROUTER_FIELDS if f in cfg}
-            raise StoreError(where, f"MoE layer {layer}'s router cannot route a token ({text}); its fields "
-                                    f"{json.dumps(fields)}{_group_expectation(cfg, n_experts.get(layer))}",
-                             "n_group" if "n_group" in fields else None) from None
+            field, expected = _router_expectation(fields, n_experts.get(layer))
+            raise StoreError(where, f"MoE layer {layer}'s router cannot route a token ({text[:300]}); its fields "
+                                    f"{json.dumps(fields)}{expected}", field) from None
         finally:
             setattr(block, attr, sw)
 
 
-def _group_expectation(cfg: Mapping[str, Any], n: int | None) -> str:
-    """What a grouped router needs of its fields (``n``: the layer's experts), when it has groups."""
-    groups = cfg.get("n_group")
-    if not isinstance(groups, int) or groups <= 1:
-        return ""
-    if n is None:
-        return f": expected n_group ({groups}) to divide the experts into groups of at least 2"
+#: the router fields that count experts or groups: integers
+_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_experts_per_tok",
+                 "n_group", "topk_group")
+
+
+def _router_expectation(fields: Mapping[str, Any], n: int | None) -> tuple[str | None, str]:
+    """(field at fault, what it needed) of a router that could not route (``n``: the layer's
+    experts), where the fields say: a count that is not an integer, a grouping that does not fit."""
+    for name in _COUNT_FIELDS:
+        value = fields.get(name)
+        if name in fields and (isinstance(value, bool) or not isinstance(value, int)):
+            return name, f": expected {name} to be an integer, got {json.dumps(value)}"
+    groups = fields.get("n_group")
+    if not isinstance(groups, int) or groups <= 1 or n is None:
+        return None, ""
     if n % groups:
-        return f": expected n_group to divide the layer's {n} experts, got {groups}"
-    return (f": expected groups of at least 2 experts (the router sums each group's top two), "
-            f"got {n} experts in {groups} groups")
+        return "n_group", f": expected n_group to divide the layer's {n} experts, got {groups}"
+    if n // groups < 2:
+        return "n_group", (f": expected groups of at least 2 experts (the router sums each group's top two), "
+                           f"got {n} experts in {groups} groups")
+    return None, ""
 
 
 def _check_config_is_the_stores(path: pathlib.Path, meta: Mapping[str, Any]) -> None:
