@@ -641,14 +641,36 @@ def _expert_slices_switch(source: QueuedSource, layer: int, spec: Any, activatio
     return y.reshape(*inds.shape, y.shape[-1])
 
 
+def slot_groups(k: int) -> list[int]:
+    """How a streamed switch of ``k`` slots groups them, in its compute order: sizes 1, 1, 2, 3,
+    4, ..., the last cut to what is left (10 slots: 1, 1, 2, 3, 3), each group one ``finish_rows``
+    node and one gather.
+
+    Why: a group costs a dozen graph nodes built on the loop thread and run on the stream, whatever
+    its size, which a small record's read does not repay: one group a slot, a switch of many small
+    records (a fine-grained MoE's) took more loop and stream CPU a token than grouped, and no less
+    time (BENCHMARKS.md, "Fine-grained records"). The first two positions stay single: the compute
+    order puts the experts that are in first, so at low locality the second is the first miss,
+    which waits one record's read as it did alone. After it the records land back to back while
+    the groups before compute; groups growing from the first position on waited for their reads
+    more than these (the same section)."""
+    sizes: list[int] = []
+    left = k
+    while left > 0:
+        sizes.append(min(max(1, len(sizes)), left))
+        left -= sizes[-1]
+    return sizes
+
+
 def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: mx.array, inds: mx.array,
                      pools: Any, ahead: tuple[int, mx.array] | None = None) -> mx.array:
     """A small switch layer's output with its misses streamed: one ``begin_rows`` node maps every
     routed expert to its row, starts the absent ones' reads in the background, and says per token
     in which order to compute its ``k`` slots (those whose expert is in first, then the others as
-    their reads were issued). Then slot after slot, in that order, waits for its own experts alone
-    (``finish_rows``) and computes its products. So the experts that are in compute while the
-    others are still read, and the layer's reads overlap its expert compute instead of preceding it.
+    their reads were issued). Then group after group of slots (:func:`slot_groups`), in that order,
+    waits for its own experts alone (``finish_rows``) and computes their products. So the experts
+    that are in compute while the others are still read, and the layer's reads overlap its expert
+    compute instead of preceding it.
 
     With ``ahead`` (the next MoE layer and its predicted ids), the first slot's rows pass through a
     ``prefetch_rows`` node before its gather: once that slot's experts are in, the next layer's
@@ -665,13 +687,15 @@ def _streamed_switch(source: Any, layer: int, spec: Any, activation: Any, x_sw: 
     both = source.begin_rows(layer, inds)
     rows, order = both[..., :k], both[..., k:]
     outs = []
-    for p in range(k):
-        slot = order[..., p:p + 1]
-        ids_p = mx.take_along_axis(inds, slot, axis=-1)
-        mine = source.finish_rows(layer, ids_p, mx.take_along_axis(rows, slot, axis=-1))
-        if ahead is not None and p == 0:
+    start = 0
+    for g, size in enumerate(slot_groups(k)):
+        slots = order[..., start:start + size]
+        ids_g = mx.take_along_axis(inds, slots, axis=-1)
+        mine = source.finish_rows(layer, ids_g, mx.take_along_axis(rows, slots, axis=-1))
+        if ahead is not None and g == 0:
             mine = source.prefetch_rows(ahead[0], ahead[1], mine)
         outs.append(pooled_switch_apply(spec, activation, x_sw, mine, pools, sort=False))
+        start += size
     y = mx.concatenate(outs, axis=-2)  # (..., k, out), in compute order
     back = mx.argsort(order, axis=-1)
     return mx.take_along_axis(y, mx.expand_dims(back, -1), axis=-2)
