@@ -17,7 +17,7 @@ import anyio
 import pytest
 from _fault_helpers import LOOPS, run_guarded
 
-from asyncside import ExpertStore, Runtime
+from asyncside import ExpertStore, Runtime, memory
 from asyncside.audit import audit_problems
 from asyncside.errors import AsyncsideError
 from asyncside.runtime import _plan as plan_mod
@@ -39,11 +39,17 @@ def sm(quick_store: pathlib.Path) -> Any:
 
 
 @pytest.fixture
-def budget(monkeypatch: pytest.MonkeyPatch) -> str:
+def budget(monkeypatch: pytest.MonkeyPatch, quick_store: pathlib.Path) -> str:
     """A budget whose page cache cannot hold the store's records outside the pools: O_DIRECT reads
-    (the plan made as if the process held nothing, whatever the test process holds)."""
+    (the plan made as if the process held nothing, whatever the test process holds): the pools,
+    the plan's headroom and 1 MiB."""
     monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)
-    return "257M"
+    return _direct_budget(quick_store)
+
+
+def _direct_budget(path: pathlib.Path) -> str:
+    store = ExpertStore.open(path)
+    return str(memory.pool_bytes(store, 0.25) + plan_mod.plan_headroom(store) + (1 << 20))
 
 
 def _runtime(sm: Any, memory: str) -> Runtime:
@@ -65,7 +71,7 @@ def reference(sm: Any, quick_store: pathlib.Path) -> list[int]:
     plan_mod._resident_now = lambda: 0
     try:
         async def main() -> tuple[list[int], bool]:
-            async with _runtime(sm, "257M") as rt:
+            async with _runtime(sm, _direct_budget(quick_store)) as rt:
                 assert rt.plan is not None and rt.plan.direct, rt.plan and rt.plan.describe()
                 return await _generate(sm, rt), rt.plan.direct
         tokens, _ = anyio.run(main)

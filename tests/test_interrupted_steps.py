@@ -22,6 +22,7 @@ from _fault_helpers import run_guarded
 from asyncside import ExpertStore, Runtime
 from asyncside.audit import audit_problems
 from asyncside.bridge import completed
+from asyncside.memory import pool_bytes
 from asyncside.models import ForwardOptions
 from asyncside.models import per_layer as per_layer_mod
 from asyncside.models import queued as queued_mod
@@ -64,8 +65,11 @@ class _Run:
                         else ForwardOptions(mode=mode))
 
     def runtime(self) -> Runtime:
-        memory = "257M" if self.streamed else None
-        return Runtime(ExpertStore.open(self.sm.store.path), resident=0.25, memory=memory)
+        store = ExpertStore.open(self.sm.store.path)
+        # Streamed: the pools, the plan's headroom and 1 MiB of page cache, which cannot hold the
+        # store's records outside the pools (reads past the page cache).
+        budget = pool_bytes(store, 0.25) + plan_mod.plan_headroom(store) + (1 << 20) if self.streamed else None
+        return Runtime(store, resident=0.25, memory=budget)
 
     async def generate(self, rt: Runtime) -> list[int]:
         prompt = list(self.sm.tokenizer.encode("Mixture of experts stream"))
