@@ -85,7 +85,7 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
     // as its roots, with this plan's references to the other nodes dropped first, as mlx-lm
     // hands over its own step: MLX lets an op reuse an input's buffer only where nothing else
     // holds that input, and every node listed (or held here) kept its own buffer: a step took a
-    // buffer per node (tests/test_step_plan_gpu.py; BENCHMARKS.md, "Decode: queued steps").
+    // buffer per node (tests/test_step_plan_gpu.py).
     std::vector<mx::array> roots = std::move(roots_);
     roots_.clear();
     next_ = order_.size();
