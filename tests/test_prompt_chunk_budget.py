@@ -157,8 +157,11 @@ def test_the_server_takes_its_prefill_chunk_from_the_plan(tmp_path: pathlib.Path
         async with Runtime(sm.store, resident=0.25, reader="threads", memory=_roomy()) as rt:
             assert rt.plan is not None
             # a room for a few tokens of this model: the asked chunk shrinks to what fits it
-            # (the allowance all the headroom's: none of it from the page cache's room)
-            tight = dataclasses.replace(rt.plan, kv_allowance_bytes=rt.plan.headroom_bytes - (64 << 10),
+            # (the allowance all the headroom's but what no forward may use: none of it from the page
+            # cache's room)
+            parts = rt.plan.headroom_parts
+            kept = parts.not_forward if parts is not None else 0
+            tight = dataclasses.replace(rt.plan, kv_allowance_bytes=rt.plan.headroom_bytes - kept - (64 << 10),
                                         kv_spare_bytes=0)
 
             class Source:

@@ -306,10 +306,12 @@ class Headroom:
         return self.kv if self.kv is not None and self.forward is not None else int(self.total * KV_SHARE)
 
     @property
-    def held_staging(self) -> int:
-        """The part no forward's buffers may use: the staging slab, which the reader holds for its
-        life (in an estimate; the fixed figure counted it as room)."""
-        return self.staging if self.estimated else 0
+    def not_forward(self) -> int:
+        """The part no forward's buffers may use, beside the KV caches': the staging slab, which the
+        reader holds for its life, and the slack, which MLX's cache of freed buffers and the
+        process's growth take while a prompt's chunks run (in an estimate; the fixed figure counted
+        both as room)."""
+        return self.staging + self.slack if self.estimated else 0
 
     def describe(self) -> str:
         """The parts in a few words, for the printed plan."""
@@ -431,9 +433,10 @@ class MemoryPlan:
         allowance's); None without a budget."""
         if self.kv_allowance_bytes is None:
             return None
-        # the reader's staging slab is held for the runtime's life: no forward's buffers fit there
-        staging = self.headroom_parts.held_staging if self.headroom_parts is not None else 0
-        return self.headroom_bytes - (self.kv_allowance_bytes - self.kv_spare_bytes) - staging
+        # the reader's staging slab is held for the runtime's life, and the slack is what the run
+        # grows by beside a chunk's buffers (a long prompt took a run past its budget without it)
+        held = self.headroom_parts.not_forward if self.headroom_parts is not None else 0
+        return self.headroom_bytes - (self.kv_allowance_bytes - self.kv_spare_bytes) - held
 
     def kv_tokens(self, layout: KVLayout, chunk: int | None = None) -> int | None:
         """The most positions (prompt and generated tokens) one sequence's KV cache of ``layout``
