@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 from asyncside.bench.offload import tokens_identical
 
 
@@ -20,3 +22,18 @@ def test_a_baseline_killed_by_the_budget_does_not_spoil_the_verdict() -> None:
     assert tokens_identical([run("asyncside", True), run("mlx-lm", None), run("slot-cache", True)])
     assert not tokens_identical([run("asyncside", True), run("slot-cache", False)])
     assert not tokens_identical([run("asyncside", False), run("mlx-lm", True)])
+
+
+def test_the_least_budget_of_a_built_store_counts_the_plans_headroom(quick_store: pathlib.Path) -> None:
+    # The plan's headroom is estimated from the store's model (runtime._plan.estimate_headroom):
+    # the least budget offered still counted the fixed MIN_HEADROOM, a figure the plan no longer keeps.
+    from asyncside import ExpertStore, memory
+    from asyncside.bench.offload import least_budget
+    from asyncside.runtime._plan import plan_headroom
+
+    store = ExpertStore.open(quick_store)
+    shape = {"moe_layers": 2, "top_k": 4, "record_bytes": 1 << 20, "store_bytes": 10 << 20,
+             "expert_bytes": 8 << 20, "process_bytes": 0}
+    unbuilt = least_budget(shape)
+    built = least_budget({**shape, "store": str(quick_store)})
+    assert built - unbuilt == plan_headroom(store) - memory.MIN_HEADROOM

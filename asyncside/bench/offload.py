@@ -649,9 +649,17 @@ def least_budget(shape: dict[str, Any]) -> int:
     ``process_bytes``, from :func:`process_baseline`; else what this process holds now), and the
     margin a refusal's memory= adds (``runtime._plan.NEED_MARGIN``)."""
     from ..memory import MIN_HEADROOM, proc_self_bytes
-    from ..runtime._plan import NEED_MARGIN
+    from ..models.loading import is_store_dir
+    from ..runtime._plan import NEED_MARGIN, plan_headroom
+    from ..store import ExpertStore
 
     pools = shape["moe_layers"] * shape["top_k"] * shape["record_bytes"]
+    # The plan's headroom, estimated from the built store's model (runtime._plan.estimate_headroom);
+    # before a shape is built (its estimates alone), the fixed figure.
+    store = shape.get("store")
+    headroom = MIN_HEADROOM
+    if isinstance(store, (str, pathlib.Path)) and is_store_dir(pathlib.Path(store)):
+        headroom = plan_headroom(ExpertStore.open(store))
     non_expert = max(0, shape["store_bytes"] - shape["expert_bytes"])
     held = shape.get("process_bytes")
     if held is None:
@@ -659,7 +667,7 @@ def least_budget(shape: dict[str, Any]) -> int:
     # A run's process also holds what loading its model leaves beside the non-expert weights (the
     # tokenizer, MLX's state), which no figure here names: the figure this names is offered as a
     # --memory to try, so it keeps the margin a runtime's refusal keeps for such bytes.
-    return int(pools + MIN_HEADROOM + non_expert + held + NEED_MARGIN)
+    return int(pools + headroom + non_expert + held + NEED_MARGIN)
 
 
 #: the prompt of every run: one token, so every step routes one token
