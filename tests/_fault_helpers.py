@@ -105,6 +105,16 @@ def cached_bytes(path: pathlib.Path) -> int:
     return sum(pages) * mmap.PAGESIZE
 
 
+def direct_budget(store: ExpertStore, resident: float = 0.25) -> int:
+    """A memory budget of ``store``'s pools at ``resident``, the plan's headroom and 1 MiB of page
+    cache, which cannot hold the store's records outside the pools: the plan reads past the page
+    cache (O_DIRECT), whatever the model's estimated headroom."""
+    from asyncside.memory import pool_bytes
+    from asyncside.runtime._plan import plan_headroom
+
+    return pool_bytes(store, resident) + plan_headroom(store) + (1 << 20)
+
+
 def open_fds() -> set[int]:
     """This process's open descriptors (Linux: /proc/self/fd), after a collection."""
     gc.collect()

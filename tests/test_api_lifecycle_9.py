@@ -15,9 +15,9 @@ from typing import Any
 
 import anyio
 import pytest
-from _fault_helpers import LOOPS, run_guarded
+from _fault_helpers import LOOPS, direct_budget, run_guarded
 
-from asyncside import ExpertStore, Runtime, memory
+from asyncside import ExpertStore, Runtime
 from asyncside.audit import audit_problems
 from asyncside.errors import AsyncsideError
 from asyncside.runtime import _plan as plan_mod
@@ -48,8 +48,7 @@ def budget(monkeypatch: pytest.MonkeyPatch, quick_store: pathlib.Path) -> str:
 
 
 def _direct_budget(path: pathlib.Path) -> str:
-    store = ExpertStore.open(path)
-    return str(memory.pool_bytes(store, 0.25) + plan_mod.plan_headroom(store) + (1 << 20))
+    return str(direct_budget(ExpertStore.open(path)))
 
 
 def _runtime(sm: Any, memory: str) -> Runtime:

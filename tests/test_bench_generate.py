@@ -13,6 +13,7 @@ import pathlib
 import types
 
 import pytest
+from _fault_helpers import direct_budget
 
 from asyncside import memory
 from asyncside.bench import generate as bench
@@ -290,7 +291,7 @@ def test_demo_under_a_memory_budget(quick_store: pathlib.Path, capsys: pytest.Ca
 
     monkeypatch.setattr(_plan, "_resident_now", lambda: 0)  # the budget is for the runtime alone here
     side = sum(f.stat().st_size for f in quick_store.glob("*.safetensors"))
-    budget = pools + _plan.plan_headroom(store) + (1 << 20)  # 1 MiB of page cache for a larger store
+    budget = direct_budget(store)  # 1 MiB of page cache for a larger store
     capsys.readouterr()
     assert main(["demo", "--model", str(quick_store), "--tokens", "5", "--resident", "0.25", "--json",
                  "--memory", str(budget), "--reference", "slot-cache"]) == 0

@@ -17,12 +17,11 @@ from typing import Any
 
 import anyio
 import pytest
-from _fault_helpers import run_guarded
+from _fault_helpers import direct_budget, run_guarded
 
 from asyncside import ExpertStore, Runtime
 from asyncside.audit import audit_problems
 from asyncside.bridge import completed
-from asyncside.memory import pool_bytes
 from asyncside.models import ForwardOptions
 from asyncside.models import per_layer as per_layer_mod
 from asyncside.models import queued as queued_mod
@@ -68,7 +67,7 @@ class _Run:
         store = ExpertStore.open(self.sm.store.path)
         # Streamed: the pools, the plan's headroom and 1 MiB of page cache, which cannot hold the
         # store's records outside the pools (reads past the page cache).
-        budget = pool_bytes(store, 0.25) + plan_mod.plan_headroom(store) + (1 << 20) if self.streamed else None
+        budget = direct_budget(store) if self.streamed else None
         return Runtime(store, resident=0.25, memory=budget)
 
     async def generate(self, rt: Runtime) -> list[int]:

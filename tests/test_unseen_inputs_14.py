@@ -10,9 +10,9 @@ from typing import Any
 
 import anyio
 import pytest
-from _fault_helpers import refuse_o_direct
+from _fault_helpers import direct_budget, refuse_o_direct
 
-from asyncside import ExpertStore, Runtime, memory
+from asyncside import ExpertStore, Runtime
 from asyncside.errors import StoreError
 from asyncside.runtime import PlanArgumentError
 
@@ -54,7 +54,7 @@ def test_a_filesystem_that_refuses_o_direct_says_how_to_read_buffered(how: str, 
     monkeypatch.setattr(plan_mod, "_resident_now", lambda: 0)  # the budget is the plan's alone
     monkeypatch.delenv("ASYNCSIDE_DIRECT", raising=False)
     store = ExpertStore.open(quick_store)
-    least = memory.pool_bytes(store, 0.25) + plan_mod.plan_headroom(store) + (1 << 20)  # 1 MiB of page cache
+    least = direct_budget(store)
     kwargs: dict[str, Any] = {"memory": least} if how == "budget" else {"direct": True} if how == "argument" else {}
     if how == "variable":
         monkeypatch.setenv("ASYNCSIDE_DIRECT", "1")
