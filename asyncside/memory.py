@@ -260,6 +260,33 @@ def release_freed_heap() -> bool:
     return True
 
 
+#: glibc's mallopt parameter for the size from which an allocation is its own mapping
+_M_MMAP_THRESHOLD = -3
+#: that size, glibc's default, pinned: see :func:`return_large_frees`
+_MMAP_THRESHOLD = 128 << 10
+
+
+def return_large_frees() -> bool:
+    """From now on, have the C heap hand every freed block of 128 KiB or more back to the system at
+    once (glibc's ``mallopt(M_MMAP_THRESHOLD)`` pinned at its default); False where the C library
+    has no such call (musl, macOS).
+
+    glibc raises that threshold each time a block above it is freed, up to 32 MiB, so MLX's
+    buffers of a long prompt's chunks, freed past MLX's own cache, came from the heap instead and
+    stayed in the process's resident size: tens of MiB under a budget of a few hundred that the
+    plan does not count (BENCHMARKS.md, "Memory we use": a long prompt under a budget). Pinned,
+    the resident size is what MLX holds and caches. Process-wide; the runtime sets it only under
+    a plan that reads past the page cache, where the budget is tight."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+
+
 def cached_pages(path: str | os.PathLike[str]) -> bytes | None:
     """One byte per page of the file ``path``, 1 where that page is in the page cache now
     (``mincore`` over a read-only mapping of the file: nothing read or populated); None where that

@@ -43,7 +43,7 @@ import asyncside._native as _native  # absolute: a relative import resolves thro
 from ..argtypes import parse_resident
 from ..errors import AsyncsideError
 from ..ledger import AuditReport, Ledger, validate_ids
-from ..memory import check_memory, parse_host_tier, parse_size
+from ..memory import check_memory, parse_host_tier, parse_size, return_large_frees
 from ..policies import DEFAULT_POLICY, Policy, make_policy
 from ..read_window import MAX_READ_WINDOW, choose_read_window
 from ..readers import ReaderOptions
@@ -394,6 +394,7 @@ class Runtime:
                 # that reads past it, a memory cgroup would go on charging those pages while the pools
                 # are allocated (see BENCHMARKS.md, "At 4x the budget on the GPU").
                 await anyio.to_thread.run_sync(drop_store_pages, self.store.path)
+                return_large_frees()  # what MLX frees leaves the resident size (see memory.py)
                 # How many pieces its ordered reads keep in flight: the disk's own answer, measured
                 # once per disk in this process (asyncside/read_window.py).
                 specs = [self.store.layers[i] for i in self._layer_ids]
