@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <unordered_set>
 
 #include "mlx/primitives.h"
@@ -34,23 +33,6 @@ constexpr size_t kSlicedGroup = 10;
 // MLX's count around each call (room for this many nodes' dispatches, many times over).
 constexpr size_t kLentGroup = 64;
 constexpr int kLentRoom = 256;
-
-// A cache's in-place update (mlx-lm's `keys[..., a:b, :] = new`): MLX writes it into its input's
-// buffer, the whole cache, only where nothing else holds that input when the update is handed
-// over. Generation hands the next step over before this one computes, so an update this plan
-// listed as an output (held by MLX until its group computes) or kept a reference to was copied
-// whole instead: a copy of every layer's KV cache per step, time and memory (BENCHMARKS.md,
-// "Memory we use": a long prompt under a budget).
-bool is_cache_update(const mx::array& a) {
-  return a.has_primitive() && std::strcmp(const_cast<mx::array&>(a).primitive().name(), "SliceUpdate") == 0;
-}
-
-// What the plan keeps in place of a node it let go of early: an evaluated constant, which the
-// plan skips as scheduled. Never destroyed (MLX's own statics may go first at exit).
-const mx::array& let_go() {
-  static const auto* stand_in = new mx::array(0.0f);
-  return *stand_in;
-}
 
 }  // namespace
 
@@ -84,8 +66,10 @@ StepPlan::StepPlan(const std::vector<mx::array>& roots) {
       break;
     }
   }
-  for (const auto& r : roots) {
-    if (r.status() == mx::array::Status::unscheduled) roots_.push_back(r);
+  if (all_gpu_) {
+    for (const auto& r : roots) {
+      if (r.status() == mx::array::Status::unscheduled) roots_.push_back(r);
+    }
   }
 }
 
@@ -106,7 +90,6 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
     roots_.clear();
     next_ = order_.size();
     order_.clear();
-    frontier_.reset();  // maybe the last step's cache update, which this step's would copy
     mx::async_eval(std::move(roots));
     ++chunks_;
     finish();
@@ -156,11 +139,8 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance(int64_t budget_ns, i
 
 std::pair<bool, std::optional<mx::array>> StepPlan::advance_lent(std::chrono::steady_clock::time_point t0,
                                                                  int64_t slice_ns) {
-  // Nothing is awaited here, and what is held past the hand-over may be a cache's last update.
-  frontier_.reset();
-  last_mid_.reset();
   const size_t first = next_;
-  std::vector<mx::array> outs;
+  const size_t group = slice_ns > 0 ? kSlicedGroup : kLentGroup;
   while (next_ < order_.size()) {
     if (slice_ns > 0 && next_ > first &&
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count() >=
@@ -168,18 +148,7 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance_lent(std::chrono::st
       ++chunks_;
       return {false, std::nullopt};
     }
-    size_t end;
-    outs.clear();
-    if (slice_ns <= 0 && next_ == 0) {
-      // The whole plan in one call, as its roots: MLX schedules every node under them.
-      end = order_.size();
-      outs = roots_;
-    } else {
-      end = std::min(order_.size(), next_ + (slice_ns > 0 ? kSlicedGroup : kLentGroup));
-      // A cache update ends no group: its user (the cache read back for attention) follows it.
-      while (end < order_.size() && is_cache_update(order_[end - 1])) ++end;
-      group_outputs(next_, end, outs);
-    }
+    const size_t end = std::min(order_.size(), next_ + group);
     // Hide the task groups in flight, and room for this group's own, from MLX's throttle while
     // the group is queued: the count is lowered by that much and raised back by as much after,
     // so completions that arrive meanwhile are counted as usual and the count is exact again
@@ -187,21 +156,16 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance_lent(std::chrono::st
     // memory limit's wait is skipped as well: a step's nodes are held until it is all
     // scheduled anyway, see finish()).
     const mx::Stream s = mx::default_stream(mx::Device::cpu);
-    const int lent = std::max(0, mx::scheduler::n_active_tasks()) + kLentRoom + static_cast<int>(end - next_);
+    const int lent = std::max(0, mx::scheduler::n_active_tasks()) + kLentRoom;
     for (int i = 0; i < lent; ++i) mx::scheduler::notify_task_completion(s);
     try {
-      mx::async_eval(outs);
+      mx::async_eval(std::vector<mx::array>(order_.begin() + static_cast<std::ptrdiff_t>(next_),
+                                            order_.begin() + static_cast<std::ptrdiff_t>(end)));
     } catch (...) {
       for (int i = 0; i < lent; ++i) mx::scheduler::notify_new_task(s);
       throw;
     }
     for (int i = 0; i < lent; ++i) mx::scheduler::notify_new_task(s);
-    outs.clear();
-    // The cache updates are held by their caches; this plan's references would only stop the
-    // next step's updates from writing in place (see is_cache_update).
-    for (size_t k = next_; k < end; ++k) {
-      if (is_cache_update(order_[k])) order_[k] = let_go();
-    }
     next_ = end;
   }
   ++chunks_;
@@ -209,27 +173,9 @@ std::pair<bool, std::optional<mx::array>> StepPlan::advance_lent(std::chrono::st
   return {true, std::nullopt};
 }
 
-void StepPlan::group_outputs(size_t begin, size_t end, std::vector<mx::array>& outs) const {
-  // The group's nodes that no other node of the group uses: MLX schedules the rest under them
-  // (the nodes before the group are scheduled already). Listing every node made each an output,
-  // held until its group computed.
-  std::vector<std::uintptr_t> used;
-  for (size_t k = begin; k < end; ++k) {
-    for (const auto& in : order_[k].inputs()) used.push_back(in.id());
-  }
-  std::sort(used.begin(), used.end());
-  for (size_t k = begin; k < end; ++k) {
-    const auto& n = order_[k];
-    if (n.status() == mx::array::Status::unscheduled && !std::binary_search(used.begin(), used.end(), n.id())) {
-      outs.push_back(n);
-    }
-  }
-}
-
 void StepPlan::finish() {
   frontier_.reset();
   last_mid_.reset();
-  roots_.clear();
   if (all_gpu_) {
     // On a GPU the release thread made the host time per step worse, not better (mlx-lm's own
     // steps in the same process slower too; BENCHMARKS.md, "MLX CUDA"): a GPU step's nodes are

@@ -56,11 +56,9 @@ class StepPlan {
   // advance() with lend: the step goes to MLX past its throttle, never waiting (see the .cpp).
   std::pair<bool, std::optional<mlx::core::array>> advance_lent(std::chrono::steady_clock::time_point t0,
                                                                 int64_t slice_ns);
-  // The nodes of order_[begin, end) to hand MLX for the group: those no node of it uses.
-  void group_outputs(size_t begin, size_t end, std::vector<mlx::core::array>& outs) const;
 
   std::vector<mlx::core::array> order_;
-  std::vector<mlx::core::array> roots_;  // a step handed over whole goes to MLX as its roots
+  std::vector<mlx::core::array> roots_;  // a GPU step goes to MLX as its roots (see advance)
   size_t size_ = 0;
   size_t next_ = 0;
   size_t chunks_ = 0;

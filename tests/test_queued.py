@@ -378,10 +378,10 @@ def test_an_ensure_while_a_step_is_being_scheduled_waits_for_that_step(
     real_schedule = queued_mod.QueuedSteps._schedule
     scheduling = anyio.Event()
 
-    async def slow_schedule(self: object, out: mx.array, *layers: Any, **how: Any) -> None:
+    async def slow_schedule(self: object, out: mx.array, *layers: Any) -> None:
         scheduling.set()
         await anyio.sleep(0.05)  # the other task runs here, while nothing of this step is queued
-        await real_schedule(self, out, *layers, **how)
+        await real_schedule(self, out, *layers)
 
     async def main() -> None:
         async with Runtime(sm.store, resident=0.0, min_side_rows=2 * k) as rt:
@@ -427,7 +427,7 @@ def test_a_step_mlx_refuses_to_schedule_fails_its_awaiter_and_the_runtime_still_
     real_schedule = queued_mod.QueuedSteps._schedule
     refused: list[mx.array] = []
 
-    async def refusing_schedule(self: object, out: mx.array, *layers: Any, **how: Any) -> None:
+    async def refusing_schedule(self: object, out: mx.array, *layers: Any) -> None:
         refused.append(out)
         await anyio.lowlevel.checkpoint()
         raise RuntimeError("cudaGraphAddKernelNode: invalid device function (simulated)")

@@ -24,7 +24,7 @@ import numpy as np
 
 import asyncside._native as _native  # absolute: a relative import resolves through the lazy front door in mypy
 
-from ..bridge import Armed, Completed, ComputationError, current_queue
+from ..bridge import Armed, Completed, current_queue
 from .pooled import SORT_THRESHOLD, pooled_switch_apply, route_and_apply
 from .predict import PREDICTION_COUNTERS, Predictor, count_prediction
 from .walk import DecoderWalk, StepContext
@@ -78,12 +78,6 @@ SCHEDULE_SLICE_NS = 500_000
 #: (see QueuedSteps._schedule); a decode layer of the models here is well under it, and its
 #: encoding about one :data:`SCHEDULE_SLICE_NS`
 WHOLE_LAYER_NODES = 256
-
-#: on the CPU, a decode step's layer whose KV cache holds at least this many bytes is handed to MLX
-#: only once the step before computed that layer (see QueuedSteps._schedule): the cache update is
-#: then written in place, not copied whole. Below it, the copy costs the stream less than a wake-up
-#: of the loop costs the host.
-PACE_KV_BYTES = 1 << 20
 
 
 #: off the CPU, MLX's cache of freed buffers is emptied after a queued step once it holds more than
@@ -172,9 +166,6 @@ class QueuedSteps:
         #: :data:`CACHE_FLOOR_STEP` steps after that (see bound_cache)
         self._since_clear = 0
         self._cache_floor = 0
-        #: the residual stream after each layer of the last CPU decode step handed over (see
-        #: _schedule: the next step's layers are paced by them)
-        self._last_layers: Sequence[mx.array] = ()
 
     def pairs(self, inputs: mx.array) -> int:
         """(token, expert) pairs one MoE layer routes for ``inputs`` at most."""
@@ -293,7 +284,7 @@ class QueuedSteps:
             await self._schedule_layers(layers)
             await self._schedule(out)
         elif layers:
-            await self._schedule(out, layers, pace=_kv_large(ctx.cache, len(layers)))
+            await self._schedule(out, layers)
         else:
             await self._schedule(out)
         if self.arm is not None:
@@ -408,7 +399,7 @@ class QueuedSteps:
                 layers.append(h)
         return walk.logits(h) if logits else h
 
-    async def _schedule(self, out: mx.array, layers: Sequence[mx.array] = (), pace: Sequence[bool] = ()) -> None:
+    async def _schedule(self, out: mx.array, layers: Sequence[mx.array] = ()) -> None:
         """Hand the step to MLX without blocking the loop (native StepPlan: one walk of the graph
         per step).
 
@@ -422,15 +413,7 @@ class QueuedSteps:
         layer at a time, each layer in one call with a checkpoint after it (a layer's graph is
         about one slice of MLX's encoding): a sliced hand-over calls into MLX every few nodes,
         and each call costs the loop thread more than those nodes' encoding. A layer of more than
-        :data:`WHOLE_LAYER_NODES` nodes (a batch cut in parts) is still sliced.
-
-        ``pace``: the layers whose hand-over waits until the last decode step handed over has
-        computed the same layer. Generation hands the next step over before this one computes, and
-        MLX writes a cache update (``keys[..., a:b, :] = new``) into the cache's buffer only where
-        nothing else holds it then: this step's attention, still to run, holds it, so each layer's
-        cache was copied whole on every step, a copy of every layer's KV cache in memory at once
-        and in time on the stream (BENCHMARKS.md, "Memory we use": a long prompt under a budget).
-        mlx-lm's caller gets the same pacing from MLX's throttle, which it waits in."""
+        :data:`WHOLE_LAYER_NODES` nodes (a batch cut in parts) is still sliced."""
         host = self.host_ns
         if not self._bridged:
             t = time.perf_counter_ns()
@@ -439,13 +422,10 @@ class QueuedSteps:
             return
         queued = False  # some of the step is scheduled
         plan: Any = None
-        last, self._last_layers = self._last_layers, layers
         try:
             for k, root in enumerate((*layers, out)):
                 if k:
                     await between_layers()
-                if k < len(pace) and pace[k] and k < len(last) and not self._computed(last[k]):
-                    await self._after(last[k])
                 t = time.perf_counter_ns()
                 plan = _native.StepPlan([root])
                 t1 = time.perf_counter_ns()
@@ -474,22 +454,6 @@ class QueuedSteps:
             if (queued or (plan is not None and plan.scheduled)) and self._on_cpu:
                 await _run_out(mx.default_stream(mx.cpu))
             raise
-
-    @staticmethod
-    def _computed(x: mx.array) -> bool:
-        """Whether ``x`` is computed (never waits; False where its computation failed)."""
-        try:
-            return bool(_native.is_available(x))
-        except RuntimeError:
-            return False
-
-    async def _after(self, x: mx.array) -> None:
-        """Wait until ``x``, an output of an earlier step, is computed (pacing a hand-over, see
-        :meth:`_schedule`). A failure there is that step's to report, to its own awaiter."""
-        try:
-            await self.completed(x)
-        except ComputationError:
-            pass
 
     def bound_cache(self) -> None:
         """After a queued step computed: empty MLX's cache of freed buffers once it holds more than
@@ -757,17 +721,3 @@ def _split_switch(source: QueuedSource, layer: int, spec: Any, activation: Any, 
         outs.append(pooled_switch_apply(spec, activation, x[start:start + split], rows, pools, sort=False))
     y = mx.concatenate(outs, axis=0)
     return y.reshape(*inds.shape, y.shape[-1])
-
-
-def _kv_large(cache: Sequence[Any] | None, layers: int) -> list[bool]:
-    """For each of ``layers`` layers, whether its KV cache holds at least :data:`PACE_KV_BYTES`
-    (a cache that does not say its size counts as small)."""
-    if cache is None:
-        return []
-    out = []
-    for c in list(cache)[:layers]:
-        try:
-            out.append(int(c.nbytes) >= PACE_KV_BYTES)
-        except (AttributeError, NotImplementedError, TypeError, ValueError):
-            out.append(False)
-    return out
