@@ -240,22 +240,29 @@ def proc_self_bytes(name: str, key: str) -> int:
     return 0
 
 
+def _libc_function(name: str, argtypes: list[Any], restype: Any) -> Any | None:
+    """The C library's function ``name``, typed; None where the C library has none (musl, macOS
+    lack glibc's heap calls)."""
+    import ctypes
+
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def release_freed_heap() -> bool:
     """Hand the pages of freed C-heap memory back to the system (glibc's ``malloc_trim``); False
     where the C library has no such call (musl, macOS). A model freed in this process (the demo's
     all-resident reference) otherwise stays in its resident size, which a memory budget charges and
     the runtime's plan, made from what the process holds, takes from the pools and page cache."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
     if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 
@@ -274,17 +281,13 @@ def return_large_frees() -> bool:
     glibc raises that threshold each time a block above it is freed, up to 32 MiB, so MLX's
     buffers of a long prompt's chunks, freed past MLX's own cache, came from the heap instead and
     stayed in the process's resident size: tens of MiB under a budget of a few hundred that the
-    plan does not count (BENCHMARKS.md, "Memory we use": a long prompt under a budget). Pinned,
-    the resident size is what MLX holds and caches. Process-wide; the runtime sets it only under
-    a plan that reads past the page cache, where the budget is tight."""
+    plan does not count (BENCHMARKS.md, "A long prompt at the smallest budget: where the memory
+    goes"). Pinned, the resident size is what MLX holds and caches. Process-wide; the runtime sets
+    it only under a plan that reads past the page cache, where the budget is tight."""
     import ctypes
 
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
 
 
 def cached_pages(path: str | os.PathLike[str]) -> bytes | None:

@@ -3,13 +3,12 @@ the system at once.
 
 glibc raises the size from which a block is a mapping of its own each time a larger one is freed
 (up to 32 MiB), so MLX's buffers of a long prompt's chunks, freed past MLX's own cache, were kept
-in the heap and in the resident size a memory budget charges (BENCHMARKS.md, "Memory we use": a
-long prompt under a budget). The runtime pins that size where the budget is tight.
+in the heap and in the resident size a memory budget charges (BENCHMARKS.md, "A long prompt at
+the smallest budget: where the memory goes"). The runtime pins that size where the budget is tight.
 """
 
 from __future__ import annotations
 
-import ctypes
 import pathlib
 
 import anyio
@@ -21,15 +20,8 @@ from asyncside import ExpertStore, Runtime, memory
 from asyncside.runtime import _plan as plan_mod
 
 
-def _glibc() -> bool:
-    try:
-        ctypes.CDLL(None).mallopt  # noqa: B018 (only whether the C library has it)
-    except AttributeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _glibc(), reason="a C library without mallopt (musl, macOS)")
+@pytest.mark.skipif(memory._libc_function("mallopt", [], None) is None,
+                    reason="a C library without mallopt (musl, macOS)")
 def test_return_large_frees_pins_the_threshold() -> None:
     assert memory.return_large_frees() is True
     assert memory.return_large_frees() is True  # idempotent
